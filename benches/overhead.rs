@@ -1,0 +1,118 @@
+//! Latency Flexway adds over calling the model server directly, and its throughput.
+//!
+//! `cargo bench --bench overhead` — runs the fake model server and the gateway
+//! in-process on loopback, then:
+//! 1. one connection, non-streamed chat, a fixed rate (default 500 req/s, 5,000
+//!    requests) straight to the fake server, then through the gateway: p50/p99 of each
+//!    and of the difference. Latency is measured from the scheduled send time, so a
+//!    stall is not hidden by the requests that waited behind it.
+//! 2. throughput through the gateway at 64 concurrent connections for 5 s.
+//!
+//! Figures are printed, never asserted: this machine's load decides them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use fake_model::FakeModel;
+use flexway::config::{load_str, ProcessEnv};
+use flexway::secret::LocalSecrets;
+use sha2::{Digest, Sha256};
+
+const KEY: &str = "sk-bench";
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    runtime.block_on(run());
+}
+
+async fn run() {
+    let rate = env_or("BENCH_RATE", 500);
+    let count = env_or("BENCH_REQUESTS", 5000) as usize;
+    let model = FakeModel::start().await.unwrap();
+    let yaml = format!(
+        "version: 1\nstore: {{kind: memory}}\naudit: {{sink: stdout}}\ntenants:\n  bench:\n    keys: [{{sha256: {}}}]\nai:\n  default_backend: fake\n  backends:\n    fake: {{url: \"{}\", price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}}}}\n",
+        hex::encode(Sha256::digest(KEY)),
+        model.url()
+    );
+    let loaded = load_str(&yaml, &ProcessEnv).unwrap();
+    let gateway = Arc::new(flexway::Gateway::new(loaded.config, &LocalSecrets { env: &ProcessEnv }).unwrap());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gateway_url = format!("http://{}/v1", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, flexway::http::app(gateway)).await });
+
+    let body = serde_json::json!({"model": "fake-chat", "messages": [{"role": "user", "content": "benchmark prompt of a few words"}]});
+    let direct = fixed_rate(&model.url(), &body, rate, count).await;
+    let via = fixed_rate(&gateway_url, &body, rate, count).await;
+    println!("non-streamed chat, one connection, {rate} req/s, {count} requests each");
+    println!("  direct   p50 {:>7.1} µs  p99 {:>7.1} µs", pct(&direct, 50.0), pct(&direct, 99.0));
+    println!("  gateway  p50 {:>7.1} µs  p99 {:>7.1} µs", pct(&via, 50.0), pct(&via, 99.0));
+    println!(
+        "  added    p50 {:>7.1} µs  p99 {:>7.1} µs",
+        pct(&via, 50.0) - pct(&direct, 50.0),
+        pct(&via, 99.0) - pct(&direct, 99.0)
+    );
+
+    let seconds = env_or("BENCH_SECONDS", 5);
+    let rps = throughput(&gateway_url, &body, 64, Duration::from_secs(seconds)).await;
+    println!("throughput through the gateway, 64 connections, {seconds} s: {rps:.0} req/s");
+}
+
+async fn fixed_rate(base: &str, body: &serde_json::Value, rate: u64, count: usize) -> Vec<f64> {
+    let client = reqwest::Client::builder().pool_max_idle_per_host(1).build().unwrap();
+    let url = format!("{base}/chat/completions");
+    let payload = serde_json::to_vec(body).unwrap();
+    let send = || client.post(&url).bearer_auth(KEY).header("content-type", "application/json").body(payload.clone()).send();
+    for _ in 0..200 {
+        send().await.unwrap().bytes().await.unwrap();
+    }
+    let interval = Duration::from_nanos(1_000_000_000 / rate.max(1));
+    let start = Instant::now();
+    let mut latencies = Vec::with_capacity(count);
+    for i in 0..count {
+        let scheduled = start + interval * i as u32;
+        tokio::time::sleep_until(scheduled.into()).await;
+        let response = send().await.unwrap();
+        assert!(response.status().is_success());
+        response.bytes().await.unwrap();
+        latencies.push(scheduled.elapsed().as_secs_f64() * 1e6);
+    }
+    latencies.sort_by(f64::total_cmp);
+    latencies
+}
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    let index = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[index]
+}
+
+async fn throughput(base: &str, body: &serde_json::Value, connections: usize, duration: Duration) -> f64 {
+    let client = reqwest::Client::new();
+    let url = Arc::new(format!("{base}/chat/completions"));
+    let payload = bytes::Bytes::from(serde_json::to_vec(body).unwrap());
+    let done = Arc::new(AtomicU64::new(0));
+    let deadline = Instant::now() + duration;
+    let mut tasks = Vec::new();
+    for _ in 0..connections {
+        let (client, url, payload, done) = (client.clone(), url.clone(), payload.clone(), done.clone());
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < deadline {
+                let r = client.post(url.as_str()).bearer_auth(KEY).header("content-type", "application/json").body(payload.clone()).send().await;
+                if let Ok(r) = r {
+                    if r.status().is_success() && r.bytes().await.is_ok() {
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    done.load(Ordering::Relaxed) as f64 / duration.as_secs_f64()
+}

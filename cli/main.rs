@@ -1,0 +1,78 @@
+//! `flexway`: the local shape and the operator's tools (SPEC §13).
+#![allow(clippy::print_stdout)]
+
+mod key;
+mod serve;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "flexway", version, about = "Flexway AI gateway")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway locally (the embedded shape).
+    Serve {
+        #[arg(long, default_value = "flexway.yaml")]
+        config: PathBuf,
+        /// Address to listen on; port 0 picks a free port (printed on start).
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: String,
+    },
+    /// Check a configuration: every error listed, warnings printed.
+    Validate {
+        #[arg(long, default_value = "flexway.yaml")]
+        config: PathBuf,
+    },
+    /// Manage API keys.
+    Key {
+        #[command(subcommand)]
+        command: KeyCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum KeyCommand {
+    /// Print a new key once, and the config line that declares its SHA-256.
+    New {
+        #[arg(long)]
+        tenant: String,
+        #[arg(long)]
+        agent: Option<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve { config, listen } => serve::run(&config, &listen),
+        Command::Validate { config } => validate(&config),
+        Command::Key { command: KeyCommand::New { tenant, agent } } => key::new(&tenant, agent.as_deref()),
+    }
+}
+
+fn validate(path: &std::path::Path) -> ExitCode {
+    match flexway::config::load_file(path, &flexway::config::ProcessEnv) {
+        Ok(loaded) => {
+            for warning in &loaded.warnings {
+                eprintln!("warning: {}: {warning}", path.display());
+            }
+            println!("{}: ok ({} warning(s))", path.display(), loaded.warnings.len());
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            for diagnostic in &error.errors {
+                eprintln!("error: {}: {diagnostic}", path.display());
+            }
+            eprintln!("{}: {} error(s)", path.display(), error.errors.len());
+            ExitCode::FAILURE
+        }
+    }
+}

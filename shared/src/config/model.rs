@@ -1,0 +1,372 @@
+//! The validated configuration: what the rest of Flexway reads.
+//!
+//! Every value here has passed validation: names refer to declared things, secrets are
+//! references (never values), money is integer micro-euros. Nothing in this module
+//! parses YAML; `raw.rs` does, and `validate.rs` turns raw into this.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::money::MicroEur;
+
+macro_rules! name_type {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub struct $name(Arc<str>);
+
+        impl $name {
+            pub fn new(s: impl AsRef<str>) -> Self {
+                Self(Arc::from(s.as_ref()))
+            }
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{:?}", &*self.0)
+            }
+        }
+        impl std::borrow::Borrow<str> for $name {
+            fn borrow(&self) -> &str {
+                &self.0
+            }
+        }
+    };
+}
+
+name_type!(
+    /// A tenant's name, as declared under `tenants:`.
+    TenantId
+);
+name_type!(
+    /// An agent's name, as declared under a tenant's `agents:`.
+    AgentId
+);
+name_type!(
+    /// A backend's name, as declared under `ai.backends:`.
+    BackendId
+);
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub store: StoreConfig,
+    pub audit: AuditConfig,
+    pub tenants: BTreeMap<TenantId, Tenant>,
+    pub ai: Ai,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreConfig {
+    Embedded { path: PathBuf },
+    Memory,
+    DynamoDb { table: String },
+}
+
+#[derive(Debug, Clone)]
+pub struct AuditConfig {
+    pub sink: AuditSinkConfig,
+    /// Salt for hashed identifiers; `None` means "no salt declared" (hashes still taken).
+    pub hash_salt: Option<SecretRef>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AuditSinkConfig {
+    File {
+        path: PathBuf,
+    },
+    Stdout,
+    CloudWatch {
+        log_group: String,
+        log_stream: Option<String>,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct Tenant {
+    pub name: TenantId,
+    pub keys: Vec<KeyEntry>,
+    pub budgets: Budgets,
+    pub backend: Option<BackendId>,
+    pub agents: BTreeMap<AgentId, Agent>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyEntry {
+    /// SHA-256 of the key, the only form in which a key is ever held.
+    pub sha256: [u8; 32],
+    pub agent: Option<AgentId>,
+    pub relay_peer: bool,
+}
+
+/// Limits; `None` means "no limit of this kind".
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Budgets {
+    pub tokens_per_day: Option<u64>,
+    pub tokens_per_month: Option<u64>,
+    pub eur_per_month: Option<MicroEur>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Agent {
+    pub backend: Option<BackendId>,
+    pub budgets: Budgets,
+}
+
+#[derive(Debug, Clone)]
+pub struct Ai {
+    pub default_backend: BackendId,
+    pub capabilities: CapabilityOverrides,
+    /// Header name, stored lower-case.
+    pub sensitive_header: String,
+    pub sensitive_backend: Option<BackendId>,
+    pub budget: BudgetPolicy,
+    pub vision: VisionPolicy,
+    pub backends: BTreeMap<BackendId, Backend>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct CapabilityOverrides {
+    pub vision: Option<BackendId>,
+    pub embeddings: Option<BackendId>,
+}
+
+#[derive(Debug, Clone)]
+pub struct BudgetPolicy {
+    pub soft: Option<SoftCap>,
+    pub default_max_tokens: u32,
+    pub min_completion_tokens: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct SoftCap {
+    /// Fraction of any budget, in parts per million (0.8 → 800_000).
+    pub threshold_ppm: u32,
+    pub backend: BackendId,
+}
+
+#[derive(Debug, Clone)]
+pub struct VisionPolicy {
+    pub max_image_bytes: u64,
+    pub max_body_bytes: u64,
+    /// `https://host[:port]` origins, normalised (lower-case host, no trailing slash).
+    pub allowed_origins: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Capability {
+    Chat,
+    Vision,
+    Embeddings,
+}
+
+impl Capability {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Capability::Chat => "chat",
+            Capability::Vision => "vision",
+            Capability::Embeddings => "embeddings",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Backend {
+    pub name: BackendId,
+    pub kind: BackendKind,
+    /// `true` unless the operator declared `external: false`.
+    pub external: bool,
+    /// Declared capabilities; for a pool without a declaration, the union of its members'.
+    pub capabilities: BTreeSet<Capability>,
+    pub price: Price,
+    pub fallback: Vec<BackendId>,
+    pub timeout: Duration,
+    pub circuit_breaker: BreakerPolicy,
+}
+
+#[derive(Debug, Clone)]
+pub enum BackendKind {
+    OpenAi(Endpoint),
+    Anthropic(Endpoint),
+    Relay {
+        endpoint: Endpoint,
+        metering: Metering,
+        identity_headers: IdentityHeaders,
+    },
+    Grpc {
+        url: String,
+        descriptor_set: PathBuf,
+    },
+    Pool {
+        members: Vec<PoolMember>,
+    },
+}
+
+impl BackendKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            BackendKind::OpenAi(_) => "openai",
+            BackendKind::Anthropic(_) => "anthropic",
+            BackendKind::Relay { .. } => "relay",
+            BackendKind::Grpc { .. } => "grpc",
+            BackendKind::Pool { .. } => "pool",
+        }
+    }
+
+    /// The HTTP endpoint of an `openai`, `anthropic` or `relay` backend.
+    pub fn endpoint(&self) -> Option<&Endpoint> {
+        match self {
+            BackendKind::OpenAi(e) | BackendKind::Anthropic(e) => Some(e),
+            BackendKind::Relay { endpoint, .. } => Some(endpoint),
+            BackendKind::Grpc { .. } | BackendKind::Pool { .. } => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    /// Base URL without a trailing slash; the gateway appends `/chat/completions`, ...
+    pub url: String,
+    pub auth: Auth,
+    pub tls: Option<Tls>,
+    pub models: Vec<String>,
+    /// Client-facing name → backend model name.
+    pub aliases: BTreeMap<String, String>,
+    pub default_model: Option<String>,
+}
+
+impl Endpoint {
+    /// SPEC §3: the requested model if the backend lists it (or aliases it), else the
+    /// backend's default model, else the requested name unchanged.
+    pub fn served_model(&self, requested: &str) -> String {
+        if self.models.iter().any(|m| m == requested) {
+            return requested.to_owned();
+        }
+        if let Some(target) = self.aliases.get(requested) {
+            return target.clone();
+        }
+        self.default_model
+            .clone()
+            .unwrap_or_else(|| requested.to_owned())
+    }
+
+    /// Client-facing names this endpoint answers to (for `GET /v1/models`).
+    pub fn client_names(&self) -> impl Iterator<Item = &str> {
+        self.models
+            .iter()
+            .map(String::as_str)
+            .chain(self.aliases.keys().map(String::as_str))
+            .chain(self.default_model.as_deref())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Auth {
+    None,
+    Bearer {
+        secret: SecretRef,
+    },
+    Header {
+        name: String,
+        secret: SecretRef,
+    },
+    /// Re-read at every call and sent as `Authorization: Bearer <trimmed content>`.
+    TokenFile {
+        path: PathBuf,
+    },
+}
+
+/// Where a secret lives. The secret itself never appears in the config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SecretRef {
+    Env(String),
+    File(PathBuf),
+    /// An AWS Secrets Manager or SSM parameter ARN (serverless shape).
+    AwsArn(String),
+}
+
+impl fmt::Display for SecretRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SecretRef::Env(name) => write!(f, "env:{name}"),
+            SecretRef::File(path) => write!(f, "file:{}", path.display()),
+            SecretRef::AwsArn(arn) => f.write_str(arn),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: Option<PathBuf>,
+}
+
+/// Prices in micro-euros per million tokens (2.0 €/Mtok → 2_000_000).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Price {
+    pub input_per_mtok: MicroEur,
+    pub output_per_mtok: MicroEur,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Metering {
+    Local,
+    Upstream,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IdentityHeaders {
+    pub tenant: Option<String>,
+    pub agent: Option<String>,
+    pub sensitive: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolMember {
+    pub backend: BackendId,
+    pub priority: u32,
+    pub weight: u32,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct BreakerPolicy {
+    pub trigger: BreakerTrigger,
+    pub interval: Duration,
+    pub trip: Duration,
+    /// Inclusive HTTP status ranges that count as failures (connection errors and
+    /// timeouts always count).
+    pub status: Vec<(u16, u16)>,
+    pub accept_retry_after: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum BreakerTrigger {
+    Failures(u32),
+    /// `failure_ratio` in parts per million over at least `min_requests`.
+    Ratio {
+        ratio_ppm: u32,
+        min_requests: u32,
+    },
+}
+
+impl Default for BreakerPolicy {
+    fn default() -> Self {
+        BreakerPolicy {
+            trigger: BreakerTrigger::Failures(5),
+            interval: Duration::from_secs(60),
+            trip: Duration::from_secs(30),
+            status: vec![(500, 599)],
+            accept_retry_after: false,
+        }
+    }
+}

@@ -1,0 +1,659 @@
+//! Phase 1: the YAML document as written, checked for shape only.
+//!
+//! Every struct mirrors one mapping of `flexway.yaml` and refuses unknown keys: a
+//! misspelt key is an error, never silently ignored. Every field is optional (or
+//! defaulted) here, even the required ones, so that phase 2 (`validate.rs`) can say
+//! per backend kind what is missing or out of place, and so that dropping a bad entry
+//! (below) never invents a "missing field" error. These types are also the source of
+//! the published JSON Schema, so their doc comments are its descriptions.
+//!
+//! Serde stops at the first error, but an operator wants them all. The document is
+//! read into a YAML tree, deserialized, and on error the offending mapping entry is
+//! dropped from the tree and the rest deserialized again, until it passes: every
+//! entry that is wrong is reported once, in document order, with its path. A value
+//! given where a secret reference belongs is never echoed, even in a type error.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use schemars::JsonSchema;
+use serde::Deserialize;
+use serde_norway::Value;
+use serde_path_to_error::Segment;
+
+use super::Diagnostic;
+
+/// Flexway gateway configuration (`flexway.yaml`). The key names are a contract:
+/// configurations written for earlier releases keep loading unchanged.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "FlexwayConfig")]
+#[schemars(title = "flexway.yaml")]
+pub struct RawConfig {
+    /// Version of this file's format; must be 1.
+    #[schemars(required, range(min = 1, max = 1))]
+    pub version: Option<u32>,
+    /// Where budgets are counted. Default: `{kind: embedded, path: ./flexway-ledger}`.
+    pub store: Option<RawStore>,
+    /// Where audit records go. Default: `{sink: stdout}`.
+    pub audit: Option<RawAudit>,
+    /// Tenants by name: their API keys, budgets and agents.
+    pub tenants: Option<BTreeMap<String, RawTenant>>,
+    /// Routing, budget policy, vision limits and the backends.
+    #[schemars(required)]
+    pub ai: Option<RawAi>,
+}
+
+/// The budget ledger.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Store")]
+pub struct RawStore {
+    /// `embedded` (a local file, needs `path`), `memory` (lost on exit, for tests) or
+    /// `dynamodb` (serverless, needs `table`).
+    #[schemars(required)]
+    pub kind: Option<RawStoreKind>,
+    /// Directory of the embedded ledger (kind `embedded`).
+    pub path: Option<String>,
+    /// DynamoDB table name (kind `dynamodb`).
+    pub table: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase", rename = "StoreKind")]
+pub enum RawStoreKind {
+    Embedded,
+    Memory,
+    Dynamodb,
+}
+
+/// The audit trail: one JSON line per inference call, metadata only.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Audit")]
+pub struct RawAudit {
+    /// `file` (JSONL, needs `path`), `stdout` (default) or `cloudwatch` (needs
+    /// `log_group`).
+    pub sink: Option<RawSinkKind>,
+    /// JSONL file the records are appended to (sink `file`).
+    pub path: Option<String>,
+    /// CloudWatch Logs group (sink `cloudwatch`).
+    pub log_group: Option<String>,
+    /// CloudWatch Logs stream (sink `cloudwatch`; optional).
+    pub log_stream: Option<String>,
+    /// Salt for hashed identifiers (keys, end users): a secret reference.
+    pub hash_salt: Option<RawSecret>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase", rename = "AuditSink")]
+pub enum RawSinkKind {
+    File,
+    Stdout,
+    Cloudwatch,
+}
+
+/// A tenant: a consuming team, with its keys, budgets and agents.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Tenant")]
+pub struct RawTenant {
+    /// The tenant's API keys, as SHA-256 hashes (never the keys themselves).
+    pub keys: Option<Vec<RawKey>>,
+    /// The tenant's budgets; an absent budget is no limit.
+    pub budgets: Option<RawBudgets>,
+    /// Backend serving this tenant instead of `ai.default_backend`.
+    pub backend: Option<String>,
+    /// Agents of this tenant by name, each with optional overrides.
+    pub agents: Option<BTreeMap<String, RawAgent>>,
+}
+
+/// One API key of a tenant.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Key")]
+pub struct RawKey {
+    /// SHA-256 of the key, 64 hex digits (`flexway key new` prints it).
+    #[schemars(required, regex(pattern = r"^[0-9a-fA-F]{64}$"))]
+    pub sha256: Option<String>,
+    /// Agent this key is bound to (one of the tenant's `agents`); a bound key cannot
+    /// name another agent in the `Flexway-Agent` header.
+    pub agent: Option<String>,
+    /// This key belongs to another Flexway relaying to this one: identity headers it
+    /// sends are trusted. Default false.
+    pub relay_peer: Option<bool>,
+}
+
+/// Budgets; each one absent is no limit. Periods are UTC calendar days and months.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Budgets")]
+pub struct RawBudgets {
+    /// Tokens (input + output) per UTC day.
+    pub tokens_per_day: Option<u64>,
+    /// Tokens (input + output) per UTC month.
+    pub tokens_per_month: Option<u64>,
+    /// Euros per UTC month, at most 6 decimal places.
+    #[schemars(range(min = 0))]
+    pub eur_per_month: Option<f64>,
+}
+
+/// An agent of a tenant; its budgets are sub-limits inside the tenant's.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Agent")]
+pub struct RawAgent {
+    /// Backend serving this agent instead of its tenant's.
+    pub backend: Option<String>,
+    /// The agent's own budgets, on top of its tenant's.
+    pub budgets: Option<RawBudgets>,
+}
+
+/// Routing and policy.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Ai")]
+pub struct RawAi {
+    /// Backend serving every request that no override routes elsewhere.
+    #[schemars(required)]
+    pub default_backend: Option<String>,
+    /// Backends for requests that need a capability (images, embeddings).
+    pub capabilities: Option<RawCapabilityOverrides>,
+    /// Request header marking a request sensitive. Default `Flexway-Sensitive`.
+    pub sensitive_header: Option<String>,
+    /// Backend pinned for sensitive requests; must be internal (`external: false`).
+    pub sensitive_backend: Option<String>,
+    /// Soft cap and completion allowances.
+    pub budget: Option<RawBudgetPolicy>,
+    /// Limits on images and request bodies.
+    pub vision: Option<RawVision>,
+    /// The backends by name.
+    pub backends: Option<BTreeMap<String, RawBackend>>,
+}
+
+/// Capability overrides.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "CapabilityOverrides")]
+pub struct RawCapabilityOverrides {
+    /// Backend for requests carrying images; it must serve `vision`.
+    pub vision: Option<String>,
+    /// Backend for `/v1/embeddings`; it must serve `embeddings`.
+    pub embeddings: Option<String>,
+}
+
+/// Budget policy.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "BudgetPolicy")]
+pub struct RawBudgetPolicy {
+    /// Past a fraction of any budget, switch to a cheaper backend.
+    pub soft: Option<RawSoftCap>,
+    /// Completion allowance reserved when a request sets no `max_tokens`. Default 4096.
+    #[schemars(range(min = 1))]
+    pub default_max_tokens: Option<u32>,
+    /// Smallest completion allowance a near-exhausted budget may be clamped to.
+    /// Default 16; at most `default_max_tokens`.
+    pub min_completion_tokens: Option<u32>,
+}
+
+/// The soft budget cap.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "SoftCap")]
+pub struct RawSoftCap {
+    /// Fraction of any budget, in (0, 1], at which traffic switches (e.g. 0.8).
+    #[schemars(required, range(min = 0, max = 1))]
+    pub threshold: Option<f64>,
+    /// The cheaper backend traffic switches to.
+    #[schemars(required)]
+    pub backend: Option<String>,
+}
+
+/// Limits for requests carrying images.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Vision")]
+pub struct RawVision {
+    /// Largest image, measured in the body without decoding. Default 8388608 (8 MiB).
+    #[schemars(range(min = 1))]
+    pub max_image_bytes: Option<u64>,
+    /// Largest request body. Default 25165824 (24 MiB).
+    #[schemars(range(min = 1))]
+    pub max_body_bytes: Option<u64>,
+    /// https origins (`https://host[:port]`) remote image URLs may point under.
+    pub allowed_origins: Option<Vec<String>>,
+}
+
+/// A backend. Which keys apply depends on `kind`; a key of another kind is refused.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Backend")]
+pub struct RawBackend {
+    /// `openai` (default), `anthropic`, `relay` (another Flexway), `grpc` or `pool`.
+    pub kind: Option<RawBackendKind>,
+    /// Base URL, http or https (not for `pool`).
+    pub url: Option<String>,
+    /// How the gateway authenticates to the backend. Default `{type: none}`.
+    pub auth: Option<RawAuth>,
+    /// Client certificate (mTLS) and extra CA.
+    pub tls: Option<RawTls>,
+    /// Price in euros per million tokens. Default 0.
+    pub price: Option<RawPrice>,
+    /// Model names served as requested.
+    pub models: Option<Vec<String>>,
+    /// Client-facing model name → backend model name.
+    pub aliases: Option<BTreeMap<String, String>>,
+    /// Model served when the requested one is neither in `models` nor `aliases`.
+    pub default_model: Option<String>,
+    /// What the backend serves. Default `[chat]`; for a pool, its members' union.
+    pub capabilities: Option<Vec<RawCapability>>,
+    /// `false` declares the backend internal: it may receive sensitive requests.
+    /// Default true.
+    pub external: Option<bool>,
+    /// Backends tried in order when this one fails before the first byte.
+    pub fallback: Option<Vec<String>>,
+    /// Time allowed to one call, e.g. `60s` (the default).
+    pub timeout: Option<RawDuration>,
+    /// When to stop sending to this backend for a while.
+    pub circuit_breaker: Option<RawBreaker>,
+    /// Members of a `pool`.
+    pub members: Option<Vec<RawPoolMember>>,
+    /// `relay`: `local` (default; counts here) or `upstream` (the receiving Flexway
+    /// meters, so a call is billed once).
+    pub metering: Option<RawMetering>,
+    /// `relay`: header names under which the caller's identity is passed on.
+    pub identity_headers: Option<RawIdentityHeaders>,
+    /// `grpc`: path of the serialized FileDescriptorSet naming the services served
+    /// and the metered methods.
+    pub descriptor_set: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase", rename = "BackendKind")]
+pub enum RawBackendKind {
+    Openai,
+    Anthropic,
+    Relay,
+    Grpc,
+    Pool,
+}
+
+impl RawBackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            RawBackendKind::Openai => "openai",
+            RawBackendKind::Anthropic => "anthropic",
+            RawBackendKind::Relay => "relay",
+            RawBackendKind::Grpc => "grpc",
+            RawBackendKind::Pool => "pool",
+        }
+    }
+
+    /// "an openai backend", "a pool backend": for messages.
+    pub fn a_backend(self) -> String {
+        let article = match self {
+            RawBackendKind::Openai | RawBackendKind::Anthropic => "an",
+            RawBackendKind::Relay | RawBackendKind::Grpc | RawBackendKind::Pool => "a",
+        };
+        format!("{article} {} backend", self.name())
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase", rename = "Capability")]
+pub enum RawCapability {
+    Chat,
+    Vision,
+    Embeddings,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase", rename = "Metering")]
+pub enum RawMetering {
+    Local,
+    Upstream,
+}
+
+/// Authentication to a backend.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Auth")]
+pub struct RawAuth {
+    /// `none`, `bearer` (+ `secret`), `header` (+ `name`, `secret`) or `token_file`
+    /// (+ `path`).
+    #[serde(rename = "type")]
+    #[schemars(required)]
+    pub kind: Option<RawAuthKind>,
+    /// Secret reference (`bearer`, `header`).
+    pub secret: Option<RawSecret>,
+    /// Header carrying the secret (`header`).
+    pub name: Option<String>,
+    /// File holding a token, re-read at every call and sent as a bearer token
+    /// (`token_file`).
+    pub path: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case", rename = "AuthType")]
+pub enum RawAuthKind {
+    None,
+    Bearer,
+    Header,
+    TokenFile,
+}
+
+impl RawAuthKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            RawAuthKind::None => "none",
+            RawAuthKind::Bearer => "bearer",
+            RawAuthKind::Header => "header",
+            RawAuthKind::TokenFile => "token_file",
+        }
+    }
+}
+
+/// TLS towards a backend.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Tls")]
+pub struct RawTls {
+    /// Client certificate (PEM), with `key`.
+    pub cert: Option<String>,
+    /// Client private key (PEM), with `cert`.
+    pub key: Option<String>,
+    /// CA bundle (PEM) trusted for the backend's certificate, in addition to the
+    /// system roots.
+    pub ca: Option<String>,
+}
+
+/// Price in euros per million tokens, at most 6 decimal places.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Price")]
+pub struct RawPrice {
+    /// Euros per million input (prompt) tokens.
+    #[schemars(required, range(min = 0))]
+    pub input_per_mtok_eur: Option<f64>,
+    /// Euros per million output (completion) tokens.
+    #[schemars(required, range(min = 0))]
+    pub output_per_mtok_eur: Option<f64>,
+}
+
+/// Circuit breaker: `failures`, or `failure_ratio` with `min_requests`, within
+/// `interval` trips the breaker for `trip`.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "CircuitBreaker")]
+pub struct RawBreaker {
+    /// Failures within `interval` that trip the breaker. Default 5.
+    #[schemars(range(min = 1))]
+    pub failures: Option<u32>,
+    /// Failure fraction in (0, 1] that trips the breaker (with `min_requests`).
+    #[schemars(range(min = 0, max = 1))]
+    pub failure_ratio: Option<f64>,
+    /// Requests within `interval` before `failure_ratio` applies.
+    #[schemars(range(min = 1))]
+    pub min_requests: Option<u32>,
+    /// Window in which failures are counted. Default `60s`.
+    pub interval: Option<RawDuration>,
+    /// How long a tripped breaker stays open. Default `30s`.
+    pub trip: Option<RawDuration>,
+    /// HTTP statuses counted as failures, as codes (`503`) or ranges (`"500-599"`);
+    /// connection errors and timeouts always count. Default `["500-599"]`.
+    pub status: Option<Vec<RawStatus>>,
+    /// Trip for exactly the backend's `Retry-After` when it sends one. Default false.
+    pub accept_retry_after: Option<bool>,
+}
+
+/// An HTTP status (`503`) or an inclusive range (`"500-599"`).
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(
+    untagged,
+    rename = "Status",
+    expecting = "expected a status code (503) or a range (\"500-599\")"
+)]
+pub enum RawStatus {
+    Code(#[schemars(range(min = 100, max = 599))] u16),
+    Text(#[schemars(regex(pattern = r"^[1-5][0-9]{2}(-[1-5][0-9]{2})?$"))] String),
+}
+
+/// A member of a pool.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "PoolMember")]
+pub struct RawPoolMember {
+    /// The member backend (not a pool, not grpc).
+    #[schemars(required)]
+    pub backend: Option<String>,
+    /// 1 is tried first; a lower priority only when no higher one is available.
+    /// Default 1.
+    #[schemars(range(min = 1))]
+    pub priority: Option<u32>,
+    /// Share of traffic within its priority group. Default 1.
+    #[schemars(range(min = 1))]
+    pub weight: Option<u32>,
+}
+
+/// Header names under which a relay passes the caller's identity on; an absent one
+/// is not passed.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "IdentityHeaders")]
+pub struct RawIdentityHeaders {
+    /// Header carrying the tenant's name.
+    pub tenant: Option<String>,
+    /// Header carrying the agent's name.
+    pub agent: Option<String>,
+    /// Header carrying the sensitivity flag.
+    pub sensitive: Option<String>,
+}
+
+/// A duration as written (`30s`). A bare YAML number is taken too, as text, so that
+/// phase 2 can say what unit is missing instead of "expected a string".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawDuration(pub String);
+
+impl<'de> Deserialize<'de> for RawDuration {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct DurationVisitor;
+
+        impl serde::de::Visitor<'_> for DurationVisitor {
+            type Value = RawDuration;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a duration such as 500ms, 30s, 5m, 1h or 2d")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<RawDuration, E> {
+                Ok(RawDuration(v.to_owned()))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<RawDuration, E> {
+                Ok(RawDuration(v.to_string()))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<RawDuration, E> {
+                Ok(RawDuration(v.to_string()))
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<RawDuration, E> {
+                Ok(RawDuration(v.to_string()))
+            }
+        }
+
+        deserializer.deserialize_any(DurationVisitor)
+    }
+}
+
+impl JsonSchema for RawDuration {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Duration".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": "string",
+            "description": "A whole number and a unit: 500ms, 30s, 5m, 1h, 2d.",
+            "pattern": "^[0-9]+(ms|s|m|h|d)$"
+        })
+    }
+}
+
+/// A secret reference as written. Its `Debug` never shows the text and its
+/// deserialization never echoes a value of the wrong type: whatever was written
+/// here may be a secret pasted by mistake.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RawSecret(pub String);
+
+impl fmt::Debug for RawSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("RawSecret(..)")
+    }
+}
+
+pub(super) const SECRET_REFERENCE_FORMS: &str =
+    "env:NAME, file:PATH, or an AWS Secrets Manager or SSM parameter ARN";
+
+impl<'de> Deserialize<'de> for RawSecret {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct SecretVisitor;
+
+        fn not_a_string<E: serde::de::Error>() -> E {
+            E::custom(format_args!(
+                "expected a secret reference ({SECRET_REFERENCE_FORMS})"
+            ))
+        }
+
+        impl serde::de::Visitor<'_> for SecretVisitor {
+            type Value = RawSecret;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "a secret reference ({SECRET_REFERENCE_FORMS})")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<RawSecret, E> {
+                Ok(RawSecret(v.to_owned()))
+            }
+            fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<RawSecret, E> {
+                Err(not_a_string())
+            }
+            fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<RawSecret, E> {
+                Err(not_a_string())
+            }
+            fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<RawSecret, E> {
+                Err(not_a_string())
+            }
+            fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<RawSecret, E> {
+                Err(not_a_string())
+            }
+            fn visit_bytes<E: serde::de::Error>(self, _: &[u8]) -> Result<RawSecret, E> {
+                Err(not_a_string())
+            }
+        }
+
+        // `deserialize_any`, not `deserialize_str`: a YAML tree refuses a non-string
+        // for `deserialize_str` itself, quoting the value.
+        deserializer.deserialize_any(SecretVisitor)
+    }
+}
+
+impl JsonSchema for RawSecret {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "SecretRef".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": "string",
+            "description": "A reference to a secret, never the secret itself: env:NAME, \
+                file:PATH, or an AWS Secrets Manager / SSM parameter ARN.",
+            "pattern": "^(env:.+|file:.+|arn:aws[a-z-]*:(secretsmanager|ssm):.+)$"
+        })
+    }
+}
+
+/// Reads the document; every error of shape comes back, each with its path.
+pub(super) fn parse(text: &str) -> Result<RawConfig, Vec<Diagnostic>> {
+    let mut doc: Value = serde_norway::from_str(text).map_err(|e| vec![syntax_error(&e)])?;
+    doc.apply_merge().map_err(|e| vec![syntax_error(&e)])?;
+    match &doc {
+        Value::Mapping(_) => {}
+        Value::Null => {
+            return Err(vec![Diagnostic::new(
+                "",
+                "the document is empty: it starts with `version: 1`",
+            )]);
+        }
+        _ => {
+            return Err(vec![Diagnostic::new(
+                "",
+                "the document must be a mapping of keys (`version`, `store`, `audit`, `tenants`, `ai`)",
+            )]);
+        }
+    }
+
+    let mut errors = Vec::new();
+    loop {
+        match serde_path_to_error::deserialize::<_, RawConfig>(doc.clone()) {
+            Ok(raw) if errors.is_empty() => return Ok(raw),
+            Ok(_) => return Err(errors),
+            Err(error) => {
+                let segments: Vec<&Segment> = error.path().iter().collect();
+                errors.push(Diagnostic::new(
+                    render_path(&segments),
+                    error.inner().to_string(),
+                ));
+                if !drop_entry(&mut doc, &segments) {
+                    return Err(errors);
+                }
+            }
+        }
+    }
+}
+
+fn syntax_error(error: &serde_norway::Error) -> Diagnostic {
+    let message = error.to_string();
+    match error.location() {
+        Some(at) if !message.contains(" line ") => Diagnostic::new(
+            "",
+            format!(
+                "invalid YAML at line {} column {}: {message}",
+                at.line(),
+                at.column()
+            ),
+        ),
+        _ => Diagnostic::new("", format!("invalid YAML: {message}")),
+    }
+}
+
+/// `ai.backends.ptu-west.auth`, `tenants.acme.keys[1]`.
+fn render_path(segments: &[&Segment]) -> String {
+    let mut path = String::new();
+    for segment in segments {
+        match segment {
+            Segment::Seq { index } => path.push_str(&format!("[{index}]")),
+            Segment::Map { key } => {
+                if !path.is_empty() {
+                    path.push('.');
+                }
+                path.push_str(key);
+            }
+            Segment::Enum { variant } => {
+                if !path.is_empty() {
+                    path.push('.');
+                }
+                path.push_str(variant);
+            }
+            Segment::Unknown => path.push_str(".?"),
+        }
+    }
+    path
+}
+
+/// Removes the innermost mapping entry on `segments` from the tree, so that the next
+/// pass goes past this error. An error inside a list drops the whole list's entry:
+/// removing one item would shift the indices of the errors still to be found.
+/// Returns false when there is nothing to remove (the error is about the document).
+fn drop_entry(doc: &mut Value, segments: &[&Segment]) -> bool {
+    let Some(last_key) = segments
+        .iter()
+        .rposition(|s| matches!(s, Segment::Map { .. }))
+    else {
+        return false;
+    };
+    let mut node = doc;
+    for segment in &segments[..last_key] {
+        let next = match segment {
+            Segment::Map { key } => node.get_mut(key.as_str()),
+            Segment::Seq { index } => node.get_mut(*index),
+            Segment::Enum { .. } | Segment::Unknown => None,
+        };
+        match next {
+            Some(child) => node = child,
+            None => return false,
+        }
+    }
+    match (segments[last_key], node) {
+        // `shift_remove` keeps the document's order, so errors come in reading order.
+        (Segment::Map { key }, Value::Mapping(map)) => map.shift_remove(key.as_str()).is_some(),
+        _ => false,
+    }
+}

@@ -1,0 +1,745 @@
+//! Phase 2: raw document → [`Config`], every rule of SPEC.md's "refused at load".
+//!
+//! The checker walks the whole document and collects every error and warning with
+//! its path; a [`Config`] comes out only when there is no error. References between
+//! sections (a tenant's backend, a fallback, a pool member) are checked against a
+//! [`Catalog`] of the declared backends built first, so the order of the document
+//! never matters.
+//!
+//! Invariants of the result: every backend name points at a declared backend; no
+//! gRPC backend is reachable by HTTP routing; the sensitive backend is internal; no
+//! two keys share a hash; money is exact micro-euros; `env:` secrets are set and
+//! `file:` secrets readable at load time.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::time::Duration;
+
+mod backends;
+
+use super::raw::{
+    RawAgent, RawAi, RawAudit, RawBackend, RawBackendKind, RawBudgetPolicy, RawBudgets,
+    RawCapability, RawConfig, RawDuration, RawSecret, RawSinkKind, RawStore, RawStoreKind,
+    RawTenant, RawVision,
+};
+use super::values::{fraction_ppm, header_name, https_origin, key_hash, micro_eur, secret_ref};
+use super::*;
+
+const DEFAULT_LEDGER_PATH: &str = "./flexway-ledger";
+const DEFAULT_SENSITIVE_HEADER: &str = "Flexway-Sensitive";
+const DEFAULT_MAX_TOKENS: u32 = 4096;
+const DEFAULT_MIN_COMPLETION_TOKENS: u32 = 16;
+const DEFAULT_MAX_IMAGE_BYTES: u64 = 8 * 1024 * 1024;
+const DEFAULT_MAX_BODY_BYTES: u64 = 24 * 1024 * 1024;
+
+pub(super) fn validate(raw: RawConfig, env: &dyn EnvSource) -> Result<Loaded, Vec<Diagnostic>> {
+    let RawConfig {
+        version,
+        store,
+        audit,
+        tenants,
+        ai,
+    } = raw;
+    let mut check = Checker {
+        env,
+        errors: Vec::new(),
+        warnings: Vec::new(),
+    };
+
+    match version {
+        Some(1) => {}
+        Some(other) => check.error(
+            "version",
+            format!("unsupported version {other}: this Flexway reads version 1"),
+        ),
+        None => check.error("version", "required: `version: 1`"),
+    }
+    let store = check.store(store);
+    let audit = check.audit(audit);
+
+    let mut ai = ai.unwrap_or_default();
+    let raw_backends = ai.backends.take().unwrap_or_default();
+    let catalog = Catalog::new(&raw_backends);
+    let backends: BTreeMap<BackendId, Backend> = raw_backends
+        .into_iter()
+        .filter_map(|(name, raw)| check.backend(&name, raw, &catalog))
+        .map(|backend| (backend.name.clone(), backend))
+        .collect();
+    let ai = check.ai(ai, &catalog, backends);
+    let tenants = check.tenants(tenants.unwrap_or_default(), &catalog);
+
+    // Checked in dependency order; reported in the order of a typical document.
+    check.errors.sort_by_key(|d| section_rank(&d.path));
+    check.warnings.sort_by_key(|d| section_rank(&d.path));
+
+    match (store, audit, ai) {
+        (Some(store), Some(audit), Some(ai)) if check.errors.is_empty() => Ok(Loaded {
+            config: Config {
+                store,
+                audit,
+                tenants,
+                ai,
+            },
+            warnings: check.warnings,
+        }),
+        _ if check.errors.is_empty() => Err(vec![Diagnostic::new(
+            "",
+            "the configuration is incomplete (internal error)",
+        )]),
+        _ => Err(check.errors),
+    }
+}
+
+/// The position of a path's section in SPEC.md's example, for a stable sort.
+fn section_rank(path: &str) -> u8 {
+    let section = path.split(['.', '[']).next().unwrap_or_default();
+    match section {
+        "version" => 0,
+        "store" => 1,
+        "audit" => 2,
+        "tenants" => 3,
+        "ai" if path.starts_with("ai.backends") => 5,
+        "ai" => 4,
+        _ => 6,
+    }
+}
+
+/// What routing rules need to know of each declared backend, pools resolved.
+struct Summary {
+    kind: RawBackendKind,
+    /// External unless declared `external: false`; a pool is also external when any
+    /// of its members is.
+    external: bool,
+    capabilities: BTreeSet<Capability>,
+}
+
+struct Catalog(BTreeMap<String, Summary>);
+
+impl Catalog {
+    fn new(backends: &BTreeMap<String, RawBackend>) -> Catalog {
+        let mut catalog = BTreeMap::new();
+        for (name, raw) in backends {
+            let kind = raw.kind.unwrap_or(RawBackendKind::Openai);
+            let capabilities = match (kind, &raw.capabilities) {
+                (RawBackendKind::Grpc, _) => BTreeSet::new(),
+                (_, Some(declared)) => declared.iter().map(|&c| capability(c)).collect(),
+                (RawBackendKind::Pool, None) => BTreeSet::new(), // the members', below
+                (_, None) => BTreeSet::from([Capability::Chat]),
+            };
+            let external = raw.external.unwrap_or(true);
+            catalog.insert(
+                name.clone(),
+                Summary {
+                    kind,
+                    external,
+                    capabilities,
+                },
+            );
+        }
+        // Members are never pools (refused below), so one pass resolves every pool.
+        for (name, raw) in backends {
+            if raw.kind != Some(RawBackendKind::Pool) {
+                continue;
+            }
+            let members: Vec<&Summary> = raw
+                .members
+                .iter()
+                .flatten()
+                .filter_map(|m| m.backend.as_deref())
+                .filter_map(|m| catalog.get(m))
+                .filter(|s: &&Summary| s.kind != RawBackendKind::Pool)
+                .collect();
+            let any_external = members.iter().any(|m| m.external);
+            let union: BTreeSet<Capability> = members
+                .iter()
+                .flat_map(|m| m.capabilities.iter().copied())
+                .collect();
+            if let Some(pool) = catalog.get_mut(name) {
+                pool.external |= any_external;
+                if raw.capabilities.is_none() {
+                    pool.capabilities = union;
+                }
+            }
+        }
+        Catalog(catalog)
+    }
+
+    fn get(&self, name: &str) -> Option<&Summary> {
+        self.0.get(name)
+    }
+}
+
+fn capability(raw: RawCapability) -> Capability {
+    match raw {
+        RawCapability::Chat => Capability::Chat,
+        RawCapability::Vision => Capability::Vision,
+        RawCapability::Embeddings => Capability::Embeddings,
+    }
+}
+
+fn capability_list(capabilities: &BTreeSet<Capability>) -> String {
+    if capabilities.is_empty() {
+        return "none".into();
+    }
+    capabilities
+        .iter()
+        .map(|c| c.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+struct Checker<'a> {
+    env: &'a dyn EnvSource,
+    errors: Vec<Diagnostic>,
+    warnings: Vec<Diagnostic>,
+}
+
+impl Checker<'_> {
+    fn error(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.errors.push(Diagnostic::new(path, message));
+    }
+
+    fn warn(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.warnings.push(Diagnostic::new(path, message));
+    }
+
+    /// The value, or an error saying it is required (`what` says what it is for).
+    fn required<T>(&mut self, path: &str, value: Option<T>, what: &str) -> Option<T> {
+        if value.is_none() {
+            self.error(path, format!("required {what}"));
+        }
+        value
+    }
+
+    /// Refuses a key present where it does not apply.
+    fn refuse(&mut self, parent: &str, key: &str, present: bool, here: &str, applies_to: &str) {
+        if present {
+            self.error(
+                format!("{parent}.{key}"),
+                format!("`{key}` does not apply to {here}; it belongs to {applies_to}"),
+            );
+        }
+    }
+
+    fn secret(&mut self, path: &str, raw: &RawSecret) -> Option<SecretRef> {
+        secret_ref(&raw.0, self.env)
+            .map_err(|message| self.error(path, message))
+            .ok()
+    }
+
+    fn duration(&mut self, path: &str, raw: Option<&RawDuration>, default: Duration) -> Duration {
+        let Some(RawDuration(text)) = raw else {
+            return default;
+        };
+        match parse_duration(text) {
+            Ok(d) if d.is_zero() => {
+                self.error(path, "must be longer than zero");
+                default
+            }
+            Ok(d) => d,
+            Err(message) => {
+                self.error(path, message);
+                default
+            }
+        }
+    }
+
+    fn header(&mut self, path: &str, name: &str) -> Option<String> {
+        header_name(name)
+            .map_err(|message| self.error(path, message))
+            .ok()
+    }
+
+    fn non_empty(&mut self, path: &str, text: Option<String>, what: &str) -> Option<String> {
+        match text {
+            Some(text) if text.trim().is_empty() => {
+                self.error(path, format!("must not be empty: required {what}"));
+                None
+            }
+            other => self.required(path, other, what),
+        }
+    }
+
+    /// A declared backend that HTTP routing may use (not gRPC), for `role`.
+    fn route_target<'c>(
+        &mut self,
+        path: &str,
+        name: &str,
+        catalog: &'c Catalog,
+        role: &str,
+    ) -> Option<(BackendId, &'c Summary)> {
+        let Some(summary) = catalog.get(name) else {
+            self.error(
+                path,
+                format!("backend `{name}` is not declared under ai.backends"),
+            );
+            return None;
+        };
+        if summary.kind == RawBackendKind::Grpc {
+            self.error(
+                path,
+                format!(
+                    "backend `{name}` is kind grpc: a gRPC upstream only serves gRPC calls \
+                     and cannot be {role}"
+                ),
+            );
+            return None;
+        }
+        Some((BackendId::new(name), summary))
+    }
+
+    // ----- store, audit -------------------------------------------------------------
+
+    fn store(&mut self, raw: Option<RawStore>) -> Option<StoreConfig> {
+        let Some(RawStore { kind, path, table }) = raw else {
+            return Some(StoreConfig::Embedded {
+                path: PathBuf::from(DEFAULT_LEDGER_PATH),
+            });
+        };
+        let kind = self.required("store.kind", kind, "(embedded | memory | dynamodb)")?;
+        let (has_path, has_table) = (path.is_some(), table.is_some());
+        match kind {
+            RawStoreKind::Embedded => {
+                self.refuse(
+                    "store",
+                    "table",
+                    has_table,
+                    "store kind embedded",
+                    "kind dynamodb",
+                );
+                let path = self.non_empty(
+                    "store.path",
+                    path,
+                    "(the ledger directory of kind embedded)",
+                )?;
+                Some(StoreConfig::Embedded { path: path.into() })
+            }
+            RawStoreKind::Memory => {
+                self.refuse(
+                    "store",
+                    "path",
+                    has_path,
+                    "store kind memory",
+                    "kind embedded",
+                );
+                self.refuse(
+                    "store",
+                    "table",
+                    has_table,
+                    "store kind memory",
+                    "kind dynamodb",
+                );
+                Some(StoreConfig::Memory)
+            }
+            RawStoreKind::Dynamodb => {
+                self.refuse(
+                    "store",
+                    "path",
+                    has_path,
+                    "store kind dynamodb",
+                    "kind embedded",
+                );
+                let table = self.non_empty(
+                    "store.table",
+                    table,
+                    "(the DynamoDB table of kind dynamodb)",
+                )?;
+                Some(StoreConfig::DynamoDb { table })
+            }
+        }
+    }
+
+    fn audit(&mut self, raw: Option<RawAudit>) -> Option<AuditConfig> {
+        let Some(RawAudit {
+            sink,
+            path,
+            log_group,
+            log_stream,
+            hash_salt,
+        }) = raw
+        else {
+            return Some(AuditConfig {
+                sink: AuditSinkConfig::Stdout,
+                hash_salt: None,
+            });
+        };
+        let here = |sink: &str| format!("audit sink {sink}");
+        let (has_path, has_group, has_stream) =
+            (path.is_some(), log_group.is_some(), log_stream.is_some());
+        let sink = match sink.unwrap_or(RawSinkKind::Stdout) {
+            RawSinkKind::File => {
+                self.refuse(
+                    "audit",
+                    "log_group",
+                    has_group,
+                    &here("file"),
+                    "sink cloudwatch",
+                );
+                self.refuse(
+                    "audit",
+                    "log_stream",
+                    has_stream,
+                    &here("file"),
+                    "sink cloudwatch",
+                );
+                self.non_empty("audit.path", path, "(the JSONL file of sink file)")
+                    .map(|path| AuditSinkConfig::File { path: path.into() })
+            }
+            RawSinkKind::Stdout => {
+                self.refuse("audit", "path", has_path, &here("stdout"), "sink file");
+                self.refuse(
+                    "audit",
+                    "log_group",
+                    has_group,
+                    &here("stdout"),
+                    "sink cloudwatch",
+                );
+                self.refuse(
+                    "audit",
+                    "log_stream",
+                    has_stream,
+                    &here("stdout"),
+                    "sink cloudwatch",
+                );
+                Some(AuditSinkConfig::Stdout)
+            }
+            RawSinkKind::Cloudwatch => {
+                self.refuse("audit", "path", has_path, &here("cloudwatch"), "sink file");
+                self.non_empty(
+                    "audit.log_group",
+                    log_group,
+                    "(the log group of sink cloudwatch)",
+                )
+                .map(|log_group| AuditSinkConfig::CloudWatch {
+                    log_group,
+                    log_stream,
+                })
+            }
+        };
+        let hash_salt = match &hash_salt {
+            Some(salt) => Some(self.secret("audit.hash_salt", salt)?),
+            None => None,
+        };
+        Some(AuditConfig {
+            sink: sink?,
+            hash_salt,
+        })
+    }
+
+    // ----- tenants ------------------------------------------------------------------
+
+    fn tenants(
+        &mut self,
+        raw: BTreeMap<String, RawTenant>,
+        catalog: &Catalog,
+    ) -> BTreeMap<TenantId, Tenant> {
+        let relay_peer_declared = raw
+            .values()
+            .flat_map(|t| t.keys.iter().flatten())
+            .any(|k| k.relay_peer == Some(true));
+        let mut seen_keys: HashMap<[u8; 32], String> = HashMap::new();
+        let mut tenants = BTreeMap::new();
+        for (name, tenant) in raw {
+            let path = format!("tenants.{name}");
+            let RawTenant {
+                keys,
+                budgets,
+                backend,
+                agents,
+            } = tenant;
+
+            let agents: BTreeMap<AgentId, Agent> = agents
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(agent, raw)| {
+                    let agent_path = format!("{path}.agents.{agent}");
+                    (AgentId::new(&agent), self.agent(&agent_path, raw, catalog))
+                })
+                .collect();
+
+            let keys = keys.unwrap_or_default();
+            if keys.is_empty() && !relay_peer_declared {
+                self.warn(
+                    &path,
+                    format!("tenant {name} has no keys: nobody can call as it"),
+                );
+            }
+            let keys: Vec<KeyEntry> = keys
+                .into_iter()
+                .enumerate()
+                .filter_map(|(i, key)| {
+                    let key_path = format!("{path}.keys[{i}]");
+                    let sha256 = self.required(&format!("{key_path}.sha256"), key.sha256, "(the key's SHA-256)")?;
+                    let hash = key_hash(&sha256).map_err(|m| self.error(format!("{key_path}.sha256"), m)).ok()?;
+                    if let Some(first) = seen_keys.get(&hash) {
+                        self.error(
+                            format!("{key_path}.sha256"),
+                            format!("the same key is already declared at {first}: a key belongs to one tenant, once"),
+                        );
+                        return None;
+                    }
+                    seen_keys.insert(hash, key_path.clone());
+                    let agent = match key.agent {
+                        Some(agent) if !agents.contains_key(agent.as_str()) => {
+                            self.error(
+                                format!("{key_path}.agent"),
+                                format!("agent `{agent}` is not declared under {path}.agents"),
+                            );
+                            return None;
+                        }
+                        other => other.map(AgentId::new),
+                    };
+                    Some(KeyEntry { sha256: hash, agent, relay_peer: key.relay_peer.unwrap_or(false) })
+                })
+                .collect();
+
+            let budgets = self.budgets(&format!("{path}.budgets"), budgets);
+            let backend = backend.and_then(|b| {
+                self.route_target(
+                    &format!("{path}.backend"),
+                    &b,
+                    catalog,
+                    "a tenant's backend",
+                )
+                .map(|(id, _)| id)
+            });
+            let id = TenantId::new(&name);
+            tenants.insert(
+                id.clone(),
+                Tenant {
+                    name: id,
+                    keys,
+                    budgets,
+                    backend,
+                    agents,
+                },
+            );
+        }
+        tenants
+    }
+
+    fn agent(&mut self, path: &str, raw: RawAgent, catalog: &Catalog) -> Agent {
+        let backend = raw.backend.and_then(|b| {
+            self.route_target(
+                &format!("{path}.backend"),
+                &b,
+                catalog,
+                "an agent's backend",
+            )
+            .map(|(id, _)| id)
+        });
+        Agent {
+            backend,
+            budgets: self.budgets(&format!("{path}.budgets"), raw.budgets),
+        }
+    }
+
+    fn budgets(&mut self, path: &str, raw: Option<RawBudgets>) -> Budgets {
+        let Some(raw) = raw else {
+            return Budgets::default();
+        };
+        let eur_per_month = raw.eur_per_month.and_then(|eur| {
+            micro_eur(eur)
+                .map_err(|m| self.error(format!("{path}.eur_per_month"), m))
+                .ok()
+        });
+        Budgets {
+            tokens_per_day: raw.tokens_per_day,
+            tokens_per_month: raw.tokens_per_month,
+            eur_per_month,
+        }
+    }
+
+    // ----- ai -----------------------------------------------------------------------
+
+    fn ai(
+        &mut self,
+        raw: RawAi,
+        catalog: &Catalog,
+        backends: BTreeMap<BackendId, Backend>,
+    ) -> Option<Ai> {
+        let RawAi {
+            default_backend,
+            capabilities,
+            sensitive_header,
+            sensitive_backend,
+            budget,
+            vision,
+            backends: _,
+        } = raw;
+
+        let default_backend = self
+            .required(
+                "ai.default_backend",
+                default_backend,
+                "(the backend serving what no override routes elsewhere)",
+            )
+            .and_then(|b| {
+                self.route_target("ai.default_backend", &b, catalog, "the default backend")
+            })
+            .map(|(id, _)| id);
+
+        let capabilities = capabilities.unwrap_or_default();
+        let capabilities = CapabilityOverrides {
+            vision: self.capability_backend(
+                "vision",
+                capabilities.vision,
+                Capability::Vision,
+                catalog,
+            ),
+            embeddings: self.capability_backend(
+                "embeddings",
+                capabilities.embeddings,
+                Capability::Embeddings,
+                catalog,
+            ),
+        };
+
+        let sensitive_header = self.header(
+            "ai.sensitive_header",
+            sensitive_header
+                .as_deref()
+                .unwrap_or(DEFAULT_SENSITIVE_HEADER),
+        );
+        let sensitive_backend = sensitive_backend.and_then(|name| {
+            let path = "ai.sensitive_backend";
+            let (id, summary) = self.route_target(path, &name, catalog, "the sensitive backend")?;
+            if summary.external {
+                self.error(
+                    path,
+                    format!(
+                        "sensitive_backend {name} is external; sensitive requests only go to an \
+                         internal backend (declared `external: false`; for a pool, all its members)"
+                    ),
+                );
+                return None;
+            }
+            Some(id)
+        });
+
+        let budget = self.budget_policy(budget.unwrap_or_default(), catalog);
+        let vision = self.vision(vision.unwrap_or_default());
+
+        Some(Ai {
+            default_backend: default_backend?,
+            capabilities,
+            sensitive_header: sensitive_header?,
+            sensitive_backend,
+            budget: budget?,
+            vision: vision?,
+            backends,
+        })
+    }
+
+    fn capability_backend(
+        &mut self,
+        key: &str,
+        name: Option<String>,
+        needed: Capability,
+        catalog: &Catalog,
+    ) -> Option<BackendId> {
+        let name = name?;
+        let path = format!("ai.capabilities.{key}");
+        let (id, summary) =
+            self.route_target(&path, &name, catalog, &format!("the {key} backend"))?;
+        if !summary.capabilities.contains(&needed) {
+            self.error(
+                path,
+                format!(
+                    "backend `{name}` does not serve {} (its capabilities: {})",
+                    needed.as_str(),
+                    capability_list(&summary.capabilities)
+                ),
+            );
+            return None;
+        }
+        Some(id)
+    }
+
+    fn budget_policy(&mut self, raw: RawBudgetPolicy, catalog: &Catalog) -> Option<BudgetPolicy> {
+        let soft = raw.soft.and_then(|soft| {
+            let threshold = self
+                .required(
+                    "ai.budget.soft.threshold",
+                    soft.threshold,
+                    "(a fraction of any budget, e.g. 0.8)",
+                )
+                .and_then(|t| {
+                    fraction_ppm(t)
+                        .map_err(|m| self.error("ai.budget.soft.threshold", m))
+                        .ok()
+                });
+            let backend = self
+                .required(
+                    "ai.budget.soft.backend",
+                    soft.backend,
+                    "(the cheaper backend)",
+                )
+                .and_then(|b| {
+                    self.route_target(
+                        "ai.budget.soft.backend",
+                        &b,
+                        catalog,
+                        "the soft-cap backend",
+                    )
+                });
+            Some(SoftCap {
+                threshold_ppm: threshold?,
+                backend: backend?.0,
+            })
+        });
+        let default_max_tokens = raw.default_max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+        if default_max_tokens == 0 {
+            self.error("ai.budget.default_max_tokens", "must be greater than zero");
+        }
+        let min_completion_tokens = raw
+            .min_completion_tokens
+            .unwrap_or(DEFAULT_MIN_COMPLETION_TOKENS);
+        if min_completion_tokens > default_max_tokens {
+            self.error(
+                "ai.budget.min_completion_tokens",
+                format!(
+                    "{min_completion_tokens} is more than default_max_tokens ({default_max_tokens})"
+                ),
+            );
+        }
+        Some(BudgetPolicy {
+            soft,
+            default_max_tokens,
+            min_completion_tokens,
+        })
+    }
+
+    fn vision(&mut self, raw: RawVision) -> Option<VisionPolicy> {
+        let max_image_bytes = raw.max_image_bytes.unwrap_or(DEFAULT_MAX_IMAGE_BYTES);
+        let max_body_bytes = raw.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES);
+        if max_image_bytes == 0 {
+            self.error("ai.vision.max_image_bytes", "must be greater than zero");
+        }
+        if max_body_bytes == 0 {
+            self.error("ai.vision.max_body_bytes", "must be greater than zero");
+        }
+        if max_image_bytes > max_body_bytes {
+            self.error(
+                "ai.vision.max_image_bytes",
+                format!(
+                    "{max_image_bytes} is more than max_body_bytes ({max_body_bytes}): an image \
+                     travels inside the body"
+                ),
+            );
+        }
+        let mut allowed_origins = Vec::new();
+        for (i, origin) in raw.allowed_origins.unwrap_or_default().iter().enumerate() {
+            match https_origin(origin) {
+                Ok(origin) if allowed_origins.contains(&origin) => {}
+                Ok(origin) => allowed_origins.push(origin),
+                Err(message) => self.error(format!("ai.vision.allowed_origins[{i}]"), message),
+            }
+        }
+        Some(VisionPolicy {
+            max_image_bytes,
+            max_body_bytes,
+            allowed_origins,
+        })
+    }
+}

@@ -1,0 +1,700 @@
+//! Backends: each kind's keys, references between backends, pools.
+//!
+//! A key that belongs to another kind is refused naming both kinds; a gRPC backend
+//! never enters HTTP routing (no fallback, pool or override may name it); a pool
+//! never nests and is internal only if all its members are.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::super::raw::{
+    RawAuth, RawAuthKind, RawBackend, RawBackendKind, RawBreaker, RawCapability,
+    RawIdentityHeaders, RawMetering, RawPoolMember, RawPrice, RawTls,
+};
+use super::super::values::{base_url, fraction_ppm, micro_eur, readable_file, status_range};
+use super::super::*;
+use super::{Catalog, Checker, Summary, capability};
+
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+const HTTP_KINDS: &[RawBackendKind] = &[
+    RawBackendKind::Openai,
+    RawBackendKind::Anthropic,
+    RawBackendKind::Relay,
+];
+const ROUTABLE_KINDS: &[RawBackendKind] = &[
+    RawBackendKind::Openai,
+    RawBackendKind::Anthropic,
+    RawBackendKind::Relay,
+    RawBackendKind::Pool,
+];
+const ENDPOINT_KINDS: &[RawBackendKind] = &[
+    RawBackendKind::Openai,
+    RawBackendKind::Anthropic,
+    RawBackendKind::Relay,
+    RawBackendKind::Grpc,
+];
+
+fn kind_list(kinds: &[RawBackendKind]) -> String {
+    kinds
+        .iter()
+        .map(|k| k.name())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl Checker<'_> {
+    pub(super) fn backend(
+        &mut self,
+        name: &str,
+        raw: RawBackend,
+        catalog: &Catalog,
+    ) -> Option<Backend> {
+        let path = format!("ai.backends.{name}");
+        let kind = raw.kind.unwrap_or(RawBackendKind::Openai);
+        self.refuse_foreign_keys(&path, kind, &raw);
+        let summary = catalog.get(name)?;
+
+        let RawBackend {
+            kind: _,
+            url,
+            auth,
+            tls,
+            price,
+            models,
+            aliases,
+            default_model,
+            capabilities,
+            external,
+            fallback,
+            timeout,
+            circuit_breaker,
+            members,
+            metering,
+            identity_headers,
+            descriptor_set,
+        } = raw;
+
+        // In the order keys are usually written, so errors read top to bottom.
+        let backend_kind = match kind {
+            RawBackendKind::Openai | RawBackendKind::Anthropic | RawBackendKind::Relay => {
+                let endpoint = EndpointKeys {
+                    url,
+                    auth,
+                    tls,
+                    models,
+                    aliases,
+                    default_model,
+                };
+                self.http_backend(&path, name, kind, endpoint, metering, identity_headers)
+            }
+            RawBackendKind::Grpc => {
+                let url = self.url(&path, kind, url.as_deref());
+                let descriptor_set = self.descriptor_set(&path, name, descriptor_set);
+                Some(BackendKind::Grpc {
+                    url: url?,
+                    descriptor_set: descriptor_set?,
+                })
+            }
+            RawBackendKind::Pool => {
+                let members = self.members(&path, name, members, catalog);
+                let declared = capabilities.as_deref();
+                self.check_pool(&path, external, declared, members.as_deref(), catalog);
+                members.map(|members| BackendKind::Pool { members })
+            }
+        };
+        let price = self.backend_price(&path, name, kind, price);
+        if capabilities.as_ref().is_some_and(Vec::is_empty) {
+            self.error(
+                format!("{path}.capabilities"),
+                "list at least one of chat, vision, embeddings (or leave it out: default [chat])",
+            );
+        }
+        let fallback = self.fallback(&format!("{path}.fallback"), name, fallback, catalog);
+        let timeout = self.duration(
+            &format!("{path}.timeout"),
+            timeout.as_ref(),
+            DEFAULT_TIMEOUT,
+        );
+        let circuit_breaker = self.breaker(&format!("{path}.circuit_breaker"), circuit_breaker);
+
+        Some(Backend {
+            name: BackendId::new(name),
+            kind: backend_kind?,
+            external: summary.external,
+            capabilities: summary.capabilities.clone(),
+            price,
+            fallback,
+            timeout,
+            circuit_breaker,
+        })
+    }
+
+    /// An `openai`, `anthropic` or `relay` backend.
+    fn http_backend(
+        &mut self,
+        path: &str,
+        name: &str,
+        kind: RawBackendKind,
+        endpoint: EndpointKeys,
+        metering: Option<RawMetering>,
+        identity_headers: Option<RawIdentityHeaders>,
+    ) -> Option<BackendKind> {
+        let endpoint = self.endpoint(path, kind, endpoint);
+        match kind {
+            RawBackendKind::Anthropic => endpoint.map(BackendKind::Anthropic),
+            RawBackendKind::Relay => {
+                let metering = match metering.unwrap_or(RawMetering::Local) {
+                    RawMetering::Upstream => Metering::Upstream,
+                    RawMetering::Local => {
+                        self.warn(
+                            path,
+                            format!(
+                                "relay {name} is metered locally (metering: local): if the \
+                                 upstream Flexway meters too, its calls are counted twice; set \
+                                 metering: upstream"
+                            ),
+                        );
+                        Metering::Local
+                    }
+                };
+                let identity_headers = self.identity_headers(path, identity_headers);
+                Some(BackendKind::Relay {
+                    endpoint: endpoint?,
+                    metering,
+                    identity_headers: identity_headers?,
+                })
+            }
+            _ => endpoint.map(BackendKind::OpenAi),
+        }
+    }
+
+    /// The price of an endpoint; pools and gRPC backends are priced elsewhere.
+    fn backend_price(
+        &mut self,
+        path: &str,
+        name: &str,
+        kind: RawBackendKind,
+        price: Option<RawPrice>,
+    ) -> Price {
+        let price_path = format!("{path}.price");
+        match (kind, price) {
+            (RawBackendKind::Pool, Some(_)) => {
+                self.warn(
+                    price_path,
+                    "not used: a call through a pool is priced at the member that served it",
+                );
+                Price::default()
+            }
+            (RawBackendKind::Grpc, Some(_)) => {
+                self.warn(
+                    price_path,
+                    "not used: gRPC methods are priced by their (flexway.v1.operation) option \
+                     in the descriptor_set",
+                );
+                Price::default()
+            }
+            (_, Some(price)) => self.price(&price_path, price),
+            (RawBackendKind::Pool | RawBackendKind::Grpc, None) => Price::default(),
+            (_, None) => {
+                self.warn(
+                    path,
+                    format!(
+                        "backend {name} declares no price: its calls cost 0 € and never count \
+                         against a euro budget"
+                    ),
+                );
+                Price::default()
+            }
+        }
+    }
+
+    /// Keys that belong to other kinds of backend are refused, naming the kind.
+    fn refuse_foreign_keys(&mut self, path: &str, kind: RawBackendKind, raw: &RawBackend) {
+        let keys: [(&str, bool, &[RawBackendKind]); 12] = [
+            ("url", raw.url.is_some(), ENDPOINT_KINDS),
+            ("auth", raw.auth.is_some(), HTTP_KINDS),
+            ("tls", raw.tls.is_some(), HTTP_KINDS),
+            ("models", raw.models.is_some(), HTTP_KINDS),
+            ("aliases", raw.aliases.is_some(), HTTP_KINDS),
+            ("default_model", raw.default_model.is_some(), HTTP_KINDS),
+            ("capabilities", raw.capabilities.is_some(), ROUTABLE_KINDS),
+            ("fallback", raw.fallback.is_some(), ROUTABLE_KINDS),
+            ("members", raw.members.is_some(), &[RawBackendKind::Pool]),
+            ("metering", raw.metering.is_some(), &[RawBackendKind::Relay]),
+            (
+                "identity_headers",
+                raw.identity_headers.is_some(),
+                &[RawBackendKind::Relay],
+            ),
+            (
+                "descriptor_set",
+                raw.descriptor_set.is_some(),
+                &[RawBackendKind::Grpc],
+            ),
+        ];
+        let here = kind.a_backend();
+        for (key, present, kinds) in keys {
+            if !kinds.contains(&kind) {
+                let applies_to = format!("kind {}", kind_list(kinds));
+                self.refuse(path, key, present, &here, &applies_to);
+            }
+        }
+    }
+
+    fn price(&mut self, path: &str, raw: RawPrice) -> Price {
+        let mut per_mtok = |key: &str, eur: Option<f64>| {
+            let key_path = format!("{path}.{key}");
+            let eur = self.required(&key_path, eur, "(euros per million tokens)")?;
+            micro_eur(eur).map_err(|m| self.error(&key_path, m)).ok()
+        };
+        let input = per_mtok("input_per_mtok_eur", raw.input_per_mtok_eur);
+        let output = per_mtok("output_per_mtok_eur", raw.output_per_mtok_eur);
+        Price {
+            input_per_mtok: input.unwrap_or_default(),
+            output_per_mtok: output.unwrap_or_default(),
+        }
+    }
+
+    fn fallback(
+        &mut self,
+        path: &str,
+        name: &str,
+        raw: Option<Vec<String>>,
+        catalog: &Catalog,
+    ) -> Vec<BackendId> {
+        let mut fallback: Vec<BackendId> = Vec::new();
+        for (i, target) in raw.unwrap_or_default().into_iter().enumerate() {
+            let item = format!("{path}[{i}]");
+            if target == name {
+                self.error(item, format!("backend {name} cannot fall back to itself"));
+            } else if fallback.iter().any(|f| f.as_str() == target) {
+                self.error(item, format!("`{target}` is listed twice"));
+            } else if let Some((id, _)) =
+                self.route_target(&item, &target, catalog, "a fallback target")
+            {
+                fallback.push(id);
+            }
+        }
+        fallback
+    }
+
+    fn breaker(&mut self, path: &str, raw: Option<RawBreaker>) -> BreakerPolicy {
+        let defaults = BreakerPolicy::default();
+        let Some(raw) = raw else { return defaults };
+        let key = |k: &str| format!("{path}.{k}");
+
+        if raw.failures == Some(0) {
+            self.error(key("failures"), "must be at least 1");
+        }
+        if raw.min_requests == Some(0) {
+            self.error(key("min_requests"), "must be at least 1");
+        }
+        let trigger = match (raw.failures, raw.failure_ratio, raw.min_requests) {
+            (None, None, None) => defaults.trigger.clone(),
+            (Some(failures), None, None) => BreakerTrigger::Failures(failures),
+            (Some(_), Some(_), _) => {
+                self.error(
+                    path,
+                    "give either `failures` or `failure_ratio` with `min_requests`, not both",
+                );
+                defaults.trigger.clone()
+            }
+            (_, None, Some(_)) => {
+                self.error(
+                    key("min_requests"),
+                    "goes with `failure_ratio`, which is missing",
+                );
+                defaults.trigger.clone()
+            }
+            (None, Some(_), None) => {
+                self.error(
+                    key("min_requests"),
+                    "required with `failure_ratio` (the requests to see before a ratio means anything)",
+                );
+                defaults.trigger.clone()
+            }
+            (None, Some(ratio), Some(min_requests)) => match fraction_ppm(ratio) {
+                Ok(ratio_ppm) => BreakerTrigger::Ratio {
+                    ratio_ppm,
+                    min_requests,
+                },
+                Err(message) => {
+                    self.error(key("failure_ratio"), message);
+                    defaults.trigger.clone()
+                }
+            },
+        };
+        let interval = self.duration(&key("interval"), raw.interval.as_ref(), defaults.interval);
+        let trip = self.duration(&key("trip"), raw.trip.as_ref(), defaults.trip);
+        let status = match raw.status {
+            None => defaults.status.clone(),
+            Some(list) => list
+                .iter()
+                .enumerate()
+                .filter_map(|(i, s)| {
+                    status_range(s)
+                        .map_err(|m| self.error(format!("{path}.status[{i}]"), m))
+                        .ok()
+                })
+                .collect(),
+        };
+        BreakerPolicy {
+            trigger,
+            interval,
+            trip,
+            status,
+            accept_retry_after: raw
+                .accept_retry_after
+                .unwrap_or(defaults.accept_retry_after),
+        }
+    }
+
+    /// `url` of an endpoint or grpc backend: parsed, scheme checked, trailing slash
+    /// stripped. A gRPC URL is stored as http(s), the scheme gRPC runs over.
+    fn url(&mut self, path: &str, kind: RawBackendKind, url: Option<&str>) -> Option<String> {
+        let url_path = format!("{path}.url");
+        let url = self.required(&url_path, url, &format!("for {}", kind.a_backend()))?;
+        let parsed = base_url(url).map_err(|m| self.error(&url_path, m)).ok()?;
+        let scheme = match (parsed.scheme.as_str(), kind) {
+            ("http" | "https", _) => parsed.scheme.clone(),
+            ("grpc", RawBackendKind::Grpc) => "http".to_owned(),
+            ("grpcs", RawBackendKind::Grpc) => "https".to_owned(),
+            ("grpc" | "grpcs", _) => {
+                self.error(url_path, "a gRPC upstream must be declared kind: grpc");
+                return None;
+            }
+            (other, _) => {
+                self.error(
+                    url_path,
+                    format!("scheme `{other}` is not supported: use http:// or https://"),
+                );
+                return None;
+            }
+        };
+        Some(parsed.with_scheme(&scheme))
+    }
+
+    fn endpoint(
+        &mut self,
+        path: &str,
+        kind: RawBackendKind,
+        keys: EndpointKeys,
+    ) -> Option<Endpoint> {
+        let EndpointKeys {
+            url,
+            auth,
+            tls,
+            models,
+            aliases,
+            default_model,
+        } = keys;
+        let url = self.url(path, kind, url.as_deref());
+        let auth = self.auth(&format!("{path}.auth"), auth);
+        let tls = match tls {
+            Some(tls) => Some(self.tls(&format!("{path}.tls"), tls)?),
+            None => None,
+        };
+        Some(Endpoint {
+            url: url?,
+            auth: auth?,
+            tls,
+            models: models.unwrap_or_default(),
+            aliases: aliases.unwrap_or_default(),
+            default_model,
+        })
+    }
+
+    fn auth(&mut self, path: &str, raw: Option<RawAuth>) -> Option<Auth> {
+        let Some(RawAuth {
+            kind,
+            secret,
+            name,
+            path: file,
+        }) = raw
+        else {
+            return Some(Auth::None);
+        };
+        let kind = self.required(
+            &format!("{path}.type"),
+            kind,
+            "(none | bearer | header | token_file)",
+        )?;
+        let here = format!("auth type {}", kind.name());
+        let (needs_secret, needs_name, needs_path) = match kind {
+            RawAuthKind::None => (false, false, false),
+            RawAuthKind::Bearer => (true, false, false),
+            RawAuthKind::Header => (true, true, false),
+            RawAuthKind::TokenFile => (false, false, true),
+        };
+        self.refuse(
+            path,
+            "secret",
+            secret.is_some() && !needs_secret,
+            &here,
+            "types bearer and header",
+        );
+        self.refuse(
+            path,
+            "name",
+            name.is_some() && !needs_name,
+            &here,
+            "type header",
+        );
+        self.refuse(
+            path,
+            "path",
+            file.is_some() && !needs_path,
+            &here,
+            "type token_file",
+        );
+
+        let with = format!("(with auth type {})", kind.name());
+        match kind {
+            RawAuthKind::None => Some(Auth::None),
+            RawAuthKind::Bearer => {
+                let secret = self.required(&format!("{path}.secret"), secret, &with)?;
+                Some(Auth::Bearer {
+                    secret: self.secret(&format!("{path}.secret"), &secret)?,
+                })
+            }
+            RawAuthKind::Header => {
+                let name = self
+                    .required(&format!("{path}.name"), name, &with)
+                    .and_then(|n| self.header(&format!("{path}.name"), &n));
+                let secret = self
+                    .required(&format!("{path}.secret"), secret, &with)
+                    .and_then(|s| self.secret(&format!("{path}.secret"), &s));
+                Some(Auth::Header {
+                    name: name?,
+                    secret: secret?,
+                })
+            }
+            // Not checked for existence: a projected token appears and rotates at run
+            // time, and it is re-read at every call.
+            RawAuthKind::TokenFile => self
+                .non_empty(&format!("{path}.path"), file, "(the token file)")
+                .map(|file| Auth::TokenFile { path: file.into() }),
+        }
+    }
+
+    fn tls(&mut self, path: &str, raw: RawTls) -> Option<Tls> {
+        let mut file = |key: &str, value: Option<String>, what: &str| {
+            let key_path = format!("{path}.{key}");
+            let value = self.required(&key_path, value, what)?;
+            readable_file(&value)
+                .map_err(|m| self.error(&key_path, m))
+                .ok()?;
+            Some(PathBuf::from(value))
+        };
+        let cert = file(
+            "cert",
+            raw.cert,
+            "(the client certificate goes with its key)",
+        );
+        let key = file("key", raw.key, "(the client key goes with its certificate)");
+        let ca = match raw.ca {
+            Some(ca) => Some(file("ca", Some(ca), "")?),
+            None => None,
+        };
+        Some(Tls {
+            cert: cert?,
+            key: key?,
+            ca,
+        })
+    }
+
+    fn identity_headers(
+        &mut self,
+        path: &str,
+        raw: Option<RawIdentityHeaders>,
+    ) -> Option<IdentityHeaders> {
+        let Some(raw) = raw else {
+            return Some(IdentityHeaders::default());
+        };
+        let mut ok = true;
+        let mut header = |key: &str, value: Option<String>| match value {
+            None => None,
+            Some(v) => {
+                let parsed = self.header(&format!("{path}.identity_headers.{key}"), &v);
+                ok &= parsed.is_some();
+                parsed
+            }
+        };
+        let headers = IdentityHeaders {
+            tenant: header("tenant", raw.tenant),
+            agent: header("agent", raw.agent),
+            sensitive: header("sensitive", raw.sensitive),
+        };
+        let names: Vec<&String> = [&headers.tenant, &headers.agent, &headers.sensitive]
+            .into_iter()
+            .flatten()
+            .collect();
+        let distinct: BTreeSet<&String> = names.iter().copied().collect();
+        if distinct.len() != names.len() {
+            self.error(
+                format!("{path}.identity_headers"),
+                "tenant, agent and sensitive must be different headers",
+            );
+            ok = false;
+        }
+        ok.then_some(headers)
+    }
+
+    fn descriptor_set(&mut self, path: &str, name: &str, raw: Option<String>) -> Option<PathBuf> {
+        let key_path = format!("{path}.descriptor_set");
+        let file = self.non_empty(
+            &key_path,
+            raw,
+            "for a grpc backend (the FileDescriptorSet of the services it serves)",
+        )?;
+        match std::fs::metadata(&file) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => self.warn(
+                &key_path,
+                format!(
+                    "{file} does not exist: gRPC calls to backend {name} will be refused until it does"
+                ),
+            ),
+            Err(e) => self.error(&key_path, format!("{file} cannot be read: {e}")),
+            Ok(meta) if !meta.is_file() => self.error(&key_path, format!("{file} is not a file")),
+            Ok(meta) if meta.len() == 0 => {
+                self.error(&key_path, format!("{file} is empty: it must be a serialized FileDescriptorSet"))
+            }
+            Ok(_) => {}
+        }
+        Some(PathBuf::from(file))
+    }
+
+    fn members(
+        &mut self,
+        path: &str,
+        pool: &str,
+        raw: Option<Vec<RawPoolMember>>,
+        catalog: &Catalog,
+    ) -> Option<Vec<PoolMember>> {
+        let raw = raw.unwrap_or_default();
+        if raw.is_empty() {
+            self.error(
+                format!("{path}.members"),
+                "a pool needs at least one member",
+            );
+            return None;
+        }
+        let mut members: Vec<PoolMember> = Vec::new();
+        let mut ok = true;
+        for (i, member) in raw.into_iter().enumerate() {
+            let item = format!("{path}.members[{i}]");
+            let at_least_one = |this: &mut Self, key: &str, value: Option<u32>| match value {
+                Some(0) => {
+                    this.error(format!("{item}.{key}"), "must be at least 1");
+                    None
+                }
+                other => Some(other.unwrap_or(1)),
+            };
+            let priority = at_least_one(self, "priority", member.priority);
+            let weight = at_least_one(self, "weight", member.weight);
+            let backend = self
+                .required(
+                    &format!("{item}.backend"),
+                    member.backend,
+                    "(the member backend)",
+                )
+                .and_then(|name| {
+                    self.member(&format!("{item}.backend"), pool, &name, &members, catalog)
+                });
+            match (backend, priority, weight) {
+                (Some(backend), Some(priority), Some(weight)) => {
+                    members.push(PoolMember {
+                        backend,
+                        priority,
+                        weight,
+                    });
+                }
+                _ => ok = false,
+            }
+        }
+        ok.then_some(members)
+    }
+
+    fn member(
+        &mut self,
+        path: &str,
+        pool: &str,
+        name: &str,
+        members: &[PoolMember],
+        catalog: &Catalog,
+    ) -> Option<BackendId> {
+        if name == pool {
+            self.error(path, format!("pool {pool} cannot be its own member"));
+            return None;
+        }
+        if members.iter().any(|m| m.backend.as_str() == name) {
+            self.error(path, format!("`{name}` is already a member of this pool"));
+            return None;
+        }
+        let (id, summary) = self.route_target(path, name, catalog, "a pool member")?;
+        if summary.kind == RawBackendKind::Pool {
+            self.error(
+                path,
+                format!("pools do not nest: `{name}` is itself a pool"),
+            );
+            return None;
+        }
+        Some(id)
+    }
+
+    /// What a pool declares about itself must hold for its members.
+    fn check_pool(
+        &mut self,
+        path: &str,
+        external: Option<bool>,
+        declared: Option<&[RawCapability]>,
+        members: Option<&[PoolMember]>,
+        catalog: &Catalog,
+    ) {
+        let members: Vec<(&str, &Summary)> = members
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|m| {
+                catalog
+                    .get(m.backend.as_str())
+                    .map(|s| (m.backend.as_str(), s))
+            })
+            .collect();
+        if external == Some(false)
+            && let Some((name, _)) = members.iter().find(|(_, s)| s.external)
+        {
+            self.error(
+                format!("{path}.external"),
+                format!(
+                    "the pool is declared internal but its member `{name}` is external: a pool \
+                     is internal only if all its members are"
+                ),
+            );
+        }
+        for &wanted in declared.unwrap_or_default() {
+            let wanted = capability(wanted);
+            if !members.is_empty()
+                && !members
+                    .iter()
+                    .any(|(_, s)| s.capabilities.contains(&wanted))
+            {
+                self.error(
+                    format!("{path}.capabilities"),
+                    format!("no member of this pool serves {}", wanted.as_str()),
+                );
+            }
+        }
+    }
+}
+
+/// The keys of an HTTP endpoint, taken together out of a raw backend.
+struct EndpointKeys {
+    url: Option<String>,
+    auth: Option<RawAuth>,
+    tls: Option<RawTls>,
+    models: Option<Vec<String>>,
+    aliases: Option<BTreeMap<String, String>>,
+    default_model: Option<String>,
+}

@@ -1,0 +1,184 @@
+//! One error facade for the whole request path.
+//!
+//! Each module owns its error; `GatewayError` composes them and answers the three
+//! questions the edge asks: which HTTP status, which SPEC code, and whether another
+//! backend might do better (`is_retryable`, used by fallback). Rendering lives in
+//! `http::error`, once.
+
+use http::StatusCode;
+
+use crate::config::BackendId;
+use crate::identity::IdentityError;
+use crate::protocol::openai::InvalidRequest;
+
+/// Why no backend could serve (`Flexway-Error-Cause`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnavailableCause {
+    CircuitOpen,
+    PoolExhausted,
+    UpstreamFailed,
+}
+
+impl UnavailableCause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UnavailableCause::CircuitOpen => "circuit_open",
+            UnavailableCause::PoolExhausted => "pool_exhausted",
+            UnavailableCause::UpstreamFailed => "upstream_failed",
+        }
+    }
+}
+
+fn names(backends: &[BackendId]) -> String {
+    let names: Vec<&str> = backends.iter().map(BackendId::as_str).collect();
+    names.join(", ")
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error(transparent)]
+    InvalidRequest(#[from] InvalidRequest),
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
+    #[error("no backend reachable by this caller serves the `{capability}` capability")]
+    CapabilityUnavailable { capability: &'static str },
+    #[error("image URL origin `{origin}` is not allowed: remote images must be under a declared https origin (ai.vision.allowed_origins)")]
+    ImageOriginNotAllowed { origin: String },
+    #[error("this request is marked sensitive and no internal backend can serve it")]
+    SensitiveNoInternalBackend,
+    #[error("tenant `{tenant}` asserted by the relay peer is not declared here")]
+    UnknownTenant { tenant: String },
+    #[error("request body is larger than {limit} bytes (ai.vision.max_body_bytes)")]
+    BodyTooLarge { limit: u64 },
+    #[error("an image is larger than {limit} bytes (ai.vision.max_image_bytes)")]
+    ImageTooLarge { limit: u64 },
+    #[error("budget exceeded: {budget}; it resets in {retry_after_secs} s")]
+    BudgetExceeded { budget: String, retry_after_secs: u64 },
+    #[error("backend `{backend}` answered with an invalid response: {detail}")]
+    UpstreamError { backend: BackendId, detail: String },
+    #[error("no backend could serve this request ({}); tried: {}", cause.as_str(), if tried.is_empty() { "none".to_owned() } else { names(tried) })]
+    UpstreamUnavailable { cause: UnavailableCause, tried: Vec<BackendId> },
+    #[error("backend `{backend}` timed out")]
+    UpstreamTimeout { backend: BackendId },
+    #[error("no route for {method} {path}")]
+    NotFound { method: String, path: String },
+    #[error("method {method} is not allowed on {path}")]
+    MethodNotAllowed { method: String, path: String },
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl GatewayError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            GatewayError::InvalidRequest(_)
+            | GatewayError::CapabilityUnavailable { .. }
+            | GatewayError::ImageOriginNotAllowed { .. } => StatusCode::BAD_REQUEST,
+            GatewayError::Identity(IdentityError::MissingKey | IdentityError::UnknownKey) => StatusCode::UNAUTHORIZED,
+            GatewayError::Identity(_) | GatewayError::SensitiveNoInternalBackend | GatewayError::UnknownTenant { .. } => {
+                StatusCode::FORBIDDEN
+            }
+            GatewayError::BodyTooLarge { .. } | GatewayError::ImageTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            GatewayError::BudgetExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            GatewayError::UpstreamError { .. } => StatusCode::BAD_GATEWAY,
+            GatewayError::UpstreamUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            GatewayError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            GatewayError::NotFound { .. } => StatusCode::NOT_FOUND,
+            GatewayError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            GatewayError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The SPEC's error code (also the low-cardinality label for metrics).
+    pub fn code(&self) -> &'static str {
+        match self {
+            GatewayError::InvalidRequest(_) => "invalid_request",
+            GatewayError::Identity(IdentityError::MissingKey | IdentityError::UnknownKey) => "invalid_api_key",
+            GatewayError::Identity(_) => "unknown_agent",
+            GatewayError::CapabilityUnavailable { .. } => "capability_unavailable",
+            GatewayError::ImageOriginNotAllowed { .. } => "image_origin_not_allowed",
+            GatewayError::SensitiveNoInternalBackend => "sensitive_no_internal_backend",
+            GatewayError::UnknownTenant { .. } => "unknown_tenant",
+            GatewayError::BodyTooLarge { .. } => "body_too_large",
+            GatewayError::ImageTooLarge { .. } => "image_too_large",
+            GatewayError::BudgetExceeded { .. } => "budget_exceeded",
+            GatewayError::UpstreamError { .. } => "upstream_error",
+            GatewayError::UpstreamUnavailable { .. } => "upstream_unavailable",
+            GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
+            GatewayError::NotFound { .. } => "not_found",
+            GatewayError::MethodNotAllowed { .. } => "method_not_allowed",
+            GatewayError::Internal(_) => "internal_error",
+        }
+    }
+
+    /// The OpenAI error `type` for this status, as OpenAI's own API uses them.
+    pub fn openai_type(&self) -> &'static str {
+        match self.status().as_u16() {
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            429 => "insufficient_quota",
+            400..=499 => "invalid_request_error",
+            _ => "api_error",
+        }
+    }
+
+    pub fn param(&self) -> Option<&'static str> {
+        match self {
+            GatewayError::InvalidRequest(e) => e.param,
+            _ => None,
+        }
+    }
+
+    /// Whether another backend could succeed where this one failed (fallback).
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            GatewayError::UpstreamError { .. } | GatewayError::UpstreamUnavailable { .. } | GatewayError::UpstreamTimeout { .. }
+        )
+    }
+
+    /// Response headers this error carries besides the envelope.
+    pub fn headers(&self) -> Vec<(&'static str, String)> {
+        match self {
+            GatewayError::BudgetExceeded { retry_after_secs, .. } => vec![("retry-after", retry_after_secs.to_string())],
+            GatewayError::UpstreamUnavailable { cause, tried } => {
+                let mut h = vec![("flexway-error-cause", cause.as_str().to_owned())];
+                if !tried.is_empty() {
+                    h.push(("flexway-backends-tried", names(tried)));
+                }
+                h
+            }
+            GatewayError::UpstreamTimeout { backend } | GatewayError::UpstreamError { backend, .. } => {
+                vec![("flexway-backends-tried", backend.to_string())]
+            }
+            _ => Vec::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unavailable_names_cause_and_backends() {
+        let err = GatewayError::UpstreamUnavailable {
+            cause: UnavailableCause::UpstreamFailed,
+            tried: vec![BackendId::new("a"), BackendId::new("b")],
+        };
+        assert_eq!(err.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(err.code(), "upstream_unavailable");
+        assert!(err.to_string().contains("upstream_failed"));
+        assert!(err.to_string().contains("a, b"));
+        assert!(err.headers().contains(&("flexway-error-cause", "upstream_failed".to_owned())));
+    }
+
+    #[test]
+    fn identity_errors_map_to_spec_codes() {
+        let missing = GatewayError::from(IdentityError::MissingKey);
+        assert_eq!((missing.status().as_u16(), missing.code()), (401, "invalid_api_key"));
+        let agent = GatewayError::from(IdentityError::UnknownAgent { agent: "x".into() });
+        assert_eq!((agent.status().as_u16(), agent.code()), (403, "unknown_agent"));
+    }
+}

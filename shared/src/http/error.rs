@@ -1,0 +1,68 @@
+//! Errors become responses here, once: the OpenAI envelope under `/v1/*`, RFC 9457
+//! problem details everywhere else. Each error is logged once, at this point.
+
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, header};
+use serde_json::json;
+
+use crate::error::GatewayError;
+use crate::protocol::openai::error_envelope;
+
+/// An error on an OpenAI route: rendered as the OpenAI envelope.
+#[derive(Debug)]
+pub struct ApiError(pub GatewayError);
+
+impl<E: Into<GatewayError>> From<E> for ApiError {
+    fn from(e: E) -> Self {
+        ApiError(e.into())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        render(&self.0, true)
+    }
+}
+
+/// An error anywhere else: rendered as `application/problem+json`.
+#[derive(Debug)]
+pub struct ProblemError(pub GatewayError);
+
+impl IntoResponse for ProblemError {
+    fn into_response(self) -> Response {
+        render(&self.0, false)
+    }
+}
+
+pub fn render(error: &GatewayError, openai: bool) -> Response {
+    let status = error.status();
+    if status.is_server_error() {
+        tracing::warn!(code = error.code(), status = status.as_u16(), "{error}");
+    } else {
+        tracing::debug!(code = error.code(), status = status.as_u16(), "{error}");
+    }
+    let message = error.to_string();
+    let (body, content_type) = if openai {
+        (error_envelope(&message, error.openai_type(), error.code(), error.param()), "application/json")
+    } else {
+        let problem = json!({
+            "type": format!("https://flexway.dev/errors/{}", error.code()),
+            "title": status.canonical_reason().unwrap_or("Error"),
+            "status": status.as_u16(),
+            "detail": message,
+            "code": error.code(),
+        });
+        (problem, "application/problem+json")
+    };
+    let mut response = Response::new(Body::from(body.to_string()));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    for (name, value) in error.headers() {
+        if let Ok(value) = HeaderValue::from_str(&value) {
+            headers.insert(name, value);
+        }
+    }
+    response
+}

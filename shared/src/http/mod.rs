@@ -1,0 +1,90 @@
+//! The HTTP surface (SPEC §2), built once for both shapes: `flexway serve` runs it
+//! with `axum::serve`, the Lambda function with `lambda_http`'s streaming runner.
+
+mod error;
+mod proxy;
+mod relay;
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use http::{HeaderMap, HeaderValue, Method, Uri};
+use serde_json::json;
+
+pub use error::{ApiError, ProblemError, render};
+
+use crate::error::GatewayError;
+use crate::gateway::Gateway;
+use crate::protocol::openai::model_list;
+
+pub const REQUEST_ID_HEADER: &str = "flexway-request-id";
+
+/// The id of one request, returned as `Flexway-Request-Id` and used by the ledger
+/// and the audit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestId(pub String);
+
+impl RequestId {
+    pub fn generate() -> Self {
+        RequestId(format!("req_{}", uuid::Uuid::new_v4().simple()))
+    }
+}
+
+pub fn app(gateway: Arc<Gateway>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(proxy::chat_completions))
+        .route("/v1/embeddings", post(proxy::embeddings))
+        .route("/v1/models", get(models))
+        .route("/healthz", get(healthz))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn(request_id))
+        .with_state(gateway)
+}
+
+async fn request_id(mut request: Request, next: Next) -> Response {
+    let id = RequestId::generate();
+    request.extensions_mut().insert(id.clone());
+    let mut response = next.run(request).await;
+    if let Ok(value) = HeaderValue::from_str(&id.0) {
+        response.headers_mut().insert(REQUEST_ID_HEADER, value);
+    }
+    response
+}
+
+async fn healthz(State(gateway): State<Arc<Gateway>>) -> Response {
+    let body = json!({
+        "status": "ok",
+        "version": env!("CARGO_PKG_VERSION"),
+        "backends": gateway.config.ai.backends.len(),
+        "tenants": gateway.config.tenants.len(),
+    });
+    Json(body).into_response()
+}
+
+async fn models(State(gateway): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Response, ApiError> {
+    let caller = gateway.keys.authenticate(&headers)?;
+    let names = gateway.router.reachable_models(&caller);
+    Ok(Json(model_list(names.iter().map(String::as_str))).into_response())
+}
+
+fn is_openai_path(uri: &Uri) -> bool {
+    uri.path() == "/v1" || uri.path().starts_with("/v1/")
+}
+
+async fn not_found(method: Method, uri: Uri) -> Response {
+    let error = GatewayError::NotFound { method: method.to_string(), path: uri.path().to_owned() };
+    render(&error, is_openai_path(&uri))
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    let error = GatewayError::MethodNotAllowed { method: method.to_string(), path: uri.path().to_owned() };
+    render(&error, is_openai_path(&uri))
+}
+
+/// Kept for handlers that need the id (`Extension<RequestId>`).
+pub type RequestIdExt = Extension<RequestId>;

@@ -1,0 +1,259 @@
+//! The inference handlers: authenticate → parse and measure → route → dispatch (with
+//! fallback, before the first byte only) → relay.
+//!
+//! Fallback happens on a connection error, a 5xx or a timeout, never on a 4xx: a
+//! backend's own 4xx (its 429 included) is the caller's answer and is relayed as is.
+
+use std::sync::Arc;
+
+use axum::Extension;
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::Response;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode, header};
+
+use super::error::ApiError;
+use super::relay;
+use super::RequestId;
+use crate::config::{BackendId, Endpoint};
+use crate::error::{GatewayError, UnavailableCause};
+use crate::gateway::Gateway;
+use crate::identity::Caller;
+use crate::protocol::openai::{ChatRequest, EmbeddingsRequest, Usage};
+use crate::routing::Candidate;
+use crate::upstream::CallError;
+
+pub const BACKEND_HEADER: &str = "flexway-backend";
+pub const DEGRADED_HEADER: &str = "flexway-degraded";
+
+/// A backend that answered (any status but 5xx), before a byte reached the client.
+pub(super) struct Served {
+    pub candidate: Candidate,
+    pub model: String,
+    pub response: reqwest::Response,
+    pub timeout: std::time::Duration,
+}
+
+pub(super) async fn chat_completions(
+    State(gateway): State<Arc<Gateway>>,
+    Extension(request_id): Extension<RequestId>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let caller = gateway.keys.authenticate(&headers)?;
+    let bytes = read_body(body, &headers, gateway.config.ai.vision.max_body_bytes).await?;
+    let request = ChatRequest::parse(&bytes)?;
+    let chain = gateway.router.chain(&caller, request.capability())?;
+    let served = dispatch(&gateway, &chain, "/chat/completions", &request.model, |model| request.upstream_body(model, None)).await?;
+    let call = CallInfo { request_id, caller, backend: served.candidate.backend.clone() };
+    if !served.response.status().is_success() {
+        return relay_error_as_is(served).await;
+    }
+    if request.stream {
+        if !is_event_stream(served.response.headers()) {
+            return Err(GatewayError::UpstreamError {
+                backend: served.candidate.backend,
+                detail: "a stream was asked for but the response is not text/event-stream".into(),
+            }
+            .into());
+        }
+        let headers = model_headers(&served.candidate);
+        return Ok(relay::stream(served, request.client_wants_usage, headers, call));
+    }
+    complete_json(served, call).await
+}
+
+pub(super) async fn embeddings(
+    State(gateway): State<Arc<Gateway>>,
+    Extension(request_id): Extension<RequestId>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let caller = gateway.keys.authenticate(&headers)?;
+    let bytes = read_body(body, &headers, gateway.config.ai.vision.max_body_bytes).await?;
+    let request = EmbeddingsRequest::parse(&bytes)?;
+    let chain = gateway.router.chain(&caller, crate::config::Capability::Embeddings)?;
+    let served = dispatch(&gateway, &chain, "/embeddings", &request.model, |model| request.upstream_body(model)).await?;
+    let call = CallInfo { request_id, caller, backend: served.candidate.backend.clone() };
+    if !served.response.status().is_success() {
+        return relay_error_as_is(served).await;
+    }
+    complete_json(served, call).await
+}
+
+/// What the finishing phase needs to know about a call.
+pub(super) struct CallInfo {
+    pub request_id: RequestId,
+    pub caller: Caller,
+    pub backend: BackendId,
+}
+
+/// Reads the body, refusing it as soon as it passes `limit` (never buffering more).
+async fn read_body(body: Body, headers: &HeaderMap, limit: u64) -> Result<Bytes, GatewayError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit) {
+        return Err(GatewayError::BodyTooLarge { limit });
+    }
+    let max = usize::try_from(limit).unwrap_or(usize::MAX);
+    axum::body::to_bytes(body, max).await.map_err(|e| {
+        if is_length_limit(&e) {
+            GatewayError::BodyTooLarge { limit }
+        } else {
+            GatewayError::InvalidRequest(crate::protocol::openai::InvalidRequest {
+                message: format!("could not read the request body: {e}"),
+                param: None,
+            })
+        }
+    })
+}
+
+fn is_length_limit(e: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if s.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
+}
+
+/// Tries the chain in order until a backend answers with something other than a 5xx.
+async fn dispatch(
+    gateway: &Gateway,
+    chain: &[Candidate],
+    path: &str,
+    requested_model: &str,
+    body_for: impl Fn(&str) -> Vec<u8>,
+) -> Result<Served, GatewayError> {
+    let mut tried = Vec::new();
+    let mut timed_out = None;
+    for candidate in chain {
+        let (Some(endpoint), Some(client)) = (endpoint(gateway, &candidate.backend), gateway.upstreams.get(&candidate.backend)) else {
+            continue;
+        };
+        let model = endpoint.served_model(requested_model);
+        tried.push(candidate.backend.clone());
+        match client.post_json(path, body_for(&model)).await {
+            Ok(response) if response.status().is_server_error() => {
+                tracing::warn!(backend = %candidate.backend, status = response.status().as_u16(), "backend failed");
+                timed_out = None;
+            }
+            Ok(response) => {
+                return Ok(Served { candidate: candidate.clone(), model, response, timeout: client.timeout });
+            }
+            Err(CallError::Timeout(after)) => {
+                tracing::warn!(backend = %candidate.backend, ?after, "backend timed out");
+                timed_out = Some(candidate.backend.clone());
+            }
+            Err(e) => {
+                tracing::warn!(backend = %candidate.backend, "backend unreachable: {e}");
+                timed_out = None;
+            }
+        }
+    }
+    match timed_out {
+        Some(backend) => Err(GatewayError::UpstreamTimeout { backend }),
+        None => Err(GatewayError::UpstreamUnavailable { cause: UnavailableCause::UpstreamFailed, tried }),
+    }
+}
+
+fn endpoint<'a>(gateway: &'a Gateway, backend: &BackendId) -> Option<&'a Endpoint> {
+    gateway.config.ai.backends.get(backend).and_then(|b| b.kind.endpoint())
+}
+
+fn is_event_stream(headers: &reqwest::header::HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"))
+}
+
+/// `Flexway-Backend` and, when a fallback served, `Flexway-Degraded`.
+pub(super) fn model_headers(candidate: &Candidate) -> Vec<(&'static str, HeaderValue)> {
+    let mut headers = Vec::new();
+    if let Ok(v) = HeaderValue::from_str(candidate.backend.as_str()) {
+        headers.push((BACKEND_HEADER, v));
+    }
+    if candidate.degraded {
+        headers.push((DEGRADED_HEADER, HeaderValue::from_static("backend-fallback")));
+    }
+    headers
+}
+
+fn response_with(status: StatusCode, body: Bytes, content_type: HeaderValue, extra: Vec<(&'static str, HeaderValue)>) -> Response {
+    let mut response = Response::new(Body::from(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(header::CONTENT_TYPE, content_type);
+    for (name, value) in extra {
+        response.headers_mut().insert(name, value);
+    }
+    response
+}
+
+async fn read_upstream_body(served: &mut Served) -> Result<Bytes, GatewayError> {
+    let backend = served.candidate.backend.clone();
+    let response = std::mem::replace(&mut served.response, empty_response());
+    match tokio::time::timeout(served.timeout, response.bytes()).await {
+        Err(_) => Err(GatewayError::UpstreamTimeout { backend }),
+        Ok(Err(e)) => Err(GatewayError::UpstreamError { backend, detail: format!("reading the body failed: {e}") }),
+        Ok(Ok(bytes)) => Ok(bytes),
+    }
+}
+
+fn empty_response() -> reqwest::Response {
+    reqwest::Response::from(http::Response::new(Vec::<u8>::new()))
+}
+
+/// A backend's own 4xx: relayed as is (status, body, content type, Retry-After).
+async fn relay_error_as_is(mut served: Served) -> Result<Response, ApiError> {
+    let status = served.response.status();
+    let content_type = served
+        .response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .cloned()
+        .unwrap_or(HeaderValue::from_static("application/json"));
+    let retry_after = served.response.headers().get(header::RETRY_AFTER).cloned();
+    let body = read_upstream_body(&mut served).await?;
+    let mut extra = model_headers(&served.candidate);
+    if let Some(v) = retry_after {
+        extra.push(("retry-after", v));
+    }
+    tracing::info!(backend = %served.candidate.backend, status = status.as_u16(), "backend refused the call");
+    Ok(response_with(status, body, content_type, extra))
+}
+
+/// A non-streamed answer: checked to be a JSON object, its usage read, relayed as is.
+async fn complete_json(mut served: Served, call: CallInfo) -> Result<Response, ApiError> {
+    let body = read_upstream_body(&mut served).await?;
+    let usage = match serde_json::from_slice::<serde_json::Value>(&body) {
+        Ok(value) if value.is_object() => Usage::from_value(value.get("usage")),
+        _ => {
+            return Err(GatewayError::UpstreamError {
+                backend: served.candidate.backend,
+                detail: "the response is not a JSON object".into(),
+            }
+            .into());
+        }
+    };
+    tracing::info!(
+        request_id = %call.request_id.0,
+        tenant = %call.caller.tenant,
+        backend = %call.backend,
+        model = %served.model,
+        prompt_tokens = usage.map(|u| u.prompt_tokens),
+        completion_tokens = usage.map(|u| u.completion_tokens),
+        "call served"
+    );
+    Ok(response_with(
+        StatusCode::OK,
+        body,
+        HeaderValue::from_static("application/json"),
+        model_headers(&served.candidate),
+    ))
+}

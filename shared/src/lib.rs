@@ -1,0 +1,16 @@
+//! Flexway's core: everything the gateway does, with no Lambda, AWS or store technology
+//! in it. The binaries (`flexway serve`, the Lambda functions) build adapters and call
+//! [`http::app`]; tests drive the same router.
+
+pub mod config;
+pub mod error;
+pub mod gateway;
+pub mod http;
+pub mod identity;
+pub mod money;
+pub mod protocol;
+pub mod routing;
+pub mod secret;
+pub mod upstream;
+
+pub use gateway::Gateway;

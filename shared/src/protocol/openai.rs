@@ -1,0 +1,367 @@
+//! The OpenAI surface: request views, usage, error envelopes.
+//!
+//! Requests are kept as JSON objects and relayed with every field the client sent,
+//! except the few the gateway owns (`model`, `stream_options`, a clamped `max_tokens`).
+//! What the gateway needs to decide (model, stream, limits, images) is read once here,
+//! and a malformed request is refused here with the `param` that is wrong.
+
+use serde_json::{Map, Value, json};
+
+use crate::config::Capability;
+
+/// A refused request: a message and the offending parameter.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct InvalidRequest {
+    pub message: String,
+    pub param: Option<&'static str>,
+}
+
+fn invalid(param: &'static str, message: impl Into<String>) -> InvalidRequest {
+    InvalidRequest { message: message.into(), param: Some(param) }
+}
+
+/// The OpenAI error envelope.
+pub fn error_envelope(message: &str, kind: &str, code: &str, param: Option<&str>) -> Value {
+    json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
+}
+
+/// Token usage as a backend reports it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+impl Usage {
+    /// Reads an OpenAI `usage` object; `None` when absent or null.
+    pub fn from_value(usage: Option<&Value>) -> Option<Usage> {
+        let usage = usage?.as_object()?;
+        let get = |k: &str| usage.get(k).and_then(Value::as_u64);
+        let prompt = get("prompt_tokens")?;
+        let completion = get("completion_tokens").unwrap_or(0);
+        Some(Usage { prompt_tokens: prompt, completion_tokens: completion })
+    }
+
+    pub fn total(&self) -> u64 {
+        self.prompt_tokens.saturating_add(self.completion_tokens)
+    }
+}
+
+fn parse_object(body: &[u8]) -> Result<Map<String, Value>, InvalidRequest> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(InvalidRequest { message: "the request body must be a JSON object".into(), param: None }),
+        Err(e) => Err(InvalidRequest { message: format!("the request body is not valid JSON: {e}"), param: None }),
+    }
+}
+
+fn required_model(body: &Map<String, Value>) -> Result<String, InvalidRequest> {
+    match body.get("model") {
+        Some(Value::String(m)) if !m.trim().is_empty() => Ok(m.clone()),
+        Some(Value::String(_)) | None => Err(invalid("model", "`model` is required")),
+        Some(_) => Err(invalid("model", "`model` must be a string")),
+    }
+}
+
+fn optional_u64(body: &Map<String, Value>, key: &'static str) -> Result<Option<u64>, InvalidRequest> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| invalid(key, format!("`{key}` must be a non-negative integer"))),
+    }
+}
+
+/// An image found in a message, measured without decoding.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageRef {
+    /// The `url` field: a `data:` URI or a remote URL.
+    pub url: String,
+}
+
+/// A `POST /v1/chat/completions` body.
+#[derive(Debug, Clone)]
+pub struct ChatRequest {
+    body: Map<String, Value>,
+    pub model: String,
+    pub stream: bool,
+    /// Whether the client itself asked for the usage chunk.
+    pub client_wants_usage: bool,
+    /// `max_completion_tokens`, else `max_tokens`.
+    pub max_tokens: Option<u64>,
+    pub images: Vec<ImageRef>,
+    /// Bytes of text across the messages: an upper bound of their token count.
+    pub prompt_text_bytes: u64,
+    pub message_count: u64,
+}
+
+impl ChatRequest {
+    pub fn parse(bytes: &[u8]) -> Result<Self, InvalidRequest> {
+        let body = parse_object(bytes)?;
+        let model = required_model(&body)?;
+        let stream = match body.get("stream") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err(invalid("stream", "`stream` must be a boolean")),
+        };
+        let client_wants_usage = match body.get("stream_options") {
+            None | Some(Value::Null) => false,
+            Some(Value::Object(o)) => match o.get("include_usage") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => return Err(invalid("stream_options", "`stream_options.include_usage` must be a boolean")),
+            },
+            Some(_) => return Err(invalid("stream_options", "`stream_options` must be an object")),
+        };
+        let max_tokens = match optional_u64(&body, "max_completion_tokens")? {
+            Some(n) => Some(n),
+            None => optional_u64(&body, "max_tokens")?,
+        };
+        let messages = match body.get("messages") {
+            Some(Value::Array(m)) if !m.is_empty() => m,
+            Some(Value::Array(_)) => return Err(invalid("messages", "`messages` must not be empty")),
+            None => return Err(invalid("messages", "`messages` is required")),
+            Some(_) => return Err(invalid("messages", "`messages` must be an array")),
+        };
+        let mut images = Vec::new();
+        let mut prompt_text_bytes = 0u64;
+        for (i, message) in messages.iter().enumerate() {
+            let Some(message) = message.as_object() else {
+                return Err(invalid("messages", format!("messages[{i}] must be an object")));
+            };
+            if !matches!(message.get("role"), Some(Value::String(_))) {
+                return Err(invalid("messages", format!("messages[{i}].role is required")));
+            }
+            prompt_text_bytes += measure_content(i, message.get("content"), &mut images)?;
+            // Tool calls and names count towards the prompt too: measure them as text.
+            for key in ["tool_calls", "function_call", "name"] {
+                if let Some(v) = message.get(key) {
+                    prompt_text_bytes += v.to_string().len() as u64;
+                }
+            }
+        }
+        // Tool definitions are part of the prompt the model reads.
+        for key in ["tools", "functions", "response_format"] {
+            if let Some(v) = body.get(key) {
+                prompt_text_bytes += v.to_string().len() as u64;
+            }
+        }
+        let message_count = messages.len() as u64;
+        Ok(ChatRequest {
+            body,
+            model,
+            stream,
+            client_wants_usage,
+            max_tokens,
+            images,
+            prompt_text_bytes,
+            message_count,
+        })
+    }
+
+    pub fn capability(&self) -> Capability {
+        if self.images.is_empty() { Capability::Chat } else { Capability::Vision }
+    }
+
+    /// The body sent upstream: the client's, with the served model, usage always asked
+    /// of a stream, and the completion allowance clamped when `max_tokens` is given.
+    pub fn upstream_body(&self, served_model: &str, max_tokens: Option<u64>) -> Vec<u8> {
+        let mut body = self.body.clone();
+        body.insert("model".into(), Value::String(served_model.to_owned()));
+        if self.stream {
+            let options = body.entry("stream_options").or_insert_with(|| json!({}));
+            if let Value::Object(o) = options {
+                o.insert("include_usage".into(), Value::Bool(true));
+            } else {
+                *options = json!({"include_usage": true});
+            }
+        }
+        if let Some(limit) = max_tokens {
+            let key = if body.contains_key("max_completion_tokens") { "max_completion_tokens" } else { "max_tokens" };
+            body.insert(key.into(), json!(limit));
+        }
+        serde_json::to_vec(&body).unwrap_or_default()
+    }
+}
+
+/// Measures one message's content, collecting its images. Returns its text bytes.
+fn measure_content(i: usize, content: Option<&Value>, images: &mut Vec<ImageRef>) -> Result<u64, InvalidRequest> {
+    let parts = match content {
+        None | Some(Value::Null) => return Ok(0),
+        Some(Value::String(s)) => return Ok(s.len() as u64),
+        Some(Value::Array(parts)) => parts,
+        Some(_) => return Err(invalid("messages", format!("messages[{i}].content must be a string or an array of parts"))),
+    };
+    let mut bytes = 0u64;
+    for (j, part) in parts.iter().enumerate() {
+        let kind = part.get("type").and_then(Value::as_str);
+        match kind {
+            Some("text") => match part.get("text") {
+                Some(Value::String(t)) => bytes += t.len() as u64,
+                _ => return Err(invalid("messages", format!("messages[{i}].content[{j}].text must be a string"))),
+            },
+            Some("image_url") => {
+                let url = match part.get("image_url") {
+                    Some(Value::String(u)) => u,
+                    Some(Value::Object(o)) => match o.get("url") {
+                        Some(Value::String(u)) => u,
+                        _ => return Err(invalid("messages", format!("messages[{i}].content[{j}].image_url.url must be a string"))),
+                    },
+                    _ => return Err(invalid("messages", format!("messages[{i}].content[{j}].image_url is required"))),
+                };
+                images.push(ImageRef { url: url.clone() });
+            }
+            Some(other) => {
+                return Err(invalid(
+                    "messages",
+                    format!("messages[{i}].content[{j}]: content part type `{other}` is not supported (use `text` or `image_url`)"),
+                ));
+            }
+            None => return Err(invalid("messages", format!("messages[{i}].content[{j}].type is required"))),
+        }
+    }
+    Ok(bytes)
+}
+
+/// A `POST /v1/embeddings` body.
+#[derive(Debug, Clone)]
+pub struct EmbeddingsRequest {
+    body: Map<String, Value>,
+    pub model: String,
+    /// Bytes (or token ids) of input: an upper bound of its token count.
+    pub input_units: u64,
+}
+
+impl EmbeddingsRequest {
+    pub fn parse(bytes: &[u8]) -> Result<Self, InvalidRequest> {
+        let body = parse_object(bytes)?;
+        let model = required_model(&body)?;
+        let input_units = match body.get("input") {
+            Some(Value::String(s)) if !s.is_empty() => s.len() as u64,
+            Some(Value::Array(items)) if !items.is_empty() => {
+                let mut units = 0u64;
+                for item in items {
+                    units += match item {
+                        Value::String(s) => s.len() as u64,
+                        Value::Number(_) => 1,
+                        Value::Array(tokens) if tokens.iter().all(Value::is_number) => tokens.len() as u64,
+                        _ => return Err(invalid("input", "`input` must be a string, an array of strings, or token arrays")),
+                    };
+                }
+                units
+            }
+            None => return Err(invalid("input", "`input` is required")),
+            Some(_) => return Err(invalid("input", "`input` must be a non-empty string or array")),
+        };
+        Ok(EmbeddingsRequest { body, model, input_units })
+    }
+
+    pub fn upstream_body(&self, served_model: &str) -> Vec<u8> {
+        let mut body = self.body.clone();
+        body.insert("model".into(), Value::String(served_model.to_owned()));
+        serde_json::to_vec(&body).unwrap_or_default()
+    }
+}
+
+/// The `GET /v1/models` list.
+pub fn model_list<'a>(names: impl IntoIterator<Item = &'a str>) -> Value {
+    let data: Vec<Value> = names
+        .into_iter()
+        .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "flexway"}))
+        .collect();
+    json!({"object": "list", "data": data})
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn chat(v: Value) -> Result<ChatRequest, InvalidRequest> {
+        ChatRequest::parse(v.to_string().as_bytes())
+    }
+
+    #[test]
+    fn reads_what_routing_and_budgets_need() {
+        let req = chat(json!({"model": "m", "stream": true, "max_tokens": 7,
+            "messages": [{"role": "user", "content": "héllo"}]}))
+        .unwrap();
+        assert_eq!(req.model, "m");
+        assert!(req.stream);
+        assert!(!req.client_wants_usage);
+        assert_eq!(req.max_tokens, Some(7));
+        assert_eq!(req.prompt_text_bytes, 6);
+        assert_eq!(req.capability(), Capability::Chat);
+    }
+
+    #[test]
+    fn max_completion_tokens_wins_over_max_tokens() {
+        let req = chat(json!({"model": "m", "max_tokens": 7, "max_completion_tokens": 3,
+            "messages": [{"role": "user", "content": "x"}]}))
+        .unwrap();
+        assert_eq!(req.max_tokens, Some(3));
+    }
+
+    #[test]
+    fn refuses_malformed_requests_with_the_param() {
+        let cases = [
+            (json!([1]), None),
+            (json!({"messages": [{"role": "user", "content": "x"}]}), Some("model")),
+            (json!({"model": 3, "messages": []}), Some("model")),
+            (json!({"model": "m"}), Some("messages")),
+            (json!({"model": "m", "messages": []}), Some("messages")),
+            (json!({"model": "m", "messages": [{"content": "x"}]}), Some("messages")),
+            (json!({"model": "m", "stream": "yes", "messages": [{"role": "user", "content": "x"}]}), Some("stream")),
+            (json!({"model": "m", "max_tokens": -1, "messages": [{"role": "user", "content": "x"}]}), Some("max_tokens")),
+            (json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "audio"}]}]}), Some("messages")),
+        ];
+        for (body, param) in cases {
+            let err = chat(body.clone()).unwrap_err();
+            assert_eq!(err.param, param, "{body}");
+        }
+        assert!(ChatRequest::parse(b"{not json").is_err());
+    }
+
+    #[test]
+    fn finds_images_in_content_parts() {
+        let req = chat(json!({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}))
+        .unwrap();
+        assert_eq!(req.capability(), Capability::Vision);
+        assert_eq!(req.images.len(), 1);
+        assert_eq!(req.prompt_text_bytes, 12);
+    }
+
+    #[test]
+    fn upstream_body_sets_model_and_always_asks_stream_usage() {
+        let req = chat(json!({"model": "alias", "stream": true, "temperature": 0.5,
+            "messages": [{"role": "user", "content": "x"}]}))
+        .unwrap();
+        let body: Value = serde_json::from_slice(&req.upstream_body("real", Some(9))).unwrap();
+        assert_eq!(body["model"], "real");
+        assert_eq!(body["stream_options"]["include_usage"], true);
+        assert_eq!(body["temperature"], 0.5);
+        assert_eq!(body["max_tokens"], 9);
+    }
+
+    #[test]
+    fn embeddings_input_forms() {
+        let ok = |v: Value| EmbeddingsRequest::parse(v.to_string().as_bytes());
+        assert_eq!(ok(json!({"model": "e", "input": "abc"})).unwrap().input_units, 3);
+        assert_eq!(ok(json!({"model": "e", "input": ["ab", "c"]})).unwrap().input_units, 3);
+        assert_eq!(ok(json!({"model": "e", "input": [[1, 2, 3]]})).unwrap().input_units, 3);
+        assert_eq!(ok(json!({"model": "e"})).unwrap_err().param, Some("input"));
+        assert_eq!(ok(json!({"model": "e", "input": [{}]})).unwrap_err().param, Some("input"));
+    }
+
+    #[test]
+    fn reads_usage_blocks() {
+        let u = Usage::from_value(Some(&json!({"prompt_tokens": 3, "completion_tokens": 4}))).unwrap();
+        assert_eq!(u.total(), 7);
+        assert_eq!(Usage::from_value(Some(&Value::Null)), None);
+    }
+}

@@ -1,0 +1,182 @@
+//! Routing: which backends may serve a call, in which order (SPEC §4, §5).
+//!
+//! The choice is declarative: default, then the tenant's and the agent's overrides,
+//! then the capability override. Neither latency, content nor the requested model
+//! chooses. The result is an ordered chain of endpoint backends: pools expanded (best
+//! priority group first, weighted order inside a group), then the declared fallbacks,
+//! each backend at most once, each able to serve the request's capability.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use rand::Rng;
+
+use crate::config::{Backend, BackendId, BackendKind, Capability, Config, PoolMember};
+use crate::error::GatewayError;
+use crate::identity::Caller;
+
+/// One backend the dispatcher may try.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    pub backend: BackendId,
+    /// Served by a fallback or a lower-priority pool member: `Flexway-Degraded`.
+    pub degraded: bool,
+}
+
+pub struct Router {
+    config: Arc<Config>,
+}
+
+impl Router {
+    pub fn new(config: Arc<Config>) -> Self {
+        Router { config }
+    }
+
+    /// The backend this caller's routing starts from, before expansion.
+    pub fn entry_backend(&self, caller: &Caller, capability: Capability) -> &BackendId {
+        let ai = &self.config.ai;
+        let override_for = match capability {
+            Capability::Chat => None,
+            Capability::Vision => ai.capabilities.vision.as_ref(),
+            Capability::Embeddings => ai.capabilities.embeddings.as_ref(),
+        };
+        if let Some(backend) = override_for {
+            return backend;
+        }
+        let tenant = self.config.tenants.get(&caller.tenant);
+        let agent_backend = caller
+            .agent
+            .as_ref()
+            .and_then(|a| tenant.and_then(|t| t.agents.get(a)))
+            .and_then(|a| a.backend.as_ref());
+        agent_backend
+            .or_else(|| tenant.and_then(|t| t.backend.as_ref()))
+            .unwrap_or(&ai.default_backend)
+    }
+
+    /// The ordered chain of candidates for a call.
+    pub fn chain(&self, caller: &Caller, capability: Capability) -> Result<Vec<Candidate>, GatewayError> {
+        let entry = self.entry_backend(caller, capability);
+        let mut chain = Vec::new();
+        let mut seen = BTreeSet::new();
+        self.expand(entry, false, &mut chain, &mut seen, &mut rand::rng());
+        chain.retain(|c| self.backend(&c.backend).is_some_and(|b| b.capabilities.contains(&capability)));
+        if chain.is_empty() {
+            return Err(GatewayError::CapabilityUnavailable { capability: capability.as_str() });
+        }
+        Ok(chain)
+    }
+
+    fn backend(&self, name: &BackendId) -> Option<&Backend> {
+        self.config.ai.backends.get(name)
+    }
+
+    /// Appends `name` (a pool's members in order) then its fallbacks, depth first.
+    fn expand(&self, name: &BackendId, degraded: bool, chain: &mut Vec<Candidate>, seen: &mut BTreeSet<BackendId>, rng: &mut impl Rng) {
+        if !seen.insert(name.clone()) {
+            return;
+        }
+        let Some(backend) = self.backend(name) else { return };
+        match &backend.kind {
+            BackendKind::Pool { members } => {
+                let best = members.iter().map(|m| m.priority).min().unwrap_or(1);
+                for member in pool_order(members, rng) {
+                    if seen.insert(member.backend.clone()) {
+                        chain.push(Candidate { backend: member.backend.clone(), degraded: degraded || member.priority > best });
+                    }
+                }
+            }
+            BackendKind::Grpc { .. } => {}
+            _ => chain.push(Candidate { backend: name.clone(), degraded }),
+        }
+        for fallback in &backend.fallback {
+            self.expand(fallback, true, chain, seen, rng);
+        }
+    }
+
+    /// Client-facing model names this caller can reach (SPEC §2, `GET /v1/models`).
+    pub fn reachable_models(&self, caller: &Caller) -> Vec<String> {
+        let mut names = Vec::new();
+        let mut seen_backends = BTreeSet::new();
+        let mut backends = Vec::new();
+        for capability in [Capability::Chat, Capability::Vision, Capability::Embeddings] {
+            let mut chain = Vec::new();
+            self.expand(self.entry_backend(caller, capability), false, &mut chain, &mut BTreeSet::new(), &mut rand::rng());
+            for candidate in chain {
+                if seen_backends.insert(candidate.backend.clone()) {
+                    backends.push(candidate.backend);
+                }
+            }
+        }
+        for name in backends {
+            let Some(endpoint) = self.backend(&name).and_then(|b| b.kind.endpoint()) else { continue };
+            for model in endpoint.client_names() {
+                if !names.iter().any(|n| n == model) {
+                    names.push(model.to_owned());
+                }
+            }
+        }
+        names
+    }
+}
+
+/// Members by priority group (1 first); inside a group, a weighted random order.
+fn pool_order<'a>(members: &'a [PoolMember], rng: &mut impl Rng) -> Vec<&'a PoolMember> {
+    let mut priorities: Vec<u32> = members.iter().map(|m| m.priority).collect();
+    priorities.sort_unstable();
+    priorities.dedup();
+    let mut order = Vec::with_capacity(members.len());
+    for priority in priorities {
+        let mut group: Vec<&PoolMember> = members.iter().filter(|m| m.priority == priority).collect();
+        while !group.is_empty() {
+            let total: u64 = group.iter().map(|m| u64::from(m.weight.max(1))).sum();
+            let mut pick = rng.random_range(0..total);
+            let index = group
+                .iter()
+                .position(|m| {
+                    let w = u64::from(m.weight.max(1));
+                    if pick < w {
+                        true
+                    } else {
+                        pick -= w;
+                        false
+                    }
+                })
+                .unwrap_or(0);
+            order.push(group.remove(index));
+        }
+    }
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    use super::*;
+
+    fn member(name: &str, priority: u32, weight: u32) -> PoolMember {
+        PoolMember { backend: BackendId::new(name), priority, weight }
+    }
+
+    #[test]
+    fn pool_order_puts_priority_groups_first() {
+        let members = [member("b", 2, 3), member("a", 1, 1), member("c", 2, 1)];
+        let mut rng = StdRng::seed_from_u64(7);
+        for _ in 0..50 {
+            let order = pool_order(&members, &mut rng);
+            assert_eq!(order[0].backend.as_str(), "a");
+            assert_eq!(order.len(), 3);
+        }
+    }
+
+    #[test]
+    fn pool_order_spreads_by_weight_inside_a_group() {
+        let members = [member("b", 1, 3), member("c", 1, 1)];
+        let mut rng = StdRng::seed_from_u64(42);
+        let firsts = (0..4000).filter(|_| pool_order(&members, &mut rng)[0].backend.as_str() == "b").count();
+        // Expected 3000 of 4000; within 10%.
+        assert!((2700..=3300).contains(&firsts), "b first {firsts} times");
+    }
+}

@@ -1,0 +1,1597 @@
+//! Every load-time refusal of the configuration, one behaviour per test.
+//!
+//! Each test starts from a small valid document (`doc()`), changes one thing with
+//! `.set(path, yaml)` / `.remove(path)`, and checks where the error is reported and
+//! what it says.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use flexway::config::{
+    AuditSinkConfig, Auth, BackendKind, BreakerTrigger, Capability, Diagnostic, Loaded, Metering,
+    SecretRef, StoreConfig, load_str, parse_duration,
+};
+use flexway::money::MicroEur;
+use serde_norway::Value;
+
+const KEY_A: &str = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+const KEY_B: &str = "60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752";
+
+const BASE: &str = r#"
+version: 1
+tenants:
+  acme:
+    keys:
+      - sha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08
+    agents:
+      bot: {}
+ai:
+  default_backend: main
+  backends:
+    main:
+      url: https://main.example.net/v1
+      price: {input_per_mtok_eur: 1, output_per_mtok_eur: 2}
+    internal:
+      url: http://10.0.0.5:8000/v1
+      external: false
+      price: {input_per_mtok_eur: 0.1, output_per_mtok_eur: 0.1}
+"#;
+
+/// A small valid configuration to tweak.
+struct Doc(Value);
+
+fn doc() -> Doc {
+    Doc(serde_norway::from_str(BASE).unwrap())
+}
+
+fn yaml(text: &str) -> Value {
+    serde_norway::from_str(text).unwrap()
+}
+
+impl Doc {
+    /// Sets the value at a dotted path (`ai.backends.main.auth`), creating mappings.
+    fn set(mut self, path: &str, value: &str) -> Doc {
+        let (parents, last) = path.rsplit_once('.').map_or(("", path), |(p, l)| (p, l));
+        let mut node = &mut self.0;
+        for key in parents.split('.').filter(|k| !k.is_empty()) {
+            let map = node
+                .as_mapping_mut()
+                .unwrap_or_else(|| panic!("{key}: not a mapping"));
+            if !map.contains_key(key) {
+                map.insert(key.into(), Value::Mapping(Default::default()));
+            }
+            node = map.get_mut(key).unwrap();
+        }
+        node.as_mapping_mut()
+            .unwrap()
+            .insert(last.into(), yaml(value));
+        self
+    }
+
+    fn remove(mut self, path: &str) -> Doc {
+        let (parents, last) = path.rsplit_once('.').map_or(("", path), |(p, l)| (p, l));
+        let mut node = &mut self.0;
+        for key in parents.split('.').filter(|k| !k.is_empty()) {
+            node = node.get_mut(key).unwrap();
+        }
+        node.as_mapping_mut().unwrap().remove(last).unwrap();
+        self
+    }
+
+    fn text(&self) -> String {
+        serde_norway::to_string(&self.0).unwrap()
+    }
+
+    fn load(&self) -> Result<Loaded, Vec<Diagnostic>> {
+        load_str(&self.text(), &env()).map_err(|e| e.errors)
+    }
+
+    fn loads(&self) -> Loaded {
+        self.load()
+            .unwrap_or_else(|errors| panic!("should load, got {errors:#?}"))
+    }
+
+    fn errors(&self) -> Vec<Diagnostic> {
+        match self.load() {
+            Ok(_) => panic!("should be refused:\n{}", self.text()),
+            Err(errors) => errors,
+        }
+    }
+
+    /// Asserts the document is refused with exactly one error, at `path`, whose
+    /// message contains `fragment`; answers the message.
+    fn refused(&self, path: &str, fragment: &str) -> String {
+        let errors = self.errors();
+        assert_eq!(
+            errors.len(),
+            1,
+            "expected one error at {path}, got {errors:#?}"
+        );
+        assert_error(&errors, path, fragment)
+    }
+}
+
+fn assert_error(errors: &[Diagnostic], path: &str, fragment: &str) -> String {
+    let found = errors
+        .iter()
+        .find(|e| e.path == path)
+        .unwrap_or_else(|| panic!("no error at {path}: {errors:#?}"));
+    assert!(
+        found.message.contains(fragment),
+        "{path}: `{}` lacks `{fragment}`",
+        found.message
+    );
+    found.message.clone()
+}
+
+fn env() -> HashMap<String, String> {
+    HashMap::from([
+        ("BACKEND_KEY".to_string(), "not-shown".to_string()),
+        ("SALT".to_string(), "pepper".to_string()),
+        ("EMPTY".to_string(), String::new()),
+    ])
+}
+
+/// A file in the temp dir, unique to this test process.
+fn temp_file(name: &str, contents: &[u8]) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("flexway-config-{}-{name}", std::process::id()));
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
+fn grpc_backend() -> &'static str {
+    "{kind: grpc, url: 'http://10.0.0.9:50051', descriptor_set: /nonexistent/ocr.binpb, external: false}"
+}
+
+// ----- the whole document ---------------------------------------------------------
+
+#[test]
+fn accepts_minimal_config_with_defaults() {
+    let loaded = doc().loads();
+    let config = &loaded.config;
+    assert_eq!(
+        config.store,
+        StoreConfig::Embedded {
+            path: "./flexway-ledger".into()
+        }
+    );
+    assert_eq!(config.audit.sink, AuditSinkConfig::Stdout);
+    assert_eq!(config.audit.hash_salt, None);
+    assert_eq!(config.ai.sensitive_header, "flexway-sensitive");
+    assert_eq!(config.ai.budget.default_max_tokens, 4096);
+    assert_eq!(config.ai.budget.min_completion_tokens, 16);
+    assert!(config.ai.budget.soft.is_none());
+    assert_eq!(config.ai.vision.max_image_bytes, 8_388_608);
+    assert_eq!(config.ai.vision.max_body_bytes, 25_165_824);
+    let main = &config.ai.backends["main"];
+    assert!(matches!(main.kind, BackendKind::OpenAi(_)));
+    assert!(main.external);
+    assert_eq!(
+        main.capabilities.iter().copied().collect::<Vec<_>>(),
+        vec![Capability::Chat]
+    );
+    assert_eq!(main.timeout, Duration::from_secs(60));
+    assert_eq!(main.circuit_breaker, Default::default());
+    assert_eq!(main.kind.endpoint().unwrap().auth, Auth::None);
+    assert_eq!(main.price.input_per_mtok, MicroEur(1_000_000));
+    let key = &config.tenants["acme"].keys[0];
+    assert_eq!(hex::encode(key.sha256), KEY_A);
+    assert!(!key.relay_peer);
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+}
+
+#[test]
+fn refuses_missing_version() {
+    doc().remove("version").refused("version", "required");
+}
+
+#[test]
+fn refuses_unsupported_version() {
+    doc()
+        .set("version", "2")
+        .refused("version", "unsupported version 2");
+}
+
+#[test]
+fn refuses_unknown_top_level_key_with_its_path() {
+    doc()
+        .set("colour", "blue")
+        .refused("colour", "unknown field `colour`");
+}
+
+#[test]
+fn refuses_unknown_nested_key_with_its_path() {
+    let message = doc()
+        .set(
+            "ai.backends.main.auth",
+            "{type: bearer, secrett: 'env:BACKEND_KEY'}",
+        )
+        .refused("ai.backends.main.auth.secrett", "unknown field `secrett`");
+    assert!(message.contains("expected one of"), "{message}");
+}
+
+#[test]
+fn refuses_a_value_of_the_wrong_type_with_its_path() {
+    doc().set("ai.backends.main.external", "maybe").refused(
+        "ai.backends.main.external",
+        "invalid type: string \"maybe\", expected a boolean",
+    );
+}
+
+#[test]
+fn reports_every_shape_error_at_once() {
+    let errors = doc()
+        .set("colour", "blue")
+        .set("store", "{kind: floppy}")
+        .set("tenants.acme.budgets", "{tokens_per_day: -5}")
+        .set("ai.backends.main.auth", "{type: bearer, secrett: x}")
+        .set("ai.backends.main.timeout", "[1]")
+        .set("ai.backends.internal.capabilities", "[chat, telepathy]")
+        .errors();
+    assert_eq!(errors.len(), 6, "{errors:#?}");
+    assert_error(&errors, "colour", "unknown field");
+    assert_error(&errors, "store.kind", "unknown variant `floppy`");
+    assert_error(&errors, "tenants.acme.budgets.tokens_per_day", "-5");
+    assert_error(&errors, "ai.backends.main.auth.secrett", "unknown field");
+    assert_error(&errors, "ai.backends.main.timeout", "expected a duration");
+    assert_error(
+        &errors,
+        "ai.backends.internal.capabilities[1]",
+        "unknown variant `telepathy`",
+    );
+}
+
+#[test]
+fn reports_every_rule_error_at_once() {
+    let errors = doc()
+        .set("version", "3")
+        .set("ai.default_backend", "nowhere")
+        .set("ai.sensitive_backend", "main")
+        .set("ai.backends.main.timeout", "10")
+        .set("ai.backends.internal.fallback", "[internal]")
+        .set("tenants.acme.backend", "ghost")
+        .errors();
+    assert_eq!(errors.len(), 6, "{errors:#?}");
+    assert_error(&errors, "version", "unsupported");
+    assert_error(&errors, "ai.default_backend", "not declared");
+    assert_error(&errors, "ai.sensitive_backend", "external");
+    assert_error(&errors, "ai.backends.main.timeout", "no unit");
+    assert_error(&errors, "ai.backends.internal.fallback[0]", "itself");
+    assert_error(&errors, "tenants.acme.backend", "not declared");
+}
+
+#[test]
+fn refuses_yaml_syntax_error_with_its_line() {
+    let error = load_str("version: 1\nai: [oops\n", &env()).unwrap_err();
+    assert_eq!(error.errors.len(), 1);
+    assert_eq!(error.errors[0].path, "");
+    assert!(
+        error.errors[0].message.contains("line"),
+        "{}",
+        error.errors[0].message
+    );
+}
+
+#[test]
+fn refuses_duplicate_yaml_key() {
+    let error = load_str("version: 1\nversion: 1\n", &env()).unwrap_err();
+    assert!(error.errors[0].message.contains("duplicate"), "{error}");
+}
+
+#[test]
+fn refuses_empty_document() {
+    let error = load_str("# nothing\n", &env()).unwrap_err();
+    assert!(error.errors[0].message.contains("empty"), "{error}");
+}
+
+#[test]
+fn error_display_is_one_line_per_error() {
+    let error = load_str(
+        &doc()
+            .set("version", "2")
+            .set("ai.default_backend", "x")
+            .text(),
+        &env(),
+    )
+    .unwrap_err();
+    let rendered = error.to_string();
+    assert_eq!(rendered.lines().count(), 2, "{rendered}");
+    assert!(
+        rendered.starts_with("version: unsupported version 2"),
+        "{rendered}"
+    );
+}
+
+// ----- store and audit ------------------------------------------------------------
+
+#[test]
+fn accepts_each_store_kind() {
+    let store = |yaml: &str| doc().set("store", yaml).loads().config.store;
+    assert_eq!(store("{kind: memory}"), StoreConfig::Memory);
+    assert_eq!(
+        store("{kind: dynamodb, table: ledger}"),
+        StoreConfig::DynamoDb {
+            table: "ledger".into()
+        }
+    );
+    assert_eq!(
+        store("{kind: embedded, path: /var/lib/fw}"),
+        StoreConfig::Embedded {
+            path: "/var/lib/fw".into()
+        }
+    );
+}
+
+#[test]
+fn refuses_store_without_kind() {
+    doc()
+        .set("store", "{path: ./x}")
+        .refused("store.kind", "required");
+}
+
+#[test]
+fn refuses_embedded_store_without_path() {
+    doc()
+        .set("store", "{kind: embedded}")
+        .refused("store.path", "required");
+}
+
+#[test]
+fn refuses_dynamodb_store_without_table() {
+    doc()
+        .set("store", "{kind: dynamodb}")
+        .refused("store.table", "required");
+}
+
+#[test]
+fn refuses_store_key_of_another_kind() {
+    doc()
+        .set("store", "{kind: memory, table: ledger}")
+        .refused("store.table", "does not apply to store kind memory");
+}
+
+#[test]
+fn accepts_each_audit_sink() {
+    let sink = |yaml: &str| doc().set("audit", yaml).loads().config.audit.sink;
+    assert_eq!(
+        sink("{sink: file, path: ./a.jsonl}"),
+        AuditSinkConfig::File {
+            path: "./a.jsonl".into()
+        }
+    );
+    assert_eq!(
+        sink("{sink: cloudwatch, log_group: /fw}"),
+        AuditSinkConfig::CloudWatch {
+            log_group: "/fw".into(),
+            log_stream: None
+        }
+    );
+    assert_eq!(sink("{hash_salt: 'env:SALT'}"), AuditSinkConfig::Stdout);
+}
+
+#[test]
+fn refuses_file_audit_without_path() {
+    doc()
+        .set("audit", "{sink: file}")
+        .refused("audit.path", "required");
+}
+
+#[test]
+fn refuses_cloudwatch_audit_without_log_group() {
+    doc()
+        .set("audit", "{sink: cloudwatch}")
+        .refused("audit.log_group", "required");
+}
+
+#[test]
+fn refuses_audit_key_of_another_sink() {
+    doc()
+        .set("audit", "{sink: stdout, log_group: /fw}")
+        .refused("audit.log_group", "does not apply to audit sink stdout");
+}
+
+#[test]
+fn refuses_literal_hash_salt() {
+    doc()
+        .set("audit", "{hash_salt: pepper-in-clear}")
+        .refused("audit.hash_salt", "secrets are references");
+}
+
+// ----- secret references ----------------------------------------------------------
+
+#[test]
+fn refuses_literal_secret_without_echoing_it() {
+    let message = doc()
+        .set(
+            "ai.backends.main.auth",
+            "{type: bearer, secret: sk-live-TOPSECRET}",
+        )
+        .refused("ai.backends.main.auth.secret", "secrets are references");
+    assert!(!message.contains("TOPSECRET"), "{message}");
+    assert!(message.contains("env:NAME"), "{message}");
+}
+
+#[test]
+fn refuses_non_string_secret_without_echoing_it() {
+    let message = doc()
+        .set("ai.backends.main.auth", "{type: bearer, secret: 918273645}")
+        .refused("ai.backends.main.auth.secret", "secret reference");
+    assert!(!message.contains("918273645"), "{message}");
+}
+
+#[test]
+fn refuses_url_with_credentials_without_echoing_them() {
+    let message = doc()
+        .set(
+            "ai.backends.main.url",
+            "https://user:hunter2@main.example.net/v1",
+        )
+        .refused("ai.backends.main.url", "credentials");
+    assert!(!message.contains("hunter2"), "{message}");
+}
+
+#[test]
+fn refuses_unset_environment_variable() {
+    doc()
+        .set(
+            "ai.backends.main.auth",
+            "{type: bearer, secret: 'env:NOT_THERE'}",
+        )
+        .refused(
+            "ai.backends.main.auth.secret",
+            "environment variable NOT_THERE is not set",
+        );
+}
+
+#[test]
+fn refuses_empty_environment_variable() {
+    doc()
+        .set(
+            "ai.backends.main.auth",
+            "{type: bearer, secret: 'env:EMPTY'}",
+        )
+        .refused("ai.backends.main.auth.secret", "EMPTY is empty");
+}
+
+#[test]
+fn refuses_env_reference_without_a_name() {
+    doc()
+        .set("ai.backends.main.auth", "{type: bearer, secret: 'env:'}")
+        .refused("ai.backends.main.auth.secret", "variable name");
+}
+
+#[test]
+fn refuses_missing_secret_file() {
+    doc()
+        .set(
+            "ai.backends.main.auth",
+            "{type: bearer, secret: 'file:/nonexistent/key'}",
+        )
+        .refused(
+            "ai.backends.main.auth.secret",
+            "/nonexistent/key cannot be read",
+        );
+}
+
+#[test]
+fn accepts_readable_secret_file() {
+    let file = temp_file("secret", b"s3cr3t\n");
+    let loaded = doc()
+        .set(
+            "ai.backends.main.auth",
+            &format!("{{type: bearer, secret: 'file:{}'}}", file.display()),
+        )
+        .loads();
+    let auth = &loaded.config.ai.backends["main"]
+        .kind
+        .endpoint()
+        .unwrap()
+        .auth;
+    assert_eq!(
+        auth,
+        &Auth::Bearer {
+            secret: SecretRef::File(file)
+        }
+    );
+}
+
+#[test]
+fn accepts_secrets_manager_and_ssm_arns() {
+    for arn in [
+        "arn:aws:secretsmanager:eu-west-1:123456789012:secret:ptu-AbCdEf",
+        "arn:aws:ssm:eu-west-1:123456789012:parameter/flexway/ptu",
+        "arn:aws-cn:ssm:cn-north-1:123456789012:parameter/x",
+    ] {
+        let loaded = doc()
+            .set(
+                "ai.backends.main.auth",
+                &format!("{{type: bearer, secret: '{arn}'}}"),
+            )
+            .loads();
+        let auth = &loaded.config.ai.backends["main"]
+            .kind
+            .endpoint()
+            .unwrap()
+            .auth;
+        assert_eq!(
+            auth,
+            &Auth::Bearer {
+                secret: SecretRef::AwsArn(arn.into())
+            }
+        );
+    }
+}
+
+#[test]
+fn refuses_arn_of_another_service() {
+    doc()
+        .set(
+            "ai.backends.main.auth",
+            "{type: bearer, secret: 'arn:aws:s3:::bucket/key'}",
+        )
+        .refused(
+            "ai.backends.main.auth.secret",
+            "Secrets Manager secret or an SSM parameter",
+        );
+}
+
+// ----- tenants --------------------------------------------------------------------
+
+#[test]
+fn refuses_key_hash_that_is_not_64_hex_digits() {
+    doc()
+        .set("tenants.acme.keys", "[{sha256: sk-flexway-plaintext-key}]")
+        .refused("tenants.acme.keys[0].sha256", "64 hex digits");
+    doc()
+        .set(
+            "tenants.acme.keys",
+            &format!("[{{sha256: {}}}]", "z".repeat(64)),
+        )
+        .refused("tenants.acme.keys[0].sha256", "64 hex digits");
+}
+
+#[test]
+fn accepts_upper_case_key_hash() {
+    let loaded = doc()
+        .set(
+            "tenants.acme.keys",
+            &format!("[{{sha256: {}}}]", KEY_A.to_uppercase()),
+        )
+        .loads();
+    assert_eq!(
+        hex::encode(loaded.config.tenants["acme"].keys[0].sha256),
+        KEY_A
+    );
+}
+
+#[test]
+fn refuses_key_without_hash() {
+    doc()
+        .set("tenants.acme.keys", "[{agent: bot}]")
+        .refused("tenants.acme.keys[0].sha256", "required");
+}
+
+#[test]
+fn refuses_same_key_twice_in_the_config() {
+    let message = doc()
+        .set(
+            "tenants.other.keys",
+            &format!("[{{sha256: {B}}}, {{sha256: {A}}}]", A = KEY_A, B = KEY_B),
+        )
+        .refused("tenants.other.keys[1].sha256", "already declared");
+    assert!(message.contains("tenants.acme.keys[0]"), "{message}");
+}
+
+#[test]
+fn refuses_key_bound_to_undeclared_agent() {
+    doc()
+        .set(
+            "tenants.acme.keys",
+            &format!("[{{sha256: {KEY_A}}}, {{sha256: {KEY_B}, agent: ghost}}]"),
+        )
+        .refused(
+            "tenants.acme.keys[1].agent",
+            "agent `ghost` is not declared",
+        );
+}
+
+#[test]
+fn binds_key_to_declared_agent_and_relay_peer() {
+    let loaded = doc()
+        .set(
+            "tenants.acme.keys",
+            &format!("[{{sha256: {KEY_A}, agent: bot}}, {{sha256: {KEY_B}, relay_peer: true}}]"),
+        )
+        .loads();
+    let keys = &loaded.config.tenants["acme"].keys;
+    assert_eq!(keys[0].agent.as_ref().unwrap().as_str(), "bot");
+    assert!(keys[1].relay_peer);
+}
+
+#[test]
+fn refuses_negative_token_budget() {
+    doc()
+        .set("tenants.acme.budgets", "{tokens_per_day: -1}")
+        .refused("tenants.acme.budgets.tokens_per_day", "expected u64");
+}
+
+#[test]
+fn refuses_fractional_token_budget() {
+    doc()
+        .set("tenants.acme.budgets", "{tokens_per_month: 1.5}")
+        .refused("tenants.acme.budgets.tokens_per_month", "expected u64");
+}
+
+#[test]
+fn refuses_negative_euro_budget() {
+    doc()
+        .set("tenants.acme.agents.bot", "{budgets: {eur_per_month: -3}}")
+        .refused(
+            "tenants.acme.agents.bot.budgets.eur_per_month",
+            "must not be negative",
+        );
+}
+
+#[test]
+fn refuses_euro_budget_finer_than_a_micro_euro() {
+    doc()
+        .set("tenants.acme.budgets", "{eur_per_month: 0.0000001}")
+        .refused(
+            "tenants.acme.budgets.eur_per_month",
+            "more than 6 decimal places",
+        );
+}
+
+#[test]
+fn reads_euro_budget_as_micro_euros() {
+    let loaded = doc()
+        .set("tenants.acme.budgets", "{eur_per_month: 12.345678}")
+        .loads();
+    assert_eq!(
+        loaded.config.tenants["acme"].budgets.eur_per_month,
+        Some(MicroEur(12_345_678))
+    );
+}
+
+#[test]
+fn refuses_undeclared_tenant_backend() {
+    doc().set("tenants.acme.backend", "ghost").refused(
+        "tenants.acme.backend",
+        "backend `ghost` is not declared under ai.backends",
+    );
+}
+
+#[test]
+fn refuses_undeclared_agent_backend() {
+    doc()
+        .set("tenants.acme.agents.bot", "{backend: ghost}")
+        .refused("tenants.acme.agents.bot.backend", "not declared");
+}
+
+#[test]
+fn warns_about_tenant_without_keys() {
+    let loaded = doc().set("tenants.lonely", "{}").loads();
+    assert!(
+        loaded
+            .warnings
+            .iter()
+            .any(|w| w.path == "tenants.lonely" && w.message.contains("no keys")),
+        "{:?}",
+        loaded.warnings
+    );
+}
+
+// ----- ai -------------------------------------------------------------------------
+
+#[test]
+fn refuses_missing_default_backend() {
+    doc()
+        .remove("ai.default_backend")
+        .refused("ai.default_backend", "required");
+}
+
+#[test]
+fn refuses_undeclared_default_backend() {
+    doc()
+        .set("ai.default_backend", "ghost")
+        .refused("ai.default_backend", "not declared");
+}
+
+#[test]
+fn refuses_vision_backend_without_vision() {
+    doc().set("ai.capabilities", "{vision: main}").refused(
+        "ai.capabilities.vision",
+        "does not serve vision (its capabilities: chat)",
+    );
+}
+
+#[test]
+fn refuses_undeclared_embeddings_backend() {
+    doc()
+        .set("ai.capabilities", "{embeddings: ghost}")
+        .refused("ai.capabilities.embeddings", "not declared");
+}
+
+#[test]
+fn accepts_capability_backends_that_serve_them() {
+    let loaded = doc()
+        .set("ai.backends.main.capabilities", "[chat, vision]")
+        .set("ai.backends.internal.capabilities", "[embeddings]")
+        .set("ai.capabilities", "{vision: main, embeddings: internal}")
+        .loads();
+    assert_eq!(
+        loaded.config.ai.capabilities.vision.unwrap().as_str(),
+        "main"
+    );
+}
+
+#[test]
+fn refuses_invalid_sensitive_header() {
+    doc()
+        .set("ai.sensitive_header", "'Flexway Sensitive'")
+        .refused("ai.sensitive_header", "not a valid HTTP header name");
+}
+
+#[test]
+fn stores_sensitive_header_lower_case() {
+    let loaded = doc().set("ai.sensitive_header", "X-Private").loads();
+    assert_eq!(loaded.config.ai.sensitive_header, "x-private");
+}
+
+#[test]
+fn refuses_external_sensitive_backend() {
+    doc()
+        .set("ai.sensitive_backend", "main")
+        .refused("ai.sensitive_backend", "sensitive_backend main is external");
+}
+
+#[test]
+fn refuses_pool_with_an_external_member_as_sensitive_backend() {
+    doc()
+        .set(
+            "ai.backends.pool",
+            "{kind: pool, members: [{backend: internal}, {backend: main}]}",
+        )
+        .set("ai.sensitive_backend", "pool")
+        .refused("ai.sensitive_backend", "sensitive_backend pool is external");
+}
+
+#[test]
+fn accepts_internal_pool_as_sensitive_backend() {
+    let loaded = doc()
+        .set("ai.backends.internal2", "{url: 'http://10.0.0.6/v1', external: false, price: {input_per_mtok_eur: 0, output_per_mtok_eur: 0}}")
+        .set(
+            "ai.backends.pool",
+            "{kind: pool, external: false, members: [{backend: internal}, {backend: internal2}]}",
+        )
+        .set("ai.sensitive_backend", "pool")
+        .loads();
+    assert!(!loaded.config.ai.backends["pool"].external);
+}
+
+#[test]
+fn refuses_soft_threshold_outside_zero_to_one() {
+    for threshold in ["0", "1.5", "-0.2"] {
+        doc()
+            .set(
+                "ai.budget.soft",
+                &format!("{{threshold: {threshold}, backend: internal}}"),
+            )
+            .refused("ai.budget.soft.threshold", "greater than 0 and at most 1");
+    }
+}
+
+#[test]
+fn refuses_undeclared_soft_backend() {
+    doc()
+        .set("ai.budget.soft", "{threshold: 0.8, backend: ghost}")
+        .refused("ai.budget.soft.backend", "not declared");
+}
+
+#[test]
+fn refuses_soft_cap_without_backend() {
+    doc()
+        .set("ai.budget.soft", "{threshold: 0.8}")
+        .refused("ai.budget.soft.backend", "required");
+}
+
+#[test]
+fn reads_soft_threshold_in_ppm() {
+    let loaded = doc()
+        .set("ai.budget.soft", "{threshold: 0.8, backend: internal}")
+        .loads();
+    assert_eq!(loaded.config.ai.budget.soft.unwrap().threshold_ppm, 800_000);
+}
+
+#[test]
+fn refuses_zero_default_max_tokens() {
+    // min_completion_tokens (16 by default) then exceeds it too.
+    let errors = doc().set("ai.budget.default_max_tokens", "0").errors();
+    assert_error(&errors, "ai.budget.default_max_tokens", "greater than zero");
+}
+
+#[test]
+fn refuses_min_completion_tokens_above_default_max_tokens() {
+    doc()
+        .set(
+            "ai.budget",
+            "{default_max_tokens: 100, min_completion_tokens: 200}",
+        )
+        .refused(
+            "ai.budget.min_completion_tokens",
+            "more than default_max_tokens (100)",
+        );
+}
+
+#[test]
+fn refuses_image_limit_above_body_limit() {
+    doc()
+        .set("ai.vision", "{max_image_bytes: 2000, max_body_bytes: 1000}")
+        .refused("ai.vision.max_image_bytes", "more than max_body_bytes");
+}
+
+#[test]
+fn refuses_http_image_origin() {
+    doc()
+        .set("ai.vision.allowed_origins", "['http://img.example.com']")
+        .refused("ai.vision.allowed_origins[0]", "not https");
+}
+
+#[test]
+fn refuses_image_origin_with_a_path() {
+    doc()
+        .set(
+            "ai.vision.allowed_origins",
+            "['https://ok.example.com', 'https://img.example.com/cats']",
+        )
+        .refused("ai.vision.allowed_origins[1]", "without path");
+}
+
+#[test]
+fn normalises_image_origins() {
+    let loaded = doc()
+        .set(
+            "ai.vision.allowed_origins",
+            "['HTTPS://Img.Example.com/', 'https://cdn.example.com:8443']",
+        )
+        .loads();
+    assert_eq!(
+        loaded.config.ai.vision.allowed_origins,
+        vec![
+            "https://img.example.com".to_string(),
+            "https://cdn.example.com:8443".to_string()
+        ]
+    );
+}
+
+// ----- backends -------------------------------------------------------------------
+
+#[test]
+fn refuses_unknown_backend_kind() {
+    doc()
+        .set("ai.backends.main.kind", "bedrock")
+        .refused("ai.backends.main.kind", "unknown variant `bedrock`");
+}
+
+#[test]
+fn refuses_backend_without_url() {
+    doc()
+        .remove("ai.backends.main.url")
+        .refused("ai.backends.main.url", "required for an openai backend");
+}
+
+#[test]
+fn refuses_invalid_url() {
+    doc()
+        .set("ai.backends.main.url", "'not a url'")
+        .refused("ai.backends.main.url", "not a URL");
+    doc()
+        .set("ai.backends.main.url", "'ftp://files.example.net'")
+        .refused("ai.backends.main.url", "use http:// or https://");
+}
+
+#[test]
+fn strips_trailing_slash_from_url() {
+    let loaded = doc()
+        .set("ai.backends.main.url", "https://main.example.net/v1/")
+        .loads();
+    let endpoint = loaded.config.ai.backends["main"]
+        .kind
+        .endpoint()
+        .unwrap()
+        .clone();
+    assert_eq!(endpoint.url, "https://main.example.net/v1");
+}
+
+#[test]
+fn refuses_grpc_url_on_an_http_backend() {
+    doc()
+        .set("ai.backends.main.url", "grpc://10.0.0.9:50051")
+        .refused(
+            "ai.backends.main.url",
+            "a gRPC upstream must be declared kind: grpc",
+        );
+}
+
+#[test]
+fn refuses_auth_without_type() {
+    doc()
+        .set("ai.backends.main.auth", "{secret: 'env:BACKEND_KEY'}")
+        .refused("ai.backends.main.auth.type", "required");
+}
+
+#[test]
+fn refuses_bearer_auth_without_secret() {
+    doc()
+        .set("ai.backends.main.auth", "{type: bearer}")
+        .refused(
+            "ai.backends.main.auth.secret",
+            "required (with auth type bearer)",
+        );
+}
+
+#[test]
+fn refuses_header_auth_without_name() {
+    doc()
+        .set(
+            "ai.backends.main.auth",
+            "{type: header, secret: 'env:BACKEND_KEY'}",
+        )
+        .refused("ai.backends.main.auth.name", "required");
+}
+
+#[test]
+fn refuses_header_auth_with_invalid_name() {
+    doc()
+        .set(
+            "ai.backends.main.auth",
+            "{type: header, name: 'api key', secret: 'env:BACKEND_KEY'}",
+        )
+        .refused("ai.backends.main.auth.name", "not a valid HTTP header name");
+}
+
+#[test]
+fn refuses_auth_key_of_another_type() {
+    doc()
+        .set(
+            "ai.backends.main.auth",
+            "{type: none, secret: 'env:BACKEND_KEY'}",
+        )
+        .refused(
+            "ai.backends.main.auth.secret",
+            "does not apply to auth type none",
+        );
+    doc()
+        .set(
+            "ai.backends.main.auth",
+            "{type: bearer, secret: 'env:BACKEND_KEY', path: /tok}",
+        )
+        .refused("ai.backends.main.auth.path", "belongs to type token_file");
+}
+
+#[test]
+fn accepts_token_file_that_does_not_exist_yet() {
+    let loaded = doc()
+        .set(
+            "ai.backends.main.auth",
+            "{type: token_file, path: /var/run/secrets/nope/token}",
+        )
+        .loads();
+    let auth = &loaded.config.ai.backends["main"]
+        .kind
+        .endpoint()
+        .unwrap()
+        .auth;
+    assert_eq!(
+        auth,
+        &Auth::TokenFile {
+            path: "/var/run/secrets/nope/token".into()
+        }
+    );
+}
+
+#[test]
+fn refuses_tls_certificate_without_key() {
+    let cert = temp_file("cert.pem", b"cert");
+    doc()
+        .set(
+            "ai.backends.main.tls",
+            &format!("{{cert: '{}'}}", cert.display()),
+        )
+        .refused("ai.backends.main.tls.key", "required");
+}
+
+#[test]
+fn refuses_tls_files_that_do_not_exist() {
+    let errors = doc()
+        .set(
+            "ai.backends.main.tls",
+            "{cert: /nonexistent/c.pem, key: /nonexistent/k.pem}",
+        )
+        .errors();
+    assert_eq!(errors.len(), 2, "{errors:#?}");
+    assert_error(&errors, "ai.backends.main.tls.cert", "cannot be read");
+    assert_error(&errors, "ai.backends.main.tls.key", "cannot be read");
+}
+
+#[test]
+fn accepts_tls_files_that_exist() {
+    let cert = temp_file("ok-cert.pem", b"cert");
+    let key = temp_file("ok-key.pem", b"key");
+    let loaded = doc()
+        .set(
+            "ai.backends.main.tls",
+            &format!("{{cert: '{}', key: '{}'}}", cert.display(), key.display()),
+        )
+        .loads();
+    let tls = loaded.config.ai.backends["main"]
+        .kind
+        .endpoint()
+        .unwrap()
+        .tls
+        .clone()
+        .unwrap();
+    assert_eq!((tls.cert, tls.key, tls.ca), (cert, key, None));
+}
+
+#[test]
+fn refuses_price_finer_than_a_micro_euro() {
+    doc()
+        .set(
+            "ai.backends.main.price",
+            "{input_per_mtok_eur: 0.1234567, output_per_mtok_eur: 1}",
+        )
+        .refused(
+            "ai.backends.main.price.input_per_mtok_eur",
+            "more than 6 decimal places",
+        );
+}
+
+#[test]
+fn refuses_negative_price() {
+    doc()
+        .set(
+            "ai.backends.main.price",
+            "{input_per_mtok_eur: 1, output_per_mtok_eur: -2}",
+        )
+        .refused(
+            "ai.backends.main.price.output_per_mtok_eur",
+            "must not be negative",
+        );
+}
+
+#[test]
+fn refuses_price_with_one_side_missing() {
+    doc()
+        .set("ai.backends.main.price", "{input_per_mtok_eur: 1}")
+        .refused("ai.backends.main.price.output_per_mtok_eur", "required");
+}
+
+#[test]
+fn warns_about_backend_without_price() {
+    let loaded = doc().remove("ai.backends.main.price").loads();
+    assert_eq!(loaded.config.ai.backends["main"].price, Default::default());
+    assert!(
+        loaded
+            .warnings
+            .iter()
+            .any(|w| w.path == "ai.backends.main" && w.message.contains("no price")),
+        "{:?}",
+        loaded.warnings
+    );
+}
+
+#[test]
+fn refuses_empty_capabilities() {
+    doc()
+        .set("ai.backends.main.capabilities", "[]")
+        .refused("ai.backends.main.capabilities", "at least one");
+}
+
+#[test]
+fn refuses_undeclared_fallback() {
+    doc()
+        .set("ai.backends.main.fallback", "[internal, ghost]")
+        .refused("ai.backends.main.fallback[1]", "not declared");
+}
+
+#[test]
+fn refuses_fallback_to_itself() {
+    doc()
+        .set("ai.backends.main.fallback", "[main]")
+        .refused("ai.backends.main.fallback[0]", "cannot fall back to itself");
+}
+
+#[test]
+fn refuses_duplicate_fallback() {
+    doc()
+        .set("ai.backends.main.fallback", "[internal, internal]")
+        .refused("ai.backends.main.fallback[1]", "listed twice");
+}
+
+#[test]
+fn refuses_bad_timeout() {
+    doc()
+        .set("ai.backends.main.timeout", "'10'")
+        .refused("ai.backends.main.timeout", "no unit");
+    doc()
+        .set("ai.backends.main.timeout", "0s")
+        .refused("ai.backends.main.timeout", "longer than zero");
+}
+
+#[test]
+fn reads_circuit_breaker_with_ratio() {
+    let loaded = doc()
+        .set(
+            "ai.backends.main.circuit_breaker",
+            "{failure_ratio: 0.5, min_requests: 20, interval: 5m, trip: 45s, status: [429, '500-504']}",
+        )
+        .loads();
+    let breaker = &loaded.config.ai.backends["main"].circuit_breaker;
+    assert_eq!(
+        breaker.trigger,
+        BreakerTrigger::Ratio {
+            ratio_ppm: 500_000,
+            min_requests: 20
+        }
+    );
+    assert_eq!(breaker.interval, Duration::from_secs(300));
+    assert_eq!(breaker.trip, Duration::from_secs(45));
+    assert_eq!(breaker.status, vec![(429, 429), (500, 504)]);
+    assert!(!breaker.accept_retry_after);
+}
+
+#[test]
+fn refuses_failures_and_failure_ratio_together() {
+    doc()
+        .set(
+            "ai.backends.main.circuit_breaker",
+            "{failures: 3, failure_ratio: 0.5, min_requests: 10}",
+        )
+        .refused(
+            "ai.backends.main.circuit_breaker",
+            "either `failures` or `failure_ratio`",
+        );
+}
+
+#[test]
+fn refuses_failure_ratio_without_min_requests() {
+    doc()
+        .set("ai.backends.main.circuit_breaker", "{failure_ratio: 0.5}")
+        .refused(
+            "ai.backends.main.circuit_breaker.min_requests",
+            "required with `failure_ratio`",
+        );
+}
+
+#[test]
+fn refuses_failure_ratio_out_of_range() {
+    doc()
+        .set(
+            "ai.backends.main.circuit_breaker",
+            "{failure_ratio: 1.2, min_requests: 10}",
+        )
+        .refused(
+            "ai.backends.main.circuit_breaker.failure_ratio",
+            "at most 1",
+        );
+}
+
+#[test]
+fn refuses_zero_failures() {
+    doc()
+        .set("ai.backends.main.circuit_breaker", "{failures: 0}")
+        .refused("ai.backends.main.circuit_breaker.failures", "at least 1");
+}
+
+#[test]
+fn refuses_bad_breaker_status() {
+    let errors = doc()
+        .set(
+            "ai.backends.main.circuit_breaker",
+            "{status: ['599-500', '700', 'five hundred']}",
+        )
+        .errors();
+    assert_eq!(errors.len(), 3, "{errors:#?}");
+    assert_error(
+        &errors,
+        "ai.backends.main.circuit_breaker.status[0]",
+        "reversed",
+    );
+    assert_error(
+        &errors,
+        "ai.backends.main.circuit_breaker.status[1]",
+        "between 100 and 599",
+    );
+    assert_error(
+        &errors,
+        "ai.backends.main.circuit_breaker.status[2]",
+        "not a status",
+    );
+}
+
+// ----- pools ----------------------------------------------------------------------
+
+#[test]
+fn reads_pool_with_defaults_and_members_capabilities() {
+    let loaded = doc()
+        .set("ai.backends.internal.capabilities", "[chat, vision]")
+        .set(
+            "ai.backends.pool",
+            "{kind: pool, members: [{backend: main}, {backend: internal, priority: 2, weight: 3}]}",
+        )
+        .set("ai.default_backend", "pool")
+        .set("ai.capabilities", "{vision: pool}")
+        .loads();
+    let pool = &loaded.config.ai.backends["pool"];
+    let BackendKind::Pool { members } = &pool.kind else {
+        panic!("a pool")
+    };
+    assert_eq!((members[0].priority, members[0].weight), (1, 1));
+    assert_eq!((members[1].priority, members[1].weight), (2, 3));
+    assert_eq!(
+        pool.capabilities.iter().copied().collect::<Vec<_>>(),
+        vec![Capability::Chat, Capability::Vision]
+    );
+    assert!(pool.external);
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+}
+
+#[test]
+fn refuses_pool_without_members() {
+    doc()
+        .set("ai.backends.pool", "{kind: pool, members: []}")
+        .refused("ai.backends.pool.members", "at least one member");
+}
+
+#[test]
+fn refuses_endpoint_keys_on_a_pool() {
+    let errors = doc()
+        .set(
+            "ai.backends.pool",
+            "{kind: pool, members: [{backend: main}], url: 'https://x', auth: {type: none}, \
+             tls: {}, models: [a], aliases: {a: b}, default_model: a, metering: upstream, \
+             identity_headers: {}, descriptor_set: x.binpb}",
+        )
+        .errors();
+    let keys = [
+        "url",
+        "auth",
+        "tls",
+        "models",
+        "aliases",
+        "default_model",
+        "metering",
+        "identity_headers",
+        "descriptor_set",
+    ];
+    assert_eq!(errors.len(), keys.len(), "{errors:#?}");
+    for key in keys {
+        assert_error(
+            &errors,
+            &format!("ai.backends.pool.{key}"),
+            "does not apply to a pool backend",
+        );
+    }
+}
+
+#[test]
+fn refuses_undeclared_pool_member() {
+    doc()
+        .set(
+            "ai.backends.pool",
+            "{kind: pool, members: [{backend: ghost}]}",
+        )
+        .refused("ai.backends.pool.members[0].backend", "not declared");
+}
+
+#[test]
+fn refuses_pool_as_its_own_member() {
+    doc()
+        .set(
+            "ai.backends.pool",
+            "{kind: pool, members: [{backend: main}, {backend: pool}]}",
+        )
+        .refused(
+            "ai.backends.pool.members[1].backend",
+            "cannot be its own member",
+        );
+}
+
+#[test]
+fn refuses_nested_pools() {
+    doc()
+        .set(
+            "ai.backends.inner",
+            "{kind: pool, members: [{backend: main}]}",
+        )
+        .set(
+            "ai.backends.outer",
+            "{kind: pool, members: [{backend: inner}]}",
+        )
+        .refused("ai.backends.outer.members[0].backend", "pools do not nest");
+}
+
+#[test]
+fn refuses_grpc_pool_member() {
+    doc()
+        .set("ai.backends.ocr", grpc_backend())
+        .set(
+            "ai.backends.pool",
+            "{kind: pool, members: [{backend: ocr}]}",
+        )
+        .refused("ai.backends.pool.members[0].backend", "kind grpc");
+}
+
+#[test]
+fn refuses_duplicate_pool_member() {
+    doc()
+        .set(
+            "ai.backends.pool",
+            "{kind: pool, members: [{backend: main}, {backend: main, priority: 2}]}",
+        )
+        .refused("ai.backends.pool.members[1].backend", "already a member");
+}
+
+#[test]
+fn refuses_zero_priority_and_weight() {
+    let errors = doc()
+        .set(
+            "ai.backends.pool",
+            "{kind: pool, members: [{backend: main, priority: 0, weight: 0}]}",
+        )
+        .errors();
+    assert_eq!(errors.len(), 2, "{errors:#?}");
+    assert_error(
+        &errors,
+        "ai.backends.pool.members[0].priority",
+        "at least 1",
+    );
+    assert_error(&errors, "ai.backends.pool.members[0].weight", "at least 1");
+}
+
+#[test]
+fn refuses_internal_pool_with_an_external_member() {
+    doc()
+        .set(
+            "ai.backends.pool",
+            "{kind: pool, external: false, members: [{backend: main}]}",
+        )
+        .refused("ai.backends.pool.external", "member `main` is external");
+}
+
+#[test]
+fn refuses_pool_declaring_a_capability_no_member_serves() {
+    doc()
+        .set(
+            "ai.backends.pool",
+            "{kind: pool, capabilities: [embeddings], members: [{backend: main}]}",
+        )
+        .refused(
+            "ai.backends.pool.capabilities",
+            "no member of this pool serves embeddings",
+        );
+}
+
+// ----- relays ---------------------------------------------------------------------
+
+#[test]
+fn warns_about_relay_metered_locally() {
+    let loaded = doc().set("ai.backends.up", "{kind: relay, url: 'https://up.example.net', price: {input_per_mtok_eur: 1, output_per_mtok_eur: 1}}").loads();
+    let BackendKind::Relay { metering, .. } = &loaded.config.ai.backends["up"].kind else {
+        panic!("a relay")
+    };
+    assert_eq!(*metering, Metering::Local);
+    let warning = loaded
+        .warnings
+        .iter()
+        .find(|w| w.path == "ai.backends.up")
+        .unwrap();
+    assert_eq!(
+        warning.message,
+        "relay up is metered locally (metering: local): if the upstream Flexway meters too, \
+         its calls are counted twice; set metering: upstream"
+    );
+}
+
+#[test]
+fn refuses_relay_keys_on_another_kind() {
+    let errors = doc()
+        .set("ai.backends.main.metering", "upstream")
+        .set("ai.backends.main.identity_headers", "{tenant: X-Tenant}")
+        .errors();
+    assert_eq!(errors.len(), 2, "{errors:#?}");
+    assert_error(
+        &errors,
+        "ai.backends.main.metering",
+        "does not apply to an openai backend; it belongs to kind relay",
+    );
+    assert_error(&errors, "ai.backends.main.identity_headers", "kind relay");
+}
+
+#[test]
+fn refuses_invalid_identity_header() {
+    doc()
+        .set("ai.backends.up", "{kind: relay, url: 'https://up.example.net', metering: upstream, identity_headers: {tenant: 'Bad Header'}}")
+        .refused("ai.backends.up.identity_headers.tenant", "not a valid HTTP header name");
+}
+
+// ----- gRPC -----------------------------------------------------------------------
+
+#[test]
+fn warns_about_missing_descriptor_set() {
+    let loaded = doc().set("ai.backends.ocr", grpc_backend()).loads();
+    let warning = loaded
+        .warnings
+        .iter()
+        .find(|w| w.path == "ai.backends.ocr.descriptor_set")
+        .unwrap();
+    assert!(
+        warning.message.contains("will be refused until it does"),
+        "{}",
+        warning.message
+    );
+    let BackendKind::Grpc { url, .. } = &loaded.config.ai.backends["ocr"].kind else {
+        panic!("grpc")
+    };
+    assert_eq!(url, "http://10.0.0.9:50051");
+}
+
+#[test]
+fn refuses_empty_descriptor_set() {
+    let empty = temp_file("empty.binpb", b"");
+    doc()
+        .set(
+            "ai.backends.ocr",
+            &format!(
+                "{{kind: grpc, url: 'http://10.0.0.9:50051', descriptor_set: '{}'}}",
+                empty.display()
+            ),
+        )
+        .refused("ai.backends.ocr.descriptor_set", "is empty");
+}
+
+#[test]
+fn accepts_existing_descriptor_set_without_warning() {
+    let set = temp_file("ocr.binpb", b"\x0a\x00");
+    let loaded = doc()
+        .set(
+            "ai.backends.ocr",
+            &format!(
+                "{{kind: grpc, url: 'grpcs://ocr.example.net', descriptor_set: '{}'}}",
+                set.display()
+            ),
+        )
+        .loads();
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    let BackendKind::Grpc {
+        url,
+        descriptor_set,
+    } = &loaded.config.ai.backends["ocr"].kind
+    else {
+        panic!("grpc")
+    };
+    assert_eq!(
+        (url.as_str(), descriptor_set),
+        ("https://ocr.example.net", &set)
+    );
+}
+
+#[test]
+fn refuses_grpc_backend_without_descriptor_set() {
+    doc()
+        .set(
+            "ai.backends.ocr",
+            "{kind: grpc, url: 'http://10.0.0.9:50051'}",
+        )
+        .refused(
+            "ai.backends.ocr.descriptor_set",
+            "required for a grpc backend",
+        );
+}
+
+#[test]
+fn refuses_grpc_backend_without_url() {
+    doc()
+        .set(
+            "ai.backends.ocr",
+            "{kind: grpc, descriptor_set: /nonexistent/ocr.binpb}",
+        )
+        .refused("ai.backends.ocr.url", "required for a grpc backend");
+}
+
+#[test]
+fn refuses_descriptor_set_on_another_kind() {
+    doc()
+        .set("ai.backends.main.descriptor_set", "ocr.binpb")
+        .refused("ai.backends.main.descriptor_set", "belongs to kind grpc");
+}
+
+#[test]
+fn refuses_http_keys_on_a_grpc_backend() {
+    let errors = doc()
+        .set("ai.backends.ocr", grpc_backend())
+        .set("ai.backends.ocr.models", "[ocr-v1]")
+        .set("ai.backends.ocr.fallback", "[main]")
+        .set("ai.backends.ocr.capabilities", "[chat]")
+        .errors();
+    assert_eq!(errors.len(), 3, "{errors:#?}");
+    assert_error(
+        &errors,
+        "ai.backends.ocr.models",
+        "does not apply to a grpc backend",
+    );
+    assert_error(
+        &errors,
+        "ai.backends.ocr.fallback",
+        "does not apply to a grpc backend",
+    );
+    assert_error(
+        &errors,
+        "ai.backends.ocr.capabilities",
+        "does not apply to a grpc backend",
+    );
+}
+
+#[test]
+fn refuses_grpc_backend_wherever_http_routing_goes() {
+    let cases = [
+        ("ai.default_backend", "ocr", "ai.default_backend"),
+        ("tenants.acme.backend", "ocr", "tenants.acme.backend"),
+        (
+            "tenants.acme.agents.bot",
+            "{backend: ocr}",
+            "tenants.acme.agents.bot.backend",
+        ),
+        ("ai.capabilities", "{vision: ocr}", "ai.capabilities.vision"),
+        ("ai.sensitive_backend", "ocr", "ai.sensitive_backend"),
+        (
+            "ai.budget.soft",
+            "{threshold: 0.5, backend: ocr}",
+            "ai.budget.soft.backend",
+        ),
+        (
+            "ai.backends.main.fallback",
+            "[ocr]",
+            "ai.backends.main.fallback[0]",
+        ),
+    ];
+    for (key, value, error_path) in cases {
+        doc()
+            .set("ai.backends.ocr", grpc_backend())
+            .set(key, value)
+            .refused(error_path, "backend `ocr` is kind grpc");
+    }
+}
+
+// ----- durations ------------------------------------------------------------------
+
+#[test]
+fn parses_durations() {
+    let cases: [(&str, Option<Duration>); 14] = [
+        ("30s", Some(Duration::from_secs(30))),
+        ("5m", Some(Duration::from_secs(300))),
+        ("1h", Some(Duration::from_secs(3600))),
+        ("500ms", Some(Duration::from_millis(500))),
+        ("2d", Some(Duration::from_secs(172_800))),
+        ("0s", Some(Duration::ZERO)),
+        (" 60s ", Some(Duration::from_secs(60))),
+        ("", None),
+        ("10", None),
+        ("-1s", None),
+        ("1x", None),
+        ("1.5s", None),
+        ("s", None),
+        ("1h30m", None),
+    ];
+    for (text, expected) in cases {
+        assert_eq!(
+            parse_duration(text).ok(),
+            expected,
+            "parse_duration({text:?})"
+        );
+    }
+}

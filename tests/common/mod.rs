@@ -1,0 +1,157 @@
+//! Test harness: the real `flexway` binary on port 0, configured from a YAML string,
+//! in front of fake model servers on loopback.
+#![allow(dead_code, unused_imports, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+pub use fake_model::{FakeModel, Scenario};
+use sha2::{Digest, Sha256};
+
+pub const KEY: &str = "sk-test-acme";
+pub const AGENT_KEY: &str = "sk-test-acme-bot";
+pub const OTHER_KEY: &str = "sk-test-globex";
+
+pub fn sha(key: &str) -> String {
+    hex::encode(Sha256::digest(key.as_bytes()))
+}
+
+/// A running `flexway serve`; killed on drop.
+pub struct Flexway {
+    child: Child,
+    pub url: String,
+    pub dir: tempfile::TempDir,
+    logs: Arc<Mutex<Vec<String>>>,
+}
+
+impl Flexway {
+    /// Starts the gateway with `yaml` (written to a temp dir) and extra env vars.
+    pub fn start_with_env(yaml: &str, env: &[(&str, &str)]) -> Flexway {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("flexway.yaml");
+        std::fs::write(&config, yaml).unwrap();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_flexway"));
+        command
+            .args(["serve", "--config"])
+            .arg(&config)
+            .args(["--listen", "127.0.0.1:0"])
+            .current_dir(dir.path())
+            .env("FLEXWAY_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        let mut child = command.spawn().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sink = logs.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(addr) = line.strip_prefix("flexway listening on ") {
+                    let _ = tx.send(addr.to_owned());
+                }
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let url = match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(url) => url,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("flexway did not start: {:?}", logs.lock().unwrap());
+            }
+        };
+        Flexway { child, url, dir, logs }
+    }
+
+    pub fn start(yaml: &str) -> Flexway {
+        Self::start_with_env(yaml, &[])
+    }
+
+    pub fn logs(&self) -> String {
+        self.logs.lock().unwrap().join("\n")
+    }
+
+    pub fn post(&self, path: &str, key: &str, body: serde_json::Value) -> reqwest::RequestBuilder {
+        client().post(format!("{}{path}", self.url)).bearer_auth(key).json(&body)
+    }
+
+    pub async fn chat(&self, key: &str, body: serde_json::Value) -> reqwest::Response {
+        self.post("/v1/chat/completions", key, body).send().await.unwrap()
+    }
+}
+
+impl Drop for Flexway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap()
+}
+
+pub fn hello(model: &str) -> serde_json::Value {
+    serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hello there"}]})
+}
+
+/// A config with tenants `acme` (agent `bot` bound to AGENT_KEY, agent `helper`) and
+/// `globex`, and the given `ai:` body (indented by two spaces).
+pub fn config(ai: &str) -> String {
+    format!(
+        r#"version: 1
+store: {{kind: memory}}
+audit: {{sink: stdout}}
+tenants:
+  acme:
+    keys:
+      - sha256: {key}
+      - {{sha256: {agent_key}, agent: bot}}
+    agents:
+      bot: {{}}
+      helper: {{}}
+  globex:
+    keys:
+      - sha256: {other_key}
+ai:
+{ai}
+"#,
+        key = sha(KEY),
+        agent_key = sha(AGENT_KEY),
+        other_key = sha(OTHER_KEY),
+    )
+}
+
+/// `ai:` with one backend `main` at `url`.
+pub fn one_backend(url: &str) -> String {
+    config(&format!(
+        "  default_backend: main\n  backends:\n    main:\n      url: {url}\n      price: {{input_per_mtok_eur: 1.0, output_per_mtok_eur: 2.0}}\n"
+    ))
+}
+
+/// Reads an SSE response, returning each event's data in order.
+pub async fn sse_data(response: reqwest::Response) -> (Vec<String>, Option<String>) {
+    use futures_util::StreamExt;
+    let mut body = response.bytes_stream();
+    let mut text = String::new();
+    let mut error = None;
+    while let Some(chunk) = body.next().await {
+        match chunk {
+            Ok(bytes) => text.push_str(&String::from_utf8_lossy(&bytes)),
+            Err(e) => {
+                error = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    let events = text
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| e.lines().filter_map(|l| l.strip_prefix("data: ")).collect::<Vec<_>>().join("\n"))
+        .collect();
+    (events, error)
+}

@@ -1,0 +1,128 @@
+//! An OpenAI-compatible fake model server for Flexway's tests and README demo.
+//!
+//! It answers `POST /v1/chat/completions` (streamed or not), `POST
+//! /v1/embeddings` and `GET /v1/models` deterministically, records every
+//! request it receives, and misbehaves on demand: a [`Scenario`] encoded in a
+//! path prefix of the backend URL (`/s/status=503,retry_after=7/v1`) injects
+//! statuses, delays, hangs, cut streams or garbage bodies. The prefix is the
+//! only channel because the gateway never forwards its caller's headers.
+//!
+//! ```no_run
+//! # async fn demo() -> std::io::Result<()> {
+//! use fake_model::{FakeModel, Scenario};
+//! let fake = FakeModel::start().await?;
+//! let healthy = fake.url(); // http://127.0.0.1:PORT/v1
+//! let failing = fake.scenario_url(&Scenario { status: Some(503), ..Default::default() });
+//! # Ok(()) }
+//! ```
+
+mod openai;
+mod scenario;
+mod server;
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+
+use axum::Router;
+use tokio::net::TcpListener;
+
+pub use scenario::{Scenario, ScenarioError};
+use server::Shared;
+
+/// One request as the fake received it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordedRequest {
+    pub method: String,
+    /// The path after the scenario prefix, e.g. `/v1/chat/completions`.
+    pub path: String,
+    /// Every header, names lower-cased, in the order received.
+    pub headers: Vec<(String, String)>,
+    /// The body as JSON; `Null` when empty or not JSON.
+    pub body: serde_json::Value,
+}
+
+impl RecordedRequest {
+    /// The first value of a header, by its lower-case name.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// A running fake server. It serves in a tokio task until dropped; on drop
+/// it stops accepting and releases hanging requests.
+pub struct FakeModel {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+}
+
+impl FakeModel {
+    /// Serve on a free loopback port.
+    pub async fn start() -> std::io::Result<FakeModel> {
+        Self::start_on(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))).await
+    }
+
+    /// Serve on `addr` (port 0 picks a free port).
+    pub async fn start_on(addr: SocketAddr) -> std::io::Result<FakeModel> {
+        let listener = TcpListener::bind(addr).await?;
+        let addr = listener.local_addr()?;
+        let shared = Shared::new();
+        let app = app(Arc::clone(&shared));
+        let stopping = Arc::clone(&shared);
+        tokio::spawn(async move {
+            let stop = async move { stopping.wait_for_shutdown().await };
+            // Serving only ends on shutdown, when nobody is left to tell.
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(stop)
+                .await;
+        });
+        Ok(FakeModel { addr, shared })
+    }
+
+    /// The address actually bound.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The OpenAI base URL of well-behaved answers: `http://ADDR/v1`.
+    pub fn url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    /// The OpenAI base URL that behaves as `scenario` says:
+    /// `http://ADDR/s/<scenario>/v1` (plain [`FakeModel::url`] for the default).
+    pub fn scenario_url(&self, scenario: &Scenario) -> String {
+        match scenario.to_string() {
+            encoded if encoded.is_empty() => self.url(),
+            encoded => format!("http://{}/s/{encoded}/v1", self.addr),
+        }
+    }
+
+    /// Every request received so far, in arrival order.
+    pub fn requests(&self) -> Vec<RecordedRequest> {
+        self.shared.recorded()
+    }
+
+    /// How many requests were received so far.
+    pub fn request_count(&self) -> usize {
+        self.shared.recorded_count()
+    }
+}
+
+impl Drop for FakeModel {
+    fn drop(&mut self) {
+        self.shared.shut_down();
+    }
+}
+
+/// The fake's HTTP surface, with its own (unobservable) request record; for
+/// mounting in another server or driving with `tower::ServiceExt::oneshot`.
+pub fn router() -> Router {
+    app(Shared::new())
+}
+
+fn app(shared: Arc<Shared>) -> Router {
+    Router::new().fallback(server::handle).with_state(shared)
+}

@@ -1,0 +1,217 @@
+//! Scenarios: the misbehaviours a test asks of the fake, chosen per backend URL.
+//!
+//! The gateway under test never forwards its caller's headers, so the only
+//! channel from a test to this server is the backend URL the gateway is
+//! configured with. A scenario therefore travels as a path prefix,
+//! `/s/status=503,delay_ms=100,no_usage/v1/...`: comma-separated `key[=value]`
+//! items, a bare key meaning `true`. `Display` and `FromStr` are inverses, so
+//! what `FakeModel::scenario_url` writes is exactly what the server reads back.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// How the fake should (mis)behave for one request. The default is a
+/// well-behaved OpenAI-compatible server.
+#[derive(Default, Clone, Debug, PartialEq, Eq)]
+pub struct Scenario {
+    /// Answer with this status: a non-2xx one with an OpenAI error envelope
+    /// (whatever the path), a 2xx one in place of a success's own status.
+    pub status: Option<u16>,
+    /// Sleep this long before sending the response head.
+    pub delay_ms: Option<u64>,
+    /// Sleep this long between SSE events of a stream.
+    pub chunk_delay_ms: Option<u64>,
+    /// Never answer (until the server shuts down).
+    pub hang: bool,
+    /// Stream: abort the connection after this many content chunks, no `[DONE]`.
+    pub cut_after: Option<usize>,
+    /// Never report usage: no usage chunk in streams, no `usage` otherwise.
+    pub no_usage: bool,
+    /// Add a `Retry-After` header with this many seconds.
+    pub retry_after: Option<u64>,
+    /// Answer 200 `application/json` with a body that is not JSON.
+    pub garbage: bool,
+    /// Number of content chunks in a stream (default 5).
+    pub chunks: Option<usize>,
+}
+
+/// Why a scenario prefix could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScenarioError {
+    #[error("unknown scenario key `{0}`")]
+    UnknownKey(String),
+    #[error("scenario key `{0}` needs a value (`{0}=...`)")]
+    MissingValue(String),
+    #[error("scenario key `{key}` has an invalid value `{value}`")]
+    InvalidValue { key: String, value: String },
+}
+
+impl Scenario {
+    /// The number of content chunks a stream is split into.
+    pub fn content_chunks(&self) -> usize {
+        self.chunks.unwrap_or(5)
+    }
+}
+
+impl fmt::Display for Scenario {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let numbers = [
+            ("status", self.status.map(u64::from)),
+            ("delay_ms", self.delay_ms),
+            ("chunk_delay_ms", self.chunk_delay_ms),
+            ("chunks", self.chunks.map(|n| n as u64)),
+            ("cut_after", self.cut_after.map(|n| n as u64)),
+            ("retry_after", self.retry_after),
+        ];
+        let flags = [
+            ("hang", self.hang),
+            ("no_usage", self.no_usage),
+            ("garbage", self.garbage),
+        ];
+        let items: Vec<String> = numbers
+            .into_iter()
+            .filter_map(|(key, value)| value.map(|v| format!("{key}={v}")))
+            .chain(
+                flags
+                    .into_iter()
+                    .filter(|(_, on)| *on)
+                    .map(|(key, _)| key.to_owned()),
+            )
+            .collect();
+        f.write_str(&items.join(","))
+    }
+}
+
+impl FromStr for Scenario {
+    type Err = ScenarioError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut scenario = Scenario::default();
+        for item in s.split(',').filter(|item| !item.is_empty()) {
+            let (key, value) = match item.split_once('=') {
+                Some((key, value)) => (key, Some(value)),
+                None => (item, None),
+            };
+            match key {
+                "status" => {
+                    let status: u16 = number(key, value)?;
+                    if !(100..=999).contains(&status) {
+                        return Err(invalid(key, value.unwrap_or_default()));
+                    }
+                    scenario.status = Some(status);
+                }
+                "delay_ms" => scenario.delay_ms = Some(number(key, value)?),
+                "chunk_delay_ms" => scenario.chunk_delay_ms = Some(number(key, value)?),
+                "chunks" => scenario.chunks = Some(number(key, value)?),
+                "cut_after" => scenario.cut_after = Some(number(key, value)?),
+                "retry_after" => scenario.retry_after = Some(number(key, value)?),
+                "hang" => scenario.hang = flag(key, value)?,
+                "no_usage" => scenario.no_usage = flag(key, value)?,
+                "garbage" => scenario.garbage = flag(key, value)?,
+                other => return Err(ScenarioError::UnknownKey(other.to_owned())),
+            }
+        }
+        Ok(scenario)
+    }
+}
+
+fn number<T: FromStr>(key: &str, value: Option<&str>) -> Result<T, ScenarioError> {
+    let value = value.ok_or_else(|| ScenarioError::MissingValue(key.to_owned()))?;
+    value.parse().map_err(|_| invalid(key, value))
+}
+
+fn flag(key: &str, value: Option<&str>) -> Result<bool, ScenarioError> {
+    match value {
+        None | Some("true") => Ok(true),
+        Some("false") => Ok(false),
+        Some(other) => Err(invalid(key, other)),
+    }
+}
+
+fn invalid(key: &str, value: &str) -> ScenarioError {
+    ScenarioError::InvalidValue {
+        key: key.to_owned(),
+        value: value.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn everything() -> Scenario {
+        Scenario {
+            status: Some(503),
+            delay_ms: Some(100),
+            chunk_delay_ms: Some(50),
+            hang: true,
+            cut_after: Some(2),
+            no_usage: true,
+            retry_after: Some(7),
+            garbage: true,
+            chunks: Some(10),
+        }
+    }
+
+    #[test]
+    fn encoding_round_trips() {
+        for scenario in [
+            Scenario::default(),
+            everything(),
+            Scenario {
+                cut_after: Some(0),
+                ..Default::default()
+            },
+            Scenario {
+                no_usage: true,
+                chunks: Some(3),
+                ..Default::default()
+            },
+        ] {
+            let encoded = scenario.to_string();
+            assert_eq!(encoded.parse::<Scenario>().unwrap(), scenario, "{encoded}");
+        }
+    }
+
+    #[test]
+    fn default_encodes_to_nothing() {
+        assert_eq!(Scenario::default().to_string(), "");
+        assert_eq!("".parse::<Scenario>().unwrap(), Scenario::default());
+    }
+
+    #[test]
+    fn parses_the_documented_example() {
+        let text = "status=503,delay_ms=100,chunk_delay_ms=50,cut_after=2,no_usage,hang,retry_after=7,garbage,chunks=10";
+        assert_eq!(text.parse::<Scenario>().unwrap(), everything());
+    }
+
+    #[test]
+    fn flags_accept_explicit_booleans() {
+        let scenario: Scenario = "hang=false,garbage=true".parse().unwrap();
+        assert!(!scenario.hang);
+        assert!(scenario.garbage);
+    }
+
+    #[test]
+    fn rejects_what_it_cannot_read() {
+        assert_eq!(
+            "sttaus=503".parse::<Scenario>(),
+            Err(ScenarioError::UnknownKey("sttaus".into()))
+        );
+        assert_eq!(
+            "status".parse::<Scenario>(),
+            Err(ScenarioError::MissingValue("status".into()))
+        );
+        assert_eq!(
+            "status=42".parse::<Scenario>(),
+            Err(invalid("status", "42"))
+        );
+        assert_eq!(
+            "delay_ms=soon".parse::<Scenario>(),
+            Err(invalid("delay_ms", "soon"))
+        );
+        assert_eq!("hang=yes".parse::<Scenario>(), Err(invalid("hang", "yes")));
+    }
+}
