@@ -54,7 +54,9 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Serve { config, listen } => serve::run(&config, &listen),
         Command::Validate { config } => validate(&config),
-        Command::Key { command: KeyCommand::New { tenant, agent } } => key::new(&tenant, agent.as_deref()),
+        Command::Key {
+            command: KeyCommand::New { tenant, agent },
+        } => key::new(&tenant, agent.as_deref()),
     }
 }
 
@@ -64,7 +66,11 @@ fn validate(path: &std::path::Path) -> ExitCode {
             for warning in &loaded.warnings {
                 eprintln!("warning: {}: {warning}", path.display());
             }
-            println!("{}: ok ({} warning(s))", path.display(), loaded.warnings.len());
+            println!(
+                "{}: ok ({} warning(s))",
+                path.display(),
+                loaded.warnings.len()
+            );
             ExitCode::SUCCESS
         }
         Err(error) => {

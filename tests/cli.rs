@@ -14,15 +14,23 @@ fn flexway(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
         command.env(k, v);
     }
     let out = command.output().unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 fn spec_example() -> String {
     format!("{}/config/flexway.yaml", env!("CARGO_MANIFEST_DIR"))
 }
 
-const SPEC_ENV: [(&str, &str); 4] =
-    [("PTU_WEST_KEY", "k1"), ("PAYG_WEST_KEY", "k2"), ("PAYG_NORTH_KEY", "k3"), ("FLEXWAY_AUDIT_SALT", "salt")];
+const SPEC_ENV: [(&str, &str); 4] = [
+    ("PTU_WEST_KEY", "k1"),
+    ("PAYG_WEST_KEY", "k2"),
+    ("PAYG_NORTH_KEY", "k3"),
+    ("FLEXWAY_AUDIT_SALT", "salt"),
+];
 
 #[test]
 fn validate_accepts_the_spec_example() {
@@ -42,7 +50,10 @@ fn validate_lists_every_error_and_exits_non_zero() {
     let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
     assert!(errors.len() >= 3, "{stderr}");
     assert!(stderr.contains("ai.backends.a"), "{stderr}");
-    assert!(stderr.contains("bad.yaml"), "errors name the file: {stderr}");
+    assert!(
+        stderr.contains("bad.yaml"),
+        "errors name the file: {stderr}"
+    );
 }
 
 #[test]
@@ -53,14 +64,21 @@ fn validate_warns_about_a_locally_metered_relay() {
     std::fs::write(&path, yaml).unwrap();
     let (ok, _, stderr) = flexway(&["validate", "--config", path.to_str().unwrap()], &[]);
     assert!(ok, "{stderr}");
-    assert!(stderr.contains("warning") && stderr.contains("up"), "{stderr}");
+    assert!(
+        stderr.contains("warning") && stderr.contains("up"),
+        "{stderr}"
+    );
 }
 
 #[tokio::test]
 async fn key_new_prints_a_key_whose_config_line_authenticates() {
     let (ok, stdout, _) = flexway(&["key", "new", "--tenant", "acme", "--agent", "bot"], &[]);
     assert!(ok);
-    let key = stdout.lines().find_map(|l| l.strip_prefix("key: ")).unwrap().to_owned();
+    let key = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("key: "))
+        .unwrap()
+        .to_owned();
     let line = stdout.lines().find(|l| l.contains("sha256:")).unwrap();
     assert!(line.contains("agent: bot"));
     assert!(line.contains(&sha(&key)));

@@ -42,7 +42,9 @@ pub enum GatewayError {
     Identity(#[from] IdentityError),
     #[error("no backend reachable by this caller serves the `{capability}` capability")]
     CapabilityUnavailable { capability: &'static str },
-    #[error("image URL origin `{origin}` is not allowed: remote images must be under a declared https origin (ai.vision.allowed_origins)")]
+    #[error(
+        "image URL origin `{origin}` is not allowed: remote images must be under a declared https origin (ai.vision.allowed_origins)"
+    )]
     ImageOriginNotAllowed { origin: String },
     #[error("this request is marked sensitive and no internal backend can serve it")]
     SensitiveNoInternalBackend,
@@ -53,11 +55,17 @@ pub enum GatewayError {
     #[error("an image is larger than {limit} bytes (ai.vision.max_image_bytes)")]
     ImageTooLarge { limit: u64 },
     #[error("budget exceeded: {budget}; it resets in {retry_after_secs} s")]
-    BudgetExceeded { budget: String, retry_after_secs: u64 },
+    BudgetExceeded {
+        budget: String,
+        retry_after_secs: u64,
+    },
     #[error("backend `{backend}` answered with an invalid response: {detail}")]
     UpstreamError { backend: BackendId, detail: String },
     #[error("no backend could serve this request ({}); tried: {}", cause.as_str(), if tried.is_empty() { "none".to_owned() } else { names(tried) })]
-    UpstreamUnavailable { cause: UnavailableCause, tried: Vec<BackendId> },
+    UpstreamUnavailable {
+        cause: UnavailableCause,
+        tried: Vec<BackendId>,
+    },
     #[error("backend `{backend}` timed out")]
     UpstreamTimeout { backend: BackendId },
     #[error("no route for {method} {path}")]
@@ -74,11 +82,15 @@ impl GatewayError {
             GatewayError::InvalidRequest(_)
             | GatewayError::CapabilityUnavailable { .. }
             | GatewayError::ImageOriginNotAllowed { .. } => StatusCode::BAD_REQUEST,
-            GatewayError::Identity(IdentityError::MissingKey | IdentityError::UnknownKey) => StatusCode::UNAUTHORIZED,
-            GatewayError::Identity(_) | GatewayError::SensitiveNoInternalBackend | GatewayError::UnknownTenant { .. } => {
-                StatusCode::FORBIDDEN
+            GatewayError::Identity(IdentityError::MissingKey | IdentityError::UnknownKey) => {
+                StatusCode::UNAUTHORIZED
             }
-            GatewayError::BodyTooLarge { .. } | GatewayError::ImageTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            GatewayError::Identity(_)
+            | GatewayError::SensitiveNoInternalBackend
+            | GatewayError::UnknownTenant { .. } => StatusCode::FORBIDDEN,
+            GatewayError::BodyTooLarge { .. } | GatewayError::ImageTooLarge { .. } => {
+                StatusCode::PAYLOAD_TOO_LARGE
+            }
             GatewayError::BudgetExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
             GatewayError::UpstreamError { .. } => StatusCode::BAD_GATEWAY,
             GatewayError::UpstreamUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -93,7 +105,9 @@ impl GatewayError {
     pub fn code(&self) -> &'static str {
         match self {
             GatewayError::InvalidRequest(_) => "invalid_request",
-            GatewayError::Identity(IdentityError::MissingKey | IdentityError::UnknownKey) => "invalid_api_key",
+            GatewayError::Identity(IdentityError::MissingKey | IdentityError::UnknownKey) => {
+                "invalid_api_key"
+            }
             GatewayError::Identity(_) => "unknown_agent",
             GatewayError::CapabilityUnavailable { .. } => "capability_unavailable",
             GatewayError::ImageOriginNotAllowed { .. } => "image_origin_not_allowed",
@@ -134,14 +148,18 @@ impl GatewayError {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            GatewayError::UpstreamError { .. } | GatewayError::UpstreamUnavailable { .. } | GatewayError::UpstreamTimeout { .. }
+            GatewayError::UpstreamError { .. }
+                | GatewayError::UpstreamUnavailable { .. }
+                | GatewayError::UpstreamTimeout { .. }
         )
     }
 
     /// Response headers this error carries besides the envelope.
     pub fn headers(&self) -> Vec<(&'static str, String)> {
         match self {
-            GatewayError::BudgetExceeded { retry_after_secs, .. } => vec![("retry-after", retry_after_secs.to_string())],
+            GatewayError::BudgetExceeded {
+                retry_after_secs, ..
+            } => vec![("retry-after", retry_after_secs.to_string())],
             GatewayError::UpstreamUnavailable { cause, tried } => {
                 let mut h = vec![("flexway-error-cause", cause.as_str().to_owned())];
                 if !tried.is_empty() {
@@ -149,7 +167,8 @@ impl GatewayError {
                 }
                 h
             }
-            GatewayError::UpstreamTimeout { backend } | GatewayError::UpstreamError { backend, .. } => {
+            GatewayError::UpstreamTimeout { backend }
+            | GatewayError::UpstreamError { backend, .. } => {
                 vec![("flexway-backends-tried", backend.to_string())]
             }
             _ => Vec::new(),
@@ -171,14 +190,23 @@ mod tests {
         assert_eq!(err.code(), "upstream_unavailable");
         assert!(err.to_string().contains("upstream_failed"));
         assert!(err.to_string().contains("a, b"));
-        assert!(err.headers().contains(&("flexway-error-cause", "upstream_failed".to_owned())));
+        assert!(
+            err.headers()
+                .contains(&("flexway-error-cause", "upstream_failed".to_owned()))
+        );
     }
 
     #[test]
     fn identity_errors_map_to_spec_codes() {
         let missing = GatewayError::from(IdentityError::MissingKey);
-        assert_eq!((missing.status().as_u16(), missing.code()), (401, "invalid_api_key"));
+        assert_eq!(
+            (missing.status().as_u16(), missing.code()),
+            (401, "invalid_api_key")
+        );
         let agent = GatewayError::from(IdentityError::UnknownAgent { agent: "x".into() });
-        assert_eq!((agent.status().as_u16(), agent.code()), (403, "unknown_agent"));
+        assert_eq!(
+            (agent.status().as_u16(), agent.code()),
+            (403, "unknown_agent")
+        );
     }
 }

@@ -2,7 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 #[serde(transparent)]
 pub struct MicroEur(pub u64);
 
@@ -35,7 +37,10 @@ mod tests {
     fn cost_rounds_up_to_the_next_micro_euro() {
         // 0.15 €/Mtok = 150_000 µ€/Mtok; 7 tokens cost 1.05 µ€ → 2 µ€.
         assert_eq!(MicroEur::for_tokens(7, MicroEur(150_000)), MicroEur(2));
-        assert_eq!(MicroEur::for_tokens(1_000_000, MicroEur(2_000_000)), MicroEur(2_000_000));
+        assert_eq!(
+            MicroEur::for_tokens(1_000_000, MicroEur(2_000_000)),
+            MicroEur(2_000_000)
+        );
         assert_eq!(MicroEur::for_tokens(0, MicroEur(2_000_000)), MicroEur(0));
     }
 

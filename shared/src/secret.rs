@@ -32,7 +32,10 @@ pub enum SecretError {
     #[error("secret {reference}: environment variable is not set")]
     EnvMissing { reference: String },
     #[error("secret {reference}: {source}")]
-    File { reference: String, source: std::io::Error },
+    File {
+        reference: String,
+        source: std::io::Error,
+    },
     #[error("secret {reference}: the file is empty")]
     Empty { reference: String },
     #[error("secret {reference}: AWS secret references are resolved by the serverless shape only")]
@@ -94,7 +97,9 @@ mod tests {
     fn resolves_env_references_and_trims() {
         let env: HashMap<String, String> = [("K".to_owned(), " v1 \n".to_owned())].into();
         let secrets = LocalSecrets { env: &env };
-        let got = secrets.resolve(&SecretRef::Env("K".into())).map(|s| s.expose().to_owned());
+        let got = secrets
+            .resolve(&SecretRef::Env("K".into()))
+            .map(|s| s.expose().to_owned());
         assert_eq!(got.ok().as_deref(), Some("v1"));
         assert!(matches!(
             secrets.resolve(&SecretRef::Env("MISSING".into())),
@@ -107,6 +112,9 @@ mod tests {
         let env: HashMap<String, String> = HashMap::new();
         let secrets = LocalSecrets { env: &env };
         let arn = SecretRef::AwsArn("arn:aws:ssm:eu-west-1:1:parameter/k".into());
-        assert!(matches!(secrets.resolve(&arn), Err(SecretError::Unsupported { .. })));
+        assert!(matches!(
+            secrets.resolve(&arn),
+            Err(SecretError::Unsupported { .. })
+        ));
     }
 }

@@ -143,7 +143,8 @@ fn temp_file(name: &str, contents: &[u8]) -> PathBuf {
 }
 
 fn grpc_backend() -> &'static str {
-    "{kind: grpc, url: 'http://10.0.0.9:50051', descriptor_set: /nonexistent/ocr.binpb, external: false}"
+    "{kind: grpc, url: 'http://10.0.0.9:50051', descriptor_set: /nonexistent/ocr.binpb, \
+     external: false}"
 }
 
 // ----- the whole document ---------------------------------------------------------
@@ -204,13 +205,21 @@ fn refuses_unknown_top_level_key_with_its_path() {
 
 #[test]
 fn refuses_unknown_nested_key_with_its_path() {
-    let message = doc()
+    // The misspelt key is also a missing one, and both are said.
+    let errors = doc()
         .set(
             "ai.backends.main.auth",
             "{type: bearer, secrett: 'env:BACKEND_KEY'}",
         )
-        .refused("ai.backends.main.auth.secrett", "unknown field `secrett`");
+        .errors();
+    assert_eq!(errors.len(), 2, "{errors:#?}");
+    let message = assert_error(
+        &errors,
+        "ai.backends.main.auth.secrett",
+        "unknown field `secrett`",
+    );
     assert!(message.contains("expected one of"), "{message}");
+    assert_error(&errors, "ai.backends.main.auth.secret", "required");
 }
 
 #[test]
@@ -762,7 +771,11 @@ fn refuses_pool_with_an_external_member_as_sensitive_backend() {
 #[test]
 fn accepts_internal_pool_as_sensitive_backend() {
     let loaded = doc()
-        .set("ai.backends.internal2", "{url: 'http://10.0.0.6/v1', external: false, price: {input_per_mtok_eur: 0, output_per_mtok_eur: 0}}")
+        .set(
+            "ai.backends.internal2",
+            "{url: 'http://10.0.0.6/v1', external: false, \
+             price: {input_per_mtok_eur: 0, output_per_mtok_eur: 0}}",
+        )
         .set(
             "ai.backends.pool",
             "{kind: pool, external: false, members: [{backend: internal}, {backend: internal2}]}",
@@ -1127,7 +1140,8 @@ fn reads_circuit_breaker_with_ratio() {
     let loaded = doc()
         .set(
             "ai.backends.main.circuit_breaker",
-            "{failure_ratio: 0.5, min_requests: 20, interval: 5m, trip: 45s, status: [429, '500-504']}",
+            "{failure_ratio: 0.5, min_requests: 20, interval: 5m, trip: 45s, \
+             status: [429, '500-504']}",
         )
         .loads();
     let breaker = &loaded.config.ai.backends["main"].circuit_breaker;
@@ -1380,7 +1394,13 @@ fn refuses_pool_declaring_a_capability_no_member_serves() {
 
 #[test]
 fn warns_about_relay_metered_locally() {
-    let loaded = doc().set("ai.backends.up", "{kind: relay, url: 'https://up.example.net', price: {input_per_mtok_eur: 1, output_per_mtok_eur: 1}}").loads();
+    let loaded = doc()
+        .set(
+            "ai.backends.up",
+            "{kind: relay, url: 'https://up.example.net', \
+             price: {input_per_mtok_eur: 1, output_per_mtok_eur: 1}}",
+        )
+        .loads();
     let BackendKind::Relay { metering, .. } = &loaded.config.ai.backends["up"].kind else {
         panic!("a relay")
     };
@@ -1415,8 +1435,15 @@ fn refuses_relay_keys_on_another_kind() {
 #[test]
 fn refuses_invalid_identity_header() {
     doc()
-        .set("ai.backends.up", "{kind: relay, url: 'https://up.example.net', metering: upstream, identity_headers: {tenant: 'Bad Header'}}")
-        .refused("ai.backends.up.identity_headers.tenant", "not a valid HTTP header name");
+        .set(
+            "ai.backends.up",
+            "{kind: relay, url: 'https://up.example.net', metering: upstream, \
+             identity_headers: {tenant: 'Bad Header'}}",
+        )
+        .refused(
+            "ai.backends.up.identity_headers.tenant",
+            "not a valid HTTP header name",
+        );
 }
 
 // ----- gRPC -----------------------------------------------------------------------
@@ -1594,4 +1621,70 @@ fn parses_durations() {
             "parse_duration({text:?})"
         );
     }
+}
+
+// ----- shape and rule errors together ---------------------------------------------
+
+#[test]
+fn reports_shape_and_rule_errors_together() {
+    let errors = doc()
+        .set("ai.backends.main.colour", "red")
+        .set("ai.backends.main.timeout", "10")
+        .set("tenants.acme.backend", "ghost")
+        .set("ai.default_backend", "missing")
+        .errors();
+    assert_eq!(errors.len(), 4, "{errors:#?}");
+    assert_error(&errors, "ai.backends.main.timeout", "no unit");
+    assert_error(&errors, "tenants.acme.backend", "not declared");
+    assert_error(&errors, "ai.default_backend", "not declared");
+    assert_error(&errors, "ai.backends.main.colour", "unknown field");
+}
+
+#[test]
+fn does_not_guess_about_an_entry_that_did_not_parse() {
+    // `url: 5` is dropped: no second error saying the url is missing. `capabilities`
+    // is dropped: no error saying `main` does not serve vision, it may well.
+    let errors = doc()
+        .set("ai.backends.main.url", "5")
+        .set("ai.backends.main.capabilities", "[chat, sight]")
+        .set("ai.capabilities", "{vision: main}")
+        .errors();
+    assert_eq!(errors.len(), 2, "{errors:#?}");
+    assert_error(&errors, "ai.backends.main.url", "expected a string");
+    assert_error(
+        &errors,
+        "ai.backends.main.capabilities[1]",
+        "unknown variant `sight`",
+    );
+}
+
+#[test]
+fn does_not_call_undeclared_a_backend_that_did_not_parse() {
+    let errors = doc().set("ai.backends.main", "just a string").errors();
+    assert_eq!(errors.len(), 1, "{errors:#?}");
+    assert_error(
+        &errors,
+        "ai.backends.main",
+        "expected a backend (a mapping)",
+    );
+}
+
+#[test]
+fn judges_no_pool_by_a_member_that_did_not_parse() {
+    // `internal` lost its `external` to a bad value: the pool built on it is not
+    // called external (nor the sensitive backend refused) on a guess.
+    let errors = doc()
+        .set("ai.backends.internal.external", "nope")
+        .set(
+            "ai.backends.pool",
+            "{kind: pool, external: false, members: [{backend: internal}]}",
+        )
+        .set("ai.sensitive_backend", "pool")
+        .errors();
+    assert_eq!(errors.len(), 1, "{errors:#?}");
+    assert_error(
+        &errors,
+        "ai.backends.internal.external",
+        "expected a boolean",
+    );
 }

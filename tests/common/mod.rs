@@ -1,6 +1,12 @@
 //! Test harness: the real `flexway` binary on port 0, configured from a YAML string,
 //! in front of fake model servers on loopback.
-#![allow(dead_code, unused_imports, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    dead_code,
+    unused_imports,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic
+)]
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -64,7 +70,12 @@ impl Flexway {
                 panic!("flexway did not start: {:?}", logs.lock().unwrap());
             }
         };
-        Flexway { child, url, dir, logs }
+        Flexway {
+            child,
+            url,
+            dir,
+            logs,
+        }
     }
 
     pub fn start(yaml: &str) -> Flexway {
@@ -76,11 +87,17 @@ impl Flexway {
     }
 
     pub fn post(&self, path: &str, key: &str, body: serde_json::Value) -> reqwest::RequestBuilder {
-        client().post(format!("{}{path}", self.url)).bearer_auth(key).json(&body)
+        client()
+            .post(format!("{}{path}", self.url))
+            .bearer_auth(key)
+            .json(&body)
     }
 
     pub async fn chat(&self, key: &str, body: serde_json::Value) -> reqwest::Response {
-        self.post("/v1/chat/completions", key, body).send().await.unwrap()
+        self.post("/v1/chat/completions", key, body)
+            .send()
+            .await
+            .unwrap()
     }
 }
 
@@ -92,7 +109,10 @@ impl Drop for Flexway {
 }
 
 pub fn client() -> reqwest::Client {
-    reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap()
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap()
 }
 
 pub fn hello(model: &str) -> serde_json::Value {
@@ -151,7 +171,12 @@ pub async fn sse_data(response: reqwest::Response) -> (Vec<String>, Option<Strin
     let events = text
         .split("\n\n")
         .filter(|e| !e.trim().is_empty())
-        .map(|e| e.lines().filter_map(|l| l.strip_prefix("data: ")).collect::<Vec<_>>().join("\n"))
+        .map(|e| {
+            e.lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
         .collect();
     (events, error)
 }

@@ -1,7 +1,7 @@
 //! `flexway.yaml`: read, checked, and turned into the [`Config`] the gateway runs on.
 //!
-//! Loading has two phases. [`raw`] reads the YAML into structs that mirror the
-//! document key for key (unknown keys are errors); [`validate`] turns them into the
+//! Loading has two phases. `raw` reads the YAML into structs that mirror the
+//! document key for key (unknown keys are errors); `validate` turns them into the
 //! types of [`model`], resolving every reference and refusing what SPEC.md says is
 //! "refused at load". Both phases collect every problem they find rather than stopping
 //! at the first, and each problem carries its path in the document
@@ -115,12 +115,12 @@ pub fn load_file(path: &Path, env: &dyn EnvSource) -> Result<Loaded, ConfigError
 
 /// Loads a configuration from its YAML text.
 ///
-/// Errors of shape (syntax, unknown keys, wrong types) are all reported, and stop the
-/// load before validation: the rules of phase 2 would only add noise about keys that
-/// did not parse.
+/// Errors of shape (unknown keys, wrong types) and errors of rules are reported
+/// together. Rules are not applied inside a part of the document that lost an entry
+/// to a shape error: they would only repeat it ("required") or guess.
 pub fn load_str(text: &str, env: &dyn EnvSource) -> Result<Loaded, ConfigError> {
-    let raw = raw::parse(text).map_err(|errors| ConfigError { file: None, errors })?;
-    validate::validate(raw, env).map_err(|errors| ConfigError { file: None, errors })
+    let parsed = raw::parse(text).map_err(|errors| ConfigError { file: None, errors })?;
+    validate::validate(parsed, env).map_err(|errors| ConfigError { file: None, errors })
 }
 
 /// The JSON Schema of `flexway.yaml`, generated from the raw types (the document's

@@ -10,8 +10,9 @@
 //! Serde stops at the first error, but an operator wants them all. The document is
 //! read into a YAML tree, deserialized, and on error the offending mapping entry is
 //! dropped from the tree and the rest deserialized again, until it passes: every
-//! entry that is wrong is reported once, in document order, with its path. A value
-//! given where a secret reference belongs is never echoed, even in a type error.
+//! entry that is wrong is reported once, in document order, with its path, and what
+//! remains goes on to phase 2. A value given where a secret reference belongs is
+//! never echoed, even in a type error.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -26,7 +27,11 @@ use super::Diagnostic;
 /// Flexway gateway configuration (`flexway.yaml`). The key names are a contract:
 /// configurations written for earlier releases keep loading unchanged.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "FlexwayConfig")]
+#[serde(
+    deny_unknown_fields,
+    rename = "FlexwayConfig",
+    expecting = "a configuration (a mapping)"
+)]
 #[schemars(title = "flexway.yaml")]
 pub struct RawConfig {
     /// Version of this file's format; must be 1.
@@ -45,7 +50,11 @@ pub struct RawConfig {
 
 /// The budget ledger.
 #[derive(Debug, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "Store")]
+#[serde(
+    deny_unknown_fields,
+    rename = "Store",
+    expecting = "a store (a mapping)"
+)]
 pub struct RawStore {
     /// `embedded` (a local file, needs `path`), `memory` (lost on exit, for tests) or
     /// `dynamodb` (serverless, needs `table`).
@@ -67,7 +76,11 @@ pub enum RawStoreKind {
 
 /// The audit trail: one JSON line per inference call, metadata only.
 #[derive(Debug, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "Audit")]
+#[serde(
+    deny_unknown_fields,
+    rename = "Audit",
+    expecting = "an audit (a mapping)"
+)]
 pub struct RawAudit {
     /// `file` (JSONL, needs `path`), `stdout` (default) or `cloudwatch` (needs
     /// `log_group`).
@@ -92,7 +105,11 @@ pub enum RawSinkKind {
 
 /// A tenant: a consuming team, with its keys, budgets and agents.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "Tenant")]
+#[serde(
+    deny_unknown_fields,
+    rename = "Tenant",
+    expecting = "a tenant (a mapping)"
+)]
 pub struct RawTenant {
     /// The tenant's API keys, as SHA-256 hashes (never the keys themselves).
     pub keys: Option<Vec<RawKey>>,
@@ -106,7 +123,11 @@ pub struct RawTenant {
 
 /// One API key of a tenant.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "Key")]
+#[serde(
+    deny_unknown_fields,
+    rename = "Key",
+    expecting = "a key ({sha256: ...}) (a mapping)"
+)]
 pub struct RawKey {
     /// SHA-256 of the key, 64 hex digits (`flexway key new` prints it).
     #[schemars(required, regex(pattern = r"^[0-9a-fA-F]{64}$"))]
@@ -121,7 +142,11 @@ pub struct RawKey {
 
 /// Budgets; each one absent is no limit. Periods are UTC calendar days and months.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "Budgets")]
+#[serde(
+    deny_unknown_fields,
+    rename = "Budgets",
+    expecting = "budgets (a mapping)"
+)]
 pub struct RawBudgets {
     /// Tokens (input + output) per UTC day.
     pub tokens_per_day: Option<u64>,
@@ -134,7 +159,11 @@ pub struct RawBudgets {
 
 /// An agent of a tenant; its budgets are sub-limits inside the tenant's.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "Agent")]
+#[serde(
+    deny_unknown_fields,
+    rename = "Agent",
+    expecting = "an agent (a mapping)"
+)]
 pub struct RawAgent {
     /// Backend serving this agent instead of its tenant's.
     pub backend: Option<String>,
@@ -144,7 +173,11 @@ pub struct RawAgent {
 
 /// Routing and policy.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "Ai")]
+#[serde(
+    deny_unknown_fields,
+    rename = "Ai",
+    expecting = "the ai section (a mapping)"
+)]
 pub struct RawAi {
     /// Backend serving every request that no override routes elsewhere.
     #[schemars(required)]
@@ -165,7 +198,11 @@ pub struct RawAi {
 
 /// Capability overrides.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "CapabilityOverrides")]
+#[serde(
+    deny_unknown_fields,
+    rename = "CapabilityOverrides",
+    expecting = "capability overrides (a mapping)"
+)]
 pub struct RawCapabilityOverrides {
     /// Backend for requests carrying images; it must serve `vision`.
     pub vision: Option<String>,
@@ -175,7 +212,11 @@ pub struct RawCapabilityOverrides {
 
 /// Budget policy.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "BudgetPolicy")]
+#[serde(
+    deny_unknown_fields,
+    rename = "BudgetPolicy",
+    expecting = "a budget policy (a mapping)"
+)]
 pub struct RawBudgetPolicy {
     /// Past a fraction of any budget, switch to a cheaper backend.
     pub soft: Option<RawSoftCap>,
@@ -189,7 +230,11 @@ pub struct RawBudgetPolicy {
 
 /// The soft budget cap.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "SoftCap")]
+#[serde(
+    deny_unknown_fields,
+    rename = "SoftCap",
+    expecting = "a soft cap (a mapping)"
+)]
 pub struct RawSoftCap {
     /// Fraction of any budget, in (0, 1], at which traffic switches (e.g. 0.8).
     #[schemars(required, range(min = 0, max = 1))]
@@ -201,7 +246,11 @@ pub struct RawSoftCap {
 
 /// Limits for requests carrying images.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "Vision")]
+#[serde(
+    deny_unknown_fields,
+    rename = "Vision",
+    expecting = "vision limits (a mapping)"
+)]
 pub struct RawVision {
     /// Largest image, measured in the body without decoding. Default 8388608 (8 MiB).
     #[schemars(range(min = 1))]
@@ -215,7 +264,11 @@ pub struct RawVision {
 
 /// A backend. Which keys apply depends on `kind`; a key of another kind is refused.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "Backend")]
+#[serde(
+    deny_unknown_fields,
+    rename = "Backend",
+    expecting = "a backend (a mapping)"
+)]
 pub struct RawBackend {
     /// `openai` (default), `anthropic`, `relay` (another Flexway), `grpc` or `pool`.
     pub kind: Option<RawBackendKind>,
@@ -304,7 +357,11 @@ pub enum RawMetering {
 
 /// Authentication to a backend.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "Auth")]
+#[serde(
+    deny_unknown_fields,
+    rename = "Auth",
+    expecting = "an auth (a mapping)"
+)]
 pub struct RawAuth {
     /// `none`, `bearer` (+ `secret`), `header` (+ `name`, `secret`) or `token_file`
     /// (+ `path`).
@@ -342,7 +399,7 @@ impl RawAuthKind {
 
 /// TLS towards a backend.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "Tls")]
+#[serde(deny_unknown_fields, rename = "Tls", expecting = "a tls (a mapping)")]
 pub struct RawTls {
     /// Client certificate (PEM), with `key`.
     pub cert: Option<String>,
@@ -355,7 +412,11 @@ pub struct RawTls {
 
 /// Price in euros per million tokens, at most 6 decimal places.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "Price")]
+#[serde(
+    deny_unknown_fields,
+    rename = "Price",
+    expecting = "a price (a mapping)"
+)]
 pub struct RawPrice {
     /// Euros per million input (prompt) tokens.
     #[schemars(required, range(min = 0))]
@@ -368,7 +429,11 @@ pub struct RawPrice {
 /// Circuit breaker: `failures`, or `failure_ratio` with `min_requests`, within
 /// `interval` trips the breaker for `trip`.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "CircuitBreaker")]
+#[serde(
+    deny_unknown_fields,
+    rename = "CircuitBreaker",
+    expecting = "a circuit breaker (a mapping)"
+)]
 pub struct RawBreaker {
     /// Failures within `interval` that trip the breaker. Default 5.
     #[schemars(range(min = 1))]
@@ -404,7 +469,11 @@ pub enum RawStatus {
 
 /// A member of a pool.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "PoolMember")]
+#[serde(
+    deny_unknown_fields,
+    rename = "PoolMember",
+    expecting = "a pool member ({backend: ...}) (a mapping)"
+)]
 pub struct RawPoolMember {
     /// The member backend (not a pool, not grpc).
     #[schemars(required)]
@@ -421,7 +490,11 @@ pub struct RawPoolMember {
 /// Header names under which a relay passes the caller's identity on; an absent one
 /// is not passed.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields, rename = "IdentityHeaders")]
+#[serde(
+    deny_unknown_fields,
+    rename = "IdentityHeaders",
+    expecting = "identity headers (a mapping)"
+)]
 pub struct RawIdentityHeaders {
     /// Header carrying the tenant's name.
     pub tenant: Option<String>,
@@ -550,8 +623,17 @@ impl JsonSchema for RawSecret {
     }
 }
 
-/// Reads the document; every error of shape comes back, each with its path.
-pub(super) fn parse(text: &str) -> Result<RawConfig, Vec<Diagnostic>> {
+/// The document as far as it parsed, and what did not.
+pub(super) struct Parsed {
+    /// Every entry that had the right shape; the others are left out.
+    pub raw: RawConfig,
+    /// One error per entry left out, with its path, in document order.
+    pub errors: Vec<Diagnostic>,
+}
+
+/// Reads the document. `Err` when it is not YAML or not a mapping at all; otherwise
+/// the entries of the wrong shape are reported and left out of `raw`.
+pub(super) fn parse(text: &str) -> Result<Parsed, Vec<Diagnostic>> {
     let mut doc: Value = serde_norway::from_str(text).map_err(|e| vec![syntax_error(&e)])?;
     doc.apply_merge().map_err(|e| vec![syntax_error(&e)])?;
     match &doc {
@@ -565,7 +647,8 @@ pub(super) fn parse(text: &str) -> Result<RawConfig, Vec<Diagnostic>> {
         _ => {
             return Err(vec![Diagnostic::new(
                 "",
-                "the document must be a mapping of keys (`version`, `store`, `audit`, `tenants`, `ai`)",
+                "the document must be a mapping of keys \
+                 (`version`, `store`, `audit`, `tenants`, `ai`)",
             )]);
         }
     }
@@ -573,8 +656,7 @@ pub(super) fn parse(text: &str) -> Result<RawConfig, Vec<Diagnostic>> {
     let mut errors = Vec::new();
     loop {
         match serde_path_to_error::deserialize::<_, RawConfig>(doc.clone()) {
-            Ok(raw) if errors.is_empty() => return Ok(raw),
-            Ok(_) => return Err(errors),
+            Ok(raw) => return Ok(Parsed { raw, errors }),
             Err(error) => {
                 let segments: Vec<&Segment> = error.path().iter().collect();
                 errors.push(Diagnostic::new(

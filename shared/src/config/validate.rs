@@ -18,8 +18,8 @@ use std::time::Duration;
 mod backends;
 
 use super::raw::{
-    RawAgent, RawAi, RawAudit, RawBackend, RawBackendKind, RawBudgetPolicy, RawBudgets,
-    RawCapability, RawConfig, RawDuration, RawSecret, RawSinkKind, RawStore, RawStoreKind,
+    Parsed, RawAgent, RawAi, RawAudit, RawBackend, RawBackendKind, RawBudgetPolicy, RawBudgets,
+    RawCapability, RawConfig, RawDuration, RawKey, RawSecret, RawSinkKind, RawStore, RawStoreKind,
     RawTenant, RawVision,
 };
 use super::values::{fraction_ppm, header_name, https_origin, key_hash, micro_eur, secret_ref};
@@ -32,7 +32,12 @@ const DEFAULT_MIN_COMPLETION_TOKENS: u32 = 16;
 const DEFAULT_MAX_IMAGE_BYTES: u64 = 8 * 1024 * 1024;
 const DEFAULT_MAX_BODY_BYTES: u64 = 24 * 1024 * 1024;
 
-pub(super) fn validate(raw: RawConfig, env: &dyn EnvSource) -> Result<Loaded, Vec<Diagnostic>> {
+pub(super) fn validate(parsed: Parsed, env: &dyn EnvSource) -> Result<Loaded, Vec<Diagnostic>> {
+    let Parsed {
+        raw,
+        errors: shape_errors,
+    } = parsed;
+    let unparsed = Unparsed::new(&shape_errors);
     let RawConfig {
         version,
         store,
@@ -59,7 +64,7 @@ pub(super) fn validate(raw: RawConfig, env: &dyn EnvSource) -> Result<Loaded, Ve
 
     let mut ai = ai.unwrap_or_default();
     let raw_backends = ai.backends.take().unwrap_or_default();
-    let catalog = Catalog::new(&raw_backends);
+    let catalog = Catalog::new(&raw_backends, &unparsed);
     let backends: BTreeMap<BackendId, Backend> = raw_backends
         .into_iter()
         .filter_map(|(name, raw)| check.backend(&name, raw, &catalog))
@@ -68,12 +73,19 @@ pub(super) fn validate(raw: RawConfig, env: &dyn EnvSource) -> Result<Loaded, Ve
     let ai = check.ai(ai, &catalog, backends);
     let tenants = check.tenants(tenants.unwrap_or_default(), &catalog);
 
+    let mut errors = shape_errors;
+    errors.extend(
+        check
+            .errors
+            .into_iter()
+            .filter(|e| !unparsed.covers(&e.path)),
+    );
     // Checked in dependency order; reported in the order of a typical document.
-    check.errors.sort_by_key(|d| section_rank(&d.path));
+    errors.sort_by_key(|d| section_rank(&d.path));
     check.warnings.sort_by_key(|d| section_rank(&d.path));
 
     match (store, audit, ai) {
-        (Some(store), Some(audit), Some(ai)) if check.errors.is_empty() => Ok(Loaded {
+        (Some(store), Some(audit), Some(ai)) if errors.is_empty() => Ok(Loaded {
             config: Config {
                 store,
                 audit,
@@ -82,12 +94,69 @@ pub(super) fn validate(raw: RawConfig, env: &dyn EnvSource) -> Result<Loaded, Ve
             },
             warnings: check.warnings,
         }),
-        _ if check.errors.is_empty() => Err(vec![Diagnostic::new(
+        _ if errors.is_empty() => Err(vec![Diagnostic::new(
             "",
             "the configuration is incomplete (internal error)",
         )]),
-        _ => Err(check.errors),
+        _ => Err(errors),
     }
+}
+
+/// The parts of the document (a section, a tenant, a backend) that lost a value to a
+/// shape error. Their rules are not checked, and a backend among them is not
+/// judged when something refers to it: the shape error already fails the load, and
+/// anything more would be a guess about what the entry meant.
+struct Unparsed {
+    units: Vec<String>,
+}
+
+impl Unparsed {
+    fn new(shape_errors: &[Diagnostic]) -> Unparsed {
+        // An unknown key took nothing the rules read: its part is still judged.
+        let units = shape_errors
+            .iter()
+            .filter(|e| !e.message.starts_with("unknown field"))
+            .map(|e| unit_of(&e.path))
+            .collect();
+        Unparsed { units }
+    }
+
+    fn covers(&self, path: &str) -> bool {
+        self.units.iter().any(|unit| {
+            path.strip_prefix(unit.as_str())
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
+        })
+    }
+
+    /// Whether every backend's shape is in doubt (`ai` or `ai.backends` itself).
+    fn all_backends(&self) -> bool {
+        self.units.iter().any(|u| u == "ai" || u == "ai.backends")
+    }
+
+    /// Backends whose entry lost something, or was dropped whole.
+    fn backends(&self) -> BTreeSet<String> {
+        self.units
+            .iter()
+            .filter_map(|u| u.strip_prefix("ai.backends."))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+/// `ai.backends.X...` → `ai.backends.X`, `tenants.X...` → `tenants.X`, `ai.K...` →
+/// `ai.K`, anything else → its top-level key.
+fn unit_of(path: &str) -> String {
+    let top = path.split(['.', '[']).next().unwrap_or_default();
+    let depth = match top {
+        "ai" if path.starts_with("ai.backends.") => 3,
+        "ai" | "tenants" => 2,
+        _ => 1,
+    };
+    path.splitn(depth + 1, '.')
+        .take(depth)
+        .map(|segment| segment.split('[').next().unwrap_or_default())
+        .collect::<Vec<_>>()
+        .join(".")
 }
 
 /// The position of a path's section in SPEC.md's example, for a stable sort.
@@ -113,10 +182,16 @@ struct Summary {
     capabilities: BTreeSet<Capability>,
 }
 
-struct Catalog(BTreeMap<String, Summary>);
+struct Catalog {
+    backends: BTreeMap<String, Summary>,
+    /// Backends whose shape was wrong, and the pools they are members of.
+    in_doubt: BTreeSet<String>,
+    /// `ai` or `ai.backends` itself was of the wrong shape.
+    all_in_doubt: bool,
+}
 
 impl Catalog {
-    fn new(backends: &BTreeMap<String, RawBackend>) -> Catalog {
+    fn new(backends: &BTreeMap<String, RawBackend>, unparsed: &Unparsed) -> Catalog {
         let mut catalog = BTreeMap::new();
         for (name, raw) in backends {
             let kind = raw.kind.unwrap_or(RawBackendKind::Openai);
@@ -161,11 +236,34 @@ impl Catalog {
                 }
             }
         }
-        Catalog(catalog)
+        // A pool is only as certain as its members.
+        let mut in_doubt = unparsed.backends();
+        let doubtful_pools: Vec<String> = backends
+            .iter()
+            .filter(|(_, raw)| {
+                let members = raw.members.iter().flatten();
+                members
+                    .filter_map(|m| m.backend.as_ref())
+                    .any(|m| in_doubt.contains(m))
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        in_doubt.extend(doubtful_pools);
+        Catalog {
+            backends: catalog,
+            in_doubt,
+            all_in_doubt: unparsed.all_backends(),
+        }
     }
 
     fn get(&self, name: &str) -> Option<&Summary> {
-        self.0.get(name)
+        self.backends.get(name)
+    }
+
+    /// Whether `name` may have been declared, or declared otherwise, in entries that
+    /// did not parse.
+    fn is_in_doubt(&self, name: &str) -> bool {
+        self.all_in_doubt || self.in_doubt.contains(name)
     }
 }
 
@@ -268,6 +366,9 @@ impl Checker<'_> {
         catalog: &'c Catalog,
         role: &str,
     ) -> Option<(BackendId, &'c Summary)> {
+        if catalog.is_in_doubt(name) {
+            return None;
+        }
         let Some(summary) = catalog.get(name) else {
             self.error(
                 path,
@@ -469,27 +570,7 @@ impl Checker<'_> {
                 .enumerate()
                 .filter_map(|(i, key)| {
                     let key_path = format!("{path}.keys[{i}]");
-                    let sha256 = self.required(&format!("{key_path}.sha256"), key.sha256, "(the key's SHA-256)")?;
-                    let hash = key_hash(&sha256).map_err(|m| self.error(format!("{key_path}.sha256"), m)).ok()?;
-                    if let Some(first) = seen_keys.get(&hash) {
-                        self.error(
-                            format!("{key_path}.sha256"),
-                            format!("the same key is already declared at {first}: a key belongs to one tenant, once"),
-                        );
-                        return None;
-                    }
-                    seen_keys.insert(hash, key_path.clone());
-                    let agent = match key.agent {
-                        Some(agent) if !agents.contains_key(agent.as_str()) => {
-                            self.error(
-                                format!("{key_path}.agent"),
-                                format!("agent `{agent}` is not declared under {path}.agents"),
-                            );
-                            return None;
-                        }
-                        other => other.map(AgentId::new),
-                    };
-                    Some(KeyEntry { sha256: hash, agent, relay_peer: key.relay_peer.unwrap_or(false) })
+                    self.key(&key_path, key, &path, &agents, &mut seen_keys)
                 })
                 .collect();
 
@@ -516,6 +597,41 @@ impl Checker<'_> {
             );
         }
         tenants
+    }
+
+    /// One key of a tenant; `seen` holds every key hash met so far, with its path.
+    fn key(
+        &mut self,
+        path: &str,
+        raw: RawKey,
+        tenant_path: &str,
+        agents: &BTreeMap<AgentId, Agent>,
+        seen: &mut HashMap<[u8; 32], String>,
+    ) -> Option<KeyEntry> {
+        let hash_path = format!("{path}.sha256");
+        let hex = self.required(&hash_path, raw.sha256, "(the key's SHA-256)")?;
+        let hash = key_hash(&hex).map_err(|m| self.error(&hash_path, m)).ok()?;
+        if let Some(first) = seen.get(&hash) {
+            let message = format!(
+                "the same key is already declared at {first}: a key belongs to one tenant, once"
+            );
+            self.error(hash_path, message);
+            return None;
+        }
+        seen.insert(hash, path.to_owned());
+        let agent = match raw.agent {
+            Some(agent) if !agents.contains_key(agent.as_str()) => {
+                let message = format!("agent `{agent}` is not declared under {tenant_path}.agents");
+                self.error(format!("{path}.agent"), message);
+                return None;
+            }
+            other => other.map(AgentId::new),
+        };
+        Some(KeyEntry {
+            sha256: hash,
+            agent,
+            relay_peer: raw.relay_peer.unwrap_or(false),
+        })
     }
 
     fn agent(&mut self, path: &str, raw: RawAgent, catalog: &Catalog) -> Agent {

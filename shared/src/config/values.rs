@@ -120,7 +120,8 @@ pub(super) fn https_origin(origin: &str) -> Result<String, String> {
     let host_port = rest.strip_suffix('/').unwrap_or(rest);
     if host_port.is_empty() || host_port.contains(['/', '?', '#', '@']) {
         return Err(format!(
-            "`{origin}` is not an origin: write https://host[:port], without path, query or credentials"
+            "`{origin}` is not an origin: write https://host[:port], without path, query \
+             or credentials"
         ));
     }
     let authority: Result<http::uri::Authority, _> = host_port.parse();
@@ -163,7 +164,8 @@ pub(super) fn secret_ref(text: &str, env: &dyn EnvSource) -> Result<SecretRef, S
         return aws_secret_arn(text).map(|()| SecretRef::AwsArn(text.to_owned()));
     }
     Err(format!(
-        "secrets are references, never values: write {SECRET_REFERENCE_FORMS} (the value given is not shown)"
+        "secrets are references, never values: write {SECRET_REFERENCE_FORMS} \
+         (the value given is not shown)"
     ))
 }
 
@@ -179,9 +181,12 @@ fn aws_secret_arn(arn: &str) -> Result<(), String> {
     if well_formed {
         Ok(())
     } else {
-        Err("an ARN here must name a Secrets Manager secret or an SSM parameter \
-             (arn:aws:secretsmanager:REGION:ACCOUNT:secret:NAME or arn:aws:ssm:REGION:ACCOUNT:parameter/NAME)"
-            .into())
+        Err(
+            "an ARN here must name a Secrets Manager secret or an SSM parameter \
+             (arn:aws:secretsmanager:REGION:ACCOUNT:secret:NAME or \
+             arn:aws:ssm:REGION:ACCOUNT:parameter/NAME)"
+                .into(),
+        )
     }
 }
 

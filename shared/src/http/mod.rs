@@ -66,7 +66,10 @@ async fn healthz(State(gateway): State<Arc<Gateway>>) -> Response {
     Json(body).into_response()
 }
 
-async fn models(State(gateway): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Response, ApiError> {
+async fn models(
+    State(gateway): State<Arc<Gateway>>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
     let caller = gateway.keys.authenticate(&headers)?;
     let names = gateway.router.reachable_models(&caller);
     Ok(Json(model_list(names.iter().map(String::as_str))).into_response())
@@ -77,12 +80,18 @@ fn is_openai_path(uri: &Uri) -> bool {
 }
 
 async fn not_found(method: Method, uri: Uri) -> Response {
-    let error = GatewayError::NotFound { method: method.to_string(), path: uri.path().to_owned() };
+    let error = GatewayError::NotFound {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    };
     render(&error, is_openai_path(&uri))
 }
 
 async fn method_not_allowed(method: Method, uri: Uri) -> Response {
-    let error = GatewayError::MethodNotAllowed { method: method.to_string(), path: uri.path().to_owned() };
+    let error = GatewayError::MethodNotAllowed {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    };
     render(&error, is_openai_path(&uri))
 }
 

@@ -13,9 +13,9 @@ use axum::response::Response;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 
+use super::RequestId;
 use super::error::ApiError;
 use super::relay;
-use super::RequestId;
 use crate::config::{BackendId, Endpoint};
 use crate::error::{GatewayError, UnavailableCause};
 use crate::gateway::Gateway;
@@ -45,8 +45,19 @@ pub(super) async fn chat_completions(
     let bytes = read_body(body, &headers, gateway.config.ai.vision.max_body_bytes).await?;
     let request = ChatRequest::parse(&bytes)?;
     let chain = gateway.router.chain(&caller, request.capability())?;
-    let served = dispatch(&gateway, &chain, "/chat/completions", &request.model, |model| request.upstream_body(model, None)).await?;
-    let call = CallInfo { request_id, caller, backend: served.candidate.backend.clone() };
+    let served = dispatch(
+        &gateway,
+        &chain,
+        "/chat/completions",
+        &request.model,
+        |model| request.upstream_body(model, None),
+    )
+    .await?;
+    let call = CallInfo {
+        request_id,
+        caller,
+        backend: served.candidate.backend.clone(),
+    };
     if !served.response.status().is_success() {
         return relay_error_as_is(served).await;
     }
@@ -59,7 +70,12 @@ pub(super) async fn chat_completions(
             .into());
         }
         let headers = model_headers(&served.candidate);
-        return Ok(relay::stream(served, request.client_wants_usage, headers, call));
+        return Ok(relay::stream(
+            served,
+            request.client_wants_usage,
+            headers,
+            call,
+        ));
     }
     complete_json(served, call).await
 }
@@ -73,9 +89,18 @@ pub(super) async fn embeddings(
     let caller = gateway.keys.authenticate(&headers)?;
     let bytes = read_body(body, &headers, gateway.config.ai.vision.max_body_bytes).await?;
     let request = EmbeddingsRequest::parse(&bytes)?;
-    let chain = gateway.router.chain(&caller, crate::config::Capability::Embeddings)?;
-    let served = dispatch(&gateway, &chain, "/embeddings", &request.model, |model| request.upstream_body(model)).await?;
-    let call = CallInfo { request_id, caller, backend: served.candidate.backend.clone() };
+    let chain = gateway
+        .router
+        .chain(&caller, crate::config::Capability::Embeddings)?;
+    let served = dispatch(&gateway, &chain, "/embeddings", &request.model, |model| {
+        request.upstream_body(model)
+    })
+    .await?;
+    let call = CallInfo {
+        request_id,
+        caller,
+        backend: served.candidate.backend.clone(),
+    };
     if !served.response.status().is_success() {
         return relay_error_as_is(served).await;
     }
@@ -133,7 +158,10 @@ async fn dispatch(
     let mut tried = Vec::new();
     let mut timed_out = None;
     for candidate in chain {
-        let (Some(endpoint), Some(client)) = (endpoint(gateway, &candidate.backend), gateway.upstreams.get(&candidate.backend)) else {
+        let (Some(endpoint), Some(client)) = (
+            endpoint(gateway, &candidate.backend),
+            gateway.upstreams.get(&candidate.backend),
+        ) else {
             continue;
         };
         let model = endpoint.served_model(requested_model);
@@ -144,7 +172,12 @@ async fn dispatch(
                 timed_out = None;
             }
             Ok(response) => {
-                return Ok(Served { candidate: candidate.clone(), model, response, timeout: client.timeout });
+                return Ok(Served {
+                    candidate: candidate.clone(),
+                    model,
+                    response,
+                    timeout: client.timeout,
+                });
             }
             Err(CallError::Timeout(after)) => {
                 tracing::warn!(backend = %candidate.backend, ?after, "backend timed out");
@@ -158,12 +191,20 @@ async fn dispatch(
     }
     match timed_out {
         Some(backend) => Err(GatewayError::UpstreamTimeout { backend }),
-        None => Err(GatewayError::UpstreamUnavailable { cause: UnavailableCause::UpstreamFailed, tried }),
+        None => Err(GatewayError::UpstreamUnavailable {
+            cause: UnavailableCause::UpstreamFailed,
+            tried,
+        }),
     }
 }
 
 fn endpoint<'a>(gateway: &'a Gateway, backend: &BackendId) -> Option<&'a Endpoint> {
-    gateway.config.ai.backends.get(backend).and_then(|b| b.kind.endpoint())
+    gateway
+        .config
+        .ai
+        .backends
+        .get(backend)
+        .and_then(|b| b.kind.endpoint())
 }
 
 fn is_event_stream(headers: &reqwest::header::HeaderMap) -> bool {
@@ -180,15 +221,25 @@ pub(super) fn model_headers(candidate: &Candidate) -> Vec<(&'static str, HeaderV
         headers.push((BACKEND_HEADER, v));
     }
     if candidate.degraded {
-        headers.push((DEGRADED_HEADER, HeaderValue::from_static("backend-fallback")));
+        headers.push((
+            DEGRADED_HEADER,
+            HeaderValue::from_static("backend-fallback"),
+        ));
     }
     headers
 }
 
-fn response_with(status: StatusCode, body: Bytes, content_type: HeaderValue, extra: Vec<(&'static str, HeaderValue)>) -> Response {
+fn response_with(
+    status: StatusCode,
+    body: Bytes,
+    content_type: HeaderValue,
+    extra: Vec<(&'static str, HeaderValue)>,
+) -> Response {
     let mut response = Response::new(Body::from(body));
     *response.status_mut() = status;
-    response.headers_mut().insert(header::CONTENT_TYPE, content_type);
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, content_type);
     for (name, value) in extra {
         response.headers_mut().insert(name, value);
     }
@@ -200,7 +251,10 @@ async fn read_upstream_body(served: &mut Served) -> Result<Bytes, GatewayError> 
     let response = std::mem::replace(&mut served.response, empty_response());
     match tokio::time::timeout(served.timeout, response.bytes()).await {
         Err(_) => Err(GatewayError::UpstreamTimeout { backend }),
-        Ok(Err(e)) => Err(GatewayError::UpstreamError { backend, detail: format!("reading the body failed: {e}") }),
+        Ok(Err(e)) => Err(GatewayError::UpstreamError {
+            backend,
+            detail: format!("reading the body failed: {e}"),
+        }),
         Ok(Ok(bytes)) => Ok(bytes),
     }
 }

@@ -44,7 +44,12 @@ pub struct RelayOutcome {
     pub events: u64,
 }
 
-pub(super) fn stream(served: Served, client_wants_usage: bool, extra: Vec<(&'static str, HeaderValue)>, call: CallInfo) -> Response {
+pub(super) fn stream(
+    served: Served,
+    client_wants_usage: bool,
+    extra: Vec<(&'static str, HeaderValue)>,
+    call: CallInfo,
+) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     let timeout = served.timeout;
     tokio::spawn(async move {
@@ -61,10 +66,15 @@ pub(super) fn stream(served: Served, client_wants_usage: bool, extra: Vec<(&'sta
             "stream finished"
         );
     });
-    let body = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx)) });
+    let body = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
+    });
     let mut response = Response::new(Body::from_stream(body));
     let headers = response.headers_mut();
-    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     for (name, value) in extra {
         headers.insert(name, value);
@@ -73,8 +83,18 @@ pub(super) fn stream(served: Served, client_wants_usage: bool, extra: Vec<(&'sta
 }
 
 /// Reads the backend's stream to its end, forwarding events.
-pub async fn pump(response: reqwest::Response, tx: mpsc::Sender<Bytes>, client_wants_usage: bool, idle_timeout: Duration) -> RelayOutcome {
-    let mut outcome = RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0, events: 0 };
+pub async fn pump(
+    response: reqwest::Response,
+    tx: mpsc::Sender<Bytes>,
+    client_wants_usage: bool,
+    idle_timeout: Duration,
+) -> RelayOutcome {
+    let mut outcome = RelayOutcome {
+        end: StreamEnd::Done,
+        usage: None,
+        content_bytes: 0,
+        events: 0,
+    };
     let mut upstream = response.bytes_stream();
     let mut splitter = Splitter::default();
     loop {
@@ -110,7 +130,9 @@ pub async fn pump(response: reqwest::Response, tx: mpsc::Sender<Bytes>, client_w
 
 /// Reads usage and content sizes from one event; false when it must not be forwarded.
 fn tap(data: &str, client_wants_usage: bool, outcome: &mut RelayOutcome) -> bool {
-    let Ok(chunk) = serde_json::from_str::<Value>(data) else { return true };
+    let Ok(chunk) = serde_json::from_str::<Value>(data) else {
+        return true;
+    };
     if let Some(choices) = chunk.get("choices").and_then(Value::as_array) {
         for choice in choices {
             let delta = &choice["delta"];
@@ -125,17 +147,27 @@ fn tap(data: &str, client_wants_usage: bool, outcome: &mut RelayOutcome) -> bool
     match Usage::from_value(chunk.get("usage")) {
         Some(usage) => {
             outcome.usage = Some(usage);
-            let usage_only = chunk.get("choices").and_then(Value::as_array).is_none_or(Vec::is_empty);
+            let usage_only = chunk
+                .get("choices")
+                .and_then(Value::as_array)
+                .is_none_or(Vec::is_empty);
             client_wants_usage || !usage_only
         }
         None => true,
     }
 }
 
-async fn broken(mut outcome: RelayOutcome, tx: &mpsc::Sender<Bytes>, reason: String) -> RelayOutcome {
+async fn broken(
+    mut outcome: RelayOutcome,
+    tx: &mpsc::Sender<Bytes>,
+    reason: String,
+) -> RelayOutcome {
     tracing::warn!("stream broke mid-way: {reason}");
     let message = format!("{reason}; the response is incomplete");
-    let event = sse::event(Some("error"), &error_envelope(&message, "api_error", "upstream_error", None));
+    let event = sse::event(
+        Some("error"),
+        &error_envelope(&message, "api_error", "upstream_error", None),
+    );
     // If the client is gone too, there is no one left to tell.
     let _ = tx.send(event).await;
     outcome.end = StreamEnd::Broken(reason);

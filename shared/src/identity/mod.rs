@@ -32,7 +32,9 @@ pub enum IdentityError {
     UnknownKey,
     #[error("agent `{agent}` is not declared for this tenant")]
     UnknownAgent { agent: String },
-    #[error("this key is bound to agent `{bound}`; the Flexway-Agent header cannot re-bind it to `{asked}`")]
+    #[error(
+        "this key is bound to agent `{bound}`; the Flexway-Agent header cannot re-bind it to `{asked}`"
+    )]
     AgentRebind { bound: String, asked: String },
 }
 
@@ -55,7 +57,10 @@ impl KeyRing {
     }
 
     pub fn from_tenants<'a>(tenants: impl IntoIterator<Item = &'a Tenant>) -> Self {
-        let mut ring = KeyRing { keys: Vec::new(), tenants: Default::default() };
+        let mut ring = KeyRing {
+            keys: Vec::new(),
+            tenants: Default::default(),
+        };
         for tenant in tenants {
             for key in &tenant.keys {
                 ring.keys.push(KeyRecord {
@@ -65,7 +70,8 @@ impl KeyRing {
                     relay_peer: key.relay_peer,
                 });
             }
-            ring.tenants.insert(tenant.name.clone(), tenant.agents.keys().cloned().collect());
+            ring.tenants
+                .insert(tenant.name.clone(), tenant.agents.keys().cloned().collect());
         }
         ring
     }
@@ -151,8 +157,16 @@ mod tests {
         let tenant = Tenant {
             name: TenantId::new("acme"),
             keys: vec![
-                KeyEntry { sha256: hash("plain"), agent: None, relay_peer: false },
-                KeyEntry { sha256: hash("bound"), agent: Some(AgentId::new("bot")), relay_peer: false },
+                KeyEntry {
+                    sha256: hash("plain"),
+                    agent: None,
+                    relay_peer: false,
+                },
+                KeyEntry {
+                    sha256: hash("bound"),
+                    agent: Some(AgentId::new("bot")),
+                    relay_peer: false,
+                },
             ],
             budgets: Default::default(),
             backend: None,
@@ -164,7 +178,10 @@ mod tests {
     fn headers(key: Option<&str>, agent: Option<&str>) -> HeaderMap {
         let mut h = HeaderMap::new();
         if let Some(k) = key {
-            h.insert("authorization", HeaderValue::from_str(&format!("Bearer {k}")).unwrap());
+            h.insert(
+                "authorization",
+                HeaderValue::from_str(&format!("Bearer {k}")).unwrap(),
+            );
         }
         if let Some(a) = agent {
             h.insert(AGENT_HEADER, HeaderValue::from_str(a).unwrap());
@@ -182,8 +199,14 @@ mod tests {
 
     #[test]
     fn refuses_missing_and_unknown_keys() {
-        assert_eq!(ring().authenticate(&headers(None, None)), Err(IdentityError::MissingKey));
-        assert_eq!(ring().authenticate(&headers(Some("nope"), None)), Err(IdentityError::UnknownKey));
+        assert_eq!(
+            ring().authenticate(&headers(None, None)),
+            Err(IdentityError::MissingKey)
+        );
+        assert_eq!(
+            ring().authenticate(&headers(Some("nope"), None)),
+            Err(IdentityError::UnknownKey)
+        );
         let mut basic = HeaderMap::new();
         basic.insert("authorization", HeaderValue::from_static("Basic cGxhaW4="));
         assert_eq!(ring().authenticate(&basic), Err(IdentityError::MissingKey));
@@ -191,21 +214,30 @@ mod tests {
 
     #[test]
     fn header_names_a_declared_agent_for_an_unbound_key() {
-        let caller = ring().authenticate(&headers(Some("plain"), Some("helper"))).unwrap();
+        let caller = ring()
+            .authenticate(&headers(Some("plain"), Some("helper")))
+            .unwrap();
         assert_eq!(caller.agent, Some(AgentId::new("helper")));
     }
 
     #[test]
     fn refuses_an_undeclared_agent() {
         let got = ring().authenticate(&headers(Some("plain"), Some("ghost")));
-        assert_eq!(got, Err(IdentityError::UnknownAgent { agent: "ghost".into() }));
+        assert_eq!(
+            got,
+            Err(IdentityError::UnknownAgent {
+                agent: "ghost".into()
+            })
+        );
     }
 
     #[test]
     fn bound_key_keeps_its_agent_and_cannot_be_rebound() {
         let caller = ring().authenticate(&headers(Some("bound"), None)).unwrap();
         assert_eq!(caller.agent, Some(AgentId::new("bot")));
-        let same = ring().authenticate(&headers(Some("bound"), Some("bot"))).unwrap();
+        let same = ring()
+            .authenticate(&headers(Some("bound"), Some("bot")))
+            .unwrap();
         assert_eq!(same.agent, Some(AgentId::new("bot")));
         let rebind = ring().authenticate(&headers(Some("bound"), Some("helper")));
         assert!(matches!(rebind, Err(IdentityError::AgentRebind { .. })));

@@ -18,7 +18,10 @@ pub struct InvalidRequest {
 }
 
 fn invalid(param: &'static str, message: impl Into<String>) -> InvalidRequest {
-    InvalidRequest { message: message.into(), param: Some(param) }
+    InvalidRequest {
+        message: message.into(),
+        param: Some(param),
+    }
 }
 
 /// The OpenAI error envelope.
@@ -40,7 +43,10 @@ impl Usage {
         let get = |k: &str| usage.get(k).and_then(Value::as_u64);
         let prompt = get("prompt_tokens")?;
         let completion = get("completion_tokens").unwrap_or(0);
-        Some(Usage { prompt_tokens: prompt, completion_tokens: completion })
+        Some(Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+        })
     }
 
     pub fn total(&self) -> u64 {
@@ -51,8 +57,14 @@ impl Usage {
 fn parse_object(body: &[u8]) -> Result<Map<String, Value>, InvalidRequest> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(InvalidRequest { message: "the request body must be a JSON object".into(), param: None }),
-        Err(e) => Err(InvalidRequest { message: format!("the request body is not valid JSON: {e}"), param: None }),
+        Ok(_) => Err(InvalidRequest {
+            message: "the request body must be a JSON object".into(),
+            param: None,
+        }),
+        Err(e) => Err(InvalidRequest {
+            message: format!("the request body is not valid JSON: {e}"),
+            param: None,
+        }),
     }
 }
 
@@ -64,7 +76,10 @@ fn required_model(body: &Map<String, Value>) -> Result<String, InvalidRequest> {
     }
 }
 
-fn optional_u64(body: &Map<String, Value>, key: &'static str) -> Result<Option<u64>, InvalidRequest> {
+fn optional_u64(
+    body: &Map<String, Value>,
+    key: &'static str,
+) -> Result<Option<u64>, InvalidRequest> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v
@@ -111,9 +126,19 @@ impl ChatRequest {
             Some(Value::Object(o)) => match o.get("include_usage") {
                 None | Some(Value::Null) => false,
                 Some(Value::Bool(b)) => *b,
-                Some(_) => return Err(invalid("stream_options", "`stream_options.include_usage` must be a boolean")),
+                Some(_) => {
+                    return Err(invalid(
+                        "stream_options",
+                        "`stream_options.include_usage` must be a boolean",
+                    ));
+                }
             },
-            Some(_) => return Err(invalid("stream_options", "`stream_options` must be an object")),
+            Some(_) => {
+                return Err(invalid(
+                    "stream_options",
+                    "`stream_options` must be an object",
+                ));
+            }
         };
         let max_tokens = match optional_u64(&body, "max_completion_tokens")? {
             Some(n) => Some(n),
@@ -121,7 +146,9 @@ impl ChatRequest {
         };
         let messages = match body.get("messages") {
             Some(Value::Array(m)) if !m.is_empty() => m,
-            Some(Value::Array(_)) => return Err(invalid("messages", "`messages` must not be empty")),
+            Some(Value::Array(_)) => {
+                return Err(invalid("messages", "`messages` must not be empty"));
+            }
             None => return Err(invalid("messages", "`messages` is required")),
             Some(_) => return Err(invalid("messages", "`messages` must be an array")),
         };
@@ -129,10 +156,16 @@ impl ChatRequest {
         let mut prompt_text_bytes = 0u64;
         for (i, message) in messages.iter().enumerate() {
             let Some(message) = message.as_object() else {
-                return Err(invalid("messages", format!("messages[{i}] must be an object")));
+                return Err(invalid(
+                    "messages",
+                    format!("messages[{i}] must be an object"),
+                ));
             };
             if !matches!(message.get("role"), Some(Value::String(_))) {
-                return Err(invalid("messages", format!("messages[{i}].role is required")));
+                return Err(invalid(
+                    "messages",
+                    format!("messages[{i}].role is required"),
+                ));
             }
             prompt_text_bytes += measure_content(i, message.get("content"), &mut images)?;
             // Tool calls and names count towards the prompt too: measure them as text.
@@ -162,7 +195,11 @@ impl ChatRequest {
     }
 
     pub fn capability(&self) -> Capability {
-        if self.images.is_empty() { Capability::Chat } else { Capability::Vision }
+        if self.images.is_empty() {
+            Capability::Chat
+        } else {
+            Capability::Vision
+        }
     }
 
     /// The body sent upstream: the client's, with the served model, usage always asked
@@ -179,7 +216,11 @@ impl ChatRequest {
             }
         }
         if let Some(limit) = max_tokens {
-            let key = if body.contains_key("max_completion_tokens") { "max_completion_tokens" } else { "max_tokens" };
+            let key = if body.contains_key("max_completion_tokens") {
+                "max_completion_tokens"
+            } else {
+                "max_tokens"
+            };
             body.insert(key.into(), json!(limit));
         }
         serde_json::to_vec(&body).unwrap_or_default()
@@ -187,12 +228,21 @@ impl ChatRequest {
 }
 
 /// Measures one message's content, collecting its images. Returns its text bytes.
-fn measure_content(i: usize, content: Option<&Value>, images: &mut Vec<ImageRef>) -> Result<u64, InvalidRequest> {
+fn measure_content(
+    i: usize,
+    content: Option<&Value>,
+    images: &mut Vec<ImageRef>,
+) -> Result<u64, InvalidRequest> {
     let parts = match content {
         None | Some(Value::Null) => return Ok(0),
         Some(Value::String(s)) => return Ok(s.len() as u64),
         Some(Value::Array(parts)) => parts,
-        Some(_) => return Err(invalid("messages", format!("messages[{i}].content must be a string or an array of parts"))),
+        Some(_) => {
+            return Err(invalid(
+                "messages",
+                format!("messages[{i}].content must be a string or an array of parts"),
+            ));
+        }
     };
     let mut bytes = 0u64;
     for (j, part) in parts.iter().enumerate() {
@@ -200,26 +250,50 @@ fn measure_content(i: usize, content: Option<&Value>, images: &mut Vec<ImageRef>
         match kind {
             Some("text") => match part.get("text") {
                 Some(Value::String(t)) => bytes += t.len() as u64,
-                _ => return Err(invalid("messages", format!("messages[{i}].content[{j}].text must be a string"))),
+                _ => {
+                    return Err(invalid(
+                        "messages",
+                        format!("messages[{i}].content[{j}].text must be a string"),
+                    ));
+                }
             },
             Some("image_url") => {
                 let url = match part.get("image_url") {
                     Some(Value::String(u)) => u,
                     Some(Value::Object(o)) => match o.get("url") {
                         Some(Value::String(u)) => u,
-                        _ => return Err(invalid("messages", format!("messages[{i}].content[{j}].image_url.url must be a string"))),
+                        _ => {
+                            return Err(invalid(
+                                "messages",
+                                format!(
+                                    "messages[{i}].content[{j}].image_url.url must be a string"
+                                ),
+                            ));
+                        }
                     },
-                    _ => return Err(invalid("messages", format!("messages[{i}].content[{j}].image_url is required"))),
+                    _ => {
+                        return Err(invalid(
+                            "messages",
+                            format!("messages[{i}].content[{j}].image_url is required"),
+                        ));
+                    }
                 };
                 images.push(ImageRef { url: url.clone() });
             }
             Some(other) => {
                 return Err(invalid(
                     "messages",
-                    format!("messages[{i}].content[{j}]: content part type `{other}` is not supported (use `text` or `image_url`)"),
+                    format!(
+                        "messages[{i}].content[{j}]: content part type `{other}` is not supported (use `text` or `image_url`)"
+                    ),
                 ));
             }
-            None => return Err(invalid("messages", format!("messages[{i}].content[{j}].type is required"))),
+            None => {
+                return Err(invalid(
+                    "messages",
+                    format!("messages[{i}].content[{j}].type is required"),
+                ));
+            }
         }
     }
     Ok(bytes)
@@ -246,16 +320,32 @@ impl EmbeddingsRequest {
                     units += match item {
                         Value::String(s) => s.len() as u64,
                         Value::Number(_) => 1,
-                        Value::Array(tokens) if tokens.iter().all(Value::is_number) => tokens.len() as u64,
-                        _ => return Err(invalid("input", "`input` must be a string, an array of strings, or token arrays")),
+                        Value::Array(tokens) if tokens.iter().all(Value::is_number) => {
+                            tokens.len() as u64
+                        }
+                        _ => {
+                            return Err(invalid(
+                                "input",
+                                "`input` must be a string, an array of strings, or token arrays",
+                            ));
+                        }
                     };
                 }
                 units
             }
             None => return Err(invalid("input", "`input` is required")),
-            Some(_) => return Err(invalid("input", "`input` must be a non-empty string or array")),
+            Some(_) => {
+                return Err(invalid(
+                    "input",
+                    "`input` must be a non-empty string or array",
+                ));
+            }
         };
-        Ok(EmbeddingsRequest { body, model, input_units })
+        Ok(EmbeddingsRequest {
+            body,
+            model,
+            input_units,
+        })
     }
 
     pub fn upstream_body(&self, served_model: &str) -> Vec<u8> {
@@ -299,8 +389,10 @@ mod tests {
 
     #[test]
     fn max_completion_tokens_wins_over_max_tokens() {
-        let req = chat(json!({"model": "m", "max_tokens": 7, "max_completion_tokens": 3,
-            "messages": [{"role": "user", "content": "x"}]}))
+        let req = chat(
+            json!({"model": "m", "max_tokens": 7, "max_completion_tokens": 3,
+            "messages": [{"role": "user", "content": "x"}]}),
+        )
         .unwrap();
         assert_eq!(req.max_tokens, Some(3));
     }
@@ -309,14 +401,29 @@ mod tests {
     fn refuses_malformed_requests_with_the_param() {
         let cases = [
             (json!([1]), None),
-            (json!({"messages": [{"role": "user", "content": "x"}]}), Some("model")),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}]}),
+                Some("model"),
+            ),
             (json!({"model": 3, "messages": []}), Some("model")),
             (json!({"model": "m"}), Some("messages")),
             (json!({"model": "m", "messages": []}), Some("messages")),
-            (json!({"model": "m", "messages": [{"content": "x"}]}), Some("messages")),
-            (json!({"model": "m", "stream": "yes", "messages": [{"role": "user", "content": "x"}]}), Some("stream")),
-            (json!({"model": "m", "max_tokens": -1, "messages": [{"role": "user", "content": "x"}]}), Some("max_tokens")),
-            (json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "audio"}]}]}), Some("messages")),
+            (
+                json!({"model": "m", "messages": [{"content": "x"}]}),
+                Some("messages"),
+            ),
+            (
+                json!({"model": "m", "stream": "yes", "messages": [{"role": "user", "content": "x"}]}),
+                Some("stream"),
+            ),
+            (
+                json!({"model": "m", "max_tokens": -1, "messages": [{"role": "user", "content": "x"}]}),
+                Some("max_tokens"),
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "audio"}]}]}),
+                Some("messages"),
+            ),
         ];
         for (body, param) in cases {
             let err = chat(body.clone()).unwrap_err();
@@ -327,9 +434,11 @@ mod tests {
 
     #[test]
     fn finds_images_in_content_parts() {
-        let req = chat(json!({"model": "m", "messages": [{"role": "user", "content": [
+        let req = chat(
+            json!({"model": "m", "messages": [{"role": "user", "content": [
             {"type": "text", "text": "what is this"},
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}))
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}),
+        )
         .unwrap();
         assert_eq!(req.capability(), Capability::Vision);
         assert_eq!(req.images.len(), 1);
@@ -351,16 +460,35 @@ mod tests {
     #[test]
     fn embeddings_input_forms() {
         let ok = |v: Value| EmbeddingsRequest::parse(v.to_string().as_bytes());
-        assert_eq!(ok(json!({"model": "e", "input": "abc"})).unwrap().input_units, 3);
-        assert_eq!(ok(json!({"model": "e", "input": ["ab", "c"]})).unwrap().input_units, 3);
-        assert_eq!(ok(json!({"model": "e", "input": [[1, 2, 3]]})).unwrap().input_units, 3);
+        assert_eq!(
+            ok(json!({"model": "e", "input": "abc"}))
+                .unwrap()
+                .input_units,
+            3
+        );
+        assert_eq!(
+            ok(json!({"model": "e", "input": ["ab", "c"]}))
+                .unwrap()
+                .input_units,
+            3
+        );
+        assert_eq!(
+            ok(json!({"model": "e", "input": [[1, 2, 3]]}))
+                .unwrap()
+                .input_units,
+            3
+        );
         assert_eq!(ok(json!({"model": "e"})).unwrap_err().param, Some("input"));
-        assert_eq!(ok(json!({"model": "e", "input": [{}]})).unwrap_err().param, Some("input"));
+        assert_eq!(
+            ok(json!({"model": "e", "input": [{}]})).unwrap_err().param,
+            Some("input")
+        );
     }
 
     #[test]
     fn reads_usage_blocks() {
-        let u = Usage::from_value(Some(&json!({"prompt_tokens": 3, "completion_tokens": 4}))).unwrap();
+        let u =
+            Usage::from_value(Some(&json!({"prompt_tokens": 3, "completion_tokens": 4}))).unwrap();
         assert_eq!(u.total(), 7);
         assert_eq!(Usage::from_value(Some(&Value::Null)), None);
     }

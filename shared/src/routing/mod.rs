@@ -55,14 +55,23 @@ impl Router {
     }
 
     /// The ordered chain of candidates for a call.
-    pub fn chain(&self, caller: &Caller, capability: Capability) -> Result<Vec<Candidate>, GatewayError> {
+    pub fn chain(
+        &self,
+        caller: &Caller,
+        capability: Capability,
+    ) -> Result<Vec<Candidate>, GatewayError> {
         let entry = self.entry_backend(caller, capability);
         let mut chain = Vec::new();
         let mut seen = BTreeSet::new();
         self.expand(entry, false, &mut chain, &mut seen, &mut rand::rng());
-        chain.retain(|c| self.backend(&c.backend).is_some_and(|b| b.capabilities.contains(&capability)));
+        chain.retain(|c| {
+            self.backend(&c.backend)
+                .is_some_and(|b| b.capabilities.contains(&capability))
+        });
         if chain.is_empty() {
-            return Err(GatewayError::CapabilityUnavailable { capability: capability.as_str() });
+            return Err(GatewayError::CapabilityUnavailable {
+                capability: capability.as_str(),
+            });
         }
         Ok(chain)
     }
@@ -72,22 +81,37 @@ impl Router {
     }
 
     /// Appends `name` (a pool's members in order) then its fallbacks, depth first.
-    fn expand(&self, name: &BackendId, degraded: bool, chain: &mut Vec<Candidate>, seen: &mut BTreeSet<BackendId>, rng: &mut impl Rng) {
+    fn expand(
+        &self,
+        name: &BackendId,
+        degraded: bool,
+        chain: &mut Vec<Candidate>,
+        seen: &mut BTreeSet<BackendId>,
+        rng: &mut impl Rng,
+    ) {
         if !seen.insert(name.clone()) {
             return;
         }
-        let Some(backend) = self.backend(name) else { return };
+        let Some(backend) = self.backend(name) else {
+            return;
+        };
         match &backend.kind {
             BackendKind::Pool { members } => {
                 let best = members.iter().map(|m| m.priority).min().unwrap_or(1);
                 for member in pool_order(members, rng) {
                     if seen.insert(member.backend.clone()) {
-                        chain.push(Candidate { backend: member.backend.clone(), degraded: degraded || member.priority > best });
+                        chain.push(Candidate {
+                            backend: member.backend.clone(),
+                            degraded: degraded || member.priority > best,
+                        });
                     }
                 }
             }
             BackendKind::Grpc { .. } => {}
-            _ => chain.push(Candidate { backend: name.clone(), degraded }),
+            _ => chain.push(Candidate {
+                backend: name.clone(),
+                degraded,
+            }),
         }
         for fallback in &backend.fallback {
             self.expand(fallback, true, chain, seen, rng);
@@ -101,7 +125,13 @@ impl Router {
         let mut backends = Vec::new();
         for capability in [Capability::Chat, Capability::Vision, Capability::Embeddings] {
             let mut chain = Vec::new();
-            self.expand(self.entry_backend(caller, capability), false, &mut chain, &mut BTreeSet::new(), &mut rand::rng());
+            self.expand(
+                self.entry_backend(caller, capability),
+                false,
+                &mut chain,
+                &mut BTreeSet::new(),
+                &mut rand::rng(),
+            );
             for candidate in chain {
                 if seen_backends.insert(candidate.backend.clone()) {
                     backends.push(candidate.backend);
@@ -109,7 +139,9 @@ impl Router {
             }
         }
         for name in backends {
-            let Some(endpoint) = self.backend(&name).and_then(|b| b.kind.endpoint()) else { continue };
+            let Some(endpoint) = self.backend(&name).and_then(|b| b.kind.endpoint()) else {
+                continue;
+            };
             for model in endpoint.client_names() {
                 if !names.iter().any(|n| n == model) {
                     names.push(model.to_owned());
@@ -127,7 +159,8 @@ fn pool_order<'a>(members: &'a [PoolMember], rng: &mut impl Rng) -> Vec<&'a Pool
     priorities.dedup();
     let mut order = Vec::with_capacity(members.len());
     for priority in priorities {
-        let mut group: Vec<&PoolMember> = members.iter().filter(|m| m.priority == priority).collect();
+        let mut group: Vec<&PoolMember> =
+            members.iter().filter(|m| m.priority == priority).collect();
         while !group.is_empty() {
             let total: u64 = group.iter().map(|m| u64::from(m.weight.max(1))).sum();
             let mut pick = rng.random_range(0..total);
@@ -157,7 +190,11 @@ mod tests {
     use super::*;
 
     fn member(name: &str, priority: u32, weight: u32) -> PoolMember {
-        PoolMember { backend: BackendId::new(name), priority, weight }
+        PoolMember {
+            backend: BackendId::new(name),
+            priority,
+            weight,
+        }
     }
 
     #[test]
@@ -175,7 +212,9 @@ mod tests {
     fn pool_order_spreads_by_weight_inside_a_group() {
         let members = [member("b", 1, 3), member("c", 1, 1)];
         let mut rng = StdRng::seed_from_u64(42);
-        let firsts = (0..4000).filter(|_| pool_order(&members, &mut rng)[0].backend.as_str() == "b").count();
+        let firsts = (0..4000)
+            .filter(|_| pool_order(&members, &mut rng)[0].backend.as_str() == "b")
+            .count();
         // Expected 3000 of 4000; within 10%.
         assert!((2700..=3300).contains(&firsts), "b first {firsts} times");
     }

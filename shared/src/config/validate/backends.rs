@@ -311,7 +311,8 @@ impl Checker<'_> {
             (None, Some(_), None) => {
                 self.error(
                     key("min_requests"),
-                    "required with `failure_ratio` (the requests to see before a ratio means anything)",
+                    "required with `failure_ratio` (the requests to see before a ratio means \
+                     anything)",
                 );
                 defaults.trigger.clone()
             }
@@ -479,10 +480,12 @@ impl Checker<'_> {
         }
     }
 
+    /// A client certificate and key (both, or no `tls`), and an optional CA; every
+    /// file readable now.
     fn tls(&mut self, path: &str, raw: RawTls) -> Option<Tls> {
-        let mut file = |key: &str, value: Option<String>, what: &str| {
+        let mut file = |key: &str, value: Option<String>, required: &str| {
             let key_path = format!("{path}.{key}");
-            let value = self.required(&key_path, value, what)?;
+            let value = self.required(&key_path, value, required)?;
             readable_file(&value)
                 .map_err(|m| self.error(&key_path, m))
                 .ok()?;
@@ -495,7 +498,7 @@ impl Checker<'_> {
         );
         let key = file("key", raw.key, "(the client key goes with its certificate)");
         let ca = match raw.ca {
-            Some(ca) => Some(file("ca", Some(ca), "")?),
+            Some(ca) => Some(file("ca", Some(ca), "(a CA bundle)")?),
             None => None,
         };
         Some(Tls {
@@ -549,17 +552,21 @@ impl Checker<'_> {
             raw,
             "for a grpc backend (the FileDescriptorSet of the services it serves)",
         )?;
+        // Not decoded here: the gRPC module reads it. A missing file is only a warning
+        // because the set is often built and shipped apart from the config.
         match std::fs::metadata(&file) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => self.warn(
-                &key_path,
-                format!(
-                    "{file} does not exist: gRPC calls to backend {name} will be refused until it does"
-                ),
-            ),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let message = format!(
+                    "{file} does not exist: gRPC calls to backend {name} will be refused until \
+                     it does"
+                );
+                self.warn(&key_path, message);
+            }
             Err(e) => self.error(&key_path, format!("{file} cannot be read: {e}")),
             Ok(meta) if !meta.is_file() => self.error(&key_path, format!("{file} is not a file")),
             Ok(meta) if meta.len() == 0 => {
-                self.error(&key_path, format!("{file} is empty: it must be a serialized FileDescriptorSet"))
+                let message = format!("{file} is empty: it must be a serialized FileDescriptorSet");
+                self.error(&key_path, message);
             }
             Ok(_) => {}
         }
