@@ -24,10 +24,7 @@ use sha2::{Digest, Sha256};
 const KEY: &str = "sk-bench";
 
 fn env_or(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
 fn main() {
@@ -48,8 +45,14 @@ async fn run() {
         model.url()
     );
     let loaded = load_str(&yaml, &ProcessEnv).unwrap();
-    let gateway =
-        Arc::new(flexway::Gateway::new(loaded.config, &LocalSecrets { env: &ProcessEnv }).unwrap());
+    let gateway = Arc::new(
+        flexway::Gateway::new(
+            loaded.config,
+            &LocalSecrets { env: &ProcessEnv },
+            Arc::new(flexway::budget::MemoryBudgetStore::new()),
+        )
+        .unwrap(),
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let gateway_url = format!("http://{}/v1", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, flexway::http::app(gateway)).await });
@@ -80,10 +83,7 @@ async fn run() {
 }
 
 async fn fixed_rate(base: &str, body: &serde_json::Value, rate: u64, count: usize) -> Vec<f64> {
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(1)
-        .build()
-        .unwrap();
+    let client = reqwest::Client::builder().pool_max_idle_per_host(1).build().unwrap();
     let url = format!("{base}/chat/completions");
     let payload = serde_json::to_vec(body).unwrap();
     let send = || {
@@ -105,8 +105,7 @@ async fn fixed_rate(base: &str, body: &serde_json::Value, rate: u64, count: usiz
         let scheduled = start + interval * i as u32;
         tokio::time::sleep_until(scheduled.into()).await;
         let sent = Instant::now();
-        worst_lag =
-            worst_lag.max(sent.saturating_duration_since(scheduled + Duration::from_millis(1)));
+        worst_lag = worst_lag.max(sent.saturating_duration_since(scheduled + Duration::from_millis(1)));
         let response = send().await.unwrap();
         assert!(response.status().is_success());
         response.bytes().await.unwrap();
@@ -122,12 +121,7 @@ fn pct(sorted: &[f64], p: f64) -> f64 {
     sorted[index]
 }
 
-async fn throughput(
-    base: &str,
-    body: &serde_json::Value,
-    connections: usize,
-    duration: Duration,
-) -> f64 {
+async fn throughput(base: &str, body: &serde_json::Value, connections: usize, duration: Duration) -> f64 {
     let client = reqwest::Client::new();
     let url = Arc::new(format!("{base}/chat/completions"));
     let payload = bytes::Bytes::from(serde_json::to_vec(body).unwrap());
@@ -135,8 +129,7 @@ async fn throughput(
     let deadline = Instant::now() + duration;
     let mut tasks = Vec::new();
     for _ in 0..connections {
-        let (client, url, payload, done) =
-            (client.clone(), url.clone(), payload.clone(), done.clone());
+        let (client, url, payload, done) = (client.clone(), url.clone(), payload.clone(), done.clone());
         tasks.push(tokio::spawn(async move {
             while Instant::now() < deadline {
                 let r = client

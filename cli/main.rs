@@ -66,11 +66,7 @@ fn validate(path: &std::path::Path) -> ExitCode {
             for warning in &loaded.warnings {
                 eprintln!("warning: {}: {warning}", path.display());
             }
-            println!(
-                "{}: ok ({} warning(s))",
-                path.display(),
-                loaded.warnings.len()
-            );
+            println!("{}: ok ({} warning(s))", path.display(), loaded.warnings.len());
             ExitCode::SUCCESS
         }
         Err(error) => {

@@ -4,15 +4,13 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use flexway::config::{self, ProcessEnv};
+use flexway::budget::{BudgetStore, MemoryBudgetStore};
+use flexway::config::{self, ProcessEnv, StoreConfig};
 use flexway::secret::LocalSecrets;
 
 pub fn run(config_path: &Path, listen: &str) -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("FLEXWAY_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FLEXWAY_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .init();
     let loaded = match config::load_file(config_path, &ProcessEnv) {
@@ -27,17 +25,22 @@ pub fn run(config_path: &Path, listen: &str) -> ExitCode {
     for warning in &loaded.warnings {
         tracing::warn!("{}: {warning}", config_path.display());
     }
-    let gateway = match flexway::Gateway::new(loaded.config, &LocalSecrets { env: &ProcessEnv }) {
+    let budgets: Arc<dyn BudgetStore> = match &loaded.config.store {
+        StoreConfig::Memory => Arc::new(MemoryBudgetStore::new()),
+        StoreConfig::Embedded { path } => Arc::new(MemoryBudgetStore::new()),
+        StoreConfig::DynamoDb { .. } => {
+            eprintln!("error: store kind dynamodb is served by the Lambda function, not by `flexway serve`");
+            return ExitCode::FAILURE;
+        }
+    };
+    let gateway = match flexway::Gateway::new(loaded.config, &LocalSecrets { env: &ProcessEnv }, budgets) {
         Ok(gateway) => Arc::new(gateway),
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::FAILURE;
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("error: cannot start the runtime: {e}");

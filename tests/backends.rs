@@ -7,11 +7,7 @@ use common::*;
 use serde_json::{Value, json};
 
 fn header<'a>(request: &'a fake_model::RecordedRequest, name: &str) -> Option<&'a str> {
-    request
-        .headers
-        .iter()
-        .find(|(n, _)| n == name)
-        .map(|(_, v)| v.as_str())
+    request.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
 }
 
 #[tokio::test]
@@ -27,10 +23,7 @@ async fn bearer_auth_sends_the_secret_from_an_env_reference() {
         header(&model.requests()[0], "authorization"),
         Some("Bearer upstream-secret-1")
     );
-    assert!(
-        !gw.logs().contains("upstream-secret-1"),
-        "a secret reached the logs"
-    );
+    assert!(!gw.logs().contains("upstream-secret-1"), "a secret reached the logs");
 }
 
 #[tokio::test]
@@ -145,8 +138,7 @@ ai:
 async fn routes_by_default_then_tenant_then_agent() {
     let model = FakeModel::start().await.unwrap();
     let gw = Flexway::start(&routing_config(&model.url()));
-    let backend =
-        |r: &reqwest::Response| r.headers()["flexway-backend"].to_str().unwrap().to_owned();
+    let backend = |r: &reqwest::Response| r.headers()["flexway-backend"].to_str().unwrap().to_owned();
     let other = gw.chat(OTHER_KEY, hello("m")).await;
     assert_eq!(backend(&other), "default-backend");
     let tenant = gw.chat(KEY, hello("m")).await;

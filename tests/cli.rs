@@ -50,10 +50,7 @@ fn validate_lists_every_error_and_exits_non_zero() {
     let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
     assert!(errors.len() >= 3, "{stderr}");
     assert!(stderr.contains("ai.backends.a"), "{stderr}");
-    assert!(
-        stderr.contains("bad.yaml"),
-        "errors name the file: {stderr}"
-    );
+    assert!(stderr.contains("bad.yaml"), "errors name the file: {stderr}");
 }
 
 #[test]
@@ -64,21 +61,14 @@ fn validate_warns_about_a_locally_metered_relay() {
     std::fs::write(&path, yaml).unwrap();
     let (ok, _, stderr) = flexway(&["validate", "--config", path.to_str().unwrap()], &[]);
     assert!(ok, "{stderr}");
-    assert!(
-        stderr.contains("warning") && stderr.contains("up"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("warning") && stderr.contains("up"), "{stderr}");
 }
 
 #[tokio::test]
 async fn key_new_prints_a_key_whose_config_line_authenticates() {
     let (ok, stdout, _) = flexway(&["key", "new", "--tenant", "acme", "--agent", "bot"], &[]);
     assert!(ok);
-    let key = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("key: "))
-        .unwrap()
-        .to_owned();
+    let key = stdout.lines().find_map(|l| l.strip_prefix("key: ")).unwrap().to_owned();
     let line = stdout.lines().find(|l| l.contains("sha256:")).unwrap();
     assert!(line.contains("agent: bot"));
     assert!(line.contains(&sha(&key)));

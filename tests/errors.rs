@@ -12,11 +12,7 @@ async fn envelope(response: reqwest::Response, status: u16, code: &str) -> Value
     assert_eq!(response.headers()["content-type"], "application/json");
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], code, "{body}");
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .is_some_and(|m| !m.is_empty())
-    );
+    assert!(body["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
     assert!(body["error"]["type"].is_string());
     assert!(body["error"].as_object().unwrap().contains_key("param"));
     body
@@ -65,7 +61,8 @@ async fn malformed_requests_are_invalid_request() {
     )
     .await;
     assert_eq!(body["error"]["param"], "model");
-    let part = json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]});
+    let part =
+        json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]});
     envelope(gw.chat(KEY, part).await, 400, "invalid_request").await;
     assert_eq!(model.request_count(), 0);
 }
@@ -74,42 +71,23 @@ async fn malformed_requests_are_invalid_request() {
 async fn unknown_paths_use_the_envelope_under_v1_and_problem_json_elsewhere() {
     let model = FakeModel::start().await.unwrap();
     let gw = Flexway::start(&one_backend(&model.url()));
-    let v1 = client()
-        .get(format!("{}/v1/responses", gw.url))
-        .send()
-        .await
-        .unwrap();
+    let v1 = client().get(format!("{}/v1/responses", gw.url)).send().await.unwrap();
     envelope(v1, 404, "not_found").await;
-    let other = client()
-        .get(format!("{}/admin", gw.url))
-        .send()
-        .await
-        .unwrap();
+    let other = client().get(format!("{}/admin", gw.url)).send().await.unwrap();
     assert_eq!(other.status(), 404);
     assert_eq!(other.headers()["content-type"], "application/problem+json");
     let problem: Value = other.json().await.unwrap();
     assert_eq!(problem["status"], 404);
-    assert!(
-        problem["type"].is_string()
-            && problem["title"].is_string()
-            && problem["detail"].is_string()
-    );
+    assert!(problem["type"].is_string() && problem["title"].is_string() && problem["detail"].is_string());
     let wrong_method = client()
         .get(format!("{}/v1/chat/completions", gw.url))
         .send()
         .await
         .unwrap();
     envelope(wrong_method, 405, "method_not_allowed").await;
-    let wrong_health = client()
-        .post(format!("{}/healthz", gw.url))
-        .send()
-        .await
-        .unwrap();
+    let wrong_health = client().post(format!("{}/healthz", gw.url)).send().await.unwrap();
     assert_eq!(wrong_health.status(), 405);
-    assert_eq!(
-        wrong_health.headers()["content-type"],
-        "application/problem+json"
-    );
+    assert_eq!(wrong_health.headers()["content-type"], "application/problem+json");
 }
 
 #[tokio::test]
@@ -144,14 +122,11 @@ async fn an_oversized_body_is_body_too_large() {
     let big = json!({"model": "m", "messages": [{"role": "user", "content": "x".repeat(5000)}]});
     envelope(gw.chat(KEY, big).await, 413, "body_too_large").await;
     // Without a Content-Length the limit is enforced while reading.
-    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
-        (0..10).map(|_| Ok(vec![b' '; 500])).collect();
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = (0..10).map(|_| Ok(vec![b' '; 500])).collect();
     let streamed = client()
         .post(format!("{}/v1/chat/completions", gw.url))
         .bearer_auth(KEY)
-        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
-            chunks,
-        )))
+        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(chunks)))
         .send()
         .await
         .unwrap();
@@ -199,10 +174,7 @@ async fn a_failing_backend_is_upstream_unavailable_naming_cause_and_backends() {
     assert_eq!(response.headers()["flexway-error-cause"], "upstream_failed");
     let body = envelope(response, 503, "upstream_unavailable").await;
     let message = body["error"]["message"].as_str().unwrap();
-    assert!(
-        message.contains("main") && message.contains("down"),
-        "{message}"
-    );
+    assert!(message.contains("main") && message.contains("down"), "{message}");
 }
 
 #[tokio::test]
@@ -230,9 +202,7 @@ async fn a_hanging_backend_is_upstream_timeout() {
         hang: true,
         ..Default::default()
     });
-    let ai = format!(
-        "  default_backend: main\n  backends:\n    main:\n      url: {hang}\n      timeout: 300ms\n"
-    );
+    let ai = format!("  default_backend: main\n  backends:\n    main:\n      url: {hang}\n      timeout: 300ms\n");
     let gw = Flexway::start(&config(&ai));
     let response = gw.chat(KEY, hello("m")).await;
     assert_eq!(response.headers()["flexway-backends-tried"], "main");

@@ -46,20 +46,10 @@ async fn every_response_carries_a_distinct_request_id() {
             .send()
             .await
             .unwrap();
-        ids.insert(
-            r.headers()["flexway-request-id"]
-                .to_str()
-                .unwrap()
-                .to_owned(),
-        );
+        ids.insert(r.headers()["flexway-request-id"].to_str().unwrap().to_owned());
     }
     let r = gw.chat("wrong-key", hello("m")).await;
-    ids.insert(
-        r.headers()["flexway-request-id"]
-            .to_str()
-            .unwrap()
-            .to_owned(),
-    );
+    ids.insert(r.headers()["flexway-request-id"].to_str().unwrap().to_owned());
     assert_eq!(ids.len(), 5);
 }
 
@@ -71,10 +61,7 @@ async fn the_callers_key_never_travels_upstream() {
     let seen = &model.requests()[0];
     assert_eq!(seen.path, "/v1/chat/completions");
     for (name, value) in &seen.headers {
-        assert!(
-            !value.contains(KEY),
-            "caller key leaked upstream in header {name}"
-        );
+        assert!(!value.contains(KEY), "caller key leaked upstream in header {name}");
     }
     assert!(
         seen.headers.iter().all(|(n, _)| n != "authorization"),
@@ -93,7 +80,12 @@ async fn streams_chunk_by_chunk_as_the_upstream_produces_them() {
     });
     let gw = Flexway::start(&one_backend(&slow));
     let started = Instant::now();
-    let response = gw.chat(KEY, json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "one two three"}]})).await;
+    let response = gw
+        .chat(
+            KEY,
+            json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "one two three"}]}),
+        )
+        .await;
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["content-type"], "text/event-stream");
     let mut body = response.bytes_stream();
@@ -107,10 +99,7 @@ async fn streams_chunk_by_chunk_as_the_upstream_produces_them() {
     let first = arrivals[0];
     let last = *arrivals.last().unwrap();
     // The upstream takes >= 4 x 300 ms; the first chunk must not wait for the end.
-    assert!(
-        last >= Duration::from_millis(1000),
-        "stream ended after {last:?}"
-    );
+    assert!(last >= Duration::from_millis(1000), "stream ended after {last:?}");
     assert!(
         last - first >= Duration::from_millis(800),
         "first chunk at {first:?}, last at {last:?}: buffered"
@@ -144,10 +133,7 @@ async fn hides_the_usage_chunk_from_a_client_that_did_not_ask() {
         );
     }
     // ... while the backend was asked for it.
-    assert_eq!(
-        model.requests()[0].body["stream_options"]["include_usage"],
-        true
-    );
+    assert_eq!(model.requests()[0].body["stream_options"]["include_usage"], true);
 }
 
 #[tokio::test]
@@ -238,11 +224,7 @@ async fn embeddings_without_an_embeddings_backend_is_capability_unavailable() {
 async fn healthz_answers_json() {
     let model = FakeModel::start().await.unwrap();
     let gw = Flexway::start(&one_backend(&model.url()));
-    let response = client()
-        .get(format!("{}/healthz", gw.url))
-        .send()
-        .await
-        .unwrap();
+    let response = client().get(format!("{}/healthz", gw.url)).send().await.unwrap();
     assert_eq!(response.status(), 200);
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["status"], "ok");

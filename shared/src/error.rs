@@ -55,10 +55,7 @@ pub enum GatewayError {
     #[error("an image is larger than {limit} bytes (ai.vision.max_image_bytes)")]
     ImageTooLarge { limit: u64 },
     #[error("budget exceeded: {budget}; it resets in {retry_after_secs} s")]
-    BudgetExceeded {
-        budget: String,
-        retry_after_secs: u64,
-    },
+    BudgetExceeded { budget: String, retry_after_secs: u64 },
     #[error("backend `{backend}` answered with an invalid response: {detail}")]
     UpstreamError { backend: BackendId, detail: String },
     #[error("no backend could serve this request ({}); tried: {}", cause.as_str(), if tried.is_empty() { "none".to_owned() } else { names(tried) })]
@@ -82,15 +79,11 @@ impl GatewayError {
             GatewayError::InvalidRequest(_)
             | GatewayError::CapabilityUnavailable { .. }
             | GatewayError::ImageOriginNotAllowed { .. } => StatusCode::BAD_REQUEST,
-            GatewayError::Identity(IdentityError::MissingKey | IdentityError::UnknownKey) => {
-                StatusCode::UNAUTHORIZED
-            }
+            GatewayError::Identity(IdentityError::MissingKey | IdentityError::UnknownKey) => StatusCode::UNAUTHORIZED,
             GatewayError::Identity(_)
             | GatewayError::SensitiveNoInternalBackend
             | GatewayError::UnknownTenant { .. } => StatusCode::FORBIDDEN,
-            GatewayError::BodyTooLarge { .. } | GatewayError::ImageTooLarge { .. } => {
-                StatusCode::PAYLOAD_TOO_LARGE
-            }
+            GatewayError::BodyTooLarge { .. } | GatewayError::ImageTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             GatewayError::BudgetExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
             GatewayError::UpstreamError { .. } => StatusCode::BAD_GATEWAY,
             GatewayError::UpstreamUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -105,9 +98,7 @@ impl GatewayError {
     pub fn code(&self) -> &'static str {
         match self {
             GatewayError::InvalidRequest(_) => "invalid_request",
-            GatewayError::Identity(IdentityError::MissingKey | IdentityError::UnknownKey) => {
-                "invalid_api_key"
-            }
+            GatewayError::Identity(IdentityError::MissingKey | IdentityError::UnknownKey) => "invalid_api_key",
             GatewayError::Identity(_) => "unknown_agent",
             GatewayError::CapabilityUnavailable { .. } => "capability_unavailable",
             GatewayError::ImageOriginNotAllowed { .. } => "image_origin_not_allowed",
@@ -157,9 +148,9 @@ impl GatewayError {
     /// Response headers this error carries besides the envelope.
     pub fn headers(&self) -> Vec<(&'static str, String)> {
         match self {
-            GatewayError::BudgetExceeded {
-                retry_after_secs, ..
-            } => vec![("retry-after", retry_after_secs.to_string())],
+            GatewayError::BudgetExceeded { retry_after_secs, .. } => {
+                vec![("retry-after", retry_after_secs.to_string())]
+            }
             GatewayError::UpstreamUnavailable { cause, tried } => {
                 let mut h = vec![("flexway-error-cause", cause.as_str().to_owned())];
                 if !tried.is_empty() {
@@ -167,8 +158,7 @@ impl GatewayError {
                 }
                 h
             }
-            GatewayError::UpstreamTimeout { backend }
-            | GatewayError::UpstreamError { backend, .. } => {
+            GatewayError::UpstreamTimeout { backend } | GatewayError::UpstreamError { backend, .. } => {
                 vec![("flexway-backends-tried", backend.to_string())]
             }
             _ => Vec::new(),
@@ -199,14 +189,8 @@ mod tests {
     #[test]
     fn identity_errors_map_to_spec_codes() {
         let missing = GatewayError::from(IdentityError::MissingKey);
-        assert_eq!(
-            (missing.status().as_u16(), missing.code()),
-            (401, "invalid_api_key")
-        );
+        assert_eq!((missing.status().as_u16(), missing.code()), (401, "invalid_api_key"));
         let agent = GatewayError::from(IdentityError::UnknownAgent { agent: "x".into() });
-        assert_eq!(
-            (agent.status().as_u16(), agent.code()),
-            (403, "unknown_agent")
-        );
+        assert_eq!((agent.status().as_u16(), agent.code()), (403, "unknown_agent"));
     }
 }

@@ -2,6 +2,8 @@
 //! in it. The binaries (`flexway serve`, the Lambda functions) build adapters and call
 //! [`http::app`]; tests drive the same router.
 
+pub mod admission;
+pub mod budget;
 pub mod config;
 pub mod error;
 pub mod gateway;

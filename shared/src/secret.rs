@@ -32,10 +32,7 @@ pub enum SecretError {
     #[error("secret {reference}: environment variable is not set")]
     EnvMissing { reference: String },
     #[error("secret {reference}: {source}")]
-    File {
-        reference: String,
-        source: std::io::Error,
-    },
+    File { reference: String, source: std::io::Error },
     #[error("secret {reference}: the file is empty")]
     Empty { reference: String },
     #[error("secret {reference}: AWS secret references are resolved by the serverless shape only")]
@@ -58,12 +55,10 @@ impl SecretSource for LocalSecrets<'_> {
             SecretRef::Env(name) => self.env.var(name).ok_or_else(|| SecretError::EnvMissing {
                 reference: reference.to_string(),
             })?,
-            SecretRef::File(path) => {
-                std::fs::read_to_string(path).map_err(|source| SecretError::File {
-                    reference: reference.to_string(),
-                    source,
-                })?
-            }
+            SecretRef::File(path) => std::fs::read_to_string(path).map_err(|source| SecretError::File {
+                reference: reference.to_string(),
+                source,
+            })?,
             SecretRef::AwsArn(_) => {
                 return Err(SecretError::Unsupported {
                     reference: reference.to_string(),
@@ -112,9 +107,6 @@ mod tests {
         let env: HashMap<String, String> = HashMap::new();
         let secrets = LocalSecrets { env: &env };
         let arn = SecretRef::AwsArn("arn:aws:ssm:eu-west-1:1:parameter/k".into());
-        assert!(matches!(
-            secrets.resolve(&arn),
-            Err(SecretError::Unsupported { .. })
-        ));
+        assert!(matches!(secrets.resolve(&arn), Err(SecretError::Unsupported { .. })));
     }
 }

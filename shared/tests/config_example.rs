@@ -8,31 +8,23 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use flexway::config::{
-    Auth, BackendKind, BreakerTrigger, Capability, ConfigError, Loaded, Metering, PoolMember,
-    SecretRef, StoreConfig, load_file,
+    Auth, BackendKind, BreakerTrigger, Capability, ConfigError, Loaded, Metering, PoolMember, SecretRef, StoreConfig,
+    load_file,
 };
 use flexway::money::MicroEur;
 
-const ENV_VARS: [&str; 4] = [
-    "PTU_WEST_KEY",
-    "PAYG_WEST_KEY",
-    "PAYG_NORTH_KEY",
-    "FLEXWAY_AUDIT_SALT",
-];
+const ENV_VARS: [&str; 4] = ["PTU_WEST_KEY", "PAYG_WEST_KEY", "PAYG_NORTH_KEY", "FLEXWAY_AUDIT_SALT"];
 
 fn example_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../config/flexway.yaml")
 }
 
 fn env_with(vars: &[&str]) -> HashMap<String, String> {
-    vars.iter()
-        .map(|v| (v.to_string(), format!("value-of-{v}")))
-        .collect()
+    vars.iter().map(|v| (v.to_string(), format!("value-of-{v}"))).collect()
 }
 
 fn load_example() -> Loaded {
-    load_file(&example_path(), &env_with(&ENV_VARS))
-        .unwrap_or_else(|e| panic!("the SPEC example must load:\n{e}"))
+    load_file(&example_path(), &env_with(&ENV_VARS)).unwrap_or_else(|e| panic!("the SPEC example must load:\n{e}"))
 }
 
 #[test]
@@ -50,19 +42,13 @@ fn spec_example_loads_with_its_environment() {
         Some(SecretRef::Env("FLEXWAY_AUDIT_SALT".into()))
     );
     assert_eq!(config.ai.default_backend.as_str(), "chat-pool");
-    assert_eq!(
-        config.ai.sensitive_backend.as_ref().unwrap().as_str(),
-        "internal-chat"
-    );
+    assert_eq!(config.ai.sensitive_backend.as_ref().unwrap().as_str(), "internal-chat");
     assert_eq!(config.ai.sensitive_header, "flexway-sensitive");
     assert_eq!(
         config.ai.vision.allowed_origins,
         vec!["https://img.example.com".to_string()]
     );
-    assert_eq!(
-        config.ai.budget.soft.as_ref().unwrap().threshold_ppm,
-        800_000
-    );
+    assert_eq!(config.ai.budget.soft.as_ref().unwrap().threshold_ppm, 800_000);
     assert_eq!(config.ai.backends.len(), 10);
 }
 
@@ -151,19 +137,13 @@ fn spec_example_backends_keep_their_settings() {
     );
 
     assert!(!config.ai.backends["internal-chat"].external);
-    assert!(matches!(
-        config.ai.backends["ocr"].kind,
-        BackendKind::Grpc { .. }
-    ));
+    assert!(matches!(config.ai.backends["ocr"].kind, BackendKind::Grpc { .. }));
 
     let acme = &config.tenants["acme"];
     assert_eq!(acme.keys.len(), 3);
     assert_eq!(acme.keys[1].agent.as_ref().unwrap().as_str(), "support-bot");
     assert!(acme.keys[2].relay_peer);
-    assert_eq!(
-        acme.agents["support-bot"].budgets.tokens_per_day,
-        Some(100_000)
-    );
+    assert_eq!(acme.agents["support-bot"].budgets.tokens_per_day, Some(100_000));
 }
 
 #[test]
@@ -171,10 +151,7 @@ fn spec_example_warnings_are_only_the_expected_ones() {
     let loaded = load_example();
     // The example's relay says `metering: upstream`: no double-count warning.
     assert!(
-        !loaded
-            .warnings
-            .iter()
-            .any(|w| w.message.contains("metered locally")),
+        !loaded.warnings.iter().any(|w| w.message.contains("metered locally")),
         "{:?}",
         loaded.warnings
     );
@@ -223,17 +200,10 @@ fn spec_example_without_environment_lists_each_missing_variable() {
     ];
     assert_eq!(error.errors.len(), expected.len(), "{error}");
     for (path, var) in expected {
-        let found = error
-            .errors
-            .iter()
-            .find(|d| d.path == path)
-            .unwrap_or_else(|| {
-                panic!("no error at {path}:\n{error}");
-            });
-        assert_eq!(
-            found.message,
-            format!("environment variable {var} is not set")
-        );
+        let found = error.errors.iter().find(|d| d.path == path).unwrap_or_else(|| {
+            panic!("no error at {path}:\n{error}");
+        });
+        assert_eq!(found.message, format!("environment variable {var} is not set"));
     }
     let rendered = error.to_string();
     assert_eq!(rendered.lines().count(), expected.len());
@@ -250,10 +220,7 @@ fn spec_example_with_one_variable_missing_names_only_that_one() {
     let error = load_file(&example_path(), &env).unwrap_err();
     assert_eq!(error.errors.len(), 1, "{error}");
     assert_eq!(error.errors[0].path, "ai.backends.payg-west.auth.secret");
-    assert_eq!(
-        error.errors[0].message,
-        "environment variable PAYG_WEST_KEY is not set"
-    );
+    assert_eq!(error.errors[0].message, "environment variable PAYG_WEST_KEY is not set");
 }
 
 #[test]

@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use flexway::config::{
-    AuditSinkConfig, Auth, BackendKind, BreakerTrigger, Capability, Diagnostic, Loaded, Metering,
-    SecretRef, StoreConfig, load_str, parse_duration,
+    AuditSinkConfig, Auth, BackendKind, BreakerTrigger, Capability, Diagnostic, Loaded, Metering, SecretRef,
+    StoreConfig, load_str, parse_duration,
 };
 use flexway::money::MicroEur;
 use serde_norway::Value;
@@ -57,17 +57,13 @@ impl Doc {
         let (parents, last) = path.rsplit_once('.').map_or(("", path), |(p, l)| (p, l));
         let mut node = &mut self.0;
         for key in parents.split('.').filter(|k| !k.is_empty()) {
-            let map = node
-                .as_mapping_mut()
-                .unwrap_or_else(|| panic!("{key}: not a mapping"));
+            let map = node.as_mapping_mut().unwrap_or_else(|| panic!("{key}: not a mapping"));
             if !map.contains_key(key) {
                 map.insert(key.into(), Value::Mapping(Default::default()));
             }
             node = map.get_mut(key).unwrap();
         }
-        node.as_mapping_mut()
-            .unwrap()
-            .insert(last.into(), yaml(value));
+        node.as_mapping_mut().unwrap().insert(last.into(), yaml(value));
         self
     }
 
@@ -105,11 +101,7 @@ impl Doc {
     /// message contains `fragment`; answers the message.
     fn refused(&self, path: &str, fragment: &str) -> String {
         let errors = self.errors();
-        assert_eq!(
-            errors.len(),
-            1,
-            "expected one error at {path}, got {errors:#?}"
-        );
+        assert_eq!(errors.len(), 1, "expected one error at {path}, got {errors:#?}");
         assert_error(&errors, path, fragment)
     }
 }
@@ -191,33 +183,22 @@ fn refuses_missing_version() {
 
 #[test]
 fn refuses_unsupported_version() {
-    doc()
-        .set("version", "2")
-        .refused("version", "unsupported version 2");
+    doc().set("version", "2").refused("version", "unsupported version 2");
 }
 
 #[test]
 fn refuses_unknown_top_level_key_with_its_path() {
-    doc()
-        .set("colour", "blue")
-        .refused("colour", "unknown field `colour`");
+    doc().set("colour", "blue").refused("colour", "unknown field `colour`");
 }
 
 #[test]
 fn refuses_unknown_nested_key_with_its_path() {
     // The misspelt key is also a missing one, and both are said.
     let errors = doc()
-        .set(
-            "ai.backends.main.auth",
-            "{type: bearer, secrett: 'env:BACKEND_KEY'}",
-        )
+        .set("ai.backends.main.auth", "{type: bearer, secrett: 'env:BACKEND_KEY'}")
         .errors();
     assert_eq!(errors.len(), 2, "{errors:#?}");
-    let message = assert_error(
-        &errors,
-        "ai.backends.main.auth.secrett",
-        "unknown field `secrett`",
-    );
+    let message = assert_error(&errors, "ai.backends.main.auth.secrett", "unknown field `secrett`");
     assert!(message.contains("expected one of"), "{message}");
     assert_error(&errors, "ai.backends.main.auth.secret", "required");
 }
@@ -277,11 +258,7 @@ fn refuses_yaml_syntax_error_with_its_line() {
     let error = load_str("version: 1\nai: [oops\n", &env()).unwrap_err();
     assert_eq!(error.errors.len(), 1);
     assert_eq!(error.errors[0].path, "");
-    assert!(
-        error.errors[0].message.contains("line"),
-        "{}",
-        error.errors[0].message
-    );
+    assert!(error.errors[0].message.contains("line"), "{}", error.errors[0].message);
 }
 
 #[test]
@@ -298,20 +275,10 @@ fn refuses_empty_document() {
 
 #[test]
 fn error_display_is_one_line_per_error() {
-    let error = load_str(
-        &doc()
-            .set("version", "2")
-            .set("ai.default_backend", "x")
-            .text(),
-        &env(),
-    )
-    .unwrap_err();
+    let error = load_str(&doc().set("version", "2").set("ai.default_backend", "x").text(), &env()).unwrap_err();
     let rendered = error.to_string();
     assert_eq!(rendered.lines().count(), 2, "{rendered}");
-    assert!(
-        rendered.starts_with("version: unsupported version 2"),
-        "{rendered}"
-    );
+    assert!(rendered.starts_with("version: unsupported version 2"), "{rendered}");
 }
 
 // ----- store and audit ------------------------------------------------------------
@@ -322,9 +289,7 @@ fn accepts_each_store_kind() {
     assert_eq!(store("{kind: memory}"), StoreConfig::Memory);
     assert_eq!(
         store("{kind: dynamodb, table: ledger}"),
-        StoreConfig::DynamoDb {
-            table: "ledger".into()
-        }
+        StoreConfig::DynamoDb { table: "ledger".into() }
     );
     assert_eq!(
         store("{kind: embedded, path: /var/lib/fw}"),
@@ -336,16 +301,12 @@ fn accepts_each_store_kind() {
 
 #[test]
 fn refuses_store_without_kind() {
-    doc()
-        .set("store", "{path: ./x}")
-        .refused("store.kind", "required");
+    doc().set("store", "{path: ./x}").refused("store.kind", "required");
 }
 
 #[test]
 fn refuses_embedded_store_without_path() {
-    doc()
-        .set("store", "{kind: embedded}")
-        .refused("store.path", "required");
+    doc().set("store", "{kind: embedded}").refused("store.path", "required");
 }
 
 #[test]
@@ -383,9 +344,7 @@ fn accepts_each_audit_sink() {
 
 #[test]
 fn refuses_file_audit_without_path() {
-    doc()
-        .set("audit", "{sink: file}")
-        .refused("audit.path", "required");
+    doc().set("audit", "{sink: file}").refused("audit.path", "required");
 }
 
 #[test]
@@ -414,10 +373,7 @@ fn refuses_literal_hash_salt() {
 #[test]
 fn refuses_literal_secret_without_echoing_it() {
     let message = doc()
-        .set(
-            "ai.backends.main.auth",
-            "{type: bearer, secret: sk-live-TOPSECRET}",
-        )
+        .set("ai.backends.main.auth", "{type: bearer, secret: sk-live-TOPSECRET}")
         .refused("ai.backends.main.auth.secret", "secrets are references");
     assert!(!message.contains("TOPSECRET"), "{message}");
     assert!(message.contains("env:NAME"), "{message}");
@@ -434,10 +390,7 @@ fn refuses_non_string_secret_without_echoing_it() {
 #[test]
 fn refuses_url_with_credentials_without_echoing_them() {
     let message = doc()
-        .set(
-            "ai.backends.main.url",
-            "https://user:hunter2@main.example.net/v1",
-        )
+        .set("ai.backends.main.url", "https://user:hunter2@main.example.net/v1")
         .refused("ai.backends.main.url", "credentials");
     assert!(!message.contains("hunter2"), "{message}");
 }
@@ -445,10 +398,7 @@ fn refuses_url_with_credentials_without_echoing_them() {
 #[test]
 fn refuses_unset_environment_variable() {
     doc()
-        .set(
-            "ai.backends.main.auth",
-            "{type: bearer, secret: 'env:NOT_THERE'}",
-        )
+        .set("ai.backends.main.auth", "{type: bearer, secret: 'env:NOT_THERE'}")
         .refused(
             "ai.backends.main.auth.secret",
             "environment variable NOT_THERE is not set",
@@ -458,10 +408,7 @@ fn refuses_unset_environment_variable() {
 #[test]
 fn refuses_empty_environment_variable() {
     doc()
-        .set(
-            "ai.backends.main.auth",
-            "{type: bearer, secret: 'env:EMPTY'}",
-        )
+        .set("ai.backends.main.auth", "{type: bearer, secret: 'env:EMPTY'}")
         .refused("ai.backends.main.auth.secret", "EMPTY is empty");
 }
 
@@ -479,10 +426,7 @@ fn refuses_missing_secret_file() {
             "ai.backends.main.auth",
             "{type: bearer, secret: 'file:/nonexistent/key'}",
         )
-        .refused(
-            "ai.backends.main.auth.secret",
-            "/nonexistent/key cannot be read",
-        );
+        .refused("ai.backends.main.auth.secret", "/nonexistent/key cannot be read");
 }
 
 #[test]
@@ -494,11 +438,7 @@ fn accepts_readable_secret_file() {
             &format!("{{type: bearer, secret: 'file:{}'}}", file.display()),
         )
         .loads();
-    let auth = &loaded.config.ai.backends["main"]
-        .kind
-        .endpoint()
-        .unwrap()
-        .auth;
+    let auth = &loaded.config.ai.backends["main"].kind.endpoint().unwrap().auth;
     assert_eq!(
         auth,
         &Auth::Bearer {
@@ -515,16 +455,9 @@ fn accepts_secrets_manager_and_ssm_arns() {
         "arn:aws-cn:ssm:cn-north-1:123456789012:parameter/x",
     ] {
         let loaded = doc()
-            .set(
-                "ai.backends.main.auth",
-                &format!("{{type: bearer, secret: '{arn}'}}"),
-            )
+            .set("ai.backends.main.auth", &format!("{{type: bearer, secret: '{arn}'}}"))
             .loads();
-        let auth = &loaded.config.ai.backends["main"]
-            .kind
-            .endpoint()
-            .unwrap()
-            .auth;
+        let auth = &loaded.config.ai.backends["main"].kind.endpoint().unwrap().auth;
         assert_eq!(
             auth,
             &Auth::Bearer {
@@ -555,25 +488,16 @@ fn refuses_key_hash_that_is_not_64_hex_digits() {
         .set("tenants.acme.keys", "[{sha256: sk-flexway-plaintext-key}]")
         .refused("tenants.acme.keys[0].sha256", "64 hex digits");
     doc()
-        .set(
-            "tenants.acme.keys",
-            &format!("[{{sha256: {}}}]", "z".repeat(64)),
-        )
+        .set("tenants.acme.keys", &format!("[{{sha256: {}}}]", "z".repeat(64)))
         .refused("tenants.acme.keys[0].sha256", "64 hex digits");
 }
 
 #[test]
 fn accepts_upper_case_key_hash() {
     let loaded = doc()
-        .set(
-            "tenants.acme.keys",
-            &format!("[{{sha256: {}}}]", KEY_A.to_uppercase()),
-        )
+        .set("tenants.acme.keys", &format!("[{{sha256: {}}}]", KEY_A.to_uppercase()))
         .loads();
-    assert_eq!(
-        hex::encode(loaded.config.tenants["acme"].keys[0].sha256),
-        KEY_A
-    );
+    assert_eq!(hex::encode(loaded.config.tenants["acme"].keys[0].sha256), KEY_A);
 }
 
 #[test]
@@ -601,10 +525,7 @@ fn refuses_key_bound_to_undeclared_agent() {
             "tenants.acme.keys",
             &format!("[{{sha256: {KEY_A}}}, {{sha256: {KEY_B}, agent: ghost}}]"),
         )
-        .refused(
-            "tenants.acme.keys[1].agent",
-            "agent `ghost` is not declared",
-        );
+        .refused("tenants.acme.keys[1].agent", "agent `ghost` is not declared");
 }
 
 #[test]
@@ -638,27 +559,19 @@ fn refuses_fractional_token_budget() {
 fn refuses_negative_euro_budget() {
     doc()
         .set("tenants.acme.agents.bot", "{budgets: {eur_per_month: -3}}")
-        .refused(
-            "tenants.acme.agents.bot.budgets.eur_per_month",
-            "must not be negative",
-        );
+        .refused("tenants.acme.agents.bot.budgets.eur_per_month", "must not be negative");
 }
 
 #[test]
 fn refuses_euro_budget_finer_than_a_micro_euro() {
     doc()
         .set("tenants.acme.budgets", "{eur_per_month: 0.0000001}")
-        .refused(
-            "tenants.acme.budgets.eur_per_month",
-            "more than 6 decimal places",
-        );
+        .refused("tenants.acme.budgets.eur_per_month", "more than 6 decimal places");
 }
 
 #[test]
 fn reads_euro_budget_as_micro_euros() {
-    let loaded = doc()
-        .set("tenants.acme.budgets", "{eur_per_month: 12.345678}")
-        .loads();
+    let loaded = doc().set("tenants.acme.budgets", "{eur_per_month: 12.345678}").loads();
     assert_eq!(
         loaded.config.tenants["acme"].budgets.eur_per_month,
         Some(MicroEur(12_345_678))
@@ -731,10 +644,7 @@ fn accepts_capability_backends_that_serve_them() {
         .set("ai.backends.internal.capabilities", "[embeddings]")
         .set("ai.capabilities", "{vision: main, embeddings: internal}")
         .loads();
-    assert_eq!(
-        loaded.config.ai.capabilities.vision.unwrap().as_str(),
-        "main"
-    );
+    assert_eq!(loaded.config.ai.capabilities.vision.unwrap().as_str(), "main");
 }
 
 #[test]
@@ -829,14 +739,8 @@ fn refuses_zero_default_max_tokens() {
 #[test]
 fn refuses_min_completion_tokens_above_default_max_tokens() {
     doc()
-        .set(
-            "ai.budget",
-            "{default_max_tokens: 100, min_completion_tokens: 200}",
-        )
-        .refused(
-            "ai.budget.min_completion_tokens",
-            "more than default_max_tokens (100)",
-        );
+        .set("ai.budget", "{default_max_tokens: 100, min_completion_tokens: 200}")
+        .refused("ai.budget.min_completion_tokens", "more than default_max_tokens (100)");
 }
 
 #[test]
@@ -911,11 +815,7 @@ fn strips_trailing_slash_from_url() {
     let loaded = doc()
         .set("ai.backends.main.url", "https://main.example.net/v1/")
         .loads();
-    let endpoint = loaded.config.ai.backends["main"]
-        .kind
-        .endpoint()
-        .unwrap()
-        .clone();
+    let endpoint = loaded.config.ai.backends["main"].kind.endpoint().unwrap().clone();
     assert_eq!(endpoint.url, "https://main.example.net/v1");
 }
 
@@ -923,10 +823,7 @@ fn strips_trailing_slash_from_url() {
 fn refuses_grpc_url_on_an_http_backend() {
     doc()
         .set("ai.backends.main.url", "grpc://10.0.0.9:50051")
-        .refused(
-            "ai.backends.main.url",
-            "a gRPC upstream must be declared kind: grpc",
-        );
+        .refused("ai.backends.main.url", "a gRPC upstream must be declared kind: grpc");
 }
 
 #[test]
@@ -940,19 +837,13 @@ fn refuses_auth_without_type() {
 fn refuses_bearer_auth_without_secret() {
     doc()
         .set("ai.backends.main.auth", "{type: bearer}")
-        .refused(
-            "ai.backends.main.auth.secret",
-            "required (with auth type bearer)",
-        );
+        .refused("ai.backends.main.auth.secret", "required (with auth type bearer)");
 }
 
 #[test]
 fn refuses_header_auth_without_name() {
     doc()
-        .set(
-            "ai.backends.main.auth",
-            "{type: header, secret: 'env:BACKEND_KEY'}",
-        )
+        .set("ai.backends.main.auth", "{type: header, secret: 'env:BACKEND_KEY'}")
         .refused("ai.backends.main.auth.name", "required");
 }
 
@@ -969,14 +860,8 @@ fn refuses_header_auth_with_invalid_name() {
 #[test]
 fn refuses_auth_key_of_another_type() {
     doc()
-        .set(
-            "ai.backends.main.auth",
-            "{type: none, secret: 'env:BACKEND_KEY'}",
-        )
-        .refused(
-            "ai.backends.main.auth.secret",
-            "does not apply to auth type none",
-        );
+        .set("ai.backends.main.auth", "{type: none, secret: 'env:BACKEND_KEY'}")
+        .refused("ai.backends.main.auth.secret", "does not apply to auth type none");
     doc()
         .set(
             "ai.backends.main.auth",
@@ -993,11 +878,7 @@ fn accepts_token_file_that_does_not_exist_yet() {
             "{type: token_file, path: /var/run/secrets/nope/token}",
         )
         .loads();
-    let auth = &loaded.config.ai.backends["main"]
-        .kind
-        .endpoint()
-        .unwrap()
-        .auth;
+    let auth = &loaded.config.ai.backends["main"].kind.endpoint().unwrap().auth;
     assert_eq!(
         auth,
         &Auth::TokenFile {
@@ -1010,10 +891,7 @@ fn accepts_token_file_that_does_not_exist_yet() {
 fn refuses_tls_certificate_without_key() {
     let cert = temp_file("cert.pem", b"cert");
     doc()
-        .set(
-            "ai.backends.main.tls",
-            &format!("{{cert: '{}'}}", cert.display()),
-        )
+        .set("ai.backends.main.tls", &format!("{{cert: '{}'}}", cert.display()))
         .refused("ai.backends.main.tls.key", "required");
 }
 
@@ -1070,10 +948,7 @@ fn refuses_negative_price() {
             "ai.backends.main.price",
             "{input_per_mtok_eur: 1, output_per_mtok_eur: -2}",
         )
-        .refused(
-            "ai.backends.main.price.output_per_mtok_eur",
-            "must not be negative",
-        );
+        .refused("ai.backends.main.price.output_per_mtok_eur", "must not be negative");
 }
 
 #[test]
@@ -1188,10 +1063,7 @@ fn refuses_failure_ratio_out_of_range() {
             "ai.backends.main.circuit_breaker",
             "{failure_ratio: 1.2, min_requests: 10}",
         )
-        .refused(
-            "ai.backends.main.circuit_breaker.failure_ratio",
-            "at most 1",
-        );
+        .refused("ai.backends.main.circuit_breaker.failure_ratio", "at most 1");
 }
 
 #[test]
@@ -1210,21 +1082,13 @@ fn refuses_bad_breaker_status() {
         )
         .errors();
     assert_eq!(errors.len(), 3, "{errors:#?}");
-    assert_error(
-        &errors,
-        "ai.backends.main.circuit_breaker.status[0]",
-        "reversed",
-    );
+    assert_error(&errors, "ai.backends.main.circuit_breaker.status[0]", "reversed");
     assert_error(
         &errors,
         "ai.backends.main.circuit_breaker.status[1]",
         "between 100 and 599",
     );
-    assert_error(
-        &errors,
-        "ai.backends.main.circuit_breaker.status[2]",
-        "not a status",
-    );
+    assert_error(&errors, "ai.backends.main.circuit_breaker.status[2]", "not a status");
 }
 
 // ----- pools ----------------------------------------------------------------------
@@ -1295,10 +1159,7 @@ fn refuses_endpoint_keys_on_a_pool() {
 #[test]
 fn refuses_undeclared_pool_member() {
     doc()
-        .set(
-            "ai.backends.pool",
-            "{kind: pool, members: [{backend: ghost}]}",
-        )
+        .set("ai.backends.pool", "{kind: pool, members: [{backend: ghost}]}")
         .refused("ai.backends.pool.members[0].backend", "not declared");
 }
 
@@ -1309,23 +1170,14 @@ fn refuses_pool_as_its_own_member() {
             "ai.backends.pool",
             "{kind: pool, members: [{backend: main}, {backend: pool}]}",
         )
-        .refused(
-            "ai.backends.pool.members[1].backend",
-            "cannot be its own member",
-        );
+        .refused("ai.backends.pool.members[1].backend", "cannot be its own member");
 }
 
 #[test]
 fn refuses_nested_pools() {
     doc()
-        .set(
-            "ai.backends.inner",
-            "{kind: pool, members: [{backend: main}]}",
-        )
-        .set(
-            "ai.backends.outer",
-            "{kind: pool, members: [{backend: inner}]}",
-        )
+        .set("ai.backends.inner", "{kind: pool, members: [{backend: main}]}")
+        .set("ai.backends.outer", "{kind: pool, members: [{backend: inner}]}")
         .refused("ai.backends.outer.members[0].backend", "pools do not nest");
 }
 
@@ -1333,10 +1185,7 @@ fn refuses_nested_pools() {
 fn refuses_grpc_pool_member() {
     doc()
         .set("ai.backends.ocr", grpc_backend())
-        .set(
-            "ai.backends.pool",
-            "{kind: pool, members: [{backend: ocr}]}",
-        )
+        .set("ai.backends.pool", "{kind: pool, members: [{backend: ocr}]}")
         .refused("ai.backends.pool.members[0].backend", "kind grpc");
 }
 
@@ -1359,11 +1208,7 @@ fn refuses_zero_priority_and_weight() {
         )
         .errors();
     assert_eq!(errors.len(), 2, "{errors:#?}");
-    assert_error(
-        &errors,
-        "ai.backends.pool.members[0].priority",
-        "at least 1",
-    );
+    assert_error(&errors, "ai.backends.pool.members[0].priority", "at least 1");
     assert_error(&errors, "ai.backends.pool.members[0].weight", "at least 1");
 }
 
@@ -1405,11 +1250,7 @@ fn warns_about_relay_metered_locally() {
         panic!("a relay")
     };
     assert_eq!(*metering, Metering::Local);
-    let warning = loaded
-        .warnings
-        .iter()
-        .find(|w| w.path == "ai.backends.up")
-        .unwrap();
+    let warning = loaded.warnings.iter().find(|w| w.path == "ai.backends.up").unwrap();
     assert_eq!(
         warning.message,
         "relay up is metered locally (metering: local): if the upstream Flexway meters too, \
@@ -1440,10 +1281,7 @@ fn refuses_invalid_identity_header() {
             "{kind: relay, url: 'https://up.example.net', metering: upstream, \
              identity_headers: {tenant: 'Bad Header'}}",
         )
-        .refused(
-            "ai.backends.up.identity_headers.tenant",
-            "not a valid HTTP header name",
-        );
+        .refused("ai.backends.up.identity_headers.tenant", "not a valid HTTP header name");
 }
 
 // ----- gRPC -----------------------------------------------------------------------
@@ -1494,30 +1332,17 @@ fn accepts_existing_descriptor_set_without_warning() {
         )
         .loads();
     assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
-    let BackendKind::Grpc {
-        url,
-        descriptor_set,
-    } = &loaded.config.ai.backends["ocr"].kind
-    else {
+    let BackendKind::Grpc { url, descriptor_set } = &loaded.config.ai.backends["ocr"].kind else {
         panic!("grpc")
     };
-    assert_eq!(
-        (url.as_str(), descriptor_set),
-        ("https://ocr.example.net", &set)
-    );
+    assert_eq!((url.as_str(), descriptor_set), ("https://ocr.example.net", &set));
 }
 
 #[test]
 fn refuses_grpc_backend_without_descriptor_set() {
     doc()
-        .set(
-            "ai.backends.ocr",
-            "{kind: grpc, url: 'http://10.0.0.9:50051'}",
-        )
-        .refused(
-            "ai.backends.ocr.descriptor_set",
-            "required for a grpc backend",
-        );
+        .set("ai.backends.ocr", "{kind: grpc, url: 'http://10.0.0.9:50051'}")
+        .refused("ai.backends.ocr.descriptor_set", "required for a grpc backend");
 }
 
 #[test]
@@ -1546,16 +1371,8 @@ fn refuses_http_keys_on_a_grpc_backend() {
         .set("ai.backends.ocr.capabilities", "[chat]")
         .errors();
     assert_eq!(errors.len(), 3, "{errors:#?}");
-    assert_error(
-        &errors,
-        "ai.backends.ocr.models",
-        "does not apply to a grpc backend",
-    );
-    assert_error(
-        &errors,
-        "ai.backends.ocr.fallback",
-        "does not apply to a grpc backend",
-    );
+    assert_error(&errors, "ai.backends.ocr.models", "does not apply to a grpc backend");
+    assert_error(&errors, "ai.backends.ocr.fallback", "does not apply to a grpc backend");
     assert_error(
         &errors,
         "ai.backends.ocr.capabilities",
@@ -1580,11 +1397,7 @@ fn refuses_grpc_backend_wherever_http_routing_goes() {
             "{threshold: 0.5, backend: ocr}",
             "ai.budget.soft.backend",
         ),
-        (
-            "ai.backends.main.fallback",
-            "[ocr]",
-            "ai.backends.main.fallback[0]",
-        ),
+        ("ai.backends.main.fallback", "[ocr]", "ai.backends.main.fallback[0]"),
     ];
     for (key, value, error_path) in cases {
         doc()
@@ -1615,11 +1428,7 @@ fn parses_durations() {
         ("1h30m", None),
     ];
     for (text, expected) in cases {
-        assert_eq!(
-            parse_duration(text).ok(),
-            expected,
-            "parse_duration({text:?})"
-        );
+        assert_eq!(parse_duration(text).ok(), expected, "parse_duration({text:?})");
     }
 }
 
@@ -1651,22 +1460,14 @@ fn does_not_guess_about_an_entry_that_did_not_parse() {
         .errors();
     assert_eq!(errors.len(), 2, "{errors:#?}");
     assert_error(&errors, "ai.backends.main.url", "expected a string");
-    assert_error(
-        &errors,
-        "ai.backends.main.capabilities[1]",
-        "unknown variant `sight`",
-    );
+    assert_error(&errors, "ai.backends.main.capabilities[1]", "unknown variant `sight`");
 }
 
 #[test]
 fn does_not_call_undeclared_a_backend_that_did_not_parse() {
     let errors = doc().set("ai.backends.main", "just a string").errors();
     assert_eq!(errors.len(), 1, "{errors:#?}");
-    assert_error(
-        &errors,
-        "ai.backends.main",
-        "expected a backend (a mapping)",
-    );
+    assert_error(&errors, "ai.backends.main", "expected a backend (a mapping)");
 }
 
 #[test]
@@ -1682,9 +1483,5 @@ fn judges_no_pool_by_a_member_that_did_not_parse() {
         .set("ai.sensitive_backend", "pool")
         .errors();
     assert_eq!(errors.len(), 1, "{errors:#?}");
-    assert_error(
-        &errors,
-        "ai.backends.internal.external",
-        "expected a boolean",
-    );
+    assert_error(&errors, "ai.backends.internal.external", "expected a boolean");
 }

@@ -1,12 +1,6 @@
 //! Test harness: the real `flexway` binary on port 0, configured from a YAML string,
 //! in front of fake model servers on loopback.
-#![allow(
-    dead_code,
-    unused_imports,
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic
-)]
+#![allow(dead_code, unused_imports, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -70,12 +64,7 @@ impl Flexway {
                 panic!("flexway did not start: {:?}", logs.lock().unwrap());
             }
         };
-        Flexway {
-            child,
-            url,
-            dir,
-            logs,
-        }
+        Flexway { child, url, dir, logs }
     }
 
     pub fn start(yaml: &str) -> Flexway {
@@ -94,10 +83,7 @@ impl Flexway {
     }
 
     pub async fn chat(&self, key: &str, body: serde_json::Value) -> reqwest::Response {
-        self.post("/v1/chat/completions", key, body)
-            .send()
-            .await
-            .unwrap()
+        self.post("/v1/chat/completions", key, body).send().await.unwrap()
     }
 }
 

@@ -15,9 +15,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
             "empty duration: write a whole number and a unit ({UNITS}), e.g. 30s"
         ));
     }
-    let unit_start = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
+    let unit_start = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
     let (digits, unit) = text.split_at(unit_start);
     if digits.is_empty() {
         return Err(format!(
@@ -31,14 +29,10 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "h" => 3_600_000,
         "d" => 86_400_000,
         "" => {
-            return Err(format!(
-                "`{text}` has no unit: write e.g. {text}s ({UNITS})"
-            ));
+            return Err(format!("`{text}` has no unit: write e.g. {text}s ({UNITS})"));
         }
         _ => {
-            return Err(format!(
-                "`{text}` has an unknown unit `{unit}`: use {UNITS}"
-            ));
+            return Err(format!("`{text}` has an unknown unit `{unit}`: use {UNITS}"));
         }
     };
     digits

@@ -254,9 +254,7 @@ impl Endpoint {
         if let Some(target) = self.aliases.get(requested) {
             return target.clone();
         }
-        self.default_model
-            .clone()
-            .unwrap_or_else(|| requested.to_owned())
+        self.default_model.clone().unwrap_or_else(|| requested.to_owned())
     }
 
     /// Client-facing names this endpoint answers to (for `GET /v1/models`).

@@ -50,11 +50,7 @@ pub struct RawConfig {
 
 /// The budget ledger.
 #[derive(Debug, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "Store",
-    expecting = "a store (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "Store", expecting = "a store (a mapping)")]
 pub struct RawStore {
     /// `embedded` (a local file, needs `path`), `memory` (lost on exit, for tests) or
     /// `dynamodb` (serverless, needs `table`).
@@ -76,11 +72,7 @@ pub enum RawStoreKind {
 
 /// The audit trail: one JSON line per inference call, metadata only.
 #[derive(Debug, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "Audit",
-    expecting = "an audit (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "Audit", expecting = "an audit (a mapping)")]
 pub struct RawAudit {
     /// `file` (JSONL, needs `path`), `stdout` (default) or `cloudwatch` (needs
     /// `log_group`).
@@ -105,11 +97,7 @@ pub enum RawSinkKind {
 
 /// A tenant: a consuming team, with its keys, budgets and agents.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "Tenant",
-    expecting = "a tenant (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "Tenant", expecting = "a tenant (a mapping)")]
 pub struct RawTenant {
     /// The tenant's API keys, as SHA-256 hashes (never the keys themselves).
     pub keys: Option<Vec<RawKey>>,
@@ -123,11 +111,7 @@ pub struct RawTenant {
 
 /// One API key of a tenant.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "Key",
-    expecting = "a key ({sha256: ...}) (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "Key", expecting = "a key ({sha256: ...}) (a mapping)")]
 pub struct RawKey {
     /// SHA-256 of the key, 64 hex digits (`flexway key new` prints it).
     #[schemars(required, regex(pattern = r"^[0-9a-fA-F]{64}$"))]
@@ -142,11 +126,7 @@ pub struct RawKey {
 
 /// Budgets; each one absent is no limit. Periods are UTC calendar days and months.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "Budgets",
-    expecting = "budgets (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "Budgets", expecting = "budgets (a mapping)")]
 pub struct RawBudgets {
     /// Tokens (input + output) per UTC day.
     pub tokens_per_day: Option<u64>,
@@ -159,11 +139,7 @@ pub struct RawBudgets {
 
 /// An agent of a tenant; its budgets are sub-limits inside the tenant's.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "Agent",
-    expecting = "an agent (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "Agent", expecting = "an agent (a mapping)")]
 pub struct RawAgent {
     /// Backend serving this agent instead of its tenant's.
     pub backend: Option<String>,
@@ -173,11 +149,7 @@ pub struct RawAgent {
 
 /// Routing and policy.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "Ai",
-    expecting = "the ai section (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "Ai", expecting = "the ai section (a mapping)")]
 pub struct RawAi {
     /// Backend serving every request that no override routes elsewhere.
     #[schemars(required)]
@@ -230,11 +202,7 @@ pub struct RawBudgetPolicy {
 
 /// The soft budget cap.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "SoftCap",
-    expecting = "a soft cap (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "SoftCap", expecting = "a soft cap (a mapping)")]
 pub struct RawSoftCap {
     /// Fraction of any budget, in (0, 1], at which traffic switches (e.g. 0.8).
     #[schemars(required, range(min = 0, max = 1))]
@@ -246,11 +214,7 @@ pub struct RawSoftCap {
 
 /// Limits for requests carrying images.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "Vision",
-    expecting = "vision limits (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "Vision", expecting = "vision limits (a mapping)")]
 pub struct RawVision {
     /// Largest image, measured in the body without decoding. Default 8388608 (8 MiB).
     #[schemars(range(min = 1))]
@@ -264,11 +228,7 @@ pub struct RawVision {
 
 /// A backend. Which keys apply depends on `kind`; a key of another kind is refused.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "Backend",
-    expecting = "a backend (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "Backend", expecting = "a backend (a mapping)")]
 pub struct RawBackend {
     /// `openai` (default), `anthropic`, `relay` (another Flexway), `grpc` or `pool`.
     pub kind: Option<RawBackendKind>,
@@ -357,11 +317,7 @@ pub enum RawMetering {
 
 /// Authentication to a backend.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "Auth",
-    expecting = "an auth (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "Auth", expecting = "an auth (a mapping)")]
 pub struct RawAuth {
     /// `none`, `bearer` (+ `secret`), `header` (+ `name`, `secret`) or `token_file`
     /// (+ `path`).
@@ -412,11 +368,7 @@ pub struct RawTls {
 
 /// Price in euros per million tokens, at most 6 decimal places.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "Price",
-    expecting = "a price (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "Price", expecting = "a price (a mapping)")]
 pub struct RawPrice {
     /// Euros per million input (prompt) tokens.
     #[schemars(required, range(min = 0))]
@@ -563,17 +515,14 @@ impl fmt::Debug for RawSecret {
     }
 }
 
-pub(super) const SECRET_REFERENCE_FORMS: &str =
-    "env:NAME, file:PATH, or an AWS Secrets Manager or SSM parameter ARN";
+pub(super) const SECRET_REFERENCE_FORMS: &str = "env:NAME, file:PATH, or an AWS Secrets Manager or SSM parameter ARN";
 
 impl<'de> Deserialize<'de> for RawSecret {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         struct SecretVisitor;
 
         fn not_a_string<E: serde::de::Error>() -> E {
-            E::custom(format_args!(
-                "expected a secret reference ({SECRET_REFERENCE_FORMS})"
-            ))
+            E::custom(format_args!("expected a secret reference ({SECRET_REFERENCE_FORMS})"))
         }
 
         impl serde::de::Visitor<'_> for SecretVisitor {
@@ -659,10 +608,7 @@ pub(super) fn parse(text: &str) -> Result<Parsed, Vec<Diagnostic>> {
             Ok(raw) => return Ok(Parsed { raw, errors }),
             Err(error) => {
                 let segments: Vec<&Segment> = error.path().iter().collect();
-                errors.push(Diagnostic::new(
-                    render_path(&segments),
-                    error.inner().to_string(),
-                ));
+                errors.push(Diagnostic::new(render_path(&segments), error.inner().to_string()));
                 if !drop_entry(&mut doc, &segments) {
                     return Err(errors);
                 }
@@ -676,11 +622,7 @@ fn syntax_error(error: &serde_norway::Error) -> Diagnostic {
     match error.location() {
         Some(at) if !message.contains(" line ") => Diagnostic::new(
             "",
-            format!(
-                "invalid YAML at line {} column {}: {message}",
-                at.line(),
-                at.column()
-            ),
+            format!("invalid YAML at line {} column {}: {message}", at.line(), at.column()),
         ),
         _ => Diagnostic::new("", format!("invalid YAML: {message}")),
     }
@@ -715,10 +657,7 @@ fn render_path(segments: &[&Segment]) -> String {
 /// removing one item would shift the indices of the errors still to be found.
 /// Returns false when there is nothing to remove (the error is about the document).
 fn drop_entry(doc: &mut Value, segments: &[&Segment]) -> bool {
-    let Some(last_key) = segments
-        .iter()
-        .rposition(|s| matches!(s, Segment::Map { .. }))
-    else {
+    let Some(last_key) = segments.iter().rposition(|s| matches!(s, Segment::Map { .. })) else {
         return false;
     };
     let mut node = doc;

@@ -18,9 +18,8 @@ use std::time::Duration;
 mod backends;
 
 use super::raw::{
-    Parsed, RawAgent, RawAi, RawAudit, RawBackend, RawBackendKind, RawBudgetPolicy, RawBudgets,
-    RawCapability, RawConfig, RawDuration, RawKey, RawSecret, RawSinkKind, RawStore, RawStoreKind,
-    RawTenant, RawVision,
+    Parsed, RawAgent, RawAi, RawAudit, RawBackend, RawBackendKind, RawBudgetPolicy, RawBudgets, RawCapability,
+    RawConfig, RawDuration, RawKey, RawSecret, RawSinkKind, RawStore, RawStoreKind, RawTenant, RawVision,
 };
 use super::values::{fraction_ppm, header_name, https_origin, key_hash, micro_eur, secret_ref};
 use super::*;
@@ -74,12 +73,7 @@ pub(super) fn validate(parsed: Parsed, env: &dyn EnvSource) -> Result<Loaded, Ve
     let tenants = check.tenants(tenants.unwrap_or_default(), &catalog);
 
     let mut errors = shape_errors;
-    errors.extend(
-        check
-            .errors
-            .into_iter()
-            .filter(|e| !unparsed.covers(&e.path)),
-    );
+    errors.extend(check.errors.into_iter().filter(|e| !unparsed.covers(&e.path)));
     // Checked in dependency order; reported in the order of a typical document.
     errors.sort_by_key(|d| section_rank(&d.path));
     check.warnings.sort_by_key(|d| section_rank(&d.path));
@@ -225,10 +219,7 @@ impl Catalog {
                 .filter(|s: &&Summary| s.kind != RawBackendKind::Pool)
                 .collect();
             let any_external = members.iter().any(|m| m.external);
-            let union: BTreeSet<Capability> = members
-                .iter()
-                .flat_map(|m| m.capabilities.iter().copied())
-                .collect();
+            let union: BTreeSet<Capability> = members.iter().flat_map(|m| m.capabilities.iter().copied()).collect();
             if let Some(pool) = catalog.get_mut(name) {
                 pool.external |= any_external;
                 if raw.capabilities.is_none() {
@@ -242,9 +233,7 @@ impl Catalog {
             .iter()
             .filter(|(_, raw)| {
                 let members = raw.members.iter().flatten();
-                members
-                    .filter_map(|m| m.backend.as_ref())
-                    .any(|m| in_doubt.contains(m))
+                members.filter_map(|m| m.backend.as_ref()).any(|m| in_doubt.contains(m))
             })
             .map(|(name, _)| name.clone())
             .collect();
@@ -279,11 +268,7 @@ fn capability_list(capabilities: &BTreeSet<Capability>) -> String {
     if capabilities.is_empty() {
         return "none".into();
     }
-    capabilities
-        .iter()
-        .map(|c| c.as_str())
-        .collect::<Vec<_>>()
-        .join(", ")
+    capabilities.iter().map(|c| c.as_str()).collect::<Vec<_>>().join(", ")
 }
 
 struct Checker<'a> {
@@ -343,9 +328,7 @@ impl Checker<'_> {
     }
 
     fn header(&mut self, path: &str, name: &str) -> Option<String> {
-        header_name(name)
-            .map_err(|message| self.error(path, message))
-            .ok()
+        header_name(name).map_err(|message| self.error(path, message)).ok()
     }
 
     fn non_empty(&mut self, path: &str, text: Option<String>, what: &str) -> Option<String> {
@@ -370,10 +353,7 @@ impl Checker<'_> {
             return None;
         }
         let Some(summary) = catalog.get(name) else {
-            self.error(
-                path,
-                format!("backend `{name}` is not declared under ai.backends"),
-            );
+            self.error(path, format!("backend `{name}` is not declared under ai.backends"));
             return None;
         };
         if summary.kind == RawBackendKind::Grpc {
@@ -401,50 +381,18 @@ impl Checker<'_> {
         let (has_path, has_table) = (path.is_some(), table.is_some());
         match kind {
             RawStoreKind::Embedded => {
-                self.refuse(
-                    "store",
-                    "table",
-                    has_table,
-                    "store kind embedded",
-                    "kind dynamodb",
-                );
-                let path = self.non_empty(
-                    "store.path",
-                    path,
-                    "(the ledger directory of kind embedded)",
-                )?;
+                self.refuse("store", "table", has_table, "store kind embedded", "kind dynamodb");
+                let path = self.non_empty("store.path", path, "(the ledger directory of kind embedded)")?;
                 Some(StoreConfig::Embedded { path: path.into() })
             }
             RawStoreKind::Memory => {
-                self.refuse(
-                    "store",
-                    "path",
-                    has_path,
-                    "store kind memory",
-                    "kind embedded",
-                );
-                self.refuse(
-                    "store",
-                    "table",
-                    has_table,
-                    "store kind memory",
-                    "kind dynamodb",
-                );
+                self.refuse("store", "path", has_path, "store kind memory", "kind embedded");
+                self.refuse("store", "table", has_table, "store kind memory", "kind dynamodb");
                 Some(StoreConfig::Memory)
             }
             RawStoreKind::Dynamodb => {
-                self.refuse(
-                    "store",
-                    "path",
-                    has_path,
-                    "store kind dynamodb",
-                    "kind embedded",
-                );
-                let table = self.non_empty(
-                    "store.table",
-                    table,
-                    "(the DynamoDB table of kind dynamodb)",
-                )?;
+                self.refuse("store", "path", has_path, "store kind dynamodb", "kind embedded");
+                let table = self.non_empty("store.table", table, "(the DynamoDB table of kind dynamodb)")?;
                 Some(StoreConfig::DynamoDb { table })
             }
         }
@@ -465,75 +413,36 @@ impl Checker<'_> {
             });
         };
         let here = |sink: &str| format!("audit sink {sink}");
-        let (has_path, has_group, has_stream) =
-            (path.is_some(), log_group.is_some(), log_stream.is_some());
+        let (has_path, has_group, has_stream) = (path.is_some(), log_group.is_some(), log_stream.is_some());
         let sink = match sink.unwrap_or(RawSinkKind::Stdout) {
             RawSinkKind::File => {
-                self.refuse(
-                    "audit",
-                    "log_group",
-                    has_group,
-                    &here("file"),
-                    "sink cloudwatch",
-                );
-                self.refuse(
-                    "audit",
-                    "log_stream",
-                    has_stream,
-                    &here("file"),
-                    "sink cloudwatch",
-                );
+                self.refuse("audit", "log_group", has_group, &here("file"), "sink cloudwatch");
+                self.refuse("audit", "log_stream", has_stream, &here("file"), "sink cloudwatch");
                 self.non_empty("audit.path", path, "(the JSONL file of sink file)")
                     .map(|path| AuditSinkConfig::File { path: path.into() })
             }
             RawSinkKind::Stdout => {
                 self.refuse("audit", "path", has_path, &here("stdout"), "sink file");
-                self.refuse(
-                    "audit",
-                    "log_group",
-                    has_group,
-                    &here("stdout"),
-                    "sink cloudwatch",
-                );
-                self.refuse(
-                    "audit",
-                    "log_stream",
-                    has_stream,
-                    &here("stdout"),
-                    "sink cloudwatch",
-                );
+                self.refuse("audit", "log_group", has_group, &here("stdout"), "sink cloudwatch");
+                self.refuse("audit", "log_stream", has_stream, &here("stdout"), "sink cloudwatch");
                 Some(AuditSinkConfig::Stdout)
             }
             RawSinkKind::Cloudwatch => {
                 self.refuse("audit", "path", has_path, &here("cloudwatch"), "sink file");
-                self.non_empty(
-                    "audit.log_group",
-                    log_group,
-                    "(the log group of sink cloudwatch)",
-                )
-                .map(|log_group| AuditSinkConfig::CloudWatch {
-                    log_group,
-                    log_stream,
-                })
+                self.non_empty("audit.log_group", log_group, "(the log group of sink cloudwatch)")
+                    .map(|log_group| AuditSinkConfig::CloudWatch { log_group, log_stream })
             }
         };
         let hash_salt = match &hash_salt {
             Some(salt) => Some(self.secret("audit.hash_salt", salt)?),
             None => None,
         };
-        Some(AuditConfig {
-            sink: sink?,
-            hash_salt,
-        })
+        Some(AuditConfig { sink: sink?, hash_salt })
     }
 
     // ----- tenants ------------------------------------------------------------------
 
-    fn tenants(
-        &mut self,
-        raw: BTreeMap<String, RawTenant>,
-        catalog: &Catalog,
-    ) -> BTreeMap<TenantId, Tenant> {
+    fn tenants(&mut self, raw: BTreeMap<String, RawTenant>, catalog: &Catalog) -> BTreeMap<TenantId, Tenant> {
         let relay_peer_declared = raw
             .values()
             .flat_map(|t| t.keys.iter().flatten())
@@ -560,10 +469,7 @@ impl Checker<'_> {
 
             let keys = keys.unwrap_or_default();
             if keys.is_empty() && !relay_peer_declared {
-                self.warn(
-                    &path,
-                    format!("tenant {name} has no keys: nobody can call as it"),
-                );
+                self.warn(&path, format!("tenant {name} has no keys: nobody can call as it"));
             }
             let keys: Vec<KeyEntry> = keys
                 .into_iter()
@@ -576,13 +482,8 @@ impl Checker<'_> {
 
             let budgets = self.budgets(&format!("{path}.budgets"), budgets);
             let backend = backend.and_then(|b| {
-                self.route_target(
-                    &format!("{path}.backend"),
-                    &b,
-                    catalog,
-                    "a tenant's backend",
-                )
-                .map(|(id, _)| id)
+                self.route_target(&format!("{path}.backend"), &b, catalog, "a tenant's backend")
+                    .map(|(id, _)| id)
             });
             let id = TenantId::new(&name);
             tenants.insert(
@@ -612,9 +513,7 @@ impl Checker<'_> {
         let hex = self.required(&hash_path, raw.sha256, "(the key's SHA-256)")?;
         let hash = key_hash(&hex).map_err(|m| self.error(&hash_path, m)).ok()?;
         if let Some(first) = seen.get(&hash) {
-            let message = format!(
-                "the same key is already declared at {first}: a key belongs to one tenant, once"
-            );
+            let message = format!("the same key is already declared at {first}: a key belongs to one tenant, once");
             self.error(hash_path, message);
             return None;
         }
@@ -636,13 +535,8 @@ impl Checker<'_> {
 
     fn agent(&mut self, path: &str, raw: RawAgent, catalog: &Catalog) -> Agent {
         let backend = raw.backend.and_then(|b| {
-            self.route_target(
-                &format!("{path}.backend"),
-                &b,
-                catalog,
-                "an agent's backend",
-            )
-            .map(|(id, _)| id)
+            self.route_target(&format!("{path}.backend"), &b, catalog, "an agent's backend")
+                .map(|(id, _)| id)
         });
         Agent {
             backend,
@@ -668,12 +562,7 @@ impl Checker<'_> {
 
     // ----- ai -----------------------------------------------------------------------
 
-    fn ai(
-        &mut self,
-        raw: RawAi,
-        catalog: &Catalog,
-        backends: BTreeMap<BackendId, Backend>,
-    ) -> Option<Ai> {
+    fn ai(&mut self, raw: RawAi, catalog: &Catalog, backends: BTreeMap<BackendId, Backend>) -> Option<Ai> {
         let RawAi {
             default_backend,
             capabilities,
@@ -690,32 +579,18 @@ impl Checker<'_> {
                 default_backend,
                 "(the backend serving what no override routes elsewhere)",
             )
-            .and_then(|b| {
-                self.route_target("ai.default_backend", &b, catalog, "the default backend")
-            })
+            .and_then(|b| self.route_target("ai.default_backend", &b, catalog, "the default backend"))
             .map(|(id, _)| id);
 
         let capabilities = capabilities.unwrap_or_default();
         let capabilities = CapabilityOverrides {
-            vision: self.capability_backend(
-                "vision",
-                capabilities.vision,
-                Capability::Vision,
-                catalog,
-            ),
-            embeddings: self.capability_backend(
-                "embeddings",
-                capabilities.embeddings,
-                Capability::Embeddings,
-                catalog,
-            ),
+            vision: self.capability_backend("vision", capabilities.vision, Capability::Vision, catalog),
+            embeddings: self.capability_backend("embeddings", capabilities.embeddings, Capability::Embeddings, catalog),
         };
 
         let sensitive_header = self.header(
             "ai.sensitive_header",
-            sensitive_header
-                .as_deref()
-                .unwrap_or(DEFAULT_SENSITIVE_HEADER),
+            sensitive_header.as_deref().unwrap_or(DEFAULT_SENSITIVE_HEADER),
         );
         let sensitive_backend = sensitive_backend.and_then(|name| {
             let path = "ai.sensitive_backend";
@@ -756,8 +631,7 @@ impl Checker<'_> {
     ) -> Option<BackendId> {
         let name = name?;
         let path = format!("ai.capabilities.{key}");
-        let (id, summary) =
-            self.route_target(&path, &name, catalog, &format!("the {key} backend"))?;
+        let (id, summary) = self.route_target(&path, &name, catalog, &format!("the {key} backend"))?;
         if !summary.capabilities.contains(&needed) {
             self.error(
                 path,
@@ -786,19 +660,8 @@ impl Checker<'_> {
                         .ok()
                 });
             let backend = self
-                .required(
-                    "ai.budget.soft.backend",
-                    soft.backend,
-                    "(the cheaper backend)",
-                )
-                .and_then(|b| {
-                    self.route_target(
-                        "ai.budget.soft.backend",
-                        &b,
-                        catalog,
-                        "the soft-cap backend",
-                    )
-                });
+                .required("ai.budget.soft.backend", soft.backend, "(the cheaper backend)")
+                .and_then(|b| self.route_target("ai.budget.soft.backend", &b, catalog, "the soft-cap backend"));
             Some(SoftCap {
                 threshold_ppm: threshold?,
                 backend: backend?.0,
@@ -808,15 +671,11 @@ impl Checker<'_> {
         if default_max_tokens == 0 {
             self.error("ai.budget.default_max_tokens", "must be greater than zero");
         }
-        let min_completion_tokens = raw
-            .min_completion_tokens
-            .unwrap_or(DEFAULT_MIN_COMPLETION_TOKENS);
+        let min_completion_tokens = raw.min_completion_tokens.unwrap_or(DEFAULT_MIN_COMPLETION_TOKENS);
         if min_completion_tokens > default_max_tokens {
             self.error(
                 "ai.budget.min_completion_tokens",
-                format!(
-                    "{min_completion_tokens} is more than default_max_tokens ({default_max_tokens})"
-                ),
+                format!("{min_completion_tokens} is more than default_max_tokens ({default_max_tokens})"),
             );
         }
         Some(BudgetPolicy {

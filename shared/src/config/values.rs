@@ -76,25 +76,16 @@ impl BaseUrl {
 /// credentials. Credentials are not echoed back.
 pub(super) fn base_url(url: &str) -> Result<BaseUrl, String> {
     let Some((scheme, rest)) = url.split_once("://") else {
-        return Err(format!(
-            "`{url}` is not a URL (expected e.g. https://host/v1)"
-        ));
+        return Err(format!("`{url}` is not a URL (expected e.g. https://host/v1)"));
     };
     let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
     if authority.contains('@') {
-        return Err(
-            "credentials are not allowed in a URL: declare them under `auth` as a secret reference"
-                .into(),
-        );
+        return Err("credentials are not allowed in a URL: declare them under `auth` as a secret reference".into());
     }
     if rest.contains(['?', '#']) {
-        return Err(format!(
-            "`{url}` has a query or fragment; a base URL has neither"
-        ));
+        return Err(format!("`{url}` has a query or fragment; a base URL has neither"));
     }
-    let uri: http::Uri = url
-        .parse()
-        .map_err(|e| format!("`{url}` is not a valid URL: {e}"))?;
+    let uri: http::Uri = url.parse().map_err(|e| format!("`{url}` is not a valid URL: {e}"))?;
     if uri.host().is_none_or(str::is_empty) {
         return Err(format!("`{url}` has no host"));
     }
@@ -181,12 +172,10 @@ fn aws_secret_arn(arn: &str) -> Result<(), String> {
     if well_formed {
         Ok(())
     } else {
-        Err(
-            "an ARN here must name a Secrets Manager secret or an SSM parameter \
+        Err("an ARN here must name a Secrets Manager secret or an SSM parameter \
              (arn:aws:secretsmanager:REGION:ACCOUNT:secret:NAME or \
              arn:aws:ssm:REGION:ACCOUNT:parameter/NAME)"
-                .into(),
-        )
+            .into())
     }
 }
 
@@ -211,8 +200,7 @@ pub(super) fn key_hash(hex_text: &str) -> Result<[u8; 32], String> {
             hex_text.chars().count()
         ));
     }
-    hex::decode_to_slice(hex_text, &mut hash)
-        .map_err(|_| "a key's sha256 is 64 hex digits (0-9, a-f)".to_owned())?;
+    hex::decode_to_slice(hex_text, &mut hash).map_err(|_| "a key's sha256 is 64 hex digits (0-9, a-f)".to_owned())?;
     Ok(hash)
 }
 
@@ -233,9 +221,7 @@ pub(super) fn status_range(status: &RawStatus) -> Result<(u16, u16), String> {
         }
     };
     if !(100..=599).contains(&lo) || !(100..=599).contains(&hi) {
-        return Err(format!(
-            "HTTP statuses are between 100 and 599 (got {lo}-{hi})"
-        ));
+        return Err(format!("HTTP statuses are between 100 and 599 (got {lo}-{hi})"));
     }
     if lo > hi {
         return Err(format!("range {lo}-{hi} is reversed"));
@@ -265,10 +251,7 @@ mod tests {
             https_origin("HTTPS://Img.Example.com/"),
             Ok("https://img.example.com".into())
         );
-        assert_eq!(
-            https_origin("https://a.b:8443"),
-            Ok("https://a.b:8443".into())
-        );
+        assert_eq!(https_origin("https://a.b:8443"), Ok("https://a.b:8443".into()));
         assert!(https_origin("https://a.b:99999").is_err());
         assert!(https_origin("https://a.b/x").is_err());
         assert!(https_origin("http://a.b").is_err());

@@ -66,10 +66,7 @@ async fn healthz(State(gateway): State<Arc<Gateway>>) -> Response {
     Json(body).into_response()
 }
 
-async fn models(
-    State(gateway): State<Arc<Gateway>>,
-    headers: HeaderMap,
-) -> Result<Response, ApiError> {
+async fn models(State(gateway): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Response, ApiError> {
     let caller = gateway.keys.authenticate(&headers)?;
     let names = gateway.router.reachable_models(&caller);
     Ok(Json(model_list(names.iter().map(String::as_str))).into_response())

@@ -16,16 +16,20 @@ use http::{HeaderMap, HeaderValue, StatusCode, header};
 use super::RequestId;
 use super::error::ApiError;
 use super::relay;
-use crate::config::{BackendId, Endpoint};
+use crate::admission::{Admission, Demand, admit};
+use crate::budget::plan;
+use crate::config::{BackendId, Capability, Endpoint};
 use crate::error::{GatewayError, UnavailableCause};
 use crate::gateway::Gateway;
 use crate::identity::Caller;
+use crate::money::MicroEur;
 use crate::protocol::openai::{ChatRequest, EmbeddingsRequest, Usage};
 use crate::routing::Candidate;
 use crate::upstream::CallError;
 
 pub const BACKEND_HEADER: &str = "flexway-backend";
 pub const DEGRADED_HEADER: &str = "flexway-degraded";
+pub const BUDGET_HEADER: &str = "flexway-budget";
 
 /// A backend that answered (any status but 5xx), before a byte reached the client.
 pub(super) struct Served {
@@ -44,40 +48,85 @@ pub(super) async fn chat_completions(
     let caller = gateway.keys.authenticate(&headers)?;
     let bytes = read_body(body, &headers, gateway.config.ai.vision.max_body_bytes).await?;
     let request = ChatRequest::parse(&bytes)?;
-    let chain = gateway.router.chain(&caller, request.capability())?;
-    let served = dispatch(
-        &gateway,
-        &chain,
-        "/chat/completions",
-        &request.model,
-        |model| request.upstream_body(model, None),
-    )
-    .await?;
+    let images = request.images.len() as u64;
+    let demand = Demand {
+        capability: request.capability(),
+        prompt_tokens: plan::prompt_upper_bound(request.prompt_text_bytes, request.message_count, images),
+        max_tokens: request.max_tokens,
+        completes: true,
+        stream: request.stream,
+    };
+    let Admission {
+        chain,
+        ticket,
+        soft,
+        clamped_max_tokens,
+    } = admit(&gateway, &caller, &request_id.0, &demand).await?;
+    let prompt_typical = plan::prompt_typical(request.prompt_text_bytes, request.message_count, images);
+    let dispatched = dispatch(&gateway, &chain, "/chat/completions", &request.model, |model| {
+        request.upstream_body(model, clamped_max_tokens)
+    })
+    .await;
+    let served = match dispatched {
+        Ok(served) => served,
+        Err(e) => {
+            ticket.refund().await;
+            return Err(e.into());
+        }
+    };
+    let headers = model_headers(&served.candidate, soft);
+    if !served.response.status().is_success() {
+        ticket.refund().await;
+        return relay_error_as_is(served, headers).await;
+    }
+    let price = gateway.price(&served.candidate.backend);
     let call = CallInfo {
         request_id,
         caller,
         backend: served.candidate.backend.clone(),
+        model: served.model.clone(),
     };
-    if !served.response.status().is_success() {
-        return relay_error_as_is(served).await;
-    }
     if request.stream {
         if !is_event_stream(served.response.headers()) {
+            ticket.refund().await;
+            let detail = "a stream was asked for but the response is not text/event-stream".into();
             return Err(GatewayError::UpstreamError {
                 backend: served.candidate.backend,
-                detail: "a stream was asked for but the response is not text/event-stream".into(),
+                detail,
             }
             .into());
         }
-        let headers = model_headers(&served.candidate);
-        return Ok(relay::stream(
-            served,
-            request.client_wants_usage,
-            headers,
+        let finish = relay::Finish {
+            ticket,
+            price,
+            prompt_typical,
             call,
-        ));
+        };
+        return Ok(relay::stream(served, request.client_wants_usage, headers, finish));
     }
-    complete_json(served, call).await
+    let (response, body) = match read_json(served).await {
+        Ok(read) => read,
+        Err(e) => {
+            ticket.refund().await;
+            return Err(e.into());
+        }
+    };
+    let (usage, source) = match Usage::from_value(body.get("usage")) {
+        Some(usage) => (usage, UsageSource::Reported),
+        None => {
+            let completion = plan::typical_tokens(completion_bytes(&body));
+            (
+                Usage {
+                    prompt_tokens: prompt_typical,
+                    completion_tokens: completion,
+                },
+                UsageSource::Estimated,
+            )
+        }
+    };
+    let cost = ticket.settle(usage, price).await;
+    log_served(&call, usage, source, cost);
+    Ok(with_headers(response, headers))
 }
 
 pub(super) async fn embeddings(
@@ -89,22 +138,75 @@ pub(super) async fn embeddings(
     let caller = gateway.keys.authenticate(&headers)?;
     let bytes = read_body(body, &headers, gateway.config.ai.vision.max_body_bytes).await?;
     let request = EmbeddingsRequest::parse(&bytes)?;
-    let chain = gateway
-        .router
-        .chain(&caller, crate::config::Capability::Embeddings)?;
-    let served = dispatch(&gateway, &chain, "/embeddings", &request.model, |model| {
+    let demand = Demand {
+        capability: Capability::Embeddings,
+        prompt_tokens: request.input_units,
+        max_tokens: None,
+        completes: false,
+        stream: false,
+    };
+    let Admission {
+        chain, ticket, soft, ..
+    } = admit(&gateway, &caller, &request_id.0, &demand).await?;
+    let dispatched = dispatch(&gateway, &chain, "/embeddings", &request.model, |model| {
         request.upstream_body(model)
     })
-    .await?;
+    .await;
+    let served = match dispatched {
+        Ok(served) => served,
+        Err(e) => {
+            ticket.refund().await;
+            return Err(e.into());
+        }
+    };
+    let headers = model_headers(&served.candidate, soft);
+    if !served.response.status().is_success() {
+        ticket.refund().await;
+        return relay_error_as_is(served, headers).await;
+    }
+    let price = gateway.price(&served.candidate.backend);
     let call = CallInfo {
         request_id,
         caller,
         backend: served.candidate.backend.clone(),
+        model: served.model.clone(),
     };
-    if !served.response.status().is_success() {
-        return relay_error_as_is(served).await;
+    let (response, body) = match read_json(served).await {
+        Ok(read) => read,
+        Err(e) => {
+            ticket.refund().await;
+            return Err(e.into());
+        }
+    };
+    let (usage, source) = match Usage::from_value(body.get("usage")) {
+        Some(usage) => (usage, UsageSource::Reported),
+        None => (
+            Usage {
+                prompt_tokens: plan::typical_tokens(request.input_units),
+                completion_tokens: 0,
+            },
+            UsageSource::Estimated,
+        ),
+    };
+    let cost = ticket.settle(usage, price).await;
+    log_served(&call, usage, source, cost);
+    Ok(with_headers(response, headers))
+}
+
+/// Whether the usage settled came from the backend or from Flexway's estimate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UsageSource {
+    Reported,
+    Estimated,
+}
+
+impl UsageSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UsageSource::Reported => "reported",
+            UsageSource::Estimated => "estimated",
+        }
     }
-    complete_json(served, call).await
 }
 
 /// What the finishing phase needs to know about a call.
@@ -112,6 +214,33 @@ pub(super) struct CallInfo {
     pub request_id: RequestId,
     pub caller: Caller,
     pub backend: BackendId,
+    /// The model the backend was asked for (after aliases and defaults).
+    pub model: String,
+}
+
+pub(super) fn log_served(call: &CallInfo, usage: Usage, source: UsageSource, cost: MicroEur) {
+    tracing::info!(
+        request_id = %call.request_id.0,
+        tenant = %call.caller.tenant,
+        backend = %call.backend,
+        model = %call.model,
+        prompt_tokens = usage.prompt_tokens,
+        completion_tokens = usage.completion_tokens,
+        usage_source = source.as_str(),
+        cost_eur = %cost.to_eur_string(),
+        "call served"
+    );
+}
+
+/// Bytes of completion text in a non-streamed answer (for estimation).
+fn completion_bytes(body: &serde_json::Value) -> u64 {
+    let choices = body.get("choices").and_then(serde_json::Value::as_array);
+    choices
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.pointer("/message/content").and_then(serde_json::Value::as_str))
+        .map(|t| t.len() as u64)
+        .sum()
 }
 
 /// Reads the body, refusing it as soon as it passes `limit` (never buffering more).
@@ -199,12 +328,7 @@ async fn dispatch(
 }
 
 fn endpoint<'a>(gateway: &'a Gateway, backend: &BackendId) -> Option<&'a Endpoint> {
-    gateway
-        .config
-        .ai
-        .backends
-        .get(backend)
-        .and_then(|b| b.kind.endpoint())
+    gateway.config.ai.backends.get(backend).and_then(|b| b.kind.endpoint())
 }
 
 fn is_event_stream(headers: &reqwest::header::HeaderMap) -> bool {
@@ -214,17 +338,18 @@ fn is_event_stream(headers: &reqwest::header::HeaderMap) -> bool {
         .is_some_and(|v| v.trim_start().starts_with("text/event-stream"))
 }
 
-/// `Flexway-Backend` and, when a fallback served, `Flexway-Degraded`.
-pub(super) fn model_headers(candidate: &Candidate) -> Vec<(&'static str, HeaderValue)> {
+/// `Flexway-Backend`; `Flexway-Degraded` when a fallback served; `Flexway-Budget`
+/// when the soft cap is reached.
+pub(super) fn model_headers(candidate: &Candidate, soft: bool) -> Vec<(&'static str, HeaderValue)> {
     let mut headers = Vec::new();
+    if soft {
+        headers.push((BUDGET_HEADER, HeaderValue::from_static("soft")));
+    }
     if let Ok(v) = HeaderValue::from_str(candidate.backend.as_str()) {
         headers.push((BACKEND_HEADER, v));
     }
     if candidate.degraded {
-        headers.push((
-            DEGRADED_HEADER,
-            HeaderValue::from_static("backend-fallback"),
-        ));
+        headers.push((DEGRADED_HEADER, HeaderValue::from_static("backend-fallback")));
     }
     headers
 }
@@ -237,9 +362,7 @@ fn response_with(
 ) -> Response {
     let mut response = Response::new(Body::from(body));
     *response.status_mut() = status;
-    response
-        .headers_mut()
-        .insert(header::CONTENT_TYPE, content_type);
+    response.headers_mut().insert(header::CONTENT_TYPE, content_type);
     for (name, value) in extra {
         response.headers_mut().insert(name, value);
     }
@@ -264,7 +387,10 @@ fn empty_response() -> reqwest::Response {
 }
 
 /// A backend's own 4xx: relayed as is (status, body, content type, Retry-After).
-async fn relay_error_as_is(mut served: Served) -> Result<Response, ApiError> {
+async fn relay_error_as_is(
+    mut served: Served,
+    mut extra: Vec<(&'static str, HeaderValue)>,
+) -> Result<Response, ApiError> {
     let status = served.response.status();
     let content_type = served
         .response
@@ -274,7 +400,6 @@ async fn relay_error_as_is(mut served: Served) -> Result<Response, ApiError> {
         .unwrap_or(HeaderValue::from_static("application/json"));
     let retry_after = served.response.headers().get(header::RETRY_AFTER).cloned();
     let body = read_upstream_body(&mut served).await?;
-    let mut extra = model_headers(&served.candidate);
     if let Some(v) = retry_after {
         extra.push(("retry-after", v));
     }
@@ -282,32 +407,30 @@ async fn relay_error_as_is(mut served: Served) -> Result<Response, ApiError> {
     Ok(response_with(status, body, content_type, extra))
 }
 
-/// A non-streamed answer: checked to be a JSON object, its usage read, relayed as is.
-async fn complete_json(mut served: Served, call: CallInfo) -> Result<Response, ApiError> {
+/// A non-streamed answer, checked to be a JSON object: the response to relay (body
+/// as the backend wrote it) and the parsed body.
+async fn read_json(mut served: Served) -> Result<(Response, serde_json::Value), GatewayError> {
     let body = read_upstream_body(&mut served).await?;
-    let usage = match serde_json::from_slice::<serde_json::Value>(&body) {
-        Ok(value) if value.is_object() => Usage::from_value(value.get("usage")),
-        _ => {
-            return Err(GatewayError::UpstreamError {
-                backend: served.candidate.backend,
-                detail: "the response is not a JSON object".into(),
-            }
-            .into());
+    match serde_json::from_slice::<serde_json::Value>(&body) {
+        Ok(value) if value.is_object() => {
+            let response = response_with(
+                StatusCode::OK,
+                body,
+                HeaderValue::from_static("application/json"),
+                Vec::new(),
+            );
+            Ok((response, value))
         }
-    };
-    tracing::info!(
-        request_id = %call.request_id.0,
-        tenant = %call.caller.tenant,
-        backend = %call.backend,
-        model = %served.model,
-        prompt_tokens = usage.map(|u| u.prompt_tokens),
-        completion_tokens = usage.map(|u| u.completion_tokens),
-        "call served"
-    );
-    Ok(response_with(
-        StatusCode::OK,
-        body,
-        HeaderValue::from_static("application/json"),
-        model_headers(&served.candidate),
-    ))
+        _ => Err(GatewayError::UpstreamError {
+            backend: served.candidate.backend,
+            detail: "the response is not a JSON object".into(),
+        }),
+    }
+}
+
+fn with_headers(mut response: Response, extra: Vec<(&'static str, HeaderValue)>) -> Response {
+    for (name, value) in extra {
+        response.headers_mut().insert(name, value);
+    }
+    response
 }

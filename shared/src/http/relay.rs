@@ -18,7 +18,9 @@ use http::{HeaderValue, header};
 use serde_json::Value;
 use tokio::sync::mpsc;
 
-use super::proxy::{CallInfo, Served};
+use super::proxy::{CallInfo, Served, UsageSource, log_served};
+use crate::budget::{Ticket, plan};
+use crate::config::Price;
 use crate::protocol::openai::{Usage, error_envelope};
 use crate::protocol::sse::{self, Splitter};
 
@@ -44,37 +46,59 @@ pub struct RelayOutcome {
     pub events: u64,
 }
 
+/// What settles a stream once it has ended.
+pub(super) struct Finish {
+    pub ticket: Ticket,
+    pub price: Price,
+    /// The prompt's typical token count, if the backend reports no usage.
+    pub prompt_typical: u64,
+    pub call: CallInfo,
+}
+
+impl Finish {
+    /// Settles on the reported usage, else on an estimate of what was relayed (a
+    /// stream that broke mid-way included: its first byte reached the client).
+    async fn settle(self, outcome: &RelayOutcome) {
+        let (usage, source) = match outcome.usage {
+            Some(usage) => (usage, UsageSource::Reported),
+            None => {
+                let completion = plan::typical_tokens(outcome.content_bytes);
+                (
+                    Usage {
+                        prompt_tokens: self.prompt_typical,
+                        completion_tokens: completion,
+                    },
+                    UsageSource::Estimated,
+                )
+            }
+        };
+        let cost = self.ticket.settle(usage, self.price).await;
+        tracing::info!(request_id = %self.call.request_id.0, end = ?outcome.end, "stream finished");
+        log_served(&self.call, usage, source, cost);
+    }
+}
+
+/// The streamed response. Settlement runs in the pump task when the stream ends,
+/// before the body completes, so it finishes inside the invocation.
 pub(super) fn stream(
     served: Served,
     client_wants_usage: bool,
     extra: Vec<(&'static str, HeaderValue)>,
-    call: CallInfo,
+    finish: Finish,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     let timeout = served.timeout;
     tokio::spawn(async move {
-        let outcome = pump(served.response, tx, client_wants_usage, timeout).await;
-        tracing::info!(
-            request_id = %call.request_id.0,
-            tenant = %call.caller.tenant,
-            backend = %call.backend,
-            model = %served.model,
-            end = ?outcome.end,
-            prompt_tokens = outcome.usage.map(|u| u.prompt_tokens),
-            completion_tokens = outcome.usage.map(|u| u.completion_tokens),
-            content_bytes = outcome.content_bytes,
-            "stream finished"
-        );
+        let outcome = pump(served.response, &tx, client_wants_usage, timeout).await;
+        finish.settle(&outcome).await;
+        drop(tx);
     });
     let body = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
     });
     let mut response = Response::new(Body::from_stream(body));
     let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     for (name, value) in extra {
         headers.insert(name, value);
@@ -85,7 +109,7 @@ pub(super) fn stream(
 /// Reads the backend's stream to its end, forwarding events.
 pub async fn pump(
     response: reqwest::Response,
-    tx: mpsc::Sender<Bytes>,
+    tx: &mpsc::Sender<Bytes>,
     client_wants_usage: bool,
     idle_timeout: Duration,
 ) -> RelayOutcome {
@@ -106,7 +130,7 @@ pub async fn pump(
         };
         let chunk = match chunk {
             Ok(chunk) => chunk,
-            Err(reason) => return broken(outcome, &tx, reason).await,
+            Err(reason) => return broken(outcome, tx, reason).await,
         };
         splitter.push(&chunk);
         while let Some(event) = splitter.next_event() {
@@ -147,21 +171,14 @@ fn tap(data: &str, client_wants_usage: bool, outcome: &mut RelayOutcome) -> bool
     match Usage::from_value(chunk.get("usage")) {
         Some(usage) => {
             outcome.usage = Some(usage);
-            let usage_only = chunk
-                .get("choices")
-                .and_then(Value::as_array)
-                .is_none_or(Vec::is_empty);
+            let usage_only = chunk.get("choices").and_then(Value::as_array).is_none_or(Vec::is_empty);
             client_wants_usage || !usage_only
         }
         None => true,
     }
 }
 
-async fn broken(
-    mut outcome: RelayOutcome,
-    tx: &mpsc::Sender<Bytes>,
-    reason: String,
-) -> RelayOutcome {
+async fn broken(mut outcome: RelayOutcome, tx: &mpsc::Sender<Bytes>, reason: String) -> RelayOutcome {
     tracing::warn!("stream broke mid-way: {reason}");
     let message = format!("{reason}; the response is incomplete");
     let event = sse::event(

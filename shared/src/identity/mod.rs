@@ -32,9 +32,7 @@ pub enum IdentityError {
     UnknownKey,
     #[error("agent `{agent}` is not declared for this tenant")]
     UnknownAgent { agent: String },
-    #[error(
-        "this key is bound to agent `{bound}`; the Flexway-Agent header cannot re-bind it to `{asked}`"
-    )]
+    #[error("this key is bound to agent `{bound}`; the Flexway-Agent header cannot re-bind it to `{asked}`")]
     AgentRebind { bound: String, asked: String },
 }
 
@@ -178,10 +176,7 @@ mod tests {
     fn headers(key: Option<&str>, agent: Option<&str>) -> HeaderMap {
         let mut h = HeaderMap::new();
         if let Some(k) = key {
-            h.insert(
-                "authorization",
-                HeaderValue::from_str(&format!("Bearer {k}")).unwrap(),
-            );
+            h.insert("authorization", HeaderValue::from_str(&format!("Bearer {k}")).unwrap());
         }
         if let Some(a) = agent {
             h.insert(AGENT_HEADER, HeaderValue::from_str(a).unwrap());
@@ -214,30 +209,21 @@ mod tests {
 
     #[test]
     fn header_names_a_declared_agent_for_an_unbound_key() {
-        let caller = ring()
-            .authenticate(&headers(Some("plain"), Some("helper")))
-            .unwrap();
+        let caller = ring().authenticate(&headers(Some("plain"), Some("helper"))).unwrap();
         assert_eq!(caller.agent, Some(AgentId::new("helper")));
     }
 
     #[test]
     fn refuses_an_undeclared_agent() {
         let got = ring().authenticate(&headers(Some("plain"), Some("ghost")));
-        assert_eq!(
-            got,
-            Err(IdentityError::UnknownAgent {
-                agent: "ghost".into()
-            })
-        );
+        assert_eq!(got, Err(IdentityError::UnknownAgent { agent: "ghost".into() }));
     }
 
     #[test]
     fn bound_key_keeps_its_agent_and_cannot_be_rebound() {
         let caller = ring().authenticate(&headers(Some("bound"), None)).unwrap();
         assert_eq!(caller.agent, Some(AgentId::new("bot")));
-        let same = ring()
-            .authenticate(&headers(Some("bound"), Some("bot")))
-            .unwrap();
+        let same = ring().authenticate(&headers(Some("bound"), Some("bot"))).unwrap();
         assert_eq!(same.agent, Some(AgentId::new("bot")));
         let rebind = ring().authenticate(&headers(Some("bound"), Some("helper")));
         assert!(matches!(rebind, Err(IdentityError::AgentRebind { .. })));

@@ -76,10 +76,7 @@ fn required_model(body: &Map<String, Value>) -> Result<String, InvalidRequest> {
     }
 }
 
-fn optional_u64(
-    body: &Map<String, Value>,
-    key: &'static str,
-) -> Result<Option<u64>, InvalidRequest> {
+fn optional_u64(body: &Map<String, Value>, key: &'static str) -> Result<Option<u64>, InvalidRequest> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v
@@ -134,10 +131,7 @@ impl ChatRequest {
                 }
             },
             Some(_) => {
-                return Err(invalid(
-                    "stream_options",
-                    "`stream_options` must be an object",
-                ));
+                return Err(invalid("stream_options", "`stream_options` must be an object"));
             }
         };
         let max_tokens = match optional_u64(&body, "max_completion_tokens")? {
@@ -156,16 +150,10 @@ impl ChatRequest {
         let mut prompt_text_bytes = 0u64;
         for (i, message) in messages.iter().enumerate() {
             let Some(message) = message.as_object() else {
-                return Err(invalid(
-                    "messages",
-                    format!("messages[{i}] must be an object"),
-                ));
+                return Err(invalid("messages", format!("messages[{i}] must be an object")));
             };
             if !matches!(message.get("role"), Some(Value::String(_))) {
-                return Err(invalid(
-                    "messages",
-                    format!("messages[{i}].role is required"),
-                ));
+                return Err(invalid("messages", format!("messages[{i}].role is required")));
             }
             prompt_text_bytes += measure_content(i, message.get("content"), &mut images)?;
             // Tool calls and names count towards the prompt too: measure them as text.
@@ -228,11 +216,7 @@ impl ChatRequest {
 }
 
 /// Measures one message's content, collecting its images. Returns its text bytes.
-fn measure_content(
-    i: usize,
-    content: Option<&Value>,
-    images: &mut Vec<ImageRef>,
-) -> Result<u64, InvalidRequest> {
+fn measure_content(i: usize, content: Option<&Value>, images: &mut Vec<ImageRef>) -> Result<u64, InvalidRequest> {
     let parts = match content {
         None | Some(Value::Null) => return Ok(0),
         Some(Value::String(s)) => return Ok(s.len() as u64),
@@ -265,9 +249,7 @@ fn measure_content(
                         _ => {
                             return Err(invalid(
                                 "messages",
-                                format!(
-                                    "messages[{i}].content[{j}].image_url.url must be a string"
-                                ),
+                                format!("messages[{i}].content[{j}].image_url.url must be a string"),
                             ));
                         }
                     },
@@ -320,9 +302,7 @@ impl EmbeddingsRequest {
                     units += match item {
                         Value::String(s) => s.len() as u64,
                         Value::Number(_) => 1,
-                        Value::Array(tokens) if tokens.iter().all(Value::is_number) => {
-                            tokens.len() as u64
-                        }
+                        Value::Array(tokens) if tokens.iter().all(Value::is_number) => tokens.len() as u64,
                         _ => {
                             return Err(invalid(
                                 "input",
@@ -335,10 +315,7 @@ impl EmbeddingsRequest {
             }
             None => return Err(invalid("input", "`input` is required")),
             Some(_) => {
-                return Err(invalid(
-                    "input",
-                    "`input` must be a non-empty string or array",
-                ));
+                return Err(invalid("input", "`input` must be a non-empty string or array"));
             }
         };
         Ok(EmbeddingsRequest {
@@ -389,10 +366,8 @@ mod tests {
 
     #[test]
     fn max_completion_tokens_wins_over_max_tokens() {
-        let req = chat(
-            json!({"model": "m", "max_tokens": 7, "max_completion_tokens": 3,
-            "messages": [{"role": "user", "content": "x"}]}),
-        )
+        let req = chat(json!({"model": "m", "max_tokens": 7, "max_completion_tokens": 3,
+            "messages": [{"role": "user", "content": "x"}]}))
         .unwrap();
         assert_eq!(req.max_tokens, Some(3));
     }
@@ -401,17 +376,11 @@ mod tests {
     fn refuses_malformed_requests_with_the_param() {
         let cases = [
             (json!([1]), None),
-            (
-                json!({"messages": [{"role": "user", "content": "x"}]}),
-                Some("model"),
-            ),
+            (json!({"messages": [{"role": "user", "content": "x"}]}), Some("model")),
             (json!({"model": 3, "messages": []}), Some("model")),
             (json!({"model": "m"}), Some("messages")),
             (json!({"model": "m", "messages": []}), Some("messages")),
-            (
-                json!({"model": "m", "messages": [{"content": "x"}]}),
-                Some("messages"),
-            ),
+            (json!({"model": "m", "messages": [{"content": "x"}]}), Some("messages")),
             (
                 json!({"model": "m", "stream": "yes", "messages": [{"role": "user", "content": "x"}]}),
                 Some("stream"),
@@ -434,11 +403,9 @@ mod tests {
 
     #[test]
     fn finds_images_in_content_parts() {
-        let req = chat(
-            json!({"model": "m", "messages": [{"role": "user", "content": [
+        let req = chat(json!({"model": "m", "messages": [{"role": "user", "content": [
             {"type": "text", "text": "what is this"},
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}),
-        )
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}))
         .unwrap();
         assert_eq!(req.capability(), Capability::Vision);
         assert_eq!(req.images.len(), 1);
@@ -460,24 +427,9 @@ mod tests {
     #[test]
     fn embeddings_input_forms() {
         let ok = |v: Value| EmbeddingsRequest::parse(v.to_string().as_bytes());
-        assert_eq!(
-            ok(json!({"model": "e", "input": "abc"}))
-                .unwrap()
-                .input_units,
-            3
-        );
-        assert_eq!(
-            ok(json!({"model": "e", "input": ["ab", "c"]}))
-                .unwrap()
-                .input_units,
-            3
-        );
-        assert_eq!(
-            ok(json!({"model": "e", "input": [[1, 2, 3]]}))
-                .unwrap()
-                .input_units,
-            3
-        );
+        assert_eq!(ok(json!({"model": "e", "input": "abc"})).unwrap().input_units, 3);
+        assert_eq!(ok(json!({"model": "e", "input": ["ab", "c"]})).unwrap().input_units, 3);
+        assert_eq!(ok(json!({"model": "e", "input": [[1, 2, 3]]})).unwrap().input_units, 3);
         assert_eq!(ok(json!({"model": "e"})).unwrap_err().param, Some("input"));
         assert_eq!(
             ok(json!({"model": "e", "input": [{}]})).unwrap_err().param,
@@ -487,8 +439,7 @@ mod tests {
 
     #[test]
     fn reads_usage_blocks() {
-        let u =
-            Usage::from_value(Some(&json!({"prompt_tokens": 3, "completion_tokens": 4}))).unwrap();
+        let u = Usage::from_value(Some(&json!({"prompt_tokens": 3, "completion_tokens": 4}))).unwrap();
         assert_eq!(u.total(), 7);
         assert_eq!(Usage::from_value(Some(&Value::Null)), None);
     }

@@ -156,9 +156,6 @@ mod tests {
     #[test]
     fn renders_a_named_json_event() {
         let bytes = event(Some("error"), &serde_json::json!({"error": {"code": "x"}}));
-        assert_eq!(
-            &bytes[..],
-            b"event: error\ndata: {\"error\":{\"code\":\"x\"}}\n\n"
-        );
+        assert_eq!(&bytes[..], b"event: error\ndata: {\"error\":{\"code\":\"x\"}}\n\n");
     }
 }

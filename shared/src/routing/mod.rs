@@ -32,9 +32,18 @@ impl Router {
         Router { config }
     }
 
-    /// The backend this caller's routing starts from, before expansion.
-    pub fn entry_backend(&self, caller: &Caller, capability: Capability) -> &BackendId {
+    /// The backend this caller's routing starts from, before expansion: default,
+    /// tenant, agent, capability override, then the soft-cap switch.
+    pub fn entry_backend(&self, caller: &Caller, capability: Capability, soft: bool) -> &BackendId {
         let ai = &self.config.ai;
+        if soft {
+            let switch = ai.budget.soft.as_ref().map(|s| &s.backend);
+            if let Some(backend) =
+                switch.filter(|b| self.backend(b).is_some_and(|b| b.capabilities.contains(&capability)))
+            {
+                return backend;
+            }
+        }
         let override_for = match capability {
             Capability::Chat => None,
             Capability::Vision => ai.capabilities.vision.as_ref(),
@@ -55,12 +64,8 @@ impl Router {
     }
 
     /// The ordered chain of candidates for a call.
-    pub fn chain(
-        &self,
-        caller: &Caller,
-        capability: Capability,
-    ) -> Result<Vec<Candidate>, GatewayError> {
-        let entry = self.entry_backend(caller, capability);
+    pub fn chain(&self, caller: &Caller, capability: Capability, soft: bool) -> Result<Vec<Candidate>, GatewayError> {
+        let entry = self.entry_backend(caller, capability, soft);
         let mut chain = Vec::new();
         let mut seen = BTreeSet::new();
         self.expand(entry, false, &mut chain, &mut seen, &mut rand::rng());
@@ -126,7 +131,7 @@ impl Router {
         for capability in [Capability::Chat, Capability::Vision, Capability::Embeddings] {
             let mut chain = Vec::new();
             self.expand(
-                self.entry_backend(caller, capability),
+                self.entry_backend(caller, capability, false),
                 false,
                 &mut chain,
                 &mut BTreeSet::new(),
@@ -159,8 +164,7 @@ fn pool_order<'a>(members: &'a [PoolMember], rng: &mut impl Rng) -> Vec<&'a Pool
     priorities.dedup();
     let mut order = Vec::with_capacity(members.len());
     for priority in priorities {
-        let mut group: Vec<&PoolMember> =
-            members.iter().filter(|m| m.priority == priority).collect();
+        let mut group: Vec<&PoolMember> = members.iter().filter(|m| m.priority == priority).collect();
         while !group.is_empty() {
             let total: u64 = group.iter().map(|m| u64::from(m.weight.max(1))).sum();
             let mut pick = rng.random_range(0..total);

@@ -18,10 +18,7 @@ use crate::secret::{SecretError, SecretSource};
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
     #[error("backend `{backend}`: {source}")]
-    Secret {
-        backend: BackendId,
-        source: SecretError,
-    },
+    Secret { backend: BackendId, source: SecretError },
     #[error("backend `{backend}`: the credential is not a valid header value")]
     BadCredential { backend: BackendId },
     #[error("backend `{backend}`: TLS: {detail}")]
@@ -57,11 +54,7 @@ pub struct UpstreamClient {
 
 impl UpstreamClient {
     /// POSTs a JSON body to `{url}{path}` and waits for the response head.
-    pub async fn post_json(
-        &self,
-        path: &str,
-        body: Vec<u8>,
-    ) -> Result<reqwest::Response, CallError> {
+    pub async fn post_json(&self, path: &str, body: Vec<u8>) -> Result<reqwest::Response, CallError> {
         let mut request = self
             .http
             .post(format!("{}{}", self.base, path))
@@ -71,16 +64,12 @@ impl UpstreamClient {
             Credential::None => {}
             Credential::Header(name, value) => request = request.header(name, value),
             Credential::TokenFile(path) => {
-                let token = tokio::fs::read_to_string(path).await.map_err(|e| {
-                    CallError::Credential(format!("token_file {}: {e}", path.display()))
+                let token = tokio::fs::read_to_string(path)
+                    .await
+                    .map_err(|e| CallError::Credential(format!("token_file {}: {e}", path.display())))?;
+                let mut value = HeaderValue::from_str(&format!("Bearer {}", token.trim())).map_err(|_| {
+                    CallError::Credential(format!("token_file {}: not a valid header value", path.display()))
                 })?;
-                let mut value = HeaderValue::from_str(&format!("Bearer {}", token.trim()))
-                    .map_err(|_| {
-                        CallError::Credential(format!(
-                            "token_file {}: not a valid header value",
-                            path.display()
-                        ))
-                    })?;
                 value.set_sensitive(true);
                 request = request.header(http::header::AUTHORIZATION, value);
             }
@@ -153,8 +142,7 @@ fn tls_client(name: &BackendId, tls: &Tls) -> Result<reqwest::Client, SetupError
         backend: name.clone(),
         detail,
     };
-    let mut pem =
-        std::fs::read(&tls.cert).map_err(|e| err(format!("{}: {e}", tls.cert.display())))?;
+    let mut pem = std::fs::read(&tls.cert).map_err(|e| err(format!("{}: {e}", tls.cert.display())))?;
     pem.extend(std::fs::read(&tls.key).map_err(|e| err(format!("{}: {e}", tls.key.display())))?);
     let identity = reqwest::Identity::from_pem(&pem).map_err(|e| err(e.to_string()))?;
     let mut builder = client_builder().identity(identity);
@@ -166,28 +154,20 @@ fn tls_client(name: &BackendId, tls: &Tls) -> Result<reqwest::Client, SetupError
     builder.build().map_err(|e| err(e.to_string()))
 }
 
-fn credential(
-    name: &BackendId,
-    endpoint: &Endpoint,
-    secrets: &dyn SecretSource,
-) -> Result<Credential, SetupError> {
+fn credential(name: &BackendId, endpoint: &Endpoint, secrets: &dyn SecretSource) -> Result<Credential, SetupError> {
     let sensitive = |value: String| {
         HeaderValue::from_str(&value)
             .map(|mut v| {
                 v.set_sensitive(true);
                 v
             })
-            .map_err(|_| SetupError::BadCredential {
-                backend: name.clone(),
-            })
+            .map_err(|_| SetupError::BadCredential { backend: name.clone() })
     };
     let resolve = |reference| {
-        secrets
-            .resolve(reference)
-            .map_err(|source| SetupError::Secret {
-                backend: name.clone(),
-                source,
-            })
+        secrets.resolve(reference).map_err(|source| SetupError::Secret {
+            backend: name.clone(),
+            source,
+        })
     };
     Ok(match &endpoint.auth {
         Auth::None => Credential::None,
@@ -198,15 +178,9 @@ fn credential(
                 sensitive(format!("Bearer {}", secret.expose()))?,
             )
         }
-        Auth::Header {
-            name: header,
-            secret,
-        } => {
-            let header = HeaderName::from_bytes(header.as_bytes()).map_err(|_| {
-                SetupError::BadCredential {
-                    backend: name.clone(),
-                }
-            })?;
+        Auth::Header { name: header, secret } => {
+            let header = HeaderName::from_bytes(header.as_bytes())
+                .map_err(|_| SetupError::BadCredential { backend: name.clone() })?;
             Credential::Header(header, sensitive(resolve(secret)?.expose().to_owned())?)
         }
         Auth::TokenFile { path } => Credential::TokenFile(path.clone()),

@@ -44,10 +44,7 @@ pub struct RecordedRequest {
 impl RecordedRequest {
     /// The first value of a header, by its lower-case name.
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| v.as_str())
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
     }
 }
 
@@ -74,9 +71,7 @@ impl FakeModel {
         tokio::spawn(async move {
             let stop = async move { stopping.wait_for_shutdown().await };
             // Serving only ends on shutdown, when nobody is left to tell.
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(stop)
-                .await;
+            let _ = axum::serve(listener, app).with_graceful_shutdown(stop).await;
         });
         Ok(FakeModel { addr, shared })
     }

@@ -77,11 +77,7 @@ impl Reply {
             .min();
         match limit {
             Some(limit) if limit < words(&content) => Reply {
-                content: content
-                    .split_whitespace()
-                    .take(limit)
-                    .collect::<Vec<_>>()
-                    .join(" "),
+                content: content.split_whitespace().take(limit).collect::<Vec<_>>().join(" "),
                 finish_reason: "length",
                 prompt_tokens,
                 completion_tokens: limit,
@@ -136,12 +132,7 @@ pub(crate) fn completion(meta: &Meta, reply: &Reply, with_usage: bool) -> Value 
 /// `content_chunks` content chunks, the finish chunk and, if `with_usage`, the
 /// usage chunk (`choices: []`). Like OpenAI, when usage is on every other
 /// chunk carries `"usage": null`. `[DONE]` is the transport's business.
-pub(crate) fn stream_chunks(
-    meta: &Meta,
-    reply: &Reply,
-    content_chunks: usize,
-    with_usage: bool,
-) -> Vec<Value> {
+pub(crate) fn stream_chunks(meta: &Meta, reply: &Reply, content_chunks: usize, with_usage: bool) -> Vec<Value> {
     let chunk = |delta: Value, finish_reason: Option<&str>| {
         let mut chunk = json!({
             "id": meta.id,
@@ -179,10 +170,7 @@ pub(crate) fn stream_chunks(
 /// `input` is not a string, a token array, or a non-empty array of either.
 pub(crate) fn embedding_inputs(input: &Value) -> Option<Vec<(String, usize)>> {
     let tokens = |items: &[Value]| -> Option<(String, usize)> {
-        let ids: Option<Vec<String>> = items
-            .iter()
-            .map(|t| t.as_u64().map(|t| t.to_string()))
-            .collect();
+        let ids: Option<Vec<String>> = items.iter().map(|t| t.as_u64().map(|t| t.to_string())).collect();
         ids.map(|ids| (ids.join(" "), ids.len()))
     };
     match input {
@@ -206,9 +194,7 @@ pub(crate) fn embeddings(model: &str, inputs: &[(String, usize)]) -> Value {
     let data: Vec<Value> = inputs
         .iter()
         .enumerate()
-        .map(|(index, (text, _))| {
-            json!({"object": "embedding", "index": index, "embedding": embedding_of(text)})
-        })
+        .map(|(index, (text, _))| json!({"object": "embedding", "index": index, "embedding": embedding_of(text)}))
         .collect();
     let tokens: usize = inputs.iter().map(|(_, n)| n).sum();
     json!({
@@ -221,8 +207,7 @@ pub(crate) fn embeddings(model: &str, inputs: &[(String, usize)]) -> Value {
 
 /// The `GET /v1/models` list.
 pub(crate) fn models() -> Value {
-    let model =
-        |id: &str| json!({"id": id, "object": "model", "created": 0, "owned_by": "fake-model"});
+    let model = |id: &str| json!({"id": id, "object": "model", "created": 0, "owned_by": "fake-model"});
     json!({"object": "list", "data": [model("fake-chat"), model("fake-embed")]})
 }
 
@@ -272,11 +257,7 @@ fn words(text: &str) -> usize {
 fn split_in(text: &str, n: usize) -> Vec<String> {
     let chars: Vec<char> = text.chars().collect();
     (0..n)
-        .map(|i| {
-            chars[i * chars.len() / n..(i + 1) * chars.len() / n]
-                .iter()
-                .collect()
-        })
+        .map(|i| chars[i * chars.len() / n..(i + 1) * chars.len() / n].iter().collect())
         .collect()
 }
 
@@ -308,15 +289,9 @@ mod tests {
 
     #[test]
     fn embedding_inputs_accept_the_openai_forms() {
-        assert_eq!(
-            embedding_inputs(&json!("a b")).unwrap(),
-            vec![("a b".into(), 2)]
-        );
+        assert_eq!(embedding_inputs(&json!("a b")).unwrap(), vec![("a b".into(), 2)]);
         assert_eq!(embedding_inputs(&json!(["a", "b c"])).unwrap().len(), 2);
-        assert_eq!(
-            embedding_inputs(&json!([1, 2, 3])).unwrap(),
-            vec![("1 2 3".into(), 3)]
-        );
+        assert_eq!(embedding_inputs(&json!([1, 2, 3])).unwrap(), vec![("1 2 3".into(), 3)]);
         assert_eq!(embedding_inputs(&json!([[1], [2, 3]])).unwrap()[1].1, 2);
         assert!(embedding_inputs(&json!([])).is_none());
         assert!(embedding_inputs(&json!(42)).is_none());

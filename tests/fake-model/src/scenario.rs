@@ -71,12 +71,7 @@ impl fmt::Display for Scenario {
         let items: Vec<String> = numbers
             .into_iter()
             .filter_map(|(key, value)| value.map(|v| format!("{key}={v}")))
-            .chain(
-                flags
-                    .into_iter()
-                    .filter(|(_, on)| *on)
-                    .map(|(key, _)| key.to_owned()),
-            )
+            .chain(flags.into_iter().filter(|(_, on)| *on).map(|(key, _)| key.to_owned()))
             .collect();
         f.write_str(&items.join(","))
     }
@@ -183,7 +178,8 @@ mod tests {
 
     #[test]
     fn parses_the_documented_example() {
-        let text = "status=503,delay_ms=100,chunk_delay_ms=50,cut_after=2,no_usage,hang,retry_after=7,garbage,chunks=10";
+        let text =
+            "status=503,delay_ms=100,chunk_delay_ms=50,cut_after=2,no_usage,hang,retry_after=7,garbage,chunks=10";
         assert_eq!(text.parse::<Scenario>().unwrap(), everything());
     }
 
@@ -204,14 +200,8 @@ mod tests {
             "status".parse::<Scenario>(),
             Err(ScenarioError::MissingValue("status".into()))
         );
-        assert_eq!(
-            "status=42".parse::<Scenario>(),
-            Err(invalid("status", "42"))
-        );
-        assert_eq!(
-            "delay_ms=soon".parse::<Scenario>(),
-            Err(invalid("delay_ms", "soon"))
-        );
+        assert_eq!("status=42".parse::<Scenario>(), Err(invalid("status", "42")));
+        assert_eq!("delay_ms=soon".parse::<Scenario>(), Err(invalid("delay_ms", "soon")));
         assert_eq!("hang=yes".parse::<Scenario>(), Err(invalid("hang", "yes")));
     }
 }

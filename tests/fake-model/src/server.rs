@@ -100,9 +100,7 @@ pub(crate) async fn handle(
     };
     let mut response = respond(&shared, &scenario, &method, path, json).await;
     if let Some(seconds) = scenario.retry_after {
-        response
-            .headers_mut()
-            .insert(RETRY_AFTER, HeaderValue::from(seconds));
+        response.headers_mut().insert(RETRY_AFTER, HeaderValue::from(seconds));
     }
     response
 }
@@ -117,18 +115,11 @@ fn split_scenario(path: &str) -> (Result<Scenario, ScenarioError>, &str) {
     (encoded.parse(), if inner.is_empty() { "/" } else { inner })
 }
 
-async fn respond(
-    shared: &Shared,
-    scenario: &Scenario,
-    method: &Method,
-    path: &str,
-    body: Option<Value>,
-) -> Response {
+async fn respond(shared: &Shared, scenario: &Scenario, method: &Method, path: &str, body: Option<Value>) -> Response {
     if scenario.hang {
         shared.wait_for_shutdown().await;
         let message = "fake-model shut down while hanging";
-        return ApiError::fake(StatusCode::SERVICE_UNAVAILABLE, message, "shutdown")
-            .into_response();
+        return ApiError::fake(StatusCode::SERVICE_UNAVAILABLE, message, "shutdown").into_response();
     }
     if let Some(ms) = scenario.delay_ms {
         tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -150,18 +141,12 @@ async fn respond(
         ("GET", "/v1/models") => Json(openai::models()).into_response(),
         (_, "/v1/chat/completions" | "/v1/embeddings" | "/v1/models") => ApiError {
             status: StatusCode::METHOD_NOT_ALLOWED,
-            ..ApiError::invalid(
-                "method_not_allowed",
-                format!("{method} is not allowed on {path}"),
-            )
+            ..ApiError::invalid("method_not_allowed", format!("{method} is not allowed on {path}"))
         }
         .into_response(),
         _ => ApiError {
             status: StatusCode::NOT_FOUND,
-            ..ApiError::invalid(
-                "not_found",
-                format!("fake-model has no route {method} {path}"),
-            )
+            ..ApiError::invalid("not_found", format!("fake-model has no route {method} {path}"))
         }
         .into_response(),
     };
@@ -178,13 +163,8 @@ fn chat(shared: &Shared, scenario: &Scenario, body: Option<Value>) -> Result<Res
     let model = request.model.clone().ok_or_else(ApiError::missing_model)?;
     let reply = Reply::for_request(&request);
     let meta = Meta {
-        id: format!(
-            "chatcmpl-fake-{}",
-            shared.next_id.fetch_add(1, Ordering::Relaxed)
-        ),
-        created: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
+        id: format!("chatcmpl-fake-{}", shared.next_id.fetch_add(1, Ordering::Relaxed)),
+        created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         model,
     };
     if !request.wants_stream() {
@@ -225,34 +205,24 @@ fn stream(chunks: Vec<Value>, scenario: &Scenario) -> Response {
             let _ = tx.send(Err(abort)).await;
         }
     });
-    let headers = [
-        (CONTENT_TYPE, "text/event-stream"),
-        (CACHE_CONTROL, "no-cache"),
-    ];
+    let headers = [(CONTENT_TYPE, "text/event-stream"), (CACHE_CONTROL, "no-cache")];
     (headers, Body::from_stream(ReceiverStream::new(rx))).into_response()
 }
 
 fn embeddings(body: Option<Value>) -> Result<Response, ApiError> {
     let request: Value = parse(body)?;
-    let model = request["model"]
-        .as_str()
-        .ok_or_else(ApiError::missing_model)?;
+    let model = request["model"].as_str().ok_or_else(ApiError::missing_model)?;
     let inputs = openai::embedding_inputs(&request["input"]).ok_or_else(|| ApiError {
         param: Some("input"),
-        ..ApiError::invalid(
-            "invalid_request",
-            "input must be a string, strings, or token arrays",
-        )
+        ..ApiError::invalid("invalid_request", "input must be a string, strings, or token arrays")
     })?;
     Ok(Json(openai::embeddings(model, &inputs)).into_response())
 }
 
 /// Deserialize a JSON body (`None` when it was not JSON at all).
 fn parse<T: serde::de::DeserializeOwned>(body: Option<Value>) -> Result<T, ApiError> {
-    let body = body
-        .ok_or_else(|| ApiError::invalid("invalid_json", "the request body is not valid JSON"))?;
-    serde_json::from_value(body)
-        .map_err(|e| ApiError::invalid("invalid_request", format!("invalid request: {e}")))
+    let body = body.ok_or_else(|| ApiError::invalid("invalid_json", "the request body is not valid JSON"))?;
+    serde_json::from_value(body).map_err(|e| ApiError::invalid("invalid_request", format!("invalid request: {e}")))
 }
 
 /// A refusal, rendered as the OpenAI error envelope with its status.
@@ -280,10 +250,7 @@ impl ApiError {
     fn missing_model() -> ApiError {
         ApiError {
             param: Some("model"),
-            ..ApiError::invalid(
-                "missing_required_parameter",
-                "you must provide a model parameter",
-            )
+            ..ApiError::invalid("missing_required_parameter", "you must provide a model parameter")
         }
     }
 

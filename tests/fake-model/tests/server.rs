@@ -117,10 +117,7 @@ async fn max_tokens_cuts_the_reply_with_finish_reason_length() {
             .json()
             .await
             .unwrap();
-        assert_eq!(
-            body["choices"][0]["message"]["content"],
-            "Hello from fake-model!"
-        );
+        assert_eq!(body["choices"][0]["message"]["content"], "Hello from fake-model!");
         assert_eq!(body["choices"][0]["finish_reason"], "length");
         assert_eq!(body["usage"]["completion_tokens"], 3);
     }
@@ -155,15 +152,8 @@ async fn stream_sends_role_content_and_finish_chunks_then_done() {
 
     assert_eq!(events.len(), 1 + 5 + 1 + 1, "{events:#?}");
     assert_eq!(events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..7]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
-    assert!(
-        chunks
-            .iter()
-            .all(|c| c["object"] == "chat.completion.chunk")
-    );
+    let chunks: Vec<Value> = events[..7].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
     assert!(
         chunks
             .iter()
@@ -215,10 +205,7 @@ async fn no_usage_suppresses_usage_streamed_or_not() {
     });
     let asked = streamed(json!({"stream_options": {"include_usage": true}}));
     let events = stream_events(&url, &asked).await;
-    assert!(
-        events.iter().all(|e| !e.contains("total_tokens")),
-        "{events:#?}"
-    );
+    assert!(events.iter().all(|e| !e.contains("total_tokens")), "{events:#?}");
     assert_eq!(events.last().unwrap(), "[DONE]");
 
     let body: Value = post(&url, "/chat/completions", &chat_body("hi"))
@@ -237,12 +224,7 @@ async fn stream_chunks_are_paced_by_chunk_delay() {
         chunks: Some(3),
         ..Default::default()
     };
-    let response = post(
-        &fake.scenario_url(&scenario),
-        "/chat/completions",
-        &streamed(json!({})),
-    )
-    .await;
+    let response = post(&fake.scenario_url(&scenario), "/chat/completions", &streamed(json!({}))).await;
 
     let mut arrivals = Vec::new();
     let mut body = Vec::new();
@@ -258,10 +240,7 @@ async fn stream_chunks_are_paced_by_chunk_delay() {
         "first frame came {:?} before the end",
         end - arrivals[0]
     );
-    assert_eq!(
-        sse_data(&String::from_utf8(body).unwrap()).len(),
-        1 + 3 + 1 + 1
-    );
+    assert_eq!(sse_data(&String::from_utf8(body).unwrap()).len(), 1 + 3 + 1 + 1);
 }
 
 #[tokio::test]
@@ -271,12 +250,7 @@ async fn cut_after_aborts_the_stream_without_done() {
         cut_after: Some(2),
         ..Default::default()
     };
-    let response = post(
-        &fake.scenario_url(&scenario),
-        "/chat/completions",
-        &streamed(json!({})),
-    )
-    .await;
+    let response = post(&fake.scenario_url(&scenario), "/chat/completions", &streamed(json!({}))).await;
     assert_eq!(response.status(), 200);
 
     let mut body = Vec::new();
@@ -381,19 +355,12 @@ async fn hang_never_answers_but_other_requests_proceed() {
         .send();
     let meanwhile = async {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        reqwest::get(format!("{}/models", fake.url()))
-            .await
-            .unwrap()
-            .status()
+        reqwest::get(format!("{}/models", fake.url())).await.unwrap().status()
     };
     let (hung, other) = tokio::join!(hanging, meanwhile);
     assert!(hung.unwrap_err().is_timeout());
     assert_eq!(other, 200);
-    assert_eq!(
-        fake.request_count(),
-        2,
-        "the hanging request is recorded all the same"
-    );
+    assert_eq!(fake.request_count(), 2, "the hanging request is recorded all the same");
 }
 
 #[tokio::test]
@@ -422,10 +389,7 @@ async fn embeddings_are_deterministic_per_input() {
 
     assert_eq!(body["object"], "list");
     assert_eq!(body["model"], "fake-embed");
-    assert_eq!(
-        body["usage"],
-        json!({"prompt_tokens": 7, "total_tokens": 7})
-    );
+    assert_eq!(body["usage"], json!({"prompt_tokens": 7, "total_tokens": 7}));
     let data = body["data"].as_array().unwrap();
     assert_eq!(data.len(), 3);
     assert_eq!(data[1]["object"], "embedding");
@@ -434,23 +398,14 @@ async fn embeddings_are_deterministic_per_input() {
     assert_eq!(data[0]["embedding"], data[2]["embedding"]);
     assert_ne!(data[0]["embedding"], data[1]["embedding"]);
 
-    let single: Value = post(
-        &fake.url(),
-        "/embeddings",
-        &json!({"model": "m", "input": "other"}),
-    )
-    .await
-    .json()
-    .await
-    .unwrap();
+    let single: Value = post(&fake.url(), "/embeddings", &json!({"model": "m", "input": "other"}))
+        .await
+        .json()
+        .await
+        .unwrap();
     assert_eq!(single["data"][0]["embedding"], data[1]["embedding"]);
 
-    let response = post(
-        &fake.url(),
-        "/embeddings",
-        &json!({"model": "m", "input": 3}),
-    )
-    .await;
+    let response = post(&fake.url(), "/embeddings", &json!({"model": "m", "input": 3})).await;
     assert_eq!(response.status(), 400);
 }
 
@@ -495,20 +450,13 @@ async fn records_every_request_in_order_with_headers() {
         .await
         .unwrap();
     assert_eq!(response.status(), 500);
-    client
-        .get(format!("{}/models", fake.url()))
-        .send()
-        .await
-        .unwrap();
+    client.get(format!("{}/models", fake.url())).send().await.unwrap();
 
     let recorded = fake.requests();
     assert_eq!(fake.request_count(), 3);
     assert_eq!(recorded[0].method, "POST");
     assert_eq!(recorded[0].path, "/v1/chat/completions");
-    assert_eq!(
-        recorded[0].header("authorization"),
-        Some("Bearer sk-backend")
-    );
+    assert_eq!(recorded[0].header("authorization"), Some("Bearer sk-backend"));
     assert_eq!(recorded[0].header("x-custom"), Some("Value"));
     assert_eq!(recorded[0].body, chat_body("hi"));
     assert_eq!(
@@ -525,9 +473,7 @@ async fn unknown_routes_and_scenarios_are_refused() {
     let fake = FakeModel::start().await.unwrap();
     let response = reqwest::get(format!("{}/nope", fake.url())).await.unwrap();
     assert_eq!(response.status(), 404);
-    let response = reqwest::get(format!("{}/chat/completions", fake.url()))
-        .await
-        .unwrap();
+    let response = reqwest::get(format!("{}/chat/completions", fake.url())).await.unwrap();
     assert_eq!(response.status(), 405);
 
     let base = fake.url().replace("/v1", "/s/stauts=500/v1");

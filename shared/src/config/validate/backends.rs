@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::super::raw::{
-    RawAuth, RawAuthKind, RawBackend, RawBackendKind, RawBreaker, RawCapability,
-    RawIdentityHeaders, RawMetering, RawPoolMember, RawPrice, RawTls,
+    RawAuth, RawAuthKind, RawBackend, RawBackendKind, RawBreaker, RawCapability, RawIdentityHeaders, RawMetering,
+    RawPoolMember, RawPrice, RawTls,
 };
 use super::super::values::{base_url, fraction_ppm, micro_eur, readable_file, status_range};
 use super::super::*;
@@ -18,11 +18,7 @@ use super::{Catalog, Checker, Summary, capability};
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
-const HTTP_KINDS: &[RawBackendKind] = &[
-    RawBackendKind::Openai,
-    RawBackendKind::Anthropic,
-    RawBackendKind::Relay,
-];
+const HTTP_KINDS: &[RawBackendKind] = &[RawBackendKind::Openai, RawBackendKind::Anthropic, RawBackendKind::Relay];
 const ROUTABLE_KINDS: &[RawBackendKind] = &[
     RawBackendKind::Openai,
     RawBackendKind::Anthropic,
@@ -37,20 +33,11 @@ const ENDPOINT_KINDS: &[RawBackendKind] = &[
 ];
 
 fn kind_list(kinds: &[RawBackendKind]) -> String {
-    kinds
-        .iter()
-        .map(|k| k.name())
-        .collect::<Vec<_>>()
-        .join(", ")
+    kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")
 }
 
 impl Checker<'_> {
-    pub(super) fn backend(
-        &mut self,
-        name: &str,
-        raw: RawBackend,
-        catalog: &Catalog,
-    ) -> Option<Backend> {
+    pub(super) fn backend(&mut self, name: &str, raw: RawBackend, catalog: &Catalog) -> Option<Backend> {
         let path = format!("ai.backends.{name}");
         let kind = raw.kind.unwrap_or(RawBackendKind::Openai);
         self.refuse_foreign_keys(&path, kind, &raw);
@@ -112,11 +99,7 @@ impl Checker<'_> {
             );
         }
         let fallback = self.fallback(&format!("{path}.fallback"), name, fallback, catalog);
-        let timeout = self.duration(
-            &format!("{path}.timeout"),
-            timeout.as_ref(),
-            DEFAULT_TIMEOUT,
-        );
+        let timeout = self.duration(&format!("{path}.timeout"), timeout.as_ref(), DEFAULT_TIMEOUT);
         let circuit_breaker = self.breaker(&format!("{path}.circuit_breaker"), circuit_breaker);
 
         Some(Backend {
@@ -171,13 +154,7 @@ impl Checker<'_> {
     }
 
     /// The price of an endpoint; pools and gRPC backends are priced elsewhere.
-    fn backend_price(
-        &mut self,
-        path: &str,
-        name: &str,
-        kind: RawBackendKind,
-        price: Option<RawPrice>,
-    ) -> Price {
+    fn backend_price(&mut self, path: &str, name: &str, kind: RawBackendKind, price: Option<RawPrice>) -> Price {
         let price_path = format!("{path}.price");
         match (kind, price) {
             (RawBackendKind::Pool, Some(_)) => {
@@ -228,11 +205,7 @@ impl Checker<'_> {
                 raw.identity_headers.is_some(),
                 &[RawBackendKind::Relay],
             ),
-            (
-                "descriptor_set",
-                raw.descriptor_set.is_some(),
-                &[RawBackendKind::Grpc],
-            ),
+            ("descriptor_set", raw.descriptor_set.is_some(), &[RawBackendKind::Grpc]),
         ];
         let here = kind.a_backend();
         for (key, present, kinds) in keys {
@@ -257,13 +230,7 @@ impl Checker<'_> {
         }
     }
 
-    fn fallback(
-        &mut self,
-        path: &str,
-        name: &str,
-        raw: Option<Vec<String>>,
-        catalog: &Catalog,
-    ) -> Vec<BackendId> {
+    fn fallback(&mut self, path: &str, name: &str, raw: Option<Vec<String>>, catalog: &Catalog) -> Vec<BackendId> {
         let mut fallback: Vec<BackendId> = Vec::new();
         for (i, target) in raw.unwrap_or_default().into_iter().enumerate() {
             let item = format!("{path}[{i}]");
@@ -271,9 +238,7 @@ impl Checker<'_> {
                 self.error(item, format!("backend {name} cannot fall back to itself"));
             } else if fallback.iter().any(|f| f.as_str() == target) {
                 self.error(item, format!("`{target}` is listed twice"));
-            } else if let Some((id, _)) =
-                self.route_target(&item, &target, catalog, "a fallback target")
-            {
+            } else if let Some((id, _)) = self.route_target(&item, &target, catalog, "a fallback target") {
                 fallback.push(id);
             }
         }
@@ -302,10 +267,7 @@ impl Checker<'_> {
                 defaults.trigger.clone()
             }
             (_, None, Some(_)) => {
-                self.error(
-                    key("min_requests"),
-                    "goes with `failure_ratio`, which is missing",
-                );
+                self.error(key("min_requests"), "goes with `failure_ratio`, which is missing");
                 defaults.trigger.clone()
             }
             (None, Some(_), None) => {
@@ -346,9 +308,7 @@ impl Checker<'_> {
             interval,
             trip,
             status,
-            accept_retry_after: raw
-                .accept_retry_after
-                .unwrap_or(defaults.accept_retry_after),
+            accept_retry_after: raw.accept_retry_after.unwrap_or(defaults.accept_retry_after),
         }
     }
 
@@ -377,12 +337,7 @@ impl Checker<'_> {
         Some(parsed.with_scheme(&scheme))
     }
 
-    fn endpoint(
-        &mut self,
-        path: &str,
-        kind: RawBackendKind,
-        keys: EndpointKeys,
-    ) -> Option<Endpoint> {
+    fn endpoint(&mut self, path: &str, kind: RawBackendKind, keys: EndpointKeys) -> Option<Endpoint> {
         let EndpointKeys {
             url,
             auth,
@@ -417,11 +372,7 @@ impl Checker<'_> {
         else {
             return Some(Auth::None);
         };
-        let kind = self.required(
-            &format!("{path}.type"),
-            kind,
-            "(none | bearer | header | token_file)",
-        )?;
+        let kind = self.required(&format!("{path}.type"), kind, "(none | bearer | header | token_file)")?;
         let here = format!("auth type {}", kind.name());
         let (needs_secret, needs_name, needs_path) = match kind {
             RawAuthKind::None => (false, false, false),
@@ -436,20 +387,8 @@ impl Checker<'_> {
             &here,
             "types bearer and header",
         );
-        self.refuse(
-            path,
-            "name",
-            name.is_some() && !needs_name,
-            &here,
-            "type header",
-        );
-        self.refuse(
-            path,
-            "path",
-            file.is_some() && !needs_path,
-            &here,
-            "type token_file",
-        );
+        self.refuse(path, "name", name.is_some() && !needs_name, &here, "type header");
+        self.refuse(path, "path", file.is_some() && !needs_path, &here, "type token_file");
 
         let with = format!("(with auth type {})", kind.name());
         match kind {
@@ -486,16 +425,10 @@ impl Checker<'_> {
         let mut file = |key: &str, value: Option<String>, required: &str| {
             let key_path = format!("{path}.{key}");
             let value = self.required(&key_path, value, required)?;
-            readable_file(&value)
-                .map_err(|m| self.error(&key_path, m))
-                .ok()?;
+            readable_file(&value).map_err(|m| self.error(&key_path, m)).ok()?;
             Some(PathBuf::from(value))
         };
-        let cert = file(
-            "cert",
-            raw.cert,
-            "(the client certificate goes with its key)",
-        );
+        let cert = file("cert", raw.cert, "(the client certificate goes with its key)");
         let key = file("key", raw.key, "(the client key goes with its certificate)");
         let ca = match raw.ca {
             Some(ca) => Some(file("ca", Some(ca), "(a CA bundle)")?),
@@ -508,11 +441,7 @@ impl Checker<'_> {
         })
     }
 
-    fn identity_headers(
-        &mut self,
-        path: &str,
-        raw: Option<RawIdentityHeaders>,
-    ) -> Option<IdentityHeaders> {
+    fn identity_headers(&mut self, path: &str, raw: Option<RawIdentityHeaders>) -> Option<IdentityHeaders> {
         let Some(raw) = raw else {
             return Some(IdentityHeaders::default());
         };
@@ -582,10 +511,7 @@ impl Checker<'_> {
     ) -> Option<Vec<PoolMember>> {
         let raw = raw.unwrap_or_default();
         if raw.is_empty() {
-            self.error(
-                format!("{path}.members"),
-                "a pool needs at least one member",
-            );
+            self.error(format!("{path}.members"), "a pool needs at least one member");
             return None;
         }
         let mut members: Vec<PoolMember> = Vec::new();
@@ -602,14 +528,8 @@ impl Checker<'_> {
             let priority = at_least_one(self, "priority", member.priority);
             let weight = at_least_one(self, "weight", member.weight);
             let backend = self
-                .required(
-                    &format!("{item}.backend"),
-                    member.backend,
-                    "(the member backend)",
-                )
-                .and_then(|name| {
-                    self.member(&format!("{item}.backend"), pool, &name, &members, catalog)
-                });
+                .required(&format!("{item}.backend"), member.backend, "(the member backend)")
+                .and_then(|name| self.member(&format!("{item}.backend"), pool, &name, &members, catalog));
             match (backend, priority, weight) {
                 (Some(backend), Some(priority), Some(weight)) => {
                     members.push(PoolMember {
@@ -642,10 +562,7 @@ impl Checker<'_> {
         }
         let (id, summary) = self.route_target(path, name, catalog, "a pool member")?;
         if summary.kind == RawBackendKind::Pool {
-            self.error(
-                path,
-                format!("pools do not nest: `{name}` is itself a pool"),
-            );
+            self.error(path, format!("pools do not nest: `{name}` is itself a pool"));
             return None;
         }
         Some(id)
@@ -663,11 +580,7 @@ impl Checker<'_> {
         let members: Vec<(&str, &Summary)> = members
             .unwrap_or_default()
             .iter()
-            .filter_map(|m| {
-                catalog
-                    .get(m.backend.as_str())
-                    .map(|s| (m.backend.as_str(), s))
-            })
+            .filter_map(|m| catalog.get(m.backend.as_str()).map(|s| (m.backend.as_str(), s)))
             .collect();
         if external == Some(false)
             && let Some((name, _)) = members.iter().find(|(_, s)| s.external)
@@ -682,11 +595,7 @@ impl Checker<'_> {
         }
         for &wanted in declared.unwrap_or_default() {
             let wanted = capability(wanted);
-            if !members.is_empty()
-                && !members
-                    .iter()
-                    .any(|(_, s)| s.capabilities.contains(&wanted))
-            {
+            if !members.is_empty() && !members.iter().any(|(_, s)| s.capabilities.contains(&wanted)) {
                 self.error(
                     format!("{path}.capabilities"),
                     format!("no member of this pool serves {}", wanted.as_str()),

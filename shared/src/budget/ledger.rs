@@ -1,0 +1,124 @@
+//! The ledger's rules, written once over a transactional state.
+//!
+//! The memory store runs them under a mutex, the embedded store inside one database
+//! write transaction: the same code decides in both, so they cannot drift apart. A
+//! function here either returns `Ok` having applied its whole effect, or an error,
+//! and the caller then discards the transaction.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::{CounterKey, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError};
+
+/// Swept reservations are kept this long after their expiry, so that a call that
+/// outlived its reservation can still be settled exactly once.
+pub const SWEPT_RETENTION_SECS: u64 = 86_400;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredReservation {
+    pub lines: Vec<(CounterKey, u64)>,
+    pub expires_at: u64,
+    /// Refunded by the sweeper; a late settlement charges the actual usage.
+    pub swept: bool,
+}
+
+/// What the rules read and write. Implementations are transactional.
+pub trait LedgerState {
+    fn counter(&mut self, key: &CounterKey) -> Result<u64, StoreError>;
+    fn set_counter(&mut self, key: &CounterKey, value: u64) -> Result<(), StoreError>;
+    fn reservation(&mut self, request_id: &str) -> Result<Option<StoredReservation>, StoreError>;
+    fn put_reservation(&mut self, request_id: &str, reservation: &StoredReservation) -> Result<(), StoreError>;
+    fn delete_reservation(&mut self, request_id: &str) -> Result<(), StoreError>;
+    fn all_reservations(&mut self) -> Result<Vec<(String, StoredReservation)>, StoreError>;
+}
+
+pub fn reserve(state: &mut impl LedgerState, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
+    if state.reservation(&request.request_id)?.is_some() {
+        return Ok(ReserveOutcome::Reserved);
+    }
+    // Lines naming the same counter add up before the limit is checked.
+    let mut totals: BTreeMap<&CounterKey, (u64, Option<u64>, usize)> = BTreeMap::new();
+    for (index, line) in request.lines.iter().enumerate() {
+        let entry = totals.entry(&line.key).or_insert((0, line.limit, index));
+        entry.0 = entry.0.saturating_add(line.amount);
+        entry.1 = match (entry.1, line.limit) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+    let mut next = Vec::with_capacity(totals.len());
+    for (key, (amount, limit, index)) in totals {
+        let value = state.counter(key)?.saturating_add(amount);
+        if limit.is_some_and(|limit| value > limit) {
+            return Ok(ReserveOutcome::Refused { line: index });
+        }
+        next.push((key, value));
+    }
+    for (key, value) in next {
+        state.set_counter(key, value)?;
+    }
+    let reservation = StoredReservation {
+        lines: request.lines.iter().map(|l| (l.key.clone(), l.amount)).collect(),
+        expires_at: request.expires_at,
+        swept: false,
+    };
+    state.put_reservation(&request.request_id, &reservation)?;
+    Ok(ReserveOutcome::Reserved)
+}
+
+pub fn settle(
+    state: &mut impl LedgerState,
+    request_id: &str,
+    actual: &[(CounterKey, u64)],
+) -> Result<SettleOutcome, StoreError> {
+    let Some(reservation) = state.reservation(request_id)? else {
+        return Ok(SettleOutcome::Unknown);
+    };
+    let mut deltas: BTreeMap<&CounterKey, (u64, u64)> = BTreeMap::new();
+    if !reservation.swept {
+        for (key, reserved) in &reservation.lines {
+            deltas.entry(key).or_default().1 += reserved;
+        }
+    }
+    for (key, amount) in actual {
+        deltas.entry(key).or_default().0 += amount;
+    }
+    for (key, (add, remove)) in deltas {
+        let value = state.counter(key)?;
+        state.set_counter(key, value.saturating_add(add).saturating_sub(remove))?;
+    }
+    state.delete_reservation(request_id)?;
+    Ok(if reservation.swept {
+        SettleOutcome::ChargedAfterSweep
+    } else {
+        SettleOutcome::Settled
+    })
+}
+
+pub fn sweep(state: &mut impl LedgerState, now: u64) -> Result<usize, StoreError> {
+    let mut refunded = 0;
+    for (request_id, mut reservation) in state.all_reservations()? {
+        if reservation.swept {
+            if reservation.expires_at.saturating_add(SWEPT_RETENTION_SECS) < now {
+                state.delete_reservation(&request_id)?;
+            }
+            continue;
+        }
+        if reservation.expires_at >= now {
+            continue;
+        }
+        for (key, reserved) in &reservation.lines {
+            let value = state.counter(key)?;
+            state.set_counter(key, value.saturating_sub(*reserved))?;
+        }
+        reservation.swept = true;
+        state.put_reservation(&request_id, &reservation)?;
+        refunded += 1;
+    }
+    Ok(refunded)
+}
+
+pub fn live_reservations(state: &mut impl LedgerState) -> Result<usize, StoreError> {
+    Ok(state.all_reservations()?.iter().filter(|(_, r)| !r.swept).count())
+}

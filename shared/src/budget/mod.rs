@@ -1,0 +1,133 @@
+//! Budgets that hold (SPEC §6): counters, reservations, and the `BudgetStore` port.
+//!
+//! Every call reserves an upper bound of its cost before the upstream call, in one
+//! atomic operation across every counter that applies (tenant and agent; tokens per
+//! day, tokens per month, micro-euros per month), and settles afterwards: the real
+//! usage replaces the reservation, or the reservation is refunded in full. Invariants:
+//! - a reservation is all or nothing: no counter moves unless every limit holds;
+//! - reserving twice with one request id reserves once;
+//! - a reservation is settled at most once: settle, refund and sweep exclude each
+//!   other (a late settlement of a swept reservation charges the real usage and
+//!   nothing else, so the ledger still equals the sum of settled usage);
+//! - limits come from the config and enter each write as its condition; the store
+//!   only counts.
+
+pub mod conformance;
+pub mod embedded;
+pub mod ledger;
+pub mod memory;
+pub mod period;
+pub mod plan;
+pub mod ticket;
+
+use serde::{Deserialize, Serialize};
+
+pub use embedded::EmbeddedBudgetStore;
+pub use ledger::{LedgerState, StoredReservation};
+pub use memory::MemoryBudgetStore;
+pub use period::Period;
+pub use ticket::Ticket;
+
+/// Names one counter: `acme/*/tokens/day/2026-11-29`, `acme/bot/eur/month/2026-11`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct CounterKey(pub String);
+
+impl CounterKey {
+    pub fn new(tenant: &str, agent: Option<&str>, unit: Unit, period: Period, now: u64) -> Self {
+        CounterKey(format!(
+            "{tenant}/{}/{}/{}/{}",
+            agent.unwrap_or("*"),
+            unit.as_str(),
+            period.as_str(),
+            period.stamp(now)
+        ))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unit {
+    Tokens,
+    /// Micro-euros.
+    MicroEur,
+}
+
+impl Unit {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Unit::Tokens => "tokens",
+            Unit::MicroEur => "eur",
+        }
+    }
+}
+
+/// One counter's part of a reservation: the amount, and the limit it must stay under.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Line {
+    pub key: CounterKey,
+    pub amount: u64,
+    /// `None`: counted, never refused.
+    pub limit: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReserveRequest {
+    pub request_id: String,
+    pub lines: Vec<Line>,
+    /// Unix seconds after which the sweeper refunds the reservation.
+    pub expires_at: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReserveOutcome {
+    Reserved,
+    /// The line (index into `lines`) whose limit refused; nothing was written.
+    Refused {
+        line: usize,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettleOutcome {
+    /// The reservation was replaced by the actual amounts.
+    Settled,
+    /// The sweeper had refunded it; the actual amounts were charged instead.
+    ChargedAfterSweep,
+    /// No such reservation: already settled (or never made). Nothing was written.
+    Unknown,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("budget store: {0}")]
+    Backend(String),
+    #[error("budget store: corrupt record {key}: {detail}")]
+    Corrupt { key: String, detail: String },
+}
+
+/// The ledger. Implementations: `MemoryBudgetStore` (tests), `EmbeddedBudgetStore`
+/// (local default, durable), `DynamoDbBudgetStore` (serverless). All pass
+/// `conformance::run_all`.
+#[async_trait::async_trait]
+pub trait BudgetStore: Send + Sync {
+    /// Atomically adds every line's amount, or nothing if any limit would be passed.
+    /// Idempotent on `request_id`.
+    async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError>;
+
+    /// Replaces the reservation by `actual` (per counter key; a key absent from
+    /// `actual` settles at 0, so `&[]` is a full refund).
+    async fn settle(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<SettleOutcome, StoreError>;
+
+    /// Refunds every live reservation whose expiry is before `now`; returns how many.
+    async fn sweep(&self, now: u64) -> Result<usize, StoreError>;
+
+    /// Current values of the counters (0 for a counter never written).
+    async fn used(&self, keys: &[CounterKey]) -> Result<Vec<u64>, StoreError>;
+
+    /// Live (unsettled, unswept) reservations: for tests, metrics and operators.
+    async fn live_reservations(&self) -> Result<usize, StoreError>;
+}

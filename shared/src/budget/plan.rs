@@ -1,0 +1,292 @@
+//! What a call reserves, and what it settles: the arithmetic of SPEC §6, pure.
+//!
+//! The prompt estimate is an upper bound: every token of a byte-level BPE vocabulary
+//! covers at least one byte of text, so a prompt of N UTF-8 bytes is at most N tokens;
+//! each message adds at most 4 framing tokens, the reply priming 3, each image is
+//! reserved at 2,048 tokens. When the backend reports no usage (a stream without its
+//! usage chunk), settlement uses a typical estimate instead (4 bytes a token), marked
+//! `estimated`: a bound would overcharge by about four times.
+
+use crate::config::{Budgets, Config, Price, TenantId};
+use crate::money::MicroEur;
+use crate::protocol::openai::Usage;
+
+use super::{CounterKey, Line, Period, Unit};
+
+pub const TOKENS_PER_IMAGE: u64 = 2048;
+const FRAMING_TOKENS_PER_MESSAGE: u64 = 4;
+const REPLY_PRIMING_TOKENS: u64 = 3;
+
+/// Upper bound of a prompt's tokens.
+pub fn prompt_upper_bound(text_bytes: u64, messages: u64, images: u64) -> u64 {
+    text_bytes + FRAMING_TOKENS_PER_MESSAGE * messages + REPLY_PRIMING_TOKENS + TOKENS_PER_IMAGE * images
+}
+
+/// Typical token count of relayed text, for usage the backend did not report.
+pub fn typical_tokens(text_bytes: u64) -> u64 {
+    text_bytes.div_ceil(4)
+}
+
+/// Typical token count of a prompt, for usage the backend did not report.
+pub fn prompt_typical(text_bytes: u64, messages: u64, images: u64) -> u64 {
+    typical_tokens(text_bytes)
+        + FRAMING_TOKENS_PER_MESSAGE * messages
+        + REPLY_PRIMING_TOKENS
+        + TOKENS_PER_IMAGE * images
+}
+
+/// Cost of a usage at a price, rounded up to the micro-euro.
+pub fn cost(usage: Usage, price: Price) -> MicroEur {
+    MicroEur::for_tokens(usage.prompt_tokens, price.input_per_mtok)
+        .saturating_add(MicroEur::for_tokens(usage.completion_tokens, price.output_per_mtok))
+}
+
+/// The highest input and output prices among backends that may serve a call.
+pub fn highest_price(prices: impl IntoIterator<Item = Price>) -> Price {
+    prices.into_iter().fold(Price::default(), |acc, p| Price {
+        input_per_mtok: acc.input_per_mtok.max(p.input_per_mtok),
+        output_per_mtok: acc.output_per_mtok.max(p.output_per_mtok),
+    })
+}
+
+/// One budget that applies to a call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Budget {
+    /// For people: `tenant acme tokens_per_day`.
+    pub name: String,
+    pub key: CounterKey,
+    pub unit: Unit,
+    pub limit: Option<u64>,
+    /// Unix seconds when its period resets.
+    pub resets_at: u64,
+}
+
+impl Budget {
+    fn amount(&self, usage: Usage, price: Price) -> u64 {
+        match self.unit {
+            Unit::Tokens => usage.total(),
+            Unit::MicroEur => cost(usage, price).0,
+        }
+    }
+}
+
+/// The tenant's three counters (always counted, limited where the config says), and
+/// the agent's where the agent has budgets of its own.
+pub fn budgets_for(config: &Config, tenant: &TenantId, agent: Option<&str>, now: u64) -> Vec<Budget> {
+    let mut out = Vec::new();
+    let Some(t) = config.tenants.get(tenant) else {
+        return out;
+    };
+    push_scope(&mut out, tenant.as_str(), None, &t.budgets, now);
+    if let Some((name, a)) = agent.and_then(|name| t.agents.get_key_value(name)) {
+        if a.budgets != Budgets::default() {
+            push_scope(&mut out, tenant.as_str(), Some(name.as_str()), &a.budgets, now);
+        }
+    }
+    out
+}
+
+fn push_scope(out: &mut Vec<Budget>, tenant: &str, agent: Option<&str>, budgets: &Budgets, now: u64) {
+    let who = match agent {
+        Some(agent) => format!("agent {tenant}/{agent}"),
+        None => format!("tenant {tenant}"),
+    };
+    let kinds = [
+        ("tokens_per_day", Unit::Tokens, Period::Day, budgets.tokens_per_day),
+        (
+            "tokens_per_month",
+            Unit::Tokens,
+            Period::Month,
+            budgets.tokens_per_month,
+        ),
+        (
+            "eur_per_month",
+            Unit::MicroEur,
+            Period::Month,
+            budgets.eur_per_month.map(|m| m.0),
+        ),
+    ];
+    for (kind, unit, period, limit) in kinds {
+        out.push(Budget {
+            name: format!("{who} {kind}"),
+            key: CounterKey::new(tenant, agent, unit, period, now),
+            unit,
+            limit,
+            resets_at: period.end(now),
+        });
+    }
+}
+
+/// True when any limited budget has used `threshold_ppm` of its limit or more.
+pub fn is_soft(budgets: &[Budget], used: &[u64], threshold_ppm: u32) -> bool {
+    budgets.iter().zip(used).any(|(b, used)| {
+        b.limit
+            .is_some_and(|limit| u128::from(*used) * 1_000_000 >= u128::from(limit) * u128::from(threshold_ppm))
+    })
+}
+
+/// A call's reservation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    pub lines: Vec<Line>,
+    /// The completion allowance reserved (and sent upstream when clamped).
+    pub completion_tokens: u64,
+    pub clamped: bool,
+}
+
+/// Plans the reservation of `prompt` tokens plus `allowance` completion tokens at
+/// `price`. When a budget cannot hold the allowance but still holds the prompt and
+/// `min_completion` tokens, the allowance is clamped to fit; otherwise the index of
+/// the budget that refuses is returned.
+pub fn plan(
+    budgets: &[Budget],
+    used: &[u64],
+    prompt: u64,
+    allowance: u64,
+    min_completion: u64,
+    price: Price,
+) -> Result<Plan, usize> {
+    let mut completion = allowance;
+    for (index, (budget, used)) in budgets.iter().zip(used).enumerate() {
+        let Some(limit) = budget.limit else { continue };
+        let remaining = limit.saturating_sub(*used);
+        let fits = fitting_completion(budget.unit, remaining, prompt, price);
+        if fits < completion {
+            if fits < min_completion.min(allowance) {
+                return Err(index);
+            }
+            completion = fits;
+        }
+    }
+    let usage = Usage {
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+    };
+    let lines = budgets
+        .iter()
+        .map(|b| Line {
+            key: b.key.clone(),
+            amount: b.amount(usage, price),
+            limit: b.limit,
+        })
+        .collect();
+    Ok(Plan {
+        lines,
+        completion_tokens: completion,
+        clamped: completion < allowance,
+    })
+}
+
+/// The most completion tokens that fit in `remaining` after the prompt.
+fn fitting_completion(unit: Unit, remaining: u64, prompt: u64, price: Price) -> u64 {
+    match unit {
+        Unit::Tokens => remaining.saturating_sub(prompt),
+        Unit::MicroEur => {
+            let prompt_cost = MicroEur::for_tokens(prompt, price.input_per_mtok).0;
+            let Some(left) = remaining.checked_sub(prompt_cost) else {
+                return 0;
+            };
+            if price.output_per_mtok.0 == 0 {
+                return u64::MAX;
+            }
+            let tokens = u128::from(left) * 1_000_000 / u128::from(price.output_per_mtok.0);
+            u64::try_from(tokens).unwrap_or(u64::MAX)
+        }
+    }
+}
+
+/// The counters' real amounts for a settled usage at the serving backend's price.
+pub fn actual(budgets: &[Budget], usage: Usage, price: Price) -> Vec<(CounterKey, u64)> {
+    budgets
+        .iter()
+        .map(|b| (b.key.clone(), b.amount(usage, price)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn budget(unit: Unit, limit: Option<u64>) -> Budget {
+        Budget {
+            name: "b".into(),
+            key: CounterKey("k".into()),
+            unit,
+            limit,
+            resets_at: 0,
+        }
+    }
+
+    const PRICE: Price = Price {
+        input_per_mtok: MicroEur(2_000_000),
+        output_per_mtok: MicroEur(8_000_000),
+    };
+
+    #[test]
+    fn prompt_bound_never_undercounts_bytes() {
+        assert_eq!(prompt_upper_bound(100, 2, 1), 100 + 8 + 3 + 2048);
+    }
+
+    #[test]
+    fn reserves_prompt_plus_allowance_in_tokens_and_euros() {
+        let budgets = [budget(Unit::Tokens, Some(10_000)), budget(Unit::MicroEur, None)];
+        let plan = plan(&budgets, &[0, 0], 100, 400, 16, PRICE).unwrap();
+        assert_eq!(plan.lines[0].amount, 500);
+        // 100 × 2 µ€ + 400 × 8 µ€
+        assert_eq!(plan.lines[1].amount, 200 + 3200);
+        assert!(!plan.clamped);
+    }
+
+    #[test]
+    fn clamps_the_allowance_to_what_remains() {
+        let budgets = [budget(Unit::Tokens, Some(1000))];
+        let plan = plan(&budgets, &[700], 100, 4096, 16, PRICE).unwrap();
+        assert_eq!(plan.completion_tokens, 200);
+        assert!(plan.clamped);
+        assert_eq!(plan.lines[0].amount, 300);
+    }
+
+    #[test]
+    fn clamps_on_euros_too() {
+        // 1000 µ€ left; prompt 100 tokens cost 200 µ€; 800 µ€ buy 100 output tokens.
+        let budgets = [budget(Unit::MicroEur, Some(5000))];
+        let plan = plan(&budgets, &[4000], 100, 4096, 16, PRICE).unwrap();
+        assert_eq!(plan.completion_tokens, 100);
+        assert_eq!(plan.lines[0].amount, 1000);
+    }
+
+    #[test]
+    fn refuses_when_not_even_the_minimum_completion_fits() {
+        let budgets = [budget(Unit::Tokens, None), budget(Unit::Tokens, Some(1000))];
+        assert_eq!(plan(&budgets, &[0, 890], 100, 4096, 16, PRICE), Err(1));
+        assert!(plan(&budgets, &[0, 884], 100, 4096, 16, PRICE).is_ok());
+    }
+
+    #[test]
+    fn soft_at_the_threshold_of_any_budget() {
+        let budgets = [budget(Unit::Tokens, Some(1000)), budget(Unit::Tokens, None)];
+        assert!(!is_soft(&budgets, &[799, 1_000_000], 800_000));
+        assert!(is_soft(&budgets, &[800, 0], 800_000));
+    }
+
+    #[test]
+    fn highest_price_takes_each_side_separately() {
+        let a = Price {
+            input_per_mtok: MicroEur(3),
+            output_per_mtok: MicroEur(1),
+        };
+        let b = Price {
+            input_per_mtok: MicroEur(1),
+            output_per_mtok: MicroEur(5),
+        };
+        assert_eq!(
+            highest_price([a, b]),
+            Price {
+                input_per_mtok: MicroEur(3),
+                output_per_mtok: MicroEur(5)
+            }
+        );
+    }
+}
