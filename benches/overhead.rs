@@ -49,7 +49,11 @@ async fn run() {
         flexway::Gateway::new(
             loaded.config,
             &LocalSecrets { env: &ProcessEnv },
-            Arc::new(flexway::budget::MemoryBudgetStore::new()),
+            flexway::gateway::Adapters {
+                budgets: Arc::new(flexway::budget::MemoryBudgetStore::new()),
+                // Real audit writes, to a file nobody keeps.
+                audit: Arc::new(flexway::audit::FileAuditSink::open("/dev/null").unwrap()),
+            },
         )
         .unwrap(),
     );
@@ -139,10 +143,11 @@ async fn throughput(base: &str, body: &serde_json::Value, connections: usize, du
                     .body(payload.clone())
                     .send()
                     .await;
-                if let Ok(r) = r {
-                    if r.status().is_success() && r.bytes().await.is_ok() {
-                        done.fetch_add(1, Ordering::Relaxed);
-                    }
+                if let Ok(r) = r
+                    && r.status().is_success()
+                    && r.bytes().await.is_ok()
+                {
+                    done.fetch_add(1, Ordering::Relaxed);
                 }
             }
         }));

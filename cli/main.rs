@@ -2,6 +2,7 @@
 #![allow(clippy::print_stdout)]
 
 mod key;
+mod report;
 mod serve;
 
 use std::path::PathBuf;
@@ -31,6 +32,8 @@ enum Command {
         #[arg(long, default_value = "flexway.yaml")]
         config: PathBuf,
     },
+    /// Turn the audit into a chargeback table: per tenant, agent and backend.
+    Report(report::ReportArgs),
     /// Manage API keys.
     Key {
         #[command(subcommand)]
@@ -54,6 +57,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Serve { config, listen } => serve::run(&config, &listen),
         Command::Validate { config } => validate(&config),
+        Command::Report(args) => report::run(args),
         Command::Key {
             command: KeyCommand::New { tenant, agent },
         } => key::new(&tenant, agent.as_deref()),

@@ -1,12 +1,18 @@
-//! `flexway serve`: load, build the adapters once, listen.
+//! `flexway serve`: load, build the adapters once, run the sweeper, listen.
 
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
-use flexway::budget::{BudgetStore, MemoryBudgetStore};
-use flexway::config::{self, ProcessEnv, StoreConfig};
+use flexway::audit::{AuditSink, FileAuditSink, StdoutAuditSink};
+use flexway::budget::{BudgetStore, EmbeddedBudgetStore, MemoryBudgetStore, period::unix_now};
+use flexway::config::{self, AuditSinkConfig, Config, ProcessEnv, StoreConfig};
+use flexway::gateway::Adapters;
 use flexway::secret::LocalSecrets;
+
+/// How often the local shape refunds expired reservations.
+const SWEEP_EVERY: Duration = Duration::from_secs(5);
 
 pub fn run(config_path: &Path, listen: &str) -> ExitCode {
     tracing_subscriber::fmt()
@@ -25,21 +31,6 @@ pub fn run(config_path: &Path, listen: &str) -> ExitCode {
     for warning in &loaded.warnings {
         tracing::warn!("{}: {warning}", config_path.display());
     }
-    let budgets: Arc<dyn BudgetStore> = match &loaded.config.store {
-        StoreConfig::Memory => Arc::new(MemoryBudgetStore::new()),
-        StoreConfig::Embedded { path } => Arc::new(MemoryBudgetStore::new()),
-        StoreConfig::DynamoDb { .. } => {
-            eprintln!("error: store kind dynamodb is served by the Lambda function, not by `flexway serve`");
-            return ExitCode::FAILURE;
-        }
-    };
-    let gateway = match flexway::Gateway::new(loaded.config, &LocalSecrets { env: &ProcessEnv }, budgets) {
-        Ok(gateway) => Arc::new(gateway),
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -47,7 +38,7 @@ pub fn run(config_path: &Path, listen: &str) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(serve(gateway, listen)) {
+    match runtime.block_on(serve(loaded.config, listen)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
@@ -56,7 +47,42 @@ pub fn run(config_path: &Path, listen: &str) -> ExitCode {
     }
 }
 
-async fn serve(gateway: Arc<flexway::Gateway>, listen: &str) -> std::io::Result<()> {
+/// The local shape's adapters, from the config's tagged enums.
+fn adapters(config: &Config) -> anyhow::Result<Adapters> {
+    let budgets: Arc<dyn BudgetStore> = match &config.store {
+        StoreConfig::Memory => Arc::new(MemoryBudgetStore::new()),
+        StoreConfig::Embedded { path } => Arc::new(EmbeddedBudgetStore::open(path)?),
+        StoreConfig::DynamoDb { .. } => {
+            anyhow::bail!("store kind dynamodb is the serverless shape's (functions/gateway)")
+        }
+    };
+    let audit: Arc<dyn AuditSink> = match &config.audit.sink {
+        AuditSinkConfig::File { path } => Arc::new(FileAuditSink::open(path)?),
+        AuditSinkConfig::Stdout => Arc::new(StdoutAuditSink),
+        AuditSinkConfig::CloudWatch { .. } => anyhow::bail!("audit sink cloudwatch is the serverless shape's"),
+    };
+    Ok(Adapters { budgets, audit })
+}
+
+async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
+    let adapters = adapters(&config)?;
+    let budgets = adapters.budgets.clone();
+    let gateway = Arc::new(flexway::Gateway::new(
+        config,
+        &LocalSecrets { env: &ProcessEnv },
+        adapters,
+    )?);
+    // The sweeper refunds reservations whose call vanished (a killed process).
+    tokio::spawn(async move {
+        loop {
+            match budgets.sweep(unix_now()).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(refunded = n, "sweeper refunded expired reservations"),
+                Err(e) => tracing::error!("sweeper: {e}"),
+            }
+            tokio::time::sleep(SWEEP_EVERY).await;
+        }
+    });
     let listener = tokio::net::TcpListener::bind(listen).await?;
     // Tests and scripts read this line to find the port when `--listen` asks for 0.
     eprintln!("flexway listening on http://{}", listener.local_addr()?);
@@ -64,5 +90,6 @@ async fn serve(gateway: Arc<flexway::Gateway>, listen: &str) -> std::io::Result<
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
         })
-        .await
+        .await?;
+    Ok(())
 }

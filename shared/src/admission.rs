@@ -11,7 +11,7 @@ use crate::config::Capability;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
-use crate::routing::Candidate;
+use crate::routing::{Route, RouteRequest};
 
 /// Extra life of a reservation beyond the chain's timeouts, before the sweeper may
 /// refund it.
@@ -31,10 +31,12 @@ pub struct Demand {
     /// Chat completes; embeddings only read.
     pub completes: bool,
     pub stream: bool,
+    /// The sensitivity header was true.
+    pub sensitive: bool,
 }
 
 pub struct Admission {
-    pub chain: Vec<Candidate>,
+    pub route: Route,
     pub ticket: Ticket,
     /// `Flexway-Budget: soft`.
     pub soft: bool,
@@ -63,8 +65,15 @@ pub async fn admit(
         .soft
         .as_ref()
         .is_some_and(|s| plan::is_soft(&budgets, &used, s.threshold_ppm));
-    let chain = gateway.router.chain(caller, demand.capability, soft)?;
-    let price = plan::highest_price(chain.iter().map(|c| gateway.price(&c.backend)));
+    let route = gateway.router.route(
+        caller,
+        &RouteRequest {
+            capability: demand.capability,
+            sensitive: demand.sensitive,
+            soft,
+        },
+    )?;
+    let price = plan::highest_price(route.candidates.iter().map(|c| gateway.price(&c.backend)));
     let (allowance, min_completion) = if demand.completes {
         let default = u64::from(config.ai.budget.default_max_tokens);
         (
@@ -76,7 +85,11 @@ pub async fn admit(
     };
     let planned = plan::plan(&budgets, &used, demand.prompt_tokens, allowance, min_completion, price)
         .map_err(|index| exceeded(&budgets[index], now))?;
-    let mut life: u64 = chain.iter().map(|c| gateway.timeout(&c.backend).as_secs() + 1).sum();
+    let mut life: u64 = route
+        .candidates
+        .iter()
+        .map(|c| gateway.timeout(&c.backend).as_secs() + 1)
+        .sum();
     life += if demand.stream {
         STREAM_RESERVATION_SECS
     } else {
@@ -98,7 +111,7 @@ pub async fn admit(
         ReserveOutcome::Refused { line } => return Err(exceeded(&budgets[line], now)),
     }
     Ok(Admission {
-        chain,
+        route,
         ticket: Ticket::new(gateway.budgets.clone(), request_id.to_owned(), budgets),
         soft,
         clamped_max_tokens: planned.clamped.then_some(planned.completion_tokens),

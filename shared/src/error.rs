@@ -29,6 +29,14 @@ impl UnavailableCause {
     }
 }
 
+fn or_none(backends: &[BackendId]) -> String {
+    if backends.is_empty() {
+        "none".to_owned()
+    } else {
+        names(backends)
+    }
+}
+
 fn names(backends: &[BackendId]) -> String {
     let names: Vec<&str> = backends.iter().map(BackendId::as_str).collect();
     names.join(", ")
@@ -58,10 +66,13 @@ pub enum GatewayError {
     BudgetExceeded { budget: String, retry_after_secs: u64 },
     #[error("backend `{backend}` answered with an invalid response: {detail}")]
     UpstreamError { backend: BackendId, detail: String },
-    #[error("no backend could serve this request ({}); tried: {}", cause.as_str(), if tried.is_empty() { "none".to_owned() } else { names(tried) })]
+    #[error("no backend could serve this request ({}); tried: {}; skipped for an open circuit: {}", cause.as_str(), or_none(tried), or_none(skipped))]
     UpstreamUnavailable {
         cause: UnavailableCause,
+        /// Backends called, in order.
         tried: Vec<BackendId>,
+        /// Backends skipped because their breaker was open.
+        skipped: Vec<BackendId>,
     },
     #[error("backend `{backend}` timed out")]
     UpstreamTimeout { backend: BackendId },
@@ -151,10 +162,13 @@ impl GatewayError {
             GatewayError::BudgetExceeded { retry_after_secs, .. } => {
                 vec![("retry-after", retry_after_secs.to_string())]
             }
-            GatewayError::UpstreamUnavailable { cause, tried } => {
+            GatewayError::UpstreamUnavailable { cause, tried, skipped } => {
                 let mut h = vec![("flexway-error-cause", cause.as_str().to_owned())];
                 if !tried.is_empty() {
                     h.push(("flexway-backends-tried", names(tried)));
+                }
+                if !skipped.is_empty() {
+                    h.push(("flexway-backends-skipped", names(skipped)));
                 }
                 h
             }
@@ -175,7 +189,9 @@ mod tests {
         let err = GatewayError::UpstreamUnavailable {
             cause: UnavailableCause::UpstreamFailed,
             tried: vec![BackendId::new("a"), BackendId::new("b")],
+            skipped: vec![BackendId::new("c")],
         };
+        assert!(err.to_string().contains("skipped for an open circuit: c"));
         assert_eq!(err.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(err.code(), "upstream_unavailable");
         assert!(err.to_string().contains("upstream_failed"));

@@ -4,12 +4,21 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::audit::{AuditSink, Hasher};
 use crate::budget::BudgetStore;
 use crate::config::{BackendId, Config, Price};
 use crate::identity::KeyRing;
 use crate::routing::Router;
+use crate::routing::breaker::Breakers;
 use crate::secret::SecretSource;
 use crate::upstream::{SetupError, Upstreams};
+
+/// The adapters a shape plugs into the core: built by each binary from the config's
+/// tagged enums (memory/embedded/DynamoDB ledger; file/stdout/CloudWatch audit).
+pub struct Adapters {
+    pub budgets: Arc<dyn BudgetStore>,
+    pub audit: Arc<dyn AuditSink>,
+}
 
 pub struct Gateway {
     pub config: Arc<Config>,
@@ -17,16 +26,38 @@ pub struct Gateway {
     pub router: Router,
     pub upstreams: Upstreams,
     pub budgets: Arc<dyn BudgetStore>,
+    pub audit: Arc<dyn AuditSink>,
+    /// Salted hashing of identifiers for the audit.
+    pub hasher: Hasher,
+    pub breakers: Breakers,
 }
 
 impl Gateway {
-    pub fn new(config: Config, secrets: &dyn SecretSource, budgets: Arc<dyn BudgetStore>) -> Result<Self, SetupError> {
+    pub fn new(config: Config, secrets: &dyn SecretSource, adapters: Adapters) -> Result<Self, SetupError> {
+        let salt = match &config.audit.hash_salt {
+            Some(reference) => secrets
+                .resolve(reference)
+                .map_err(|source| SetupError::AuditSalt { source })?
+                .expose()
+                .as_bytes()
+                .to_vec(),
+            None => Vec::new(),
+        };
         let config = Arc::new(config);
         Ok(Gateway {
             keys: KeyRing::new(&config),
             router: Router::new(config.clone()),
             upstreams: Upstreams::new(&config, secrets)?,
-            budgets,
+            budgets: adapters.budgets,
+            audit: adapters.audit,
+            hasher: Hasher::new(&salt),
+            breakers: Breakers::new(
+                config
+                    .ai
+                    .backends
+                    .iter()
+                    .map(|(n, b)| (n.clone(), b.circuit_breaker.clone())),
+            ),
             config,
         })
     }

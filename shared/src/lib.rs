@@ -3,12 +3,14 @@
 //! [`http::app`]; tests drive the same router.
 
 pub mod admission;
+pub mod audit;
 pub mod budget;
 pub mod config;
 pub mod error;
 pub mod gateway;
 pub mod http;
 pub mod identity;
+pub mod metrics;
 pub mod money;
 pub mod protocol;
 pub mod routing;

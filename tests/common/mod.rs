@@ -166,3 +166,71 @@ pub async fn sse_data(response: reqwest::Response) -> (Vec<String>, Option<Strin
         .collect();
     (events, error)
 }
+
+/// The gateway in-process (same router as `flexway serve`), on a loopback port, with
+/// the given adapters, so a test can look into the ledger and the audit afterwards.
+pub struct InProcess {
+    pub url: String,
+    pub gateway: Arc<flexway::Gateway>,
+}
+
+pub async fn serve_in_process(yaml: &str, adapters: flexway::gateway::Adapters) -> InProcess {
+    let env: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    let loaded = flexway::config::load_str(yaml, &env).unwrap_or_else(|e| panic!("{e}"));
+    let secrets = flexway::secret::LocalSecrets { env: &env };
+    let gateway = Arc::new(flexway::Gateway::new(loaded.config, &secrets, adapters).unwrap());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let app = flexway::http::app(gateway.clone());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    InProcess { url, gateway }
+}
+
+impl InProcess {
+    pub async fn chat(&self, key: &str, body: serde_json::Value) -> reqwest::Response {
+        client()
+            .post(format!("{}/v1/chat/completions", self.url))
+            .bearer_auth(key)
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// Today's and this month's counters of a tenant (tokens/day, tokens/month, µ€/month).
+    pub async fn ledger(&self, tenant: &str, agent: Option<&str>) -> [u64; 3] {
+        use flexway::budget::{CounterKey, Period, Unit, period::unix_now};
+        let now = unix_now();
+        let keys = [
+            CounterKey::new(tenant, agent, Unit::Tokens, Period::Day, now),
+            CounterKey::new(tenant, agent, Unit::Tokens, Period::Month, now),
+            CounterKey::new(tenant, agent, Unit::MicroEur, Period::Month, now),
+        ];
+        let used = self.gateway.budgets.used(&keys).await.unwrap();
+        [used[0], used[1], used[2]]
+    }
+
+    pub async fn live_reservations(&self) -> usize {
+        self.gateway.budgets.live_reservations().await.unwrap()
+    }
+}
+
+pub fn memory_adapters() -> (flexway::gateway::Adapters, Arc<flexway::audit::sinks::MemoryAuditSink>) {
+    let audit = Arc::new(flexway::audit::sinks::MemoryAuditSink::new());
+    let adapters = flexway::gateway::Adapters {
+        budgets: Arc::new(flexway::budget::MemoryBudgetStore::new()),
+        audit: audit.clone(),
+    };
+    (adapters, audit)
+}
+
+pub fn embedded_adapters(
+    path: &std::path::Path,
+) -> (flexway::gateway::Adapters, Arc<flexway::audit::sinks::MemoryAuditSink>) {
+    let audit = Arc::new(flexway::audit::sinks::MemoryAuditSink::new());
+    let adapters = flexway::gateway::Adapters {
+        budgets: Arc::new(flexway::budget::EmbeddedBudgetStore::open(path).unwrap()),
+        audit: audit.clone(),
+    };
+    (adapters, audit)
+}

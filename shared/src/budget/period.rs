@@ -69,6 +69,28 @@ impl Period {
     }
 }
 
+/// RFC 3339 UTC with milliseconds: `2026-11-29T15:44:30.123Z`.
+pub fn rfc3339_millis(unix_ms: u64) -> String {
+    let secs = unix_ms / 1000;
+    let (y, m, d) = civil_from_days((secs / 86_400) as i64);
+    let rem = secs % 86_400;
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        unix_ms % 1000
+    )
+}
+
+/// Milliseconds since the Unix epoch, now.
+pub fn unix_now_millis() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
 /// Seconds since the Unix epoch, now.
 pub fn unix_now() -> u64 {
     std::time::SystemTime::now()
@@ -102,6 +124,12 @@ mod tests {
         // December rolls into January.
         let dec = Period::Month.end(NOW) + 5 * 86_400;
         assert_eq!(Period::Day.stamp(Period::Month.end(dec)), "2027-01-01");
+    }
+
+    #[test]
+    fn formats_rfc3339_with_millis() {
+        assert_eq!(rfc3339_millis(NOW * 1000 + 7), "2026-11-29T15:44:30.007Z");
+        assert_eq!(rfc3339_millis(0), "1970-01-01T00:00:00.000Z");
     }
 
     #[test]

@@ -78,10 +78,10 @@ pub fn budgets_for(config: &Config, tenant: &TenantId, agent: Option<&str>, now:
         return out;
     };
     push_scope(&mut out, tenant.as_str(), None, &t.budgets, now);
-    if let Some((name, a)) = agent.and_then(|name| t.agents.get_key_value(name)) {
-        if a.budgets != Budgets::default() {
-            push_scope(&mut out, tenant.as_str(), Some(name.as_str()), &a.budgets, now);
-        }
+    if let Some((name, a)) = agent.and_then(|name| t.agents.get_key_value(name))
+        && a.budgets != Budgets::default()
+    {
+        push_scope(&mut out, tenant.as_str(), Some(name.as_str()), &a.budgets, now);
     }
     out
 }

@@ -3,6 +3,7 @@
 
 mod error;
 mod proxy;
+mod record;
 mod relay;
 
 use std::sync::Arc;

@@ -1,10 +1,14 @@
-//! The inference handlers: authenticate → parse and measure → route → dispatch (with
-//! fallback, before the first byte only) → relay.
+//! The inference handlers, as the phases of ARCHITECTURE.md: authenticate → parse and
+//! measure → admit (route + reserve) → dispatch (with fallback, before the first byte
+//! only) → relay → settle → record.
 //!
 //! Fallback happens on a connection error, a 5xx or a timeout, never on a 4xx: a
 //! backend's own 4xx (its 429 included) is the caller's answer and is relayed as is.
+//! Every identified call ends in exactly one audit record (`record::Draft`), and every
+//! reservation is settled or refunded (`budget::Ticket`), on every path below.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::Extension;
 use axum::body::Body;
@@ -14,7 +18,8 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 
 use super::RequestId;
-use super::error::ApiError;
+use super::error::render;
+use super::record::Draft;
 use super::relay;
 use crate::admission::{Admission, Demand, admit};
 use crate::budget::plan;
@@ -22,9 +27,10 @@ use crate::config::{BackendId, Capability, Endpoint};
 use crate::error::{GatewayError, UnavailableCause};
 use crate::gateway::Gateway;
 use crate::identity::Caller;
-use crate::money::MicroEur;
-use crate::protocol::openai::{ChatRequest, EmbeddingsRequest, Usage};
-use crate::routing::Candidate;
+use crate::protocol::openai::{ChatRequest, EmbeddingsRequest, InvalidRequest, Usage};
+use crate::protocol::vision;
+use crate::routing::breaker::{Admit, Outcome};
+use crate::routing::{Candidate, Route};
 use crate::upstream::CallError;
 
 pub const BACKEND_HEADER: &str = "flexway-backend";
@@ -34,9 +40,34 @@ pub const BUDGET_HEADER: &str = "flexway-budget";
 /// A backend that answered (any status but 5xx), before a byte reached the client.
 pub(super) struct Served {
     pub candidate: Candidate,
-    pub model: String,
     pub response: reqwest::Response,
     pub timeout: std::time::Duration,
+}
+
+/// What the call phases hand to the record phase.
+enum Reply {
+    /// A complete response (relayed 4xx included).
+    Now(Response),
+    /// A stream to relay; it settles and records when it ends.
+    Stream {
+        served: Served,
+        client_wants_usage: bool,
+        headers: Vec<(&'static str, HeaderValue)>,
+        settle: relay::Settle,
+    },
+}
+
+/// Who is calling, under which request id.
+#[derive(Clone, Copy)]
+struct Call<'a> {
+    caller: &'a Caller,
+    request_id: &'a RequestId,
+}
+
+#[derive(Clone, Copy)]
+enum Operation {
+    Chat,
+    Embeddings,
 }
 
 pub(super) async fn chat_completions(
@@ -44,10 +75,74 @@ pub(super) async fn chat_completions(
     Extension(request_id): Extension<RequestId>,
     headers: HeaderMap,
     body: Body,
-) -> Result<Response, ApiError> {
-    let caller = gateway.keys.authenticate(&headers)?;
-    let bytes = read_body(body, &headers, gateway.config.ai.vision.max_body_bytes).await?;
+) -> Response {
+    handle(gateway, request_id, headers, body, Operation::Chat).await
+}
+
+pub(super) async fn embeddings(
+    State(gateway): State<Arc<Gateway>>,
+    Extension(request_id): Extension<RequestId>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(gateway, request_id, headers, body, Operation::Embeddings).await
+}
+
+/// Authenticates, runs the call, and records it whatever happened.
+async fn handle(
+    gateway: Arc<Gateway>,
+    request_id: RequestId,
+    headers: HeaderMap,
+    body: Body,
+    op: Operation,
+) -> Response {
+    let caller = match gateway.keys.authenticate(&headers) {
+        Ok(caller) => caller,
+        // Refused before identification: no audit record (SPEC §9), only the log.
+        Err(e) => return render(&GatewayError::from(e), true),
+    };
+    let name = match op {
+        Operation::Chat => "chat",
+        Operation::Embeddings => "embeddings",
+    };
+    let mut draft = Draft::begin(&gateway, &request_id, &caller, name);
+    let call = Call {
+        caller: &caller,
+        request_id: &request_id,
+    };
+    let result = match op {
+        Operation::Chat => chat(&gateway, call, &mut draft, &headers, body).await,
+        Operation::Embeddings => embed(&gateway, call, &mut draft, &headers, body).await,
+    };
+    match result {
+        Ok(Reply::Now(response)) => {
+            draft.finish(response.status().as_u16(), None).await;
+            response
+        }
+        Ok(Reply::Stream {
+            served,
+            client_wants_usage,
+            headers,
+            settle,
+        }) => relay::stream(served, client_wants_usage, headers, settle, draft),
+        Err(e) => {
+            draft.fail(&e).await;
+            render(&e, true)
+        }
+    }
+}
+
+async fn chat(
+    gateway: &Gateway,
+    call: Call<'_>,
+    draft: &mut Draft,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Reply, GatewayError> {
+    let bytes = read_body(body, headers, gateway.config.ai.vision.max_body_bytes).await?;
     let request = ChatRequest::parse(&bytes)?;
+    draft.request(request.capability(), &request.model, request.user.as_deref());
+    vision::check_images(&request.images, &gateway.config.ai.vision)?;
     let images = request.images.len() as u64;
     let demand = Demand {
         capability: request.capability(),
@@ -55,15 +150,17 @@ pub(super) async fn chat_completions(
         max_tokens: request.max_tokens,
         completes: true,
         stream: request.stream,
+        sensitive: sensitive(headers, &gateway.config.ai.sensitive_header)?,
     };
     let Admission {
-        chain,
+        route,
         ticket,
         soft,
         clamped_max_tokens,
-    } = admit(&gateway, &caller, &request_id.0, &demand).await?;
+    } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
+    draft.soft(soft);
     let prompt_typical = plan::prompt_typical(request.prompt_text_bytes, request.message_count, images);
-    let dispatched = dispatch(&gateway, &chain, "/chat/completions", &request.model, |model| {
+    let dispatched = dispatch(gateway, draft, &route, "/chat/completions", &request.model, |model| {
         request.upstream_body(model, clamped_max_tokens)
     })
     .await;
@@ -71,21 +168,15 @@ pub(super) async fn chat_completions(
         Ok(served) => served,
         Err(e) => {
             ticket.refund().await;
-            return Err(e.into());
+            return Err(e);
         }
     };
     let headers = model_headers(&served.candidate, soft);
     if !served.response.status().is_success() {
         ticket.refund().await;
-        return relay_error_as_is(served, headers).await;
+        return relay_error_as_is(served, headers).await.map(Reply::Now);
     }
     let price = gateway.price(&served.candidate.backend);
-    let call = CallInfo {
-        request_id,
-        caller,
-        backend: served.candidate.backend.clone(),
-        model: served.model.clone(),
-    };
     if request.stream {
         if !is_event_stream(served.response.headers()) {
             ticket.refund().await;
@@ -93,22 +184,25 @@ pub(super) async fn chat_completions(
             return Err(GatewayError::UpstreamError {
                 backend: served.candidate.backend,
                 detail,
-            }
-            .into());
+            });
         }
-        let finish = relay::Finish {
+        let settle = relay::Settle {
             ticket,
             price,
             prompt_typical,
-            call,
         };
-        return Ok(relay::stream(served, request.client_wants_usage, headers, finish));
+        return Ok(Reply::Stream {
+            served,
+            client_wants_usage: request.client_wants_usage,
+            headers,
+            settle,
+        });
     }
     let (response, body) = match read_json(served).await {
         Ok(read) => read,
         Err(e) => {
             ticket.refund().await;
-            return Err(e.into());
+            return Err(e);
         }
     };
     let (usage, source) = match Usage::from_value(body.get("usage")) {
@@ -125,30 +219,33 @@ pub(super) async fn chat_completions(
         }
     };
     let cost = ticket.settle(usage, price).await;
-    log_served(&call, usage, source, cost);
-    Ok(with_headers(response, headers))
+    draft.usage(usage, source, cost);
+    Ok(Reply::Now(with_headers(response, headers)))
 }
 
-pub(super) async fn embeddings(
-    State(gateway): State<Arc<Gateway>>,
-    Extension(request_id): Extension<RequestId>,
-    headers: HeaderMap,
+async fn embed(
+    gateway: &Gateway,
+    call: Call<'_>,
+    draft: &mut Draft,
+    headers: &HeaderMap,
     body: Body,
-) -> Result<Response, ApiError> {
-    let caller = gateway.keys.authenticate(&headers)?;
-    let bytes = read_body(body, &headers, gateway.config.ai.vision.max_body_bytes).await?;
+) -> Result<Reply, GatewayError> {
+    let bytes = read_body(body, headers, gateway.config.ai.vision.max_body_bytes).await?;
     let request = EmbeddingsRequest::parse(&bytes)?;
+    draft.request(Capability::Embeddings, &request.model, request.user.as_deref());
     let demand = Demand {
         capability: Capability::Embeddings,
         prompt_tokens: request.input_units,
         max_tokens: None,
         completes: false,
         stream: false,
+        sensitive: sensitive(headers, &gateway.config.ai.sensitive_header)?,
     };
     let Admission {
-        chain, ticket, soft, ..
-    } = admit(&gateway, &caller, &request_id.0, &demand).await?;
-    let dispatched = dispatch(&gateway, &chain, "/embeddings", &request.model, |model| {
+        route, ticket, soft, ..
+    } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
+    draft.soft(soft);
+    let dispatched = dispatch(gateway, draft, &route, "/embeddings", &request.model, |model| {
         request.upstream_body(model)
     })
     .await;
@@ -156,26 +253,20 @@ pub(super) async fn embeddings(
         Ok(served) => served,
         Err(e) => {
             ticket.refund().await;
-            return Err(e.into());
+            return Err(e);
         }
     };
     let headers = model_headers(&served.candidate, soft);
     if !served.response.status().is_success() {
         ticket.refund().await;
-        return relay_error_as_is(served, headers).await;
+        return relay_error_as_is(served, headers).await.map(Reply::Now);
     }
     let price = gateway.price(&served.candidate.backend);
-    let call = CallInfo {
-        request_id,
-        caller,
-        backend: served.candidate.backend.clone(),
-        model: served.model.clone(),
-    };
     let (response, body) = match read_json(served).await {
         Ok(read) => read,
         Err(e) => {
             ticket.refund().await;
-            return Err(e.into());
+            return Err(e);
         }
     };
     let (usage, source) = match Usage::from_value(body.get("usage")) {
@@ -189,8 +280,25 @@ pub(super) async fn embeddings(
         ),
     };
     let cost = ticket.settle(usage, price).await;
-    log_served(&call, usage, source, cost);
-    Ok(with_headers(response, headers))
+    draft.usage(usage, source, cost);
+    Ok(Reply::Now(with_headers(response, headers)))
+}
+
+/// The sensitivity header (`ai.sensitive_header`): `true`/`false` (also `1`/`0`,
+/// `yes`/`no`); anything else is refused rather than guessed.
+fn sensitive(headers: &HeaderMap, name: &str) -> Result<bool, GatewayError> {
+    let Some(value) = headers.get(name) else {
+        return Ok(false);
+    };
+    let value = value.to_str().unwrap_or("").trim().to_ascii_lowercase();
+    match value.as_str() {
+        "true" | "1" | "yes" => Ok(true),
+        "false" | "0" | "no" | "" => Ok(false),
+        _ => Err(GatewayError::InvalidRequest(InvalidRequest {
+            message: format!("the {name} header must be true or false"),
+            param: None,
+        })),
+    }
 }
 
 /// Whether the usage settled came from the backend or from Flexway's estimate.
@@ -207,29 +315,6 @@ impl UsageSource {
             UsageSource::Estimated => "estimated",
         }
     }
-}
-
-/// What the finishing phase needs to know about a call.
-pub(super) struct CallInfo {
-    pub request_id: RequestId,
-    pub caller: Caller,
-    pub backend: BackendId,
-    /// The model the backend was asked for (after aliases and defaults).
-    pub model: String,
-}
-
-pub(super) fn log_served(call: &CallInfo, usage: Usage, source: UsageSource, cost: MicroEur) {
-    tracing::info!(
-        request_id = %call.request_id.0,
-        tenant = %call.caller.tenant,
-        backend = %call.backend,
-        model = %call.model,
-        prompt_tokens = usage.prompt_tokens,
-        completion_tokens = usage.completion_tokens,
-        usage_source = source.as_str(),
-        cost_eur = %cost.to_eur_string(),
-        "call served"
-    );
 }
 
 /// Bytes of completion text in a non-streamed answer (for estimation).
@@ -257,7 +342,7 @@ async fn read_body(body: Body, headers: &HeaderMap, limit: u64) -> Result<Bytes,
         if is_length_limit(&e) {
             GatewayError::BodyTooLarge { limit }
         } else {
-            GatewayError::InvalidRequest(crate::protocol::openai::InvalidRequest {
+            GatewayError::InvalidRequest(InvalidRequest {
                 message: format!("could not read the request body: {e}"),
                 param: None,
             })
@@ -276,55 +361,86 @@ fn is_length_limit(e: &axum::Error) -> bool {
     false
 }
 
-/// Tries the chain in order until a backend answers with something other than a 5xx.
+/// Tries the route in order until a backend answers with something other than a
+/// failure its breaker counts (by default a 5xx, a connection error, a timeout).
+/// Backends whose breaker is open are skipped; each outcome feeds the breaker.
 async fn dispatch(
     gateway: &Gateway,
-    chain: &[Candidate],
+    draft: &mut Draft,
+    route: &Route,
     path: &str,
     requested_model: &str,
     body_for: impl Fn(&str) -> Vec<u8>,
 ) -> Result<Served, GatewayError> {
     let mut tried = Vec::new();
+    let mut skipped = Vec::new();
     let mut timed_out = None;
-    for candidate in chain {
-        let (Some(endpoint), Some(client)) = (
-            endpoint(gateway, &candidate.backend),
-            gateway.upstreams.get(&candidate.backend),
-        ) else {
+    for candidate in &route.candidates {
+        let backend = &candidate.backend;
+        let (Some(endpoint), Some(client)) = (endpoint(gateway, backend), gateway.upstreams.get(backend)) else {
             continue;
         };
+        if gateway.breakers.admit(backend, Instant::now()) == Admit::No {
+            skipped.push(backend.clone());
+            continue;
+        }
         let model = endpoint.served_model(requested_model);
-        tried.push(candidate.backend.clone());
+        tried.push(backend.clone());
+        draft.trying(candidate, &model);
+        timed_out = None;
         match client.post_json(path, body_for(&model)).await {
-            Ok(response) if response.status().is_server_error() => {
-                tracing::warn!(backend = %candidate.backend, status = response.status().as_u16(), "backend failed");
-                timed_out = None;
-            }
             Ok(response) => {
-                return Ok(Served {
-                    candidate: candidate.clone(),
-                    model,
-                    response,
-                    timeout: client.timeout,
-                });
+                let status = response.status();
+                let retry_after = retry_after(response.headers());
+                gateway.breakers.record(
+                    backend,
+                    Outcome::Status {
+                        status: status.as_u16(),
+                        retry_after,
+                    },
+                    Instant::now(),
+                );
+                if !status.is_server_error() {
+                    return Ok(Served {
+                        candidate: candidate.clone(),
+                        response,
+                        timeout: client.timeout,
+                    });
+                }
+                tracing::warn!(backend = %backend, status = status.as_u16(), "backend failed");
             }
             Err(CallError::Timeout(after)) => {
-                tracing::warn!(backend = %candidate.backend, ?after, "backend timed out");
-                timed_out = Some(candidate.backend.clone());
+                gateway.breakers.record(backend, Outcome::Timeout, Instant::now());
+                tracing::warn!(backend = %backend, ?after, "backend timed out");
+                timed_out = Some(backend.clone());
             }
-            Err(e) => {
-                tracing::warn!(backend = %candidate.backend, "backend unreachable: {e}");
-                timed_out = None;
+            Err(CallError::Connect(e)) => {
+                gateway
+                    .breakers
+                    .record(backend, Outcome::ConnectionError, Instant::now());
+                tracing::warn!(backend = %backend, "backend unreachable: {e}");
             }
+            // Our own credential file is missing: not the backend's health.
+            Err(e @ CallError::Credential(_)) => tracing::error!(backend = %backend, "{e}"),
         }
     }
-    match timed_out {
-        Some(backend) => Err(GatewayError::UpstreamTimeout { backend }),
-        None => Err(GatewayError::UpstreamUnavailable {
-            cause: UnavailableCause::UpstreamFailed,
-            tried,
-        }),
+    if let Some(backend) = timed_out {
+        return Err(GatewayError::UpstreamTimeout { backend });
     }
+    let cause = if tried.is_empty() && !skipped.is_empty() {
+        UnavailableCause::CircuitOpen
+    } else if route.via_pool {
+        UnavailableCause::PoolExhausted
+    } else {
+        UnavailableCause::UpstreamFailed
+    };
+    Err(GatewayError::UpstreamUnavailable { cause, tried, skipped })
+}
+
+/// `Retry-After` in seconds (the HTTP-date form is not used by model APIs).
+fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<std::time::Duration> {
+    let value = headers.get(header::RETRY_AFTER)?.to_str().ok()?;
+    value.trim().parse::<u64>().ok().map(std::time::Duration::from_secs)
 }
 
 fn endpoint<'a>(gateway: &'a Gateway, backend: &BackendId) -> Option<&'a Endpoint> {
@@ -390,7 +506,7 @@ fn empty_response() -> reqwest::Response {
 async fn relay_error_as_is(
     mut served: Served,
     mut extra: Vec<(&'static str, HeaderValue)>,
-) -> Result<Response, ApiError> {
+) -> Result<Response, GatewayError> {
     let status = served.response.status();
     let content_type = served
         .response

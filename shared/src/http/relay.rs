@@ -18,7 +18,8 @@ use http::{HeaderValue, header};
 use serde_json::Value;
 use tokio::sync::mpsc;
 
-use super::proxy::{CallInfo, Served, UsageSource, log_served};
+use super::proxy::{Served, UsageSource};
+use super::record::Draft;
 use crate::budget::{Ticket, plan};
 use crate::config::Price;
 use crate::protocol::openai::{Usage, error_envelope};
@@ -46,19 +47,19 @@ pub struct RelayOutcome {
     pub events: u64,
 }
 
-/// What settles a stream once it has ended.
-pub(super) struct Finish {
+/// What settles a stream's reservation once it has ended.
+pub(super) struct Settle {
     pub ticket: Ticket,
     pub price: Price,
     /// The prompt's typical token count, if the backend reports no usage.
     pub prompt_typical: u64,
-    pub call: CallInfo,
 }
 
-impl Finish {
+impl Settle {
     /// Settles on the reported usage, else on an estimate of what was relayed (a
-    /// stream that broke mid-way included: its first byte reached the client).
-    async fn settle(self, outcome: &RelayOutcome) {
+    /// stream that broke mid-way included: its first byte reached the client), and
+    /// writes the call's record.
+    async fn finish(self, outcome: &RelayOutcome, mut draft: Draft) {
         let (usage, source) = match outcome.usage {
             Some(usage) => (usage, UsageSource::Reported),
             None => {
@@ -73,24 +74,29 @@ impl Finish {
             }
         };
         let cost = self.ticket.settle(usage, self.price).await;
-        tracing::info!(request_id = %self.call.request_id.0, end = ?outcome.end, "stream finished");
-        log_served(&self.call, usage, source, cost);
+        draft.usage(usage, source, cost);
+        match &outcome.end {
+            StreamEnd::Done => draft.finish(200, None).await,
+            StreamEnd::Broken(_) => draft.finish(200, Some("upstream_error")).await,
+            StreamEnd::ClientGone => draft.finish(499, Some("client_closed_request")).await,
+        }
     }
 }
 
-/// The streamed response. Settlement runs in the pump task when the stream ends,
-/// before the body completes, so it finishes inside the invocation.
+/// The streamed response. Settlement and the record run in the pump task when the
+/// stream ends, before the body completes, so they finish inside the invocation.
 pub(super) fn stream(
     served: Served,
     client_wants_usage: bool,
     extra: Vec<(&'static str, HeaderValue)>,
-    finish: Finish,
+    settle: Settle,
+    mut draft: Draft,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     let timeout = served.timeout;
     tokio::spawn(async move {
-        let outcome = pump(served.response, &tx, client_wants_usage, timeout).await;
-        finish.settle(&outcome).await;
+        let outcome = pump(served.response, &tx, client_wants_usage, timeout, &mut draft).await;
+        settle.finish(&outcome, draft).await;
         drop(tx);
     });
     let body = futures_util::stream::unfold(rx, |mut rx| async move {
@@ -112,6 +118,7 @@ pub async fn pump(
     tx: &mpsc::Sender<Bytes>,
     client_wants_usage: bool,
     idle_timeout: Duration,
+    draft: &mut Draft,
 ) -> RelayOutcome {
     let mut outcome = RelayOutcome {
         end: StreamEnd::Done,
@@ -143,6 +150,7 @@ pub async fn pump(
             let forward = tap(&event.data, client_wants_usage, &mut outcome);
             if forward {
                 outcome.events += 1;
+                draft.first_byte();
                 if tx.send(event.raw).await.is_err() {
                     outcome.end = StreamEnd::ClientGone;
                     return outcome;

@@ -2,3 +2,4 @@
 
 pub mod openai;
 pub mod sse;
+pub mod vision;

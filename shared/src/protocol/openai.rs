@@ -76,6 +76,14 @@ fn required_model(body: &Map<String, Value>) -> Result<String, InvalidRequest> {
     }
 }
 
+fn optional_user(body: &Map<String, Value>) -> Result<Option<String>, InvalidRequest> {
+    match body.get("user") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(u)) => Ok(Some(u.clone())),
+        Some(_) => Err(invalid("user", "`user` must be a string")),
+    }
+}
+
 fn optional_u64(body: &Map<String, Value>, key: &'static str) -> Result<Option<u64>, InvalidRequest> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
@@ -107,6 +115,8 @@ pub struct ChatRequest {
     /// Bytes of text across the messages: an upper bound of their token count.
     pub prompt_text_bytes: u64,
     pub message_count: u64,
+    /// The OpenAI `user` field: hashed before it goes anywhere.
+    pub user: Option<String>,
 }
 
 impl ChatRequest {
@@ -170,7 +180,9 @@ impl ChatRequest {
             }
         }
         let message_count = messages.len() as u64;
+        let user = optional_user(&body)?;
         Ok(ChatRequest {
+            user,
             body,
             model,
             stream,
@@ -288,6 +300,8 @@ pub struct EmbeddingsRequest {
     pub model: String,
     /// Bytes (or token ids) of input: an upper bound of its token count.
     pub input_units: u64,
+    /// The OpenAI `user` field: hashed before it goes anywhere.
+    pub user: Option<String>,
 }
 
 impl EmbeddingsRequest {
@@ -318,10 +332,12 @@ impl EmbeddingsRequest {
                 return Err(invalid("input", "`input` must be a non-empty string or array"));
             }
         };
+        let user = optional_user(&body)?;
         Ok(EmbeddingsRequest {
             body,
             model,
             input_units,
+            user,
         })
     }
 

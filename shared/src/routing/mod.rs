@@ -1,10 +1,14 @@
 //! Routing: which backends may serve a call, in which order (SPEC §4, §5).
 //!
 //! The choice is declarative: default, then the tenant's and the agent's overrides,
-//! then the capability override. Neither latency, content nor the requested model
-//! chooses. The result is an ordered chain of endpoint backends: pools expanded (best
-//! priority group first, weighted order inside a group), then the declared fallbacks,
-//! each backend at most once, each able to serve the request's capability.
+//! then the capability override, sensitivity, and the soft-cap switch. Neither
+//! latency, content nor the requested model chooses. The result is an ordered chain
+//! of endpoint backends: pools expanded (best priority group first, weighted order
+//! inside a group), then the declared fallbacks, each backend at most once, each able
+//! to serve the request's capability. Invariant: a sensitive call's chain holds only
+//! internal backends (the header narrows routing, never widens it).
+
+pub mod breaker;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -14,6 +18,24 @@ use rand::Rng;
 use crate::config::{Backend, BackendId, BackendKind, Capability, Config, PoolMember};
 use crate::error::GatewayError;
 use crate::identity::Caller;
+
+/// What routing needs to know about a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouteRequest {
+    pub capability: Capability,
+    /// The sensitivity header was true: internal backends only.
+    pub sensitive: bool,
+    /// A budget reached its soft threshold: switch to the soft backend.
+    pub soft: bool,
+}
+
+/// The candidates for a call, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    pub candidates: Vec<Candidate>,
+    /// The entry was a pool (an exhausted route is `pool_exhausted`).
+    pub via_pool: bool,
+}
 
 /// One backend the dispatcher may try.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,14 +55,21 @@ impl Router {
     }
 
     /// The backend this caller's routing starts from, before expansion: default,
-    /// tenant, agent, capability override, then the soft-cap switch.
-    pub fn entry_backend(&self, caller: &Caller, capability: Capability, soft: bool) -> &BackendId {
+    /// tenant, agent, capability override, sensitivity, then the soft-cap switch.
+    pub fn entry_backend(&self, caller: &Caller, request: &RouteRequest) -> &BackendId {
         let ai = &self.config.ai;
-        if soft {
+        let capability = request.capability;
+        let serves = |b: &BackendId| self.backend(b).is_some_and(|b| b.capabilities.contains(&capability));
+        if request.sensitive
+            && let Some(pinned) = &ai.sensitive_backend
+        {
+            return pinned;
+        }
+        if request.soft {
             let switch = ai.budget.soft.as_ref().map(|s| &s.backend);
-            if let Some(backend) =
-                switch.filter(|b| self.backend(b).is_some_and(|b| b.capabilities.contains(&capability)))
-            {
+            // Never to an external backend for a sensitive request.
+            let allowed = |b: &&BackendId| serves(b) && (!request.sensitive || self.is_internal(b));
+            if let Some(backend) = switch.filter(allowed) {
                 return backend;
             }
         }
@@ -63,22 +92,35 @@ impl Router {
             .unwrap_or(&ai.default_backend)
     }
 
-    /// The ordered chain of candidates for a call.
-    pub fn chain(&self, caller: &Caller, capability: Capability, soft: bool) -> Result<Vec<Candidate>, GatewayError> {
-        let entry = self.entry_backend(caller, capability, soft);
-        let mut chain = Vec::new();
-        let mut seen = BTreeSet::new();
-        self.expand(entry, false, &mut chain, &mut seen, &mut rand::rng());
-        chain.retain(|c| {
+    /// The ordered chain of candidates for a call: only backends that serve its
+    /// capability and, for a sensitive call, only internal ones.
+    pub fn route(&self, caller: &Caller, request: &RouteRequest) -> Result<Route, GatewayError> {
+        let entry = self.entry_backend(caller, request);
+        let via_pool = self
+            .backend(entry)
+            .is_some_and(|b| matches!(b.kind, BackendKind::Pool { .. }));
+        let mut candidates = Vec::new();
+        self.expand(entry, false, &mut candidates, &mut BTreeSet::new(), &mut rand::rng());
+        candidates.retain(|c| {
             self.backend(&c.backend)
-                .is_some_and(|b| b.capabilities.contains(&capability))
+                .is_some_and(|b| b.capabilities.contains(&request.capability))
         });
-        if chain.is_empty() {
+        if request.sensitive {
+            candidates.retain(|c| self.is_internal(&c.backend));
+            if candidates.is_empty() {
+                return Err(GatewayError::SensitiveNoInternalBackend);
+            }
+        }
+        if candidates.is_empty() {
             return Err(GatewayError::CapabilityUnavailable {
-                capability: capability.as_str(),
+                capability: request.capability.as_str(),
             });
         }
-        Ok(chain)
+        Ok(Route { candidates, via_pool })
+    }
+
+    fn is_internal(&self, name: &BackendId) -> bool {
+        self.backend(name).is_some_and(|b| !b.external)
     }
 
     fn backend(&self, name: &BackendId) -> Option<&Backend> {
@@ -103,12 +145,23 @@ impl Router {
         match &backend.kind {
             BackendKind::Pool { members } => {
                 let best = members.iter().map(|m| m.priority).min().unwrap_or(1);
-                for member in pool_order(members, rng) {
+                let order = pool_order(members, rng);
+                for member in &order {
                     if seen.insert(member.backend.clone()) {
                         chain.push(Candidate {
                             backend: member.backend.clone(),
                             degraded: degraded || member.priority > best,
                         });
+                    }
+                }
+                // Members' own fallbacks come after every member.
+                for member in order {
+                    for fallback in self
+                        .backend(&member.backend)
+                        .map(|b| b.fallback.as_slice())
+                        .unwrap_or_default()
+                    {
+                        self.expand(fallback, true, chain, seen, rng);
                     }
                 }
             }
@@ -131,7 +184,14 @@ impl Router {
         for capability in [Capability::Chat, Capability::Vision, Capability::Embeddings] {
             let mut chain = Vec::new();
             self.expand(
-                self.entry_backend(caller, capability, false),
+                self.entry_backend(
+                    caller,
+                    &RouteRequest {
+                        capability,
+                        sensitive: false,
+                        soft: false,
+                    },
+                ),
                 false,
                 &mut chain,
                 &mut BTreeSet::new(),

@@ -25,6 +25,8 @@ pub enum SetupError {
     Tls { backend: BackendId, detail: String },
     #[error("HTTP client: {0}")]
     Client(String),
+    #[error("audit.hash_salt: {source}")]
+    AuditSalt { source: SecretError },
 }
 
 /// Why a backend did not answer.

@@ -1,0 +1,649 @@
+//! `DynamoDbBudgetStore`: the ledger of the serverless shape, on one DynamoDB table.
+//!
+//! # Table design (single table)
+//!
+//! | item | `pk` (S, hash key) | attributes |
+//! | --- | --- | --- |
+//! | counter | `counter#<key>` (`counter#acme/*/tokens/day/2026-11-29`) | `used` (N), `ttl` (N: period end + 35 days) |
+//! | reservation | `reservation#<request_id>` | `lines` (S, JSON `[[key, amount], ...]`), `expires_at` (N), `swept` (BOOL), `ttl` (N: `expires_at` + 1 day) |
+//!
+//! No sort key, no index. `ttl` is the table's TTL attribute, so the table cleans
+//! itself; nothing here relies on it (TTL deletion is lazy, up to days late, and
+//! emulators never do it): the sweeper finds expired reservations by their
+//! `expires_at`, and deletes swept ones itself after a day.
+//!
+//! # How each operation holds the invariants of `flexway::budget`
+//!
+//! - **reserve** is one `TransactWriteItems`: per counter an `Update` `ADD used :amount`
+//!   conditioned on `attribute_not_exists(used) OR used <= :limit_minus_amount` (no
+//!   condition for an unlimited line), plus a `Put` of the reservation conditioned on
+//!   `attribute_not_exists(pk)`. All or nothing. Idempotency on the request id comes
+//!   from that `Put` condition, not from `ClientRequestToken` (emulators ignore it):
+//!   a cancellation whose reason on the `Put` is `ConditionalCheckFailed` means "already
+//!   reserved"; one on a counter means "refused on that line" (the cancellation
+//!   reasons are indexed like the transaction's items).
+//! - **settle** is one transaction: `ADD used :(actual - reserved)` per counter (a
+//!   signed number) and a `Delete` of the reservation conditioned on
+//!   `swept = false`, so a settle and a sweep can never both apply. A swept
+//!   reservation is settled by charging the actual usage with the `Delete`
+//!   conditioned on `swept = true`. A lost race re-reads the reservation and decides
+//!   again.
+//! - **sweep** scans reservations whose `expires_at` passed and refunds each in its own
+//!   transaction (counters `ADD -reserved`, reservation `SET swept = true` conditioned
+//!   on `swept = false`).
+//! - Reads (`used`, the reservation before a settle) are strongly consistent.
+//!
+//! # Ceiling
+//!
+//! Every call writes its tenant's counters: one item absorbs about 1,000 write units
+//! per second (one partition key's limit), and a transactional write costs two, so a
+//! single tenant (or agent) counter tops out near 500 reserve-or-settle operations
+//! per second, i.e. about 250 calls per second (each call reserves and settles). Past
+//! that, DynamoDB throttles or cancels with `TransactionConflict`; this store retries
+//! those with jittered backoff, and a tenant that busy needs sharded counters or
+//! leased budget slices (see the README's "Serverless shape").
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use aws_sdk_dynamodb::Client;
+use aws_sdk_dynamodb::error::DisplayErrorContext;
+use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
+use aws_sdk_dynamodb::types::{
+    AttributeDefinition, AttributeValue, BillingMode, Delete, KeySchemaElement, KeyType, KeysAndAttributes, Put,
+    ScalarAttributeType, Select, TimeToLiveSpecification, TransactWriteItem, Update,
+};
+use flexway::budget::ledger::SWEPT_RETENTION_SECS;
+use flexway::budget::{
+    BudgetStore, CounterKey, Line, Period, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError,
+};
+
+const COUNTER_PREFIX: &str = "counter#";
+const RESERVATION_PREFIX: &str = "reservation#";
+/// Counters outlive their period by this much (chargeback reads them after month end).
+const COUNTER_RETENTION_SECS: u64 = 35 * 86_400;
+/// Attempts on a transaction that DynamoDB cancelled for contention
+/// (`TransactionConflict`, throttling), with jittered exponential backoff.
+const MAX_ATTEMPTS: u32 = 12;
+
+/// The DynamoDB ledger. Cheap to clone (the SDK client is shared).
+#[derive(Debug, Clone)]
+pub struct DynamoDbBudgetStore {
+    client: Client,
+    table: String,
+}
+
+/// One counter of a reservation, its lines merged (a transaction may touch an item
+/// only once): the summed amount, the tightest limit, the first line naming it.
+#[derive(Debug)]
+struct Merged<'a> {
+    key: &'a CounterKey,
+    amount: u64,
+    limit: Option<u64>,
+    line: usize,
+}
+
+#[derive(Debug)]
+struct Reservation {
+    lines: Vec<(CounterKey, u64)>,
+    expires_at: u64,
+    swept: bool,
+}
+
+/// What a cancelled transaction tells us, item by item.
+enum Cancelled {
+    /// The condition of the item at this index failed.
+    Condition(Vec<usize>),
+    /// Contention or throttling: try again.
+    Retry,
+}
+
+impl DynamoDbBudgetStore {
+    pub fn new(client: Client, table: impl Into<String>) -> Self {
+        DynamoDbBudgetStore {
+            client,
+            table: table.into(),
+        }
+    }
+
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// Checks that the table exists, and opens the connection on the way (called at
+    /// the function's init, so the first request does not pay the TLS handshake).
+    pub async fn warm(&self) -> Result<(), StoreError> {
+        self.client
+            .describe_table()
+            .table_name(&self.table)
+            .send()
+            .await
+            .map(|_| ())
+            .map_err(|e| backend("DescribeTable", &e))
+    }
+
+    /// Creates the ledger table as `infra/template.yaml` declares it (on-demand,
+    /// `pk` hash key, TTL on `ttl`) and waits until it is active: for tests and
+    /// `localstack/start`.
+    pub async fn create_table(client: &Client, table: &str) -> Result<(), StoreError> {
+        let schema = KeySchemaElement::builder()
+            .attribute_name("pk")
+            .key_type(KeyType::Hash)
+            .build()
+            .map_err(|e| StoreError::Backend(e.to_string()))?;
+        let attribute = AttributeDefinition::builder()
+            .attribute_name("pk")
+            .attribute_type(ScalarAttributeType::S)
+            .build()
+            .map_err(|e| StoreError::Backend(e.to_string()))?;
+        client
+            .create_table()
+            .table_name(table)
+            .key_schema(schema)
+            .attribute_definitions(attribute)
+            .billing_mode(BillingMode::PayPerRequest)
+            .send()
+            .await
+            .map_err(|e| backend("CreateTable", &e))?;
+        for _ in 0..100 {
+            let described = client
+                .describe_table()
+                .table_name(table)
+                .send()
+                .await
+                .map_err(|e| backend("DescribeTable", &e))?;
+            let active = described
+                .table()
+                .and_then(|t| t.table_status())
+                .is_some_and(|s| s.as_str() == "ACTIVE");
+            if active {
+                let ttl = TimeToLiveSpecification::builder()
+                    .attribute_name("ttl")
+                    .enabled(true)
+                    .build()
+                    .map_err(|e| StoreError::Backend(e.to_string()))?;
+                client
+                    .update_time_to_live()
+                    .table_name(table)
+                    .time_to_live_specification(ttl)
+                    .send()
+                    .await
+                    .map_err(|e| backend("UpdateTimeToLive", &e))?;
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(StoreError::Backend(format!("table {table} did not become ACTIVE")))
+    }
+
+    fn counter_update(
+        &self,
+        key: &CounterKey,
+        delta: i128,
+        condition_limit: Option<u64>,
+    ) -> Result<TransactWriteItem, StoreError> {
+        let mut update = Update::builder()
+            .table_name(&self.table)
+            .key("pk", s(format!("{COUNTER_PREFIX}{}", key.as_str())))
+            .update_expression("SET #ttl = if_not_exists(#ttl, :ttl) ADD used :delta")
+            .expression_attribute_names("#ttl", "ttl")
+            .expression_attribute_values(":delta", n(delta))
+            .expression_attribute_values(":ttl", n(counter_ttl(key)));
+        if let Some(max_before) = condition_limit {
+            update = update
+                .condition_expression("attribute_not_exists(used) OR used <= :max_before")
+                .expression_attribute_values(":max_before", n(max_before));
+        }
+        let update = update.build().map_err(|e| StoreError::Backend(e.to_string()))?;
+        Ok(TransactWriteItem::builder().update(update).build())
+    }
+
+    async fn transact(&self, items: Vec<TransactWriteItem>) -> Result<Option<Cancelled>, StoreError> {
+        let result = self
+            .client
+            .transact_write_items()
+            .set_transact_items(Some(items))
+            .send()
+            .await;
+        let error = match result {
+            Ok(_) => return Ok(None),
+            Err(error) => error,
+        };
+        let detail = DisplayErrorContext(&error).to_string();
+        match error.into_service_error() {
+            TransactWriteItemsError::TransactionCanceledException(cancelled) => {
+                let reasons = cancelled.cancellation_reasons();
+                let failed: Vec<usize> = reasons
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| r.code() == Some("ConditionalCheckFailed"))
+                    .map(|(i, _)| i)
+                    .collect();
+                if !failed.is_empty() {
+                    return Ok(Some(Cancelled::Condition(failed)));
+                }
+                let contended = reasons.iter().any(|r| {
+                    matches!(
+                        r.code(),
+                        Some("TransactionConflict" | "ThrottlingError" | "ProvisionedThroughputExceeded")
+                    )
+                });
+                if contended {
+                    Ok(Some(Cancelled::Retry))
+                } else {
+                    Err(StoreError::Backend(format!("TransactWriteItems cancelled: {detail}")))
+                }
+            }
+            TransactWriteItemsError::TransactionInProgressException(_)
+            | TransactWriteItemsError::ProvisionedThroughputExceededException(_)
+            | TransactWriteItemsError::RequestLimitExceeded(_) => Ok(Some(Cancelled::Retry)),
+            _ => Err(StoreError::Backend(format!("TransactWriteItems: {detail}"))),
+        }
+    }
+
+    async fn reservation(&self, request_id: &str) -> Result<Option<Reservation>, StoreError> {
+        let pk = format!("{RESERVATION_PREFIX}{request_id}");
+        let output = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key("pk", s(pk.clone()))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(|e| backend("GetItem", &e))?;
+        output.item().map(|item| parse_reservation(&pk, item)).transpose()
+    }
+
+    fn reservation_key(request_id: &str) -> AttributeValue {
+        s(format!("{RESERVATION_PREFIX}{request_id}"))
+    }
+}
+
+#[async_trait::async_trait]
+impl BudgetStore for DynamoDbBudgetStore {
+    async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
+        let merged = merge(&request.lines);
+        // A line larger than its whole limit can never fit: refuse without writing
+        // (the condition would need a negative bound), unless it is a retry.
+        let impossible = merged
+            .iter()
+            .filter(|m| m.limit.is_some_and(|limit| m.amount > limit))
+            .map(|m| m.line)
+            .min();
+        if let Some(line) = impossible {
+            return Ok(match self.reservation(&request.request_id).await? {
+                Some(_) => ReserveOutcome::Reserved,
+                None => ReserveOutcome::Refused { line },
+            });
+        }
+        let mut items = Vec::with_capacity(merged.len() + 1);
+        for m in &merged {
+            let max_before = m.limit.map(|limit| limit - m.amount);
+            items.push(self.counter_update(m.key, i128::from(m.amount), max_before)?);
+        }
+        let stored: Vec<(&CounterKey, u64)> = request.lines.iter().map(|l| (&l.key, l.amount)).collect();
+        let lines = serde_json::to_string(&stored).map_err(|e| StoreError::Backend(e.to_string()))?;
+        let put = Put::builder()
+            .table_name(&self.table)
+            .item("pk", Self::reservation_key(&request.request_id))
+            .item("lines", s(lines))
+            .item("expires_at", n(request.expires_at))
+            .item("swept", AttributeValue::Bool(false))
+            .item("ttl", n(request.expires_at.saturating_add(SWEPT_RETENTION_SECS)))
+            .condition_expression("attribute_not_exists(pk)")
+            .build()
+            .map_err(|e| StoreError::Backend(e.to_string()))?;
+        items.push(TransactWriteItem::builder().put(put).build());
+        let put_index = merged.len();
+
+        for attempt in 0..MAX_ATTEMPTS {
+            match self.transact(items.clone()).await? {
+                None => return Ok(ReserveOutcome::Reserved),
+                Some(Cancelled::Condition(failed)) => {
+                    if failed.contains(&put_index) {
+                        return Ok(ReserveOutcome::Reserved);
+                    }
+                    // DynamoDB may report only the counters' failures when the
+                    // reservation exists too: a retry must still answer Reserved.
+                    if self.reservation(&request.request_id).await?.is_some() {
+                        return Ok(ReserveOutcome::Reserved);
+                    }
+                    let line = failed.iter().filter_map(|&i| merged.get(i)).map(|m| m.line).min();
+                    return match line {
+                        Some(line) => Ok(ReserveOutcome::Refused { line }),
+                        None => Err(StoreError::Backend(format!(
+                            "reserve: unexpected cancellation {failed:?}"
+                        ))),
+                    };
+                }
+                Some(Cancelled::Retry) => backoff(attempt).await,
+            }
+        }
+        Err(contended("reserve", &request.request_id))
+    }
+
+    async fn settle(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<SettleOutcome, StoreError> {
+        for attempt in 0..MAX_ATTEMPTS {
+            let Some(reservation) = self.reservation(request_id).await? else {
+                return Ok(SettleOutcome::Unknown);
+            };
+            let mut deltas: BTreeMap<&CounterKey, i128> = BTreeMap::new();
+            if !reservation.swept {
+                for (key, reserved) in &reservation.lines {
+                    *deltas.entry(key).or_default() -= i128::from(*reserved);
+                }
+            }
+            for (key, amount) in actual {
+                *deltas.entry(key).or_default() += i128::from(*amount);
+            }
+            let mut items = Vec::with_capacity(deltas.len() + 1);
+            for (key, delta) in deltas {
+                if delta != 0 {
+                    items.push(self.counter_update(key, delta, None)?);
+                }
+            }
+            let delete = Delete::builder()
+                .table_name(&self.table)
+                .key("pk", Self::reservation_key(request_id))
+                .condition_expression("attribute_exists(pk) AND swept = :swept")
+                .expression_attribute_values(":swept", AttributeValue::Bool(reservation.swept))
+                .build()
+                .map_err(|e| StoreError::Backend(e.to_string()))?;
+            items.push(TransactWriteItem::builder().delete(delete).build());
+            match self.transact(items).await? {
+                None if reservation.swept => return Ok(SettleOutcome::ChargedAfterSweep),
+                None => return Ok(SettleOutcome::Settled),
+                // Settled or swept meanwhile: read it again and decide again.
+                Some(Cancelled::Condition(_)) => {}
+                Some(Cancelled::Retry) => backoff(attempt).await,
+            }
+        }
+        Err(contended("settle", request_id))
+    }
+
+    async fn sweep(&self, now: u64) -> Result<usize, StoreError> {
+        let mut refunded = 0;
+        let mut start = None;
+        loop {
+            let page = self
+                .client
+                .scan()
+                .table_name(&self.table)
+                .consistent_read(true)
+                .filter_expression("begins_with(pk, :prefix) AND expires_at < :now")
+                .expression_attribute_values(":prefix", s(RESERVATION_PREFIX.to_owned()))
+                .expression_attribute_values(":now", n(now))
+                .set_exclusive_start_key(start)
+                .send()
+                .await
+                .map_err(|e| backend("Scan", &e))?;
+            for item in page.items() {
+                let pk = string_attr(item, "pk")?;
+                let reservation = parse_reservation(&pk, item)?;
+                if reservation.swept {
+                    // Kept a day so that a late settlement charges exactly once; then gone
+                    // (TTL would do it too, eventually, but not on an emulator).
+                    if reservation.expires_at.saturating_add(SWEPT_RETENTION_SECS) < now {
+                        self.delete_swept(&pk).await?;
+                    }
+                    continue;
+                }
+                if self.refund_expired(&pk, &reservation).await? {
+                    refunded += 1;
+                }
+            }
+            match page.last_evaluated_key() {
+                Some(key) if !key.is_empty() => start = Some(key.clone()),
+                _ => return Ok(refunded),
+            }
+        }
+    }
+
+    async fn used(&self, keys: &[CounterKey]) -> Result<Vec<u64>, StoreError> {
+        let mut values: HashMap<String, u64> = HashMap::new();
+        let mut wanted: Vec<String> = keys.iter().map(|k| format!("{COUNTER_PREFIX}{}", k.as_str())).collect();
+        wanted.sort();
+        wanted.dedup();
+        for chunk in wanted.chunks(100) {
+            let mut pending: Vec<HashMap<String, AttributeValue>> = chunk
+                .iter()
+                .map(|pk| HashMap::from([("pk".to_owned(), s(pk.clone()))]))
+                .collect();
+            let mut attempt = 0;
+            while !pending.is_empty() {
+                let request = KeysAndAttributes::builder()
+                    .set_keys(Some(pending))
+                    .consistent_read(true)
+                    .build()
+                    .map_err(|e| StoreError::Backend(e.to_string()))?;
+                let output = self
+                    .client
+                    .batch_get_item()
+                    .request_items(&self.table, request)
+                    .send()
+                    .await
+                    .map_err(|e| backend("BatchGetItem", &e))?;
+                for item in output
+                    .responses()
+                    .and_then(|r| r.get(&self.table))
+                    .into_iter()
+                    .flatten()
+                {
+                    let pk = string_attr(item, "pk")?;
+                    let used = number_attr(item, "used", &pk)?.unwrap_or(0);
+                    values.insert(pk, u64::try_from(used).unwrap_or(0));
+                }
+                pending = output
+                    .unprocessed_keys()
+                    .and_then(|u| u.get(&self.table))
+                    .map(|k| k.keys().to_vec())
+                    .unwrap_or_default();
+                if !pending.is_empty() {
+                    if attempt >= MAX_ATTEMPTS {
+                        return Err(StoreError::Backend("BatchGetItem: keys left unprocessed".to_owned()));
+                    }
+                    backoff(attempt).await;
+                    attempt += 1;
+                }
+            }
+        }
+        Ok(keys
+            .iter()
+            .map(|k| {
+                values
+                    .get(&format!("{COUNTER_PREFIX}{}", k.as_str()))
+                    .copied()
+                    .unwrap_or(0)
+            })
+            .collect())
+    }
+
+    async fn live_reservations(&self) -> Result<usize, StoreError> {
+        let mut count = 0usize;
+        let mut start = None;
+        loop {
+            let page = self
+                .client
+                .scan()
+                .table_name(&self.table)
+                .consistent_read(true)
+                .select(Select::Count)
+                .filter_expression("begins_with(pk, :prefix) AND swept = :false")
+                .expression_attribute_values(":prefix", s(RESERVATION_PREFIX.to_owned()))
+                .expression_attribute_values(":false", AttributeValue::Bool(false))
+                .set_exclusive_start_key(start)
+                .send()
+                .await
+                .map_err(|e| backend("Scan", &e))?;
+            count += usize::try_from(page.count()).unwrap_or(0);
+            match page.last_evaluated_key() {
+                Some(key) if !key.is_empty() => start = Some(key.clone()),
+                _ => return Ok(count),
+            }
+        }
+    }
+}
+
+impl DynamoDbBudgetStore {
+    /// Refunds one expired reservation; false when a settle (or another sweeper) got
+    /// there first.
+    async fn refund_expired(&self, pk: &str, reservation: &Reservation) -> Result<bool, StoreError> {
+        let mut deltas: BTreeMap<&CounterKey, i128> = BTreeMap::new();
+        for (key, reserved) in &reservation.lines {
+            *deltas.entry(key).or_default() -= i128::from(*reserved);
+        }
+        let mut items = Vec::with_capacity(deltas.len() + 1);
+        for (key, delta) in deltas {
+            if delta != 0 {
+                items.push(self.counter_update(key, delta, None)?);
+            }
+        }
+        let mark = Update::builder()
+            .table_name(&self.table)
+            .key("pk", s(pk.to_owned()))
+            .update_expression("SET swept = :true")
+            .condition_expression("attribute_exists(pk) AND swept = :false")
+            .expression_attribute_values(":true", AttributeValue::Bool(true))
+            .expression_attribute_values(":false", AttributeValue::Bool(false))
+            .build()
+            .map_err(|e| StoreError::Backend(e.to_string()))?;
+        items.push(TransactWriteItem::builder().update(mark).build());
+        for attempt in 0..MAX_ATTEMPTS {
+            match self.transact(items.clone()).await? {
+                None => return Ok(true),
+                Some(Cancelled::Condition(_)) => return Ok(false),
+                Some(Cancelled::Retry) => backoff(attempt).await,
+            }
+        }
+        Err(contended("sweep", pk))
+    }
+
+    async fn delete_swept(&self, pk: &str) -> Result<(), StoreError> {
+        let result = self
+            .client
+            .delete_item()
+            .table_name(&self.table)
+            .key("pk", s(pk.to_owned()))
+            .condition_expression("swept = :true")
+            .expression_attribute_values(":true", AttributeValue::Bool(true))
+            .send()
+            .await;
+        match result {
+            Ok(_) => Ok(()),
+            Err(e)
+                if e.as_service_error()
+                    .is_some_and(|e| e.is_conditional_check_failed_exception()) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(backend("DeleteItem", &e)),
+        }
+    }
+}
+
+fn merge(lines: &[Line]) -> Vec<Merged<'_>> {
+    let mut merged: Vec<Merged<'_>> = Vec::with_capacity(lines.len());
+    for (index, line) in lines.iter().enumerate() {
+        match merged.iter_mut().find(|m| m.key == &line.key) {
+            Some(m) => {
+                m.amount = m.amount.saturating_add(line.amount);
+                m.limit = match (m.limit, line.limit) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+            }
+            None => merged.push(Merged {
+                key: &line.key,
+                amount: line.amount,
+                limit: line.limit,
+                line: index,
+            }),
+        }
+    }
+    merged
+}
+
+/// Counters expire 35 days after the end of their period; the period is read from
+/// the key (`.../day/...`, `.../month/...`), a key without one keeps a year.
+fn counter_ttl(key: &CounterKey) -> u64 {
+    let now = flexway::budget::period::unix_now();
+    let period = key.as_str().split('/').find_map(|part| match part {
+        "day" => Some(Period::Day),
+        "month" => Some(Period::Month),
+        _ => None,
+    });
+    match period {
+        Some(period) => period.end(now).saturating_add(COUNTER_RETENTION_SECS),
+        None => now.saturating_add(365 * 86_400),
+    }
+}
+
+fn parse_reservation(pk: &str, item: &HashMap<String, AttributeValue>) -> Result<Reservation, StoreError> {
+    let corrupt = |detail: String| StoreError::Corrupt {
+        key: pk.to_owned(),
+        detail,
+    };
+    let lines = string_attr(item, "lines")?;
+    let lines: Vec<(CounterKey, u64)> = serde_json::from_str(&lines).map_err(|e| corrupt(format!("lines: {e}")))?;
+    let expires_at = number_attr(item, "expires_at", pk)?.ok_or_else(|| corrupt("no expires_at".to_owned()))?;
+    let swept = match item.get("swept") {
+        Some(AttributeValue::Bool(b)) => *b,
+        None => false,
+        Some(other) => return Err(corrupt(format!("swept is not a BOOL: {other:?}"))),
+    };
+    Ok(Reservation {
+        lines,
+        expires_at: u64::try_from(expires_at).unwrap_or(0),
+        swept,
+    })
+}
+
+fn string_attr(item: &HashMap<String, AttributeValue>, name: &str) -> Result<String, StoreError> {
+    match item.get(name) {
+        Some(AttributeValue::S(value)) => Ok(value.clone()),
+        other => Err(StoreError::Corrupt {
+            key: format!("{:?}", item.get("pk")),
+            detail: format!("{name} is not a string: {other:?}"),
+        }),
+    }
+}
+
+fn number_attr(item: &HashMap<String, AttributeValue>, name: &str, pk: &str) -> Result<Option<i128>, StoreError> {
+    match item.get(name) {
+        None => Ok(None),
+        Some(AttributeValue::N(value)) => value.parse::<i128>().map(Some).map_err(|e| StoreError::Corrupt {
+            key: pk.to_owned(),
+            detail: format!("{name} = {value}: {e}"),
+        }),
+        Some(other) => Err(StoreError::Corrupt {
+            key: pk.to_owned(),
+            detail: format!("{name} is not a number: {other:?}"),
+        }),
+    }
+}
+
+fn s(value: String) -> AttributeValue {
+    AttributeValue::S(value)
+}
+
+fn n(value: impl ToString) -> AttributeValue {
+    AttributeValue::N(value.to_string())
+}
+
+fn backend<E: std::error::Error + 'static>(operation: &str, error: &E) -> StoreError {
+    StoreError::Backend(format!("{operation}: {}", DisplayErrorContext(error)))
+}
+
+fn contended(operation: &str, id: &str) -> StoreError {
+    StoreError::Backend(format!(
+        "{operation} {id}: still contended after {MAX_ATTEMPTS} attempts (TransactionConflict/throttling)"
+    ))
+}
+
+/// Full jitter: a random wait up to 10 ms × 2^attempt, capped at 500 ms.
+async fn backoff(attempt: u32) {
+    let cap = 10u64.saturating_mul(1 << attempt.min(6)).min(500);
+    let wait = rand::random_range(1..=cap);
+    tokio::time::sleep(Duration::from_millis(wait)).await;
+}

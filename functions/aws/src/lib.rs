@@ -1,0 +1,61 @@
+//! Flexway's AWS adapters, for the serverless shape: the DynamoDB ledger, the
+//! CloudWatch Logs audit sink, and the one function that turns the config's tagged
+//! enums into the adapters the core runs on. The core crate (`flexway`) never sees
+//! an AWS type; the Lambda binaries (`functions/gateway`, `functions/sweeper`) call
+//! [`build_adapters`] once, at init.
+
+mod cloudwatch;
+mod dynamodb;
+
+use std::sync::Arc;
+
+use flexway::audit::{AuditError, AuditSink, FileAuditSink, StdoutAuditSink};
+use flexway::budget::{BudgetStore, EmbeddedBudgetStore, MemoryBudgetStore, StoreError};
+use flexway::config::{AuditSinkConfig, Config, StoreConfig};
+use flexway::gateway::Adapters;
+
+pub use cloudwatch::CloudWatchAuditSink;
+pub use dynamodb::DynamoDbBudgetStore;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AdapterError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Audit(#[from] AuditError),
+}
+
+/// The audit stream used when the config names none: the execution environment's
+/// own stream name (one writer per stream), else `flexway-audit`.
+pub fn default_audit_stream() -> String {
+    std::env::var("AWS_LAMBDA_LOG_STREAM_NAME").unwrap_or_else(|_| "flexway-audit".to_owned())
+}
+
+/// Builds the ledger and the audit sink the config declares, with their SDK clients,
+/// and warms each connection (DescribeTable, CreateLogStream) so that the first
+/// request does not pay for it.
+pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Result<Adapters, AdapterError> {
+    let budgets: Arc<dyn BudgetStore> = match &config.store {
+        StoreConfig::DynamoDb { table } => Arc::new(dynamodb_store(sdk, table).await?),
+        StoreConfig::Memory => Arc::new(MemoryBudgetStore::new()),
+        StoreConfig::Embedded { path } => Arc::new(EmbeddedBudgetStore::open(path)?),
+    };
+    let audit: Arc<dyn AuditSink> = match &config.audit.sink {
+        AuditSinkConfig::CloudWatch { log_group, log_stream } => {
+            let stream = log_stream.clone().unwrap_or_else(default_audit_stream);
+            let sink = CloudWatchAuditSink::new(aws_sdk_cloudwatchlogs::Client::new(sdk), log_group, stream);
+            sink.ensure_stream().await?;
+            Arc::new(sink)
+        }
+        AuditSinkConfig::Stdout => Arc::new(StdoutAuditSink),
+        AuditSinkConfig::File { path } => Arc::new(FileAuditSink::open(path)?),
+    };
+    Ok(Adapters { budgets, audit })
+}
+
+/// The DynamoDB ledger on `table`, its connection warmed.
+pub async fn dynamodb_store(sdk: &aws_config::SdkConfig, table: &str) -> Result<DynamoDbBudgetStore, StoreError> {
+    let store = DynamoDbBudgetStore::new(aws_sdk_dynamodb::Client::new(sdk), table);
+    store.warm().await?;
+    Ok(store)
+}

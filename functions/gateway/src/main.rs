@@ -1,0 +1,56 @@
+//! The gateway Lambda function: the same router as `flexway serve`
+//! (`flexway::http::app`), served by `lambda_http` in response-streaming mode behind a
+//! function URL (InvokeMode RESPONSE_STREAM) or API Gateway REST with streaming.
+//!
+//! Everything is built once, at init: config (bundled with the function, path in
+//! `FLEXWAY_CONFIG`), secrets, SDK clients with their connections warmed. Handlers
+//! settle budgets and write the audit before the response ends, never in a task
+//! left behind: Lambda may freeze the environment as soon as the stream closes.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use flexway::config::ProcessEnv;
+use flexway::secret::LocalSecrets;
+
+fn main() -> ExitCode {
+    let started = Instant::now();
+    tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FLEXWAY_LOG").unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            tracing::error!("cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(started)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(started: Instant) -> Result<(), lambda_http::Error> {
+    let path = PathBuf::from(std::env::var("FLEXWAY_CONFIG").unwrap_or_else(|_| "flexway.yaml".to_owned()));
+    let loaded = flexway::config::load_file(&path, &ProcessEnv)?;
+    for warning in &loaded.warnings {
+        tracing::warn!("{}: {warning}", path.display());
+    }
+    let sdk = aws_config::load_from_env().await;
+    let adapters = flexway_aws::build_adapters(&loaded.config, &sdk).await?;
+    let gateway = flexway::Gateway::new(loaded.config, &LocalSecrets { env: &ProcessEnv }, adapters)?;
+    let app = flexway::http::app(Arc::new(gateway));
+    tracing::info!(
+        init_ms = started.elapsed().as_millis() as u64,
+        "flexway gateway ready; polling for invocations"
+    );
+    lambda_http::run_with_streaming_response(app).await
+}

@@ -1,0 +1,49 @@
+//! The sweeper Lambda function: on a schedule (EventBridge, `rate(1 minute)`), refunds
+//! the budget reservations whose call vanished (a killed invocation, a timeout) once
+//! they are past their expiry. The ledger table is named by `FLEXWAY_TABLE`.
+
+use std::process::ExitCode;
+
+use flexway::budget::BudgetStore;
+use flexway_aws::DynamoDbBudgetStore;
+use lambda_runtime::{Error, LambdaEvent, service_fn};
+use serde_json::{Value, json};
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FLEXWAY_LOG").unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            tracing::error!("cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), Error> {
+    let table = std::env::var("FLEXWAY_TABLE").map_err(|_| "FLEXWAY_TABLE is not set")?;
+    let sdk = aws_config::load_from_env().await;
+    let store = flexway_aws::dynamodb_store(&sdk, &table).await?;
+    let store = &store;
+    lambda_runtime::run(service_fn(move |event: LambdaEvent<Value>| sweep(store, event))).await
+}
+
+/// The scheduled event's own `time` is not used: the sweeper refunds what is expired
+/// now, so a late or repeated schedule tick is harmless.
+async fn sweep(store: &DynamoDbBudgetStore, _event: LambdaEvent<Value>) -> Result<Value, Error> {
+    let now = flexway::budget::period::unix_now();
+    let refunded = store.sweep(now).await?;
+    tracing::info!(refunded, "swept expired reservations");
+    Ok(json!({ "refunded": refunded }))
+}

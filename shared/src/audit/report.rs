@@ -1,0 +1,706 @@
+//! Chargeback: the audit turned into what each tenant owes (SPEC §9, `flexway report`).
+//!
+//! Invariants: money is summed in integer micro-euros (`cost_micro_eur`), never from the
+//! float `cost_eur`; a consumption metered upstream (`metered_by: upstream`, a relay to
+//! another Flexway that bills it) is shown apart and never added to what is billed
+//! locally, so nothing is billed twice; a record this build does not understand (a
+//! newer `schema_version`) stops the report rather than being misread.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::BufRead;
+
+use serde_json::json;
+
+use super::{AuditRecord, SCHEMA_VERSION};
+use crate::money::MicroEur;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error("line {line}: cannot read: {source}")]
+    Io { line: usize, source: std::io::Error },
+    #[error("line {line}: not an audit record: {source}")]
+    Parse { line: usize, source: serde_json::Error },
+    #[error("line {line}: schema_version {found} is newer than this flexway understands ({SCHEMA_VERSION})")]
+    Version { line: usize, found: u32 },
+    #[error("{name} date {value:?} is not a calendar date YYYY-MM-DD")]
+    Date { name: &'static str, value: String },
+    #[error("--from {from} is after --to {to}")]
+    EmptyPeriod { from: String, to: String },
+}
+
+/// Reads a JSONL audit: one record per line, blank lines skipped. Errors name the
+/// line (1-based).
+pub fn read_jsonl(reader: impl BufRead) -> Result<Vec<AuditRecord>, ReportError> {
+    let mut records = Vec::new();
+    for (index, line) in reader.lines().enumerate() {
+        let line_no = index + 1;
+        let line = line.map_err(|source| ReportError::Io { line: line_no, source })?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let record: AuditRecord =
+            serde_json::from_str(&line).map_err(|source| ReportError::Parse { line: line_no, source })?;
+        if record.schema_version > SCHEMA_VERSION {
+            return Err(ReportError::Version {
+                line: line_no,
+                found: record.schema_version,
+            });
+        }
+        records.push(record);
+    }
+    Ok(records)
+}
+
+/// Which records count: those whose `ts` falls on a UTC date in `from..=to`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Filter {
+    /// `YYYY-MM-DD`, inclusive.
+    pub from: Option<String>,
+    /// `YYYY-MM-DD`, inclusive.
+    pub to: Option<String>,
+}
+
+impl Filter {
+    /// A filter whose dates are checked: calendar dates, `from` not after `to`.
+    pub fn new(from: Option<String>, to: Option<String>) -> Result<Self, ReportError> {
+        for (name, value) in [("from", &from), ("to", &to)] {
+            if let Some(value) = value
+                && !is_date(value)
+            {
+                return Err(ReportError::Date {
+                    name,
+                    value: value.clone(),
+                });
+            }
+        }
+        if let (Some(from), Some(to)) = (&from, &to)
+            && from > to
+        {
+            return Err(ReportError::EmptyPeriod {
+                from: from.clone(),
+                to: to.clone(),
+            });
+        }
+        Ok(Filter { from, to })
+    }
+
+    /// Compares the date prefix of the RFC 3339 `ts` (records are written in UTC). A
+    /// record whose `ts` has no date is kept only when there is no date bound.
+    pub fn matches(&self, record: &AuditRecord) -> bool {
+        if self.from.is_none() && self.to.is_none() {
+            return true;
+        }
+        let Some(date) = record.ts.get(..10).filter(|d| is_date(d)) else {
+            return false;
+        };
+        self.from.as_deref().is_none_or(|from| date >= from) && self.to.as_deref().is_none_or(|to| date <= to)
+    }
+}
+
+fn is_date(text: &str) -> bool {
+    let bytes = text.as_bytes();
+    let digits = |range: std::ops::Range<usize>| bytes[range].iter().all(u8::is_ascii_digit);
+    if bytes.len() != 10 || bytes[4] != b'-' || bytes[7] != b'-' || !digits(0..4) || !digits(5..7) || !digits(8..10) {
+        return false;
+    }
+    let number = |range: std::ops::Range<usize>| text.get(range).and_then(|s| s.parse::<u32>().ok()).unwrap_or(0);
+    let (year, month, day) = (number(0..4), number(5..7), number(8..10));
+    let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
+    let days = match month {
+        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
+        4 | 6 | 9 | 11 => 30,
+        2 if leap => 29,
+        2 => 28,
+        _ => return false,
+    };
+    (1..=days).contains(&day)
+}
+
+/// Calls, tokens and cost, summed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Totals {
+    pub calls: u64,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub cost: MicroEur,
+}
+
+impl Totals {
+    fn add_record(&mut self, record: &AuditRecord) {
+        self.calls = self.calls.saturating_add(1);
+        self.prompt_tokens = self.prompt_tokens.saturating_add(record.prompt_tokens);
+        self.completion_tokens = self.completion_tokens.saturating_add(record.completion_tokens);
+        self.cost = self.cost.saturating_add(record.cost());
+    }
+
+    fn add(&mut self, other: &Totals) {
+        self.calls = self.calls.saturating_add(other.calls);
+        self.prompt_tokens = self.prompt_tokens.saturating_add(other.prompt_tokens);
+        self.completion_tokens = self.completion_tokens.saturating_add(other.completion_tokens);
+        self.cost = self.cost.saturating_add(other.cost);
+    }
+
+    fn to_json(self) -> serde_json::Value {
+        json!({
+            "calls": self.calls,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cost_micro_eur": self.cost.0,
+            "cost_eur": self.cost.to_eur_string(),
+        })
+    }
+}
+
+/// One line of the breakdown: a tenant's consumption through one agent (or none) on
+/// one backend (or none: a call refused before routing), metered one way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Row {
+    pub tenant: String,
+    pub agent: Option<String>,
+    pub backend: Option<String>,
+    pub metered_by: String,
+    pub totals: Totals,
+}
+
+/// A tenant's part of the report: what is billed here, and apart, what is metered
+/// (and billed) upstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantReport {
+    pub tenant: String,
+    /// Rows billed locally (every `metered_by` other than `upstream`).
+    pub local: Vec<Row>,
+    /// Rows metered upstream: for information, not billed here.
+    pub upstream: Vec<Row>,
+    pub local_total: Totals,
+    pub upstream_total: Totals,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    pub filter: Filter,
+    /// By tenant name.
+    pub tenants: Vec<TenantReport>,
+    /// What is billed locally, all tenants.
+    pub local_total: Totals,
+    /// What is metered upstream, all tenants (not part of `local_total`).
+    pub upstream_total: Totals,
+}
+
+pub const UPSTREAM: &str = "upstream";
+
+/// Sums the records that pass `filter` per (tenant, agent, backend, metered_by).
+pub fn chargeback(records: &[AuditRecord], filter: &Filter) -> Report {
+    type Key<'a> = (&'a str, Option<&'a str>, Option<&'a str>, &'a str);
+    let mut sums: BTreeMap<Key<'_>, Totals> = BTreeMap::new();
+    for record in records.iter().filter(|r| filter.matches(r)) {
+        let key = (
+            record.tenant.as_str(),
+            record.agent.as_deref(),
+            record.backend.as_deref(),
+            record.metered_by.as_str(),
+        );
+        sums.entry(key).or_default().add_record(record);
+    }
+
+    let mut tenants: Vec<TenantReport> = Vec::new();
+    for ((tenant, agent, backend, metered_by), totals) in sums {
+        if tenants.last().is_none_or(|t| t.tenant != tenant) {
+            tenants.push(TenantReport {
+                tenant: tenant.to_owned(),
+                local: Vec::new(),
+                upstream: Vec::new(),
+                local_total: Totals::default(),
+                upstream_total: Totals::default(),
+            });
+        }
+        let Some(part) = tenants.last_mut() else {
+            continue;
+        };
+        let row = Row {
+            tenant: tenant.to_owned(),
+            agent: agent.map(str::to_owned),
+            backend: backend.map(str::to_owned),
+            metered_by: metered_by.to_owned(),
+            totals,
+        };
+        if metered_by == UPSTREAM {
+            part.upstream_total.add(&totals);
+            part.upstream.push(row);
+        } else {
+            part.local_total.add(&totals);
+            part.local.push(row);
+        }
+    }
+
+    let mut local_total = Totals::default();
+    let mut upstream_total = Totals::default();
+    for part in &tenants {
+        local_total.add(&part.local_total);
+        upstream_total.add(&part.upstream_total);
+    }
+    Report {
+        filter: filter.clone(),
+        tenants,
+        local_total,
+        upstream_total,
+    }
+}
+
+const NONE: &str = "-";
+
+/// One row per line, locally billed rows first, then the upstream-metered ones; no
+/// totals rows, so that summing the cost column of the `local` rows gives the bill.
+pub fn to_csv(report: &Report) -> String {
+    let mut out = String::from("tenant,agent,backend,metered_by,calls,prompt_tokens,completion_tokens,cost_eur\n");
+    let local = report.tenants.iter().flat_map(|t| &t.local);
+    let upstream = report.tenants.iter().flat_map(|t| &t.upstream);
+    for row in local.chain(upstream) {
+        let fields = [
+            csv_field(&row.tenant),
+            csv_field(row.agent.as_deref().unwrap_or(NONE)),
+            csv_field(row.backend.as_deref().unwrap_or(NONE)),
+            csv_field(&row.metered_by),
+            row.totals.calls.to_string(),
+            row.totals.prompt_tokens.to_string(),
+            row.totals.completion_tokens.to_string(),
+            row.totals.cost.to_eur_string(),
+        ];
+        out.push_str(&fields.join(","));
+        out.push('\n');
+    }
+    out
+}
+
+/// RFC 4180: a field with a comma, quote or line break is quoted, quotes doubled.
+fn csv_field(value: &str) -> String {
+    if value.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", value.replace('"', "\"\""))
+    } else {
+        value.to_owned()
+    }
+}
+
+/// Costs appear twice: `cost_micro_eur` (exact integer) and `cost_eur` (a string with
+/// six decimals, so that no float rounding creeps in). A missing agent or backend is null.
+pub fn to_json(report: &Report) -> serde_json::Value {
+    let row_json = |row: &Row| {
+        let mut value = row.totals.to_json();
+        if let Some(object) = value.as_object_mut() {
+            object.insert("agent".into(), json!(row.agent));
+            object.insert("backend".into(), json!(row.backend));
+            object.insert("metered_by".into(), json!(row.metered_by));
+        }
+        value
+    };
+    let tenants: Vec<serde_json::Value> = report
+        .tenants
+        .iter()
+        .map(|t| {
+            json!({
+                "tenant": t.tenant,
+                "local": {
+                    "rows": t.local.iter().map(row_json).collect::<Vec<_>>(),
+                    "total": t.local_total.to_json(),
+                },
+                "upstream": {
+                    "rows": t.upstream.iter().map(row_json).collect::<Vec<_>>(),
+                    "total": t.upstream_total.to_json(),
+                },
+            })
+        })
+        .collect();
+    json!({
+        "from": report.filter.from,
+        "to": report.filter.to,
+        "tenants": tenants,
+        "local_total": report.local_total.to_json(),
+        "upstream_total": report.upstream_total.to_json(),
+    })
+}
+
+/// A section per tenant (a table of locally billed rows with its total, then the
+/// upstream-metered rows apart), and a summary table of what is billed locally.
+pub fn to_markdown(report: &Report) -> String {
+    let mut out = String::from("# Flexway chargeback\n\n");
+    let period = match (&report.filter.from, &report.filter.to) {
+        (None, None) => "all records".to_owned(),
+        (Some(from), None) => format!("from {from}"),
+        (None, Some(to)) => format!("until {to}"),
+        (Some(from), Some(to)) => format!("{from} to {to}"),
+    };
+    let _ = writeln!(out, "Period: {period} (UTC dates, inclusive). Costs in EUR.\n");
+    if report.tenants.is_empty() {
+        out.push_str("No calls in this period.\n");
+        return out;
+    }
+    const HEADER: &str = "| agent | backend | calls | prompt tokens | completion tokens | cost (EUR) |\n\
+                          | --- | --- | ---: | ---: | ---: | ---: |\n";
+    for tenant in &report.tenants {
+        let _ = writeln!(out, "## {}\n", md_cell(&tenant.tenant));
+        out.push_str("Billed locally:\n\n");
+        if tenant.local.is_empty() {
+            out.push_str("None.\n\n");
+        } else {
+            out.push_str(HEADER);
+            for row in &tenant.local {
+                md_row(&mut out, row);
+            }
+            md_total(&mut out, "**total**", &tenant.local_total);
+            out.push('\n');
+        }
+        if !tenant.upstream.is_empty() {
+            out.push_str("Metered upstream (billed where it is paid, not included above):\n\n");
+            out.push_str(HEADER);
+            for row in &tenant.upstream {
+                md_row(&mut out, row);
+            }
+            md_total(&mut out, "**total upstream**", &tenant.upstream_total);
+            out.push('\n');
+        }
+    }
+    out.push_str("## Billed locally, all tenants\n\n");
+    out.push_str("| tenant | calls | prompt tokens | completion tokens | cost (EUR) |\n");
+    out.push_str("| --- | ---: | ---: | ---: | ---: |\n");
+    for tenant in &report.tenants {
+        let t = &tenant.local_total;
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} |",
+            md_cell(&tenant.tenant),
+            t.calls,
+            t.prompt_tokens,
+            t.completion_tokens,
+            t.cost.to_eur_string()
+        );
+    }
+    let t = &report.local_total;
+    let _ = writeln!(
+        out,
+        "| **total** | **{}** | **{}** | **{}** | **{}** |",
+        t.calls,
+        t.prompt_tokens,
+        t.completion_tokens,
+        t.cost.to_eur_string()
+    );
+    if report.upstream_total.calls > 0 {
+        let t = &report.upstream_total;
+        let _ = writeln!(
+            out,
+            "\nMetered upstream, all tenants (not included above): {} call(s), {} EUR.",
+            t.calls,
+            t.cost.to_eur_string()
+        );
+    }
+    out
+}
+
+fn md_row(out: &mut String, row: &Row) {
+    let t = &row.totals;
+    let _ = writeln!(
+        out,
+        "| {} | {} | {} | {} | {} | {} |",
+        md_cell(row.agent.as_deref().unwrap_or(NONE)),
+        md_cell(row.backend.as_deref().unwrap_or(NONE)),
+        t.calls,
+        t.prompt_tokens,
+        t.completion_tokens,
+        t.cost.to_eur_string()
+    );
+}
+
+fn md_total(out: &mut String, label: &str, t: &Totals) {
+    let _ = writeln!(
+        out,
+        "| {label} | | **{}** | **{}** | **{}** | **{}** |",
+        t.calls,
+        t.prompt_tokens,
+        t.completion_tokens,
+        t.cost.to_eur_string()
+    );
+}
+
+/// Names come from the config, but a `|` or a line break would still break the table.
+fn md_cell(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('|', "\\|")
+        .replace(['\n', '\r'], " ")
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use super::*;
+
+    fn record(ts: &str, tenant: &str, agent: Option<&str>, backend: &str, metered_by: &str, cost: u64) -> AuditRecord {
+        AuditRecord {
+            schema_version: SCHEMA_VERSION,
+            ts: ts.into(),
+            request_id: format!("req-{ts}-{cost}"),
+            tenant: tenant.into(),
+            agent: agent.map(Into::into),
+            operation: "chat".into(),
+            capability: "chat".into(),
+            model_requested: Some("gpt-4o".into()),
+            model_served: Some("gpt-4o".into()),
+            backend: Some(backend.into()),
+            metered_by: metered_by.into(),
+            prompt_tokens: 100,
+            completion_tokens: 10,
+            usage_source: "reported".into(),
+            cost_eur: cost as f64 / 1e6,
+            cost_micro_eur: cost,
+            status: 200,
+            error_code: None,
+            degraded: false,
+            budget_state: "ok".into(),
+            latency_ms: 300,
+            ttfb_ms: Some(90),
+            key_hash: "00".repeat(32),
+            user_hash: None,
+        }
+    }
+
+    fn sample() -> Vec<AuditRecord> {
+        vec![
+            record("2025-03-01T08:00:00Z", "acme", Some("bot"), "ptu-west", "local", 1_000),
+            record("2025-03-01T09:00:00Z", "acme", Some("bot"), "ptu-west", "local", 2_000),
+            record("2025-03-02T09:00:00Z", "acme", None, "payg-north", "local", 500),
+            record(
+                "2025-03-02T10:00:00Z",
+                "acme",
+                Some("bot"),
+                "peer",
+                "upstream",
+                9_000_000,
+            ),
+            record("2025-03-03T23:59:59Z", "globex", None, "ptu-west", "local", 1_500_020),
+        ]
+    }
+
+    fn key(row: &Row) -> (&str, Option<&str>, Option<&str>, &str) {
+        (
+            row.tenant.as_str(),
+            row.agent.as_deref(),
+            row.backend.as_deref(),
+            row.metered_by.as_str(),
+        )
+    }
+
+    #[test]
+    fn breaks_down_per_agent_and_backend() {
+        let report = chargeback(&sample(), &Filter::default());
+        let acme = &report.tenants[0];
+        assert_eq!(acme.tenant, "acme");
+        let keys: Vec<_> = acme.local.iter().map(key).collect();
+        assert_eq!(
+            keys,
+            vec![
+                ("acme", None, Some("payg-north"), "local"),
+                ("acme", Some("bot"), Some("ptu-west"), "local"),
+            ]
+        );
+        let bot = &acme.local[1].totals;
+        assert_eq!(
+            *bot,
+            Totals {
+                calls: 2,
+                prompt_tokens: 200,
+                completion_tokens: 20,
+                cost: MicroEur(3_000)
+            }
+        );
+        assert_eq!(report.tenants[1].tenant, "globex");
+    }
+
+    #[test]
+    fn upstream_rows_are_apart_and_not_billed_locally() {
+        let report = chargeback(&sample(), &Filter::default());
+        let acme = &report.tenants[0];
+        assert_eq!(acme.upstream.len(), 1);
+        assert_eq!(key(&acme.upstream[0]), ("acme", Some("bot"), Some("peer"), "upstream"));
+        assert_eq!(acme.upstream_total.cost, MicroEur(9_000_000));
+        assert_eq!(acme.local_total.cost, MicroEur(3_500));
+        assert_eq!(report.local_total.cost, MicroEur(3_500 + 1_500_020));
+        assert_eq!(report.upstream_total.cost, MicroEur(9_000_000));
+        assert!(acme.local.iter().all(|r| r.metered_by != UPSTREAM));
+    }
+
+    #[test]
+    fn totals_equal_the_sum_of_local_costs() {
+        let records = sample();
+        let report = chargeback(&records, &Filter::default());
+        let local: u64 = records
+            .iter()
+            .filter(|r| r.metered_by == "local")
+            .map(|r| r.cost_micro_eur)
+            .sum();
+        assert_eq!(report.local_total.cost, MicroEur(local));
+        let per_tenant: u64 = report.tenants.iter().map(|t| t.local_total.cost.0).sum();
+        assert_eq!(per_tenant, local);
+        assert_eq!(
+            report.local_total.calls + report.upstream_total.calls,
+            records.len() as u64
+        );
+    }
+
+    #[test]
+    fn sums_micro_euros_not_the_float() {
+        let mut odd = record("2025-03-01T00:00:00Z", "acme", None, "b", "local", 7);
+        odd.cost_eur = 123.0;
+        let report = chargeback(&[odd.clone(), odd], &Filter::default());
+        assert_eq!(report.local_total.cost, MicroEur(14));
+    }
+
+    #[test]
+    fn date_filters_are_inclusive() {
+        let records = sample();
+        let filter = Filter::new(Some("2025-03-02".into()), Some("2025-03-03".into())).unwrap();
+        let report = chargeback(&records, &filter);
+        assert_eq!(report.local_total.calls, 2);
+        assert_eq!(report.local_total.cost, MicroEur(500 + 1_500_020));
+        assert_eq!(report.upstream_total.calls, 1);
+
+        let day = Filter::new(Some("2025-03-01".into()), Some("2025-03-01".into())).unwrap();
+        assert_eq!(chargeback(&records, &day).local_total.cost, MicroEur(3_000));
+        let until = Filter::new(None, Some("2025-03-01".into())).unwrap();
+        assert_eq!(chargeback(&records, &until).local_total.calls, 2);
+        let since = Filter::new(Some("2025-03-03".into()), None).unwrap();
+        assert_eq!(chargeback(&records, &since).local_total.calls, 1);
+    }
+
+    #[test]
+    fn filter_refuses_bad_dates_and_an_empty_period() {
+        assert!(matches!(
+            Filter::new(Some("2025/03/01".into()), None),
+            Err(ReportError::Date { name: "from", .. })
+        ));
+        assert!(Filter::new(None, Some("2025-02-29".into())).is_err());
+        assert!(Filter::new(None, Some("2024-02-29".into())).is_ok());
+        assert!(Filter::new(Some("2025-13-01".into()), None).is_err());
+        let error = Filter::new(Some("2025-03-02".into()), Some("2025-03-01".into())).unwrap_err();
+        assert!(matches!(error, ReportError::EmptyPeriod { .. }), "{error}");
+    }
+
+    #[test]
+    fn a_record_without_a_date_only_counts_without_bounds() {
+        let bad = record("yesterday", "acme", None, "b", "local", 1);
+        assert_eq!(
+            chargeback(std::slice::from_ref(&bad), &Filter::default())
+                .local_total
+                .calls,
+            1
+        );
+        let since = Filter::new(Some("2000-01-01".into()), None).unwrap();
+        assert_eq!(chargeback(&[bad], &since).local_total.calls, 0);
+    }
+
+    #[test]
+    fn reads_jsonl_skipping_blank_lines() {
+        let records = sample();
+        let mut text = String::new();
+        for r in &records {
+            text.push_str(&serde_json::to_string(r).unwrap());
+            text.push_str("\n\n");
+        }
+        text.push_str("   \n");
+        assert_eq!(read_jsonl(text.as_bytes()).unwrap(), records);
+    }
+
+    #[test]
+    fn read_errors_name_the_line() {
+        let good = serde_json::to_string(&sample()[0]).unwrap();
+        let text = format!("{good}\n\n{{\"tenant\": \"acme\"}}\n");
+        let error = read_jsonl(text.as_bytes()).unwrap_err();
+        assert!(matches!(error, ReportError::Parse { line: 3, .. }), "{error}");
+        assert!(error.to_string().starts_with("line 3:"), "{error}");
+    }
+
+    #[test]
+    fn refuses_a_newer_schema_version() {
+        let mut newer = sample()[0].clone();
+        newer.schema_version = SCHEMA_VERSION + 1;
+        let text = serde_json::to_string(&newer).unwrap();
+        let error = read_jsonl(text.as_bytes()).unwrap_err();
+        assert!(matches!(error, ReportError::Version { line: 1, .. }), "{error}");
+    }
+
+    #[test]
+    fn csv_has_a_header_and_quotes_commas() {
+        let records = vec![
+            record(
+                "2025-03-01T08:00:00Z",
+                "acme, inc",
+                Some("say \"hi\""),
+                "ptu",
+                "local",
+                1_500_020,
+            ),
+            record("2025-03-01T08:00:00Z", "acme, inc", None, "peer", "upstream", 7),
+        ];
+        let csv = to_csv(&chargeback(&records, &Filter::default()));
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(
+            lines,
+            vec![
+                "tenant,agent,backend,metered_by,calls,prompt_tokens,completion_tokens,cost_eur",
+                "\"acme, inc\",\"say \"\"hi\"\"\",ptu,local,1,100,10,1.500020",
+                "\"acme, inc\",-,peer,upstream,1,100,10,0.000007",
+            ]
+        );
+    }
+
+    #[test]
+    fn csv_lists_local_rows_before_upstream_rows() {
+        let csv = to_csv(&chargeback(&sample(), &Filter::default()));
+        let metered: Vec<&str> = csv.lines().skip(1).map(|l| l.split(',').nth(3).unwrap()).collect();
+        assert_eq!(metered, vec!["local", "local", "local", "upstream"]);
+    }
+
+    #[test]
+    fn json_carries_exact_costs_and_upstream_apart() {
+        let value = to_json(&chargeback(&sample(), &Filter::default()));
+        assert_eq!(value["local_total"]["cost_micro_eur"], 1_503_520);
+        assert_eq!(value["local_total"]["cost_eur"], "1.503520");
+        assert_eq!(value["upstream_total"]["cost_eur"], "9.000000");
+        let acme = &value["tenants"][0];
+        assert_eq!(acme["tenant"], "acme");
+        assert_eq!(acme["local"]["total"]["cost_micro_eur"], 3_500);
+        assert_eq!(acme["upstream"]["rows"][0]["backend"], "peer");
+        assert_eq!(acme["local"]["rows"][0]["agent"], serde_json::Value::Null);
+        assert_eq!(value["from"], serde_json::Value::Null);
+    }
+
+    #[test]
+    fn markdown_shows_tables_totals_and_upstream_apart() {
+        let filter = Filter::new(Some("2025-03-01".into()), Some("2025-03-31".into())).unwrap();
+        let md = to_markdown(&chargeback(&sample(), &filter));
+        assert!(md.contains("Period: 2025-03-01 to 2025-03-31"), "{md}");
+        assert!(md.contains("## acme"), "{md}");
+        assert!(md.contains("| bot | ptu-west | 2 | 200 | 20 | 0.003000 |"), "{md}");
+        assert!(
+            md.contains("| **total** | | **3** | **300** | **30** | **0.003500** |"),
+            "{md}"
+        );
+        assert!(md.contains("Metered upstream"), "{md}");
+        assert!(md.contains("| bot | peer | 1 | 100 | 10 | 9.000000 |"), "{md}");
+        assert!(
+            md.contains("| **total** | **4** | **400** | **40** | **1.503520** |"),
+            "{md}"
+        );
+        // The upstream section comes after acme's local total, before globex.
+        let upstream = md.find("| bot | peer").unwrap();
+        assert!(md.find("**0.003500**").unwrap() < upstream && upstream < md.find("## globex").unwrap());
+    }
+
+    #[test]
+    fn markdown_escapes_pipes_and_says_when_empty() {
+        let records = vec![record("2025-03-01T08:00:00Z", "a|b", None, "x", "local", 1)];
+        let md = to_markdown(&chargeback(&records, &Filter::default()));
+        assert!(md.contains("## a\\|b"), "{md}");
+        let empty = to_markdown(&chargeback(&[], &Filter::default()));
+        assert!(empty.contains("No calls in this period."), "{empty}");
+    }
+}

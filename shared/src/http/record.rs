@@ -1,0 +1,170 @@
+//! The record phase: the audit record of one call, filled in as the call goes through
+//! its phases and written when it ends, whatever the outcome.
+//!
+//! A `Draft` is created as soon as the caller is identified. It must end in `finish`;
+//! if the request is dropped first (the client went away), `Drop` writes the record
+//! with status 499, so no call escapes the audit. Failed writes are reported in the
+//! process log with the request id, never silently lost.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::audit::{AuditRecord, SCHEMA_VERSION};
+use crate::budget::period::{rfc3339_millis, unix_now_millis};
+use crate::config::{BackendKind, Capability, Metering};
+use crate::error::GatewayError;
+use crate::gateway::Gateway;
+use crate::identity::Caller;
+use crate::money::MicroEur;
+use crate::protocol::openai::Usage;
+use crate::routing::Candidate;
+
+use super::RequestId;
+use super::proxy::UsageSource;
+
+/// The status nginx uses for a request the client abandoned.
+const CLIENT_CLOSED_REQUEST: u16 = 499;
+
+pub(super) struct Draft {
+    gateway: Arc<Gateway>,
+    started: Instant,
+    record: AuditRecord,
+    open: bool,
+}
+
+impl Draft {
+    pub fn begin(gateway: &Arc<Gateway>, request_id: &RequestId, caller: &Caller, operation: &'static str) -> Self {
+        let record = AuditRecord {
+            schema_version: SCHEMA_VERSION,
+            ts: String::new(),
+            request_id: request_id.0.clone(),
+            tenant: caller.tenant.to_string(),
+            agent: caller.agent.as_ref().map(ToString::to_string),
+            operation: operation.to_owned(),
+            capability: Capability::Chat.as_str().to_owned(),
+            model_requested: None,
+            model_served: None,
+            backend: None,
+            metered_by: "local".to_owned(),
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            usage_source: UsageSource::Reported.as_str().to_owned(),
+            cost_eur: 0.0,
+            cost_micro_eur: 0,
+            status: 0,
+            error_code: None,
+            degraded: false,
+            budget_state: "ok".to_owned(),
+            latency_ms: 0,
+            ttfb_ms: None,
+            key_hash: gateway.hasher.hash(&caller.key_sha256),
+            user_hash: None,
+        };
+        Draft {
+            gateway: gateway.clone(),
+            started: Instant::now(),
+            record,
+            open: true,
+        }
+    }
+
+    pub fn request(&mut self, capability: Capability, model: &str, user: Option<&str>) {
+        self.record.capability = capability.as_str().to_owned();
+        self.record.model_requested = Some(model.to_owned());
+        self.record.user_hash = user.map(|u| self.gateway.hasher.hash(u.as_bytes()));
+    }
+
+    pub fn soft(&mut self, soft: bool) {
+        if soft {
+            self.record.budget_state = "soft".to_owned();
+        }
+    }
+
+    /// The backend being tried (the last one tried is recorded on failure).
+    pub fn trying(&mut self, candidate: &Candidate, model: &str) {
+        let backend = self.gateway.config.ai.backends.get(&candidate.backend);
+        let upstream_metered = backend.is_some_and(|b| {
+            matches!(
+                b.kind,
+                BackendKind::Relay {
+                    metering: Metering::Upstream,
+                    ..
+                }
+            )
+        });
+        self.record.backend = Some(candidate.backend.to_string());
+        self.record.model_served = Some(model.to_owned());
+        self.record.degraded = candidate.degraded;
+        self.record.metered_by = if upstream_metered { "upstream" } else { "local" }.to_owned();
+    }
+
+    pub fn usage(&mut self, usage: Usage, source: UsageSource, cost: MicroEur) {
+        self.record.prompt_tokens = usage.prompt_tokens;
+        self.record.completion_tokens = usage.completion_tokens;
+        self.record.usage_source = source.as_str().to_owned();
+        self.record.cost_micro_eur = cost.0;
+        self.record.cost_eur = cost.0 as f64 / MicroEur::PER_EUR as f64;
+    }
+
+    pub fn first_byte(&mut self) {
+        if self.record.ttfb_ms.is_none() {
+            self.record.ttfb_ms = Some(elapsed_ms(self.started));
+        }
+    }
+
+    pub async fn finish(mut self, status: u16, error_code: Option<&str>) {
+        self.open = false;
+        let record = self.complete(status, error_code);
+        write(&self.gateway, record).await;
+    }
+
+    pub async fn fail(self, error: &GatewayError) {
+        let mut this = self;
+        if matches!(error, GatewayError::BudgetExceeded { .. }) {
+            this.record.budget_state = "exceeded".to_owned();
+        }
+        if let GatewayError::UpstreamUnavailable { tried, .. } = error
+            && let Some(last) = tried.last()
+        {
+            this.record.backend = Some(last.to_string());
+        }
+        this.finish(error.status().as_u16(), Some(error.code())).await;
+    }
+
+    fn complete(&mut self, status: u16, error_code: Option<&str>) -> AuditRecord {
+        let mut record = self.record.clone();
+        record.ts = rfc3339_millis(unix_now_millis());
+        record.status = status;
+        record.error_code = error_code.map(str::to_owned);
+        record.latency_ms = elapsed_ms(self.started);
+        if record.ttfb_ms.is_none() && status < 400 {
+            record.ttfb_ms = Some(record.latency_ms);
+        }
+        record
+    }
+}
+
+fn elapsed_ms(started: Instant) -> u64 {
+    u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+async fn write(gateway: &Gateway, record: AuditRecord) {
+    if let Err(e) = gateway.audit.write(std::slice::from_ref(&record)).await {
+        tracing::error!(request_id = %record.request_id, "audit record not written: {e}");
+    }
+}
+
+impl Drop for Draft {
+    fn drop(&mut self) {
+        if !self.open {
+            return;
+        }
+        let record = self.complete(CLIENT_CLOSED_REQUEST, Some("client_closed_request"));
+        let gateway = self.gateway.clone();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { write(&gateway, record).await });
+        } else {
+            tracing::error!(request_id = %record.request_id, "audit record not written: no runtime at drop");
+        }
+    }
+}

@@ -1,0 +1,993 @@
+//! Metrics (SPEC §9): an in-process registry rendered as Prometheus text in the local
+//! shape, and CloudWatch Embedded Metric Format lines in the serverless one.
+//!
+//! Invariants: the call and cost counters are fed from the audit record itself
+//! ([`Registry::record_call`], [`emf_line`]), so metrics and audit never disagree; labels
+//! are only low-cardinality values (tenant, backend, metering, capability, budget name:
+//! names from the config; never a request id, a model string, a key or a user); money is kept
+//! in integer micro-euros and only turned into euros when rendered. Recording is cheap:
+//! one short lock per family, no allocation once a series exists.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::hash::{BuildHasher as _, RandomState};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::audit::AuditRecord;
+use crate::money::MicroEur;
+
+/// The label value used when a record has no value (e.g. no backend: refused before
+/// routing). Never empty: an empty label is an absent label to Prometheus, and
+/// CloudWatch refuses empty dimension values.
+pub const NONE: &str = "none";
+
+const NANOS_PER_MS: i64 = 1_000_000;
+/// Histogram bounds for latencies are kept in nanoseconds and rendered in seconds.
+const SECOND_DECIMALS: u32 = 9;
+
+/// What the gateway adds to a call: sub-millisecond is the aim.
+const OVERHEAD_BOUNDS_NS: [i64; 12] = [
+    100_000,
+    250_000,
+    500_000,
+    NANOS_PER_MS,
+    2 * NANOS_PER_MS + NANOS_PER_MS / 2,
+    5 * NANOS_PER_MS,
+    10 * NANOS_PER_MS,
+    25 * NANOS_PER_MS,
+    50 * NANOS_PER_MS,
+    100 * NANOS_PER_MS,
+    250 * NANOS_PER_MS,
+    1_000 * NANOS_PER_MS,
+];
+
+/// Time to first byte from a backend: model latency, tens of milliseconds to a minute.
+const TTFB_BOUNDS_NS: [i64; 10] = [
+    50 * NANOS_PER_MS,
+    100 * NANOS_PER_MS,
+    250 * NANOS_PER_MS,
+    500 * NANOS_PER_MS,
+    1_000 * NANOS_PER_MS,
+    2_500 * NANOS_PER_MS,
+    5_000 * NANOS_PER_MS,
+    10_000 * NANOS_PER_MS,
+    30_000 * NANOS_PER_MS,
+    60_000 * NANOS_PER_MS,
+];
+
+/// Estimated minus reported tokens. `le="-1"` counts underestimates, `le="0"` minus
+/// `le="-1"` exact estimates, and the rest overestimates by size.
+const DRIFT_BOUNDS: [i64; 8] = [-1_000, -100, -10, -1, 0, 10, 100, 1_000];
+
+/// A circuit breaker's state, as the `flexway_breaker_state` gauge encodes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreakerState {
+    Closed,
+    Open,
+    HalfOpen,
+}
+
+impl BreakerState {
+    pub fn gauge_value(self) -> u8 {
+        match self {
+            BreakerState::Closed => 0,
+            BreakerState::Open => 1,
+            BreakerState::HalfOpen => 2,
+        }
+    }
+}
+
+/// The process's metrics. Share it (`Arc`) between the request path and `/metrics`.
+pub struct Registry {
+    /// (calls, micro-euros) per [tenant, backend, metered_by, capability].
+    calls: Family<CallSums>,
+    usage_estimated: Family<u64>,
+    overhead: Histogram,
+    ttfb: Family<Histogram>,
+    usage_drift: Family<Histogram>,
+    budget_remaining: Family<f64>,
+    breaker_state: Family<f64>,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry").finish_non_exhaustive()
+    }
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[derive(Default, Clone, Copy)]
+struct CallSums {
+    calls: u64,
+    cost_micro_eur: u64,
+}
+
+impl Registry {
+    pub fn new() -> Self {
+        Registry {
+            calls: Family::new(),
+            usage_estimated: Family::new(),
+            overhead: Histogram::new(&OVERHEAD_BOUNDS_NS),
+            ttfb: Family::new(),
+            usage_drift: Family::new(),
+            budget_remaining: Family::new(),
+            breaker_state: Family::new(),
+        }
+    }
+
+    /// Counts one call and its cost from its audit record, and, when its usage was
+    /// settled on an estimate (`usage_source: estimated` with some tokens), counts that
+    /// too. Call it once per record written, refused calls included.
+    pub fn record_call(&self, record: &AuditRecord) {
+        let labels = call_labels(record);
+        self.calls.with(&labels, CallSums::default, |sums| {
+            sums.calls = sums.calls.saturating_add(1);
+            sums.cost_micro_eur = sums.cost_micro_eur.saturating_add(record.cost_micro_eur);
+        });
+        let tokens = record.prompt_tokens.saturating_add(record.completion_tokens);
+        if record.usage_source == "estimated" && tokens > 0 {
+            self.usage_estimated
+                .with(&[labels[1]], u64::default, |count| *count = count.saturating_add(1));
+        }
+    }
+
+    /// The latency the gateway itself adds to a call (total minus upstream time).
+    pub fn observe_gateway_overhead(&self, overhead: Duration) {
+        self.overhead.observe(nanos(overhead));
+    }
+
+    pub fn observe_time_to_first_byte(&self, backend: &str, ttfb: Duration) {
+        self.ttfb.with(
+            &[label(Some(backend))],
+            || Histogram::new(&TTFB_BOUNDS_NS),
+            |h| h.observe(nanos(ttfb)),
+        );
+    }
+
+    /// For a stream where both an estimate (from what was relayed) and the backend's
+    /// reported usage exist: how far the estimate was off, in tokens.
+    pub fn observe_usage_drift(&self, backend: &str, estimated: u64, reported: u64) {
+        let drift = i128::from(estimated) - i128::from(reported);
+        let drift = i64::try_from(drift).unwrap_or(if drift < 0 { i64::MIN } else { i64::MAX });
+        self.usage_drift.with(
+            &[label(Some(backend))],
+            || Histogram::new(&DRIFT_BOUNDS),
+            |h| h.observe(drift),
+        );
+    }
+
+    /// `budget` names the counter, e.g. `tokens_per_day`, `eur_per_month`.
+    pub fn set_budget_remaining(&self, tenant: &str, budget: &str, remaining: f64) {
+        self.budget_remaining
+            .with(&[label(Some(tenant)), label(Some(budget))], f64::default, |v| {
+                *v = remaining
+            });
+    }
+
+    pub fn set_breaker_state(&self, backend: &str, state: BreakerState) {
+        self.breaker_state.with(&[label(Some(backend))], f64::default, |v| {
+            *v = f64::from(state.gauge_value())
+        });
+    }
+
+    /// The Prometheus text exposition format, version 0.0.4.
+    pub fn render_prometheus(&self) -> String {
+        let mut out = String::with_capacity(4096);
+        const CALL_LABELS: [&str; 4] = ["tenant", "backend", "metered_by", "capability"];
+        let calls = self.calls.snapshot(|sums| *sums);
+
+        header(
+            &mut out,
+            "flexway_inference_calls_total",
+            "counter",
+            "Inference calls with an audit record, refused ones included.",
+        );
+        for (values, sums) in &calls {
+            sample(
+                &mut out,
+                "flexway_inference_calls_total",
+                &CALL_LABELS,
+                values,
+                None,
+                &sums.calls.to_string(),
+            );
+        }
+
+        header(
+            &mut out,
+            "flexway_inference_cost_eur_total",
+            "counter",
+            "Cost of inference calls in euros, as settled in the ledger.",
+        );
+        for (values, sums) in &calls {
+            let euros = MicroEur(sums.cost_micro_eur).to_eur_string();
+            sample(
+                &mut out,
+                "flexway_inference_cost_eur_total",
+                &CALL_LABELS,
+                values,
+                None,
+                &euros,
+            );
+        }
+
+        header(
+            &mut out,
+            "flexway_usage_estimated_total",
+            "counter",
+            "Calls whose usage was settled on an estimate (the backend reported none).",
+        );
+        for (values, count) in self.usage_estimated.snapshot(|c| *c) {
+            sample(
+                &mut out,
+                "flexway_usage_estimated_total",
+                &["backend"],
+                &values,
+                None,
+                &count.to_string(),
+            );
+        }
+
+        header(
+            &mut out,
+            "flexway_gateway_overhead_seconds",
+            "histogram",
+            "Latency the gateway adds to a call, upstream time excluded.",
+        );
+        let overhead = self.overhead.snapshot();
+        histogram(
+            &mut out,
+            "flexway_gateway_overhead_seconds",
+            &[],
+            &[],
+            &overhead,
+            SECOND_DECIMALS,
+        );
+
+        header(
+            &mut out,
+            "flexway_time_to_first_byte_seconds",
+            "histogram",
+            "Time from sending a request to a backend to its first response byte.",
+        );
+        for (values, snapshot) in self.ttfb.snapshot(Histogram::snapshot) {
+            histogram(
+                &mut out,
+                "flexway_time_to_first_byte_seconds",
+                &["backend"],
+                &values,
+                &snapshot,
+                SECOND_DECIMALS,
+            );
+        }
+
+        header(
+            &mut out,
+            "flexway_usage_drift_tokens",
+            "histogram",
+            "Estimated minus reported tokens, for streams where both exist.",
+        );
+        for (values, snapshot) in self.usage_drift.snapshot(Histogram::snapshot) {
+            histogram(
+                &mut out,
+                "flexway_usage_drift_tokens",
+                &["backend"],
+                &values,
+                &snapshot,
+                0,
+            );
+        }
+
+        header(
+            &mut out,
+            "flexway_budget_remaining",
+            "gauge",
+            "What remains of a tenant's budget, in the budget's unit (tokens or euros).",
+        );
+        for (values, value) in self.budget_remaining.snapshot(|v| *v) {
+            sample(
+                &mut out,
+                "flexway_budget_remaining",
+                &["tenant", "budget"],
+                &values,
+                None,
+                &float(value),
+            );
+        }
+
+        header(
+            &mut out,
+            "flexway_breaker_state",
+            "gauge",
+            "Circuit breaker state per backend: 0 closed, 1 open, 2 half-open.",
+        );
+        for (values, value) in self.breaker_state.snapshot(|v| *v) {
+            sample(
+                &mut out,
+                "flexway_breaker_state",
+                &["backend"],
+                &values,
+                None,
+                &float(value),
+            );
+        }
+        out
+    }
+}
+
+/// The CloudWatch Embedded Metric Format line (JSON, no trailing newline) for one call:
+/// `flexway.inference.cost` (euros) and `flexway.inference.calls`, with the dimensions
+/// of SPEC §9. Only dimension values and numbers: nothing else of the record.
+pub fn emf_line(record: &AuditRecord) -> String {
+    let [tenant, backend, metered_by, capability] = call_labels(record);
+    let timestamp = rfc3339_millis(&record.ts).unwrap_or_else(now_millis);
+    let cost_eur = record.cost_micro_eur as f64 / MicroEur::PER_EUR as f64;
+    json!({
+        "_aws": {
+            "Timestamp": timestamp,
+            "CloudWatchMetrics": [{
+                "Namespace": "Flexway",
+                "Dimensions": [["tenant", "backend", "metered_by", "capability"], ["tenant"], ["backend"]],
+                "Metrics": [
+                    {"Name": "flexway.inference.cost", "Unit": "None"},
+                    {"Name": "flexway.inference.calls", "Unit": "Count"},
+                ],
+            }],
+        },
+        "tenant": tenant,
+        "backend": backend,
+        "metered_by": metered_by,
+        "capability": capability,
+        "flexway.inference.cost": cost_eur,
+        "flexway.inference.calls": 1,
+    })
+    .to_string()
+}
+
+fn call_labels(record: &AuditRecord) -> [&str; 4] {
+    [
+        label(Some(&record.tenant)),
+        label(record.backend.as_deref()),
+        label(Some(&record.metered_by)),
+        label(Some(&record.capability)),
+    ]
+}
+
+fn label(value: Option<&str>) -> &str {
+    match value {
+        Some(value) if !value.is_empty() => value,
+        _ => NONE,
+    }
+}
+
+fn nanos(duration: Duration) -> i64 {
+    i64::try_from(duration.as_nanos()).unwrap_or(i64::MAX)
+}
+
+/// Series of one family, keyed by their label values. The map is keyed by a hash of
+/// the values so that finding an existing series needs no allocation.
+struct Family<V> {
+    hasher: RandomState,
+    series: Mutex<HashMap<u64, Vec<Series<V>>>>,
+}
+
+/// A series: its label values (in the family's label order) and its value.
+type Series<V> = (Box<[String]>, V);
+
+impl<V> Family<V> {
+    fn new() -> Self {
+        Family {
+            hasher: RandomState::new(),
+            series: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn with<R>(&self, labels: &[&str], make: impl FnOnce() -> V, update: impl FnOnce(&mut V) -> R) -> R {
+        let hash = self.hasher.hash_one(labels);
+        let mut series = self.series.lock().unwrap_or_else(PoisonError::into_inner);
+        let bucket = series.entry(hash).or_default();
+        let same = |key: &[String]| key.len() == labels.len() && key.iter().zip(labels).all(|(k, l)| k == l);
+        if let Some((_, value)) = bucket.iter_mut().find(|(key, _)| same(key)) {
+            return update(value);
+        }
+        let mut value = make();
+        let result = update(&mut value);
+        bucket.push((labels.iter().map(|l| (*l).to_owned()).collect(), value));
+        result
+    }
+
+    /// Every series, sorted by label values, read with `read` under the lock.
+    fn snapshot<T>(&self, read: impl Fn(&V) -> T) -> Vec<Series<T>> {
+        let series = self.series.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut all: Vec<_> = series
+            .values()
+            .flatten()
+            .map(|(key, value)| (key.clone(), read(value)))
+            .collect();
+        drop(series);
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
+    }
+}
+
+/// A fixed-bucket histogram of integer observations (nanoseconds, tokens).
+struct Histogram {
+    bounds: &'static [i64],
+    /// Per bucket, not cumulative; the last one is `+Inf`.
+    counts: Box<[AtomicU64]>,
+    sum: AtomicI64,
+}
+
+struct HistogramSnapshot {
+    bounds: &'static [i64],
+    /// Cumulative, the last one (`+Inf`) being the count.
+    cumulative: Vec<u64>,
+    sum: i64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [i64]) -> Self {
+        Histogram {
+            bounds,
+            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum: AtomicI64::new(0),
+        }
+    }
+
+    fn observe(&self, value: i64) {
+        // The first bucket whose bound is >= value (`le` is inclusive).
+        let index = self.bounds.partition_point(|bound| *bound < value);
+        if let Some(count) = self.counts.get(index) {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+        self.sum.fetch_add(value, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> HistogramSnapshot {
+        let mut running = 0_u64;
+        let cumulative = self
+            .counts
+            .iter()
+            .map(|count| {
+                running = running.saturating_add(count.load(Ordering::Relaxed));
+                running
+            })
+            .collect();
+        HistogramSnapshot {
+            bounds: self.bounds,
+            cumulative,
+            sum: self.sum.load(Ordering::Relaxed),
+        }
+    }
+}
+
+fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+/// One sample line; `le` is appended after the other labels for histogram buckets.
+fn sample(out: &mut String, name: &str, names: &[&str], values: &[String], le: Option<&str>, value: &str) {
+    out.push_str(name);
+    let mut pairs = names
+        .iter()
+        .zip(values)
+        .map(|(n, v)| (*n, v.as_str()))
+        .chain(le.map(|le| ("le", le)));
+    if let Some((first_name, first_value)) = pairs.next() {
+        let _ = write!(out, "{{{first_name}=\"{}\"", escape_label(first_value));
+        for (name, value) in pairs {
+            let _ = write!(out, ",{name}=\"{}\"", escape_label(value));
+        }
+        out.push('}');
+    }
+    out.push(' ');
+    out.push_str(value);
+    out.push('\n');
+}
+
+fn histogram(
+    out: &mut String,
+    name: &str,
+    names: &[&str],
+    values: &[String],
+    snapshot: &HistogramSnapshot,
+    decimals: u32,
+) {
+    let bucket = format!("{name}_bucket");
+    let les = snapshot
+        .bounds
+        .iter()
+        .map(|bound| scaled(*bound, decimals))
+        .chain(std::iter::once("+Inf".to_owned()));
+    for (le, count) in les.zip(&snapshot.cumulative) {
+        sample(out, &bucket, names, values, Some(&le), &count.to_string());
+    }
+    let count = snapshot.cumulative.last().copied().unwrap_or(0);
+    sample(
+        out,
+        &format!("{name}_sum"),
+        names,
+        values,
+        None,
+        &scaled(snapshot.sum, decimals),
+    );
+    sample(out, &format!("{name}_count"), names, values, None, &count.to_string());
+}
+
+/// `value / 10^decimals` as an exact decimal without trailing zeros: `2500000, 9` → `0.0025`.
+fn scaled(value: i64, decimals: u32) -> String {
+    let sign = if value < 0 { "-" } else { "" };
+    let magnitude = value.unsigned_abs();
+    let unit = 10_u64.pow(decimals);
+    let (whole, fraction) = (magnitude / unit, magnitude % unit);
+    if fraction == 0 {
+        return format!("{sign}{whole}");
+    }
+    let digits = format!("{fraction:0width$}", width = decimals as usize);
+    format!("{sign}{whole}.{}", digits.trim_end_matches('0'))
+}
+
+fn float(value: f64) -> String {
+    if value.is_nan() {
+        "NaN".to_owned()
+    } else if value.is_infinite() {
+        if value > 0.0 { "+Inf" } else { "-Inf" }.to_owned()
+    } else {
+        value.to_string()
+    }
+}
+
+/// Label values escape backslash, double quote and line feed (format 0.0.4).
+fn escape_label(value: &str) -> String {
+    let mut escaped = String::with_capacity(value.len());
+    for c in value.chars() {
+        match c {
+            '\\' => escaped.push_str("\\\\"),
+            '"' => escaped.push_str("\\\""),
+            '\n' => escaped.push_str("\\n"),
+            c => escaped.push(c),
+        }
+    }
+    escaped
+}
+
+/// Milliseconds since the epoch of an RFC 3339 timestamp (`2025-03-01T10:00:00.250Z`,
+/// or with an offset). `None` when it does not parse.
+fn rfc3339_millis(ts: &str) -> Option<i64> {
+    let number = |range: std::ops::Range<usize>| -> Option<i64> {
+        let digits = ts.get(range)?;
+        digits
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+            .then(|| digits.parse().ok())?
+    };
+    let bytes = ts.as_bytes();
+    let separators_ok = bytes.get(4) == Some(&b'-')
+        && bytes.get(7) == Some(&b'-')
+        && matches!(bytes.get(10), Some(b'T' | b't' | b' '))
+        && bytes.get(13) == Some(&b':')
+        && bytes.get(16) == Some(&b':');
+    if !separators_ok {
+        return None;
+    }
+    let (year, month, day) = (number(0..4)?, number(5..7)?, number(8..10)?);
+    let (hour, minute, second) = (number(11..13)?, number(14..16)?, number(17..19)?);
+    if !(1..=12).contains(&month) || !(1..=31).contains(&day) || hour > 23 || minute > 59 || second > 60 {
+        return None;
+    }
+    let mut rest = ts.get(19..)?;
+    let mut millis = 0;
+    if let Some(fraction) = rest.strip_prefix('.') {
+        let len = fraction.bytes().take_while(u8::is_ascii_digit).count();
+        if len == 0 {
+            return None;
+        }
+        let first_three = fraction.get(..len.min(3))?;
+        millis = first_three.parse::<i64>().ok()? * 10_i64.pow(3 - first_three.len() as u32);
+        rest = fraction.get(len..)?;
+    }
+    let offset_minutes = match rest {
+        "Z" | "z" => 0,
+        _ => {
+            let sign = match rest.as_bytes().first() {
+                Some(b'+') => 1,
+                Some(b'-') => -1,
+                _ => return None,
+            };
+            let (hours, minutes) = (rest.get(1..3)?, rest.get(4..6)?);
+            if rest.len() != 6 || rest.as_bytes().get(3) != Some(&b':') {
+                return None;
+            }
+            sign * (hours.parse::<i64>().ok()? * 60 + minutes.parse::<i64>().ok()?)
+        }
+    };
+    let days = days_from_civil(year, month, day);
+    let seconds = days * 86_400 + hour * 3_600 + minute * 60 + second - offset_minutes * 60;
+    Some(seconds * 1_000 + millis)
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's algorithm).
+fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+    let year = if month <= 2 { year - 1 } else { year };
+    let era = year.div_euclid(400);
+    let year_of_era = year.rem_euclid(400);
+    let month_from_march = (month + 9) % 12;
+    let day_of_year = (153 * month_from_march + 2) / 5 + day - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    era * 146_097 + day_of_era - 719_468
+}
+
+fn now_millis() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use super::*;
+    use crate::audit::SCHEMA_VERSION;
+
+    fn record(tenant: &str, backend: Option<&str>, metered_by: &str, cost: u64) -> AuditRecord {
+        AuditRecord {
+            schema_version: SCHEMA_VERSION,
+            ts: "2025-03-01T10:00:00.250Z".into(),
+            request_id: "req-1".into(),
+            tenant: tenant.into(),
+            agent: Some("billing-bot".into()),
+            operation: "chat".into(),
+            capability: "chat".into(),
+            model_requested: Some("gpt-4o".into()),
+            model_served: Some("gpt-4o-2024-08-06".into()),
+            backend: backend.map(Into::into),
+            metered_by: metered_by.into(),
+            prompt_tokens: 100,
+            completion_tokens: 50,
+            usage_source: "reported".into(),
+            cost_eur: cost as f64 / 1e6,
+            cost_micro_eur: cost,
+            status: 200,
+            error_code: None,
+            degraded: false,
+            budget_state: "ok".into(),
+            latency_ms: 420,
+            ttfb_ms: Some(120),
+            key_hash: "ab".repeat(32),
+            user_hash: Some("cd".repeat(32)),
+        }
+    }
+
+    /// The lines of `text` that start with `prefix`, in order.
+    fn lines<'a>(text: &'a str, prefix: &str) -> Vec<&'a str> {
+        text.lines().filter(|l| l.starts_with(prefix)).collect()
+    }
+
+    #[test]
+    fn renders_call_and_cost_counters_from_records() {
+        let registry = Registry::new();
+        registry.record_call(&record("acme", Some("ptu-west"), "local", 150));
+        registry.record_call(&record("acme", Some("ptu-west"), "local", 1_500_020));
+        registry.record_call(&record("acme", Some("peer"), "upstream", 7));
+        registry.record_call(&record("globex", None, "local", 0));
+        let text = registry.render_prometheus();
+        assert_eq!(
+            lines(&text, "flexway_inference_calls_total"),
+            vec![
+                r#"flexway_inference_calls_total{tenant="acme",backend="peer",metered_by="upstream",capability="chat"} 1"#,
+                r#"flexway_inference_calls_total{tenant="acme",backend="ptu-west",metered_by="local",capability="chat"} 2"#,
+                r#"flexway_inference_calls_total{tenant="globex",backend="none",metered_by="local",capability="chat"} 1"#,
+            ]
+        );
+        assert_eq!(
+            lines(&text, "flexway_inference_cost_eur_total"),
+            vec![
+                r#"flexway_inference_cost_eur_total{tenant="acme",backend="peer",metered_by="upstream",capability="chat"} 0.000007"#,
+                r#"flexway_inference_cost_eur_total{tenant="acme",backend="ptu-west",metered_by="local",capability="chat"} 1.500170"#,
+                r#"flexway_inference_cost_eur_total{tenant="globex",backend="none",metered_by="local",capability="chat"} 0.000000"#,
+            ]
+        );
+        assert!(text.contains(
+            "# HELP flexway_inference_calls_total Inference calls with an audit record, refused ones included.\n\
+             # TYPE flexway_inference_calls_total counter\n"
+        ));
+        assert!(text.contains("# TYPE flexway_inference_cost_eur_total counter\n"));
+    }
+
+    #[test]
+    fn renders_histograms_with_cumulative_buckets_sum_and_count() {
+        let registry = Registry::new();
+        registry.observe_time_to_first_byte("ptu-west", Duration::from_millis(80));
+        registry.observe_time_to_first_byte("ptu-west", Duration::from_millis(100));
+        registry.observe_time_to_first_byte("ptu-west", Duration::from_secs(90));
+        let text = registry.render_prometheus();
+        assert_eq!(
+            lines(&text, "flexway_time_to_first_byte_seconds"),
+            vec![
+                r#"flexway_time_to_first_byte_seconds_bucket{backend="ptu-west",le="0.05"} 0"#,
+                r#"flexway_time_to_first_byte_seconds_bucket{backend="ptu-west",le="0.1"} 2"#,
+                r#"flexway_time_to_first_byte_seconds_bucket{backend="ptu-west",le="0.25"} 2"#,
+                r#"flexway_time_to_first_byte_seconds_bucket{backend="ptu-west",le="0.5"} 2"#,
+                r#"flexway_time_to_first_byte_seconds_bucket{backend="ptu-west",le="1"} 2"#,
+                r#"flexway_time_to_first_byte_seconds_bucket{backend="ptu-west",le="2.5"} 2"#,
+                r#"flexway_time_to_first_byte_seconds_bucket{backend="ptu-west",le="5"} 2"#,
+                r#"flexway_time_to_first_byte_seconds_bucket{backend="ptu-west",le="10"} 2"#,
+                r#"flexway_time_to_first_byte_seconds_bucket{backend="ptu-west",le="30"} 2"#,
+                r#"flexway_time_to_first_byte_seconds_bucket{backend="ptu-west",le="60"} 2"#,
+                r#"flexway_time_to_first_byte_seconds_bucket{backend="ptu-west",le="+Inf"} 3"#,
+                r#"flexway_time_to_first_byte_seconds_sum{backend="ptu-west"} 90.18"#,
+                r#"flexway_time_to_first_byte_seconds_count{backend="ptu-west"} 3"#,
+            ]
+        );
+        assert!(text.contains("# TYPE flexway_time_to_first_byte_seconds histogram\n"));
+    }
+
+    #[test]
+    fn overhead_histogram_is_rendered_without_labels_even_when_empty() {
+        let registry = Registry::new();
+        let text = registry.render_prometheus();
+        assert!(text.contains("flexway_gateway_overhead_seconds_bucket{le=\"0.0001\"} 0\n"));
+        assert!(text.contains("flexway_gateway_overhead_seconds_bucket{le=\"+Inf\"} 0\n"));
+        assert!(text.contains("flexway_gateway_overhead_seconds_sum 0\nflexway_gateway_overhead_seconds_count 0\n"));
+
+        registry.observe_gateway_overhead(Duration::from_micros(300));
+        registry.observe_gateway_overhead(Duration::from_micros(500));
+        let text = registry.render_prometheus();
+        assert!(
+            text.contains("flexway_gateway_overhead_seconds_bucket{le=\"0.00025\"} 0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("flexway_gateway_overhead_seconds_bucket{le=\"0.0005\"} 2\n"),
+            "{text}"
+        );
+        assert!(text.contains("flexway_gateway_overhead_seconds_sum 0.0008\n"), "{text}");
+        assert!(text.contains("flexway_gateway_overhead_seconds_count 2\n"), "{text}");
+    }
+
+    #[test]
+    fn usage_drift_is_signed_and_estimates_are_counted() {
+        let registry = Registry::new();
+        registry.observe_usage_drift("payg", 120, 100); // over by 20
+        registry.observe_usage_drift("payg", 100, 100); // exact
+        registry.observe_usage_drift("payg", 95, 100); // under by 5
+        let mut estimated = record("acme", Some("payg"), "local", 10);
+        estimated.usage_source = "estimated".into();
+        registry.record_call(&estimated);
+        registry.record_call(&estimated);
+        let mut refused = estimated.clone();
+        (refused.prompt_tokens, refused.completion_tokens) = (0, 0);
+        registry.record_call(&refused);
+        registry.record_call(&record("acme", Some("payg"), "local", 10));
+        let text = registry.render_prometheus();
+        let drift = lines(&text, "flexway_usage_drift_tokens");
+        assert!(drift.contains(&r#"flexway_usage_drift_tokens_bucket{backend="payg",le="-10"} 0"#));
+        assert!(drift.contains(&r#"flexway_usage_drift_tokens_bucket{backend="payg",le="-1"} 1"#));
+        assert!(drift.contains(&r#"flexway_usage_drift_tokens_bucket{backend="payg",le="0"} 2"#));
+        assert!(drift.contains(&r#"flexway_usage_drift_tokens_bucket{backend="payg",le="100"} 3"#));
+        assert!(drift.contains(&r#"flexway_usage_drift_tokens_sum{backend="payg"} 15"#));
+        assert!(drift.contains(&r#"flexway_usage_drift_tokens_count{backend="payg"} 3"#));
+        assert_eq!(
+            lines(&text, "flexway_usage_estimated_total{"),
+            vec![r#"flexway_usage_estimated_total{backend="payg"} 2"#]
+        );
+    }
+
+    #[test]
+    fn gauges_hold_the_last_value_set() {
+        let registry = Registry::new();
+        registry.set_budget_remaining("acme", "tokens_per_day", 1_000.0);
+        registry.set_budget_remaining("acme", "tokens_per_day", 750.0);
+        registry.set_budget_remaining("acme", "eur_per_month", 12.5);
+        registry.set_breaker_state("ptu-west", BreakerState::Open);
+        registry.set_breaker_state("payg", BreakerState::HalfOpen);
+        registry.set_breaker_state("payg-north", BreakerState::Closed);
+        let text = registry.render_prometheus();
+        assert_eq!(
+            lines(&text, "flexway_budget_remaining{"),
+            vec![
+                r#"flexway_budget_remaining{tenant="acme",budget="eur_per_month"} 12.5"#,
+                r#"flexway_budget_remaining{tenant="acme",budget="tokens_per_day"} 750"#,
+            ]
+        );
+        assert_eq!(
+            lines(&text, "flexway_breaker_state{"),
+            vec![
+                r#"flexway_breaker_state{backend="payg"} 2"#,
+                r#"flexway_breaker_state{backend="payg-north"} 0"#,
+                r#"flexway_breaker_state{backend="ptu-west"} 1"#,
+            ]
+        );
+        assert!(text.contains("# TYPE flexway_budget_remaining gauge\n"));
+        assert_eq!(float(f64::INFINITY), "+Inf");
+        assert_eq!(float(f64::NAN), "NaN");
+    }
+
+    #[test]
+    fn escapes_label_values() {
+        let registry = Registry::new();
+        registry.set_breaker_state("a\"b\\c\nd", BreakerState::Open);
+        let text = registry.render_prometheus();
+        assert!(
+            text.contains("flexway_breaker_state{backend=\"a\\\"b\\\\c\\nd\"} 1\n"),
+            "{text}"
+        );
+        // One sample line: the line feed did not split it.
+        assert_eq!(lines(&text, "flexway_breaker_state{").len(), 1);
+    }
+
+    #[test]
+    fn every_non_comment_line_is_a_well_formed_sample() {
+        let registry = Registry::new();
+        registry.record_call(&record("acme", Some("ptu-west"), "local", 150));
+        registry.observe_gateway_overhead(Duration::from_micros(700));
+        registry.observe_time_to_first_byte("ptu-west", Duration::from_millis(300));
+        registry.observe_usage_drift("ptu-west", 10, 20);
+        registry.set_budget_remaining("acme", "tokens_per_day", 5.0);
+        registry.set_breaker_state("ptu-west", BreakerState::Closed);
+        let text = registry.render_prometheus();
+        assert!(text.ends_with('\n'));
+        for line in text.lines() {
+            if let Some(comment) = line.strip_prefix("# ") {
+                assert!(
+                    comment.starts_with("HELP flexway_") || comment.starts_with("TYPE flexway_"),
+                    "{line}"
+                );
+                continue;
+            }
+            let (series, value) = line.rsplit_once(' ').unwrap();
+            assert!(series.starts_with("flexway_"), "{line}");
+            assert!(value == "+Inf" || value.parse::<f64>().is_ok(), "{line}");
+        }
+        let types = lines(&text, "# TYPE");
+        assert_eq!(types.len(), 8, "{types:?}");
+    }
+
+    #[test]
+    fn label_cardinality_ignores_per_request_fields() {
+        let registry = Registry::new();
+        for n in 0..500_u64 {
+            let mut r = record("acme", Some("ptu-west"), "local", 1);
+            r.request_id = format!("req-{n}");
+            r.key_hash = format!("{n:064x}");
+            r.user_hash = Some(format!("{n:064x}"));
+            r.agent = Some(format!("agent-{}", n % 7));
+            r.model_served = Some(format!("model-{n}"));
+            r.status = if n % 2 == 0 { 200 } else { 429 };
+            r.ts = format!("2025-03-01T10:{:02}:00Z", n % 60);
+            registry.record_call(&r);
+        }
+        let text = registry.render_prometheus();
+        assert_eq!(
+            lines(&text, "flexway_inference_calls_total{"),
+            vec![
+                r#"flexway_inference_calls_total{tenant="acme",backend="ptu-west",metered_by="local",capability="chat"} 500"#
+            ]
+        );
+        assert_eq!(lines(&text, "flexway_inference_cost_eur_total{").len(), 1);
+        for leaked in ["req-", "agent-", "model-", "billing-bot", &"ab".repeat(32)] {
+            assert!(!text.contains(leaked), "{leaked} leaked into the metrics");
+        }
+    }
+
+    #[test]
+    fn concurrent_recording_loses_nothing() {
+        let registry = std::sync::Arc::new(Registry::new());
+        let threads: Vec<_> = (0..8)
+            .map(|t| {
+                let registry = std::sync::Arc::clone(&registry);
+                std::thread::spawn(move || {
+                    for _ in 0..1_000 {
+                        let tenant = if t % 2 == 0 { "acme" } else { "globex" };
+                        registry.record_call(&record(tenant, Some("ptu-west"), "local", 3));
+                        registry.observe_gateway_overhead(Duration::from_micros(100));
+                    }
+                })
+            })
+            .collect();
+        for thread in threads {
+            thread.join().unwrap();
+        }
+        let text = registry.render_prometheus();
+        let calls = lines(&text, "flexway_inference_calls_total{");
+        assert!(calls.iter().all(|l| l.ends_with(" 4000")), "{calls:?}");
+        assert!(text.contains("flexway_gateway_overhead_seconds_count 8000\n"));
+        assert!(text.contains("flexway_gateway_overhead_seconds_sum 0.8\n"));
+    }
+
+    #[test]
+    fn emf_line_has_the_cloudwatch_structure() {
+        let line = emf_line(&record("acme", Some("ptu-west"), "local", 1_500_020));
+        assert!(!line.contains('\n'));
+        let value: serde_json::Value = serde_json::from_str(&line).unwrap();
+        let aws = &value["_aws"];
+        assert_eq!(aws["Timestamp"], 1_740_823_200_250_i64);
+        let directive = &aws["CloudWatchMetrics"][0];
+        assert_eq!(directive["Namespace"], "Flexway");
+        assert_eq!(
+            directive["Dimensions"],
+            json!([
+                ["tenant", "backend", "metered_by", "capability"],
+                ["tenant"],
+                ["backend"]
+            ])
+        );
+        assert_eq!(
+            directive["Metrics"],
+            json!([
+                {"Name": "flexway.inference.cost", "Unit": "None"},
+                {"Name": "flexway.inference.calls", "Unit": "Count"},
+            ])
+        );
+        assert_eq!(value["tenant"], "acme");
+        assert_eq!(value["backend"], "ptu-west");
+        assert_eq!(value["metered_by"], "local");
+        assert_eq!(value["capability"], "chat");
+        assert_eq!(value["flexway.inference.cost"], 1.500_02);
+        assert_eq!(value["flexway.inference.calls"], 1);
+        let mut keys: Vec<&str> = value.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(
+            keys,
+            vec![
+                "_aws",
+                "backend",
+                "capability",
+                "flexway.inference.calls",
+                "flexway.inference.cost",
+                "metered_by",
+                "tenant",
+            ],
+            "nothing else of the record (no key, user, agent, model) goes into a metric line"
+        );
+    }
+
+    #[test]
+    fn emf_line_names_a_missing_backend() {
+        let value: serde_json::Value = serde_json::from_str(&emf_line(&record("acme", None, "local", 0))).unwrap();
+        assert_eq!(value["backend"], NONE);
+    }
+
+    #[test]
+    fn parses_rfc3339_timestamps() {
+        assert_eq!(rfc3339_millis("1970-01-01T00:00:00Z"), Some(0));
+        assert_eq!(rfc3339_millis("2025-03-01T10:00:00.250Z"), Some(1_740_823_200_250));
+        assert_eq!(rfc3339_millis("2025-03-01T11:00:00.25+01:00"), Some(1_740_823_200_250));
+        assert_eq!(
+            rfc3339_millis("2025-03-01T09:30:00.250123-00:30"),
+            Some(1_740_823_200_250)
+        );
+        assert_eq!(rfc3339_millis("2024-02-29T00:00:00Z"), Some(1_709_164_800_000));
+        assert_eq!(rfc3339_millis("1969-12-31T23:59:59Z"), Some(-1_000));
+        for bad in [
+            "",
+            "2025-03-01",
+            "2025-03-01T10:00:00",
+            "2025-13-01T00:00:00Z",
+            "2025-03-01T10:00:00.Z",
+        ] {
+            assert_eq!(rfc3339_millis(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn scales_integers_to_exact_decimals() {
+        assert_eq!(scaled(2_500_000, 9), "0.0025");
+        assert_eq!(scaled(1_000_000_000, 9), "1");
+        assert_eq!(scaled(-1_000, 0), "-1000");
+        assert_eq!(scaled(-1_500_000_000, 9), "-1.5");
+        assert_eq!(scaled(i64::MIN, 0), i64::MIN.to_string());
+    }
+}

@@ -1,0 +1,82 @@
+//! The published JSON Schema of an audit record (`config/audit-record.schema.json`) is
+//! generated from [`flexway::audit::AuditRecord`]; finance pipelines depend on it, so
+//! this test fails when the checked-in file drifts from the type.
+//! Regenerate with `FLEXWAY_BLESS=1 cargo test -p flexway --test audit_schema`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::PathBuf;
+
+fn schema_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../config/audit-record.schema.json")
+}
+
+fn generated() -> String {
+    let mut text = serde_json::to_string_pretty(&flexway::audit::record_schema()).unwrap();
+    text.push('\n');
+    text
+}
+
+#[test]
+fn checked_in_schema_matches_the_record_type() {
+    let path = schema_path();
+    let expected = generated();
+    if std::env::var_os("FLEXWAY_BLESS").is_some_and(|v| v == "1") {
+        std::fs::write(&path, &expected).unwrap();
+        return;
+    }
+    let actual = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        actual == expected,
+        "{} is out of date with AuditRecord in shared/src/audit/mod.rs; \
+         regenerate it with: FLEXWAY_BLESS=1 cargo test -p flexway --test audit_schema \
+         (and bump SCHEMA_VERSION if the change is not backward compatible)",
+        path.display()
+    );
+}
+
+#[test]
+fn schema_lists_every_spec_field() {
+    let schema = flexway::audit::record_schema();
+    let properties = schema["properties"].as_object().unwrap();
+    let spec_fields = [
+        "schema_version",
+        "ts",
+        "request_id",
+        "tenant",
+        "agent",
+        "operation",
+        "capability",
+        "model_requested",
+        "model_served",
+        "backend",
+        "metered_by",
+        "prompt_tokens",
+        "completion_tokens",
+        "usage_source",
+        "cost_eur",
+        "cost_micro_eur",
+        "status",
+        "error_code",
+        "degraded",
+        "budget_state",
+        "latency_ms",
+        "ttfb_ms",
+        "key_hash",
+        "user_hash",
+    ];
+    for field in spec_fields {
+        assert!(properties.contains_key(field), "missing {field}");
+    }
+    assert_eq!(
+        properties.len(),
+        spec_fields.len(),
+        "fields beyond the SPEC's: {properties:?}"
+    );
+    for never in ["prompt", "completion", "messages", "user", "key", "ip", "client_ip"] {
+        assert!(
+            !properties.contains_key(never),
+            "{never} must never be in an audit record"
+        );
+    }
+}

@@ -1,0 +1,216 @@
+//! The embedded (redb) ledger: the conformance suite, durability across a restart, and
+//! group commit.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::print_stdout)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use flexway::budget::{
+    BudgetStore, CounterKey, EmbeddedBudgetStore, Line, ReserveOutcome, ReserveRequest, SettleOutcome, conformance,
+};
+
+const NOW: u64 = 1_795_967_070;
+
+fn key(name: &str) -> CounterKey {
+    CounterKey(format!("embedded/{name}"))
+}
+
+fn request(id: &str, lines: &[(&str, u64, Option<u64>)], expires_at: u64) -> ReserveRequest {
+    ReserveRequest {
+        request_id: id.to_owned(),
+        lines: lines
+            .iter()
+            .map(|(k, amount, limit)| Line {
+                key: key(k),
+                amount: *amount,
+                limit: *limit,
+            })
+            .collect(),
+        expires_at,
+    }
+}
+
+/// A directory that outlives the test's stores (removed when the returned guard drops).
+fn fresh_dir() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("flexway-ledger");
+    (dir, path)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_store_passes_the_conformance_suite() {
+    let dirs = std::sync::Mutex::new(Vec::new());
+    let failures = conformance::run_all(|| {
+        let (dir, path) = fresh_dir();
+        dirs.lock().unwrap().push(dir);
+        async move { EmbeddedBudgetStore::open(&path).unwrap() }
+    })
+    .await;
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opens_a_directory_as_ledger_redb_and_a_file_path_as_is() {
+    let (_dir, path) = fresh_dir();
+    let store = EmbeddedBudgetStore::open(&path).unwrap();
+    assert_eq!(store.file(), path.join("ledger.redb"));
+    assert!(path.join("ledger.redb").is_file());
+    drop(store);
+
+    let file = path.join("nested").join("budgets.redb");
+    let store = EmbeddedBudgetStore::open(&file).unwrap();
+    assert_eq!(store.file(), file);
+    assert!(file.is_file());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counters_survive_a_restart() {
+    let (_dir, path) = fresh_dir();
+    let counted = [key("a"), key("b")];
+    {
+        let store = EmbeddedBudgetStore::open(&path).unwrap();
+        let reserved = store
+            .reserve(&request("done", &[("a", 100, Some(1000)), ("b", 5, None)], NOW + 60))
+            .await
+            .unwrap();
+        assert_eq!(reserved, ReserveOutcome::Reserved);
+        let settled = store.settle("done", &[(key("a"), 40), (key("b"), 2)]).await.unwrap();
+        assert_eq!(settled, SettleOutcome::Settled);
+        store
+            .reserve(&request("live", &[("a", 300, Some(1000))], NOW + 60))
+            .await
+            .unwrap();
+        store
+            .reserve(&request("stale", &[("b", 7, None)], NOW - 1))
+            .await
+            .unwrap();
+        assert_eq!(store.used(&counted).await.unwrap(), [340, 9]);
+    }
+
+    let store = EmbeddedBudgetStore::open(&path).unwrap();
+    assert_eq!(
+        store.used(&counted).await.unwrap(),
+        [340, 9],
+        "counters after reopening"
+    );
+    assert_eq!(
+        store.live_reservations().await.unwrap(),
+        2,
+        "reservations after reopening"
+    );
+    assert_eq!(
+        store.settle("done", &[(key("a"), 40)]).await.unwrap(),
+        SettleOutcome::Unknown,
+        "settled before the restart"
+    );
+    assert_eq!(
+        store.settle("live", &[(key("a"), 120)]).await.unwrap(),
+        SettleOutcome::Settled
+    );
+    assert_eq!(
+        store.sweep(NOW).await.unwrap(),
+        1,
+        "the expired reservation is swept after the restart"
+    );
+    assert_eq!(store.used(&counted).await.unwrap(), [160, 2]);
+    assert_eq!(store.live_reservations().await.unwrap(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_concurrent_ops_share_commits() {
+    let (_dir, path) = fresh_dir();
+    let store: Arc<EmbeddedBudgetStore> = Arc::new(EmbeddedBudgetStore::open(&path).unwrap());
+    let tasks: Vec<_> = (0..200)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .reserve(&request(
+                        &format!("many-{i}"),
+                        &[("shared", 3, Some(600)), ("free", 1, None)],
+                        NOW + 60,
+                    ))
+                    .await
+            })
+        })
+        .collect();
+    for task in tasks {
+        assert_eq!(task.await.unwrap().unwrap(), ReserveOutcome::Reserved);
+    }
+    assert_eq!(store.used(&[key("shared"), key("free")]).await.unwrap(), [600, 200]);
+    assert_eq!(store.live_reservations().await.unwrap(), 200);
+    let commits = store.commits();
+    assert!(
+        commits < 200,
+        "200 concurrent reserves took {commits} commits: no batching happened"
+    );
+    println!("200 concurrent reserves in {commits} commits");
+    // The cap is now reached exactly: one more is refused and writes nothing.
+    let refused = store
+        .reserve(&request(
+            "one-too-many",
+            &[("free", 1, None), ("shared", 1, Some(600))],
+            NOW + 60,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(refused, ReserveOutcome::Refused { line: 1 });
+    assert_eq!(store.used(&[key("shared"), key("free")]).await.unwrap(), [600, 200]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_record_fails_only_the_operations_that_read_it() {
+    // The operations that read the corrupt record fail and write nothing; the others,
+    // possibly batched with them, commit.
+    let (_dir, path) = fresh_dir();
+    {
+        let store = EmbeddedBudgetStore::open(&path).unwrap();
+        store
+            .reserve(&request("good", &[("a", 10, None)], NOW + 60))
+            .await
+            .unwrap();
+    }
+    {
+        let db = redb::Database::create(path.join("ledger.redb")).unwrap();
+        let txn = db.begin_write().unwrap();
+        {
+            let table: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("reservations");
+            let mut table = txn.open_table(table).unwrap();
+            table.insert("broken", b"not json".as_slice()).unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    let store = Arc::new(EmbeddedBudgetStore::open(&path).unwrap());
+    let broken = {
+        let store = store.clone();
+        tokio::spawn(async move { store.settle("broken", &[(key("a"), 5)]).await })
+    };
+    let fine: Vec<_> = (0..20)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .reserve(&request(&format!("fine-{i}"), &[("a", 1, None)], NOW + 60))
+                    .await
+            })
+        })
+        .collect();
+    let error = broken.await.unwrap().unwrap_err();
+    assert!(
+        error.to_string().contains("corrupt record reservations/broken"),
+        "{error}"
+    );
+    for task in fine {
+        assert_eq!(task.await.unwrap().unwrap(), ReserveOutcome::Reserved);
+    }
+    assert_eq!(
+        store.used(&[key("a")]).await.unwrap(),
+        [30],
+        "the failed settle moved a counter"
+    );
+    assert!(
+        store.sweep(NOW).await.is_err(),
+        "sweep reads every record, the corrupt one included"
+    );
+    assert_eq!(store.used(&[key("a")]).await.unwrap(), [30]);
+}

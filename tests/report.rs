@@ -1,0 +1,251 @@
+//! `flexway report`: the real binary turns a JSONL audit into a chargeback table.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::Path;
+use std::process::Command;
+
+use flexway::audit::{AuditRecord, SCHEMA_VERSION};
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn flexway(args: &[&str]) -> Run {
+    let out = Command::new(env!("CARGO_BIN_EXE_flexway")).args(args).output().unwrap();
+    Run {
+        code: out.status.code().unwrap(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn record(ts: &str, tenant: &str, agent: Option<&str>, backend: &str, metered_by: &str, cost: u64) -> AuditRecord {
+    AuditRecord {
+        schema_version: SCHEMA_VERSION,
+        ts: ts.into(),
+        request_id: format!("req-{ts}"),
+        tenant: tenant.into(),
+        agent: agent.map(Into::into),
+        operation: "chat".into(),
+        capability: "chat".into(),
+        model_requested: Some("gpt-4o".into()),
+        model_served: Some("gpt-4o".into()),
+        backend: Some(backend.into()),
+        metered_by: metered_by.into(),
+        prompt_tokens: 1_000,
+        completion_tokens: 200,
+        usage_source: "reported".into(),
+        cost_eur: cost as f64 / 1e6,
+        cost_micro_eur: cost,
+        status: 200,
+        error_code: None,
+        degraded: false,
+        budget_state: "ok".into(),
+        latency_ms: 350,
+        ttfb_ms: Some(80),
+        key_hash: "0".repeat(64),
+        user_hash: None,
+    }
+}
+
+/// acme: 2 calls by `bot` on ptu-west (0.5 € + 0.25 €), 1 without agent on payg-north
+/// (0.000001 €), 1 relayed to a peer that meters it (7 €, not billed here);
+/// globex: 1 call on ptu-west (1.5 €), on the last day.
+fn audit_file(dir: &Path) -> String {
+    let records = [
+        record(
+            "2025-03-01T08:00:00Z",
+            "acme",
+            Some("bot"),
+            "ptu-west",
+            "local",
+            500_000,
+        ),
+        record(
+            "2025-03-01T09:00:00.123Z",
+            "acme",
+            Some("bot"),
+            "ptu-west",
+            "local",
+            250_000,
+        ),
+        record("2025-03-02T10:00:00Z", "acme", None, "payg-north", "local", 1),
+        record(
+            "2025-03-02T11:00:00Z",
+            "acme",
+            Some("bot"),
+            "peer",
+            "upstream",
+            7_000_000,
+        ),
+        record("2025-03-03T23:59:59Z", "globex", None, "ptu-west", "local", 1_500_000),
+    ];
+    let mut text = String::new();
+    for r in &records {
+        text.push_str(&serde_json::to_string(r).unwrap());
+        text.push('\n');
+    }
+    text.push('\n'); // a trailing blank line is tolerated
+    let path = dir.join("audit.jsonl");
+    std::fs::write(&path, text).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+#[test]
+fn markdown_is_the_default_with_totals_and_upstream_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let audit = audit_file(dir.path());
+    let run = flexway(&["report", "--audit", &audit]);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let md = &run.stdout;
+    assert!(md.contains("| bot | ptu-west | 2 | 2000 | 400 | 0.750000 |"), "{md}");
+    assert!(
+        md.contains("| **total** | | **3** | **3000** | **600** | **0.750001** |"),
+        "{md}"
+    );
+    assert!(md.contains("| acme | 3 | 3000 | 600 | 0.750001 |"), "{md}");
+    assert!(md.contains("| globex | 1 | 1000 | 200 | 1.500000 |"), "{md}");
+    assert!(
+        md.contains("| **total** | **4** | **4000** | **800** | **2.250001** |"),
+        "{md}"
+    );
+    // The upstream-metered call is shown, in its own table, and in no local total.
+    let upstream = md.find("Metered upstream (billed where it is paid").unwrap();
+    assert!(
+        md[upstream..].contains("| bot | peer | 1 | 1000 | 200 | 7.000000 |"),
+        "{md}"
+    );
+    assert!(
+        !md.contains("7.750001") && !md.contains("9.250001"),
+        "upstream cost billed locally: {md}"
+    );
+}
+
+#[test]
+fn csv_lists_rows_with_upstream_after_local() {
+    let dir = tempfile::tempdir().unwrap();
+    let audit = audit_file(dir.path());
+    let run = flexway(&["report", "--audit", &audit, "--format", "csv"]);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let lines: Vec<&str> = run.stdout.lines().collect();
+    assert_eq!(
+        lines,
+        vec![
+            "tenant,agent,backend,metered_by,calls,prompt_tokens,completion_tokens,cost_eur",
+            "acme,-,payg-north,local,1,1000,200,0.000001",
+            "acme,bot,ptu-west,local,2,2000,400,0.750000",
+            "globex,-,ptu-west,local,1,1000,200,1.500000",
+            "acme,bot,peer,upstream,1,1000,200,7.000000",
+        ]
+    );
+}
+
+#[test]
+fn json_carries_exact_totals() {
+    let dir = tempfile::tempdir().unwrap();
+    let audit = audit_file(dir.path());
+    let run = flexway(&["report", "--audit", &audit, "--format", "json"]);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let report: serde_json::Value = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(report["local_total"]["cost_micro_eur"], 2_250_001);
+    assert_eq!(report["local_total"]["cost_eur"], "2.250001");
+    assert_eq!(report["local_total"]["calls"], 4);
+    assert_eq!(report["upstream_total"]["cost_micro_eur"], 7_000_000);
+    let acme = &report["tenants"][0];
+    assert_eq!(acme["tenant"], "acme");
+    assert_eq!(acme["local"]["total"]["cost_micro_eur"], 750_001);
+    assert_eq!(acme["upstream"]["rows"].as_array().unwrap().len(), 1);
+    assert_eq!(acme["upstream"]["rows"][0]["metered_by"], "upstream");
+    assert!(
+        acme["local"]["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|row| row["metered_by"] == "local")
+    );
+}
+
+#[test]
+fn date_bounds_are_inclusive() {
+    let dir = tempfile::tempdir().unwrap();
+    let audit = audit_file(dir.path());
+    let run = flexway(&[
+        "report",
+        "--audit",
+        &audit,
+        "--from",
+        "2025-03-02",
+        "--to",
+        "2025-03-03",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let report: serde_json::Value = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(report["from"], "2025-03-02");
+    assert_eq!(report["local_total"]["calls"], 2);
+    assert_eq!(report["local_total"]["cost_micro_eur"], 1_500_001);
+    assert_eq!(report["upstream_total"]["calls"], 1);
+
+    let run = flexway(&["report", "--audit", &audit, "--to", "2025-03-01", "--format", "csv"]);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert_eq!(run.stdout.lines().count(), 2, "{}", run.stdout);
+}
+
+#[test]
+fn a_log_group_needs_the_aws_build() {
+    let run = flexway(&["report", "--log-group", "/flexway/audit"]);
+    assert_eq!(run.code, 2);
+    assert!(
+        run.stderr
+            .contains("reading a CloudWatch log group needs the aws build (flexway-aws)"),
+        "{}",
+        run.stderr
+    );
+    assert!(run.stdout.is_empty());
+}
+
+#[test]
+fn exactly_one_source_is_required() {
+    assert_eq!(flexway(&["report"]).code, 2);
+    let both = flexway(&["report", "--audit", "a.jsonl", "--log-group", "g"]);
+    assert_eq!(both.code, 2, "{}", both.stderr);
+}
+
+#[test]
+fn bad_dates_are_usage_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let audit = audit_file(dir.path());
+    let run = flexway(&["report", "--audit", &audit, "--from", "03/01/2025"]);
+    assert_eq!(run.code, 2);
+    assert!(run.stderr.contains("03/01/2025"), "{}", run.stderr);
+    let run = flexway(&[
+        "report",
+        "--audit",
+        &audit,
+        "--from",
+        "2025-03-02",
+        "--to",
+        "2025-03-01",
+    ]);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+}
+
+#[test]
+fn a_broken_audit_names_the_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let audit = audit_file(dir.path());
+    let mut text = std::fs::read_to_string(&audit).unwrap();
+    text.push_str("{\"tenant\": \"acme\"}\n");
+    std::fs::write(&audit, text).unwrap();
+    let run = flexway(&["report", "--audit", &audit]);
+    assert_eq!(run.code, 1);
+    assert!(run.stderr.contains("audit.jsonl: line 7:"), "{}", run.stderr);
+    assert!(run.stdout.is_empty());
+
+    let missing = flexway(&["report", "--audit", dir.path().join("none.jsonl").to_str().unwrap()]);
+    assert_eq!(missing.code, 1);
+    assert!(missing.stderr.contains("none.jsonl"), "{}", missing.stderr);
+}
