@@ -37,24 +37,23 @@ pub fn reserve(state: &mut impl LedgerState, request: &ReserveRequest) -> Result
     if state.reservation(&request.request_id)?.is_some() {
         return Ok(ReserveOutcome::Reserved);
     }
-    // Lines naming the same counter add up before the limit is checked.
-    let mut totals: BTreeMap<&CounterKey, (u64, Option<u64>, usize)> = BTreeMap::new();
-    for (index, line) in request.lines.iter().enumerate() {
-        let entry = totals.entry(&line.key).or_insert((0, line.limit, index));
-        entry.0 = entry.0.saturating_add(line.amount);
-        entry.1 = match (entry.1, line.limit) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+    // Lines naming the same counter add up before the limit is checked; limits are
+    // checked in line order, so the refusal names the first line that does not fit.
+    let mut totals: BTreeMap<&CounterKey, u64> = BTreeMap::new();
+    for line in &request.lines {
+        let total = totals.entry(&line.key).or_default();
+        *total = total.saturating_add(line.amount);
     }
-    let mut next = Vec::with_capacity(totals.len());
-    for (key, (amount, limit, index)) in totals {
-        let value = state.counter(key)?.saturating_add(amount);
-        if limit.is_some_and(|limit| value > limit) {
+    let mut values = BTreeMap::new();
+    for (key, amount) in &totals {
+        values.insert(*key, state.counter(key)?.saturating_add(*amount));
+    }
+    for (index, line) in request.lines.iter().enumerate() {
+        if line.limit.is_some_and(|limit| values.get(&line.key).is_some_and(|v| *v > limit)) {
             return Ok(ReserveOutcome::Refused { line: index });
         }
-        next.push((key, value));
     }
+    let next: Vec<(&CounterKey, u64)> = values.into_iter().collect();
     for (key, value) in next {
         state.set_counter(key, value)?;
     }
@@ -78,11 +77,13 @@ pub fn settle(
     let mut deltas: BTreeMap<&CounterKey, (u64, u64)> = BTreeMap::new();
     if !reservation.swept {
         for (key, reserved) in &reservation.lines {
-            deltas.entry(key).or_default().1 += reserved;
+            let delta = deltas.entry(key).or_default();
+            delta.1 = delta.1.saturating_add(*reserved);
         }
     }
     for (key, amount) in actual {
-        deltas.entry(key).or_default().0 += amount;
+        let delta = deltas.entry(key).or_default();
+        delta.0 = delta.0.saturating_add(*amount);
     }
     for (key, (add, remove)) in deltas {
         let value = state.counter(key)?;
