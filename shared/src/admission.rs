@@ -59,6 +59,15 @@ pub async fn admit(
         .used(&keys)
         .await
         .map_err(|e| GatewayError::Internal(e.to_string()))?;
+    for (budget, used) in budgets.iter().zip(&used) {
+        if let Some(limit) = budget.limit {
+            gateway.metrics.set_budget_remaining(
+                caller.tenant.as_str(),
+                &budget.name,
+                limit.saturating_sub(*used) as f64,
+            );
+        }
+    }
     let soft = config
         .ai
         .budget

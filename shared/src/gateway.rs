@@ -8,6 +8,7 @@ use crate::audit::{AuditSink, Hasher};
 use crate::budget::BudgetStore;
 use crate::config::{BackendId, Config, Price};
 use crate::identity::KeyRing;
+use crate::metrics::Registry;
 use crate::routing::Router;
 use crate::routing::breaker::Breakers;
 use crate::secret::SecretSource;
@@ -30,6 +31,7 @@ pub struct Gateway {
     /// Salted hashing of identifiers for the audit.
     pub hasher: Hasher,
     pub breakers: Breakers,
+    pub metrics: Registry,
 }
 
 impl Gateway {
@@ -51,6 +53,7 @@ impl Gateway {
             budgets: adapters.budgets,
             audit: adapters.audit,
             hasher: Hasher::new(&salt),
+            metrics: Registry::new(),
             breakers: Breakers::new(
                 config
                     .ai

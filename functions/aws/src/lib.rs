@@ -6,6 +6,7 @@
 
 mod cloudwatch;
 mod dynamodb;
+mod emf;
 
 use std::sync::Arc;
 
@@ -16,6 +17,7 @@ use flexway::gateway::Adapters;
 
 pub use cloudwatch::CloudWatchAuditSink;
 pub use dynamodb::DynamoDbBudgetStore;
+pub use emf::EmfAuditSink;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AdapterError {
@@ -33,7 +35,8 @@ pub fn default_audit_stream() -> String {
 
 /// Builds the ledger and the audit sink the config declares, with their SDK clients,
 /// and warms each connection (DescribeTable, CreateLogStream) so that the first
-/// request does not pay for it.
+/// request does not pay for it. A CloudWatch audit also prints each call's EMF
+/// metrics line to stdout (the function's log), where CloudWatch reads metrics.
 pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Result<Adapters, AdapterError> {
     let budgets: Arc<dyn BudgetStore> = match &config.store {
         StoreConfig::DynamoDb { table } => Arc::new(dynamodb_store(sdk, table).await?),
@@ -45,7 +48,7 @@ pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Res
             let stream = log_stream.clone().unwrap_or_else(default_audit_stream);
             let sink = CloudWatchAuditSink::new(aws_sdk_cloudwatchlogs::Client::new(sdk), log_group, stream);
             sink.ensure_stream().await?;
-            Arc::new(sink)
+            Arc::new(EmfAuditSink::new(sink))
         }
         AuditSinkConfig::Stdout => Arc::new(StdoutAuditSink),
         AuditSinkConfig::File { path } => Arc::new(FileAuditSink::open(path)?),

@@ -49,7 +49,10 @@ pub fn reserve(state: &mut impl LedgerState, request: &ReserveRequest) -> Result
         values.insert(*key, state.counter(key)?.saturating_add(*amount));
     }
     for (index, line) in request.lines.iter().enumerate() {
-        if line.limit.is_some_and(|limit| values.get(&line.key).is_some_and(|v| *v > limit)) {
+        if line
+            .limit
+            .is_some_and(|limit| values.get(&line.key).is_some_and(|v| *v > limit))
+        {
             return Ok(ReserveOutcome::Refused { line: index });
         }
     }

@@ -30,6 +30,8 @@ const DEFAULT_MAX_TOKENS: u32 = 4096;
 const DEFAULT_MIN_COMPLETION_TOKENS: u32 = 16;
 const DEFAULT_MAX_IMAGE_BYTES: u64 = 8 * 1024 * 1024;
 const DEFAULT_MAX_BODY_BYTES: u64 = 24 * 1024 * 1024;
+/// Lambda's request payload limit (function URL and API Gateway alike): 6 MB.
+const LAMBDA_MAX_REQUEST_BYTES: u64 = 6 * 1024 * 1024;
 
 pub(super) fn validate(parsed: Parsed, env: &dyn EnvSource) -> Result<Loaded, Vec<Diagnostic>> {
     let Parsed {
@@ -71,6 +73,9 @@ pub(super) fn validate(parsed: Parsed, env: &dyn EnvSource) -> Result<Loaded, Ve
         .collect();
     let ai = check.ai(ai, &catalog, backends);
     let tenants = check.tenants(tenants.unwrap_or_default(), &catalog);
+    if let (Some(store), Some(audit), Some(ai)) = (&store, &audit, &ai) {
+        check.platform_limits(store, audit, ai);
+    }
 
     let mut errors = shape_errors;
     errors.extend(check.errors.into_iter().filter(|e| !unparsed.covers(&e.path)));
@@ -284,6 +289,37 @@ impl Checker<'_> {
 
     fn warn(&mut self, path: impl Into<String>, message: impl Into<String>) {
         self.warnings.push(Diagnostic::new(path, message));
+    }
+
+    /// The serverless shape's platform limits that change a guarantee (ARCHITECTURE.md,
+    /// "Deployment shapes"): said at load, as warnings, never found in an incident. The
+    /// shape is recognised by its adapters (a DynamoDB ledger or a CloudWatch audit).
+    fn platform_limits(&mut self, store: &StoreConfig, audit: &AuditConfig, ai: &Ai) {
+        let serverless =
+            matches!(store, StoreConfig::DynamoDb { .. }) || matches!(audit.sink, AuditSinkConfig::CloudWatch { .. });
+        if !serverless {
+            return;
+        }
+        if ai.vision.max_body_bytes > LAMBDA_MAX_REQUEST_BYTES {
+            self.warn(
+                "ai.vision.max_body_bytes",
+                format!(
+                    "{} bytes is more than the 6 MB ({LAMBDA_MAX_REQUEST_BYTES} bytes) request payload Lambda accepts: \
+                     in the serverless shape the effective body limit is 6 MB (including the event envelope), \
+                     and a larger request is refused by the platform before Flexway sees it",
+                    ai.vision.max_body_bytes
+                ),
+            );
+        }
+        for backend in ai.backends.values() {
+            if matches!(backend.kind, BackendKind::Grpc { .. }) {
+                self.warn(
+                    format!("ai.backends.{}", backend.name),
+                    "no native gRPC through a Lambda function URL (gRPC-Web only): in the serverless shape \
+                     callers of this backend must use gRPC-Web",
+                );
+            }
+        }
     }
 
     /// The value, or an error saying it is required (`what` says what it is for).

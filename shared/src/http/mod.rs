@@ -35,16 +35,43 @@ impl RequestId {
     }
 }
 
+/// The local shape's surface: the API plus `GET /metrics` (Prometheus).
 pub fn app(gateway: Arc<Gateway>) -> Router {
+    finish(api_routes().route("/metrics", get(metrics)), gateway)
+}
+
+/// The serverless shape's surface: the API only (metrics leave as CloudWatch EMF).
+pub fn api(gateway: Arc<Gateway>) -> Router {
+    finish(api_routes(), gateway)
+}
+
+fn api_routes() -> Router<Arc<Gateway>> {
     Router::new()
         .route("/v1/chat/completions", post(proxy::chat_completions))
         .route("/v1/embeddings", post(proxy::embeddings))
         .route("/v1/models", get(models))
         .route("/healthz", get(healthz))
+}
+
+fn finish(routes: Router<Arc<Gateway>>, gateway: Arc<Gateway>) -> Router {
+    routes
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn(request_id))
         .with_state(gateway)
+}
+
+async fn metrics(State(gateway): State<Arc<Gateway>>) -> Response {
+    let now = std::time::Instant::now();
+    for (backend, state) in gateway.breakers.states(now) {
+        gateway.metrics.set_breaker_state(backend.as_str(), state);
+    }
+    let mut response = gateway.metrics.render_prometheus().into_response();
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4"),
+    );
+    response
 }
 
 async fn request_id(mut request: Request, next: Next) -> Response {

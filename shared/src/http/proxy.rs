@@ -191,6 +191,7 @@ async fn chat(
             price,
             prompt_typical,
         };
+        draft.streaming();
         return Ok(Reply::Stream {
             served,
             client_wants_usage: request.client_wants_usage,
@@ -198,7 +199,10 @@ async fn chat(
             settle,
         });
     }
-    let (response, body) = match read_json(served).await {
+    let reading = Instant::now();
+    let read = read_json(served).await;
+    draft.waited(reading.elapsed());
+    let (response, body) = match read {
         Ok(read) => read,
         Err(e) => {
             ticket.refund().await;
@@ -262,7 +266,10 @@ async fn embed(
         return relay_error_as_is(served, headers).await.map(Reply::Now);
     }
     let price = gateway.price(&served.candidate.backend);
-    let (response, body) = match read_json(served).await {
+    let reading = Instant::now();
+    let read = read_json(served).await;
+    draft.waited(reading.elapsed());
+    let (response, body) = match read {
         Ok(read) => read,
         Err(e) => {
             ticket.refund().await;
@@ -388,7 +395,10 @@ async fn dispatch(
         tried.push(backend.clone());
         draft.trying(candidate, &model);
         timed_out = None;
-        match client.post_json(path, body_for(&model)).await {
+        let sent = Instant::now();
+        let answer = client.post_json(path, body_for(&model)).await;
+        draft.waited(sent.elapsed());
+        match answer {
             Ok(response) => {
                 let status = response.status();
                 let retry_after = retry_after(response.headers());

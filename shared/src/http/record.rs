@@ -7,7 +7,7 @@
 //! process log with the request id, never silently lost.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::audit::{AuditRecord, SCHEMA_VERSION};
 use crate::budget::period::{rfc3339_millis, unix_now_millis};
@@ -30,6 +30,9 @@ pub(super) struct Draft {
     started: Instant,
     record: AuditRecord,
     open: bool,
+    /// Time spent waiting on backends: what the gateway did not add.
+    upstream: Duration,
+    streamed: bool,
 }
 
 impl Draft {
@@ -65,6 +68,8 @@ impl Draft {
             started: Instant::now(),
             record,
             open: true,
+            upstream: Duration::ZERO,
+            streamed: false,
         }
     }
 
@@ -106,6 +111,22 @@ impl Draft {
         self.record.cost_eur = cost.0 as f64 / MicroEur::PER_EUR as f64;
     }
 
+    /// Estimated against reported tokens of a stream, for the drift metric.
+    pub fn drift(&self, estimated: u64, reported: u64) {
+        if let Some(backend) = &self.record.backend {
+            self.gateway.metrics.observe_usage_drift(backend, estimated, reported);
+        }
+    }
+
+    /// Adds time spent waiting on a backend.
+    pub fn waited(&mut self, upstream: Duration) {
+        self.upstream += upstream;
+    }
+
+    pub fn streaming(&mut self) {
+        self.streamed = true;
+    }
+
     pub fn first_byte(&mut self) {
         if self.record.ttfb_ms.is_none() {
             self.record.ttfb_ms = Some(elapsed_ms(self.started));
@@ -115,6 +136,13 @@ impl Draft {
     pub async fn finish(mut self, status: u16, error_code: Option<&str>) {
         self.open = false;
         let record = self.complete(status, error_code);
+        let metrics = &self.gateway.metrics;
+        if let (Some(backend), Some(ttfb)) = (&record.backend, record.ttfb_ms) {
+            metrics.observe_time_to_first_byte(backend, Duration::from_millis(ttfb));
+        }
+        if status == 200 && !self.streamed {
+            metrics.observe_gateway_overhead(self.started.elapsed().saturating_sub(self.upstream));
+        }
         write(&self.gateway, record).await;
     }
 
@@ -149,6 +177,7 @@ fn elapsed_ms(started: Instant) -> u64 {
 }
 
 async fn write(gateway: &Gateway, record: AuditRecord) {
+    gateway.metrics.record_call(&record);
     if let Err(e) = gateway.audit.write(std::slice::from_ref(&record)).await {
         tracing::error!(request_id = %record.request_id, "audit record not written: {e}");
     }

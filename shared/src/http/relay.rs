@@ -60,18 +60,17 @@ impl Settle {
     /// stream that broke mid-way included: its first byte reached the client), and
     /// writes the call's record.
     async fn finish(self, outcome: &RelayOutcome, mut draft: Draft) {
+        let estimate = Usage {
+            prompt_tokens: self.prompt_typical,
+            completion_tokens: plan::typical_tokens(outcome.content_bytes),
+        };
         let (usage, source) = match outcome.usage {
-            Some(usage) => (usage, UsageSource::Reported),
-            None => {
-                let completion = plan::typical_tokens(outcome.content_bytes);
-                (
-                    Usage {
-                        prompt_tokens: self.prompt_typical,
-                        completion_tokens: completion,
-                    },
-                    UsageSource::Estimated,
-                )
+            Some(reported) => {
+                // How far the estimate would have been: the streaming reconciliation delta.
+                draft.drift(estimate.total(), reported.total());
+                (reported, UsageSource::Reported)
             }
+            None => (estimate, UsageSource::Estimated),
         };
         let cost = self.ticket.settle(usage, self.price).await;
         draft.usage(usage, source, cost);

@@ -63,23 +63,8 @@ const TTFB_BOUNDS_NS: [i64; 10] = [
 /// `le="-1"` exact estimates, and the rest overestimates by size.
 const DRIFT_BOUNDS: [i64; 8] = [-1_000, -100, -10, -1, 0, 10, 100, 1_000];
 
-/// A circuit breaker's state, as the `flexway_breaker_state` gauge encodes it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BreakerState {
-    Closed,
-    Open,
-    HalfOpen,
-}
-
-impl BreakerState {
-    pub fn gauge_value(self) -> u8 {
-        match self {
-            BreakerState::Closed => 0,
-            BreakerState::Open => 1,
-            BreakerState::HalfOpen => 2,
-        }
-    }
-}
+/// A circuit breaker's state; `gauge_value` is how `flexway_breaker_state` encodes it.
+pub use crate::routing::breaker::State as BreakerState;
 
 /// The process's metrics. Share it (`Arc`) between the request path and `/metrics`.
 pub struct Registry {

@@ -276,7 +276,9 @@ mod tests {
     fn pool_order_spreads_by_weight_inside_a_group() {
         let members = [member("b", 1, 3), member("c", 1, 1)];
         let mut rng = StdRng::seed_from_u64(42);
-        let firsts = (0..1000).filter(|_| pool_order(&members, &mut rng)[0].backend.as_str() == "b").count();
+        let firsts = (0..1000)
+            .filter(|_| pool_order(&members, &mut rng)[0].backend.as_str() == "b")
+            .count();
         // Expected 750 of a thousand picks; within 10%.
         assert!((675..=825).contains(&firsts), "b first {firsts} times");
     }

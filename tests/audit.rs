@@ -1,0 +1,306 @@
+//! The audit finance bills from (SPEC §9): one metadata-only record per call, on every
+//! outcome, and a chargeback report that equals the ledger.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use flexway::audit::AuditRecord;
+use serde_json::{Value, json};
+
+const CANARY_KEY: &str = "sk-CANARY-KEY-5b1e0c";
+const CANARY_PROMPT: &str = "CANARYPROMPT9d2f";
+const CANARY_USER: &str = "CANARY-USER-77aa";
+
+fn audit_config(model: &FakeModel) -> String {
+    let cut = model.scenario_url(&Scenario {
+        cut_after: Some(2),
+        ..Default::default()
+    });
+    let bare = model.scenario_url(&Scenario {
+        no_usage: true,
+        ..Default::default()
+    });
+    let failing = model.scenario_url(&Scenario {
+        status: Some(500),
+        ..Default::default()
+    });
+    format!(
+        r#"version: 1
+store: {{kind: memory}}
+audit: {{sink: file, path: audit.jsonl, hash_salt: "env:AUDIT_SALT"}}
+tenants:
+  acme:
+    keys:
+      - sha256: {key}
+      - {{sha256: {cut_key}, agent: cutter}}
+      - {{sha256: {bare_key}, agent: bare}}
+      - {{sha256: {fail_key}, agent: failing}}
+    budgets: {{tokens_per_day: 100000}}
+    agents:
+      cutter: {{backend: cut}}
+      bare: {{backend: bare}}
+      failing: {{backend: failing}}
+      tight: {{budgets: {{tokens_per_day: 10}}}}
+ai:
+  default_backend: main
+  backends:
+    main: {{url: "{main}", price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 3}}}}
+    cut: {{url: "{cut}", price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 3}}}}
+    bare: {{url: "{bare}", price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 3}}}}
+    failing: {{url: "{failing}"}}
+"#,
+        key = sha(CANARY_KEY),
+        cut_key = sha("sk-cut"),
+        bare_key = sha("sk-bare"),
+        fail_key = sha("sk-fail"),
+        main = model.url(),
+    )
+}
+
+fn prompt(stream: bool) -> Value {
+    json!({"model": "m", "stream": stream, "user": CANARY_USER,
+        "messages": [{"role": "user", "content": format!("tell me {CANARY_PROMPT} please")}]})
+}
+
+fn records(gw: &Flexway) -> Vec<AuditRecord> {
+    let text = std::fs::read_to_string(gw.dir.path().join("audit.jsonl")).unwrap_or_default();
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+async fn wait_for_records(gw: &Flexway, n: usize) -> Vec<AuditRecord> {
+    for _ in 0..200 {
+        let got = records(gw);
+        if got.len() >= n {
+            return got;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("only {} audit records", records(gw).len());
+}
+
+fn request_id(r: &reqwest::Response) -> String {
+    r.headers()["flexway-request-id"].to_str().unwrap().to_owned()
+}
+
+/// Runs one call of each outcome; returns the request ids in order.
+async fn mixed_run(gw: &Flexway) -> Vec<(String, &'static str)> {
+    let mut ids = Vec::new();
+    let ok = gw.chat(CANARY_KEY, prompt(false)).await;
+    assert_eq!(ok.status(), 200);
+    ids.push((request_id(&ok), "ok"));
+    let _ = ok.text().await;
+    let streamed = gw
+        .post("/v1/chat/completions", CANARY_KEY, prompt(true))
+        .send()
+        .await
+        .unwrap();
+    ids.push((request_id(&streamed), "streamed"));
+    let _ = sse_data(streamed).await;
+    wait_for_records(gw, 2).await;
+    let bare = gw
+        .post("/v1/chat/completions", "sk-bare", prompt(true))
+        .send()
+        .await
+        .unwrap();
+    ids.push((request_id(&bare), "streamed-no-usage"));
+    let _ = sse_data(bare).await;
+    wait_for_records(gw, 3).await;
+    let limited = gw
+        .post("/v1/chat/completions", CANARY_KEY, prompt(false))
+        .header("Flexway-Agent", "tight")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(limited.status(), 429);
+    ids.push((request_id(&limited), "429"));
+    let failed = gw.chat("sk-fail", prompt(false)).await;
+    assert_eq!(failed.status(), 503);
+    ids.push((request_id(&failed), "5xx"));
+    let cut = gw
+        .post("/v1/chat/completions", "sk-cut", prompt(true))
+        .send()
+        .await
+        .unwrap();
+    ids.push((request_id(&cut), "cut"));
+    let _ = sse_data(cut).await;
+    wait_for_records(gw, 6).await;
+    let invalid = gw
+        .post(
+            "/v1/chat/completions",
+            CANARY_KEY,
+            json!({"model": CANARY_PROMPT, "messages": "not a list"}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(invalid.status(), 400);
+    ids.push((request_id(&invalid), "400"));
+    let unidentified = gw.chat("sk-unknown", prompt(false)).await;
+    assert_eq!(unidentified.status(), 401);
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_one_record_per_call_with_the_right_usage_source() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start_with_env(&audit_config(&model), &[("AUDIT_SALT", "pepper-1")]);
+    let ids = mixed_run(&gw).await;
+    let records = wait_for_records(&gw, ids.len()).await;
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let records_after = records_len(&gw);
+    assert_eq!(
+        records_after,
+        ids.len(),
+        "one record per identified call, none for a bad key"
+    );
+    for ((id, kind), record) in ids.iter().zip(&records) {
+        assert_eq!(&record.request_id, id, "{kind}: records are in the order calls ended");
+        let expected = match *kind {
+            "ok" | "streamed" => (200, None, "reported"),
+            "streamed-no-usage" => (200, None, "estimated"),
+            "429" => (429, Some("budget_exceeded"), "reported"),
+            "5xx" => (503, Some("upstream_unavailable"), "reported"),
+            "cut" => (200, Some("upstream_error"), "estimated"),
+            "400" => (400, Some("invalid_request"), "reported"),
+            other => panic!("{other}"),
+        };
+        assert_eq!(
+            (
+                record.status,
+                record.error_code.as_deref(),
+                record.usage_source.as_str()
+            ),
+            expected,
+            "{kind}"
+        );
+        assert_eq!(record.tenant, "acme");
+        assert_eq!(record.schema_version, 1);
+    }
+    let ok = &records[0];
+    assert!(ok.prompt_tokens > 0 && ok.completion_tokens > 0 && ok.cost_micro_eur > 0);
+    assert_eq!(ok.operation, "chat");
+    assert_eq!(ok.backend.as_deref(), Some("main"));
+    assert_eq!(ok.budget_state, "ok");
+    assert_eq!(records[3].budget_state, "exceeded");
+    assert_eq!(records[3].agent.as_deref(), Some("tight"));
+    assert!(
+        records[5].completion_tokens > 0,
+        "a broken stream is charged what was relayed"
+    );
+}
+
+fn records_len(gw: &Flexway) -> usize {
+    records(gw).len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn canaries_never_reach_the_audit_or_the_logs() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start_with_env(&audit_config(&model), &[("AUDIT_SALT", "pepper-2")]);
+    let ids = mixed_run(&gw).await;
+    let _ = wait_for_records(&gw, ids.len()).await;
+    let audit = std::fs::read_to_string(gw.dir.path().join("audit.jsonl")).unwrap();
+    let logs = gw.logs();
+    // The fake model echoes the prompt into its completion: both are covered.
+    for canary in [CANARY_PROMPT, CANARY_USER, CANARY_KEY, &sha(CANARY_KEY), "pepper-2"] {
+        assert!(!audit.contains(canary), "{canary} reached the audit");
+        assert!(!logs.contains(canary), "{canary} reached the logs");
+    }
+    let first: AuditRecord = serde_json::from_str(audit.lines().next().unwrap()).unwrap();
+    assert_eq!(first.key_hash.len(), 64);
+    assert!(first.user_hash.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_report_totals_equal_the_ledger() {
+    let model = FakeModel::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let audit_path = dir.path().join("audit.jsonl");
+    let adapters = flexway::gateway::Adapters {
+        budgets: Arc::new(flexway::budget::EmbeddedBudgetStore::open(&dir.path().join("ledger")).unwrap()),
+        audit: Arc::new(flexway::audit::FileAuditSink::open(&audit_path).unwrap()),
+    };
+    let yaml = audit_config(&model).replace(
+        "audit: {sink: file, path: audit.jsonl, hash_salt: \"env:AUDIT_SALT\"}",
+        "audit: {sink: stdout}",
+    );
+    let gw = serve_in_process(&yaml, adapters).await;
+    for i in 0..5 {
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "word ".repeat(i + 1)}]});
+        assert_eq!(gw.chat(CANARY_KEY, body).await.status(), 200);
+    }
+    let streamed = client()
+        .post(format!("{}/v1/chat/completions", gw.url))
+        .bearer_auth("sk-bare")
+        .json(&prompt(true))
+        .send()
+        .await
+        .unwrap();
+    let _ = sse_data(streamed).await;
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flexway"))
+        .args(["report", "--audit", audit_path.to_str().unwrap(), "--format", "json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ledger = gw.ledger("acme", None).await;
+    let text = report.to_string();
+    let total_cost = find_u64(&report, "local_total", "cost_micro_eur").unwrap_or_else(|| panic!("{text}"));
+    let prompt = find_u64(&report, "local_total", "prompt_tokens").unwrap();
+    let completion = find_u64(&report, "local_total", "completion_tokens").unwrap();
+    assert_eq!(total_cost, ledger[2], "report euros = ledger euros");
+    assert_eq!(prompt + completion, ledger[0], "report tokens = ledger tokens");
+}
+
+/// `report[section][field]`, looking one level down too.
+fn find_u64(report: &Value, section: &str, field: &str) -> Option<u64> {
+    report
+        .get(section)
+        .and_then(|s| s.get(field).or_else(|| s.get("totals").and_then(|t| t.get(field))))
+        .and_then(Value::as_u64)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_calls_and_cost_with_their_dimensions() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start_with_env(&audit_config(&model), &[("AUDIT_SALT", "pepper-3")]);
+    let ids = mixed_run(&gw).await;
+    let records = wait_for_records(&gw, ids.len()).await;
+    let text = client()
+        .get(format!("{}/metrics", gw.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let calls_main =
+        r#"flexway_inference_calls_total{tenant="acme",backend="main",metered_by="local",capability="chat"} 2"#;
+    assert!(text.contains(calls_main), "{text}");
+    let cost: u64 = records
+        .iter()
+        .filter(|r| r.backend.as_deref() == Some("main"))
+        .map(|r| r.cost_micro_eur)
+        .sum();
+    let cost_line = format!(
+        r#"flexway_inference_cost_eur_total{{tenant="acme",backend="main",metered_by="local",capability="chat"}} {}"#,
+        flexway::money::MicroEur(cost).to_eur_string()
+    );
+    assert!(text.contains(&cost_line), "{cost_line}\n{text}");
+    for family in [
+        "flexway_gateway_overhead_seconds_count",
+        "flexway_time_to_first_byte_seconds_bucket",
+        "flexway_budget_remaining",
+        "flexway_breaker_state",
+        "flexway_usage_drift_tokens",
+    ] {
+        assert!(text.contains(family), "{family} missing\n{text}");
+    }
+    for canary in [CANARY_PROMPT, CANARY_USER, CANARY_KEY] {
+        assert!(!text.contains(canary));
+    }
+}
