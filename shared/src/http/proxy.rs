@@ -27,7 +27,7 @@ use crate::config::{BackendId, Capability, Endpoint};
 use crate::error::{GatewayError, UnavailableCause};
 use crate::gateway::Gateway;
 use crate::identity::Caller;
-use crate::protocol::openai::{ChatRequest, EmbeddingsRequest, InvalidRequest, Usage};
+use crate::protocol::openai::{Answer, ChatRequest, EmbeddingsRequest, InvalidRequest, Usage};
 use crate::protocol::vision;
 use crate::routing::breaker::{Admit, Outcome};
 use crate::routing::{Candidate, Route};
@@ -209,10 +209,10 @@ async fn chat(
             return Err(e);
         }
     };
-    let (usage, source) = match Usage::from_value(body.get("usage")) {
+    let (usage, source) = match body.usage {
         Some(usage) => (usage, UsageSource::Reported),
         None => {
-            let completion = plan::typical_tokens(completion_bytes(&body));
+            let completion = plan::typical_tokens(body.completion_bytes);
             (
                 Usage {
                     prompt_tokens: prompt_typical,
@@ -276,7 +276,7 @@ async fn embed(
             return Err(e);
         }
     };
-    let (usage, source) = match Usage::from_value(body.get("usage")) {
+    let (usage, source) = match body.usage {
         Some(usage) => (usage, UsageSource::Reported),
         None => (
             Usage {
@@ -322,17 +322,6 @@ impl UsageSource {
             UsageSource::Estimated => "estimated",
         }
     }
-}
-
-/// Bytes of completion text in a non-streamed answer (for estimation).
-fn completion_bytes(body: &serde_json::Value) -> u64 {
-    let choices = body.get("choices").and_then(serde_json::Value::as_array);
-    choices
-        .into_iter()
-        .flatten()
-        .filter_map(|c| c.pointer("/message/content").and_then(serde_json::Value::as_str))
-        .map(|t| t.len() as u64)
-        .sum()
 }
 
 /// Reads the body, refusing it as soon as it passes `limit` (never buffering more).
@@ -535,19 +524,19 @@ async fn relay_error_as_is(
 
 /// A non-streamed answer, checked to be a JSON object: the response to relay (body
 /// as the backend wrote it) and the parsed body.
-async fn read_json(mut served: Served) -> Result<(Response, serde_json::Value), GatewayError> {
+async fn read_json(mut served: Served) -> Result<(Response, Answer), GatewayError> {
     let body = read_upstream_body(&mut served).await?;
-    match serde_json::from_slice::<serde_json::Value>(&body) {
-        Ok(value) if value.is_object() => {
+    match Answer::read(&body) {
+        Some(answer) => {
             let response = response_with(
                 StatusCode::OK,
                 body,
                 HeaderValue::from_static("application/json"),
                 Vec::new(),
             );
-            Ok((response, value))
+            Ok((response, answer))
         }
-        _ => Err(GatewayError::UpstreamError {
+        None => Err(GatewayError::UpstreamError {
             backend: served.candidate.backend,
             detail: "the response is not a JSON object".into(),
         }),

@@ -54,6 +54,69 @@ impl Usage {
     }
 }
 
+/// What the gateway reads of a non-streamed answer: its usage, and the size of its
+/// completion text (to estimate usage a backend did not report). Everything else is
+/// skipped without being built (an embeddings answer is mostly floats).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Answer {
+    pub usage: Option<Usage>,
+    pub completion_bytes: u64,
+}
+
+#[derive(serde::Deserialize)]
+struct AnswerView {
+    #[serde(default)]
+    usage: Option<UsageView>,
+    #[serde(default)]
+    choices: Option<Vec<ChoiceView>>,
+}
+
+#[derive(serde::Deserialize)]
+struct UsageView {
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+}
+
+#[derive(serde::Deserialize)]
+struct ChoiceView {
+    #[serde(default)]
+    message: Option<MessageView>,
+}
+
+#[derive(serde::Deserialize)]
+struct MessageView {
+    #[serde(default)]
+    content: Option<String>,
+}
+
+impl Answer {
+    /// `None` when the body is not a JSON object of the OpenAI shape.
+    pub fn read(body: &[u8]) -> Option<Answer> {
+        // serde would also read a struct from a JSON array: only an object will do.
+        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return None;
+        }
+        let view: AnswerView = serde_json::from_slice(body).ok()?;
+        let usage = view.usage.and_then(|u| {
+            Some(Usage {
+                prompt_tokens: u.prompt_tokens?,
+                completion_tokens: u.completion_tokens.unwrap_or(0),
+            })
+        });
+        let completion_bytes = view
+            .choices
+            .into_iter()
+            .flatten()
+            .filter_map(|c| c.message.and_then(|m| m.content))
+            .map(|t| t.len() as u64)
+            .sum();
+        Some(Answer {
+            usage,
+            completion_bytes,
+        })
+    }
+}
+
 fn parse_object(body: &[u8]) -> Result<Map<String, Value>, InvalidRequest> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(map)) => Ok(map),
@@ -451,6 +514,34 @@ mod tests {
             ok(json!({"model": "e", "input": [{}]})).unwrap_err().param,
             Some("input")
         );
+    }
+
+    #[test]
+    fn reads_an_answer_without_building_it() {
+        let body = json!({"id": "x", "choices": [{"message": {"role": "assistant", "content": "héllo"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4}});
+        let answer = Answer::read(body.to_string().as_bytes()).unwrap();
+        assert_eq!(
+            answer.usage,
+            Some(Usage {
+                prompt_tokens: 3,
+                completion_tokens: 4
+            })
+        );
+        assert_eq!(answer.completion_bytes, 6);
+        let embeddings = json!({"data": [{"embedding": [0.1, 0.2]}], "usage": {"prompt_tokens": 2, "total_tokens": 2}});
+        let answer = Answer::read(embeddings.to_string().as_bytes()).unwrap();
+        assert_eq!(
+            answer.usage,
+            Some(Usage {
+                prompt_tokens: 2,
+                completion_tokens: 0
+            })
+        );
+        assert_eq!(Answer::read(b"[1, 2]"), None);
+        assert_eq!(Answer::read(b" []"), None);
+        assert_eq!(Answer::read(b"not json"), None);
+        assert_eq!(Answer::read(b"{\"usage\": null}").unwrap().usage, None);
     }
 
     #[test]
