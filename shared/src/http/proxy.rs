@@ -22,7 +22,7 @@ use super::error::render;
 use super::record::Draft;
 use super::relay;
 use crate::admission::{Admission, Demand, admit};
-use crate::budget::plan;
+use crate::budget::{Ticket, plan};
 use crate::config::{BackendId, Capability, Endpoint};
 use crate::error::{GatewayError, UnavailableCause};
 use crate::gateway::Gateway;
@@ -106,10 +106,7 @@ async fn handle(
         Operation::Embeddings => "embeddings",
     };
     let mut draft = Draft::begin(&gateway, &request_id, &caller, name);
-    let call = Call {
-        caller: &caller,
-        request_id: &request_id,
-    };
+    let call = Call { caller: &caller, request_id: &request_id };
     let result = match op {
         Operation::Chat => chat(&gateway, call, &mut draft, &headers, body).await,
         Operation::Embeddings => embed(&gateway, call, &mut draft, &headers, body).await,
@@ -119,12 +116,9 @@ async fn handle(
             draft.finish(response.status().as_u16(), None).await;
             response
         }
-        Ok(Reply::Stream {
-            served,
-            client_wants_usage,
-            headers,
-            settle,
-        }) => relay::stream(served, client_wants_usage, headers, settle, draft),
+        Ok(Reply::Stream { served, client_wants_usage, headers, settle }) => {
+            relay::stream(served, client_wants_usage, headers, settle, draft)
+        }
         Err(e) => {
             draft.fail(&e).await;
             render(&e, true)
@@ -152,79 +146,27 @@ async fn chat(
         stream: request.stream,
         sensitive: sensitive(headers, &gateway.config.ai.sensitive_header)?,
     };
-    let Admission {
-        route,
-        ticket,
-        soft,
-        clamped_max_tokens,
-    } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
+    let Admission { route, ticket, soft, clamped_max_tokens } =
+        admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.soft(soft);
     let prompt_typical = plan::prompt_typical(request.prompt_text_bytes, request.message_count, images);
-    let dispatched = dispatch(gateway, draft, &route, "/chat/completions", &request.model, |model| {
-        request.upstream_body(model, clamped_max_tokens)
-    })
-    .await;
-    let served = match dispatched {
+    let body_for = |model: &str| request.upstream_body(model, clamped_max_tokens);
+    let served = match dispatch(gateway, draft, &route, "/chat/completions", &request.model, body_for).await {
         Ok(served) => served,
-        Err(e) => {
-            ticket.refund().await;
-            return Err(e);
-        }
+        Err(e) => return Err(refunded(ticket, e).await),
     };
-    let headers = model_headers(&served.candidate, soft);
-    if !served.response.status().is_success() {
-        ticket.refund().await;
-        return relay_error_as_is(served, headers).await.map(Reply::Now);
+    if !request.stream || !served.response.status().is_success() {
+        return complete(gateway, draft, served, ticket, soft, prompt_typical).await;
+    }
+    if !is_event_stream(served.response.headers()) {
+        let detail = "a stream was asked for but the response is not text/event-stream".into();
+        return Err(refunded(ticket, GatewayError::UpstreamError { backend: served.candidate.backend, detail }).await);
     }
     let price = gateway.price(&served.candidate.backend);
-    if request.stream {
-        if !is_event_stream(served.response.headers()) {
-            ticket.refund().await;
-            let detail = "a stream was asked for but the response is not text/event-stream".into();
-            return Err(GatewayError::UpstreamError {
-                backend: served.candidate.backend,
-                detail,
-            });
-        }
-        let settle = relay::Settle {
-            ticket,
-            price,
-            prompt_typical,
-        };
-        draft.streaming();
-        return Ok(Reply::Stream {
-            served,
-            client_wants_usage: request.client_wants_usage,
-            headers,
-            settle,
-        });
-    }
-    let reading = Instant::now();
-    let read = read_json(served).await;
-    draft.waited(reading.elapsed());
-    let (response, body) = match read {
-        Ok(read) => read,
-        Err(e) => {
-            ticket.refund().await;
-            return Err(e);
-        }
-    };
-    let (usage, source) = match body.usage {
-        Some(usage) => (usage, UsageSource::Reported),
-        None => {
-            let completion = plan::typical_tokens(body.completion_bytes);
-            (
-                Usage {
-                    prompt_tokens: prompt_typical,
-                    completion_tokens: completion,
-                },
-                UsageSource::Estimated,
-            )
-        }
-    };
-    let cost = ticket.settle(usage, price).await;
-    draft.usage(usage, source, cost);
-    Ok(Reply::Now(with_headers(response, headers)))
+    let headers = model_headers(&served.candidate, soft);
+    draft.streaming();
+    let settle = relay::Settle { ticket, price, prompt_typical };
+    Ok(Reply::Stream { served, client_wants_usage: request.client_wants_usage, headers, settle })
 }
 
 async fn embed(
@@ -245,21 +187,33 @@ async fn embed(
         stream: false,
         sensitive: sensitive(headers, &gateway.config.ai.sensitive_header)?,
     };
-    let Admission {
-        route, ticket, soft, ..
-    } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
+    let Admission { route, ticket, soft, .. } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.soft(soft);
-    let dispatched = dispatch(gateway, draft, &route, "/embeddings", &request.model, |model| {
-        request.upstream_body(model)
-    })
-    .await;
-    let served = match dispatched {
+    let body_for = |model: &str| request.upstream_body(model);
+    let served = match dispatch(gateway, draft, &route, "/embeddings", &request.model, body_for).await {
         Ok(served) => served,
-        Err(e) => {
-            ticket.refund().await;
-            return Err(e);
-        }
+        Err(e) => return Err(refunded(ticket, e).await),
     };
+    complete(gateway, draft, served, ticket, soft, plan::typical_tokens(request.input_units)).await
+}
+
+/// Refunds the reservation of a call that failed before its first byte.
+async fn refunded(ticket: Ticket, error: GatewayError) -> GatewayError {
+    ticket.refund().await;
+    error
+}
+
+/// The tail every non-streamed answer shares: a backend's own 4xx relayed as is (and
+/// refunded), or the answer read and settled on its usage — or, if it reports none,
+/// on `prompt_typical` plus the typical tokens of the completion it wrote.
+async fn complete(
+    gateway: &Gateway,
+    draft: &mut Draft,
+    served: Served,
+    ticket: Ticket,
+    soft: bool,
+    prompt_typical: u64,
+) -> Result<Reply, GatewayError> {
     let headers = model_headers(&served.candidate, soft);
     if !served.response.status().is_success() {
         ticket.refund().await;
@@ -269,22 +223,16 @@ async fn embed(
     let reading = Instant::now();
     let read = read_json(served).await;
     draft.waited(reading.elapsed());
-    let (response, body) = match read {
+    let (response, answer) = match read {
         Ok(read) => read,
-        Err(e) => {
-            ticket.refund().await;
-            return Err(e);
-        }
+        Err(e) => return Err(refunded(ticket, e).await),
     };
-    let (usage, source) = match body.usage {
+    let (usage, source) = match answer.usage {
         Some(usage) => (usage, UsageSource::Reported),
-        None => (
-            Usage {
-                prompt_tokens: plan::typical_tokens(request.input_units),
-                completion_tokens: 0,
-            },
-            UsageSource::Estimated,
-        ),
+        None => {
+            let completion_tokens = plan::typical_tokens(answer.completion_bytes);
+            (Usage { prompt_tokens: prompt_typical, completion_tokens }, UsageSource::Estimated)
+        }
     };
     let cost = ticket.settle(usage, price).await;
     draft.usage(usage, source, cost);
@@ -326,10 +274,8 @@ impl UsageSource {
 
 /// Reads the body, refusing it as soon as it passes `limit` (never buffering more).
 async fn read_body(body: Body, headers: &HeaderMap, limit: u64) -> Result<Bytes, GatewayError> {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let declared =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|len| len > limit) {
         return Err(GatewayError::BodyTooLarge { limit });
     }
@@ -393,18 +339,11 @@ async fn dispatch(
                 let retry_after = retry_after(response.headers());
                 gateway.breakers.record(
                     backend,
-                    Outcome::Status {
-                        status: status.as_u16(),
-                        retry_after,
-                    },
+                    Outcome::Status { status: status.as_u16(), retry_after },
                     Instant::now(),
                 );
                 if !status.is_server_error() {
-                    return Ok(Served {
-                        candidate: candidate.clone(),
-                        response,
-                        timeout: client.timeout,
-                    });
+                    return Ok(Served { candidate: candidate.clone(), response, timeout: client.timeout });
                 }
                 tracing::warn!(backend = %backend, status = status.as_u16(), "backend failed");
             }
@@ -414,9 +353,7 @@ async fn dispatch(
                 timed_out = Some(backend.clone());
             }
             Err(CallError::Connect(e)) => {
-                gateway
-                    .breakers
-                    .record(backend, Outcome::ConnectionError, Instant::now());
+                gateway.breakers.record(backend, Outcome::ConnectionError, Instant::now());
                 tracing::warn!(backend = %backend, "backend unreachable: {e}");
             }
             // Our own credential file is missing: not the backend's health.
@@ -489,10 +426,7 @@ async fn read_upstream_body(served: &mut Served) -> Result<Bytes, GatewayError> 
     let response = std::mem::replace(&mut served.response, empty_response());
     match tokio::time::timeout(served.timeout, response.bytes()).await {
         Err(_) => Err(GatewayError::UpstreamTimeout { backend }),
-        Ok(Err(e)) => Err(GatewayError::UpstreamError {
-            backend,
-            detail: format!("reading the body failed: {e}"),
-        }),
+        Ok(Err(e)) => Err(GatewayError::UpstreamError { backend, detail: format!("reading the body failed: {e}") }),
         Ok(Ok(bytes)) => Ok(bytes),
     }
 }
@@ -528,12 +462,8 @@ async fn read_json(mut served: Served) -> Result<(Response, Answer), GatewayErro
     let body = read_upstream_body(&mut served).await?;
     match Answer::read(&body) {
         Some(answer) => {
-            let response = response_with(
-                StatusCode::OK,
-                body,
-                HeaderValue::from_static("application/json"),
-                Vec::new(),
-            );
+            let response =
+                response_with(StatusCode::OK, body, HeaderValue::from_static("application/json"), Vec::new());
             Ok((response, answer))
         }
         None => Err(GatewayError::UpstreamError {
