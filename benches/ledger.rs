@@ -21,10 +21,7 @@ fn env_or(name: &str, default: u64) -> u64 {
 }
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
     runtime.block_on(run());
 }
 
@@ -49,20 +46,15 @@ async fn run() {
         rows.push(measure("embedded", store.clone(), Some(store), tasks, duration).await);
     }
 
-    println!(
-        "ledger: reserve+settle pairs, {secs} s per row, temp dir {}",
-        dir.path().display()
-    );
+    println!("ledger: reserve+settle pairs, {secs} s per row, temp dir {}", dir.path().display());
     println!(
         "{:<9} {:>5} {:>12} {:>12} {:>12} {:>12} {:>14}",
         "store", "tasks", "pairs/s", "ops/s", "reserve p50", "reserve p99", "ops per fsync"
     );
     for row in &rows {
         let rate = row.pairs as f64 / row.elapsed.as_secs_f64();
-        let per_commit = row.commits.map_or_else(
-            || "-".to_owned(),
-            |c| format!("{:.1}", (2 * row.pairs) as f64 / c.max(1) as f64),
-        );
+        let per_commit =
+            row.commits.map_or_else(|| "-".to_owned(), |c| format!("{:.1}", (2 * row.pairs) as f64 / c.max(1) as f64));
         println!(
             "{:<9} {:>5} {:>12.0} {:>12.0} {:>12} {:>12} {:>14}",
             row.store,
@@ -113,29 +105,15 @@ async fn measure(
     }
     let elapsed = start.elapsed();
     reserve.sort_unstable();
-    let commits = embedded
-        .as_ref()
-        .zip(commits_before)
-        .map(|(s, before)| s.commits() - before);
-    Row {
-        store: name,
-        tasks,
-        pairs: reserve.len() as u64,
-        elapsed,
-        reserve,
-        commits,
-    }
+    let commits = embedded.as_ref().zip(commits_before).map(|(s, before)| s.commits() - before);
+    Row { store: name, tasks, pairs: reserve.len() as u64, elapsed, reserve, commits }
 }
 
 /// What admission reserves for one call: tenant and agent, tokens per day and month,
 /// micro-euros per month, under limits that never refuse here.
 fn request(task: usize, n: u64) -> ReserveRequest {
     let key = |s: &str| CounterKey(format!("bench/{s}"));
-    let line = |k: &str, amount: u64| Line {
-        key: key(k),
-        amount,
-        limit: Some(u64::MAX / 2),
-    };
+    let line = |k: &str, amount: u64| Line { key: key(k), amount, limit: Some(u64::MAX / 2) };
     ReserveRequest {
         request_id: format!("bench-{task}-{n}"),
         lines: vec![

@@ -28,10 +28,7 @@ fn env_or(name: &str, default: u64) -> u64 {
 }
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
     runtime.block_on(run());
 }
 
@@ -65,16 +62,8 @@ async fn run() {
     let direct = fixed_rate(&model.url(), &body, rate, count).await;
     let via = fixed_rate(&gateway_url, &body, rate, count).await;
     println!("non-streamed chat, one connection, {rate} req/s, {count} requests each");
-    println!(
-        "  direct   p50 {:>7.1} µs  p99 {:>7.1} µs",
-        pct(&direct, 50.0),
-        pct(&direct, 99.0)
-    );
-    println!(
-        "  gateway  p50 {:>7.1} µs  p99 {:>7.1} µs",
-        pct(&via, 50.0),
-        pct(&via, 99.0)
-    );
+    println!("  direct   p50 {:>7.1} µs  p99 {:>7.1} µs", pct(&direct, 50.0), pct(&direct, 99.0));
+    println!("  gateway  p50 {:>7.1} µs  p99 {:>7.1} µs", pct(&via, 50.0), pct(&via, 99.0));
     println!(
         "  added    p50 {:>7.1} µs  p99 {:>7.1} µs",
         pct(&via, 50.0) - pct(&direct, 50.0),
@@ -90,14 +79,8 @@ async fn fixed_rate(base: &str, body: &serde_json::Value, rate: u64, count: usiz
     let client = reqwest::Client::builder().pool_max_idle_per_host(1).build().unwrap();
     let url = format!("{base}/chat/completions");
     let payload = serde_json::to_vec(body).unwrap();
-    let send = || {
-        client
-            .post(&url)
-            .bearer_auth(KEY)
-            .header("content-type", "application/json")
-            .body(payload.clone())
-            .send()
-    };
+    let send =
+        || client.post(&url).bearer_auth(KEY).header("content-type", "application/json").body(payload.clone()).send();
     for _ in 0..200 {
         send().await.unwrap().bytes().await.unwrap();
     }

@@ -58,9 +58,7 @@ fn main() -> ExitCode {
         Command::Serve { config, listen } => serve::run(&config, &listen),
         Command::Validate { config } => validate(&config),
         Command::Report(args) => report::run(args),
-        Command::Key {
-            command: KeyCommand::New { tenant, agent },
-        } => key::new(&tenant, agent.as_deref()),
+        Command::Key { command: KeyCommand::New { tenant, agent } } => key::new(&tenant, agent.as_deref()),
     }
 }
 

@@ -67,11 +67,7 @@ fn adapters(config: &Config) -> anyhow::Result<Adapters> {
 async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
     let adapters = adapters(&config)?;
     let budgets = adapters.budgets.clone();
-    let gateway = Arc::new(flexway::Gateway::new(
-        config,
-        &LocalSecrets { env: &ProcessEnv },
-        adapters,
-    )?);
+    let gateway = Arc::new(flexway::Gateway::new(config, &LocalSecrets { env: &ProcessEnv }, adapters)?);
     // The sweeper refunds reservations whose call vanished (a killed process).
     tokio::spawn(async move {
         loop {

@@ -15,18 +15,9 @@ const CANARY_PROMPT: &str = "CANARYPROMPT9d2f";
 const CANARY_USER: &str = "CANARY-USER-77aa";
 
 fn audit_config(model: &FakeModel) -> String {
-    let cut = model.scenario_url(&Scenario {
-        cut_after: Some(2),
-        ..Default::default()
-    });
-    let bare = model.scenario_url(&Scenario {
-        no_usage: true,
-        ..Default::default()
-    });
-    let failing = model.scenario_url(&Scenario {
-        status: Some(500),
-        ..Default::default()
-    });
+    let cut = model.scenario_url(&Scenario { cut_after: Some(2), ..Default::default() });
+    let bare = model.scenario_url(&Scenario { no_usage: true, ..Default::default() });
+    let failing = model.scenario_url(&Scenario { status: Some(500), ..Default::default() });
     format!(
         r#"version: 1
 store: {{kind: memory}}
@@ -92,19 +83,11 @@ async fn mixed_run(gw: &Flexway) -> Vec<(String, &'static str)> {
     assert_eq!(ok.status(), 200);
     ids.push((request_id(&ok), "ok"));
     let _ = ok.text().await;
-    let streamed = gw
-        .post("/v1/chat/completions", CANARY_KEY, prompt(true))
-        .send()
-        .await
-        .unwrap();
+    let streamed = gw.post("/v1/chat/completions", CANARY_KEY, prompt(true)).send().await.unwrap();
     ids.push((request_id(&streamed), "streamed"));
     let _ = sse_data(streamed).await;
     wait_for_records(gw, 2).await;
-    let bare = gw
-        .post("/v1/chat/completions", "sk-bare", prompt(true))
-        .send()
-        .await
-        .unwrap();
+    let bare = gw.post("/v1/chat/completions", "sk-bare", prompt(true)).send().await.unwrap();
     ids.push((request_id(&bare), "streamed-no-usage"));
     let _ = sse_data(bare).await;
     wait_for_records(gw, 3).await;
@@ -119,20 +102,12 @@ async fn mixed_run(gw: &Flexway) -> Vec<(String, &'static str)> {
     let failed = gw.chat("sk-fail", prompt(false)).await;
     assert_eq!(failed.status(), 503);
     ids.push((request_id(&failed), "5xx"));
-    let cut = gw
-        .post("/v1/chat/completions", "sk-cut", prompt(true))
-        .send()
-        .await
-        .unwrap();
+    let cut = gw.post("/v1/chat/completions", "sk-cut", prompt(true)).send().await.unwrap();
     ids.push((request_id(&cut), "cut"));
     let _ = sse_data(cut).await;
     wait_for_records(gw, 6).await;
     let invalid = gw
-        .post(
-            "/v1/chat/completions",
-            CANARY_KEY,
-            json!({"model": CANARY_PROMPT, "messages": "not a list"}),
-        )
+        .post("/v1/chat/completions", CANARY_KEY, json!({"model": CANARY_PROMPT, "messages": "not a list"}))
         .send()
         .await
         .unwrap();
@@ -151,11 +126,7 @@ async fn exactly_one_record_per_call_with_the_right_usage_source() {
     let records = wait_for_records(&gw, ids.len()).await;
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     let records_after = records_len(&gw);
-    assert_eq!(
-        records_after,
-        ids.len(),
-        "one record per identified call, none for a bad key"
-    );
+    assert_eq!(records_after, ids.len(), "one record per identified call, none for a bad key");
     for ((id, kind), record) in ids.iter().zip(&records) {
         assert_eq!(&record.request_id, id, "{kind}: records are in the order calls ended");
         let expected = match *kind {
@@ -167,15 +138,7 @@ async fn exactly_one_record_per_call_with_the_right_usage_source() {
             "400" => (400, Some("invalid_request"), "reported"),
             other => panic!("{other}"),
         };
-        assert_eq!(
-            (
-                record.status,
-                record.error_code.as_deref(),
-                record.usage_source.as_str()
-            ),
-            expected,
-            "{kind}"
-        );
+        assert_eq!((record.status, record.error_code.as_deref(), record.usage_source.as_str()), expected, "{kind}");
         assert_eq!(record.tenant, "acme");
         assert_eq!(record.schema_version, 1);
     }
@@ -186,10 +149,7 @@ async fn exactly_one_record_per_call_with_the_right_usage_source() {
     assert_eq!(ok.budget_state, "ok");
     assert_eq!(records[3].budget_state, "exceeded");
     assert_eq!(records[3].agent.as_deref(), Some("tight"));
-    assert!(
-        records[5].completion_tokens > 0,
-        "a broken stream is charged what was relayed"
-    );
+    assert!(records[5].completion_tokens > 0, "a broken stream is charged what was relayed");
 }
 
 fn records_len(gw: &Flexway) -> usize {
@@ -223,10 +183,8 @@ async fn the_report_totals_equal_the_ledger() {
         budgets: Arc::new(flexway::budget::EmbeddedBudgetStore::open(&dir.path().join("ledger")).unwrap()),
         audit: Arc::new(flexway::audit::FileAuditSink::open(&audit_path).unwrap()),
     };
-    let yaml = audit_config(&model).replace(
-        "audit: {sink: file, path: audit.jsonl, hash_salt: \"env:AUDIT_SALT\"}",
-        "audit: {sink: stdout}",
-    );
+    let yaml = audit_config(&model)
+        .replace("audit: {sink: file, path: audit.jsonl, hash_salt: \"env:AUDIT_SALT\"}", "audit: {sink: stdout}");
     let gw = serve_in_process(&yaml, adapters).await;
     for i in 0..5 {
         let body = json!({"model": "m", "messages": [{"role": "user", "content": "word ".repeat(i + 1)}]});
@@ -270,22 +228,11 @@ async fn metrics_count_calls_and_cost_with_their_dimensions() {
     let gw = Flexway::start_with_env(&audit_config(&model), &[("AUDIT_SALT", "pepper-3")]);
     let ids = mixed_run(&gw).await;
     let records = wait_for_records(&gw, ids.len()).await;
-    let text = client()
-        .get(format!("{}/metrics", gw.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = client().get(format!("{}/metrics", gw.url)).send().await.unwrap().text().await.unwrap();
     let calls_main =
         r#"flexway_inference_calls_total{tenant="acme",backend="main",metered_by="local",capability="chat"} 2"#;
     assert!(text.contains(calls_main), "{text}");
-    let cost: u64 = records
-        .iter()
-        .filter(|r| r.backend.as_deref() == Some("main"))
-        .map(|r| r.cost_micro_eur)
-        .sum();
+    let cost: u64 = records.iter().filter(|r| r.backend.as_deref() == Some("main")).map(|r| r.cost_micro_eur).sum();
     let cost_line = format!(
         r#"flexway_inference_cost_eur_total{{tenant="acme",backend="main",metered_by="local",capability="chat"}} {}"#,
         flexway::money::MicroEur(cost).to_eur_string()

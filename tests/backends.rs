@@ -19,10 +19,7 @@ async fn bearer_auth_sends_the_secret_from_an_env_reference() {
     );
     let gw = Flexway::start_with_env(&config(&ai), &[("MAIN_KEY", "upstream-secret-1")]);
     assert_eq!(gw.chat(KEY, hello("m")).await.status(), 200);
-    assert_eq!(
-        header(&model.requests()[0], "authorization"),
-        Some("Bearer upstream-secret-1")
-    );
+    assert_eq!(header(&model.requests()[0], "authorization"), Some("Bearer upstream-secret-1"));
     assert!(!gw.logs().contains("upstream-secret-1"), "a secret reached the logs");
 }
 
@@ -86,11 +83,7 @@ async fn model_selection_listed_alias_default_and_pass_through() {
         u = model.url()
     );
     let gw = Flexway::start(&config(&ai));
-    for (asked, served) in [
-        ("gpt-4.1", "gpt-4.1"),
-        ("chat-default", "gpt-4.1"),
-        ("something-else", "gpt-4.1-mini"),
-    ] {
+    for (asked, served) in [("gpt-4.1", "gpt-4.1"), ("chat-default", "gpt-4.1"), ("something-else", "gpt-4.1-mini")] {
         assert_eq!(gw.chat(KEY, hello(asked)).await.status(), 200);
         let last = model.requests().pop().unwrap();
         assert_eq!(last.body["model"], served, "asked {asked}");
@@ -145,20 +138,12 @@ async fn routes_by_default_then_tenant_then_agent() {
     assert_eq!(backend(&tenant), "tenant-backend");
     let bound = gw.chat(AGENT_KEY, hello("m")).await;
     assert_eq!(backend(&bound), "agent-backend");
-    let by_header = gw
-        .post("/v1/chat/completions", KEY, hello("m"))
-        .header("Flexway-Agent", "bot")
-        .send()
-        .await
-        .unwrap();
+    let by_header =
+        gw.post("/v1/chat/completions", KEY, hello("m")).header("Flexway-Agent", "bot").send().await.unwrap();
     assert_eq!(backend(&by_header), "agent-backend");
     // An agent without its own backend follows its tenant.
-    let helper = gw
-        .post("/v1/chat/completions", KEY, hello("m"))
-        .header("Flexway-Agent", "helper")
-        .send()
-        .await
-        .unwrap();
+    let helper =
+        gw.post("/v1/chat/completions", KEY, hello("m")).header("Flexway-Agent", "helper").send().await.unwrap();
     assert_eq!(backend(&helper), "tenant-backend");
 }
 
@@ -178,22 +163,10 @@ async fn models_lists_the_names_the_caller_can_reach() {
     let list = |key: &'static str| {
         let url = format!("{}/v1/models", gw.url);
         async move {
-            let body: Value = client()
-                .get(url)
-                .bearer_auth(key)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let body: Value = client().get(url).bearer_auth(key).send().await.unwrap().json().await.unwrap();
             assert_eq!(body["object"], "list");
-            let mut ids: Vec<String> = body["data"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|m| m["id"].as_str().unwrap().to_owned())
-                .collect();
+            let mut ids: Vec<String> =
+                body["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap().to_owned()).collect();
             ids.sort();
             ids
         }

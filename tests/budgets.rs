@@ -45,10 +45,7 @@ const RESERVED_PER_CALL: u64 = 118;
 
 async fn burst(gw: &InProcess) {
     let calls = (0..96).map(|_| {
-        gw.chat(
-            KEY,
-            json!({"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": "hello there"}]}),
-        )
+        gw.chat(KEY, json!({"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": "hello there"}]}))
     });
     let responses = join_all(calls).await;
     let mut served_tokens = 0;
@@ -64,12 +61,7 @@ async fn burst(gw: &InProcess) {
                 assert!(response.headers().contains_key("retry-after"));
                 let body: Value = response.json().await.unwrap();
                 assert_eq!(body["error"]["code"], "budget_exceeded");
-                assert!(
-                    body["error"]["message"]
-                        .as_str()
-                        .unwrap()
-                        .contains("tenant acme tokens_per_day")
-                );
+                assert!(body["error"]["message"].as_str().unwrap().contains("tenant acme tokens_per_day"));
             }
             other => panic!("unexpected status {other}"),
         }
@@ -86,10 +78,7 @@ async fn burst(gw: &InProcess) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn burst_never_passes_the_cap_on_the_memory_store() {
     let model = FakeModel::start().await.unwrap();
-    let slow = model.scenario_url(&Scenario {
-        delay_ms: Some(300),
-        ..Default::default()
-    });
+    let slow = model.scenario_url(&Scenario { delay_ms: Some(300), ..Default::default() });
     let yaml = budget_config(
         &format!("{{tokens_per_day: {}}}", 10 * RESERVED_PER_CALL),
         &backend("main", &slow, "1", "2", ""),
@@ -102,10 +91,7 @@ async fn burst_never_passes_the_cap_on_the_memory_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn burst_never_passes_the_cap_on_the_embedded_store() {
     let model = FakeModel::start().await.unwrap();
-    let slow = model.scenario_url(&Scenario {
-        delay_ms: Some(300),
-        ..Default::default()
-    });
+    let slow = model.scenario_url(&Scenario { delay_ms: Some(300), ..Default::default() });
     let yaml = budget_config(
         &format!("{{tokens_per_day: {}}}", 10 * RESERVED_PER_CALL),
         &backend("main", &slow, "1", "2", ""),
@@ -119,20 +105,9 @@ async fn burst_never_passes_the_cap_on_the_embedded_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_backend_never_drains_the_budget() {
     let model = FakeModel::start().await.unwrap();
-    let failing = model.scenario_url(&Scenario {
-        status: Some(500),
-        ..Default::default()
-    });
-    let backends = format!(
-        "{}{}",
-        backend("down", &failing, "1", "2", ""),
-        backend("up", &model.url(), "1", "2", "")
-    );
-    let yaml = budget_config(
-        &format!("{{tokens_per_day: {RESERVED_PER_CALL}, eur_per_month: 1}}"),
-        &backends,
-        "down",
-    );
+    let failing = model.scenario_url(&Scenario { status: Some(500), ..Default::default() });
+    let backends = format!("{}{}", backend("down", &failing, "1", "2", ""), backend("up", &model.url(), "1", "2", ""));
+    let yaml = budget_config(&format!("{{tokens_per_day: {RESERVED_PER_CALL}, eur_per_month: 1}}"), &backends, "down");
     let (adapters, _) = memory_adapters();
     let gw = serve_in_process(&yaml, adapters).await;
     for _ in 0..30 {
@@ -144,27 +119,16 @@ async fn a_failing_backend_never_drains_the_budget() {
             .await;
         assert_eq!(response.status(), 503);
     }
-    assert_eq!(
-        gw.ledger("acme", None).await,
-        [0, 0, 0],
-        "failed calls returned every token and micro-euro"
-    );
+    assert_eq!(gw.ledger("acme", None).await, [0, 0, 0], "failed calls returned every token and micro-euro");
     assert_eq!(gw.live_reservations().await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_whole_budget_is_usable_after_failures() {
     let model = FakeModel::start().await.unwrap();
-    let failing = model.scenario_url(&Scenario {
-        status: Some(502),
-        ..Default::default()
-    });
+    let failing = model.scenario_url(&Scenario { status: Some(502), ..Default::default() });
     // The tenant routes to a failing backend; its agent to a healthy one.
-    let backends = format!(
-        "{}{}",
-        backend("down", &failing, "1", "2", ""),
-        backend("up", &model.url(), "1", "2", "")
-    );
+    let backends = format!("{}{}", backend("down", &failing, "1", "2", ""), backend("up", &model.url(), "1", "2", ""));
     let yaml = budget_config(&format!("{{tokens_per_day: {RESERVED_PER_CALL}}}"), &backends, "down")
         .replace("bot: {budgets: {tokens_per_day: 500}}", "bot: {backend: up}");
     let (adapters, _) = memory_adapters();
@@ -193,10 +157,7 @@ async fn the_whole_budget_is_usable_after_failures() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn euros_settle_at_the_serving_backends_price() {
     let model = FakeModel::start().await.unwrap();
-    let failing = model.scenario_url(&Scenario {
-        status: Some(500),
-        ..Default::default()
-    });
+    let failing = model.scenario_url(&Scenario { status: Some(500), ..Default::default() });
     let backends = format!(
         "{}{}",
         backend("dear", &failing, "10", "40", "      fallback: [cheap]\n"),
@@ -205,12 +166,7 @@ async fn euros_settle_at_the_serving_backends_price() {
     let yaml = budget_config("{eur_per_month: 1}", &backends, "dear");
     let (adapters, audit) = memory_adapters();
     let gw = serve_in_process(&yaml, adapters).await;
-    let response = gw
-        .chat(
-            KEY,
-            json!({"model": "m", "messages": [{"role": "user", "content": "price me"}]}),
-        )
-        .await;
+    let response = gw.chat(KEY, json!({"model": "m", "messages": [{"role": "user", "content": "price me"}]})).await;
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["flexway-backend"], "cheap");
     let body: Value = response.json().await.unwrap();
@@ -236,38 +192,21 @@ async fn the_refusing_budget_is_named_with_seconds_to_its_reset() {
     );
     let (adapters, _) = memory_adapters();
     let gw = serve_in_process(&yaml, adapters).await;
-    let response = gw
-        .chat(
-            KEY,
-            json!({"model": "m", "messages": [{"role": "user", "content": "hello there"}]}),
-        )
-        .await;
+    let response = gw.chat(KEY, json!({"model": "m", "messages": [{"role": "user", "content": "hello there"}]})).await;
     assert_eq!(response.status(), 429);
     let retry_after: u64 = response.headers()["retry-after"].to_str().unwrap().parse().unwrap();
     let now = flexway::budget::period::unix_now();
     let month_end = flexway::budget::Period::Month.end(now);
-    assert!(
-        retry_after <= month_end - now && retry_after + 5 >= month_end - now,
-        "Retry-After {retry_after}"
-    );
+    assert!(retry_after <= month_end - now && retry_after + 5 >= month_end - now, "Retry-After {retry_after}");
     let body: Value = response.json().await.unwrap();
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("tenant acme tokens_per_month")
-    );
+    assert!(body["error"]["message"].as_str().unwrap().contains("tenant acme tokens_per_month"));
     assert_eq!(model.request_count(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agents_budget_is_a_sub_limit_inside_its_tenants() {
     let model = FakeModel::start().await.unwrap();
-    let yaml = budget_config(
-        "{tokens_per_day: 100000}",
-        &backend("main", &model.url(), "1", "1", ""),
-        "main",
-    );
+    let yaml = budget_config("{tokens_per_day: 100000}", &backend("main", &model.url(), "1", "1", ""), "main");
     let (adapters, _) = memory_adapters();
     let gw = serve_in_process(&yaml, adapters).await;
     // The agent's 500 tokens a day hold 4 reservations of 118.
@@ -281,16 +220,10 @@ async fn an_agents_budget_is_a_sub_limit_inside_its_tenants() {
             .await;
         statuses.push(r.status().as_u16());
     }
-    assert!(
-        statuses.iter().all(|s| *s == 200),
-        "settled usage is small, so room comes back: {statuses:?}"
-    );
+    assert!(statuses.iter().all(|s| *s == 200), "settled usage is small, so room comes back: {statuses:?}");
     let agent = gw.ledger("acme", Some("bot")).await;
     let tenant = gw.ledger("acme", None).await;
-    assert_eq!(
-        agent[0], tenant[0],
-        "the agent's usage counts in its tenant's budget too"
-    );
+    assert_eq!(agent[0], tenant[0], "the agent's usage counts in its tenant's budget too");
     let greedy = gw
         .chat(
             AGENT_KEY,
@@ -299,30 +232,18 @@ async fn an_agents_budget_is_a_sub_limit_inside_its_tenants() {
         .await;
     assert_eq!(greedy.status(), 429);
     let body: Value = greedy.json().await.unwrap();
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("agent acme/bot tokens_per_day")
-    );
+    assert!(body["error"]["message"].as_str().unwrap().contains("agent acme/bot tokens_per_day"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_completion_allowance_is_clamped_to_what_remains() {
     let model = FakeModel::start().await.unwrap();
     // 18 prompt tokens + at most 50 of completion fit; min_completion_tokens is 10.
-    let yaml = budget_config(
-        "{tokens_per_day: 68}",
-        &backend("main", &model.url(), "1", "1", ""),
-        "main",
-    );
+    let yaml = budget_config("{tokens_per_day: 68}", &backend("main", &model.url(), "1", "1", ""), "main");
     let (adapters, _) = memory_adapters();
     let gw = serve_in_process(&yaml, adapters).await;
     let response = gw
-        .chat(
-            KEY,
-            json!({"model": "m", "max_tokens": 1000, "messages": [{"role": "user", "content": "hello there"}]}),
-        )
+        .chat(KEY, json!({"model": "m", "max_tokens": 1000, "messages": [{"role": "user", "content": "hello there"}]}))
         .await;
     assert_eq!(response.status(), 200);
     assert_eq!(model.requests()[0].body["max_tokens"], 50);
@@ -331,32 +252,19 @@ async fn the_completion_allowance_is_clamped_to_what_remains() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_soft_cap_switches_to_the_cheaper_backend_and_says_so() {
     let model = FakeModel::start().await.unwrap();
-    let backends = format!(
-        "{}{}",
-        backend("main", &model.url(), "2", "8", ""),
-        backend("small", &model.url(), "0.1", "0.1", "")
-    );
+    let backends =
+        format!("{}{}", backend("main", &model.url(), "2", "8", ""), backend("small", &model.url(), "0.1", "0.1", ""));
     let yaml = budget_config("{tokens_per_day: 1000}", &backends, "main").replace(
         "  budget: {default_max_tokens: 100, min_completion_tokens: 10}",
         "  budget: {default_max_tokens: 100, min_completion_tokens: 10, soft: {threshold: 0.005, backend: small}}",
     );
     let (adapters, audit) = memory_adapters();
     let gw = serve_in_process(&yaml, adapters).await;
-    let first = gw
-        .chat(
-            KEY,
-            json!({"model": "m", "messages": [{"role": "user", "content": "hello there"}]}),
-        )
-        .await;
+    let first = gw.chat(KEY, json!({"model": "m", "messages": [{"role": "user", "content": "hello there"}]})).await;
     assert_eq!(first.headers()["flexway-backend"], "main");
     assert!(first.headers().get("flexway-budget").is_none());
     // The first call used more than 0.5% of 1000 tokens.
-    let second = gw
-        .chat(
-            KEY,
-            json!({"model": "m", "messages": [{"role": "user", "content": "hello there"}]}),
-        )
-        .await;
+    let second = gw.chat(KEY, json!({"model": "m", "messages": [{"role": "user", "content": "hello there"}]})).await;
     assert_eq!(second.status(), 200);
     assert_eq!(second.headers()["flexway-budget"], "soft");
     assert_eq!(second.headers()["flexway-backend"], "small");
@@ -366,24 +274,14 @@ async fn the_soft_cap_switches_to_the_cheaper_backend_and_says_so() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_settles_on_its_reported_usage_and_a_broken_one_on_what_was_relayed() {
     let model = FakeModel::start().await.unwrap();
-    let cut = model.scenario_url(&Scenario {
-        cut_after: Some(2),
-        ..Default::default()
-    });
-    let backends = format!(
-        "{}{}",
-        backend("main", &model.url(), "1", "1", ""),
-        backend("cut", &cut, "1", "1", "")
-    );
+    let cut = model.scenario_url(&Scenario { cut_after: Some(2), ..Default::default() });
+    let backends = format!("{}{}", backend("main", &model.url(), "1", "1", ""), backend("cut", &cut, "1", "1", ""));
     let yaml = budget_config("{tokens_per_day: 100000}", &backends, "main")
         .replace("bot: {budgets: {tokens_per_day: 500}}", "bot: {backend: cut}");
     let (adapters, audit) = memory_adapters();
     let gw = serve_in_process(&yaml, adapters).await;
     let streamed = gw
-        .chat(
-            KEY,
-            json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hello there"}]}),
-        )
+        .chat(KEY, json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hello there"}]}))
         .await;
     let (events, _) = sse_data(streamed).await;
     assert_eq!(events.last().unwrap(), "[DONE]");
@@ -402,10 +300,7 @@ async fn a_stream_settles_on_its_reported_usage_and_a_broken_one_on_what_was_rel
     let record = wait_for_record(&audit, 2).await;
     assert_eq!(record.usage_source, "estimated");
     assert!(record.completion_tokens > 0, "what was relayed is charged");
-    assert_eq!(
-        gw.ledger("acme", None).await[0],
-        after_first + record.prompt_tokens + record.completion_tokens
-    );
+    assert_eq!(gw.ledger("acme", None).await[0], after_first + record.prompt_tokens + record.completion_tokens);
     assert_eq!(gw.live_reservations().await, 0);
 }
 

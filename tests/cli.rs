@@ -25,12 +25,8 @@ fn spec_example() -> String {
     format!("{}/config/flexway.yaml", env!("CARGO_MANIFEST_DIR"))
 }
 
-const SPEC_ENV: [(&str, &str); 4] = [
-    ("PTU_WEST_KEY", "k1"),
-    ("PAYG_WEST_KEY", "k2"),
-    ("PAYG_NORTH_KEY", "k3"),
-    ("FLEXWAY_AUDIT_SALT", "salt"),
-];
+const SPEC_ENV: [(&str, &str); 4] =
+    [("PTU_WEST_KEY", "k1"), ("PAYG_WEST_KEY", "k2"), ("PAYG_NORTH_KEY", "k3"), ("FLEXWAY_AUDIT_SALT", "salt")];
 
 #[test]
 fn validate_accepts_the_spec_example() {

@@ -36,22 +36,14 @@ fn call() -> serde_json::Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reservation_held_by_a_killed_process_is_refunded_after_restart() {
     let model = FakeModel::start().await.unwrap();
-    let hang = model.scenario_url(&Scenario {
-        hang: true,
-        ..Default::default()
-    });
+    let hang = model.scenario_url(&Scenario { hang: true, ..Default::default() });
     let dir = tempfile::tempdir().unwrap();
     let ledger = dir.path().join("ledger");
     // Room for exactly one call (18 prompt + 100 completion tokens).
     let first = Flexway::start(&config(&ledger, &hang, 118));
     let url = first.url.clone();
     let in_flight = tokio::spawn(async move {
-        client()
-            .post(format!("{url}/v1/chat/completions"))
-            .bearer_auth(KEY)
-            .json(&call())
-            .send()
-            .await
+        client().post(format!("{url}/v1/chat/completions")).bearer_auth(KEY).json(&call()).send().await
     });
     while model.request_count() == 0 {
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -69,10 +61,7 @@ async fn a_reservation_held_by_a_killed_process_is_refunded_after_restart() {
             break;
         }
         assert_eq!(response.status(), 429);
-        assert!(
-            started.elapsed() < Duration::from_secs(40),
-            "the sweeper never refunded the reservation"
-        );
+        assert!(started.elapsed() < Duration::from_secs(40), "the sweeper never refunded the reservation");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     assert!(second.logs().contains("sweeper refunded expired reservations"));

@@ -22,20 +22,10 @@ async fn envelope(response: reqwest::Response, status: u16, code: &str) -> Value
 async fn missing_or_unknown_key_is_invalid_api_key() {
     let model = FakeModel::start().await.unwrap();
     let gw = Flexway::start(&one_backend(&model.url()));
-    let no_key = client()
-        .post(format!("{}/v1/chat/completions", gw.url))
-        .json(&hello("m"))
-        .send()
-        .await
-        .unwrap();
+    let no_key = client().post(format!("{}/v1/chat/completions", gw.url)).json(&hello("m")).send().await.unwrap();
     envelope(no_key, 401, "invalid_api_key").await;
     envelope(gw.chat("sk-nope", hello("m")).await, 401, "invalid_api_key").await;
-    let models = client()
-        .get(format!("{}/v1/models", gw.url))
-        .bearer_auth("sk-nope")
-        .send()
-        .await
-        .unwrap();
+    let models = client().get(format!("{}/v1/models", gw.url)).bearer_auth("sk-nope").send().await.unwrap();
     envelope(models, 401, "invalid_api_key").await;
     assert_eq!(model.request_count(), 0);
 }
@@ -53,13 +43,9 @@ async fn malformed_requests_are_invalid_request() {
         .await
         .unwrap();
     envelope(raw, 400, "invalid_request").await;
-    let body = envelope(
-        gw.chat(KEY, json!({"messages": [{"role": "user", "content": "x"}]}))
-            .await,
-        400,
-        "invalid_request",
-    )
-    .await;
+    let body =
+        envelope(gw.chat(KEY, json!({"messages": [{"role": "user", "content": "x"}]})).await, 400, "invalid_request")
+            .await;
     assert_eq!(body["error"]["param"], "model");
     let part =
         json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]});
@@ -79,11 +65,7 @@ async fn unknown_paths_use_the_envelope_under_v1_and_problem_json_elsewhere() {
     let problem: Value = other.json().await.unwrap();
     assert_eq!(problem["status"], 404);
     assert!(problem["type"].is_string() && problem["title"].is_string() && problem["detail"].is_string());
-    let wrong_method = client()
-        .get(format!("{}/v1/chat/completions", gw.url))
-        .send()
-        .await
-        .unwrap();
+    let wrong_method = client().get(format!("{}/v1/chat/completions", gw.url)).send().await.unwrap();
     envelope(wrong_method, 405, "method_not_allowed").await;
     let wrong_health = client().post(format!("{}/healthz", gw.url)).send().await.unwrap();
     assert_eq!(wrong_health.status(), 405);
@@ -94,19 +76,10 @@ async fn unknown_paths_use_the_envelope_under_v1_and_problem_json_elsewhere() {
 async fn an_undeclared_agent_is_unknown_agent() {
     let model = FakeModel::start().await.unwrap();
     let gw = Flexway::start(&one_backend(&model.url()));
-    let r = gw
-        .post("/v1/chat/completions", KEY, hello("m"))
-        .header("Flexway-Agent", "ghost")
-        .send()
-        .await
-        .unwrap();
+    let r = gw.post("/v1/chat/completions", KEY, hello("m")).header("Flexway-Agent", "ghost").send().await.unwrap();
     envelope(r, 403, "unknown_agent").await;
-    let rebind = gw
-        .post("/v1/chat/completions", AGENT_KEY, hello("m"))
-        .header("Flexway-Agent", "helper")
-        .send()
-        .await
-        .unwrap();
+    let rebind =
+        gw.post("/v1/chat/completions", AGENT_KEY, hello("m")).header("Flexway-Agent", "helper").send().await.unwrap();
     envelope(rebind, 403, "unknown_agent").await;
     assert_eq!(model.request_count(), 0);
 }
@@ -137,11 +110,7 @@ async fn an_oversized_body_is_body_too_large() {
 #[tokio::test]
 async fn a_backend_4xx_is_relayed_as_is_without_fallback() {
     let model = FakeModel::start().await.unwrap();
-    let limited = model.scenario_url(&Scenario {
-        status: Some(429),
-        retry_after: Some(7),
-        ..Default::default()
-    });
+    let limited = model.scenario_url(&Scenario { status: Some(429), retry_after: Some(7), ..Default::default() });
     let ai = format!(
         "  default_backend: main\n  backends:\n    main:\n      url: {limited}\n      fallback: [spare]\n    spare:\n      url: {}\n",
         model.url()
@@ -152,20 +121,14 @@ async fn a_backend_4xx_is_relayed_as_is_without_fallback() {
     assert_eq!(response.headers()["retry-after"], "7");
     assert_eq!(response.headers()["flexway-backend"], "main");
     let body: Value = response.json().await.unwrap();
-    assert_eq!(
-        body["error"]["code"], "injected_429",
-        "the backend's own body, untouched"
-    );
+    assert_eq!(body["error"]["code"], "injected_429", "the backend's own body, untouched");
     assert_eq!(model.request_count(), 1, "no fallback on a 4xx");
 }
 
 #[tokio::test]
 async fn a_failing_backend_is_upstream_unavailable_naming_cause_and_backends() {
     let model = FakeModel::start().await.unwrap();
-    let failing = model.scenario_url(&Scenario {
-        status: Some(500),
-        ..Default::default()
-    });
+    let failing = model.scenario_url(&Scenario { status: Some(500), ..Default::default() });
     let ai = format!(
         "  default_backend: main\n  backends:\n    main:\n      url: {failing}\n      fallback: [down]\n    down:\n      url: http://127.0.0.1:9/v1\n"
     );
@@ -180,10 +143,7 @@ async fn a_failing_backend_is_upstream_unavailable_naming_cause_and_backends() {
 #[tokio::test]
 async fn a_fallback_serves_when_the_first_backend_fails_and_says_degraded() {
     let model = FakeModel::start().await.unwrap();
-    let failing = model.scenario_url(&Scenario {
-        status: Some(502),
-        ..Default::default()
-    });
+    let failing = model.scenario_url(&Scenario { status: Some(502), ..Default::default() });
     let ai = format!(
         "  default_backend: main\n  backends:\n    main:\n      url: {failing}\n      fallback: [spare]\n    spare:\n      url: {}\n",
         model.url()
@@ -198,10 +158,7 @@ async fn a_fallback_serves_when_the_first_backend_fails_and_says_degraded() {
 #[tokio::test]
 async fn a_hanging_backend_is_upstream_timeout() {
     let model = FakeModel::start().await.unwrap();
-    let hang = model.scenario_url(&Scenario {
-        hang: true,
-        ..Default::default()
-    });
+    let hang = model.scenario_url(&Scenario { hang: true, ..Default::default() });
     let ai = format!("  default_backend: main\n  backends:\n    main:\n      url: {hang}\n      timeout: 300ms\n");
     let gw = Flexway::start(&config(&ai));
     let response = gw.chat(KEY, hello("m")).await;
@@ -212,10 +169,7 @@ async fn a_hanging_backend_is_upstream_timeout() {
 #[tokio::test]
 async fn a_garbage_answer_is_upstream_error() {
     let model = FakeModel::start().await.unwrap();
-    let garbage = model.scenario_url(&Scenario {
-        garbage: true,
-        ..Default::default()
-    });
+    let garbage = model.scenario_url(&Scenario { garbage: true, ..Default::default() });
     let gw = Flexway::start(&one_backend(&garbage));
     envelope(gw.chat(KEY, hello("m")).await, 502, "upstream_error").await;
 }

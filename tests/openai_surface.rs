@@ -15,22 +15,12 @@ async fn serves_a_chat_completion_with_request_id_and_backend_headers() {
     let gw = Flexway::start(&one_backend(&model.url()));
     let response = gw.chat(KEY, hello("fake-chat")).await;
     assert_eq!(response.status(), 200);
-    assert!(
-        response.headers()["flexway-request-id"]
-            .to_str()
-            .unwrap()
-            .starts_with("req_")
-    );
+    assert!(response.headers()["flexway-request-id"].to_str().unwrap().starts_with("req_"));
     assert_eq!(response.headers()["flexway-backend"], "main");
     assert!(response.headers().get("flexway-degraded").is_none());
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["object"], "chat.completion");
-    assert!(
-        body["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .contains("hello there")
-    );
+    assert!(body["choices"][0]["message"]["content"].as_str().unwrap().contains("hello there"));
     assert!(body["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
 }
 
@@ -40,12 +30,7 @@ async fn every_response_carries_a_distinct_request_id() {
     let gw = Flexway::start(&one_backend(&model.url()));
     let mut ids = std::collections::BTreeSet::new();
     for path in ["/healthz", "/v1/models", "/nope", "/v1/nope"] {
-        let r = client()
-            .get(format!("{}{path}", gw.url))
-            .bearer_auth(KEY)
-            .send()
-            .await
-            .unwrap();
+        let r = client().get(format!("{}{path}", gw.url)).bearer_auth(KEY).send().await.unwrap();
         ids.insert(r.headers()["flexway-request-id"].to_str().unwrap().to_owned());
     }
     let r = gw.chat("wrong-key", hello("m")).await;
@@ -63,28 +48,18 @@ async fn the_callers_key_never_travels_upstream() {
     for (name, value) in &seen.headers {
         assert!(!value.contains(KEY), "caller key leaked upstream in header {name}");
     }
-    assert!(
-        seen.headers.iter().all(|(n, _)| n != "authorization"),
-        "auth: none sends no Authorization"
-    );
+    assert!(seen.headers.iter().all(|(n, _)| n != "authorization"), "auth: none sends no Authorization");
     assert!(!seen.body.to_string().contains(KEY));
 }
 
 #[tokio::test]
 async fn streams_chunk_by_chunk_as_the_upstream_produces_them() {
     let model = FakeModel::start().await.unwrap();
-    let slow = model.scenario_url(&Scenario {
-        chunk_delay_ms: Some(300),
-        chunks: Some(4),
-        ..Default::default()
-    });
+    let slow = model.scenario_url(&Scenario { chunk_delay_ms: Some(300), chunks: Some(4), ..Default::default() });
     let gw = Flexway::start(&one_backend(&slow));
     let started = Instant::now();
     let response = gw
-        .chat(
-            KEY,
-            json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "one two three"}]}),
-        )
+        .chat(KEY, json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "one two three"}]}))
         .await;
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["content-type"], "text/event-stream");
@@ -100,15 +75,8 @@ async fn streams_chunk_by_chunk_as_the_upstream_produces_them() {
     let last = *arrivals.last().unwrap();
     // The upstream takes >= 4 x 300 ms; the first chunk must not wait for the end.
     assert!(last >= Duration::from_millis(1000), "stream ended after {last:?}");
-    assert!(
-        last - first >= Duration::from_millis(800),
-        "first chunk at {first:?}, last at {last:?}: buffered"
-    );
-    assert!(
-        arrivals.len() >= 4,
-        "expected several body frames, got {}",
-        arrivals.len()
-    );
+    assert!(last - first >= Duration::from_millis(800), "first chunk at {first:?}, last at {last:?}: buffered");
+    assert!(arrivals.len() >= 4, "expected several body frames, got {}", arrivals.len());
     assert!(text.trim_end().ends_with("data: [DONE]"));
 }
 
@@ -116,21 +84,14 @@ async fn streams_chunk_by_chunk_as_the_upstream_produces_them() {
 async fn hides_the_usage_chunk_from_a_client_that_did_not_ask() {
     let model = FakeModel::start().await.unwrap();
     let gw = Flexway::start(&one_backend(&model.url()));
-    let response = gw
-        .chat(
-            KEY,
-            json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}),
-        )
-        .await;
+    let response =
+        gw.chat(KEY, json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]})).await;
     let (events, error) = sse_data(response).await;
     assert!(error.is_none());
     assert_eq!(events.last().unwrap(), "[DONE]");
     for event in &events[..events.len() - 1] {
         let chunk: Value = serde_json::from_str(event).unwrap();
-        assert!(
-            chunk["usage"].is_null(),
-            "usage shown to a client that did not ask: {event}"
-        );
+        assert!(chunk["usage"].is_null(), "usage shown to a client that did not ask: {event}");
     }
     // ... while the backend was asked for it.
     assert_eq!(model.requests()[0].body["stream_options"]["include_usage"], true);
@@ -151,34 +112,18 @@ async fn shows_the_usage_chunk_to_a_client_that_asked() {
 #[tokio::test]
 async fn a_mid_stream_break_ends_with_an_error_event_not_done() {
     let model = FakeModel::start().await.unwrap();
-    let cut = model.scenario_url(&Scenario {
-        cut_after: Some(2),
-        ..Default::default()
-    });
+    let cut = model.scenario_url(&Scenario { cut_after: Some(2), ..Default::default() });
     let gw = Flexway::start(&one_backend(&cut));
-    let response = gw
-        .chat(
-            KEY,
-            json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}),
-        )
-        .await;
+    let response =
+        gw.chat(KEY, json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]})).await;
     assert_eq!(response.status(), 200);
     let (events, transport_error) = sse_data(response).await;
-    assert!(
-        transport_error.is_none(),
-        "the gateway ends its stream cleanly with an error event"
-    );
-    assert!(
-        !events.iter().any(|e| e == "[DONE]"),
-        "a broken stream must not end with [DONE]: {events:?}"
-    );
+    assert!(transport_error.is_none(), "the gateway ends its stream cleanly with an error event");
+    assert!(!events.iter().any(|e| e == "[DONE]"), "a broken stream must not end with [DONE]: {events:?}");
     let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
     assert_eq!(last["error"]["code"], "upstream_error");
     let content_chunks = events.iter().filter(|e| e.contains("\"content\"")).count();
-    assert!(
-        content_chunks >= 2,
-        "the chunks before the cut were relayed: {events:?}"
-    );
+    assert!(content_chunks >= 2, "the chunks before the cut were relayed: {events:?}");
 }
 
 #[tokio::test]
@@ -189,15 +134,8 @@ async fn serves_embeddings_through_the_embeddings_backend() {
         u = model.url()
     );
     let gw = Flexway::start(&config(&ai));
-    let response = gw
-        .post(
-            "/v1/embeddings",
-            KEY,
-            json!({"model": "anything", "input": ["a b", "c"]}),
-        )
-        .send()
-        .await
-        .unwrap();
+    let response =
+        gw.post("/v1/embeddings", KEY, json!({"model": "anything", "input": ["a b", "c"]})).send().await.unwrap();
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["flexway-backend"], "embed");
     let body: Value = response.json().await.unwrap();
@@ -209,11 +147,7 @@ async fn serves_embeddings_through_the_embeddings_backend() {
 async fn embeddings_without_an_embeddings_backend_is_capability_unavailable() {
     let model = FakeModel::start().await.unwrap();
     let gw = Flexway::start(&one_backend(&model.url()));
-    let response = gw
-        .post("/v1/embeddings", KEY, json!({"model": "e", "input": "x"}))
-        .send()
-        .await
-        .unwrap();
+    let response = gw.post("/v1/embeddings", KEY, json!({"model": "e", "input": "x"})).send().await.unwrap();
     assert_eq!(response.status(), 400);
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], "capability_unavailable");

@@ -55,31 +55,10 @@ fn record(ts: &str, tenant: &str, agent: Option<&str>, backend: &str, metered_by
 /// globex: 1 call on ptu-west (1.5 €), on the last day.
 fn audit_file(dir: &Path) -> String {
     let records = [
-        record(
-            "2025-03-01T08:00:00Z",
-            "acme",
-            Some("bot"),
-            "ptu-west",
-            "local",
-            500_000,
-        ),
-        record(
-            "2025-03-01T09:00:00.123Z",
-            "acme",
-            Some("bot"),
-            "ptu-west",
-            "local",
-            250_000,
-        ),
+        record("2025-03-01T08:00:00Z", "acme", Some("bot"), "ptu-west", "local", 500_000),
+        record("2025-03-01T09:00:00.123Z", "acme", Some("bot"), "ptu-west", "local", 250_000),
         record("2025-03-02T10:00:00Z", "acme", None, "payg-north", "local", 1),
-        record(
-            "2025-03-02T11:00:00Z",
-            "acme",
-            Some("bot"),
-            "peer",
-            "upstream",
-            7_000_000,
-        ),
+        record("2025-03-02T11:00:00Z", "acme", Some("bot"), "peer", "upstream", 7_000_000),
         record("2025-03-03T23:59:59Z", "globex", None, "ptu-west", "local", 1_500_000),
     ];
     let mut text = String::new();
@@ -101,26 +80,14 @@ fn markdown_is_the_default_with_totals_and_upstream_apart() {
     assert_eq!(run.code, 0, "{}", run.stderr);
     let md = &run.stdout;
     assert!(md.contains("| bot | ptu-west | 2 | 2000 | 400 | 0.750000 |"), "{md}");
-    assert!(
-        md.contains("| **total** | | **3** | **3000** | **600** | **0.750001** |"),
-        "{md}"
-    );
+    assert!(md.contains("| **total** | | **3** | **3000** | **600** | **0.750001** |"), "{md}");
     assert!(md.contains("| acme | 3 | 3000 | 600 | 0.750001 |"), "{md}");
     assert!(md.contains("| globex | 1 | 1000 | 200 | 1.500000 |"), "{md}");
-    assert!(
-        md.contains("| **total** | **4** | **4000** | **800** | **2.250001** |"),
-        "{md}"
-    );
+    assert!(md.contains("| **total** | **4** | **4000** | **800** | **2.250001** |"), "{md}");
     // The upstream-metered call is shown, in its own table, and in no local total.
     let upstream = md.find("Metered upstream (billed where it is paid").unwrap();
-    assert!(
-        md[upstream..].contains("| bot | peer | 1 | 1000 | 200 | 7.000000 |"),
-        "{md}"
-    );
-    assert!(
-        !md.contains("7.750001") && !md.contains("9.250001"),
-        "upstream cost billed locally: {md}"
-    );
+    assert!(md[upstream..].contains("| bot | peer | 1 | 1000 | 200 | 7.000000 |"), "{md}");
+    assert!(!md.contains("7.750001") && !md.contains("9.250001"), "upstream cost billed locally: {md}");
 }
 
 #[test]
@@ -158,30 +125,14 @@ fn json_carries_exact_totals() {
     assert_eq!(acme["local"]["total"]["cost_micro_eur"], 750_001);
     assert_eq!(acme["upstream"]["rows"].as_array().unwrap().len(), 1);
     assert_eq!(acme["upstream"]["rows"][0]["metered_by"], "upstream");
-    assert!(
-        acme["local"]["rows"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|row| row["metered_by"] == "local")
-    );
+    assert!(acme["local"]["rows"].as_array().unwrap().iter().all(|row| row["metered_by"] == "local"));
 }
 
 #[test]
 fn date_bounds_are_inclusive() {
     let dir = tempfile::tempdir().unwrap();
     let audit = audit_file(dir.path());
-    let run = flexway(&[
-        "report",
-        "--audit",
-        &audit,
-        "--from",
-        "2025-03-02",
-        "--to",
-        "2025-03-03",
-        "--format",
-        "json",
-    ]);
+    let run = flexway(&["report", "--audit", &audit, "--from", "2025-03-02", "--to", "2025-03-03", "--format", "json"]);
     assert_eq!(run.code, 0, "{}", run.stderr);
     let report: serde_json::Value = serde_json::from_str(&run.stdout).unwrap();
     assert_eq!(report["from"], "2025-03-02");
@@ -198,12 +149,7 @@ fn date_bounds_are_inclusive() {
 fn a_log_group_needs_the_aws_build() {
     let run = flexway(&["report", "--log-group", "/flexway/audit"]);
     assert_eq!(run.code, 2);
-    assert!(
-        run.stderr
-            .contains("reading a CloudWatch log group needs the aws build (flexway-aws)"),
-        "{}",
-        run.stderr
-    );
+    assert!(run.stderr.contains("reading a CloudWatch log group needs the aws build (flexway-aws)"), "{}", run.stderr);
     assert!(run.stdout.is_empty());
 }
 
@@ -221,15 +167,7 @@ fn bad_dates_are_usage_errors() {
     let run = flexway(&["report", "--audit", &audit, "--from", "03/01/2025"]);
     assert_eq!(run.code, 2);
     assert!(run.stderr.contains("03/01/2025"), "{}", run.stderr);
-    let run = flexway(&[
-        "report",
-        "--audit",
-        &audit,
-        "--from",
-        "2025-03-02",
-        "--to",
-        "2025-03-01",
-    ]);
+    let run = flexway(&["report", "--audit", &audit, "--from", "2025-03-02", "--to", "2025-03-01"]);
     assert_eq!(run.code, 2, "{}", run.stderr);
 }
 

@@ -14,18 +14,12 @@ fn ai(body: &str) -> String {
 }
 
 fn backend_of(r: &reqwest::Response) -> String {
-    r.headers()
-        .get("flexway-backend")
-        .map(|v| v.to_str().unwrap().to_owned())
-        .unwrap_or_default()
+    r.headers().get("flexway-backend").map(|v| v.to_str().unwrap().to_owned()).unwrap_or_default()
 }
 
 async fn outcome(r: reqwest::Response) -> (u16, String, Option<String>, String) {
     let status = r.status().as_u16();
-    let cause = r
-        .headers()
-        .get("flexway-error-cause")
-        .map(|v| v.to_str().unwrap().to_owned());
+    let cause = r.headers().get("flexway-error-cause").map(|v| v.to_str().unwrap().to_owned());
     let body: Value = r.json().await.unwrap();
     (
         status,
@@ -36,20 +30,13 @@ async fn outcome(r: reqwest::Response) -> (u16, String, Option<String>, String) 
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 #[tokio::test]
 async fn falls_back_on_connection_error_and_timeout() {
     let model = FakeModel::start().await.unwrap();
-    let hang = model.scenario_url(&Scenario {
-        hang: true,
-        ..Default::default()
-    });
+    let hang = model.scenario_url(&Scenario { hang: true, ..Default::default() });
     let gw = Flexway::start(&ai(&format!(
         "  default_backend: refused\n  backends:\n    refused: {{url: \"http://127.0.0.1:{}/v1\", fallback: [slow]}}\n    slow: {{url: \"{hang}\", timeout: 300ms, fallback: [spare]}}\n    spare: {{url: \"{}\"}}\n",
         free_port(),
@@ -64,20 +51,12 @@ async fn falls_back_on_connection_error_and_timeout() {
 #[tokio::test]
 async fn never_falls_back_after_the_first_byte() {
     let model = FakeModel::start().await.unwrap();
-    let cut = model.scenario_url(&Scenario {
-        cut_after: Some(1),
-        ..Default::default()
-    });
+    let cut = model.scenario_url(&Scenario { cut_after: Some(1), ..Default::default() });
     let gw = Flexway::start(&ai(&format!(
         "  default_backend: main\n  backends:\n    main: {{url: \"{cut}\", fallback: [spare]}}\n    spare: {{url: \"{}\"}}\n",
         model.url()
     )));
-    let r = gw
-        .chat(
-            KEY,
-            json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}),
-        )
-        .await;
+    let r = gw.chat(KEY, json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]})).await;
     assert_eq!(backend_of(&r), "main");
     let (events, _) = sse_data(r).await;
     assert!(events.last().unwrap().contains("upstream_error"));
@@ -87,10 +66,7 @@ async fn never_falls_back_after_the_first_byte() {
 #[tokio::test]
 async fn falls_back_only_to_backends_with_the_capability() {
     let model = FakeModel::start().await.unwrap();
-    let failing = model.scenario_url(&Scenario {
-        status: Some(500),
-        ..Default::default()
-    });
+    let failing = model.scenario_url(&Scenario { status: Some(500), ..Default::default() });
     let gw = Flexway::start(&ai(&format!(
         "  default_backend: main\n  capabilities: {{vision: main}}\n  backends:\n    main: {{url: \"{failing}\", capabilities: [chat, vision], fallback: [text-only, seeing]}}\n    text-only: {{url: \"{u}\"}}\n    seeing: {{url: \"{u}\", capabilities: [chat, vision]}}\n",
         u = model.url()
@@ -106,10 +82,7 @@ async fn falls_back_only_to_backends_with_the_capability() {
 #[tokio::test]
 async fn a_pool_prefers_its_best_group_and_says_degraded_below_it() {
     let model = FakeModel::start().await.unwrap();
-    let failing = model.scenario_url(&Scenario {
-        status: Some(503),
-        ..Default::default()
-    });
+    let failing = model.scenario_url(&Scenario { status: Some(503), ..Default::default() });
     let gw = Flexway::start(&ai(&format!(
         "  default_backend: pool\n  backends:\n    pool:\n      kind: pool\n      members:\n        - {{backend: ptu, priority: 1}}\n        - {{backend: payg, priority: 2}}\n    ptu: {{url: \"{failing}\", circuit_breaker: {{failures: 100}}}}\n    payg: {{url: \"{}\"}}\n",
         model.url()
@@ -120,11 +93,7 @@ async fn a_pool_prefers_its_best_group_and_says_degraded_below_it() {
         assert_eq!(r.headers()["flexway-degraded"], "backend-fallback");
     }
     let paths: Vec<String> = model.requests().iter().map(|r| r.path.clone()).collect();
-    assert_eq!(
-        paths.len(),
-        6,
-        "the priority-1 member is tried first every time: {paths:?}"
-    );
+    assert_eq!(paths.len(), 6, "the priority-1 member is tried first every time: {paths:?}");
 }
 
 #[tokio::test]
@@ -146,18 +115,12 @@ async fn weights_spread_calls_inside_a_priority_group() {
 #[tokio::test]
 async fn an_exhausted_pool_is_pool_exhausted_naming_its_members() {
     let model = FakeModel::start().await.unwrap();
-    let failing = model.scenario_url(&Scenario {
-        status: Some(500),
-        ..Default::default()
-    });
+    let failing = model.scenario_url(&Scenario { status: Some(500), ..Default::default() });
     let gw = Flexway::start(&ai(&format!(
         "  default_backend: pool\n  backends:\n    pool:\n      kind: pool\n      members: [{{backend: x}}, {{backend: y}}]\n    x: {{url: \"{failing}\"}}\n    y: {{url: \"{failing}\"}}\n"
     )));
     let (status, code, cause, message) = outcome(gw.chat(KEY, hello("m")).await).await;
-    assert_eq!(
-        (status, code.as_str(), cause.as_deref()),
-        (503, "upstream_unavailable", Some("pool_exhausted"))
-    );
+    assert_eq!((status, code.as_str(), cause.as_deref()), (503, "upstream_unavailable", Some("pool_exhausted")));
     assert!(message.contains('x') && message.contains('y'), "{message}");
 }
 
@@ -173,9 +136,7 @@ async fn a_breaker_opens_skips_probes_and_closes() {
         assert_eq!(backend_of(&gw.chat(KEY, hello("m")).await), "spare");
     }
     // Open: the main backend comes back, but the breaker skips it until the trip ends.
-    let main = FakeModel::start_on(format!("127.0.0.1:{port}").parse().unwrap())
-        .await
-        .unwrap();
+    let main = FakeModel::start_on(format!("127.0.0.1:{port}").parse().unwrap()).await.unwrap();
     let skipped = gw.chat(KEY, hello("m")).await;
     assert_eq!(backend_of(&skipped), "spare");
     assert_eq!(main.request_count(), 0, "an open breaker is skipped");
@@ -189,20 +150,14 @@ async fn a_breaker_opens_skips_probes_and_closes() {
 #[tokio::test]
 async fn every_candidate_open_is_circuit_open() {
     let model = FakeModel::start().await.unwrap();
-    let failing = model.scenario_url(&Scenario {
-        status: Some(500),
-        ..Default::default()
-    });
+    let failing = model.scenario_url(&Scenario { status: Some(500), ..Default::default() });
     let gw = Flexway::start(&ai(&format!(
         "  default_backend: main\n  backends:\n    main: {{url: \"{failing}\", circuit_breaker: {{failures: 1, trip: 1m}}}}\n"
     )));
     let (_, _, first, _) = outcome(gw.chat(KEY, hello("m")).await).await;
     assert_eq!(first.as_deref(), Some("upstream_failed"));
     let (status, code, cause, message) = outcome(gw.chat(KEY, hello("m")).await).await;
-    assert_eq!(
-        (status, code.as_str(), cause.as_deref()),
-        (503, "upstream_unavailable", Some("circuit_open"))
-    );
+    assert_eq!((status, code.as_str(), cause.as_deref()), (503, "upstream_unavailable", Some("circuit_open")));
     assert!(message.contains("main"), "{message}");
     assert_eq!(model.request_count(), 1);
 }
@@ -210,11 +165,7 @@ async fn every_candidate_open_is_circuit_open() {
 #[tokio::test]
 async fn retry_after_trips_the_breaker_for_that_long_without_fallback_on_the_429() {
     let model = FakeModel::start().await.unwrap();
-    let limited = model.scenario_url(&Scenario {
-        status: Some(429),
-        retry_after: Some(1),
-        ..Default::default()
-    });
+    let limited = model.scenario_url(&Scenario { status: Some(429), retry_after: Some(1), ..Default::default() });
     let gw = Flexway::start(&ai(&format!(
         "  default_backend: main\n  backends:\n    main: {{url: \"{limited}\", fallback: [spare], circuit_breaker: {{accept_retry_after: true, trip: 1h}}}}\n    spare: {{url: \"{}\"}}\n",
         model.url()
@@ -224,18 +175,11 @@ async fn retry_after_trips_the_breaker_for_that_long_without_fallback_on_the_429
     let second = gw.chat(KEY, hello("m")).await;
     assert_eq!(backend_of(&second), "spare", "tripped for the Retry-After");
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    assert_eq!(
-        gw.chat(KEY, hello("m")).await.status(),
-        429,
-        "exactly the Retry-After, not the 1h trip"
-    );
+    assert_eq!(gw.chat(KEY, hello("m")).await.status(), 429, "exactly the Retry-After, not the 1h trip");
 }
 
 fn sensitive_config(model: &FakeModel, pinned: bool) -> String {
-    let failing = model.scenario_url(&Scenario {
-        status: Some(500),
-        ..Default::default()
-    });
+    let failing = model.scenario_url(&Scenario { status: Some(500), ..Default::default() });
     let pin = if pinned { "  sensitive_backend: inside\n" } else { "" };
     ai(&format!(
         "  default_backend: outside\n{pin}  backends:\n    outside: {{url: \"{u}\", fallback: [inside-down, outside-2]}}\n    outside-2: {{url: \"{u}\"}}\n    inside-down: {{url: \"{failing}\", external: false}}\n    inside: {{url: \"{u}\", external: false}}\n",
@@ -247,61 +191,31 @@ fn sensitive_config(model: &FakeModel, pinned: bool) -> String {
 async fn a_sensitive_call_is_pinned_to_the_sensitive_backend() {
     let model = FakeModel::start().await.unwrap();
     let gw = Flexway::start(&sensitive_config(&model, true));
-    let r = gw
-        .post("/v1/chat/completions", KEY, hello("m"))
-        .header("Flexway-Sensitive", "true")
-        .send()
-        .await
-        .unwrap();
+    let r = gw.post("/v1/chat/completions", KEY, hello("m")).header("Flexway-Sensitive", "true").send().await.unwrap();
     assert_eq!(backend_of(&r), "inside");
     let plain = gw.chat(KEY, hello("m")).await;
-    assert_eq!(
-        backend_of(&plain),
-        "outside",
-        "the header narrows; without it routing is unchanged"
-    );
+    assert_eq!(backend_of(&plain), "outside", "the header narrows; without it routing is unchanged");
 }
 
 #[tokio::test]
 async fn a_sensitive_call_without_a_pin_uses_only_the_chains_internal_backends_and_never_falls_out() {
     let model = FakeModel::start().await.unwrap();
     let gw = Flexway::start(&sensitive_config(&model, false));
-    let r = gw
-        .post("/v1/chat/completions", KEY, hello("m"))
-        .header("Flexway-Sensitive", "1")
-        .send()
-        .await
-        .unwrap();
+    let r = gw.post("/v1/chat/completions", KEY, hello("m")).header("Flexway-Sensitive", "1").send().await.unwrap();
     let (status, code, cause, _) = outcome(r).await;
-    assert_eq!(
-        (status, code.as_str(), cause.as_deref()),
-        (503, "upstream_unavailable", Some("upstream_failed"))
-    );
-    assert_eq!(
-        model.request_count(),
-        1,
-        "only the internal backend was called, never an external one"
-    );
+    assert_eq!((status, code.as_str(), cause.as_deref()), (503, "upstream_unavailable", Some("upstream_failed")));
+    assert_eq!(model.request_count(), 1, "only the internal backend was called, never an external one");
 }
 
 #[tokio::test]
 async fn a_sensitive_call_with_no_internal_backend_is_refused() {
     let model = FakeModel::start().await.unwrap();
     let gw = Flexway::start(&one_backend(&model.url()));
-    let r = gw
-        .post("/v1/chat/completions", KEY, hello("m"))
-        .header("Flexway-Sensitive", "true")
-        .send()
-        .await
-        .unwrap();
+    let r = gw.post("/v1/chat/completions", KEY, hello("m")).header("Flexway-Sensitive", "true").send().await.unwrap();
     let (status, code, _, _) = outcome(r).await;
     assert_eq!((status, code.as_str()), (403, "sensitive_no_internal_backend"));
-    let bad = gw
-        .post("/v1/chat/completions", KEY, hello("m"))
-        .header("Flexway-Sensitive", "perhaps")
-        .send()
-        .await
-        .unwrap();
+    let bad =
+        gw.post("/v1/chat/completions", KEY, hello("m")).header("Flexway-Sensitive", "perhaps").send().await.unwrap();
     assert_eq!(outcome(bad).await.1, "invalid_request");
     assert_eq!(model.request_count(), 0);
 }
@@ -336,10 +250,7 @@ async fn each_vision_refusal_has_its_code() {
     let model = FakeModel::start().await.unwrap();
     let gw = Flexway::start(&vision_config(&model));
     let too_big = format!("data:image/png;base64,{}", "A".repeat(44));
-    assert_eq!(
-        outcome(gw.chat(KEY, with_image(&too_big)).await).await.1,
-        "image_too_large"
-    );
+    assert_eq!(outcome(gw.chat(KEY, with_image(&too_big)).await).await.1, "image_too_large");
     for url in [
         "https://img.example.com.evil.net/x.png",
         "https://evil.net/?https://img.example.com",
@@ -373,11 +284,7 @@ async fn routing_order_capability_then_sensitivity_then_soft() {
         u = model.url()
     )));
     // The capability override beats the tenant/agent choice...
-    let e = gw
-        .post("/v1/embeddings", AGENT_KEY, json!({"model": "e", "input": "x"}))
-        .send()
-        .await
-        .unwrap();
+    let e = gw.post("/v1/embeddings", AGENT_KEY, json!({"model": "e", "input": "x"})).send().await.unwrap();
     assert_eq!(backend_of(&e), "embed-ext");
     // ...and sensitivity beats the capability override.
     let s = gw

@@ -54,11 +54,7 @@ pub async fn admit(
     let config = &gateway.config;
     let budgets = plan::budgets_for(config, &caller.tenant, caller.agent.as_ref().map(|a| a.as_str()), now);
     let keys: Vec<_> = budgets.iter().map(|b| b.key.clone()).collect();
-    let used = gateway
-        .budgets
-        .used(&keys)
-        .await
-        .map_err(|e| GatewayError::Internal(e.to_string()))?;
+    let used = gateway.budgets.used(&keys).await.map_err(|e| GatewayError::Internal(e.to_string()))?;
     for (budget, used) in budgets.iter().zip(&used) {
         if let Some(limit) = budget.limit {
             gateway.metrics.set_budget_remaining(
@@ -68,53 +64,24 @@ pub async fn admit(
             );
         }
     }
-    let soft = config
-        .ai
-        .budget
-        .soft
-        .as_ref()
-        .is_some_and(|s| plan::is_soft(&budgets, &used, s.threshold_ppm));
-    let route = gateway.router.route(
-        caller,
-        &RouteRequest {
-            capability: demand.capability,
-            sensitive: demand.sensitive,
-            soft,
-        },
-    )?;
+    let soft = config.ai.budget.soft.as_ref().is_some_and(|s| plan::is_soft(&budgets, &used, s.threshold_ppm));
+    let route = gateway
+        .router
+        .route(caller, &RouteRequest { capability: demand.capability, sensitive: demand.sensitive, soft })?;
     let price = plan::highest_price(route.candidates.iter().map(|c| gateway.price(&c.backend)));
     let (allowance, min_completion) = if demand.completes {
         let default = u64::from(config.ai.budget.default_max_tokens);
-        (
-            demand.max_tokens.unwrap_or(default),
-            u64::from(config.ai.budget.min_completion_tokens),
-        )
+        (demand.max_tokens.unwrap_or(default), u64::from(config.ai.budget.min_completion_tokens))
     } else {
         (0, 0)
     };
     let planned = plan::plan(&budgets, &used, demand.prompt_tokens, allowance, min_completion, price)
         .map_err(|index| exceeded(&budgets[index], now))?;
-    let mut life: u64 = route
-        .candidates
-        .iter()
-        .map(|c| gateway.timeout(&c.backend).as_secs() + 1)
-        .sum();
-    life += if demand.stream {
-        STREAM_RESERVATION_SECS
-    } else {
-        RESERVATION_GRACE_SECS
-    };
-    let request = ReserveRequest {
-        request_id: request_id.to_owned(),
-        lines: planned.lines.clone(),
-        expires_at: now + life,
-    };
-    match gateway
-        .budgets
-        .reserve(&request)
-        .await
-        .map_err(|e| GatewayError::Internal(e.to_string()))?
-    {
+    let mut life: u64 = route.candidates.iter().map(|c| gateway.timeout(&c.backend).as_secs() + 1).sum();
+    life += if demand.stream { STREAM_RESERVATION_SECS } else { RESERVATION_GRACE_SECS };
+    let request =
+        ReserveRequest { request_id: request_id.to_owned(), lines: planned.lines.clone(), expires_at: now + life };
+    match gateway.budgets.reserve(&request).await.map_err(|e| GatewayError::Internal(e.to_string()))? {
         ReserveOutcome::Reserved => {}
         // Lines are the budgets, in order.
         ReserveOutcome::Refused { line } => return Err(exceeded(&budgets[line], now)),

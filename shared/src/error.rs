@@ -30,11 +30,7 @@ impl UnavailableCause {
 }
 
 fn or_none(backends: &[BackendId]) -> String {
-    if backends.is_empty() {
-        "none".to_owned()
-    } else {
-        names(backends)
-    }
+    if backends.is_empty() { "none".to_owned() } else { names(backends) }
 }
 
 fn names(backends: &[BackendId]) -> String {
@@ -196,10 +192,7 @@ mod tests {
         assert_eq!(err.code(), "upstream_unavailable");
         assert!(err.to_string().contains("upstream_failed"));
         assert!(err.to_string().contains("a, b"));
-        assert!(
-            err.headers()
-                .contains(&("flexway-error-cause", "upstream_failed".to_owned()))
-        );
+        assert!(err.headers().contains(&("flexway-error-cause", "upstream_failed".to_owned())));
     }
 
     #[test]

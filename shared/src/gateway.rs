@@ -54,32 +54,16 @@ impl Gateway {
             audit: adapters.audit,
             hasher: Hasher::new(&salt),
             metrics: Registry::new(),
-            breakers: Breakers::new(
-                config
-                    .ai
-                    .backends
-                    .iter()
-                    .map(|(n, b)| (n.clone(), b.circuit_breaker.clone())),
-            ),
+            breakers: Breakers::new(config.ai.backends.iter().map(|(n, b)| (n.clone(), b.circuit_breaker.clone()))),
             config,
         })
     }
 
     pub fn price(&self, backend: &BackendId) -> Price {
-        self.config
-            .ai
-            .backends
-            .get(backend)
-            .map(|b| b.price)
-            .unwrap_or_default()
+        self.config.ai.backends.get(backend).map(|b| b.price).unwrap_or_default()
     }
 
     pub fn timeout(&self, backend: &BackendId) -> Duration {
-        self.config
-            .ai
-            .backends
-            .get(backend)
-            .map(|b| b.timeout)
-            .unwrap_or_default()
+        self.config.ai.backends.get(backend).map(|b| b.timeout).unwrap_or_default()
     }
 }

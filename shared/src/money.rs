@@ -35,10 +35,7 @@ mod tests {
     fn cost_rounds_up_to_the_next_micro_euro() {
         // 0.15 €/Mtok = 150_000 µ€/Mtok; 7 tokens cost 1.05 µ€ → 2 µ€.
         assert_eq!(MicroEur::for_tokens(7, MicroEur(150_000)), MicroEur(2));
-        assert_eq!(
-            MicroEur::for_tokens(1_000_000, MicroEur(2_000_000)),
-            MicroEur(2_000_000)
-        );
+        assert_eq!(MicroEur::for_tokens(1_000_000, MicroEur(2_000_000)), MicroEur(2_000_000));
         assert_eq!(MicroEur::for_tokens(0, MicroEur(2_000_000)), MicroEur(0));
     }
 

@@ -52,24 +52,18 @@ pub struct LocalSecrets<'a> {
 impl SecretSource for LocalSecrets<'_> {
     fn resolve(&self, reference: &SecretRef) -> Result<Secret, SecretError> {
         let value = match reference {
-            SecretRef::Env(name) => self.env.var(name).ok_or_else(|| SecretError::EnvMissing {
-                reference: reference.to_string(),
-            })?,
-            SecretRef::File(path) => std::fs::read_to_string(path).map_err(|source| SecretError::File {
-                reference: reference.to_string(),
-                source,
-            })?,
+            SecretRef::Env(name) => {
+                self.env.var(name).ok_or_else(|| SecretError::EnvMissing { reference: reference.to_string() })?
+            }
+            SecretRef::File(path) => std::fs::read_to_string(path)
+                .map_err(|source| SecretError::File { reference: reference.to_string(), source })?,
             SecretRef::AwsArn(_) => {
-                return Err(SecretError::Unsupported {
-                    reference: reference.to_string(),
-                });
+                return Err(SecretError::Unsupported { reference: reference.to_string() });
             }
         };
         let value = value.trim();
         if value.is_empty() {
-            return Err(SecretError::Empty {
-                reference: reference.to_string(),
-            });
+            return Err(SecretError::Empty { reference: reference.to_string() });
         }
         Ok(Secret::new(value))
     }
@@ -92,14 +86,9 @@ mod tests {
     fn resolves_env_references_and_trims() {
         let env: HashMap<String, String> = [("K".to_owned(), " v1 \n".to_owned())].into();
         let secrets = LocalSecrets { env: &env };
-        let got = secrets
-            .resolve(&SecretRef::Env("K".into()))
-            .map(|s| s.expose().to_owned());
+        let got = secrets.resolve(&SecretRef::Env("K".into())).map(|s| s.expose().to_owned());
         assert_eq!(got.ok().as_deref(), Some("v1"));
-        assert!(matches!(
-            secrets.resolve(&SecretRef::Env("MISSING".into())),
-            Err(SecretError::EnvMissing { .. })
-        ));
+        assert!(matches!(secrets.resolve(&SecretRef::Env("MISSING".into())), Err(SecretError::EnvMissing { .. })));
     }
 
     #[test]

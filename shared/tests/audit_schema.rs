@@ -68,15 +68,8 @@ fn schema_lists_every_spec_field() {
     for field in spec_fields {
         assert!(properties.contains_key(field), "missing {field}");
     }
-    assert_eq!(
-        properties.len(),
-        spec_fields.len(),
-        "fields beyond the SPEC's: {properties:?}"
-    );
+    assert_eq!(properties.len(), spec_fields.len(), "fields beyond the SPEC's: {properties:?}");
     for never in ["prompt", "completion", "messages", "user", "key", "ip", "client_ip"] {
-        assert!(
-            !properties.contains_key(never),
-            "{never} must never be in an audit record"
-        );
+        assert!(!properties.contains_key(never), "{never} must never be in an audit record");
     }
 }

@@ -18,14 +18,7 @@ fn key(name: &str) -> CounterKey {
 fn request(id: &str, lines: &[(&str, u64, Option<u64>)], expires_at: u64) -> ReserveRequest {
     ReserveRequest {
         request_id: id.to_owned(),
-        lines: lines
-            .iter()
-            .map(|(k, amount, limit)| Line {
-                key: key(k),
-                amount: *amount,
-                limit: *limit,
-            })
-            .collect(),
+        lines: lines.iter().map(|(k, amount, limit)| Line { key: key(k), amount: *amount, limit: *limit }).collect(),
         expires_at,
     }
 }
@@ -69,49 +62,26 @@ async fn counters_survive_a_restart() {
     let counted = [key("a"), key("b")];
     {
         let store = EmbeddedBudgetStore::open(&path).unwrap();
-        let reserved = store
-            .reserve(&request("done", &[("a", 100, Some(1000)), ("b", 5, None)], NOW + 60))
-            .await
-            .unwrap();
+        let reserved =
+            store.reserve(&request("done", &[("a", 100, Some(1000)), ("b", 5, None)], NOW + 60)).await.unwrap();
         assert_eq!(reserved, ReserveOutcome::Reserved);
         let settled = store.settle("done", &[(key("a"), 40), (key("b"), 2)]).await.unwrap();
         assert_eq!(settled, SettleOutcome::Settled);
-        store
-            .reserve(&request("live", &[("a", 300, Some(1000))], NOW + 60))
-            .await
-            .unwrap();
-        store
-            .reserve(&request("stale", &[("b", 7, None)], NOW - 1))
-            .await
-            .unwrap();
+        store.reserve(&request("live", &[("a", 300, Some(1000))], NOW + 60)).await.unwrap();
+        store.reserve(&request("stale", &[("b", 7, None)], NOW - 1)).await.unwrap();
         assert_eq!(store.used(&counted).await.unwrap(), [340, 9]);
     }
 
     let store = EmbeddedBudgetStore::open(&path).unwrap();
-    assert_eq!(
-        store.used(&counted).await.unwrap(),
-        [340, 9],
-        "counters after reopening"
-    );
-    assert_eq!(
-        store.live_reservations().await.unwrap(),
-        2,
-        "reservations after reopening"
-    );
+    assert_eq!(store.used(&counted).await.unwrap(), [340, 9], "counters after reopening");
+    assert_eq!(store.live_reservations().await.unwrap(), 2, "reservations after reopening");
     assert_eq!(
         store.settle("done", &[(key("a"), 40)]).await.unwrap(),
         SettleOutcome::Unknown,
         "settled before the restart"
     );
-    assert_eq!(
-        store.settle("live", &[(key("a"), 120)]).await.unwrap(),
-        SettleOutcome::Settled
-    );
-    assert_eq!(
-        store.sweep(NOW).await.unwrap(),
-        1,
-        "the expired reservation is swept after the restart"
-    );
+    assert_eq!(store.settle("live", &[(key("a"), 120)]).await.unwrap(), SettleOutcome::Settled);
+    assert_eq!(store.sweep(NOW).await.unwrap(), 1, "the expired reservation is swept after the restart");
     assert_eq!(store.used(&counted).await.unwrap(), [160, 2]);
     assert_eq!(store.live_reservations().await.unwrap(), 0);
 }
@@ -125,11 +95,7 @@ async fn many_concurrent_ops_share_commits() {
             let store = store.clone();
             tokio::spawn(async move {
                 store
-                    .reserve(&request(
-                        &format!("many-{i}"),
-                        &[("shared", 3, Some(600)), ("free", 1, None)],
-                        NOW + 60,
-                    ))
+                    .reserve(&request(&format!("many-{i}"), &[("shared", 3, Some(600)), ("free", 1, None)], NOW + 60))
                     .await
             })
         })
@@ -140,18 +106,11 @@ async fn many_concurrent_ops_share_commits() {
     assert_eq!(store.used(&[key("shared"), key("free")]).await.unwrap(), [600, 200]);
     assert_eq!(store.live_reservations().await.unwrap(), 200);
     let commits = store.commits();
-    assert!(
-        commits < 200,
-        "200 concurrent reserves took {commits} commits: no batching happened"
-    );
+    assert!(commits < 200, "200 concurrent reserves took {commits} commits: no batching happened");
     println!("200 concurrent reserves in {commits} commits");
     // The cap is now reached exactly: one more is refused and writes nothing.
     let refused = store
-        .reserve(&request(
-            "one-too-many",
-            &[("free", 1, None), ("shared", 1, Some(600))],
-            NOW + 60,
-        ))
+        .reserve(&request("one-too-many", &[("free", 1, None), ("shared", 1, Some(600))], NOW + 60))
         .await
         .unwrap();
     assert_eq!(refused, ReserveOutcome::Refused { line: 1 });
@@ -165,10 +124,7 @@ async fn a_corrupt_record_fails_only_the_operations_that_read_it() {
     let (_dir, path) = fresh_dir();
     {
         let store = EmbeddedBudgetStore::open(&path).unwrap();
-        store
-            .reserve(&request("good", &[("a", 10, None)], NOW + 60))
-            .await
-            .unwrap();
+        store.reserve(&request("good", &[("a", 10, None)], NOW + 60)).await.unwrap();
     }
     {
         let db = redb::Database::create(path.join("ledger.redb")).unwrap();
@@ -188,29 +144,17 @@ async fn a_corrupt_record_fails_only_the_operations_that_read_it() {
     let fine: Vec<_> = (0..20)
         .map(|i| {
             let store = store.clone();
-            tokio::spawn(async move {
-                store
-                    .reserve(&request(&format!("fine-{i}"), &[("a", 1, None)], NOW + 60))
-                    .await
-            })
+            tokio::spawn(
+                async move { store.reserve(&request(&format!("fine-{i}"), &[("a", 1, None)], NOW + 60)).await },
+            )
         })
         .collect();
     let error = broken.await.unwrap().unwrap_err();
-    assert!(
-        error.to_string().contains("corrupt record reservations/broken"),
-        "{error}"
-    );
+    assert!(error.to_string().contains("corrupt record reservations/broken"), "{error}");
     for task in fine {
         assert_eq!(task.await.unwrap().unwrap(), ReserveOutcome::Reserved);
     }
-    assert_eq!(
-        store.used(&[key("a")]).await.unwrap(),
-        [30],
-        "the failed settle moved a counter"
-    );
-    assert!(
-        store.sweep(NOW).await.is_err(),
-        "sweep reads every record, the corrupt one included"
-    );
+    assert_eq!(store.used(&[key("a")]).await.unwrap(), [30], "the failed settle moved a counter");
+    assert!(store.sweep(NOW).await.is_err(), "sweep reads every record, the corrupt one included");
     assert_eq!(store.used(&[key("a")]).await.unwrap(), [30]);
 }

@@ -67,11 +67,7 @@ fn warns_that_lambda_caps_the_default_body_limit_at_6_mb() {
     let body = at(&got, "ai.vision.max_body_bytes");
     assert_eq!(body.len(), 1, "{got:?}");
     assert!(body[0].message.contains("25165824 bytes"), "{}", body[0].message);
-    assert!(
-        body[0].message.contains("effective body limit is 6 MB"),
-        "{}",
-        body[0].message
-    );
+    assert!(body[0].message.contains("effective body limit is 6 MB"), "{}", body[0].message);
 }
 
 #[test]
@@ -98,11 +94,7 @@ fn warns_that_a_grpc_backend_gets_grpc_web_only_through_a_function_url() {
     let got = warnings(&document(DYNAMODB, CLOUDWATCH, vision, true));
     let grpc = at(&got, "ai.backends.ocr");
     assert_eq!(grpc.len(), 1, "{got:?}");
-    assert!(
-        grpc[0].message.contains("no native gRPC through a Lambda function URL"),
-        "{}",
-        grpc[0].message
-    );
+    assert!(grpc[0].message.contains("no native gRPC through a Lambda function URL"), "{}", grpc[0].message);
     assert!(grpc[0].message.contains("gRPC-Web only"), "{}", grpc[0].message);
     assert_eq!(got.len(), 1, "nothing else to say: {got:?}");
 }

@@ -86,8 +86,7 @@ impl Doc {
     }
 
     fn loads(&self) -> Loaded {
-        self.load()
-            .unwrap_or_else(|errors| panic!("should load, got {errors:#?}"))
+        self.load().unwrap_or_else(|errors| panic!("should load, got {errors:#?}"))
     }
 
     fn errors(&self) -> Vec<Diagnostic> {
@@ -107,15 +106,8 @@ impl Doc {
 }
 
 fn assert_error(errors: &[Diagnostic], path: &str, fragment: &str) -> String {
-    let found = errors
-        .iter()
-        .find(|e| e.path == path)
-        .unwrap_or_else(|| panic!("no error at {path}: {errors:#?}"));
-    assert!(
-        found.message.contains(fragment),
-        "{path}: `{}` lacks `{fragment}`",
-        found.message
-    );
+    let found = errors.iter().find(|e| e.path == path).unwrap_or_else(|| panic!("no error at {path}: {errors:#?}"));
+    assert!(found.message.contains(fragment), "{path}: `{}` lacks `{fragment}`", found.message);
     found.message.clone()
 }
 
@@ -145,12 +137,7 @@ fn grpc_backend() -> &'static str {
 fn accepts_minimal_config_with_defaults() {
     let loaded = doc().loads();
     let config = &loaded.config;
-    assert_eq!(
-        config.store,
-        StoreConfig::Embedded {
-            path: "./flexway-ledger".into()
-        }
-    );
+    assert_eq!(config.store, StoreConfig::Embedded { path: "./flexway-ledger".into() });
     assert_eq!(config.audit.sink, AuditSinkConfig::Stdout);
     assert_eq!(config.audit.hash_salt, None);
     assert_eq!(config.ai.sensitive_header, "flexway-sensitive");
@@ -162,10 +149,7 @@ fn accepts_minimal_config_with_defaults() {
     let main = &config.ai.backends["main"];
     assert!(matches!(main.kind, BackendKind::OpenAi(_)));
     assert!(main.external);
-    assert_eq!(
-        main.capabilities.iter().copied().collect::<Vec<_>>(),
-        vec![Capability::Chat]
-    );
+    assert_eq!(main.capabilities.iter().copied().collect::<Vec<_>>(), vec![Capability::Chat]);
     assert_eq!(main.timeout, Duration::from_secs(60));
     assert_eq!(main.circuit_breaker, Default::default());
     assert_eq!(main.kind.endpoint().unwrap().auth, Auth::None);
@@ -194,9 +178,7 @@ fn refuses_unknown_top_level_key_with_its_path() {
 #[test]
 fn refuses_unknown_nested_key_with_its_path() {
     // The misspelt key is also a missing one, and both are said.
-    let errors = doc()
-        .set("ai.backends.main.auth", "{type: bearer, secrett: 'env:BACKEND_KEY'}")
-        .errors();
+    let errors = doc().set("ai.backends.main.auth", "{type: bearer, secrett: 'env:BACKEND_KEY'}").errors();
     assert_eq!(errors.len(), 2, "{errors:#?}");
     let message = assert_error(&errors, "ai.backends.main.auth.secrett", "unknown field `secrett`");
     assert!(message.contains("expected one of"), "{message}");
@@ -205,10 +187,9 @@ fn refuses_unknown_nested_key_with_its_path() {
 
 #[test]
 fn refuses_a_value_of_the_wrong_type_with_its_path() {
-    doc().set("ai.backends.main.external", "maybe").refused(
-        "ai.backends.main.external",
-        "invalid type: string \"maybe\", expected a boolean",
-    );
+    doc()
+        .set("ai.backends.main.external", "maybe")
+        .refused("ai.backends.main.external", "invalid type: string \"maybe\", expected a boolean");
 }
 
 #[test]
@@ -227,11 +208,7 @@ fn reports_every_shape_error_at_once() {
     assert_error(&errors, "tenants.acme.budgets.tokens_per_day", "-5");
     assert_error(&errors, "ai.backends.main.auth.secrett", "unknown field");
     assert_error(&errors, "ai.backends.main.timeout", "expected a duration");
-    assert_error(
-        &errors,
-        "ai.backends.internal.capabilities[1]",
-        "unknown variant `telepathy`",
-    );
+    assert_error(&errors, "ai.backends.internal.capabilities[1]", "unknown variant `telepathy`");
 }
 
 #[test]
@@ -287,16 +264,8 @@ fn error_display_is_one_line_per_error() {
 fn accepts_each_store_kind() {
     let store = |yaml: &str| doc().set("store", yaml).loads().config.store;
     assert_eq!(store("{kind: memory}"), StoreConfig::Memory);
-    assert_eq!(
-        store("{kind: dynamodb, table: ledger}"),
-        StoreConfig::DynamoDb { table: "ledger".into() }
-    );
-    assert_eq!(
-        store("{kind: embedded, path: /var/lib/fw}"),
-        StoreConfig::Embedded {
-            path: "/var/lib/fw".into()
-        }
-    );
+    assert_eq!(store("{kind: dynamodb, table: ledger}"), StoreConfig::DynamoDb { table: "ledger".into() });
+    assert_eq!(store("{kind: embedded, path: /var/lib/fw}"), StoreConfig::Embedded { path: "/var/lib/fw".into() });
 }
 
 #[test]
@@ -311,33 +280,21 @@ fn refuses_embedded_store_without_path() {
 
 #[test]
 fn refuses_dynamodb_store_without_table() {
-    doc()
-        .set("store", "{kind: dynamodb}")
-        .refused("store.table", "required");
+    doc().set("store", "{kind: dynamodb}").refused("store.table", "required");
 }
 
 #[test]
 fn refuses_store_key_of_another_kind() {
-    doc()
-        .set("store", "{kind: memory, table: ledger}")
-        .refused("store.table", "does not apply to store kind memory");
+    doc().set("store", "{kind: memory, table: ledger}").refused("store.table", "does not apply to store kind memory");
 }
 
 #[test]
 fn accepts_each_audit_sink() {
     let sink = |yaml: &str| doc().set("audit", yaml).loads().config.audit.sink;
-    assert_eq!(
-        sink("{sink: file, path: ./a.jsonl}"),
-        AuditSinkConfig::File {
-            path: "./a.jsonl".into()
-        }
-    );
+    assert_eq!(sink("{sink: file, path: ./a.jsonl}"), AuditSinkConfig::File { path: "./a.jsonl".into() });
     assert_eq!(
         sink("{sink: cloudwatch, log_group: /fw}"),
-        AuditSinkConfig::CloudWatch {
-            log_group: "/fw".into(),
-            log_stream: None
-        }
+        AuditSinkConfig::CloudWatch { log_group: "/fw".into(), log_stream: None }
     );
     assert_eq!(sink("{hash_salt: 'env:SALT'}"), AuditSinkConfig::Stdout);
 }
@@ -349,9 +306,7 @@ fn refuses_file_audit_without_path() {
 
 #[test]
 fn refuses_cloudwatch_audit_without_log_group() {
-    doc()
-        .set("audit", "{sink: cloudwatch}")
-        .refused("audit.log_group", "required");
+    doc().set("audit", "{sink: cloudwatch}").refused("audit.log_group", "required");
 }
 
 #[test]
@@ -363,9 +318,7 @@ fn refuses_audit_key_of_another_sink() {
 
 #[test]
 fn refuses_literal_hash_salt() {
-    doc()
-        .set("audit", "{hash_salt: pepper-in-clear}")
-        .refused("audit.hash_salt", "secrets are references");
+    doc().set("audit", "{hash_salt: pepper-in-clear}").refused("audit.hash_salt", "secrets are references");
 }
 
 // ----- secret references ----------------------------------------------------------
@@ -399,10 +352,7 @@ fn refuses_url_with_credentials_without_echoing_them() {
 fn refuses_unset_environment_variable() {
     doc()
         .set("ai.backends.main.auth", "{type: bearer, secret: 'env:NOT_THERE'}")
-        .refused(
-            "ai.backends.main.auth.secret",
-            "environment variable NOT_THERE is not set",
-        );
+        .refused("ai.backends.main.auth.secret", "environment variable NOT_THERE is not set");
 }
 
 #[test]
@@ -422,29 +372,17 @@ fn refuses_env_reference_without_a_name() {
 #[test]
 fn refuses_missing_secret_file() {
     doc()
-        .set(
-            "ai.backends.main.auth",
-            "{type: bearer, secret: 'file:/nonexistent/key'}",
-        )
+        .set("ai.backends.main.auth", "{type: bearer, secret: 'file:/nonexistent/key'}")
         .refused("ai.backends.main.auth.secret", "/nonexistent/key cannot be read");
 }
 
 #[test]
 fn accepts_readable_secret_file() {
     let file = temp_file("secret", b"s3cr3t\n");
-    let loaded = doc()
-        .set(
-            "ai.backends.main.auth",
-            &format!("{{type: bearer, secret: 'file:{}'}}", file.display()),
-        )
-        .loads();
+    let loaded =
+        doc().set("ai.backends.main.auth", &format!("{{type: bearer, secret: 'file:{}'}}", file.display())).loads();
     let auth = &loaded.config.ai.backends["main"].kind.endpoint().unwrap().auth;
-    assert_eq!(
-        auth,
-        &Auth::Bearer {
-            secret: SecretRef::File(file)
-        }
-    );
+    assert_eq!(auth, &Auth::Bearer { secret: SecretRef::File(file) });
 }
 
 #[test]
@@ -454,30 +392,17 @@ fn accepts_secrets_manager_and_ssm_arns() {
         "arn:aws:ssm:eu-west-1:123456789012:parameter/flexway/ptu",
         "arn:aws-cn:ssm:cn-north-1:123456789012:parameter/x",
     ] {
-        let loaded = doc()
-            .set("ai.backends.main.auth", &format!("{{type: bearer, secret: '{arn}'}}"))
-            .loads();
+        let loaded = doc().set("ai.backends.main.auth", &format!("{{type: bearer, secret: '{arn}'}}")).loads();
         let auth = &loaded.config.ai.backends["main"].kind.endpoint().unwrap().auth;
-        assert_eq!(
-            auth,
-            &Auth::Bearer {
-                secret: SecretRef::AwsArn(arn.into())
-            }
-        );
+        assert_eq!(auth, &Auth::Bearer { secret: SecretRef::AwsArn(arn.into()) });
     }
 }
 
 #[test]
 fn refuses_arn_of_another_service() {
     doc()
-        .set(
-            "ai.backends.main.auth",
-            "{type: bearer, secret: 'arn:aws:s3:::bucket/key'}",
-        )
-        .refused(
-            "ai.backends.main.auth.secret",
-            "Secrets Manager secret or an SSM parameter",
-        );
+        .set("ai.backends.main.auth", "{type: bearer, secret: 'arn:aws:s3:::bucket/key'}")
+        .refused("ai.backends.main.auth.secret", "Secrets Manager secret or an SSM parameter");
 }
 
 // ----- tenants --------------------------------------------------------------------
@@ -494,26 +419,19 @@ fn refuses_key_hash_that_is_not_64_hex_digits() {
 
 #[test]
 fn accepts_upper_case_key_hash() {
-    let loaded = doc()
-        .set("tenants.acme.keys", &format!("[{{sha256: {}}}]", KEY_A.to_uppercase()))
-        .loads();
+    let loaded = doc().set("tenants.acme.keys", &format!("[{{sha256: {}}}]", KEY_A.to_uppercase())).loads();
     assert_eq!(hex::encode(loaded.config.tenants["acme"].keys[0].sha256), KEY_A);
 }
 
 #[test]
 fn refuses_key_without_hash() {
-    doc()
-        .set("tenants.acme.keys", "[{agent: bot}]")
-        .refused("tenants.acme.keys[0].sha256", "required");
+    doc().set("tenants.acme.keys", "[{agent: bot}]").refused("tenants.acme.keys[0].sha256", "required");
 }
 
 #[test]
 fn refuses_same_key_twice_in_the_config() {
     let message = doc()
-        .set(
-            "tenants.other.keys",
-            &format!("[{{sha256: {B}}}, {{sha256: {A}}}]", A = KEY_A, B = KEY_B),
-        )
+        .set("tenants.other.keys", &format!("[{{sha256: {B}}}, {{sha256: {A}}}]", A = KEY_A, B = KEY_B))
         .refused("tenants.other.keys[1].sha256", "already declared");
     assert!(message.contains("tenants.acme.keys[0]"), "{message}");
 }
@@ -521,20 +439,14 @@ fn refuses_same_key_twice_in_the_config() {
 #[test]
 fn refuses_key_bound_to_undeclared_agent() {
     doc()
-        .set(
-            "tenants.acme.keys",
-            &format!("[{{sha256: {KEY_A}}}, {{sha256: {KEY_B}, agent: ghost}}]"),
-        )
+        .set("tenants.acme.keys", &format!("[{{sha256: {KEY_A}}}, {{sha256: {KEY_B}, agent: ghost}}]"))
         .refused("tenants.acme.keys[1].agent", "agent `ghost` is not declared");
 }
 
 #[test]
 fn binds_key_to_declared_agent_and_relay_peer() {
     let loaded = doc()
-        .set(
-            "tenants.acme.keys",
-            &format!("[{{sha256: {KEY_A}, agent: bot}}, {{sha256: {KEY_B}, relay_peer: true}}]"),
-        )
+        .set("tenants.acme.keys", &format!("[{{sha256: {KEY_A}, agent: bot}}, {{sha256: {KEY_B}, relay_peer: true}}]"))
         .loads();
     let keys = &loaded.config.tenants["acme"].keys;
     assert_eq!(keys[0].agent.as_ref().unwrap().as_str(), "bot");
@@ -572,35 +484,26 @@ fn refuses_euro_budget_finer_than_a_micro_euro() {
 #[test]
 fn reads_euro_budget_as_micro_euros() {
     let loaded = doc().set("tenants.acme.budgets", "{eur_per_month: 12.345678}").loads();
-    assert_eq!(
-        loaded.config.tenants["acme"].budgets.eur_per_month,
-        Some(MicroEur(12_345_678))
-    );
+    assert_eq!(loaded.config.tenants["acme"].budgets.eur_per_month, Some(MicroEur(12_345_678)));
 }
 
 #[test]
 fn refuses_undeclared_tenant_backend() {
-    doc().set("tenants.acme.backend", "ghost").refused(
-        "tenants.acme.backend",
-        "backend `ghost` is not declared under ai.backends",
-    );
+    doc()
+        .set("tenants.acme.backend", "ghost")
+        .refused("tenants.acme.backend", "backend `ghost` is not declared under ai.backends");
 }
 
 #[test]
 fn refuses_undeclared_agent_backend() {
-    doc()
-        .set("tenants.acme.agents.bot", "{backend: ghost}")
-        .refused("tenants.acme.agents.bot.backend", "not declared");
+    doc().set("tenants.acme.agents.bot", "{backend: ghost}").refused("tenants.acme.agents.bot.backend", "not declared");
 }
 
 #[test]
 fn warns_about_tenant_without_keys() {
     let loaded = doc().set("tenants.lonely", "{}").loads();
     assert!(
-        loaded
-            .warnings
-            .iter()
-            .any(|w| w.path == "tenants.lonely" && w.message.contains("no keys")),
+        loaded.warnings.iter().any(|w| w.path == "tenants.lonely" && w.message.contains("no keys")),
         "{:?}",
         loaded.warnings
     );
@@ -610,31 +513,24 @@ fn warns_about_tenant_without_keys() {
 
 #[test]
 fn refuses_missing_default_backend() {
-    doc()
-        .remove("ai.default_backend")
-        .refused("ai.default_backend", "required");
+    doc().remove("ai.default_backend").refused("ai.default_backend", "required");
 }
 
 #[test]
 fn refuses_undeclared_default_backend() {
-    doc()
-        .set("ai.default_backend", "ghost")
-        .refused("ai.default_backend", "not declared");
+    doc().set("ai.default_backend", "ghost").refused("ai.default_backend", "not declared");
 }
 
 #[test]
 fn refuses_vision_backend_without_vision() {
-    doc().set("ai.capabilities", "{vision: main}").refused(
-        "ai.capabilities.vision",
-        "does not serve vision (its capabilities: chat)",
-    );
+    doc()
+        .set("ai.capabilities", "{vision: main}")
+        .refused("ai.capabilities.vision", "does not serve vision (its capabilities: chat)");
 }
 
 #[test]
 fn refuses_undeclared_embeddings_backend() {
-    doc()
-        .set("ai.capabilities", "{embeddings: ghost}")
-        .refused("ai.capabilities.embeddings", "not declared");
+    doc().set("ai.capabilities", "{embeddings: ghost}").refused("ai.capabilities.embeddings", "not declared");
 }
 
 #[test]
@@ -662,18 +558,13 @@ fn stores_sensitive_header_lower_case() {
 
 #[test]
 fn refuses_external_sensitive_backend() {
-    doc()
-        .set("ai.sensitive_backend", "main")
-        .refused("ai.sensitive_backend", "sensitive_backend main is external");
+    doc().set("ai.sensitive_backend", "main").refused("ai.sensitive_backend", "sensitive_backend main is external");
 }
 
 #[test]
 fn refuses_pool_with_an_external_member_as_sensitive_backend() {
     doc()
-        .set(
-            "ai.backends.pool",
-            "{kind: pool, members: [{backend: internal}, {backend: main}]}",
-        )
+        .set("ai.backends.pool", "{kind: pool, members: [{backend: internal}, {backend: main}]}")
         .set("ai.sensitive_backend", "pool")
         .refused("ai.sensitive_backend", "sensitive_backend pool is external");
 }
@@ -686,10 +577,7 @@ fn accepts_internal_pool_as_sensitive_backend() {
             "{url: 'http://10.0.0.6/v1', external: false, \
              price: {input_per_mtok_eur: 0, output_per_mtok_eur: 0}}",
         )
-        .set(
-            "ai.backends.pool",
-            "{kind: pool, external: false, members: [{backend: internal}, {backend: internal2}]}",
-        )
+        .set("ai.backends.pool", "{kind: pool, external: false, members: [{backend: internal}, {backend: internal2}]}")
         .set("ai.sensitive_backend", "pool")
         .loads();
     assert!(!loaded.config.ai.backends["pool"].external);
@@ -699,33 +587,24 @@ fn accepts_internal_pool_as_sensitive_backend() {
 fn refuses_soft_threshold_outside_zero_to_one() {
     for threshold in ["0", "1.5", "-0.2"] {
         doc()
-            .set(
-                "ai.budget.soft",
-                &format!("{{threshold: {threshold}, backend: internal}}"),
-            )
+            .set("ai.budget.soft", &format!("{{threshold: {threshold}, backend: internal}}"))
             .refused("ai.budget.soft.threshold", "greater than 0 and at most 1");
     }
 }
 
 #[test]
 fn refuses_undeclared_soft_backend() {
-    doc()
-        .set("ai.budget.soft", "{threshold: 0.8, backend: ghost}")
-        .refused("ai.budget.soft.backend", "not declared");
+    doc().set("ai.budget.soft", "{threshold: 0.8, backend: ghost}").refused("ai.budget.soft.backend", "not declared");
 }
 
 #[test]
 fn refuses_soft_cap_without_backend() {
-    doc()
-        .set("ai.budget.soft", "{threshold: 0.8}")
-        .refused("ai.budget.soft.backend", "required");
+    doc().set("ai.budget.soft", "{threshold: 0.8}").refused("ai.budget.soft.backend", "required");
 }
 
 #[test]
 fn reads_soft_threshold_in_ppm() {
-    let loaded = doc()
-        .set("ai.budget.soft", "{threshold: 0.8, backend: internal}")
-        .loads();
+    let loaded = doc().set("ai.budget.soft", "{threshold: 0.8, backend: internal}").loads();
     assert_eq!(loaded.config.ai.budget.soft.unwrap().threshold_ppm, 800_000);
 }
 
@@ -760,27 +639,17 @@ fn refuses_http_image_origin() {
 #[test]
 fn refuses_image_origin_with_a_path() {
     doc()
-        .set(
-            "ai.vision.allowed_origins",
-            "['https://ok.example.com', 'https://img.example.com/cats']",
-        )
+        .set("ai.vision.allowed_origins", "['https://ok.example.com', 'https://img.example.com/cats']")
         .refused("ai.vision.allowed_origins[1]", "without path");
 }
 
 #[test]
 fn normalises_image_origins() {
-    let loaded = doc()
-        .set(
-            "ai.vision.allowed_origins",
-            "['HTTPS://Img.Example.com/', 'https://cdn.example.com:8443']",
-        )
-        .loads();
+    let loaded =
+        doc().set("ai.vision.allowed_origins", "['HTTPS://Img.Example.com/', 'https://cdn.example.com:8443']").loads();
     assert_eq!(
         loaded.config.ai.vision.allowed_origins,
-        vec![
-            "https://img.example.com".to_string(),
-            "https://cdn.example.com:8443".to_string()
-        ]
+        vec!["https://img.example.com".to_string(), "https://cdn.example.com:8443".to_string()]
     );
 }
 
@@ -788,23 +657,17 @@ fn normalises_image_origins() {
 
 #[test]
 fn refuses_unknown_backend_kind() {
-    doc()
-        .set("ai.backends.main.kind", "bedrock")
-        .refused("ai.backends.main.kind", "unknown variant `bedrock`");
+    doc().set("ai.backends.main.kind", "bedrock").refused("ai.backends.main.kind", "unknown variant `bedrock`");
 }
 
 #[test]
 fn refuses_backend_without_url() {
-    doc()
-        .remove("ai.backends.main.url")
-        .refused("ai.backends.main.url", "required for an openai backend");
+    doc().remove("ai.backends.main.url").refused("ai.backends.main.url", "required for an openai backend");
 }
 
 #[test]
 fn refuses_invalid_url() {
-    doc()
-        .set("ai.backends.main.url", "'not a url'")
-        .refused("ai.backends.main.url", "not a URL");
+    doc().set("ai.backends.main.url", "'not a url'").refused("ai.backends.main.url", "not a URL");
     doc()
         .set("ai.backends.main.url", "'ftp://files.example.net'")
         .refused("ai.backends.main.url", "use http:// or https://");
@@ -812,9 +675,7 @@ fn refuses_invalid_url() {
 
 #[test]
 fn strips_trailing_slash_from_url() {
-    let loaded = doc()
-        .set("ai.backends.main.url", "https://main.example.net/v1/")
-        .loads();
+    let loaded = doc().set("ai.backends.main.url", "https://main.example.net/v1/").loads();
     let endpoint = loaded.config.ai.backends["main"].kind.endpoint().unwrap().clone();
     assert_eq!(endpoint.url, "https://main.example.net/v1");
 }
@@ -828,9 +689,7 @@ fn refuses_grpc_url_on_an_http_backend() {
 
 #[test]
 fn refuses_auth_without_type() {
-    doc()
-        .set("ai.backends.main.auth", "{secret: 'env:BACKEND_KEY'}")
-        .refused("ai.backends.main.auth.type", "required");
+    doc().set("ai.backends.main.auth", "{secret: 'env:BACKEND_KEY'}").refused("ai.backends.main.auth.type", "required");
 }
 
 #[test]
@@ -850,10 +709,7 @@ fn refuses_header_auth_without_name() {
 #[test]
 fn refuses_header_auth_with_invalid_name() {
     doc()
-        .set(
-            "ai.backends.main.auth",
-            "{type: header, name: 'api key', secret: 'env:BACKEND_KEY'}",
-        )
+        .set("ai.backends.main.auth", "{type: header, name: 'api key', secret: 'env:BACKEND_KEY'}")
         .refused("ai.backends.main.auth.name", "not a valid HTTP header name");
 }
 
@@ -863,28 +719,15 @@ fn refuses_auth_key_of_another_type() {
         .set("ai.backends.main.auth", "{type: none, secret: 'env:BACKEND_KEY'}")
         .refused("ai.backends.main.auth.secret", "does not apply to auth type none");
     doc()
-        .set(
-            "ai.backends.main.auth",
-            "{type: bearer, secret: 'env:BACKEND_KEY', path: /tok}",
-        )
+        .set("ai.backends.main.auth", "{type: bearer, secret: 'env:BACKEND_KEY', path: /tok}")
         .refused("ai.backends.main.auth.path", "belongs to type token_file");
 }
 
 #[test]
 fn accepts_token_file_that_does_not_exist_yet() {
-    let loaded = doc()
-        .set(
-            "ai.backends.main.auth",
-            "{type: token_file, path: /var/run/secrets/nope/token}",
-        )
-        .loads();
+    let loaded = doc().set("ai.backends.main.auth", "{type: token_file, path: /var/run/secrets/nope/token}").loads();
     let auth = &loaded.config.ai.backends["main"].kind.endpoint().unwrap().auth;
-    assert_eq!(
-        auth,
-        &Auth::TokenFile {
-            path: "/var/run/secrets/nope/token".into()
-        }
-    );
+    assert_eq!(auth, &Auth::TokenFile { path: "/var/run/secrets/nope/token".into() });
 }
 
 #[test]
@@ -897,12 +740,7 @@ fn refuses_tls_certificate_without_key() {
 
 #[test]
 fn refuses_tls_files_that_do_not_exist() {
-    let errors = doc()
-        .set(
-            "ai.backends.main.tls",
-            "{cert: /nonexistent/c.pem, key: /nonexistent/k.pem}",
-        )
-        .errors();
+    let errors = doc().set("ai.backends.main.tls", "{cert: /nonexistent/c.pem, key: /nonexistent/k.pem}").errors();
     assert_eq!(errors.len(), 2, "{errors:#?}");
     assert_error(&errors, "ai.backends.main.tls.cert", "cannot be read");
     assert_error(&errors, "ai.backends.main.tls.key", "cannot be read");
@@ -912,42 +750,23 @@ fn refuses_tls_files_that_do_not_exist() {
 fn accepts_tls_files_that_exist() {
     let cert = temp_file("ok-cert.pem", b"cert");
     let key = temp_file("ok-key.pem", b"key");
-    let loaded = doc()
-        .set(
-            "ai.backends.main.tls",
-            &format!("{{cert: '{}', key: '{}'}}", cert.display(), key.display()),
-        )
-        .loads();
-    let tls = loaded.config.ai.backends["main"]
-        .kind
-        .endpoint()
-        .unwrap()
-        .tls
-        .clone()
-        .unwrap();
+    let loaded =
+        doc().set("ai.backends.main.tls", &format!("{{cert: '{}', key: '{}'}}", cert.display(), key.display())).loads();
+    let tls = loaded.config.ai.backends["main"].kind.endpoint().unwrap().tls.clone().unwrap();
     assert_eq!((tls.cert, tls.key, tls.ca), (cert, key, None));
 }
 
 #[test]
 fn refuses_price_finer_than_a_micro_euro() {
     doc()
-        .set(
-            "ai.backends.main.price",
-            "{input_per_mtok_eur: 0.1234567, output_per_mtok_eur: 1}",
-        )
-        .refused(
-            "ai.backends.main.price.input_per_mtok_eur",
-            "more than 6 decimal places",
-        );
+        .set("ai.backends.main.price", "{input_per_mtok_eur: 0.1234567, output_per_mtok_eur: 1}")
+        .refused("ai.backends.main.price.input_per_mtok_eur", "more than 6 decimal places");
 }
 
 #[test]
 fn refuses_negative_price() {
     doc()
-        .set(
-            "ai.backends.main.price",
-            "{input_per_mtok_eur: 1, output_per_mtok_eur: -2}",
-        )
+        .set("ai.backends.main.price", "{input_per_mtok_eur: 1, output_per_mtok_eur: -2}")
         .refused("ai.backends.main.price.output_per_mtok_eur", "must not be negative");
 }
 
@@ -963,10 +782,7 @@ fn warns_about_backend_without_price() {
     let loaded = doc().remove("ai.backends.main.price").loads();
     assert_eq!(loaded.config.ai.backends["main"].price, Default::default());
     assert!(
-        loaded
-            .warnings
-            .iter()
-            .any(|w| w.path == "ai.backends.main" && w.message.contains("no price")),
+        loaded.warnings.iter().any(|w| w.path == "ai.backends.main" && w.message.contains("no price")),
         "{:?}",
         loaded.warnings
     );
@@ -974,16 +790,12 @@ fn warns_about_backend_without_price() {
 
 #[test]
 fn refuses_empty_capabilities() {
-    doc()
-        .set("ai.backends.main.capabilities", "[]")
-        .refused("ai.backends.main.capabilities", "at least one");
+    doc().set("ai.backends.main.capabilities", "[]").refused("ai.backends.main.capabilities", "at least one");
 }
 
 #[test]
 fn refuses_undeclared_fallback() {
-    doc()
-        .set("ai.backends.main.fallback", "[internal, ghost]")
-        .refused("ai.backends.main.fallback[1]", "not declared");
+    doc().set("ai.backends.main.fallback", "[internal, ghost]").refused("ai.backends.main.fallback[1]", "not declared");
 }
 
 #[test]
@@ -1002,12 +814,8 @@ fn refuses_duplicate_fallback() {
 
 #[test]
 fn refuses_bad_timeout() {
-    doc()
-        .set("ai.backends.main.timeout", "'10'")
-        .refused("ai.backends.main.timeout", "no unit");
-    doc()
-        .set("ai.backends.main.timeout", "0s")
-        .refused("ai.backends.main.timeout", "longer than zero");
+    doc().set("ai.backends.main.timeout", "'10'").refused("ai.backends.main.timeout", "no unit");
+    doc().set("ai.backends.main.timeout", "0s").refused("ai.backends.main.timeout", "longer than zero");
 }
 
 #[test]
@@ -1020,13 +828,7 @@ fn reads_circuit_breaker_with_ratio() {
         )
         .loads();
     let breaker = &loaded.config.ai.backends["main"].circuit_breaker;
-    assert_eq!(
-        breaker.trigger,
-        BreakerTrigger::Ratio {
-            ratio_ppm: 500_000,
-            min_requests: 20
-        }
-    );
+    assert_eq!(breaker.trigger, BreakerTrigger::Ratio { ratio_ppm: 500_000, min_requests: 20 });
     assert_eq!(breaker.interval, Duration::from_secs(300));
     assert_eq!(breaker.trip, Duration::from_secs(45));
     assert_eq!(breaker.status, vec![(429, 429), (500, 504)]);
@@ -1036,33 +838,21 @@ fn reads_circuit_breaker_with_ratio() {
 #[test]
 fn refuses_failures_and_failure_ratio_together() {
     doc()
-        .set(
-            "ai.backends.main.circuit_breaker",
-            "{failures: 3, failure_ratio: 0.5, min_requests: 10}",
-        )
-        .refused(
-            "ai.backends.main.circuit_breaker",
-            "either `failures` or `failure_ratio`",
-        );
+        .set("ai.backends.main.circuit_breaker", "{failures: 3, failure_ratio: 0.5, min_requests: 10}")
+        .refused("ai.backends.main.circuit_breaker", "either `failures` or `failure_ratio`");
 }
 
 #[test]
 fn refuses_failure_ratio_without_min_requests() {
     doc()
         .set("ai.backends.main.circuit_breaker", "{failure_ratio: 0.5}")
-        .refused(
-            "ai.backends.main.circuit_breaker.min_requests",
-            "required with `failure_ratio`",
-        );
+        .refused("ai.backends.main.circuit_breaker.min_requests", "required with `failure_ratio`");
 }
 
 #[test]
 fn refuses_failure_ratio_out_of_range() {
     doc()
-        .set(
-            "ai.backends.main.circuit_breaker",
-            "{failure_ratio: 1.2, min_requests: 10}",
-        )
+        .set("ai.backends.main.circuit_breaker", "{failure_ratio: 1.2, min_requests: 10}")
         .refused("ai.backends.main.circuit_breaker.failure_ratio", "at most 1");
 }
 
@@ -1075,19 +865,10 @@ fn refuses_zero_failures() {
 
 #[test]
 fn refuses_bad_breaker_status() {
-    let errors = doc()
-        .set(
-            "ai.backends.main.circuit_breaker",
-            "{status: ['599-500', '700', 'five hundred']}",
-        )
-        .errors();
+    let errors = doc().set("ai.backends.main.circuit_breaker", "{status: ['599-500', '700', 'five hundred']}").errors();
     assert_eq!(errors.len(), 3, "{errors:#?}");
     assert_error(&errors, "ai.backends.main.circuit_breaker.status[0]", "reversed");
-    assert_error(
-        &errors,
-        "ai.backends.main.circuit_breaker.status[1]",
-        "between 100 and 599",
-    );
+    assert_error(&errors, "ai.backends.main.circuit_breaker.status[1]", "between 100 and 599");
     assert_error(&errors, "ai.backends.main.circuit_breaker.status[2]", "not a status");
 }
 
@@ -1105,15 +886,10 @@ fn reads_pool_with_defaults_and_members_capabilities() {
         .set("ai.capabilities", "{vision: pool}")
         .loads();
     let pool = &loaded.config.ai.backends["pool"];
-    let BackendKind::Pool { members } = &pool.kind else {
-        panic!("a pool")
-    };
+    let BackendKind::Pool { members } = &pool.kind else { panic!("a pool") };
     assert_eq!((members[0].priority, members[0].weight), (1, 1));
     assert_eq!((members[1].priority, members[1].weight), (2, 3));
-    assert_eq!(
-        pool.capabilities.iter().copied().collect::<Vec<_>>(),
-        vec![Capability::Chat, Capability::Vision]
-    );
+    assert_eq!(pool.capabilities.iter().copied().collect::<Vec<_>>(), vec![Capability::Chat, Capability::Vision]);
     assert!(pool.external);
     assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
 }
@@ -1135,24 +911,11 @@ fn refuses_endpoint_keys_on_a_pool() {
              identity_headers: {}, descriptor_set: x.binpb}",
         )
         .errors();
-    let keys = [
-        "url",
-        "auth",
-        "tls",
-        "models",
-        "aliases",
-        "default_model",
-        "metering",
-        "identity_headers",
-        "descriptor_set",
-    ];
+    let keys =
+        ["url", "auth", "tls", "models", "aliases", "default_model", "metering", "identity_headers", "descriptor_set"];
     assert_eq!(errors.len(), keys.len(), "{errors:#?}");
     for key in keys {
-        assert_error(
-            &errors,
-            &format!("ai.backends.pool.{key}"),
-            "does not apply to a pool backend",
-        );
+        assert_error(&errors, &format!("ai.backends.pool.{key}"), "does not apply to a pool backend");
     }
 }
 
@@ -1166,10 +929,7 @@ fn refuses_undeclared_pool_member() {
 #[test]
 fn refuses_pool_as_its_own_member() {
     doc()
-        .set(
-            "ai.backends.pool",
-            "{kind: pool, members: [{backend: main}, {backend: pool}]}",
-        )
+        .set("ai.backends.pool", "{kind: pool, members: [{backend: main}, {backend: pool}]}")
         .refused("ai.backends.pool.members[1].backend", "cannot be its own member");
 }
 
@@ -1192,21 +952,14 @@ fn refuses_grpc_pool_member() {
 #[test]
 fn refuses_duplicate_pool_member() {
     doc()
-        .set(
-            "ai.backends.pool",
-            "{kind: pool, members: [{backend: main}, {backend: main, priority: 2}]}",
-        )
+        .set("ai.backends.pool", "{kind: pool, members: [{backend: main}, {backend: main, priority: 2}]}")
         .refused("ai.backends.pool.members[1].backend", "already a member");
 }
 
 #[test]
 fn refuses_zero_priority_and_weight() {
-    let errors = doc()
-        .set(
-            "ai.backends.pool",
-            "{kind: pool, members: [{backend: main, priority: 0, weight: 0}]}",
-        )
-        .errors();
+    let errors =
+        doc().set("ai.backends.pool", "{kind: pool, members: [{backend: main, priority: 0, weight: 0}]}").errors();
     assert_eq!(errors.len(), 2, "{errors:#?}");
     assert_error(&errors, "ai.backends.pool.members[0].priority", "at least 1");
     assert_error(&errors, "ai.backends.pool.members[0].weight", "at least 1");
@@ -1215,24 +968,15 @@ fn refuses_zero_priority_and_weight() {
 #[test]
 fn refuses_internal_pool_with_an_external_member() {
     doc()
-        .set(
-            "ai.backends.pool",
-            "{kind: pool, external: false, members: [{backend: main}]}",
-        )
+        .set("ai.backends.pool", "{kind: pool, external: false, members: [{backend: main}]}")
         .refused("ai.backends.pool.external", "member `main` is external");
 }
 
 #[test]
 fn refuses_pool_declaring_a_capability_no_member_serves() {
     doc()
-        .set(
-            "ai.backends.pool",
-            "{kind: pool, capabilities: [embeddings], members: [{backend: main}]}",
-        )
-        .refused(
-            "ai.backends.pool.capabilities",
-            "no member of this pool serves embeddings",
-        );
+        .set("ai.backends.pool", "{kind: pool, capabilities: [embeddings], members: [{backend: main}]}")
+        .refused("ai.backends.pool.capabilities", "no member of this pool serves embeddings");
 }
 
 // ----- relays ---------------------------------------------------------------------
@@ -1246,9 +990,7 @@ fn warns_about_relay_metered_locally() {
              price: {input_per_mtok_eur: 1, output_per_mtok_eur: 1}}",
         )
         .loads();
-    let BackendKind::Relay { metering, .. } = &loaded.config.ai.backends["up"].kind else {
-        panic!("a relay")
-    };
+    let BackendKind::Relay { metering, .. } = &loaded.config.ai.backends["up"].kind else { panic!("a relay") };
     assert_eq!(*metering, Metering::Local);
     let warning = loaded.warnings.iter().find(|w| w.path == "ai.backends.up").unwrap();
     assert_eq!(
@@ -1265,11 +1007,7 @@ fn refuses_relay_keys_on_another_kind() {
         .set("ai.backends.main.identity_headers", "{tenant: X-Tenant}")
         .errors();
     assert_eq!(errors.len(), 2, "{errors:#?}");
-    assert_error(
-        &errors,
-        "ai.backends.main.metering",
-        "does not apply to an openai backend; it belongs to kind relay",
-    );
+    assert_error(&errors, "ai.backends.main.metering", "does not apply to an openai backend; it belongs to kind relay");
     assert_error(&errors, "ai.backends.main.identity_headers", "kind relay");
 }
 
@@ -1289,19 +1027,9 @@ fn refuses_invalid_identity_header() {
 #[test]
 fn warns_about_missing_descriptor_set() {
     let loaded = doc().set("ai.backends.ocr", grpc_backend()).loads();
-    let warning = loaded
-        .warnings
-        .iter()
-        .find(|w| w.path == "ai.backends.ocr.descriptor_set")
-        .unwrap();
-    assert!(
-        warning.message.contains("will be refused until it does"),
-        "{}",
-        warning.message
-    );
-    let BackendKind::Grpc { url, .. } = &loaded.config.ai.backends["ocr"].kind else {
-        panic!("grpc")
-    };
+    let warning = loaded.warnings.iter().find(|w| w.path == "ai.backends.ocr.descriptor_set").unwrap();
+    assert!(warning.message.contains("will be refused until it does"), "{}", warning.message);
+    let BackendKind::Grpc { url, .. } = &loaded.config.ai.backends["ocr"].kind else { panic!("grpc") };
     assert_eq!(url, "http://10.0.0.9:50051");
 }
 
@@ -1311,10 +1039,7 @@ fn refuses_empty_descriptor_set() {
     doc()
         .set(
             "ai.backends.ocr",
-            &format!(
-                "{{kind: grpc, url: 'http://10.0.0.9:50051', descriptor_set: '{}'}}",
-                empty.display()
-            ),
+            &format!("{{kind: grpc, url: 'http://10.0.0.9:50051', descriptor_set: '{}'}}", empty.display()),
         )
         .refused("ai.backends.ocr.descriptor_set", "is empty");
 }
@@ -1325,16 +1050,11 @@ fn accepts_existing_descriptor_set_without_warning() {
     let loaded = doc()
         .set(
             "ai.backends.ocr",
-            &format!(
-                "{{kind: grpc, url: 'grpcs://ocr.example.net', descriptor_set: '{}'}}",
-                set.display()
-            ),
+            &format!("{{kind: grpc, url: 'grpcs://ocr.example.net', descriptor_set: '{}'}}", set.display()),
         )
         .loads();
     assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
-    let BackendKind::Grpc { url, descriptor_set } = &loaded.config.ai.backends["ocr"].kind else {
-        panic!("grpc")
-    };
+    let BackendKind::Grpc { url, descriptor_set } = &loaded.config.ai.backends["ocr"].kind else { panic!("grpc") };
     assert_eq!((url.as_str(), descriptor_set), ("https://ocr.example.net", &set));
 }
 
@@ -1348,10 +1068,7 @@ fn refuses_grpc_backend_without_descriptor_set() {
 #[test]
 fn refuses_grpc_backend_without_url() {
     doc()
-        .set(
-            "ai.backends.ocr",
-            "{kind: grpc, descriptor_set: /nonexistent/ocr.binpb}",
-        )
+        .set("ai.backends.ocr", "{kind: grpc, descriptor_set: /nonexistent/ocr.binpb}")
         .refused("ai.backends.ocr.url", "required for a grpc backend");
 }
 
@@ -1373,11 +1090,7 @@ fn refuses_http_keys_on_a_grpc_backend() {
     assert_eq!(errors.len(), 3, "{errors:#?}");
     assert_error(&errors, "ai.backends.ocr.models", "does not apply to a grpc backend");
     assert_error(&errors, "ai.backends.ocr.fallback", "does not apply to a grpc backend");
-    assert_error(
-        &errors,
-        "ai.backends.ocr.capabilities",
-        "does not apply to a grpc backend",
-    );
+    assert_error(&errors, "ai.backends.ocr.capabilities", "does not apply to a grpc backend");
 }
 
 #[test]
@@ -1385,25 +1098,14 @@ fn refuses_grpc_backend_wherever_http_routing_goes() {
     let cases = [
         ("ai.default_backend", "ocr", "ai.default_backend"),
         ("tenants.acme.backend", "ocr", "tenants.acme.backend"),
-        (
-            "tenants.acme.agents.bot",
-            "{backend: ocr}",
-            "tenants.acme.agents.bot.backend",
-        ),
+        ("tenants.acme.agents.bot", "{backend: ocr}", "tenants.acme.agents.bot.backend"),
         ("ai.capabilities", "{vision: ocr}", "ai.capabilities.vision"),
         ("ai.sensitive_backend", "ocr", "ai.sensitive_backend"),
-        (
-            "ai.budget.soft",
-            "{threshold: 0.5, backend: ocr}",
-            "ai.budget.soft.backend",
-        ),
+        ("ai.budget.soft", "{threshold: 0.5, backend: ocr}", "ai.budget.soft.backend"),
         ("ai.backends.main.fallback", "[ocr]", "ai.backends.main.fallback[0]"),
     ];
     for (key, value, error_path) in cases {
-        doc()
-            .set("ai.backends.ocr", grpc_backend())
-            .set(key, value)
-            .refused(error_path, "backend `ocr` is kind grpc");
+        doc().set("ai.backends.ocr", grpc_backend()).set(key, value).refused(error_path, "backend `ocr` is kind grpc");
     }
 }
 
@@ -1476,10 +1178,7 @@ fn judges_no_pool_by_a_member_that_did_not_parse() {
     // called external (nor the sensitive backend refused) on a guess.
     let errors = doc()
         .set("ai.backends.internal.external", "nope")
-        .set(
-            "ai.backends.pool",
-            "{kind: pool, external: false, members: [{backend: internal}]}",
-        )
+        .set("ai.backends.pool", "{kind: pool, external: false, members: [{backend: internal}]}")
         .set("ai.sensitive_backend", "pool")
         .errors();
     assert_eq!(errors.len(), 1, "{errors:#?}");

@@ -34,16 +34,8 @@ struct GenConfig {
 }
 
 fn backend() -> impl Strategy<Value = GenBackend> {
-    (
-        any::<bool>(),
-        prop::collection::vec(any::<bool>(), 3),
-        prop::collection::vec(0usize..6, 0..3),
-    )
-        .prop_map(|(external, caps, fallback)| GenBackend {
-            external,
-            caps,
-            fallback,
-        })
+    (any::<bool>(), prop::collection::vec(any::<bool>(), 3), prop::collection::vec(0usize..6, 0..3))
+        .prop_map(|(external, caps, fallback)| GenBackend { external, caps, fallback })
 }
 
 fn config() -> impl Strategy<Value = GenConfig> {
@@ -57,26 +49,20 @@ fn config() -> impl Strategy<Value = GenConfig> {
         prop::option::of(0usize..6),
         prop::option::of(0usize..6),
     )
-        .prop_map(
-            |(backends, pool, default, tenant_backend, vision, embeddings, sensitive, soft)| GenConfig {
-                backends,
-                pool,
-                default,
-                tenant_backend,
-                vision,
-                embeddings,
-                sensitive,
-                soft,
-            },
-        )
+        .prop_map(|(backends, pool, default, tenant_backend, vision, embeddings, sensitive, soft)| GenConfig {
+            backends,
+            pool,
+            default,
+            tenant_backend,
+            vision,
+            embeddings,
+            sensitive,
+            soft,
+        })
 }
 
 fn name(g: &GenConfig, i: usize) -> String {
-    if i >= g.backends.len() && g.pool.is_some() {
-        "pool".to_owned()
-    } else {
-        format!("b{}", i % g.backends.len())
-    }
+    if i >= g.backends.len() && g.pool.is_some() { "pool".to_owned() } else { format!("b{}", i % g.backends.len()) }
 }
 
 /// Renders a generated config as YAML; invalid combinations are dropped or fixed so the
@@ -84,23 +70,12 @@ fn name(g: &GenConfig, i: usize) -> String {
 fn yaml(g: &GenConfig) -> String {
     let n = g.backends.len();
     let caps_of = |b: &GenBackend| -> Vec<&str> {
-        let caps: Vec<&str> = CAPS
-            .iter()
-            .zip(&b.caps)
-            .filter(|(_, on)| **on)
-            .map(|(c, _)| *c)
-            .collect();
+        let caps: Vec<&str> = CAPS.iter().zip(&b.caps).filter(|(_, on)| **on).map(|(c, _)| *c).collect();
         if caps.is_empty() { vec!["chat"] } else { caps }
     };
     let mut out = String::from("version: 1\nstore: {kind: memory}\n");
-    let tenant_backend = g
-        .tenant_backend
-        .map(|i| format!("\n    backend: {}", name(g, i)))
-        .unwrap_or_default();
-    out.push_str(&format!(
-        "tenants:\n  t:\n    keys: [{{sha256: {}}}]{tenant_backend}\n",
-        "a".repeat(64)
-    ));
+    let tenant_backend = g.tenant_backend.map(|i| format!("\n    backend: {}", name(g, i))).unwrap_or_default();
+    out.push_str(&format!("tenants:\n  t:\n    keys: [{{sha256: {}}}]{tenant_backend}\n", "a".repeat(64)));
     out.push_str(&format!("ai:\n  default_backend: {}\n", name(g, g.default)));
     let serves = |i: usize, cap: &str| caps_of(&g.backends[i % n]).contains(&cap);
     let mut overrides = Vec::new();
@@ -117,20 +92,12 @@ fn yaml(g: &GenConfig) -> String {
         out.push_str(&format!("  sensitive_backend: b{}\n", s % n));
     }
     if let Some(s) = g.soft {
-        out.push_str(&format!(
-            "  budget: {{soft: {{threshold: 0.5, backend: b{}}}}}\n",
-            s % n
-        ));
+        out.push_str(&format!("  budget: {{soft: {{threshold: 0.5, backend: b{}}}}}\n", s % n));
     }
     out.push_str("  backends:\n");
     for (i, b) in g.backends.iter().enumerate() {
-        let fallback: BTreeSet<String> = b
-            .fallback
-            .iter()
-            .map(|f| f % n)
-            .filter(|f| *f != i)
-            .map(|f| format!("b{f}"))
-            .collect();
+        let fallback: BTreeSet<String> =
+            b.fallback.iter().map(|f| f % n).filter(|f| *f != i).map(|f| format!("b{f}")).collect();
         out.push_str(&format!(
             "    b{i}:\n      url: http://127.0.0.1:9/v1\n      external: {}\n      capabilities: [{}]\n      fallback: [{}]\n",
             b.external,
@@ -143,10 +110,7 @@ fn yaml(g: &GenConfig) -> String {
         out.push_str("    pool:\n      kind: pool\n      members:\n");
         for (m, priority, weight) in members {
             if seen.insert(m % n) {
-                out.push_str(&format!(
-                    "        - {{backend: b{}, priority: {priority}, weight: {weight}}}\n",
-                    m % n
-                ));
+                out.push_str(&format!("        - {{backend: b{}, priority: {priority}, weight: {weight}}}\n", m % n));
             }
         }
         out.push_str("      fallback: [b0]\n");
@@ -155,12 +119,7 @@ fn yaml(g: &GenConfig) -> String {
 }
 
 fn caller() -> Caller {
-    Caller {
-        tenant: TenantId::new("t"),
-        agent: None,
-        key_sha256: [0; 32],
-        relay_peer: false,
-    }
+    Caller { tenant: TenantId::new("t"), agent: None, key_sha256: [0; 32], relay_peer: false }
 }
 
 proptest! {

@@ -76,10 +76,7 @@ impl Flexway {
     }
 
     pub fn post(&self, path: &str, key: &str, body: serde_json::Value) -> reqwest::RequestBuilder {
-        client()
-            .post(format!("{}{path}", self.url))
-            .bearer_auth(key)
-            .json(&body)
+        client().post(format!("{}{path}", self.url)).bearer_auth(key).json(&body)
     }
 
     pub async fn chat(&self, key: &str, body: serde_json::Value) -> reqwest::Response {
@@ -95,10 +92,7 @@ impl Drop for Flexway {
 }
 
 pub fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(30))
-        .build()
-        .unwrap()
+    reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap()
 }
 
 pub fn hello(model: &str) -> serde_json::Value {
@@ -157,12 +151,7 @@ pub async fn sse_data(response: reqwest::Response) -> (Vec<String>, Option<Strin
     let events = text
         .split("\n\n")
         .filter(|e| !e.trim().is_empty())
-        .map(|e| {
-            e.lines()
-                .filter_map(|l| l.strip_prefix("data: "))
-                .collect::<Vec<_>>()
-                .join("\n")
-        })
+        .map(|e| e.lines().filter_map(|l| l.strip_prefix("data: ")).collect::<Vec<_>>().join("\n"))
         .collect();
     (events, error)
 }
@@ -188,13 +177,7 @@ pub async fn serve_in_process(yaml: &str, adapters: flexway::gateway::Adapters) 
 
 impl InProcess {
     pub async fn chat(&self, key: &str, body: serde_json::Value) -> reqwest::Response {
-        client()
-            .post(format!("{}/v1/chat/completions", self.url))
-            .bearer_auth(key)
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
+        client().post(format!("{}/v1/chat/completions", self.url)).bearer_auth(key).json(&body).send().await.unwrap()
     }
 
     /// Today's and this month's counters of a tenant (tokens/day, tokens/month, µ€/month).

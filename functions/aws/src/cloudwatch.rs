@@ -41,12 +41,7 @@ impl std::fmt::Debug for CloudWatchAuditSink {
 
 impl CloudWatchAuditSink {
     pub fn new(client: Client, group: impl Into<String>, stream: impl Into<String>) -> Self {
-        CloudWatchAuditSink {
-            client,
-            group: group.into(),
-            stream: stream.into(),
-            stream_ready: OnceCell::new(),
-        }
+        CloudWatchAuditSink { client, group: group.into(), stream: stream.into(), stream_ready: OnceCell::new() }
     }
 
     pub fn group(&self) -> &str {
@@ -60,28 +55,15 @@ impl CloudWatchAuditSink {
     /// Creates the stream if it is missing (the group must exist: the infrastructure
     /// owns it, with its retention). Called at init, which also warms the connection.
     pub async fn ensure_stream(&self) -> Result<(), AuditError> {
-        self.stream_ready
-            .get_or_try_init(|| self.create_stream())
-            .await
-            .map(|_| ())
+        self.stream_ready.get_or_try_init(|| self.create_stream()).await.map(|_| ())
     }
 
     async fn create_stream(&self) -> Result<(), AuditError> {
-        let result = self
-            .client
-            .create_log_stream()
-            .log_group_name(&self.group)
-            .log_stream_name(&self.stream)
-            .send()
-            .await;
+        let result =
+            self.client.create_log_stream().log_group_name(&self.group).log_stream_name(&self.stream).send().await;
         match result {
             Ok(_) => Ok(()),
-            Err(e)
-                if e.as_service_error()
-                    .is_some_and(|e| e.is_resource_already_exists_exception()) =>
-            {
-                Ok(())
-            }
+            Err(e) if e.as_service_error().is_some_and(|e| e.is_resource_already_exists_exception()) => Ok(()),
             Err(e) => Err(AuditError::Sink(format!(
                 "cannot create log stream {}/{}: {}",
                 self.group,
@@ -116,9 +98,7 @@ impl CloudWatchAuditSink {
                     };
                 }
                 Err(e) => {
-                    if e.as_service_error()
-                        .is_some_and(|e| e.is_resource_not_found_exception())
-                    {
+                    if e.as_service_error().is_some_and(|e| e.is_resource_not_found_exception()) {
                         // The stream was deleted under us: create it again, then retry.
                         let _ = self.create_stream().await;
                     }

@@ -100,10 +100,7 @@ enum Cancelled {
 
 impl DynamoDbBudgetStore {
     pub fn new(client: Client, table: impl Into<String>) -> Self {
-        DynamoDbBudgetStore {
-            client,
-            table: table.into(),
-        }
+        DynamoDbBudgetStore { client, table: table.into() }
     }
 
     pub fn table(&self) -> &str {
@@ -146,16 +143,9 @@ impl DynamoDbBudgetStore {
             .await
             .map_err(|e| backend("CreateTable", &e))?;
         for _ in 0..100 {
-            let described = client
-                .describe_table()
-                .table_name(table)
-                .send()
-                .await
-                .map_err(|e| backend("DescribeTable", &e))?;
-            let active = described
-                .table()
-                .and_then(|t| t.table_status())
-                .is_some_and(|s| s.as_str() == "ACTIVE");
+            let described =
+                client.describe_table().table_name(table).send().await.map_err(|e| backend("DescribeTable", &e))?;
+            let active = described.table().and_then(|t| t.table_status()).is_some_and(|s| s.as_str() == "ACTIVE");
             if active {
                 let ttl = TimeToLiveSpecification::builder()
                     .attribute_name("ttl")
@@ -199,12 +189,7 @@ impl DynamoDbBudgetStore {
     }
 
     async fn transact(&self, items: Vec<TransactWriteItem>) -> Result<Option<Cancelled>, StoreError> {
-        let result = self
-            .client
-            .transact_write_items()
-            .set_transact_items(Some(items))
-            .send()
-            .await;
+        let result = self.client.transact_write_items().set_transact_items(Some(items)).send().await;
         let error = match result {
             Ok(_) => return Ok(None),
             Err(error) => error,
@@ -266,11 +251,7 @@ impl BudgetStore for DynamoDbBudgetStore {
         let merged = merge(&request.lines);
         // A line larger than its whole limit can never fit: refuse without writing
         // (the condition would need a negative bound), unless it is a retry.
-        let impossible = merged
-            .iter()
-            .filter(|m| m.limit.is_some_and(|limit| m.amount > limit))
-            .map(|m| m.line)
-            .min();
+        let impossible = merged.iter().filter(|m| m.limit.is_some_and(|limit| m.amount > limit)).map(|m| m.line).min();
         if let Some(line) = impossible {
             return Ok(match self.reservation(&request.request_id).await? {
                 Some(_) => ReserveOutcome::Reserved,
@@ -312,9 +293,7 @@ impl BudgetStore for DynamoDbBudgetStore {
                     let line = failed.iter().filter_map(|&i| merged.get(i)).map(|m| m.line).min();
                     return match line {
                         Some(line) => Ok(ReserveOutcome::Refused { line }),
-                        None => Err(StoreError::Backend(format!(
-                            "reserve: unexpected cancellation {failed:?}"
-                        ))),
+                        None => Err(StoreError::Backend(format!("reserve: unexpected cancellation {failed:?}"))),
                     };
                 }
                 Some(Cancelled::Retry) => backoff(attempt).await,
@@ -406,10 +385,8 @@ impl BudgetStore for DynamoDbBudgetStore {
         wanted.sort();
         wanted.dedup();
         for chunk in wanted.chunks(100) {
-            let mut pending: Vec<HashMap<String, AttributeValue>> = chunk
-                .iter()
-                .map(|pk| HashMap::from([("pk".to_owned(), s(pk.clone()))]))
-                .collect();
+            let mut pending: Vec<HashMap<String, AttributeValue>> =
+                chunk.iter().map(|pk| HashMap::from([("pk".to_owned(), s(pk.clone()))])).collect();
             let mut attempt = 0;
             while !pending.is_empty() {
                 let request = KeysAndAttributes::builder()
@@ -424,12 +401,7 @@ impl BudgetStore for DynamoDbBudgetStore {
                     .send()
                     .await
                     .map_err(|e| backend("BatchGetItem", &e))?;
-                for item in output
-                    .responses()
-                    .and_then(|r| r.get(&self.table))
-                    .into_iter()
-                    .flatten()
-                {
+                for item in output.responses().and_then(|r| r.get(&self.table)).into_iter().flatten() {
                     let pk = string_attr(item, "pk")?;
                     let used = number_attr(item, "used", &pk)?.unwrap_or(0);
                     values.insert(pk, u64::try_from(used).unwrap_or(0));
@@ -448,15 +420,7 @@ impl BudgetStore for DynamoDbBudgetStore {
                 }
             }
         }
-        Ok(keys
-            .iter()
-            .map(|k| {
-                values
-                    .get(&format!("{COUNTER_PREFIX}{}", k.as_str()))
-                    .copied()
-                    .unwrap_or(0)
-            })
-            .collect())
+        Ok(keys.iter().map(|k| values.get(&format!("{COUNTER_PREFIX}{}", k.as_str())).copied().unwrap_or(0)).collect())
     }
 
     async fn live_reservations(&self) -> Result<usize, StoreError> {
@@ -531,12 +495,7 @@ impl DynamoDbBudgetStore {
             .await;
         match result {
             Ok(_) => Ok(()),
-            Err(e)
-                if e.as_service_error()
-                    .is_some_and(|e| e.is_conditional_check_failed_exception()) =>
-            {
-                Ok(())
-            }
+            Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => Ok(()),
             Err(e) => Err(backend("DeleteItem", &e)),
         }
     }
@@ -553,12 +512,7 @@ fn merge(lines: &[Line]) -> Vec<Merged<'_>> {
                     (a, b) => a.or(b),
                 };
             }
-            None => merged.push(Merged {
-                key: &line.key,
-                amount: line.amount,
-                limit: line.limit,
-                line: index,
-            }),
+            None => merged.push(Merged { key: &line.key, amount: line.amount, limit: line.limit, line: index }),
         }
     }
     merged
@@ -580,10 +534,7 @@ fn counter_ttl(key: &CounterKey) -> u64 {
 }
 
 fn parse_reservation(pk: &str, item: &HashMap<String, AttributeValue>) -> Result<Reservation, StoreError> {
-    let corrupt = |detail: String| StoreError::Corrupt {
-        key: pk.to_owned(),
-        detail,
-    };
+    let corrupt = |detail: String| StoreError::Corrupt { key: pk.to_owned(), detail };
     let lines = string_attr(item, "lines")?;
     let lines: Vec<(CounterKey, u64)> = serde_json::from_str(&lines).map_err(|e| corrupt(format!("lines: {e}")))?;
     let expires_at = number_attr(item, "expires_at", pk)?.ok_or_else(|| corrupt("no expires_at".to_owned()))?;
@@ -592,11 +543,7 @@ fn parse_reservation(pk: &str, item: &HashMap<String, AttributeValue>) -> Result
         None => false,
         Some(other) => return Err(corrupt(format!("swept is not a BOOL: {other:?}"))),
     };
-    Ok(Reservation {
-        lines,
-        expires_at: u64::try_from(expires_at).unwrap_or(0),
-        swept,
-    })
+    Ok(Reservation { lines, expires_at: u64::try_from(expires_at).unwrap_or(0), swept })
 }
 
 fn string_attr(item: &HashMap<String, AttributeValue>, name: &str) -> Result<String, StoreError> {
@@ -612,14 +559,13 @@ fn string_attr(item: &HashMap<String, AttributeValue>, name: &str) -> Result<Str
 fn number_attr(item: &HashMap<String, AttributeValue>, name: &str, pk: &str) -> Result<Option<i128>, StoreError> {
     match item.get(name) {
         None => Ok(None),
-        Some(AttributeValue::N(value)) => value.parse::<i128>().map(Some).map_err(|e| StoreError::Corrupt {
-            key: pk.to_owned(),
-            detail: format!("{name} = {value}: {e}"),
-        }),
-        Some(other) => Err(StoreError::Corrupt {
-            key: pk.to_owned(),
-            detail: format!("{name} is not a number: {other:?}"),
-        }),
+        Some(AttributeValue::N(value)) => value
+            .parse::<i128>()
+            .map(Some)
+            .map_err(|e| StoreError::Corrupt { key: pk.to_owned(), detail: format!("{name} = {value}: {e}") }),
+        Some(other) => {
+            Err(StoreError::Corrupt { key: pk.to_owned(), detail: format!("{name} is not a number: {other:?}") })
+        }
     }
 }
 

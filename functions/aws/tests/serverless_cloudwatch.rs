@@ -38,12 +38,7 @@ fn record(request_id: &str, tenant: &str) -> AuditRecord {
 
 async fn fresh_group(client: &aws_sdk_cloudwatchlogs::Client) -> String {
     let group = emulator::unique("/flexway/audit-test");
-    client
-        .create_log_group()
-        .log_group_name(&group)
-        .send()
-        .await
-        .expect("create the log group");
+    client.create_log_group().log_group_name(&group).send().await.expect("create the log group");
     group
 }
 
@@ -55,16 +50,9 @@ async fn records_are_readable_back_with_get_and_filter_log_events() {
     let sink = CloudWatchAuditSink::new(client.clone(), &group, "gateway-1");
     sink.ensure_stream().await.unwrap();
     // The stream exists already: a second sink on it must not fail.
-    CloudWatchAuditSink::new(client.clone(), &group, "gateway-1")
-        .ensure_stream()
-        .await
-        .unwrap();
+    CloudWatchAuditSink::new(client.clone(), &group, "gateway-1").ensure_stream().await.unwrap();
 
-    let written = vec![
-        record("req-1", "acme"),
-        record("req-2", "acme"),
-        record("req-3", "globex"),
-    ];
+    let written = vec![record("req-1", "acme"), record("req-2", "acme"), record("req-3", "globex")];
     sink.write(&written[..2]).await.unwrap();
     sink.write(&written[2..]).await.unwrap();
     sink.write(&[]).await.unwrap();
@@ -77,28 +65,15 @@ async fn records_are_readable_back_with_get_and_filter_log_events() {
         .send()
         .await
         .unwrap();
-    let read: Vec<AuditRecord> = events
-        .events()
-        .iter()
-        .map(|e| serde_json::from_str(e.message().unwrap()).unwrap())
-        .collect();
+    let read: Vec<AuditRecord> =
+        events.events().iter().map(|e| serde_json::from_str(e.message().unwrap()).unwrap()).collect();
     assert_eq!(read, written, "one event per record, in order, unchanged");
 
-    let filtered = client
-        .filter_log_events()
-        .log_group_name(&group)
-        .filter_pattern("globex")
-        .send()
-        .await
-        .unwrap();
+    let filtered = client.filter_log_events().log_group_name(&group).filter_pattern("globex").send().await.unwrap();
     let ids: Vec<String> = filtered
         .events()
         .iter()
-        .map(|e| {
-            serde_json::from_str::<AuditRecord>(e.message().unwrap())
-                .unwrap()
-                .request_id
-        })
+        .map(|e| serde_json::from_str::<AuditRecord>(e.message().unwrap()).unwrap().request_id)
         .collect();
     assert_eq!(ids, ["req-3"]);
 }
@@ -110,17 +85,8 @@ async fn creates_the_stream_on_first_write() {
     let group = fresh_group(&client).await;
     let sink = CloudWatchAuditSink::new(client.clone(), &group, "lazy");
     sink.write(&[record("req-lazy", "acme")]).await.unwrap();
-    let streams = client
-        .describe_log_streams()
-        .log_group_name(&group)
-        .send()
-        .await
-        .unwrap();
-    let names: Vec<&str> = streams
-        .log_streams()
-        .iter()
-        .filter_map(|s| s.log_stream_name())
-        .collect();
+    let streams = client.describe_log_streams().log_group_name(&group).send().await.unwrap();
+    let names: Vec<&str> = streams.log_streams().iter().filter_map(|s| s.log_stream_name()).collect();
     assert_eq!(names, ["lazy"]);
 }
 

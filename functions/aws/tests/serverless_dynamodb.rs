@@ -11,9 +11,7 @@ use flexway_aws::DynamoDbBudgetStore;
 async fn fresh_store(sdk: &aws_config::SdkConfig) -> DynamoDbBudgetStore {
     let client = aws_sdk_dynamodb::Client::new(sdk);
     let table = emulator::unique("flexway-ledger-test");
-    DynamoDbBudgetStore::create_table(&client, &table)
-        .await
-        .expect("create the table");
+    DynamoDbBudgetStore::create_table(&client, &table).await.expect("create the table");
     let store = DynamoDbBudgetStore::new(client, table);
     store.warm().await.expect("the table answers");
     store
@@ -24,11 +22,7 @@ fn request(id: &str, lines: &[(&str, u64, Option<u64>)]) -> ReserveRequest {
         request_id: id.to_owned(),
         lines: lines
             .iter()
-            .map(|(k, amount, limit)| Line {
-                key: CounterKey((*k).to_owned()),
-                amount: *amount,
-                limit: *limit,
-            })
+            .map(|(k, amount, limit)| Line { key: CounterKey((*k).to_owned()), amount: *amount, limit: *limit })
             .collect(),
         expires_at: flexway::budget::period::unix_now() + 60,
     }
@@ -45,10 +39,7 @@ async fn dynamodb_store_passes_the_conformance_suite() {
 async fn refuses_a_line_larger_than_its_limit_without_writing() {
     let sdk = emulator::sdk().await;
     let store = fresh_store(&sdk).await;
-    let outcome = store
-        .reserve(&request("big", &[("t/a", 5, Some(100)), ("t/b", 101, Some(100))]))
-        .await
-        .unwrap();
+    let outcome = store.reserve(&request("big", &[("t/a", 5, Some(100)), ("t/b", 101, Some(100))])).await.unwrap();
     assert_eq!(outcome, ReserveOutcome::Refused { line: 1 });
     let keys = [CounterKey("t/a".into()), CounterKey("t/b".into())];
     assert_eq!(store.used(&keys).await.unwrap(), [0, 0]);
@@ -59,22 +50,13 @@ async fn refuses_a_line_larger_than_its_limit_without_writing() {
 async fn lines_naming_one_counter_add_up_in_one_transaction() {
     let sdk = emulator::sdk().await;
     let store = fresh_store(&sdk).await;
-    let outcome = store
-        .reserve(&request("dup", &[("t/a", 60, Some(100)), ("t/a", 30, Some(100))]))
-        .await
-        .unwrap();
+    let outcome = store.reserve(&request("dup", &[("t/a", 60, Some(100)), ("t/a", 30, Some(100))])).await.unwrap();
     assert_eq!(outcome, ReserveOutcome::Reserved);
-    let refused = store
-        .reserve(&request("dup2", &[("t/a", 6, Some(100)), ("t/a", 5, Some(100))]))
-        .await
-        .unwrap();
+    let refused = store.reserve(&request("dup2", &[("t/a", 6, Some(100)), ("t/a", 5, Some(100))])).await.unwrap();
     assert_eq!(refused, ReserveOutcome::Refused { line: 0 });
     let keys = [CounterKey("t/a".into())];
     assert_eq!(store.used(&keys).await.unwrap(), [90]);
-    assert_eq!(
-        store.settle("dup", &[(CounterKey("t/a".into()), 10)]).await.unwrap(),
-        SettleOutcome::Settled
-    );
+    assert_eq!(store.settle("dup", &[(CounterKey("t/a".into()), 10)]).await.unwrap(), SettleOutcome::Settled);
     assert_eq!(store.used(&keys).await.unwrap(), [10]);
 }
 
@@ -83,10 +65,7 @@ async fn items_follow_the_documented_table_design() {
     let sdk = emulator::sdk().await;
     let store = fresh_store(&sdk).await;
     let key = "acme/*/tokens/day/2026-11-29";
-    store
-        .reserve(&request("design", &[(key, 42, Some(1000))]))
-        .await
-        .unwrap();
+    store.reserve(&request("design", &[(key, 42, Some(1000))])).await.unwrap();
     let client = aws_sdk_dynamodb::Client::new(&sdk);
     let get = |pk: String| {
         let client = client.clone();

@@ -48,9 +48,6 @@ async fn run(started: Instant) -> Result<(), lambda_http::Error> {
     let adapters = flexway_aws::build_adapters(&loaded.config, &sdk).await?;
     let gateway = flexway::Gateway::new(loaded.config, &LocalSecrets { env: &ProcessEnv }, adapters)?;
     let app = flexway::http::app(Arc::new(gateway));
-    tracing::info!(
-        init_ms = started.elapsed().as_millis() as u64,
-        "flexway gateway ready; polling for invocations"
-    );
+    tracing::info!(init_ms = started.elapsed().as_millis() as u64, "flexway gateway ready; polling for invocations");
     lambda_http::run_with_streaming_response(app).await
 }

@@ -54,19 +54,11 @@ impl Process {
     fn spawn(name: &'static str, mut command: Command) -> Process {
         use std::os::unix::process::CommandExt;
         command.process_group(0).stdout(Stdio::piped()).stderr(Stdio::piped());
-        let mut child = command
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {name} ({command:?}): {e}"));
+        let mut child = command.spawn().unwrap_or_else(|e| panic!("cannot start {name} ({command:?}): {e}"));
         let logs = Arc::new(Mutex::new(Vec::new()));
         for pipe in [
-            child
-                .stdout
-                .take()
-                .map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
-            child
-                .stderr
-                .take()
-                .map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
+            child.stdout.take().map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
+            child.stderr.take().map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
         ]
         .into_iter()
         .flatten()
@@ -88,21 +80,14 @@ impl Process {
 
 impl Drop for Process {
     fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .arg("--")
-            .arg(format!("-{}", self.child.id()))
-            .status();
+        let _ = Command::new("kill").arg("--").arg(format!("-{}", self.child.id())).status();
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 fn config(table: &str, log_group: &str, backend_url: &str) -> String {
@@ -132,18 +117,13 @@ async fn streams_a_chat_completion_through_the_function_url_with_dynamodb_and_cl
     let dynamodb = aws_sdk_dynamodb::Client::new(&sdk);
     let logs = aws_sdk_cloudwatchlogs::Client::new(&sdk);
     let table = emulator::unique("flexway-ledger-fn");
-    flexway_aws::DynamoDbBudgetStore::create_table(&dynamodb, &table)
-        .await
-        .unwrap();
+    flexway_aws::DynamoDbBudgetStore::create_table(&dynamodb, &table).await.unwrap();
     let log_group = emulator::unique("/flexway/audit-fn");
     logs.create_log_group().log_group_name(&log_group).send().await.unwrap();
 
     let fake = FakeModel::start().await.unwrap();
     // A pause between chunks, so that "streamed" is observable on the client side.
-    let backend = fake.scenario_url(&Scenario {
-        chunk_delay_ms: Some(150),
-        ..Default::default()
-    });
+    let backend = fake.scenario_url(&Scenario { chunk_delay_ms: Some(150), ..Default::default() });
     let dir = std::env::temp_dir().join(emulator::unique("flexway-fn"));
     std::fs::create_dir_all(&dir).unwrap();
     let config_path = dir.join("flexway.yaml");
@@ -158,17 +138,10 @@ async fn streams_a_chat_completion_through_the_function_url_with_dynamodb_and_cl
         .current_dir(workspace());
     let watch = Process::spawn("cargo lambda watch", watch);
     let base = format!("http://127.0.0.1:{port}/lambda-url/_");
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap();
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "cargo lambda watch did not listen\n{}",
-            watch.logs()
-        );
+        assert!(Instant::now() < deadline, "cargo lambda watch did not listen\n{}", watch.logs());
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
@@ -183,14 +156,8 @@ async fn streams_a_chat_completion_through_the_function_url_with_dynamodb_and_cl
         .env("FLEXWAY_CONFIG", &config_path)
         .env("AWS_ENDPOINT_URL", emulator::endpoint())
         .env("AWS_REGION", "us-east-1")
-        .env(
-            "AWS_ACCESS_KEY_ID",
-            std::env::var("AWS_ACCESS_KEY_ID").unwrap_or_else(|_| "test".into()),
-        )
-        .env(
-            "AWS_SECRET_ACCESS_KEY",
-            std::env::var("AWS_SECRET_ACCESS_KEY").unwrap_or_else(|_| "test".into()),
-        )
+        .env("AWS_ACCESS_KEY_ID", std::env::var("AWS_ACCESS_KEY_ID").unwrap_or_else(|_| "test".into()))
+        .env("AWS_SECRET_ACCESS_KEY", std::env::var("AWS_SECRET_ACCESS_KEY").unwrap_or_else(|_| "test".into()))
         .current_dir(&dir);
     let function = Process::spawn("flexway-gateway", function);
 
@@ -213,12 +180,7 @@ async fn streams_a_chat_completion_through_the_function_url_with_dynamodb_and_cl
         .await
         .unwrap();
     assert_eq!(response.status(), 200, "{}", function.logs());
-    assert_eq!(
-        response.headers()["content-type"].to_str().unwrap(),
-        "text/event-stream",
-        "{:?}",
-        response.headers()
-    );
+    assert_eq!(response.headers()["content-type"].to_str().unwrap(), "text/event-stream", "{:?}", response.headers());
     let request_id = response.headers()["flexway-request-id"].to_str().unwrap().to_owned();
     assert_eq!(response.headers()["flexway-backend"], "main");
 
@@ -273,31 +235,17 @@ async fn streams_a_chat_completion_through_the_function_url_with_dynamodb_and_cl
     let used = store.used(&[day, eur]).await.unwrap();
     assert!(used[0] > 0, "the tokens/day counter did not move: {used:?}");
     assert!(used[1] > 0, "the eur/month counter did not move: {used:?}");
-    assert_eq!(
-        store.live_reservations().await.unwrap(),
-        0,
-        "a reservation was left behind"
-    );
+    assert_eq!(store.live_reservations().await.unwrap(), 0, "a reservation was left behind");
 
     // The audit record is in the log group, written before the invocation ended.
-    let events = logs
-        .filter_log_events()
-        .log_group_name(&log_group)
-        .send()
-        .await
-        .unwrap();
+    let events = logs.filter_log_events().log_group_name(&log_group).send().await.unwrap();
     let records: Vec<serde_json::Value> = events
         .events()
         .iter()
         .map(|e| serde_json::from_str(e.message().unwrap()).unwrap())
         .filter(|r: &serde_json::Value| r["request_id"] == request_id.as_str())
         .collect();
-    assert_eq!(
-        records.len(),
-        1,
-        "audit records for {request_id}: {records:?}\n{}",
-        function.logs()
-    );
+    assert_eq!(records.len(), 1, "audit records for {request_id}: {records:?}\n{}", function.logs());
     let record = &records[0];
     assert_eq!(record["tenant"], "acme");
     assert_eq!(record["backend"], "main");

@@ -42,10 +42,7 @@ pub fn read_jsonl(reader: impl BufRead) -> Result<Vec<AuditRecord>, ReportError>
         let record: AuditRecord =
             serde_json::from_str(&line).map_err(|source| ReportError::Parse { line: line_no, source })?;
         if record.schema_version > SCHEMA_VERSION {
-            return Err(ReportError::Version {
-                line: line_no,
-                found: record.schema_version,
-            });
+            return Err(ReportError::Version { line: line_no, found: record.schema_version });
         }
         records.push(record);
     }
@@ -68,19 +65,13 @@ impl Filter {
             if let Some(value) = value
                 && !is_date(value)
             {
-                return Err(ReportError::Date {
-                    name,
-                    value: value.clone(),
-                });
+                return Err(ReportError::Date { name, value: value.clone() });
             }
         }
         if let (Some(from), Some(to)) = (&from, &to)
             && from > to
         {
-            return Err(ReportError::EmptyPeriod {
-                from: from.clone(),
-                to: to.clone(),
-            });
+            return Err(ReportError::EmptyPeriod { from: from.clone(), to: to.clone() });
         }
         Ok(Filter { from, to })
     }
@@ -194,12 +185,8 @@ pub fn chargeback(records: &[AuditRecord], filter: &Filter) -> Report {
     type Key<'a> = (&'a str, Option<&'a str>, Option<&'a str>, &'a str);
     let mut sums: BTreeMap<Key<'_>, Totals> = BTreeMap::new();
     for record in records.iter().filter(|r| filter.matches(r)) {
-        let key = (
-            record.tenant.as_str(),
-            record.agent.as_deref(),
-            record.backend.as_deref(),
-            record.metered_by.as_str(),
-        );
+        let key =
+            (record.tenant.as_str(), record.agent.as_deref(), record.backend.as_deref(), record.metered_by.as_str());
         sums.entry(key).or_default().add_record(record);
     }
 
@@ -239,12 +226,7 @@ pub fn chargeback(records: &[AuditRecord], filter: &Filter) -> Report {
         local_total.add(&part.local_total);
         upstream_total.add(&part.upstream_total);
     }
-    Report {
-        filter: filter.clone(),
-        tenants,
-        local_total,
-        upstream_total,
-    }
+    Report { filter: filter.clone(), tenants, local_total, upstream_total }
 }
 
 const NONE: &str = "-";
@@ -422,10 +404,7 @@ fn md_total(out: &mut String, label: &str, t: &Totals) {
 
 /// Names come from the config, but a `|` or a line break would still break the table.
 fn md_cell(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('|', "\\|")
-        .replace(['\n', '\r'], " ")
+    value.replace('\\', "\\\\").replace('|', "\\|").replace(['\n', '\r'], " ")
 }
 
 #[cfg(test)]
@@ -468,25 +447,13 @@ mod tests {
             record("2025-03-01T08:00:00Z", "acme", Some("bot"), "ptu-west", "local", 1_000),
             record("2025-03-01T09:00:00Z", "acme", Some("bot"), "ptu-west", "local", 2_000),
             record("2025-03-02T09:00:00Z", "acme", None, "payg-north", "local", 500),
-            record(
-                "2025-03-02T10:00:00Z",
-                "acme",
-                Some("bot"),
-                "peer",
-                "upstream",
-                9_000_000,
-            ),
+            record("2025-03-02T10:00:00Z", "acme", Some("bot"), "peer", "upstream", 9_000_000),
             record("2025-03-03T23:59:59Z", "globex", None, "ptu-west", "local", 1_500_020),
         ]
     }
 
     fn key(row: &Row) -> (&str, Option<&str>, Option<&str>, &str) {
-        (
-            row.tenant.as_str(),
-            row.agent.as_deref(),
-            row.backend.as_deref(),
-            row.metered_by.as_str(),
-        )
+        (row.tenant.as_str(), row.agent.as_deref(), row.backend.as_deref(), row.metered_by.as_str())
     }
 
     #[test]
@@ -497,21 +464,10 @@ mod tests {
         let keys: Vec<_> = acme.local.iter().map(key).collect();
         assert_eq!(
             keys,
-            vec![
-                ("acme", None, Some("payg-north"), "local"),
-                ("acme", Some("bot"), Some("ptu-west"), "local"),
-            ]
+            vec![("acme", None, Some("payg-north"), "local"), ("acme", Some("bot"), Some("ptu-west"), "local"),]
         );
         let bot = &acme.local[1].totals;
-        assert_eq!(
-            *bot,
-            Totals {
-                calls: 2,
-                prompt_tokens: 200,
-                completion_tokens: 20,
-                cost: MicroEur(3_000)
-            }
-        );
+        assert_eq!(*bot, Totals { calls: 2, prompt_tokens: 200, completion_tokens: 20, cost: MicroEur(3_000) });
         assert_eq!(report.tenants[1].tenant, "globex");
     }
 
@@ -532,18 +488,11 @@ mod tests {
     fn totals_equal_the_sum_of_local_costs() {
         let records = sample();
         let report = chargeback(&records, &Filter::default());
-        let local: u64 = records
-            .iter()
-            .filter(|r| r.metered_by == "local")
-            .map(|r| r.cost_micro_eur)
-            .sum();
+        let local: u64 = records.iter().filter(|r| r.metered_by == "local").map(|r| r.cost_micro_eur).sum();
         assert_eq!(report.local_total.cost, MicroEur(local));
         let per_tenant: u64 = report.tenants.iter().map(|t| t.local_total.cost.0).sum();
         assert_eq!(per_tenant, local);
-        assert_eq!(
-            report.local_total.calls + report.upstream_total.calls,
-            records.len() as u64
-        );
+        assert_eq!(report.local_total.calls + report.upstream_total.calls, records.len() as u64);
     }
 
     #[test]
@@ -573,10 +522,7 @@ mod tests {
 
     #[test]
     fn filter_refuses_bad_dates_and_an_empty_period() {
-        assert!(matches!(
-            Filter::new(Some("2025/03/01".into()), None),
-            Err(ReportError::Date { name: "from", .. })
-        ));
+        assert!(matches!(Filter::new(Some("2025/03/01".into()), None), Err(ReportError::Date { name: "from", .. })));
         assert!(Filter::new(None, Some("2025-02-29".into())).is_err());
         assert!(Filter::new(None, Some("2024-02-29".into())).is_ok());
         assert!(Filter::new(Some("2025-13-01".into()), None).is_err());
@@ -587,12 +533,7 @@ mod tests {
     #[test]
     fn a_record_without_a_date_only_counts_without_bounds() {
         let bad = record("yesterday", "acme", None, "b", "local", 1);
-        assert_eq!(
-            chargeback(std::slice::from_ref(&bad), &Filter::default())
-                .local_total
-                .calls,
-            1
-        );
+        assert_eq!(chargeback(std::slice::from_ref(&bad), &Filter::default()).local_total.calls, 1);
         let since = Filter::new(Some("2000-01-01".into()), None).unwrap();
         assert_eq!(chargeback(&[bad], &since).local_total.calls, 0);
     }
@@ -630,14 +571,7 @@ mod tests {
     #[test]
     fn csv_has_a_header_and_quotes_commas() {
         let records = vec![
-            record(
-                "2025-03-01T08:00:00Z",
-                "acme, inc",
-                Some("say \"hi\""),
-                "ptu",
-                "local",
-                1_500_020,
-            ),
+            record("2025-03-01T08:00:00Z", "acme, inc", Some("say \"hi\""), "ptu", "local", 1_500_020),
             record("2025-03-01T08:00:00Z", "acme, inc", None, "peer", "upstream", 7),
         ];
         let csv = to_csv(&chargeback(&records, &Filter::default()));
@@ -680,16 +614,10 @@ mod tests {
         assert!(md.contains("Period: 2025-03-01 to 2025-03-31"), "{md}");
         assert!(md.contains("## acme"), "{md}");
         assert!(md.contains("| bot | ptu-west | 2 | 200 | 20 | 0.003000 |"), "{md}");
-        assert!(
-            md.contains("| **total** | | **3** | **300** | **30** | **0.003500** |"),
-            "{md}"
-        );
+        assert!(md.contains("| **total** | | **3** | **300** | **30** | **0.003500** |"), "{md}");
         assert!(md.contains("Metered upstream"), "{md}");
         assert!(md.contains("| bot | peer | 1 | 100 | 10 | 9.000000 |"), "{md}");
-        assert!(
-            md.contains("| **total** | **4** | **400** | **40** | **1.503520** |"),
-            "{md}"
-        );
+        assert!(md.contains("| **total** | **4** | **400** | **40** | **1.503520** |"), "{md}");
         // The upstream section comes after acme's local total, before globex.
         let upstream = md.find("| bot | peer").unwrap();
         assert!(md.find("**0.003500**").unwrap() < upstream && upstream < md.find("## globex").unwrap());

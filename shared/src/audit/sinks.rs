@@ -31,9 +31,7 @@ pub struct FileAuditSink {
 
 impl std::fmt::Debug for FileAuditSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FileAuditSink")
-            .field("path", &self.path)
-            .finish_non_exhaustive()
+        f.debug_struct("FileAuditSink").field("path", &self.path).finish_non_exhaustive()
     }
 }
 
@@ -47,10 +45,7 @@ impl FileAuditSink {
             .create(true)
             .open(&path)
             .map_err(|e| AuditError::Sink(format!("cannot open audit file {}: {e}", path.display())))?;
-        Ok(FileAuditSink {
-            path,
-            file: tokio::sync::Mutex::new(tokio::fs::File::from_std(file)),
-        })
+        Ok(FileAuditSink { path, file: tokio::sync::Mutex::new(tokio::fs::File::from_std(file)) })
     }
 
     pub fn path(&self) -> &Path {
@@ -107,20 +102,14 @@ impl MemoryAuditSink {
 
     /// Every record written so far, in order.
     pub fn records(&self) -> Vec<AuditRecord> {
-        self.records
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+        self.records.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 }
 
 #[async_trait::async_trait]
 impl AuditSink for MemoryAuditSink {
     async fn write(&self, records: &[AuditRecord]) -> Result<(), AuditError> {
-        self.records
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .extend_from_slice(records);
+        self.records.lock().unwrap_or_else(std::sync::PoisonError::into_inner).extend_from_slice(records);
         Ok(())
     }
 }
@@ -215,10 +204,7 @@ mod tests {
         // Per task: 9 batches of 1, 8 of 2, 8 of 3.
         assert_eq!(records.len(), 16 * 49);
         // A batch's records are adjacent: request ids base, base+1, ... in order.
-        let ids: Vec<u64> = records
-            .iter()
-            .map(|r| r.request_id.trim_start_matches("req-").parse().unwrap())
-            .collect();
+        let ids: Vec<u64> = records.iter().map(|r| r.request_id.trim_start_matches("req-").parse().unwrap()).collect();
         for pair in ids.windows(2) {
             if pair[1] % 10 != 0 {
                 assert_eq!(pair[1], pair[0] + 1, "batch split: {pair:?}");

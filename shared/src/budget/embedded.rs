@@ -90,13 +90,7 @@ impl EmbeddedBudgetStore {
                 move || write_loop(&db, &queue, &commits)
             })
             .map_err(|e| backend(format!("start the ledger writer: {e}")))?;
-        Ok(Self {
-            db,
-            file,
-            ops: Some(ops),
-            writer: Some(writer),
-            commits,
-        })
+        Ok(Self { db, file, ops: Some(ops), writer: Some(writer), commits })
     }
 
     /// The database file in use.
@@ -115,9 +109,7 @@ impl EmbeddedBudgetStore {
         let (reply, answer) = oneshot::channel();
         let ops = self.ops.as_ref().ok_or_else(|| backend("ledger writer stopped"))?;
         ops.send(job(reply)).map_err(|_| backend("ledger writer stopped"))?;
-        answer
-            .await
-            .map_err(|_| backend("ledger writer stopped before answering"))?
+        answer.await.map_err(|_| backend("ledger writer stopped before answering"))?
     }
 }
 
@@ -143,12 +135,7 @@ impl BudgetStore for EmbeddedBudgetStore {
 
     async fn settle(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<SettleOutcome, StoreError> {
         let (request_id, actual) = (request_id.to_owned(), actual.to_vec());
-        self.submit(|reply| Job::Settle {
-            request_id,
-            actual,
-            reply,
-        })
-        .await
+        self.submit(|reply| Job::Settle { request_id, actual, reply }).await
     }
 
     async fn sweep(&self, now: u64) -> Result<usize, StoreError> {
@@ -195,19 +182,9 @@ fn backend(error: impl fmt::Display) -> StoreError {
 type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
 
 enum Job {
-    Reserve {
-        request: ReserveRequest,
-        reply: Reply<ReserveOutcome>,
-    },
-    Settle {
-        request_id: String,
-        actual: Vec<(CounterKey, u64)>,
-        reply: Reply<SettleOutcome>,
-    },
-    Sweep {
-        now: u64,
-        reply: Reply<usize>,
-    },
+    Reserve { request: ReserveRequest, reply: Reply<ReserveOutcome> },
+    Settle { request_id: String, actual: Vec<(CounterKey, u64)>, reply: Reply<SettleOutcome> },
+    Sweep { now: u64, reply: Reply<usize> },
 }
 
 impl Job {
@@ -215,11 +192,9 @@ impl Job {
     fn apply(self, state: &mut impl LedgerState) -> Answer {
         match self {
             Job::Reserve { request, reply } => Answer::Reserve(reply, ledger::reserve(state, &request)),
-            Job::Settle {
-                request_id,
-                actual,
-                reply,
-            } => Answer::Settle(reply, ledger::settle(state, &request_id, &actual)),
+            Job::Settle { request_id, actual, reply } => {
+                Answer::Settle(reply, ledger::settle(state, &request_id, &actual))
+            }
             Job::Sweep { now, reply } => Answer::Sweep(reply, ledger::sweep(state, now)),
         }
     }
@@ -353,11 +328,7 @@ enum Pending {
 
 impl<'a, 'txn> Overlay<'a, 'txn> {
     fn new(tables: &'a mut Tables<'txn>) -> Self {
-        Self {
-            tables,
-            counters: BTreeMap::new(),
-            reservations: BTreeMap::new(),
-        }
+        Self { tables, counters: BTreeMap::new(), reservations: BTreeMap::new() }
     }
 
     fn write(self) -> Result<(), StoreError> {
@@ -367,10 +338,7 @@ impl<'a, 'txn> Overlay<'a, 'txn> {
         for (request_id, pending) in &self.reservations {
             match pending {
                 Pending::Put(_, bytes) => {
-                    self.tables
-                        .reservations
-                        .insert(request_id.as_str(), bytes.as_slice())
-                        .map_err(backend)?;
+                    self.tables.reservations.insert(request_id.as_str(), bytes.as_slice()).map_err(backend)?;
                 }
                 Pending::Delete => {
                     self.tables.reservations.remove(request_id.as_str()).map_err(backend)?;
@@ -402,8 +370,7 @@ impl LedgerState for Overlay<'_, '_> {
     fn put_reservation(&mut self, request_id: &str, reservation: &StoredReservation) -> Result<(), StoreError> {
         let bytes =
             serde_json::to_vec(reservation).map_err(|e| backend(format!("encode reservation {request_id}: {e}")))?;
-        self.reservations
-            .insert(request_id.to_owned(), Pending::Put(reservation.clone(), bytes));
+        self.reservations.insert(request_id.to_owned(), Pending::Put(reservation.clone(), bytes));
         Ok(())
     }
     fn delete_reservation(&mut self, request_id: &str) -> Result<(), StoreError> {
@@ -464,10 +431,7 @@ impl LedgerState for Snapshot {
 }
 
 fn read_counter(table: &impl ReadableTable<&'static str, u64>, key: &CounterKey) -> Result<u64, StoreError> {
-    Ok(table
-        .get(key.as_str())
-        .map_err(backend)?
-        .map_or(0, |value| value.value()))
+    Ok(table.get(key.as_str()).map_err(backend)?.map_or(0, |value| value.value()))
 }
 
 fn read_reservation(
@@ -494,10 +458,8 @@ fn read_all_reservations(
 }
 
 fn decode(request_id: &str, bytes: &[u8]) -> Result<StoredReservation, StoreError> {
-    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt {
-        key: format!("reservations/{request_id}"),
-        detail: e.to_string(),
-    })
+    serde_json::from_slice(bytes)
+        .map_err(|e| StoreError::Corrupt { key: format!("reservations/{request_id}"), detail: e.to_string() })
 }
 
 #[cfg(test)]
@@ -515,11 +477,7 @@ mod tests {
         let (reply, answer) = oneshot::channel();
         let request = ReserveRequest {
             request_id: id.to_owned(),
-            lines: vec![Line {
-                key: key("a"),
-                amount,
-                limit: Some(limit),
-            }],
+            lines: vec![Line { key: key("a"), amount, limit: Some(limit) }],
             expires_at: u64::MAX,
         };
         (Job::Reserve { request, reply }, answer)
@@ -527,14 +485,7 @@ mod tests {
 
     fn settle(id: &str, actual: u64) -> (Job, oneshot::Receiver<Result<SettleOutcome, StoreError>>) {
         let (reply, answer) = oneshot::channel();
-        (
-            Job::Settle {
-                request_id: id.to_owned(),
-                actual: vec![(key("a"), actual)],
-                reply,
-            },
-            answer,
-        )
+        (Job::Settle { request_id: id.to_owned(), actual: vec![(key("a"), actual)], reply }, answer)
     }
 
     /// One batch, applied in order, each operation on the state the previous left, one
@@ -545,10 +496,7 @@ mod tests {
         let store = EmbeddedBudgetStore::open(dir.path()).unwrap();
         {
             let txn = store.db.begin_write().unwrap();
-            txn.open_table(RESERVATIONS)
-                .unwrap()
-                .insert("corrupt", b"{".as_slice())
-                .unwrap();
+            txn.open_table(RESERVATIONS).unwrap().insert("corrupt", b"{".as_slice()).unwrap();
             txn.commit().unwrap();
         }
         let (r1, a1) = reserve("r1", 80, 100);
@@ -561,18 +509,10 @@ mod tests {
 
         assert_eq!(commits.load(Ordering::Relaxed), 1);
         assert_eq!(a1.await.unwrap().unwrap(), ReserveOutcome::Reserved);
-        assert_eq!(
-            a2.await.unwrap().unwrap(),
-            ReserveOutcome::Refused { line: 0 },
-            "sees r1"
-        );
+        assert_eq!(a2.await.unwrap().unwrap(), ReserveOutcome::Refused { line: 0 }, "sees r1");
         assert_eq!(a3.await.unwrap().unwrap(), SettleOutcome::Settled);
         assert!(matches!(a4.await.unwrap(), Err(StoreError::Corrupt { .. })));
-        assert_eq!(
-            a5.await.unwrap().unwrap(),
-            ReserveOutcome::Reserved,
-            "sees the settlement of r1"
-        );
+        assert_eq!(a5.await.unwrap().unwrap(), ReserveOutcome::Reserved, "sees the settlement of r1");
         assert_eq!(store.used(&[key("a")]).await.unwrap(), [40]);
         assert!(
             matches!(store.live_reservations().await, Err(StoreError::Corrupt { key, .. }) if key == "reservations/corrupt")
@@ -589,21 +529,8 @@ mod tests {
             let mut tables = Tables::open(&txn).unwrap();
             let mut overlay = Overlay::new(&mut tables);
             overlay.set_counter(&key("a"), 7).unwrap();
-            overlay
-                .put_reservation(
-                    "x",
-                    &StoredReservation {
-                        lines: vec![],
-                        expires_at: 0,
-                        swept: false,
-                    },
-                )
-                .unwrap();
-            assert_eq!(
-                overlay.counter(&key("a")).unwrap(),
-                7,
-                "an operation reads its own writes"
-            );
+            overlay.put_reservation("x", &StoredReservation { lines: vec![], expires_at: 0, swept: false }).unwrap();
+            assert_eq!(overlay.counter(&key("a")).unwrap(), 7, "an operation reads its own writes");
             assert_eq!(overlay.all_reservations().unwrap().len(), 1);
         }
         txn.commit().unwrap();

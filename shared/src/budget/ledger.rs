@@ -49,10 +49,7 @@ pub fn reserve(state: &mut impl LedgerState, request: &ReserveRequest) -> Result
         values.insert(*key, state.counter(key)?.saturating_add(*amount));
     }
     for (index, line) in request.lines.iter().enumerate() {
-        if line
-            .limit
-            .is_some_and(|limit| values.get(&line.key).is_some_and(|v| *v > limit))
-        {
+        if line.limit.is_some_and(|limit| values.get(&line.key).is_some_and(|v| *v > limit)) {
             return Ok(ReserveOutcome::Refused { line: index });
         }
     }
@@ -93,11 +90,7 @@ pub fn settle(
         state.set_counter(key, value.saturating_add(add).saturating_sub(remove))?;
     }
     state.delete_reservation(request_id)?;
-    Ok(if reservation.swept {
-        SettleOutcome::ChargedAfterSweep
-    } else {
-        SettleOutcome::Settled
-    })
+    Ok(if reservation.swept { SettleOutcome::ChargedAfterSweep } else { SettleOutcome::Settled })
 }
 
 pub fn sweep(state: &mut impl LedgerState, now: u64) -> Result<usize, StoreError> {

@@ -50,10 +50,7 @@ impl MemoryBudgetStore {
     /// The rules check before they write and writes to memory cannot fail, so each
     /// rule applies whole or not at all under the lock.
     fn transact<T>(&self, f: impl FnOnce(&mut State) -> Result<T, StoreError>) -> Result<T, StoreError> {
-        let mut guard = self
-            .state
-            .lock()
-            .map_err(|_| StoreError::Backend("memory store lock poisoned".into()))?;
+        let mut guard = self.state.lock().map_err(|_| StoreError::Backend("memory store lock poisoned".into()))?;
         f(&mut guard)
     }
 }

@@ -58,11 +58,7 @@ impl Period {
             Period::Day => days + 1,
             Period::Month => {
                 let (y, m, _) = civil_from_days(days);
-                if m == 12 {
-                    days_from_civil(y + 1, 1, 1)
-                } else {
-                    days_from_civil(y, m + 1, 1)
-                }
+                if m == 12 { days_from_civil(y + 1, 1, 1) } else { days_from_civil(y, m + 1, 1) }
             }
         };
         u64::try_from(next).unwrap_or(0) * 86_400
@@ -74,13 +70,7 @@ pub fn rfc3339_millis(unix_ms: u64) -> String {
     let secs = unix_ms / 1000;
     let (y, m, d) = civil_from_days((secs / 86_400) as i64);
     let rem = secs % 86_400;
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        unix_ms % 1000
-    )
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z", rem / 3600, rem % 3600 / 60, rem % 60, unix_ms % 1000)
 }
 
 /// Milliseconds since the Unix epoch, now.
@@ -93,10 +83,7 @@ pub fn unix_now_millis() -> u64 {
 
 /// Seconds since the Unix epoch, now.
 pub fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -93,18 +93,8 @@ fn push_scope(out: &mut Vec<Budget>, tenant: &str, agent: Option<&str>, budgets:
     };
     let kinds = [
         ("tokens_per_day", Unit::Tokens, Period::Day, budgets.tokens_per_day),
-        (
-            "tokens_per_month",
-            Unit::Tokens,
-            Period::Month,
-            budgets.tokens_per_month,
-        ),
-        (
-            "eur_per_month",
-            Unit::MicroEur,
-            Period::Month,
-            budgets.eur_per_month.map(|m| m.0),
-        ),
+        ("tokens_per_month", Unit::Tokens, Period::Month, budgets.tokens_per_month),
+        ("eur_per_month", Unit::MicroEur, Period::Month, budgets.eur_per_month.map(|m| m.0)),
     ];
     for (kind, unit, period, limit) in kinds {
         out.push(Budget {
@@ -120,8 +110,7 @@ fn push_scope(out: &mut Vec<Budget>, tenant: &str, agent: Option<&str>, budgets:
 /// True when any limited budget has used `threshold_ppm` of its limit or more.
 pub fn is_soft(budgets: &[Budget], used: &[u64], threshold_ppm: u32) -> bool {
     budgets.iter().zip(used).any(|(b, used)| {
-        b.limit
-            .is_some_and(|limit| u128::from(*used) * 1_000_000 >= u128::from(limit) * u128::from(threshold_ppm))
+        b.limit.is_some_and(|limit| u128::from(*used) * 1_000_000 >= u128::from(limit) * u128::from(threshold_ppm))
     })
 }
 
@@ -158,23 +147,10 @@ pub fn plan(
             completion = fits;
         }
     }
-    let usage = Usage {
-        prompt_tokens: prompt,
-        completion_tokens: completion,
-    };
-    let lines = budgets
-        .iter()
-        .map(|b| Line {
-            key: b.key.clone(),
-            amount: b.amount(usage, price),
-            limit: b.limit,
-        })
-        .collect();
-    Ok(Plan {
-        lines,
-        completion_tokens: completion,
-        clamped: completion < allowance,
-    })
+    let usage = Usage { prompt_tokens: prompt, completion_tokens: completion };
+    let lines =
+        budgets.iter().map(|b| Line { key: b.key.clone(), amount: b.amount(usage, price), limit: b.limit }).collect();
+    Ok(Plan { lines, completion_tokens: completion, clamped: completion < allowance })
 }
 
 /// The most completion tokens that fit in `remaining` after the prompt.
@@ -197,10 +173,7 @@ fn fitting_completion(unit: Unit, remaining: u64, prompt: u64, price: Price) -> 
 
 /// The counters' real amounts for a settled usage at the serving backend's price.
 pub fn actual(budgets: &[Budget], usage: Usage, price: Price) -> Vec<(CounterKey, u64)> {
-    budgets
-        .iter()
-        .map(|b| (b.key.clone(), b.amount(usage, price)))
-        .collect()
+    budgets.iter().map(|b| (b.key.clone(), b.amount(usage, price))).collect()
 }
 
 #[cfg(test)]
@@ -210,19 +183,10 @@ mod tests {
     use super::*;
 
     fn budget(unit: Unit, limit: Option<u64>) -> Budget {
-        Budget {
-            name: "b".into(),
-            key: CounterKey("k".into()),
-            unit,
-            limit,
-            resets_at: 0,
-        }
+        Budget { name: "b".into(), key: CounterKey("k".into()), unit, limit, resets_at: 0 }
     }
 
-    const PRICE: Price = Price {
-        input_per_mtok: MicroEur(2_000_000),
-        output_per_mtok: MicroEur(8_000_000),
-    };
+    const PRICE: Price = Price { input_per_mtok: MicroEur(2_000_000), output_per_mtok: MicroEur(8_000_000) };
 
     #[test]
     fn prompt_bound_never_undercounts_bytes() {
@@ -273,20 +237,8 @@ mod tests {
 
     #[test]
     fn highest_price_takes_each_side_separately() {
-        let a = Price {
-            input_per_mtok: MicroEur(3),
-            output_per_mtok: MicroEur(1),
-        };
-        let b = Price {
-            input_per_mtok: MicroEur(1),
-            output_per_mtok: MicroEur(5),
-        };
-        assert_eq!(
-            highest_price([a, b]),
-            Price {
-                input_per_mtok: MicroEur(3),
-                output_per_mtok: MicroEur(5)
-            }
-        );
+        let a = Price { input_per_mtok: MicroEur(3), output_per_mtok: MicroEur(1) };
+        let b = Price { input_per_mtok: MicroEur(1), output_per_mtok: MicroEur(5) };
+        assert_eq!(highest_price([a, b]), Price { input_per_mtok: MicroEur(3), output_per_mtok: MicroEur(5) });
     }
 }

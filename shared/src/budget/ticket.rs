@@ -22,12 +22,7 @@ pub struct Ticket {
 
 impl Ticket {
     pub(crate) fn new(store: Arc<dyn BudgetStore>, request_id: String, budgets: Vec<Budget>) -> Self {
-        Ticket {
-            store,
-            request_id,
-            budgets,
-            open: true,
-        }
+        Ticket { store, request_id, budgets, open: true }
     }
 
     /// Replaces the reservation by `usage` at the serving backend's `price`.
@@ -57,10 +52,7 @@ impl Ticket {
 
 async fn refund(store: &dyn BudgetStore, request_id: &str) {
     if let Err(e) = store.settle(request_id, &[]).await {
-        tracing::error!(
-            request_id,
-            "refund failed, the sweeper will refund the reservation: {e}"
-        );
+        tracing::error!(request_id, "refund failed, the sweeper will refund the reservation: {e}");
     }
 }
 

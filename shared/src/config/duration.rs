@@ -11,16 +11,12 @@ const UNITS: &str = "ms, s, m, h or d";
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let text = s.trim();
     if text.is_empty() {
-        return Err(format!(
-            "empty duration: write a whole number and a unit ({UNITS}), e.g. 30s"
-        ));
+        return Err(format!("empty duration: write a whole number and a unit ({UNITS}), e.g. 30s"));
     }
     let unit_start = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
     let (digits, unit) = text.split_at(unit_start);
     if digits.is_empty() {
-        return Err(format!(
-            "`{text}` is not a duration: write a whole number and a unit ({UNITS}), e.g. 30s"
-        ));
+        return Err(format!("`{text}` is not a duration: write a whole number and a unit ({UNITS}), e.g. 30s"));
     }
     let millis_per_unit: u64 = match unit {
         "ms" => 1,

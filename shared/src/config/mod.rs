@@ -56,20 +56,13 @@ pub struct Diagnostic {
 
 impl Diagnostic {
     pub fn new(path: impl Into<String>, message: impl Into<String>) -> Self {
-        Diagnostic {
-            path: path.into(),
-            message: message.into(),
-        }
+        Diagnostic { path: path.into(), message: message.into() }
     }
 }
 
 impl fmt::Display for Diagnostic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.path.is_empty() {
-            f.write_str(&self.message)
-        } else {
-            write!(f, "{}: {}", self.path, self.message)
-        }
+        if self.path.is_empty() { f.write_str(&self.message) } else { write!(f, "{}: {}", self.path, self.message) }
     }
 }
 
@@ -107,10 +100,7 @@ pub fn load_file(path: &Path, env: &dyn EnvSource) -> Result<Loaded, ConfigError
         file: Some(path.to_path_buf()),
         errors: vec![Diagnostic::new("", format!("cannot read the file: {e}"))],
     })?;
-    load_str(&text, env).map_err(|error| ConfigError {
-        file: Some(path.to_path_buf()),
-        ..error
-    })
+    load_str(&text, env).map_err(|error| ConfigError { file: Some(path.to_path_buf()), ..error })
 }
 
 /// Loads a configuration from its YAML text.

@@ -81,14 +81,9 @@ pub struct AuditConfig {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AuditSinkConfig {
-    File {
-        path: PathBuf,
-    },
+    File { path: PathBuf },
     Stdout,
-    CloudWatch {
-        log_group: String,
-        log_stream: Option<String>,
-    },
+    CloudWatch { log_group: String, log_stream: Option<String> },
 }
 
 #[derive(Debug, Clone)]
@@ -197,18 +192,9 @@ pub struct Backend {
 pub enum BackendKind {
     OpenAi(Endpoint),
     Anthropic(Endpoint),
-    Relay {
-        endpoint: Endpoint,
-        metering: Metering,
-        identity_headers: IdentityHeaders,
-    },
-    Grpc {
-        url: String,
-        descriptor_set: PathBuf,
-    },
-    Pool {
-        members: Vec<PoolMember>,
-    },
+    Relay { endpoint: Endpoint, metering: Metering, identity_headers: IdentityHeaders },
+    Grpc { url: String, descriptor_set: PathBuf },
+    Pool { members: Vec<PoolMember> },
 }
 
 impl BackendKind {

@@ -27,11 +27,7 @@ use super::Diagnostic;
 /// Flexway gateway configuration (`flexway.yaml`). The key names are a contract:
 /// configurations written for earlier releases keep loading unchanged.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "FlexwayConfig",
-    expecting = "a configuration (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "FlexwayConfig", expecting = "a configuration (a mapping)")]
 #[schemars(title = "flexway.yaml")]
 pub struct RawConfig {
     /// Version of this file's format; must be 1.
@@ -170,11 +166,7 @@ pub struct RawAi {
 
 /// Capability overrides.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "CapabilityOverrides",
-    expecting = "capability overrides (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "CapabilityOverrides", expecting = "capability overrides (a mapping)")]
 pub struct RawCapabilityOverrides {
     /// Backend for requests carrying images; it must serve `vision`.
     pub vision: Option<String>,
@@ -184,11 +176,7 @@ pub struct RawCapabilityOverrides {
 
 /// Budget policy.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "BudgetPolicy",
-    expecting = "a budget policy (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "BudgetPolicy", expecting = "a budget policy (a mapping)")]
 pub struct RawBudgetPolicy {
     /// Past a fraction of any budget, switch to a cheaper backend.
     pub soft: Option<RawSoftCap>,
@@ -381,11 +369,7 @@ pub struct RawPrice {
 /// Circuit breaker: `failures`, or `failure_ratio` with `min_requests`, within
 /// `interval` trips the breaker for `trip`.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "CircuitBreaker",
-    expecting = "a circuit breaker (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "CircuitBreaker", expecting = "a circuit breaker (a mapping)")]
 pub struct RawBreaker {
     /// Failures within `interval` that trip the breaker. Default 5.
     #[schemars(range(min = 1))]
@@ -409,11 +393,7 @@ pub struct RawBreaker {
 
 /// An HTTP status (`503`) or an inclusive range (`"500-599"`).
 #[derive(Debug, Clone, Deserialize, JsonSchema)]
-#[serde(
-    untagged,
-    rename = "Status",
-    expecting = "expected a status code (503) or a range (\"500-599\")"
-)]
+#[serde(untagged, rename = "Status", expecting = "expected a status code (503) or a range (\"500-599\")")]
 pub enum RawStatus {
     Code(#[schemars(range(min = 100, max = 599))] u16),
     Text(#[schemars(regex(pattern = r"^[1-5][0-9]{2}(-[1-5][0-9]{2})?$"))] String),
@@ -421,11 +401,7 @@ pub enum RawStatus {
 
 /// A member of a pool.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "PoolMember",
-    expecting = "a pool member ({backend: ...}) (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "PoolMember", expecting = "a pool member ({backend: ...}) (a mapping)")]
 pub struct RawPoolMember {
     /// The member backend (not a pool, not grpc).
     #[schemars(required)]
@@ -442,11 +418,7 @@ pub struct RawPoolMember {
 /// Header names under which a relay passes the caller's identity on; an absent one
 /// is not passed.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(
-    deny_unknown_fields,
-    rename = "IdentityHeaders",
-    expecting = "identity headers (a mapping)"
-)]
+#[serde(deny_unknown_fields, rename = "IdentityHeaders", expecting = "identity headers (a mapping)")]
 pub struct RawIdentityHeaders {
     /// Header carrying the tenant's name.
     pub tenant: Option<String>,
@@ -588,10 +560,7 @@ pub(super) fn parse(text: &str) -> Result<Parsed, Vec<Diagnostic>> {
     match &doc {
         Value::Mapping(_) => {}
         Value::Null => {
-            return Err(vec![Diagnostic::new(
-                "",
-                "the document is empty: it starts with `version: 1`",
-            )]);
+            return Err(vec![Diagnostic::new("", "the document is empty: it starts with `version: 1`")]);
         }
         _ => {
             return Err(vec![Diagnostic::new(
@@ -620,10 +589,9 @@ pub(super) fn parse(text: &str) -> Result<Parsed, Vec<Diagnostic>> {
 fn syntax_error(error: &serde_norway::Error) -> Diagnostic {
     let message = error.to_string();
     match error.location() {
-        Some(at) if !message.contains(" line ") => Diagnostic::new(
-            "",
-            format!("invalid YAML at line {} column {}: {message}", at.line(), at.column()),
-        ),
+        Some(at) if !message.contains(" line ") => {
+            Diagnostic::new("", format!("invalid YAML at line {} column {}: {message}", at.line(), at.column()))
+        }
         _ => Diagnostic::new("", format!("invalid YAML: {message}")),
     }
 }

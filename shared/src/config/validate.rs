@@ -34,30 +34,14 @@ const DEFAULT_MAX_BODY_BYTES: u64 = 24 * 1024 * 1024;
 const LAMBDA_MAX_REQUEST_BYTES: u64 = 6 * 1024 * 1024;
 
 pub(super) fn validate(parsed: Parsed, env: &dyn EnvSource) -> Result<Loaded, Vec<Diagnostic>> {
-    let Parsed {
-        raw,
-        errors: shape_errors,
-    } = parsed;
+    let Parsed { raw, errors: shape_errors } = parsed;
     let unparsed = Unparsed::new(&shape_errors);
-    let RawConfig {
-        version,
-        store,
-        audit,
-        tenants,
-        ai,
-    } = raw;
-    let mut check = Checker {
-        env,
-        errors: Vec::new(),
-        warnings: Vec::new(),
-    };
+    let RawConfig { version, store, audit, tenants, ai } = raw;
+    let mut check = Checker { env, errors: Vec::new(), warnings: Vec::new() };
 
     match version {
         Some(1) => {}
-        Some(other) => check.error(
-            "version",
-            format!("unsupported version {other}: this Flexway reads version 1"),
-        ),
+        Some(other) => check.error("version", format!("unsupported version {other}: this Flexway reads version 1")),
         None => check.error("version", "required: `version: 1`"),
     }
     let store = check.store(store);
@@ -84,19 +68,10 @@ pub(super) fn validate(parsed: Parsed, env: &dyn EnvSource) -> Result<Loaded, Ve
     check.warnings.sort_by_key(|d| section_rank(&d.path));
 
     match (store, audit, ai) {
-        (Some(store), Some(audit), Some(ai)) if errors.is_empty() => Ok(Loaded {
-            config: Config {
-                store,
-                audit,
-                tenants,
-                ai,
-            },
-            warnings: check.warnings,
-        }),
-        _ if errors.is_empty() => Err(vec![Diagnostic::new(
-            "",
-            "the configuration is incomplete (internal error)",
-        )]),
+        (Some(store), Some(audit), Some(ai)) if errors.is_empty() => {
+            Ok(Loaded { config: Config { store, audit, tenants, ai }, warnings: check.warnings })
+        }
+        _ if errors.is_empty() => Err(vec![Diagnostic::new("", "the configuration is incomplete (internal error)")]),
         _ => Err(errors),
     }
 }
@@ -112,18 +87,14 @@ struct Unparsed {
 impl Unparsed {
     fn new(shape_errors: &[Diagnostic]) -> Unparsed {
         // An unknown key took nothing the rules read: its part is still judged.
-        let units = shape_errors
-            .iter()
-            .filter(|e| !e.message.starts_with("unknown field"))
-            .map(|e| unit_of(&e.path))
-            .collect();
+        let units =
+            shape_errors.iter().filter(|e| !e.message.starts_with("unknown field")).map(|e| unit_of(&e.path)).collect();
         Unparsed { units }
     }
 
     fn covers(&self, path: &str) -> bool {
         self.units.iter().any(|unit| {
-            path.strip_prefix(unit.as_str())
-                .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
+            path.strip_prefix(unit.as_str()).is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
         })
     }
 
@@ -134,11 +105,7 @@ impl Unparsed {
 
     /// Backends whose entry lost something, or was dropped whole.
     fn backends(&self) -> BTreeSet<String> {
-        self.units
-            .iter()
-            .filter_map(|u| u.strip_prefix("ai.backends."))
-            .map(str::to_owned)
-            .collect()
+        self.units.iter().filter_map(|u| u.strip_prefix("ai.backends.")).map(str::to_owned).collect()
     }
 }
 
@@ -201,14 +168,7 @@ impl Catalog {
                 (_, None) => BTreeSet::from([Capability::Chat]),
             };
             let external = raw.external.unwrap_or(true);
-            catalog.insert(
-                name.clone(),
-                Summary {
-                    kind,
-                    external,
-                    capabilities,
-                },
-            );
+            catalog.insert(name.clone(), Summary { kind, external, capabilities });
         }
         // Members are never pools (refused below), so one pass resolves every pool.
         for (name, raw) in backends {
@@ -243,11 +203,7 @@ impl Catalog {
             .map(|(name, _)| name.clone())
             .collect();
         in_doubt.extend(doubtful_pools);
-        Catalog {
-            backends: catalog,
-            in_doubt,
-            all_in_doubt: unparsed.all_backends(),
-        }
+        Catalog { backends: catalog, in_doubt, all_in_doubt: unparsed.all_backends() }
     }
 
     fn get(&self, name: &str) -> Option<&Summary> {
@@ -341,9 +297,7 @@ impl Checker<'_> {
     }
 
     fn secret(&mut self, path: &str, raw: &RawSecret) -> Option<SecretRef> {
-        secret_ref(&raw.0, self.env)
-            .map_err(|message| self.error(path, message))
-            .ok()
+        secret_ref(&raw.0, self.env).map_err(|message| self.error(path, message)).ok()
     }
 
     fn duration(&mut self, path: &str, raw: Option<&RawDuration>, default: Duration) -> Duration {
@@ -409,9 +363,7 @@ impl Checker<'_> {
 
     fn store(&mut self, raw: Option<RawStore>) -> Option<StoreConfig> {
         let Some(RawStore { kind, path, table }) = raw else {
-            return Some(StoreConfig::Embedded {
-                path: PathBuf::from(DEFAULT_LEDGER_PATH),
-            });
+            return Some(StoreConfig::Embedded { path: PathBuf::from(DEFAULT_LEDGER_PATH) });
         };
         let kind = self.required("store.kind", kind, "(embedded | memory | dynamodb)")?;
         let (has_path, has_table) = (path.is_some(), table.is_some());
@@ -435,18 +387,8 @@ impl Checker<'_> {
     }
 
     fn audit(&mut self, raw: Option<RawAudit>) -> Option<AuditConfig> {
-        let Some(RawAudit {
-            sink,
-            path,
-            log_group,
-            log_stream,
-            hash_salt,
-        }) = raw
-        else {
-            return Some(AuditConfig {
-                sink: AuditSinkConfig::Stdout,
-                hash_salt: None,
-            });
+        let Some(RawAudit { sink, path, log_group, log_stream, hash_salt }) = raw else {
+            return Some(AuditConfig { sink: AuditSinkConfig::Stdout, hash_salt: None });
         };
         let here = |sink: &str| format!("audit sink {sink}");
         let (has_path, has_group, has_stream) = (path.is_some(), log_group.is_some(), log_stream.is_some());
@@ -479,20 +421,13 @@ impl Checker<'_> {
     // ----- tenants ------------------------------------------------------------------
 
     fn tenants(&mut self, raw: BTreeMap<String, RawTenant>, catalog: &Catalog) -> BTreeMap<TenantId, Tenant> {
-        let relay_peer_declared = raw
-            .values()
-            .flat_map(|t| t.keys.iter().flatten())
-            .any(|k| k.relay_peer == Some(true));
+        let relay_peer_declared =
+            raw.values().flat_map(|t| t.keys.iter().flatten()).any(|k| k.relay_peer == Some(true));
         let mut seen_keys: HashMap<[u8; 32], String> = HashMap::new();
         let mut tenants = BTreeMap::new();
         for (name, tenant) in raw {
             let path = format!("tenants.{name}");
-            let RawTenant {
-                keys,
-                budgets,
-                backend,
-                agents,
-            } = tenant;
+            let RawTenant { keys, budgets, backend, agents } = tenant;
 
             let agents: BTreeMap<AgentId, Agent> = agents
                 .unwrap_or_default()
@@ -518,20 +453,10 @@ impl Checker<'_> {
 
             let budgets = self.budgets(&format!("{path}.budgets"), budgets);
             let backend = backend.and_then(|b| {
-                self.route_target(&format!("{path}.backend"), &b, catalog, "a tenant's backend")
-                    .map(|(id, _)| id)
+                self.route_target(&format!("{path}.backend"), &b, catalog, "a tenant's backend").map(|(id, _)| id)
             });
             let id = TenantId::new(&name);
-            tenants.insert(
-                id.clone(),
-                Tenant {
-                    name: id,
-                    keys,
-                    budgets,
-                    backend,
-                    agents,
-                },
-            );
+            tenants.insert(id.clone(), Tenant { name: id, keys, budgets, backend, agents });
         }
         tenants
     }
@@ -562,59 +487,34 @@ impl Checker<'_> {
             }
             other => other.map(AgentId::new),
         };
-        Some(KeyEntry {
-            sha256: hash,
-            agent,
-            relay_peer: raw.relay_peer.unwrap_or(false),
-        })
+        Some(KeyEntry { sha256: hash, agent, relay_peer: raw.relay_peer.unwrap_or(false) })
     }
 
     fn agent(&mut self, path: &str, raw: RawAgent, catalog: &Catalog) -> Agent {
         let backend = raw.backend.and_then(|b| {
-            self.route_target(&format!("{path}.backend"), &b, catalog, "an agent's backend")
-                .map(|(id, _)| id)
+            self.route_target(&format!("{path}.backend"), &b, catalog, "an agent's backend").map(|(id, _)| id)
         });
-        Agent {
-            backend,
-            budgets: self.budgets(&format!("{path}.budgets"), raw.budgets),
-        }
+        Agent { backend, budgets: self.budgets(&format!("{path}.budgets"), raw.budgets) }
     }
 
     fn budgets(&mut self, path: &str, raw: Option<RawBudgets>) -> Budgets {
         let Some(raw) = raw else {
             return Budgets::default();
         };
-        let eur_per_month = raw.eur_per_month.and_then(|eur| {
-            micro_eur(eur)
-                .map_err(|m| self.error(format!("{path}.eur_per_month"), m))
-                .ok()
-        });
-        Budgets {
-            tokens_per_day: raw.tokens_per_day,
-            tokens_per_month: raw.tokens_per_month,
-            eur_per_month,
-        }
+        let eur_per_month = raw
+            .eur_per_month
+            .and_then(|eur| micro_eur(eur).map_err(|m| self.error(format!("{path}.eur_per_month"), m)).ok());
+        Budgets { tokens_per_day: raw.tokens_per_day, tokens_per_month: raw.tokens_per_month, eur_per_month }
     }
 
     // ----- ai -----------------------------------------------------------------------
 
     fn ai(&mut self, raw: RawAi, catalog: &Catalog, backends: BTreeMap<BackendId, Backend>) -> Option<Ai> {
-        let RawAi {
-            default_backend,
-            capabilities,
-            sensitive_header,
-            sensitive_backend,
-            budget,
-            vision,
-            backends: _,
-        } = raw;
+        let RawAi { default_backend, capabilities, sensitive_header, sensitive_backend, budget, vision, backends: _ } =
+            raw;
 
         let default_backend = self
-            .required(
-                "ai.default_backend",
-                default_backend,
-                "(the backend serving what no override routes elsewhere)",
-            )
+            .required("ai.default_backend", default_backend, "(the backend serving what no override routes elsewhere)")
             .and_then(|b| self.route_target("ai.default_backend", &b, catalog, "the default backend"))
             .map(|(id, _)| id);
 
@@ -624,10 +524,8 @@ impl Checker<'_> {
             embeddings: self.capability_backend("embeddings", capabilities.embeddings, Capability::Embeddings, catalog),
         };
 
-        let sensitive_header = self.header(
-            "ai.sensitive_header",
-            sensitive_header.as_deref().unwrap_or(DEFAULT_SENSITIVE_HEADER),
-        );
+        let sensitive_header =
+            self.header("ai.sensitive_header", sensitive_header.as_deref().unwrap_or(DEFAULT_SENSITIVE_HEADER));
         let sensitive_backend = sensitive_backend.and_then(|name| {
             let path = "ai.sensitive_backend";
             let (id, summary) = self.route_target(path, &name, catalog, "the sensitive backend")?;
@@ -685,23 +583,12 @@ impl Checker<'_> {
     fn budget_policy(&mut self, raw: RawBudgetPolicy, catalog: &Catalog) -> Option<BudgetPolicy> {
         let soft = raw.soft.and_then(|soft| {
             let threshold = self
-                .required(
-                    "ai.budget.soft.threshold",
-                    soft.threshold,
-                    "(a fraction of any budget, e.g. 0.8)",
-                )
-                .and_then(|t| {
-                    fraction_ppm(t)
-                        .map_err(|m| self.error("ai.budget.soft.threshold", m))
-                        .ok()
-                });
+                .required("ai.budget.soft.threshold", soft.threshold, "(a fraction of any budget, e.g. 0.8)")
+                .and_then(|t| fraction_ppm(t).map_err(|m| self.error("ai.budget.soft.threshold", m)).ok());
             let backend = self
                 .required("ai.budget.soft.backend", soft.backend, "(the cheaper backend)")
                 .and_then(|b| self.route_target("ai.budget.soft.backend", &b, catalog, "the soft-cap backend"));
-            Some(SoftCap {
-                threshold_ppm: threshold?,
-                backend: backend?.0,
-            })
+            Some(SoftCap { threshold_ppm: threshold?, backend: backend?.0 })
         });
         let default_max_tokens = raw.default_max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
         if default_max_tokens == 0 {
@@ -714,11 +601,7 @@ impl Checker<'_> {
                 format!("{min_completion_tokens} is more than default_max_tokens ({default_max_tokens})"),
             );
         }
-        Some(BudgetPolicy {
-            soft,
-            default_max_tokens,
-            min_completion_tokens,
-        })
+        Some(BudgetPolicy { soft, default_max_tokens, min_completion_tokens })
     }
 
     fn vision(&mut self, raw: RawVision) -> Option<VisionPolicy> {
@@ -747,10 +630,6 @@ impl Checker<'_> {
                 Err(message) => self.error(format!("ai.vision.allowed_origins[{i}]"), message),
             }
         }
-        Some(VisionPolicy {
-            max_image_bytes,
-            max_body_bytes,
-            allowed_origins,
-        })
+        Some(VisionPolicy { max_image_bytes, max_body_bytes, allowed_origins })
     }
 }

@@ -23,9 +23,7 @@ pub(super) fn micro_eur(eur: f64) -> Result<MicroEur, String> {
     let text = eur.abs().to_string();
     let (whole, fraction) = text.split_once('.').unwrap_or((&text, ""));
     if fraction.len() > 6 {
-        return Err(format!(
-            "{text} has more than 6 decimal places (money is counted in micro-euros)"
-        ));
+        return Err(format!("{text} has more than 6 decimal places (money is counted in micro-euros)"));
     }
     let micros: Option<u64> = format!("{fraction:0<6}").parse().ok();
     whole
@@ -41,9 +39,7 @@ pub(super) fn micro_eur(eur: f64) -> Result<MicroEur, String> {
 /// A fraction in (0, 1] to parts per million.
 pub(super) fn fraction_ppm(fraction: f64) -> Result<u32, String> {
     if !(fraction > 0.0 && fraction <= 1.0) {
-        return Err(format!(
-            "must be a fraction greater than 0 and at most 1 (got {fraction})"
-        ));
+        return Err(format!("must be a fraction greater than 0 and at most 1 (got {fraction})"));
     }
     let ppm = (fraction * 1_000_000.0).round();
     if ppm < 1.0 {
@@ -92,10 +88,7 @@ pub(super) fn base_url(url: &str) -> Result<BaseUrl, String> {
     if !has_valid_port(authority) {
         return Err(format!("`{url}` has an invalid port"));
     }
-    Ok(BaseUrl {
-        scheme: scheme.to_ascii_lowercase(),
-        rest: rest.trim_end_matches('/').to_owned(),
-    })
+    Ok(BaseUrl { scheme: scheme.to_ascii_lowercase(), rest: rest.trim_end_matches('/').to_owned() })
 }
 
 /// `https://host[:port]`, a trailing `/` tolerated; answered lower-case without it.
@@ -184,9 +177,7 @@ pub(super) fn readable_file(path: &str) -> Result<(), String> {
     match std::fs::metadata(path) {
         Err(e) => Err(format!("file {path} cannot be read: {e}")),
         Ok(meta) if !meta.is_file() => Err(format!("{path} is not a file")),
-        Ok(_) => std::fs::File::open(path)
-            .map(drop)
-            .map_err(|e| format!("file {path} cannot be read: {e}")),
+        Ok(_) => std::fs::File::open(path).map(drop).map_err(|e| format!("file {path} cannot be read: {e}")),
     }
 }
 
@@ -247,10 +238,7 @@ mod tests {
 
     #[test]
     fn origins_are_normalised() {
-        assert_eq!(
-            https_origin("HTTPS://Img.Example.com/"),
-            Ok("https://img.example.com".into())
-        );
+        assert_eq!(https_origin("HTTPS://Img.Example.com/"), Ok("https://img.example.com".into()));
         assert_eq!(https_origin("https://a.b:8443"), Ok("https://a.b:8443".into()));
         assert!(https_origin("https://a.b:99999").is_err());
         assert!(https_origin("https://a.b/x").is_err());

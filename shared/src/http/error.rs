@@ -44,10 +44,7 @@ pub fn render(error: &GatewayError, openai: bool) -> Response {
     }
     let message = error.to_string();
     let (body, content_type) = if openai {
-        (
-            error_envelope(&message, error.openai_type(), error.code(), error.param()),
-            "application/json",
-        )
+        (error_envelope(&message, error.openai_type(), error.code(), error.param()), "application/json")
     } else {
         let problem = json!({
             "type": format!("https://flexway.dev/errors/{}", error.code()),

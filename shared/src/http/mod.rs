@@ -67,10 +67,7 @@ async fn metrics(State(gateway): State<Arc<Gateway>>) -> Response {
         gateway.metrics.set_breaker_state(backend.as_str(), state);
     }
     let mut response = gateway.metrics.render_prometheus().into_response();
-    response.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; version=0.0.4"),
-    );
+    response.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
     response
 }
 
@@ -105,18 +102,12 @@ fn is_openai_path(uri: &Uri) -> bool {
 }
 
 async fn not_found(method: Method, uri: Uri) -> Response {
-    let error = GatewayError::NotFound {
-        method: method.to_string(),
-        path: uri.path().to_owned(),
-    };
+    let error = GatewayError::NotFound { method: method.to_string(), path: uri.path().to_owned() };
     render(&error, is_openai_path(&uri))
 }
 
 async fn method_not_allowed(method: Method, uri: Uri) -> Response {
-    let error = GatewayError::MethodNotAllowed {
-        method: method.to_string(),
-        path: uri.path().to_owned(),
-    };
+    let error = GatewayError::MethodNotAllowed { method: method.to_string(), path: uri.path().to_owned() };
     render(&error, is_openai_path(&uri))
 }
 

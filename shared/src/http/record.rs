@@ -88,15 +88,8 @@ impl Draft {
     /// The backend being tried (the last one tried is recorded on failure).
     pub fn trying(&mut self, candidate: &Candidate, model: &str) {
         let backend = self.gateway.config.ai.backends.get(&candidate.backend);
-        let upstream_metered = backend.is_some_and(|b| {
-            matches!(
-                b.kind,
-                BackendKind::Relay {
-                    metering: Metering::Upstream,
-                    ..
-                }
-            )
-        });
+        let upstream_metered =
+            backend.is_some_and(|b| matches!(b.kind, BackendKind::Relay { metering: Metering::Upstream, .. }));
         self.record.backend = Some(candidate.backend.to_string());
         self.record.model_served = Some(model.to_owned());
         self.record.degraded = candidate.degraded;

@@ -98,9 +98,8 @@ pub(super) fn stream(
         settle.finish(&outcome, draft).await;
         drop(tx);
     });
-    let body = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
-    });
+    let body =
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx)) });
     let mut response = Response::new(Body::from_stream(body));
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
@@ -119,12 +118,7 @@ pub async fn pump(
     idle_timeout: Duration,
     draft: &mut Draft,
 ) -> RelayOutcome {
-    let mut outcome = RelayOutcome {
-        end: StreamEnd::Done,
-        usage: None,
-        content_bytes: 0,
-        events: 0,
-    };
+    let mut outcome = RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0, events: 0 };
     let mut upstream = response.bytes_stream();
     let mut splitter = Splitter::default();
     loop {
@@ -188,10 +182,7 @@ fn tap(data: &str, client_wants_usage: bool, outcome: &mut RelayOutcome) -> bool
 async fn broken(mut outcome: RelayOutcome, tx: &mpsc::Sender<Bytes>, reason: String) -> RelayOutcome {
     tracing::warn!("stream broke mid-way: {reason}");
     let message = format!("{reason}; the response is incomplete");
-    let event = sse::event(
-        Some("error"),
-        &error_envelope(&message, "api_error", "upstream_error", None),
-    );
+    let event = sse::event(Some("error"), &error_envelope(&message, "api_error", "upstream_error", None));
     // If the client is gone too, there is no one left to tell.
     let _ = tx.send(event).await;
     outcome.end = StreamEnd::Broken(reason);

@@ -55,10 +55,7 @@ impl KeyRing {
     }
 
     pub fn from_tenants<'a>(tenants: impl IntoIterator<Item = &'a Tenant>) -> Self {
-        let mut ring = KeyRing {
-            keys: Vec::new(),
-            tenants: Default::default(),
-        };
+        let mut ring = KeyRing { keys: Vec::new(), tenants: Default::default() };
         for tenant in tenants {
             for key in &tenant.keys {
                 ring.keys.push(KeyRecord {
@@ -68,8 +65,7 @@ impl KeyRing {
                     relay_peer: key.relay_peer,
                 });
             }
-            ring.tenants
-                .insert(tenant.name.clone(), tenant.agents.keys().cloned().collect());
+            ring.tenants.insert(tenant.name.clone(), tenant.agents.keys().cloned().collect());
         }
         ring
     }
@@ -79,28 +75,16 @@ impl KeyRing {
         let key = bearer_key(headers).ok_or(IdentityError::MissingKey)?;
         let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
         let record = self.find(&digest).ok_or(IdentityError::UnknownKey)?;
-        let asked = headers
-            .get(AGENT_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-            .filter(|v| !v.is_empty());
+        let asked = headers.get(AGENT_HEADER).and_then(|v| v.to_str().ok()).map(str::trim).filter(|v| !v.is_empty());
         let agent = match (&record.agent, asked) {
             (Some(bound), Some(asked)) if bound.as_str() != asked => {
-                return Err(IdentityError::AgentRebind {
-                    bound: bound.to_string(),
-                    asked: asked.to_owned(),
-                });
+                return Err(IdentityError::AgentRebind { bound: bound.to_string(), asked: asked.to_owned() });
             }
             (Some(bound), _) => Some(bound.clone()),
             (None, Some(asked)) => Some(self.declared_agent(&record.tenant, asked)?),
             (None, None) => None,
         };
-        Ok(Caller {
-            tenant: record.tenant.clone(),
-            agent,
-            key_sha256: digest,
-            relay_peer: record.relay_peer,
-        })
+        Ok(Caller { tenant: record.tenant.clone(), agent, key_sha256: digest, relay_peer: record.relay_peer })
     }
 
     fn find(&self, digest: &[u8; 32]) -> Option<&KeyRecord> {
@@ -118,9 +102,7 @@ impl KeyRing {
             .get(tenant)
             .and_then(|agents| agents.iter().find(|a| a.as_str() == asked))
             .cloned()
-            .ok_or_else(|| IdentityError::UnknownAgent {
-                agent: asked.to_owned(),
-            })
+            .ok_or_else(|| IdentityError::UnknownAgent { agent: asked.to_owned() })
     }
 }
 
@@ -155,16 +137,8 @@ mod tests {
         let tenant = Tenant {
             name: TenantId::new("acme"),
             keys: vec![
-                KeyEntry {
-                    sha256: hash("plain"),
-                    agent: None,
-                    relay_peer: false,
-                },
-                KeyEntry {
-                    sha256: hash("bound"),
-                    agent: Some(AgentId::new("bot")),
-                    relay_peer: false,
-                },
+                KeyEntry { sha256: hash("plain"), agent: None, relay_peer: false },
+                KeyEntry { sha256: hash("bound"), agent: Some(AgentId::new("bot")), relay_peer: false },
             ],
             budgets: Default::default(),
             backend: None,
@@ -194,14 +168,8 @@ mod tests {
 
     #[test]
     fn refuses_missing_and_unknown_keys() {
-        assert_eq!(
-            ring().authenticate(&headers(None, None)),
-            Err(IdentityError::MissingKey)
-        );
-        assert_eq!(
-            ring().authenticate(&headers(Some("nope"), None)),
-            Err(IdentityError::UnknownKey)
-        );
+        assert_eq!(ring().authenticate(&headers(None, None)), Err(IdentityError::MissingKey));
+        assert_eq!(ring().authenticate(&headers(Some("nope"), None)), Err(IdentityError::UnknownKey));
         let mut basic = HeaderMap::new();
         basic.insert("authorization", HeaderValue::from_static("Basic cGxhaW4="));
         assert_eq!(ring().authenticate(&basic), Err(IdentityError::MissingKey));

@@ -120,8 +120,7 @@ impl Registry {
         });
         let tokens = record.prompt_tokens.saturating_add(record.completion_tokens);
         if record.usage_source == "estimated" && tokens > 0 {
-            self.usage_estimated
-                .with(&[labels[1]], u64::default, |count| *count = count.saturating_add(1));
+            self.usage_estimated.with(&[labels[1]], u64::default, |count| *count = count.saturating_add(1));
         }
     }
 
@@ -131,11 +130,7 @@ impl Registry {
     }
 
     pub fn observe_time_to_first_byte(&self, backend: &str, ttfb: Duration) {
-        self.ttfb.with(
-            &[label(Some(backend))],
-            || Histogram::new(&TTFB_BOUNDS_NS),
-            |h| h.observe(nanos(ttfb)),
-        );
+        self.ttfb.with(&[label(Some(backend))], || Histogram::new(&TTFB_BOUNDS_NS), |h| h.observe(nanos(ttfb)));
     }
 
     /// For a stream where both an estimate (from what was relayed) and the backend's
@@ -143,25 +138,16 @@ impl Registry {
     pub fn observe_usage_drift(&self, backend: &str, estimated: u64, reported: u64) {
         let drift = i128::from(estimated) - i128::from(reported);
         let drift = i64::try_from(drift).unwrap_or(if drift < 0 { i64::MIN } else { i64::MAX });
-        self.usage_drift.with(
-            &[label(Some(backend))],
-            || Histogram::new(&DRIFT_BOUNDS),
-            |h| h.observe(drift),
-        );
+        self.usage_drift.with(&[label(Some(backend))], || Histogram::new(&DRIFT_BOUNDS), |h| h.observe(drift));
     }
 
     /// `budget` names the counter, e.g. `tokens_per_day`, `eur_per_month`.
     pub fn set_budget_remaining(&self, tenant: &str, budget: &str, remaining: f64) {
-        self.budget_remaining
-            .with(&[label(Some(tenant)), label(Some(budget))], f64::default, |v| {
-                *v = remaining
-            });
+        self.budget_remaining.with(&[label(Some(tenant)), label(Some(budget))], f64::default, |v| *v = remaining);
     }
 
     pub fn set_breaker_state(&self, backend: &str, state: BreakerState) {
-        self.breaker_state.with(&[label(Some(backend))], f64::default, |v| {
-            *v = f64::from(state.gauge_value())
-        });
+        self.breaker_state.with(&[label(Some(backend))], f64::default, |v| *v = f64::from(state.gauge_value()));
     }
 
     /// The Prometheus text exposition format, version 0.0.4.
@@ -177,14 +163,7 @@ impl Registry {
             "Inference calls with an audit record, refused ones included.",
         );
         for (values, sums) in &calls {
-            sample(
-                &mut out,
-                "flexway_inference_calls_total",
-                &CALL_LABELS,
-                values,
-                None,
-                &sums.calls.to_string(),
-            );
+            sample(&mut out, "flexway_inference_calls_total", &CALL_LABELS, values, None, &sums.calls.to_string());
         }
 
         header(
@@ -195,14 +174,7 @@ impl Registry {
         );
         for (values, sums) in &calls {
             let euros = MicroEur(sums.cost_micro_eur).to_eur_string();
-            sample(
-                &mut out,
-                "flexway_inference_cost_eur_total",
-                &CALL_LABELS,
-                values,
-                None,
-                &euros,
-            );
+            sample(&mut out, "flexway_inference_cost_eur_total", &CALL_LABELS, values, None, &euros);
         }
 
         header(
@@ -212,14 +184,7 @@ impl Registry {
             "Calls whose usage was settled on an estimate (the backend reported none).",
         );
         for (values, count) in self.usage_estimated.snapshot(|c| *c) {
-            sample(
-                &mut out,
-                "flexway_usage_estimated_total",
-                &["backend"],
-                &values,
-                None,
-                &count.to_string(),
-            );
+            sample(&mut out, "flexway_usage_estimated_total", &["backend"], &values, None, &count.to_string());
         }
 
         header(
@@ -229,14 +194,7 @@ impl Registry {
             "Latency the gateway adds to a call, upstream time excluded.",
         );
         let overhead = self.overhead.snapshot();
-        histogram(
-            &mut out,
-            "flexway_gateway_overhead_seconds",
-            &[],
-            &[],
-            &overhead,
-            SECOND_DECIMALS,
-        );
+        histogram(&mut out, "flexway_gateway_overhead_seconds", &[], &[], &overhead, SECOND_DECIMALS);
 
         header(
             &mut out,
@@ -262,14 +220,7 @@ impl Registry {
             "Estimated minus reported tokens, for streams where both exist.",
         );
         for (values, snapshot) in self.usage_drift.snapshot(Histogram::snapshot) {
-            histogram(
-                &mut out,
-                "flexway_usage_drift_tokens",
-                &["backend"],
-                &values,
-                &snapshot,
-                0,
-            );
+            histogram(&mut out, "flexway_usage_drift_tokens", &["backend"], &values, &snapshot, 0);
         }
 
         header(
@@ -279,14 +230,7 @@ impl Registry {
             "What remains of a tenant's budget, in the budget's unit (tokens or euros).",
         );
         for (values, value) in self.budget_remaining.snapshot(|v| *v) {
-            sample(
-                &mut out,
-                "flexway_budget_remaining",
-                &["tenant", "budget"],
-                &values,
-                None,
-                &float(value),
-            );
+            sample(&mut out, "flexway_budget_remaining", &["tenant", "budget"], &values, None, &float(value));
         }
 
         header(
@@ -296,14 +240,7 @@ impl Registry {
             "Circuit breaker state per backend: 0 closed, 1 open, 2 half-open.",
         );
         for (values, value) in self.breaker_state.snapshot(|v| *v) {
-            sample(
-                &mut out,
-                "flexway_breaker_state",
-                &["backend"],
-                &values,
-                None,
-                &float(value),
-            );
+            sample(&mut out, "flexway_breaker_state", &["backend"], &values, None, &float(value));
         }
         out
     }
@@ -370,10 +307,7 @@ type Series<V> = (Box<[String]>, V);
 
 impl<V> Family<V> {
     fn new() -> Self {
-        Family {
-            hasher: RandomState::new(),
-            series: Mutex::new(HashMap::new()),
-        }
+        Family { hasher: RandomState::new(), series: Mutex::new(HashMap::new()) }
     }
 
     fn with<R>(&self, labels: &[&str], make: impl FnOnce() -> V, update: impl FnOnce(&mut V) -> R) -> R {
@@ -393,11 +327,7 @@ impl<V> Family<V> {
     /// Every series, sorted by label values, read with `read` under the lock.
     fn snapshot<T>(&self, read: impl Fn(&V) -> T) -> Vec<Series<T>> {
         let series = self.series.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut all: Vec<_> = series
-            .values()
-            .flatten()
-            .map(|(key, value)| (key.clone(), read(value)))
-            .collect();
+        let mut all: Vec<_> = series.values().flatten().map(|(key, value)| (key.clone(), read(value))).collect();
         drop(series);
         all.sort_by(|a, b| a.0.cmp(&b.0));
         all
@@ -421,11 +351,7 @@ struct HistogramSnapshot {
 
 impl Histogram {
     fn new(bounds: &'static [i64]) -> Self {
-        Histogram {
-            bounds,
-            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
-            sum: AtomicI64::new(0),
-        }
+        Histogram { bounds, counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(), sum: AtomicI64::new(0) }
     }
 
     fn observe(&self, value: i64) {
@@ -447,11 +373,7 @@ impl Histogram {
                 running
             })
             .collect();
-        HistogramSnapshot {
-            bounds: self.bounds,
-            cumulative,
-            sum: self.sum.load(Ordering::Relaxed),
-        }
+        HistogramSnapshot { bounds: self.bounds, cumulative, sum: self.sum.load(Ordering::Relaxed) }
     }
 }
 
@@ -463,11 +385,7 @@ fn header(out: &mut String, name: &str, kind: &str, help: &str) {
 /// One sample line; `le` is appended after the other labels for histogram buckets.
 fn sample(out: &mut String, name: &str, names: &[&str], values: &[String], le: Option<&str>, value: &str) {
     out.push_str(name);
-    let mut pairs = names
-        .iter()
-        .zip(values)
-        .map(|(n, v)| (*n, v.as_str()))
-        .chain(le.map(|le| ("le", le)));
+    let mut pairs = names.iter().zip(values).map(|(n, v)| (*n, v.as_str())).chain(le.map(|le| ("le", le)));
     if let Some((first_name, first_value)) = pairs.next() {
         let _ = write!(out, "{{{first_name}=\"{}\"", escape_label(first_value));
         for (name, value) in pairs {
@@ -489,23 +407,12 @@ fn histogram(
     decimals: u32,
 ) {
     let bucket = format!("{name}_bucket");
-    let les = snapshot
-        .bounds
-        .iter()
-        .map(|bound| scaled(*bound, decimals))
-        .chain(std::iter::once("+Inf".to_owned()));
+    let les = snapshot.bounds.iter().map(|bound| scaled(*bound, decimals)).chain(std::iter::once("+Inf".to_owned()));
     for (le, count) in les.zip(&snapshot.cumulative) {
         sample(out, &bucket, names, values, Some(&le), &count.to_string());
     }
     let count = snapshot.cumulative.last().copied().unwrap_or(0);
-    sample(
-        out,
-        &format!("{name}_sum"),
-        names,
-        values,
-        None,
-        &scaled(snapshot.sum, decimals),
-    );
+    sample(out, &format!("{name}_sum"), names, values, None, &scaled(snapshot.sum, decimals));
     sample(out, &format!("{name}_count"), names, values, None, &count.to_string());
 }
 
@@ -551,10 +458,7 @@ fn escape_label(value: &str) -> String {
 fn rfc3339_millis(ts: &str) -> Option<i64> {
     let number = |range: std::ops::Range<usize>| -> Option<i64> {
         let digits = ts.get(range)?;
-        digits
-            .bytes()
-            .all(|b| b.is_ascii_digit())
-            .then(|| digits.parse().ok())?
+        digits.bytes().all(|b| b.is_ascii_digit()).then(|| digits.parse().ok())?
     };
     let bytes = ts.as_bytes();
     let separators_ok = bytes.get(4) == Some(&b'-')
@@ -730,14 +634,8 @@ mod tests {
         registry.observe_gateway_overhead(Duration::from_micros(300));
         registry.observe_gateway_overhead(Duration::from_micros(500));
         let text = registry.render_prometheus();
-        assert!(
-            text.contains("flexway_gateway_overhead_seconds_bucket{le=\"0.00025\"} 0\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("flexway_gateway_overhead_seconds_bucket{le=\"0.0005\"} 2\n"),
-            "{text}"
-        );
+        assert!(text.contains("flexway_gateway_overhead_seconds_bucket{le=\"0.00025\"} 0\n"), "{text}");
+        assert!(text.contains("flexway_gateway_overhead_seconds_bucket{le=\"0.0005\"} 2\n"), "{text}");
         assert!(text.contains("flexway_gateway_overhead_seconds_sum 0.0008\n"), "{text}");
         assert!(text.contains("flexway_gateway_overhead_seconds_count 2\n"), "{text}");
     }
@@ -805,10 +703,7 @@ mod tests {
         let registry = Registry::new();
         registry.set_breaker_state("a\"b\\c\nd", BreakerState::Open);
         let text = registry.render_prometheus();
-        assert!(
-            text.contains("flexway_breaker_state{backend=\"a\\\"b\\\\c\\nd\"} 1\n"),
-            "{text}"
-        );
+        assert!(text.contains("flexway_breaker_state{backend=\"a\\\"b\\\\c\\nd\"} 1\n"), "{text}");
         // One sample line: the line feed did not split it.
         assert_eq!(lines(&text, "flexway_breaker_state{").len(), 1);
     }
@@ -826,10 +721,7 @@ mod tests {
         assert!(text.ends_with('\n'));
         for line in text.lines() {
             if let Some(comment) = line.strip_prefix("# ") {
-                assert!(
-                    comment.starts_with("HELP flexway_") || comment.starts_with("TYPE flexway_"),
-                    "{line}"
-                );
+                assert!(comment.starts_with("HELP flexway_") || comment.starts_with("TYPE flexway_"), "{line}");
                 continue;
             }
             let (series, value) = line.rsplit_once(' ').unwrap();
@@ -903,11 +795,7 @@ mod tests {
         assert_eq!(directive["Namespace"], "Flexway");
         assert_eq!(
             directive["Dimensions"],
-            json!([
-                ["tenant", "backend", "metered_by", "capability"],
-                ["tenant"],
-                ["backend"]
-            ])
+            json!([["tenant", "backend", "metered_by", "capability"], ["tenant"], ["backend"]])
         );
         assert_eq!(
             directive["Metrics"],
@@ -950,19 +838,10 @@ mod tests {
         assert_eq!(rfc3339_millis("1970-01-01T00:00:00Z"), Some(0));
         assert_eq!(rfc3339_millis("2025-03-01T10:00:00.250Z"), Some(1_740_823_200_250));
         assert_eq!(rfc3339_millis("2025-03-01T11:00:00.25+01:00"), Some(1_740_823_200_250));
-        assert_eq!(
-            rfc3339_millis("2025-03-01T09:30:00.250123-00:30"),
-            Some(1_740_823_200_250)
-        );
+        assert_eq!(rfc3339_millis("2025-03-01T09:30:00.250123-00:30"), Some(1_740_823_200_250));
         assert_eq!(rfc3339_millis("2024-02-29T00:00:00Z"), Some(1_709_164_800_000));
         assert_eq!(rfc3339_millis("1969-12-31T23:59:59Z"), Some(-1_000));
-        for bad in [
-            "",
-            "2025-03-01",
-            "2025-03-01T10:00:00",
-            "2025-13-01T00:00:00Z",
-            "2025-03-01T10:00:00.Z",
-        ] {
+        for bad in ["", "2025-03-01", "2025-03-01T10:00:00", "2025-13-01T00:00:00Z", "2025-03-01T10:00:00.Z"] {
             assert_eq!(rfc3339_millis(bad), None, "{bad}");
         }
     }

@@ -18,10 +18,7 @@ pub struct InvalidRequest {
 }
 
 fn invalid(param: &'static str, message: impl Into<String>) -> InvalidRequest {
-    InvalidRequest {
-        message: message.into(),
-        param: Some(param),
-    }
+    InvalidRequest { message: message.into(), param: Some(param) }
 }
 
 /// The OpenAI error envelope.
@@ -43,10 +40,7 @@ impl Usage {
         let get = |k: &str| usage.get(k).and_then(Value::as_u64);
         let prompt = get("prompt_tokens")?;
         let completion = get("completion_tokens").unwrap_or(0);
-        Some(Usage {
-            prompt_tokens: prompt,
-            completion_tokens: completion,
-        })
+        Some(Usage { prompt_tokens: prompt, completion_tokens: completion })
     }
 
     pub fn total(&self) -> u64 {
@@ -98,10 +92,7 @@ impl Answer {
         }
         let view: AnswerView = serde_json::from_slice(body).ok()?;
         let usage = view.usage.and_then(|u| {
-            Some(Usage {
-                prompt_tokens: u.prompt_tokens?,
-                completion_tokens: u.completion_tokens.unwrap_or(0),
-            })
+            Some(Usage { prompt_tokens: u.prompt_tokens?, completion_tokens: u.completion_tokens.unwrap_or(0) })
         });
         let completion_bytes = view
             .choices
@@ -110,24 +101,15 @@ impl Answer {
             .filter_map(|c| c.message.and_then(|m| m.content))
             .map(|t| t.len() as u64)
             .sum();
-        Some(Answer {
-            usage,
-            completion_bytes,
-        })
+        Some(Answer { usage, completion_bytes })
     }
 }
 
 fn parse_object(body: &[u8]) -> Result<Map<String, Value>, InvalidRequest> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(InvalidRequest {
-            message: "the request body must be a JSON object".into(),
-            param: None,
-        }),
-        Err(e) => Err(InvalidRequest {
-            message: format!("the request body is not valid JSON: {e}"),
-            param: None,
-        }),
+        Ok(_) => Err(InvalidRequest { message: "the request body must be a JSON object".into(), param: None }),
+        Err(e) => Err(InvalidRequest { message: format!("the request body is not valid JSON: {e}"), param: None }),
     }
 }
 
@@ -150,10 +132,7 @@ fn optional_user(body: &Map<String, Value>) -> Result<Option<String>, InvalidReq
 fn optional_u64(body: &Map<String, Value>, key: &'static str) -> Result<Option<u64>, InvalidRequest> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .map(Some)
-            .ok_or_else(|| invalid(key, format!("`{key}` must be a non-negative integer"))),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| invalid(key, format!("`{key}` must be a non-negative integer"))),
     }
 }
 
@@ -197,10 +176,7 @@ impl ChatRequest {
                 None | Some(Value::Null) => false,
                 Some(Value::Bool(b)) => *b,
                 Some(_) => {
-                    return Err(invalid(
-                        "stream_options",
-                        "`stream_options.include_usage` must be a boolean",
-                    ));
+                    return Err(invalid("stream_options", "`stream_options.include_usage` must be a boolean"));
                 }
             },
             Some(_) => {
@@ -258,11 +234,7 @@ impl ChatRequest {
     }
 
     pub fn capability(&self) -> Capability {
-        if self.images.is_empty() {
-            Capability::Chat
-        } else {
-            Capability::Vision
-        }
+        if self.images.is_empty() { Capability::Chat } else { Capability::Vision }
     }
 
     /// The body sent upstream: the client's, with the served model, usage always asked
@@ -279,11 +251,7 @@ impl ChatRequest {
             }
         }
         if let Some(limit) = max_tokens {
-            let key = if body.contains_key("max_completion_tokens") {
-                "max_completion_tokens"
-            } else {
-                "max_tokens"
-            };
+            let key = if body.contains_key("max_completion_tokens") { "max_completion_tokens" } else { "max_tokens" };
             body.insert(key.into(), json!(limit));
         }
         serde_json::to_vec(&body).unwrap_or_default()
@@ -297,10 +265,7 @@ fn measure_content(i: usize, content: Option<&Value>, images: &mut Vec<ImageRef>
         Some(Value::String(s)) => return Ok(s.len() as u64),
         Some(Value::Array(parts)) => parts,
         Some(_) => {
-            return Err(invalid(
-                "messages",
-                format!("messages[{i}].content must be a string or an array of parts"),
-            ));
+            return Err(invalid("messages", format!("messages[{i}].content must be a string or an array of parts")));
         }
     };
     let mut bytes = 0u64;
@@ -310,10 +275,7 @@ fn measure_content(i: usize, content: Option<&Value>, images: &mut Vec<ImageRef>
             Some("text") => match part.get("text") {
                 Some(Value::String(t)) => bytes += t.len() as u64,
                 _ => {
-                    return Err(invalid(
-                        "messages",
-                        format!("messages[{i}].content[{j}].text must be a string"),
-                    ));
+                    return Err(invalid("messages", format!("messages[{i}].content[{j}].text must be a string")));
                 }
             },
             Some("image_url") => {
@@ -329,10 +291,7 @@ fn measure_content(i: usize, content: Option<&Value>, images: &mut Vec<ImageRef>
                         }
                     },
                     _ => {
-                        return Err(invalid(
-                            "messages",
-                            format!("messages[{i}].content[{j}].image_url is required"),
-                        ));
+                        return Err(invalid("messages", format!("messages[{i}].content[{j}].image_url is required")));
                     }
                 };
                 images.push(ImageRef { url: url.clone() });
@@ -346,10 +305,7 @@ fn measure_content(i: usize, content: Option<&Value>, images: &mut Vec<ImageRef>
                 ));
             }
             None => {
-                return Err(invalid(
-                    "messages",
-                    format!("messages[{i}].content[{j}].type is required"),
-                ));
+                return Err(invalid("messages", format!("messages[{i}].content[{j}].type is required")));
             }
         }
     }
@@ -396,12 +352,7 @@ impl EmbeddingsRequest {
             }
         };
         let user = optional_user(&body)?;
-        Ok(EmbeddingsRequest {
-            body,
-            model,
-            input_units,
-            user,
-        })
+        Ok(EmbeddingsRequest { body, model, input_units, user })
     }
 
     pub fn upstream_body(&self, served_model: &str) -> Vec<u8> {
@@ -413,10 +364,8 @@ impl EmbeddingsRequest {
 
 /// The `GET /v1/models` list.
 pub fn model_list<'a>(names: impl IntoIterator<Item = &'a str>) -> Value {
-    let data: Vec<Value> = names
-        .into_iter()
-        .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "flexway"}))
-        .collect();
+    let data: Vec<Value> =
+        names.into_iter().map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "flexway"})).collect();
     json!({"object": "list", "data": data})
 }
 
@@ -460,18 +409,12 @@ mod tests {
             (json!({"model": "m"}), Some("messages")),
             (json!({"model": "m", "messages": []}), Some("messages")),
             (json!({"model": "m", "messages": [{"content": "x"}]}), Some("messages")),
-            (
-                json!({"model": "m", "stream": "yes", "messages": [{"role": "user", "content": "x"}]}),
-                Some("stream"),
-            ),
+            (json!({"model": "m", "stream": "yes", "messages": [{"role": "user", "content": "x"}]}), Some("stream")),
             (
                 json!({"model": "m", "max_tokens": -1, "messages": [{"role": "user", "content": "x"}]}),
                 Some("max_tokens"),
             ),
-            (
-                json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "audio"}]}]}),
-                Some("messages"),
-            ),
+            (json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "audio"}]}]}), Some("messages")),
         ];
         for (body, param) in cases {
             let err = chat(body.clone()).unwrap_err();
@@ -510,10 +453,7 @@ mod tests {
         assert_eq!(ok(json!({"model": "e", "input": ["ab", "c"]})).unwrap().input_units, 3);
         assert_eq!(ok(json!({"model": "e", "input": [[1, 2, 3]]})).unwrap().input_units, 3);
         assert_eq!(ok(json!({"model": "e"})).unwrap_err().param, Some("input"));
-        assert_eq!(
-            ok(json!({"model": "e", "input": [{}]})).unwrap_err().param,
-            Some("input")
-        );
+        assert_eq!(ok(json!({"model": "e", "input": [{}]})).unwrap_err().param, Some("input"));
     }
 
     #[test]
@@ -521,23 +461,11 @@ mod tests {
         let body = json!({"id": "x", "choices": [{"message": {"role": "assistant", "content": "héllo"}}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 4}});
         let answer = Answer::read(body.to_string().as_bytes()).unwrap();
-        assert_eq!(
-            answer.usage,
-            Some(Usage {
-                prompt_tokens: 3,
-                completion_tokens: 4
-            })
-        );
+        assert_eq!(answer.usage, Some(Usage { prompt_tokens: 3, completion_tokens: 4 }));
         assert_eq!(answer.completion_bytes, 6);
         let embeddings = json!({"data": [{"embedding": [0.1, 0.2]}], "usage": {"prompt_tokens": 2, "total_tokens": 2}});
         let answer = Answer::read(embeddings.to_string().as_bytes()).unwrap();
-        assert_eq!(
-            answer.usage,
-            Some(Usage {
-                prompt_tokens: 2,
-                completion_tokens: 0
-            })
-        );
+        assert_eq!(answer.usage, Some(Usage { prompt_tokens: 2, completion_tokens: 0 }));
         assert_eq!(Answer::read(b"[1, 2]"), None);
         assert_eq!(Answer::read(b" []"), None);
         assert_eq!(Answer::read(b"not json"), None);

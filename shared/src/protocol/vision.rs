@@ -29,10 +29,9 @@ impl From<VisionError> for GatewayError {
         match err {
             VisionError::TooLarge { limit, .. } => GatewayError::ImageTooLarge { limit },
             VisionError::OriginNotAllowed { origin } => GatewayError::ImageOriginNotAllowed { origin },
-            VisionError::Invalid(message) => GatewayError::InvalidRequest(InvalidRequest {
-                message,
-                param: Some("messages"),
-            }),
+            VisionError::Invalid(message) => {
+                GatewayError::InvalidRequest(InvalidRequest { message, param: Some("messages") })
+            }
         }
     }
 }
@@ -46,17 +45,12 @@ pub fn check_images(images: &[ImageRef], policy: &VisionPolicy) -> Result<(), Vi
 /// an allowed origin.
 pub fn check_image(url: &str, policy: &VisionPolicy) -> Result<(), VisionError> {
     let Some(scheme) = scheme_of(url) else {
-        return Err(VisionError::Invalid(
-            "an image URL must be a data: URI or an https URL".to_owned(),
-        ));
+        return Err(VisionError::Invalid("an image URL must be a data: URI or an https URL".to_owned()));
     };
     if scheme.eq_ignore_ascii_case("data") {
         let size = data_uri_decoded_len(url)?;
         if size > policy.max_image_bytes {
-            return Err(VisionError::TooLarge {
-                limit: policy.max_image_bytes,
-                size,
-            });
+            return Err(VisionError::TooLarge { limit: policy.max_image_bytes, size });
         }
         return Ok(());
     }
@@ -67,15 +61,8 @@ pub fn check_image(url: &str, policy: &VisionPolicy) -> Result<(), VisionError> 
     }
     let origin = parse_origin(url).map_err(|reason| VisionError::Invalid(format!("invalid image URL: {reason}")))?;
     // Allowed origins are normalised the same way, so `:443` declared or not compares equal.
-    let allowed = policy
-        .allowed_origins
-        .iter()
-        .any(|declared| origin_of(declared).as_deref() == Some(origin.as_str()));
-    if allowed {
-        Ok(())
-    } else {
-        Err(VisionError::OriginNotAllowed { origin })
-    }
+    let allowed = policy.allowed_origins.iter().any(|declared| origin_of(declared).as_deref() == Some(origin.as_str()));
+    if allowed { Ok(()) } else { Err(VisionError::OriginNotAllowed { origin }) }
 }
 
 /// The decoded size of a `data:` URI's payload, computed from its text without
@@ -97,11 +84,7 @@ pub fn data_uri_decoded_len(uri: &str) -> Result<u64, VisionError> {
         .checked_sub(7)
         .and_then(|at| header.get(at..))
         .is_some_and(|suffix| suffix.eq_ignore_ascii_case(";base64"));
-    if is_base64 {
-        base64_decoded_len(data.as_bytes())
-    } else {
-        percent_decoded_len(data.as_bytes())
-    }
+    if is_base64 { base64_decoded_len(data.as_bytes()) } else { percent_decoded_len(data.as_bytes()) }
 }
 
 fn base64_decoded_len(data: &[u8]) -> Result<u64, VisionError> {
@@ -188,14 +171,7 @@ fn split_host_port(authority: &str) -> Result<(&str, Option<u16>), &'static str>
         }
         match after {
             "" => (host, None),
-            _ => (
-                host,
-                Some(
-                    after
-                        .strip_prefix(':')
-                        .ok_or("unexpected text after the IPv6 address")?,
-                ),
-            ),
+            _ => (host, Some(after.strip_prefix(':').ok_or("unexpected text after the IPv6 address")?)),
         }
     } else {
         match authority.split_once(':') {
@@ -206,11 +182,7 @@ fn split_host_port(authority: &str) -> Result<(&str, Option<u16>), &'static str>
     if host.is_empty() {
         return Err("an empty host");
     }
-    if !host.starts_with('[')
-        && !host
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'))
-    {
+    if !host.starts_with('[') && !host.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_')) {
         return Err("a host with characters other than letters, digits, `-`, `.` and `_`");
     }
     let port = match port {
@@ -328,13 +300,7 @@ mod tests {
 
     #[test]
     fn data_uri_without_comma_or_prefix_is_invalid() {
-        for uri in [
-            "data:image/png;base64",
-            "data:",
-            "https://img.example.com/a.png",
-            "dat",
-            "",
-        ] {
+        for uri in ["data:image/png;base64", "data:", "https://img.example.com/a.png", "dat", ""] {
             assert!(is_invalid(&data_uri_decoded_len(uri)), "{uri}");
         }
     }
@@ -343,28 +309,16 @@ mod tests {
     fn data_images_are_refused_one_byte_over_the_limit() {
         let cases: &[(&str, u64, Result<(), VisionError>)] = &[
             ("data:image/png;base64,QUJD", 3, Ok(())),
-            (
-                "data:image/png;base64,QUJDRA==",
-                3,
-                Err(VisionError::TooLarge { limit: 3, size: 4 }),
-            ),
+            ("data:image/png;base64,QUJDRA==", 3, Err(VisionError::TooLarge { limit: 3, size: 4 })),
             ("data:image/png;base64,QUJDRA==", 4, Ok(())),
             ("data:image/png;base64,QUJDRA", 4, Ok(())),
-            (
-                "data:image/png;base64,QUJDREU=",
-                4,
-                Err(VisionError::TooLarge { limit: 4, size: 5 }),
-            ),
+            ("data:image/png;base64,QUJDREU=", 4, Err(VisionError::TooLarge { limit: 4, size: 5 })),
             ("data:,ab%20c", 4, Ok(())),
             ("data:,ab%20cd", 4, Err(VisionError::TooLarge { limit: 4, size: 5 })),
             ("data:image/png;base64,", 0, Ok(())),
         ];
         for (uri, limit, expected) in cases {
-            assert_eq!(
-                check_image(uri, &policy(*limit, &[])),
-                *expected,
-                "{uri} within {limit}"
-            );
+            assert_eq!(check_image(uri, &policy(*limit, &[])), *expected, "{uri} within {limit}");
         }
     }
 
@@ -377,13 +331,7 @@ mod tests {
         assert_eq!(data_uri_decoded_len(&at_limit), Ok(LIMIT));
         assert_eq!(check_image(&at_limit, &policy), Ok(()));
         let over = format!("data:image/png;base64,{}", "AAAA".repeat(2_796_203));
-        assert_eq!(
-            check_image(&over, &policy),
-            Err(VisionError::TooLarge {
-                limit: LIMIT,
-                size: LIMIT + 1
-            })
-        );
+        assert_eq!(check_image(&over, &policy), Err(VisionError::TooLarge { limit: LIMIT, size: LIMIT + 1 }));
     }
 
     #[test]
@@ -427,9 +375,7 @@ mod tests {
         for (url, origin) in refused {
             assert_eq!(
                 check_image(url, &policy),
-                Err(VisionError::OriginNotAllowed {
-                    origin: (*origin).to_owned()
-                }),
+                Err(VisionError::OriginNotAllowed { origin: (*origin).to_owned() }),
                 "{url}"
             );
         }
@@ -468,11 +414,7 @@ mod tests {
             "",
         ];
         for url in cases {
-            assert!(
-                is_invalid(&check_image(url, &policy)),
-                "{url}: {:?}",
-                check_image(url, &policy)
-            );
+            assert!(is_invalid(&check_image(url, &policy)), "{url}: {:?}", check_image(url, &policy));
         }
     }
 
@@ -489,9 +431,7 @@ mod tests {
         let policy = policy(1024, &[]);
         assert_eq!(
             check_image("https://img.example.com/a.png", &policy),
-            Err(VisionError::OriginNotAllowed {
-                origin: "https://img.example.com".to_owned()
-            })
+            Err(VisionError::OriginNotAllowed { origin: "https://img.example.com".to_owned() })
         );
     }
 
@@ -524,35 +464,22 @@ mod tests {
         let ok = images(&["data:image/png;base64,QUJD", "https://img.example.com/a.png"]);
         assert_eq!(check_images(&ok, &policy), Ok(()));
         assert_eq!(check_images(&[], &policy), Ok(()));
-        let mixed = images(&[
-            "https://img.example.com/a.png",
-            "https://evil.net/b.png",
-            "data:image/png;base64,QUJDRA==",
-        ]);
+        let mixed =
+            images(&["https://img.example.com/a.png", "https://evil.net/b.png", "data:image/png;base64,QUJDRA=="]);
         assert_eq!(
             check_images(&mixed, &policy),
-            Err(VisionError::OriginNotAllowed {
-                origin: "https://evil.net".to_owned()
-            })
+            Err(VisionError::OriginNotAllowed { origin: "https://evil.net".to_owned() })
         );
     }
 
     #[test]
     fn vision_errors_map_to_spec_codes() {
         let too_large = GatewayError::from(VisionError::TooLarge { limit: 8, size: 9 });
-        assert_eq!(
-            (too_large.status().as_u16(), too_large.code()),
-            (413, "image_too_large")
-        );
+        assert_eq!((too_large.status().as_u16(), too_large.code()), (413, "image_too_large"));
         assert!(matches!(too_large, GatewayError::ImageTooLarge { limit: 8 }));
 
-        let origin = GatewayError::from(VisionError::OriginNotAllowed {
-            origin: "https://evil.net".to_owned(),
-        });
-        assert_eq!(
-            (origin.status().as_u16(), origin.code()),
-            (400, "image_origin_not_allowed")
-        );
+        let origin = GatewayError::from(VisionError::OriginNotAllowed { origin: "https://evil.net".to_owned() });
+        assert_eq!((origin.status().as_u16(), origin.code()), (400, "image_origin_not_allowed"));
         assert!(origin.to_string().contains("https://evil.net"));
 
         let invalid = GatewayError::from(VisionError::Invalid("bad image".to_owned()));
@@ -565,9 +492,7 @@ mod tests {
     fn error_messages_name_the_limit_and_the_size() {
         let message = VisionError::TooLarge { limit: 8, size: 9 }.to_string();
         assert!(message.contains('8') && message.contains('9'), "{message}");
-        let message = check_image("data:image/png;base64,Q", &policy(8, &[]))
-            .unwrap_err()
-            .to_string();
+        let message = check_image("data:image/png;base64,Q", &policy(8, &[])).unwrap_err().to_string();
         assert!(message.contains("data: URI"), "{message}");
     }
 }

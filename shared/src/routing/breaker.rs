@@ -100,13 +100,8 @@ pub struct Breakers {
 
 impl Breakers {
     pub fn new(policies: impl IntoIterator<Item = (BackendId, BreakerPolicy)>) -> Self {
-        let breakers = policies
-            .into_iter()
-            .map(|(backend, policy)| (backend, Breaker::new(policy)))
-            .collect();
-        Breakers {
-            breakers: Mutex::new(breakers),
-        }
+        let breakers = policies.into_iter().map(|(backend, policy)| (backend, Breaker::new(policy))).collect();
+        Breakers { breakers: Mutex::new(breakers) }
     }
 
     /// Whether a call may go to `backend`. A `Probe` answer reserves the half-open
@@ -128,10 +123,8 @@ impl Breakers {
     /// Every breaker's state, ordered by backend name.
     pub fn states(&self, now: Instant) -> Vec<(BackendId, State)> {
         let mut breakers = self.lock();
-        let mut states: Vec<(BackendId, State)> = breakers
-            .iter_mut()
-            .map(|(backend, b)| (backend.clone(), b.state(now)))
-            .collect();
+        let mut states: Vec<(BackendId, State)> =
+            breakers.iter_mut().map(|(backend, b)| (backend.clone(), b.state(now))).collect();
         states.sort_by(|a, b| a.0.cmp(&b.0));
         states
     }
@@ -171,11 +164,7 @@ impl Breaker {
             BreakerTrigger::Failures(_) => Window::Failures(VecDeque::new()),
             BreakerTrigger::Ratio { .. } => Window::Ratio(VecDeque::new()),
         };
-        Breaker {
-            policy,
-            phase: Phase::Closed,
-            window,
-        }
+        Breaker { policy, phase: Phase::Closed, window }
     }
 
     /// Open → half-open once the trip has run its course.
@@ -216,9 +205,7 @@ impl Breaker {
         self.advance(now);
         let failure = outcome.is_failure(&self.policy);
         // `Retry-After: 0` asks for nothing: it is not a reason to trip.
-        let retry_after = outcome
-            .retry_after()
-            .filter(|d| self.policy.accept_retry_after && !d.is_zero());
+        let retry_after = outcome.retry_after().filter(|d| self.policy.accept_retry_after && !d.is_zero());
         match self.phase {
             Phase::Closed => {
                 if let Some(wait) = retry_after {
@@ -235,9 +222,7 @@ impl Breaker {
                 // A straggler admitted before the trip. Only a longer Retry-After matters:
                 // an open breaker is never shortened.
                 if let Some(wait) = retry_after {
-                    self.phase = Phase::Open {
-                        until: until.max(later(now, wait)),
-                    };
+                    self.phase = Phase::Open { until: until.max(later(now, wait)) };
                 }
             }
             // Whatever reports while half-open is taken as the trial's answer.
@@ -253,9 +238,7 @@ impl Breaker {
     }
 
     fn trip(&mut self, now: Instant, wait: Duration) {
-        self.phase = Phase::Open {
-            until: later(now, wait),
-        };
+        self.phase = Phase::Open { until: later(now, wait) };
         self.window.clear();
     }
 }
@@ -264,9 +247,7 @@ impl Breaker {
 /// backend may send an absurd `Retry-After`).
 fn later(now: Instant, wait: Duration) -> Instant {
     const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-    now.checked_add(wait)
-        .or_else(|| now.checked_add(CENTURY))
-        .unwrap_or(now)
+    now.checked_add(wait).or_else(|| now.checked_add(CENTURY)).unwrap_or(now)
 }
 
 /// The recent outcomes a trigger looks at, pruned to the last `interval`.
@@ -317,11 +298,7 @@ impl Window {
                 let current = match buckets.back_mut() {
                     Some(last) if now.saturating_duration_since(last.start) <= width => last,
                     _ => {
-                        buckets.push_back(Bucket {
-                            start: now,
-                            failures: 0,
-                            total: 0,
-                        });
+                        buckets.push_back(Bucket { start: now, failures: 0, total: 0 });
                         let Some(last) = buckets.back_mut() else {
                             return;
                         };
@@ -339,16 +316,8 @@ impl Window {
     fn should_trip(&self, trigger: &BreakerTrigger) -> bool {
         match (self, trigger) {
             (Window::Failures(instants), BreakerTrigger::Failures(n)) => instants.len() >= threshold(*n),
-            (
-                Window::Ratio(buckets),
-                BreakerTrigger::Ratio {
-                    ratio_ppm,
-                    min_requests,
-                },
-            ) => {
-                let (failures, total) = buckets
-                    .iter()
-                    .fold((0u64, 0u64), |(f, t), b| (f + b.failures, t + b.total));
+            (Window::Ratio(buckets), BreakerTrigger::Ratio { ratio_ppm, min_requests }) => {
+                let (failures, total) = buckets.iter().fold((0u64, 0u64), |(f, t), b| (f + b.failures, t + b.total));
                 // Never trip on successes alone, whatever the configured ratio.
                 failures > 0
                     && total >= u64::from(*min_requests)
@@ -389,27 +358,15 @@ mod tests {
     }
 
     fn ratio(ratio_ppm: u32, min_requests: u32) -> BreakerPolicy {
-        BreakerPolicy {
-            trigger: BreakerTrigger::Ratio {
-                ratio_ppm,
-                min_requests,
-            },
-            ..failures(1)
-        }
+        BreakerPolicy { trigger: BreakerTrigger::Ratio { ratio_ppm, min_requests }, ..failures(1) }
     }
 
     fn status(status: u16) -> Outcome {
-        Outcome::Status {
-            status,
-            retry_after: None,
-        }
+        Outcome::Status { status, retry_after: None }
     }
 
     fn retry(status: u16, after: Duration) -> Outcome {
-        Outcome::Status {
-            status,
-            retry_after: Some(after),
-        }
+        Outcome::Status { status, retry_after: Some(after) }
     }
 
     fn one(policy: BreakerPolicy) -> (Breakers, BackendId) {
@@ -541,19 +498,9 @@ mod tests {
 
     #[test]
     fn custom_status_ranges_decide_what_fails() {
-        let policy = BreakerPolicy {
-            status: vec![(502, 504)],
-            ..failures(1)
-        };
+        let policy = BreakerPolicy { status: vec![(502, 504)], ..failures(1) };
         let t0 = Instant::now();
-        for (code, counts) in [
-            (500, false),
-            (501, false),
-            (502, true),
-            (503, true),
-            (504, true),
-            (505, false),
-        ] {
+        for (code, counts) in [(500, false), (501, false), (502, true), (503, true), (504, true), (505, false)] {
             let (breakers, id) = one(policy.clone());
             breakers.record(&id, status(code), t0);
             let expected = if counts { State::Open } else { State::Closed };
@@ -641,10 +588,7 @@ mod tests {
 
     #[test]
     fn probe_failure_with_retry_after_reopens_for_that_long() {
-        let (breakers, id) = one(BreakerPolicy {
-            accept_retry_after: true,
-            ..failures(1)
-        });
+        let (breakers, id) = one(BreakerPolicy { accept_retry_after: true, ..failures(1) });
         let t0 = Instant::now();
         breakers.record(&id, status(500), t0);
         let t1 = t0 + 30 * SEC;
@@ -657,10 +601,7 @@ mod tests {
     #[test]
     fn accept_retry_after_trips_for_exactly_the_given_duration() {
         for code in [429, 503] {
-            let (breakers, id) = one(BreakerPolicy {
-                accept_retry_after: true,
-                ..failures(5)
-            });
+            let (breakers, id) = one(BreakerPolicy { accept_retry_after: true, ..failures(5) });
             let t0 = Instant::now();
             let wait = 7 * SEC;
             breakers.record(&id, retry(code, wait), t0);
@@ -674,10 +615,7 @@ mod tests {
 
     #[test]
     fn retry_after_longer_than_trip_is_honoured() {
-        let (breakers, id) = one(BreakerPolicy {
-            accept_retry_after: true,
-            ..failures(5)
-        });
+        let (breakers, id) = one(BreakerPolicy { accept_retry_after: true, ..failures(5) });
         let t0 = Instant::now();
         breakers.record(&id, retry(429, 3600 * SEC), t0);
         assert_eq!(breakers.state(&id, t0 + 3600 * SEC - MS), State::Open);
@@ -686,10 +624,7 @@ mod tests {
 
     #[test]
     fn a_late_retry_after_never_shortens_an_open_breaker() {
-        let (breakers, id) = one(BreakerPolicy {
-            accept_retry_after: true,
-            ..failures(1)
-        });
+        let (breakers, id) = one(BreakerPolicy { accept_retry_after: true, ..failures(1) });
         let t0 = Instant::now();
         breakers.record(&id, status(500), t0);
         // A straggler admitted before the trip answers with a short Retry-After.
@@ -703,10 +638,7 @@ mod tests {
 
     #[test]
     fn an_absurd_retry_after_does_not_overflow() {
-        let (breakers, id) = one(BreakerPolicy {
-            accept_retry_after: true,
-            ..failures(1)
-        });
+        let (breakers, id) = one(BreakerPolicy { accept_retry_after: true, ..failures(1) });
         let t0 = Instant::now();
         breakers.record(&id, retry(503, Duration::MAX), t0);
         assert_eq!(breakers.state(&id, t0 + 3600 * SEC), State::Open);
@@ -714,10 +646,7 @@ mod tests {
 
     #[test]
     fn retry_after_zero_does_not_trip() {
-        let (breakers, id) = one(BreakerPolicy {
-            accept_retry_after: true,
-            ..failures(5)
-        });
+        let (breakers, id) = one(BreakerPolicy { accept_retry_after: true, ..failures(5) });
         let t0 = Instant::now();
         breakers.record(&id, retry(429, Duration::ZERO), t0);
         assert_eq!(breakers.state(&id, t0), State::Closed);
@@ -802,13 +731,7 @@ mod tests {
         }
         assert_eq!(breakers.state(&id, t0 + MS * 100_000), State::Closed);
         let guard = breakers.lock();
-        let Some(Window::Ratio(buckets)) = guard.get(&id).map(|b| &b.window) else {
-            unreachable!("a ratio breaker")
-        };
-        assert!(
-            buckets.len() <= RATIO_BUCKETS as usize + 1,
-            "{} buckets kept",
-            buckets.len()
-        );
+        let Some(Window::Ratio(buckets)) = guard.get(&id).map(|b| &b.window) else { unreachable!("a ratio breaker") };
+        assert!(buckets.len() <= RATIO_BUCKETS as usize + 1, "{} buckets kept", buckets.len());
     }
 }

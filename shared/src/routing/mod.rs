@@ -82,29 +82,19 @@ impl Router {
             return backend;
         }
         let tenant = self.config.tenants.get(&caller.tenant);
-        let agent_backend = caller
-            .agent
-            .as_ref()
-            .and_then(|a| tenant.and_then(|t| t.agents.get(a)))
-            .and_then(|a| a.backend.as_ref());
-        agent_backend
-            .or_else(|| tenant.and_then(|t| t.backend.as_ref()))
-            .unwrap_or(&ai.default_backend)
+        let agent_backend =
+            caller.agent.as_ref().and_then(|a| tenant.and_then(|t| t.agents.get(a))).and_then(|a| a.backend.as_ref());
+        agent_backend.or_else(|| tenant.and_then(|t| t.backend.as_ref())).unwrap_or(&ai.default_backend)
     }
 
     /// The ordered chain of candidates for a call: only backends that serve its
     /// capability and, for a sensitive call, only internal ones.
     pub fn route(&self, caller: &Caller, request: &RouteRequest) -> Result<Route, GatewayError> {
         let entry = self.entry_backend(caller, request);
-        let via_pool = self
-            .backend(entry)
-            .is_some_and(|b| matches!(b.kind, BackendKind::Pool { .. }));
+        let via_pool = self.backend(entry).is_some_and(|b| matches!(b.kind, BackendKind::Pool { .. }));
         let mut candidates = Vec::new();
         self.expand(entry, false, &mut candidates, &mut BTreeSet::new(), &mut rand::rng());
-        candidates.retain(|c| {
-            self.backend(&c.backend)
-                .is_some_and(|b| b.capabilities.contains(&request.capability))
-        });
+        candidates.retain(|c| self.backend(&c.backend).is_some_and(|b| b.capabilities.contains(&request.capability)));
         if request.sensitive {
             candidates.retain(|c| self.is_internal(&c.backend));
             if candidates.is_empty() {
@@ -112,9 +102,7 @@ impl Router {
             }
         }
         if candidates.is_empty() {
-            return Err(GatewayError::CapabilityUnavailable {
-                capability: request.capability.as_str(),
-            });
+            return Err(GatewayError::CapabilityUnavailable { capability: request.capability.as_str() });
         }
         Ok(Route { candidates, via_pool })
     }
@@ -156,20 +144,13 @@ impl Router {
                 }
                 // Members' own fallbacks come after every member.
                 for member in order {
-                    for fallback in self
-                        .backend(&member.backend)
-                        .map(|b| b.fallback.as_slice())
-                        .unwrap_or_default()
-                    {
+                    for fallback in self.backend(&member.backend).map(|b| b.fallback.as_slice()).unwrap_or_default() {
                         self.expand(fallback, true, chain, seen, rng);
                     }
                 }
             }
             BackendKind::Grpc { .. } => {}
-            _ => chain.push(Candidate {
-                backend: name.clone(),
-                degraded,
-            }),
+            _ => chain.push(Candidate { backend: name.clone(), degraded }),
         }
         for fallback in &backend.fallback {
             self.expand(fallback, true, chain, seen, rng);
@@ -184,14 +165,7 @@ impl Router {
         for capability in [Capability::Chat, Capability::Vision, Capability::Embeddings] {
             let mut chain = Vec::new();
             self.expand(
-                self.entry_backend(
-                    caller,
-                    &RouteRequest {
-                        capability,
-                        sensitive: false,
-                        soft: false,
-                    },
-                ),
+                self.entry_backend(caller, &RouteRequest { capability, sensitive: false, soft: false }),
                 false,
                 &mut chain,
                 &mut BTreeSet::new(),
@@ -254,11 +228,7 @@ mod tests {
     use super::*;
 
     fn member(name: &str, priority: u32, weight: u32) -> PoolMember {
-        PoolMember {
-            backend: BackendId::new(name),
-            priority,
-            weight,
-        }
+        PoolMember { backend: BackendId::new(name), priority, weight }
     }
 
     #[test]
@@ -276,9 +246,7 @@ mod tests {
     fn pool_order_spreads_by_weight_inside_a_group() {
         let members = [member("b", 1, 3), member("c", 1, 1)];
         let mut rng = StdRng::seed_from_u64(42);
-        let firsts = (0..1000)
-            .filter(|_| pool_order(&members, &mut rng)[0].backend.as_str() == "b")
-            .count();
+        let firsts = (0..1000).filter(|_| pool_order(&members, &mut rng)[0].backend.as_str() == "b").count();
         // Expected 750 of a thousand picks; within 10%.
         assert!((675..=825).contains(&firsts), "b first {firsts} times");
     }

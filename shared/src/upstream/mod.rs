@@ -103,9 +103,7 @@ pub struct Upstreams {
 
 impl Upstreams {
     pub fn new(config: &Config, secrets: &dyn SecretSource) -> Result<Self, SetupError> {
-        let shared = client_builder()
-            .build()
-            .map_err(|e| SetupError::Client(e.to_string()))?;
+        let shared = client_builder().build().map_err(|e| SetupError::Client(e.to_string()))?;
         let mut clients = HashMap::new();
         for (name, backend) in &config.ai.backends {
             let Some(endpoint) = backend.kind.endpoint() else {
@@ -140,10 +138,7 @@ fn client_builder() -> reqwest::ClientBuilder {
 }
 
 fn tls_client(name: &BackendId, tls: &Tls) -> Result<reqwest::Client, SetupError> {
-    let err = |detail: String| SetupError::Tls {
-        backend: name.clone(),
-        detail,
-    };
+    let err = |detail: String| SetupError::Tls { backend: name.clone(), detail };
     let mut pem = std::fs::read(&tls.cert).map_err(|e| err(format!("{}: {e}", tls.cert.display())))?;
     pem.extend(std::fs::read(&tls.key).map_err(|e| err(format!("{}: {e}", tls.key.display())))?);
     let identity = reqwest::Identity::from_pem(&pem).map_err(|e| err(e.to_string()))?;
@@ -165,20 +160,13 @@ fn credential(name: &BackendId, endpoint: &Endpoint, secrets: &dyn SecretSource)
             })
             .map_err(|_| SetupError::BadCredential { backend: name.clone() })
     };
-    let resolve = |reference| {
-        secrets.resolve(reference).map_err(|source| SetupError::Secret {
-            backend: name.clone(),
-            source,
-        })
-    };
+    let resolve =
+        |reference| secrets.resolve(reference).map_err(|source| SetupError::Secret { backend: name.clone(), source });
     Ok(match &endpoint.auth {
         Auth::None => Credential::None,
         Auth::Bearer { secret } => {
             let secret = resolve(secret)?;
-            Credential::Header(
-                http::header::AUTHORIZATION,
-                sensitive(format!("Bearer {}", secret.expose()))?,
-            )
+            Credential::Header(http::header::AUTHORIZATION, sensitive(format!("Bearer {}", secret.expose()))?)
         }
         Auth::Header { name: header, secret } => {
             let header = HeaderName::from_bytes(header.as_bytes())

@@ -66,15 +66,8 @@ impl Reply {
             .take(40)
             .collect();
         let content = format!("Hello from fake-model! You said: {said}");
-        let prompt_tokens = request
-            .messages
-            .iter()
-            .map(|m| words(&message_text(&m.content)) + 3)
-            .sum();
-        let limit = [request.max_tokens, request.max_completion_tokens]
-            .into_iter()
-            .flatten()
-            .min();
+        let prompt_tokens = request.messages.iter().map(|m| words(&message_text(&m.content)) + 3).sum();
+        let limit = [request.max_tokens, request.max_completion_tokens].into_iter().flatten().min();
         match limit {
             Some(limit) if limit < words(&content) => Reply {
                 content: content.split_whitespace().take(limit).collect::<Vec<_>>().join(" "),
@@ -82,12 +75,7 @@ impl Reply {
                 prompt_tokens,
                 completion_tokens: limit,
             },
-            _ => Reply {
-                completion_tokens: words(&content),
-                content,
-                finish_reason: "stop",
-                prompt_tokens,
-            },
+            _ => Reply { completion_tokens: words(&content), content, finish_reason: "stop", prompt_tokens },
         }
     }
 
@@ -148,9 +136,7 @@ pub(crate) fn stream_chunks(meta: &Meta, reply: &Reply, content_chunks: usize, w
     };
     let mut chunks = vec![chunk(json!({"role": "assistant", "content": ""}), None)];
     chunks.extend(
-        split_in(&reply.content, content_chunks)
-            .into_iter()
-            .map(|piece| chunk(json!({ "content": piece }), None)),
+        split_in(&reply.content, content_chunks).into_iter().map(|piece| chunk(json!({ "content": piece }), None)),
     );
     chunks.push(chunk(json!({}), Some(reply.finish_reason)));
     if with_usage {
@@ -219,9 +205,9 @@ pub(crate) fn error(message: &str, kind: &str, code: &str, param: Option<&str>) 
 /// Eight numbers in [-1, 1) derived from the text alone (FNV-1a, then
 /// SplitMix64 per dimension): equal texts embed equally, others almost never.
 pub(crate) fn embedding_of(text: &str) -> Vec<f32> {
-    let seed = text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    });
+    let seed = text
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3));
     (0..8_u64)
         .map(|dim| {
             let mut x = seed.wrapping_add(dim.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
@@ -256,9 +242,7 @@ fn words(text: &str) -> usize {
 /// (some empty if the text is shorter than `n`); they concatenate to `text`.
 fn split_in(text: &str, n: usize) -> Vec<String> {
     let chars: Vec<char> = text.chars().collect();
-    (0..n)
-        .map(|i| chars[i * chars.len() / n..(i + 1) * chars.len() / n].iter().collect())
-        .collect()
+    (0..n).map(|i| chars[i * chars.len() / n..(i + 1) * chars.len() / n].iter().collect()).collect()
 }
 
 #[cfg(test)]

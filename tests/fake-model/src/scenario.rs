@@ -63,11 +63,7 @@ impl fmt::Display for Scenario {
             ("cut_after", self.cut_after.map(|n| n as u64)),
             ("retry_after", self.retry_after),
         ];
-        let flags = [
-            ("hang", self.hang),
-            ("no_usage", self.no_usage),
-            ("garbage", self.garbage),
-        ];
+        let flags = [("hang", self.hang), ("no_usage", self.no_usage), ("garbage", self.garbage)];
         let items: Vec<String> = numbers
             .into_iter()
             .filter_map(|(key, value)| value.map(|v| format!("{key}={v}")))
@@ -124,10 +120,7 @@ fn flag(key: &str, value: Option<&str>) -> Result<bool, ScenarioError> {
 }
 
 fn invalid(key: &str, value: &str) -> ScenarioError {
-    ScenarioError::InvalidValue {
-        key: key.to_owned(),
-        value: value.to_owned(),
-    }
+    ScenarioError::InvalidValue { key: key.to_owned(), value: value.to_owned() }
 }
 
 #[cfg(test)]
@@ -155,15 +148,8 @@ mod tests {
         for scenario in [
             Scenario::default(),
             everything(),
-            Scenario {
-                cut_after: Some(0),
-                ..Default::default()
-            },
-            Scenario {
-                no_usage: true,
-                chunks: Some(3),
-                ..Default::default()
-            },
+            Scenario { cut_after: Some(0), ..Default::default() },
+            Scenario { no_usage: true, chunks: Some(3), ..Default::default() },
         ] {
             let encoded = scenario.to_string();
             assert_eq!(encoded.parse::<Scenario>().unwrap(), scenario, "{encoded}");
@@ -192,14 +178,8 @@ mod tests {
 
     #[test]
     fn rejects_what_it_cannot_read() {
-        assert_eq!(
-            "sttaus=503".parse::<Scenario>(),
-            Err(ScenarioError::UnknownKey("sttaus".into()))
-        );
-        assert_eq!(
-            "status".parse::<Scenario>(),
-            Err(ScenarioError::MissingValue("status".into()))
-        );
+        assert_eq!("sttaus=503".parse::<Scenario>(), Err(ScenarioError::UnknownKey("sttaus".into())));
+        assert_eq!("status".parse::<Scenario>(), Err(ScenarioError::MissingValue("status".into())));
         assert_eq!("status=42".parse::<Scenario>(), Err(invalid("status", "42")));
         assert_eq!("delay_ms=soon".parse::<Scenario>(), Err(invalid("delay_ms", "soon")));
         assert_eq!("hang=yes".parse::<Scenario>(), Err(invalid("hang", "yes")));

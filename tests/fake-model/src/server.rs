@@ -124,9 +124,7 @@ async fn respond(shared: &Shared, scenario: &Scenario, method: &Method, path: &s
     if let Some(ms) = scenario.delay_ms {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
-    let status = scenario
-        .status
-        .map(|s| StatusCode::from_u16(s).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR));
+    let status = scenario.status.map(|s| StatusCode::from_u16(s).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR));
     if let Some(status) = status.filter(|s| !s.is_success()) {
         let code = status.as_u16();
         let message = format!("fake-model injected status {code}");
@@ -256,13 +254,7 @@ impl ApiError {
 
     /// A misbehaviour the scenario asked for.
     fn fake(status: StatusCode, message: impl Into<String>, code: impl Into<String>) -> ApiError {
-        ApiError {
-            status,
-            message: message.into(),
-            kind: "fake_error",
-            code: code.into(),
-            param: None,
-        }
+        ApiError { status, message: message.into(), kind: "fake_error", code: code.into(), param: None }
     }
 }
 

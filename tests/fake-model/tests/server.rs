@@ -20,12 +20,7 @@ fn chat_body(user: &str) -> Value {
 }
 
 async fn post(base: &str, path: &str, body: &Value) -> reqwest::Response {
-    reqwest::Client::new()
-        .post(format!("{base}{path}"))
-        .json(body)
-        .send()
-        .await
-        .unwrap()
+    reqwest::Client::new().post(format!("{base}{path}")).json(body).send().await.unwrap()
 }
 
 /// The `data:` payloads of an SSE body, in order.
@@ -55,12 +50,7 @@ async fn stream_events(base: &str, body: &Value) -> Vec<String> {
 #[tokio::test]
 async fn chat_returns_a_completion_with_deterministic_usage() {
     let fake = FakeModel::start().await.unwrap();
-    let response = post(
-        &fake.url(),
-        "/chat/completions",
-        &chat_body("Say hello to the fake model please"),
-    )
-    .await;
+    let response = post(&fake.url(), "/chat/completions", &chat_body("Say hello to the fake model please")).await;
     assert_eq!(response.status(), 200);
     let body: Value = response.json().await.unwrap();
 
@@ -70,16 +60,10 @@ async fn chat_returns_a_completion_with_deterministic_usage() {
     assert!(body["created"].as_u64().unwrap() > 0);
     let choice = &body["choices"][0];
     assert_eq!(choice["message"]["role"], "assistant");
-    assert_eq!(
-        choice["message"]["content"],
-        "Hello from fake-model! You said: Say hello to the fake model please"
-    );
+    assert_eq!(choice["message"]["content"], "Hello from fake-model! You said: Say hello to the fake model please");
     assert_eq!(choice["finish_reason"], "stop");
     // prompt: 3 + 7 words, plus 3 per message; completion: 12 words.
-    assert_eq!(
-        body["usage"],
-        json!({"prompt_tokens": 16, "completion_tokens": 12, "total_tokens": 28})
-    );
+    assert_eq!(body["usage"], json!({"prompt_tokens": 16, "completion_tokens": 12, "total_tokens": 28}));
 }
 
 #[tokio::test]
@@ -93,11 +77,7 @@ async fn chat_joins_text_parts_and_keeps_40_characters() {
             {"type": "text", "text": "in great detail please"},
         ]}],
     });
-    let body: Value = post(&fake.url(), "/chat/completions", &body)
-        .await
-        .json()
-        .await
-        .unwrap();
+    let body: Value = post(&fake.url(), "/chat/completions", &body).await.json().await.unwrap();
     assert_eq!(
         body["choices"][0]["message"]["content"],
         "Hello from fake-model! You said: Describe this picture of a lighthouse in"
@@ -112,11 +92,7 @@ async fn max_tokens_cuts_the_reply_with_finish_reason_length() {
     for limit in ["max_tokens", "max_completion_tokens"] {
         let mut body = chat_body("hi");
         body[limit] = json!(3);
-        let body: Value = post(&fake.url(), "/chat/completions", &body)
-            .await
-            .json()
-            .await
-            .unwrap();
+        let body: Value = post(&fake.url(), "/chat/completions", &body).await.json().await.unwrap();
         assert_eq!(body["choices"][0]["message"]["content"], "Hello from fake-model!");
         assert_eq!(body["choices"][0]["finish_reason"], "length");
         assert_eq!(body["usage"]["completion_tokens"], 3);
@@ -154,20 +130,10 @@ async fn stream_sends_role_content_and_finish_chunks_then_done() {
     assert_eq!(events.last().unwrap(), "[DONE]");
     let chunks: Vec<Value> = events[..7].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
     assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
-    assert!(
-        chunks
-            .iter()
-            .all(|c| c["id"] == chunks[0]["id"] && c.get("usage").is_none())
-    );
+    assert!(chunks.iter().all(|c| c["id"] == chunks[0]["id"] && c.get("usage").is_none()));
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    let content: String = chunks[1..6]
-        .iter()
-        .map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap())
-        .collect();
-    assert_eq!(
-        content,
-        "Hello from fake-model! You said: Say hello to the fake model please"
-    );
+    let content: String = chunks[1..6].iter().map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap()).collect();
+    assert_eq!(content, "Hello from fake-model! You said: Say hello to the fake model please");
     assert_eq!(chunks[6]["choices"][0]["finish_reason"], "stop");
     assert_eq!(chunks[6]["choices"][0]["delta"], json!({}));
 }
@@ -176,19 +142,13 @@ async fn stream_sends_role_content_and_finish_chunks_then_done() {
 async fn stream_sends_a_usage_chunk_only_when_asked() {
     let fake = FakeModel::start().await.unwrap();
     let asked = streamed(json!({"stream_options": {"include_usage": true}}));
-    let scenario = Scenario {
-        chunks: Some(2),
-        ..Default::default()
-    };
+    let scenario = Scenario { chunks: Some(2), ..Default::default() };
     let events = stream_events(&fake.scenario_url(&scenario), &asked).await;
 
     assert_eq!(events.len(), 1 + 2 + 1 + 1 + 1, "{events:#?}");
     let usage: Value = serde_json::from_str(&events[4]).unwrap();
     assert_eq!(usage["choices"], json!([]));
-    assert_eq!(
-        usage["usage"],
-        json!({"prompt_tokens": 16, "completion_tokens": 12, "total_tokens": 28})
-    );
+    assert_eq!(usage["usage"], json!({"prompt_tokens": 16, "completion_tokens": 12, "total_tokens": 28}));
     assert_eq!(events[5], "[DONE]");
 
     let not_asked = streamed(json!({"stream_options": {"include_usage": false}}));
@@ -199,31 +159,20 @@ async fn stream_sends_a_usage_chunk_only_when_asked() {
 #[tokio::test]
 async fn no_usage_suppresses_usage_streamed_or_not() {
     let fake = FakeModel::start().await.unwrap();
-    let url = fake.scenario_url(&Scenario {
-        no_usage: true,
-        ..Default::default()
-    });
+    let url = fake.scenario_url(&Scenario { no_usage: true, ..Default::default() });
     let asked = streamed(json!({"stream_options": {"include_usage": true}}));
     let events = stream_events(&url, &asked).await;
     assert!(events.iter().all(|e| !e.contains("total_tokens")), "{events:#?}");
     assert_eq!(events.last().unwrap(), "[DONE]");
 
-    let body: Value = post(&url, "/chat/completions", &chat_body("hi"))
-        .await
-        .json()
-        .await
-        .unwrap();
+    let body: Value = post(&url, "/chat/completions", &chat_body("hi")).await.json().await.unwrap();
     assert!(body.get("usage").is_none());
 }
 
 #[tokio::test]
 async fn stream_chunks_are_paced_by_chunk_delay() {
     let fake = FakeModel::start().await.unwrap();
-    let scenario = Scenario {
-        chunk_delay_ms: Some(200),
-        chunks: Some(3),
-        ..Default::default()
-    };
+    let scenario = Scenario { chunk_delay_ms: Some(200), chunks: Some(3), ..Default::default() };
     let response = post(&fake.scenario_url(&scenario), "/chat/completions", &streamed(json!({}))).await;
 
     let mut arrivals = Vec::new();
@@ -235,21 +184,14 @@ async fn stream_chunks_are_paced_by_chunk_delay() {
     }
     let end = Instant::now();
     assert!(arrivals.len() > 1, "the stream arrived in one piece");
-    assert!(
-        end - arrivals[0] >= Duration::from_millis(150),
-        "first frame came {:?} before the end",
-        end - arrivals[0]
-    );
+    assert!(end - arrivals[0] >= Duration::from_millis(150), "first frame came {:?} before the end", end - arrivals[0]);
     assert_eq!(sse_data(&String::from_utf8(body).unwrap()).len(), 1 + 3 + 1 + 1);
 }
 
 #[tokio::test]
 async fn cut_after_aborts_the_stream_without_done() {
     let fake = FakeModel::start().await.unwrap();
-    let scenario = Scenario {
-        cut_after: Some(2),
-        ..Default::default()
-    };
+    let scenario = Scenario { cut_after: Some(2), ..Default::default() };
     let response = post(&fake.scenario_url(&scenario), "/chat/completions", &streamed(json!({}))).await;
     assert_eq!(response.status(), 200);
 
@@ -274,11 +216,7 @@ async fn cut_after_aborts_the_stream_without_done() {
 #[tokio::test]
 async fn injected_status_has_error_envelope_and_retry_after() {
     let fake = FakeModel::start().await.unwrap();
-    let scenario = Scenario {
-        status: Some(429),
-        retry_after: Some(7),
-        ..Default::default()
-    };
+    let scenario = Scenario { status: Some(429), retry_after: Some(7), ..Default::default() };
     let url = fake.scenario_url(&scenario);
     assert!(url.ends_with("/s/status=429,retry_after=7/v1"), "{url}");
 
@@ -297,13 +235,8 @@ async fn injected_status_has_error_envelope_and_retry_after() {
     );
 
     // The prefix applies to every endpoint.
-    let scenario = Scenario {
-        status: Some(503),
-        ..Default::default()
-    };
-    let response = reqwest::get(format!("{}/models", fake.scenario_url(&scenario)))
-        .await
-        .unwrap();
+    let scenario = Scenario { status: Some(503), ..Default::default() };
+    let response = reqwest::get(format!("{}/models", fake.scenario_url(&scenario))).await.unwrap();
     assert_eq!(response.status(), 503);
     assert!(response.headers().get("retry-after").is_none());
 }
@@ -311,14 +244,9 @@ async fn injected_status_has_error_envelope_and_retry_after() {
 #[tokio::test]
 async fn delay_postpones_the_response_head() {
     let fake = FakeModel::start().await.unwrap();
-    let scenario = Scenario {
-        delay_ms: Some(300),
-        ..Default::default()
-    };
+    let scenario = Scenario { delay_ms: Some(300), ..Default::default() };
     let started = Instant::now();
-    let response = reqwest::get(format!("{}/models", fake.scenario_url(&scenario)))
-        .await
-        .unwrap();
+    let response = reqwest::get(format!("{}/models", fake.scenario_url(&scenario))).await.unwrap();
     assert!(started.elapsed() >= Duration::from_millis(300));
     assert_eq!(response.status(), 200);
 }
@@ -326,10 +254,7 @@ async fn delay_postpones_the_response_head() {
 #[tokio::test]
 async fn garbage_is_a_200_whose_body_is_not_json() {
     let fake = FakeModel::start().await.unwrap();
-    let url = fake.scenario_url(&Scenario {
-        garbage: true,
-        ..Default::default()
-    });
+    let url = fake.scenario_url(&Scenario { garbage: true, ..Default::default() });
     let response = post(&url, "/chat/completions", &chat_body("hi")).await;
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["content-type"], "application/json");
@@ -341,18 +266,9 @@ async fn garbage_is_a_200_whose_body_is_not_json() {
 #[tokio::test]
 async fn hang_never_answers_but_other_requests_proceed() {
     let fake = FakeModel::start().await.unwrap();
-    let url = fake.scenario_url(&Scenario {
-        hang: true,
-        ..Default::default()
-    });
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_millis(300))
-        .build()
-        .unwrap();
-    let hanging = client
-        .post(format!("{url}/chat/completions"))
-        .json(&chat_body("hi"))
-        .send();
+    let url = fake.scenario_url(&Scenario { hang: true, ..Default::default() });
+    let client = reqwest::Client::builder().timeout(Duration::from_millis(300)).build().unwrap();
+    let hanging = client.post(format!("{url}/chat/completions")).json(&chat_body("hi")).send();
     let meanwhile = async {
         tokio::time::sleep(Duration::from_millis(50)).await;
         reqwest::get(format!("{}/models", fake.url())).await.unwrap().status()
@@ -366,10 +282,7 @@ async fn hang_never_answers_but_other_requests_proceed() {
 #[tokio::test]
 async fn dropping_the_server_releases_hanging_requests() {
     let fake = FakeModel::start().await.unwrap();
-    let url = fake.scenario_url(&Scenario {
-        hang: true,
-        ..Default::default()
-    });
+    let url = fake.scenario_url(&Scenario { hang: true, ..Default::default() });
     let hanging = tokio::spawn(reqwest::get(format!("{url}/models")));
     while fake.request_count() == 0 {
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -398,11 +311,8 @@ async fn embeddings_are_deterministic_per_input() {
     assert_eq!(data[0]["embedding"], data[2]["embedding"]);
     assert_ne!(data[0]["embedding"], data[1]["embedding"]);
 
-    let single: Value = post(&fake.url(), "/embeddings", &json!({"model": "m", "input": "other"}))
-        .await
-        .json()
-        .await
-        .unwrap();
+    let single: Value =
+        post(&fake.url(), "/embeddings", &json!({"model": "m", "input": "other"})).await.json().await.unwrap();
     assert_eq!(single["data"][0]["embedding"], data[1]["embedding"]);
 
     let response = post(&fake.url(), "/embeddings", &json!({"model": "m", "input": 3})).await;
@@ -412,12 +322,7 @@ async fn embeddings_are_deterministic_per_input() {
 #[tokio::test]
 async fn models_lists_the_fake_models() {
     let fake = FakeModel::start().await.unwrap();
-    let body: Value = reqwest::get(format!("{}/models", fake.url()))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let body: Value = reqwest::get(format!("{}/models", fake.url())).await.unwrap().json().await.unwrap();
     assert_eq!(
         body,
         json!({"object": "list", "data": [
@@ -430,10 +335,7 @@ async fn models_lists_the_fake_models() {
 #[tokio::test]
 async fn records_every_request_in_order_with_headers() {
     let fake = FakeModel::start().await.unwrap();
-    let failing = fake.scenario_url(&Scenario {
-        status: Some(500),
-        ..Default::default()
-    });
+    let failing = fake.scenario_url(&Scenario { status: Some(500), ..Default::default() });
     let client = reqwest::Client::new();
     client
         .post(format!("{}/chat/completions", fake.url()))
@@ -443,12 +345,7 @@ async fn records_every_request_in_order_with_headers() {
         .send()
         .await
         .unwrap();
-    let response = client
-        .post(format!("{failing}/embeddings"))
-        .body("raw")
-        .send()
-        .await
-        .unwrap();
+    let response = client.post(format!("{failing}/embeddings")).body("raw").send().await.unwrap();
     assert_eq!(response.status(), 500);
     client.get(format!("{}/models", fake.url())).send().await.unwrap();
 
@@ -459,10 +356,7 @@ async fn records_every_request_in_order_with_headers() {
     assert_eq!(recorded[0].header("authorization"), Some("Bearer sk-backend"));
     assert_eq!(recorded[0].header("x-custom"), Some("Value"));
     assert_eq!(recorded[0].body, chat_body("hi"));
-    assert_eq!(
-        recorded[1].path, "/v1/embeddings",
-        "recorded without the scenario prefix"
-    );
+    assert_eq!(recorded[1].path, "/v1/embeddings", "recorded without the scenario prefix");
     assert_eq!(recorded[1].body, Value::Null);
     assert_eq!(recorded[2].method, "GET");
     assert_eq!(recorded[2].path, "/v1/models");

@@ -15,12 +15,7 @@ pub fn endpoint() -> String {
 /// The SDK configuration for the emulator; panics with instructions when it does not answer.
 pub async fn sdk() -> SdkConfig {
     let endpoint = endpoint();
-    let authority = endpoint
-        .split("://")
-        .nth(1)
-        .unwrap_or(&endpoint)
-        .trim_end_matches('/')
-        .to_owned();
+    let authority = endpoint.split("://").nth(1).unwrap_or(&endpoint).trim_end_matches('/').to_owned();
     if let Err(e) = tokio::net::TcpStream::connect(&authority).await {
         panic!(
             "no AWS emulator answers at {endpoint} ({e}): start one with `localstack/start` \

@@ -19,18 +19,10 @@ use super::{Catalog, Checker, Summary, capability};
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 const HTTP_KINDS: &[RawBackendKind] = &[RawBackendKind::Openai, RawBackendKind::Anthropic, RawBackendKind::Relay];
-const ROUTABLE_KINDS: &[RawBackendKind] = &[
-    RawBackendKind::Openai,
-    RawBackendKind::Anthropic,
-    RawBackendKind::Relay,
-    RawBackendKind::Pool,
-];
-const ENDPOINT_KINDS: &[RawBackendKind] = &[
-    RawBackendKind::Openai,
-    RawBackendKind::Anthropic,
-    RawBackendKind::Relay,
-    RawBackendKind::Grpc,
-];
+const ROUTABLE_KINDS: &[RawBackendKind] =
+    &[RawBackendKind::Openai, RawBackendKind::Anthropic, RawBackendKind::Relay, RawBackendKind::Pool];
+const ENDPOINT_KINDS: &[RawBackendKind] =
+    &[RawBackendKind::Openai, RawBackendKind::Anthropic, RawBackendKind::Relay, RawBackendKind::Grpc];
 
 fn kind_list(kinds: &[RawBackendKind]) -> String {
     kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")
@@ -66,23 +58,13 @@ impl Checker<'_> {
         // In the order keys are usually written, so errors read top to bottom.
         let backend_kind = match kind {
             RawBackendKind::Openai | RawBackendKind::Anthropic | RawBackendKind::Relay => {
-                let endpoint = EndpointKeys {
-                    url,
-                    auth,
-                    tls,
-                    models,
-                    aliases,
-                    default_model,
-                };
+                let endpoint = EndpointKeys { url, auth, tls, models, aliases, default_model };
                 self.http_backend(&path, name, kind, endpoint, metering, identity_headers)
             }
             RawBackendKind::Grpc => {
                 let url = self.url(&path, kind, url.as_deref());
                 let descriptor_set = self.descriptor_set(&path, name, descriptor_set);
-                Some(BackendKind::Grpc {
-                    url: url?,
-                    descriptor_set: descriptor_set?,
-                })
+                Some(BackendKind::Grpc { url: url?, descriptor_set: descriptor_set? })
             }
             RawBackendKind::Pool => {
                 let members = self.members(&path, name, members, catalog);
@@ -143,11 +125,7 @@ impl Checker<'_> {
                     }
                 };
                 let identity_headers = self.identity_headers(path, identity_headers);
-                Some(BackendKind::Relay {
-                    endpoint: endpoint?,
-                    metering,
-                    identity_headers: identity_headers?,
-                })
+                Some(BackendKind::Relay { endpoint: endpoint?, metering, identity_headers: identity_headers? })
             }
             _ => endpoint.map(BackendKind::OpenAi),
         }
@@ -158,10 +136,7 @@ impl Checker<'_> {
         let price_path = format!("{path}.price");
         match (kind, price) {
             (RawBackendKind::Pool, Some(_)) => {
-                self.warn(
-                    price_path,
-                    "not used: a call through a pool is priced at the member that served it",
-                );
+                self.warn(price_path, "not used: a call through a pool is priced at the member that served it");
                 Price::default()
             }
             (RawBackendKind::Grpc, Some(_)) => {
@@ -200,11 +175,7 @@ impl Checker<'_> {
             ("fallback", raw.fallback.is_some(), ROUTABLE_KINDS),
             ("members", raw.members.is_some(), &[RawBackendKind::Pool]),
             ("metering", raw.metering.is_some(), &[RawBackendKind::Relay]),
-            (
-                "identity_headers",
-                raw.identity_headers.is_some(),
-                &[RawBackendKind::Relay],
-            ),
+            ("identity_headers", raw.identity_headers.is_some(), &[RawBackendKind::Relay]),
             ("descriptor_set", raw.descriptor_set.is_some(), &[RawBackendKind::Grpc]),
         ];
         let here = kind.a_backend();
@@ -224,10 +195,7 @@ impl Checker<'_> {
         };
         let input = per_mtok("input_per_mtok_eur", raw.input_per_mtok_eur);
         let output = per_mtok("output_per_mtok_eur", raw.output_per_mtok_eur);
-        Price {
-            input_per_mtok: input.unwrap_or_default(),
-            output_per_mtok: output.unwrap_or_default(),
-        }
+        Price { input_per_mtok: input.unwrap_or_default(), output_per_mtok: output.unwrap_or_default() }
     }
 
     fn fallback(&mut self, path: &str, name: &str, raw: Option<Vec<String>>, catalog: &Catalog) -> Vec<BackendId> {
@@ -260,10 +228,7 @@ impl Checker<'_> {
             (None, None, None) => defaults.trigger.clone(),
             (Some(failures), None, None) => BreakerTrigger::Failures(failures),
             (Some(_), Some(_), _) => {
-                self.error(
-                    path,
-                    "give either `failures` or `failure_ratio` with `min_requests`, not both",
-                );
+                self.error(path, "give either `failures` or `failure_ratio` with `min_requests`, not both");
                 defaults.trigger.clone()
             }
             (_, None, Some(_)) => {
@@ -279,10 +244,7 @@ impl Checker<'_> {
                 defaults.trigger.clone()
             }
             (None, Some(ratio), Some(min_requests)) => match fraction_ppm(ratio) {
-                Ok(ratio_ppm) => BreakerTrigger::Ratio {
-                    ratio_ppm,
-                    min_requests,
-                },
+                Ok(ratio_ppm) => BreakerTrigger::Ratio { ratio_ppm, min_requests },
                 Err(message) => {
                     self.error(key("failure_ratio"), message);
                     defaults.trigger.clone()
@@ -296,11 +258,7 @@ impl Checker<'_> {
             Some(list) => list
                 .iter()
                 .enumerate()
-                .filter_map(|(i, s)| {
-                    status_range(s)
-                        .map_err(|m| self.error(format!("{path}.status[{i}]"), m))
-                        .ok()
-                })
+                .filter_map(|(i, s)| status_range(s).map_err(|m| self.error(format!("{path}.status[{i}]"), m)).ok())
                 .collect(),
         };
         BreakerPolicy {
@@ -327,10 +285,7 @@ impl Checker<'_> {
                 return None;
             }
             (other, _) => {
-                self.error(
-                    url_path,
-                    format!("scheme `{other}` is not supported: use http:// or https://"),
-                );
+                self.error(url_path, format!("scheme `{other}` is not supported: use http:// or https://"));
                 return None;
             }
         };
@@ -338,14 +293,7 @@ impl Checker<'_> {
     }
 
     fn endpoint(&mut self, path: &str, kind: RawBackendKind, keys: EndpointKeys) -> Option<Endpoint> {
-        let EndpointKeys {
-            url,
-            auth,
-            tls,
-            models,
-            aliases,
-            default_model,
-        } = keys;
+        let EndpointKeys { url, auth, tls, models, aliases, default_model } = keys;
         let url = self.url(path, kind, url.as_deref());
         let auth = self.auth(&format!("{path}.auth"), auth);
         let tls = match tls {
@@ -363,13 +311,7 @@ impl Checker<'_> {
     }
 
     fn auth(&mut self, path: &str, raw: Option<RawAuth>) -> Option<Auth> {
-        let Some(RawAuth {
-            kind,
-            secret,
-            name,
-            path: file,
-        }) = raw
-        else {
+        let Some(RawAuth { kind, secret, name, path: file }) = raw else {
             return Some(Auth::None);
         };
         let kind = self.required(&format!("{path}.type"), kind, "(none | bearer | header | token_file)")?;
@@ -380,13 +322,7 @@ impl Checker<'_> {
             RawAuthKind::Header => (true, true, false),
             RawAuthKind::TokenFile => (false, false, true),
         };
-        self.refuse(
-            path,
-            "secret",
-            secret.is_some() && !needs_secret,
-            &here,
-            "types bearer and header",
-        );
+        self.refuse(path, "secret", secret.is_some() && !needs_secret, &here, "types bearer and header");
         self.refuse(path, "name", name.is_some() && !needs_name, &here, "type header");
         self.refuse(path, "path", file.is_some() && !needs_path, &here, "type token_file");
 
@@ -395,9 +331,7 @@ impl Checker<'_> {
             RawAuthKind::None => Some(Auth::None),
             RawAuthKind::Bearer => {
                 let secret = self.required(&format!("{path}.secret"), secret, &with)?;
-                Some(Auth::Bearer {
-                    secret: self.secret(&format!("{path}.secret"), &secret)?,
-                })
+                Some(Auth::Bearer { secret: self.secret(&format!("{path}.secret"), &secret)? })
             }
             RawAuthKind::Header => {
                 let name = self
@@ -406,10 +340,7 @@ impl Checker<'_> {
                 let secret = self
                     .required(&format!("{path}.secret"), secret, &with)
                     .and_then(|s| self.secret(&format!("{path}.secret"), &s));
-                Some(Auth::Header {
-                    name: name?,
-                    secret: secret?,
-                })
+                Some(Auth::Header { name: name?, secret: secret? })
             }
             // Not checked for existence: a projected token appears and rotates at run
             // time, and it is re-read at every call.
@@ -434,11 +365,7 @@ impl Checker<'_> {
             Some(ca) => Some(file("ca", Some(ca), "(a CA bundle)")?),
             None => None,
         };
-        Some(Tls {
-            cert: cert?,
-            key: key?,
-            ca,
-        })
+        Some(Tls { cert: cert?, key: key?, ca })
     }
 
     fn identity_headers(&mut self, path: &str, raw: Option<RawIdentityHeaders>) -> Option<IdentityHeaders> {
@@ -459,16 +386,10 @@ impl Checker<'_> {
             agent: header("agent", raw.agent),
             sensitive: header("sensitive", raw.sensitive),
         };
-        let names: Vec<&String> = [&headers.tenant, &headers.agent, &headers.sensitive]
-            .into_iter()
-            .flatten()
-            .collect();
+        let names: Vec<&String> = [&headers.tenant, &headers.agent, &headers.sensitive].into_iter().flatten().collect();
         let distinct: BTreeSet<&String> = names.iter().copied().collect();
         if distinct.len() != names.len() {
-            self.error(
-                format!("{path}.identity_headers"),
-                "tenant, agent and sensitive must be different headers",
-            );
+            self.error(format!("{path}.identity_headers"), "tenant, agent and sensitive must be different headers");
             ok = false;
         }
         ok.then_some(headers)
@@ -476,11 +397,8 @@ impl Checker<'_> {
 
     fn descriptor_set(&mut self, path: &str, name: &str, raw: Option<String>) -> Option<PathBuf> {
         let key_path = format!("{path}.descriptor_set");
-        let file = self.non_empty(
-            &key_path,
-            raw,
-            "for a grpc backend (the FileDescriptorSet of the services it serves)",
-        )?;
+        let file =
+            self.non_empty(&key_path, raw, "for a grpc backend (the FileDescriptorSet of the services it serves)")?;
         // Not decoded here: the gRPC module reads it. A missing file is only a warning
         // because the set is often built and shipped apart from the config.
         match std::fs::metadata(&file) {
@@ -532,11 +450,7 @@ impl Checker<'_> {
                 .and_then(|name| self.member(&format!("{item}.backend"), pool, &name, &members, catalog));
             match (backend, priority, weight) {
                 (Some(backend), Some(priority), Some(weight)) => {
-                    members.push(PoolMember {
-                        backend,
-                        priority,
-                        weight,
-                    });
+                    members.push(PoolMember { backend, priority, weight });
                 }
                 _ => ok = false,
             }
