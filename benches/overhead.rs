@@ -56,6 +56,9 @@ async fn run() {
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let gateway_url = format!("http://{}/v1", listener.local_addr().unwrap());
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     tokio::spawn(async move { axum::serve(listener, flexway::http::app(gateway)).await });
 
     let body = serde_json::json!({"model": "fake-chat", "messages": [{"role": "user", "content": "benchmark prompt of a few words"}]});

@@ -171,6 +171,9 @@ pub async fn serve_in_process(yaml: &str, adapters: flexway::gateway::Adapters) 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let app = flexway::http::app(gateway.clone());
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     tokio::spawn(async move { axum::serve(listener, app).await });
     InProcess { url, gateway }
 }

@@ -20,6 +20,7 @@ mod openai;
 mod scenario;
 mod server;
 
+use axum::serve::ListenerExt;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
@@ -65,6 +66,10 @@ impl FakeModel {
     pub async fn start_on(addr: SocketAddr) -> std::io::Result<FakeModel> {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
+        // Small SSE frames must leave at once, not wait for Nagle.
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         let shared = Shared::new();
         let app = app(Arc::clone(&shared));
         let stopping = Arc::clone(&shared);

@@ -1,0 +1,136 @@
+//! Streams through the real `flexway` binary: 1,000 concurrent SSE streams (memory,
+//! stalls), and the time Flexway adds to a stream's first byte.
+//!
+//! `cargo bench --bench streams` — starts the fake model server in-process (each
+//! stream: 20 chunks, 50 ms apart) and `flexway serve` (release build) as its own
+//! process with the in-memory ledger and a file audit, then:
+//! 1. first byte, one stream at a time (unpaced backend), 200 streams straight to the
+//!    fake server and 200 through Flexway: p50/p99 of each and their difference;
+//! 2. 1,000 streams at once through Flexway: completion, the longest gap between two
+//!    chunks of any stream (a stall shows here), and the gateway process's peak
+//!    resident memory (VmHWM).
+//! Figures are printed, never asserted.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout, clippy::panic)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fake_model::{FakeModel, Scenario};
+use futures_util::StreamExt;
+use sha2::{Digest, Sha256};
+
+const KEY: &str = "sk-bench";
+/// A tenant whose backend answers without pacing, for the first-byte measurement.
+const QUICK_KEY: &str = "sk-bench-quick";
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    runtime.block_on(run());
+}
+
+async fn run() {
+    let model = FakeModel::start().await.unwrap();
+    let paced = model.scenario_url(&Scenario { chunks: Some(20), chunk_delay_ms: Some(50), ..Default::default() });
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("flexway.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "version: 1\nstore: {{kind: memory}}\naudit: {{sink: file, path: audit.jsonl}}\ntenants:\n  bench:\n    keys: [{{sha256: {}}}]\n  quick:\n    keys: [{{sha256: {}}}]\n    backend: fast\nai:\n  default_backend: paced\n  backends:\n    paced: {{url: \"{paced}\"}}\n    fast: {{url: \"{}\"}}\n",
+            hex::encode(Sha256::digest(KEY)),
+            hex::encode(Sha256::digest(QUICK_KEY)),
+            model.url()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_flexway"))
+        .args(["serve", "--config", config.to_str().unwrap(), "--listen", "127.0.0.1:0"])
+        .current_dir(dir.path())
+        .env("FLEXWAY_LOG", "warn")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let gateway = loop {
+        let line = lines.next().unwrap().unwrap();
+        if let Some(url) = line.strip_prefix("flexway listening on ") {
+            break format!("{url}/v1");
+        }
+    };
+    std::thread::spawn(move || lines.for_each(drop));
+    let client = reqwest::Client::builder().pool_max_idle_per_host(2000).build().unwrap();
+
+    let direct = first_bytes(&client, &model.url(), 200).await;
+    let via = first_bytes(&client, &gateway, 200).await;
+    println!("first byte of a stream, one at a time, 200 streams each");
+    println!("  direct   p50 {:>7.1} µs  p99 {:>7.1} µs", pct(&direct, 50.0), pct(&direct, 99.0));
+    println!("  gateway  p50 {:>7.1} µs  p99 {:>7.1} µs", pct(&via, 50.0), pct(&via, 99.0));
+    println!(
+        "  added    p50 {:>7.1} µs  p99 {:>7.1} µs",
+        pct(&via, 50.0) - pct(&direct, 50.0),
+        pct(&via, 99.0) - pct(&direct, 99.0)
+    );
+
+    let concurrent = 1000;
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..concurrent).map(|_| tokio::spawn(stream_once(client.clone(), gateway.clone()))).collect();
+    let mut completed = 0;
+    let mut worst_gap = Duration::ZERO;
+    for task in tasks {
+        if let Ok(Some(gap)) = task.await {
+            completed += 1;
+            worst_gap = worst_gap.max(gap);
+        }
+    }
+    let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap_or_default();
+    let peak = status.lines().find(|l| l.starts_with("VmHWM")).unwrap_or("VmHWM: ?").to_owned();
+    println!("{concurrent} concurrent streams of 20 chunks 50 ms apart through the gateway");
+    println!("  completed {completed}/{concurrent} in {:.2} s", started.elapsed().as_secs_f64());
+    println!("  longest gap between two chunks of one stream: {} ms (the backend paces 50 ms)", worst_gap.as_millis());
+    println!("  gateway process peak memory: {}", peak.split_whitespace().skip(1).collect::<Vec<_>>().join(" "));
+    let _ = child.kill();
+}
+
+fn body() -> serde_json::Value {
+    serde_json::json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "stream a benchmark answer"}]})
+}
+
+async fn first_bytes(client: &reqwest::Client, base: &str, count: usize) -> Vec<f64> {
+    let mut out = Vec::with_capacity(count);
+    for _ in 0..count + 20 {
+        let sent = Instant::now();
+        let response =
+            client.post(format!("{base}/chat/completions")).bearer_auth(QUICK_KEY).json(&body()).send().await.unwrap();
+        let mut stream = response.bytes_stream();
+        let _first = stream.next().await.unwrap().unwrap();
+        out.push(sent.elapsed().as_secs_f64() * 1e6);
+        while stream.next().await.is_some() {}
+    }
+    let mut out = out.split_off(20); // warm-up dropped
+    out.sort_by(f64::total_cmp);
+    out
+}
+
+/// Reads one stream to its end; the longest wait between two chunks, or None if it failed.
+async fn stream_once(client: reqwest::Client, base: String) -> Option<Duration> {
+    let response = client.post(format!("{base}/chat/completions")).bearer_auth(KEY).json(&body()).send().await.ok()?;
+    if !response.status().is_success() {
+        return None;
+    }
+    let mut stream = response.bytes_stream();
+    let mut last = Instant::now();
+    let mut worst = Duration::ZERO;
+    let mut text = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.ok()?;
+        worst = worst.max(last.elapsed());
+        last = Instant::now();
+        text.extend_from_slice(&chunk);
+    }
+    String::from_utf8_lossy(&text).contains("[DONE]").then_some(worst)
+}
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    sorted[((p / 100.0) * (sorted.len() - 1) as f64).round() as usize]
+}
