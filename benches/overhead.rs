@@ -1,7 +1,8 @@
 //! Latency Flexway adds over calling the model server directly, and its throughput.
 //!
-//! `cargo bench --bench overhead` — runs the fake model server and the gateway
-//! in-process on loopback, then:
+//! `cargo bench --bench overhead` — runs the fake model server in-process and the
+//! real `flexway serve` (release) as its own process on loopback (`BENCH_STORE=embedded`
+//! for the durable ledger; memory by default), then:
 //! 1. one connection, non-streamed chat, a fixed rate (default 500 req/s, 5,000
 //!    requests) straight to the fake server, then through the gateway: p50/p99 of each
 //!    and of the difference. Latency is measured from the send; the lag between the
@@ -16,9 +17,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
 use fake_model::FakeModel;
-use flexway::config::{ProcessEnv, load_str};
-use flexway::secret::LocalSecrets;
 use sha2::{Digest, Sha256};
 
 const KEY: &str = "sk-bench";
@@ -36,35 +38,40 @@ async fn run() {
     let rate = env_or("BENCH_RATE", 500);
     let count = env_or("BENCH_REQUESTS", 5000) as usize;
     let model = FakeModel::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store = std::env::var("BENCH_STORE").unwrap_or_else(|_| "memory".to_owned());
+    let store = match store.as_str() {
+        "embedded" => "{kind: embedded, path: ./ledger}".to_owned(),
+        _ => "{kind: memory}".to_owned(),
+    };
     let yaml = format!(
-        "version: 1\nstore: {{kind: memory}}\naudit: {{sink: stdout}}\ntenants:\n  bench:\n    keys: [{{sha256: {}}}]\nai:\n  default_backend: fake\n  backends:\n    fake: {{url: \"{}\", price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}}}}\n",
+        "version: 1\nstore: {store}\naudit: {{sink: file, path: audit.jsonl}}\ntenants:\n  bench:\n    keys: [{{sha256: {}}}]\n    budgets: {{tokens_per_day: 1000000000000, eur_per_month: 1000000}}\nai:\n  default_backend: fake\n  backends:\n    fake: {{url: \"{}\", price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}}}}\n",
         hex::encode(Sha256::digest(KEY)),
         model.url()
     );
-    let loaded = load_str(&yaml, &ProcessEnv).unwrap();
-    let gateway = Arc::new(
-        flexway::Gateway::new(
-            loaded.config,
-            &LocalSecrets { env: &ProcessEnv },
-            flexway::gateway::Adapters {
-                budgets: Arc::new(flexway::budget::MemoryBudgetStore::new()),
-                // Real audit writes, to a file nobody keeps.
-                audit: Arc::new(flexway::audit::FileAuditSink::open("/dev/null").unwrap()),
-            },
-        )
-        .unwrap(),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let gateway_url = format!("http://{}/v1", listener.local_addr().unwrap());
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    tokio::spawn(async move { axum::serve(listener, flexway::http::app(gateway)).await });
+    let config = dir.path().join("flexway.yaml");
+    std::fs::write(&config, yaml).unwrap();
+    // The gateway is the real binary in its own process, as in production.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_flexway"))
+        .args(["serve", "--config", config.to_str().unwrap(), "--listen", "127.0.0.1:0"])
+        .current_dir(dir.path())
+        .env("FLEXWAY_LOG", "warn")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let gateway_url = loop {
+        let line = lines.next().unwrap().unwrap();
+        if let Some(url) = line.strip_prefix("flexway listening on ") {
+            break format!("{url}/v1");
+        }
+    };
+    std::thread::spawn(move || lines.for_each(drop));
 
     let body = serde_json::json!({"model": "fake-chat", "messages": [{"role": "user", "content": "benchmark prompt of a few words"}]});
     let direct = fixed_rate(&model.url(), &body, rate, count).await;
     let via = fixed_rate(&gateway_url, &body, rate, count).await;
-    println!("non-streamed chat, one connection, {rate} req/s, {count} requests each");
+    println!("non-streamed chat, one connection, {rate} req/s, {count} requests each, store {store}");
     println!("  direct   p50 {:>7.1} µs  p99 {:>7.1} µs", pct(&direct, 50.0), pct(&direct, 99.0));
     println!("  gateway  p50 {:>7.1} µs  p99 {:>7.1} µs", pct(&via, 50.0), pct(&via, 99.0));
     println!(
@@ -76,6 +83,7 @@ async fn run() {
     let seconds = env_or("BENCH_SECONDS", 5);
     let rps = throughput(&gateway_url, &body, 64, Duration::from_secs(seconds)).await;
     println!("throughput through the gateway, 64 connections, {seconds} s: {rps:.0} req/s");
+    let _ = child.kill();
 }
 
 async fn fixed_rate(base: &str, body: &serde_json::Value, rate: u64, count: usize) -> Vec<f64> {

@@ -1,5 +1,5 @@
 //! The gateway Lambda function: the same router as `flexway serve`
-//! (`flexway::http::app`), served by `lambda_http` in response-streaming mode behind a
+//! (`flexway::http::api`: the API without the local `/metrics`), served by `lambda_http` in response-streaming mode behind a
 //! function URL (InvokeMode RESPONSE_STREAM) or API Gateway REST with streaming.
 //!
 //! Everything is built once, at init: config (bundled with the function, path in
@@ -47,7 +47,7 @@ async fn run(started: Instant) -> Result<(), lambda_http::Error> {
     let sdk = aws_config::load_from_env().await;
     let adapters = flexway_aws::build_adapters(&loaded.config, &sdk).await?;
     let gateway = flexway::Gateway::new(loaded.config, &LocalSecrets { env: &ProcessEnv }, adapters)?;
-    let app = flexway::http::app(Arc::new(gateway));
+    let app = flexway::http::api(Arc::new(gateway));
     tracing::info!(init_ms = started.elapsed().as_millis() as u64, "flexway gateway ready; polling for invocations");
     lambda_http::run_with_streaming_response(app).await
 }
