@@ -84,6 +84,7 @@ async fn run() {
     let rps = throughput(&gateway_url, &body, 64, Duration::from_secs(seconds)).await;
     println!("throughput through the gateway, 64 connections, {seconds} s: {rps:.0} req/s");
     let _ = child.kill();
+    let _ = child.wait();
 }
 
 async fn fixed_rate(base: &str, body: &serde_json::Value, rate: u64, count: usize) -> Vec<f64> {

@@ -90,6 +90,7 @@ async fn run() {
     println!("  longest gap between two chunks of one stream: {} ms (the backend paces 50 ms)", worst_gap.as_millis());
     println!("  gateway process peak memory: {}", peak.split_whitespace().skip(1).collect::<Vec<_>>().join(" "));
     let _ = child.kill();
+    let _ = child.wait();
 }
 
 fn body() -> serde_json::Value {

@@ -1,6 +1,7 @@
-//! The gateway Lambda function: the same router as `flexway serve`
-//! (`flexway::http::api`: the API without the local `/metrics`), served by `lambda_http` in response-streaming mode behind a
-//! function URL (InvokeMode RESPONSE_STREAM) or API Gateway REST with streaming.
+//! The gateway Lambda function: the same router as `flexway serve` without the local
+//! `/metrics` (`flexway::http::api`; metrics leave as EMF lines), served by
+//! `lambda_http` in response-streaming mode behind a function URL (InvokeMode
+//! RESPONSE_STREAM) or API Gateway REST with streaming.
 //!
 //! Everything is built once, at init: config (bundled with the function, path in
 //! `FLEXWAY_CONFIG`), secrets, SDK clients with their connections warmed. Handlers
