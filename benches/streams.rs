@@ -9,6 +9,7 @@
 //! 2. 1,000 streams at once through Flexway: completion, the longest gap between two
 //!    chunks of any stream (a stall shows here), and the gateway process's peak
 //!    resident memory (VmHWM).
+//!
 //! Figures are printed, never asserted.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout, clippy::panic)]
 
