@@ -32,7 +32,8 @@ enum Command {
         #[arg(long, default_value = "flexway.yaml")]
         config: PathBuf,
     },
-    /// Turn the audit into a chargeback table: per tenant, agent and backend.
+    /// Turn the audit (a JSONL file or a CloudWatch log group) into a chargeback table:
+    /// per tenant, agent and backend.
     Report(report::ReportArgs),
     /// Manage API keys.
     Key {

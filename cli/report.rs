@@ -1,13 +1,17 @@
-//! `flexway report`: the audit turned into a chargeback table (SPEC §9, §13).
+//! `flexway report`: the audit turned into a chargeback table (SPEC §9, §13), from a
+//! JSONL file (`--audit`) or from the CloudWatch log group the serverless shape writes
+//! (`--log-group`, with the AWS SDK's usual environment: `AWS_REGION`, credentials,
+//! `AWS_ENDPOINT_URL`).
 //!
 //! Exit codes: 0 with the report on stdout; 1 when the audit cannot be read (the error
-//! names the file and line); 2 for a usage error (bad dates, a source this build cannot
-//! read).
+//! names the file and line, or the log group and event); 2 for a usage error (bad
+//! dates, not exactly one source).
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use flexway::audit::AuditRecord;
 use flexway::audit::report::{self, Filter};
 
 const USAGE: u8 = 2;
@@ -18,7 +22,9 @@ pub struct ReportArgs {
     /// A JSONL audit file (the local shape's `audit: {sink: file, path: ...}`).
     #[arg(long, value_name = "FILE")]
     audit: Option<PathBuf>,
-    /// A CloudWatch log group holding the audit (the serverless shape).
+    /// A CloudWatch log group holding the audit (the serverless shape), e.g.
+    /// /flexway/audit; read with the AWS SDK's environment (AWS_REGION, credentials,
+    /// AWS_ENDPOINT_URL).
     #[arg(long, value_name = "NAME")]
     log_group: Option<String>,
     /// First UTC date included, YYYY-MM-DD.
@@ -48,15 +54,19 @@ pub fn run(args: ReportArgs) -> ExitCode {
             return ExitCode::from(USAGE);
         }
     };
-    let Some(path) = args.audit else {
-        // clap guarantees one source; without --audit it is --log-group.
-        eprintln!("error: reading a CloudWatch log group needs the aws build (flexway-aws)");
-        return ExitCode::from(USAGE);
+    let read = match (&args.audit, &args.log_group) {
+        (Some(path), None) => read_file(path),
+        (None, Some(group)) => read_log_group(group, &filter),
+        // clap's `source` group already lets exactly one through.
+        _ => {
+            eprintln!("error: give exactly one of --audit and --log-group");
+            return ExitCode::from(USAGE);
+        }
     };
-    let records = match read(&path) {
+    let records = match read {
         Ok(records) => records,
         Err(error) => {
-            eprintln!("error: {}: {error}", path.display());
+            eprintln!("error: {error}");
             return ExitCode::FAILURE;
         }
     };
@@ -79,7 +89,31 @@ pub fn run(args: ReportArgs) -> ExitCode {
     }
 }
 
-fn read(path: &Path) -> Result<Vec<flexway::audit::AuditRecord>, String> {
-    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    report::read_jsonl(std::io::BufReader::new(file)).map_err(|e| e.to_string())
+fn read_file(path: &Path) -> Result<Vec<AuditRecord>, String> {
+    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    report::read_jsonl(std::io::BufReader::new(file)).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Reads the events of the period from the log group. An event is timestamped when
+/// the sink wrote it, a little after its record's `ts`: the query window is the
+/// period widened by that delay, and the `ts` filter (in `chargeback`) decides.
+fn read_log_group(group: &str, filter: &Filter) -> Result<Vec<AuditRecord>, String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
+    // CloudWatch refuses times before the epoch (`--from 1969-12-31`); no event is older.
+    let margin = flexway_aws::WRITE_DELAY_MARGIN_MS;
+    let (from, to) = filter.unix_millis();
+    let (from, to) = (from.map(|ms| (ms - margin).max(0)), to.map(|ms| (ms + margin).max(0)));
+    runtime.block_on(async {
+        let sdk = aws_config::load_from_env().await;
+        let client = aws_sdk_cloudwatchlogs::Client::new(&sdk);
+        flexway_aws::read_audit_log_group(&client, group, from, to).await.map_err(|e| match e {
+            flexway_aws::AuditReadError::Query { .. } => {
+                format!("{e}\nhint: it is read with the AWS environment: AWS_REGION, credentials, AWS_ENDPOINT_URL")
+            }
+            e => e.to_string(),
+        })
+    })
 }

@@ -145,12 +145,32 @@ fn date_bounds_are_inclusive() {
     assert_eq!(run.stdout.lines().count(), 2, "{}", run.stdout);
 }
 
+/// Reading a log group itself is tested against the AWS emulator
+/// (`tests/report_cloudwatch.rs`); these need none.
 #[test]
-fn a_log_group_needs_the_aws_build() {
-    let run = flexway(&["report", "--log-group", "/flexway/audit"]);
-    assert_eq!(run.code, 2);
-    assert!(run.stderr.contains("reading a CloudWatch log group needs the aws build (flexway-aws)"), "{}", run.stderr);
-    assert!(run.stdout.is_empty());
+fn a_log_group_with_bad_dates_is_a_usage_error_before_any_call() {
+    let run = flexway(&["report", "--log-group", "/flexway/audit", "--to", "2025-02-30"]);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(run.stderr.contains("2025-02-30"), "{}", run.stderr);
+}
+
+#[test]
+fn an_unreachable_aws_endpoint_exits_1_with_the_reason() {
+    // A port nothing listens on: bound, then released.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let out = Command::new(env!("CARGO_BIN_EXE_flexway"))
+        .args(["report", "--log-group", "/flexway/audit"])
+        .env("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}"))
+        .env("AWS_REGION", "us-east-1")
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("cannot read log group /flexway/audit"), "{stderr}");
+    assert!(out.stdout.is_empty());
 }
 
 #[test]

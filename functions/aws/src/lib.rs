@@ -1,9 +1,10 @@
 //! Flexway's AWS adapters, for the serverless shape: the DynamoDB ledger, the
-//! CloudWatch Logs audit sink, and the one function that turns the config's tagged
-//! enums into the adapters the core runs on. The core crate (`flexway`) never sees
-//! an AWS type; the Lambda binaries (`functions/gateway`, `functions/sweeper`) call
-//! [`build_adapters`] once, at init.
+//! CloudWatch Logs audit sink (and its reader, for `flexway report --log-group`), and
+//! the one function that turns the config's tagged enums into the adapters the core
+//! runs on. The core crate (`flexway`) never sees an AWS type; the Lambda binaries
+//! (`functions/gateway`, `functions/sweeper`) call [`build_adapters`] once, at init.
 
+mod audit_reader;
 mod cloudwatch;
 mod dynamodb;
 mod emf;
@@ -15,6 +16,7 @@ use flexway::budget::{BudgetStore, EmbeddedBudgetStore, MemoryBudgetStore, Store
 use flexway::config::{AuditSinkConfig, Config, StoreConfig};
 use flexway::gateway::Adapters;
 
+pub use audit_reader::{AuditReadError, WRITE_DELAY_MARGIN_MS, read_audit_log_group};
 pub use cloudwatch::CloudWatchAuditSink;
 pub use dynamodb::DynamoDbBudgetStore;
 pub use emf::EmfAuditSink;

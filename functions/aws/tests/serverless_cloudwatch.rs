@@ -98,3 +98,88 @@ async fn a_failed_put_is_returned_not_dropped() {
     let error = sink.write(&[record("req-lost", "acme")]).await.unwrap_err();
     assert!(error.to_string().contains("no-such-group"), "{error}");
 }
+
+// `read_audit_log_group`: what `flexway report --log-group` reads.
+
+async fn put_raw(
+    client: &aws_sdk_cloudwatchlogs::Client,
+    group: &str,
+    stream: &str,
+    timestamp_ms: i64,
+    lines: &[String],
+) {
+    client.create_log_stream().log_group_name(group).log_stream_name(stream).send().await.unwrap();
+    let events = lines.iter().map(|line| {
+        aws_sdk_cloudwatchlogs::types::InputLogEvent::builder().timestamp(timestamp_ms).message(line).build().unwrap()
+    });
+    client
+        .put_log_events()
+        .log_group_name(group)
+        .log_stream_name(stream)
+        .set_log_events(Some(events.collect()))
+        .send()
+        .await
+        .unwrap();
+}
+
+fn now_ms() -> i64 {
+    i64::try_from(flexway::budget::period::unix_now_millis()).unwrap()
+}
+
+#[tokio::test]
+async fn the_reader_reads_every_page_of_every_stream_in_time_order() {
+    let sdk = emulator::sdk().await;
+    let client = aws_sdk_cloudwatchlogs::Client::new(&sdk);
+    let group = fresh_group(&client).await;
+    // FilterLogEvents returns at most 10,000 events a page: one more takes two pages.
+    let many: Vec<AuditRecord> = (0..10_001).map(|i| record(&format!("req-{i}"), "acme")).collect();
+    let later = CloudWatchAuditSink::new(client.clone(), &group, "gateway-later");
+    let earlier = vec![record("req-early-1", "globex"), record("req-early-2", "globex")];
+    let start = now_ms() - 60_000;
+    let lines: Vec<String> = earlier.iter().map(|r| serde_json::to_string(r).unwrap()).collect();
+    put_raw(&client, &group, "gateway-earlier", start, &lines).await;
+    later.write(&many).await.unwrap();
+
+    let read = flexway_aws::read_audit_log_group(&client, &group, None, None).await.unwrap();
+    assert_eq!(read.len(), 10_003);
+    assert_eq!(read[..2], earlier[..], "the earlier stream first, by event time");
+    assert_eq!(read[2..], many[..], "all pages, in the order written");
+
+    // Bounds are on event timestamps, both inclusive.
+    let first_only = flexway_aws::read_audit_log_group(&client, &group, None, Some(start)).await.unwrap();
+    assert_eq!(first_only, earlier);
+    let rest = flexway_aws::read_audit_log_group(&client, &group, Some(start + 1), None).await.unwrap();
+    assert_eq!(rest.len(), 10_001);
+}
+
+#[tokio::test]
+async fn the_reader_skips_emf_and_refuses_what_is_not_an_audit_record() {
+    let sdk = emulator::sdk().await;
+    let client = aws_sdk_cloudwatchlogs::Client::new(&sdk);
+    let group = fresh_group(&client).await;
+    let now = now_ms();
+    let good = serde_json::to_string(&record("req-1", "acme")).unwrap();
+    let emf = r#"{"_aws":{"Timestamp":1,"CloudWatchMetrics":[]},"tenant":"acme","calls":1}"#.to_owned();
+    put_raw(&client, &group, "ok", now, &[good, emf]).await;
+    let read = flexway_aws::read_audit_log_group(&client, &group, None, None).await.unwrap();
+    assert_eq!(read.iter().map(|r| r.request_id.as_str()).collect::<Vec<_>>(), ["req-1"]);
+
+    let mut newer = serde_json::to_value(record("req-2", "acme")).unwrap();
+    newer["schema_version"] = serde_json::json!(SCHEMA_VERSION + 1);
+    put_raw(&client, &group, "newer", now + 1, &[newer.to_string()]).await;
+    let error = flexway_aws::read_audit_log_group(&client, &group, None, None).await.unwrap_err();
+    assert!(matches!(error, flexway_aws::AuditReadError::Version { .. }), "{error}");
+    assert!(error.to_string().contains("stream newer"), "{error}");
+
+    let group = fresh_group(&client).await;
+    put_raw(&client, &group, "other", now, &[r#"{"level":"info","msg":"hello"}"#.to_owned()]).await;
+    let error = flexway_aws::read_audit_log_group(&client, &group, None, None).await.unwrap_err();
+    let event = client.filter_log_events().log_group_name(&group).send().await.unwrap();
+    let event_id = event.events()[0].event_id().unwrap();
+    assert!(matches!(error, flexway_aws::AuditReadError::NotARecord { .. }), "{error}");
+    assert!(error.to_string().contains(&format!("event {event_id} (stream other)")), "names the event: {error}");
+
+    let missing = emulator::unique("/flexway/no-such-group");
+    let error = flexway_aws::read_audit_log_group(&client, &missing, None, None).await.unwrap_err();
+    assert!(matches!(error, flexway_aws::AuditReadError::GroupNotFound { .. }), "{error}");
+}

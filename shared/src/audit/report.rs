@@ -13,6 +13,7 @@ use std::io::BufRead;
 use serde_json::json;
 
 use super::{AuditRecord, SCHEMA_VERSION};
+use crate::budget::period::days_from_civil;
 use crate::money::MicroEur;
 
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +75,21 @@ impl Filter {
             return Err(ReportError::EmptyPeriod { from: from.clone(), to: to.clone() });
         }
         Ok(Filter { from, to })
+    }
+
+    /// The period as Unix milliseconds: the first millisecond of `from` and the last of
+    /// `to` (UTC), both inclusive; `None` where the period is open. For sources that can
+    /// narrow a read by time (a CloudWatch log group); [`Filter::matches`] still decides.
+    pub fn unix_millis(&self) -> (Option<i64>, Option<i64>) {
+        const DAY_MS: i64 = 86_400_000;
+        let start_of = |date: &str| {
+            let number = |range: std::ops::Range<usize>| date.get(range).and_then(|s| s.parse::<u32>().ok());
+            let (year, month, day) = (number(0..4)?, number(5..7)?, number(8..10)?);
+            Some(days_from_civil(i64::from(year), month, day) * DAY_MS)
+        };
+        let from = self.from.as_deref().and_then(start_of);
+        let to = self.to.as_deref().and_then(start_of).map(|start| start + DAY_MS - 1);
+        (from, to)
     }
 
     /// Compares the date prefix of the RFC 3339 `ts` (records are written in UTC). A
@@ -528,6 +544,18 @@ mod tests {
         assert!(Filter::new(Some("2025-13-01".into()), None).is_err());
         let error = Filter::new(Some("2025-03-02".into()), Some("2025-03-01".into())).unwrap_err();
         assert!(matches!(error, ReportError::EmptyPeriod { .. }), "{error}");
+    }
+
+    #[test]
+    fn the_period_in_unix_millis_covers_whole_utc_days() {
+        assert_eq!(Filter::default().unix_millis(), (None, None));
+        let day = Filter::new(Some("1970-01-02".into()), Some("1970-01-02".into())).unwrap();
+        assert_eq!(day.unix_millis(), (Some(86_400_000), Some(2 * 86_400_000 - 1)));
+        // 2026-11-29T00:00:00Z and 2026-11-30T23:59:59.999Z.
+        let span = Filter::new(Some("2026-11-29".into()), Some("2026-11-30".into())).unwrap();
+        assert_eq!(span.unix_millis(), (Some(1_795_910_400_000), Some(1_796_083_199_999)));
+        let leap = Filter::new(None, Some("2024-02-29".into())).unwrap();
+        assert_eq!(leap.unix_millis(), (None, Some(1_709_251_199_999)));
     }
 
     #[test]

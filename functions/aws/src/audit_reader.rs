@@ -1,0 +1,145 @@
+//! Reading the audit back from a CloudWatch Logs group (`flexway report --log-group`):
+//! every event of every stream, one [`AuditRecord`] per event, as
+//! [`CloudWatchAuditSink`](crate::CloudWatchAuditSink) writes them.
+//!
+//! An event's timestamp is when the sink wrote it: just after the call ended, so at
+//! or a little after the record's `ts`. A caller narrowing the read to a period of
+//! `ts` widens it by [`WRITE_DELAY_MARGIN_MS`] and then filters on `ts` itself.
+
+use aws_sdk_cloudwatchlogs::Client;
+use flexway::audit::{AuditRecord, SCHEMA_VERSION};
+
+/// How much later than its `ts` a record's event can be timestamped: the audit is
+/// written within the invocation that served the call (at most 15 minutes on
+/// Lambda), retries included. An hour leaves room to spare.
+pub const WRITE_DELAY_MARGIN_MS: i64 = 60 * 60 * 1000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AuditReadError {
+    #[error("log group {group} does not exist")]
+    GroupNotFound { group: String },
+    #[error("cannot read log group {group}: {message}")]
+    Query { group: String, message: String },
+    #[error("log group {group}, event {event_id} (stream {stream}): not an audit record: {source}")]
+    NotARecord { group: String, event_id: String, stream: String, source: serde_json::Error },
+    #[error(
+        "log group {group}, event {event_id} (stream {stream}): schema_version {found} is newer than this \
+         flexway understands ({SCHEMA_VERSION})"
+    )]
+    Version { group: String, event_id: String, stream: String, found: u32 },
+}
+
+/// Every audit record in `log_group` whose event is timestamped in `from_ms..=to_ms`
+/// (Unix milliseconds; `None` leaves that end open), with FilterLogEvents, page after
+/// page. Sorted by event timestamp, events of the same timestamp in the order
+/// received (a batch's records share one timestamp and keep the order calls ended).
+///
+/// An event that is not an audit record is an error naming it, so that nothing is
+/// silently left out of a bill; EMF metrics lines (an object with an `_aws` key)
+/// are not audit and are skipped.
+pub async fn read_audit_log_group(
+    client: &Client,
+    log_group: &str,
+    from_ms: Option<i64>,
+    to_ms: Option<i64>,
+) -> Result<Vec<AuditRecord>, AuditReadError> {
+    let mut events: Vec<(i64, AuditRecord)> = Vec::new();
+    let mut next_token: Option<String> = None;
+    loop {
+        let page = client
+            .filter_log_events()
+            .log_group_name(log_group)
+            .set_start_time(from_ms)
+            .set_end_time(to_ms)
+            .set_next_token(next_token.clone())
+            .send()
+            .await
+            .map_err(|e| {
+                if e.as_service_error().is_some_and(|e| e.is_resource_not_found_exception()) {
+                    AuditReadError::GroupNotFound { group: log_group.to_owned() }
+                } else {
+                    AuditReadError::Query { group: log_group.to_owned(), message: error_chain(&e) }
+                }
+            })?;
+        for event in page.events() {
+            if let Some(record) = parse_event(log_group, event)? {
+                events.push((event.timestamp().unwrap_or_default(), record));
+            }
+        }
+        // A page can be empty and still not the last: only a missing token ends the
+        // read. The same token handed back would loop forever; it ends it too.
+        match page.next_token() {
+            Some(token) if next_token.as_deref() != Some(token) => next_token = Some(token.to_owned()),
+            _ => break,
+        }
+    }
+    // A stable sort: equal timestamps keep the order received.
+    events.sort_by_key(|(timestamp, _)| *timestamp);
+    Ok(events.into_iter().map(|(_, record)| record).collect())
+}
+
+/// The event's record; `None` for an EMF metrics line.
+fn parse_event(
+    group: &str,
+    event: &aws_sdk_cloudwatchlogs::types::FilteredLogEvent,
+) -> Result<Option<AuditRecord>, AuditReadError> {
+    let message = event.message().unwrap_or_default();
+    let event_id = || event.event_id().unwrap_or("?").to_owned();
+    let stream = || event.log_stream_name().unwrap_or("?").to_owned();
+    let record: AuditRecord = match serde_json::from_str(message) {
+        Ok(record) => record,
+        Err(_) if is_emf(message) => return Ok(None),
+        Err(source) => {
+            return Err(AuditReadError::NotARecord {
+                group: group.to_owned(),
+                event_id: event_id(),
+                stream: stream(),
+                source,
+            });
+        }
+    };
+    if record.schema_version > SCHEMA_VERSION {
+        return Err(AuditReadError::Version {
+            group: group.to_owned(),
+            event_id: event_id(),
+            stream: stream(),
+            found: record.schema_version,
+        });
+    }
+    Ok(Some(record))
+}
+
+/// The error and its sources, `: `-separated (the SDK's own errors say little at
+/// the top: "dispatch failure"; the reason is further down the chain).
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.ends_with(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// CloudWatch Embedded Metric Format: a JSON object with the `_aws` metadata key.
+fn is_emf(message: &str) -> bool {
+    serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(message)
+        .is_ok_and(|object| object.contains_key("_aws"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn emf_lines_are_recognised_by_their_aws_key() {
+        assert!(is_emf(r#"{"_aws":{"Timestamp":1,"CloudWatchMetrics":[]},"tenant":"acme"}"#));
+        assert!(!is_emf(r#"{"tenant":"acme"}"#));
+        assert!(!is_emf("START RequestId: 1 Version: $LATEST"));
+        assert!(!is_emf(r#"["_aws"]"#));
+    }
+}

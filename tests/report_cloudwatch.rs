@@ -1,0 +1,236 @@
+//! `flexway report --log-group`: the real binary reads the audit the serverless shape
+//! writes (`CloudWatchAuditSink`) back from a CloudWatch Logs group on the AWS
+//! emulator (`AWS_ENDPOINT_URL`, default http://127.0.0.1:4566; `localstack/start`
+//! starts one, `scripts/test` does it all). No emulator answering is a failure, never
+//! a skip.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "../functions/aws/tests/emulator/mod.rs"]
+mod emulator;
+
+use std::process::Command;
+
+use aws_sdk_cloudwatchlogs::Client;
+use aws_sdk_cloudwatchlogs::types::InputLogEvent;
+use flexway::audit::{AuditRecord, AuditSink, SCHEMA_VERSION};
+use flexway::budget::period::{Period, unix_now};
+use flexway_aws::CloudWatchAuditSink;
+use serde_json::Value;
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+/// The binary, with the emulator as its AWS environment (as `scripts/test` exports it).
+fn flexway(args: &[&str]) -> Run {
+    let var = |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
+    let out = Command::new(env!("CARGO_BIN_EXE_flexway"))
+        .args(args)
+        .env("AWS_ENDPOINT_URL", emulator::endpoint())
+        .env("AWS_REGION", "us-east-1")
+        .env("AWS_ACCESS_KEY_ID", var("AWS_ACCESS_KEY_ID", "test"))
+        .env("AWS_SECRET_ACCESS_KEY", var("AWS_SECRET_ACCESS_KEY", "test"))
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .output()
+        .unwrap();
+    Run {
+        code: out.status.code().unwrap(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn report_json(args: &[&str]) -> Value {
+    let run = flexway(args);
+    assert_eq!(run.code, 0, "flexway {args:?}: {}", run.stderr);
+    serde_json::from_str(&run.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", run.stdout))
+}
+
+/// The UTC date `days` days from now (negative: before), `YYYY-MM-DD`.
+fn date(days: i64) -> String {
+    Period::Day.stamp(unix_now().saturating_add_signed(days * 86_400))
+}
+
+fn record(date: &str, request_id: &str, tenant: &str, backend: &str, metered_by: &str, cost: u64) -> AuditRecord {
+    AuditRecord {
+        schema_version: SCHEMA_VERSION,
+        ts: format!("{date}T12:00:00.000Z"),
+        request_id: request_id.to_owned(),
+        tenant: tenant.to_owned(),
+        agent: Some("bot".to_owned()),
+        operation: "chat".to_owned(),
+        capability: "chat".to_owned(),
+        model_requested: Some("chat-default".to_owned()),
+        model_served: Some("gpt-4.1".to_owned()),
+        backend: Some(backend.to_owned()),
+        metered_by: metered_by.to_owned(),
+        prompt_tokens: 100,
+        completion_tokens: 20,
+        usage_source: "reported".to_owned(),
+        cost_eur: cost as f64 / 1e6,
+        cost_micro_eur: cost,
+        status: 200,
+        error_code: None,
+        degraded: false,
+        budget_state: "ok".to_owned(),
+        latency_ms: 120,
+        ttfb_ms: Some(40),
+        key_hash: "ab".repeat(32),
+        user_hash: None,
+    }
+}
+
+async fn client() -> Client {
+    Client::new(&emulator::sdk().await)
+}
+
+async fn fresh_group(client: &Client) -> String {
+    let group = emulator::unique("/flexway/report-test");
+    client.create_log_group().log_group_name(&group).send().await.expect("create the log group");
+    group
+}
+
+/// Puts raw lines into `stream` (created here) at `timestamp_ms`.
+async fn put_raw(client: &Client, group: &str, stream: &str, timestamp_ms: i64, lines: &[&str]) {
+    client.create_log_stream().log_group_name(group).log_stream_name(stream).send().await.unwrap();
+    let events =
+        lines.iter().map(|line| InputLogEvent::builder().timestamp(timestamp_ms).message(*line).build().unwrap());
+    client
+        .put_log_events()
+        .log_group_name(group)
+        .log_stream_name(stream)
+        .set_log_events(Some(events.collect()))
+        .send()
+        .await
+        .unwrap();
+}
+
+fn cost(total: &Value) -> u64 {
+    total["cost_micro_eur"].as_u64().unwrap()
+}
+
+#[tokio::test]
+async fn the_report_from_a_log_group_bills_local_records_and_shows_upstream_apart() {
+    let client = client().await;
+    let group = fresh_group(&client).await;
+    // The sink stamps each event with the time it writes it (now), so every period
+    // asked for here includes today; the records' `ts` are spread around it.
+    let (yesterday, today, tomorrow) = (date(-1), date(0), date(1));
+    let records = [
+        record(&today, "req-1", "acme", "ptu-west", "local", 500_000),
+        record(&today, "req-2", "acme", "payg-north", "local", 1),
+        record(&today, "req-3", "acme", "peer", "upstream", 7_000_000),
+        record(&yesterday, "req-4", "globex", "ptu-west", "local", 1_500_000),
+        record(&tomorrow, "req-5", "acme", "ptu-west", "local", 250_000),
+    ];
+    // Two gateway instances, each its own stream, writing in batches.
+    let first = CloudWatchAuditSink::new(client.clone(), &group, "gateway-1");
+    let second = CloudWatchAuditSink::new(client.clone(), &group, "gateway-2");
+    first.write(&records[..2]).await.unwrap();
+    second.write(&records[2..4]).await.unwrap();
+    first.write(&records[4..]).await.unwrap();
+
+    let local: u64 = records.iter().filter(|r| r.metered_by == "local").map(|r| r.cost_micro_eur).sum();
+    let report = report_json(&["report", "--log-group", &group, "--format", "json"]);
+    assert_eq!(cost(&report["local_total"]), local, "{report:#}");
+    assert_eq!(report["local_total"]["calls"], 4);
+    assert_eq!(cost(&report["upstream_total"]), 7_000_000);
+    assert_eq!(report["upstream_total"]["calls"], 1);
+    let tenants = report["tenants"].as_array().unwrap();
+    let names: Vec<&str> = tenants.iter().map(|t| t["tenant"].as_str().unwrap()).collect();
+    assert_eq!(names, ["acme", "globex"]);
+    let acme = &tenants[0];
+    assert_eq!(cost(&acme["local"]["total"]), 750_001);
+    let upstream_rows = acme["upstream"]["rows"].as_array().unwrap();
+    assert_eq!(upstream_rows.len(), 1);
+    assert_eq!(upstream_rows[0]["backend"], "peer");
+    assert!(acme["local"]["rows"].as_array().unwrap().iter().all(|row| row["metered_by"] == "local"));
+    let per_tenant: u64 = tenants.iter().map(|t| cost(&t["local"]["total"])).sum();
+    assert_eq!(per_tenant, local, "the tenants' totals add up to the bill");
+
+    // --from/--to keep the records whose `ts` is in the period (UTC dates, inclusive).
+    let day = report_json(&["report", "--log-group", &group, "--from", &today, "--to", &today, "--format", "json"]);
+    assert_eq!(day["from"], today.as_str());
+    assert_eq!(cost(&day["local_total"]), 500_001, "{day:#}");
+    assert_eq!(day["local_total"]["calls"], 2);
+    assert_eq!(day["upstream_total"]["calls"], 1);
+    let since = report_json(&["report", "--log-group", &group, "--from", &today, "--format", "json"]);
+    assert_eq!(cost(&since["local_total"]), 750_001, "{since:#}");
+    let until = report_json(&["report", "--log-group", &group, "--to", &today, "--format", "json"]);
+    assert_eq!(cost(&until["local_total"]), 2_000_001, "{until:#}");
+    let both =
+        report_json(&["report", "--log-group", &group, "--from", &yesterday, "--to", &tomorrow, "--format", "json"]);
+    assert_eq!(cost(&both["local_total"]), local, "{both:#}");
+
+    // The other formats render the same report.
+    let csv = flexway(&["report", "--log-group", &group, "--format", "csv"]);
+    assert_eq!(csv.code, 0, "{}", csv.stderr);
+    assert_eq!(csv.stdout.lines().count(), 1 + 4, "header and one line per row: {}", csv.stdout);
+    let md = flexway(&["report", "--log-group", &group]);
+    assert_eq!(md.code, 0, "{}", md.stderr);
+    assert!(md.stdout.contains("| **total** | **4** |"), "{}", md.stdout);
+}
+
+#[tokio::test]
+async fn dates_narrow_the_read_and_lines_that_are_not_audit_are_named() {
+    let client = client().await;
+    let group = fresh_group(&client).await;
+    let today = date(0);
+    CloudWatchAuditSink::new(client.clone(), &group, "gateway-1")
+        .write(&[record(&today, "req-1", "acme", "ptu-west", "local", 42)])
+        .await
+        .unwrap();
+    // An EMF metrics line is not audit, and is skipped.
+    let now_ms = i64::try_from(flexway::budget::period::unix_now_millis()).unwrap();
+    put_raw(&client, &group, "metrics", now_ms, &[r#"{"_aws":{"Timestamp":1,"CloudWatchMetrics":[]},"calls":1}"#])
+        .await;
+    // Some other JSON, five days ago: outside a period starting today.
+    put_raw(&client, &group, "stray", now_ms - 5 * 86_400_000, &[r#"{"hello":"world"}"#]).await;
+
+    let run = flexway(&["report", "--log-group", &group, "--format", "json"]);
+    assert_eq!(run.code, 1, "{}", run.stdout);
+    let stray = client.filter_log_events().log_group_name(&group).log_stream_names("stray").send().await.unwrap();
+    let event_id = stray.events()[0].event_id().unwrap();
+    assert!(run.stderr.contains("not an audit record"), "{}", run.stderr);
+    let named = format!("log group {group}, event {event_id} (stream stray)");
+    assert!(run.stderr.contains(&named), "names the event: {}", run.stderr);
+    assert!(run.stdout.is_empty(), "no partial report: {}", run.stdout);
+
+    // A period starting today does not read that event at all.
+    let report = report_json(&["report", "--log-group", &group, "--from", &today, "--format", "json"]);
+    assert_eq!(cost(&report["local_total"]), 42, "{report:#}");
+    assert_eq!(report["local_total"]["calls"], 1);
+}
+
+#[tokio::test]
+async fn a_record_written_just_after_midnight_counts_on_the_day_its_call_ended() {
+    let client = client().await;
+    let group = fresh_group(&client).await;
+    // A call that ended at 23:59:59.900 two days ago, its event written 200 ms later,
+    // on the next day; and one that ended the next day.
+    let (day, next) = (date(-2), date(-1));
+    let midnight_ms = i64::try_from(unix_now() / 86_400 * 86_400 - 86_400).unwrap() * 1000;
+    let mut late = record(&day, "req-late", "acme", "ptu-west", "local", 7);
+    late.ts = format!("{day}T23:59:59.900Z");
+    let after = record(&next, "req-after", "acme", "ptu-west", "local", 1_000);
+    let lines = [serde_json::to_string(&late).unwrap(), serde_json::to_string(&after).unwrap()];
+    put_raw(&client, &group, "gateway-1", midnight_ms + 100, &[lines[0].as_str()]).await;
+    put_raw(&client, &group, "gateway-2", midnight_ms + 12 * 3_600_000, &[lines[1].as_str()]).await;
+
+    let on_day = report_json(&["report", "--log-group", &group, "--from", &day, "--to", &day, "--format", "json"]);
+    assert_eq!(cost(&on_day["local_total"]), 7, "{on_day:#}");
+    let on_next = report_json(&["report", "--log-group", &group, "--from", &next, "--to", &next, "--format", "json"]);
+    assert_eq!(cost(&on_next["local_total"]), 1_000, "{on_next:#}");
+}
+
+#[tokio::test]
+async fn a_missing_log_group_exits_1_naming_it() {
+    emulator::sdk().await; // fails with instructions when no emulator answers
+    let group = emulator::unique("/flexway/no-such-group");
+    let run = flexway(&["report", "--log-group", &group]);
+    assert_eq!(run.code, 1, "{}", run.stdout);
+    assert!(run.stderr.contains(&group) && run.stderr.contains("does not exist"), "{}", run.stderr);
+    assert!(run.stdout.is_empty());
+}
