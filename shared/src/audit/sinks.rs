@@ -8,7 +8,6 @@
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
-use tokio::io::AsyncWriteExt as _;
 
 use super::{AuditError, AuditRecord, AuditSink};
 
@@ -24,9 +23,13 @@ fn jsonl(records: &[AuditRecord]) -> Result<Vec<u8>, AuditError> {
 }
 
 /// Appends records to a JSONL file (created if missing, never truncated).
+///
+/// The write is a plain `write(2)` of a few hundred bytes to the page cache, done on
+/// the calling task: handing it to tokio's blocking pool (`tokio::fs`) cost two
+/// thread hops, about 100 µs a call, for no durability gained.
 pub struct FileAuditSink {
     path: PathBuf,
-    file: tokio::sync::Mutex<tokio::fs::File>,
+    file: std::sync::Mutex<std::fs::File>,
 }
 
 impl std::fmt::Debug for FileAuditSink {
@@ -45,7 +48,7 @@ impl FileAuditSink {
             .create(true)
             .open(&path)
             .map_err(|e| AuditError::Sink(format!("cannot open audit file {}: {e}", path.display())))?;
-        Ok(FileAuditSink { path, file: tokio::sync::Mutex::new(tokio::fs::File::from_std(file)) })
+        Ok(FileAuditSink { path, file: std::sync::Mutex::new(file) })
     }
 
     pub fn path(&self) -> &Path {
@@ -60,13 +63,10 @@ impl AuditSink for FileAuditSink {
             return Ok(());
         }
         let buffer = jsonl(records)?;
-        let mut file = self.file.lock().await;
-        let failed =
-            |e: std::io::Error| AuditError::Sink(format!("cannot write audit file {}: {e}", self.path.display()));
-        file.write_all(&buffer).await.map_err(failed)?;
-        // tokio's File writes in the background; flush waits until the OS has the bytes.
-        file.flush().await.map_err(failed)?;
-        Ok(())
+        let failed = |e: String| AuditError::Sink(format!("cannot write audit file {}: {e}", self.path.display()));
+        let mut file = self.file.lock().map_err(|_| failed("lock poisoned".into()))?;
+        // One write per call, O_APPEND: the lines of concurrent calls never interleave.
+        file.write_all(&buffer).map_err(|e| failed(e.to_string()))
     }
 }
 
