@@ -10,6 +10,11 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// mimalloc: the request path allocates many small, short-lived buffers across
+/// threads, where glibc's malloc spends its time consolidating.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(name = "flexway", version, about = "Flexway AI gateway")]
 struct Cli {

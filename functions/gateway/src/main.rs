@@ -16,6 +16,10 @@ use std::time::Instant;
 use flexway::config::ProcessEnv;
 use flexway::secret::LocalSecrets;
 
+/// As `flexway serve`: many small, short-lived allocations across threads.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let started = Instant::now();
     tracing_subscriber::fmt()

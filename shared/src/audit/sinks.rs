@@ -8,7 +8,6 @@
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
-
 use super::{AuditError, AuditRecord, AuditSink};
 
 /// One JSON line per record, `\n`-terminated, in the order given.
