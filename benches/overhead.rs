@@ -17,9 +17,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+mod common;
 
+use common::pct;
 use fake_model::FakeModel;
 use sha2::{Digest, Sha256};
 
@@ -38,7 +38,6 @@ async fn run() {
     let rate = env_or("BENCH_RATE", 500);
     let count = env_or("BENCH_REQUESTS", 5000) as usize;
     let model = FakeModel::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let store = std::env::var("BENCH_STORE").unwrap_or_else(|_| "memory".to_owned());
     let store = match store.as_str() {
         "embedded" => "{kind: embedded, path: ./ledger}".to_owned(),
@@ -49,24 +48,9 @@ async fn run() {
         hex::encode(Sha256::digest(KEY)),
         model.url()
     );
-    let config = dir.path().join("flexway.yaml");
-    std::fs::write(&config, yaml).unwrap();
     // The gateway is the real binary in its own process, as in production.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_flexway"))
-        .args(["serve", "--config", config.to_str().unwrap(), "--listen", "127.0.0.1:0"])
-        .current_dir(dir.path())
-        .env("FLEXWAY_LOG", "warn")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let gateway_url = loop {
-        let line = lines.next().unwrap().unwrap();
-        if let Some(url) = line.strip_prefix("flexway listening on ") {
-            break format!("{url}/v1");
-        }
-    };
-    std::thread::spawn(move || lines.for_each(drop));
+    let gateway = common::Gateway::start(&yaml);
+    let gateway_url = gateway.url.clone();
 
     let body = serde_json::json!({"model": "fake-chat", "messages": [{"role": "user", "content": "benchmark prompt of a few words"}]});
     let direct = fixed_rate(&model.url(), &body, rate, count).await;
@@ -83,8 +67,7 @@ async fn run() {
     let seconds = env_or("BENCH_SECONDS", 5);
     let rps = throughput(&gateway_url, &body, 64, Duration::from_secs(seconds)).await;
     println!("throughput through the gateway, 64 connections, {seconds} s: {rps:.0} req/s");
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(gateway);
 }
 
 async fn fixed_rate(base: &str, body: &serde_json::Value, rate: u64, count: usize) -> Vec<f64> {
@@ -113,11 +96,6 @@ async fn fixed_rate(base: &str, body: &serde_json::Value, rate: u64, count: usiz
     println!("  ({base}: worst send lag beyond the timer tick {worst_lag:?})");
     latencies.sort_by(f64::total_cmp);
     latencies
-}
-
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    let index = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
-    sorted[index]
 }
 
 async fn throughput(base: &str, body: &serde_json::Value, connections: usize, duration: Duration) -> f64 {

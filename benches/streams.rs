@@ -13,10 +13,11 @@
 //! Figures are printed, never asserted.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout, clippy::panic)]
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::pct;
 use fake_model::{FakeModel, Scenario};
 use futures_util::StreamExt;
 use sha2::{Digest, Sha256};
@@ -33,33 +34,14 @@ fn main() {
 async fn run() {
     let model = FakeModel::start().await.unwrap();
     let paced = model.scenario_url(&Scenario { chunks: Some(20), chunk_delay_ms: Some(50), ..Default::default() });
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("flexway.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "version: 1\nstore: {{kind: memory}}\naudit: {{sink: file, path: audit.jsonl}}\ntenants:\n  bench:\n    keys: [{{sha256: {}}}]\n  quick:\n    keys: [{{sha256: {}}}]\n    backend: fast\nai:\n  default_backend: paced\n  backends:\n    paced: {{url: \"{paced}\"}}\n    fast: {{url: \"{}\"}}\n",
-            hex::encode(Sha256::digest(KEY)),
-            hex::encode(Sha256::digest(QUICK_KEY)),
-            model.url()
-        ),
-    )
-    .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_flexway"))
-        .args(["serve", "--config", config.to_str().unwrap(), "--listen", "127.0.0.1:0"])
-        .current_dir(dir.path())
-        .env("FLEXWAY_LOG", "warn")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let gateway = loop {
-        let line = lines.next().unwrap().unwrap();
-        if let Some(url) = line.strip_prefix("flexway listening on ") {
-            break format!("{url}/v1");
-        }
-    };
-    std::thread::spawn(move || lines.for_each(drop));
+    let yaml = format!(
+        "version: 1\nstore: {{kind: memory}}\naudit: {{sink: file, path: audit.jsonl}}\ntenants:\n  bench:\n    keys: [{{sha256: {}}}]\n  quick:\n    keys: [{{sha256: {}}}]\n    backend: fast\nai:\n  default_backend: paced\n  backends:\n    paced: {{url: \"{paced}\"}}\n    fast: {{url: \"{}\"}}\n",
+        hex::encode(Sha256::digest(KEY)),
+        hex::encode(Sha256::digest(QUICK_KEY)),
+        model.url()
+    );
+    let process = common::Gateway::start(&yaml);
+    let gateway = process.url.clone();
     let client = reqwest::Client::builder().pool_max_idle_per_host(2000).build().unwrap();
 
     let direct = first_bytes(&client, &model.url(), 200).await;
@@ -84,14 +66,10 @@ async fn run() {
             worst_gap = worst_gap.max(gap);
         }
     }
-    let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap_or_default();
-    let peak = status.lines().find(|l| l.starts_with("VmHWM")).unwrap_or("VmHWM: ?").to_owned();
     println!("{concurrent} concurrent streams of 20 chunks 50 ms apart through the gateway");
     println!("  completed {completed}/{concurrent} in {:.2} s", started.elapsed().as_secs_f64());
     println!("  longest gap between two chunks of one stream: {} ms (the backend paces 50 ms)", worst_gap.as_millis());
-    println!("  gateway process peak memory: {}", peak.split_whitespace().skip(1).collect::<Vec<_>>().join(" "));
-    let _ = child.kill();
-    let _ = child.wait();
+    println!("  gateway process peak memory: {}", process.peak_memory());
 }
 
 fn body() -> serde_json::Value {
@@ -131,8 +109,4 @@ async fn stream_once(client: reqwest::Client, base: String) -> Option<Duration> 
         text.extend_from_slice(&chunk);
     }
     String::from_utf8_lossy(&text).contains("[DONE]").then_some(worst)
-}
-
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    sorted[((p / 100.0) * (sorted.len() - 1) as f64).round() as usize]
 }

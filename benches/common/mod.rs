@@ -1,0 +1,57 @@
+//! What the benchmarks share: the real `flexway serve` (release) in its own process.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+/// A running gateway process; killed and reaped on drop.
+pub struct Gateway {
+    child: Child,
+    /// `http://127.0.0.1:PORT/v1`
+    pub url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Gateway {
+    /// Writes `yaml` to a temp dir (relative paths in it land there) and starts the
+    /// binary on a free port.
+    pub fn start(yaml: &str) -> Gateway {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("flexway.yaml");
+        std::fs::write(&config, yaml).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_flexway"))
+            .args(["serve", "--config", config.to_str().unwrap(), "--listen", "127.0.0.1:0"])
+            .current_dir(dir.path())
+            .env("FLEXWAY_LOG", "warn")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let url = loop {
+            let line = lines.next().unwrap().unwrap();
+            if let Some(url) = line.strip_prefix("flexway listening on ") {
+                break format!("{url}/v1");
+            }
+        };
+        std::thread::spawn(move || lines.for_each(drop));
+        Gateway { child, url, _dir: dir }
+    }
+
+    /// Peak resident memory of the gateway process (`VmHWM`), as /proc prints it.
+    pub fn peak_memory(&self) -> String {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
+        let line = status.lines().find(|l| l.starts_with("VmHWM")).unwrap_or("VmHWM: ?");
+        line.split_whitespace().skip(1).collect::<Vec<_>>().join(" ")
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn pct(sorted: &[f64], p: f64) -> f64 {
+    sorted[((p / 100.0) * (sorted.len() - 1) as f64).round() as usize]
+}
