@@ -188,6 +188,18 @@ impl DynamoDbBudgetStore {
         Ok(TransactWriteItem::builder().update(update).build())
     }
 
+    /// Unconditional counter moves (settle, refund, sweep), one item per counter that
+    /// changes, with room left for the reservation item that goes with them.
+    fn counter_moves(&self, deltas: BTreeMap<&CounterKey, i128>) -> Result<Vec<TransactWriteItem>, StoreError> {
+        let mut items = Vec::with_capacity(deltas.len() + 1);
+        for (key, delta) in deltas {
+            if delta != 0 {
+                items.push(self.counter_update(key, delta, None)?);
+            }
+        }
+        Ok(items)
+    }
+
     async fn transact(&self, items: Vec<TransactWriteItem>) -> Result<Option<Cancelled>, StoreError> {
         let result = self.client.transact_write_items().set_transact_items(Some(items)).send().await;
         let error = match result {
@@ -316,12 +328,7 @@ impl BudgetStore for DynamoDbBudgetStore {
             for (key, amount) in actual {
                 *deltas.entry(key).or_default() += i128::from(*amount);
             }
-            let mut items = Vec::with_capacity(deltas.len() + 1);
-            for (key, delta) in deltas {
-                if delta != 0 {
-                    items.push(self.counter_update(key, delta, None)?);
-                }
-            }
+            let mut items = self.counter_moves(deltas)?;
             let delete = Delete::builder()
                 .table_name(&self.table)
                 .key("pk", Self::reservation_key(request_id))
@@ -457,12 +464,7 @@ impl DynamoDbBudgetStore {
         for (key, reserved) in &reservation.lines {
             *deltas.entry(key).or_default() -= i128::from(*reserved);
         }
-        let mut items = Vec::with_capacity(deltas.len() + 1);
-        for (key, delta) in deltas {
-            if delta != 0 {
-                items.push(self.counter_update(key, delta, None)?);
-            }
-        }
+        let mut items = self.counter_moves(deltas)?;
         let mark = Update::builder()
             .table_name(&self.table)
             .key("pk", s(pk.to_owned()))
