@@ -5,7 +5,7 @@
 //! chain, clamping the completion allowance when only that makes the call fit. A call
 //! that passes admission holds a `Ticket`; one that does not has written nothing.
 
-use crate::budget::plan::{self, Budget};
+use crate::budget::plan::{self, Allowance, Budget};
 use crate::budget::{ReserveOutcome, ReserveRequest, Ticket, period::unix_now};
 use crate::config::Capability;
 use crate::error::GatewayError;
@@ -28,6 +28,8 @@ pub struct Demand {
     pub prompt_tokens: u64,
     /// The client's `max_completion_tokens`/`max_tokens`; `None` takes the default.
     pub max_tokens: Option<u64>,
+    /// `n`: each choice may write the whole allowance.
+    pub choices: u64,
     /// Chat completes; embeddings only read.
     pub completes: bool,
     pub stream: bool,
@@ -40,8 +42,9 @@ pub struct Admission {
     pub ticket: Ticket,
     /// `Flexway-Budget: soft`.
     pub soft: bool,
-    /// Set when the allowance was clamped: the `max_tokens` to send upstream.
-    pub clamped_max_tokens: Option<u64>,
+    /// The completion allowance of each choice: what was reserved, and what must be
+    /// sent upstream (the client's limit, the default, or a clamped one).
+    pub allowance: u64,
 }
 
 pub async fn admit(
@@ -69,13 +72,17 @@ pub async fn admit(
         .router
         .route(caller, &RouteRequest { capability: demand.capability, sensitive: demand.sensitive, soft })?;
     let price = plan::highest_price(route.candidates.iter().map(|c| gateway.price(&c.backend)));
-    let (allowance, min_completion) = if demand.completes {
+    let allowance = if demand.completes {
         let default = u64::from(config.ai.budget.default_max_tokens);
-        (demand.max_tokens.unwrap_or(default), u64::from(config.ai.budget.min_completion_tokens))
+        Allowance {
+            per_choice: demand.max_tokens.unwrap_or(default),
+            choices: demand.choices,
+            min_per_choice: u64::from(config.ai.budget.min_completion_tokens),
+        }
     } else {
-        (0, 0)
+        Allowance::NONE
     };
-    let planned = plan::plan(&budgets, &used, demand.prompt_tokens, allowance, min_completion, price)
+    let planned = plan::plan(&budgets, &used, demand.prompt_tokens, allowance, price)
         .map_err(|index| exceeded(&budgets[index], now))?;
     let mut life: u64 = route.candidates.iter().map(|c| gateway.timeout(&c.backend).as_secs() + 1).sum();
     life += if demand.stream { STREAM_RESERVATION_SECS } else { RESERVATION_GRACE_SECS };
@@ -90,7 +97,7 @@ pub async fn admit(
         route,
         ticket: Ticket::new(gateway.budgets.clone(), request_id.to_owned(), budgets),
         soft,
-        clamped_max_tokens: planned.clamped.then_some(planned.completion_tokens),
+        allowance: planned.per_choice,
     })
 }
 

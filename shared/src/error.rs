@@ -38,6 +38,22 @@ fn names(backends: &[BackendId]) -> String {
     names.join(", ")
 }
 
+/// The backends a call went through before it failed: every error after routing names
+/// them, so a consuming team can act without a ticket.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Attempts {
+    /// Backends called, in order.
+    pub tried: Vec<BackendId>,
+    /// Backends skipped because their breaker was open.
+    pub skipped: Vec<BackendId>,
+}
+
+impl std::fmt::Display for Attempts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "tried: {}; skipped for an open circuit: {}", or_none(&self.tried), or_none(&self.skipped))
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
     #[error(transparent)]
@@ -60,18 +76,12 @@ pub enum GatewayError {
     ImageTooLarge { limit: u64 },
     #[error("budget exceeded: {budget}; it resets in {retry_after_secs} s")]
     BudgetExceeded { budget: String, retry_after_secs: u64 },
-    #[error("backend `{backend}` answered with an invalid response: {detail}")]
-    UpstreamError { backend: BackendId, detail: String },
-    #[error("no backend could serve this request ({}); tried: {}; skipped for an open circuit: {}", cause.as_str(), or_none(tried), or_none(skipped))]
-    UpstreamUnavailable {
-        cause: UnavailableCause,
-        /// Backends called, in order.
-        tried: Vec<BackendId>,
-        /// Backends skipped because their breaker was open.
-        skipped: Vec<BackendId>,
-    },
-    #[error("backend `{backend}` timed out")]
-    UpstreamTimeout { backend: BackendId },
+    #[error("backend `{backend}` answered with an invalid response: {detail}; {attempts}")]
+    UpstreamError { backend: BackendId, detail: String, attempts: Attempts },
+    #[error("no backend could serve this request ({}); {attempts}", cause.as_str())]
+    UpstreamUnavailable { cause: UnavailableCause, attempts: Attempts },
+    #[error("backend `{backend}` timed out; {attempts}")]
+    UpstreamTimeout { backend: BackendId, attempts: Attempts },
     #[error("no route for {method} {path}")]
     NotFound { method: String, path: String },
     #[error("method {method} is not allowed on {path}")]
@@ -158,20 +168,39 @@ impl GatewayError {
             GatewayError::BudgetExceeded { retry_after_secs, .. } => {
                 vec![("retry-after", retry_after_secs.to_string())]
             }
-            GatewayError::UpstreamUnavailable { cause, tried, skipped } => {
+            GatewayError::UpstreamUnavailable { cause, attempts } => {
                 let mut h = vec![("flexway-error-cause", cause.as_str().to_owned())];
-                if !tried.is_empty() {
-                    h.push(("flexway-backends-tried", names(tried)));
-                }
-                if !skipped.is_empty() {
-                    h.push(("flexway-backends-skipped", names(skipped)));
-                }
+                attempts.headers(&mut h);
                 h
             }
-            GatewayError::UpstreamTimeout { backend } | GatewayError::UpstreamError { backend, .. } => {
-                vec![("flexway-backends-tried", backend.to_string())]
+            GatewayError::UpstreamTimeout { attempts, .. } | GatewayError::UpstreamError { attempts, .. } => {
+                let mut h = Vec::new();
+                attempts.headers(&mut h);
+                h
             }
             _ => Vec::new(),
+        }
+    }
+
+    /// The backends this error names, if it comes after routing.
+    pub fn attempts(&self) -> Option<&Attempts> {
+        match self {
+            GatewayError::UpstreamUnavailable { attempts, .. }
+            | GatewayError::UpstreamTimeout { attempts, .. }
+            | GatewayError::UpstreamError { attempts, .. } => Some(attempts),
+            _ => None,
+        }
+    }
+}
+
+impl Attempts {
+    /// `Flexway-Backends-Tried` and `Flexway-Backends-Skipped`, when not empty.
+    fn headers(&self, out: &mut Vec<(&'static str, String)>) {
+        if !self.tried.is_empty() {
+            out.push(("flexway-backends-tried", names(&self.tried)));
+        }
+        if !self.skipped.is_empty() {
+            out.push(("flexway-backends-skipped", names(&self.skipped)));
         }
     }
 }
@@ -184,8 +213,10 @@ mod tests {
     fn unavailable_names_cause_and_backends() {
         let err = GatewayError::UpstreamUnavailable {
             cause: UnavailableCause::UpstreamFailed,
-            tried: vec![BackendId::new("a"), BackendId::new("b")],
-            skipped: vec![BackendId::new("c")],
+            attempts: Attempts {
+                tried: vec![BackendId::new("a"), BackendId::new("b")],
+                skipped: vec![BackendId::new("c")],
+            },
         };
         assert!(err.to_string().contains("skipped for an open circuit: c"));
         assert_eq!(err.status(), StatusCode::SERVICE_UNAVAILABLE);
@@ -193,6 +224,17 @@ mod tests {
         assert!(err.to_string().contains("upstream_failed"));
         assert!(err.to_string().contains("a, b"));
         assert!(err.headers().contains(&("flexway-error-cause", "upstream_failed".to_owned())));
+    }
+
+    #[test]
+    fn a_timeout_after_a_fallback_names_every_backend_tried() {
+        let err = GatewayError::UpstreamTimeout {
+            backend: BackendId::new("b"),
+            attempts: Attempts { tried: vec![BackendId::new("a"), BackendId::new("b")], skipped: vec![] },
+        };
+        assert_eq!(err.status(), StatusCode::GATEWAY_TIMEOUT);
+        assert!(err.to_string().contains("tried: a, b"), "{err}");
+        assert_eq!(err.headers(), vec![("flexway-backends-tried", "a, b".to_owned())]);
     }
 
     #[test]

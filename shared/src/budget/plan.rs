@@ -118,39 +118,50 @@ pub fn is_soft(budgets: &[Budget], used: &[u64], threshold_ppm: u32) -> bool {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
     pub lines: Vec<Line>,
-    /// The completion allowance reserved (and sent upstream when clamped).
+    /// The completion allowance of each choice: what is sent upstream as `max_tokens`.
+    pub per_choice: u64,
+    /// The completion allowance reserved: `per_choice` times the choices asked.
     pub completion_tokens: u64,
     pub clamped: bool,
 }
 
-/// Plans the reservation of `prompt` tokens plus `allowance` completion tokens at
+/// What a call may complete: `per_choice` tokens for each of `choices` choices (`n`),
+/// never clamped below `min_per_choice`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allowance {
+    pub per_choice: u64,
+    pub choices: u64,
+    pub min_per_choice: u64,
+}
+
+impl Allowance {
+    /// Nothing to complete (embeddings).
+    pub const NONE: Allowance = Allowance { per_choice: 0, choices: 1, min_per_choice: 0 };
+}
+
+/// Plans the reservation of `prompt` tokens plus the completion `allowance` at
 /// `price`. When a budget cannot hold the allowance but still holds the prompt and
-/// `min_completion` tokens, the allowance is clamped to fit; otherwise the index of
-/// the budget that refuses is returned.
-pub fn plan(
-    budgets: &[Budget],
-    used: &[u64],
-    prompt: u64,
-    allowance: u64,
-    min_completion: u64,
-    price: Price,
-) -> Result<Plan, usize> {
-    let mut completion = allowance;
+/// the minimum per choice, the allowance of each choice is clamped to fit; otherwise
+/// the index of the budget that refuses is returned.
+pub fn plan(budgets: &[Budget], used: &[u64], prompt: u64, allowance: Allowance, price: Price) -> Result<Plan, usize> {
+    let choices = allowance.choices.max(1);
+    let mut per_choice = allowance.per_choice;
     for (index, (budget, used)) in budgets.iter().zip(used).enumerate() {
         let Some(limit) = budget.limit else { continue };
         let remaining = limit.saturating_sub(*used);
-        let fits = fitting_completion(budget.unit, remaining, prompt, price);
-        if fits < completion {
-            if fits < min_completion.min(allowance) {
+        let fits = fitting_completion(budget.unit, remaining, prompt, price) / choices;
+        if fits < per_choice {
+            if fits < allowance.min_per_choice.min(allowance.per_choice) {
                 return Err(index);
             }
-            completion = fits;
+            per_choice = fits;
         }
     }
+    let completion = per_choice.saturating_mul(choices);
     let usage = Usage { prompt_tokens: prompt, completion_tokens: completion };
     let lines =
         budgets.iter().map(|b| Line { key: b.key.clone(), amount: b.amount(usage, price), limit: b.limit }).collect();
-    Ok(Plan { lines, completion_tokens: completion, clamped: completion < allowance })
+    Ok(Plan { lines, per_choice, completion_tokens: completion, clamped: per_choice < allowance.per_choice })
 }
 
 /// The most completion tokens that fit in `remaining` after the prompt.
@@ -186,6 +197,10 @@ mod tests {
         Budget { name: "b".into(), key: CounterKey("k".into()), unit, limit, resets_at: 0 }
     }
 
+    fn allow(per_choice: u64) -> Allowance {
+        Allowance { per_choice, choices: 1, min_per_choice: 16 }
+    }
+
     const PRICE: Price = Price { input_per_mtok: MicroEur(2_000_000), output_per_mtok: MicroEur(8_000_000) };
 
     #[test]
@@ -196,7 +211,7 @@ mod tests {
     #[test]
     fn reserves_prompt_plus_allowance_in_tokens_and_euros() {
         let budgets = [budget(Unit::Tokens, Some(10_000)), budget(Unit::MicroEur, None)];
-        let plan = plan(&budgets, &[0, 0], 100, 400, 16, PRICE).unwrap();
+        let plan = plan(&budgets, &[0, 0], 100, allow(400), PRICE).unwrap();
         assert_eq!(plan.lines[0].amount, 500);
         // 100 × 2 µ€ + 400 × 8 µ€
         assert_eq!(plan.lines[1].amount, 200 + 3200);
@@ -206,7 +221,7 @@ mod tests {
     #[test]
     fn clamps_the_allowance_to_what_remains() {
         let budgets = [budget(Unit::Tokens, Some(1000))];
-        let plan = plan(&budgets, &[700], 100, 4096, 16, PRICE).unwrap();
+        let plan = plan(&budgets, &[700], 100, allow(4096), PRICE).unwrap();
         assert_eq!(plan.completion_tokens, 200);
         assert!(plan.clamped);
         assert_eq!(plan.lines[0].amount, 300);
@@ -216,7 +231,7 @@ mod tests {
     fn clamps_on_euros_too() {
         // 1000 µ€ left; prompt 100 tokens cost 200 µ€; 800 µ€ buy 100 output tokens.
         let budgets = [budget(Unit::MicroEur, Some(5000))];
-        let plan = plan(&budgets, &[4000], 100, 4096, 16, PRICE).unwrap();
+        let plan = plan(&budgets, &[4000], 100, allow(4096), PRICE).unwrap();
         assert_eq!(plan.completion_tokens, 100);
         assert_eq!(plan.lines[0].amount, 1000);
     }
@@ -224,8 +239,23 @@ mod tests {
     #[test]
     fn refuses_when_not_even_the_minimum_completion_fits() {
         let budgets = [budget(Unit::Tokens, None), budget(Unit::Tokens, Some(1000))];
-        assert_eq!(plan(&budgets, &[0, 890], 100, 4096, 16, PRICE), Err(1));
-        assert!(plan(&budgets, &[0, 884], 100, 4096, 16, PRICE).is_ok());
+        assert_eq!(plan(&budgets, &[0, 890], 100, allow(4096), PRICE), Err(1));
+        assert!(plan(&budgets, &[0, 884], 100, allow(4096), PRICE).is_ok());
+    }
+
+    #[test]
+    fn n_choices_multiply_the_allowance_and_clamp_per_choice() {
+        let budgets = [budget(Unit::Tokens, Some(10_000))];
+        let four = Allowance { per_choice: 100, choices: 4, min_per_choice: 16 };
+        let plan = plan(&budgets, &[0], 50, four, PRICE).unwrap();
+        assert_eq!((plan.per_choice, plan.completion_tokens), (100, 400));
+        assert_eq!(plan.lines[0].amount, 450);
+        // 250 left after the prompt: 62 a choice, 248 reserved, never more than remains.
+        let plan = super::plan(&budgets, &[9_700], 50, four, PRICE).unwrap();
+        assert_eq!((plan.per_choice, plan.completion_tokens, plan.clamped), (62, 248, true));
+        assert!(plan.lines[0].amount <= 300);
+        // 60 left: 15 a choice is under the minimum of 16.
+        assert_eq!(super::plan(&budgets, &[9_890], 50, four, PRICE), Err(0));
     }
 
     #[test]

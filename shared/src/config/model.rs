@@ -126,7 +126,15 @@ pub struct Ai {
     pub sensitive_backend: Option<BackendId>,
     pub budget: BudgetPolicy,
     pub vision: VisionPolicy,
+    pub limits: Limits,
     pub backends: BTreeMap<BackendId, Backend>,
+}
+
+/// Bounds on an upstream answer (`ai.limits`).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_response_bytes: u64,
+    pub max_event_bytes: u64,
 }
 
 #[derive(Debug, Clone, Default)]

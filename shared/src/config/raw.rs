@@ -160,6 +160,8 @@ pub struct RawAi {
     pub budget: Option<RawBudgetPolicy>,
     /// Limits on images and request bodies.
     pub vision: Option<RawVision>,
+    /// Limits on what a backend may send back.
+    pub limits: Option<RawLimits>,
     /// The backends by name.
     pub backends: Option<BTreeMap<String, RawBackend>>,
 }
@@ -212,6 +214,18 @@ pub struct RawVision {
     pub max_body_bytes: Option<u64>,
     /// https origins (`https://host[:port]`) remote image URLs may point under.
     pub allowed_origins: Option<Vec<String>>,
+}
+
+/// Bounds on an upstream answer: memory per call stays bounded whatever a backend sends.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Limits", expecting = "answer limits (a mapping)")]
+pub struct RawLimits {
+    /// Largest non-streamed answer body (a relayed 4xx included). Default 67108864 (64 MiB).
+    #[schemars(range(min = 1))]
+    pub max_response_bytes: Option<u64>,
+    /// Largest single server-sent event of a stream. Default 1048576 (1 MiB).
+    #[schemars(range(min = 1))]
+    pub max_event_bytes: Option<u64>,
 }
 
 /// A backend. Which keys apply depends on `kind`; a key of another kind is refused.

@@ -19,7 +19,7 @@ mod backends;
 
 use super::raw::{
     Parsed, RawAgent, RawAi, RawAudit, RawBackend, RawBackendKind, RawBudgetPolicy, RawBudgets, RawCapability,
-    RawConfig, RawDuration, RawKey, RawSecret, RawSinkKind, RawStore, RawStoreKind, RawTenant, RawVision,
+    RawConfig, RawDuration, RawKey, RawLimits, RawSecret, RawSinkKind, RawStore, RawStoreKind, RawTenant, RawVision,
 };
 use super::values::{fraction_ppm, header_name, https_origin, key_hash, micro_eur, secret_ref};
 use super::*;
@@ -30,6 +30,8 @@ const DEFAULT_MAX_TOKENS: u32 = 4096;
 const DEFAULT_MIN_COMPLETION_TOKENS: u32 = 16;
 const DEFAULT_MAX_IMAGE_BYTES: u64 = 8 * 1024 * 1024;
 const DEFAULT_MAX_BODY_BYTES: u64 = 24 * 1024 * 1024;
+const DEFAULT_MAX_RESPONSE_BYTES: u64 = 64 * 1024 * 1024;
+const DEFAULT_MAX_EVENT_BYTES: u64 = 1024 * 1024;
 /// Lambda's request payload limit (function URL and API Gateway alike): 6 MB.
 const LAMBDA_MAX_REQUEST_BYTES: u64 = 6 * 1024 * 1024;
 
@@ -510,8 +512,16 @@ impl Checker<'_> {
     // ----- ai -----------------------------------------------------------------------
 
     fn ai(&mut self, raw: RawAi, catalog: &Catalog, backends: BTreeMap<BackendId, Backend>) -> Option<Ai> {
-        let RawAi { default_backend, capabilities, sensitive_header, sensitive_backend, budget, vision, backends: _ } =
-            raw;
+        let RawAi {
+            default_backend,
+            capabilities,
+            sensitive_header,
+            sensitive_backend,
+            budget,
+            vision,
+            limits,
+            backends: _,
+        } = raw;
 
         let default_backend = self
             .required("ai.default_backend", default_backend, "(the backend serving what no override routes elsewhere)")
@@ -544,6 +554,7 @@ impl Checker<'_> {
 
         let budget = self.budget_policy(budget.unwrap_or_default(), catalog);
         let vision = self.vision(vision.unwrap_or_default());
+        let limits = self.limits(limits.unwrap_or_default());
 
         Some(Ai {
             default_backend: default_backend?,
@@ -552,6 +563,7 @@ impl Checker<'_> {
             sensitive_backend,
             budget: budget?,
             vision: vision?,
+            limits,
             backends,
         })
     }
@@ -602,6 +614,18 @@ impl Checker<'_> {
             );
         }
         Some(BudgetPolicy { soft, default_max_tokens, min_completion_tokens })
+    }
+
+    fn limits(&mut self, raw: RawLimits) -> Limits {
+        let max_response_bytes = raw.max_response_bytes.unwrap_or(DEFAULT_MAX_RESPONSE_BYTES);
+        let max_event_bytes = raw.max_event_bytes.unwrap_or(DEFAULT_MAX_EVENT_BYTES);
+        if max_response_bytes == 0 {
+            self.error("ai.limits.max_response_bytes", "must be greater than zero");
+        }
+        if max_event_bytes == 0 {
+            self.error("ai.limits.max_event_bytes", "must be greater than zero");
+        }
+        Limits { max_response_bytes, max_event_bytes }
     }
 
     fn vision(&mut self, raw: RawVision) -> Option<VisionPolicy> {

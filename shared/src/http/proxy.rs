@@ -8,7 +8,7 @@
 //! reservation is settled or refunded (`budget::Ticket`), on every path below.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::Extension;
 use axum::body::Body;
@@ -24,37 +24,74 @@ use super::relay;
 use crate::admission::{Admission, Demand, admit};
 use crate::budget::{Ticket, plan};
 use crate::config::{BackendId, Capability, Endpoint};
-use crate::error::{GatewayError, UnavailableCause};
+use crate::error::{Attempts, GatewayError, UnavailableCause};
 use crate::gateway::Gateway;
 use crate::identity::Caller;
 use crate::protocol::openai::{Answer, ChatRequest, EmbeddingsRequest, InvalidRequest, Usage};
 use crate::protocol::vision;
 use crate::routing::breaker::{Admit, Outcome};
 use crate::routing::{Candidate, Route};
-use crate::upstream::CallError;
+use crate::upstream::body::{self, Fault};
+use crate::upstream::{CallError, UpstreamClient};
 
 pub const BACKEND_HEADER: &str = "flexway-backend";
 pub const DEGRADED_HEADER: &str = "flexway-degraded";
 pub const BUDGET_HEADER: &str = "flexway-budget";
 
-/// A backend that answered (any status but 5xx), before a byte reached the client.
+/// A backend whose answer is in (a non-streamed one read whole, a stream held until
+/// its first content), before a byte reached the client.
 pub(super) struct Served {
     pub candidate: Candidate,
-    pub response: reqwest::Response,
-    pub timeout: std::time::Duration,
+    pub answered: Answered,
+    pub timeout: Duration,
+}
+
+pub(super) enum Answered {
+    /// A non-streamed answer read whole: a 2xx checked to be a JSON object (`answer`),
+    /// or the backend's own refusal (4xx) to relay as is.
+    Whole {
+        status: StatusCode,
+        content_type: HeaderValue,
+        retry_after: Option<HeaderValue>,
+        body: Bytes,
+        answer: Option<Answer>,
+    },
+    /// A stream whose first content event (or clean end) has arrived.
+    Stream(relay::Held),
+}
+
+/// What the caller expects of a successful answer.
+#[derive(Clone, Copy)]
+enum Expect {
+    Json,
+    Stream { client_wants_usage: bool },
+}
+
+/// Why one attempt failed, before anything reached the client.
+enum Failure {
+    /// A status its breaker counts (5xx by default).
+    Status {
+        status: u16,
+        retry_after: Option<Duration>,
+    },
+    Head(CallError),
+    Body(Fault),
 }
 
 /// What the call phases hand to the record phase.
 enum Reply {
     /// A complete response (relayed 4xx included).
     Now(Response),
-    /// A stream to relay; it settles and records when it ends.
-    Stream {
-        served: Served,
-        client_wants_usage: bool,
-        headers: Vec<(&'static str, HeaderValue)>,
-        settle: relay::Settle,
-    },
+    /// A held stream to relay; it settles and records when it ends.
+    Stream(Box<Streamed>),
+}
+
+struct Streamed {
+    backend: BackendId,
+    held: relay::Held,
+    timeout: Duration,
+    headers: Vec<(&'static str, HeaderValue)>,
+    settle: relay::Settle,
 }
 
 /// Who is calling, under which request id.
@@ -116,8 +153,9 @@ async fn handle(
             draft.finish(response.status().as_u16(), None).await;
             response
         }
-        Ok(Reply::Stream { served, client_wants_usage, headers, settle }) => {
-            relay::stream(served, client_wants_usage, headers, settle, draft)
+        Ok(Reply::Stream(streamed)) => {
+            let Streamed { backend, held, timeout, headers, settle } = *streamed;
+            relay::stream(gateway, backend, held, timeout, headers, settle, draft)
         }
         Err(e) => {
             draft.fail(&e).await;
@@ -142,31 +180,38 @@ async fn chat(
         capability: request.capability(),
         prompt_tokens: plan::prompt_upper_bound(request.prompt_text_bytes, request.message_count, images),
         max_tokens: request.max_tokens,
+        choices: request.choices,
         completes: true,
         stream: request.stream,
         sensitive: sensitive(headers, &gateway.config.ai.sensitive_header)?,
     };
-    let Admission { route, ticket, soft, clamped_max_tokens } =
-        admit(gateway, call.caller, &call.request_id.0, &demand).await?;
+    let Admission { route, ticket, soft, allowance } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.soft(soft);
     let prompt_typical = plan::prompt_typical(request.prompt_text_bytes, request.message_count, images);
-    let body_for = |model: &str| request.upstream_body(model, clamped_max_tokens);
-    let served = match dispatch(gateway, draft, &route, "/chat/completions", &request.model, body_for).await {
+    let body_for = |model: &str| request.upstream_body(model, allowance);
+    let expect =
+        if request.stream { Expect::Stream { client_wants_usage: request.client_wants_usage } } else { Expect::Json };
+    let served = match dispatch(gateway, draft, &route, "/chat/completions", &request.model, body_for, expect).await {
         Ok(served) => served,
         Err(e) => return Err(refunded(ticket, e).await),
     };
-    if !request.stream || !served.response.status().is_success() {
-        return complete(gateway, draft, served, ticket, soft, prompt_typical).await;
+    let backend = served.candidate.backend.clone();
+    let settle = relay::Settle {
+        ticket,
+        price: gateway.price(&backend),
+        backend,
+        prompt_typical,
+        allowance: Some(allowance.saturating_mul(request.choices)),
+    };
+    match served.answered {
+        Answered::Stream(held) => {
+            draft.streaming();
+            let headers = model_headers(&served.candidate, soft);
+            let backend = served.candidate.backend;
+            Ok(Reply::Stream(Box::new(Streamed { backend, held, timeout: served.timeout, headers, settle })))
+        }
+        Answered::Whole { .. } => complete(gateway, draft, served, settle, soft).await,
     }
-    if !is_event_stream(served.response.headers()) {
-        let detail = "a stream was asked for but the response is not text/event-stream".into();
-        return Err(refunded(ticket, GatewayError::UpstreamError { backend: served.candidate.backend, detail }).await);
-    }
-    let price = gateway.price(&served.candidate.backend);
-    let headers = model_headers(&served.candidate, soft);
-    draft.streaming();
-    let settle = relay::Settle { ticket, price, prompt_typical };
-    Ok(Reply::Stream { served, client_wants_usage: request.client_wants_usage, headers, settle })
 }
 
 async fn embed(
@@ -183,6 +228,7 @@ async fn embed(
         capability: Capability::Embeddings,
         prompt_tokens: request.input_units,
         max_tokens: None,
+        choices: 1,
         completes: false,
         stream: false,
         sensitive: sensitive(headers, &gateway.config.ai.sensitive_header)?,
@@ -190,11 +236,19 @@ async fn embed(
     let Admission { route, ticket, soft, .. } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.soft(soft);
     let body_for = |model: &str| request.upstream_body(model);
-    let served = match dispatch(gateway, draft, &route, "/embeddings", &request.model, body_for).await {
+    let served = match dispatch(gateway, draft, &route, "/embeddings", &request.model, body_for, Expect::Json).await {
         Ok(served) => served,
         Err(e) => return Err(refunded(ticket, e).await),
     };
-    complete(gateway, draft, served, ticket, soft, plan::typical_tokens(request.input_units)).await
+    let backend = served.candidate.backend.clone();
+    let settle = relay::Settle {
+        ticket,
+        price: gateway.price(&backend),
+        backend,
+        prompt_typical: plan::typical_tokens(request.input_units),
+        allowance: None,
+    };
+    complete(gateway, draft, served, settle, soft).await
 }
 
 /// Refunds the reservation of a call that failed before its first byte.
@@ -204,39 +258,39 @@ async fn refunded(ticket: Ticket, error: GatewayError) -> GatewayError {
 }
 
 /// The tail every non-streamed answer shares: a backend's own 4xx relayed as is (and
-/// refunded), or the answer read and settled on its usage — or, if it reports none,
-/// on `prompt_typical` plus the typical tokens of the completion it wrote.
+/// refunded), or the answer (read whole) settled on its usage — or, if it reports
+/// none, on the prompt's typical tokens plus those of the completion it wrote.
 async fn complete(
     gateway: &Gateway,
     draft: &mut Draft,
     served: Served,
-    ticket: Ticket,
+    settle: relay::Settle,
     soft: bool,
-    prompt_typical: u64,
 ) -> Result<Reply, GatewayError> {
-    let headers = model_headers(&served.candidate, soft);
-    if !served.response.status().is_success() {
-        ticket.refund().await;
-        return relay_error_as_is(served, headers).await.map(Reply::Now);
-    }
-    let price = gateway.price(&served.candidate.backend);
-    let reading = Instant::now();
-    let read = read_json(served).await;
-    draft.waited(reading.elapsed());
-    let (response, answer) = match read {
-        Ok(read) => read,
-        Err(e) => return Err(refunded(ticket, e).await),
+    let mut headers = model_headers(&served.candidate, soft);
+    let Answered::Whole { status, content_type, retry_after, body, answer } = served.answered else {
+        return Err(
+            refunded(settle.ticket, GatewayError::Internal("a stream where an answer was expected".into())).await
+        );
+    };
+    let Some(answer) = answer else {
+        settle.ticket.refund().await;
+        if let Some(v) = retry_after {
+            headers.push(("retry-after", v));
+        }
+        tracing::info!(backend = %served.candidate.backend, status = status.as_u16(), "backend refused the call");
+        return Ok(Reply::Now(response_with(status, body, content_type, headers)));
     };
     let (usage, source) = match answer.usage {
         Some(usage) => (usage, UsageSource::Reported),
         None => {
             let completion_tokens = plan::typical_tokens(answer.completion_bytes);
-            (Usage { prompt_tokens: prompt_typical, completion_tokens }, UsageSource::Estimated)
+            (Usage { prompt_tokens: settle.prompt_typical, completion_tokens }, UsageSource::Estimated)
         }
     };
-    let cost = ticket.settle(usage, price).await;
+    let cost = settle.settle(gateway, usage).await;
     draft.usage(usage, source, cost);
-    Ok(Reply::Now(with_headers(response, headers)))
+    Ok(Reply::Now(response_with(StatusCode::OK, body, HeaderValue::from_static("application/json"), headers)))
 }
 
 /// The sensitivity header (`ai.sensitive_header`): `true`/`false` (also `1`/`0`,
@@ -303,9 +357,12 @@ fn is_length_limit(e: &axum::Error) -> bool {
     false
 }
 
-/// Tries the route in order until a backend answers with something other than a
-/// failure its breaker counts (by default a 5xx, a connection error, a timeout).
-/// Backends whose breaker is open are skipped; each outcome feeds the breaker.
+/// Tries the route in order until a backend's answer is in: read whole, or for a
+/// stream, held until its first content. A connection error, a status its breaker
+/// counts (5xx by default), a timeout, a body cut, stalled or invalid: each falls back
+/// to the next candidate, since nothing has reached the client yet. Backends whose
+/// breaker is open are skipped; every outcome feeds the breaker (a stream's success
+/// is recorded when it ends).
 async fn dispatch(
     gateway: &Gateway,
     draft: &mut Draft,
@@ -313,70 +370,132 @@ async fn dispatch(
     path: &str,
     requested_model: &str,
     body_for: impl Fn(&str) -> Vec<u8>,
+    expect: Expect,
 ) -> Result<Served, GatewayError> {
-    let mut tried = Vec::new();
-    let mut skipped = Vec::new();
-    let mut timed_out = None;
+    let mut attempts = Attempts::default();
+    let mut last: Option<(BackendId, Failure)> = None;
     for candidate in &route.candidates {
         let backend = &candidate.backend;
         let (Some(endpoint), Some(client)) = (endpoint(gateway, backend), gateway.upstreams.get(backend)) else {
             continue;
         };
         if gateway.breakers.admit(backend, Instant::now()) == Admit::No {
-            skipped.push(backend.clone());
+            attempts.skipped.push(backend.clone());
             continue;
         }
         let model = endpoint.served_model(requested_model);
-        tried.push(backend.clone());
+        attempts.tried.push(backend.clone());
         draft.trying(candidate, &model);
-        timed_out = None;
         let sent = Instant::now();
-        let answer = client.post_json(path, body_for(&model)).await;
+        let answer = attempt(gateway, client, path, body_for(&model), expect).await;
         draft.waited(sent.elapsed());
-        match answer {
-            Ok(response) => {
-                let status = response.status();
-                let retry_after = retry_after(response.headers());
-                gateway.breakers.record(
-                    backend,
-                    Outcome::Status { status: status.as_u16(), retry_after },
-                    Instant::now(),
-                );
-                if !status.is_server_error() {
-                    return Ok(Served { candidate: candidate.clone(), response, timeout: client.timeout });
+        let failure = match answer {
+            Ok(answered) => {
+                if let Answered::Whole { status, retry_after, .. } = &answered {
+                    let retry_after = retry_after.as_ref().and_then(seconds);
+                    let outcome = Outcome::Status { status: status.as_u16(), retry_after };
+                    gateway.breakers.record(backend, outcome, Instant::now());
                 }
-                tracing::warn!(backend = %backend, status = status.as_u16(), "backend failed");
+                return Ok(Served { candidate: candidate.clone(), answered, timeout: client.timeout });
             }
-            Err(CallError::Timeout(after)) => {
-                gateway.breakers.record(backend, Outcome::Timeout, Instant::now());
+            Err(failure) => failure,
+        };
+        let outcome = match &failure {
+            Failure::Status { status, retry_after } => {
+                tracing::warn!(backend = %backend, status, "backend failed");
+                Some(Outcome::Status { status: *status, retry_after: *retry_after })
+            }
+            Failure::Head(CallError::Timeout(after)) => {
                 tracing::warn!(backend = %backend, ?after, "backend timed out");
-                timed_out = Some(backend.clone());
+                Some(Outcome::Timeout)
             }
-            Err(CallError::Connect(e)) => {
-                gateway.breakers.record(backend, Outcome::ConnectionError, Instant::now());
+            Failure::Head(CallError::Connect(e)) => {
                 tracing::warn!(backend = %backend, "backend unreachable: {e}");
+                Some(Outcome::ConnectionError)
             }
             // Our own credential file is missing: not the backend's health.
-            Err(e @ CallError::Credential(_)) => tracing::error!(backend = %backend, "{e}"),
+            Failure::Head(e @ CallError::Credential(_)) => {
+                tracing::error!(backend = %backend, "{e}");
+                None
+            }
+            Failure::Body(fault) => {
+                tracing::warn!(backend = %backend, "backend answer failed before the first byte: {fault}");
+                Some(relay::fault_outcome(fault))
+            }
+        };
+        if let Some(outcome) = outcome {
+            gateway.breakers.record(backend, outcome, Instant::now());
+        }
+        last = Some((backend.clone(), failure));
+    }
+    Err(match last {
+        Some((backend, Failure::Head(CallError::Timeout(_)) | Failure::Body(Fault::Timeout))) => {
+            GatewayError::UpstreamTimeout { backend, attempts }
+        }
+        Some((backend, Failure::Body(Fault::Invalid(detail)))) => {
+            GatewayError::UpstreamError { backend, detail, attempts }
+        }
+        _ => {
+            let cause = if attempts.tried.is_empty() && !attempts.skipped.is_empty() {
+                UnavailableCause::CircuitOpen
+            } else if route.via_pool {
+                UnavailableCause::PoolExhausted
+            } else {
+                UnavailableCause::UpstreamFailed
+            };
+            GatewayError::UpstreamUnavailable { cause, attempts }
+        }
+    })
+}
+
+/// One call to one backend, up to its answer being in (bounded by the backend's
+/// `timeout` from the moment the request is sent).
+async fn attempt(
+    gateway: &Gateway,
+    client: &UpstreamClient,
+    path: &str,
+    body: Vec<u8>,
+    expect: Expect,
+) -> Result<Answered, Failure> {
+    let deadline = tokio::time::Instant::now() + client.timeout;
+    let limits = gateway.config.ai.limits;
+    let response = client.post_json(path, body).await.map_err(Failure::Head)?;
+    let status = response.status();
+    let headers = response.headers();
+    if status.is_server_error() {
+        let retry_after = headers.get(header::RETRY_AFTER).and_then(seconds);
+        return Err(Failure::Status { status: status.as_u16(), retry_after });
+    }
+    let expect = if status.is_success() { expect } else { Expect::Json };
+    match expect {
+        Expect::Json => {
+            let content_type =
+                headers.get(header::CONTENT_TYPE).cloned().unwrap_or(HeaderValue::from_static("application/json"));
+            let retry_after = headers.get(header::RETRY_AFTER).cloned();
+            let body = body::read_whole(response, limits.max_response_bytes, deadline).await.map_err(Failure::Body)?;
+            let answer = if status.is_success() {
+                let answer = Answer::read(&body)
+                    .ok_or_else(|| Failure::Body(Fault::Invalid("the answer is not a JSON object".into())))?;
+                Some(answer)
+            } else {
+                None
+            };
+            Ok(Answered::Whole { status, content_type, retry_after, body, answer })
+        }
+        Expect::Stream { client_wants_usage } => {
+            if !is_event_stream(headers) {
+                let detail = "a stream was asked for but the answer is not text/event-stream";
+                return Err(Failure::Body(Fault::Invalid(detail.into())));
+            }
+            let held = relay::hold(response, limits.max_event_bytes, deadline, client_wants_usage).await;
+            held.map(Answered::Stream).map_err(Failure::Body)
         }
     }
-    if let Some(backend) = timed_out {
-        return Err(GatewayError::UpstreamTimeout { backend });
-    }
-    let cause = if tried.is_empty() && !skipped.is_empty() {
-        UnavailableCause::CircuitOpen
-    } else if route.via_pool {
-        UnavailableCause::PoolExhausted
-    } else {
-        UnavailableCause::UpstreamFailed
-    };
-    Err(GatewayError::UpstreamUnavailable { cause, tried, skipped })
 }
 
 /// `Retry-After` in seconds (the HTTP-date form is not used by model APIs).
-fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<std::time::Duration> {
-    let value = headers.get(header::RETRY_AFTER)?.to_str().ok()?;
-    value.trim().parse::<u64>().ok().map(std::time::Duration::from_secs)
+fn seconds(value: &HeaderValue) -> Option<Duration> {
+    value.to_str().ok()?.trim().parse::<u64>().ok().map(Duration::from_secs)
 }
 
 fn endpoint<'a>(gateway: &'a Gateway, backend: &BackendId) -> Option<&'a Endpoint> {
@@ -415,65 +534,6 @@ fn response_with(
     let mut response = Response::new(Body::from(body));
     *response.status_mut() = status;
     response.headers_mut().insert(header::CONTENT_TYPE, content_type);
-    for (name, value) in extra {
-        response.headers_mut().insert(name, value);
-    }
-    response
-}
-
-async fn read_upstream_body(served: &mut Served) -> Result<Bytes, GatewayError> {
-    let backend = served.candidate.backend.clone();
-    let response = std::mem::replace(&mut served.response, empty_response());
-    match tokio::time::timeout(served.timeout, response.bytes()).await {
-        Err(_) => Err(GatewayError::UpstreamTimeout { backend }),
-        Ok(Err(e)) => Err(GatewayError::UpstreamError { backend, detail: format!("reading the body failed: {e}") }),
-        Ok(Ok(bytes)) => Ok(bytes),
-    }
-}
-
-fn empty_response() -> reqwest::Response {
-    reqwest::Response::from(http::Response::new(Vec::<u8>::new()))
-}
-
-/// A backend's own 4xx: relayed as is (status, body, content type, Retry-After).
-async fn relay_error_as_is(
-    mut served: Served,
-    mut extra: Vec<(&'static str, HeaderValue)>,
-) -> Result<Response, GatewayError> {
-    let status = served.response.status();
-    let content_type = served
-        .response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .cloned()
-        .unwrap_or(HeaderValue::from_static("application/json"));
-    let retry_after = served.response.headers().get(header::RETRY_AFTER).cloned();
-    let body = read_upstream_body(&mut served).await?;
-    if let Some(v) = retry_after {
-        extra.push(("retry-after", v));
-    }
-    tracing::info!(backend = %served.candidate.backend, status = status.as_u16(), "backend refused the call");
-    Ok(response_with(status, body, content_type, extra))
-}
-
-/// A non-streamed answer, checked to be a JSON object: the response to relay (body
-/// as the backend wrote it) and the parsed body.
-async fn read_json(mut served: Served) -> Result<(Response, Answer), GatewayError> {
-    let body = read_upstream_body(&mut served).await?;
-    match Answer::read(&body) {
-        Some(answer) => {
-            let response =
-                response_with(StatusCode::OK, body, HeaderValue::from_static("application/json"), Vec::new());
-            Ok((response, answer))
-        }
-        None => Err(GatewayError::UpstreamError {
-            backend: served.candidate.backend,
-            detail: "the response is not a JSON object".into(),
-        }),
-    }
-}
-
-fn with_headers(mut response: Response, extra: Vec<(&'static str, HeaderValue)>) -> Response {
     for (name, value) in extra {
         response.headers_mut().insert(name, value);
     }

@@ -144,9 +144,7 @@ impl Draft {
         if matches!(error, GatewayError::BudgetExceeded { .. }) {
             this.record.budget_state = "exceeded".to_owned();
         }
-        if let GatewayError::UpstreamUnavailable { tried, .. } = error
-            && let Some(last) = tried.last()
-        {
+        if let Some(last) = error.attempts().and_then(|a| a.tried.last()) {
             this.record.backend = Some(last.to_string());
         }
         this.finish(error.status().as_u16(), Some(error.code())).await;

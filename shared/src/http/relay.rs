@@ -1,29 +1,37 @@
 //! The SSE relay: upstream events forwarded to the client as each one completes.
 //!
-//! A pump task reads the backend's stream and feeds a small channel that is the
-//! client's body, so nothing is buffered whole and a slow client slows the backend
-//! read (back-pressure) instead of growing memory. The usage chunk the gateway always
-//! asks for is tapped on the way and shown only to a client that asked for it. If the
-//! backend's stream breaks (an error, a stall past the timeout, or an end without
-//! `[DONE]`), the client's stream ends with an SSE error event, never a clean `[DONE]`.
+//! A stream is first *held* ([`hold`]): the gateway sends its own status and headers
+//! only once the backend's first event that carries content (or its clean end)
+//! arrives, so a slow first token, a cut or a malformed first event still falls back
+//! like a failure before the headers. Then a pump task reads the rest and feeds a
+//! small channel that is the client's body, so nothing is buffered whole and a slow
+//! client slows the backend read (back-pressure) instead of growing memory. The usage
+//! chunk the gateway always asks for is tapped on the way and shown only to a client
+//! that asked for it. If the backend's stream breaks after the headers (an error, a
+//! stall past the timeout, a malformed or oversized event, an end without `[DONE]`),
+//! the client's stream ends with an SSE error event, never a clean `[DONE]`, and the
+//! backend's breaker counts the failure.
 
 use std::convert::Infallible;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
-use futures_util::StreamExt;
 use http::{HeaderValue, header};
 use serde_json::Value;
 use tokio::sync::mpsc;
 
-use super::proxy::{Served, UsageSource};
+use super::proxy::UsageSource;
 use super::record::Draft;
 use crate::budget::{Ticket, plan};
-use crate::config::Price;
+use crate::config::{BackendId, Price};
+use crate::gateway::Gateway;
 use crate::protocol::openai::{Usage, error_envelope};
-use crate::protocol::sse::{self, Splitter};
+use crate::protocol::sse;
+use crate::routing::breaker::Outcome;
+use crate::upstream::body::{Events, Fault};
 
 /// How a relayed stream ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,7 +39,7 @@ pub enum StreamEnd {
     /// `[DONE]` relayed.
     Done,
     /// The backend's stream failed or ended early; the client got an error event.
-    Broken(String),
+    Broken(Fault),
     /// The client went away; the backend read was abandoned.
     ClientGone,
 }
@@ -47,19 +55,40 @@ pub struct RelayOutcome {
     pub events: u64,
 }
 
-/// What settles a stream's reservation once it has ended.
+/// What settles a call's reservation once its answer is known, streamed or not.
 pub(super) struct Settle {
     pub ticket: Ticket,
+    /// The serving backend and its price.
+    pub backend: BackendId,
     pub price: Price,
     /// The prompt's typical token count, if the backend reports no usage.
     pub prompt_typical: u64,
+    /// The completion tokens the backend was allowed (every choice), if it completes.
+    pub allowance: Option<u64>,
 }
 
 impl Settle {
-    /// Settles on the reported usage, else on an estimate of what was relayed (a
-    /// stream that broke mid-way included: its first byte reached the client), and
+    /// Settles on `usage`, counting a backend that wrote past its allowance (it is
+    /// charged in full: the tokens were produced). Returns the call's cost.
+    pub async fn settle(self, gateway: &Gateway, usage: Usage) -> crate::money::MicroEur {
+        if let Some(allowance) = self.allowance
+            && usage.completion_tokens > allowance
+        {
+            gateway.metrics.observe_overshoot(self.backend.as_str(), usage.completion_tokens - allowance);
+            tracing::warn!(
+                backend = %self.backend,
+                allowance,
+                completion_tokens = usage.completion_tokens,
+                "the backend wrote past the allowance it was sent; charged in full"
+            );
+        }
+        self.ticket.settle(usage, self.price).await
+    }
+
+    /// Settles a stream on the reported usage, else on an estimate of what was relayed
+    /// (a stream that broke mid-way included: its first byte reached the client), and
     /// writes the call's record.
-    async fn finish(self, outcome: &RelayOutcome, mut draft: Draft) {
+    async fn finish(self, gateway: &Gateway, outcome: &RelayOutcome, mut draft: Draft) {
         let estimate = Usage {
             prompt_tokens: self.prompt_typical,
             completion_tokens: plan::typical_tokens(outcome.content_bytes),
@@ -72,7 +101,7 @@ impl Settle {
             }
             None => (estimate, UsageSource::Estimated),
         };
-        let cost = self.ticket.settle(usage, self.price).await;
+        let cost = self.settle(gateway, usage).await;
         draft.usage(usage, source, cost);
         match &outcome.end {
             StreamEnd::Done => draft.finish(200, None).await,
@@ -82,20 +111,80 @@ impl Settle {
     }
 }
 
-/// The streamed response. Settlement and the record run in the pump task when the
-/// stream ends, before the body completes, so they finish inside the invocation.
-pub(super) fn stream(
-    served: Served,
+/// A stream whose first content event (or clean end) has arrived, nothing sent yet.
+pub(super) struct Held {
+    events: Events,
+    /// Events read while holding, to forward first (the usage-only chunk a client did
+    /// not ask for already left out).
+    pending: Vec<Bytes>,
+    outcome: RelayOutcome,
     client_wants_usage: bool,
+    /// `[DONE]` is among `pending`.
+    done: bool,
+}
+
+/// Reads a stream until its first event that carries content, or its `[DONE]`, before
+/// `deadline`. Every way it can fail first is a `Fault`, and the caller falls back.
+/// Memory stays bounded: at most `max_event_bytes` of events is held before the
+/// stream counts as started.
+pub(super) async fn hold(
+    response: reqwest::Response,
+    max_event_bytes: u64,
+    deadline: tokio::time::Instant,
+    client_wants_usage: bool,
+) -> Result<Held, Fault> {
+    let mut held = Held {
+        events: Events::new(response, max_event_bytes),
+        pending: Vec::new(),
+        outcome: RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0, events: 0 },
+        client_wants_usage,
+        done: false,
+    };
+    let mut held_bytes = 0u64;
+    loop {
+        let Some(event) = held.events.next(deadline).await? else {
+            return Err(ended_early());
+        };
+        if event.is_done() {
+            held.pending.push(event.raw);
+            held.done = true;
+            return Ok(held);
+        }
+        let chunk = read_chunk(&event)?;
+        let content = chunk.as_ref().is_some_and(carries_content);
+        if tap(chunk.as_ref(), client_wants_usage, &mut held.outcome) {
+            held_bytes += event.raw.len() as u64;
+            held.outcome.events += 1;
+            held.pending.push(event.raw);
+        }
+        if content || held_bytes > max_event_bytes {
+            return Ok(held);
+        }
+    }
+}
+
+/// The streamed response, headers first. Settlement and the record run in the pump
+/// task when the stream ends, before the body completes, so they finish inside the
+/// invocation.
+pub(super) fn stream(
+    gateway: Arc<Gateway>,
+    backend: BackendId,
+    held: Held,
+    idle_timeout: Duration,
     extra: Vec<(&'static str, HeaderValue)>,
     settle: Settle,
     mut draft: Draft,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(16);
-    let timeout = served.timeout;
     tokio::spawn(async move {
-        let outcome = pump(served.response, &tx, client_wants_usage, timeout, &mut draft).await;
-        settle.finish(&outcome, draft).await;
+        let outcome = pump(held, &tx, idle_timeout, &mut draft).await;
+        let health = match &outcome.end {
+            StreamEnd::Broken(fault) => fault_outcome(fault),
+            // A client that leaves says nothing of the backend, which was answering.
+            StreamEnd::Done | StreamEnd::ClientGone => Outcome::Success,
+        };
+        gateway.breakers.record(&backend, health, Instant::now());
+        settle.finish(&gateway, &outcome, draft).await;
         drop(tx);
     });
     let body =
@@ -110,52 +199,102 @@ pub(super) fn stream(
     response
 }
 
-/// Reads the backend's stream to its end, forwarding events.
-pub async fn pump(
-    response: reqwest::Response,
-    tx: &mpsc::Sender<Bytes>,
-    client_wants_usage: bool,
-    idle_timeout: Duration,
-    draft: &mut Draft,
-) -> RelayOutcome {
-    let mut outcome = RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0, events: 0 };
-    let mut upstream = response.bytes_stream();
-    let mut splitter = Splitter::default();
+/// How a failure after the headers counts for the backend's breaker.
+pub(super) fn fault_outcome(fault: &Fault) -> Outcome {
+    match fault {
+        Fault::Timeout => Outcome::Timeout,
+        Fault::Cut(_) | Fault::Invalid(_) => Outcome::ConnectionError,
+    }
+}
+
+/// Forwards the held events, then reads the backend's stream to its end.
+async fn pump(held: Held, tx: &mpsc::Sender<Bytes>, idle_timeout: Duration, draft: &mut Draft) -> RelayOutcome {
+    let Held { mut events, pending, mut outcome, client_wants_usage, done } = held;
+    for raw in pending {
+        draft.first_byte();
+        if tx.send(raw).await.is_err() {
+            outcome.end = StreamEnd::ClientGone;
+            return outcome;
+        }
+    }
+    if done {
+        return outcome;
+    }
     loop {
-        let chunk = match tokio::time::timeout(idle_timeout, upstream.next()).await {
-            Err(_) => Err(format!("the backend stalled for {idle_timeout:?}")),
-            Ok(None) => Err("the backend ended the stream before [DONE]".to_owned()),
-            Ok(Some(Err(e))) => Err(format!("the backend stream failed: {e}")),
-            Ok(Some(Ok(bytes))) => Ok(bytes),
+        let deadline = tokio::time::Instant::now() + idle_timeout;
+        let event = match events.next(deadline).await {
+            Ok(Some(event)) => event,
+            Ok(None) => return broken(outcome, tx, ended_early()).await,
+            Err(fault) => return broken(outcome, tx, fault).await,
         };
-        let chunk = match chunk {
-            Ok(chunk) => chunk,
-            Err(reason) => return broken(outcome, tx, reason).await,
-        };
-        splitter.push(&chunk);
-        while let Some(event) = splitter.next_event() {
-            if event.is_done() {
-                if tx.send(event.raw).await.is_err() {
-                    outcome.end = StreamEnd::ClientGone;
-                }
-                return outcome;
+        if event.is_done() {
+            if tx.send(event.raw).await.is_err() {
+                outcome.end = StreamEnd::ClientGone;
             }
-            let forward = tap(&event.data, client_wants_usage, &mut outcome);
-            if forward {
-                outcome.events += 1;
-                draft.first_byte();
-                if tx.send(event.raw).await.is_err() {
-                    outcome.end = StreamEnd::ClientGone;
-                    return outcome;
-                }
+            return outcome;
+        }
+        let chunk = match read_chunk(&event) {
+            Ok(chunk) => chunk,
+            Err(fault) => return broken(outcome, tx, fault).await,
+        };
+        if tap(chunk.as_ref(), client_wants_usage, &mut outcome) {
+            outcome.events += 1;
+            draft.first_byte();
+            if tx.send(event.raw).await.is_err() {
+                outcome.end = StreamEnd::ClientGone;
+                return outcome;
             }
         }
     }
 }
 
-/// Reads usage and content sizes from one event; false when it must not be forwarded.
-fn tap(data: &str, client_wants_usage: bool, outcome: &mut RelayOutcome) -> bool {
-    let Ok(chunk) = serde_json::from_str::<Value>(data) else {
+fn ended_early() -> Fault {
+    Fault::Cut("the backend ended the stream before [DONE]".to_owned())
+}
+
+/// The JSON chunk an event carries; `None` for an event without data (a comment, a
+/// keep-alive). Data that is not a JSON object, or an error the backend reports in the
+/// stream, is a fault: relayed as is it would read as a chunk of a complete answer.
+fn read_chunk(event: &sse::Event) -> Result<Option<Value>, Fault> {
+    if event.data.is_empty() {
+        return Ok(None);
+    }
+    match serde_json::from_str::<Value>(&event.data) {
+        Ok(chunk @ Value::Object(_)) => match chunk.get("error") {
+            Some(error) if !error.is_null() => {
+                let message = error.get("message").and_then(Value::as_str).unwrap_or("no message");
+                Err(Fault::Invalid(format!("the backend sent an error event: {message}")))
+            }
+            _ => Ok(Some(chunk)),
+        },
+        _ => Err(Fault::Invalid("the backend sent an event that is not a JSON object".to_owned())),
+    }
+}
+
+/// Whether a chunk is the start of the answer proper: text, a tool call, a refusal, a
+/// finish reason or usage. The role-only first chunk is not.
+fn carries_content(chunk: &Value) -> bool {
+    if chunk.get("usage").is_some_and(|u| !u.is_null()) {
+        return true;
+    }
+    let Some(choices) = chunk.get("choices").and_then(Value::as_array) else {
+        return false;
+    };
+    choices.iter().any(|choice| {
+        let delta = &choice["delta"];
+        let text = |key: &str| delta.get(key).and_then(Value::as_str).is_some_and(|t| !t.is_empty());
+        text("content")
+            || text("refusal")
+            || delta.get("tool_calls").is_some_and(|v| !v.is_null())
+            || delta.get("function_call").is_some_and(|v| !v.is_null())
+            || choice.get("finish_reason").is_some_and(|v| !v.is_null())
+    })
+}
+
+/// Reads usage and content sizes from one chunk; false when it must not be forwarded
+/// (the usage-only chunk the client did not ask for).
+fn tap(chunk: Option<&Value>, client_wants_usage: bool, outcome: &mut RelayOutcome) -> bool {
+    let Some(chunk) = chunk else {
         return true;
     };
     if let Some(choices) = chunk.get("choices").and_then(Value::as_array) {
@@ -179,12 +318,64 @@ fn tap(data: &str, client_wants_usage: bool, outcome: &mut RelayOutcome) -> bool
     }
 }
 
-async fn broken(mut outcome: RelayOutcome, tx: &mpsc::Sender<Bytes>, reason: String) -> RelayOutcome {
-    tracing::warn!("stream broke mid-way: {reason}");
-    let message = format!("{reason}; the response is incomplete");
+/// Ends the client's stream with the in-band error event (never `[DONE]`).
+async fn broken(mut outcome: RelayOutcome, tx: &mpsc::Sender<Bytes>, fault: Fault) -> RelayOutcome {
+    tracing::warn!("stream broke mid-way: {fault}");
+    let message = format!("{fault}; the response is incomplete");
     let event = sse::event(Some("error"), &error_envelope(&message, "api_error", "upstream_error", None));
     // If the client is gone too, there is no one left to tell.
     let _ = tx.send(event).await;
-    outcome.end = StreamEnd::Broken(reason);
+    outcome.end = StreamEnd::Broken(fault);
     outcome
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use serde_json::json;
+
+    use super::*;
+
+    fn event(data: &str) -> sse::Event {
+        let mut splitter = sse::Splitter::default();
+        splitter.push(format!("data: {data}\n\n").as_bytes());
+        splitter.next_event().unwrap()
+    }
+
+    #[test]
+    fn the_role_chunk_carries_no_content_the_first_token_does() {
+        let role =
+            json!({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]});
+        assert!(!carries_content(&role));
+        let token = json!({"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": null}]});
+        assert!(carries_content(&token));
+        let tool = json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]});
+        assert!(carries_content(&tool));
+        let stop = json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]});
+        assert!(carries_content(&stop));
+        assert!(carries_content(&json!({"choices": [], "usage": {"prompt_tokens": 1}})));
+        assert!(!carries_content(&json!({"choices": [], "usage": null})));
+    }
+
+    #[test]
+    fn malformed_and_error_events_are_faults_comments_are_not() {
+        assert!(matches!(read_chunk(&event("{not json")), Err(Fault::Invalid(_))));
+        assert!(matches!(read_chunk(&event("[1, 2]")), Err(Fault::Invalid(_))));
+        let error = read_chunk(&event(r#"{"error": {"message": "overloaded"}}"#)).unwrap_err();
+        assert!(error.to_string().contains("overloaded"), "{error}");
+        let mut splitter = sse::Splitter::default();
+        splitter.push(b": keep-alive\n\n");
+        assert_eq!(read_chunk(&splitter.next_event().unwrap()), Ok(None));
+        assert!(read_chunk(&event(r#"{"choices": []}"#)).unwrap().is_some());
+    }
+
+    #[test]
+    fn the_usage_chunk_is_tapped_and_hidden_unless_asked_for() {
+        let usage = json!({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}});
+        let mut outcome = RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0, events: 0 };
+        assert!(!tap(Some(&usage), false, &mut outcome));
+        assert_eq!(outcome.usage, Some(Usage { prompt_tokens: 3, completion_tokens: 4 }));
+        assert!(tap(Some(&usage), true, &mut outcome));
+    }
 }

@@ -71,6 +71,8 @@ pub struct Registry {
     /// (calls, micro-euros) per [tenant, backend, metered_by, capability].
     calls: Family<CallSums>,
     usage_estimated: Family<u64>,
+    /// (calls, tokens) written past the allowance sent, per backend.
+    overshoot: Family<(u64, u64)>,
     overhead: Histogram,
     ttfb: Family<Histogram>,
     usage_drift: Family<Histogram>,
@@ -101,6 +103,7 @@ impl Registry {
         Registry {
             calls: Family::new(),
             usage_estimated: Family::new(),
+            overshoot: Family::new(),
             overhead: Histogram::new(&OVERHEAD_BOUNDS_NS),
             ttfb: Family::new(),
             usage_drift: Family::new(),
@@ -122,6 +125,15 @@ impl Registry {
         if record.usage_source == "estimated" && tokens > 0 {
             self.usage_estimated.with(&[labels[1]], u64::default, |count| *count = count.saturating_add(1));
         }
+    }
+
+    /// A backend wrote `tokens` completion tokens past the allowance it was sent (the
+    /// call is charged in full; this says which backend ignores its limit).
+    pub fn observe_overshoot(&self, backend: &str, tokens: u64) {
+        self.overshoot.with(&[label(Some(backend))], <(u64, u64)>::default, |(calls, total)| {
+            *calls = calls.saturating_add(1);
+            *total = total.saturating_add(tokens);
+        });
     }
 
     /// The latency the gateway itself adds to a call (total minus upstream time).
@@ -185,6 +197,33 @@ impl Registry {
         );
         for (values, count) in self.usage_estimated.snapshot(|c| *c) {
             sample(&mut out, "flexway_usage_estimated_total", &["backend"], &values, None, &count.to_string());
+        }
+
+        let overshoot = self.overshoot.snapshot(|v| *v);
+        header(
+            &mut out,
+            "flexway_allowance_overshoot_total",
+            "counter",
+            "Calls whose backend wrote more completion tokens than the allowance it was sent.",
+        );
+        for (values, (calls, _)) in &overshoot {
+            sample(&mut out, "flexway_allowance_overshoot_total", &["backend"], values, None, &calls.to_string());
+        }
+        header(
+            &mut out,
+            "flexway_allowance_overshoot_tokens_total",
+            "counter",
+            "Completion tokens written past the allowance sent (charged in full).",
+        );
+        for (values, (_, tokens)) in &overshoot {
+            sample(
+                &mut out,
+                "flexway_allowance_overshoot_tokens_total",
+                &["backend"],
+                values,
+                None,
+                &tokens.to_string(),
+            );
         }
 
         header(
@@ -717,6 +756,7 @@ mod tests {
         registry.observe_usage_drift("ptu-west", 10, 20);
         registry.set_budget_remaining("acme", "tokens_per_day", 5.0);
         registry.set_breaker_state("ptu-west", BreakerState::Closed);
+        registry.observe_overshoot("ptu-west", 12);
         let text = registry.render_prometheus();
         assert!(text.ends_with('\n'));
         for line in text.lines() {
@@ -729,7 +769,8 @@ mod tests {
             assert!(value == "+Inf" || value.parse::<f64>().is_ok(), "{line}");
         }
         let types = lines(&text, "# TYPE");
-        assert_eq!(types.len(), 8, "{types:?}");
+        assert_eq!(types.len(), 10, "{types:?}");
+        assert!(text.contains("flexway_allowance_overshoot_tokens_total{backend=\"ptu-west\"} 12\n"), "{text}");
     }
 
     #[test]

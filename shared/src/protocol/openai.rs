@@ -1,7 +1,7 @@
 //! The OpenAI surface: request views, usage, error envelopes.
 //!
 //! Requests are kept as JSON objects and relayed with every field the client sent,
-//! except the few the gateway owns (`model`, `stream_options`, a clamped `max_tokens`).
+//! except the few the gateway owns (`model`, `stream_options`, the completion allowance).
 //! What the gateway needs to decide (model, stream, limits, images) is read once here,
 //! and a malformed request is refused here with the `param` that is wrong.
 
@@ -143,6 +143,9 @@ pub struct ImageRef {
     pub url: String,
 }
 
+/// The most choices (`n`) one call may ask for, as OpenAI's own API.
+pub const MAX_CHOICES: u64 = 128;
+
 /// A `POST /v1/chat/completions` body.
 #[derive(Debug, Clone)]
 pub struct ChatRequest {
@@ -151,8 +154,11 @@ pub struct ChatRequest {
     pub stream: bool,
     /// Whether the client itself asked for the usage chunk.
     pub client_wants_usage: bool,
-    /// `max_completion_tokens`, else `max_tokens`.
+    /// The completion limit of each choice the client set: the smaller of
+    /// `max_completion_tokens` and `max_tokens` when it sent both.
     pub max_tokens: Option<u64>,
+    /// `n`: how many choices the backend writes, each up to the allowance.
+    pub choices: u64,
     pub images: Vec<ImageRef>,
     /// Bytes of text across the messages: an upper bound of their token count.
     pub prompt_text_bytes: u64,
@@ -183,9 +189,14 @@ impl ChatRequest {
                 return Err(invalid("stream_options", "`stream_options` must be an object"));
             }
         };
-        let max_tokens = match optional_u64(&body, "max_completion_tokens")? {
-            Some(n) => Some(n),
-            None => optional_u64(&body, "max_tokens")?,
+        let max_tokens = [optional_u64(&body, "max_completion_tokens")?, optional_u64(&body, "max_tokens")?]
+            .into_iter()
+            .flatten()
+            .min();
+        let choices = match optional_u64(&body, "n")? {
+            None => 1,
+            Some(n @ 1..=MAX_CHOICES) => n,
+            Some(_) => return Err(invalid("n", format!("`n` must be between 1 and {MAX_CHOICES}"))),
         };
         let messages = match body.get("messages") {
             Some(Value::Array(m)) if !m.is_empty() => m,
@@ -227,6 +238,7 @@ impl ChatRequest {
             stream,
             client_wants_usage,
             max_tokens,
+            choices,
             images,
             prompt_text_bytes,
             message_count,
@@ -238,8 +250,10 @@ impl ChatRequest {
     }
 
     /// The body sent upstream: the client's, with the served model, usage always asked
-    /// of a stream, and the completion allowance clamped when `max_tokens` is given.
-    pub fn upstream_body(&self, served_model: &str, max_tokens: Option<u64>) -> Vec<u8> {
+    /// of a stream, and the completion allowance reserved for each choice: written
+    /// in each limit field the client sent, or in `max_tokens` (the field every
+    /// OpenAI-compatible server reads) when it sent none.
+    pub fn upstream_body(&self, served_model: &str, allowance: u64) -> Vec<u8> {
         let mut body = self.body.clone();
         body.insert("model".into(), Value::String(served_model.to_owned()));
         if self.stream {
@@ -250,9 +264,13 @@ impl ChatRequest {
                 *options = json!({"include_usage": true});
             }
         }
-        if let Some(limit) = max_tokens {
-            let key = if body.contains_key("max_completion_tokens") { "max_completion_tokens" } else { "max_tokens" };
-            body.insert(key.into(), json!(limit));
+        let sent = |key: &str| body.get(key).is_some_and(|v| !v.is_null());
+        let (completion, legacy) = (sent("max_completion_tokens"), sent("max_tokens"));
+        if completion {
+            body.insert("max_completion_tokens".into(), json!(allowance));
+        }
+        if legacy || !completion {
+            body.insert("max_tokens".into(), json!(allowance));
         }
         serde_json::to_vec(&body).unwrap_or_default()
     }
@@ -393,11 +411,40 @@ mod tests {
     }
 
     #[test]
-    fn max_completion_tokens_wins_over_max_tokens() {
-        let req = chat(json!({"model": "m", "max_tokens": 7, "max_completion_tokens": 3,
-            "messages": [{"role": "user", "content": "x"}]}))
-        .unwrap();
-        assert_eq!(req.max_tokens, Some(3));
+    fn the_smaller_limit_governs_and_both_fields_carry_the_allowance() {
+        for (max_tokens, max_completion_tokens) in [(7, 3), (3, 7)] {
+            let req = chat(json!({"model": "m", "max_tokens": max_tokens,
+                "max_completion_tokens": max_completion_tokens,
+                "messages": [{"role": "user", "content": "x"}]}))
+            .unwrap();
+            assert_eq!(req.max_tokens, Some(3));
+            let body: Value = serde_json::from_slice(&req.upstream_body("m", 2)).unwrap();
+            assert_eq!((body["max_tokens"].clone(), body["max_completion_tokens"].clone()), (json!(2), json!(2)));
+        }
+    }
+
+    #[test]
+    fn the_allowance_goes_in_the_field_the_client_used_else_max_tokens() {
+        let sent = |extra: Value| {
+            let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+            body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            let body: Value = serde_json::from_slice(&chat(body).unwrap().upstream_body("m", 5)).unwrap();
+            (body.get("max_tokens").cloned(), body.get("max_completion_tokens").cloned())
+        };
+        assert_eq!(sent(json!({})), (Some(json!(5)), None));
+        assert_eq!(sent(json!({"max_tokens": null})), (Some(json!(5)), None));
+        assert_eq!(sent(json!({"max_completion_tokens": 9})), (None, Some(json!(5))));
+        assert_eq!(sent(json!({"max_tokens": 9})), (Some(json!(5)), None));
+    }
+
+    #[test]
+    fn n_is_read_and_bounded() {
+        let with_n = |n: Value| chat(json!({"model": "m", "n": n, "messages": [{"role": "user", "content": "x"}]}));
+        assert_eq!(chat(json!({"model": "m", "messages": [{"role": "user", "content": "x"}]})).unwrap().choices, 1);
+        assert_eq!(with_n(json!(4)).unwrap().choices, 4);
+        for bad in [json!(0), json!(129), json!(-1), json!("2"), json!(1.5)] {
+            assert_eq!(with_n(bad.clone()).unwrap_err().param, Some("n"), "{bad}");
+        }
     }
 
     #[test]
@@ -439,7 +486,7 @@ mod tests {
         let req = chat(json!({"model": "alias", "stream": true, "temperature": 0.5,
             "messages": [{"role": "user", "content": "x"}]}))
         .unwrap();
-        let body: Value = serde_json::from_slice(&req.upstream_body("real", Some(9))).unwrap();
+        let body: Value = serde_json::from_slice(&req.upstream_body("real", 9)).unwrap();
         assert_eq!(body["model"], "real");
         assert_eq!(body["stream_options"]["include_usage"], true);
         assert_eq!(body["temperature"], 0.5);

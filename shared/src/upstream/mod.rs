@@ -6,6 +6,8 @@
 //! `token_file`, which is re-read at every call (a projected workload-identity token
 //! rotates under our feet).
 
+pub mod body;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
