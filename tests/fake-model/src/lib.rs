@@ -4,8 +4,10 @@
 //! /v1/embeddings` and `GET /v1/models` deterministically, records every
 //! request it receives, and misbehaves on demand: a [`Scenario`] encoded in a
 //! path prefix of the backend URL (`/s/status=503,retry_after=7/v1`) injects
-//! statuses, delays, hangs, cut streams or garbage bodies. The prefix is the
-//! only channel because the gateway never forwards its caller's headers.
+//! statuses (steady or flapping), delays, hangs, long or overshooting replies,
+//! cut, stalled or malformed streams and bodies, endless lines, huge answers
+//! or garbage. The prefix is the only channel because the gateway never
+//! forwards its caller's headers. Chat honours `n` like OpenAI.
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {

@@ -1,11 +1,22 @@
 //! The OpenAI wire shapes the fake answers with, as pure functions.
 //!
-//! Everything here is a function of the request (ids and timestamps are passed
-//! in), so tests can assert exact contents and token counts: a "token" is a
-//! whitespace-separated word, plus 3 per message on the prompt side.
+//! Everything here is a function of the request and its scenario (ids and
+//! timestamps are passed in), so tests can assert exact contents and token
+//! counts: a "token" is a whitespace-separated word, plus 3 per message on the
+//! prompt side; completion tokens count every choice.
 
 use serde::Deserialize;
 use serde_json::{Value, json};
+
+use crate::scenario::Scenario;
+
+/// The most choices (`n`) a request may ask for, as with OpenAI.
+pub(crate) const MAX_CHOICES: usize = 128;
+
+/// Stands for the content of a `huge_mb` answer in its serialized JSON: the
+/// server sends the text before it, the content made on the fly, then the
+/// text after it, so the content never exists in memory.
+pub(crate) const HUGE_MARK: &str = "@@fake-model-huge-content@@";
 
 /// The fields of a chat request the fake looks at; the rest is ignored.
 #[derive(Debug, Deserialize)]
@@ -17,6 +28,7 @@ pub(crate) struct ChatRequest {
     pub stream_options: Option<StreamOptions>,
     pub max_tokens: Option<usize>,
     pub max_completion_tokens: Option<usize>,
+    pub n: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -40,50 +52,85 @@ impl ChatRequest {
     pub fn wants_usage_chunk(&self) -> bool {
         self.stream_options.as_ref().and_then(|o| o.include_usage) == Some(true)
     }
+
+    /// How many choices to answer with (`n`, default 1).
+    pub fn choices(&self) -> usize {
+        self.n.unwrap_or(1)
+    }
+
+    fn prompt_tokens(&self) -> usize {
+        self.messages.iter().map(|m| words(&message_text(&m.content)) + 3).sum()
+    }
 }
 
 /// What the fake "model" answers, before it is shaped into a response.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Reply {
+    /// The content of every choice.
     pub content: String,
     pub finish_reason: &'static str,
     pub prompt_tokens: usize,
-    pub completion_tokens: usize,
+    /// The tokens of one choice.
+    pub choice_tokens: usize,
+    /// How many identical choices the answer has.
+    pub choices: usize,
 }
 
 impl Reply {
-    /// Echo the last user message (first 40 characters), cut to the request's
-    /// token limit if it has one.
-    pub fn for_request(request: &ChatRequest) -> Reply {
-        let said: String = request
-            .messages
-            .iter()
-            .rev()
-            .find(|m| m.role == "user")
-            .map(|m| message_text(&m.content))
-            .unwrap_or_default()
-            .chars()
-            .take(40)
-            .collect();
-        let content = format!("Hello from fake-model! You said: {said}");
-        let prompt_tokens = request.messages.iter().map(|m| words(&message_text(&m.content)) + 3).sum();
+    /// Echo the last user message (first 40 characters), or `words` numbered
+    /// words if the scenario asks, cut to the request's token limit if it has
+    /// one and the scenario does not say to ignore it.
+    pub fn for_request(request: &ChatRequest, scenario: &Scenario) -> Reply {
+        let content = match scenario.words {
+            Some(n) => (1..=n).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" "),
+            None => {
+                let said: String = request
+                    .messages
+                    .iter()
+                    .rev()
+                    .find(|m| m.role == "user")
+                    .map(|m| message_text(&m.content))
+                    .unwrap_or_default()
+                    .chars()
+                    .take(40)
+                    .collect();
+                format!("Hello from fake-model! You said: {said}")
+            }
+        };
+        let prompt_tokens = request.prompt_tokens();
+        let choices = request.choices();
         let limit = [request.max_tokens, request.max_completion_tokens].into_iter().flatten().min();
-        match limit {
+        match limit.filter(|_| !scenario.ignore_limit) {
             Some(limit) if limit < words(&content) => Reply {
                 content: content.split_whitespace().take(limit).collect::<Vec<_>>().join(" "),
                 finish_reason: "length",
                 prompt_tokens,
-                completion_tokens: limit,
+                choice_tokens: limit,
+                choices,
             },
-            _ => Reply { completion_tokens: words(&content), content, finish_reason: "stop", prompt_tokens },
+            _ => Reply { choice_tokens: words(&content), content, finish_reason: "stop", prompt_tokens, choices },
+        }
+    }
+
+    /// The reply of `huge_mb`: one choice of one long word (one token),
+    /// whatever the limits; its content is [`HUGE_MARK`], for the server to
+    /// replace while sending.
+    pub fn huge(request: &ChatRequest) -> Reply {
+        Reply {
+            content: HUGE_MARK.to_owned(),
+            finish_reason: "stop",
+            prompt_tokens: request.prompt_tokens(),
+            choice_tokens: 1,
+            choices: 1,
         }
     }
 
     fn usage(&self) -> Value {
+        let completion_tokens = self.choice_tokens * self.choices;
         json!({
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
         })
     }
 }
@@ -98,17 +145,22 @@ pub(crate) struct Meta {
 
 /// A non-streamed `chat.completion` object.
 pub(crate) fn completion(meta: &Meta, reply: &Reply, with_usage: bool) -> Value {
+    let choices: Vec<Value> = (0..reply.choices)
+        .map(|index| {
+            json!({
+                "index": index,
+                "message": {"role": "assistant", "content": reply.content},
+                "logprobs": null,
+                "finish_reason": reply.finish_reason,
+            })
+        })
+        .collect();
     let mut body = json!({
         "id": meta.id,
         "object": "chat.completion",
         "created": meta.created,
         "model": meta.model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": reply.content},
-            "logprobs": null,
-            "finish_reason": reply.finish_reason,
-        }],
+        "choices": choices,
     });
     if with_usage {
         body["usage"] = reply.usage();
@@ -116,40 +168,46 @@ pub(crate) fn completion(meta: &Meta, reply: &Reply, with_usage: bool) -> Value 
     body
 }
 
-/// The `chat.completion.chunk` objects of a stream, in order: the role chunk,
-/// `content_chunks` content chunks, the finish chunk and, if `with_usage`, the
-/// usage chunk (`choices: []`). Like OpenAI, when usage is on every other
-/// chunk carries `"usage": null`. `[DONE]` is the transport's business.
-pub(crate) fn stream_chunks(meta: &Meta, reply: &Reply, content_chunks: usize, with_usage: bool) -> Vec<Value> {
-    let chunk = |delta: Value, finish_reason: Option<&str>| {
-        let mut chunk = json!({
-            "id": meta.id,
-            "object": "chat.completion.chunk",
-            "created": meta.created,
-            "model": meta.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason}],
-        });
-        if with_usage {
-            chunk["usage"] = Value::Null;
-        }
-        chunk
+/// The `chat.completion.chunk` objects of a stream as its steps, in order:
+/// the role step, `content_chunks` content steps, the finish step and, if
+/// `with_usage`, the usage chunk (`choices: []`). Each step but the last holds
+/// one chunk per choice, as OpenAI sends them for `n` > 1. Like OpenAI, when
+/// usage is on every other chunk carries `"usage": null`. `[DONE]` is the
+/// transport's business.
+pub(crate) fn stream_chunks(meta: &Meta, reply: &Reply, content_chunks: usize, with_usage: bool) -> Vec<Vec<Value>> {
+    let step = |delta: Value, finish_reason: Option<&str>| -> Vec<Value> {
+        (0..reply.choices)
+            .map(|index| {
+                let mut chunk = json!({
+                    "id": meta.id,
+                    "object": "chat.completion.chunk",
+                    "created": meta.created,
+                    "model": meta.model,
+                    "choices": [{"index": index, "delta": delta, "logprobs": null, "finish_reason": finish_reason}],
+                });
+                if with_usage {
+                    chunk["usage"] = Value::Null;
+                }
+                chunk
+            })
+            .collect()
     };
-    let mut chunks = vec![chunk(json!({"role": "assistant", "content": ""}), None)];
-    chunks.extend(
-        split_in(&reply.content, content_chunks).into_iter().map(|piece| chunk(json!({ "content": piece }), None)),
+    let mut steps = vec![step(json!({"role": "assistant", "content": ""}), None)];
+    steps.extend(
+        split_in(&reply.content, content_chunks).into_iter().map(|piece| step(json!({ "content": piece }), None)),
     );
-    chunks.push(chunk(json!({}), Some(reply.finish_reason)));
+    steps.push(step(json!({}), Some(reply.finish_reason)));
     if with_usage {
-        chunks.push(json!({
+        steps.push(vec![json!({
             "id": meta.id,
             "object": "chat.completion.chunk",
             "created": meta.created,
             "model": meta.model,
             "choices": [],
             "usage": reply.usage(),
-        }));
+        })]);
     }
-    chunks
+    steps
 }
 
 /// The inputs of an embeddings request as (text, token count), or `None` if

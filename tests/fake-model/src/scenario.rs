@@ -6,6 +6,10 @@
 //! `/s/status=503,delay_ms=100,no_usage/v1/...`: comma-separated `key[=value]`
 //! items, a bare key meaning `true`. `Display` and `FromStr` are inverses, so
 //! what `FakeModel::scenario_url` writes is exactly what the server reads back.
+//!
+//! Keys that shape the same thing do not combine: `endless_line` wins over
+//! every other body, then `huge_mb`; `cut_after` wins over `stall_after`, and
+//! `cut_body` over `stall_body`.
 
 use std::fmt;
 use std::str::FromStr;
@@ -33,6 +37,43 @@ pub struct Scenario {
     pub garbage: bool,
     /// Number of content chunks in a stream (default 5).
     pub chunks: Option<usize>,
+    /// Chat: the reply is this many words (`w1 w2 ... wN`) instead of the echo.
+    pub words: Option<usize>,
+    /// Chat: ignore `max_tokens` and `max_completion_tokens`, like a backend
+    /// that overshoots its allowance.
+    pub ignore_limit: bool,
+    /// Non-streamed JSON answers: announce the full `Content-Length`, send
+    /// about half the body, then abort the connection.
+    pub cut_body: bool,
+    /// Non-streamed JSON answers: announce the full `Content-Length`, send
+    /// about half the body, then nothing more (until the server shuts down).
+    pub stall_body: bool,
+    /// Stream: send the head at once, then wait this long before the first
+    /// event (the role chunk).
+    pub first_event_delay_ms: Option<u64>,
+    /// Stream: send the head and the role chunk at once, then wait this long
+    /// before the first content chunk (on top of `chunk_delay_ms`).
+    pub first_content_delay_ms: Option<u64>,
+    /// Stream: send the role chunk and this many content chunks, then nothing
+    /// more, never ending (until the client goes or the server shuts down).
+    pub stall_after: Option<usize>,
+    /// Stream: replace the event at this index (0 the role chunk, 1 the first
+    /// content chunk, ...; `[DONE]` excluded) by `data: {this is not json`;
+    /// the rest of the stream follows as usual.
+    pub malformed_at: Option<usize>,
+    /// Stream: end the body cleanly after the last chunk, without `[DONE]`.
+    pub no_done: bool,
+    /// A line that never ends, until the client goes away: streams send the
+    /// SSE head then `data: ` and `x`s; other JSON answers `{"id":"` and `x`s.
+    pub endless_line: bool,
+    /// Chat: one choice whose content is this many MiB of `a`, made while it
+    /// is sent in 64 KiB frames, never whole in memory: a chunked
+    /// `chat.completion` with usage at the end, or, streamed, one huge content
+    /// event. Limits, `n`, `words` and `cut_body`/`stall_body` do not apply.
+    pub huge_mb: Option<usize>,
+    /// Requests carrying this flag take turns, counted per server: the 1st,
+    /// 3rd, ... answer 503, the 2nd, 4th, ... answer normally.
+    pub flap: bool,
 }
 
 /// Why a scenario prefix could not be read.
@@ -62,8 +103,24 @@ impl fmt::Display for Scenario {
             ("chunks", self.chunks.map(|n| n as u64)),
             ("cut_after", self.cut_after.map(|n| n as u64)),
             ("retry_after", self.retry_after),
+            ("words", self.words.map(|n| n as u64)),
+            ("first_event_delay_ms", self.first_event_delay_ms),
+            ("first_content_delay_ms", self.first_content_delay_ms),
+            ("stall_after", self.stall_after.map(|n| n as u64)),
+            ("malformed_at", self.malformed_at.map(|n| n as u64)),
+            ("huge_mb", self.huge_mb.map(|n| n as u64)),
         ];
-        let flags = [("hang", self.hang), ("no_usage", self.no_usage), ("garbage", self.garbage)];
+        let flags = [
+            ("hang", self.hang),
+            ("no_usage", self.no_usage),
+            ("garbage", self.garbage),
+            ("ignore_limit", self.ignore_limit),
+            ("cut_body", self.cut_body),
+            ("stall_body", self.stall_body),
+            ("no_done", self.no_done),
+            ("endless_line", self.endless_line),
+            ("flap", self.flap),
+        ];
         let items: Vec<String> = numbers
             .into_iter()
             .filter_map(|(key, value)| value.map(|v| format!("{key}={v}")))
@@ -99,6 +156,18 @@ impl FromStr for Scenario {
                 "hang" => scenario.hang = flag(key, value)?,
                 "no_usage" => scenario.no_usage = flag(key, value)?,
                 "garbage" => scenario.garbage = flag(key, value)?,
+                "words" => scenario.words = Some(number(key, value)?),
+                "ignore_limit" => scenario.ignore_limit = flag(key, value)?,
+                "cut_body" => scenario.cut_body = flag(key, value)?,
+                "stall_body" => scenario.stall_body = flag(key, value)?,
+                "first_event_delay_ms" => scenario.first_event_delay_ms = Some(number(key, value)?),
+                "first_content_delay_ms" => scenario.first_content_delay_ms = Some(number(key, value)?),
+                "stall_after" => scenario.stall_after = Some(number(key, value)?),
+                "malformed_at" => scenario.malformed_at = Some(number(key, value)?),
+                "no_done" => scenario.no_done = flag(key, value)?,
+                "endless_line" => scenario.endless_line = flag(key, value)?,
+                "huge_mb" => scenario.huge_mb = Some(number(key, value)?),
+                "flap" => scenario.flap = flag(key, value)?,
                 other => return Err(ScenarioError::UnknownKey(other.to_owned())),
             }
         }
@@ -140,6 +209,18 @@ mod tests {
             retry_after: Some(7),
             garbage: true,
             chunks: Some(10),
+            words: Some(500),
+            ignore_limit: true,
+            cut_body: true,
+            stall_body: true,
+            first_event_delay_ms: Some(30),
+            first_content_delay_ms: Some(40),
+            stall_after: Some(3),
+            malformed_at: Some(1),
+            no_done: true,
+            endless_line: true,
+            huge_mb: Some(2),
+            flap: true,
         }
     }
 
@@ -150,6 +231,8 @@ mod tests {
             everything(),
             Scenario { cut_after: Some(0), ..Default::default() },
             Scenario { no_usage: true, chunks: Some(3), ..Default::default() },
+            Scenario { malformed_at: Some(0), stall_after: Some(0), words: Some(0), ..Default::default() },
+            Scenario { flap: true, huge_mb: Some(1), ..Default::default() },
         ] {
             let encoded = scenario.to_string();
             assert_eq!(encoded.parse::<Scenario>().unwrap(), scenario, "{encoded}");
@@ -164,8 +247,9 @@ mod tests {
 
     #[test]
     fn parses_the_documented_example() {
-        let text =
-            "status=503,delay_ms=100,chunk_delay_ms=50,cut_after=2,no_usage,hang,retry_after=7,garbage,chunks=10";
+        let text = "status=503,delay_ms=100,chunk_delay_ms=50,cut_after=2,no_usage,hang,retry_after=7,garbage,\
+                    chunks=10,words=500,ignore_limit,cut_body,stall_body,first_event_delay_ms=30,\
+                    first_content_delay_ms=40,stall_after=3,malformed_at=1,no_done,endless_line,huge_mb=2,flap";
         assert_eq!(text.parse::<Scenario>().unwrap(), everything());
     }
 
@@ -183,5 +267,8 @@ mod tests {
         assert_eq!("status=42".parse::<Scenario>(), Err(invalid("status", "42")));
         assert_eq!("delay_ms=soon".parse::<Scenario>(), Err(invalid("delay_ms", "soon")));
         assert_eq!("hang=yes".parse::<Scenario>(), Err(invalid("hang", "yes")));
+        assert_eq!("huge_mb".parse::<Scenario>(), Err(ScenarioError::MissingValue("huge_mb".into())));
+        assert_eq!("words=-1".parse::<Scenario>(), Err(invalid("words", "-1")));
+        assert_eq!("flap=2".parse::<Scenario>(), Err(invalid("flap", "2")));
     }
 }

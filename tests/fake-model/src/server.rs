@@ -5,7 +5,11 @@
 //! works for every endpoint, unknown ones included. Invariant: every request
 //! is recorded before anything else happens (delay, hang, error), so a test
 //! can always see what the gateway sent, even when the fake never answers.
+//! Bodies that misbehave over time are fed by a spawned task through a
+//! one-slot channel; the large ones (`huge_mb`, `endless_line`) are made frame
+//! by frame as the client reads, so the fake's memory stays small.
 
+use std::future::Future;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -14,8 +18,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
-use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use axum::http::header::{CACHE_CONTROL, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde_json::Value;
@@ -23,7 +27,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::RecordedRequest;
-use crate::openai::{self, ChatRequest, Meta, Reply};
+use crate::openai::{self, ChatRequest, HUGE_MARK, MAX_CHOICES, Meta, Reply};
 use crate::scenario::{Scenario, ScenarioError};
 
 /// Before aborting a cut stream, give hyper time to flush the chunks already
@@ -31,10 +35,20 @@ use crate::scenario::{Scenario, ScenarioError};
 /// that data still buffered.
 const CUT_GRACE: Duration = Duration::from_millis(20);
 
+/// The frame size of the bodies made on the fly (`huge_mb`, `endless_line`).
+const BLOCK: usize = 64 * 1024;
+static A_BLOCK: [u8; BLOCK] = [b'a'; BLOCK];
+static X_BLOCK: [u8; BLOCK] = [b'x'; BLOCK];
+
+const MALFORMED_EVENT: &[u8] = b"data: {this is not json\n\n";
+const DONE_EVENT: &[u8] = b"data: [DONE]\n\n";
+
 /// State shared by all requests of one server.
 pub(crate) struct Shared {
     recorded: Mutex<Vec<RecordedRequest>>,
     next_id: AtomicU64,
+    /// How many requests carrying `flap` arrived so far.
+    flaps: AtomicU64,
     /// Flipped to `true` once, when the owning `FakeModel` is dropped.
     shutdown: watch::Sender<bool>,
 }
@@ -44,6 +58,7 @@ impl Shared {
         Arc::new(Shared {
             recorded: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
+            flaps: AtomicU64::new(0),
             shutdown: watch::Sender::new(false),
         })
     }
@@ -58,6 +73,10 @@ impl Shared {
 
     pub(crate) fn shut_down(&self) {
         self.shutdown.send_replace(true);
+    }
+
+    fn is_shut_down(&self) -> bool {
+        *self.shutdown.borrow()
     }
 
     /// Resolves once `shut_down` has been called.
@@ -115,7 +134,15 @@ fn split_scenario(path: &str) -> (Result<Scenario, ScenarioError>, &str) {
     (encoded.parse(), if inner.is_empty() { "/" } else { inner })
 }
 
-async fn respond(shared: &Shared, scenario: &Scenario, method: &Method, path: &str, body: Option<Value>) -> Response {
+async fn respond(
+    shared: &Arc<Shared>,
+    scenario: &Scenario,
+    method: &Method,
+    path: &str,
+    body: Option<Value>,
+) -> Response {
+    // Counted on arrival, so the turns follow the order requests came in.
+    let flapping = scenario.flap && shared.flaps.fetch_add(1, Ordering::Relaxed).is_multiple_of(2);
     if scenario.hang {
         shared.wait_for_shutdown().await;
         let message = "fake-model shut down while hanging";
@@ -123,6 +150,10 @@ async fn respond(shared: &Shared, scenario: &Scenario, method: &Method, path: &s
     }
     if let Some(ms) = scenario.delay_ms {
         tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if flapping {
+        let message = "fake-model flap: this request fails, the next one succeeds";
+        return ApiError::fake(StatusCode::SERVICE_UNAVAILABLE, message, "flap").into_response();
     }
     let status = scenario.status.map(|s| StatusCode::from_u16(s).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR));
     if let Some(status) = status.filter(|s| !s.is_success()) {
@@ -135,8 +166,8 @@ async fn respond(shared: &Shared, scenario: &Scenario, method: &Method, path: &s
     }
     let mut response = match (method.as_str(), path) {
         ("POST", "/v1/chat/completions") => chat(shared, scenario, body).into_response(),
-        ("POST", "/v1/embeddings") => embeddings(body).into_response(),
-        ("GET", "/v1/models") => Json(openai::models()).into_response(),
+        ("POST", "/v1/embeddings") => embeddings(shared, scenario, body).into_response(),
+        ("GET", "/v1/models") => json_answer(shared, scenario, openai::models()),
         (_, "/v1/chat/completions" | "/v1/embeddings" | "/v1/models") => ApiError {
             status: StatusCode::METHOD_NOT_ALLOWED,
             ..ApiError::invalid("method_not_allowed", format!("{method} is not allowed on {path}"))
@@ -156,65 +187,264 @@ async fn respond(shared: &Shared, scenario: &Scenario, method: &Method, path: &s
     response
 }
 
-fn chat(shared: &Shared, scenario: &Scenario, body: Option<Value>) -> Result<Response, ApiError> {
+fn chat(shared: &Arc<Shared>, scenario: &Scenario, body: Option<Value>) -> Result<Response, ApiError> {
     let request: ChatRequest = parse(body)?;
     let model = request.model.clone().ok_or_else(ApiError::missing_model)?;
-    let reply = Reply::for_request(&request);
+    if !(1..=MAX_CHOICES).contains(&request.choices()) {
+        return Err(ApiError {
+            param: Some("n"),
+            ..ApiError::invalid("invalid_request", format!("n must be between 1 and {MAX_CHOICES}"))
+        });
+    }
+    if scenario.endless_line {
+        return Ok(endless_line(shared, request.wants_stream()));
+    }
+    let reply = match scenario.huge_mb {
+        Some(_) => Reply::huge(&request),
+        None => Reply::for_request(&request, scenario),
+    };
     let meta = Meta {
         id: format!("chatcmpl-fake-{}", shared.next_id.fetch_add(1, Ordering::Relaxed)),
         created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         model,
     };
     if !request.wants_stream() {
-        return Ok(Json(openai::completion(&meta, &reply, !scenario.no_usage)).into_response());
+        let completion = openai::completion(&meta, &reply, !scenario.no_usage);
+        return Ok(match scenario.huge_mb {
+            Some(mib) => {
+                let frame = Frame::new(completion.to_string(), Some(mib));
+                let body = Feed::body(shared, |feed| async move {
+                    feed.send_frame(frame).await;
+                });
+                ([(CONTENT_TYPE, "application/json")], body).into_response()
+            }
+            None => json_answer(shared, scenario, completion),
+        });
     }
     let with_usage = request.wants_usage_chunk() && !scenario.no_usage;
-    let chunks = openai::stream_chunks(&meta, &reply, scenario.content_chunks(), with_usage);
-    Ok(stream(chunks, scenario))
+    let content_chunks = if scenario.huge_mb.is_some() { 1 } else { scenario.content_chunks() };
+    let steps = openai::stream_chunks(&meta, &reply, content_chunks, with_usage);
+    Ok(stream(shared, scenario, &steps, content_chunks))
 }
 
-/// Serve the chunks as SSE, each event its own body frame, paced by
-/// `chunk_delay_ms`; `cut_after` ends the body with an error instead of
-/// `[DONE]`, which hyper turns into an incomplete chunked body.
-fn stream(chunks: Vec<Value>, scenario: &Scenario) -> Response {
-    let mut frames: Vec<Bytes> = chunks
+/// How a stream ends after its last frame.
+#[derive(Clone, Copy)]
+enum End {
+    Clean,
+    /// `cut_after`: an error, which hyper turns into an incomplete chunked body.
+    Cut,
+    /// `stall_after`: nothing more, ever.
+    Stall,
+}
+
+/// Serve the stream's steps as SSE, each step its own body frame, paced by
+/// the delays; then `[DONE]`, or the end the scenario asks for.
+fn stream(shared: &Arc<Shared>, scenario: &Scenario, steps: &[Vec<Value>], content_chunks: usize) -> Response {
+    let mut frames: Vec<Frame> = steps
         .iter()
-        .map(|chunk| Bytes::from(format!("data: {chunk}\n\n")))
-        .chain([Bytes::from_static(b"data: [DONE]\n\n")])
+        .map(|step| {
+            let text: String = step.iter().map(|chunk| format!("data: {chunk}\n\n")).collect();
+            Frame::new(text, scenario.huge_mb)
+        })
         .collect();
-    let cut = scenario.cut_after.map(|n| n.min(scenario.content_chunks()));
-    if let Some(n) = cut {
-        frames.truncate(1 + n); // the role chunk, then n content chunks
+    if let Some(frame) = scenario.malformed_at.and_then(|i| frames.get_mut(i)) {
+        *frame = Frame::Bytes(Bytes::from_static(MALFORMED_EVENT));
     }
-    let pause = Duration::from_millis(scenario.chunk_delay_ms.unwrap_or(0));
-    let (tx, rx) = mpsc::channel::<Result<Bytes, io::Error>>(1);
-    tokio::spawn(async move {
-        for (i, frame) in frames.into_iter().enumerate() {
-            if i > 0 && !pause.is_zero() {
-                tokio::time::sleep(pause).await;
+    // The role chunk, then at most every content chunk.
+    let keep = |n: usize| 1 + n.min(content_chunks);
+    let end = match (scenario.cut_after, scenario.stall_after) {
+        (Some(n), _) => {
+            frames.truncate(keep(n));
+            End::Cut
+        }
+        (None, Some(n)) => {
+            frames.truncate(keep(n));
+            End::Stall
+        }
+        (None, None) => {
+            if !scenario.no_done {
+                frames.push(Frame::Bytes(Bytes::from_static(DONE_EVENT)));
             }
-            if tx.send(Ok(frame)).await.is_err() {
+            End::Clean
+        }
+    };
+    let millis = |ms: Option<u64>| Duration::from_millis(ms.unwrap_or(0));
+    let pause = millis(scenario.chunk_delay_ms);
+    let first_event = millis(scenario.first_event_delay_ms);
+    let first_content = millis(scenario.first_content_delay_ms);
+    let body = Feed::body(shared, move |feed| async move {
+        for (i, frame) in frames.into_iter().enumerate() {
+            let wait = match i {
+                0 => first_event,
+                1 => pause + first_content,
+                _ => pause,
+            };
+            if !wait.is_zero() {
+                tokio::time::sleep(wait).await;
+            }
+            if !feed.send_frame(frame).await {
                 return; // the client went away
             }
         }
-        if cut.is_some() {
-            tokio::time::sleep(pause.max(CUT_GRACE)).await;
-            let abort = io::Error::new(io::ErrorKind::ConnectionAborted, "fake-model: cut_after");
-            let _ = tx.send(Err(abort)).await;
+        match end {
+            End::Clean => {}
+            End::Cut => feed.abort("cut_after", pause.max(CUT_GRACE)).await,
+            End::Stall => feed.stall().await,
         }
     });
-    let headers = [(CONTENT_TYPE, "text/event-stream"), (CACHE_CONTROL, "no-cache")];
-    (headers, Body::from_stream(ReceiverStream::new(rx))).into_response()
+    (sse_headers(), body).into_response()
 }
 
-fn embeddings(body: Option<Value>) -> Result<Response, ApiError> {
+fn sse_headers() -> [(HeaderName, &'static str); 2] {
+    [(CONTENT_TYPE, "text/event-stream"), (CACHE_CONTROL, "no-cache")]
+}
+
+/// A JSON answer as the scenario shapes it: whole, endless, or half sent
+/// under the full `Content-Length` and then cut or stalled.
+fn json_answer(shared: &Arc<Shared>, scenario: &Scenario, answer: Value) -> Response {
+    if scenario.endless_line {
+        return endless_line(shared, false);
+    }
+    if !scenario.cut_body && !scenario.stall_body {
+        return Json(answer).into_response();
+    }
+    let text = Bytes::from(answer.to_string());
+    let length = text.len();
+    let half = text.slice(..length / 2);
+    let cut = scenario.cut_body;
+    let body = Feed::body(shared, move |feed| async move {
+        if !feed.send(half).await {
+            return;
+        }
+        if cut {
+            feed.abort("cut_body", CUT_GRACE).await;
+        } else {
+            feed.stall().await;
+        }
+    });
+    ([(CONTENT_TYPE, "application/json".to_owned()), (CONTENT_LENGTH, length.to_string())], body).into_response()
+}
+
+/// A first line that never ends: `data: xxx...` as SSE, or `{"id":"xxx...`
+/// as JSON, until the client goes away or the server shuts down.
+fn endless_line(shared: &Arc<Shared>, sse: bool) -> Response {
+    let opening: &'static [u8] = if sse { b"data: " } else { b"{\"id\":\"" };
+    let body = Feed::body(shared, move |feed| async move {
+        if !feed.send(Bytes::from_static(opening)).await {
+            return;
+        }
+        loop {
+            if feed.shared.is_shut_down() {
+                return feed.abort("shut down", Duration::ZERO).await;
+            }
+            if !feed.send(Bytes::from_static(&X_BLOCK)).await {
+                return;
+            }
+        }
+    });
+    if sse {
+        (sse_headers(), body).into_response()
+    } else {
+        ([(CONTENT_TYPE, "application/json")], body).into_response()
+    }
+}
+
+/// One piece of a body: bytes at hand, or a huge content made while sending.
+enum Frame {
+    Bytes(Bytes),
+    /// `head`, then `mib` MiB of `a` in [`BLOCK`]s, then `tail`.
+    Huge {
+        head: Bytes,
+        mib: usize,
+        tail: Bytes,
+    },
+}
+
+impl Frame {
+    /// `text` as it is, or, with `huge_mb`, split around [`HUGE_MARK`].
+    fn new(text: String, huge_mb: Option<usize>) -> Frame {
+        let huge = huge_mb.and_then(|mib| text.split_once(HUGE_MARK).map(|(head, tail)| (mib, head, tail)));
+        match huge {
+            Some((mib, head, tail)) => Frame::Huge {
+                head: Bytes::copy_from_slice(head.as_bytes()),
+                mib,
+                tail: Bytes::copy_from_slice(tail.as_bytes()),
+            },
+            None => Frame::Bytes(Bytes::from(text)),
+        }
+    }
+}
+
+/// The sending end of a body fed by a spawned task.
+struct Feed {
+    tx: mpsc::Sender<Result<Bytes, io::Error>>,
+    shared: Arc<Shared>,
+}
+
+impl Feed {
+    /// A body fed by `produce`, spawned. The one-slot channel makes the task
+    /// wait for the client to read, so it never runs ahead of it.
+    fn body<F, Fut>(shared: &Arc<Shared>, produce: F) -> Body
+    where
+        F: FnOnce(Feed) -> Fut,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel(1);
+        tokio::spawn(produce(Feed { tx, shared: Arc::clone(shared) }));
+        Body::from_stream(ReceiverStream::new(rx))
+    }
+
+    /// Send one body frame; `false` once the client has gone away.
+    async fn send(&self, bytes: Bytes) -> bool {
+        self.tx.send(Ok(bytes)).await.is_ok()
+    }
+
+    async fn send_frame(&self, frame: Frame) -> bool {
+        match frame {
+            Frame::Bytes(bytes) => self.send(bytes).await,
+            Frame::Huge { head, mib, tail } => {
+                if !self.send(head).await {
+                    return false;
+                }
+                for _ in 0..mib.saturating_mul(1024 * 1024 / BLOCK) {
+                    if !self.send(Bytes::from_static(&A_BLOCK)).await {
+                        return false;
+                    }
+                }
+                self.send(tail).await
+            }
+        }
+    }
+
+    /// End the body with an error after `grace`: hyper drops the connection
+    /// with the data still buffered if the error comes right behind it.
+    async fn abort(self, why: &str, grace: Duration) {
+        tokio::time::sleep(grace).await;
+        let abort = io::Error::new(io::ErrorKind::ConnectionAborted, format!("fake-model: {why}"));
+        let _ = self.tx.send(Err(abort)).await;
+    }
+
+    /// Send nothing more while the client waits; abort at shutdown, so the
+    /// server does not wait for this body forever.
+    async fn stall(self) {
+        let shut_down = tokio::select! {
+            () = self.shared.wait_for_shutdown() => true,
+            () = self.tx.closed() => false,
+        };
+        if shut_down {
+            self.abort("shut down while stalling", Duration::ZERO).await;
+        }
+    }
+}
+
+fn embeddings(shared: &Arc<Shared>, scenario: &Scenario, body: Option<Value>) -> Result<Response, ApiError> {
     let request: Value = parse(body)?;
     let model = request["model"].as_str().ok_or_else(ApiError::missing_model)?;
     let inputs = openai::embedding_inputs(&request["input"]).ok_or_else(|| ApiError {
         param: Some("input"),
         ..ApiError::invalid("invalid_request", "input must be a string, strings, or token arrays")
     })?;
-    Ok(Json(openai::embeddings(model, &inputs)).into_response())
+    Ok(json_answer(shared, scenario, openai::embeddings(model, &inputs)))
 }
 
 /// Deserialize a JSON body (`None` when it was not JSON at all).

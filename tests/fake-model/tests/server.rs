@@ -376,3 +376,342 @@ async fn unknown_routes_and_scenarios_are_refused() {
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], "invalid_scenario");
 }
+
+/// Read a body frame by frame until it ends (`Ok`) or fails (`Err` with what
+/// came before the failure).
+async fn read_to_end_or_error(response: reqwest::Response) -> Result<Vec<u8>, Vec<u8>> {
+    let mut body = Vec::new();
+    let mut frames = response.bytes_stream();
+    while let Some(frame) = frames.next().await {
+        match frame {
+            Ok(bytes) => body.extend_from_slice(&bytes),
+            Err(_) => return Err(body),
+        }
+    }
+    Ok(body)
+}
+
+/// Read a body until it has been silent for `quiet`; `None` if it ended or
+/// failed instead of going silent.
+async fn read_until_silent(
+    frames: &mut (impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin),
+    quiet: Duration,
+) -> Option<Vec<u8>> {
+    let mut body = Vec::new();
+    loop {
+        match tokio::time::timeout(quiet, frames.next()).await {
+            Err(_silent) => return Some(body),
+            Ok(Some(Ok(bytes))) => body.extend_from_slice(&bytes),
+            Ok(Some(Err(_)) | None) => return None,
+        }
+    }
+}
+
+fn scenario_from(text: &str) -> Scenario {
+    text.parse().unwrap()
+}
+
+#[tokio::test]
+async fn words_sets_the_reply_length_and_the_limit_still_cuts_it() {
+    let fake = FakeModel::start().await.unwrap();
+    let url = fake.scenario_url(&scenario_from("words=500"));
+    let body: Value = post(&url, "/chat/completions", &chat_body("hi")).await.json().await.unwrap();
+    let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+    let expected: Vec<String> = (1..=500).map(|i| format!("w{i}")).collect();
+    assert_eq!(content, expected.join(" "));
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    assert_eq!(body["usage"]["completion_tokens"], 500);
+
+    let mut limited = chat_body("hi");
+    limited["max_tokens"] = json!(10);
+    let body: Value = post(&url, "/chat/completions", &limited).await.json().await.unwrap();
+    assert_eq!(body["choices"][0]["message"]["content"], expected[..10].join(" "));
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert_eq!(body["usage"]["completion_tokens"], 10);
+
+    // Streamed, the pieces add up to the same words.
+    let events = stream_events(&url, &streamed(json!({"max_completion_tokens": 10}))).await;
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let content: String = chunks[1..6].iter().map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap()).collect();
+    assert_eq!(content, expected[..10].join(" "));
+    assert_eq!(chunks[6]["choices"][0]["finish_reason"], "length");
+}
+
+#[tokio::test]
+async fn ignore_limit_overshoots_max_tokens() {
+    let fake = FakeModel::start().await.unwrap();
+    let url = fake.scenario_url(&scenario_from("words=500,ignore_limit"));
+    let mut body = chat_body("hi");
+    body["max_tokens"] = json!(10);
+    body["max_completion_tokens"] = json!(20);
+    let body: Value = post(&url, "/chat/completions", &body).await.json().await.unwrap();
+    assert_eq!(body["choices"][0]["message"]["content"].as_str().unwrap().split(' ').count(), 500);
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    assert_eq!(body["usage"]["completion_tokens"], 500);
+
+    // Without `words`, the echo is not cut either.
+    let url = fake.scenario_url(&scenario_from("ignore_limit"));
+    let mut body = chat_body("hi");
+    body["max_tokens"] = json!(3);
+    let body: Value = post(&url, "/chat/completions", &body).await.json().await.unwrap();
+    assert_eq!(body["choices"][0]["message"]["content"], "Hello from fake-model! You said: hi");
+    assert_eq!(body["usage"]["completion_tokens"], 6);
+}
+
+#[tokio::test]
+async fn n_answers_with_n_choices_and_counts_their_tokens() {
+    let fake = FakeModel::start().await.unwrap();
+    let mut request = chat_body("Say hello to the fake model please");
+    request["n"] = json!(3);
+    let body: Value = post(&fake.url(), "/chat/completions", &request).await.json().await.unwrap();
+    let choices = body["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], i);
+        assert_eq!(choice["message"]["content"], "Hello from fake-model! You said: Say hello to the fake model please");
+        assert_eq!(choice["finish_reason"], "stop");
+    }
+    assert_eq!(body["usage"], json!({"prompt_tokens": 16, "completion_tokens": 36, "total_tokens": 52}));
+
+    let events =
+        stream_events(&fake.url(), &streamed(json!({"n": 3, "stream_options": {"include_usage": true}}))).await;
+    assert_eq!(events.len(), 3 * (1 + 5 + 1) + 1 + 1, "{events:#?}");
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let (usage, per_choice) = chunks.split_last().unwrap();
+    assert_eq!(usage["usage"], json!({"prompt_tokens": 16, "completion_tokens": 36, "total_tokens": 52}));
+    for index in 0..3 {
+        let mine: Vec<&Value> =
+            per_choice.iter().map(|c| &c["choices"][0]).filter(|choice| choice["index"] == index).collect();
+        assert_eq!(mine.len(), 1 + 5 + 1, "choice {index}");
+        assert_eq!(mine[0]["delta"]["role"], "assistant");
+        let content: String = mine[1..6].iter().map(|c| c["delta"]["content"].as_str().unwrap()).collect();
+        assert_eq!(content, "Hello from fake-model! You said: Say hello to the fake model please");
+        assert_eq!(mine[6]["finish_reason"], "stop");
+    }
+    assert!(per_choice.iter().all(|c| c["choices"].as_array().unwrap().len() == 1));
+
+    for n in [0, 129] {
+        let mut request = chat_body("hi");
+        request["n"] = json!(n);
+        let response = post(&fake.url(), "/chat/completions", &request).await;
+        assert_eq!(response.status(), 400);
+        assert_eq!(response.json::<Value>().await.unwrap()["error"]["param"], "n");
+    }
+}
+
+#[tokio::test]
+async fn cut_body_sends_half_the_announced_body_then_aborts() {
+    let fake = FakeModel::start().await.unwrap();
+    let url = fake.scenario_url(&scenario_from("cut_body"));
+    let response = post(&url, "/chat/completions", &chat_body("hi")).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "application/json");
+    let announced: usize = response.headers()["content-length"].to_str().unwrap().parse().unwrap();
+    let received = read_to_end_or_error(response).await.expect_err("the body ended cleanly");
+
+    assert_eq!(received.len(), announced / 2);
+    let text = String::from_utf8(received).unwrap();
+    assert!(text.starts_with(r#"{"choices":[{"#) || text.starts_with(r#"{"id":"chatcmpl-fake-"#), "{text}");
+    // A prefix of a JSON document: it only lacks its end.
+    assert!(serde_json::from_str::<Value>(&text).unwrap_err().is_eof(), "{text}");
+
+    // Every JSON answer, not only chat.
+    let response = reqwest::get(format!("{url}/models")).await.unwrap();
+    assert!(read_to_end_or_error(response).await.is_err());
+}
+
+#[tokio::test]
+async fn stall_body_sends_half_the_announced_body_then_nothing() {
+    let fake = FakeModel::start().await.unwrap();
+    let url = fake.scenario_url(&scenario_from("stall_body"));
+    let response = post(&url, "/chat/completions", &chat_body("hi")).await;
+    assert_eq!(response.status(), 200);
+    let announced: usize = response.headers()["content-length"].to_str().unwrap().parse().unwrap();
+    let mut frames = response.bytes_stream();
+    let received = read_until_silent(&mut frames, Duration::from_millis(500)).await.expect("the body ended");
+    assert_eq!(received.len(), announced / 2);
+    assert!(serde_json::from_slice::<Value>(&received).unwrap_err().is_eof());
+
+    // Shutting the server down releases the stalled body, as a failure.
+    drop(fake);
+    let next = tokio::time::timeout(Duration::from_secs(2), frames.next()).await.unwrap();
+    assert!(matches!(next, Some(Err(_))), "{next:?}");
+}
+
+#[tokio::test]
+async fn first_event_delay_sends_the_head_first() {
+    let fake = FakeModel::start().await.unwrap();
+    let url = fake.scenario_url(&scenario_from("first_event_delay_ms=400"));
+    let response = post(&url, "/chat/completions", &streamed(json!({}))).await;
+    let head_at = Instant::now();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    let mut frames = response.bytes_stream();
+    let first = frames.next().await.unwrap().unwrap();
+    let waited = head_at.elapsed();
+    assert!(waited >= Duration::from_millis(300), "the first event came {waited:?} after the head");
+    assert!(first.starts_with(b"data: {"), "{first:?}");
+    let first: Value = serde_json::from_str(&sse_data(std::str::from_utf8(&first).unwrap())[0]).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+}
+
+#[tokio::test]
+async fn first_content_delay_holds_back_the_first_content_chunk() {
+    let fake = FakeModel::start().await.unwrap();
+    let url = fake.scenario_url(&scenario_from("first_content_delay_ms=400"));
+    let response = post(&url, "/chat/completions", &streamed(json!({}))).await;
+    assert_eq!(response.status(), 200);
+    let mut frames = response.bytes_stream();
+    let role = tokio::time::timeout(Duration::from_millis(300), frames.next()).await.expect("no role chunk at once");
+    let role_at = Instant::now();
+    let role = sse_data(std::str::from_utf8(&role.unwrap().unwrap()).unwrap());
+    assert_eq!(role.len(), 1, "{role:#?}");
+    let role: Value = serde_json::from_str(&role[0]).unwrap();
+    assert_eq!(role["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
+
+    let rest = frames.next().await.unwrap().unwrap();
+    let waited = role_at.elapsed();
+    assert!(waited >= Duration::from_millis(300), "the first content came {waited:?} after the role chunk");
+    let content: Value = serde_json::from_str(&sse_data(std::str::from_utf8(&rest).unwrap())[0]).unwrap();
+    assert!(!content["choices"][0]["delta"]["content"].as_str().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn stall_after_sends_some_chunks_then_never_ends() {
+    let fake = FakeModel::start().await.unwrap();
+    let url = fake.scenario_url(&scenario_from("stall_after=2"));
+    let response = post(&url, "/chat/completions", &streamed(json!({}))).await;
+    assert_eq!(response.status(), 200);
+    let mut frames = response.bytes_stream();
+    let received = read_until_silent(&mut frames, Duration::from_millis(500)).await.expect("the stream ended");
+    let events = sse_data(&String::from_utf8(received).unwrap());
+    assert_eq!(events.len(), 1 + 2, "{events:#?}");
+    let chunks: Vec<Value> = events.iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks[1..].iter().all(|c| c["choices"][0]["delta"]["content"].is_string()));
+
+    drop(fake);
+    let next = tokio::time::timeout(Duration::from_secs(2), frames.next()).await.unwrap();
+    assert!(matches!(next, Some(Err(_))), "{next:?}");
+}
+
+#[tokio::test]
+async fn malformed_at_replaces_one_event_and_the_stream_goes_on() {
+    let fake = FakeModel::start().await.unwrap();
+    for index in [0, 1, 6] {
+        let url = fake.scenario_url(&Scenario { malformed_at: Some(index), ..Default::default() });
+        let events = stream_events(&url, &streamed(json!({}))).await;
+        assert_eq!(events.len(), 1 + 5 + 1 + 1, "{events:#?}");
+        assert_eq!(events[index], "{this is not json");
+        assert_eq!(events.last().unwrap(), "[DONE]");
+        let parsed = events[..7].iter().filter(|e| serde_json::from_str::<Value>(e).is_ok()).count();
+        assert_eq!(parsed, 6, "only event {index} is broken");
+    }
+}
+
+#[tokio::test]
+async fn no_done_ends_the_stream_cleanly_without_done() {
+    let fake = FakeModel::start().await.unwrap();
+    let url = fake.scenario_url(&scenario_from("no_done"));
+    let response = post(&url, "/chat/completions", &streamed(json!({"stream_options": {"include_usage": true}}))).await;
+    let body = read_to_end_or_error(response).await.expect("the stream failed");
+    let events = sse_data(&String::from_utf8(body).unwrap());
+    assert_eq!(events.len(), 1 + 5 + 1 + 1, "{events:#?}");
+    assert!(events.iter().all(|e| serde_json::from_str::<Value>(e).is_ok()), "{events:#?}");
+    let usage: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 12);
+}
+
+/// Read `limit` bytes of a body that should not end, then drop it.
+async fn read_endless(response: reqwest::Response, limit: usize) -> Vec<u8> {
+    let mut body = Vec::new();
+    let mut frames = response.bytes_stream();
+    while body.len() < limit {
+        body.extend_from_slice(&frames.next().await.expect("the endless line ended").unwrap());
+    }
+    body
+}
+
+#[tokio::test]
+async fn endless_line_never_ends_its_first_line() {
+    let fake = FakeModel::start().await.unwrap();
+    let url = fake.scenario_url(&scenario_from("endless_line"));
+    let response = post(&url, "/chat/completions", &streamed(json!({}))).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    let body = read_endless(response, 1 << 20).await;
+    assert!(body.starts_with(b"data: xxxx"));
+    assert!(!body.contains(&b'\n'));
+    assert!(body[6..].iter().all(|b| *b == b'x'));
+
+    let response = post(&url, "/chat/completions", &chat_body("hi")).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "application/json");
+    assert!(response.headers().get("content-length").is_none());
+    let body = read_endless(response, 1 << 20).await;
+    assert!(body.starts_with(br#"{"id":"xxxx"#));
+    assert!(!body.contains(&b'\n'));
+
+    // Dropping the readers leaves the server serving.
+    let response = post(&fake.url(), "/chat/completions", &chat_body("hi")).await;
+    assert_eq!(response.status(), 200);
+}
+
+#[tokio::test]
+async fn huge_mb_answers_with_megabytes_of_content() {
+    let fake = FakeModel::start().await.unwrap();
+    let url = fake.scenario_url(&scenario_from("huge_mb=2"));
+    let mut request = chat_body("Say hello to the fake model please");
+    request["max_tokens"] = json!(1);
+    let response = post(&url, "/chat/completions", &request).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "application/json");
+    assert!(response.headers().get("content-length").is_none(), "not chunked");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["object"], "chat.completion");
+    let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(content.len(), 2 << 20);
+    assert!(content.bytes().all(|b| b == b'a'));
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    assert_eq!(body["usage"], json!({"prompt_tokens": 16, "completion_tokens": 1, "total_tokens": 17}));
+
+    let response = post(&url, "/chat/completions", &streamed(json!({"stream_options": {"include_usage": true}}))).await;
+    assert_eq!(response.status(), 200);
+    let mut frames = 0;
+    let mut body = Vec::new();
+    let mut stream = response.bytes_stream();
+    while let Some(frame) = stream.next().await {
+        body.extend_from_slice(&frame.unwrap());
+        frames += 1;
+    }
+    assert!(frames > 2, "the stream came in {frames} frames");
+    let events = sse_data(&String::from_utf8(body).unwrap());
+    assert_eq!(events.len(), 1 + 1 + 1 + 1 + 1, "role, content, finish, usage, [DONE]");
+    let content: Value = serde_json::from_str(&events[1]).unwrap();
+    let content = content["choices"][0]["delta"]["content"].as_str().unwrap();
+    assert_eq!(content.len(), 2 << 20);
+    assert!(content.bytes().all(|b| b == b'a'));
+    let usage: Value = serde_json::from_str(&events[3]).unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 1);
+    assert_eq!(events[4], "[DONE]");
+}
+
+#[tokio::test]
+async fn flap_alternates_failure_and_success() {
+    let fake = FakeModel::start().await.unwrap();
+    let url = fake.scenario_url(&scenario_from("flap"));
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        statuses.push(post(&url, "/chat/completions", &chat_body("hi")).await.status().as_u16());
+        // Requests without the flag do not take a turn.
+        assert_eq!(post(&fake.url(), "/chat/completions", &chat_body("hi")).await.status(), 200);
+    }
+    assert_eq!(statuses, [503, 200, 503, 200]);
+
+    let response = post(&url, "/chat/completions", &chat_body("hi")).await;
+    assert_eq!(response.status(), 503);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "fake_error");
+    assert_eq!(body["error"]["code"], "flap");
+}
