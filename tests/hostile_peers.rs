@@ -1,0 +1,87 @@
+//! Memory per call stays bounded whatever a backend sends (SPEC §5): the real
+//! `flexway serve` in front of a fake that writes an endless SSE line or a huge
+//! answer, with the gateway's peak RSS (`VmHWM`) read from /proc.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use common::*;
+use serde_json::{Value, json};
+
+const MIB: u64 = 1024 * 1024;
+
+fn scenario(model: &FakeModel, text: &str) -> String {
+    model.url().replace("/v1", &format!("/s/{text}/v1"))
+}
+
+fn gateway(url: &str, limits: &str) -> Flexway {
+    Flexway::start(&config(&format!(
+        "  default_backend: main\n{limits}  backends:\n    main: {{url: \"{url}\", timeout: 20s}}\n"
+    )))
+}
+
+async fn upstream_error(response: reqwest::Response, needle: &str) {
+    assert_eq!(response.status(), 502);
+    assert!(response.headers().contains_key("flexway-request-id"));
+    assert_eq!(response.headers()["flexway-backends-tried"], "main");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "upstream_error");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains(needle), "{message}");
+}
+
+#[tokio::test]
+async fn an_endless_sse_line_is_refused_at_the_event_limit() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = gateway(&scenario(&model, "endless_line"), "");
+    let before = gw.peak_rss();
+    let body = json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
+    upstream_error(gw.chat(KEY, body).await, "max_event_bytes").await;
+    let grown = gw.peak_rss().saturating_sub(before);
+    // One event is held at most (1 MiB by default), plus a read buffer or two.
+    assert!(grown < 16 * MIB, "an endless line grew the gateway by {} MiB", grown / MIB);
+}
+
+#[tokio::test]
+async fn a_huge_answer_is_refused_at_the_response_limit_not_buffered_whole() {
+    let model = FakeModel::start().await.unwrap();
+    let limits = "  limits: {max_response_bytes: 8388608}\n";
+    let gw = gateway(&scenario(&model, "huge_mb=512"), limits);
+    let before = gw.peak_rss();
+    upstream_error(gw.chat(KEY, hello("m")).await, "max_response_bytes").await;
+    let grown = gw.peak_rss().saturating_sub(before);
+    // 8 MiB of answer at most, never the 512 MiB the backend offered.
+    assert!(grown < 40 * MIB, "a 512 MiB answer grew the gateway by {} MiB", grown / MIB);
+}
+
+#[tokio::test]
+async fn a_huge_stream_event_is_refused_and_an_endless_json_body_too() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = gateway(&scenario(&model, "huge_mb=64"), "");
+    let before = gw.peak_rss();
+    let body = json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
+    upstream_error(gw.chat(KEY, body).await, "max_event_bytes").await;
+    let endless = gateway(&scenario(&model, "endless_line"), "  limits: {max_response_bytes: 4194304}\n");
+    upstream_error(endless.chat(KEY, hello("m")).await, "max_response_bytes").await;
+    let grown = gw.peak_rss().saturating_sub(before);
+    assert!(grown < 16 * MIB, "a 64 MiB event grew the gateway by {} MiB", grown / MIB);
+}
+
+#[tokio::test]
+async fn answer_limits_of_zero_are_refused_at_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("flexway.yaml");
+    let yaml = config(
+        "  default_backend: main\n  limits: {max_response_bytes: 0, max_event_bytes: 0}\n  backends:\n    main: {url: \"http://127.0.0.1:9/v1\"}\n",
+    );
+    std::fs::write(&path, yaml).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flexway"))
+        .args(["validate", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr) + String::from_utf8_lossy(&out.stdout);
+    assert!(stderr.contains("ai.limits.max_response_bytes"), "{stderr}");
+    assert!(stderr.contains("ai.limits.max_event_bytes"), "{stderr}");
+}
