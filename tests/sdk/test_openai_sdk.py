@@ -18,6 +18,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TARGET = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "debug"
 KEY = "sk-sdk-test-key"
+# A tenant routed to a backend whose stream carries a malformed event mid-way.
+FAULTY_KEY = "sk-sdk-faulty-key"
 
 
 def start(args, banner):
@@ -43,6 +45,10 @@ tenants:
   sdk:
     keys:
       - sha256: {hashlib.sha256(KEY.encode()).hexdigest()}
+  faulty:
+    keys:
+      - sha256: {hashlib.sha256(FAULTY_KEY.encode()).hexdigest()}
+    backend: malformed
 ai:
   default_backend: chat
   capabilities: {{embeddings: embed}}
@@ -54,6 +60,8 @@ ai:
       url: {model_url}/v1
       capabilities: [embeddings]
       default_model: fake-embed
+    malformed:
+      url: {model_url}/s/malformed_at=2/v1
 """
     )
     gw, gw_url = start(
@@ -136,3 +144,16 @@ def test_bad_request_is_bad_request_error_with_spec_code(client):
         client.chat.completions.create(model="m", messages=[])
     assert err.value.code == "invalid_request"
     assert err.value.param == "messages"
+
+
+def test_a_stream_broken_mid_way_raises_api_error_with_the_spec_code(gateway):
+    faulty = openai.OpenAI(base_url=gateway + "/v1", api_key=FAULTY_KEY, max_retries=0)
+    stream = faulty.chat.completions.create(
+        model="chat-default", messages=[{"role": "user", "content": "hello there"}], stream=True
+    )
+    received = []
+    with pytest.raises(openai.APIError) as raised:
+        for chunk in stream:
+            received.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
+    assert raised.value.code == "upstream_error"
+    assert "".join(received).startswith("Hello"), "the content before the fault was relayed"
