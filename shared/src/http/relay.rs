@@ -22,6 +22,7 @@ use bytes::Bytes;
 use http::{HeaderValue, header};
 use serde_json::Value;
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use super::proxy::UsageSource;
 use super::record::Draft;
@@ -176,7 +177,8 @@ pub(super) fn stream(
     mut draft: Draft,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(16);
-    tokio::spawn(async move {
+    // The pump outlives the handler: it carries the call's span (its request id) along.
+    let pumping = async move {
         let outcome = pump(held, &tx, idle_timeout, &mut draft).await;
         let health = match &outcome.end {
             StreamEnd::Broken(fault) => fault_outcome(fault),
@@ -186,7 +188,8 @@ pub(super) fn stream(
         gateway.breakers.record(&backend, health, Instant::now());
         settle.finish(&gateway, &outcome, draft).await;
         drop(tx);
-    });
+    };
+    tokio::spawn(pumping.instrument(tracing::Span::current()));
     let body =
         futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx)) });
     let mut response = Response::new(Body::from_stream(body));
