@@ -173,3 +173,34 @@ async fn a_garbage_answer_is_upstream_error() {
     let gw = Flexway::start(&one_backend(&garbage));
     envelope(gw.chat(KEY, hello("m")).await, 502, "upstream_error").await;
 }
+
+#[tokio::test]
+async fn an_unreadable_or_ambiguous_agent_header_is_unknown_agent() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&one_backend(&model.url()));
+    // Not readable text: not UTF-8, empty, a control character.
+    for value in [&b"\xffbot"[..], b"", b"  ", "\u{85}helper".as_bytes()] {
+        let header = reqwest::header::HeaderValue::from_bytes(value).unwrap();
+        let r = gw.post("/v1/chat/completions", KEY, hello("m")).header("Flexway-Agent", header).send().await.unwrap();
+        envelope(r, 403, "unknown_agent").await;
+    }
+    let twice = |key: &'static str, first: &'static str, second: &'static str| {
+        gw.post("/v1/chat/completions", key, hello("m"))
+            .header("Flexway-Agent", first)
+            .header("Flexway-Agent", second)
+            .send()
+    };
+    let body = envelope(twice(KEY, "helper", "bot").await.unwrap(), 403, "unknown_agent").await;
+    assert!(body["error"]["message"].as_str().unwrap().contains("more than once"), "{body}");
+    envelope(twice(AGENT_KEY, "bot", "helper").await.unwrap(), 403, "unknown_agent").await;
+    assert_eq!(model.request_count(), 0);
+    // The same agent named twice (a proxy copying the header) is one agent.
+    assert_eq!(twice(KEY, "helper", "helper").await.unwrap().status(), 200);
+    // A declared agent with a non-ASCII name can be named: UTF-8 is readable text.
+    let ai = format!("  default_backend: main\n  backends:\n    main:\n      url: {}\n", model.url());
+    let yaml = config(&ai).replace("      helper: {}\n", "      helper: {}\n      équipe: {}\n");
+    let gw = Flexway::start(&yaml);
+    let header = reqwest::header::HeaderValue::from_bytes("équipe".as_bytes()).unwrap();
+    let r = gw.post("/v1/chat/completions", KEY, hello("m")).header("Flexway-Agent", header).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+}

@@ -201,5 +201,11 @@ mod tests {
         assert_eq!((missing.status().as_u16(), missing.code()), (401, "invalid_api_key"));
         let agent = GatewayError::from(IdentityError::UnknownAgent { agent: "x".into() });
         assert_eq!((agent.status().as_u16(), agent.code()), (403, "unknown_agent"));
+        for refused in
+            [IdentityError::UnreadableAgent, IdentityError::AmbiguousAgent { first: "a".into(), other: "b".into() }]
+        {
+            let refused = GatewayError::from(refused);
+            assert_eq!((refused.status().as_u16(), refused.code()), (403, "unknown_agent"));
+        }
     }
 }

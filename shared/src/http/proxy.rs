@@ -144,7 +144,7 @@ async fn chat(
         max_tokens: request.max_tokens,
         completes: true,
         stream: request.stream,
-        sensitive: sensitive(headers, &gateway.config.ai.sensitive_header)?,
+        sensitive: crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?,
     };
     let Admission { route, ticket, soft, clamped_max_tokens } =
         admit(gateway, call.caller, &call.request_id.0, &demand).await?;
@@ -185,7 +185,7 @@ async fn embed(
         max_tokens: None,
         completes: false,
         stream: false,
-        sensitive: sensitive(headers, &gateway.config.ai.sensitive_header)?,
+        sensitive: crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?,
     };
     let Admission { route, ticket, soft, .. } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.soft(soft);
@@ -237,23 +237,6 @@ async fn complete(
     let cost = ticket.settle(usage, price).await;
     draft.usage(usage, source, cost);
     Ok(Reply::Now(with_headers(response, headers)))
-}
-
-/// The sensitivity header (`ai.sensitive_header`): `true`/`false` (also `1`/`0`,
-/// `yes`/`no`); anything else is refused rather than guessed.
-fn sensitive(headers: &HeaderMap, name: &str) -> Result<bool, GatewayError> {
-    let Some(value) = headers.get(name) else {
-        return Ok(false);
-    };
-    let value = value.to_str().unwrap_or("").trim().to_ascii_lowercase();
-    match value.as_str() {
-        "true" | "1" | "yes" => Ok(true),
-        "false" | "0" | "no" | "" => Ok(false),
-        _ => Err(GatewayError::InvalidRequest(InvalidRequest {
-            message: format!("the {name} header must be true or false"),
-            param: None,
-        })),
-    }
 }
 
 /// Whether the usage settled came from the backend or from Flexway's estimate.
