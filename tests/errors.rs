@@ -204,3 +204,54 @@ async fn an_unreadable_or_ambiguous_agent_header_is_unknown_agent() {
     let r = gw.post("/v1/chat/completions", KEY, hello("m")).header("Flexway-Agent", header).send().await.unwrap();
     assert_eq!(r.status(), 200);
 }
+
+/// A header of 64 KiB: over the gateway's 32 KiB, under the transport's ceilings.
+fn big_header() -> String {
+    "x".repeat(64 * 1024)
+}
+
+#[tokio::test]
+async fn oversized_headers_are_headers_too_large_in_the_envelope_with_a_request_id() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&one_backend(&model.url()));
+    let v1 = gw.post("/v1/chat/completions", KEY, hello("m")).header("x-big", big_header()).send().await.unwrap();
+    envelope(v1, 431, "headers_too_large").await;
+    let health = client().get(format!("{}/healthz", gw.url)).header("x-big", big_header()).send().await.unwrap();
+    assert_eq!(health.status(), 431);
+    assert!(health.headers().contains_key("flexway-request-id"));
+    assert_eq!(health.headers()["content-type"], "application/problem+json");
+    let problem: Value = health.json().await.unwrap();
+    assert_eq!((problem["status"].as_u64(), problem["code"].as_str()), (Some(431), Some("headers_too_large")));
+    // Small headers add up: the limit is on their total.
+    let mut many = gw.post("/v1/chat/completions", KEY, hello("m"));
+    for i in 0..40 {
+        many = many.header(format!("x-filler-{i}"), "y".repeat(1000));
+    }
+    envelope(many.send().await.unwrap(), 431, "headers_too_large").await;
+    // Under the limit, the same connection pool still serves.
+    assert_eq!(gw.chat(KEY, hello("m")).await.status(), 200);
+    assert_eq!(model.request_count(), 1);
+}
+
+#[tokio::test]
+async fn oversized_headers_over_http2_get_the_envelope_too() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&one_backend(&model.url()));
+    let h2 = reqwest::Client::builder().http2_prior_knowledge().build().unwrap();
+    let ok = h2.post(format!("{}/v1/chat/completions", gw.url)).bearer_auth(KEY).json(&hello("m")).send().await;
+    let ok = ok.unwrap();
+    assert_eq!((ok.version(), ok.status().as_u16()), (reqwest::Version::HTTP_2, 200));
+    let big = h2
+        .post(format!("{}/v1/chat/completions", gw.url))
+        .bearer_auth(KEY)
+        .json(&hello("m"))
+        .header("x-big", big_header());
+    envelope(big.send().await.unwrap(), 431, "headers_too_large").await;
+    // HTTP/2 sets no count of its own: the gateway's 100 applies.
+    let mut many = h2.post(format!("{}/v1/chat/completions", gw.url)).bearer_auth(KEY).json(&hello("m"));
+    for i in 0..120 {
+        many = many.header(format!("x-filler-{i}"), "y");
+    }
+    envelope(many.send().await.unwrap(), 431, "headers_too_large").await;
+    assert_eq!(model.request_count(), 1);
+}

@@ -71,14 +71,34 @@ async fn metrics(State(gateway): State<Arc<Gateway>>) -> Response {
     response
 }
 
+/// The request headers the gateway reads: in bytes, names and values summed (SDKs
+/// send a few hundred), and in number, a repeated name counted each time (hyper's
+/// own default count). Checked in the request-id layer so that both shapes refuse
+/// with the documented envelope and a request id; the local shape's transport
+/// ceilings sit above these (`flexway serve`), so that this check answers first.
+pub const MAX_HEADER_BYTES: usize = 32 * 1024;
+pub const MAX_HEADERS: usize = 100;
+
+/// Names the request (`Flexway-Request-Id`); refuses oversized headers before
+/// anything reads them.
 async fn request_id(mut request: Request, next: Next) -> Response {
     let id = RequestId::generate();
-    request.extensions_mut().insert(id.clone());
-    let mut response = next.run(request).await;
+    let mut response = if headers_too_large(request.headers()) {
+        let error = GatewayError::HeadersTooLarge { max_headers: MAX_HEADERS, max_bytes: MAX_HEADER_BYTES };
+        render(&error, is_openai_path(request.uri()))
+    } else {
+        request.extensions_mut().insert(id.clone());
+        next.run(request).await
+    };
     if let Ok(value) = HeaderValue::from_str(&id.0) {
         response.headers_mut().insert(REQUEST_ID_HEADER, value);
     }
     response
+}
+
+fn headers_too_large(headers: &HeaderMap) -> bool {
+    headers.len() > MAX_HEADERS
+        || headers.iter().map(|(name, value)| name.as_str().len() + value.len()).sum::<usize>() > MAX_HEADER_BYTES
 }
 
 async fn healthz(State(gateway): State<Arc<Gateway>>) -> Response {
