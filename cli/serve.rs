@@ -1,5 +1,6 @@
 //! `flexway serve`: load, build the adapters once, run the sweeper, listen.
 
+use std::io::IsTerminal;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -31,6 +32,9 @@ pub fn run(config_path: &Path, listen: &str) -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FLEXWAY_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: in a piped log, escape codes would split
+        // `request_id=req_...` and defeat a grep for a call's lines.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let loaded = match config::load_file(config_path, &ProcessEnv) {
         Ok(loaded) => loaded,

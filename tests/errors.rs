@@ -255,3 +255,36 @@ async fn oversized_headers_over_http2_get_the_envelope_too() {
     envelope(many.send().await.unwrap(), 431, "headers_too_large").await;
     assert_eq!(model.request_count(), 1);
 }
+
+/// Waits for a gateway log line that contains every one of `needles`.
+async fn log_line(gw: &Flexway, needles: &[&str]) -> String {
+    for _ in 0..100 {
+        if let Some(line) = gw.logs().lines().find(|l| needles.iter().all(|n| l.contains(n))) {
+            return line.to_owned();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("no log line with {needles:?} in:\n{}", gw.logs());
+}
+
+#[tokio::test]
+async fn a_backend_failure_is_logged_with_the_request_id() {
+    let model = FakeModel::start().await.unwrap();
+    let failing = model.scenario_url(&Scenario { status: Some(500), ..Default::default() });
+    // At `warn` too: the request span must not be filtered out with the info lines.
+    for level in ["info", "warn"] {
+        let gw = Flexway::start_with_env(&one_backend(&failing), &[("FLEXWAY_LOG", level)]);
+        let response = gw.chat(KEY, hello("m")).await;
+        assert_eq!(response.status(), 503);
+        let id = response.headers()["flexway-request-id"].to_str().unwrap().to_owned();
+        // As a field, greppable: no colour codes in a piped log.
+        let field = format!("request_id={id}");
+        log_line(&gw, &["backend failed", &field]).await;
+        log_line(&gw, &["no backend could serve", &field]).await;
+        // Another call's lines carry its own id, not this one's.
+        let other = gw.chat(KEY, hello("m")).await;
+        let other_id = other.headers()["flexway-request-id"].to_str().unwrap().to_owned();
+        let line = log_line(&gw, &["no backend could serve", &other_id]).await;
+        assert!(!line.contains(&id), "{line}");
+    }
+}

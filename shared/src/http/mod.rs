@@ -15,6 +15,7 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use http::{HeaderMap, HeaderValue, Method, Uri};
 use serde_json::json;
+use tracing::Instrument;
 
 pub use error::{ApiError, ProblemError, render};
 
@@ -79,16 +80,20 @@ async fn metrics(State(gateway): State<Arc<Gateway>>) -> Response {
 pub const MAX_HEADER_BYTES: usize = 32 * 1024;
 pub const MAX_HEADERS: usize = 100;
 
-/// Names the request (`Flexway-Request-Id`); refuses oversized headers before
-/// anything reads them.
+/// Names the request (`Flexway-Request-Id`) and opens the span that puts its id on
+/// every log line of the call; refuses oversized headers before anything reads them.
 async fn request_id(mut request: Request, next: Next) -> Response {
     let id = RequestId::generate();
+    // At ERROR level so that the span is enabled under any filter that lets a line
+    // through (`FLEXWAY_LOG=warn` included): a span the filter disabled would leave
+    // the warnings of the call without their request id (SPEC §9).
+    let span = tracing::error_span!("request", request_id = %id.0);
     let mut response = if headers_too_large(request.headers()) {
         let error = GatewayError::HeadersTooLarge { max_headers: MAX_HEADERS, max_bytes: MAX_HEADER_BYTES };
-        render(&error, is_openai_path(request.uri()))
+        span.in_scope(|| render(&error, is_openai_path(request.uri())))
     } else {
         request.extensions_mut().insert(id.clone());
-        next.run(request).await
+        next.run(request).instrument(span).await
     };
     if let Ok(value) = HeaderValue::from_str(&id.0) {
         response.headers_mut().insert(REQUEST_ID_HEADER, value);
