@@ -1,11 +1,16 @@
 //! `flexway serve`: load, build the adapters once, run the sweeper, listen.
 
+use std::io::IsTerminal;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
+use axum::serve::{Listener, ListenerExt};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
 
 use flexway::audit::{AuditSink, FileAuditSink, StdoutAuditSink};
 use flexway::budget::{BudgetStore, EmbeddedBudgetStore, MemoryBudgetStore, period::unix_now};
@@ -16,10 +21,20 @@ use flexway::secret::LocalSecrets;
 /// How often the local shape refunds expired reservations.
 const SWEEP_EVERY: Duration = Duration::from_secs(5);
 
+/// The HTTP/2 header list the transport accepts (HPACK size: names, values and 32
+/// bytes a field). It must stay well above the gateway's own limit
+/// (`flexway::http::MAX_HEADER_BYTES`), so that oversized headers reach the router
+/// and are refused there with the envelope and a request id; hyper's default
+/// (16 KiB) would answer a bare 431 first. Past it, hyper still does.
+const H2_MAX_HEADER_LIST: u32 = 128 * 1024;
+
 pub fn run(config_path: &Path, listen: &str) -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FLEXWAY_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: in a piped log, escape codes would split
+        // `request_id=req_...` and defeat a grep for a call's lines.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let loaded = match config::load_file(config_path, &ProcessEnv) {
         Ok(loaded) => loaded,
@@ -91,10 +106,44 @@ async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
             tracing::warn!("TCP_NODELAY: {e}");
         }
     });
-    axum::serve(listener, flexway::http::app(gateway))
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await?;
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    serve_http(listener, flexway::http::app(gateway), shutdown).await;
     Ok(())
+}
+
+/// `axum::serve`'s loop with the transport's limits set (axum does not expose
+/// hyper's builder): HTTP/1.1 and HTTP/2 on one port, upgrades allowed, and on
+/// `shutdown` no new connection while those open finish their requests.
+///
+/// HTTP/1.1 keeps hyper's defaults: a header section up to its read buffer (~400 KiB)
+/// and 100 headers, so the gateway's 32 KiB limit answers first for size. Past 100
+/// headers hyper's bare 431 answers: raising its count would cost two heap
+/// allocations on every request.
+async fn serve_http<L>(mut listener: L, app: axum::Router, shutdown: impl Future<Output = ()>)
+where
+    L: Listener<Io = tokio::net::TcpStream>,
+{
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder.http2().max_header_list_size(H2_MAX_HEADER_LIST).enable_connect_protocol();
+    let graceful = GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        // `accept` retries by itself on errors (axum's handling: back off on EMFILE).
+        let (io, _) = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut shutdown => break,
+        };
+        let service = TowerToHyperService::new(app.clone());
+        let connection = builder.serve_connection_with_upgrades(TokioIo::new(io), service).into_owned();
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!("connection ended: {e}");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
 }

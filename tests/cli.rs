@@ -1,4 +1,4 @@
-//! The command line: `validate`, `key new`.
+//! The command line: `validate`, `key new`, `serve`'s shutdown.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -79,4 +79,27 @@ async fn key_new_prints_a_key_whose_config_line_authenticates() {
     );
     let gw = Flexway::start(&yaml);
     assert_eq!(gw.chat(&key, hello("m")).await.status(), 200);
+}
+
+#[tokio::test]
+async fn serve_finishes_the_calls_in_flight_on_ctrl_c_then_exits() {
+    let model = FakeModel::start().await.unwrap();
+    let slow = model.scenario_url(&Scenario { delay_ms: Some(1500), ..Default::default() });
+    let mut gw = Flexway::start(&one_backend(&slow));
+    let url = gw.url.clone();
+    let in_flight = tokio::spawn(async move {
+        client().post(format!("{url}/v1/chat/completions")).bearer_auth(KEY).json(&hello("m")).send().await
+    });
+    while model.request_count() == 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    gw.interrupt();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let refused = client().get(format!("{}/healthz", gw.url)).send().await;
+    assert!(refused.is_err(), "no new connection after the signal: {refused:?}");
+    let answered = in_flight.await.unwrap().unwrap();
+    assert_eq!(answered.status(), 200, "the call in flight is finished, not cut");
+    assert!(answered.headers().contains_key("flexway-request-id"));
+    let status = gw.wait_exit(std::time::Duration::from_secs(10)).expect("flexway exits once its calls are done");
+    assert!(status.success(), "{status:?}");
 }

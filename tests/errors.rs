@@ -173,3 +173,118 @@ async fn a_garbage_answer_is_upstream_error() {
     let gw = Flexway::start(&one_backend(&garbage));
     envelope(gw.chat(KEY, hello("m")).await, 502, "upstream_error").await;
 }
+
+#[tokio::test]
+async fn an_unreadable_or_ambiguous_agent_header_is_unknown_agent() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&one_backend(&model.url()));
+    // Not readable text: not UTF-8, empty, a control character.
+    for value in [&b"\xffbot"[..], b"", b"  ", "\u{85}helper".as_bytes()] {
+        let header = reqwest::header::HeaderValue::from_bytes(value).unwrap();
+        let r = gw.post("/v1/chat/completions", KEY, hello("m")).header("Flexway-Agent", header).send().await.unwrap();
+        envelope(r, 403, "unknown_agent").await;
+    }
+    let twice = |key: &'static str, first: &'static str, second: &'static str| {
+        gw.post("/v1/chat/completions", key, hello("m"))
+            .header("Flexway-Agent", first)
+            .header("Flexway-Agent", second)
+            .send()
+    };
+    let body = envelope(twice(KEY, "helper", "bot").await.unwrap(), 403, "unknown_agent").await;
+    assert!(body["error"]["message"].as_str().unwrap().contains("more than once"), "{body}");
+    envelope(twice(AGENT_KEY, "bot", "helper").await.unwrap(), 403, "unknown_agent").await;
+    assert_eq!(model.request_count(), 0);
+    // The same agent named twice (a proxy copying the header) is one agent.
+    assert_eq!(twice(KEY, "helper", "helper").await.unwrap().status(), 200);
+    // A declared agent with a non-ASCII name can be named: UTF-8 is readable text.
+    let ai = format!("  default_backend: main\n  backends:\n    main:\n      url: {}\n", model.url());
+    let yaml = config(&ai).replace("      helper: {}\n", "      helper: {}\n      équipe: {}\n");
+    let gw = Flexway::start(&yaml);
+    let header = reqwest::header::HeaderValue::from_bytes("équipe".as_bytes()).unwrap();
+    let r = gw.post("/v1/chat/completions", KEY, hello("m")).header("Flexway-Agent", header).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+/// A header of 64 KiB: over the gateway's 32 KiB, under the transport's ceilings.
+fn big_header() -> String {
+    "x".repeat(64 * 1024)
+}
+
+#[tokio::test]
+async fn oversized_headers_are_headers_too_large_in_the_envelope_with_a_request_id() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&one_backend(&model.url()));
+    let v1 = gw.post("/v1/chat/completions", KEY, hello("m")).header("x-big", big_header()).send().await.unwrap();
+    envelope(v1, 431, "headers_too_large").await;
+    let health = client().get(format!("{}/healthz", gw.url)).header("x-big", big_header()).send().await.unwrap();
+    assert_eq!(health.status(), 431);
+    assert!(health.headers().contains_key("flexway-request-id"));
+    assert_eq!(health.headers()["content-type"], "application/problem+json");
+    let problem: Value = health.json().await.unwrap();
+    assert_eq!((problem["status"].as_u64(), problem["code"].as_str()), (Some(431), Some("headers_too_large")));
+    // Small headers add up: the limit is on their total.
+    let mut many = gw.post("/v1/chat/completions", KEY, hello("m"));
+    for i in 0..40 {
+        many = many.header(format!("x-filler-{i}"), "y".repeat(1000));
+    }
+    envelope(many.send().await.unwrap(), 431, "headers_too_large").await;
+    // Under the limit, the same connection pool still serves.
+    assert_eq!(gw.chat(KEY, hello("m")).await.status(), 200);
+    assert_eq!(model.request_count(), 1);
+}
+
+#[tokio::test]
+async fn oversized_headers_over_http2_get_the_envelope_too() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&one_backend(&model.url()));
+    let h2 = reqwest::Client::builder().http2_prior_knowledge().build().unwrap();
+    let ok = h2.post(format!("{}/v1/chat/completions", gw.url)).bearer_auth(KEY).json(&hello("m")).send().await;
+    let ok = ok.unwrap();
+    assert_eq!((ok.version(), ok.status().as_u16()), (reqwest::Version::HTTP_2, 200));
+    let big = h2
+        .post(format!("{}/v1/chat/completions", gw.url))
+        .bearer_auth(KEY)
+        .json(&hello("m"))
+        .header("x-big", big_header());
+    envelope(big.send().await.unwrap(), 431, "headers_too_large").await;
+    // HTTP/2 sets no count of its own: the gateway's 100 applies.
+    let mut many = h2.post(format!("{}/v1/chat/completions", gw.url)).bearer_auth(KEY).json(&hello("m"));
+    for i in 0..120 {
+        many = many.header(format!("x-filler-{i}"), "y");
+    }
+    envelope(many.send().await.unwrap(), 431, "headers_too_large").await;
+    assert_eq!(model.request_count(), 1);
+}
+
+/// Waits for a gateway log line that contains every one of `needles`.
+async fn log_line(gw: &Flexway, needles: &[&str]) -> String {
+    for _ in 0..100 {
+        if let Some(line) = gw.logs().lines().find(|l| needles.iter().all(|n| l.contains(n))) {
+            return line.to_owned();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("no log line with {needles:?} in:\n{}", gw.logs());
+}
+
+#[tokio::test]
+async fn a_backend_failure_is_logged_with_the_request_id() {
+    let model = FakeModel::start().await.unwrap();
+    let failing = model.scenario_url(&Scenario { status: Some(500), ..Default::default() });
+    // At `warn` too: the request span must not be filtered out with the info lines.
+    for level in ["info", "warn"] {
+        let gw = Flexway::start_with_env(&one_backend(&failing), &[("FLEXWAY_LOG", level)]);
+        let response = gw.chat(KEY, hello("m")).await;
+        assert_eq!(response.status(), 503);
+        let id = response.headers()["flexway-request-id"].to_str().unwrap().to_owned();
+        // As a field, greppable: no colour codes in a piped log.
+        let field = format!("request_id={id}");
+        log_line(&gw, &["backend failed", &field]).await;
+        log_line(&gw, &["no backend could serve", &field]).await;
+        // Another call's lines carry its own id, not this one's.
+        let other = gw.chat(KEY, hello("m")).await;
+        let other_id = other.headers()["flexway-request-id"].to_str().unwrap().to_owned();
+        let line = log_line(&gw, &["no backend could serve", &other_id]).await;
+        assert!(!line.contains(&id), "{line}");
+    }
+}

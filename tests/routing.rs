@@ -220,6 +220,55 @@ async fn a_sensitive_call_with_no_internal_backend_is_refused() {
     assert_eq!(model.request_count(), 0);
 }
 
+#[tokio::test]
+async fn a_sensitive_header_repeated_or_folded_is_sensitive_when_any_value_is_true() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&sensitive_config(&model, true));
+    let send = |values: &[&'static str]| {
+        let mut request = gw.post("/v1/chat/completions", KEY, hello("m"));
+        for v in values {
+            request = request.header("Flexway-Sensitive", *v);
+        }
+        request.send()
+    };
+    assert_eq!(backend_of(&send(&["false", "true"]).await.unwrap()), "inside", "a later true is not ignored");
+    assert_eq!(backend_of(&send(&["TRUE", "no"]).await.unwrap()), "inside");
+    assert_eq!(backend_of(&send(&["false, yes"]).await.unwrap()), "inside", "a folded list is read item by item");
+    assert_eq!(backend_of(&send(&["false", "0"]).await.unwrap()), "outside");
+}
+
+#[tokio::test]
+async fn an_unreadable_sensitive_header_is_refused_never_read_as_false() {
+    let model = FakeModel::start().await.unwrap();
+    // One external backend: a value read as false would be served there.
+    let gw = Flexway::start(&one_backend(&model.url()));
+    let values: [&[u8]; 6] = [b"", b"  ", b"\xff", "tr\u{fa}e".as_bytes(), b"false, maybe", b"false,"];
+    for value in values {
+        let header = reqwest::header::HeaderValue::from_bytes(value).unwrap();
+        let r =
+            gw.post("/v1/chat/completions", KEY, hello("m")).header("Flexway-Sensitive", header).send().await.unwrap();
+        let (status, code, _, message) = outcome(r).await;
+        assert_eq!((status, code.as_str()), (400, "invalid_request"), "{value:?}: {message}");
+        assert!(message.contains("flexway-sensitive"), "{message}");
+    }
+    let r = gw
+        .post("/v1/chat/completions", KEY, hello("m"))
+        .header("Flexway-Sensitive", "false")
+        .header("Flexway-Sensitive", "perhaps")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(outcome(r).await.1, "invalid_request", "one bad copy among good ones");
+    let embeddings = gw
+        .post("/v1/embeddings", KEY, json!({"model": "m", "input": "x"}))
+        .header("Flexway-Sensitive", "")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(outcome(embeddings).await.1, "invalid_request");
+    assert_eq!(model.request_count(), 0);
+}
+
 fn vision_config(model: &FakeModel) -> String {
     ai(&format!(
         "  default_backend: text\n  capabilities: {{vision: eyes}}\n  vision: {{max_image_bytes: 30, max_body_bytes: 100000, allowed_origins: [\"https://img.example.com\"]}}\n  backends:\n    text: {{url: \"{u}\"}}\n    eyes: {{url: \"{u}\", capabilities: [chat, vision]}}\n",

@@ -74,6 +74,10 @@ pub enum GatewayError {
     BodyTooLarge { limit: u64 },
     #[error("an image is larger than {limit} bytes (ai.vision.max_image_bytes)")]
     ImageTooLarge { limit: u64 },
+    #[error(
+        "the request headers are too large: the gateway reads at most {max_headers} headers of {max_bytes} bytes in all"
+    )]
+    HeadersTooLarge { max_headers: usize, max_bytes: usize },
     #[error("budget exceeded: {budget}; it resets in {retry_after_secs} s")]
     BudgetExceeded { budget: String, retry_after_secs: u64 },
     #[error("backend `{backend}` answered with an invalid response: {detail}; {attempts}")]
@@ -101,6 +105,7 @@ impl GatewayError {
             | GatewayError::SensitiveNoInternalBackend
             | GatewayError::UnknownTenant { .. } => StatusCode::FORBIDDEN,
             GatewayError::BodyTooLarge { .. } | GatewayError::ImageTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            GatewayError::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             GatewayError::BudgetExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
             GatewayError::UpstreamError { .. } => StatusCode::BAD_GATEWAY,
             GatewayError::UpstreamUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -123,6 +128,7 @@ impl GatewayError {
             GatewayError::UnknownTenant { .. } => "unknown_tenant",
             GatewayError::BodyTooLarge { .. } => "body_too_large",
             GatewayError::ImageTooLarge { .. } => "image_too_large",
+            GatewayError::HeadersTooLarge { .. } => "headers_too_large",
             GatewayError::BudgetExceeded { .. } => "budget_exceeded",
             GatewayError::UpstreamError { .. } => "upstream_error",
             GatewayError::UpstreamUnavailable { .. } => "upstream_unavailable",
@@ -243,5 +249,11 @@ mod tests {
         assert_eq!((missing.status().as_u16(), missing.code()), (401, "invalid_api_key"));
         let agent = GatewayError::from(IdentityError::UnknownAgent { agent: "x".into() });
         assert_eq!((agent.status().as_u16(), agent.code()), (403, "unknown_agent"));
+        for refused in
+            [IdentityError::UnreadableAgent, IdentityError::AmbiguousAgent { first: "a".into(), other: "b".into() }]
+        {
+            let refused = GatewayError::from(refused);
+            assert_eq!((refused.status().as_u16(), refused.code()), (403, "unknown_agent"));
+        }
     }
 }

@@ -83,6 +83,24 @@ impl Flexway {
         kib * 1024
     }
 
+    /// Sends SIGINT, as Ctrl-C in a terminal would.
+    pub fn interrupt(&self) {
+        let status = Command::new("kill").args(["-INT", &self.child.id().to_string()]).status().unwrap();
+        assert!(status.success());
+    }
+
+    /// The exit status, if the process ends within `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
     pub fn logs(&self) -> String {
         self.logs.lock().unwrap().join("\n")
     }

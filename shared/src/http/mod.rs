@@ -15,6 +15,7 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use http::{HeaderMap, HeaderValue, Method, Uri};
 use serde_json::json;
+use tracing::Instrument;
 
 pub use error::{ApiError, ProblemError, render};
 
@@ -71,14 +72,38 @@ async fn metrics(State(gateway): State<Arc<Gateway>>) -> Response {
     response
 }
 
+/// The request headers the gateway reads: in bytes, names and values summed (SDKs
+/// send a few hundred), and in number, a repeated name counted each time (hyper's
+/// own default count). Checked in the request-id layer so that both shapes refuse
+/// with the documented envelope and a request id; the local shape's transport
+/// ceilings sit above these (`flexway serve`), so that this check answers first.
+pub const MAX_HEADER_BYTES: usize = 32 * 1024;
+pub const MAX_HEADERS: usize = 100;
+
+/// Names the request (`Flexway-Request-Id`) and opens the span that puts its id on
+/// every log line of the call; refuses oversized headers before anything reads them.
 async fn request_id(mut request: Request, next: Next) -> Response {
     let id = RequestId::generate();
-    request.extensions_mut().insert(id.clone());
-    let mut response = next.run(request).await;
+    // At ERROR level so that the span is enabled under any filter that lets a line
+    // through (`FLEXWAY_LOG=warn` included): a span the filter disabled would leave
+    // the warnings of the call without their request id (SPEC §9).
+    let span = tracing::error_span!("request", request_id = %id.0);
+    let mut response = if headers_too_large(request.headers()) {
+        let error = GatewayError::HeadersTooLarge { max_headers: MAX_HEADERS, max_bytes: MAX_HEADER_BYTES };
+        span.in_scope(|| render(&error, is_openai_path(request.uri())))
+    } else {
+        request.extensions_mut().insert(id.clone());
+        next.run(request).instrument(span).await
+    };
     if let Ok(value) = HeaderValue::from_str(&id.0) {
         response.headers_mut().insert(REQUEST_ID_HEADER, value);
     }
     response
+}
+
+fn headers_too_large(headers: &HeaderMap) -> bool {
+    headers.len() > MAX_HEADERS
+        || headers.iter().map(|(name, value)| name.as_str().len() + value.len()).sum::<usize>() > MAX_HEADER_BYTES
 }
 
 async fn healthz(State(gateway): State<Arc<Gateway>>) -> Response {

@@ -183,7 +183,7 @@ async fn chat(
         choices: request.choices,
         completes: true,
         stream: request.stream,
-        sensitive: sensitive(headers, &gateway.config.ai.sensitive_header)?,
+        sensitive: crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?,
     };
     let Admission { route, ticket, soft, allowance } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.soft(soft);
@@ -231,7 +231,7 @@ async fn embed(
         choices: 1,
         completes: false,
         stream: false,
-        sensitive: sensitive(headers, &gateway.config.ai.sensitive_header)?,
+        sensitive: crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?,
     };
     let Admission { route, ticket, soft, .. } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.soft(soft);
@@ -291,23 +291,6 @@ async fn complete(
     let cost = settle.settle(gateway, usage).await;
     draft.usage(usage, source, cost);
     Ok(Reply::Now(response_with(StatusCode::OK, body, HeaderValue::from_static("application/json"), headers)))
-}
-
-/// The sensitivity header (`ai.sensitive_header`): `true`/`false` (also `1`/`0`,
-/// `yes`/`no`); anything else is refused rather than guessed.
-fn sensitive(headers: &HeaderMap, name: &str) -> Result<bool, GatewayError> {
-    let Some(value) = headers.get(name) else {
-        return Ok(false);
-    };
-    let value = value.to_str().unwrap_or("").trim().to_ascii_lowercase();
-    match value.as_str() {
-        "true" | "1" | "yes" => Ok(true),
-        "false" | "0" | "no" | "" => Ok(false),
-        _ => Err(GatewayError::InvalidRequest(InvalidRequest {
-            message: format!("the {name} header must be true or false"),
-            param: None,
-        })),
-    }
 }
 
 /// Whether the usage settled came from the backend or from Flexway's estimate.
