@@ -2,13 +2,26 @@
 //! refund, expiry, settle intent, and concurrency. Written against the port only, so
 //! the DynamoDB adapter runs exactly these checks against the emulator.
 //!
+//! The checks on a failing settlement drive a real `Ticket` over the store wrapped in
+//! [`FailingSettles`], which fails `settle` a given number of times and passes every
+//! other call through: the store's own intent and sweep do the rest.
+//!
 //! Each check gets a fresh store from `make` and returns `Err(reason)` on failure;
 //! `run_all` collects the failures so one run reports them all.
 
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 
-use super::{BudgetStore, CounterKey, IntentOutcome, Line, ReserveOutcome, ReserveRequest, SettleOutcome, Swept};
+use super::plan::Budget;
+use super::ticket::{self, Ticket};
+use super::{
+    BudgetStore, CounterKey, IntentOutcome, Line, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept,
+    Unit,
+};
+use crate::config::Price;
+use crate::money::MicroEur;
+use crate::protocol::openai::Usage;
 
 const NOW: u64 = 1_795_967_070;
 
@@ -304,6 +317,103 @@ pub async fn intents_recorded_during_sweeps_are_all_charged(store: Arc<dyn Budge
     Ok(())
 }
 
+/// Wraps a store and fails its first `failures` settlements (refunds included) with a
+/// backend error before they reach it; every other call passes through.
+pub struct FailingSettles {
+    inner: Arc<dyn BudgetStore>,
+    failures: AtomicU32,
+}
+
+impl FailingSettles {
+    pub fn new(inner: Arc<dyn BudgetStore>, failures: u32) -> Self {
+        FailingSettles { inner, failures: AtomicU32::new(failures) }
+    }
+}
+
+#[async_trait::async_trait]
+impl BudgetStore for FailingSettles {
+    async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
+        self.inner.reserve(request).await
+    }
+    async fn settle(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<SettleOutcome, StoreError> {
+        let failing = self.failures.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok();
+        if failing {
+            return Err(StoreError::Backend(format!("settle {request_id}: failed on purpose")));
+        }
+        self.inner.settle(request_id, actual).await
+    }
+    async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
+        self.inner.record_intent(request_id, actual).await
+    }
+    async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
+        self.inner.sweep(now).await
+    }
+    async fn used(&self, keys: &[CounterKey]) -> Result<Vec<u64>, StoreError> {
+        self.inner.used(keys).await
+    }
+    async fn live_reservations(&self) -> Result<usize, StoreError> {
+        self.inner.live_reservations().await
+    }
+}
+
+/// A ticket over counters `t` (tokens) and `e` (micro-euros), reserved 100 and 500.
+/// Its call uses 30 + 10 tokens at 2 and 8 €/Mtok: 40 tokens, 140 µ€.
+async fn ticket(store: Arc<dyn BudgetStore>, id: &str) -> Result<Ticket, String> {
+    call!(store.reserve(&request(id, &[("t", 100, Some(1000)), ("e", 500, Some(10_000))], NOW + 60)));
+    let budget = |name: &str, unit| Budget { name: name.to_owned(), key: key(name), unit, limit: None, resets_at: 0 };
+    Ok(Ticket::new(store, id.to_owned(), vec![budget("t", Unit::Tokens), budget("e", Unit::MicroEur)]))
+}
+
+const USAGE: Usage = Usage { prompt_tokens: 30, completion_tokens: 10 };
+const PRICE: Price = Price { input_per_mtok: MicroEur(2_000_000), output_per_mtok: MicroEur(8_000_000) };
+
+/// A settlement that fails less often than the ticket tries is simply written.
+pub async fn a_ticket_retries_a_failed_settle(store: Arc<dyn BudgetStore>) -> Result<(), String> {
+    let flaky: Arc<dyn BudgetStore> = Arc::new(FailingSettles::new(store.clone(), ticket::ATTEMPTS - 1));
+    let cost = ticket(flaky, "retried").await?.settle(USAGE, PRICE).await;
+    check(cost == MicroEur(140), || format!("cost {cost:?}"))?;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [40, 140], || format!("counters after the retried settle: {got:?}"))?;
+    let live = call!(store.live_reservations());
+    check(live == 0, || format!("live reservations: {live}"))
+}
+
+/// A settlement that cannot be written at all: the reservation keeps its intent, and
+/// the sweeper charges the actual usage at expiry instead of refunding.
+pub async fn a_ticket_whose_settle_cannot_be_written_is_charged_by_the_sweeper(
+    store: Arc<dyn BudgetStore>,
+) -> Result<(), String> {
+    let down: Arc<dyn BudgetStore> = Arc::new(FailingSettles::new(store.clone(), u32::MAX));
+    let cost = ticket(down, "unwritten").await?.settle(USAGE, PRICE).await;
+    check(cost == MicroEur(140), || format!("cost {cost:?}"))?;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [100, 500], || format!("counters before expiry: {got:?}"))?;
+    let swept = call!(store.sweep(NOW));
+    check(swept == Swept::default(), || format!("sweep before expiry: {swept:?}"))?;
+    let swept = call!(store.sweep(NOW + 61));
+    check(swept == charged(1), || format!("sweep after expiry: {swept:?}, expected one charge"))?;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [40, 140], || format!("counters after the sweep: {got:?}, expected the usage [40, 140]"))?;
+    let late = call!(store.settle("unwritten", &[(key("t"), 40), (key("e"), 140)]));
+    check(late == SettleOutcome::Unknown, || format!("late settle: {late:?}"))?;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [40, 140], || format!("counters after a late settle: {got:?}"))
+}
+
+/// A refund that cannot be written records nothing: the sweeper refunds at expiry.
+pub async fn a_ticket_whose_refund_cannot_be_written_is_refunded_by_the_sweeper(
+    store: Arc<dyn BudgetStore>,
+) -> Result<(), String> {
+    let down: Arc<dyn BudgetStore> = Arc::new(FailingSettles::new(store.clone(), u32::MAX));
+    ticket(down, "unrefunded").await?.refund().await;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [100, 500], || format!("counters before expiry: {got:?}"))?;
+    let swept = call!(store.sweep(NOW + 61));
+    check(swept == refunded(1), || format!("sweep after expiry: {swept:?}, expected one refund"))?;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [0, 0], || format!("counters after the sweep: {got:?}"))
+}
+
 /// 96 concurrent reservations against a cap that fits 10: exactly 10 pass, and after
 /// settlement the counter equals the settled usage with no reservation left.
 pub async fn concurrent_reservations_never_pass_the_cap(store: Arc<dyn BudgetStore>) -> Result<(), String> {
@@ -382,6 +492,15 @@ where
     note(
         "intents_recorded_during_sweeps_are_all_charged",
         intents_recorded_during_sweeps_are_all_charged(Arc::new(make().await)).await,
+    );
+    note("a_ticket_retries_a_failed_settle", a_ticket_retries_a_failed_settle(Arc::new(make().await)).await);
+    note(
+        "a_ticket_whose_settle_cannot_be_written_is_charged_by_the_sweeper",
+        a_ticket_whose_settle_cannot_be_written_is_charged_by_the_sweeper(Arc::new(make().await)).await,
+    );
+    note(
+        "a_ticket_whose_refund_cannot_be_written_is_refunded_by_the_sweeper",
+        a_ticket_whose_refund_cannot_be_written_is_refunded_by_the_sweeper(Arc::new(make().await)).await,
     );
     let shared: Arc<dyn BudgetStore> = Arc::new(make().await);
     note("concurrent_reservations_never_pass_the_cap", concurrent_reservations_never_pass_the_cap(shared).await);
