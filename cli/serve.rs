@@ -85,12 +85,23 @@ async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
     let adapters = adapters(&config)?;
     let budgets = adapters.budgets.clone();
     let gateway = Arc::new(flexway::Gateway::new(config, &LocalSecrets { env: &ProcessEnv }, adapters)?);
-    // The sweeper refunds reservations whose call vanished (a killed process).
+    // The sweeper refunds reservations whose call vanished (a killed process), and
+    // charges those that carry a settlement that could not be written.
     tokio::spawn(async move {
         loop {
             match budgets.sweep(unix_now()).await {
-                Ok(0) => {}
-                Ok(n) => tracing::info!(refunded = n, "sweeper refunded expired reservations"),
+                Ok(swept) => {
+                    if swept.refunded > 0 {
+                        tracing::info!(refunded = swept.refunded, "sweeper refunded expired reservations");
+                    }
+                    if swept.charged > 0 {
+                        tracing::warn!(
+                            charged = swept.charged,
+                            "sweeper charged the settle intents of expired reservations (settlements that could \
+                             not be written)"
+                        );
+                    }
+                }
                 Err(e) => tracing::error!("sweeper: {e}"),
             }
             tokio::time::sleep(SWEEP_EVERY).await;

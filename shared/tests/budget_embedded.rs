@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use flexway::budget::{
-    BudgetStore, CounterKey, EmbeddedBudgetStore, Line, ReserveOutcome, ReserveRequest, SettleOutcome, conformance,
+    BudgetStore, CounterKey, EmbeddedBudgetStore, IntentOutcome, Line, ReserveOutcome, ReserveRequest, SettleOutcome,
+    Swept, conformance,
 };
 
 const NOW: u64 = 1_795_967_070;
@@ -81,9 +82,53 @@ async fn counters_survive_a_restart() {
         "settled before the restart"
     );
     assert_eq!(store.settle("live", &[(key("a"), 120)]).await.unwrap(), SettleOutcome::Settled);
-    assert_eq!(store.sweep(NOW).await.unwrap(), 1, "the expired reservation is swept after the restart");
+    assert_eq!(store.sweep(NOW).await.unwrap().refunded, 1, "the expired reservation is swept after the restart");
     assert_eq!(store.used(&counted).await.unwrap(), [160, 2]);
     assert_eq!(store.live_reservations().await.unwrap(), 0);
+}
+
+/// The actual amounts of a settlement that could not be written are on disk: a restart
+/// in between does not turn the call into a refund.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_intent_survives_a_restart() {
+    let (_dir, path) = fresh_dir();
+    {
+        let store = EmbeddedBudgetStore::open(&path).unwrap();
+        store.reserve(&request("unwritten", &[("a", 100, Some(1000))], NOW - 1)).await.unwrap();
+        let recorded = store.record_intent("unwritten", &[(key("a"), 40)]).await.unwrap();
+        assert_eq!(recorded, IntentOutcome::Recorded);
+    }
+    let store = EmbeddedBudgetStore::open(&path).unwrap();
+    assert_eq!(store.used(&[key("a")]).await.unwrap(), [100], "the reservation still holds");
+    assert_eq!(store.sweep(NOW).await.unwrap(), Swept { refunded: 0, charged: 1 });
+    assert_eq!(store.used(&[key("a")]).await.unwrap(), [40], "the intent is charged, not refunded");
+}
+
+/// Reservations written before settle intents existed carry no `intent` field: they
+/// still read, settle and sweep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_written_before_intents_existed_still_sweep() {
+    let (_dir, path) = fresh_dir();
+    drop(EmbeddedBudgetStore::open(&path).unwrap());
+    {
+        let db = redb::Database::create(path.join("ledger.redb")).unwrap();
+        let txn = db.begin_write().unwrap();
+        {
+            let counters: redb::TableDefinition<&str, u64> = redb::TableDefinition::new("counters");
+            txn.open_table(counters).unwrap().insert("embedded/a", 300).unwrap();
+            let table: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("reservations");
+            let mut table = txn.open_table(table).unwrap();
+            let old = format!(r#"{{"lines":[["embedded/a",100]],"expires_at":{},"swept":false}}"#, NOW - 1);
+            table.insert("old", old.as_bytes()).unwrap();
+            let settled = format!(r#"{{"lines":[["embedded/a",200]],"expires_at":{},"swept":false}}"#, NOW + 60);
+            table.insert("settled", settled.as_bytes()).unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    let store = EmbeddedBudgetStore::open(&path).unwrap();
+    assert_eq!(store.settle("settled", &[(key("a"), 20)]).await.unwrap(), SettleOutcome::Settled);
+    assert_eq!(store.sweep(NOW).await.unwrap(), Swept { refunded: 1, charged: 0 });
+    assert_eq!(store.used(&[key("a")]).await.unwrap(), [20]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -5,7 +5,7 @@
 //! | item | `pk` (S, hash key) | attributes |
 //! | --- | --- | --- |
 //! | counter | `counter#<key>` (`counter#acme/*/tokens/day/2026-11-29`) | `used` (N), `ttl` (N: period end + 35 days) |
-//! | reservation | `reservation#<request_id>` | `lines` (S, JSON `[[key, amount], ...]`), `expires_at` (N), `swept` (BOOL), `ttl` (N: `expires_at` + 1 day) |
+//! | reservation | `reservation#<request_id>` | `lines` (S, JSON `[[key, amount], ...]`), `expires_at` (N), `swept` (BOOL), `ttl` (N: `expires_at` + 1 day); `actual` (S, JSON like `lines`) only when a settlement could not be written, its `ttl` then pushed 35 days ahead |
 //!
 //! No sort key, no index. `ttl` is the table's TTL attribute, so the table cleans
 //! itself; nothing here relies on it (TTL deletion is lazy, up to days late, and
@@ -27,10 +27,17 @@
 //!   `swept = false`, so a settle and a sweep can never both apply. A swept
 //!   reservation is settled by charging the actual usage with the `Delete`
 //!   conditioned on `swept = true`. A lost race re-reads the reservation and decides
-//!   again.
-//! - **sweep** scans reservations whose `expires_at` passed and refunds each in its own
-//!   transaction (counters `ADD -reserved`, reservation `SET swept = true` conditioned
-//!   on `swept = false`).
+//!   again. A settle ignores `actual`: the real settlement supersedes its intent.
+//! - **record_intent** (a settlement that could not be written) is one `UpdateItem` of
+//!   the reservation alone, `SET actual` conditioned on `attribute_exists(pk)`: no
+//!   counter, no transaction.
+//! - **sweep** scans reservations whose `expires_at` passed. One with `actual` is
+//!   settled on it in its own transaction (counters `ADD actual - reserved`, or
+//!   `actual` if it was already refunded; `Delete` conditioned on the `swept` and
+//!   `actual` it read); any other live one is refunded (counters `ADD -reserved`,
+//!   reservation `SET swept = true` conditioned on `swept = false AND
+//!   attribute_not_exists(actual)`, so an intent recorded meanwhile is never refunded).
+//!   Swept reservations are deleted a day after expiry, unless they carry `actual`.
 //! - Reads (`used`, the reservation before a settle) are strongly consistent.
 //!
 //! # Ceiling
@@ -55,7 +62,8 @@ use aws_sdk_dynamodb::types::{
 };
 use flexway::budget::ledger::SWEPT_RETENTION_SECS;
 use flexway::budget::{
-    BudgetStore, CounterKey, Line, Period, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError,
+    BudgetStore, CounterKey, IntentOutcome, Line, Period, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError,
+    Swept,
 };
 
 const COUNTER_PREFIX: &str = "counter#";
@@ -88,6 +96,26 @@ struct Reservation {
     lines: Vec<(CounterKey, u64)>,
     expires_at: u64,
     swept: bool,
+    /// The settle intent: the `actual` attribute as stored (a condition compares it)
+    /// and parsed.
+    intent: Option<(String, Vec<(CounterKey, u64)>)>,
+}
+
+impl Reservation {
+    /// How a settlement on `actual` moves each counter: by `actual - reserved`, or by
+    /// `actual` alone once the sweeper has refunded the reservation.
+    fn settle_deltas<'a>(&'a self, actual: &'a [(CounterKey, u64)]) -> BTreeMap<&'a CounterKey, i128> {
+        let mut deltas: BTreeMap<&CounterKey, i128> = BTreeMap::new();
+        if !self.swept {
+            for (key, reserved) in &self.lines {
+                *deltas.entry(key).or_default() -= i128::from(*reserved);
+            }
+        }
+        for (key, amount) in actual {
+            *deltas.entry(key).or_default() += i128::from(*amount);
+        }
+        deltas
+    }
 }
 
 /// What a cancelled transaction tells us, item by item.
@@ -319,16 +347,7 @@ impl BudgetStore for DynamoDbBudgetStore {
             let Some(reservation) = self.reservation(request_id).await? else {
                 return Ok(SettleOutcome::Unknown);
             };
-            let mut deltas: BTreeMap<&CounterKey, i128> = BTreeMap::new();
-            if !reservation.swept {
-                for (key, reserved) in &reservation.lines {
-                    *deltas.entry(key).or_default() -= i128::from(*reserved);
-                }
-            }
-            for (key, amount) in actual {
-                *deltas.entry(key).or_default() += i128::from(*amount);
-            }
-            let mut items = self.counter_moves(deltas)?;
+            let mut items = self.counter_moves(reservation.settle_deltas(actual))?;
             let delete = Delete::builder()
                 .table_name(&self.table)
                 .key("pk", Self::reservation_key(request_id))
@@ -348,8 +367,33 @@ impl BudgetStore for DynamoDbBudgetStore {
         Err(contended("settle", request_id))
     }
 
-    async fn sweep(&self, now: u64) -> Result<usize, StoreError> {
-        let mut refunded = 0;
+    async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
+        let encoded = serde_json::to_string(actual).map_err(|e| StoreError::Backend(e.to_string()))?;
+        // The item is now a bill: it outlives its usual day, as long as its counters.
+        let ttl = flexway::budget::period::unix_now().saturating_add(COUNTER_RETENTION_SECS);
+        let result = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("pk", Self::reservation_key(request_id))
+            .update_expression("SET actual = :actual, #ttl = :ttl")
+            .condition_expression("attribute_exists(pk)")
+            .expression_attribute_names("#ttl", "ttl")
+            .expression_attribute_values(":actual", s(encoded))
+            .expression_attribute_values(":ttl", n(ttl))
+            .send()
+            .await;
+        match result {
+            Ok(_) => Ok(IntentOutcome::Recorded),
+            Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => {
+                Ok(IntentOutcome::Unknown)
+            }
+            Err(e) => Err(backend("UpdateItem", &e)),
+        }
+    }
+
+    async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
+        let mut swept = Swept::default();
         let mut start = None;
         loop {
             let page = self
@@ -367,6 +411,12 @@ impl BudgetStore for DynamoDbBudgetStore {
             for item in page.items() {
                 let pk = string_attr(item, "pk")?;
                 let reservation = parse_reservation(&pk, item)?;
+                if reservation.intent.is_some() {
+                    if self.charge_intent(&pk, &reservation).await? {
+                        swept.charged += 1;
+                    }
+                    continue;
+                }
                 if reservation.swept {
                     // Kept a day so that a late settlement charges exactly once; then gone
                     // (TTL would do it too, eventually, but not on an emulator).
@@ -376,12 +426,12 @@ impl BudgetStore for DynamoDbBudgetStore {
                     continue;
                 }
                 if self.refund_expired(&pk, &reservation).await? {
-                    refunded += 1;
+                    swept.refunded += 1;
                 }
             }
             match page.last_evaluated_key() {
                 Some(key) if !key.is_empty() => start = Some(key.clone()),
-                _ => return Ok(refunded),
+                _ => return Ok(swept),
             }
         }
     }
@@ -457,8 +507,8 @@ impl BudgetStore for DynamoDbBudgetStore {
 }
 
 impl DynamoDbBudgetStore {
-    /// Refunds one expired reservation; false when a settle (or another sweeper) got
-    /// there first.
+    /// Refunds one expired reservation; false when a settle, an intent or another
+    /// sweeper got there first (an intent is then charged by the next sweep).
     async fn refund_expired(&self, pk: &str, reservation: &Reservation) -> Result<bool, StoreError> {
         let mut deltas: BTreeMap<&CounterKey, i128> = BTreeMap::new();
         for (key, reserved) in &reservation.lines {
@@ -469,7 +519,7 @@ impl DynamoDbBudgetStore {
             .table_name(&self.table)
             .key("pk", s(pk.to_owned()))
             .update_expression("SET swept = :true")
-            .condition_expression("attribute_exists(pk) AND swept = :false")
+            .condition_expression("attribute_exists(pk) AND swept = :false AND attribute_not_exists(actual)")
             .expression_attribute_values(":true", AttributeValue::Bool(true))
             .expression_attribute_values(":false", AttributeValue::Bool(false))
             .build()
@@ -485,13 +535,42 @@ impl DynamoDbBudgetStore {
         Err(contended("sweep", pk))
     }
 
+    /// Settles one expired reservation on its intent, as the settlement that could not
+    /// be written would have; false when a settle (or another sweeper) closed it first,
+    /// or the intent changed meanwhile (the next sweep decides again).
+    async fn charge_intent(&self, pk: &str, reservation: &Reservation) -> Result<bool, StoreError> {
+        let Some((stored, actual)) = &reservation.intent else {
+            return Ok(false);
+        };
+        let mut items = self.counter_moves(reservation.settle_deltas(actual))?;
+        let delete = Delete::builder()
+            .table_name(&self.table)
+            .key("pk", s(pk.to_owned()))
+            .condition_expression("attribute_exists(pk) AND swept = :swept AND actual = :actual")
+            .expression_attribute_values(":swept", AttributeValue::Bool(reservation.swept))
+            .expression_attribute_values(":actual", s(stored.clone()))
+            .build()
+            .map_err(|e| StoreError::Backend(e.to_string()))?;
+        items.push(TransactWriteItem::builder().delete(delete).build());
+        for attempt in 0..MAX_ATTEMPTS {
+            match self.transact(items.clone()).await? {
+                None => return Ok(true),
+                Some(Cancelled::Condition(_)) => return Ok(false),
+                Some(Cancelled::Retry) => backoff(attempt).await,
+            }
+        }
+        Err(contended("sweep", pk))
+    }
+
+    /// A swept reservation past its retention; one that carries an intent is left for
+    /// `charge_intent`.
     async fn delete_swept(&self, pk: &str) -> Result<(), StoreError> {
         let result = self
             .client
             .delete_item()
             .table_name(&self.table)
             .key("pk", s(pk.to_owned()))
-            .condition_expression("swept = :true")
+            .condition_expression("swept = :true AND attribute_not_exists(actual)")
             .expression_attribute_values(":true", AttributeValue::Bool(true))
             .send()
             .await;
@@ -545,7 +624,16 @@ fn parse_reservation(pk: &str, item: &HashMap<String, AttributeValue>) -> Result
         None => false,
         Some(other) => return Err(corrupt(format!("swept is not a BOOL: {other:?}"))),
     };
-    Ok(Reservation { lines, expires_at: u64::try_from(expires_at).unwrap_or(0), swept })
+    let intent = match item.get("actual") {
+        None => None,
+        Some(AttributeValue::S(stored)) => {
+            let actual: Vec<(CounterKey, u64)> =
+                serde_json::from_str(stored).map_err(|e| corrupt(format!("actual: {e}")))?;
+            Some((stored.clone(), actual))
+        }
+        Some(other) => return Err(corrupt(format!("actual is not a string: {other:?}"))),
+    };
+    Ok(Reservation { lines, expires_at: u64::try_from(expires_at).unwrap_or(0), swept, intent })
 }
 
 fn string_attr(item: &HashMap<String, AttributeValue>, name: &str) -> Result<String, StoreError> {

@@ -5,7 +5,9 @@
 
 mod emulator;
 
-use flexway::budget::{BudgetStore, CounterKey, Line, ReserveOutcome, ReserveRequest, SettleOutcome, conformance};
+use flexway::budget::{
+    BudgetStore, CounterKey, IntentOutcome, Line, ReserveOutcome, ReserveRequest, SettleOutcome, conformance,
+};
 use flexway_aws::DynamoDbBudgetStore;
 
 async fn fresh_store(sdk: &aws_config::SdkConfig) -> DynamoDbBudgetStore {
@@ -92,4 +94,15 @@ async fn items_follow_the_documented_table_design() {
     let ttl: u64 = reservation["ttl"].as_n().unwrap().parse().unwrap();
     assert_eq!(ttl, expires_at + 86_400);
     assert!(reservation["lines"].as_s().unwrap().contains(key));
+    assert!(!reservation.contains_key("actual"), "no intent unless a settlement failed");
+
+    // A settle intent is one attribute of the reservation item; no counter moves.
+    let intent = store.record_intent("design", &[(CounterKey(key.to_owned()), 17)]).await.unwrap();
+    assert_eq!(intent, IntentOutcome::Recorded);
+    let reservation = get("reservation#design".to_owned()).await;
+    let actual: Vec<(String, u64)> = serde_json::from_str(reservation["actual"].as_s().unwrap()).unwrap();
+    assert_eq!(actual, [(key.to_owned(), 17)]);
+    let ttl: u64 = reservation["ttl"].as_n().unwrap().parse().unwrap();
+    assert!(ttl >= expires_at + 30 * 86_400, "a reservation carrying a bill outlives its usual day: ttl {ttl}");
+    assert_eq!(get(format!("counter#{key}")).await["used"].as_n().unwrap(), "42");
 }

@@ -1,6 +1,8 @@
 //! The sweeper Lambda function: on a schedule (EventBridge, `rate(1 minute)`), refunds
 //! the budget reservations whose call vanished (a killed invocation, a timeout) once
-//! they are past their expiry. The ledger table is named by `FLEXWAY_TABLE`.
+//! they are past their expiry, and charges instead those that carry the actual amounts
+//! of a settlement that could not be written. The ledger table is named by
+//! `FLEXWAY_TABLE`.
 
 use std::process::ExitCode;
 
@@ -43,7 +45,7 @@ async fn run() -> Result<(), Error> {
 /// now, so a late or repeated schedule tick is harmless.
 async fn sweep(store: &DynamoDbBudgetStore, _event: LambdaEvent<Value>) -> Result<Value, Error> {
     let now = flexway::budget::period::unix_now();
-    let refunded = store.sweep(now).await?;
-    tracing::info!(refunded, "swept expired reservations");
-    Ok(json!({ "refunded": refunded }))
+    let swept = store.sweep(now).await?;
+    tracing::info!(refunded = swept.refunded, charged = swept.charged, "swept expired reservations");
+    Ok(json!({ "refunded": swept.refunded, "charged": swept.charged }))
 }

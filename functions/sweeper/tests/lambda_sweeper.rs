@@ -1,7 +1,7 @@
 //! The sweeper function as Lambda runs it: the real `flexway-sweeper` binary polling
 //! the Runtime API of `cargo lambda watch --only-lambda-apis`, invoked with an
 //! EventBridge scheduled event, refunding an expired reservation in the emulated
-//! DynamoDB and leaving a live one alone.
+//! DynamoDB, charging one that carries a settle intent, and leaving a live one alone.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[path = "../../aws/tests/emulator/mod.rs"]
@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use flexway::budget::{BudgetStore, CounterKey, Line, ReserveOutcome, ReserveRequest};
+use flexway::budget::{BudgetStore, CounterKey, IntentOutcome, Line, ReserveOutcome, ReserveRequest};
 use flexway_aws::DynamoDbBudgetStore;
 
 fn workspace() -> PathBuf {
@@ -54,7 +54,7 @@ fn reservation(id: &str, amount: u64, expires_at: u64) -> ReserveRequest {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_scheduled_event_refunds_expired_reservations() {
+async fn a_scheduled_event_refunds_expired_reservations_and_charges_settle_intents() {
     let sdk = emulator::sdk().await;
     let client = aws_sdk_dynamodb::Client::new(&sdk);
     let table = emulator::unique("flexway-ledger-sweeper");
@@ -63,6 +63,9 @@ async fn a_scheduled_event_refunds_expired_reservations() {
     let now = flexway::budget::period::unix_now();
     assert_eq!(store.reserve(&reservation("vanished", 300, now - 5)).await.unwrap(), ReserveOutcome::Reserved);
     assert_eq!(store.reserve(&reservation("running", 200, now + 600)).await.unwrap(), ReserveOutcome::Reserved);
+    assert_eq!(store.reserve(&reservation("unwritten", 100, now - 5)).await.unwrap(), ReserveOutcome::Reserved);
+    let actual = [(CounterKey("acme/*/tokens/day/2026-11-29".to_owned()), 40)];
+    assert_eq!(store.record_intent("unwritten", &actual).await.unwrap(), IntentOutcome::Recorded);
 
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut watch = Command::new(cargo_lambda());
@@ -105,8 +108,8 @@ async fn a_scheduled_event_refunds_expired_reservations() {
         .unwrap();
     assert_eq!(response.status(), 200);
     let body: serde_json::Value = response.json().await.unwrap();
-    assert_eq!(body, serde_json::json!({"refunded": 1}));
+    assert_eq!(body, serde_json::json!({"refunded": 1, "charged": 1}));
     let used = store.used(&[CounterKey("acme/*/tokens/day/2026-11-29".to_owned())]).await.unwrap();
-    assert_eq!(used, [200], "only the expired reservation is refunded");
+    assert_eq!(used, [200 + 40], "the vanished call refunded, the unwritten settlement charged, the running one held");
     assert_eq!(store.live_reservations().await.unwrap(), 1);
 }

@@ -1,14 +1,27 @@
 //! The conformance suite every `BudgetStore` must pass: atomicity, idempotency,
-//! refund, expiry, and concurrency. Written against the port only, so the DynamoDB
-//! adapter runs exactly these checks against the emulator.
+//! refund, expiry, settle intent, and concurrency. Written against the port only, so
+//! the DynamoDB adapter runs exactly these checks against the emulator.
+//!
+//! The checks on a failing settlement drive a real `Ticket` over the store wrapped in
+//! [`FailingSettles`], which fails `settle` a given number of times and passes every
+//! other call through: the store's own intent and sweep do the rest.
 //!
 //! Each check gets a fresh store from `make` and returns `Err(reason)` on failure;
 //! `run_all` collects the failures so one run reports them all.
 
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 
-use super::{BudgetStore, CounterKey, Line, ReserveOutcome, ReserveRequest, SettleOutcome};
+use super::plan::Budget;
+use super::ticket::{self, Ticket};
+use super::{
+    BudgetStore, CounterKey, IntentOutcome, Line, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept,
+    Unit,
+};
+use crate::config::Price;
+use crate::money::MicroEur;
+use crate::protocol::openai::Usage;
 
 const NOW: u64 = 1_795_967_070;
 
@@ -99,11 +112,11 @@ pub async fn sweep_refunds_expired_reservations_only(store: &dyn BudgetStore) ->
     call!(store.reserve(&request("old", &[("a", 300, Some(1000))], NOW - 1)));
     call!(store.reserve(&request("new", &[("a", 200, Some(1000))], NOW + 600)));
     let swept = call!(store.sweep(NOW));
-    check(swept == 1, || format!("swept {swept}, expected 1"))?;
+    check(swept == refunded(1), || format!("swept {swept:?}, expected one refund"))?;
     let got = used(store, &["a"]).await?;
     check(got == [200], || format!("counters after sweep: {got:?}"))?;
     let again = call!(store.sweep(NOW));
-    check(again == 0, || format!("a second sweep refunded again: {again}"))?;
+    check(again == Swept::default(), || format!("a second sweep closed more: {again:?}"))?;
     let live = call!(store.live_reservations());
     check(live == 1, || format!("live reservations after sweep: {live}"))?;
     // The swept call finishes after all: its real usage is charged, once.
@@ -113,6 +126,292 @@ pub async fn sweep_refunds_expired_reservations_only(store: &dyn BudgetStore) ->
     check(late_again == SettleOutcome::Unknown, || format!("late settle twice: {late_again:?}"))?;
     let got = used(store, &["a"]).await?;
     check(got == [250], || format!("counters after late settle: {got:?}"))
+}
+
+fn refunded(n: usize) -> Swept {
+    Swept { refunded: n, charged: 0 }
+}
+
+fn charged(n: usize) -> Swept {
+    Swept { refunded: 0, charged: n }
+}
+
+/// An intent on an expired reservation is charged by the sweeper, never refunded; one
+/// on a reservation still running waits for its expiry; either closes it for good.
+pub async fn sweep_charges_a_settle_intent_instead_of_refunding(store: &dyn BudgetStore) -> Result<(), String> {
+    let nobody = call!(store.record_intent("nobody", &[(key("a"), 1)]));
+    check(nobody == IntentOutcome::Unknown, || format!("intent without a reservation: {nobody:?}"))?;
+    call!(store.reserve(&request("i1", &[("a", 100, Some(1000)), ("e", 500, None)], NOW - 1)));
+    call!(store.reserve(&request("i2", &[("a", 200, Some(1000))], NOW + 600)));
+    let recorded = call!(store.record_intent("i1", &[(key("a"), 40), (key("e"), 120)]));
+    check(recorded == IntentOutcome::Recorded, || format!("intent: {recorded:?}"))?;
+    let recorded = call!(store.record_intent("i2", &[(key("a"), 50)]));
+    check(recorded == IntentOutcome::Recorded, || format!("intent on a running reservation: {recorded:?}"))?;
+    let got = used(store, &["a", "e", "never"]).await?;
+    check(got == [300, 500, 0], || format!("an intent moved counters: {got:?}"))?;
+    let live = call!(store.live_reservations());
+    check(live == 2, || format!("live reservations with intents: {live}"))?;
+
+    let swept = call!(store.sweep(NOW));
+    check(swept == charged(1), || format!("sweep: {swept:?}, expected one charge"))?;
+    let got = used(store, &["a", "e"]).await?;
+    check(got == [240, 120], || format!("counters after charging the intent: {got:?}"))?;
+    let again = call!(store.sweep(NOW));
+    check(again == Swept::default(), || format!("a second sweep closed more: {again:?}"))?;
+    let late = call!(store.settle("i1", &[(key("a"), 40), (key("e"), 120)]));
+    check(late == SettleOutcome::Unknown, || format!("settle after the intent was charged: {late:?}"))?;
+    let late = call!(store.record_intent("i1", &[(key("a"), 40)]));
+    check(late == IntentOutcome::Unknown, || format!("intent after the intent was charged: {late:?}"))?;
+
+    let swept = call!(store.sweep(NOW + 601));
+    check(swept == charged(1), || format!("sweep after the second expiry: {swept:?}"))?;
+    let got = used(store, &["a", "e"]).await?;
+    check(got == [90, 120], || format!("counters after both intents: {got:?}"))?;
+    let live = call!(store.live_reservations());
+    check(live == 0, || format!("live reservations left: {live}"))
+}
+
+/// The real settlement arrives after all (its first answer was lost): it replaces the
+/// reservation once, and the sweeper finds nothing to charge.
+pub async fn a_settle_after_its_intent_charges_once(store: &dyn BudgetStore) -> Result<(), String> {
+    call!(store.reserve(&request("l1", &[("a", 100, Some(1000)), ("e", 500, None)], NOW - 1)));
+    call!(store.record_intent("l1", &[(key("a"), 30), (key("e"), 90)]));
+    // Recording again replaces the amounts, never adds to them.
+    call!(store.record_intent("l1", &[(key("a"), 40), (key("e"), 120)]));
+    let settled = call!(store.settle("l1", &[(key("a"), 40), (key("e"), 120)]));
+    check(settled == SettleOutcome::Settled, || format!("settle after intent: {settled:?}"))?;
+    let got = used(store, &["a", "e"]).await?;
+    check(got == [40, 120], || format!("counters after the settle: {got:?}"))?;
+    let swept = call!(store.sweep(NOW));
+    check(swept == Swept::default(), || format!("sweep after the settle: {swept:?}"))?;
+    let got = used(store, &["a", "e"]).await?;
+    check(got == [40, 120], || format!("counters after the sweep: {got:?}"))?;
+    let again = call!(store.settle("l1", &[(key("a"), 40), (key("e"), 120)]));
+    check(again == SettleOutcome::Unknown, || format!("second settle: {again:?}"))
+}
+
+/// A call that outlived its reservation (refunded by the sweeper) and whose late
+/// settlement could not be written either: the next sweep charges the intent in full.
+pub async fn an_intent_on_a_swept_reservation_is_charged_by_the_next_sweep(
+    store: &dyn BudgetStore,
+) -> Result<(), String> {
+    call!(store.reserve(&request("s1", &[("a", 100, Some(1000))], NOW - 1)));
+    let swept = call!(store.sweep(NOW));
+    check(swept == refunded(1), || format!("first sweep: {swept:?}"))?;
+    let recorded = call!(store.record_intent("s1", &[(key("a"), 50)]));
+    check(recorded == IntentOutcome::Recorded, || format!("intent on a swept reservation: {recorded:?}"))?;
+    let swept = call!(store.sweep(NOW + 1));
+    check(swept == charged(1), || format!("second sweep: {swept:?}"))?;
+    let got = used(store, &["a"]).await?;
+    check(got == [50], || format!("counters after charging: {got:?}"))?;
+    let late = call!(store.settle("s1", &[(key("a"), 50)]));
+    check(late == SettleOutcome::Unknown, || format!("settle after the charge: {late:?}"))?;
+    // Even past the retention of swept reservations, nothing moves again.
+    let swept = call!(store.sweep(NOW + 2 * super::ledger::SWEPT_RETENTION_SECS));
+    check(swept == Swept::default(), || format!("sweep past retention: {swept:?}"))?;
+    let got = used(store, &["a"]).await?;
+    check(got == [50], || format!("counters at the end: {got:?}"))
+}
+
+/// Every way a call can end, side by side on one counter: the ledger equals the sum of
+/// the usage settled, whichever of settle, refund, intent and sweep wrote it.
+pub async fn the_ledger_equals_the_usage_whatever_the_path(store: &dyn BudgetStore) -> Result<(), String> {
+    let reserve = |id: &'static str, expires_at: u64| async move {
+        store.reserve(&request(id, &[("a", 100, Some(10_000))], expires_at)).await.map_err(|e| format!("{id}: {e}"))
+    };
+    reserve("settled", NOW + 600).await?;
+    reserve("refunded", NOW + 600).await?;
+    reserve("vanished", NOW - 1).await?;
+    reserve("intent", NOW - 1).await?;
+    reserve("intent-then-settled", NOW - 1).await?;
+    reserve("swept-then-settled", NOW - 1).await?;
+    reserve("swept-then-intent", NOW - 1).await?;
+    call!(store.settle("settled", &[(key("a"), 11)]));
+    call!(store.settle("refunded", &[]));
+    call!(store.record_intent("intent", &[(key("a"), 13)]));
+    call!(store.record_intent("intent-then-settled", &[(key("a"), 17)]));
+    call!(store.settle("intent-then-settled", &[(key("a"), 17)]));
+    let swept = call!(store.sweep(NOW));
+    check(swept == Swept { refunded: 3, charged: 1 }, || format!("first sweep: {swept:?}"))?;
+    call!(store.settle("swept-then-settled", &[(key("a"), 19)]));
+    call!(store.record_intent("swept-then-intent", &[(key("a"), 23)]));
+    let swept = call!(store.sweep(NOW + 1));
+    check(swept == charged(1), || format!("second sweep: {swept:?}"))?;
+    let got = used(store, &["a"]).await?;
+    check(got == [11 + 13 + 17 + 19 + 23], || format!("ledger {got:?}, usage settled 83"))?;
+    let live = call!(store.live_reservations());
+    check(live == 0, || format!("live reservations left: {live}"))
+}
+
+/// Settlements and sweeps race over expired reservations that carry intents: each is
+/// charged exactly once, by whichever gets there first.
+pub async fn settle_and_sweep_charge_an_intent_exactly_once(store: Arc<dyn BudgetStore>) -> Result<(), String> {
+    const CALLS: u64 = 16;
+    for i in 0..CALLS {
+        let id = format!("race-{i}");
+        call!(store.reserve(&request(&id, &[("a", 100, Some(10_000))], NOW - 1)));
+        call!(store.record_intent(&id, &[(key("a"), 10)]));
+    }
+    let mut settles = Vec::new();
+    let mut sweeps = Vec::new();
+    for i in 0..CALLS {
+        let settling = store.clone();
+        settles.push(tokio::spawn(async move { settling.settle(&format!("race-{i}"), &[(key("a"), 10)]).await }));
+        if i % 4 == 0 {
+            let store = store.clone();
+            sweeps.push(tokio::spawn(async move { store.sweep(NOW).await }));
+        }
+    }
+    let (mut settled, mut charged) = (0, 0);
+    for task in settles {
+        let outcome = task.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+        settled += usize::from(outcome == SettleOutcome::Settled);
+    }
+    for task in sweeps {
+        let swept = task.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+        check(swept.refunded == 0, || format!("a sweep refunded a reservation with an intent: {swept:?}"))?;
+        charged += swept.charged;
+    }
+    check(settled + charged == CALLS as usize, || format!("{settled} settled + {charged} charged for {CALLS} calls"))?;
+    let got = used(store.as_ref(), &["a"]).await?;
+    check(got == [10 * CALLS], || format!("ledger after the race: {got:?}"))?;
+    let live = store.live_reservations().await.map_err(|e| e.to_string())?;
+    check(live == 0, || format!("reservations left: {live}"))
+}
+
+/// Intents recorded while sweeps run over the same expired reservations: whether an
+/// intent lands before the refund or after it, every call ends charged its usage once.
+pub async fn intents_recorded_during_sweeps_are_all_charged(store: Arc<dyn BudgetStore>) -> Result<(), String> {
+    const CALLS: u64 = 12;
+    for i in 0..CALLS {
+        call!(store.reserve(&request(&format!("during-{i}"), &[("a", 100, Some(10_000))], NOW - 1)));
+    }
+    let mut intents = Vec::new();
+    let mut sweeps = Vec::new();
+    for i in 0..CALLS {
+        let recording = store.clone();
+        intents.push(tokio::spawn(
+            async move { recording.record_intent(&format!("during-{i}"), &[(key("a"), 10)]).await },
+        ));
+        if i % 4 == 0 {
+            let store = store.clone();
+            sweeps.push(tokio::spawn(async move { store.sweep(NOW).await }));
+        }
+    }
+    for task in intents {
+        let outcome = task.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+        check(outcome == IntentOutcome::Recorded, || format!("intent during sweeps: {outcome:?}"))?;
+    }
+    for task in sweeps {
+        task.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+    }
+    // Past the retention of swept reservations too: an intent is never dropped with them.
+    call!(store.sweep(NOW + 1));
+    call!(store.sweep(NOW + 2 * super::ledger::SWEPT_RETENTION_SECS));
+    let got = used(store.as_ref(), &["a"]).await?;
+    check(got == [10 * CALLS], || format!("ledger after intents and sweeps: {got:?}"))?;
+    for i in 0..CALLS {
+        let late = call!(store.settle(&format!("during-{i}"), &[(key("a"), 10)]));
+        check(late == SettleOutcome::Unknown, || format!("during-{i} still open after the sweeps: {late:?}"))?;
+    }
+    Ok(())
+}
+
+/// Wraps a store and fails its first `failures` settlements (refunds included) with a
+/// backend error before they reach it; every other call passes through.
+pub struct FailingSettles {
+    inner: Arc<dyn BudgetStore>,
+    failures: AtomicU32,
+}
+
+impl FailingSettles {
+    pub fn new(inner: Arc<dyn BudgetStore>, failures: u32) -> Self {
+        FailingSettles { inner, failures: AtomicU32::new(failures) }
+    }
+}
+
+#[async_trait::async_trait]
+impl BudgetStore for FailingSettles {
+    async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
+        self.inner.reserve(request).await
+    }
+    async fn settle(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<SettleOutcome, StoreError> {
+        let failing = self.failures.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok();
+        if failing {
+            return Err(StoreError::Backend(format!("settle {request_id}: failed on purpose")));
+        }
+        self.inner.settle(request_id, actual).await
+    }
+    async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
+        self.inner.record_intent(request_id, actual).await
+    }
+    async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
+        self.inner.sweep(now).await
+    }
+    async fn used(&self, keys: &[CounterKey]) -> Result<Vec<u64>, StoreError> {
+        self.inner.used(keys).await
+    }
+    async fn live_reservations(&self) -> Result<usize, StoreError> {
+        self.inner.live_reservations().await
+    }
+}
+
+/// A ticket over counters `t` (tokens) and `e` (micro-euros), reserved 100 and 500.
+/// Its call uses 30 + 10 tokens at 2 and 8 €/Mtok: 40 tokens, 140 µ€.
+async fn ticket(store: Arc<dyn BudgetStore>, id: &str) -> Result<Ticket, String> {
+    call!(store.reserve(&request(id, &[("t", 100, Some(1000)), ("e", 500, Some(10_000))], NOW + 60)));
+    let budget = |name: &str, unit| Budget { name: name.to_owned(), key: key(name), unit, limit: None, resets_at: 0 };
+    Ok(Ticket::new(store, id.to_owned(), vec![budget("t", Unit::Tokens), budget("e", Unit::MicroEur)]))
+}
+
+const USAGE: Usage = Usage { prompt_tokens: 30, completion_tokens: 10 };
+const PRICE: Price = Price { input_per_mtok: MicroEur(2_000_000), output_per_mtok: MicroEur(8_000_000) };
+
+/// A settlement that fails less often than the ticket tries is simply written.
+pub async fn a_ticket_retries_a_failed_settle(store: Arc<dyn BudgetStore>) -> Result<(), String> {
+    let flaky: Arc<dyn BudgetStore> = Arc::new(FailingSettles::new(store.clone(), ticket::ATTEMPTS - 1));
+    let cost = ticket(flaky, "retried").await?.settle(USAGE, PRICE).await;
+    check(cost == MicroEur(140), || format!("cost {cost:?}"))?;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [40, 140], || format!("counters after the retried settle: {got:?}"))?;
+    let live = call!(store.live_reservations());
+    check(live == 0, || format!("live reservations: {live}"))
+}
+
+/// A settlement that cannot be written at all: the reservation keeps its intent, and
+/// the sweeper charges the actual usage at expiry instead of refunding.
+pub async fn a_ticket_whose_settle_cannot_be_written_is_charged_by_the_sweeper(
+    store: Arc<dyn BudgetStore>,
+) -> Result<(), String> {
+    let down: Arc<dyn BudgetStore> = Arc::new(FailingSettles::new(store.clone(), u32::MAX));
+    let cost = ticket(down, "unwritten").await?.settle(USAGE, PRICE).await;
+    check(cost == MicroEur(140), || format!("cost {cost:?}"))?;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [100, 500], || format!("counters before expiry: {got:?}"))?;
+    let swept = call!(store.sweep(NOW));
+    check(swept == Swept::default(), || format!("sweep before expiry: {swept:?}"))?;
+    let swept = call!(store.sweep(NOW + 61));
+    check(swept == charged(1), || format!("sweep after expiry: {swept:?}, expected one charge"))?;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [40, 140], || format!("counters after the sweep: {got:?}, expected the usage [40, 140]"))?;
+    let late = call!(store.settle("unwritten", &[(key("t"), 40), (key("e"), 140)]));
+    check(late == SettleOutcome::Unknown, || format!("late settle: {late:?}"))?;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [40, 140], || format!("counters after a late settle: {got:?}"))
+}
+
+/// A refund that cannot be written records nothing: the sweeper refunds at expiry.
+pub async fn a_ticket_whose_refund_cannot_be_written_is_refunded_by_the_sweeper(
+    store: Arc<dyn BudgetStore>,
+) -> Result<(), String> {
+    let down: Arc<dyn BudgetStore> = Arc::new(FailingSettles::new(store.clone(), u32::MAX));
+    ticket(down, "unrefunded").await?.refund().await;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [100, 500], || format!("counters before expiry: {got:?}"))?;
+    let swept = call!(store.sweep(NOW + 61));
+    check(swept == refunded(1), || format!("sweep after expiry: {swept:?}, expected one refund"))?;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [0, 0], || format!("counters after the sweep: {got:?}"))
 }
 
 /// 96 concurrent reservations against a cap that fits 10: exactly 10 pass, and after
@@ -173,6 +472,36 @@ where
     note("settle_replaces_the_reservation_once", settle_replaces_the_reservation_once(&make().await).await);
     note("refund_returns_everything", refund_returns_everything(&make().await).await);
     note("sweep_refunds_expired_reservations_only", sweep_refunds_expired_reservations_only(&make().await).await);
+    note(
+        "sweep_charges_a_settle_intent_instead_of_refunding",
+        sweep_charges_a_settle_intent_instead_of_refunding(&make().await).await,
+    );
+    note("a_settle_after_its_intent_charges_once", a_settle_after_its_intent_charges_once(&make().await).await);
+    note(
+        "an_intent_on_a_swept_reservation_is_charged_by_the_next_sweep",
+        an_intent_on_a_swept_reservation_is_charged_by_the_next_sweep(&make().await).await,
+    );
+    note(
+        "the_ledger_equals_the_usage_whatever_the_path",
+        the_ledger_equals_the_usage_whatever_the_path(&make().await).await,
+    );
+    note(
+        "settle_and_sweep_charge_an_intent_exactly_once",
+        settle_and_sweep_charge_an_intent_exactly_once(Arc::new(make().await)).await,
+    );
+    note(
+        "intents_recorded_during_sweeps_are_all_charged",
+        intents_recorded_during_sweeps_are_all_charged(Arc::new(make().await)).await,
+    );
+    note("a_ticket_retries_a_failed_settle", a_ticket_retries_a_failed_settle(Arc::new(make().await)).await);
+    note(
+        "a_ticket_whose_settle_cannot_be_written_is_charged_by_the_sweeper",
+        a_ticket_whose_settle_cannot_be_written_is_charged_by_the_sweeper(Arc::new(make().await)).await,
+    );
+    note(
+        "a_ticket_whose_refund_cannot_be_written_is_refunded_by_the_sweeper",
+        a_ticket_whose_refund_cannot_be_written_is_refunded_by_the_sweeper(Arc::new(make().await)).await,
+    );
     let shared: Arc<dyn BudgetStore> = Arc::new(make().await);
     note("concurrent_reservations_never_pass_the_cap", concurrent_reservations_never_pass_the_cap(shared).await);
     failures

@@ -40,7 +40,7 @@ use redb::{Database, ReadOnlyTable, ReadableDatabase, ReadableTable, Table, Tabl
 use tokio::sync::oneshot;
 
 use super::ledger::{self, LedgerState, StoredReservation};
-use super::{BudgetStore, CounterKey, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError};
+use super::{BudgetStore, CounterKey, IntentOutcome, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept};
 
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
 const RESERVATIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("reservations");
@@ -138,7 +138,12 @@ impl BudgetStore for EmbeddedBudgetStore {
         self.submit(|reply| Job::Settle { request_id, actual, reply }).await
     }
 
-    async fn sweep(&self, now: u64) -> Result<usize, StoreError> {
+    async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
+        let (request_id, actual) = (request_id.to_owned(), actual.to_vec());
+        self.submit(|reply| Job::Intent { request_id, actual, reply }).await
+    }
+
+    async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
         self.submit(|reply| Job::Sweep { now, reply }).await
     }
 
@@ -184,7 +189,8 @@ type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
 enum Job {
     Reserve { request: ReserveRequest, reply: Reply<ReserveOutcome> },
     Settle { request_id: String, actual: Vec<(CounterKey, u64)>, reply: Reply<SettleOutcome> },
-    Sweep { now: u64, reply: Reply<usize> },
+    Intent { request_id: String, actual: Vec<(CounterKey, u64)>, reply: Reply<IntentOutcome> },
+    Sweep { now: u64, reply: Reply<Swept> },
 }
 
 impl Job {
@@ -195,6 +201,9 @@ impl Job {
             Job::Settle { request_id, actual, reply } => {
                 Answer::Settle(reply, ledger::settle(state, &request_id, &actual))
             }
+            Job::Intent { request_id, actual, reply } => {
+                Answer::Intent(reply, ledger::record_intent(state, &request_id, &actual))
+            }
             Job::Sweep { now, reply } => Answer::Sweep(reply, ledger::sweep(state, now)),
         }
     }
@@ -204,6 +213,7 @@ impl Job {
         match self {
             Job::Reserve { reply, .. } => deliver(reply, Err(backend(why)), Ok(())),
             Job::Settle { reply, .. } => deliver(reply, Err(backend(why)), Ok(())),
+            Job::Intent { reply, .. } => deliver(reply, Err(backend(why)), Ok(())),
             Job::Sweep { reply, .. } => deliver(reply, Err(backend(why)), Ok(())),
         }
     }
@@ -212,7 +222,8 @@ impl Job {
 enum Answer {
     Reserve(Reply<ReserveOutcome>, Result<ReserveOutcome, StoreError>),
     Settle(Reply<SettleOutcome>, Result<SettleOutcome, StoreError>),
-    Sweep(Reply<usize>, Result<usize, StoreError>),
+    Intent(Reply<IntentOutcome>, Result<IntentOutcome, StoreError>),
+    Sweep(Reply<Swept>, Result<Swept, StoreError>),
 }
 
 impl Answer {
@@ -220,6 +231,7 @@ impl Answer {
         match self {
             Answer::Reserve(_, result) => result.is_ok(),
             Answer::Settle(_, result) => result.is_ok(),
+            Answer::Intent(_, result) => result.is_ok(),
             Answer::Sweep(_, result) => result.is_ok(),
         }
     }
@@ -228,6 +240,7 @@ impl Answer {
         match self {
             Answer::Reserve(reply, result) => deliver(reply, result, committed),
             Answer::Settle(reply, result) => deliver(reply, result, committed),
+            Answer::Intent(reply, result) => deliver(reply, result, committed),
             Answer::Sweep(reply, result) => deliver(reply, result, committed),
         }
     }
@@ -529,7 +542,9 @@ mod tests {
             let mut tables = Tables::open(&txn).unwrap();
             let mut overlay = Overlay::new(&mut tables);
             overlay.set_counter(&key("a"), 7).unwrap();
-            overlay.put_reservation("x", &StoredReservation { lines: vec![], expires_at: 0, swept: false }).unwrap();
+            overlay
+                .put_reservation("x", &StoredReservation { lines: vec![], expires_at: 0, swept: false, intent: None })
+                .unwrap();
             assert_eq!(overlay.counter(&key("a")).unwrap(), 7, "an operation reads its own writes");
             assert_eq!(overlay.all_reservations().unwrap().len(), 1);
         }

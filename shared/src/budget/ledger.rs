@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::{CounterKey, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError};
+use super::{CounterKey, IntentOutcome, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept};
 
 /// Swept reservations are kept this long after their expiry, so that a call that
 /// outlived its reservation can still be settled exactly once.
@@ -21,6 +21,10 @@ pub struct StoredReservation {
     pub expires_at: u64,
     /// Refunded by the sweeper; a late settlement charges the actual usage.
     pub swept: bool,
+    /// The actual amounts of a settlement that could not be written: the sweeper
+    /// charges them instead of refunding. Absent from records written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intent: Option<Vec<(CounterKey, u64)>>,
 }
 
 /// What the rules read and write. Implementations are transactional.
@@ -61,6 +65,7 @@ pub fn reserve(state: &mut impl LedgerState, request: &ReserveRequest) -> Result
         lines: request.lines.iter().map(|l| (l.key.clone(), l.amount)).collect(),
         expires_at: request.expires_at,
         swept: false,
+        intent: None,
     };
     state.put_reservation(&request.request_id, &reservation)?;
     Ok(ReserveOutcome::Reserved)
@@ -93,16 +98,37 @@ pub fn settle(
     Ok(if reservation.swept { SettleOutcome::ChargedAfterSweep } else { SettleOutcome::Settled })
 }
 
-pub fn sweep(state: &mut impl LedgerState, now: u64) -> Result<usize, StoreError> {
-    let mut refunded = 0;
+/// Leaves the settlement's actual amounts on the reservation; no counter moves.
+pub fn record_intent(
+    state: &mut impl LedgerState,
+    request_id: &str,
+    actual: &[(CounterKey, u64)],
+) -> Result<IntentOutcome, StoreError> {
+    let Some(mut reservation) = state.reservation(request_id)? else {
+        return Ok(IntentOutcome::Unknown);
+    };
+    reservation.intent = Some(actual.to_vec());
+    state.put_reservation(request_id, &reservation)?;
+    Ok(IntentOutcome::Recorded)
+}
+
+pub fn sweep(state: &mut impl LedgerState, now: u64) -> Result<Swept, StoreError> {
+    let mut swept = Swept::default();
     for (request_id, mut reservation) in state.all_reservations()? {
+        if reservation.expires_at >= now {
+            continue;
+        }
+        // A settlement that could not be written: charged as that settlement would
+        // have (whether or not the reservation was refunded before), never refunded.
+        if let Some(actual) = &reservation.intent {
+            settle(state, &request_id, actual)?;
+            swept.charged += 1;
+            continue;
+        }
         if reservation.swept {
             if reservation.expires_at.saturating_add(SWEPT_RETENTION_SECS) < now {
                 state.delete_reservation(&request_id)?;
             }
-            continue;
-        }
-        if reservation.expires_at >= now {
             continue;
         }
         for (key, reserved) in &reservation.lines {
@@ -111,9 +137,9 @@ pub fn sweep(state: &mut impl LedgerState, now: u64) -> Result<usize, StoreError
         }
         reservation.swept = true;
         state.put_reservation(&request_id, &reservation)?;
-        refunded += 1;
+        swept.refunded += 1;
     }
-    Ok(refunded)
+    Ok(swept)
 }
 
 pub fn live_reservations(state: &mut impl LedgerState) -> Result<usize, StoreError> {

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use super::ledger::{self, LedgerState, StoredReservation};
-use super::{BudgetStore, CounterKey, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError};
+use super::{BudgetStore, CounterKey, IntentOutcome, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept};
 
 #[derive(Debug, Default)]
 struct State {
@@ -63,7 +63,10 @@ impl BudgetStore for MemoryBudgetStore {
     async fn settle(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<SettleOutcome, StoreError> {
         self.transact(|s| ledger::settle(s, request_id, actual))
     }
-    async fn sweep(&self, now: u64) -> Result<usize, StoreError> {
+    async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
+        self.transact(|s| ledger::record_intent(s, request_id, actual))
+    }
+    async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
         self.transact(|s| ledger::sweep(s, now))
     }
     async fn used(&self, keys: &[CounterKey]) -> Result<Vec<u64>, StoreError> {

@@ -9,6 +9,11 @@
 //! - a reservation is settled at most once: settle, refund and sweep exclude each
 //!   other (a late settlement of a swept reservation charges the real usage and
 //!   nothing else, so the ledger still equals the sum of settled usage);
+//! - a settlement that cannot be written is never turned into a free call: the ticket
+//!   leaves its actual amounts on the reservation (`record_intent`, a write of that
+//!   item alone), and the sweeper charges them instead of refunding. Whichever comes
+//!   first, the real settle or the sweeper's charge, closes the reservation; the other
+//!   finds nothing left to do;
 //! - limits come from the config and enter each write as its condition; the store
 //!   only counts.
 
@@ -101,6 +106,24 @@ pub enum SettleOutcome {
     Unknown,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IntentOutcome {
+    /// The actual amounts are on the reservation: the sweeper charges them.
+    Recorded,
+    /// No such reservation: the settlement applied after all (its answer was lost), or
+    /// the reservation was already closed. Nothing was written.
+    Unknown,
+}
+
+/// What one sweep closed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Swept {
+    /// Expired reservations refunded in full.
+    pub refunded: usize,
+    /// Expired reservations that carried a settle intent, charged its amounts.
+    pub charged: usize,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("budget store: {0}")]
@@ -122,8 +145,16 @@ pub trait BudgetStore: Send + Sync {
     /// `actual` settles at 0, so `&[]` is a full refund).
     async fn settle(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<SettleOutcome, StoreError>;
 
-    /// Refunds every live reservation whose expiry is before `now`; returns how many.
-    async fn sweep(&self, now: u64) -> Result<usize, StoreError>;
+    /// Leaves `actual` (as for `settle`) on the reservation, for the sweeper to charge,
+    /// when the settlement itself could not be written. Writes the reservation alone,
+    /// never a counter; recording again replaces the amounts. Works on a swept
+    /// reservation too (its late settlement failed): the sweeper then charges `actual`.
+    async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError>;
+
+    /// Closes every reservation whose expiry is before `now`: one carrying a settle
+    /// intent is settled on it (counters move by actual − reserved, or by actual if it
+    /// was already refunded), any other live one is refunded in full.
+    async fn sweep(&self, now: u64) -> Result<Swept, StoreError>;
 
     /// Current values of the counters (0 for a counter never written).
     async fn used(&self, keys: &[CounterKey]) -> Result<Vec<u64>, StoreError>;

@@ -3,15 +3,36 @@
 //! A `Ticket` must end in `settle` or `refund`. If the request is dropped before that
 //! (the client went away while the handler awaited the backend), `Drop` hands the
 //! refund to the runtime, so a cancelled call never holds its budget until expiry.
+//!
+//! A settlement that cannot be written is never turned into a free call (SPEC §6). The
+//! ticket tries it [`ATTEMPTS`] times; if every attempt fails, it leaves the actual
+//! amounts on the reservation (`BudgetStore::record_intent`: one write of that item,
+//! none of the hot counters), tried as many times, and the sweeper charges them when
+//! the reservation expires instead of refunding it. Only if that fails too does the
+//! call go uncharged: the error log then carries the request id and the amounts.
+//!
+//! A refund that cannot be written records nothing: the sweeper's default for an
+//! expired reservation is the refund, so the outcome is the same, only later (the
+//! budget stays held until the reservation expires).
+//!
+//! Either way the hot path is unchanged: when the store answers, a call writes its
+//! reservation and its settlement, nothing else.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::config::Price;
 use crate::money::MicroEur;
 use crate::protocol::openai::Usage;
 
 use super::plan::{self, Budget};
-use super::{BudgetStore, SettleOutcome};
+use super::{BudgetStore, CounterKey, IntentOutcome, SettleOutcome, StoreError};
+
+/// Tries at a settlement, at its intent, and at a refund, each. Stores retry contention
+/// themselves; these cover a store that fails outright for a moment.
+pub const ATTEMPTS: u32 = 3;
+/// The pause before the second try; it doubles before each next one (25 ms, 50 ms).
+const FIRST_PAUSE: Duration = Duration::from_millis(25);
 
 pub struct Ticket {
     store: Arc<dyn BudgetStore>,
@@ -30,15 +51,7 @@ impl Ticket {
     pub async fn settle(mut self, usage: Usage, price: Price) -> MicroEur {
         self.open = false;
         let actual = plan::actual(&self.budgets, usage, price);
-        match self.store.settle(&self.request_id, &actual).await {
-            Ok(SettleOutcome::Settled | SettleOutcome::ChargedAfterSweep) => {}
-            Ok(SettleOutcome::Unknown) => {
-                tracing::error!(request_id = %self.request_id, "settlement found no reservation; usage not charged");
-            }
-            Err(e) => {
-                tracing::error!(request_id = %self.request_id, "settlement failed, the sweeper will refund the reservation: {e}");
-            }
-        }
+        settle(self.store.as_ref(), &self.request_id, &actual).await;
         plan::cost(usage, price)
     }
 
@@ -50,9 +63,82 @@ impl Ticket {
     }
 }
 
+async fn settle(store: &dyn BudgetStore, request_id: &str, actual: &[(CounterKey, u64)]) {
+    let mut failed: Option<StoreError> = None;
+    for attempt in 0..ATTEMPTS {
+        pause(attempt).await;
+        match store.settle(request_id, actual).await {
+            Ok(SettleOutcome::Settled | SettleOutcome::ChargedAfterSweep) => return,
+            Ok(SettleOutcome::Unknown) if failed.is_none() => {
+                tracing::error!(request_id, "settlement found no reservation; usage not charged");
+                return;
+            }
+            Ok(SettleOutcome::Unknown) => {
+                // A failed attempt may have been written all the same (its answer lost).
+                tracing::warn!(
+                    request_id,
+                    "settlement found no reservation after a failed attempt: that attempt was written, or the \
+                     reservation was closed meanwhile"
+                );
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(request_id, attempt, error = %e, "settlement failed");
+                failed = Some(e);
+            }
+        }
+    }
+    let settle_error = failed.map(|e| e.to_string()).unwrap_or_default();
+    for attempt in 0..ATTEMPTS {
+        pause(attempt).await;
+        match store.record_intent(request_id, actual).await {
+            Ok(IntentOutcome::Recorded) => {
+                tracing::warn!(
+                    request_id,
+                    ?actual,
+                    error = %settle_error,
+                    "settle intent recorded: the settlement could not be written, its actual amounts are on the \
+                     reservation and the sweeper charges them at its expiry"
+                );
+                return;
+            }
+            Ok(IntentOutcome::Unknown) => {
+                tracing::warn!(
+                    request_id,
+                    "settle intent found no reservation: a failed settlement attempt was written, or the \
+                     reservation was closed meanwhile"
+                );
+                return;
+            }
+            Err(e) => tracing::warn!(request_id, attempt, error = %e, "recording the settle intent failed"),
+        }
+    }
+    tracing::error!(
+        request_id,
+        ?actual,
+        error = %settle_error,
+        "settlement and its intent could not be written: the sweeper will refund the reservation and the call \
+         goes uncharged in the ledger"
+    );
+}
+
 async fn refund(store: &dyn BudgetStore, request_id: &str) {
-    if let Err(e) = store.settle(request_id, &[]).await {
-        tracing::error!(request_id, "refund failed, the sweeper will refund the reservation: {e}");
+    for attempt in 0..ATTEMPTS {
+        pause(attempt).await;
+        match store.settle(request_id, &[]).await {
+            Ok(_) => return,
+            Err(e) if attempt + 1 == ATTEMPTS => {
+                tracing::error!(request_id, error = %e, "refund failed, the sweeper will refund the reservation at its expiry");
+            }
+            Err(e) => tracing::warn!(request_id, attempt, error = %e, "refund failed"),
+        }
+    }
+}
+
+/// Nothing before the first try; then `FIRST_PAUSE`, doubling.
+async fn pause(attempt: u32) {
+    if attempt > 0 {
+        tokio::time::sleep(FIRST_PAUSE * (1 << (attempt - 1).min(8))).await;
     }
 }
 
