@@ -63,7 +63,7 @@ proptest! {
     fn chunking_never_changes_the_events(
         (bytes, cuts) in sse_like().prop_flat_map(|bytes| { let len = bytes.len(); (Just(bytes), cuts(len)) }),
     ) {
-        let whole = split_all(&[bytes.clone()]);
+        let whole = split_all(std::slice::from_ref(&bytes));
         let pieces = split_all(&chunked(&bytes, &cuts));
         prop_assert_eq!(&whole, &pieces);
         // Nothing is lost or invented: the events and what is pending are the input.
