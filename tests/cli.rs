@@ -60,6 +60,70 @@ fn validate_warns_about_a_locally_metered_relay() {
     assert!(stderr.contains("warning") && stderr.contains("up"), "{stderr}");
 }
 
+/// A "billion laughs" of about `bytes`: `levels` anchors, each a list of aliases to
+/// the one before, the first a list of `seed`s.
+fn laughs(bytes: usize, levels: usize, seed: &str) -> String {
+    let width = (bytes / levels / 4).max(2);
+    let mut text = format!("version: 1\na0: &a0 [{}]\n", [seed; 4].join(", "));
+    for level in 1..levels {
+        text += &format!("a{level}: &a{level} [{}]\n", vec![format!("*a{}", level - 1); width].join(","));
+    }
+    text
+}
+
+/// Runs `flexway validate --config PATH` and answers its exit, stderr and peak
+/// resident memory in KiB: GNU time's `%M` where it is installed, else the highest
+/// `VmHWM` read from /proc while the process ran (a lower bound, read every ms).
+fn validate_with_peak_memory(path: &std::path::Path) -> (bool, String, u64) {
+    let binary = env!("CARGO_BIN_EXE_flexway");
+    let args = ["validate", "--config", path.to_str().unwrap()];
+    if std::path::Path::new("/usr/bin/time").exists() {
+        let out = Command::new("/usr/bin/time").args(["-f", "peak-kib=%M", binary]).args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        let peak = stderr.lines().find_map(|l| l.strip_prefix("peak-kib=")).unwrap().trim().parse().unwrap();
+        return (out.status.success(), stderr, peak);
+    }
+    let mut child = Command::new(binary).args(args).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let status_file = format!("/proc/{}/status", child.id());
+    let mut peak = 0;
+    while child.try_wait().unwrap().is_none() {
+        let status = std::fs::read_to_string(&status_file).unwrap_or_default();
+        let hwm = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches(" kB").parse().ok());
+        peak = peak.max(hwm.unwrap_or(0));
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let out = child.wait_with_output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned(), peak)
+}
+
+/// Alias bombs of 10 and 30 KB, which drove `validate` to hundreds of MB (aliases of
+/// aliases) and gigabytes (aliases of a long text) before it bounded them: refused
+/// before expansion, in the memory of a small document.
+#[test]
+fn validate_refuses_alias_bombs_in_bounded_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    // Half the text in four copies of one string, half in aliases of it.
+    let text = |bytes: usize| laughs(bytes / 2, 5, &format!("'{}'", "x".repeat(bytes / 8)));
+    for (name, bomb) in [
+        ("laughs-10k.yaml", laughs(10_000, 10, "lol")),
+        ("laughs-30k.yaml", laughs(30_000, 10, "lol")),
+        ("text-10k.yaml", text(10_000)),
+        ("text-30k.yaml", text(30_000)),
+    ] {
+        let path = dir.path().join(name);
+        std::fs::write(&path, &bomb).unwrap();
+        let kb = if name.contains("10k") { 10_000 } else { 30_000 };
+        assert!((kb * 9 / 10..kb * 11 / 10).contains(&bomb.len()), "{name}: {} bytes", bomb.len());
+        let (ok, stderr, peak_kib) = validate_with_peak_memory(&path);
+        assert!(!ok, "{name}: {stderr}");
+        assert!(stderr.contains("YAML aliases would expand the document"), "{name}: {stderr}");
+        assert!(peak_kib < 100 * 1024, "{name}: peak {peak_kib} KiB");
+    }
+}
+
 #[tokio::test]
 async fn key_new_prints_a_key_whose_config_line_authenticates() {
     let (ok, stdout, _) = flexway(&["key", "new", "--tenant", "acme", "--agent", "bot"], &[]);
