@@ -1,4 +1,4 @@
-//! The command line: `validate`, `key new`.
+//! The command line: `validate`, `key new`, and what `serve` says at start.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -58,6 +58,51 @@ fn validate_warns_about_a_locally_metered_relay() {
     let (ok, _, stderr) = flexway(&["validate", "--config", path.to_str().unwrap()], &[]);
     assert!(ok, "{stderr}");
     assert!(stderr.contains("warning") && stderr.contains("up"), "{stderr}");
+}
+
+#[test]
+fn validate_warns_when_audit_hash_salt_is_absent() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("unsalted.yaml");
+    let yaml = "version: 1\naudit: {sink: stdout}\nai:\n  default_backend: a\n  backends:\n    a: {url: \"https://a.example\", price: {input_per_mtok_eur: 1, output_per_mtok_eur: 1}}\n";
+    std::fs::write(&path, yaml).unwrap();
+    let (ok, stdout, stderr) = flexway(&["validate", "--config", path.to_str().unwrap()], &[]);
+    assert!(ok, "a warning, not an error: {stderr}");
+    assert!(stdout.contains("ok (1 warning(s))"), "{stdout}");
+    let warning = stderr
+        .lines()
+        .find(|l| l.starts_with("warning:") && l.contains("audit.hash_salt"))
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert!(warning.contains("without a salt"), "{warning}");
+
+    let salted = yaml.replace("{sink: stdout}", "{sink: stdout, hash_salt: \"env:SALT\"}");
+    std::fs::write(&path, salted).unwrap();
+    let (ok, stdout, stderr) = flexway(&["validate", "--config", path.to_str().unwrap()], &[("SALT", "pepper")]);
+    assert!(ok && stdout.contains("ok (0 warning(s))"), "{stdout}\n{stderr}");
+}
+
+#[test]
+fn serve_logs_the_unsalted_audit_warning_at_start() {
+    let gw = Flexway::start(
+        "version: 1\nstore: {kind: memory}\nai:\n  default_backend: a\n  backends:\n    a: {url: \"http://127.0.0.1:9\"}\n",
+    );
+    let logs = gw.logs();
+    assert!(logs.lines().any(|l| l.contains("WARN") && l.contains("audit.hash_salt")), "{logs}");
+}
+
+/// `scripts/demo` runs `flexway serve --config config/demo.yaml` from the repository
+/// root with nothing set: the demo loads there, salt included, without a warning.
+#[test]
+fn the_demo_config_loads_with_no_environment() {
+    let out = Command::new(env!("CARGO_BIN_EXE_flexway"))
+        .args(["validate", "--config", "config/demo.yaml"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env_clear()
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("ok (0 warning(s))"), "{stdout}\n{stderr}");
 }
 
 /// A "billion laughs" of about `bytes`: `levels` anchors, each a list of aliases to

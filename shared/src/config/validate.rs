@@ -395,6 +395,7 @@ impl Checker<'_> {
 
     fn audit(&mut self, raw: Option<RawAudit>) -> Option<AuditConfig> {
         let Some(RawAudit { sink, path, log_group, log_stream, hash_salt }) = raw else {
+            self.unsalted_audit();
             return Some(AuditConfig { sink: AuditSinkConfig::Stdout, hash_salt: None });
         };
         let here = |sink: &str| format!("audit sink {sink}");
@@ -420,9 +421,24 @@ impl Checker<'_> {
         };
         let hash_salt = match &hash_salt {
             Some(salt) => Some(self.secret("audit.hash_salt", salt)?),
-            None => None,
+            None => {
+                self.unsalted_audit();
+                None
+            }
         };
         Some(AuditConfig { sink: sink?, hash_salt })
+    }
+
+    /// Without a salt, the identifiers the audit hashes (the caller's key, the
+    /// request's `user`) are plain SHA-256: a short `user` value is reversed by
+    /// hashing a dictionary of candidates.
+    fn unsalted_audit(&mut self) {
+        self.warn(
+            "audit.hash_salt",
+            "not set: identifiers in the audit (keys, end users) are hashed without a salt, so short values \
+             such as user names can be recovered by hashing guesses; set a secret reference \
+             (env:NAME or file:PATH) to a random value",
+        );
     }
 
     // ----- tenants ------------------------------------------------------------------
