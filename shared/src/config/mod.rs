@@ -137,11 +137,16 @@ fn render_errors(file: Option<&Path>, errors: &[Diagnostic], unlisted: usize) ->
 /// descriptor sets, TLS files) are left as written: they resolve against the
 /// process's working directory, not the file's.
 ///
-/// A file over [`bounds::MAX_BYTES`] is refused after reading one byte more than
-/// that, whatever its metadata says (it may be a pipe).
+/// A file over [`bounds::MAX_BYTES`] is refused unread when its metadata says so,
+/// else after reading one byte more than that (it may be a pipe).
 pub fn load_file(path: &Path, env: &dyn EnvSource) -> Result<Loaded, ConfigError> {
     let cannot_read = |e: std::io::Error| ConfigError::whole_file(path, format!("cannot read the file: {e}"));
     let file = std::fs::File::open(path).map_err(cannot_read)?;
+    if let Ok(metadata) = file.metadata()
+        && let Err(too_large) = bounds::check_size(usize::try_from(metadata.len()).unwrap_or(usize::MAX))
+    {
+        return Err(ConfigError::whole_file(path, too_large.message));
+    }
     let mut bytes = Vec::new();
     file.take(bounds::MAX_BYTES as u64 + 1).read_to_end(&mut bytes).map_err(cannot_read)?;
     if let Err(too_large) = bounds::check_size(bytes.len()) {
