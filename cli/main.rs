@@ -81,7 +81,10 @@ fn validate(path: &std::path::Path) -> ExitCode {
             for diagnostic in &error.errors {
                 eprintln!("error: {}: {diagnostic}", path.display());
             }
-            eprintln!("{}: {} error(s)", path.display(), error.errors.len());
+            if let Some(line) = error.unlisted_line() {
+                eprintln!("error: {}: {line}", path.display());
+            }
+            eprintln!("{}: {} error(s)", path.display(), error.count());
             ExitCode::FAILURE
         }
     }

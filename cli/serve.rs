@@ -42,6 +42,9 @@ pub fn run(config_path: &Path, listen: &str) -> ExitCode {
             for diagnostic in &error.errors {
                 eprintln!("error: {}: {diagnostic}", config_path.display());
             }
+            if let Some(line) = error.unlisted_line() {
+                eprintln!("error: {}: {line}", config_path.display());
+            }
             return ExitCode::FAILURE;
         }
     };

@@ -1,4 +1,4 @@
-//! The command line: `validate`, `key new`, `serve`'s shutdown.
+//! The command line: `validate`, `key new`, what `serve` says at start, and its shutdown.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -58,6 +58,115 @@ fn validate_warns_about_a_locally_metered_relay() {
     let (ok, _, stderr) = flexway(&["validate", "--config", path.to_str().unwrap()], &[]);
     assert!(ok, "{stderr}");
     assert!(stderr.contains("warning") && stderr.contains("up"), "{stderr}");
+}
+
+#[test]
+fn validate_warns_when_audit_hash_salt_is_absent() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("unsalted.yaml");
+    let yaml = "version: 1\naudit: {sink: stdout}\nai:\n  default_backend: a\n  backends:\n    a: {url: \"https://a.example\", price: {input_per_mtok_eur: 1, output_per_mtok_eur: 1}}\n";
+    std::fs::write(&path, yaml).unwrap();
+    let (ok, stdout, stderr) = flexway(&["validate", "--config", path.to_str().unwrap()], &[]);
+    assert!(ok, "a warning, not an error: {stderr}");
+    assert!(stdout.contains("ok (1 warning(s))"), "{stdout}");
+    let warning = stderr
+        .lines()
+        .find(|l| l.starts_with("warning:") && l.contains("audit.hash_salt"))
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert!(warning.contains("without a salt"), "{warning}");
+
+    let salted = yaml.replace("{sink: stdout}", "{sink: stdout, hash_salt: \"env:SALT\"}");
+    std::fs::write(&path, salted).unwrap();
+    let (ok, stdout, stderr) = flexway(&["validate", "--config", path.to_str().unwrap()], &[("SALT", "pepper")]);
+    assert!(ok && stdout.contains("ok (0 warning(s))"), "{stdout}\n{stderr}");
+}
+
+#[test]
+fn serve_logs_the_unsalted_audit_warning_at_start() {
+    let gw = Flexway::start(
+        "version: 1\nstore: {kind: memory}\nai:\n  default_backend: a\n  backends:\n    a: {url: \"http://127.0.0.1:9\"}\n",
+    );
+    let logs = gw.logs();
+    assert!(logs.lines().any(|l| l.contains("WARN") && l.contains("audit.hash_salt")), "{logs}");
+}
+
+/// `scripts/demo` runs `flexway serve --config config/demo.yaml` from the repository
+/// root with nothing set: the demo loads there, salt included, without a warning.
+#[test]
+fn the_demo_config_loads_with_no_environment() {
+    let out = Command::new(env!("CARGO_BIN_EXE_flexway"))
+        .args(["validate", "--config", "config/demo.yaml"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env_clear()
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("ok (0 warning(s))"), "{stdout}\n{stderr}");
+}
+
+/// A "billion laughs" of about `bytes`: `levels` anchors, each a list of aliases to
+/// the one before, the first a list of `seed`s.
+fn laughs(bytes: usize, levels: usize, seed: &str) -> String {
+    let width = (bytes / levels / 4).max(2);
+    let mut text = format!("version: 1\na0: &a0 [{}]\n", [seed; 4].join(", "));
+    for level in 1..levels {
+        text += &format!("a{level}: &a{level} [{}]\n", vec![format!("*a{}", level - 1); width].join(","));
+    }
+    text
+}
+
+/// Runs `flexway validate --config PATH` and answers its exit, stderr and peak
+/// resident memory in KiB: GNU time's `%M` where it is installed, else the highest
+/// `VmHWM` read from /proc while the process ran (a lower bound, read every ms).
+fn validate_with_peak_memory(path: &std::path::Path) -> (bool, String, u64) {
+    let binary = env!("CARGO_BIN_EXE_flexway");
+    let args = ["validate", "--config", path.to_str().unwrap()];
+    if std::path::Path::new("/usr/bin/time").exists() {
+        let out = Command::new("/usr/bin/time").args(["-f", "peak-kib=%M", binary]).args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        let peak = stderr.lines().find_map(|l| l.strip_prefix("peak-kib=")).unwrap().trim().parse().unwrap();
+        return (out.status.success(), stderr, peak);
+    }
+    let mut child = Command::new(binary).args(args).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let status_file = format!("/proc/{}/status", child.id());
+    let mut peak = 0;
+    while child.try_wait().unwrap().is_none() {
+        let status = std::fs::read_to_string(&status_file).unwrap_or_default();
+        let hwm = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches(" kB").parse().ok());
+        peak = peak.max(hwm.unwrap_or(0));
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let out = child.wait_with_output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned(), peak)
+}
+
+/// Alias bombs of 10 and 30 KB, which drove `validate` to hundreds of MB (aliases of
+/// aliases) and gigabytes (aliases of a long text) before it bounded them: refused
+/// before expansion, in the memory of a small document.
+#[test]
+fn validate_refuses_alias_bombs_in_bounded_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    // Half the text in four copies of one string, half in aliases of it.
+    let text = |bytes: usize| laughs(bytes / 2, 5, &format!("'{}'", "x".repeat(bytes / 8)));
+    for (name, bomb) in [
+        ("laughs-10k.yaml", laughs(10_000, 10, "lol")),
+        ("laughs-30k.yaml", laughs(30_000, 10, "lol")),
+        ("text-10k.yaml", text(10_000)),
+        ("text-30k.yaml", text(30_000)),
+    ] {
+        let path = dir.path().join(name);
+        std::fs::write(&path, &bomb).unwrap();
+        let kb = if name.contains("10k") { 10_000 } else { 30_000 };
+        assert!((kb * 9 / 10..kb * 11 / 10).contains(&bomb.len()), "{name}: {} bytes", bomb.len());
+        let (ok, stderr, peak_kib) = validate_with_peak_memory(&path);
+        assert!(!ok, "{name}: {stderr}");
+        assert!(stderr.contains("YAML aliases would expand the document"), "{name}: {stderr}");
+        assert!(peak_kib < 100 * 1024, "{name}: peak {peak_kib} KiB");
+    }
 }
 
 #[tokio::test]

@@ -119,6 +119,11 @@ fn env() -> HashMap<String, String> {
     ])
 }
 
+/// Warnings besides the one about an absent `audit.hash_salt`, which `BASE` lacks.
+fn other_warnings(loaded: &Loaded) -> Vec<&Diagnostic> {
+    loaded.warnings.iter().filter(|w| w.path != "audit.hash_salt").collect()
+}
+
 /// A file in the temp dir, unique to this test process.
 fn temp_file(name: &str, contents: &[u8]) -> PathBuf {
     let path = std::env::temp_dir().join(format!("flexway-config-{}-{name}", std::process::id()));
@@ -157,7 +162,9 @@ fn accepts_minimal_config_with_defaults() {
     let key = &config.tenants["acme"].keys[0];
     assert_eq!(hex::encode(key.sha256), KEY_A);
     assert!(!key.relay_peer);
-    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    // The one warning: identifiers in the audit are hashed without a salt.
+    assert_eq!(loaded.warnings.len(), 1, "{:?}", loaded.warnings);
+    assert_eq!(loaded.warnings[0].path, "audit.hash_salt");
 }
 
 #[test]
@@ -314,6 +321,18 @@ fn refuses_audit_key_of_another_sink() {
     doc()
         .set("audit", "{sink: stdout, log_group: /fw}")
         .refused("audit.log_group", "does not apply to audit sink stdout");
+}
+
+#[test]
+fn warns_that_audit_identifiers_are_unsalted_without_hash_salt() {
+    for audit in ["{sink: file, path: ./a.jsonl}", "{sink: stdout}"] {
+        let loaded = doc().set("audit", audit).loads();
+        let salt: Vec<_> = loaded.warnings.iter().filter(|w| w.path == "audit.hash_salt").collect();
+        assert_eq!(salt.len(), 1, "{audit}: {:?}", loaded.warnings);
+        assert!(salt[0].message.contains("without a salt"), "{}", salt[0].message);
+    }
+    let salted = doc().set("audit", "{sink: stdout, hash_salt: 'env:SALT'}").loads();
+    assert!(salted.warnings.is_empty(), "{:?}", salted.warnings);
 }
 
 #[test]
@@ -891,7 +910,7 @@ fn reads_pool_with_defaults_and_members_capabilities() {
     assert_eq!((members[1].priority, members[1].weight), (2, 3));
     assert_eq!(pool.capabilities.iter().copied().collect::<Vec<_>>(), vec![Capability::Chat, Capability::Vision]);
     assert!(pool.external);
-    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    assert!(other_warnings(&loaded).is_empty(), "{:?}", loaded.warnings);
 }
 
 #[test]
@@ -1053,7 +1072,7 @@ fn accepts_existing_descriptor_set_without_warning() {
             &format!("{{kind: grpc, url: 'grpcs://ocr.example.net', descriptor_set: '{}'}}", set.display()),
         )
         .loads();
-    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    assert!(other_warnings(&loaded).is_empty(), "{:?}", loaded.warnings);
     let BackendKind::Grpc { url, descriptor_set } = &loaded.config.ai.backends["ocr"].kind else { panic!("grpc") };
     assert_eq!((url.as_str(), descriptor_set), ("https://ocr.example.net", &set));
 }

@@ -7,19 +7,27 @@
 //! at the first, and each problem carries its path in the document
 //! (`ai.backends.ptu-west.auth.secret`), so an operator fixes a file in one pass.
 //!
+//! A configuration is operator input that CI may run on pull requests: before any of
+//! that, [`bounds`] refuses a document whose size, nesting or aliases exceed what a
+//! configuration needs, before building it, and the errors listed stop at
+//! [`MAX_LISTED_ERRORS`] (the rest are counted).
+//!
 //! Invariants: a [`Config`] only exists if it passed every rule; a secret never
 //! enters the config, only a reference to it, and no message ever echoes a value
 //! given where a secret reference was expected.
 
+pub mod bounds;
 pub mod model;
 
 mod duration;
 mod raw;
+mod shape;
 mod validate;
 mod values;
 
 use std::collections::HashMap;
 use std::fmt;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 pub use duration::parse_duration;
@@ -73,32 +81,79 @@ pub struct Loaded {
     pub warnings: Vec<Diagnostic>,
 }
 
-/// A configuration that did not load, with every error found (never empty).
+/// Errors listed at most: a document with thousands of errors is fixed from the
+/// first ones, and the list must not grow with a hostile document.
+pub const MAX_LISTED_ERRORS: usize = 100;
+
+/// A configuration that did not load, with every error found (never empty), or the
+/// first [`MAX_LISTED_ERRORS`] of them and how many more there are.
 #[derive(thiserror::Error, Debug)]
-#[error("{}", render_errors(.file.as_deref(), .errors))]
+#[error("{}", render_errors(.file.as_deref(), .errors, *.unlisted))]
 pub struct ConfigError {
     pub file: Option<PathBuf>,
     pub errors: Vec<Diagnostic>,
+    /// Errors found beyond those in `errors`.
+    pub unlisted: usize,
 }
 
-fn render_errors(file: Option<&Path>, errors: &[Diagnostic]) -> String {
-    let lines: Vec<String> = errors
+impl ConfigError {
+    /// Keeps the first [`MAX_LISTED_ERRORS`] of `errors`; `unlisted` more were found.
+    fn new(mut errors: Vec<Diagnostic>, unlisted: usize) -> ConfigError {
+        let over = errors.len().saturating_sub(MAX_LISTED_ERRORS);
+        errors.truncate(MAX_LISTED_ERRORS);
+        ConfigError { file: None, errors, unlisted: unlisted + over }
+    }
+
+    fn whole_file(file: &Path, message: String) -> ConfigError {
+        ConfigError { file: Some(file.to_path_buf()), errors: vec![Diagnostic::new("", message)], unlisted: 0 }
+    }
+
+    /// Every error found, listed or not.
+    pub fn count(&self) -> usize {
+        self.errors.len() + self.unlisted
+    }
+
+    /// "... and 11900 more errors", when some are not listed.
+    pub fn unlisted_line(&self) -> Option<String> {
+        (self.unlisted > 0).then(|| format!("... and {} more error(s), not listed", self.unlisted))
+    }
+}
+
+fn render_errors(file: Option<&Path>, errors: &[Diagnostic], unlisted: usize) -> String {
+    let mut lines: Vec<String> = errors
         .iter()
         .map(|error| match file {
             Some(file) => format!("{}: {error}", file.display()),
             None => error.to_string(),
         })
         .collect();
+    if unlisted > 0 {
+        lines.push(format!("... and {unlisted} more error(s), not listed"));
+    }
     lines.join("\n")
 }
 
 /// Reads and loads a configuration file. Relative paths inside it (store, secrets,
 /// descriptor sets, TLS files) are left as written: they resolve against the
 /// process's working directory, not the file's.
+///
+/// A file over [`bounds::MAX_BYTES`] is refused unread when its metadata says so,
+/// else after reading one byte more than that (it may be a pipe).
 pub fn load_file(path: &Path, env: &dyn EnvSource) -> Result<Loaded, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
-        file: Some(path.to_path_buf()),
-        errors: vec![Diagnostic::new("", format!("cannot read the file: {e}"))],
+    let cannot_read = |e: std::io::Error| ConfigError::whole_file(path, format!("cannot read the file: {e}"));
+    let file = std::fs::File::open(path).map_err(cannot_read)?;
+    if let Ok(metadata) = file.metadata()
+        && let Err(too_large) = bounds::check_size(usize::try_from(metadata.len()).unwrap_or(usize::MAX))
+    {
+        return Err(ConfigError::whole_file(path, too_large.message));
+    }
+    let mut bytes = Vec::new();
+    file.take(bounds::MAX_BYTES as u64 + 1).read_to_end(&mut bytes).map_err(cannot_read)?;
+    if let Err(too_large) = bounds::check_size(bytes.len()) {
+        return Err(ConfigError::whole_file(path, too_large.message));
+    }
+    let text = String::from_utf8(bytes).map_err(|_| {
+        cannot_read(std::io::Error::new(std::io::ErrorKind::InvalidData, "stream did not contain valid UTF-8"))
     })?;
     load_str(&text, env).map_err(|error| ConfigError { file: Some(path.to_path_buf()), ..error })
 }
@@ -109,8 +164,8 @@ pub fn load_file(path: &Path, env: &dyn EnvSource) -> Result<Loaded, ConfigError
 /// together. Rules are not applied inside a part of the document that lost an entry
 /// to a shape error: they would only repeat it ("required") or guess.
 pub fn load_str(text: &str, env: &dyn EnvSource) -> Result<Loaded, ConfigError> {
-    let parsed = raw::parse(text).map_err(|errors| ConfigError { file: None, errors })?;
-    validate::validate(parsed, env).map_err(|errors| ConfigError { file: None, errors })
+    let parsed = raw::parse(text, MAX_LISTED_ERRORS).map_err(|refused| ConfigError::new(vec![refused], 0))?;
+    validate::validate(parsed, env).map_err(|(errors, unlisted)| ConfigError::new(errors, unlisted))
 }
 
 /// The JSON Schema of `flexway.yaml`, generated from the raw types (the document's

@@ -7,12 +7,11 @@
 //! (below) never invents a "missing field" error. These types are also the source of
 //! the published JSON Schema, so their doc comments are its descriptions.
 //!
-//! Serde stops at the first error, but an operator wants them all. The document is
-//! read into a YAML tree, deserialized, and on error the offending mapping entry is
-//! dropped from the tree and the rest deserialized again, until it passes: every
-//! entry that is wrong is reported once, in document order, with its path, and what
-//! remains goes on to phase 2. A value given where a secret reference belongs is
-//! never echoed, even in a type error.
+//! The text is first held to the bounds of `bounds.rs` (size, nesting, aliases), then
+//! read into a YAML tree, and the tree into these types by `shape.rs`, which reports
+//! every entry that is wrong once, in document order, with its path, leaves it out,
+//! and goes on: what remains goes on to phase 2. A value given where a secret
+//! reference belongs is never echoed, even in a type error.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -20,9 +19,9 @@ use std::fmt;
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_norway::Value;
-use serde_path_to_error::Segment;
 
-use super::Diagnostic;
+use super::shape::{self, ShapeErrors};
+use super::{Diagnostic, bounds};
 
 /// Flexway gateway configuration (`flexway.yaml`). The key names are a contract:
 /// configurations written for earlier releases keep loading unchanged.
@@ -562,41 +561,32 @@ impl JsonSchema for RawSecret {
 pub(super) struct Parsed {
     /// Every entry that had the right shape; the others are left out.
     pub raw: RawConfig,
-    /// One error per entry left out, with its path, in document order.
-    pub errors: Vec<Diagnostic>,
+    /// The entries left out, with their paths, in document order.
+    pub errors: ShapeErrors,
 }
 
-/// Reads the document. `Err` when it is not YAML or not a mapping at all; otherwise
-/// the entries of the wrong shape are reported and left out of `raw`.
-pub(super) fn parse(text: &str) -> Result<Parsed, Vec<Diagnostic>> {
-    let mut doc: Value = serde_norway::from_str(text).map_err(|e| vec![syntax_error(&e)])?;
-    doc.apply_merge().map_err(|e| vec![syntax_error(&e)])?;
+/// Reads the document. `Err` when it is refused whole: over a bound of `bounds`, not
+/// YAML, or not a mapping; otherwise the entries of the wrong shape are reported
+/// (the first `cap` of them with their message) and left out of `raw`.
+pub(super) fn parse(text: &str, cap: usize) -> Result<Parsed, Diagnostic> {
+    bounds::check(text)?;
+    let mut doc: Value = serde_norway::from_str(text).map_err(|e| syntax_error(&e))?;
+    doc.apply_merge().map_err(|e| syntax_error(&e))?;
     match &doc {
         Value::Mapping(_) => {}
-        Value::Null => {
-            return Err(vec![Diagnostic::new("", "the document is empty: it starts with `version: 1`")]);
-        }
+        Value::Null => return Err(Diagnostic::new("", "the document is empty: it starts with `version: 1`")),
         _ => {
-            return Err(vec![Diagnostic::new(
+            return Err(Diagnostic::new(
                 "",
                 "the document must be a mapping of keys \
                  (`version`, `store`, `audit`, `tenants`, `ai`)",
-            )]);
+            ));
         }
     }
-
-    let mut errors = Vec::new();
-    loop {
-        match serde_path_to_error::deserialize::<_, RawConfig>(doc.clone()) {
-            Ok(raw) => return Ok(Parsed { raw, errors }),
-            Err(error) => {
-                let segments: Vec<&Segment> = error.path().iter().collect();
-                errors.push(Diagnostic::new(render_path(&segments), error.inner().to_string()));
-                if !drop_entry(&mut doc, &segments) {
-                    return Err(errors);
-                }
-            }
-        }
+    match shape::read::<RawConfig>(&doc, cap) {
+        (Some(raw), errors) => Ok(Parsed { raw, errors }),
+        // A mapping always reads as a `RawConfig`, if an empty one.
+        (None, errors) => Ok(Parsed { raw: RawConfig::default(), errors }),
     }
 }
 
@@ -607,56 +597,5 @@ fn syntax_error(error: &serde_norway::Error) -> Diagnostic {
             Diagnostic::new("", format!("invalid YAML at line {} column {}: {message}", at.line(), at.column()))
         }
         _ => Diagnostic::new("", format!("invalid YAML: {message}")),
-    }
-}
-
-/// `ai.backends.ptu-west.auth`, `tenants.acme.keys[1]`.
-fn render_path(segments: &[&Segment]) -> String {
-    let mut path = String::new();
-    for segment in segments {
-        match segment {
-            Segment::Seq { index } => path.push_str(&format!("[{index}]")),
-            Segment::Map { key } => {
-                if !path.is_empty() {
-                    path.push('.');
-                }
-                path.push_str(key);
-            }
-            Segment::Enum { variant } => {
-                if !path.is_empty() {
-                    path.push('.');
-                }
-                path.push_str(variant);
-            }
-            Segment::Unknown => path.push_str(".?"),
-        }
-    }
-    path
-}
-
-/// Removes the innermost mapping entry on `segments` from the tree, so that the next
-/// pass goes past this error. An error inside a list drops the whole list's entry:
-/// removing one item would shift the indices of the errors still to be found.
-/// Returns false when there is nothing to remove (the error is about the document).
-fn drop_entry(doc: &mut Value, segments: &[&Segment]) -> bool {
-    let Some(last_key) = segments.iter().rposition(|s| matches!(s, Segment::Map { .. })) else {
-        return false;
-    };
-    let mut node = doc;
-    for segment in &segments[..last_key] {
-        let next = match segment {
-            Segment::Map { key } => node.get_mut(key.as_str()),
-            Segment::Seq { index } => node.get_mut(*index),
-            Segment::Enum { .. } | Segment::Unknown => None,
-        };
-        match next {
-            Some(child) => node = child,
-            None => return false,
-        }
-    }
-    match (segments[last_key], node) {
-        // `shift_remove` keeps the document's order, so errors come in reading order.
-        (Segment::Map { key }, Value::Mapping(map)) => map.shift_remove(key.as_str()).is_some(),
-        _ => false,
     }
 }

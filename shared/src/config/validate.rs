@@ -35,9 +35,11 @@ const DEFAULT_MAX_EVENT_BYTES: u64 = 1024 * 1024;
 /// Lambda's request payload limit (function URL and API Gateway alike): 6 MB.
 const LAMBDA_MAX_REQUEST_BYTES: u64 = 6 * 1024 * 1024;
 
-pub(super) fn validate(parsed: Parsed, env: &dyn EnvSource) -> Result<Loaded, Vec<Diagnostic>> {
+/// The configuration, or its errors (at most the shape pass's listed ones, all the
+/// rules') and how many more shape errors were found than listed.
+pub(super) fn validate(parsed: Parsed, env: &dyn EnvSource) -> Result<Loaded, (Vec<Diagnostic>, usize)> {
     let Parsed { raw, errors: shape_errors } = parsed;
-    let unparsed = Unparsed::new(&shape_errors);
+    let unparsed = Unparsed::new(&shape_errors.lost_values);
     let RawConfig { version, store, audit, tenants, ai } = raw;
     let mut check = Checker { env, errors: Vec::new(), warnings: Vec::new() };
 
@@ -63,18 +65,20 @@ pub(super) fn validate(parsed: Parsed, env: &dyn EnvSource) -> Result<Loaded, Ve
         check.platform_limits(store, audit, ai);
     }
 
-    let mut errors = shape_errors;
+    let mut errors = shape_errors.listed;
     errors.extend(check.errors.into_iter().filter(|e| !unparsed.covers(&e.path)));
     // Checked in dependency order; reported in the order of a typical document.
     errors.sort_by_key(|d| section_rank(&d.path));
     check.warnings.sort_by_key(|d| section_rank(&d.path));
 
     match (store, audit, ai) {
-        (Some(store), Some(audit), Some(ai)) if errors.is_empty() => {
+        (Some(store), Some(audit), Some(ai)) if errors.is_empty() && shape_errors.unlisted == 0 => {
             Ok(Loaded { config: Config { store, audit, tenants, ai }, warnings: check.warnings })
         }
-        _ if errors.is_empty() => Err(vec![Diagnostic::new("", "the configuration is incomplete (internal error)")]),
-        _ => Err(errors),
+        _ if errors.is_empty() && shape_errors.unlisted == 0 => {
+            Err((vec![Diagnostic::new("", "the configuration is incomplete (internal error)")], 0))
+        }
+        _ => Err((errors, shape_errors.unlisted)),
     }
 }
 
@@ -83,26 +87,29 @@ pub(super) fn validate(parsed: Parsed, env: &dyn EnvSource) -> Result<Loaded, Ve
 /// judged when something refers to it: the shape error already fails the load, and
 /// anything more would be a guess about what the entry meant.
 struct Unparsed {
-    units: Vec<String>,
+    units: BTreeSet<String>,
 }
 
 impl Unparsed {
-    fn new(shape_errors: &[Diagnostic]) -> Unparsed {
-        // An unknown key took nothing the rules read: its part is still judged.
-        let units =
-            shape_errors.iter().filter(|e| !e.message.starts_with("unknown field")).map(|e| unit_of(&e.path)).collect();
-        Unparsed { units }
+    /// From the paths of the shape errors that lost a value (an unknown key took
+    /// nothing the rules read: its part is still judged).
+    fn new(lost_values: &[String]) -> Unparsed {
+        Unparsed { units: lost_values.iter().map(|path| unit_of(path)).collect() }
     }
 
+    /// Whether `path` is in a unit: one lookup per prefix of the path that ends
+    /// where a segment does, so as cheap with 10,000 units as with one.
     fn covers(&self, path: &str) -> bool {
-        self.units.iter().any(|unit| {
-            path.strip_prefix(unit.as_str()).is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
-        })
+        if self.units.is_empty() {
+            return false;
+        }
+        let ends = path.match_indices(['.', '[']).map(|(i, _)| i).chain([path.len()]);
+        ends.into_iter().any(|end| self.units.contains(&path[..end]))
     }
 
     /// Whether every backend's shape is in doubt (`ai` or `ai.backends` itself).
     fn all_backends(&self) -> bool {
-        self.units.iter().any(|u| u == "ai" || u == "ai.backends")
+        self.units.contains("ai") || self.units.contains("ai.backends")
     }
 
     /// Backends whose entry lost something, or was dropped whole.
@@ -390,6 +397,7 @@ impl Checker<'_> {
 
     fn audit(&mut self, raw: Option<RawAudit>) -> Option<AuditConfig> {
         let Some(RawAudit { sink, path, log_group, log_stream, hash_salt }) = raw else {
+            self.unsalted_audit();
             return Some(AuditConfig { sink: AuditSinkConfig::Stdout, hash_salt: None });
         };
         let here = |sink: &str| format!("audit sink {sink}");
@@ -415,9 +423,24 @@ impl Checker<'_> {
         };
         let hash_salt = match &hash_salt {
             Some(salt) => Some(self.secret("audit.hash_salt", salt)?),
-            None => None,
+            None => {
+                self.unsalted_audit();
+                None
+            }
         };
         Some(AuditConfig { sink: sink?, hash_salt })
+    }
+
+    /// Without a salt, the identifiers the audit hashes (the caller's key, the
+    /// request's `user`) are plain SHA-256: a short `user` value is reversed by
+    /// hashing a dictionary of candidates.
+    fn unsalted_audit(&mut self) {
+        self.warn(
+            "audit.hash_salt",
+            "not set: identifiers in the audit (keys, end users) are hashed without a salt, so short values \
+             such as user names can be recovered by hashing guesses; set a secret reference \
+             (env:NAME or file:PATH) to a random value",
+        );
     }
 
     // ----- tenants ------------------------------------------------------------------
