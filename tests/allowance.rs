@@ -11,10 +11,6 @@ use common::*;
 use futures_util::future::join_all;
 use serde_json::{Value, json};
 
-fn scenario(model: &FakeModel, text: &str) -> String {
-    model.url().replace("/v1", &format!("/s/{text}/v1"))
-}
-
 /// Tenant `acme` capped at `cap` tokens a day; `default_max_tokens` 100.
 fn capped(url: &str, cap: u64) -> String {
     format!(

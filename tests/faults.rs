@@ -15,11 +15,6 @@ use flexway::config::BackendId;
 use flexway::metrics::BreakerState;
 use serde_json::{Value, json};
 
-/// The fake's URL with a scenario prefix written as the fake parses it.
-fn scenario(model: &FakeModel, text: &str) -> String {
-    model.url().replace("/v1", &format!("/s/{text}/v1"))
-}
-
 /// Backend `bad` (the scenario, 300 ms timeout, a breaker that opens on one failure)
 /// falling back to `good` when `fallback` is set.
 fn config_for(bad: &str, good: &str, fallback: bool) -> String {

@@ -10,10 +10,6 @@ use serde_json::{Value, json};
 
 const MIB: u64 = 1024 * 1024;
 
-fn scenario(model: &FakeModel, text: &str) -> String {
-    model.url().replace("/v1", &format!("/s/{text}/v1"))
-}
-
 fn gateway(url: &str, limits: &str) -> Flexway {
     Flexway::start(&config(&format!(
         "  default_backend: main\n{limits}  backends:\n    main: {{url: \"{url}\", timeout: 20s}}\n"

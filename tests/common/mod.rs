@@ -121,6 +121,12 @@ impl Drop for Flexway {
     }
 }
 
+/// The fake's URL with a scenario prefix written as the fake parses it
+/// (`words=500,ignore_limit`), for scenarios a test names by their keys.
+pub fn scenario(model: &FakeModel, text: &str) -> String {
+    model.url().replace("/v1", &format!("/s/{text}/v1"))
+}
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap()
 }

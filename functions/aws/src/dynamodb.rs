@@ -525,6 +525,12 @@ impl DynamoDbBudgetStore {
             .build()
             .map_err(|e| StoreError::Backend(e.to_string()))?;
         items.push(TransactWriteItem::builder().update(mark).build());
+        self.sweep_write(items, pk).await
+    }
+
+    /// Writes one sweep transaction, retrying contention: true when written, false when
+    /// its condition failed (a settle or another sweeper closed the reservation first).
+    async fn sweep_write(&self, items: Vec<TransactWriteItem>, pk: &str) -> Result<bool, StoreError> {
         for attempt in 0..MAX_ATTEMPTS {
             match self.transact(items.clone()).await? {
                 None => return Ok(true),
@@ -552,14 +558,7 @@ impl DynamoDbBudgetStore {
             .build()
             .map_err(|e| StoreError::Backend(e.to_string()))?;
         items.push(TransactWriteItem::builder().delete(delete).build());
-        for attempt in 0..MAX_ATTEMPTS {
-            match self.transact(items.clone()).await? {
-                None => return Ok(true),
-                Some(Cancelled::Condition(_)) => return Ok(false),
-                Some(Cancelled::Retry) => backoff(attempt).await,
-            }
-        }
-        Err(contended("sweep", pk))
+        self.sweep_write(items, pk).await
     }
 
     /// A swept reservation past its retention; one that carries an intent is left for
