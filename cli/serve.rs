@@ -21,12 +21,14 @@ use flexway::secret::LocalSecrets;
 /// How often the local shape refunds expired reservations.
 const SWEEP_EVERY: Duration = Duration::from_secs(5);
 
-/// The HTTP/2 header list the transport accepts (HPACK size: names, values and 32
-/// bytes a field). It must stay well above the gateway's own limit
-/// (`flexway::http::MAX_HEADER_BYTES`), so that oversized headers reach the router
-/// and are refused there with the envelope and a request id; hyper's default
-/// (16 KiB) would answer a bare 431 first. Past it, hyper still does.
-const H2_MAX_HEADER_LIST: u32 = 128 * 1024;
+/// The header section the transport accepts: HTTP/1.1's read buffer and HTTP/2's
+/// header list (HPACK size: names, values and 32 bytes a field). They stay far above
+/// the gateway's own limit (`flexway::http::MAX_HEADER_BYTES`), so that oversized
+/// headers reach the router and are refused there with the envelope and a request id;
+/// hyper's defaults (~400 KiB, 16 KiB) would answer a bare 431 first. Past them, hyper
+/// still does. A request body may already take `ai.vision.max_body_bytes` (24 MiB by
+/// default), so a 2 MiB ceiling on headers adds no new way to use memory.
+const MAX_HEADER_SECTION: usize = 2 * 1024 * 1024;
 
 pub fn run(config_path: &Path, listen: &str) -> ExitCode {
     tracing_subscriber::fmt()
@@ -131,16 +133,16 @@ async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
 /// hyper's builder): HTTP/1.1 and HTTP/2 on one port, upgrades allowed, and on
 /// `shutdown` no new connection while those open finish their requests.
 ///
-/// HTTP/1.1 keeps hyper's defaults: a header section up to its read buffer (~400 KiB)
-/// and 100 headers, so the gateway's 32 KiB limit answers first for size. Past 100
-/// headers hyper's bare 431 answers: raising its count would cost two heap
-/// allocations on every request.
+/// HTTP/1.1 keeps hyper's count of 100 headers: past it hyper's bare 431 answers, since
+/// raising the count moves the parser's header array to the heap on every request
+/// (hyper documents a ~5% cost).
 async fn serve_http<L>(mut listener: L, app: axum::Router, shutdown: impl Future<Output = ()>)
 where
     L: Listener<Io = tokio::net::TcpStream>,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder.http2().max_header_list_size(H2_MAX_HEADER_LIST).enable_connect_protocol();
+    builder.http1().max_buf_size(MAX_HEADER_SECTION);
+    builder.http2().max_header_list_size(MAX_HEADER_SECTION as u32).enable_connect_protocol();
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {

@@ -216,6 +216,10 @@ async fn oversized_headers_are_headers_too_large_in_the_envelope_with_a_request_
     let gw = Flexway::start(&one_backend(&model.url()));
     let v1 = gw.post("/v1/chat/completions", KEY, hello("m")).header("x-big", big_header()).send().await.unwrap();
     envelope(v1, 431, "headers_too_large").await;
+    // Past hyper's default read buffer (~400 KiB), still the envelope.
+    let huge = "x".repeat(1024 * 1024);
+    let v1 = gw.post("/v1/chat/completions", KEY, hello("m")).header("x-huge", huge).send().await.unwrap();
+    envelope(v1, 431, "headers_too_large").await;
     let health = client().get(format!("{}/healthz", gw.url)).header("x-big", big_header()).send().await.unwrap();
     assert_eq!(health.status(), 431);
     assert!(health.headers().contains_key("flexway-request-id"));
