@@ -2,7 +2,9 @@
 //! measure → admit (route + reserve) → dispatch (with fallback, before the first byte
 //! only) → relay → settle → record.
 //!
-//! Fallback happens on a connection error, a 5xx or a timeout, never on a 4xx: a
+//! Fallback happens on a connection error, a 5xx, a timeout, or an answer cut, stalled
+//! or invalid before the client's first byte (SPEC §5: a non-streamed answer counts as
+//! served once read whole, a stream once its first content arrives), never on a 4xx: a
 //! backend's own 4xx (its 429 included) is the caller's answer and is relayed as is.
 //! Every identified call ends in exactly one audit record (`record::Draft`), and every
 //! reservation is settled or refunded (`budget::Ticket`), on every path below.
@@ -69,7 +71,7 @@ enum Expect {
 
 /// Why one attempt failed, before anything reached the client.
 enum Failure {
-    /// A status its breaker counts (5xx by default).
+    /// A 5xx (whether its breaker counts it is the breaker policy's business).
     Status {
         status: u16,
         retry_after: Option<Duration>,
