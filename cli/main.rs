@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use flexway::config::Secrets;
 
 /// mimalloc: the request path allocates many small, short-lived buffers across
 /// threads, where glibc's malloc spends its time consolidating.
@@ -33,9 +34,17 @@ enum Command {
         listen: String,
     },
     /// Check a configuration: every error listed, warnings printed.
+    ///
+    /// Secret references are checked for their form; an unset variable or an
+    /// unreadable file is a warning (a config repository's CI holds no secrets).
     Validate {
         #[arg(long, default_value = "flexway.yaml")]
         config: PathBuf,
+        /// Resolve every secret reference, as `serve` does: one that cannot be
+        /// resolved here is an error (AWS references always are: this Flexway does
+        /// not resolve them).
+        #[arg(long)]
+        resolve_secrets: bool,
     },
     /// Turn the audit (a JSONL file or a CloudWatch log group) into a chargeback table:
     /// per tenant, agent and backend.
@@ -62,14 +71,16 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve { config, listen } => serve::run(&config, &listen),
-        Command::Validate { config } => validate(&config),
+        Command::Validate { config, resolve_secrets } => {
+            validate(&config, if resolve_secrets { Secrets::Resolve } else { Secrets::Check })
+        }
         Command::Report(args) => report::run(args),
         Command::Key { command: KeyCommand::New { tenant, agent } } => key::new(&tenant, agent.as_deref()),
     }
 }
 
-fn validate(path: &std::path::Path) -> ExitCode {
-    match flexway::config::load_file(path, &flexway::config::ProcessEnv) {
+fn validate(path: &std::path::Path, secrets: Secrets) -> ExitCode {
+    match flexway::config::load_file_with(path, &flexway::config::ProcessEnv, secrets) {
         Ok(loaded) => {
             for warning in &loaded.warnings {
                 eprintln!("warning: {}: {warning}", path.display());

@@ -14,7 +14,7 @@ use hyper_util::service::TowerToHyperService;
 
 use flexway::audit::{AuditSink, FileAuditSink, StdoutAuditSink};
 use flexway::budget::{BudgetStore, EmbeddedBudgetStore, MemoryBudgetStore, period::unix_now};
-use flexway::config::{self, AuditSinkConfig, Config, ProcessEnv, StoreConfig};
+use flexway::config::{self, AuditSinkConfig, Config, ProcessEnv, Secrets, StoreConfig};
 use flexway::gateway::Adapters;
 use flexway::secret::LocalSecrets;
 
@@ -38,7 +38,9 @@ pub fn run(config_path: &Path, listen: &str) -> ExitCode {
         // `request_id=req_...` and defeat a grep for a call's lines.
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let loaded = match config::load_file(config_path, &ProcessEnv) {
+    // Every secret resolved now, or no start: a gateway that starts can authenticate
+    // to its backends (`validate` alone may only check the references' form).
+    let loaded = match config::load_file_with(config_path, &ProcessEnv, Secrets::Resolve) {
         Ok(loaded) => loaded,
         Err(error) => {
             for diagnostic in &error.errors {

@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 use common::*;
 
@@ -88,6 +88,133 @@ fn serve_logs_the_unsalted_audit_warning_at_start() {
     );
     let logs = gw.logs();
     assert!(logs.lines().any(|l| l.contains("WARN") && l.contains("audit.hash_salt")), "{logs}");
+}
+
+/// `flexway` with `args` and no environment but `env`: a variable a test expects unset
+/// cannot leak in from the shell that runs the tests.
+fn flexway_in_clean_env(args: &[&str], env: &[(&str, &str)]) -> (std::process::ExitStatus, String, String) {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_flexway"));
+    command.args(args).env_clear().envs(env.iter().copied());
+    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    // `serve` would run until stopped if it started: stop it, and let the test fail.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    if child.try_wait().unwrap().is_none() {
+        child.kill().unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    (out.status, String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// A config whose one backend authenticates with `secret`.
+fn with_secret(dir: &std::path::Path, secret: &str) -> String {
+    let path = dir.join("secrets.yaml");
+    let yaml = format!(
+        "version: 1\nstore: {{kind: memory}}\naudit: {{sink: stdout, hash_salt: \"env:SALT\"}}\nai:\n  default_backend: a\n  backends:\n    a:\n      url: \"http://127.0.0.1:9\"\n      price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 1}}\n      auth: {{type: bearer, secret: \"{secret}\"}}\n"
+    );
+    std::fs::write(&path, yaml).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+fn line<'a>(stderr: &'a str, prefix: &str, needle: &str) -> &'a str {
+    stderr.lines().find(|l| l.starts_with(prefix) && l.contains(needle)).unwrap_or_else(|| panic!("{stderr}"))
+}
+
+const SALT: (&str, &str) = ("SALT", "pepper");
+
+#[test]
+fn validate_warns_about_an_unset_variable_and_resolve_secrets_refuses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = with_secret(dir.path(), "env:BACKEND_A_KEY");
+
+    let (status, stdout, stderr) = flexway_in_clean_env(&["validate", "--config", &config], &[SALT]);
+    assert!(status.success(), "a warning, not an error: {stderr}");
+    assert!(stdout.contains("ok (1 warning(s))"), "{stdout}");
+    let warning = line(&stderr, "warning:", "ai.backends.a.auth.secret");
+    assert!(warning.contains("secrets.yaml") && warning.contains("BACKEND_A_KEY is not set"), "{warning}");
+
+    let (status, _, stderr) = flexway_in_clean_env(&["validate", "--config", &config, "--resolve-secrets"], &[SALT]);
+    assert!(!status.success(), "{stderr}");
+    let error = line(&stderr, "error:", "ai.backends.a.auth.secret");
+    assert!(error.contains("BACKEND_A_KEY is not set"), "{error}");
+
+    // Set, it resolves; its value is never printed.
+    let set = [SALT, ("BACKEND_A_KEY", "sk-canary-31337")];
+    let (status, stdout, stderr) = flexway_in_clean_env(&["validate", "--config", &config, "--resolve-secrets"], &set);
+    assert!(status.success() && stdout.contains("ok (0 warning(s))"), "{stdout}\n{stderr}");
+    assert!(!stdout.contains("canary") && !stderr.contains("canary"));
+}
+
+#[test]
+fn validate_warns_about_an_unreadable_file_and_resolve_secrets_refuses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such-key");
+    let config = with_secret(dir.path(), &format!("file:{}", missing.display()));
+
+    let (status, _, stderr) = flexway_in_clean_env(&["validate", "--config", &config], &[SALT]);
+    assert!(status.success(), "{stderr}");
+    let warning = line(&stderr, "warning:", "ai.backends.a.auth.secret");
+    assert!(warning.contains(&format!("{} cannot be read", missing.display())), "{warning}");
+
+    let (status, _, stderr) = flexway_in_clean_env(&["validate", "--config", &config, "--resolve-secrets"], &[SALT]);
+    assert!(!status.success(), "{stderr}");
+    assert!(line(&stderr, "error:", "ai.backends.a.auth.secret").contains("cannot be read"), "{stderr}");
+
+    std::fs::write(&missing, "sk-canary-31337\n").unwrap();
+    let (status, stdout, stderr) =
+        flexway_in_clean_env(&["validate", "--config", &config, "--resolve-secrets"], &[SALT]);
+    assert!(status.success(), "{stderr}");
+    assert!(!stdout.contains("canary") && !stderr.contains("canary"));
+}
+
+/// Resolving Secrets Manager and SSM references is not built: validate says the
+/// reference was checked for its form only, and refuses it when asked to resolve.
+#[test]
+fn validate_checks_an_aws_reference_for_form_only_and_cannot_resolve_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let arn = "arn:aws:ssm:eu-west-1:123456789012:parameter/flexway/a";
+    let config = with_secret(dir.path(), arn);
+
+    let (status, _, stderr) = flexway_in_clean_env(&["validate", "--config", &config], &[SALT]);
+    assert!(status.success(), "{stderr}");
+    let warning = line(&stderr, "warning:", "ai.backends.a.auth.secret");
+    assert!(warning.contains(arn) && warning.contains("form only"), "{warning}");
+
+    let (status, _, stderr) = flexway_in_clean_env(&["validate", "--config", &config, "--resolve-secrets"], &[SALT]);
+    assert!(!status.success(), "{stderr}");
+    let error = line(&stderr, "error:", "ai.backends.a.auth.secret");
+    assert!(error.contains(arn) && error.contains("cannot be resolved"), "{error}");
+}
+
+#[test]
+fn serve_refuses_to_start_when_a_secret_cannot_be_resolved() {
+    let dir = tempfile::tempdir().unwrap();
+    let unreadable = format!("file:{}", dir.path().join("no-such-key").display());
+    for secret in ["env:BACKEND_A_KEY", &unreadable, "arn:aws:ssm:eu-west-1:123456789012:parameter/flexway/a"] {
+        let config = with_secret(dir.path(), secret);
+        let (status, _, stderr) =
+            flexway_in_clean_env(&["serve", "--config", &config, "--listen", "127.0.0.1:0"], &[SALT]);
+        assert!(!status.success(), "{secret}: {stderr}");
+        assert!(!stderr.contains("listening"), "{secret}: {stderr}");
+        line(&stderr, "error:", "ai.backends.a.auth.secret");
+    }
+}
+
+/// The SPEC example loads in a CI without its secrets (a warning for each of the
+/// four), and does not when they must resolve.
+#[test]
+fn validate_loads_the_spec_example_without_its_secrets() {
+    let (status, stdout, stderr) = flexway_in_clean_env(&["validate", "--config", &spec_example()], &[]);
+    assert!(status.success(), "{stdout}\n{stderr}");
+    for (name, _) in SPEC_ENV {
+        line(&stderr, "warning:", &format!("environment variable {name} is not set"));
+    }
+    let (status, _, stderr) =
+        flexway_in_clean_env(&["validate", "--config", &spec_example(), "--resolve-secrets"], &[]);
+    assert!(!status.success());
+    assert_eq!(stderr.lines().filter(|l| l.starts_with("error:")).count(), SPEC_ENV.len(), "{stderr}");
 }
 
 /// `scripts/demo` runs `flexway serve --config config/demo.yaml` from the repository

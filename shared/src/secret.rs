@@ -35,7 +35,7 @@ pub enum SecretError {
     File { reference: String, source: std::io::Error },
     #[error("secret {reference}: the file is empty")]
     Empty { reference: String },
-    #[error("secret {reference}: AWS secret references are resolved by the serverless shape only")]
+    #[error("secret {reference}: this Flexway does not resolve AWS Secrets Manager or SSM references")]
     Unsupported { reference: String },
 }
 

@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use flexway::config::{
-    AuditSinkConfig, Auth, BackendKind, BreakerTrigger, Capability, Diagnostic, Loaded, Metering, SecretRef,
-    StoreConfig, load_str, parse_duration,
+    AuditSinkConfig, Auth, BackendKind, BreakerTrigger, Capability, Diagnostic, Loaded, Metering, SecretRef, Secrets,
+    StoreConfig, load_str, load_str_with, parse_duration,
 };
 use flexway::money::MicroEur;
 use serde_norway::Value;
@@ -87,6 +87,11 @@ impl Doc {
 
     fn loads(&self) -> Loaded {
         self.load().unwrap_or_else(|errors| panic!("should load, got {errors:#?}"))
+    }
+
+    /// Loads with secret references checked for their form only (`flexway validate`).
+    fn checks(&self) -> Loaded {
+        load_str_with(&self.text(), &env(), Secrets::Check).unwrap_or_else(|e| panic!("should load, got {e}"))
     }
 
     fn errors(&self) -> Vec<Diagnostic> {
@@ -404,17 +409,66 @@ fn accepts_readable_secret_file() {
     assert_eq!(auth, &Auth::Bearer { secret: SecretRef::File(file) });
 }
 
+const ARNS: [&str; 3] = [
+    "arn:aws:secretsmanager:eu-west-1:123456789012:secret:ptu-AbCdEf",
+    "arn:aws:ssm:eu-west-1:123456789012:parameter/flexway/ptu",
+    "arn:aws-cn:ssm:cn-north-1:123456789012:parameter/x",
+];
+
 #[test]
-fn accepts_secrets_manager_and_ssm_arns() {
-    for arn in [
-        "arn:aws:secretsmanager:eu-west-1:123456789012:secret:ptu-AbCdEf",
-        "arn:aws:ssm:eu-west-1:123456789012:parameter/flexway/ptu",
-        "arn:aws-cn:ssm:cn-north-1:123456789012:parameter/x",
-    ] {
-        let loaded = doc().set("ai.backends.main.auth", &format!("{{type: bearer, secret: '{arn}'}}")).loads();
+fn checks_secrets_manager_and_ssm_arns_for_form_with_a_warning() {
+    for arn in ARNS {
+        let loaded = doc().set("ai.backends.main.auth", &format!("{{type: bearer, secret: '{arn}'}}")).checks();
         let auth = &loaded.config.ai.backends["main"].kind.endpoint().unwrap().auth;
         assert_eq!(auth, &Auth::Bearer { secret: SecretRef::AwsArn(arn.into()) });
+        let warning = warning_at(&loaded, "ai.backends.main.auth.secret");
+        assert!(warning.contains(arn) && warning.contains("form only"), "{warning}");
     }
+}
+
+/// Not built: a gateway about to start must not take an ARN it cannot resolve.
+#[test]
+fn refuses_arns_when_secrets_are_resolved() {
+    for arn in ARNS {
+        let message = doc()
+            .set("ai.backends.main.auth", &format!("{{type: bearer, secret: '{arn}'}}"))
+            .refused("ai.backends.main.auth.secret", "does not resolve AWS Secrets Manager or SSM");
+        assert!(message.contains(arn), "{message}");
+    }
+}
+
+fn warning_at(loaded: &Loaded, path: &str) -> String {
+    let found = loaded.warnings.iter().find(|w| w.path == path);
+    found.unwrap_or_else(|| panic!("no warning at {path}: {:#?}", loaded.warnings)).message.clone()
+}
+
+#[test]
+fn an_unset_variable_or_unreadable_file_is_a_warning_when_only_checked() {
+    let loaded = doc()
+        .set("ai.backends.main.auth", "{type: bearer, secret: 'env:NOT_THERE'}")
+        .set("ai.backends.internal.auth", "{type: header, name: x-key, secret: 'file:/nonexistent/key'}")
+        .set("ai.backends.main.tls", "{cert: /nonexistent/c.pem, key: /nonexistent/k.pem}")
+        .set("audit", "{sink: stdout, hash_salt: 'env:EMPTY'}")
+        .checks();
+    assert!(warning_at(&loaded, "ai.backends.main.auth.secret").contains("environment variable NOT_THERE is not set"));
+    assert!(warning_at(&loaded, "ai.backends.internal.auth.secret").contains("/nonexistent/key cannot be read"));
+    assert!(warning_at(&loaded, "ai.backends.main.tls.cert").contains("/nonexistent/c.pem cannot be read"));
+    assert!(warning_at(&loaded, "ai.backends.main.tls.key").contains("/nonexistent/k.pem cannot be read"));
+    assert!(warning_at(&loaded, "audit.hash_salt").contains("EMPTY is empty"));
+    assert_eq!(loaded.warnings.len(), 5, "{:#?}", loaded.warnings);
+}
+
+#[test]
+fn a_malformed_reference_is_an_error_even_when_only_checked() {
+    let errors = load_str_with(
+        &doc().set("ai.backends.main.auth", "{type: bearer, secret: 'sk-live-123'}").text(),
+        &env(),
+        Secrets::Check,
+    )
+    .unwrap_err()
+    .errors;
+    let message = assert_error(&errors, "ai.backends.main.auth.secret", "never values");
+    assert!(!message.contains("sk-live-123"), "{message}");
 }
 
 #[test]

@@ -54,6 +54,22 @@ impl EnvSource for HashMap<String, String> {
     }
 }
 
+/// What loading does with a secret reference (`env:`, `file:`, an ARN, a TLS file).
+///
+/// Its form is always checked. Whether it resolves is the question: a gateway about
+/// to start needs every secret now, while a config repository's CI holds none of
+/// them and still wants the rest of the file judged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Secrets {
+    /// Form only: an unset variable, an unreadable file or an AWS reference is a
+    /// warning (`flexway validate`). The [`Config`] is for reading, not for serving.
+    Check,
+    /// Every reference resolves here and now, or it is an error (`serve`, the Lambda
+    /// function, `flexway validate --resolve-secrets`). AWS references are errors:
+    /// this Flexway does not resolve them.
+    Resolve,
+}
+
 /// One problem found in a configuration, where it is and what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Diagnostic {
@@ -133,13 +149,19 @@ fn render_errors(file: Option<&Path>, errors: &[Diagnostic], unlisted: usize) ->
     lines.join("\n")
 }
 
-/// Reads and loads a configuration file. Relative paths inside it (store, secrets,
+/// Reads and loads a configuration file, every secret reference resolved
+/// ([`Secrets::Resolve`]). Relative paths inside it (store, secrets,
 /// descriptor sets, TLS files) are left as written: they resolve against the
 /// process's working directory, not the file's.
 ///
 /// A file over [`bounds::MAX_BYTES`] is refused unread when its metadata says so,
 /// else after reading one byte more than that (it may be a pipe).
 pub fn load_file(path: &Path, env: &dyn EnvSource) -> Result<Loaded, ConfigError> {
+    load_file_with(path, env, Secrets::Resolve)
+}
+
+/// [`load_file`], with secret references checked as `secrets` says.
+pub fn load_file_with(path: &Path, env: &dyn EnvSource, secrets: Secrets) -> Result<Loaded, ConfigError> {
     let cannot_read = |e: std::io::Error| ConfigError::whole_file(path, format!("cannot read the file: {e}"));
     let file = std::fs::File::open(path).map_err(cannot_read)?;
     if let Ok(metadata) = file.metadata()
@@ -155,7 +177,7 @@ pub fn load_file(path: &Path, env: &dyn EnvSource) -> Result<Loaded, ConfigError
     let text = String::from_utf8(bytes).map_err(|_| {
         cannot_read(std::io::Error::new(std::io::ErrorKind::InvalidData, "stream did not contain valid UTF-8"))
     })?;
-    load_str(&text, env).map_err(|error| ConfigError { file: Some(path.to_path_buf()), ..error })
+    load_str_with(&text, env, secrets).map_err(|error| ConfigError { file: Some(path.to_path_buf()), ..error })
 }
 
 /// Loads a configuration from its YAML text.
@@ -163,9 +185,17 @@ pub fn load_file(path: &Path, env: &dyn EnvSource) -> Result<Loaded, ConfigError
 /// Errors of shape (unknown keys, wrong types) and errors of rules are reported
 /// together. Rules are not applied inside a part of the document that lost an entry
 /// to a shape error: they would only repeat it ("required") or guess.
+///
+/// Every secret reference must resolve ([`Secrets::Resolve`]): this is the load of a
+/// gateway about to start.
 pub fn load_str(text: &str, env: &dyn EnvSource) -> Result<Loaded, ConfigError> {
+    load_str_with(text, env, Secrets::Resolve)
+}
+
+/// [`load_str`], with secret references checked as `secrets` says.
+pub fn load_str_with(text: &str, env: &dyn EnvSource, secrets: Secrets) -> Result<Loaded, ConfigError> {
     let parsed = raw::parse(text, MAX_LISTED_ERRORS).map_err(|refused| ConfigError::new(vec![refused], 0))?;
-    validate::validate(parsed, env).map_err(|(errors, unlisted)| ConfigError::new(errors, unlisted))
+    validate::validate(parsed, env, secrets).map_err(|(errors, unlisted)| ConfigError::new(errors, unlisted))
 }
 
 /// The JSON Schema of `flexway.yaml`, generated from the raw types (the document's

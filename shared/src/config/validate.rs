@@ -8,8 +8,10 @@
 //!
 //! Invariants of the result: every backend name points at a declared backend; no
 //! gRPC backend is reachable by HTTP routing; the sensitive backend is internal; no
-//! two keys share a hash; money is exact micro-euros; `env:` secrets are set and
-//! `file:` secrets readable at load time.
+//! two keys share a hash; money is exact micro-euros; with [`Secrets::Resolve`],
+//! `env:` secrets are set, `file:` secrets (TLS files included) readable at load time
+//! and no secret is an AWS reference (with [`Secrets::Check`], each of those is a
+//! warning instead).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -21,7 +23,7 @@ use super::raw::{
     Parsed, RawAgent, RawAi, RawAudit, RawBackend, RawBackendKind, RawBudgetPolicy, RawBudgets, RawCapability,
     RawConfig, RawDuration, RawKey, RawLimits, RawSecret, RawSinkKind, RawStore, RawStoreKind, RawTenant, RawVision,
 };
-use super::values::{fraction_ppm, header_name, https_origin, key_hash, micro_eur, secret_ref};
+use super::values::{fraction_ppm, header_name, https_origin, key_hash, micro_eur, secret_ref, unresolvable};
 use super::*;
 
 const DEFAULT_LEDGER_PATH: &str = "./flexway-ledger";
@@ -37,11 +39,15 @@ const LAMBDA_MAX_REQUEST_BYTES: u64 = 6 * 1024 * 1024;
 
 /// The configuration, or its errors (at most the shape pass's listed ones, all the
 /// rules') and how many more shape errors were found than listed.
-pub(super) fn validate(parsed: Parsed, env: &dyn EnvSource) -> Result<Loaded, (Vec<Diagnostic>, usize)> {
+pub(super) fn validate(
+    parsed: Parsed,
+    env: &dyn EnvSource,
+    secrets: Secrets,
+) -> Result<Loaded, (Vec<Diagnostic>, usize)> {
     let Parsed { raw, errors: shape_errors } = parsed;
     let unparsed = Unparsed::new(&shape_errors.lost_values);
     let RawConfig { version, store, audit, tenants, ai } = raw;
-    let mut check = Checker { env, errors: Vec::new(), warnings: Vec::new() };
+    let mut check = Checker { env, secrets, errors: Vec::new(), warnings: Vec::new() };
 
     match version {
         Some(1) => {}
@@ -243,6 +249,7 @@ fn capability_list(capabilities: &BTreeSet<Capability>) -> String {
 
 struct Checker<'a> {
     env: &'a dyn EnvSource,
+    secrets: Secrets,
     errors: Vec<Diagnostic>,
     warnings: Vec<Diagnostic>,
 }
@@ -305,8 +312,32 @@ impl Checker<'_> {
         }
     }
 
+    /// A secret reference of the right form, and whether it resolves now, judged as
+    /// [`Secrets`] says.
     fn secret(&mut self, path: &str, raw: &RawSecret) -> Option<SecretRef> {
-        secret_ref(&raw.0, self.env).map_err(|message| self.error(path, message)).ok()
+        let reference = secret_ref(&raw.0).map_err(|message| self.error(path, message)).ok()?;
+        self.resolvable(path, &reference).then_some(reference)
+    }
+
+    /// Whether `reference` may go into the config: it resolves now, or it need not
+    /// ([`Secrets::Check`]: then what would stop it is a warning).
+    fn resolvable(&mut self, path: &str, reference: &SecretRef) -> bool {
+        let Some(reason) = unresolvable(reference, self.env) else {
+            return true;
+        };
+        match self.secrets {
+            Secrets::Check => {
+                self.warn(
+                    path,
+                    format!("{reason} (checked for its form only: the gateway will not start until it resolves)"),
+                );
+                true
+            }
+            Secrets::Resolve => {
+                self.error(path, reason);
+                false
+            }
+        }
     }
 
     fn duration(&mut self, path: &str, raw: Option<&RawDuration>, default: Duration) -> Duration {

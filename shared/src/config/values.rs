@@ -124,25 +124,20 @@ fn has_valid_port(authority: &str) -> bool {
     }
 }
 
-/// A secret reference. `env:` variables must be set and `file:` files readable now,
-/// so that a deployment fails at load rather than at its first call; ARNs are
-/// resolved by the serverless shape.
-pub(super) fn secret_ref(text: &str, env: &dyn EnvSource) -> Result<SecretRef, String> {
+/// A secret reference, checked for its form only: whether it can be resolved here
+/// and now is [`unresolvable`]'s question.
+pub(super) fn secret_ref(text: &str) -> Result<SecretRef, String> {
     if let Some(name) = text.strip_prefix("env:") {
         if name.is_empty() {
             return Err("`env:` needs a variable name (env:NAME)".into());
         }
-        return match env.var(name) {
-            None => Err(format!("environment variable {name} is not set")),
-            Some(value) if value.is_empty() => Err(format!("environment variable {name} is empty")),
-            Some(_) => Ok(SecretRef::Env(name.to_owned())),
-        };
+        return Ok(SecretRef::Env(name.to_owned()));
     }
     if let Some(path) = text.strip_prefix("file:") {
         if path.is_empty() {
             return Err("`file:` needs a path (file:PATH)".into());
         }
-        return readable_file(path).map(|()| SecretRef::File(path.into()));
+        return Ok(SecretRef::File(path.into()));
     }
     if text.starts_with("arn:") {
         return aws_secret_arn(text).map(|()| SecretRef::AwsArn(text.to_owned()));
@@ -151,6 +146,24 @@ pub(super) fn secret_ref(text: &str, env: &dyn EnvSource) -> Result<SecretRef, S
         "secrets are references, never values: write {SECRET_REFERENCE_FORMS} \
          (the value given is not shown)"
     ))
+}
+
+/// Why a well-formed reference cannot be resolved here and now, if it cannot: an
+/// unset or empty variable, an unreadable file, or an AWS reference (this Flexway
+/// does not resolve them). The message names the reference, never a value.
+pub(super) fn unresolvable(reference: &SecretRef, env: &dyn EnvSource) -> Option<String> {
+    match reference {
+        SecretRef::Env(name) => match env.var(name) {
+            None => Some(format!("environment variable {name} is not set")),
+            Some(value) if value.is_empty() => Some(format!("environment variable {name} is empty")),
+            Some(_) => None,
+        },
+        SecretRef::File(path) => readable_file(&path.to_string_lossy()).err(),
+        SecretRef::AwsArn(arn) => Some(format!(
+            "{arn} cannot be resolved: this Flexway does not resolve AWS Secrets Manager or SSM \
+             references (use env: or file:)"
+        )),
+    }
 }
 
 /// `arn:aws[-cn|-us-gov]:secretsmanager|ssm:region:account:resource`. The text is not
@@ -173,7 +186,7 @@ fn aws_secret_arn(arn: &str) -> Result<(), String> {
 }
 
 /// A file that exists and can be opened for reading now.
-pub(super) fn readable_file(path: &str) -> Result<(), String> {
+fn readable_file(path: &str) -> Result<(), String> {
     match std::fs::metadata(path) {
         Err(e) => Err(format!("file {path} cannot be read: {e}")),
         Ok(meta) if !meta.is_file() => Err(format!("{path} is not a file")),

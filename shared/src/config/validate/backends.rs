@@ -12,7 +12,7 @@ use super::super::raw::{
     RawAuth, RawAuthKind, RawBackend, RawBackendKind, RawBreaker, RawCapability, RawIdentityHeaders, RawMetering,
     RawPoolMember, RawPrice, RawTls,
 };
-use super::super::values::{base_url, fraction_ppm, micro_eur, readable_file, status_range};
+use super::super::values::{base_url, fraction_ppm, micro_eur, status_range};
 use super::super::*;
 use super::{Catalog, Checker, Summary, capability};
 
@@ -351,13 +351,13 @@ impl Checker<'_> {
     }
 
     /// A client certificate and key (both, or no `tls`), and an optional CA; every
-    /// file readable now.
+    /// file readable now, as a `file:` secret is (a warning under [`Secrets::Check`]).
     fn tls(&mut self, path: &str, raw: RawTls) -> Option<Tls> {
         let mut file = |key: &str, value: Option<String>, required: &str| {
             let key_path = format!("{path}.{key}");
             let value = self.required(&key_path, value, required)?;
-            readable_file(&value).map_err(|m| self.error(&key_path, m)).ok()?;
-            Some(PathBuf::from(value))
+            let value = PathBuf::from(value);
+            self.resolvable(&key_path, &SecretRef::File(value.clone())).then_some(value)
         };
         let cert = file("cert", raw.cert, "(the client certificate goes with its key)");
         let key = file("key", raw.key, "(the client key goes with its certificate)");
