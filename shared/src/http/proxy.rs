@@ -39,6 +39,9 @@ use crate::upstream::{CallError, UpstreamClient};
 pub const BACKEND_HEADER: &str = "flexway-backend";
 pub const DEGRADED_HEADER: &str = "flexway-degraded";
 pub const BUDGET_HEADER: &str = "flexway-budget";
+/// The settled cost of a non-streamed answer, in euros (`0.000123`); a stream's is
+/// only known after its last byte, so only its audit record says it.
+pub const COST_HEADER: &str = "flexway-cost-eur";
 
 /// A backend whose answer is in (a non-streamed one read whole, a stream held until
 /// its first content), before a byte reached the client.
@@ -277,6 +280,8 @@ async fn complete(
     };
     let Some(answer) = answer else {
         settle.ticket.refund().await;
+        // Refunded: the backend's refusal costs the caller nothing, and says so.
+        headers.push((COST_HEADER, HeaderValue::from_static("0.000000")));
         if let Some(v) = retry_after {
             headers.push(("retry-after", v));
         }
@@ -292,6 +297,9 @@ async fn complete(
     };
     let cost = settle.settle(gateway, usage).await;
     draft.usage(usage, source, cost);
+    if let Ok(v) = HeaderValue::from_str(&cost.to_eur_string()) {
+        headers.push((COST_HEADER, v));
+    }
     Ok(Reply::Now(response_with(StatusCode::OK, body, HeaderValue::from_static("application/json"), headers)))
 }
 
