@@ -251,3 +251,27 @@ async fn metrics_count_calls_and_cost_with_their_dimensions() {
         assert!(!text.contains(canary));
     }
 }
+
+#[tokio::test]
+async fn the_stdout_sink_writes_one_json_line_per_call() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&one_backend(&model.url()));
+    let ok = gw.chat(KEY, hello("m")).await;
+    let id = ok.headers()["flexway-request-id"].to_str().unwrap().to_owned();
+    assert_eq!(ok.status(), 200);
+    let refused = gw.chat(KEY, json!({"model": "m"})).await;
+    assert_eq!(refused.status(), 400);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let lines = loop {
+        let lines = gw.stdout();
+        if lines.len() >= 2 || std::time::Instant::now() > deadline {
+            break lines;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    let first: AuditRecord = serde_json::from_str(&lines[0]).unwrap();
+    assert_eq!((first.request_id.as_str(), first.status), (id.as_str(), 200));
+    let second: AuditRecord = serde_json::from_str(&lines[1]).unwrap();
+    assert_eq!((second.status, second.error_code.as_deref()), (400, Some("invalid_request")));
+}

@@ -24,6 +24,8 @@ pub struct Flexway {
     pub url: String,
     pub dir: tempfile::TempDir,
     logs: Arc<Mutex<Vec<String>>>,
+    /// What the process wrote on stdout (the `stdout` audit sink), line by line.
+    stdout: Arc<Mutex<Vec<String>>>,
 }
 
 impl Flexway {
@@ -39,13 +41,21 @@ impl Flexway {
             .args(["--listen", "127.0.0.1:0"])
             .current_dir(dir.path())
             .env("FLEXWAY_LOG", "info")
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         for (k, v) in env {
             command.env(k, v);
         }
         let mut child = command.spawn().unwrap();
         let stderr = child.stderr.take().unwrap();
+        let stdout = Arc::new(Mutex::new(Vec::new()));
+        let lines = stdout.clone();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                lines.lock().unwrap().push(line);
+            }
+        });
         let logs = Arc::new(Mutex::new(Vec::new()));
         let (tx, rx) = std::sync::mpsc::channel();
         let sink = logs.clone();
@@ -64,7 +74,12 @@ impl Flexway {
                 panic!("flexway did not start: {:?}", logs.lock().unwrap());
             }
         };
-        Flexway { child, url, dir, logs }
+        Flexway { child, url, dir, logs, stdout }
+    }
+
+    /// The lines written on stdout so far.
+    pub fn stdout(&self) -> Vec<String> {
+        self.stdout.lock().unwrap().clone()
     }
 
     pub fn start(yaml: &str) -> Flexway {

@@ -1,6 +1,14 @@
 //! The DynamoDB ledger against the emulator: the same conformance suite as the memory
 //! and embedded stores (each check on a fresh table), plus the DynamoDB-specific
 //! paths the suite does not reach.
+//!
+//! What this does not show: concurrency under DynamoDB's own rules. The emulator
+//! (`localstack/moto_serial.py`) applies one request at a time, because moto's
+//! transactions are not atomic under concurrent requests. So the suite's "96
+//! concurrent reservations" check sends its requests concurrently but they are
+//! applied serially here: it proves the conditions and the all-or-nothing writes,
+//! not behaviour under real contention (`TransactionConflict` retries), which only
+//! real DynamoDB or LocalStack can show.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod emulator;

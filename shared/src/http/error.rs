@@ -25,16 +25,6 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// An error anywhere else: rendered as `application/problem+json`.
-#[derive(Debug)]
-pub struct ProblemError(pub GatewayError);
-
-impl IntoResponse for ProblemError {
-    fn into_response(self) -> Response {
-        render(&self.0, false)
-    }
-}
-
 pub fn render(error: &GatewayError, openai: bool) -> Response {
     let status = error.status();
     if status.is_server_error() {

@@ -1,6 +1,7 @@
 //! The HTTP surface (SPEC §2), built once for both shapes: `flexway serve` runs it
 //! with `axum::serve`, the Lambda function with `lambda_http`'s streaming runner.
 
+mod dispatch;
 mod error;
 mod proxy;
 mod record;
@@ -12,12 +13,12 @@ use axum::extract::{Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Extension, Json, Router};
+use axum::{Json, Router};
 use http::{HeaderMap, HeaderValue, Method, Uri};
 use serde_json::json;
 use tracing::Instrument;
 
-pub use error::{ApiError, ProblemError, render};
+pub use error::{ApiError, render};
 
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
@@ -135,6 +136,3 @@ async fn method_not_allowed(method: Method, uri: Uri) -> Response {
     let error = GatewayError::MethodNotAllowed { method: method.to_string(), path: uri.path().to_owned() };
     render(&error, is_openai_path(&uri))
 }
-
-/// Kept for handlers that need the id (`Extension<RequestId>`).
-pub type RequestIdExt = Extension<RequestId>;

@@ -20,7 +20,6 @@ use crate::protocol::openai::Usage;
 use crate::routing::Candidate;
 
 use super::RequestId;
-use super::proxy::UsageSource;
 
 /// The status nginx uses for a request the client abandoned.
 const CLIENT_CLOSED_REQUEST: u16 = 499;
@@ -185,6 +184,22 @@ impl Drop for Draft {
             runtime.spawn(async move { write(&gateway, record).await });
         } else {
             tracing::error!(request_id = %record.request_id, "audit record not written: no runtime at drop");
+        }
+    }
+}
+
+/// Whether the usage settled came from the backend or from Flexway's estimate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UsageSource {
+    Reported,
+    Estimated,
+}
+
+impl UsageSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UsageSource::Reported => "reported",
+            UsageSource::Estimated => "estimated",
         }
     }
 }

@@ -24,8 +24,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
-use super::proxy::UsageSource;
-use super::record::Draft;
+use super::record::{Draft, UsageSource};
 use crate::budget::{Ticket, plan};
 use crate::config::{BackendId, Price};
 use crate::gateway::Gateway;
@@ -53,7 +52,6 @@ pub struct RelayOutcome {
     pub usage: Option<Usage>,
     /// Bytes of completion content relayed to the client (for estimation).
     pub content_bytes: u64,
-    pub events: u64,
 }
 
 /// What settles a call's reservation once its answer is known, streamed or not.
@@ -137,7 +135,7 @@ pub(super) async fn hold(
     let mut held = Held {
         events: Events::new(response, max_event_bytes),
         pending: Vec::new(),
-        outcome: RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0, events: 0 },
+        outcome: RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0 },
         client_wants_usage,
         done: false,
     };
@@ -155,7 +153,6 @@ pub(super) async fn hold(
         let content = chunk.as_ref().is_some_and(carries_content);
         if tap(chunk.as_ref(), client_wants_usage, &mut held.outcome) {
             held_bytes += event.raw.len() as u64;
-            held.outcome.events += 1;
             held.pending.push(event.raw);
         }
         if content || held_bytes > max_event_bytes {
@@ -241,7 +238,6 @@ async fn pump(held: Held, tx: &mpsc::Sender<Bytes>, idle_timeout: Duration, draf
             Err(fault) => return broken(outcome, tx, fault).await,
         };
         if tap(chunk.as_ref(), client_wants_usage, &mut outcome) {
-            outcome.events += 1;
             draft.first_byte();
             if tx.send(event.raw).await.is_err() {
                 outcome.end = StreamEnd::ClientGone;
@@ -376,7 +372,7 @@ mod tests {
     #[test]
     fn the_usage_chunk_is_tapped_and_hidden_unless_asked_for() {
         let usage = json!({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}});
-        let mut outcome = RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0, events: 0 };
+        let mut outcome = RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0 };
         assert!(!tap(Some(&usage), false, &mut outcome));
         assert_eq!(outcome.usage, Some(Usage { prompt_tokens: 3, completion_tokens: 4 }));
         assert!(tap(Some(&usage), true, &mut outcome));
