@@ -13,22 +13,11 @@ use serde_json::{Value, json};
 
 /// Tenant `acme` capped at `cap` tokens a day; `default_max_tokens` 100.
 fn capped(url: &str, cap: u64) -> String {
-    format!(
-        r#"version: 1
-store: {{kind: memory}}
-audit: {{sink: stdout}}
-tenants:
-  acme:
-    keys:
-      - sha256: {key}
-    budgets: {{tokens_per_day: {cap}}}
-ai:
-  default_backend: main
-  budget: {{default_max_tokens: 100, min_completion_tokens: 10}}
-  backends:
-    main: {{url: "{url}", price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}}}}
-"#,
-        key = sha(KEY)
+    acme_config(
+        &format!("{{tokens_per_day: {cap}}}"),
+        &format!(
+            "  default_backend: main\n  budget: {{default_max_tokens: 100, min_completion_tokens: 10}}\n  backends:\n    main: {{url: \"{url}\", price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}}}}"
+        ),
     )
 }
 

@@ -2,10 +2,13 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
+#[path = "../shared/tests/support/mod.rs"]
+mod support;
 
 use std::process::{Command, Stdio};
 
 use common::*;
+use support::laughs;
 
 fn flexway(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_flexway"));
@@ -230,17 +233,6 @@ fn the_demo_config_loads_with_no_environment() {
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("ok (0 warning(s))"), "{stdout}\n{stderr}");
-}
-
-/// A "billion laughs" of about `bytes`: `levels` anchors, each a list of aliases to
-/// the one before, the first a list of `seed`s.
-fn laughs(bytes: usize, levels: usize, seed: &str) -> String {
-    let width = (bytes / levels / 4).max(2);
-    let mut text = format!("version: 1\na0: &a0 [{}]\n", [seed; 4].join(", "));
-    for level in 1..levels {
-        text += &format!("a{level}: &a{level} [{}]\n", vec![format!("*a{}", level - 1); width].join(","));
-    }
-    text
 }
 
 /// Runs `flexway validate --config PATH` and answers its exit, stderr and peak

@@ -19,24 +19,14 @@ use serde_json::{Value, json};
 /// falling back to `good` when `fallback` is set.
 fn config_for(bad: &str, good: &str, fallback: bool) -> String {
     let fallback = if fallback { "fallback: [good], " } else { "" };
-    format!(
-        r#"version: 1
-store: {{kind: memory}}
-audit: {{sink: stdout}}
-tenants:
-  acme:
-    keys:
-      - sha256: {key}
-    budgets: {{tokens_per_day: 100000}}
-ai:
-  default_backend: bad
+    let ai = format!(
+        r#"  default_backend: bad
   backends:
     bad: {{url: "{bad}", timeout: 300ms, {fallback}price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}},
            circuit_breaker: {{failures: 1, interval: 1m, trip: 1m}}}}
-    good: {{url: "{good}", price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}}}}
-"#,
-        key = sha(KEY)
-    )
+    good: {{url: "{good}", price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}}}}"#
+    );
+    acme_config("{tokens_per_day: 100000}", &ai)
 }
 
 struct Case {

@@ -5,6 +5,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
 use std::path::PathBuf;
 
 fn schema_path() -> PathBuf {
@@ -19,19 +21,11 @@ fn generated() -> String {
 
 #[test]
 fn checked_in_schema_matches_the_record_type() {
-    let path = schema_path();
-    let expected = generated();
-    if std::env::var_os("FLEXWAY_BLESS").is_some_and(|v| v == "1") {
-        std::fs::write(&path, &expected).unwrap();
-        return;
-    }
-    let actual = std::fs::read_to_string(&path).unwrap_or_default();
-    assert!(
-        actual == expected,
-        "{} is out of date with AuditRecord in shared/src/audit/mod.rs; \
-         regenerate it with: FLEXWAY_BLESS=1 cargo test -p flexway --test audit_schema \
-         (and bump SCHEMA_VERSION if the change is not backward compatible)",
-        path.display()
+    support::matches_or_bless(
+        &schema_path(),
+        &generated(),
+        "AuditRecord in shared/src/audit/mod.rs; regenerate it with: FLEXWAY_BLESS=1 cargo test -p flexway \
+         --test audit_schema (and bump SCHEMA_VERSION if the change is not backward compatible)",
     );
 }
 

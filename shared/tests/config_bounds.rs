@@ -10,12 +10,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use flexway::config::bounds::{MAX_BYTES, MAX_DEPTH};
 use flexway::config::{ConfigError, Diagnostic, Loaded, MAX_LISTED_ERRORS, load_file, load_str};
 use proptest::prelude::*;
+use support::laughs;
 
 /// Far above what any of these takes now, far below what they took before.
 const LENIENT: Duration = Duration::from_secs(10);
@@ -42,17 +45,6 @@ fn refused_because(text: &str, fragment: &str) -> String {
     assert_eq!(error.errors[0].path, "", "{error}");
     assert!(error.errors[0].message.contains(fragment), "`{}` lacks `{fragment}`", error.errors[0].message);
     error.errors[0].message.clone()
-}
-
-/// A "billion laughs" of about `bytes`: `levels` anchors, each a list of aliases to
-/// the one before, the first a list of `seed`s.
-fn laughs(bytes: usize, levels: usize, seed: &str) -> String {
-    let width = (bytes / levels / 4).max(2);
-    let mut text = format!("version: 1\na0: &a0 [{}]\n", [seed; 4].join(", "));
-    for level in 1..levels {
-        text += &format!("a{level}: &a{level} [{}]\n", vec![format!("*a{}", level - 1); width].join(","));
-    }
-    text
 }
 
 // ----- size --------------------------------------------------------------------------

@@ -4,6 +4,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
 use std::path::PathBuf;
 
 fn schema_path() -> PathBuf {
@@ -18,18 +20,11 @@ fn generated() -> String {
 
 #[test]
 fn checked_in_schema_matches_the_raw_types() {
-    let path = schema_path();
-    let expected = generated();
-    if std::env::var_os("FLEXWAY_BLESS").is_some_and(|v| v == "1") {
-        std::fs::write(&path, &expected).unwrap();
-        return;
-    }
-    let actual = std::fs::read_to_string(&path).unwrap_or_default();
-    assert!(
-        actual == expected,
-        "{} is out of date with the config types in shared/src/config/raw.rs; \
-         regenerate it with: FLEXWAY_BLESS=1 cargo test -p flexway --test config_schema",
-        path.display()
+    support::matches_or_bless(
+        &schema_path(),
+        &generated(),
+        "the config types in shared/src/config/raw.rs; regenerate it with: FLEXWAY_BLESS=1 cargo test -p \
+         flexway --test config_schema",
     );
 }
 

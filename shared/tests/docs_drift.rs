@@ -6,6 +6,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
@@ -114,17 +116,10 @@ const CONFIG_DOC: &str = "docs/configuration.md";
 
 #[test]
 fn configuration_doc_matches_the_schema() {
-    let expected = configuration_doc(&flexway::config::json_schema());
-    let path = repo(CONFIG_DOC);
-    if std::env::var_os("FLEXWAY_BLESS").is_some_and(|v| v == "1") {
-        std::fs::write(&path, &expected).unwrap();
-        return;
-    }
-    let actual = std::fs::read_to_string(&path).unwrap_or_default();
-    assert!(
-        actual == expected,
-        "{CONFIG_DOC} is out of date with the config schema; \
-         regenerate it with: FLEXWAY_BLESS=1 cargo test -p flexway --test docs_drift"
+    support::matches_or_bless(
+        &repo(CONFIG_DOC),
+        &configuration_doc(&flexway::config::json_schema()),
+        "the config schema; regenerate it with: FLEXWAY_BLESS=1 cargo test -p flexway --test docs_drift",
     );
 }
 

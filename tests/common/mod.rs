@@ -150,6 +150,25 @@ pub fn hello(model: &str) -> serde_json::Value {
     serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hello there"}]})
 }
 
+/// A config with one tenant, `acme` (key KEY), its `budgets:` mapping, and the given
+/// `ai:` body (indented by two spaces).
+pub fn acme_config(budgets: &str, ai: &str) -> String {
+    format!(
+        r#"version: 1
+store: {{kind: memory}}
+audit: {{sink: stdout}}
+tenants:
+  acme:
+    keys:
+      - sha256: {key}
+    budgets: {budgets}
+ai:
+{ai}
+"#,
+        key = sha(KEY)
+    )
+}
+
 /// A config with tenants `acme` (agent `bot` bound to AGENT_KEY, agent `helper`) and
 /// `globex`, and the given `ai:` body (indented by two spaces).
 pub fn config(ai: &str) -> String {
