@@ -17,6 +17,9 @@
 //! - limits come from the config and enter each write as its condition; the store
 //!   only counts.
 
+/// The conformance suite of the `BudgetStore` port: for tests only (the
+/// `test-support` feature), not part of the library a gateway ships.
+#[cfg(any(test, feature = "test-support"))]
 pub mod conformance;
 pub mod embedded;
 pub mod ledger;
