@@ -8,6 +8,7 @@
 mod common;
 
 use common::*;
+use flexway::audit::UsageSource;
 use futures_util::future::join_all;
 use serde_json::{Value, json};
 
@@ -152,7 +153,7 @@ async fn a_stream_is_sent_its_allowance_too() {
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     assert_eq!(model.requests()[0].body["max_tokens"], 100);
     let records = audit.records();
-    assert_eq!((records[0].completion_tokens, records[0].usage_source.as_str()), (100, "reported"));
+    assert_eq!((records[0].completion_tokens, records[0].usage_source), (100, UsageSource::Reported));
 }
 
 #[tokio::test]

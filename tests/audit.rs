@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use flexway::audit::AuditRecord;
+use flexway::audit::{AuditRecord, BudgetState, Operation, UsageSource};
 use serde_json::{Value, json};
 
 const CANARY_KEY: &str = "sk-CANARY-KEY-5b1e0c";
@@ -130,24 +130,24 @@ async fn exactly_one_record_per_call_with_the_right_usage_source() {
     for ((id, kind), record) in ids.iter().zip(&records) {
         assert_eq!(&record.request_id, id, "{kind}: records are in the order calls ended");
         let expected = match *kind {
-            "ok" | "streamed" => (200, None, "reported"),
-            "streamed-no-usage" => (200, None, "estimated"),
-            "429" => (429, Some("budget_exceeded"), "reported"),
-            "5xx" => (503, Some("upstream_unavailable"), "reported"),
-            "cut" => (200, Some("upstream_error"), "estimated"),
-            "400" => (400, Some("invalid_request"), "reported"),
+            "ok" | "streamed" => (200, None, UsageSource::Reported),
+            "streamed-no-usage" => (200, None, UsageSource::Estimated),
+            "429" => (429, Some("budget_exceeded"), UsageSource::Reported),
+            "5xx" => (503, Some("upstream_unavailable"), UsageSource::Reported),
+            "cut" => (200, Some("upstream_error"), UsageSource::Estimated),
+            "400" => (400, Some("invalid_request"), UsageSource::Reported),
             other => panic!("{other}"),
         };
-        assert_eq!((record.status, record.error_code.as_deref(), record.usage_source.as_str()), expected, "{kind}");
+        assert_eq!((record.status, record.error_code.as_deref(), record.usage_source), expected, "{kind}");
         assert_eq!(record.tenant, "acme");
         assert_eq!(record.schema_version, 1);
     }
     let ok = &records[0];
     assert!(ok.prompt_tokens > 0 && ok.completion_tokens > 0 && ok.cost_micro_eur > 0);
-    assert_eq!(ok.operation, "chat");
+    assert_eq!(ok.operation, Operation::Chat);
     assert_eq!(ok.backend.as_deref(), Some("main"));
-    assert_eq!(ok.budget_state, "ok");
-    assert_eq!(records[3].budget_state, "exceeded");
+    assert_eq!(ok.budget_state, BudgetState::Ok);
+    assert_eq!(records[3].budget_state, BudgetState::Exceeded);
     assert_eq!(records[3].agent.as_deref(), Some("tight"));
     assert!(records[5].completion_tokens > 0, "a broken stream is charged what was relayed");
 }

@@ -5,6 +5,7 @@
 mod common;
 
 use common::*;
+use flexway::audit::{BudgetState, UsageSource};
 use futures_util::future::join_all;
 use serde_json::{Value, json};
 
@@ -268,7 +269,7 @@ async fn the_soft_cap_switches_to_the_cheaper_backend_and_says_so() {
     assert_eq!(second.status(), 200);
     assert_eq!(second.headers()["flexway-budget"], "soft");
     assert_eq!(second.headers()["flexway-backend"], "small");
-    assert_eq!(audit.records().last().unwrap().budget_state, "soft");
+    assert_eq!(audit.records().last().unwrap().budget_state, BudgetState::Soft);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -287,7 +288,7 @@ async fn a_stream_settles_on_its_reported_usage_and_a_broken_one_on_what_was_rel
     assert_eq!(events.last().unwrap(), "[DONE]");
     let after_first = gw.ledger("acme", None).await[0];
     let record = audit.records().pop().unwrap();
-    assert_eq!(record.usage_source, "reported");
+    assert_eq!(record.usage_source, UsageSource::Reported);
     assert_eq!(after_first, record.prompt_tokens + record.completion_tokens);
     let broken = gw
         .chat(
@@ -298,7 +299,7 @@ async fn a_stream_settles_on_its_reported_usage_and_a_broken_one_on_what_was_rel
     let _ = sse_data(broken).await;
     // The record (and the settlement) are written when the stream ends.
     let record = wait_for_record(&audit, 2).await;
-    assert_eq!(record.usage_source, "estimated");
+    assert_eq!(record.usage_source, UsageSource::Estimated);
     assert!(record.completion_tokens > 0, "what was relayed is charged");
     assert_eq!(gw.ledger("acme", None).await[0], after_first + record.prompt_tokens + record.completion_tokens);
     assert_eq!(gw.live_reservations().await, 0);

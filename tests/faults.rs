@@ -11,6 +11,7 @@ mod common;
 use std::time::Instant;
 
 use common::*;
+use flexway::audit::UsageSource;
 use flexway::config::BackendId;
 use flexway::metrics::BreakerState;
 use serde_json::{Value, json};
@@ -89,7 +90,7 @@ async fn falls_back(fault: &str, stream: bool) {
     let record = case.one_record().await;
     assert_eq!((record.status, record.backend.as_deref(), record.degraded), (200, Some("good"), true), "{fault}");
     assert_eq!(record.error_code, None);
-    assert_eq!(record.usage_source, "reported", "{fault}");
+    assert_eq!(record.usage_source, UsageSource::Reported, "{fault}");
     if let Some(tokens) = tokens {
         assert_eq!(record.prompt_tokens + record.completion_tokens, tokens, "billed what good served, once");
     }
@@ -184,7 +185,7 @@ async fn a_stream_without_done_ends_with_an_error_event() {
     let record = case.one_record().await;
     assert_eq!(record.error_code.as_deref(), Some("upstream_error"));
     // The usage chunk came before the end: the settlement is exact.
-    assert_eq!(record.usage_source, "reported");
+    assert_eq!(record.usage_source, UsageSource::Reported);
 }
 
 #[tokio::test]

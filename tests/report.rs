@@ -4,7 +4,8 @@
 use std::path::Path;
 use std::process::Command;
 
-use flexway::audit::{AuditRecord, SCHEMA_VERSION};
+use flexway::audit::{AuditRecord, BudgetState, Operation, SCHEMA_VERSION, UsageSource};
+use flexway::config::{Capability, Metering};
 
 struct Run {
     code: i32,
@@ -21,28 +22,28 @@ fn flexway(args: &[&str]) -> Run {
     }
 }
 
-fn record(ts: &str, tenant: &str, agent: Option<&str>, backend: &str, metered_by: &str, cost: u64) -> AuditRecord {
+fn record(ts: &str, tenant: &str, agent: Option<&str>, backend: &str, metered_by: Metering, cost: u64) -> AuditRecord {
     AuditRecord {
         schema_version: SCHEMA_VERSION,
         ts: ts.into(),
         request_id: format!("req-{ts}"),
         tenant: tenant.into(),
         agent: agent.map(Into::into),
-        operation: "chat".into(),
-        capability: "chat".into(),
+        operation: Operation::Chat,
+        capability: Capability::Chat,
         model_requested: Some("gpt-4o".into()),
         model_served: Some("gpt-4o".into()),
         backend: Some(backend.into()),
-        metered_by: metered_by.into(),
+        metered_by,
         prompt_tokens: 1_000,
         completion_tokens: 200,
-        usage_source: "reported".into(),
+        usage_source: UsageSource::Reported,
         cost_eur: cost as f64 / 1e6,
         cost_micro_eur: cost,
         status: 200,
         error_code: None,
         degraded: false,
-        budget_state: "ok".into(),
+        budget_state: BudgetState::Ok,
         latency_ms: 350,
         ttfb_ms: Some(80),
         key_hash: "0".repeat(64),
@@ -55,11 +56,11 @@ fn record(ts: &str, tenant: &str, agent: Option<&str>, backend: &str, metered_by
 /// globex: 1 call on ptu-west (1.5 €), on the last day.
 fn audit_file(dir: &Path) -> String {
     let records = [
-        record("2025-03-01T08:00:00Z", "acme", Some("bot"), "ptu-west", "local", 500_000),
-        record("2025-03-01T09:00:00.123Z", "acme", Some("bot"), "ptu-west", "local", 250_000),
-        record("2025-03-02T10:00:00Z", "acme", None, "payg-north", "local", 1),
-        record("2025-03-02T11:00:00Z", "acme", Some("bot"), "peer", "upstream", 7_000_000),
-        record("2025-03-03T23:59:59Z", "globex", None, "ptu-west", "local", 1_500_000),
+        record("2025-03-01T08:00:00Z", "acme", Some("bot"), "ptu-west", Metering::Local, 500_000),
+        record("2025-03-01T09:00:00.123Z", "acme", Some("bot"), "ptu-west", Metering::Local, 250_000),
+        record("2025-03-02T10:00:00Z", "acme", None, "payg-north", Metering::Local, 1),
+        record("2025-03-02T11:00:00Z", "acme", Some("bot"), "peer", Metering::Upstream, 7_000_000),
+        record("2025-03-03T23:59:59Z", "globex", None, "ptu-west", Metering::Local, 1_500_000),
     ];
     let mut text = String::new();
     for r in &records {

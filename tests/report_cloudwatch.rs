@@ -12,8 +12,9 @@ use std::process::Command;
 
 use aws_sdk_cloudwatchlogs::Client;
 use aws_sdk_cloudwatchlogs::types::InputLogEvent;
-use flexway::audit::{AuditRecord, AuditSink, SCHEMA_VERSION};
+use flexway::audit::{AuditRecord, AuditSink, BudgetState, Operation, SCHEMA_VERSION, UsageSource};
 use flexway::budget::period::{Period, unix_now};
+use flexway::config::{Capability, Metering};
 use flexway_aws::CloudWatchAuditSink;
 use serde_json::Value;
 
@@ -53,28 +54,28 @@ fn date(days: i64) -> String {
     Period::Day.stamp(unix_now().saturating_add_signed(days * 86_400))
 }
 
-fn record(date: &str, request_id: &str, tenant: &str, backend: &str, metered_by: &str, cost: u64) -> AuditRecord {
+fn record(date: &str, request_id: &str, tenant: &str, backend: &str, metered_by: Metering, cost: u64) -> AuditRecord {
     AuditRecord {
         schema_version: SCHEMA_VERSION,
         ts: format!("{date}T12:00:00.000Z"),
         request_id: request_id.to_owned(),
         tenant: tenant.to_owned(),
         agent: Some("bot".to_owned()),
-        operation: "chat".to_owned(),
-        capability: "chat".to_owned(),
+        operation: Operation::Chat,
+        capability: Capability::Chat,
         model_requested: Some("chat-default".to_owned()),
         model_served: Some("gpt-4.1".to_owned()),
         backend: Some(backend.to_owned()),
-        metered_by: metered_by.to_owned(),
+        metered_by,
         prompt_tokens: 100,
         completion_tokens: 20,
-        usage_source: "reported".to_owned(),
+        usage_source: UsageSource::Reported,
         cost_eur: cost as f64 / 1e6,
         cost_micro_eur: cost,
         status: 200,
         error_code: None,
         degraded: false,
-        budget_state: "ok".to_owned(),
+        budget_state: BudgetState::Ok,
         latency_ms: 120,
         ttfb_ms: Some(40),
         key_hash: "ab".repeat(32),
@@ -119,11 +120,11 @@ async fn the_report_from_a_log_group_bills_local_records_and_shows_upstream_apar
     // asked for here includes today; the records' `ts` are spread around it.
     let (yesterday, today, tomorrow) = (date(-1), date(0), date(1));
     let records = [
-        record(&today, "req-1", "acme", "ptu-west", "local", 500_000),
-        record(&today, "req-2", "acme", "payg-north", "local", 1),
-        record(&today, "req-3", "acme", "peer", "upstream", 7_000_000),
-        record(&yesterday, "req-4", "globex", "ptu-west", "local", 1_500_000),
-        record(&tomorrow, "req-5", "acme", "ptu-west", "local", 250_000),
+        record(&today, "req-1", "acme", "ptu-west", Metering::Local, 500_000),
+        record(&today, "req-2", "acme", "payg-north", Metering::Local, 1),
+        record(&today, "req-3", "acme", "peer", Metering::Upstream, 7_000_000),
+        record(&yesterday, "req-4", "globex", "ptu-west", Metering::Local, 1_500_000),
+        record(&tomorrow, "req-5", "acme", "ptu-west", Metering::Local, 250_000),
     ];
     // Two gateway instances, each its own stream, writing in batches.
     let first = CloudWatchAuditSink::new(client.clone(), &group, "gateway-1");
@@ -132,7 +133,7 @@ async fn the_report_from_a_log_group_bills_local_records_and_shows_upstream_apar
     second.write(&records[2..4]).await.unwrap();
     first.write(&records[4..]).await.unwrap();
 
-    let local: u64 = records.iter().filter(|r| r.metered_by == "local").map(|r| r.cost_micro_eur).sum();
+    let local: u64 = records.iter().filter(|r| r.metered_by == Metering::Local).map(|r| r.cost_micro_eur).sum();
     let report = report_json(&["report", "--log-group", &group, "--format", "json"]);
     assert_eq!(cost(&report["local_total"]), local, "{report:#}");
     assert_eq!(report["local_total"]["calls"], 4);
@@ -179,7 +180,7 @@ async fn dates_narrow_the_read_and_lines_that_are_not_audit_are_named() {
     let group = fresh_group(&client).await;
     let today = date(0);
     CloudWatchAuditSink::new(client.clone(), &group, "gateway-1")
-        .write(&[record(&today, "req-1", "acme", "ptu-west", "local", 42)])
+        .write(&[record(&today, "req-1", "acme", "ptu-west", Metering::Local, 42)])
         .await
         .unwrap();
     // An EMF metrics line is not audit, and is skipped.
@@ -212,9 +213,9 @@ async fn a_record_written_just_after_midnight_counts_on_the_day_its_call_ended()
     // on the next day; and one that ended the next day.
     let (day, next) = (date(-2), date(-1));
     let midnight_ms = i64::try_from(unix_now() / 86_400 * 86_400 - 86_400).unwrap() * 1000;
-    let mut late = record(&day, "req-late", "acme", "ptu-west", "local", 7);
+    let mut late = record(&day, "req-late", "acme", "ptu-west", Metering::Local, 7);
     late.ts = format!("{day}T23:59:59.900Z");
-    let after = record(&next, "req-after", "acme", "ptu-west", "local", 1_000);
+    let after = record(&next, "req-after", "acme", "ptu-west", Metering::Local, 1_000);
     let lines = [serde_json::to_string(&late).unwrap(), serde_json::to_string(&after).unwrap()];
     put_raw(&client, &group, "gateway-1", midnight_ms + 100, &[lines[0].as_str()]).await;
     put_raw(&client, &group, "gateway-2", midnight_ms + 12 * 3_600_000, &[lines[1].as_str()]).await;

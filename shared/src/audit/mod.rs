@@ -10,6 +10,7 @@
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::config::{Capability, Metering};
 use crate::money::MicroEur;
 
 pub mod report;
@@ -28,20 +29,20 @@ pub struct AuditRecord {
     pub request_id: String,
     pub tenant: String,
     pub agent: Option<String>,
-    /// `chat` | `embeddings` | `grpc`.
-    pub operation: String,
-    /// `chat` | `vision` | `embeddings`.
-    pub capability: String,
+    /// The endpoint family the call came through.
+    pub operation: Operation,
+    /// What the call asked of a backend (`vision`: a chat with images).
+    pub capability: Capability,
     pub model_requested: Option<String>,
     pub model_served: Option<String>,
     /// The backend that served (for a pool, the member), or the last one tried.
     pub backend: Option<String>,
-    /// `local` | `upstream`: where this consumption is billed.
-    pub metered_by: String,
+    /// Where this consumption is billed (`upstream`: by the Flexway a relay leads to).
+    pub metered_by: Metering,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
-    /// `reported` | `estimated`.
-    pub usage_source: String,
+    /// Whether the tokens came from the backend's report or from Flexway's estimate.
+    pub usage_source: UsageSource,
     /// Euros, as a number (from `cost_micro_eur`).
     pub cost_eur: f64,
     /// The exact cost in integer micro-euros, as settled in the ledger.
@@ -50,14 +51,73 @@ pub struct AuditRecord {
     pub status: u16,
     pub error_code: Option<String>,
     pub degraded: bool,
-    /// `ok` | `soft` | `exceeded`.
-    pub budget_state: String,
+    /// `soft`: past a soft limit, still served; `exceeded`: refused by a hard limit.
+    pub budget_state: BudgetState,
     pub latency_ms: u64,
     pub ttfb_ms: Option<u64>,
     /// Salted SHA-256 of the caller's key hash.
     pub key_hash: String,
     /// Salted SHA-256 of the OpenAI `user` field, when the client sent one.
     pub user_hash: Option<String>,
+}
+
+/// The kind of call: the endpoint family it came through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+#[schemars(inline)]
+pub enum Operation {
+    Chat,
+    Embeddings,
+    Grpc,
+}
+
+impl Operation {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Operation::Chat => "chat",
+            Operation::Embeddings => "embeddings",
+            Operation::Grpc => "grpc",
+        }
+    }
+}
+
+/// Whether the usage settled came from the backend or from Flexway's estimate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+#[schemars(inline)]
+pub enum UsageSource {
+    Reported,
+    Estimated,
+}
+
+impl UsageSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UsageSource::Reported => "reported",
+            UsageSource::Estimated => "estimated",
+        }
+    }
+}
+
+/// Where the call left the tenant's budgets: within them, past a soft limit, or
+/// refused for a hard one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+#[schemars(inline)]
+pub enum BudgetState {
+    Ok,
+    Soft,
+    Exceeded,
+}
+
+impl BudgetState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BudgetState::Ok => "ok",
+            BudgetState::Soft => "soft",
+            BudgetState::Exceeded => "exceeded",
+        }
+    }
 }
 
 /// The JSON Schema of [`AuditRecord`], as published in `config/audit-record.schema.json`.
@@ -107,4 +167,81 @@ pub enum AuditError {
 #[async_trait::async_trait]
 pub trait AuditSink: Send + Sync {
     async fn write(&self, records: &[AuditRecord]) -> Result<(), AuditError>;
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn record() -> AuditRecord {
+        AuditRecord {
+            schema_version: SCHEMA_VERSION,
+            ts: "2026-11-29T15:44:30.007Z".into(),
+            request_id: "req-1".into(),
+            tenant: "acme".into(),
+            agent: Some("bot".into()),
+            operation: Operation::Embeddings,
+            capability: Capability::Vision,
+            model_requested: Some("chat-default".into()),
+            model_served: Some("gpt-4.1".into()),
+            backend: Some("peer".into()),
+            metered_by: Metering::Upstream,
+            prompt_tokens: 12,
+            completion_tokens: 34,
+            usage_source: UsageSource::Estimated,
+            cost_eur: 0.000_296,
+            cost_micro_eur: 296,
+            status: 429,
+            error_code: Some("budget_exceeded".into()),
+            degraded: true,
+            budget_state: BudgetState::Exceeded,
+            latency_ms: 120,
+            ttfb_ms: None,
+            key_hash: "ab".repeat(2),
+            user_hash: None,
+        }
+    }
+
+    /// Finance reads these lines: the enums write the strings the fields held before.
+    #[test]
+    fn a_record_serializes_to_the_same_line_as_before() {
+        let line = serde_json::to_string(&record()).unwrap();
+        assert_eq!(
+            line,
+            r#"{"schema_version":1,"ts":"2026-11-29T15:44:30.007Z","request_id":"req-1","tenant":"acme","agent":"bot","operation":"embeddings","capability":"vision","model_requested":"chat-default","model_served":"gpt-4.1","backend":"peer","metered_by":"upstream","prompt_tokens":12,"completion_tokens":34,"usage_source":"estimated","cost_eur":0.000296,"cost_micro_eur":296,"status":429,"error_code":"budget_exceeded","degraded":true,"budget_state":"exceeded","latency_ms":120,"ttfb_ms":null,"key_hash":"abab","user_hash":null}"#
+        );
+        assert_eq!(serde_json::from_str::<AuditRecord>(&line).unwrap(), record());
+    }
+
+    #[test]
+    fn enum_fields_write_their_names_in_lowercase() {
+        fn written(value: impl Serialize) -> String {
+            serde_json::to_value(value).unwrap().as_str().unwrap().to_owned()
+        }
+        for operation in [Operation::Chat, Operation::Embeddings, Operation::Grpc] {
+            assert_eq!(written(operation), operation.as_str());
+        }
+        for capability in [Capability::Chat, Capability::Vision, Capability::Embeddings] {
+            assert_eq!(written(capability), capability.as_str());
+        }
+        for metering in [Metering::Local, Metering::Upstream] {
+            assert_eq!(written(metering), metering.as_str());
+        }
+        for source in [UsageSource::Reported, UsageSource::Estimated] {
+            assert_eq!(written(source), source.as_str());
+        }
+        for state in [BudgetState::Ok, BudgetState::Soft, BudgetState::Exceeded] {
+            assert_eq!(written(state), state.as_str());
+        }
+        assert_eq!(
+            [Operation::Grpc.as_str(), Capability::Embeddings.as_str(), Metering::Local.as_str()],
+            ["grpc", "embeddings", "local"]
+        );
+        assert_eq!([UsageSource::Reported.as_str(), BudgetState::Soft.as_str()], ["reported", "soft"]);
+        // A value the schema does not list is not an audit record.
+        let unknown = serde_json::to_string(&record()).unwrap().replace("\"exceeded\"", "\"over\"");
+        assert!(serde_json::from_str::<AuditRecord>(&unknown).is_err());
+    }
 }

@@ -14,6 +14,7 @@ use serde_json::json;
 
 use super::{AuditRecord, SCHEMA_VERSION};
 use crate::budget::period::days_from_civil;
+use crate::config::Metering;
 use crate::money::MicroEur;
 
 #[derive(Debug, thiserror::Error)]
@@ -166,7 +167,7 @@ pub struct Row {
     pub tenant: String,
     pub agent: Option<String>,
     pub backend: Option<String>,
-    pub metered_by: String,
+    pub metered_by: Metering,
     pub totals: Totals,
 }
 
@@ -194,15 +195,12 @@ pub struct Report {
     pub upstream_total: Totals,
 }
 
-pub const UPSTREAM: &str = "upstream";
-
 /// Sums the records that pass `filter` per (tenant, agent, backend, metered_by).
 pub fn chargeback(records: &[AuditRecord], filter: &Filter) -> Report {
-    type Key<'a> = (&'a str, Option<&'a str>, Option<&'a str>, &'a str);
+    type Key<'a> = (&'a str, Option<&'a str>, Option<&'a str>, Metering);
     let mut sums: BTreeMap<Key<'_>, Totals> = BTreeMap::new();
     for record in records.iter().filter(|r| filter.matches(r)) {
-        let key =
-            (record.tenant.as_str(), record.agent.as_deref(), record.backend.as_deref(), record.metered_by.as_str());
+        let key = (record.tenant.as_str(), record.agent.as_deref(), record.backend.as_deref(), record.metered_by);
         sums.entry(key).or_default().add_record(record);
     }
 
@@ -224,10 +222,10 @@ pub fn chargeback(records: &[AuditRecord], filter: &Filter) -> Report {
             tenant: tenant.to_owned(),
             agent: agent.map(str::to_owned),
             backend: backend.map(str::to_owned),
-            metered_by: metered_by.to_owned(),
+            metered_by,
             totals,
         };
-        if metered_by == UPSTREAM {
+        if metered_by == Metering::Upstream {
             part.upstream_total.add(&totals);
             part.upstream.push(row);
         } else {
@@ -258,7 +256,7 @@ pub fn to_csv(report: &Report) -> String {
             csv_field(&row.tenant),
             csv_field(row.agent.as_deref().unwrap_or(NONE)),
             csv_field(row.backend.as_deref().unwrap_or(NONE)),
-            csv_field(&row.metered_by),
+            csv_field(row.metered_by.as_str()),
             row.totals.calls.to_string(),
             row.totals.prompt_tokens.to_string(),
             row.totals.completion_tokens.to_string(),
@@ -428,29 +426,38 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
     use super::*;
+    use crate::audit::{BudgetState, Operation, UsageSource};
+    use crate::config::Capability;
 
-    fn record(ts: &str, tenant: &str, agent: Option<&str>, backend: &str, metered_by: &str, cost: u64) -> AuditRecord {
+    fn record(
+        ts: &str,
+        tenant: &str,
+        agent: Option<&str>,
+        backend: &str,
+        metered_by: Metering,
+        cost: u64,
+    ) -> AuditRecord {
         AuditRecord {
             schema_version: SCHEMA_VERSION,
             ts: ts.into(),
             request_id: format!("req-{ts}-{cost}"),
             tenant: tenant.into(),
             agent: agent.map(Into::into),
-            operation: "chat".into(),
-            capability: "chat".into(),
+            operation: Operation::Chat,
+            capability: Capability::Chat,
             model_requested: Some("gpt-4o".into()),
             model_served: Some("gpt-4o".into()),
             backend: Some(backend.into()),
-            metered_by: metered_by.into(),
+            metered_by,
             prompt_tokens: 100,
             completion_tokens: 10,
-            usage_source: "reported".into(),
+            usage_source: UsageSource::Reported,
             cost_eur: cost as f64 / 1e6,
             cost_micro_eur: cost,
             status: 200,
             error_code: None,
             degraded: false,
-            budget_state: "ok".into(),
+            budget_state: BudgetState::Ok,
             latency_ms: 300,
             ttfb_ms: Some(90),
             key_hash: "00".repeat(32),
@@ -460,16 +467,16 @@ mod tests {
 
     fn sample() -> Vec<AuditRecord> {
         vec![
-            record("2025-03-01T08:00:00Z", "acme", Some("bot"), "ptu-west", "local", 1_000),
-            record("2025-03-01T09:00:00Z", "acme", Some("bot"), "ptu-west", "local", 2_000),
-            record("2025-03-02T09:00:00Z", "acme", None, "payg-north", "local", 500),
-            record("2025-03-02T10:00:00Z", "acme", Some("bot"), "peer", "upstream", 9_000_000),
-            record("2025-03-03T23:59:59Z", "globex", None, "ptu-west", "local", 1_500_020),
+            record("2025-03-01T08:00:00Z", "acme", Some("bot"), "ptu-west", Metering::Local, 1_000),
+            record("2025-03-01T09:00:00Z", "acme", Some("bot"), "ptu-west", Metering::Local, 2_000),
+            record("2025-03-02T09:00:00Z", "acme", None, "payg-north", Metering::Local, 500),
+            record("2025-03-02T10:00:00Z", "acme", Some("bot"), "peer", Metering::Upstream, 9_000_000),
+            record("2025-03-03T23:59:59Z", "globex", None, "ptu-west", Metering::Local, 1_500_020),
         ]
     }
 
-    fn key(row: &Row) -> (&str, Option<&str>, Option<&str>, &str) {
-        (row.tenant.as_str(), row.agent.as_deref(), row.backend.as_deref(), row.metered_by.as_str())
+    fn key(row: &Row) -> (&str, Option<&str>, Option<&str>, Metering) {
+        (row.tenant.as_str(), row.agent.as_deref(), row.backend.as_deref(), row.metered_by)
     }
 
     #[test]
@@ -480,7 +487,10 @@ mod tests {
         let keys: Vec<_> = acme.local.iter().map(key).collect();
         assert_eq!(
             keys,
-            vec![("acme", None, Some("payg-north"), "local"), ("acme", Some("bot"), Some("ptu-west"), "local"),]
+            vec![
+                ("acme", None, Some("payg-north"), Metering::Local),
+                ("acme", Some("bot"), Some("ptu-west"), Metering::Local),
+            ]
         );
         let bot = &acme.local[1].totals;
         assert_eq!(*bot, Totals { calls: 2, prompt_tokens: 200, completion_tokens: 20, cost: MicroEur(3_000) });
@@ -492,19 +502,19 @@ mod tests {
         let report = chargeback(&sample(), &Filter::default());
         let acme = &report.tenants[0];
         assert_eq!(acme.upstream.len(), 1);
-        assert_eq!(key(&acme.upstream[0]), ("acme", Some("bot"), Some("peer"), "upstream"));
+        assert_eq!(key(&acme.upstream[0]), ("acme", Some("bot"), Some("peer"), Metering::Upstream));
         assert_eq!(acme.upstream_total.cost, MicroEur(9_000_000));
         assert_eq!(acme.local_total.cost, MicroEur(3_500));
         assert_eq!(report.local_total.cost, MicroEur(3_500 + 1_500_020));
         assert_eq!(report.upstream_total.cost, MicroEur(9_000_000));
-        assert!(acme.local.iter().all(|r| r.metered_by != UPSTREAM));
+        assert!(acme.local.iter().all(|r| r.metered_by != Metering::Upstream));
     }
 
     #[test]
     fn totals_equal_the_sum_of_local_costs() {
         let records = sample();
         let report = chargeback(&records, &Filter::default());
-        let local: u64 = records.iter().filter(|r| r.metered_by == "local").map(|r| r.cost_micro_eur).sum();
+        let local: u64 = records.iter().filter(|r| r.metered_by == Metering::Local).map(|r| r.cost_micro_eur).sum();
         assert_eq!(report.local_total.cost, MicroEur(local));
         let per_tenant: u64 = report.tenants.iter().map(|t| t.local_total.cost.0).sum();
         assert_eq!(per_tenant, local);
@@ -513,7 +523,7 @@ mod tests {
 
     #[test]
     fn sums_micro_euros_not_the_float() {
-        let mut odd = record("2025-03-01T00:00:00Z", "acme", None, "b", "local", 7);
+        let mut odd = record("2025-03-01T00:00:00Z", "acme", None, "b", Metering::Local, 7);
         odd.cost_eur = 123.0;
         let report = chargeback(&[odd.clone(), odd], &Filter::default());
         assert_eq!(report.local_total.cost, MicroEur(14));
@@ -560,7 +570,7 @@ mod tests {
 
     #[test]
     fn a_record_without_a_date_only_counts_without_bounds() {
-        let bad = record("yesterday", "acme", None, "b", "local", 1);
+        let bad = record("yesterday", "acme", None, "b", Metering::Local, 1);
         assert_eq!(chargeback(std::slice::from_ref(&bad), &Filter::default()).local_total.calls, 1);
         let since = Filter::new(Some("2000-01-01".into()), None).unwrap();
         assert_eq!(chargeback(&[bad], &since).local_total.calls, 0);
@@ -599,8 +609,8 @@ mod tests {
     #[test]
     fn csv_has_a_header_and_quotes_commas() {
         let records = vec![
-            record("2025-03-01T08:00:00Z", "acme, inc", Some("say \"hi\""), "ptu", "local", 1_500_020),
-            record("2025-03-01T08:00:00Z", "acme, inc", None, "peer", "upstream", 7),
+            record("2025-03-01T08:00:00Z", "acme, inc", Some("say \"hi\""), "ptu", Metering::Local, 1_500_020),
+            record("2025-03-01T08:00:00Z", "acme, inc", None, "peer", Metering::Upstream, 7),
         ];
         let csv = to_csv(&chargeback(&records, &Filter::default()));
         let lines: Vec<&str> = csv.lines().collect();
@@ -653,7 +663,7 @@ mod tests {
 
     #[test]
     fn markdown_escapes_pipes_and_says_when_empty() {
-        let records = vec![record("2025-03-01T08:00:00Z", "a|b", None, "x", "local", 1)];
+        let records = vec![record("2025-03-01T08:00:00Z", "a|b", None, "x", Metering::Local, 1)];
         let md = to_markdown(&chargeback(&records, &Filter::default()));
         assert!(md.contains("## a\\|b"), "{md}");
         let empty = to_markdown(&chargeback(&[], &Filter::default()));

@@ -120,7 +120,8 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::audit::SCHEMA_VERSION;
+    use crate::audit::{BudgetState, Operation, SCHEMA_VERSION, UsageSource};
+    use crate::config::{Capability, Metering};
 
     fn record(n: u64) -> AuditRecord {
         AuditRecord {
@@ -129,21 +130,21 @@ mod tests {
             request_id: format!("req-{n}"),
             tenant: "acme".into(),
             agent: n.is_multiple_of(2).then(|| "billing-bot".into()),
-            operation: "chat".into(),
-            capability: "chat".into(),
+            operation: Operation::Chat,
+            capability: Capability::Chat,
             model_requested: Some("gpt-4o".into()),
             model_served: Some("gpt-4o-2024-08-06".into()),
             backend: Some("ptu-west".into()),
-            metered_by: "local".into(),
+            metered_by: Metering::Local,
             prompt_tokens: 100 + n,
             completion_tokens: 50,
-            usage_source: "reported".into(),
+            usage_source: UsageSource::Reported,
             cost_eur: 0.000_150,
             cost_micro_eur: 150,
             status: 200,
             error_code: None,
             degraded: false,
-            budget_state: "ok".into(),
+            budget_state: BudgetState::Ok,
             latency_ms: 420,
             ttfb_ms: Some(120),
             key_hash: "ab".repeat(32),

@@ -165,7 +165,12 @@ pub struct VisionPolicy {
     pub allowed_origins: Vec<String>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// What a call asks of a backend. Also the audit record's `capability` (lowercase).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+#[schemars(inline)]
 pub enum Capability {
     Chat,
     Vision,
@@ -310,10 +315,25 @@ pub struct Price {
     pub output_per_mtok: MicroEur,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Where a consumption is billed: here, or by the Flexway a relay forwards to. Also
+/// the audit record's `metered_by` (lowercase).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+#[schemars(inline)]
 pub enum Metering {
     Local,
     Upstream,
+}
+
+impl Metering {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Metering::Local => "local",
+            Metering::Upstream => "upstream",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -102,11 +102,11 @@ async fn handle(
         // Refused before identification: no audit record (SPEC §9), only the log.
         Err(e) => return render(&GatewayError::from(e), true),
     };
-    let name = match op {
-        Operation::Chat => "chat",
-        Operation::Embeddings => "embeddings",
+    let operation = match op {
+        Operation::Chat => crate::audit::Operation::Chat,
+        Operation::Embeddings => crate::audit::Operation::Embeddings,
     };
-    let mut draft = Draft::begin(&gateway, &request_id, &caller, name);
+    let mut draft = Draft::begin(&gateway, &request_id, &caller, operation);
     let call = Call { caller: &caller, request_id: &request_id };
     let result = match op {
         Operation::Chat => chat(&gateway, call, &mut draft, &headers, body).await,

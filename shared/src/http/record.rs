@@ -9,7 +9,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::audit::{AuditRecord, SCHEMA_VERSION};
+pub use crate::audit::UsageSource;
+use crate::audit::{AuditRecord, BudgetState, Operation, SCHEMA_VERSION};
 use crate::budget::period::{rfc3339_millis, unix_now_millis};
 use crate::config::{BackendKind, Capability, Metering};
 use crate::error::GatewayError;
@@ -35,28 +36,28 @@ pub(super) struct Draft {
 }
 
 impl Draft {
-    pub fn begin(gateway: &Arc<Gateway>, request_id: &RequestId, caller: &Caller, operation: &'static str) -> Self {
+    pub fn begin(gateway: &Arc<Gateway>, request_id: &RequestId, caller: &Caller, operation: Operation) -> Self {
         let record = AuditRecord {
             schema_version: SCHEMA_VERSION,
             ts: String::new(),
             request_id: request_id.0.clone(),
             tenant: caller.tenant.to_string(),
             agent: caller.agent.as_ref().map(ToString::to_string),
-            operation: operation.to_owned(),
-            capability: Capability::Chat.as_str().to_owned(),
+            operation,
+            capability: Capability::Chat,
             model_requested: None,
             model_served: None,
             backend: None,
-            metered_by: "local".to_owned(),
+            metered_by: Metering::Local,
             prompt_tokens: 0,
             completion_tokens: 0,
-            usage_source: UsageSource::Reported.as_str().to_owned(),
+            usage_source: UsageSource::Reported,
             cost_eur: 0.0,
             cost_micro_eur: 0,
             status: 0,
             error_code: None,
             degraded: false,
-            budget_state: "ok".to_owned(),
+            budget_state: BudgetState::Ok,
             latency_ms: 0,
             ttfb_ms: None,
             key_hash: gateway.hasher.hash(&caller.key_sha256),
@@ -73,14 +74,14 @@ impl Draft {
     }
 
     pub fn request(&mut self, capability: Capability, model: &str, user: Option<&str>) {
-        self.record.capability = capability.as_str().to_owned();
+        self.record.capability = capability;
         self.record.model_requested = Some(model.to_owned());
         self.record.user_hash = user.map(|u| self.gateway.hasher.hash(u.as_bytes()));
     }
 
     pub fn soft(&mut self, soft: bool) {
         if soft {
-            self.record.budget_state = "soft".to_owned();
+            self.record.budget_state = BudgetState::Soft;
         }
     }
 
@@ -92,13 +93,13 @@ impl Draft {
         self.record.backend = Some(candidate.backend.to_string());
         self.record.model_served = Some(model.to_owned());
         self.record.degraded = candidate.degraded;
-        self.record.metered_by = if upstream_metered { "upstream" } else { "local" }.to_owned();
+        self.record.metered_by = if upstream_metered { Metering::Upstream } else { Metering::Local };
     }
 
     pub fn usage(&mut self, usage: Usage, source: UsageSource, cost: MicroEur) {
         self.record.prompt_tokens = usage.prompt_tokens;
         self.record.completion_tokens = usage.completion_tokens;
-        self.record.usage_source = source.as_str().to_owned();
+        self.record.usage_source = source;
         self.record.cost_micro_eur = cost.0;
         self.record.cost_eur = cost.0 as f64 / MicroEur::PER_EUR as f64;
     }
@@ -141,7 +142,7 @@ impl Draft {
     pub async fn fail(self, error: &GatewayError) {
         let mut this = self;
         if matches!(error, GatewayError::BudgetExceeded { .. }) {
-            this.record.budget_state = "exceeded".to_owned();
+            this.record.budget_state = BudgetState::Exceeded;
         }
         if let Some(last) = error.attempts().and_then(|a| a.tried.last()) {
             this.record.backend = Some(last.to_string());
@@ -184,22 +185,6 @@ impl Drop for Draft {
             runtime.spawn(async move { write(&gateway, record).await });
         } else {
             tracing::error!(request_id = %record.request_id, "audit record not written: no runtime at drop");
-        }
-    }
-}
-
-/// Whether the usage settled came from the backend or from Flexway's estimate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UsageSource {
-    Reported,
-    Estimated,
-}
-
-impl UsageSource {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            UsageSource::Reported => "reported",
-            UsageSource::Estimated => "estimated",
         }
     }
 }

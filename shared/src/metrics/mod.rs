@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::audit::AuditRecord;
+use crate::audit::{AuditRecord, UsageSource};
 use crate::money::MicroEur;
 
 /// The label value used when a record has no value (e.g. no backend: refused before
@@ -122,7 +122,7 @@ impl Registry {
             sums.cost_micro_eur = sums.cost_micro_eur.saturating_add(record.cost_micro_eur);
         });
         let tokens = record.prompt_tokens.saturating_add(record.completion_tokens);
-        if record.usage_source == "estimated" && tokens > 0 {
+        if record.usage_source == UsageSource::Estimated && tokens > 0 {
             self.usage_estimated.with(&[labels[1]], u64::default, |count| *count = count.saturating_add(1));
         }
     }
@@ -318,8 +318,8 @@ fn call_labels(record: &AuditRecord) -> [&str; 4] {
     [
         label(Some(&record.tenant)),
         label(record.backend.as_deref()),
-        label(Some(&record.metered_by)),
-        label(Some(&record.capability)),
+        record.metered_by.as_str(),
+        record.capability.as_str(),
     ]
 }
 
@@ -567,30 +567,31 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
     use super::*;
-    use crate::audit::SCHEMA_VERSION;
+    use crate::audit::{BudgetState, Operation, SCHEMA_VERSION};
+    use crate::config::{Capability, Metering};
 
-    fn record(tenant: &str, backend: Option<&str>, metered_by: &str, cost: u64) -> AuditRecord {
+    fn record(tenant: &str, backend: Option<&str>, metered_by: Metering, cost: u64) -> AuditRecord {
         AuditRecord {
             schema_version: SCHEMA_VERSION,
             ts: "2025-03-01T10:00:00.250Z".into(),
             request_id: "req-1".into(),
             tenant: tenant.into(),
             agent: Some("billing-bot".into()),
-            operation: "chat".into(),
-            capability: "chat".into(),
+            operation: Operation::Chat,
+            capability: Capability::Chat,
             model_requested: Some("gpt-4o".into()),
             model_served: Some("gpt-4o-2024-08-06".into()),
             backend: backend.map(Into::into),
-            metered_by: metered_by.into(),
+            metered_by,
             prompt_tokens: 100,
             completion_tokens: 50,
-            usage_source: "reported".into(),
+            usage_source: UsageSource::Reported,
             cost_eur: cost as f64 / 1e6,
             cost_micro_eur: cost,
             status: 200,
             error_code: None,
             degraded: false,
-            budget_state: "ok".into(),
+            budget_state: BudgetState::Ok,
             latency_ms: 420,
             ttfb_ms: Some(120),
             key_hash: "ab".repeat(32),
@@ -606,10 +607,10 @@ mod tests {
     #[test]
     fn renders_call_and_cost_counters_from_records() {
         let registry = Registry::new();
-        registry.record_call(&record("acme", Some("ptu-west"), "local", 150));
-        registry.record_call(&record("acme", Some("ptu-west"), "local", 1_500_020));
-        registry.record_call(&record("acme", Some("peer"), "upstream", 7));
-        registry.record_call(&record("globex", None, "local", 0));
+        registry.record_call(&record("acme", Some("ptu-west"), Metering::Local, 150));
+        registry.record_call(&record("acme", Some("ptu-west"), Metering::Local, 1_500_020));
+        registry.record_call(&record("acme", Some("peer"), Metering::Upstream, 7));
+        registry.record_call(&record("globex", None, Metering::Local, 0));
         let text = registry.render_prometheus();
         assert_eq!(
             lines(&text, "flexway_inference_calls_total"),
@@ -685,14 +686,14 @@ mod tests {
         registry.observe_usage_drift("payg", 120, 100); // over by 20
         registry.observe_usage_drift("payg", 100, 100); // exact
         registry.observe_usage_drift("payg", 95, 100); // under by 5
-        let mut estimated = record("acme", Some("payg"), "local", 10);
-        estimated.usage_source = "estimated".into();
+        let mut estimated = record("acme", Some("payg"), Metering::Local, 10);
+        estimated.usage_source = UsageSource::Estimated;
         registry.record_call(&estimated);
         registry.record_call(&estimated);
         let mut refused = estimated.clone();
         (refused.prompt_tokens, refused.completion_tokens) = (0, 0);
         registry.record_call(&refused);
-        registry.record_call(&record("acme", Some("payg"), "local", 10));
+        registry.record_call(&record("acme", Some("payg"), Metering::Local, 10));
         let text = registry.render_prometheus();
         let drift = lines(&text, "flexway_usage_drift_tokens");
         assert!(drift.contains(&r#"flexway_usage_drift_tokens_bucket{backend="payg",le="-10"} 0"#));
@@ -750,7 +751,7 @@ mod tests {
     #[test]
     fn every_non_comment_line_is_a_well_formed_sample() {
         let registry = Registry::new();
-        registry.record_call(&record("acme", Some("ptu-west"), "local", 150));
+        registry.record_call(&record("acme", Some("ptu-west"), Metering::Local, 150));
         registry.observe_gateway_overhead(Duration::from_micros(700));
         registry.observe_time_to_first_byte("ptu-west", Duration::from_millis(300));
         registry.observe_usage_drift("ptu-west", 10, 20);
@@ -777,7 +778,7 @@ mod tests {
     fn label_cardinality_ignores_per_request_fields() {
         let registry = Registry::new();
         for n in 0..500_u64 {
-            let mut r = record("acme", Some("ptu-west"), "local", 1);
+            let mut r = record("acme", Some("ptu-west"), Metering::Local, 1);
             r.request_id = format!("req-{n}");
             r.key_hash = format!("{n:064x}");
             r.user_hash = Some(format!("{n:064x}"));
@@ -809,7 +810,7 @@ mod tests {
                 std::thread::spawn(move || {
                     for _ in 0..1_000 {
                         let tenant = if t % 2 == 0 { "acme" } else { "globex" };
-                        registry.record_call(&record(tenant, Some("ptu-west"), "local", 3));
+                        registry.record_call(&record(tenant, Some("ptu-west"), Metering::Local, 3));
                         registry.observe_gateway_overhead(Duration::from_micros(100));
                     }
                 })
@@ -827,7 +828,7 @@ mod tests {
 
     #[test]
     fn emf_line_has_the_cloudwatch_structure() {
-        let line = emf_line(&record("acme", Some("ptu-west"), "local", 1_500_020));
+        let line = emf_line(&record("acme", Some("ptu-west"), Metering::Local, 1_500_020));
         assert!(!line.contains('\n'));
         let value: serde_json::Value = serde_json::from_str(&line).unwrap();
         let aws = &value["_aws"];
@@ -870,7 +871,8 @@ mod tests {
 
     #[test]
     fn emf_line_names_a_missing_backend() {
-        let value: serde_json::Value = serde_json::from_str(&emf_line(&record("acme", None, "local", 0))).unwrap();
+        let value: serde_json::Value =
+            serde_json::from_str(&emf_line(&record("acme", None, Metering::Local, 0))).unwrap();
         assert_eq!(value["backend"], NONE);
     }
 
