@@ -25,7 +25,7 @@ fn flexway(args: &[&str]) -> Run {
 fn record(ts: &str, tenant: &str, agent: Option<&str>, backend: &str, metered_by: Metering, cost: u64) -> AuditRecord {
     AuditRecord {
         schema_version: SCHEMA_VERSION,
-        ts: ts.into(),
+        ts: ts.parse().unwrap(),
         request_id: format!("req-{ts}"),
         tenant: tenant.into(),
         agent: agent.map(Into::into),

@@ -57,7 +57,7 @@ fn date(days: i64) -> String {
 fn record(date: &str, request_id: &str, tenant: &str, backend: &str, metered_by: Metering, cost: u64) -> AuditRecord {
     AuditRecord {
         schema_version: SCHEMA_VERSION,
-        ts: format!("{date}T12:00:00.000Z"),
+        ts: format!("{date}T12:00:00.000Z").parse().unwrap(),
         request_id: request_id.to_owned(),
         tenant: tenant.to_owned(),
         agent: Some("bot".to_owned()),
@@ -214,7 +214,7 @@ async fn a_record_written_just_after_midnight_counts_on_the_day_its_call_ended()
     let (day, next) = (date(-2), date(-1));
     let midnight_ms = i64::try_from(unix_now() / 86_400 * 86_400 - 86_400).unwrap() * 1000;
     let mut late = record(&day, "req-late", "acme", "ptu-west", Metering::Local, 7);
-    late.ts = format!("{day}T23:59:59.900Z");
+    late.ts = format!("{day}T23:59:59.900Z").parse().unwrap();
     let after = record(&next, "req-after", "acme", "ptu-west", Metering::Local, 1_000);
     let lines = [serde_json::to_string(&late).unwrap(), serde_json::to_string(&after).unwrap()];
     put_raw(&client, &group, "gateway-1", midnight_ms + 100, &[lines[0].as_str()]).await;

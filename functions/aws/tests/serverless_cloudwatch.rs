@@ -11,7 +11,7 @@ use flexway_aws::CloudWatchAuditSink;
 fn record(request_id: &str, tenant: &str) -> AuditRecord {
     AuditRecord {
         schema_version: SCHEMA_VERSION,
-        ts: "2026-11-29T15:44:30.123Z".to_owned(),
+        ts: "2026-11-29T15:44:30.123Z".parse().unwrap(),
         request_id: request_id.to_owned(),
         tenant: tenant.to_owned(),
         agent: None,

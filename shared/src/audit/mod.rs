@@ -15,8 +15,10 @@ use crate::money::MicroEur;
 
 pub mod report;
 pub mod sinks;
+mod timestamp;
 
 pub use sinks::{FileAuditSink, StdoutAuditSink};
+pub use timestamp::{Timestamp, TimestampError};
 
 pub const SCHEMA_VERSION: u32 = 1;
 
@@ -24,7 +26,8 @@ pub const SCHEMA_VERSION: u32 = 1;
 pub struct AuditRecord {
     pub schema_version: u32,
     /// RFC 3339, UTC: when the call ended.
-    pub ts: String,
+    #[schemars(with = "String")]
+    pub ts: Timestamp,
     /// The `Flexway-Request-Id` returned to the client.
     pub request_id: String,
     pub tenant: String,
@@ -178,7 +181,7 @@ mod tests {
     fn record() -> AuditRecord {
         AuditRecord {
             schema_version: SCHEMA_VERSION,
-            ts: "2026-11-29T15:44:30.007Z".into(),
+            ts: "2026-11-29T15:44:30.007Z".parse().unwrap(),
             request_id: "req-1".into(),
             tenant: "acme".into(),
             agent: Some("bot".into()),

@@ -10,10 +10,11 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::BufRead;
 
+use jiff::civil::Date;
+use jiff::tz::Offset;
 use serde_json::json;
 
 use super::{AuditRecord, SCHEMA_VERSION};
-use crate::budget::period::days_from_civil;
 use crate::config::Metering;
 use crate::money::MicroEur;
 
@@ -54,75 +55,63 @@ pub fn read_jsonl(reader: impl BufRead) -> Result<Vec<AuditRecord>, ReportError>
 /// Which records count: those whose `ts` falls on a UTC date in `from..=to`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Filter {
-    /// `YYYY-MM-DD`, inclusive.
-    pub from: Option<String>,
-    /// `YYYY-MM-DD`, inclusive.
-    pub to: Option<String>,
+    /// Inclusive.
+    from: Option<Date>,
+    /// Inclusive.
+    to: Option<Date>,
 }
 
 impl Filter {
-    /// A filter whose dates are checked: calendar dates, `from` not after `to`.
+    /// A filter on `YYYY-MM-DD` dates, checked: calendar dates, `from` not after `to`.
     pub fn new(from: Option<String>, to: Option<String>) -> Result<Self, ReportError> {
-        for (name, value) in [("from", &from), ("to", &to)] {
-            if let Some(value) = value
-                && !is_date(value)
-            {
-                return Err(ReportError::Date { name, value: value.clone() });
-            }
-        }
-        if let (Some(from), Some(to)) = (&from, &to)
+        let date = |name: &'static str, value: Option<String>| {
+            value.map(|value| parse_date(&value).ok_or(ReportError::Date { name, value })).transpose()
+        };
+        let (from, to) = (date("from", from)?, date("to", to)?);
+        if let (Some(from), Some(to)) = (from, to)
             && from > to
         {
-            return Err(ReportError::EmptyPeriod { from: from.clone(), to: to.clone() });
+            return Err(ReportError::EmptyPeriod { from: from.to_string(), to: to.to_string() });
         }
         Ok(Filter { from, to })
+    }
+
+    /// The first date included, `YYYY-MM-DD`; `None` when the period is open there.
+    pub fn from(&self) -> Option<String> {
+        self.from.map(|date| date.to_string())
+    }
+
+    /// The last date included, `YYYY-MM-DD`; `None` when the period is open there.
+    pub fn to(&self) -> Option<String> {
+        self.to.map(|date| date.to_string())
     }
 
     /// The period as Unix milliseconds: the first millisecond of `from` and the last of
     /// `to` (UTC), both inclusive; `None` where the period is open. For sources that can
     /// narrow a read by time (a CloudWatch log group); [`Filter::matches`] still decides.
     pub fn unix_millis(&self) -> (Option<i64>, Option<i64>) {
-        const DAY_MS: i64 = 86_400_000;
-        let start_of = |date: &str| {
-            let number = |range: std::ops::Range<usize>| date.get(range).and_then(|s| s.parse::<u32>().ok());
-            let (year, month, day) = (number(0..4)?, number(5..7)?, number(8..10)?);
-            Some(days_from_civil(i64::from(year), month, day) * DAY_MS)
-        };
-        let from = self.from.as_deref().and_then(start_of);
-        let to = self.to.as_deref().and_then(start_of).map(|start| start + DAY_MS - 1);
+        let start_of = |date: Date| Offset::UTC.to_timestamp(date.at(0, 0, 0, 0)).ok().map(|ts| ts.as_millisecond());
+        let from = self.from.and_then(start_of);
+        let to = self.to.and_then(|to| match to.tomorrow() {
+            Ok(next) => start_of(next).map(|start| start - 1),
+            Err(_) => Some(i64::MAX),
+        });
         (from, to)
     }
 
-    /// Compares the date prefix of the RFC 3339 `ts` (records are written in UTC). A
-    /// record whose `ts` has no date is kept only when there is no date bound.
+    /// Whether the record's `ts` falls on a UTC date of the period.
     pub fn matches(&self, record: &AuditRecord) -> bool {
         if self.from.is_none() && self.to.is_none() {
             return true;
         }
-        let Some(date) = record.ts.get(..10).filter(|d| is_date(d)) else {
-            return false;
-        };
-        self.from.as_deref().is_none_or(|from| date >= from) && self.to.as_deref().is_none_or(|to| date <= to)
+        let date = Offset::UTC.to_datetime(record.ts.instant()).date();
+        self.from.is_none_or(|from| date >= from) && self.to.is_none_or(|to| date <= to)
     }
 }
 
-fn is_date(text: &str) -> bool {
-    let bytes = text.as_bytes();
-    let digits = |range: std::ops::Range<usize>| bytes[range].iter().all(u8::is_ascii_digit);
-    if bytes.len() != 10 || bytes[4] != b'-' || bytes[7] != b'-' || !digits(0..4) || !digits(5..7) || !digits(8..10) {
-        return false;
-    }
-    let number = |range: std::ops::Range<usize>| text.get(range).and_then(|s| s.parse::<u32>().ok()).unwrap_or(0);
-    let (year, month, day) = (number(0..4), number(5..7), number(8..10));
-    let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
-    let days = match month {
-        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
-        4 | 6 | 9 | 11 => 30,
-        2 if leap => 29,
-        2 => 28,
-        _ => return false,
-    };
-    (1..=days).contains(&day)
+/// A calendar date written `YYYY-MM-DD`, and nothing else that reads as one.
+fn parse_date(text: &str) -> Option<Date> {
+    text.parse::<Date>().ok().filter(|date| date.to_string() == text)
 }
 
 /// Calls, tokens and cost, summed.
@@ -307,8 +296,8 @@ pub fn to_json(report: &Report) -> serde_json::Value {
         })
         .collect();
     json!({
-        "from": report.filter.from,
-        "to": report.filter.to,
+        "from": report.filter.from(),
+        "to": report.filter.to(),
         "tenants": tenants,
         "local_total": report.local_total.to_json(),
         "upstream_total": report.upstream_total.to_json(),
@@ -319,7 +308,7 @@ pub fn to_json(report: &Report) -> serde_json::Value {
 /// upstream-metered rows apart), and a summary table of what is billed locally.
 pub fn to_markdown(report: &Report) -> String {
     let mut out = String::from("# Flexway chargeback\n\n");
-    let period = match (&report.filter.from, &report.filter.to) {
+    let period = match (report.filter.from(), report.filter.to()) {
         (None, None) => "all records".to_owned(),
         (Some(from), None) => format!("from {from}"),
         (None, Some(to)) => format!("until {to}"),
@@ -439,7 +428,7 @@ mod tests {
     ) -> AuditRecord {
         AuditRecord {
             schema_version: SCHEMA_VERSION,
-            ts: ts.into(),
+            ts: ts.parse().unwrap(),
             request_id: format!("req-{ts}-{cost}"),
             tenant: tenant.into(),
             agent: agent.map(Into::into),
@@ -552,6 +541,12 @@ mod tests {
         assert!(Filter::new(None, Some("2025-02-29".into())).is_err());
         assert!(Filter::new(None, Some("2024-02-29".into())).is_ok());
         assert!(Filter::new(Some("2025-13-01".into()), None).is_err());
+        // Only the YYYY-MM-DD spelling: the other ISO 8601 forms of a date are refused.
+        for other in ["20250301", "2025-3-1", "+002025-03-01", "2025-03-01T00:00:00Z", " 2025-03-01"] {
+            assert!(Filter::new(Some(other.into()), None).is_err(), "{other}");
+        }
+        let filter = Filter::new(Some("2024-02-29".into()), Some("2024-03-01".into())).unwrap();
+        assert_eq!((filter.from().as_deref(), filter.to().as_deref()), (Some("2024-02-29"), Some("2024-03-01")));
         let error = Filter::new(Some("2025-03-02".into()), Some("2025-03-01".into())).unwrap_err();
         assert!(matches!(error, ReportError::EmptyPeriod { .. }), "{error}");
     }
@@ -566,14 +561,28 @@ mod tests {
         assert_eq!(span.unix_millis(), (Some(1_795_910_400_000), Some(1_796_083_199_999)));
         let leap = Filter::new(None, Some("2024-02-29".into())).unwrap();
         assert_eq!(leap.unix_millis(), (None, Some(1_709_251_199_999)));
+        let before_the_epoch = Filter::new(Some("1969-12-31".into()), None).unwrap();
+        assert_eq!(before_the_epoch.unix_millis(), (Some(-86_400_000), None));
     }
 
     #[test]
-    fn a_record_without_a_date_only_counts_without_bounds() {
-        let bad = record("yesterday", "acme", None, "b", Metering::Local, 1);
-        assert_eq!(chargeback(std::slice::from_ref(&bad), &Filter::default()).local_total.calls, 1);
-        let since = Filter::new(Some("2000-01-01".into()), None).unwrap();
-        assert_eq!(chargeback(&[bad], &since).local_total.calls, 0);
+    fn a_record_counts_on_its_utc_date_whatever_the_offset_written() {
+        // 00:30 on the 2nd at +01:00 is 23:30 on the 1st in UTC.
+        let late = record("2025-03-02T00:30:00+01:00", "acme", None, "b", Metering::Local, 1);
+        let first = Filter::new(Some("2025-03-01".into()), Some("2025-03-01".into())).unwrap();
+        assert_eq!(chargeback(std::slice::from_ref(&late), &first).local_total.calls, 1);
+        let second = Filter::new(Some("2025-03-02".into()), None).unwrap();
+        assert_eq!(chargeback(&[late], &second).local_total.calls, 0);
+    }
+
+    #[test]
+    fn a_record_whose_ts_is_not_a_timestamp_is_refused_with_its_line() {
+        let good = serde_json::to_string(&sample()[0]).unwrap();
+        let bad = good.replace("2025-03-01T08:00:00.000Z", "yesterday");
+        assert_ne!(good, bad);
+        let error = read_jsonl(format!("{good}\n{bad}\n").as_bytes()).unwrap_err();
+        assert!(matches!(error, ReportError::Parse { line: 2, .. }), "{error}");
+        assert!(error.to_string().contains("\"yesterday\" is not an RFC 3339 timestamp"), "{error}");
     }
 
     #[test]

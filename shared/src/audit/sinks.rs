@@ -126,7 +126,7 @@ mod tests {
     fn record(n: u64) -> AuditRecord {
         AuditRecord {
             schema_version: SCHEMA_VERSION,
-            ts: format!("2025-03-01T10:00:{:02}Z", n % 60),
+            ts: format!("2025-03-01T10:00:{:02}Z", n % 60).parse().unwrap(),
             request_id: format!("req-{n}"),
             tenant: "acme".into(),
             agent: n.is_multiple_of(2).then(|| "billing-bot".into()),

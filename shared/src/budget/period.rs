@@ -1,32 +1,10 @@
 //! UTC calendar periods: the day and the month a budget counts in, and when they end.
 //!
-//! Civil dates from Unix time with Howard Hinnant's `civil_from_days`, so the core
-//! needs no date crate for the three facts it uses.
+//! Dates come from `jiff`, the crate's one calendar (the audit's timestamps and the
+//! report's dates use it too), always in UTC: no time zone database is involved.
 
-/// Days since 1970-01-01 → (year, month 1..=12, day 1..=31).
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day)
-}
-
-/// (year, month, day) → days since 1970-01-01.
-pub(crate) fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
-    let year = if month <= 2 { year - 1 } else { year };
-    let era = year.div_euclid(400);
-    let yoe = year.rem_euclid(400);
-    let m = i64::from(month);
-    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(day) - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
-}
+use jiff::civil::Date;
+use jiff::tz::Offset;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Period {
@@ -44,33 +22,32 @@ impl Period {
 
     /// The period's stamp at `now` (Unix seconds): `2026-11-29` or `2026-11`.
     pub fn stamp(self, now: u64) -> String {
-        let (y, m, d) = civil_from_days((now / 86_400) as i64);
+        let date = utc_date(now);
         match self {
-            Period::Day => format!("{y:04}-{m:02}-{d:02}"),
-            Period::Month => format!("{y:04}-{m:02}"),
+            Period::Day => date.to_string(),
+            Period::Month => format!("{:04}-{:02}", date.year(), date.month()),
         }
     }
 
     /// Unix seconds at which the period containing `now` ends.
     pub fn end(self, now: u64) -> u64 {
-        let days = (now / 86_400) as i64;
-        let next = match self {
-            Period::Day => days + 1,
-            Period::Month => {
-                let (y, m, _) = civil_from_days(days);
-                if m == 12 { days_from_civil(y + 1, 1, 1) } else { days_from_civil(y, m + 1, 1) }
-            }
+        let date = utc_date(now);
+        let last = match self {
+            Period::Day => date,
+            Period::Month => date.last_of_month(),
         };
-        u64::try_from(next).unwrap_or(0) * 86_400
+        last.tomorrow()
+            .ok()
+            .and_then(|next| Offset::UTC.to_timestamp(next.at(0, 0, 0, 0)).ok())
+            .and_then(|end| u64::try_from(end.as_second()).ok())
+            .unwrap_or(u64::MAX)
     }
 }
 
-/// RFC 3339 UTC with milliseconds: `2026-11-29T15:44:30.123Z`.
-pub fn rfc3339_millis(unix_ms: u64) -> String {
-    let secs = unix_ms / 1000;
-    let (y, m, d) = civil_from_days((secs / 86_400) as i64);
-    let rem = secs % 86_400;
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z", rem / 3600, rem % 3600 / 60, rem % 60, unix_ms % 1000)
+/// The UTC date at `now` (Unix seconds); past year 9999, the last date there is.
+fn utc_date(now: u64) -> Date {
+    let instant = i64::try_from(now).ok().and_then(|s| jiff::Timestamp::from_second(s).ok());
+    Offset::UTC.to_datetime(instant.unwrap_or(jiff::Timestamp::MAX)).date()
 }
 
 /// Milliseconds since the Unix epoch, now.
@@ -114,16 +91,18 @@ mod tests {
     }
 
     #[test]
-    fn formats_rfc3339_with_millis() {
-        assert_eq!(rfc3339_millis(NOW * 1000 + 7), "2026-11-29T15:44:30.007Z");
-        assert_eq!(rfc3339_millis(0), "1970-01-01T00:00:00.000Z");
-    }
-
-    #[test]
-    fn civil_round_trips() {
-        for days in [-1000, 0, 59, 60, 365, 10_957, 20_786, 100_000] {
-            let (y, m, d) = civil_from_days(days);
-            assert_eq!(days_from_civil(y, m, d), days);
-        }
+    fn months_end_on_their_own_length() {
+        // 2024-02-10T12:00:00Z: a leap February ends after the 29th.
+        let leap = 1_707_566_400;
+        assert_eq!(Period::Month.stamp(leap), "2024-02");
+        assert_eq!(Period::Month.end(leap), 1_709_251_200); // 2024-03-01T00:00:00Z
+        // 2025-02-10T12:00:00Z: a common one after the 28th.
+        assert_eq!(Period::Month.end(leap + 366 * 86_400), 1_740_787_200); // 2025-03-01T00:00:00Z
+        // The last second of a period is still in it; the next is the next period.
+        let end = Period::Month.end(NOW);
+        assert_eq!(Period::Month.stamp(end - 1), "2026-11");
+        assert_eq!(Period::Month.end(end - 1), end);
+        assert_eq!(Period::Month.stamp(end), "2026-12");
+        assert_eq!(Period::Day.end(0), 86_400);
     }
 }

@@ -10,8 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use crate::audit::UsageSource;
-use crate::audit::{AuditRecord, BudgetState, Operation, SCHEMA_VERSION};
-use crate::budget::period::{rfc3339_millis, unix_now_millis};
+use crate::audit::{AuditRecord, BudgetState, Operation, SCHEMA_VERSION, Timestamp};
 use crate::config::{BackendKind, Capability, Metering};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
@@ -39,7 +38,7 @@ impl Draft {
     pub fn begin(gateway: &Arc<Gateway>, request_id: &RequestId, caller: &Caller, operation: Operation) -> Self {
         let record = AuditRecord {
             schema_version: SCHEMA_VERSION,
-            ts: String::new(),
+            ts: Timestamp::UNIX_EPOCH,
             request_id: request_id.0.clone(),
             tenant: caller.tenant.to_string(),
             agent: caller.agent.as_ref().map(ToString::to_string),
@@ -152,7 +151,7 @@ impl Draft {
 
     fn complete(&mut self, status: u16, error_code: Option<&str>) -> AuditRecord {
         let mut record = self.record.clone();
-        record.ts = rfc3339_millis(unix_now_millis());
+        record.ts = Timestamp::now();
         record.status = status;
         record.error_code = error_code.map(str::to_owned);
         record.latency_ms = elapsed_ms(self.started);
