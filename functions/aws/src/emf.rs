@@ -1,13 +1,17 @@
 //! `EmfAuditSink`: in the serverless shape, metrics are CloudWatch Embedded Metric
 //! Format lines in the function's own log (stdout), one per call, taken from the very
-//! record the audit gets (`flexway::metrics::emf_line`), so metrics and audit never
-//! disagree. CloudWatch turns them into `flexway.inference.cost` and
-//! `flexway.inference.calls` (namespace `Flexway`), which the dashboard in
-//! `infra/template.yaml` shows.
+//! record the audit gets ([`emf_line`]), so metrics and audit never disagree.
+//! CloudWatch turns them into `flexway.inference.cost` and `flexway.inference.calls`
+//! (namespace `Flexway`), which the dashboard in `infra/template.yaml` shows. The
+//! format is CloudWatch's, so it lives here: the core only gives the call's labels
+//! (`flexway::metrics::call_labels`, the same as its Prometheus counters').
 
 use std::io::Write;
 
 use flexway::audit::{AuditError, AuditRecord, AuditSink};
+use flexway::metrics::{CALL_LABELS, call_labels};
+use flexway::money::MicroEur;
+use serde_json::json;
 
 /// Prints one EMF line per record to stdout, then hands the records to `inner`.
 #[derive(Debug)]
@@ -31,7 +35,7 @@ impl<S: AuditSink> AuditSink for EmfAuditSink<S> {
         if !records.is_empty() {
             let mut lines = String::new();
             for record in records {
-                lines.push_str(&flexway::metrics::emf_line(record));
+                lines.push_str(&emf_line(record));
                 lines.push('\n');
             }
             // Metrics are best effort (a lost line is a gap on a graph); the audit
@@ -42,5 +46,124 @@ impl<S: AuditSink> AuditSink for EmfAuditSink<S> {
             }
         }
         self.inner.write(records).await
+    }
+}
+
+/// The CloudWatch Embedded Metric Format line (JSON, no trailing newline) for one call:
+/// `flexway.inference.cost` (euros) and `flexway.inference.calls`, with the dimensions
+/// of SPEC §9, at the record's `ts`. Only dimension values and numbers: nothing else
+/// of the record.
+fn emf_line(record: &AuditRecord) -> String {
+    let [tenant, backend, metered_by, capability] = call_labels(record);
+    let cost_eur = record.cost_micro_eur as f64 / MicroEur::PER_EUR as f64;
+    json!({
+        "_aws": {
+            "Timestamp": record.ts.unix_millis(),
+            "CloudWatchMetrics": [{
+                "Namespace": "Flexway",
+                "Dimensions": [CALL_LABELS, ["tenant"], ["backend"]],
+                "Metrics": [
+                    {"Name": "flexway.inference.cost", "Unit": "None"},
+                    {"Name": "flexway.inference.calls", "Unit": "Count"},
+                ],
+            }],
+        },
+        "tenant": tenant,
+        "backend": backend,
+        "metered_by": metered_by,
+        "capability": capability,
+        "flexway.inference.cost": cost_eur,
+        "flexway.inference.calls": 1,
+    })
+    .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use flexway::audit::{BudgetState, Operation, SCHEMA_VERSION, UsageSource};
+    use flexway::config::{Capability, Metering};
+
+    use super::*;
+
+    fn record(tenant: &str, backend: Option<&str>, metered_by: Metering, cost: u64) -> AuditRecord {
+        AuditRecord {
+            schema_version: SCHEMA_VERSION,
+            ts: "2025-03-01T10:00:00.250Z".parse().unwrap(),
+            request_id: "req-1".into(),
+            tenant: tenant.into(),
+            agent: Some("billing-bot".into()),
+            operation: Operation::Chat,
+            capability: Capability::Chat,
+            model_requested: Some("gpt-4o".into()),
+            model_served: Some("gpt-4o-2024-08-06".into()),
+            backend: backend.map(Into::into),
+            metered_by,
+            prompt_tokens: 100,
+            completion_tokens: 50,
+            usage_source: UsageSource::Reported,
+            cost_eur: cost as f64 / 1e6,
+            cost_micro_eur: cost,
+            status: 200,
+            error_code: None,
+            degraded: false,
+            budget_state: BudgetState::Ok,
+            latency_ms: 420,
+            ttfb_ms: Some(120),
+            key_hash: "ab".repeat(32),
+            user_hash: Some("cd".repeat(32)),
+        }
+    }
+
+    #[test]
+    fn emf_line_has_the_cloudwatch_structure() {
+        let line = emf_line(&record("acme", Some("ptu-west"), Metering::Local, 1_500_020));
+        assert!(!line.contains('\n'));
+        let value: serde_json::Value = serde_json::from_str(&line).unwrap();
+        let aws = &value["_aws"];
+        assert_eq!(aws["Timestamp"], 1_740_823_200_250_i64);
+        let directive = &aws["CloudWatchMetrics"][0];
+        assert_eq!(directive["Namespace"], "Flexway");
+        assert_eq!(
+            directive["Dimensions"],
+            json!([["tenant", "backend", "metered_by", "capability"], ["tenant"], ["backend"]])
+        );
+        assert_eq!(
+            directive["Metrics"],
+            json!([
+                {"Name": "flexway.inference.cost", "Unit": "None"},
+                {"Name": "flexway.inference.calls", "Unit": "Count"},
+            ])
+        );
+        assert_eq!(value["tenant"], "acme");
+        assert_eq!(value["backend"], "ptu-west");
+        assert_eq!(value["metered_by"], "local");
+        assert_eq!(value["capability"], "chat");
+        assert_eq!(value["flexway.inference.cost"], 1.500_02);
+        assert_eq!(value["flexway.inference.calls"], 1);
+        let mut keys: Vec<&str> = value.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(
+            keys,
+            vec![
+                "_aws",
+                "backend",
+                "capability",
+                "flexway.inference.calls",
+                "flexway.inference.cost",
+                "metered_by",
+                "tenant",
+            ],
+            "nothing else of the record (no key, user, agent, model) goes into a metric line"
+        );
+    }
+
+    #[test]
+    fn emf_line_names_a_missing_backend() {
+        let value: serde_json::Value =
+            serde_json::from_str(&emf_line(&record("acme", None, Metering::Upstream, 0))).unwrap();
+        assert_eq!(value["backend"], flexway::metrics::NONE);
+        assert_eq!(value["metered_by"], "upstream");
     }
 }

@@ -1,8 +1,9 @@
 //! Metrics (SPEC §9): an in-process registry rendered as Prometheus text in the local
-//! shape, and CloudWatch Embedded Metric Format lines in the serverless one.
+//! shape. (The serverless shape's CloudWatch metric lines are the AWS adapter's,
+//! `flexway-aws`, labelled with [`call_labels`] too.)
 //!
 //! Invariants: the call and cost counters are fed from the audit record itself
-//! ([`Registry::record_call`], [`emf_line`]), so metrics and audit never disagree; labels
+//! ([`Registry::record_call`], [`call_labels`]), so metrics and audit never disagree; labels
 //! are only low-cardinality values (tenant, backend, metering, capability, budget name:
 //! names from the config; never a request id, a model string, a key or a user); money is kept
 //! in integer micro-euros and only turned into euros when rendered. Recording is cheap:
@@ -14,8 +15,6 @@ use std::hash::{BuildHasher as _, RandomState};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
-
-use serde_json::json;
 
 use crate::audit::{AuditRecord, UsageSource};
 use crate::money::MicroEur;
@@ -165,7 +164,6 @@ impl Registry {
     /// The Prometheus text exposition format, version 0.0.4.
     pub fn render_prometheus(&self) -> String {
         let mut out = String::with_capacity(4096);
-        const CALL_LABELS: [&str; 4] = ["tenant", "backend", "metered_by", "capability"];
         let calls = self.calls.snapshot(|sums| *sums);
 
         header(
@@ -285,36 +283,14 @@ impl Registry {
     }
 }
 
-/// The CloudWatch Embedded Metric Format line (JSON, no trailing newline) for one call:
-/// `flexway.inference.cost` (euros) and `flexway.inference.calls`, with the dimensions
-/// of SPEC §9. Only dimension values and numbers: nothing else of the record.
-pub fn emf_line(record: &AuditRecord) -> String {
-    let [tenant, backend, metered_by, capability] = call_labels(record);
-    let timestamp = record.ts.unix_millis();
-    let cost_eur = record.cost_micro_eur as f64 / MicroEur::PER_EUR as f64;
-    json!({
-        "_aws": {
-            "Timestamp": timestamp,
-            "CloudWatchMetrics": [{
-                "Namespace": "Flexway",
-                "Dimensions": [["tenant", "backend", "metered_by", "capability"], ["tenant"], ["backend"]],
-                "Metrics": [
-                    {"Name": "flexway.inference.cost", "Unit": "None"},
-                    {"Name": "flexway.inference.calls", "Unit": "Count"},
-                ],
-            }],
-        },
-        "tenant": tenant,
-        "backend": backend,
-        "metered_by": metered_by,
-        "capability": capability,
-        "flexway.inference.cost": cost_eur,
-        "flexway.inference.calls": 1,
-    })
-    .to_string()
-}
+/// The labels of the call and cost counters, in this order; [`call_labels`] gives a
+/// call's values.
+pub const CALL_LABELS: [&str; 4] = ["tenant", "backend", "metered_by", "capability"];
 
-fn call_labels(record: &AuditRecord) -> [&str; 4] {
+/// A call's values for [`CALL_LABELS`], from its audit record, never empty ([`NONE`]
+/// for a missing backend): what the Prometheus counters here and the serverless
+/// shape's metric lines (`flexway-aws`) both label a call with.
+pub fn call_labels(record: &AuditRecord) -> [&str; 4] {
     [
         label(Some(&record.tenant)),
         label(record.backend.as_deref()),
@@ -754,56 +730,6 @@ mod tests {
         assert!(calls.iter().all(|l| l.ends_with(" 4000")), "{calls:?}");
         assert!(text.contains("flexway_gateway_overhead_seconds_count 8000\n"));
         assert!(text.contains("flexway_gateway_overhead_seconds_sum 0.8\n"));
-    }
-
-    #[test]
-    fn emf_line_has_the_cloudwatch_structure() {
-        let line = emf_line(&record("acme", Some("ptu-west"), Metering::Local, 1_500_020));
-        assert!(!line.contains('\n'));
-        let value: serde_json::Value = serde_json::from_str(&line).unwrap();
-        let aws = &value["_aws"];
-        assert_eq!(aws["Timestamp"], 1_740_823_200_250_i64);
-        let directive = &aws["CloudWatchMetrics"][0];
-        assert_eq!(directive["Namespace"], "Flexway");
-        assert_eq!(
-            directive["Dimensions"],
-            json!([["tenant", "backend", "metered_by", "capability"], ["tenant"], ["backend"]])
-        );
-        assert_eq!(
-            directive["Metrics"],
-            json!([
-                {"Name": "flexway.inference.cost", "Unit": "None"},
-                {"Name": "flexway.inference.calls", "Unit": "Count"},
-            ])
-        );
-        assert_eq!(value["tenant"], "acme");
-        assert_eq!(value["backend"], "ptu-west");
-        assert_eq!(value["metered_by"], "local");
-        assert_eq!(value["capability"], "chat");
-        assert_eq!(value["flexway.inference.cost"], 1.500_02);
-        assert_eq!(value["flexway.inference.calls"], 1);
-        let mut keys: Vec<&str> = value.as_object().unwrap().keys().map(String::as_str).collect();
-        keys.sort_unstable();
-        assert_eq!(
-            keys,
-            vec![
-                "_aws",
-                "backend",
-                "capability",
-                "flexway.inference.calls",
-                "flexway.inference.cost",
-                "metered_by",
-                "tenant",
-            ],
-            "nothing else of the record (no key, user, agent, model) goes into a metric line"
-        );
-    }
-
-    #[test]
-    fn emf_line_names_a_missing_backend() {
-        let value: serde_json::Value =
-            serde_json::from_str(&emf_line(&record("acme", None, Metering::Local, 0))).unwrap();
-        assert_eq!(value["backend"], NONE);
     }
 
     #[test]
