@@ -1,5 +1,4 @@
 //! Backends of kind `openai`: authentication modes, model selection, routing overrides.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 

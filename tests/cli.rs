@@ -1,5 +1,5 @@
 //! The command line: `validate`, `key new`, what `serve` says at start, and its shutdown.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![cfg(test)]
 
 mod common;
 #[path = "../shared/tests/support/mod.rs"]

@@ -1,5 +1,4 @@
 //! The embedded ledger across process deaths: the real binary, killed with SIGKILL.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 

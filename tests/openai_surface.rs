@@ -1,5 +1,4 @@
 //! The OpenAI surface end to end: the real binary, a fake model server on loopback.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 

@@ -3,7 +3,7 @@
 //! emulator (`AWS_ENDPOINT_URL`, default http://127.0.0.1:4566; `localstack/start`
 //! starts one, `scripts/test` does it all). No emulator answering is a failure, never
 //! a skip.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![cfg(test)]
 
 #[path = "../functions/aws/tests/emulator/mod.rs"]
 mod emulator;

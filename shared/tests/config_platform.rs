@@ -2,7 +2,7 @@
 //! guarantee are reported as warnings (ARCHITECTURE.md, "Deployment shapes"), and
 //! only when the configuration uses that shape (a DynamoDB ledger or a CloudWatch
 //! audit).
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![cfg(test)]
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -3,8 +3,7 @@
 //! Each test starts from a small valid document (`doc()`), changes one thing with
 //! `.set(path, yaml)` / `.remove(path)`, and checks where the error is reported and
 //! what it says.
-
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![cfg(test)]
 
 use std::collections::HashMap;
 use std::path::PathBuf;

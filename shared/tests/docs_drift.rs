@@ -3,8 +3,7 @@
 //! - `docs/configuration.md` is generated from the config's JSON Schema (regenerate with
 //!   `FLEXWAY_BLESS=1 cargo test -p flexway --test docs_drift`);
 //! - `docs/budgets.md`'s worked example is the arithmetic of `flexway::budget::plan`.
-
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![cfg(test)]
 
 mod support;
 

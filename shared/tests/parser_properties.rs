@@ -3,7 +3,6 @@
 //! agent or narrow routing (`identity::agent_header`, `identity::sensitivity`). Each
 //! input is either read or refused with a clean error: a message, and for a body a
 //! `param` that names a top-level field. The sensitivity header can only narrow.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use flexway::identity::{AGENT_HEADER, IdentityError, agent_header, sensitivity};
 use flexway::protocol::openai::{ChatRequest, EmbeddingsRequest, InvalidRequest};

@@ -1,7 +1,6 @@
 //! Routing properties over generated configurations and requests (SPEC §4, §5):
 //! a sensitive request never reaches an external backend, and every candidate in a
 //! chain serves the request's capability, each backend at most once.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;

@@ -1,7 +1,6 @@
 //! Properties of the SSE splitter and of the bounded event reader over arbitrary
 //! bytes cut at arbitrary places: no panic; how the bytes are chunked never changes
 //! the events; the reader never hands out (or holds) an event over its limit.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
 

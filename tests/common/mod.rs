@@ -1,5 +1,6 @@
 //! Test harness: the real `flexway` binary on port 0, configured from a YAML string,
 //! in front of fake model servers on loopback.
+// Each test file uses part of it; its helpers (not #[test] fns) fail a test by panicking.
 #![allow(dead_code, unused_imports, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::io::{BufRead, BufReader};

@@ -80,8 +80,6 @@ fn emf_line(record: &AuditRecord) -> String {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
-
     use flexway::audit::{BudgetState, Operation, SCHEMA_VERSION, UsageSource};
     use flexway::config::{Capability, Metering};
 

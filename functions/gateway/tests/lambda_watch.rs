@@ -10,7 +10,7 @@
 //! measured from process start and no nested `cargo run` competes for the build lock.
 //! cargo-lambda comes from PyPI (`localstack/requirements.txt`); set `CARGO_LAMBDA`
 //! to its path if it is not on PATH nor in the workspace's `.venv`.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::print_stderr)]
+#![cfg(test)]
 
 #[path = "../../aws/tests/emulator/mod.rs"]
 mod emulator;

@@ -2,7 +2,7 @@
 //! the Runtime API of `cargo lambda watch --only-lambda-apis`, invoked with an
 //! EventBridge scheduled event, refunding an expired reservation in the emulated
 //! DynamoDB, charging one that carries a settle intent, and leaving a live one alone.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![cfg(test)]
 
 #[path = "../../aws/tests/emulator/mod.rs"]
 mod emulator;

@@ -174,8 +174,6 @@ pub trait AuditSink: Send + Sync {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
-
     use super::*;
 
     fn record() -> AuditRecord {

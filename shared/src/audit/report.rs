@@ -412,8 +412,6 @@ fn md_cell(value: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
     use super::*;
     use crate::audit::{BudgetState, Operation, UsageSource};
     use crate::config::Capability;

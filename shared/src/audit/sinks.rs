@@ -115,8 +115,6 @@ impl AuditSink for MemoryAuditSink {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
     use std::sync::Arc;
 
     use super::*;

@@ -83,8 +83,6 @@ impl<'de> Deserialize<'de> for Timestamp {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
-
     use super::*;
 
     // 2026-11-29T15:44:30Z

@@ -477,8 +477,6 @@ fn decode(request_id: &str, bytes: &[u8]) -> Result<StoredReservation, StoreErro
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
     use super::*;
     use crate::budget::Line;
 

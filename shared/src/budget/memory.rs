@@ -79,8 +79,6 @@ impl BudgetStore for MemoryBudgetStore {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
-
     use super::*;
     use crate::budget::conformance;
 

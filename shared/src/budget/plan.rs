@@ -189,8 +189,6 @@ pub fn actual(budgets: &[Budget], usage: Usage, price: Price) -> Vec<(CounterKey
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
-
     use super::*;
 
     fn budget(unit: Unit, limit: Option<u64>) -> Budget {

@@ -405,8 +405,6 @@ impl<'de> Visitor<'de> for Weigh<'_> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
-
     use super::*;
 
     fn flow(text: &str) -> bool {

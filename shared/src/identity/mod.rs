@@ -198,8 +198,6 @@ pub fn key_sha256_hex(key: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
-
     use std::collections::BTreeMap;
 
     use http::HeaderValue;

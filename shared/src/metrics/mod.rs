@@ -470,8 +470,6 @@ fn escape_label(value: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
     use super::*;
     use crate::audit::{BudgetState, Operation, SCHEMA_VERSION};
     use crate::config::{Capability, Metering};

@@ -1,5 +1,6 @@
 //! Helpers shared by test files (each file includes what it uses with `mod support;`,
 //! or with `#[path]` from another crate's tests).
+// Each test file uses part of it; its helpers (not #[test] fns) fail a test by panicking.
 #![allow(dead_code, clippy::unwrap_used, clippy::panic)]
 
 use std::path::Path;

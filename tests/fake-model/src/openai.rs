@@ -305,8 +305,6 @@ fn split_in(text: &str, n: usize) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
-
     use super::*;
 
     #[test]

@@ -194,8 +194,6 @@ fn invalid(key: &str, value: &str) -> ScenarioError {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
-
     use super::*;
 
     fn everything() -> Scenario {

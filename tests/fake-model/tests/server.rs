@@ -1,7 +1,6 @@
 //! The fake model server over real loopback HTTP, driven by reqwest as the
 //! gateway would drive it.
-
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![cfg(test)]
 
 use std::time::{Duration, Instant};
 
