@@ -17,6 +17,10 @@ use flexway::budget::{BudgetStore, EmbeddedBudgetStore, MemoryBudgetStore, perio
 use flexway::config::{self, AuditSinkConfig, Config, ProcessEnv, Secrets, StoreConfig};
 use flexway::gateway::Adapters;
 use flexway::secret::LocalSecrets;
+use flexway::telemetry::Export;
+
+/// How long `serve` waits, on its way out, for the last telemetry to be sent.
+const TELEMETRY_FLUSH_AT_EXIT: Duration = Duration::from_secs(5);
 
 /// How often the local shape refunds expired reservations.
 const SWEEP_EVERY: Duration = Duration::from_secs(5);
@@ -85,7 +89,7 @@ fn adapters(config: &Config) -> anyhow::Result<Adapters> {
         AuditSinkConfig::Stdout => Arc::new(StdoutAuditSink),
         AuditSinkConfig::CloudWatch { .. } => anyhow::bail!("audit sink cloudwatch is the serverless shape's"),
     };
-    Ok(Adapters { budgets, audit })
+    Ok(Adapters { budgets, audit, export: Export::Batched })
 }
 
 async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
@@ -127,7 +131,9 @@ async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
     let shutdown = async {
         let _ = tokio::signal::ctrl_c().await;
     };
-    serve_http(listener, flexway::http::app(gateway), shutdown).await;
+    serve_http(listener, flexway::http::app(gateway.clone()), shutdown).await;
+    // The spans and metrics of the last calls, before the process ends.
+    gateway.telemetry.flush(TELEMETRY_FLUSH_AT_EXIT).await;
     Ok(())
 }
 

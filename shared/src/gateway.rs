@@ -12,6 +12,7 @@ use crate::metrics::Registry;
 use crate::routing::Router;
 use crate::routing::breaker::Breakers;
 use crate::secret::SecretSource;
+use crate::telemetry::{Export, Telemetry};
 use crate::upstream::{SetupError, Upstreams};
 
 /// The adapters a shape plugs into the core: built by each binary from the config's
@@ -19,6 +20,9 @@ use crate::upstream::{SetupError, Upstreams};
 pub struct Adapters {
     pub budgets: Arc<dyn BudgetStore>,
     pub audit: Arc<dyn AuditSink>,
+    /// When telemetry (if configured) is sent: batched by a long-lived process, at
+    /// the end of each call by a function that may be frozen after it.
+    pub export: Export,
 }
 
 pub struct Gateway {
@@ -32,6 +36,7 @@ pub struct Gateway {
     pub hasher: Hasher,
     pub breakers: Breakers,
     pub metrics: Registry,
+    pub telemetry: Telemetry,
 }
 
 impl Gateway {
@@ -45,8 +50,10 @@ impl Gateway {
                 .to_vec(),
             None => Vec::new(),
         };
+        let telemetry = Telemetry::start(config.telemetry.as_ref(), adapters.export)?;
         let config = Arc::new(config);
         Ok(Gateway {
+            telemetry,
             keys: KeyRing::new(&config),
             router: Router::new(config.clone()),
             upstreams: Upstreams::new(&config, secrets)?,

@@ -15,6 +15,7 @@ pub mod money;
 pub mod protocol;
 pub mod routing;
 pub mod secret;
+pub mod telemetry;
 pub mod upstream;
 
 pub use gateway::Gateway;

@@ -1256,3 +1256,24 @@ fn judges_no_pool_by_a_member_that_did_not_parse() {
     assert_eq!(errors.len(), 1, "{errors:#?}");
     assert_error(&errors, "ai.backends.internal.external", "expected a boolean");
 }
+
+#[test]
+fn telemetry_exports_to_an_http_collector() {
+    assert_eq!(doc().loads().config.telemetry, None);
+    let loaded = doc().set("telemetry", "{otlp_endpoint: 'http://collector:4318/'}").loads();
+    let telemetry = loaded.config.telemetry.unwrap();
+    assert_eq!(telemetry.otlp_endpoint, "http://collector:4318");
+    assert_eq!(telemetry.export_interval, Duration::from_secs(5));
+    let quick = doc().set("telemetry", "{otlp_endpoint: 'https://otel.example.net', export_interval: 250ms}").loads();
+    assert_eq!(quick.config.telemetry.unwrap().export_interval, Duration::from_millis(250));
+
+    doc().set("telemetry", "{export_interval: 1s}").refused("telemetry.otlp_endpoint", "required");
+    doc().set("telemetry", "{otlp_endpoint: 'grpc://collector:4317'}").refused("telemetry.otlp_endpoint", "http");
+    doc().set("telemetry", "{otlp_endpoint: 'collector:4318'}").refused("telemetry.otlp_endpoint", "not a URL");
+    doc()
+        .set("telemetry", "{otlp_endpoint: 'http://c:4318', export_interval: 0s}")
+        .refused("telemetry.export_interval", "longer than zero");
+    doc()
+        .set("telemetry", "{otlp_endpoint: 'http://c:4318', sampler: always}")
+        .refused("telemetry.sampler", "unknown field");
+}

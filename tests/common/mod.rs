@@ -277,6 +277,7 @@ pub fn memory_adapters() -> (flexway::gateway::Adapters, Arc<flexway::audit::sin
     let adapters = flexway::gateway::Adapters {
         budgets: Arc::new(flexway::budget::MemoryBudgetStore::new()),
         audit: audit.clone(),
+        export: flexway::telemetry::Export::Batched,
     };
     (adapters, audit)
 }
@@ -288,6 +289,7 @@ pub fn embedded_adapters(
     let adapters = flexway::gateway::Adapters {
         budgets: Arc::new(flexway::budget::EmbeddedBudgetStore::open(path).unwrap()),
         audit: audit.clone(),
+        export: flexway::telemetry::Export::Batched,
     };
     (adapters, audit)
 }

@@ -15,6 +15,7 @@ use flexway::audit::{AuditError, AuditSink, FileAuditSink, StdoutAuditSink};
 use flexway::budget::{BudgetStore, EmbeddedBudgetStore, MemoryBudgetStore, StoreError};
 use flexway::config::{AuditSinkConfig, Config, StoreConfig};
 use flexway::gateway::Adapters;
+use flexway::telemetry::Export;
 
 pub use audit_reader::{AuditReadError, WRITE_DELAY_MARGIN_MS, read_audit_log_group};
 pub use cloudwatch::CloudWatchAuditSink;
@@ -55,7 +56,7 @@ pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Res
         AuditSinkConfig::Stdout => Arc::new(StdoutAuditSink),
         AuditSinkConfig::File { path } => Arc::new(FileAuditSink::open(path)?),
     };
-    Ok(Adapters { budgets, audit })
+    Ok(Adapters { budgets, audit, export: Export::EachCall })
 }
 
 /// The DynamoDB ledger on `table`, its connection warmed.

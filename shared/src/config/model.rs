@@ -63,6 +63,19 @@ pub struct Config {
     pub audit: AuditConfig,
     pub tenants: BTreeMap<TenantId, Tenant>,
     pub ai: Ai,
+    /// OpenTelemetry export; `None`: nothing is exported.
+    pub telemetry: Option<TelemetryConfig>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TelemetryConfig {
+    /// The collector's base URL, without a trailing slash.
+    pub otlp_endpoint: String,
+    pub export_interval: Duration,
+}
+
+impl TelemetryConfig {
+    pub const DEFAULT_EXPORT_INTERVAL: Duration = Duration::from_secs(5);
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

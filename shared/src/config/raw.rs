@@ -41,6 +41,9 @@ pub struct RawConfig {
     /// Routing, budget policy, vision limits and the backends.
     #[schemars(required)]
     pub ai: Option<RawAi>,
+    /// OpenTelemetry: one span per call and the GenAI client metrics, sent to a
+    /// collector over OTLP/HTTP. Absent: nothing is exported.
+    pub telemetry: Option<RawTelemetry>,
 }
 
 /// The budget ledger.
@@ -88,6 +91,21 @@ pub enum RawSinkKind {
     File,
     Stdout,
     Cloudwatch,
+}
+
+/// OpenTelemetry export (OTLP/HTTP with protobuf bodies). Spans and metrics carry
+/// metadata only, never a prompt or a completion.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Telemetry", expecting = "telemetry (a mapping)")]
+pub struct RawTelemetry {
+    /// The collector's base URL, as `OTEL_EXPORTER_OTLP_ENDPOINT`: spans are posted to
+    /// `{otlp_endpoint}/v1/traces`, metrics to `{otlp_endpoint}/v1/metrics`.
+    #[schemars(required)]
+    pub otlp_endpoint: Option<String>,
+    /// How often the local shape sends the spans gathered since the last export, and
+    /// the metrics. Default `5s`. (The serverless shape sends at the end of each call:
+    /// a frozen function cannot send later.)
+    pub export_interval: Option<RawDuration>,
 }
 
 /// A tenant: a consuming team, with its keys, budgets and agents.

@@ -21,9 +21,10 @@ mod backends;
 
 use super::raw::{
     Parsed, RawAgent, RawAi, RawAudit, RawBackend, RawBackendKind, RawBudgetPolicy, RawBudgets, RawCapability,
-    RawConfig, RawDuration, RawKey, RawLimits, RawSecret, RawSinkKind, RawStore, RawStoreKind, RawTenant, RawVision,
+    RawConfig, RawDuration, RawKey, RawLimits, RawSecret, RawSinkKind, RawStore, RawStoreKind, RawTelemetry, RawTenant,
+    RawVision,
 };
-use super::values::{fraction_ppm, header_name, https_origin, key_hash, micro_eur, secret_ref, unresolvable};
+use super::values::{base_url, fraction_ppm, header_name, https_origin, key_hash, micro_eur, secret_ref, unresolvable};
 use super::*;
 
 const DEFAULT_LEDGER_PATH: &str = "./flexway-ledger";
@@ -46,7 +47,7 @@ pub(super) fn validate(
 ) -> Result<Loaded, (Vec<Diagnostic>, usize)> {
     let Parsed { raw, errors: shape_errors } = parsed;
     let unparsed = Unparsed::new(&shape_errors.lost_values);
-    let RawConfig { version, store, audit, tenants, ai } = raw;
+    let RawConfig { version, store, audit, tenants, ai, telemetry } = raw;
     let mut check = Checker { env, secrets, errors: Vec::new(), warnings: Vec::new() };
 
     match version {
@@ -56,6 +57,7 @@ pub(super) fn validate(
     }
     let store = check.store(store);
     let audit = check.audit(audit);
+    let telemetry = telemetry.and_then(|raw| check.telemetry(raw));
 
     let mut ai = ai.unwrap_or_default();
     let raw_backends = ai.backends.take().unwrap_or_default();
@@ -79,7 +81,7 @@ pub(super) fn validate(
 
     match (store, audit, ai) {
         (Some(store), Some(audit), Some(ai)) if errors.is_empty() && shape_errors.unlisted == 0 => {
-            Ok(Loaded { config: Config { store, audit, tenants, ai }, warnings: check.warnings })
+            Ok(Loaded { config: Config { store, audit, tenants, ai, telemetry }, warnings: check.warnings })
         }
         _ if errors.is_empty() && shape_errors.unlisted == 0 => {
             Err((vec![Diagnostic::new("", "the configuration is incomplete (internal error)")], 0))
@@ -150,7 +152,8 @@ fn section_rank(path: &str) -> u8 {
         "tenants" => 3,
         "ai" if path.starts_with("ai.backends") => 5,
         "ai" => 4,
-        _ => 6,
+        "telemetry" => 6,
+        _ => 7,
     }
 }
 
@@ -460,6 +463,25 @@ impl Checker<'_> {
             }
         };
         Some(AuditConfig { sink: sink?, hash_salt })
+    }
+
+    fn telemetry(&mut self, raw: RawTelemetry) -> Option<TelemetryConfig> {
+        let RawTelemetry { otlp_endpoint, export_interval } = raw;
+        let export_interval = self.duration(
+            "telemetry.export_interval",
+            export_interval.as_ref(),
+            TelemetryConfig::DEFAULT_EXPORT_INTERVAL,
+        );
+        let url = self.non_empty("telemetry.otlp_endpoint", otlp_endpoint, "(the collector's base URL)")?;
+        let parsed = base_url(&url).map_err(|m| self.error("telemetry.otlp_endpoint", m)).ok()?;
+        if parsed.scheme != "http" && parsed.scheme != "https" {
+            self.error(
+                "telemetry.otlp_endpoint",
+                format!("`{url}` is not http(s): OTLP/HTTP is sent over http or https"),
+            );
+            return None;
+        }
+        Some(TelemetryConfig { otlp_endpoint: parsed.with_scheme(&parsed.scheme), export_interval })
     }
 
     /// Without a salt, the identifiers the audit hashes (the caller's key, the

@@ -16,6 +16,7 @@ use crate::gateway::Gateway;
 use crate::protocol::openai::Answer;
 use crate::routing::breaker::{Admit, Outcome};
 use crate::routing::{Candidate, Route};
+use crate::telemetry::TraceContext;
 use crate::upstream::body::{self, Fault};
 use crate::upstream::{CallError, UpstreamClient};
 
@@ -89,7 +90,7 @@ pub(super) async fn dispatch(
         attempts.tried.push(backend.clone());
         draft.trying(candidate, &model);
         let sent = Instant::now();
-        let answer = attempt(gateway, client, path, body_for(&model), expect).await;
+        let answer = attempt(gateway, client, path, body_for(&model), draft.trace(), expect).await;
         draft.waited(sent.elapsed());
         let failure = match answer {
             Ok(answered) => {
@@ -157,11 +158,12 @@ async fn attempt(
     client: &UpstreamClient,
     path: &str,
     body: Vec<u8>,
+    trace: &TraceContext,
     expect: Expect,
 ) -> Result<Answered, Failure> {
     let deadline = tokio::time::Instant::now() + client.timeout;
     let limits = gateway.config.ai.limits;
-    let response = client.post_json(path, body).await.map_err(Failure::Head)?;
+    let response = client.post_json(path, body, trace).await.map_err(Failure::Head)?;
     let status = response.status();
     let headers = response.headers();
     if status.is_server_error() {

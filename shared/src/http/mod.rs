@@ -68,7 +68,9 @@ async fn metrics(State(gateway): State<Arc<Gateway>>) -> Response {
     for (backend, state) in gateway.breakers.states(now) {
         gateway.metrics.set_breaker_state(backend.as_str(), state);
     }
-    let mut response = gateway.metrics.render_prometheus().into_response();
+    let mut text = gateway.metrics.render_prometheus();
+    gateway.telemetry.render_prometheus(&mut text);
+    let mut response = text.into_response();
     response.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
     response
 }

@@ -106,7 +106,7 @@ async fn handle(
         Operation::Chat => crate::audit::Operation::Chat,
         Operation::Embeddings => crate::audit::Operation::Embeddings,
     };
-    let mut draft = Draft::begin(&gateway, &request_id, &caller, operation);
+    let mut draft = Draft::begin(&gateway, &request_id, &caller, operation, &headers);
     let call = Call { caller: &caller, request_id: &request_id };
     let result = match op {
         Operation::Chat => chat(&gateway, call, &mut draft, &headers, body).await,
@@ -151,6 +151,7 @@ async fn chat(
     };
     let Admission { route, ticket, soft, allowance } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.soft(soft);
+    draft.allowance(allowance);
     let prompt_typical = plan::prompt_typical(request.prompt_text_bytes, request.message_count, images);
     let body_for = |model: &str| request.upstream_body(model, allowance);
     let expect =
@@ -256,6 +257,7 @@ async fn complete(
     };
     let cost = settle.settle(gateway, usage).await;
     draft.usage(usage, source, cost);
+    draft.finish_reasons(answer.finish_reasons);
     if let Ok(v) = HeaderValue::from_str(&cost.to_eur_string()) {
         headers.push((COST_HEADER, v));
     }

@@ -7,7 +7,9 @@
 //! process log with the request id, never silently lost.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use http::HeaderMap;
 
 pub use crate::audit::UsageSource;
 use crate::audit::{AuditRecord, BudgetState, Operation, SCHEMA_VERSION, Timestamp};
@@ -18,6 +20,7 @@ use crate::identity::Caller;
 use crate::money::MicroEur;
 use crate::protocol::openai::Usage;
 use crate::routing::Candidate;
+use crate::telemetry::{CallSpan, TraceContext};
 
 use super::RequestId;
 
@@ -32,10 +35,28 @@ pub(super) struct Draft {
     /// Time spent waiting on backends: what the gateway did not add.
     upstream: Duration,
     streamed: bool,
+    span: Span,
+}
+
+/// What the call's telemetry span needs beyond its audit record.
+#[derive(Clone)]
+struct Span {
+    trace: TraceContext,
+    started: SystemTime,
+    provider: Option<&'static str>,
+    max_tokens: Option<u64>,
+    finish_reasons: Vec<String>,
+    served: bool,
 }
 
 impl Draft {
-    pub fn begin(gateway: &Arc<Gateway>, request_id: &RequestId, caller: &Caller, operation: Operation) -> Self {
+    pub fn begin(
+        gateway: &Arc<Gateway>,
+        request_id: &RequestId,
+        caller: &Caller,
+        operation: Operation,
+        headers: &HeaderMap,
+    ) -> Self {
         let record = AuditRecord {
             schema_version: SCHEMA_VERSION,
             ts: Timestamp::UNIX_EPOCH,
@@ -69,7 +90,30 @@ impl Draft {
             open: true,
             upstream: Duration::ZERO,
             streamed: false,
+            span: Span {
+                trace: TraceContext::from_headers(headers, gateway.telemetry.is_on()),
+                started: SystemTime::now(),
+                provider: None,
+                max_tokens: None,
+                finish_reasons: Vec::new(),
+                served: false,
+            },
         }
+    }
+
+    /// The call's trace context, sent to each backend tried.
+    pub fn trace(&self) -> &TraceContext {
+        &self.span.trace
+    }
+
+    /// The completion allowance per choice sent upstream.
+    pub fn allowance(&mut self, per_choice: u64) {
+        self.span.max_tokens = Some(per_choice);
+    }
+
+    /// The answer's finish reasons, one per choice.
+    pub fn finish_reasons(&mut self, reasons: Vec<String>) {
+        self.span.finish_reasons = reasons;
     }
 
     pub fn request(&mut self, capability: Capability, model: &str, user: Option<&str>) {
@@ -93,6 +137,7 @@ impl Draft {
         self.record.model_served = Some(model.to_owned());
         self.record.degraded = candidate.degraded;
         self.record.metered_by = if upstream_metered { Metering::Upstream } else { Metering::Local };
+        self.span.provider = backend.map(|b| b.kind.name());
     }
 
     pub fn usage(&mut self, usage: Usage, source: UsageSource, cost: MicroEur) {
@@ -101,6 +146,7 @@ impl Draft {
         self.record.usage_source = source;
         self.record.cost_micro_eur = cost.0;
         self.record.cost_eur = cost.0 as f64 / MicroEur::PER_EUR as f64;
+        self.span.served = true;
     }
 
     /// Estimated against reported tokens of a stream, for the drift metric.
@@ -127,7 +173,7 @@ impl Draft {
 
     pub async fn finish(mut self, status: u16, error_code: Option<&str>) {
         self.open = false;
-        let record = self.complete(status, error_code);
+        let (record, span) = self.complete(status, error_code);
         let metrics = &self.gateway.metrics;
         if let (Some(backend), Some(ttfb)) = (&record.backend, record.ttfb_ms) {
             metrics.observe_time_to_first_byte(backend, Duration::from_millis(ttfb));
@@ -135,7 +181,7 @@ impl Draft {
         if status == 200 && !self.streamed {
             metrics.observe_gateway_overhead(self.started.elapsed().saturating_sub(self.upstream));
         }
-        write(&self.gateway, record).await;
+        write(&self.gateway, record, span).await;
     }
 
     pub async fn fail(self, error: &GatewayError) {
@@ -149,7 +195,8 @@ impl Draft {
         this.finish(error.status().as_u16(), Some(error.code())).await;
     }
 
-    fn complete(&mut self, status: u16, error_code: Option<&str>) -> AuditRecord {
+    /// The record as the call ends, and its span if telemetry is on.
+    fn complete(&mut self, status: u16, error_code: Option<&str>) -> (AuditRecord, Option<Box<CallSpan>>) {
         let mut record = self.record.clone();
         record.ts = Timestamp::now();
         record.status = status;
@@ -158,7 +205,21 @@ impl Draft {
         if record.ttfb_ms.is_none() && status < 400 {
             record.ttfb_ms = Some(record.latency_ms);
         }
-        record
+        let span = self.gateway.telemetry.is_on().then(|| {
+            let Span { trace, started, provider, max_tokens, finish_reasons, served } = self.span.clone();
+            let start_unix_nanos = unix_nanos(started);
+            Box::new(CallSpan {
+                record: record.clone(),
+                trace,
+                start_unix_nanos,
+                end_unix_nanos: start_unix_nanos.saturating_add(nanos(self.started.elapsed())),
+                provider,
+                max_tokens,
+                finish_reasons,
+                served,
+            })
+        });
+        (record, span)
     }
 }
 
@@ -166,10 +227,22 @@ fn elapsed_ms(started: Instant) -> u64 {
     u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
-async fn write(gateway: &Gateway, record: AuditRecord) {
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+fn unix_nanos(at: SystemTime) -> u64 {
+    at.duration_since(UNIX_EPOCH).map(nanos).unwrap_or(0)
+}
+
+async fn write(gateway: &Gateway, record: AuditRecord, span: Option<Box<CallSpan>>) {
     gateway.metrics.record_call(&record);
     if let Err(e) = gateway.audit.write(std::slice::from_ref(&record)).await {
         tracing::error!(request_id = %record.request_id, "audit record not written: {e}");
+    }
+    if let Some(span) = span {
+        gateway.telemetry.record(*span);
+        gateway.telemetry.after_call().await;
     }
 }
 
@@ -178,10 +251,10 @@ impl Drop for Draft {
         if !self.open {
             return;
         }
-        let record = self.complete(CLIENT_CLOSED_REQUEST, Some("client_closed_request"));
+        let (record, span) = self.complete(CLIENT_CLOSED_REQUEST, Some("client_closed_request"));
         let gateway = self.gateway.clone();
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { write(&gateway, record).await });
+            runtime.spawn(async move { write(&gateway, record, span).await });
         } else {
             tracing::error!(request_id = %record.request_id, "audit record not written: no runtime at drop");
         }

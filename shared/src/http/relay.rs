@@ -28,7 +28,7 @@ use super::record::{Draft, UsageSource};
 use crate::budget::{Ticket, plan};
 use crate::config::{BackendId, Price};
 use crate::gateway::Gateway;
-use crate::protocol::openai::{Usage, error_envelope};
+use crate::protocol::openai::{MAX_CHOICES, Usage, error_envelope};
 use crate::protocol::sse;
 use crate::routing::breaker::Outcome;
 use crate::upstream::body::{Events, Fault};
@@ -52,6 +52,8 @@ pub struct RelayOutcome {
     pub usage: Option<Usage>,
     /// Bytes of completion content relayed to the client (for estimation).
     pub content_bytes: u64,
+    /// Each choice's finish reason, as the stream gave them.
+    pub finish_reasons: Vec<String>,
 }
 
 /// What settles a call's reservation once its answer is known, streamed or not.
@@ -102,6 +104,7 @@ impl Settle {
         };
         let cost = self.settle(gateway, usage).await;
         draft.usage(usage, source, cost);
+        draft.finish_reasons(outcome.finish_reasons.clone());
         match &outcome.end {
             StreamEnd::Done => draft.finish(200, None).await,
             StreamEnd::Broken(_) => draft.finish(200, Some("upstream_error")).await,
@@ -135,7 +138,7 @@ pub(super) async fn hold(
     let mut held = Held {
         events: Events::new(response, max_event_bytes),
         pending: Vec::new(),
-        outcome: RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0 },
+        outcome: RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0, finish_reasons: Vec::new() },
         client_wants_usage,
         done: false,
     };
@@ -305,6 +308,11 @@ fn tap(chunk: Option<&Value>, client_wants_usage: bool, outcome: &mut RelayOutco
             if let Some(calls) = delta.get("tool_calls") {
                 outcome.content_bytes += calls.to_string().len() as u64;
             }
+            if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str)
+                && outcome.finish_reasons.len() < MAX_CHOICES as usize
+            {
+                outcome.finish_reasons.push(reason.to_owned());
+            }
         }
     }
     match Usage::from_value(chunk.get("usage")) {
@@ -372,7 +380,8 @@ mod tests {
     #[test]
     fn the_usage_chunk_is_tapped_and_hidden_unless_asked_for() {
         let usage = json!({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}});
-        let mut outcome = RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0 };
+        let mut outcome =
+            RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0, finish_reasons: Vec::new() };
         assert!(!tap(Some(&usage), false, &mut outcome));
         assert_eq!(outcome.usage, Some(Usage { prompt_tokens: 3, completion_tokens: 4 }));
         assert!(tap(Some(&usage), true, &mut outcome));

@@ -51,10 +51,12 @@ impl Usage {
 /// What the gateway reads of a non-streamed answer: its usage, and the size of its
 /// completion text (to estimate usage a backend did not report). Everything else is
 /// skipped without being built (an embeddings answer is mostly floats).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Answer {
     pub usage: Option<Usage>,
     pub completion_bytes: u64,
+    /// Each choice's `finish_reason` (`stop`, `length`, ...), in the order given.
+    pub finish_reasons: Vec<String>,
 }
 
 #[derive(serde::Deserialize)]
@@ -75,6 +77,8 @@ struct UsageView {
 struct ChoiceView {
     #[serde(default)]
     message: Option<MessageView>,
+    #[serde(default)]
+    finish_reason: Option<Value>,
 }
 
 #[derive(serde::Deserialize)]
@@ -94,14 +98,16 @@ impl Answer {
         let usage = view.usage.and_then(|u| {
             Some(Usage { prompt_tokens: u.prompt_tokens?, completion_tokens: u.completion_tokens.unwrap_or(0) })
         });
-        let completion_bytes = view
-            .choices
-            .into_iter()
-            .flatten()
-            .filter_map(|c| c.message.and_then(|m| m.content))
-            .map(|t| t.len() as u64)
-            .sum();
-        Some(Answer { usage, completion_bytes })
+        let choices = view.choices.unwrap_or_default();
+        let finish_reasons = choices
+            .iter()
+            .filter_map(|c| c.finish_reason.as_ref().and_then(Value::as_str))
+            .take(MAX_CHOICES as usize)
+            .map(str::to_owned)
+            .collect();
+        let completion_bytes =
+            choices.into_iter().filter_map(|c| c.message.and_then(|m| m.content)).map(|t| t.len() as u64).sum();
+        Some(Answer { usage, completion_bytes, finish_reasons })
     }
 }
 
@@ -505,10 +511,11 @@ mod tests {
 
     #[test]
     fn reads_an_answer_without_building_it() {
-        let body = json!({"id": "x", "choices": [{"message": {"role": "assistant", "content": "héllo"}}],
+        let body = json!({"id": "x", "choices": [{"message": {"role": "assistant", "content": "héllo"}, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 4}});
         let answer = Answer::read(body.to_string().as_bytes()).unwrap();
         assert_eq!(answer.usage, Some(Usage { prompt_tokens: 3, completion_tokens: 4 }));
+        assert_eq!(answer.finish_reasons, vec!["stop".to_owned()]);
         assert_eq!(answer.completion_bytes, 6);
         let embeddings = json!({"data": [{"embedding": [0.1, 0.2]}], "usage": {"prompt_tokens": 2, "total_tokens": 2}});
         let answer = Answer::read(embeddings.to_string().as_bytes()).unwrap();

@@ -1,8 +1,8 @@
 //! Upstream calls: one HTTP client per backend, with its authentication.
 //!
-//! The request sent upstream is built from nothing: a JSON body, a content type and
-//! the backend's own credential. No header of the caller's travels, so the caller's
-//! key can never reach a backend. Secrets are resolved once at start-up, except
+//! The request sent upstream is built from nothing: a JSON body, a content type, the
+//! call's trace context and the backend's own credential. No other header of the
+//! caller's travels, so the caller's key can never reach a backend. Secrets are resolved once at start-up, except
 //! `token_file`, which is re-read at every call (a projected workload-identity token
 //! rotates under our feet).
 
@@ -16,6 +16,7 @@ use http::{HeaderName, HeaderValue};
 
 use crate::config::{Auth, BackendId, Config, Endpoint, Tls};
 use crate::secret::{SecretError, SecretSource};
+use crate::telemetry::{TraceContext, context};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
@@ -29,6 +30,8 @@ pub enum SetupError {
     Client(String),
     #[error("audit.hash_salt: {source}")]
     AuditSalt { source: SecretError },
+    #[error(transparent)]
+    Telemetry(#[from] crate::telemetry::NoRuntime),
 }
 
 /// Why a backend did not answer.
@@ -57,13 +60,25 @@ pub struct UpstreamClient {
 }
 
 impl UpstreamClient {
-    /// POSTs a JSON body to `{url}{path}` and waits for the response head.
-    pub async fn post_json(&self, path: &str, body: Vec<u8>) -> Result<reqwest::Response, CallError> {
+    /// POSTs a JSON body to `{url}{path}` and waits for the response head. The call's
+    /// trace context goes with it (W3C `traceparent`, `tracestate`).
+    pub async fn post_json(
+        &self,
+        path: &str,
+        body: Vec<u8>,
+        trace: &TraceContext,
+    ) -> Result<reqwest::Response, CallError> {
         let mut request = self
             .http
             .post(format!("{}{}", self.base, path))
             .header(http::header::CONTENT_TYPE, "application/json")
             .body(body);
+        if let Some((traceparent, state)) = trace.upstream() {
+            request = request.header(context::TRACEPARENT, traceparent);
+            if let Some(state) = state {
+                request = request.header(context::TRACESTATE, state);
+            }
+        }
         match &self.credential {
             Credential::None => {}
             Credential::Header(name, value) => request = request.header(name, value),

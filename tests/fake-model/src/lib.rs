@@ -6,8 +6,9 @@
 //! path prefix of the backend URL (`/s/status=503,retry_after=7/v1`) injects
 //! statuses (steady or flapping), delays, hangs, long or overshooting replies,
 //! cut, stalled or malformed streams and bodies, endless lines, huge answers
-//! or garbage. The prefix is the only channel because the gateway never
-//! forwards its caller's headers. Chat honours `n` like OpenAI.
+//! or garbage. The prefix is the only channel because the gateway forwards
+//! none of its caller's headers (the W3C trace context aside). Chat honours `n`
+//! like OpenAI.
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
