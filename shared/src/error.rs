@@ -68,8 +68,6 @@ pub enum GatewayError {
     ImageOriginNotAllowed { origin: String },
     #[error("this request is marked sensitive and no internal backend can serve it")]
     SensitiveNoInternalBackend,
-    #[error("tenant `{tenant}` asserted by the relay peer is not declared here")]
-    UnknownTenant { tenant: String },
     #[error("request body is larger than {limit} bytes (ai.vision.max_body_bytes)")]
     BodyTooLarge { limit: u64 },
     #[error("an image is larger than {limit} bytes (ai.vision.max_image_bytes)")]
@@ -101,9 +99,7 @@ impl GatewayError {
             | GatewayError::CapabilityUnavailable { .. }
             | GatewayError::ImageOriginNotAllowed { .. } => StatusCode::BAD_REQUEST,
             GatewayError::Identity(IdentityError::MissingKey | IdentityError::UnknownKey) => StatusCode::UNAUTHORIZED,
-            GatewayError::Identity(_)
-            | GatewayError::SensitiveNoInternalBackend
-            | GatewayError::UnknownTenant { .. } => StatusCode::FORBIDDEN,
+            GatewayError::Identity(_) | GatewayError::SensitiveNoInternalBackend => StatusCode::FORBIDDEN,
             GatewayError::BodyTooLarge { .. } | GatewayError::ImageTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             GatewayError::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             GatewayError::BudgetExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -125,7 +121,6 @@ impl GatewayError {
             GatewayError::CapabilityUnavailable { .. } => "capability_unavailable",
             GatewayError::ImageOriginNotAllowed { .. } => "image_origin_not_allowed",
             GatewayError::SensitiveNoInternalBackend => "sensitive_no_internal_backend",
-            GatewayError::UnknownTenant { .. } => "unknown_tenant",
             GatewayError::BodyTooLarge { .. } => "body_too_large",
             GatewayError::ImageTooLarge { .. } => "image_too_large",
             GatewayError::HeadersTooLarge { .. } => "headers_too_large",

@@ -338,8 +338,6 @@ async fn broken(mut outcome: RelayOutcome, tx: &mpsc::Sender<Bytes>, fault: Faul
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
-
     use serde_json::json;
 
     use super::*;

@@ -395,8 +395,6 @@ pub fn model_list<'a>(names: impl IntoIterator<Item = &'a str>) -> Value {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
-
     use super::*;
 
     fn chat(v: Value) -> Result<ChatRequest, InvalidRequest> {

@@ -104,8 +104,6 @@ pub fn event(name: Option<&str>, json: &serde_json::Value) -> Bytes {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
-
     use super::*;
 
     fn drain(s: &mut Splitter) -> Vec<Event> {

@@ -205,8 +205,6 @@ fn scheme_of(url: &str) -> Option<&str> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
-
     use super::*;
 
     fn policy(max_image_bytes: u64, allowed: &[&str]) -> VisionPolicy {
