@@ -119,6 +119,7 @@ fn assert_error(errors: &[Diagnostic], path: &str, fragment: &str) -> String {
 fn env() -> HashMap<String, String> {
     HashMap::from([
         ("BACKEND_KEY".to_string(), "not-shown".to_string()),
+        ("CA_PEM".to_string(), "-----BEGIN CERTIFICATE-----".to_string()),
         ("SALT".to_string(), "pepper".to_string()),
         ("EMPTY".to_string(), String::new()),
     ])
@@ -447,7 +448,7 @@ fn an_unset_variable_or_unreadable_file_is_a_warning_when_only_checked() {
     let loaded = doc()
         .set("ai.backends.main.auth", "{type: bearer, secret: 'env:NOT_THERE'}")
         .set("ai.backends.internal.auth", "{type: header, name: x-key, secret: 'file:/nonexistent/key'}")
-        .set("ai.backends.main.tls", "{cert: /nonexistent/c.pem, key: /nonexistent/k.pem}")
+        .set("ai.backends.main.tls", "{cert: 'file:/nonexistent/c.pem', key: 'file:/nonexistent/k.pem'}")
         .set("audit", "{sink: stdout, hash_salt: 'env:EMPTY'}")
         .checks();
     assert!(warning_at(&loaded, "ai.backends.main.auth.secret").contains("environment variable NOT_THERE is not set"));
@@ -807,26 +808,43 @@ fn accepts_token_file_that_does_not_exist_yet() {
 fn refuses_tls_certificate_without_key() {
     let cert = temp_file("cert.pem", b"cert");
     doc()
-        .set("ai.backends.main.tls", &format!("{{cert: '{}'}}", cert.display()))
+        .set("ai.backends.main.tls", &format!("{{cert: 'file:{}'}}", cert.display()))
         .refused("ai.backends.main.tls.key", "required");
 }
 
 #[test]
-fn refuses_tls_files_that_do_not_exist() {
-    let errors = doc().set("ai.backends.main.tls", "{cert: /nonexistent/c.pem, key: /nonexistent/k.pem}").errors();
+fn refuses_tls_references_that_do_not_resolve() {
+    let errors = doc().set("ai.backends.main.tls", "{cert: 'file:/nonexistent/c.pem', key: 'env:NOT_THERE'}").errors();
     assert_eq!(errors.len(), 2, "{errors:#?}");
     assert_error(&errors, "ai.backends.main.tls.cert", "cannot be read");
-    assert_error(&errors, "ai.backends.main.tls.key", "cannot be read");
+    assert_error(&errors, "ai.backends.main.tls.key", "NOT_THERE is not set");
 }
 
 #[test]
-fn accepts_tls_files_that_exist() {
+fn refuses_tls_values_that_are_not_references_without_echoing_them() {
+    let errors = doc()
+        .set("ai.backends.main.tls", "{cert: /etc/flexway/c.pem, key: '-----BEGIN PRIVATE KEY----- MIIEv'}")
+        .errors();
+    let cert = assert_error(&errors, "ai.backends.main.tls.cert", "file:PATH");
+    let key = assert_error(&errors, "ai.backends.main.tls.key", "never values");
+    assert!(!cert.contains("/etc/flexway") && !key.contains("MIIEv"), "{errors:#?}");
+}
+
+#[test]
+fn accepts_tls_references_that_resolve() {
     let cert = temp_file("ok-cert.pem", b"cert");
     let key = temp_file("ok-key.pem", b"key");
-    let loaded =
-        doc().set("ai.backends.main.tls", &format!("{{cert: '{}', key: '{}'}}", cert.display(), key.display())).loads();
+    let loaded = doc()
+        .set(
+            "ai.backends.main.tls",
+            &format!("{{cert: 'file:{}', key: 'file:{}', ca: 'env:CA_PEM'}}", cert.display(), key.display()),
+        )
+        .loads();
     let tls = loaded.config.ai.backends["main"].kind.endpoint().unwrap().tls.clone().unwrap();
-    assert_eq!((tls.cert, tls.key, tls.ca), (cert, key, None));
+    assert_eq!(
+        (tls.cert, tls.key, tls.ca),
+        (SecretRef::File(cert), SecretRef::File(key), Some(SecretRef::Env("CA_PEM".into())))
+    );
 }
 
 #[test]

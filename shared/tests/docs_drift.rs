@@ -49,7 +49,11 @@ fn one_of_each() -> Vec<GatewayError> {
         GatewayError::HeadersTooLarge { max_headers: 1, max_bytes: 1 },
         GatewayError::BudgetExceeded { budget: "b".into(), retry_after_secs: 1 },
         GatewayError::UpstreamError { backend: BackendId::new("a"), detail: "d".into(), attempts: attempts.clone() },
-        GatewayError::UpstreamUnavailable { cause: UnavailableCause::UpstreamFailed, attempts: attempts.clone() },
+        GatewayError::UpstreamUnavailable {
+            cause: UnavailableCause::UpstreamFailed,
+            attempts: attempts.clone(),
+            last_failure: None,
+        },
         GatewayError::UpstreamTimeout { backend: BackendId::new("a"), attempts },
         GatewayError::NotFound { method: "GET".into(), path: "/".into() },
         GatewayError::MethodNotAllowed { method: "GET".into(), path: "/".into() },

@@ -278,7 +278,7 @@ pub enum Auth {
 }
 
 /// Where a secret lives. The secret itself never appears in the config.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum SecretRef {
     Env(String),
     File(PathBuf),
@@ -296,11 +296,15 @@ impl fmt::Display for SecretRef {
     }
 }
 
+/// mTLS towards a backend: each a reference to PEM text (SPEC §3).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tls {
-    pub cert: PathBuf,
-    pub key: PathBuf,
-    pub ca: Option<PathBuf>,
+    /// The client certificate chain.
+    pub cert: SecretRef,
+    /// The client private key.
+    pub key: SecretRef,
+    /// The CA bundle that replaces the system roots for this backend.
+    pub ca: Option<SecretRef>,
 }
 
 /// Prices in micro-euros per million tokens (2.0 €/Mtok → 2_000_000).

@@ -354,17 +354,20 @@ impl RawAuthKind {
     }
 }
 
-/// TLS towards a backend.
+/// mTLS towards a backend: a client certificate and key, and optionally the CA that
+/// signs the backend's certificate. Each is a secret reference to PEM text.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename = "Tls", expecting = "a tls (a mapping)")]
 pub struct RawTls {
-    /// Client certificate (PEM), with `key`.
-    pub cert: Option<String>,
-    /// Client private key (PEM), with `cert`.
-    pub key: Option<String>,
-    /// CA bundle (PEM) trusted for the backend's certificate, in addition to the
-    /// system roots.
-    pub ca: Option<String>,
+    /// Client certificate chain (PEM text), a secret reference; with `key`.
+    #[schemars(required)]
+    pub cert: Option<RawSecret>,
+    /// Client private key (PEM text), a secret reference; with `cert`.
+    #[schemars(required)]
+    pub key: Option<RawSecret>,
+    /// CA bundle (PEM text), a secret reference: the only roots trusted for this
+    /// backend's certificate (the system roots are not). Default: the system roots.
+    pub ca: Option<RawSecret>,
 }
 
 /// Price in euros per million tokens, at most 6 decimal places.

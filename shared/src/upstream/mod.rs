@@ -38,6 +38,9 @@ pub enum CallError {
     Timeout(Duration),
     #[error("connection failed: {0}")]
     Connect(String),
+    /// The TLS handshake failed: what an operator fixes in the backend's `tls`.
+    #[error("TLS handshake failed: {0}")]
+    Tls(String),
     #[error("credential unavailable: {0}")]
     Credential(String),
 }
@@ -82,9 +85,49 @@ impl UpstreamClient {
         match tokio::time::timeout(self.timeout, request.send()).await {
             Err(_) => Err(CallError::Timeout(self.timeout)),
             Ok(Err(e)) if e.is_timeout() => Err(CallError::Timeout(self.timeout)),
-            Ok(Err(e)) => Err(CallError::Connect(without_url(&e))),
+            Ok(Err(e)) => Err(send_error(&e)),
             Ok(Ok(response)) => Ok(response),
         }
+    }
+}
+
+/// A request that got no answer: a TLS failure as rustls names it, else the
+/// connection error as reqwest tells it. rustls's error sits down the error's sources,
+/// inside I/O errors (hyper's, tokio-rustls's) whose `source()` skips the error they
+/// wrap: those are opened with `get_ref`.
+fn send_error(e: &reqwest::Error) -> CallError {
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(error) = next {
+        if let Some(tls) = error.downcast_ref::<rustls::Error>() {
+            return CallError::Tls(tls_failure(tls));
+        }
+        next = match error.downcast_ref::<std::io::Error>().and_then(std::io::Error::get_ref) {
+            Some(inner) => Some(inner),
+            None => error.source(),
+        };
+    }
+    CallError::Connect(without_url(e))
+}
+
+/// rustls's words, and where to look: the CA that should sign the backend's
+/// certificate, or the client certificate the backend refused.
+fn tls_failure(error: &rustls::Error) -> String {
+    use rustls::AlertDescription as Alert;
+    match error {
+        rustls::Error::InvalidCertificate(_) => {
+            format!("{error}: the backend's certificate is not trusted (its `tls.ca`, or the system roots)")
+        }
+        rustls::Error::AlertReceived(
+            Alert::CertificateRequired
+            | Alert::BadCertificate
+            | Alert::UnknownCA
+            | Alert::CertificateUnknown
+            | Alert::CertificateExpired
+            | Alert::CertificateRevoked
+            | Alert::UnsupportedCertificate
+            | Alert::AccessDenied,
+        ) => format!("{error}: the backend refused the client certificate (its `tls.cert` and `tls.key`)"),
+        other => other.to_string(),
     }
 }
 
@@ -114,7 +157,7 @@ impl Upstreams {
             };
             let http = match &endpoint.tls {
                 None => shared.clone(),
-                Some(tls) => tls_client(name, tls)?,
+                Some(tls) => tls_client(name, tls, secrets)?,
             };
             let client = UpstreamClient {
                 http,
@@ -140,18 +183,42 @@ fn client_builder() -> reqwest::ClientBuilder {
         .user_agent(concat!("flexway/", env!("CARGO_PKG_VERSION")))
 }
 
-fn tls_client(name: &BackendId, tls: &Tls) -> Result<reqwest::Client, SetupError> {
+/// The backend's own client for mTLS: its client certificate and key, and its CA
+/// bundle in place of the system roots. Errors name the reference and what is wrong
+/// with its PEM, never the PEM (the key is a secret).
+fn tls_client(name: &BackendId, tls: &Tls, secrets: &dyn SecretSource) -> Result<reqwest::Client, SetupError> {
     let err = |detail: String| SetupError::Tls { backend: name.clone(), detail };
-    let mut pem = std::fs::read(&tls.cert).map_err(|e| err(format!("{}: {e}", tls.cert.display())))?;
-    pem.extend(std::fs::read(&tls.key).map_err(|e| err(format!("{}: {e}", tls.key.display())))?);
-    let identity = reqwest::Identity::from_pem(&pem).map_err(|e| err(e.to_string()))?;
-    let mut builder = client_builder().identity(identity);
-    if let Some(ca) = &tls.ca {
-        let ca_pem = std::fs::read(ca).map_err(|e| err(format!("{}: {e}", ca.display())))?;
-        let cert = reqwest::Certificate::from_pem(&ca_pem).map_err(|e| err(e.to_string()))?;
-        builder = builder.add_root_certificate(cert);
+    let resolve =
+        |reference| secrets.resolve(reference).map_err(|source| SetupError::Secret { backend: name.clone(), source });
+    let cert = resolve(&tls.cert)?;
+    let key = resolve(&tls.key)?;
+    // Both read apart first, so that an error says which one is wrong.
+    if !pem_holds(cert.expose(), &["CERTIFICATE"]) {
+        return Err(err(format!("tls.cert ({}) holds no PEM certificate", tls.cert)));
     }
-    builder.build().map_err(|e| err(e.to_string()))
+    if !pem_holds(key.expose(), &["PRIVATE KEY", "RSA PRIVATE KEY", "EC PRIVATE KEY"]) {
+        return Err(err(format!("tls.key ({}) holds no PEM private key", tls.key)));
+    }
+    let pem = format!("{}\n{}\n", cert.expose(), key.expose());
+    let identity = reqwest::Identity::from_pem(pem.as_bytes())
+        .map_err(|e| err(format!("tls.cert and tls.key ({}, {}): {}", tls.cert, tls.key, without_url(&e))))?;
+    let mut builder = client_builder().identity(identity);
+    if let Some(reference) = &tls.ca {
+        let ca = resolve(reference)?;
+        let roots = reqwest::Certificate::from_pem_bundle(ca.expose().as_bytes())
+            .map_err(|e| err(format!("tls.ca ({reference}): {}", without_url(&e))))?;
+        if roots.is_empty() {
+            return Err(err(format!("tls.ca ({reference}) holds no PEM certificate")));
+        }
+        builder =
+            roots.into_iter().fold(builder.tls_built_in_root_certs(false), |b, root| b.add_root_certificate(root));
+    }
+    builder.build().map_err(|e| err(without_url(&e)))
+}
+
+/// Whether `pem` has a block of one of these labels (`-----BEGIN <label>-----`).
+fn pem_holds(pem: &str, labels: &[&str]) -> bool {
+    labels.iter().any(|label| pem.contains(&format!("-----BEGIN {label}-----")))
 }
 
 fn credential(name: &BackendId, endpoint: &Endpoint, secrets: &dyn SecretSource) -> Result<Credential, SetupError> {
