@@ -36,6 +36,8 @@ pub struct RawConfig {
     pub store: Option<RawStore>,
     /// Where audit records go. Default: `{sink: stdout}`.
     pub audit: Option<RawAudit>,
+    /// How secret references are kept fresh. Default: `{refresh: 5m}`.
+    pub secrets: Option<RawSecretPolicy>,
     /// Tenants by name: their API keys, budgets and agents.
     pub tenants: Option<BTreeMap<String, RawTenant>>,
     /// Routing, budget policy, vision limits and the backends.
@@ -88,6 +90,18 @@ pub enum RawSinkKind {
     File,
     Stdout,
     Cloudwatch,
+}
+
+/// Secret references: every one is resolved when the gateway starts (one that cannot
+/// be stops the start, named); the backends' ones are resolved again after.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Secrets", expecting = "secrets (a mapping)")]
+pub struct RawSecretPolicy {
+    /// How often the backends' secret references (auth secrets, TLS material) are
+    /// resolved again, so that a rotated value is used without a restart; a failed
+    /// refresh keeps the last value. `audit.hash_salt` is resolved once (hashes stay
+    /// comparable). Default: 5m.
+    pub refresh: Option<RawDuration>,
 }
 
 /// A tenant: a consuming team, with its keys, budgets and agents.

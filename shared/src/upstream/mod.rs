@@ -2,33 +2,39 @@
 //!
 //! The request sent upstream is built from nothing: a JSON body, a content type and
 //! the backend's own credential. No header of the caller's travels, so the caller's
-//! key can never reach a backend. Secrets are resolved once at start-up, except
-//! `token_file`, which is re-read at every call (a projected workload-identity token
-//! rotates under our feet).
+//! key can never reach a backend.
+//!
+//! A backend's secrets (its auth secret, its TLS material) are resolved before the
+//! gateway starts and again every `secrets.refresh`: each backend's credential and
+//! client sit behind an `ArcSwap`, replaced whole when a refresh brings new values, so
+//! a request uses one consistent set and a rotated key is picked up without a
+//! restart. A refresh that fails keeps the last good set. `token_file` is apart: it is
+//! re-read at every call (a projected workload-identity token rotates under our feet).
 
 pub mod body;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use http::{HeaderName, HeaderValue};
 
-use crate::config::{Auth, BackendId, Config, Endpoint, Tls};
-use crate::secret::{SecretError, SecretSource};
+use crate::config::{Auth, BackendId, Config, Endpoint, SecretRef, Tls};
+use crate::secret::{Resolved, Secret, SecretError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
-    #[error("backend `{backend}`: {source}")]
-    Secret { backend: BackendId, source: SecretError },
+    /// A reference that did not resolve, named by its path in the document.
+    #[error("{path}: {source}")]
+    Secret { path: String, source: SecretError },
     #[error("backend `{backend}`: the credential is not a valid header value")]
     BadCredential { backend: BackendId },
     #[error("backend `{backend}`: TLS: {detail}")]
     Tls { backend: BackendId, detail: String },
     #[error("HTTP client: {0}")]
     Client(String),
-    #[error("audit.hash_salt: {source}")]
-    AuditSalt { source: SecretError },
 }
 
 /// Why a backend did not answer.
@@ -53,21 +59,44 @@ enum Credential {
 }
 
 pub struct UpstreamClient {
-    http: reqwest::Client,
     base: String,
-    credential: Credential,
+    live: ArcSwap<Live>,
     pub timeout: Duration,
+}
+
+/// What a backend's secrets built: the client (its own when it has `tls`) and the
+/// credential, replaced together by a refresh.
+struct Live {
+    http: reqwest::Client,
+    credential: Credential,
+    /// The values they were built from, to tell whether a refresh brought new ones.
+    material: Material,
+}
+
+/// A backend's resolved secrets.
+#[derive(Clone, PartialEq, Eq)]
+struct Material {
+    auth: Option<Secret>,
+    tls: Option<TlsMaterial>,
+}
+
+#[derive(Clone, PartialEq, Eq)]
+struct TlsMaterial {
+    cert: Secret,
+    key: Secret,
+    ca: Option<Secret>,
 }
 
 impl UpstreamClient {
     /// POSTs a JSON body to `{url}{path}` and waits for the response head.
     pub async fn post_json(&self, path: &str, body: Vec<u8>) -> Result<reqwest::Response, CallError> {
-        let mut request = self
+        let live = self.live.load();
+        let mut request = live
             .http
             .post(format!("{}{}", self.base, path))
             .header(http::header::CONTENT_TYPE, "application/json")
             .body(body);
-        match &self.credential {
+        match &live.credential {
             Credential::None => {}
             Credential::Header(name, value) => request = request.header(name, value),
             Credential::TokenFile(path) => {
@@ -142,27 +171,25 @@ fn without_url(e: &reqwest::Error) -> String {
     message
 }
 
-/// Every endpoint backend's client, built once.
+/// Every endpoint backend's client.
 pub struct Upstreams {
     clients: HashMap<BackendId, UpstreamClient>,
 }
 
 impl Upstreams {
-    pub fn new(config: &Config, secrets: &dyn SecretSource) -> Result<Self, SetupError> {
+    /// Every endpoint backend's client, from its secrets resolved in `secrets`.
+    pub fn new(config: &Config, secrets: &Resolved) -> Result<Self, SetupError> {
         let shared = client_builder().build().map_err(|e| SetupError::Client(e.to_string()))?;
         let mut clients = HashMap::new();
         for (name, backend) in &config.ai.backends {
             let Some(endpoint) = backend.kind.endpoint() else {
                 continue;
             };
-            let http = match &endpoint.tls {
-                None => shared.clone(),
-                Some(tls) => tls_client(name, tls, secrets)?,
-            };
+            let material = material(name, endpoint, secrets)?;
+            let live = Live::build(name, endpoint, material, None, &shared)?;
             let client = UpstreamClient {
-                http,
                 base: endpoint.url.trim_end_matches('/').to_owned(),
-                credential: credential(name, endpoint, secrets)?,
+                live: ArcSwap::from_pointee(live),
                 timeout: backend.timeout,
             };
             clients.insert(name.clone(), client);
@@ -172,6 +199,82 @@ impl Upstreams {
 
     pub fn get(&self, name: &BackendId) -> Option<&UpstreamClient> {
         self.clients.get(name)
+    }
+
+    /// Puts the values of a refresh in use, backend by backend: a backend whose
+    /// references all resolved, to values that differ from those in use, gets a new
+    /// credential (and a new client if its TLS material changed). A backend with a
+    /// reference missing from `secrets` (its refresh failed, and was logged), or whose
+    /// new values do not build, keeps what it has. Returns the backends updated.
+    pub fn refresh(&self, config: &Config, secrets: &Resolved) -> Vec<BackendId> {
+        let mut updated = Vec::new();
+        for (name, client) in &self.clients {
+            let Some(endpoint) = config.ai.backends.get(name).and_then(|b| b.kind.endpoint()) else {
+                continue;
+            };
+            let Ok(material) = material(name, endpoint, secrets) else {
+                continue;
+            };
+            let current = client.live.load();
+            if material == current.material {
+                continue;
+            }
+            match Live::build(name, endpoint, material, Some(&current), &current.http) {
+                Ok(live) => {
+                    client.live.store(Arc::new(live));
+                    updated.push(name.clone());
+                }
+                Err(e) => tracing::error!("secret refresh: {e}; the backend keeps its current credential"),
+            }
+        }
+        updated
+    }
+}
+
+/// A backend's secrets, taken from those resolved (each reference named by its path
+/// when it is missing).
+fn material(name: &BackendId, endpoint: &Endpoint, secrets: &Resolved) -> Result<Material, SetupError> {
+    let get = |key: &str, reference: &SecretRef| {
+        secrets.get(reference).cloned().ok_or_else(|| SetupError::Secret {
+            path: format!("ai.backends.{name}.{key}"),
+            source: SecretError::Unavailable { reference: reference.to_string(), detail: "not resolved".into() },
+        })
+    };
+    let auth = match &endpoint.auth {
+        Auth::Bearer { secret } | Auth::Header { secret, .. } => Some(get("auth.secret", secret)?),
+        Auth::None | Auth::TokenFile { .. } => None,
+    };
+    let tls = match &endpoint.tls {
+        None => None,
+        Some(tls) => Some(TlsMaterial {
+            cert: get("tls.cert", &tls.cert)?,
+            key: get("tls.key", &tls.key)?,
+            ca: tls.ca.as_ref().map(|ca| get("tls.ca", ca)).transpose()?,
+        }),
+    };
+    Ok(Material { auth, tls })
+}
+
+impl Live {
+    /// The client and credential `material` makes. A client of its own is built for
+    /// new TLS material (none in `previous`, or different); otherwise `keep` serves:
+    /// the shared client at start, the backend's current one on a refresh (its
+    /// connections stay open).
+    fn build(
+        name: &BackendId,
+        endpoint: &Endpoint,
+        material: Material,
+        previous: Option<&Live>,
+        keep: &reqwest::Client,
+    ) -> Result<Live, SetupError> {
+        let http = match (&endpoint.tls, &material.tls) {
+            (Some(tls), Some(pem)) if previous.is_none_or(|p| p.material.tls.as_ref() != Some(pem)) => {
+                tls_client(name, tls, pem)?
+            }
+            _ => keep.clone(),
+        };
+        let credential = credential(name, &endpoint.auth, material.auth.as_ref())?;
+        Ok(Live { http, credential, material })
     }
 }
 
@@ -186,25 +289,20 @@ fn client_builder() -> reqwest::ClientBuilder {
 /// The backend's own client for mTLS: its client certificate and key, and its CA
 /// bundle in place of the system roots. Errors name the reference and what is wrong
 /// with its PEM, never the PEM (the key is a secret).
-fn tls_client(name: &BackendId, tls: &Tls, secrets: &dyn SecretSource) -> Result<reqwest::Client, SetupError> {
+fn tls_client(name: &BackendId, tls: &Tls, pem: &TlsMaterial) -> Result<reqwest::Client, SetupError> {
     let err = |detail: String| SetupError::Tls { backend: name.clone(), detail };
-    let resolve =
-        |reference| secrets.resolve(reference).map_err(|source| SetupError::Secret { backend: name.clone(), source });
-    let cert = resolve(&tls.cert)?;
-    let key = resolve(&tls.key)?;
     // Both read apart first, so that an error says which one is wrong.
-    if !pem_holds(cert.expose(), &["CERTIFICATE"]) {
+    if !pem_holds(pem.cert.expose(), &["CERTIFICATE"]) {
         return Err(err(format!("tls.cert ({}) holds no PEM certificate", tls.cert)));
     }
-    if !pem_holds(key.expose(), &["PRIVATE KEY", "RSA PRIVATE KEY", "EC PRIVATE KEY"]) {
+    if !pem_holds(pem.key.expose(), &["PRIVATE KEY", "RSA PRIVATE KEY", "EC PRIVATE KEY"]) {
         return Err(err(format!("tls.key ({}) holds no PEM private key", tls.key)));
     }
-    let pem = format!("{}\n{}\n", cert.expose(), key.expose());
-    let identity = reqwest::Identity::from_pem(pem.as_bytes())
+    let identity = format!("{}\n{}\n", pem.cert.expose(), pem.key.expose());
+    let identity = reqwest::Identity::from_pem(identity.as_bytes())
         .map_err(|e| err(format!("tls.cert and tls.key ({}, {}): {}", tls.cert, tls.key, without_url(&e))))?;
     let mut builder = client_builder().identity(identity);
-    if let Some(reference) = &tls.ca {
-        let ca = resolve(reference)?;
+    if let (Some(reference), Some(ca)) = (&tls.ca, &pem.ca) {
         let roots = reqwest::Certificate::from_pem_bundle(ca.expose().as_bytes())
             .map_err(|e| err(format!("tls.ca ({reference}): {}", without_url(&e))))?;
         if roots.is_empty() {
@@ -221,7 +319,9 @@ fn pem_holds(pem: &str, labels: &[&str]) -> bool {
     labels.iter().any(|label| pem.contains(&format!("-----BEGIN {label}-----")))
 }
 
-fn credential(name: &BackendId, endpoint: &Endpoint, secrets: &dyn SecretSource) -> Result<Credential, SetupError> {
+/// The header a backend's auth sends, from its secret (`None` for `none` and
+/// `token_file`, which has no secret to resolve).
+fn credential(name: &BackendId, auth: &Auth, secret: Option<&Secret>) -> Result<Credential, SetupError> {
     let sensitive = |value: String| {
         HeaderValue::from_str(&value)
             .map(|mut v| {
@@ -230,19 +330,19 @@ fn credential(name: &BackendId, endpoint: &Endpoint, secrets: &dyn SecretSource)
             })
             .map_err(|_| SetupError::BadCredential { backend: name.clone() })
     };
-    let resolve =
-        |reference| secrets.resolve(reference).map_err(|source| SetupError::Secret { backend: name.clone(), source });
-    Ok(match &endpoint.auth {
-        Auth::None => Credential::None,
-        Auth::Bearer { secret } => {
-            let secret = resolve(secret)?;
+    Ok(match (auth, secret) {
+        (Auth::None, _) => Credential::None,
+        (Auth::TokenFile { path }, _) => Credential::TokenFile(path.clone()),
+        (Auth::Bearer { .. }, Some(secret)) => {
             Credential::Header(http::header::AUTHORIZATION, sensitive(format!("Bearer {}", secret.expose()))?)
         }
-        Auth::Header { name: header, secret } => {
+        (Auth::Header { name: header, .. }, Some(secret)) => {
             let header = HeaderName::from_bytes(header.as_bytes())
                 .map_err(|_| SetupError::BadCredential { backend: name.clone() })?;
-            Credential::Header(header, sensitive(resolve(secret)?.expose().to_owned())?)
+            Credential::Header(header, sensitive(secret.expose().to_owned())?)
         }
-        Auth::TokenFile { path } => Credential::TokenFile(path.clone()),
+        (Auth::Bearer { .. } | Auth::Header { .. }, None) => {
+            return Err(SetupError::BadCredential { backend: name.clone() });
+        }
     })
 }
