@@ -13,6 +13,7 @@
 use std::time::Duration;
 
 use aws_config::{Region, SdkConfig};
+use aws_sdk_secretsmanager::error::{ProvideErrorMetadata, SdkError};
 use flexway::config::SecretRef;
 use flexway::secret::{LocalSecrets, Secret, SecretError, SecretSource};
 use tokio::sync::OnceCell;
@@ -58,9 +59,12 @@ impl AwsSecretSource {
                 let config =
                     aws_sdk_secretsmanager::config::Builder::from(sdk).region(region).timeout_config(timeouts).build();
                 let client = aws_sdk_secretsmanager::Client::from_conf(config);
-                let output = client.get_secret_value().secret_id(arn).send().await.map_err(|e| {
-                    unavailable(format!("Secrets Manager: {}", aws_sdk_secretsmanager::error::DisplayErrorContext(&e)))
-                })?;
+                let output = client
+                    .get_secret_value()
+                    .secret_id(arn)
+                    .send()
+                    .await
+                    .map_err(|e| unavailable(format!("Secrets Manager: {}", reason(&e))))?;
                 match (output.secret_string(), output.secret_binary()) {
                     (Some(text), _) => text.to_owned(),
                     (None, Some(binary)) => String::from_utf8(binary.as_ref().to_vec())
@@ -87,6 +91,39 @@ impl AwsSecretSource {
     }
 }
 
+/// Why a call failed, in words that cannot carry the value. Not the SDK's
+/// `DisplayErrorContext`: it prints the raw response, body included, and the body of
+/// an answer that failed to parse may be the secret itself.
+fn reason<E, R>(error: &SdkError<E, R>) -> String
+where
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+    R: std::fmt::Debug,
+{
+    match error {
+        SdkError::ServiceError(e) => match (e.err().code(), e.err().message()) {
+            (Some(code), Some(message)) => format!("{code}: {message}"),
+            (Some(code), None) => code.to_owned(),
+            _ => "the service refused the call".to_owned(),
+        },
+        SdkError::TimeoutError(_) => format!("no answer within {}s", CALL_TIMEOUT.as_secs()),
+        SdkError::ResponseError(_) => "the answer could not be read".to_owned(),
+        // Nothing was received yet: the causes (no credentials, no region, the
+        // endpoint unreachable) are the SDK's own words.
+        SdkError::ConstructionFailure(_) | SdkError::DispatchFailure(_) => {
+            let mut words = Vec::new();
+            let mut source = std::error::Error::source(error);
+            while let Some(cause) = source {
+                words.push(cause.to_string());
+                source = cause.source();
+            }
+            let words = if words.is_empty() { error.to_string() } else { words.join(": ") };
+            // One line: the credential chain lists its attempts a line each.
+            words.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join("; ")
+        }
+        _ => error.to_string(),
+    }
+}
+
 #[async_trait::async_trait]
 impl SecretSource for AwsSecretSource {
     async fn resolve(&self, reference: &SecretRef) -> Result<Secret, SecretError> {
@@ -94,5 +131,23 @@ impl SecretSource for AwsSecretSource {
             SecretRef::AwsArn(arn) => self.resolve_arn(reference, arn).await,
             SecretRef::Env(_) | SecretRef::File(_) => self.local.resolve(reference).await,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use aws_sdk_secretsmanager::operation::get_secret_value::GetSecretValueError;
+
+    use super::*;
+
+    #[test]
+    fn an_answer_that_could_not_be_read_is_never_shown() {
+        let body = r#"{"SecretString": "sk-canary-in-the-body"}"#.to_owned();
+        let error = SdkError::<GetSecretValueError, String>::response_error("unexpected field", body);
+        let reason = reason(&error);
+        assert_eq!(reason, "the answer could not be read");
+        // What this guards against: the SDK's own rendering prints the raw answer.
+        let sdk_words = aws_sdk_secretsmanager::error::DisplayErrorContext(&error).to_string();
+        assert!(sdk_words.contains("sk-canary"), "{sdk_words}");
     }
 }
