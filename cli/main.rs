@@ -41,8 +41,8 @@ enum Command {
         #[arg(long, default_value = "flexway.yaml")]
         config: PathBuf,
         /// Resolve every secret reference, as `serve` does: one that cannot be
-        /// resolved here is an error (AWS references always are: this Flexway does
-        /// not resolve them).
+        /// resolved here is an error. AWS Secrets Manager and SSM references are read
+        /// with the AWS SDK's usual environment and credentials.
         #[arg(long)]
         resolve_secrets: bool,
     },
@@ -80,14 +80,8 @@ fn main() -> ExitCode {
 }
 
 fn validate(path: &std::path::Path, secrets: Secrets) -> ExitCode {
-    match flexway::config::load_file_with(path, &flexway::config::ProcessEnv, secrets) {
-        Ok(loaded) => {
-            for warning in &loaded.warnings {
-                eprintln!("warning: {}: {warning}", path.display());
-            }
-            println!("{}: ok ({} warning(s))", path.display(), loaded.warnings.len());
-            ExitCode::SUCCESS
-        }
+    let loaded = match flexway::config::load_file_with(path, &flexway::config::ProcessEnv, secrets) {
+        Ok(loaded) => loaded,
         Err(error) => {
             for diagnostic in &error.errors {
                 eprintln!("error: {}: {diagnostic}", path.display());
@@ -96,7 +90,38 @@ fn validate(path: &std::path::Path, secrets: Secrets) -> ExitCode {
                 eprintln!("error: {}: {line}", path.display());
             }
             eprintln!("{}: {} error(s)", path.display(), error.count());
-            ExitCode::FAILURE
+            return ExitCode::FAILURE;
+        }
+    };
+    for warning in &loaded.warnings {
+        eprintln!("warning: {}: {warning}", path.display());
+    }
+    // Loading checked the local references; AWS ones are network calls, made here.
+    if secrets == Secrets::Resolve {
+        let failures = match resolve_secrets(&loaded.config) {
+            Ok(failures) => failures,
+            Err(e) => {
+                eprintln!("error: cannot start the runtime: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        if !failures.is_empty() {
+            for (at, error) in &failures {
+                eprintln!("error: {}: {at}: {error}", path.display());
+            }
+            eprintln!("{}: {} error(s)", path.display(), failures.len());
+            return ExitCode::FAILURE;
         }
     }
+    println!("{}: ok ({} warning(s))", path.display(), loaded.warnings.len());
+    ExitCode::SUCCESS
+}
+
+/// Every secret reference of `config` resolved as a start would: the failures, each
+/// with its path in the document.
+fn resolve_secrets(config: &flexway::config::Config) -> std::io::Result<Vec<(String, flexway::secret::SecretError)>> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let source = flexway_aws::AwsSecretSource::from_env();
+    let (_, failures) = runtime.block_on(flexway::secret::resolve_all(&config.secret_references(), &source));
+    Ok(failures)
 }

@@ -1,4 +1,5 @@
-//! `flexway serve`: load, build the adapters once, run the sweeper, listen.
+//! `flexway serve`: load, resolve the secrets, build the adapters once, run the sweeper
+//! and the secrets refresh, listen.
 
 use std::io::IsTerminal;
 use std::path::Path;
@@ -16,8 +17,8 @@ use flexway::audit::{AuditSink, FileAuditSink, StdoutAuditSink};
 use flexway::budget::{BudgetStore, EmbeddedBudgetStore, MemoryBudgetStore, period::unix_now};
 use flexway::config::{self, AuditSinkConfig, Config, ProcessEnv, Secrets, StoreConfig};
 use flexway::gateway::Adapters;
-use flexway::secret::LocalSecrets;
 use flexway::telemetry::Export;
+use flexway_aws::AwsSecretSource;
 
 /// How long `serve` waits, on its way out, for the last telemetry to be sent.
 const TELEMETRY_FLUSH_AT_EXIT: Duration = Duration::from_secs(5);
@@ -95,7 +96,11 @@ fn adapters(config: &Config) -> anyhow::Result<Adapters> {
 async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
     let adapters = adapters(&config)?;
     let budgets = adapters.budgets.clone();
-    let gateway = Arc::new(flexway::Gateway::new(config, &LocalSecrets { env: &ProcessEnv }, adapters)?);
+    // `env:` and `file:` references, and AWS ones with the SDK's usual environment (as
+    // the Lambda function does): both shapes resolve the same configuration alike.
+    let gateway = Arc::new(flexway::Gateway::new(config, Arc::new(AwsSecretSource::from_env()), adapters).await?);
+    let refreshing = gateway.clone();
+    tokio::spawn(async move { refreshing.refresh_secrets_forever().await });
     // The sweeper refunds reservations whose call vanished (a killed process), and
     // charges those that carry a settlement that could not be written.
     tokio::spawn(async move {

@@ -172,23 +172,32 @@ fn validate_warns_about_an_unreadable_file_and_resolve_secrets_refuses_it() {
     assert!(!stdout.contains("canary") && !stderr.contains("canary"));
 }
 
-/// Resolving Secrets Manager and SSM references is not built: validate says the
-/// reference was checked for its form only, and refuses it when asked to resolve.
+/// An AWS environment where no AWS answers: dummy credentials, an endpoint nobody
+/// listens on, no instance metadata to probe. A resolution fails at once.
+const NO_AWS: [(&str, &str); 4] = [
+    ("AWS_ACCESS_KEY_ID", "test"),
+    ("AWS_SECRET_ACCESS_KEY", "test"),
+    ("AWS_ENDPOINT_URL", "http://127.0.0.1:9"),
+    ("AWS_EC2_METADATA_DISABLED", "true"),
+];
+
+/// Loading makes no network call: validate checks an AWS reference for its form, and
+/// `--resolve-secrets` calls AWS for it (tests/secrets_aws.rs, against the emulator,
+/// shows it resolving); here no AWS answers, and the error names the reference.
 #[test]
-fn validate_checks_an_aws_reference_for_form_only_and_cannot_resolve_it() {
+fn validate_checks_an_aws_reference_for_form_and_resolve_secrets_calls_aws() {
     let dir = tempfile::tempdir().unwrap();
     let arn = "arn:aws:ssm:eu-west-1:123456789012:parameter/flexway/a";
     let config = with_secret(dir.path(), arn);
 
-    let (status, _, stderr) = flexway_in_clean_env(&["validate", "--config", &config], &[SALT]);
-    assert!(status.success(), "{stderr}");
-    let warning = line(&stderr, "warning:", "ai.backends.a.auth.secret");
-    assert!(warning.contains(arn) && warning.contains("form only"), "{warning}");
+    let (status, stdout, stderr) = flexway_in_clean_env(&["validate", "--config", &config], &[SALT]);
+    assert!(status.success() && stdout.contains("ok (0 warning(s))"), "{stdout}\n{stderr}");
 
-    let (status, _, stderr) = flexway_in_clean_env(&["validate", "--config", &config, "--resolve-secrets"], &[SALT]);
+    let env = [&[SALT][..], &NO_AWS].concat();
+    let (status, _, stderr) = flexway_in_clean_env(&["validate", "--config", &config, "--resolve-secrets"], &env);
     assert!(!status.success(), "{stderr}");
     let error = line(&stderr, "error:", "ai.backends.a.auth.secret");
-    assert!(error.contains(arn) && error.contains("cannot be resolved"), "{error}");
+    assert!(error.contains(&format!("secret {arn}: SSM: ")), "{error}");
 }
 
 #[test]
@@ -197,8 +206,9 @@ fn serve_refuses_to_start_when_a_secret_cannot_be_resolved() {
     let unreadable = format!("file:{}", dir.path().join("no-such-key").display());
     for secret in ["env:BACKEND_A_KEY", &unreadable, "arn:aws:ssm:eu-west-1:123456789012:parameter/flexway/a"] {
         let config = with_secret(dir.path(), secret);
+        let env = [&[SALT][..], &NO_AWS].concat();
         let (status, _, stderr) =
-            flexway_in_clean_env(&["serve", "--config", &config, "--listen", "127.0.0.1:0"], &[SALT]);
+            flexway_in_clean_env(&["serve", "--config", &config, "--listen", "127.0.0.1:0"], &env);
         assert!(!status.success(), "{secret}: {stderr}");
         assert!(!stderr.contains("listening"), "{secret}: {stderr}");
         line(&stderr, "error:", "ai.backends.a.auth.secret");

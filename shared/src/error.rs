@@ -80,8 +80,18 @@ pub enum GatewayError {
     BudgetExceeded { budget: String, retry_after_secs: u64 },
     #[error("backend `{backend}` answered with an invalid response: {detail}; {attempts}")]
     UpstreamError { backend: BackendId, detail: String, attempts: Attempts },
-    #[error("no backend could serve this request ({}); {attempts}", cause.as_str())]
-    UpstreamUnavailable { cause: UnavailableCause, attempts: Attempts },
+    #[error(
+        "no backend could serve this request ({}){}; {attempts}",
+        cause.as_str(),
+        .last_failure.as_ref().map(|f| format!(": {f}")).unwrap_or_default()
+    )]
+    UpstreamUnavailable {
+        cause: UnavailableCause,
+        attempts: Attempts,
+        /// What the last backend tried said, when it is ours to fix and safe to show
+        /// (a TLS failure: the certificate refused and why).
+        last_failure: Option<String>,
+    },
     #[error("backend `{backend}` timed out; {attempts}")]
     UpstreamTimeout { backend: BackendId, attempts: Attempts },
     #[error("no route for {method} {path}")]
@@ -169,7 +179,7 @@ impl GatewayError {
             GatewayError::BudgetExceeded { retry_after_secs, .. } => {
                 vec![("retry-after", retry_after_secs.to_string())]
             }
-            GatewayError::UpstreamUnavailable { cause, attempts } => {
+            GatewayError::UpstreamUnavailable { cause, attempts, .. } => {
                 let mut h = vec![("flexway-error-cause", cause.as_str().to_owned())];
                 attempts.headers(&mut h);
                 h
@@ -218,6 +228,7 @@ mod tests {
                 tried: vec![BackendId::new("a"), BackendId::new("b")],
                 skipped: vec![BackendId::new("c")],
             },
+            last_failure: None,
         };
         assert!(err.to_string().contains("skipped for an open circuit: c"));
         assert_eq!(err.status(), StatusCode::SERVICE_UNAVAILABLE);

@@ -1,8 +1,13 @@
 //! The gateway's shared state: built once at start-up (outside any handler, so the
 //! clients live across requests and Lambda invocations), then read by every request.
+//!
+//! Every secret reference resolves before the gateway exists (a reference that does
+//! not stops the start, named by its path and reference, never by a value). The
+//! backends' references are resolved again every `secrets.refresh`
+//! ([`Gateway::refresh_secrets`]); the audit salt is not: hashes must stay comparable.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use crate::audit::{AuditSink, Hasher};
 use crate::budget::BudgetStore;
@@ -11,7 +16,7 @@ use crate::identity::KeyRing;
 use crate::metrics::Registry;
 use crate::routing::Router;
 use crate::routing::breaker::Breakers;
-use crate::secret::SecretSource;
+use crate::secret::{SecretSource, resolve_all};
 use crate::telemetry::{Export, Telemetry};
 use crate::upstream::{SetupError, Upstreams};
 
@@ -37,32 +42,40 @@ pub struct Gateway {
     pub breakers: Breakers,
     pub metrics: Registry,
     pub telemetry: Telemetry,
+    secrets: Arc<dyn SecretSource>,
+    /// When the backends' secrets are next due for a refresh.
+    next_refresh: Mutex<Instant>,
 }
 
 impl Gateway {
-    pub fn new(config: Config, secrets: &dyn SecretSource, adapters: Adapters) -> Result<Self, SetupError> {
+    /// Resolves every secret reference of `config` through `secrets` (concurrently),
+    /// then builds the gateway; `secrets` is kept for the refreshes.
+    pub async fn new(config: Config, secrets: Arc<dyn SecretSource>, adapters: Adapters) -> Result<Self, SetupError> {
+        let (resolved, failures) = resolve_all(&config.secret_references(), secrets.as_ref()).await;
+        if let Some((path, source)) = failures.into_iter().next() {
+            return Err(SetupError::Secret { path, source });
+        }
         let salt = match &config.audit.hash_salt {
-            Some(reference) => secrets
-                .resolve(reference)
-                .map_err(|source| SetupError::AuditSalt { source })?
-                .expose()
-                .as_bytes()
-                .to_vec(),
+            Some(reference) => resolved.get(reference).map(|s| s.expose().as_bytes().to_vec()).unwrap_or_default(),
             None => Vec::new(),
         };
         let telemetry = Telemetry::start(config.telemetry.as_ref(), adapters.export)?;
+        let upstreams = Upstreams::new(&config, &resolved)?;
+        let next_refresh = Mutex::new(Instant::now() + config.secrets.refresh);
         let config = Arc::new(config);
         Ok(Gateway {
             telemetry,
             keys: KeyRing::new(&config),
             router: Router::new(config.clone()),
-            upstreams: Upstreams::new(&config, secrets)?,
+            upstreams,
             budgets: adapters.budgets,
             audit: adapters.audit,
             hasher: Hasher::new(&salt),
             metrics: Registry::new(),
             breakers: Breakers::new(config.ai.backends.iter().map(|(n, b)| (n.clone(), b.circuit_breaker.clone()))),
             config,
+            secrets,
+            next_refresh,
         })
     }
 
@@ -72,5 +85,52 @@ impl Gateway {
 
     pub fn timeout(&self, backend: &BackendId) -> Duration {
         self.config.ai.backends.get(backend).map(|b| b.timeout).unwrap_or_default()
+    }
+
+    /// Resolves the backends' secret references again and puts new values in use. A
+    /// reference that fails is logged (its path and reference, never a value) and its
+    /// backend keeps the values it has.
+    pub async fn refresh_secrets(&self) {
+        let references = self.config.ai.secret_references();
+        if references.is_empty() {
+            return;
+        }
+        let (resolved, failures) = resolve_all(&references, self.secrets.as_ref()).await;
+        for (path, error) in &failures {
+            tracing::error!("secret refresh: {path}: {error}; its backend keeps the last value resolved");
+        }
+        let updated = self.upstreams.refresh(&self.config, &resolved);
+        if !updated.is_empty() {
+            let names: Vec<&str> = updated.iter().map(BackendId::as_str).collect();
+            tracing::info!(backends = %names.join(", "), "secret refresh: new values in use");
+        }
+    }
+
+    /// The local shape's refresh: every `secrets.refresh`, for as long as the process
+    /// runs (spawn it once).
+    pub async fn refresh_secrets_forever(&self) {
+        let mut every = tokio::time::interval(self.config.secrets.refresh);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        every.tick().await; // the first tick is now: the start has just resolved them
+        loop {
+            every.tick().await;
+            self.refresh_secrets().await;
+        }
+    }
+
+    /// The serverless shape's refresh: on the request path, when `secrets.refresh`
+    /// has passed since the last one, so that no task is left running between
+    /// invocations (the environment may be frozen). One request per period waits for
+    /// it; requests meanwhile go on with the values in use.
+    pub async fn refresh_secrets_if_due(&self) {
+        let now = Instant::now();
+        {
+            let mut next = self.next_refresh.lock().unwrap_or_else(PoisonError::into_inner);
+            if now < *next {
+                return;
+            }
+            *next = now + self.config.secrets.refresh;
+        }
+        self.refresh_secrets().await;
     }
 }

@@ -118,6 +118,7 @@ fn assert_error(errors: &[Diagnostic], path: &str, fragment: &str) -> String {
 fn env() -> HashMap<String, String> {
     HashMap::from([
         ("BACKEND_KEY".to_string(), "not-shown".to_string()),
+        ("CA_PEM".to_string(), "-----BEGIN CERTIFICATE-----".to_string()),
         ("SALT".to_string(), "pepper".to_string()),
         ("EMPTY".to_string(), String::new()),
     ])
@@ -414,60 +415,50 @@ const ARNS: [&str; 3] = [
     "arn:aws-cn:ssm:cn-north-1:123456789012:parameter/x",
 ];
 
+/// Loading makes no network call: an ARN is checked for its form, and the gateway's
+/// secret source resolves it at start (as `flexway validate --resolve-secrets` does).
 #[test]
-fn checks_secrets_manager_and_ssm_arns_for_form_with_a_warning() {
+fn takes_secrets_manager_and_ssm_arns_checked_for_form_only() {
     for arn in ARNS {
-        let loaded = doc().set("ai.backends.main.auth", &format!("{{type: bearer, secret: '{arn}'}}")).checks();
-        let auth = &loaded.config.ai.backends["main"].kind.endpoint().unwrap().auth;
-        assert_eq!(auth, &Auth::Bearer { secret: SecretRef::AwsArn(arn.into()) });
-        let warning = warning_at(&loaded, "ai.backends.main.auth.secret");
-        assert!(warning.contains(arn) && warning.contains("form only"), "{warning}");
+        for loaded in [
+            doc().set("ai.backends.main.auth", &format!("{{type: bearer, secret: '{arn}'}}")).loads(),
+            doc().set("ai.backends.main.auth", &format!("{{type: bearer, secret: '{arn}'}}")).checks(),
+        ] {
+            let auth = &loaded.config.ai.backends["main"].kind.endpoint().unwrap().auth;
+            assert_eq!(auth, &Auth::Bearer { secret: SecretRef::AwsArn(arn.into()) });
+            assert!(other_warnings(&loaded).is_empty(), "{:#?}", loaded.warnings);
+        }
     }
 }
 
-/// Not built: a gateway about to start must not take an ARN it cannot resolve.
 #[test]
-fn refuses_arns_when_secrets_are_resolved() {
-    for arn in ARNS {
-        let message = doc()
-            .set("ai.backends.main.auth", &format!("{{type: bearer, secret: '{arn}'}}"))
-            .refused("ai.backends.main.auth.secret", "does not resolve AWS Secrets Manager or SSM");
-        assert!(message.contains(arn), "{message}");
-    }
-}
-
-fn warning_at(loaded: &Loaded, path: &str) -> String {
-    let found = loaded.warnings.iter().find(|w| w.path == path);
-    found.unwrap_or_else(|| panic!("no warning at {path}: {:#?}", loaded.warnings)).message.clone()
-}
-
-#[test]
-fn an_unset_variable_or_unreadable_file_is_a_warning_when_only_checked() {
+fn secret_references_are_listed_with_their_paths() {
     let loaded = doc()
-        .set("ai.backends.main.auth", "{type: bearer, secret: 'env:NOT_THERE'}")
-        .set("ai.backends.internal.auth", "{type: header, name: x-key, secret: 'file:/nonexistent/key'}")
-        .set("ai.backends.main.tls", "{cert: /nonexistent/c.pem, key: /nonexistent/k.pem}")
-        .set("audit", "{sink: stdout, hash_salt: 'env:EMPTY'}")
-        .checks();
-    assert!(warning_at(&loaded, "ai.backends.main.auth.secret").contains("environment variable NOT_THERE is not set"));
-    assert!(warning_at(&loaded, "ai.backends.internal.auth.secret").contains("/nonexistent/key cannot be read"));
-    assert!(warning_at(&loaded, "ai.backends.main.tls.cert").contains("/nonexistent/c.pem cannot be read"));
-    assert!(warning_at(&loaded, "ai.backends.main.tls.key").contains("/nonexistent/k.pem cannot be read"));
-    assert!(warning_at(&loaded, "audit.hash_salt").contains("EMPTY is empty"));
-    assert_eq!(loaded.warnings.len(), 5, "{:#?}", loaded.warnings);
+        .set("ai.backends.main.auth", &format!("{{type: bearer, secret: '{}'}}", ARNS[0]))
+        .set("ai.backends.main.tls", "{cert: 'env:BACKEND_KEY', key: 'env:BACKEND_KEY'}")
+        .set("audit", "{sink: stdout, hash_salt: 'env:SALT'}")
+        .loads();
+    let listed: Vec<(String, String)> =
+        loaded.config.secret_references().into_iter().map(|(path, r)| (path, r.to_string())).collect();
+    for expected in [
+        ("audit.hash_salt", "env:SALT"),
+        ("ai.backends.main.auth.secret", ARNS[0]),
+        ("ai.backends.main.tls.cert", "env:BACKEND_KEY"),
+        ("ai.backends.main.tls.key", "env:BACKEND_KEY"),
+    ] {
+        assert!(listed.contains(&(expected.0.to_owned(), expected.1.to_owned())), "{expected:?} not in {listed:#?}");
+    }
+    let refreshed = loaded.config.ai.secret_references();
+    assert!(refreshed.iter().all(|(path, _)| path != "audit.hash_salt"), "the salt is never refreshed");
 }
 
 #[test]
-fn a_malformed_reference_is_an_error_even_when_only_checked() {
-    let errors = load_str_with(
-        &doc().set("ai.backends.main.auth", "{type: bearer, secret: 'sk-live-123'}").text(),
-        &env(),
-        Secrets::Check,
-    )
-    .unwrap_err()
-    .errors;
-    let message = assert_error(&errors, "ai.backends.main.auth.secret", "never values");
-    assert!(!message.contains("sk-live-123"), "{message}");
+fn secrets_refresh_defaults_to_five_minutes_and_takes_a_duration() {
+    assert_eq!(doc().loads().config.secrets.refresh, Duration::from_secs(300));
+    assert_eq!(doc().set("secrets", "{refresh: 1s}").loads().config.secrets.refresh, Duration::from_secs(1));
+    doc().set("secrets", "{refresh: 0s}").refused("secrets.refresh", "longer than zero");
+    doc().set("secrets", "{refresh: 10}").refused("secrets.refresh", "no unit");
+    doc().set("secrets", "{every: 1m}").refused("secrets.every", "unknown");
 }
 
 #[test]
@@ -806,26 +797,43 @@ fn accepts_token_file_that_does_not_exist_yet() {
 fn refuses_tls_certificate_without_key() {
     let cert = temp_file("cert.pem", b"cert");
     doc()
-        .set("ai.backends.main.tls", &format!("{{cert: '{}'}}", cert.display()))
+        .set("ai.backends.main.tls", &format!("{{cert: 'file:{}'}}", cert.display()))
         .refused("ai.backends.main.tls.key", "required");
 }
 
 #[test]
-fn refuses_tls_files_that_do_not_exist() {
-    let errors = doc().set("ai.backends.main.tls", "{cert: /nonexistent/c.pem, key: /nonexistent/k.pem}").errors();
+fn refuses_tls_references_that_do_not_resolve() {
+    let errors = doc().set("ai.backends.main.tls", "{cert: 'file:/nonexistent/c.pem', key: 'env:NOT_THERE'}").errors();
     assert_eq!(errors.len(), 2, "{errors:#?}");
     assert_error(&errors, "ai.backends.main.tls.cert", "cannot be read");
-    assert_error(&errors, "ai.backends.main.tls.key", "cannot be read");
+    assert_error(&errors, "ai.backends.main.tls.key", "NOT_THERE is not set");
 }
 
 #[test]
-fn accepts_tls_files_that_exist() {
+fn refuses_tls_values_that_are_not_references_without_echoing_them() {
+    let errors = doc()
+        .set("ai.backends.main.tls", "{cert: /etc/flexway/c.pem, key: '-----BEGIN PRIVATE KEY----- MIIEv'}")
+        .errors();
+    let cert = assert_error(&errors, "ai.backends.main.tls.cert", "file:PATH");
+    let key = assert_error(&errors, "ai.backends.main.tls.key", "never values");
+    assert!(!cert.contains("/etc/flexway") && !key.contains("MIIEv"), "{errors:#?}");
+}
+
+#[test]
+fn accepts_tls_references_that_resolve() {
     let cert = temp_file("ok-cert.pem", b"cert");
     let key = temp_file("ok-key.pem", b"key");
-    let loaded =
-        doc().set("ai.backends.main.tls", &format!("{{cert: '{}', key: '{}'}}", cert.display(), key.display())).loads();
+    let loaded = doc()
+        .set(
+            "ai.backends.main.tls",
+            &format!("{{cert: 'file:{}', key: 'file:{}', ca: 'env:CA_PEM'}}", cert.display(), key.display()),
+        )
+        .loads();
     let tls = loaded.config.ai.backends["main"].kind.endpoint().unwrap().tls.clone().unwrap();
-    assert_eq!((tls.cert, tls.key, tls.ca), (cert, key, None));
+    assert_eq!(
+        (tls.cert, tls.key, tls.ca),
+        (SecretRef::File(cert), SecretRef::File(key), Some(SecretRef::Env("CA_PEM".into())))
+    );
 }
 
 #[test]

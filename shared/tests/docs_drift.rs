@@ -47,7 +47,11 @@ fn one_of_each() -> Vec<GatewayError> {
         GatewayError::HeadersTooLarge { max_headers: 1, max_bytes: 1 },
         GatewayError::BudgetExceeded { budget: "b".into(), retry_after_secs: 1 },
         GatewayError::UpstreamError { backend: BackendId::new("a"), detail: "d".into(), attempts: attempts.clone() },
-        GatewayError::UpstreamUnavailable { cause: UnavailableCause::UpstreamFailed, attempts: attempts.clone() },
+        GatewayError::UpstreamUnavailable {
+            cause: UnavailableCause::UpstreamFailed,
+            attempts: attempts.clone(),
+            last_failure: None,
+        },
         GatewayError::UpstreamTimeout { backend: BackendId::new("a"), attempts },
         GatewayError::NotFound { method: "GET".into(), path: "/".into() },
         GatewayError::MethodNotAllowed { method: "GET".into(), path: "/".into() },
@@ -132,14 +136,15 @@ fn configuration_doc(schema: &Value) -> String {
         "\n\nOne file, `flexway.yaml` (YAML), read by `flexway serve`, `flexway validate` and the Lambda \
          function (`FLEXWAY_CONFIG`). `flexway validate --config FILE` lists every error at once. \
          The published schema is `config/flexway.schema.json`; `config/flexway.yaml` is a complete \
-         example. Secrets are references (`env:NAME`, `file:PATH`), never \
-         values; an AWS Secrets Manager or SSM ARN passes validation but is not resolved yet, in \
-         either shape: the gateway refuses to start with one. `<name>` stands for a name you choose; `[]` for an item of a list. A key not \
+         example. Secrets are references, never values: `env:NAME`, `file:PATH`, or the ARN of an \
+         AWS Secrets Manager secret or SSM parameter, which the gateway resolves when it starts, in \
+         either shape, with the AWS SDK's usual environment and credentials (and again every \
+         `secrets.refresh`). `<name>` stands for a name you choose; `[]` for an item of a list. A key not \
          listed here is refused. \"Default\" repeats the default the description states. A file \
          is refused whole, before it is read as configuration, when it is over 4 MiB, nests deeper than \
          64 levels, would hold more than 1,000,000 nodes or 16 MiB of text once its YAML aliases are \
          expanded, or has a key longer than 1 KiB (`shared/src/config/bounds.rs`). Relative paths \
-         (`file:` references, `store.path`, `audit.path`, TLS files) resolve against the working \
+         (`file:` references, `store.path`, `audit.path`) resolve against the working \
          directory. The schema accepts backend kinds `anthropic`, `relay` and `grpc` and the keys only \
          they use (`descriptor_set`, `identity_headers`, `metering`, `relay_peer`), but those protocols \
          are not built: see docs/http.md.\n",

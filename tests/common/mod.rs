@@ -237,8 +237,8 @@ pub struct InProcess {
 pub async fn serve_in_process(yaml: &str, adapters: flexway::gateway::Adapters) -> InProcess {
     let env: std::collections::HashMap<String, String> = std::collections::HashMap::new();
     let loaded = flexway::config::load_str(yaml, &env).unwrap_or_else(|e| panic!("{e}"));
-    let secrets = flexway::secret::LocalSecrets { env: &env };
-    let gateway = Arc::new(flexway::Gateway::new(loaded.config, &secrets, adapters).unwrap());
+    let secrets = Arc::new(flexway::secret::LocalSecrets { env });
+    let gateway = Arc::new(flexway::Gateway::new(loaded.config, secrets, adapters).await.unwrap());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let app = flexway::http::app(gateway.clone());

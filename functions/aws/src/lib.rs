@@ -1,13 +1,15 @@
 //! Flexway's AWS adapters, for the serverless shape: the DynamoDB ledger, the
-//! CloudWatch Logs audit sink (and its reader, for `flexway report --log-group`), and
-//! the one function that turns the config's tagged enums into the adapters the core
-//! runs on. The core crate (`flexway`) never sees an AWS type; the Lambda binaries
+//! CloudWatch Logs audit sink (and its reader, for `flexway report --log-group`), the
+//! secret source that resolves Secrets Manager and SSM references (both shapes use
+//! it), and the one function that turns the config's tagged enums into the adapters
+//! the core runs on. The core crate (`flexway`) never sees an AWS type; the Lambda binaries
 //! (`functions/gateway`, `functions/sweeper`) call [`build_adapters`] once, at init.
 
 mod audit_reader;
 mod cloudwatch;
 mod dynamodb;
 mod emf;
+mod secrets;
 
 use std::sync::Arc;
 
@@ -21,6 +23,7 @@ pub use audit_reader::{AuditReadError, WRITE_DELAY_MARGIN_MS, read_audit_log_gro
 pub use cloudwatch::CloudWatchAuditSink;
 pub use dynamodb::DynamoDbBudgetStore;
 pub use emf::EmfAuditSink;
+pub use secrets::AwsSecretSource;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AdapterError {

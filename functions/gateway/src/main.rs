@@ -4,7 +4,8 @@
 //! RESPONSE_STREAM) or API Gateway REST with streaming.
 //!
 //! Everything is built once, at init: config (bundled with the function, path in
-//! `FLEXWAY_CONFIG`), secrets, SDK clients with their connections warmed. Handlers
+//! `FLEXWAY_CONFIG`), SDK clients with their connections warmed, every secret
+//! reference resolved (Secrets Manager and SSM with the function's own role). Handlers
 //! settle budgets and write the audit before the response ends, never in a task
 //! left behind: Lambda may freeze the environment as soon as the stream closes.
 
@@ -14,7 +15,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use flexway::config::ProcessEnv;
-use flexway::secret::LocalSecrets;
+use flexway_aws::AwsSecretSource;
 
 /// As `flexway serve`: many small, short-lived allocations across threads.
 #[global_allocator]
@@ -51,7 +52,10 @@ async fn run(started: Instant) -> Result<(), lambda_http::Error> {
     }
     let sdk = aws_config::load_from_env().await;
     let adapters = flexway_aws::build_adapters(&loaded.config, &sdk).await?;
-    let gateway = flexway::Gateway::new(loaded.config, &LocalSecrets { env: &ProcessEnv }, adapters)?;
+    // Secrets Manager / SSM references with the function's own role; refreshed on the
+    // request path when `secrets.refresh` is due (`flexway::http::api`).
+    let secrets = Arc::new(AwsSecretSource::new(sdk.clone()));
+    let gateway = flexway::Gateway::new(loaded.config, secrets, adapters).await?;
     let app = flexway::http::api(Arc::new(gateway));
     tracing::info!(init_ms = started.elapsed().as_millis() as u64, "flexway gateway ready; polling for invocations");
     lambda_http::run_with_streaming_response(app).await

@@ -1,8 +1,9 @@
 //! The gateway function end to end, as Lambda runs it: the real `flexway-gateway`
 //! binary polling the Runtime API of `cargo lambda watch` (its Lambda emulator),
 //! called through the emulated function URL in streaming mode, in front of the
-//! project's fake model server, with the ledger in the emulated DynamoDB and the
-//! audit in the emulated CloudWatch Logs.
+//! project's fake model server, with the ledger in the emulated DynamoDB, the audit in
+//! the emulated CloudWatch Logs, and the backend's key in an emulated SSM SecureString
+//! parameter, resolved at init.
 //!
 //! `cargo lambda watch --only-lambda-apis` serves the Runtime API and the function URL
 //! (`/lambda-url/_/...`); the test starts the binary itself (the one Cargo built for
@@ -90,7 +91,7 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-fn config(table: &str, log_group: &str, backend_url: &str) -> String {
+fn config(table: &str, log_group: &str, backend_url: &str, key_arn: &str) -> String {
     format!(
         r#"version: 1
 store: {{kind: dynamodb, table: {table}}}
@@ -105,6 +106,7 @@ ai:
   backends:
     main:
       url: {backend_url}
+      auth: {{type: bearer, secret: "{key_arn}"}}
       price: {{input_per_mtok_eur: 1.0, output_per_mtok_eur: 2.0}}
 "#,
         key = hex::encode(Sha256::digest(KEY.as_bytes())),
@@ -121,13 +123,21 @@ async fn streams_a_chat_completion_through_the_function_url_with_dynamodb_and_cl
     let log_group = emulator::unique("/flexway/audit-fn");
     logs.create_log_group().log_group_name(&log_group).send().await.unwrap();
 
+    // The backend's key, as the template's SsmParameterArns would grant it.
+    let ssm = aws_sdk_ssm::Client::new(&sdk);
+    let parameter = format!("/flexway/{}", emulator::unique("fn-backend-key"));
+    let put = ssm.put_parameter().name(&parameter).value("sk-backend-from-ssm");
+    put.r#type(aws_sdk_ssm::types::ParameterType::SecureString).send().await.unwrap();
+    let described = ssm.get_parameter().name(&parameter).send().await.unwrap();
+    let key_arn = described.parameter().and_then(|p| p.arn()).unwrap().to_owned();
+
     let fake = FakeModel::start().await.unwrap();
     // A pause between chunks, so that "streamed" is observable on the client side.
     let backend = fake.scenario_url(&Scenario { chunk_delay_ms: Some(150), ..Default::default() });
     let dir = std::env::temp_dir().join(emulator::unique("flexway-fn"));
     std::fs::create_dir_all(&dir).unwrap();
     let config_path = dir.join("flexway.yaml");
-    std::fs::write(&config_path, config(&table, &log_group, &backend)).unwrap();
+    std::fs::write(&config_path, config(&table, &log_group, &backend, &key_arn)).unwrap();
 
     // The Lambda emulator: Runtime API + function URLs.
     let port = free_port();
@@ -208,6 +218,8 @@ async fn streams_a_chat_completion_through_the_function_url_with_dynamodb_and_cl
         })
         .collect();
     assert!(content.contains("hello there"), "relayed content: {content}");
+    let sent = fake.requests().last().and_then(|r| r.header("authorization").map(str::to_owned));
+    assert_eq!(sent.as_deref(), Some("Bearer sk-backend-from-ssm"), "the key resolved at init");
     // Streamed, not buffered: the first event arrived well before the last.
     let spread = events.last().unwrap().0 - events.first().unwrap().0;
     assert!(

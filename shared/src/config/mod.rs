@@ -48,25 +48,33 @@ impl EnvSource for ProcessEnv {
     }
 }
 
+impl<T: EnvSource + ?Sized> EnvSource for &T {
+    fn var(&self, name: &str) -> Option<String> {
+        (**self).var(name)
+    }
+}
+
 impl EnvSource for HashMap<String, String> {
     fn var(&self, name: &str) -> Option<String> {
         self.get(name).cloned()
     }
 }
 
-/// What loading does with a secret reference (`env:`, `file:`, an ARN, a TLS file).
+/// What loading does with a local secret reference (`env:`, `file:`).
 ///
 /// Its form is always checked. Whether it resolves is the question: a gateway about
 /// to start needs every secret now, while a config repository's CI holds none of
-/// them and still wants the rest of the file judged.
+/// them and still wants the rest of the file judged. An AWS reference is checked for
+/// its form only: loading makes no network call; the gateway's secret source resolves
+/// it when it starts (`crate::secret`), and so does `flexway validate
+/// --resolve-secrets`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Secrets {
-    /// Form only: an unset variable, an unreadable file or an AWS reference is a
-    /// warning (`flexway validate`). The [`Config`] is for reading, not for serving.
+    /// Form only: an unset variable or an unreadable file is a warning (`flexway
+    /// validate`). The [`Config`] is for reading, not for serving.
     Check,
-    /// Every reference resolves here and now, or it is an error (`serve`, the Lambda
-    /// function, `flexway validate --resolve-secrets`). AWS references are errors:
-    /// this Flexway does not resolve them.
+    /// Every local reference resolves here and now, or it is an error (`serve`, the
+    /// Lambda function, `flexway validate --resolve-secrets`).
     Resolve,
 }
 
@@ -149,7 +157,7 @@ fn render_errors(file: Option<&Path>, errors: &[Diagnostic], unlisted: usize) ->
     lines.join("\n")
 }
 
-/// Reads and loads a configuration file, every secret reference resolved
+/// Reads and loads a configuration file, every local secret reference resolvable
 /// ([`Secrets::Resolve`]). Relative paths inside it (store, secrets,
 /// descriptor sets, TLS files) are left as written: they resolve against the
 /// process's working directory, not the file's.
@@ -186,8 +194,8 @@ pub fn load_file_with(path: &Path, env: &dyn EnvSource, secrets: Secrets) -> Res
 /// together. Rules are not applied inside a part of the document that lost an entry
 /// to a shape error: they would only repeat it ("required") or guess.
 ///
-/// Every secret reference must resolve ([`Secrets::Resolve`]): this is the load of a
-/// gateway about to start.
+/// Every local secret reference must resolve ([`Secrets::Resolve`]): this is the load
+/// of a gateway about to start.
 pub fn load_str(text: &str, env: &dyn EnvSource) -> Result<Loaded, ConfigError> {
     load_str_with(text, env, Secrets::Resolve)
 }

@@ -61,6 +61,7 @@ name_type!(
 pub struct Config {
     pub store: StoreConfig,
     pub audit: AuditConfig,
+    pub secrets: SecretsConfig,
     pub tenants: BTreeMap<TenantId, Tenant>,
     pub ai: Ai,
     /// OpenTelemetry export; `None`: nothing is exported.
@@ -76,6 +77,45 @@ pub struct TelemetryConfig {
 
 impl TelemetryConfig {
     pub const DEFAULT_EXPORT_INTERVAL: Duration = Duration::from_secs(5);
+}
+
+impl Config {
+    /// Every secret reference, with its path in the document: what a gateway resolves
+    /// before it starts, and `flexway validate --resolve-secrets` checks.
+    pub fn secret_references(&self) -> Vec<(String, &SecretRef)> {
+        let salt = self.audit.hash_salt.iter().map(|salt| ("audit.hash_salt".to_owned(), salt));
+        salt.chain(self.ai.secret_references()).collect()
+    }
+}
+
+impl Ai {
+    /// The backends' secret references (auth secrets, TLS material), with their paths
+    /// in the document: what `secrets.refresh` resolves again.
+    pub fn secret_references(&self) -> Vec<(String, &SecretRef)> {
+        let mut references = Vec::new();
+        for (name, backend) in &self.backends {
+            let Some(endpoint) = backend.kind.endpoint() else { continue };
+            let path = |key: &str| format!("ai.backends.{name}.{key}");
+            match &endpoint.auth {
+                Auth::Bearer { secret } | Auth::Header { secret, .. } => references.push((path("auth.secret"), secret)),
+                Auth::None | Auth::TokenFile { .. } => {}
+            }
+            if let Some(tls) = &endpoint.tls {
+                references.push((path("tls.cert"), &tls.cert));
+                references.push((path("tls.key"), &tls.key));
+                references.extend(tls.ca.iter().map(|ca| (path("tls.ca"), ca)));
+            }
+        }
+        references
+    }
+}
+
+/// Secret references after the start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SecretsConfig {
+    /// How often the backends' references are resolved again (a rotated key is
+    /// picked up without a restart).
+    pub refresh: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -296,7 +336,7 @@ pub enum Auth {
 }
 
 /// Where a secret lives. The secret itself never appears in the config.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum SecretRef {
     Env(String),
     File(PathBuf),
@@ -314,11 +354,15 @@ impl fmt::Display for SecretRef {
     }
 }
 
+/// mTLS towards a backend: each a reference to PEM text (SPEC §3).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tls {
-    pub cert: PathBuf,
-    pub key: PathBuf,
-    pub ca: Option<PathBuf>,
+    /// The client certificate chain.
+    pub cert: SecretRef,
+    /// The client private key.
+    pub key: SecretRef,
+    /// The CA bundle that replaces the system roots for this backend.
+    pub ca: Option<SecretRef>,
 }
 
 /// Prices in micro-euros per million tokens (2.0 €/Mtok → 2_000_000).

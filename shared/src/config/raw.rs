@@ -36,6 +36,8 @@ pub struct RawConfig {
     pub store: Option<RawStore>,
     /// Where audit records go. Default: `{sink: stdout}`.
     pub audit: Option<RawAudit>,
+    /// How secret references are kept fresh. Default: `{refresh: 5m}`.
+    pub secrets: Option<RawSecretPolicy>,
     /// Tenants by name: their API keys, budgets and agents.
     pub tenants: Option<BTreeMap<String, RawTenant>>,
     /// Routing, budget policy, vision limits and the backends.
@@ -91,6 +93,18 @@ pub enum RawSinkKind {
     File,
     Stdout,
     Cloudwatch,
+}
+
+/// Secret references: every one is resolved when the gateway starts (one that cannot
+/// be stops the start, named); the backends' ones are resolved again after.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Secrets", expecting = "secrets (a mapping)")]
+pub struct RawSecretPolicy {
+    /// How often the backends' secret references (auth secrets, TLS material) are
+    /// resolved again, so that a rotated value is used without a restart; a failed
+    /// refresh keeps the last value. `audit.hash_salt` is resolved once (hashes stay
+    /// comparable). Default: 5m.
+    pub refresh: Option<RawDuration>,
 }
 
 /// OpenTelemetry export (OTLP/HTTP with protobuf bodies). Spans and metrics carry
@@ -372,17 +386,20 @@ impl RawAuthKind {
     }
 }
 
-/// TLS towards a backend.
+/// mTLS towards a backend: a client certificate and key, and optionally the CA that
+/// signs the backend's certificate. Each is a secret reference to PEM text.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename = "Tls", expecting = "a tls (a mapping)")]
 pub struct RawTls {
-    /// Client certificate (PEM), with `key`.
-    pub cert: Option<String>,
-    /// Client private key (PEM), with `cert`.
-    pub key: Option<String>,
-    /// CA bundle (PEM) trusted for the backend's certificate, in addition to the
-    /// system roots.
-    pub ca: Option<String>,
+    /// Client certificate chain (PEM text), a secret reference; with `key`.
+    #[schemars(required)]
+    pub cert: Option<RawSecret>,
+    /// Client private key (PEM text), a secret reference; with `cert`.
+    #[schemars(required)]
+    pub key: Option<RawSecret>,
+    /// CA bundle (PEM text), a secret reference: the only roots trusted for this
+    /// backend's certificate (the system roots are not). Default: the system roots.
+    pub ca: Option<RawSecret>,
 }
 
 /// Price in euros per million tokens, at most 6 decimal places.

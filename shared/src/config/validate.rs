@@ -9,9 +9,9 @@
 //! Invariants of the result: every backend name points at a declared backend; no
 //! gRPC backend is reachable by HTTP routing; the sensitive backend is internal; no
 //! two keys share a hash; money is exact micro-euros; with [`Secrets::Resolve`],
-//! `env:` secrets are set, `file:` secrets (TLS files included) readable at load time
-//! and no secret is an AWS reference (with [`Secrets::Check`], each of those is a
-//! warning instead).
+//! `env:` secrets are set and `file:` secrets (TLS material included) readable at load
+//! time (with [`Secrets::Check`], each of those is a warning instead); AWS references
+//! are well-formed ARNs, resolved later by the gateway's secret source.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -28,6 +28,7 @@ use super::values::{base_url, fraction_ppm, header_name, https_origin, key_hash,
 use super::*;
 
 const DEFAULT_LEDGER_PATH: &str = "./flexway-ledger";
+const DEFAULT_SECRETS_REFRESH: Duration = Duration::from_secs(5 * 60);
 const DEFAULT_SENSITIVE_HEADER: &str = "Flexway-Sensitive";
 const DEFAULT_MAX_TOKENS: u32 = 4096;
 const DEFAULT_MIN_COMPLETION_TOKENS: u32 = 16;
@@ -47,7 +48,7 @@ pub(super) fn validate(
 ) -> Result<Loaded, (Vec<Diagnostic>, usize)> {
     let Parsed { raw, errors: shape_errors } = parsed;
     let unparsed = Unparsed::new(&shape_errors.lost_values);
-    let RawConfig { version, store, audit, tenants, ai, telemetry } = raw;
+    let RawConfig { version, store, audit, secrets: secret_policy, tenants, ai, telemetry } = raw;
     let mut check = Checker { env, secrets, errors: Vec::new(), warnings: Vec::new() };
 
     match version {
@@ -57,6 +58,9 @@ pub(super) fn validate(
     }
     let store = check.store(store);
     let audit = check.audit(audit);
+    let refresh = secret_policy.and_then(|policy| policy.refresh);
+    let secret_policy =
+        SecretsConfig { refresh: check.duration("secrets.refresh", refresh.as_ref(), DEFAULT_SECRETS_REFRESH) };
     let telemetry = telemetry.and_then(|raw| check.telemetry(raw));
 
     let mut ai = ai.unwrap_or_default();
@@ -80,9 +84,10 @@ pub(super) fn validate(
     check.warnings.sort_by_key(|d| section_rank(&d.path));
 
     match (store, audit, ai) {
-        (Some(store), Some(audit), Some(ai)) if errors.is_empty() && shape_errors.unlisted == 0 => {
-            Ok(Loaded { config: Config { store, audit, tenants, ai, telemetry }, warnings: check.warnings })
-        }
+        (Some(store), Some(audit), Some(ai)) if errors.is_empty() && shape_errors.unlisted == 0 => Ok(Loaded {
+            config: Config { store, audit, secrets: secret_policy, tenants, ai, telemetry },
+            warnings: check.warnings,
+        }),
         _ if errors.is_empty() && shape_errors.unlisted == 0 => {
             Err((vec![Diagnostic::new("", "the configuration is incomplete (internal error)")], 0))
         }
@@ -149,10 +154,11 @@ fn section_rank(path: &str) -> u8 {
         "version" => 0,
         "store" => 1,
         "audit" => 2,
-        "tenants" => 3,
-        "ai" if path.starts_with("ai.backends") => 5,
-        "ai" => 4,
-        "telemetry" => 6,
+        "secrets" => 3,
+        "tenants" => 4,
+        "ai" if path.starts_with("ai.backends") => 6,
+        "ai" => 5,
+        "telemetry" => 7,
         _ => 7,
     }
 }

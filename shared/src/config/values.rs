@@ -148,9 +148,11 @@ pub(super) fn secret_ref(text: &str) -> Result<SecretRef, String> {
     ))
 }
 
-/// Why a well-formed reference cannot be resolved here and now, if it cannot: an
-/// unset or empty variable, an unreadable file, or an AWS reference (this Flexway
-/// does not resolve them). The message names the reference, never a value.
+/// Why a well-formed local reference cannot be resolved here and now, if it cannot:
+/// an unset or empty variable, an unreadable file. The message names the reference,
+/// never a value. An AWS reference is not judged here: loading makes no network call,
+/// and the gateway's secret source resolves it at start (as `flexway validate
+/// --resolve-secrets` does).
 pub(super) fn unresolvable(reference: &SecretRef, env: &dyn EnvSource) -> Option<String> {
     match reference {
         SecretRef::Env(name) => match env.var(name) {
@@ -159,10 +161,7 @@ pub(super) fn unresolvable(reference: &SecretRef, env: &dyn EnvSource) -> Option
             Some(_) => None,
         },
         SecretRef::File(path) => readable_file(&path.to_string_lossy()).err(),
-        SecretRef::AwsArn(arn) => Some(format!(
-            "{arn} cannot be resolved: this Flexway does not resolve AWS Secrets Manager or SSM \
-             references (use env: or file:)"
-        )),
+        SecretRef::AwsArn(_) => None,
     }
 }
 

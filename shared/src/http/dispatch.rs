@@ -116,6 +116,10 @@ pub(super) async fn dispatch(
                 tracing::warn!(backend = %backend, "backend unreachable: {e}");
                 Some(Outcome::ConnectionError)
             }
+            Failure::Head(e @ CallError::Tls(_)) => {
+                tracing::warn!(backend = %backend, "backend unreachable: {e}");
+                Some(Outcome::ConnectionError)
+            }
             // Our own credential file is missing: not the backend's health.
             Failure::Head(e @ CallError::Credential(_)) => {
                 tracing::error!(backend = %backend, "{e}");
@@ -146,7 +150,12 @@ pub(super) async fn dispatch(
             } else {
                 UnavailableCause::UpstreamFailed
             };
-            GatewayError::UpstreamUnavailable { cause, attempts }
+            // A TLS failure is named: it is a certificate to fix, not a backend down.
+            let last_failure = match last {
+                Some((backend, Failure::Head(e @ CallError::Tls(_)))) => Some(format!("backend `{backend}`: {e}")),
+                _ => None,
+            };
+            GatewayError::UpstreamUnavailable { cause, attempts, last_failure }
         }
     })
 }

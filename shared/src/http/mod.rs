@@ -43,8 +43,15 @@ pub fn app(gateway: Arc<Gateway>) -> Router {
 }
 
 /// The serverless shape's surface: the API only (metrics leave as CloudWatch EMF).
+/// Secrets are refreshed on the request path when due
+/// ([`Gateway::refresh_secrets_if_due`]): no task outlives an invocation.
 pub fn api(gateway: Arc<Gateway>) -> Router {
-    finish(api_routes(), gateway)
+    finish(api_routes().layer(middleware::from_fn_with_state(gateway.clone(), refresh_due_secrets)), gateway)
+}
+
+async fn refresh_due_secrets(State(gateway): State<Arc<Gateway>>, request: Request, next: Next) -> Response {
+    gateway.refresh_secrets_if_due().await;
+    next.run(request).await
 }
 
 fn api_routes() -> Router<Arc<Gateway>> {

@@ -2,34 +2,40 @@
 //!
 //! The request sent upstream is built from nothing: a JSON body, a content type, the
 //! call's trace context and the backend's own credential. No other header of the
-//! caller's travels, so the caller's key can never reach a backend. Secrets are resolved once at start-up, except
-//! `token_file`, which is re-read at every call (a projected workload-identity token
-//! rotates under our feet).
+//! caller's travels, so the caller's key can never reach a backend.
+//!
+//! A backend's secrets (its auth secret, its TLS material) are resolved before the
+//! gateway starts and again every `secrets.refresh`: each backend's credential and
+//! client sit behind an `ArcSwap`, replaced whole when a refresh brings new values, so
+//! a request uses one consistent set and a rotated key is picked up without a
+//! restart. A refresh that fails keeps the last good set. `token_file` is apart: it is
+//! re-read at every call (a projected workload-identity token rotates under our feet).
 
 pub mod body;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use http::{HeaderName, HeaderValue};
 
-use crate::config::{Auth, BackendId, Config, Endpoint, Tls};
-use crate::secret::{SecretError, SecretSource};
+use crate::config::{Auth, BackendId, Config, Endpoint, SecretRef, Tls};
+use crate::secret::{Resolved, Secret, SecretError};
 use crate::telemetry::{TraceContext, context};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
-    #[error("backend `{backend}`: {source}")]
-    Secret { backend: BackendId, source: SecretError },
+    /// A reference that did not resolve, named by its path in the document.
+    #[error("{path}: {source}")]
+    Secret { path: String, source: SecretError },
     #[error("backend `{backend}`: the credential is not a valid header value")]
     BadCredential { backend: BackendId },
     #[error("backend `{backend}`: TLS: {detail}")]
     Tls { backend: BackendId, detail: String },
     #[error("HTTP client: {0}")]
     Client(String),
-    #[error("audit.hash_salt: {source}")]
-    AuditSalt { source: SecretError },
     #[error(transparent)]
     Telemetry(#[from] crate::telemetry::NoRuntime),
 }
@@ -41,6 +47,9 @@ pub enum CallError {
     Timeout(Duration),
     #[error("connection failed: {0}")]
     Connect(String),
+    /// The TLS handshake failed: what an operator fixes in the backend's `tls`.
+    #[error("TLS handshake failed: {0}")]
+    Tls(String),
     #[error("credential unavailable: {0}")]
     Credential(String),
 }
@@ -53,10 +62,32 @@ enum Credential {
 }
 
 pub struct UpstreamClient {
-    http: reqwest::Client,
     base: String,
-    credential: Credential,
+    live: ArcSwap<Live>,
     pub timeout: Duration,
+}
+
+/// What a backend's secrets built: the client (its own when it has `tls`) and the
+/// credential, replaced together by a refresh.
+struct Live {
+    http: reqwest::Client,
+    credential: Credential,
+    /// The values they were built from, to tell whether a refresh brought new ones.
+    material: Material,
+}
+
+/// A backend's resolved secrets.
+#[derive(Clone, PartialEq, Eq)]
+struct Material {
+    auth: Option<Secret>,
+    tls: Option<TlsMaterial>,
+}
+
+#[derive(Clone, PartialEq, Eq)]
+struct TlsMaterial {
+    cert: Secret,
+    key: Secret,
+    ca: Option<Secret>,
 }
 
 impl UpstreamClient {
@@ -68,7 +99,8 @@ impl UpstreamClient {
         body: Vec<u8>,
         trace: &TraceContext,
     ) -> Result<reqwest::Response, CallError> {
-        let mut request = self
+        let live = self.live.load();
+        let mut request = live
             .http
             .post(format!("{}{}", self.base, path))
             .header(http::header::CONTENT_TYPE, "application/json")
@@ -79,7 +111,7 @@ impl UpstreamClient {
                 request = request.header(context::TRACESTATE, state);
             }
         }
-        match &self.credential {
+        match &live.credential {
             Credential::None => {}
             Credential::Header(name, value) => request = request.header(name, value),
             Credential::TokenFile(path) => {
@@ -97,9 +129,49 @@ impl UpstreamClient {
         match tokio::time::timeout(self.timeout, request.send()).await {
             Err(_) => Err(CallError::Timeout(self.timeout)),
             Ok(Err(e)) if e.is_timeout() => Err(CallError::Timeout(self.timeout)),
-            Ok(Err(e)) => Err(CallError::Connect(without_url(&e))),
+            Ok(Err(e)) => Err(send_error(&e)),
             Ok(Ok(response)) => Ok(response),
         }
+    }
+}
+
+/// A request that got no answer: a TLS failure as rustls names it, else the
+/// connection error as reqwest tells it. rustls's error sits down the error's sources,
+/// inside I/O errors (hyper's, tokio-rustls's) whose `source()` skips the error they
+/// wrap: those are opened with `get_ref`.
+fn send_error(e: &reqwest::Error) -> CallError {
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(error) = next {
+        if let Some(tls) = error.downcast_ref::<rustls::Error>() {
+            return CallError::Tls(tls_failure(tls));
+        }
+        next = match error.downcast_ref::<std::io::Error>().and_then(std::io::Error::get_ref) {
+            Some(inner) => Some(inner),
+            None => error.source(),
+        };
+    }
+    CallError::Connect(without_url(e))
+}
+
+/// rustls's words, and where to look: the CA that should sign the backend's
+/// certificate, or the client certificate the backend refused.
+fn tls_failure(error: &rustls::Error) -> String {
+    use rustls::AlertDescription as Alert;
+    match error {
+        rustls::Error::InvalidCertificate(_) => {
+            format!("{error}: the backend's certificate is not trusted (its `tls.ca`, or the system roots)")
+        }
+        rustls::Error::AlertReceived(
+            Alert::CertificateRequired
+            | Alert::BadCertificate
+            | Alert::UnknownCA
+            | Alert::CertificateUnknown
+            | Alert::CertificateExpired
+            | Alert::CertificateRevoked
+            | Alert::UnsupportedCertificate
+            | Alert::AccessDenied,
+        ) => format!("{error}: the backend refused the client certificate (its `tls.cert` and `tls.key`)"),
+        other => other.to_string(),
     }
 }
 
@@ -114,27 +186,25 @@ fn without_url(e: &reqwest::Error) -> String {
     message
 }
 
-/// Every endpoint backend's client, built once.
+/// Every endpoint backend's client.
 pub struct Upstreams {
     clients: HashMap<BackendId, UpstreamClient>,
 }
 
 impl Upstreams {
-    pub fn new(config: &Config, secrets: &dyn SecretSource) -> Result<Self, SetupError> {
+    /// Every endpoint backend's client, from its secrets resolved in `secrets`.
+    pub fn new(config: &Config, secrets: &Resolved) -> Result<Self, SetupError> {
         let shared = client_builder().build().map_err(|e| SetupError::Client(e.to_string()))?;
         let mut clients = HashMap::new();
         for (name, backend) in &config.ai.backends {
             let Some(endpoint) = backend.kind.endpoint() else {
                 continue;
             };
-            let http = match &endpoint.tls {
-                None => shared.clone(),
-                Some(tls) => tls_client(name, tls)?,
-            };
+            let material = material(name, endpoint, secrets)?;
+            let live = Live::build(name, endpoint, material, None, &shared)?;
             let client = UpstreamClient {
-                http,
                 base: endpoint.url.trim_end_matches('/').to_owned(),
-                credential: credential(name, endpoint, secrets)?,
+                live: ArcSwap::from_pointee(live),
                 timeout: backend.timeout,
             };
             clients.insert(name.clone(), client);
@@ -144,6 +214,82 @@ impl Upstreams {
 
     pub fn get(&self, name: &BackendId) -> Option<&UpstreamClient> {
         self.clients.get(name)
+    }
+
+    /// Puts the values of a refresh in use, backend by backend: a backend whose
+    /// references all resolved, to values that differ from those in use, gets a new
+    /// credential (and a new client if its TLS material changed). A backend with a
+    /// reference missing from `secrets` (its refresh failed, and was logged), or whose
+    /// new values do not build, keeps what it has. Returns the backends updated.
+    pub fn refresh(&self, config: &Config, secrets: &Resolved) -> Vec<BackendId> {
+        let mut updated = Vec::new();
+        for (name, client) in &self.clients {
+            let Some(endpoint) = config.ai.backends.get(name).and_then(|b| b.kind.endpoint()) else {
+                continue;
+            };
+            let Ok(material) = material(name, endpoint, secrets) else {
+                continue;
+            };
+            let current = client.live.load();
+            if material == current.material {
+                continue;
+            }
+            match Live::build(name, endpoint, material, Some(&current), &current.http) {
+                Ok(live) => {
+                    client.live.store(Arc::new(live));
+                    updated.push(name.clone());
+                }
+                Err(e) => tracing::error!("secret refresh: {e}; the backend keeps its current credential"),
+            }
+        }
+        updated
+    }
+}
+
+/// A backend's secrets, taken from those resolved (each reference named by its path
+/// when it is missing).
+fn material(name: &BackendId, endpoint: &Endpoint, secrets: &Resolved) -> Result<Material, SetupError> {
+    let get = |key: &str, reference: &SecretRef| {
+        secrets.get(reference).cloned().ok_or_else(|| SetupError::Secret {
+            path: format!("ai.backends.{name}.{key}"),
+            source: SecretError::Unavailable { reference: reference.to_string(), detail: "not resolved".into() },
+        })
+    };
+    let auth = match &endpoint.auth {
+        Auth::Bearer { secret } | Auth::Header { secret, .. } => Some(get("auth.secret", secret)?),
+        Auth::None | Auth::TokenFile { .. } => None,
+    };
+    let tls = match &endpoint.tls {
+        None => None,
+        Some(tls) => Some(TlsMaterial {
+            cert: get("tls.cert", &tls.cert)?,
+            key: get("tls.key", &tls.key)?,
+            ca: tls.ca.as_ref().map(|ca| get("tls.ca", ca)).transpose()?,
+        }),
+    };
+    Ok(Material { auth, tls })
+}
+
+impl Live {
+    /// The client and credential `material` makes. A client of its own is built for
+    /// new TLS material (none in `previous`, or different); otherwise `keep` serves:
+    /// the shared client at start, the backend's current one on a refresh (its
+    /// connections stay open).
+    fn build(
+        name: &BackendId,
+        endpoint: &Endpoint,
+        material: Material,
+        previous: Option<&Live>,
+        keep: &reqwest::Client,
+    ) -> Result<Live, SetupError> {
+        let http = match (&endpoint.tls, &material.tls) {
+            (Some(tls), Some(pem)) if previous.is_none_or(|p| p.material.tls.as_ref() != Some(pem)) => {
+                tls_client(name, tls, pem)?
+            }
+            _ => keep.clone(),
+        };
+        let credential = credential(name, &endpoint.auth, material.auth.as_ref())?;
+        Ok(Live { http, credential, material })
     }
 }
 
@@ -155,21 +301,42 @@ fn client_builder() -> reqwest::ClientBuilder {
         .user_agent(concat!("flexway/", env!("CARGO_PKG_VERSION")))
 }
 
-fn tls_client(name: &BackendId, tls: &Tls) -> Result<reqwest::Client, SetupError> {
+/// The backend's own client for mTLS: its client certificate and key, and its CA
+/// bundle in place of the system roots. Errors name the reference and what is wrong
+/// with its PEM, never the PEM (the key is a secret).
+fn tls_client(name: &BackendId, tls: &Tls, pem: &TlsMaterial) -> Result<reqwest::Client, SetupError> {
     let err = |detail: String| SetupError::Tls { backend: name.clone(), detail };
-    let mut pem = std::fs::read(&tls.cert).map_err(|e| err(format!("{}: {e}", tls.cert.display())))?;
-    pem.extend(std::fs::read(&tls.key).map_err(|e| err(format!("{}: {e}", tls.key.display())))?);
-    let identity = reqwest::Identity::from_pem(&pem).map_err(|e| err(e.to_string()))?;
-    let mut builder = client_builder().identity(identity);
-    if let Some(ca) = &tls.ca {
-        let ca_pem = std::fs::read(ca).map_err(|e| err(format!("{}: {e}", ca.display())))?;
-        let cert = reqwest::Certificate::from_pem(&ca_pem).map_err(|e| err(e.to_string()))?;
-        builder = builder.add_root_certificate(cert);
+    // Both read apart first, so that an error says which one is wrong.
+    if !pem_holds(pem.cert.expose(), &["CERTIFICATE"]) {
+        return Err(err(format!("tls.cert ({}) holds no PEM certificate", tls.cert)));
     }
-    builder.build().map_err(|e| err(e.to_string()))
+    if !pem_holds(pem.key.expose(), &["PRIVATE KEY", "RSA PRIVATE KEY", "EC PRIVATE KEY"]) {
+        return Err(err(format!("tls.key ({}) holds no PEM private key", tls.key)));
+    }
+    let identity = format!("{}\n{}\n", pem.cert.expose(), pem.key.expose());
+    let identity = reqwest::Identity::from_pem(identity.as_bytes())
+        .map_err(|e| err(format!("tls.cert and tls.key ({}, {}): {}", tls.cert, tls.key, without_url(&e))))?;
+    let mut builder = client_builder().identity(identity);
+    if let (Some(reference), Some(ca)) = (&tls.ca, &pem.ca) {
+        let roots = reqwest::Certificate::from_pem_bundle(ca.expose().as_bytes())
+            .map_err(|e| err(format!("tls.ca ({reference}): {}", without_url(&e))))?;
+        if roots.is_empty() {
+            return Err(err(format!("tls.ca ({reference}) holds no PEM certificate")));
+        }
+        builder =
+            roots.into_iter().fold(builder.tls_built_in_root_certs(false), |b, root| b.add_root_certificate(root));
+    }
+    builder.build().map_err(|e| err(without_url(&e)))
 }
 
-fn credential(name: &BackendId, endpoint: &Endpoint, secrets: &dyn SecretSource) -> Result<Credential, SetupError> {
+/// Whether `pem` has a block of one of these labels (`-----BEGIN <label>-----`).
+fn pem_holds(pem: &str, labels: &[&str]) -> bool {
+    labels.iter().any(|label| pem.contains(&format!("-----BEGIN {label}-----")))
+}
+
+/// The header a backend's auth sends, from its secret (`None` for `none` and
+/// `token_file`, which has no secret to resolve).
+fn credential(name: &BackendId, auth: &Auth, secret: Option<&Secret>) -> Result<Credential, SetupError> {
     let sensitive = |value: String| {
         HeaderValue::from_str(&value)
             .map(|mut v| {
@@ -178,19 +345,19 @@ fn credential(name: &BackendId, endpoint: &Endpoint, secrets: &dyn SecretSource)
             })
             .map_err(|_| SetupError::BadCredential { backend: name.clone() })
     };
-    let resolve =
-        |reference| secrets.resolve(reference).map_err(|source| SetupError::Secret { backend: name.clone(), source });
-    Ok(match &endpoint.auth {
-        Auth::None => Credential::None,
-        Auth::Bearer { secret } => {
-            let secret = resolve(secret)?;
+    Ok(match (auth, secret) {
+        (Auth::None, _) => Credential::None,
+        (Auth::TokenFile { path }, _) => Credential::TokenFile(path.clone()),
+        (Auth::Bearer { .. }, Some(secret)) => {
             Credential::Header(http::header::AUTHORIZATION, sensitive(format!("Bearer {}", secret.expose()))?)
         }
-        Auth::Header { name: header, secret } => {
+        (Auth::Header { name: header, .. }, Some(secret)) => {
             let header = HeaderName::from_bytes(header.as_bytes())
                 .map_err(|_| SetupError::BadCredential { backend: name.clone() })?;
-            Credential::Header(header, sensitive(resolve(secret)?.expose().to_owned())?)
+            Credential::Header(header, sensitive(secret.expose().to_owned())?)
         }
-        Auth::TokenFile { path } => Credential::TokenFile(path.clone()),
+        (Auth::Bearer { .. } | Auth::Header { .. }, None) => {
+            return Err(SetupError::BadCredential { backend: name.clone() });
+        }
     })
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use super::super::raw::{
     RawAuth, RawAuthKind, RawBackend, RawBackendKind, RawBreaker, RawCapability, RawIdentityHeaders, RawMetering,
-    RawPoolMember, RawPrice, RawTls,
+    RawPoolMember, RawPrice, RawSecret, RawTls,
 };
 use super::super::values::{base_url, fraction_ppm, micro_eur, status_range};
 use super::super::*;
@@ -350,19 +350,19 @@ impl Checker<'_> {
         }
     }
 
-    /// A client certificate and key (both, or no `tls`), and an optional CA; every
-    /// file readable now, as a `file:` secret is (a warning under [`Secrets::Check`]).
+    /// A client certificate and key (both, or no `tls`), and an optional CA: secret
+    /// references to PEM text, resolvable now as every secret is (a warning under
+    /// [`Secrets::Check`]). The PEM itself is parsed when the client is built.
     fn tls(&mut self, path: &str, raw: RawTls) -> Option<Tls> {
-        let mut file = |key: &str, value: Option<String>, required: &str| {
+        let mut reference = |key: &str, value: Option<RawSecret>, required: &str| {
             let key_path = format!("{path}.{key}");
             let value = self.required(&key_path, value, required)?;
-            let value = PathBuf::from(value);
-            self.resolvable(&key_path, &SecretRef::File(value.clone())).then_some(value)
+            self.secret(&key_path, &value)
         };
-        let cert = file("cert", raw.cert, "(the client certificate goes with its key)");
-        let key = file("key", raw.key, "(the client key goes with its certificate)");
+        let cert = reference("cert", raw.cert, "(the client certificate goes with its key)");
+        let key = reference("key", raw.key, "(the client key goes with its certificate)");
         let ca = match raw.ca {
-            Some(ca) => Some(file("ca", Some(ca), "(a CA bundle)")?),
+            Some(ca) => Some(reference("ca", Some(ca), "(a CA bundle)")?),
             None => None,
         };
         Some(Tls { cert: cert?, key: key?, ca })

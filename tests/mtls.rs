@@ -1,0 +1,223 @@
+//! mTLS towards a backend (SPEC §3, `tls: {cert, key, ca}`): the real binary against a
+//! loopback TLS server that requires a client certificate, every certificate made at
+//! test time. The right certificate passes; a certificate the backend does not accept,
+//! a wrong CA or no `tls` at all is a 503 whose message names the TLS failure, and no
+//! message or log line carries the private key.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+use common::*;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use serde_json::Value;
+
+/// A CA, and what it signs.
+struct Authority {
+    issuer: CertifiedIssuer<'static, KeyPair>,
+}
+
+/// A certificate and its private key, in PEM.
+struct Leaf {
+    cert: String,
+    key: String,
+}
+
+impl Authority {
+    fn new(name: &str) -> Authority {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        Authority { issuer: CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap() }
+    }
+
+    fn pem(&self) -> String {
+        self.issuer.pem()
+    }
+
+    fn sign(&self, names: &[&str]) -> Leaf {
+        let key = KeyPair::generate().unwrap();
+        let params = CertificateParams::new(names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>()).unwrap();
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        Leaf { cert: cert.pem(), key: key.serialize_pem() }
+    }
+}
+
+/// The fake model's OpenAI surface over TLS on loopback, for clients whose certificate
+/// `clients` signed; a client without one is refused in the handshake.
+async fn tls_backend(server: &Leaf, clients: &Authority) -> SocketAddr {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(CertificateDer::from_pem_slice(clients.pem().as_bytes()).unwrap()).unwrap();
+    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone()).build().unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(
+            vec![CertificateDer::from_pem_slice(server.cert.as_bytes()).unwrap()],
+            PrivateKeyDer::from_pem_slice(server.key.as_bytes()).unwrap(),
+        )
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else { return };
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                // A refused handshake ends here: the client sees rustls's alert.
+                let Ok(tls) = acceptor.accept(tcp).await else { return };
+                let service = TowerToHyperService::new(fake_model::router());
+                let _ = auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(tls), service).await;
+            });
+        }
+    });
+    addr
+}
+
+/// The certificates of one test: the backend's CA and server certificate, a client
+/// certificate it accepts, and a stranger CA with a client certificate of its own.
+struct Pki {
+    ca: Authority,
+    server: Leaf,
+    client: Leaf,
+    stranger: Authority,
+    stranger_client: Leaf,
+}
+
+fn pki() -> Pki {
+    let ca = Authority::new("Flexway test CA");
+    let stranger = Authority::new("Someone else's CA");
+    Pki {
+        server: ca.sign(&["localhost", "127.0.0.1"]),
+        client: ca.sign(&["flexway-client"]),
+        stranger_client: stranger.sign(&["flexway-client"]),
+        ca,
+        stranger,
+    }
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    format!("file:{}", path.display())
+}
+
+/// One backend `main` at `https://localhost:PORT/v1` with `tls` as given (a flow
+/// mapping, or nothing).
+fn mtls_config(addr: SocketAddr, tls: Option<String>) -> String {
+    let tls = tls.map(|t| format!("      tls: {t}\n")).unwrap_or_default();
+    config(&format!(
+        "  default_backend: main\n  backends:\n    main:\n      url: https://localhost:{}/v1\n{tls}",
+        addr.port()
+    ))
+}
+
+/// The error envelope of a refused call: (status, code, message).
+async fn refused(gw: &Flexway) -> (u16, String, String) {
+    let response = gw.chat(KEY, hello("m")).await;
+    let status = response.status().as_u16();
+    let body: Value = response.json().await.unwrap();
+    let text = |key: &str| body["error"][key].as_str().unwrap_or_default().to_owned();
+    (status, text("code"), text("message"))
+}
+
+#[tokio::test]
+async fn the_right_client_certificate_passes() {
+    let pki = pki();
+    let addr = tls_backend(&pki.server, &pki.ca).await;
+    let dir = tempfile::tempdir().unwrap();
+    let tls = format!(
+        "{{cert: '{}', key: 'env:CLIENT_KEY', ca: '{}'}}",
+        write(dir.path(), "client.pem", &pki.client.cert),
+        write(dir.path(), "ca.pem", &pki.ca.pem())
+    );
+    let gw = Flexway::start_with_env(&mtls_config(addr, Some(tls)), &[("CLIENT_KEY", &pki.client.key)]);
+    let response = gw.chat(KEY, hello("m")).await;
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["object"], "chat.completion", "{body}");
+}
+
+#[tokio::test]
+async fn a_client_certificate_the_backend_does_not_accept_is_named() {
+    let pki = pki();
+    let addr = tls_backend(&pki.server, &pki.ca).await;
+    let dir = tempfile::tempdir().unwrap();
+    let tls = format!(
+        "{{cert: '{}', key: '{}', ca: '{}'}}",
+        write(dir.path(), "client.pem", &pki.stranger_client.cert),
+        write(dir.path(), "client.key", &pki.stranger_client.key),
+        write(dir.path(), "ca.pem", &pki.ca.pem())
+    );
+    let gw = Flexway::start(&mtls_config(addr, Some(tls)));
+    let (status, code, message) = refused(&gw).await;
+    assert_eq!((status, code.as_str()), (503, "upstream_unavailable"), "{message}");
+    assert!(message.contains("backend `main`: TLS handshake failed: received fatal alert"), "{message}");
+    assert!(message.contains("refused the client certificate"), "{message}");
+    let key_body = pki.stranger_client.key.lines().nth(1).unwrap();
+    assert!(!message.contains(key_body) && !gw.logs().contains(key_body), "the private key was shown");
+}
+
+#[tokio::test]
+async fn a_wrong_ca_is_named_as_a_certificate_verification_failure() {
+    let pki = pki();
+    let addr = tls_backend(&pki.server, &pki.ca).await;
+    let dir = tempfile::tempdir().unwrap();
+    let tls = format!(
+        "{{cert: '{}', key: '{}', ca: '{}'}}",
+        write(dir.path(), "client.pem", &pki.client.cert),
+        write(dir.path(), "client.key", &pki.client.key),
+        write(dir.path(), "ca.pem", &pki.stranger.pem())
+    );
+    let gw = Flexway::start(&mtls_config(addr, Some(tls)));
+    let (status, code, message) = refused(&gw).await;
+    assert_eq!((status, code.as_str()), (503, "upstream_unavailable"), "{message}");
+    assert!(message.contains("TLS handshake failed: invalid peer certificate"), "{message} {}", gw.logs());
+    assert!(message.contains("UnknownIssuer"), "{message}");
+    assert!(message.contains("not trusted"), "{message}");
+}
+
+#[tokio::test]
+async fn without_tls_the_private_ca_is_unknown_and_named() {
+    let pki = pki();
+    let addr = tls_backend(&pki.server, &pki.ca).await;
+    let gw = Flexway::start(&mtls_config(addr, None));
+    let (status, code, message) = refused(&gw).await;
+    assert_eq!((status, code.as_str()), (503, "upstream_unavailable"), "{message}");
+    assert!(message.contains("invalid peer certificate") && message.contains("UnknownIssuer"), "{message}");
+}
+
+#[tokio::test]
+async fn a_key_that_is_not_a_private_key_stops_the_start_without_showing_it() {
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    // The certificate given twice: as itself and, wrongly, as the key.
+    let cert = write(dir.path(), "client.pem", &pki.client.cert);
+    let yaml = mtls_config("127.0.0.1:9".parse().unwrap(), Some(format!("{{cert: '{cert}', key: '{cert}'}}")));
+    let config = dir.path().join("flexway.yaml");
+    std::fs::write(&config, yaml).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flexway"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("backend `main`: TLS: tls.key (file:") && stderr.contains("holds no PEM private key"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains(pki.client.cert.lines().nth(1).unwrap()), "{stderr}");
+}
