@@ -7,7 +7,7 @@
 //! process log with the request id, never silently lost.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use http::HeaderMap;
 
@@ -195,8 +195,8 @@ impl Draft {
         this.finish(error.status().as_u16(), Some(error.code())).await;
     }
 
-    /// The record as the call ends, and its span if telemetry is on.
-    fn complete(&mut self, status: u16, error_code: Option<&str>) -> (AuditRecord, Option<Box<CallSpan>>) {
+    /// The record as the call ends, and what its span adds if telemetry is on.
+    fn complete(&mut self, status: u16, error_code: Option<&str>) -> (AuditRecord, Option<Ended>) {
         let mut record = self.record.clone();
         record.ts = Timestamp::now();
         record.status = status;
@@ -205,20 +205,8 @@ impl Draft {
         if record.ttfb_ms.is_none() && status < 400 {
             record.ttfb_ms = Some(record.latency_ms);
         }
-        let span = self.gateway.telemetry.is_on().then(|| {
-            let Span { trace, started, provider, max_tokens, finish_reasons, served } = self.span.clone();
-            let start_unix_nanos = unix_nanos(started);
-            Box::new(CallSpan {
-                record: record.clone(),
-                trace,
-                start_unix_nanos,
-                end_unix_nanos: start_unix_nanos.saturating_add(nanos(self.started.elapsed())),
-                provider,
-                max_tokens,
-                finish_reasons,
-                served,
-            })
-        });
+        let span =
+            self.gateway.telemetry.is_on().then(|| Ended { span: self.span.clone(), duration: self.started.elapsed() });
         (record, span)
     }
 }
@@ -227,21 +215,22 @@ fn elapsed_ms(started: Instant) -> u64 {
     u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
-fn nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+/// A call's span parts, as it ended.
+struct Ended {
+    span: Span,
+    duration: Duration,
 }
 
-fn unix_nanos(at: SystemTime) -> u64 {
-    at.duration_since(UNIX_EPOCH).map(nanos).unwrap_or(0)
-}
-
-async fn write(gateway: &Gateway, record: AuditRecord, span: Option<Box<CallSpan>>) {
+async fn write(gateway: &Gateway, record: AuditRecord, ended: Option<Ended>) {
     gateway.metrics.record_call(&record);
     if let Err(e) = gateway.audit.write(std::slice::from_ref(&record)).await {
         tracing::error!(request_id = %record.request_id, "audit record not written: {e}");
     }
-    if let Some(span) = span {
-        gateway.telemetry.record(*span);
+    // The record moves into the span once the audit has it: no copy on the way.
+    if let Some(Ended { span, duration }) = ended {
+        let Span { trace, started, provider, max_tokens, finish_reasons, served } = span;
+        let call = CallSpan { record, trace, started, duration, provider, max_tokens, finish_reasons, served };
+        gateway.telemetry.record(call);
         gateway.telemetry.after_call().await;
     }
 }

@@ -215,8 +215,8 @@ fn span(call: &CallSpan) -> otlp::Span {
         parent_span_id: trace.parent_span_id.map(|p| p.to_vec()).unwrap_or_default(),
         name,
         kind: otlp::SPAN_KIND_CLIENT,
-        start_time_unix_nano: call.start_unix_nanos,
-        end_time_unix_nano: call.end_unix_nanos,
+        start_time_unix_nano: unix_nanos(call.started),
+        end_time_unix_nano: unix_nanos(call.started + call.duration),
         attributes,
         status: record.error_code.as_ref().map(|code| otlp::Status { message: code.clone(), code: otlp::STATUS_ERROR }),
         flags: u32::from(trace.flags) | otlp::FLAGS_HAS_IS_REMOTE | remote,
@@ -291,7 +291,7 @@ impl Metrics {
         if let Some(code) = &record.error_code {
             attributes.push(("error.type", code.clone()));
         }
-        let seconds = call.end_unix_nanos.saturating_sub(call.start_unix_nanos) as f64 / 1e9;
+        let seconds = call.duration.as_secs_f64();
         self.duration
             .entry(attributes)
             .or_insert_with(|| Series::new(&DURATION_BOUNDS))
@@ -341,7 +341,7 @@ impl Metrics {
     }
 }
 
-pub(super) fn unix_nanos(at: SystemTime) -> u64 {
+fn unix_nanos(at: SystemTime) -> u64 {
     at.duration_since(UNIX_EPOCH).map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)).unwrap_or(0)
 }
 

@@ -17,7 +17,7 @@ pub mod otlp;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::{mpsc, oneshot};
 
@@ -47,8 +47,8 @@ pub enum Export {
 pub struct CallSpan {
     pub record: AuditRecord,
     pub trace: TraceContext,
-    pub start_unix_nanos: u64,
-    pub end_unix_nanos: u64,
+    pub started: SystemTime,
+    pub duration: Duration,
     /// The serving backend's kind (`gen_ai.provider.name`), once one was tried.
     pub provider: Option<&'static str>,
     /// The completion allowance per choice sent upstream.
