@@ -80,39 +80,10 @@ fn emf_line(record: &AuditRecord) -> String {
 
 #[cfg(test)]
 mod tests {
-    use flexway::audit::{BudgetState, Operation, SCHEMA_VERSION, UsageSource};
-    use flexway::config::{Capability, Metering};
+    use flexway::audit::sample::record;
+    use flexway::config::Metering;
 
     use super::*;
-
-    fn record(tenant: &str, backend: Option<&str>, metered_by: Metering, cost: u64) -> AuditRecord {
-        AuditRecord {
-            schema_version: SCHEMA_VERSION,
-            ts: "2025-03-01T10:00:00.250Z".parse().unwrap(),
-            request_id: "req-1".into(),
-            tenant: tenant.into(),
-            agent: Some("billing-bot".into()),
-            operation: Operation::Chat,
-            capability: Capability::Chat,
-            model_requested: Some("gpt-4o".into()),
-            model_served: Some("gpt-4o-2024-08-06".into()),
-            backend: backend.map(Into::into),
-            metered_by,
-            prompt_tokens: 100,
-            completion_tokens: 50,
-            usage_source: UsageSource::Reported,
-            cost_eur: cost as f64 / 1e6,
-            cost_micro_eur: cost,
-            status: 200,
-            error_code: None,
-            degraded: false,
-            budget_state: BudgetState::Ok,
-            latency_ms: 420,
-            ttfb_ms: Some(120),
-            key_hash: "ab".repeat(32),
-            user_hash: Some("cd".repeat(32)),
-        }
-    }
 
     #[test]
     fn emf_line_has_the_cloudwatch_structure() {

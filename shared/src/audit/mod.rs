@@ -14,6 +14,8 @@ use crate::config::{Capability, Metering};
 use crate::money::MicroEur;
 
 pub mod report;
+#[cfg(any(test, feature = "test-support"))]
+pub mod sample;
 pub mod sinks;
 mod timestamp;
 

@@ -471,37 +471,8 @@ fn escape_label(value: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::audit::{BudgetState, Operation, SCHEMA_VERSION};
-    use crate::config::{Capability, Metering};
-
-    fn record(tenant: &str, backend: Option<&str>, metered_by: Metering, cost: u64) -> AuditRecord {
-        AuditRecord {
-            schema_version: SCHEMA_VERSION,
-            ts: "2025-03-01T10:00:00.250Z".parse().unwrap(),
-            request_id: "req-1".into(),
-            tenant: tenant.into(),
-            agent: Some("billing-bot".into()),
-            operation: Operation::Chat,
-            capability: Capability::Chat,
-            model_requested: Some("gpt-4o".into()),
-            model_served: Some("gpt-4o-2024-08-06".into()),
-            backend: backend.map(Into::into),
-            metered_by,
-            prompt_tokens: 100,
-            completion_tokens: 50,
-            usage_source: UsageSource::Reported,
-            cost_eur: cost as f64 / 1e6,
-            cost_micro_eur: cost,
-            status: 200,
-            error_code: None,
-            degraded: false,
-            budget_state: BudgetState::Ok,
-            latency_ms: 420,
-            ttfb_ms: Some(120),
-            key_hash: "ab".repeat(32),
-            user_hash: Some("cd".repeat(32)),
-        }
-    }
+    use crate::audit::sample::record;
+    use crate::config::Metering;
 
     /// The lines of `text` that start with `prefix`, in order.
     fn lines<'a>(text: &'a str, prefix: &str) -> Vec<&'a str> {
