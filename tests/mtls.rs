@@ -76,14 +76,30 @@ async fn tls_backend(server: &Leaf, clients: &Authority) -> SocketAddr {
             let Ok((tcp, _)) = listener.accept().await else { return };
             let acceptor = acceptor.clone();
             tokio::spawn(async move {
-                // A refused handshake ends here: the client sees rustls's alert.
-                let Ok(tls) = acceptor.accept(tcp).await else { return };
+                let tls = match acceptor.accept(tcp).into_fallible().await {
+                    Ok(tls) => tls,
+                    Err((_, tcp)) => return linger(tcp).await,
+                };
                 let service = TowerToHyperService::new(fake_model::router());
                 let _ = auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(tls), service).await;
             });
         }
     });
     addr
+}
+
+/// A refused handshake's close, as servers in the field make it (nginx's
+/// `lingering_close`): rustls has sent its alert; the write side is shut and what the
+/// client still sends is read and dropped until it closes. Under TLS 1.3 a client
+/// certificate is refused after the client has finished its handshake and sent its
+/// request: closing at once, with that request unread, makes the kernel answer with a
+/// reset that can overtake the alert.
+async fn linger(mut tcp: tokio::net::TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _ = tcp.shutdown().await;
+    let mut sink = [0u8; 4096];
+    let drain = async { while matches!(tcp.read(&mut sink).await, Ok(n) if n > 0) {} };
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), drain).await;
 }
 
 /// The certificates of one test: the backend's CA and server certificate, a client
