@@ -1285,3 +1285,12 @@ fn telemetry_exports_to_an_http_collector() {
         .set("telemetry", "{otlp_endpoint: 'http://c:4318', sampler: always}")
         .refused("telemetry.sampler", "unknown field");
 }
+
+#[test]
+fn refuses_embeddings_on_an_anthropic_backend() {
+    let anthropic = || doc().set("ai.backends.main.kind", "anthropic");
+    anthropic().set("ai.backends.main.capabilities", "[chat, vision]").checks();
+    anthropic()
+        .set("ai.backends.main.capabilities", "[chat, embeddings]")
+        .refused("ai.backends.main.capabilities", "the Messages API has no embeddings");
+}

@@ -13,7 +13,9 @@ use super::relay;
 use crate::config::{BackendId, Endpoint};
 use crate::error::{Attempts, GatewayError, UnavailableCause};
 use crate::gateway::Gateway;
-use crate::protocol::openai::Answer;
+use crate::protocol::openai::translate;
+use crate::protocol::openai::{Answer, InvalidRequest};
+use crate::protocol::{Wire, anthropic, unix_seconds};
 use crate::routing::breaker::{Admit, Outcome};
 use crate::routing::{Candidate, Route};
 use crate::telemetry::TraceContext;
@@ -72,7 +74,7 @@ pub(super) async fn dispatch(
     route: &Route,
     path: &str,
     requested_model: &str,
-    body_for: impl Fn(&str) -> Vec<u8>,
+    body_for: impl Fn(&str, Wire) -> Result<Vec<u8>, InvalidRequest>,
     expect: Expect,
 ) -> Result<Served, GatewayError> {
     let mut attempts = Attempts::default();
@@ -87,10 +89,12 @@ pub(super) async fn dispatch(
             continue;
         }
         let model = endpoint.served_model(requested_model);
+        // A request this backend's format cannot carry is the caller's to change.
+        let body = body_for(&model, client.wire)?;
         attempts.tried.push(backend.clone());
         draft.trying(candidate, &model);
         let sent = Instant::now();
-        let answer = attempt(gateway, client, path, body_for(&model), draft.trace(), expect).await;
+        let answer = attempt(gateway, client, path, body, draft.trace(), expect).await;
         draft.waited(sent.elapsed());
         let failure = match answer {
             Ok(answered) => {
@@ -172,6 +176,10 @@ async fn attempt(
 ) -> Result<Answered, Failure> {
     let deadline = tokio::time::Instant::now() + client.timeout;
     let limits = gateway.config.ai.limits;
+    let path = match client.wire {
+        Wire::OpenAi => path,
+        Wire::Anthropic => anthropic::PATH,
+    };
     let response = client.post_json(path, body, trace).await.map_err(Failure::Head)?;
     let status = response.status();
     let headers = response.headers();
@@ -186,12 +194,31 @@ async fn attempt(
                 headers.get(header::CONTENT_TYPE).cloned().unwrap_or(HeaderValue::from_static("application/json"));
             let retry_after = headers.get(header::RETRY_AFTER).cloned();
             let body = body::read_whole(response, limits.max_response_bytes, deadline).await.map_err(Failure::Body)?;
-            let answer = if status.is_success() {
-                let answer = Answer::read(&body)
-                    .ok_or_else(|| Failure::Body(Fault::Invalid("the answer is not a JSON object".into())))?;
-                Some(answer)
-            } else {
-                None
+            let (body, answer) = match (client.wire, status.is_success()) {
+                (Wire::OpenAi, true) => {
+                    let answer = Answer::read(&body)
+                        .ok_or_else(|| Failure::Body(Fault::Invalid("the answer is not a JSON object".into())))?;
+                    (body, Some(answer))
+                }
+                (Wire::OpenAi, false) => (body, None),
+                (Wire::Anthropic, true) => {
+                    let completion = anthropic::completion(&body).ok_or_else(|| {
+                        Failure::Body(Fault::Invalid("the answer is not an Anthropic Messages `message`".into()))
+                    })?;
+                    let answer = Answer::of(&completion);
+                    (Bytes::from(translate::completion(&completion, unix_seconds()).to_string()), Some(answer))
+                }
+                // Its refusal, in the envelope the caller reads.
+                (Wire::Anthropic, false) => {
+                    let envelope = anthropic::error(status.as_u16(), &body);
+                    return Ok(Answered::Whole {
+                        status,
+                        content_type: HeaderValue::from_static("application/json"),
+                        retry_after,
+                        body: Bytes::from(envelope.to_string()),
+                        answer: None,
+                    });
+                }
             };
             Ok(Answered::Whole { status, content_type, retry_after, body, answer })
         }
@@ -200,7 +227,7 @@ async fn attempt(
                 let detail = "a stream was asked for but the answer is not text/event-stream";
                 return Err(Failure::Body(Fault::Invalid(detail.into())));
             }
-            let held = relay::hold(response, limits.max_event_bytes, deadline, client_wants_usage).await;
+            let held = relay::hold(response, limits.max_event_bytes, deadline, client_wants_usage, client.wire).await;
             held.map(Answered::Stream).map_err(Failure::Body)
         }
     }

@@ -32,7 +32,7 @@ use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
 use crate::protocol::openai::{ChatRequest, EmbeddingsRequest, InvalidRequest, Usage};
-use crate::protocol::vision;
+use crate::protocol::{Wire, anthropic, vision};
 use crate::routing::Candidate;
 
 pub const BACKEND_HEADER: &str = "flexway-backend";
@@ -153,7 +153,15 @@ async fn chat(
     draft.soft(soft);
     draft.allowance(allowance);
     let prompt_typical = plan::prompt_typical(request.prompt_text_bytes, request.message_count, images);
-    let body_for = |model: &str| request.upstream_body(model, allowance);
+    // One translation for every candidate of another format (the identity for OpenAI's).
+    let call = std::sync::OnceLock::new();
+    let body_for = |model: &str, wire: Wire| match wire {
+        Wire::OpenAi => Ok(request.upstream_body(model, allowance)),
+        Wire::Anthropic => {
+            let call = call.get_or_init(|| request.call());
+            anthropic::request(call.as_ref().map_err(Clone::clone)?, model, allowance)
+        }
+    };
     let expect =
         if request.stream { Expect::Stream { client_wants_usage: request.client_wants_usage } } else { Expect::Json };
     let served = match dispatch(gateway, draft, &route, "/chat/completions", &request.model, body_for, expect).await {
@@ -200,7 +208,13 @@ async fn embed(
     };
     let Admission { route, ticket, soft, .. } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.soft(soft);
-    let body_for = |model: &str| request.upstream_body(model);
+    let body_for = |model: &str, wire: Wire| match wire {
+        Wire::OpenAi => Ok(request.upstream_body(model)),
+        // Refused at load: no embeddings capability on a backend of another format.
+        Wire::Anthropic => {
+            Err(InvalidRequest { message: "embeddings are not served by this backend".into(), param: None })
+        }
+    };
     let served = match dispatch(gateway, draft, &route, "/embeddings", &request.model, body_for, Expect::Json).await {
         Ok(served) => served,
         Err(e) => return Err(refunded(ticket, e).await),

@@ -12,6 +12,7 @@
 //! the client's stream ends with an SSE error event, never a clean `[DONE]`, and the
 //! backend's breaker counts the failure.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,8 +29,10 @@ use super::record::{Draft, UsageSource};
 use crate::budget::{Ticket, plan};
 use crate::config::{BackendId, Price};
 use crate::gateway::Gateway;
+use crate::protocol::anthropic;
+use crate::protocol::openai::translate::Chunks;
 use crate::protocol::openai::{MAX_CHOICES, Usage, error_envelope};
-use crate::protocol::sse;
+use crate::protocol::{Wire, sse};
 use crate::routing::breaker::Outcome;
 use crate::upstream::body::{Events, Fault};
 
@@ -115,7 +118,7 @@ impl Settle {
 
 /// A stream whose first content event (or clean end) has arrived, nothing sent yet.
 pub(super) struct Held {
-    events: Events,
+    events: Source,
     /// Events read while holding, to forward first (the usage-only chunk a client did
     /// not ask for already left out).
     pending: Vec<Bytes>,
@@ -134,9 +137,17 @@ pub(super) async fn hold(
     max_event_bytes: u64,
     deadline: tokio::time::Instant,
     client_wants_usage: bool,
+    wire: Wire,
 ) -> Result<Held, Fault> {
+    let events = Events::new(response, max_event_bytes);
+    let translate = match wire {
+        Wire::OpenAi => None,
+        Wire::Anthropic => {
+            Some(Translate { chunks: Chunks::new(crate::protocol::unix_seconds()), ..Translate::default() })
+        }
+    };
     let mut held = Held {
-        events: Events::new(response, max_event_bytes),
+        events: Source { events, translate },
         pending: Vec::new(),
         outcome: RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0, finish_reasons: Vec::new() },
         client_wants_usage,
@@ -245,6 +256,51 @@ async fn pump(held: Held, tx: &mpsc::Sender<Bytes>, idle_timeout: Duration, draf
             if tx.send(event.raw).await.is_err() {
                 outcome.end = StreamEnd::ClientGone;
                 return outcome;
+            }
+        }
+    }
+}
+
+/// The backend's events in Chat Completions form: an OpenAI backend's as they come,
+/// another format's translated one event at a time (an event may make several chunks,
+/// or none).
+struct Source {
+    events: Events,
+    translate: Option<Translate>,
+}
+
+#[derive(Default)]
+struct Translate {
+    stream: anthropic::Stream,
+    chunks: Chunks,
+    /// Chunks made from the last event, not yet handed out.
+    ready: VecDeque<sse::Event>,
+}
+
+impl Source {
+    async fn next(&mut self, deadline: tokio::time::Instant) -> Result<Option<sse::Event>, Fault> {
+        let Some(translate) = &mut self.translate else {
+            return self.events.next(deadline).await;
+        };
+        loop {
+            if let Some(event) = translate.ready.pop_front() {
+                return Ok(Some(event));
+            }
+            let Some(event) = self.events.next(deadline).await? else {
+                return Ok(None);
+            };
+            if event.data.is_empty() {
+                continue;
+            }
+            let deltas = translate.stream.next(&event.data).map_err(|e| Fault::Invalid(e.to_string()))?;
+            for delta in deltas {
+                let event = match translate.chunks.chunk(delta) {
+                    Some(chunk) => sse::Event { raw: sse::event(None, &chunk), data: chunk.to_string(), name: None },
+                    None => {
+                        sse::Event { raw: Bytes::from_static(b"data: [DONE]\n\n"), data: "[DONE]".into(), name: None }
+                    }
+                };
+                translate.ready.push_back(event);
             }
         }
     }

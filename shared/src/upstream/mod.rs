@@ -1,7 +1,8 @@
 //! Upstream calls: one HTTP client per backend, with its authentication.
 //!
 //! The request sent upstream is built from nothing: a JSON body, a content type, the
-//! call's trace context and the backend's own credential. No other header of the
+//! call's trace context, the backend's own credential, and the version header of
+//! the format it speaks (`anthropic-version`). No other header of the
 //! caller's travels, so the caller's key can never reach a backend.
 //!
 //! A backend's secrets (its auth secret, its TLS material) are resolved before the
@@ -21,7 +22,8 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use http::{HeaderName, HeaderValue};
 
-use crate::config::{Auth, BackendId, Config, Endpoint, SecretRef, Tls};
+use crate::config::{Auth, BackendId, BackendKind, Config, Endpoint, SecretRef, Tls};
+use crate::protocol::{Wire, anthropic};
 use crate::secret::{Resolved, Secret, SecretError};
 use crate::telemetry::{TraceContext, context};
 
@@ -63,6 +65,8 @@ enum Credential {
 
 pub struct UpstreamClient {
     base: String,
+    /// The format the backend speaks (`anthropic-version` goes with Anthropic's).
+    pub wire: Wire,
     live: ArcSwap<Live>,
     pub timeout: Duration,
 }
@@ -105,6 +109,9 @@ impl UpstreamClient {
             .post(format!("{}{}", self.base, path))
             .header(http::header::CONTENT_TYPE, "application/json")
             .body(body);
+        if self.wire == Wire::Anthropic {
+            request = request.header("anthropic-version", anthropic::VERSION);
+        }
         if let Some((traceparent, state)) = trace.upstream() {
             request = request.header(context::TRACEPARENT, traceparent);
             if let Some(state) = state {
@@ -202,8 +209,13 @@ impl Upstreams {
             };
             let material = material(name, endpoint, secrets)?;
             let live = Live::build(name, endpoint, material, None, &shared)?;
+            let wire = match backend.kind {
+                BackendKind::Anthropic(_) => Wire::Anthropic,
+                _ => Wire::OpenAi,
+            };
             let client = UpstreamClient {
                 base: endpoint.url.trim_end_matches('/').to_owned(),
+                wire,
                 live: ArcSwap::from_pointee(live),
                 timeout: backend.timeout,
             };

@@ -80,6 +80,14 @@ impl Checker<'_> {
                 "list at least one of chat, vision, embeddings (or leave it out: default [chat])",
             );
         }
+        if kind == RawBackendKind::Anthropic
+            && capabilities.as_ref().is_some_and(|c| c.contains(&RawCapability::Embeddings))
+        {
+            self.error(
+                format!("{path}.capabilities"),
+                "an anthropic backend serves chat and vision: the Messages API has no embeddings",
+            );
+        }
         let fallback = self.fallback(&format!("{path}.fallback"), name, fallback, catalog);
         let timeout = self.duration(&format!("{path}.timeout"), timeout.as_ref(), DEFAULT_TIMEOUT);
         let circuit_breaker = self.breaker(&format!("{path}.circuit_breaker"), circuit_breaker);

@@ -9,6 +9,8 @@ use serde_json::{Map, Value, json};
 
 use crate::config::Capability;
 
+pub mod translate;
+
 /// A refused request: a message and the offending parameter.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
@@ -108,6 +110,17 @@ impl Answer {
         let completion_bytes =
             choices.into_iter().filter_map(|c| c.message.and_then(|m| m.content)).map(|t| t.len() as u64).sum();
         Some(Answer { usage, completion_bytes, finish_reasons })
+    }
+
+    /// What the gateway reads of an answer translated from another format.
+    pub fn of(completion: &crate::protocol::chat::Completion) -> Answer {
+        let text = completion.text.as_ref().map_or(0, String::len);
+        let calls: usize = completion.tool_calls.iter().map(|c| c.name.len() + c.arguments.len()).sum();
+        Answer {
+            usage: completion.usage.map(|t| Usage { prompt_tokens: t.input, completion_tokens: t.output }),
+            completion_bytes: (text + calls) as u64,
+            finish_reasons: completion.finish.iter().map(|f| f.as_str().to_owned()).collect(),
+        }
     }
 }
 
