@@ -1125,7 +1125,7 @@ fn refuses_empty_descriptor_set() {
 }
 
 #[test]
-fn accepts_existing_descriptor_set_without_warning() {
+fn accepts_existing_descriptor_set_warning_only_that_grpc_is_not_built() {
     let set = temp_file("ocr.binpb", b"\x0a\x00");
     let loaded = doc()
         .set(
@@ -1133,7 +1133,10 @@ fn accepts_existing_descriptor_set_without_warning() {
             &format!("{{kind: grpc, url: 'grpcs://ocr.example.net', descriptor_set: '{}'}}", set.display()),
         )
         .loads();
-    assert!(other_warnings(&loaded).is_empty(), "{:?}", loaded.warnings);
+    let warnings = other_warnings(&loaded);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert_eq!(warnings[0].path, "ai.backends.ocr");
+    assert!(warnings[0].message.contains("kind grpc is not built yet"), "{warnings:?}");
     let BackendKind::Grpc { url, descriptor_set } = &loaded.config.ai.backends["ocr"].kind else { panic!("grpc") };
     assert_eq!((url.as_str(), descriptor_set), ("https://ocr.example.net", &set));
 }

@@ -145,7 +145,8 @@ fn configuration_doc(schema: &Value) -> String {
          64 levels, would hold more than 1,000,000 nodes or 16 MiB of text once its YAML aliases are \
          expanded, or has a key longer than 1 KiB (`shared/src/config/bounds.rs`). Relative paths \
          (`file:` references, `store.path`, `audit.path`) resolve against the working \
-         directory. The schema accepts backend kinds `anthropic`, `relay` and `grpc` and the keys only \
+         directory. A `kind: anthropic` backend is called in its own format, translated both ways \
+         (docs/backends.md). The schema accepts backend kinds `relay` and `grpc` and the keys only \
          they use (`descriptor_set`, `identity_headers`, `metering`, `relay_peer`), but those protocols \
          are not built: see docs/http.md.\n",
     );
