@@ -255,9 +255,13 @@ fn parse_block(block: &Value, path: &str, place: Place) -> Checked<Block> {
     let field = |name: &str| format!("{path}.{name}");
     let allowed = match (kind, place) {
         ("text", _) => &["type", "text", "cache_control", "citations"][..],
-        ("image", Place::User | Place::ToolResult) => &["type", "source", "cache_control"][..],
-        ("tool_use", Place::Assistant) => &["type", "id", "name", "input", "cache_control"][..],
-        ("tool_result", Place::User) => &["type", "tool_use_id", "content", "is_error", "cache_control"][..],
+        ("image", Place::User | Place::ToolResult) => &["type", "source", "cache_control", "transformations"][..],
+        ("tool_use", Place::Assistant) => {
+            &["type", "id", "name", "input", "cache_control", "caller", "toolset_name"][..]
+        }
+        ("tool_result", Place::User) => {
+            &["type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"][..]
+        }
         ("image" | "tool_use" | "tool_result", _) => {
             let role = match place {
                 Place::User => "user",
@@ -341,7 +345,26 @@ fn parse_block(block: &Value, path: &str, place: Place) -> Checked<Block> {
 
 fn parse_tool(tool: &Value, path: &str) -> Checked<String> {
     let fields = object(tool, path)?;
-    only_keys(fields, path, &["name", "description", "input_schema", "cache_control"])?;
+    // A custom tool's fields as the API documents them; anything else (an
+    // OpenAI `parameters` or `function`) is refused.
+    let allowed = [
+        "name",
+        "description",
+        "input_schema",
+        "cache_control",
+        "type",
+        "strict",
+        "allowed_callers",
+        "defer_loading",
+        "eager_input_streaming",
+        "input_examples",
+    ];
+    only_keys(fields, path, &allowed)?;
+    if let Some(kind) = fields.get("type")
+        && kind != "custom"
+    {
+        return refuse(&format!("{path}.type"), "Input should be 'custom'");
+    }
     let name = string(fields.get("name"), &format!("{path}.name"))?;
     if let Some(description) = fields.get("description") {
         string(Some(description), &format!("{path}.description"))?;
@@ -717,6 +740,10 @@ mod tests {
         assert_eq!(
             refusal(json!({"tools": [{"name": "f", "parameters": {}}]})),
             "tools.0.parameters: Extra inputs are not permitted"
+        );
+        assert_eq!(
+            refusal(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})),
+            "tools.0.function: Extra inputs are not permitted"
         );
         assert_eq!(refusal(json!({"tool_choice": {"type": "required"}})).split(':').next(), Some("tool_choice.type"));
         assert_eq!(

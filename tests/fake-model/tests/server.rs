@@ -824,8 +824,8 @@ async fn messages_refuse_what_anthropic_refuses_in_its_envelope() {
         ("tool_choice", json!({"type": "tool"}), "tool_choice.name: Field required"),
         (
             "tools",
-            json!([{"name": "f", "input_schema": {"type": "object"}, "strict": true}]),
-            "tools.0.strict: Extra inputs are not permitted",
+            json!([{"name": "f", "parameters": {"type": "object"}, "strict": true}]),
+            "tools.0.parameters: Extra inputs are not permitted",
         ),
         (
             "messages",
