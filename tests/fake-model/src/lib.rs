@@ -1,8 +1,10 @@
-//! An OpenAI-compatible fake model server for Flexway's tests and README demo.
+//! An OpenAI- and Anthropic-compatible fake model server for Flexway's tests
+//! and README demo.
 //!
 //! It answers `POST /v1/chat/completions` (streamed or not), `POST
-//! /v1/embeddings` and `GET /v1/models` deterministically, records every
-//! request it receives, and misbehaves on demand: a [`Scenario`] encoded in a
+//! /v1/embeddings`, `GET /v1/models` and Anthropic's `POST /v1/messages`
+//! (streamed or not) deterministically, records every request it receives,
+//! and misbehaves on demand: a [`Scenario`] encoded in a
 //! path prefix of the backend URL (`/s/status=503,retry_after=7/v1`) injects
 //! statuses (steady or flapping), delays, hangs, long or overshooting replies,
 //! cut, stalled or malformed streams and bodies, endless lines, huge answers
@@ -10,15 +12,29 @@
 //! none of its caller's headers (the W3C trace context aside). Chat honours `n`
 //! like OpenAI.
 //!
+//! `/v1/messages` validates like Anthropic (the `anthropic-version` header,
+//! the Messages API's fields and no other: an OpenAI field leaking through a
+//! translation is a 400) and answers in Anthropic's shapes: a `message`, or
+//! its event stream from `message_start` to `message_stop`; errors, injected
+//! statuses included, in Anthropic's envelope with Anthropic's error types
+//! (`status=529` is `overloaded_error`). The reply is the chat's (echo or
+//! `words`, cut at `max_tokens`), cut before any of its `stop_sequences`;
+//! the scenario keys `tool_use`, `cache` and `error_after` are for it alone,
+//! and usage is always sent (`no_usage` does not apply). An Anthropic backend
+//! is configured with the base URL without `/v1`: [`FakeModel::anthropic_url`].
+//!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
 //! use fake_model::{FakeModel, Scenario};
 //! let fake = FakeModel::start().await?;
 //! let healthy = fake.url(); // http://127.0.0.1:PORT/v1
 //! let failing = fake.scenario_url(&Scenario { status: Some(503), ..Default::default() });
+//! let anthropic = fake.base_url(); // http://127.0.0.1:PORT, + /v1/messages
+//! let overloaded = fake.anthropic_url(&Scenario { status: Some(529), ..Default::default() });
 //! # Ok(()) }
 //! ```
 
+mod anthropic;
 mod openai;
 mod scenario;
 mod server;
@@ -37,7 +53,8 @@ use server::Shared;
 #[derive(Debug, Clone, PartialEq)]
 pub struct RecordedRequest {
     pub method: String,
-    /// The path after the scenario prefix, e.g. `/v1/chat/completions`.
+    /// The path after the scenario prefix, e.g. `/v1/chat/completions` or
+    /// `/v1/messages`.
     pub path: String,
     /// Every header, names lower-cased, in the order received.
     pub headers: Vec<(String, String)>,
@@ -100,6 +117,22 @@ impl FakeModel {
         match scenario.to_string() {
             encoded if encoded.is_empty() => self.url(),
             encoded => format!("http://{}/s/{encoded}/v1", self.addr),
+        }
+    }
+
+    /// The server's base URL, without `/v1`: `http://ADDR`. An Anthropic
+    /// backend's `url` is this, the client appending `/v1/messages`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The Anthropic base URL (no `/v1`) that behaves as `scenario` says:
+    /// `http://ADDR/s/<scenario>` (plain [`FakeModel::base_url`] for the
+    /// default).
+    pub fn anthropic_url(&self, scenario: &Scenario) -> String {
+        match scenario.to_string() {
+            encoded if encoded.is_empty() => self.base_url(),
+            encoded => format!("http://{}/s/{encoded}", self.addr),
         }
     }
 

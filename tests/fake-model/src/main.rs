@@ -1,12 +1,13 @@
-//! `fake-model`: serve the fake OpenAI-compatible model on a fixed address,
-//! for the README demo. Scenarios work as in the tests: `/s/<scenario>/v1`.
+//! `fake-model`: serve the fake OpenAI- and Anthropic-compatible model on a
+//! fixed address, for the README demo and the SDK tests. Scenarios work as in
+//! the tests: `/s/<scenario>/v1`.
 
 use std::net::SocketAddr;
 
 use clap::Parser;
 use fake_model::FakeModel;
 
-/// An OpenAI-compatible fake model server.
+/// An OpenAI- and Anthropic-compatible fake model server.
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Args {

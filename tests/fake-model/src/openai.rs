@@ -292,13 +292,13 @@ fn message_text(content: &Value) -> String {
     }
 }
 
-fn words(text: &str) -> usize {
+pub(crate) fn words(text: &str) -> usize {
     text.split_whitespace().count()
 }
 
 /// Split `text` into `n` consecutive pieces of near-equal character counts
 /// (some empty if the text is shorter than `n`); they concatenate to `text`.
-fn split_in(text: &str, n: usize) -> Vec<String> {
+pub(crate) fn split_in(text: &str, n: usize) -> Vec<String> {
     let chars: Vec<char> = text.chars().collect();
     (0..n).map(|i| chars[i * chars.len() / n..(i + 1) * chars.len() / n].iter().collect()).collect()
 }

@@ -8,8 +8,13 @@
 //! what `FakeModel::scenario_url` writes is exactly what the server reads back.
 //!
 //! Keys that shape the same thing do not combine: `endless_line` wins over
-//! every other body, then `huge_mb`; `cut_after` wins over `stall_after`, and
-//! `cut_body` over `stall_body`.
+//! every other body, then `huge_mb`; `cut_after` wins over `stall_after`,
+//! which wins over `error_after`; `cut_body` wins over `stall_body`.
+//!
+//! Most keys mean the same on both APIs the fake speaks. `error_after`,
+//! `tool_use` and `cache` are for the Anthropic Messages API only; `n`,
+//! `no_usage`, `no_done` and `huge_mb` for the OpenAI API only (Anthropic
+//! always reports usage and ends its streams with `message_stop`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -59,7 +64,9 @@ pub struct Scenario {
     pub stall_after: Option<usize>,
     /// Stream: replace the event at this index (0 the role chunk, 1 the first
     /// content chunk, ...; `[DONE]` excluded) by `data: {this is not json`;
-    /// the rest of the stream follows as usual.
+    /// the rest of the stream follows as usual. Anthropic streams count their
+    /// steps (0 the opening `message_start`, `content_block_start` and `ping`,
+    /// 1 the first content delta, ...) and keep the event's `event:` line.
     pub malformed_at: Option<usize>,
     /// Stream: end the body cleanly after the last chunk, without `[DONE]`.
     pub no_done: bool,
@@ -74,6 +81,16 @@ pub struct Scenario {
     /// Requests carrying this flag take turns, counted per server: the 1st,
     /// 3rd, ... answer 503, the 2nd, 4th, ... answer normally.
     pub flap: bool,
+    /// Anthropic stream: after this many content deltas, Anthropic's
+    /// in-stream `overloaded_error` event, then a clean end.
+    pub error_after: Option<usize>,
+    /// Anthropic: when the request has tools (and `tool_choice` is not
+    /// `none`), answer with a `tool_use` block calling the first tool (or the
+    /// one `tool_choice` names) with `{"echo": <last user text>}`.
+    pub tool_use: bool,
+    /// Anthropic: report non-zero `cache_creation_input_tokens` (2048) and
+    /// `cache_read_input_tokens` (1024) instead of 0.
+    pub cache: bool,
 }
 
 /// Why a scenario prefix could not be read.
@@ -109,6 +126,7 @@ impl fmt::Display for Scenario {
             ("stall_after", self.stall_after.map(|n| n as u64)),
             ("malformed_at", self.malformed_at.map(|n| n as u64)),
             ("huge_mb", self.huge_mb.map(|n| n as u64)),
+            ("error_after", self.error_after.map(|n| n as u64)),
         ];
         let flags = [
             ("hang", self.hang),
@@ -120,6 +138,8 @@ impl fmt::Display for Scenario {
             ("no_done", self.no_done),
             ("endless_line", self.endless_line),
             ("flap", self.flap),
+            ("tool_use", self.tool_use),
+            ("cache", self.cache),
         ];
         let items: Vec<String> = numbers
             .into_iter()
@@ -168,6 +188,9 @@ impl FromStr for Scenario {
                 "endless_line" => scenario.endless_line = flag(key, value)?,
                 "huge_mb" => scenario.huge_mb = Some(number(key, value)?),
                 "flap" => scenario.flap = flag(key, value)?,
+                "error_after" => scenario.error_after = Some(number(key, value)?),
+                "tool_use" => scenario.tool_use = flag(key, value)?,
+                "cache" => scenario.cache = flag(key, value)?,
                 other => return Err(ScenarioError::UnknownKey(other.to_owned())),
             }
         }
@@ -219,6 +242,9 @@ mod tests {
             endless_line: true,
             huge_mb: Some(2),
             flap: true,
+            error_after: Some(4),
+            tool_use: true,
+            cache: true,
         }
     }
 
@@ -231,6 +257,7 @@ mod tests {
             Scenario { no_usage: true, chunks: Some(3), ..Default::default() },
             Scenario { malformed_at: Some(0), stall_after: Some(0), words: Some(0), ..Default::default() },
             Scenario { flap: true, huge_mb: Some(1), ..Default::default() },
+            Scenario { error_after: Some(0), cache: true, ..Default::default() },
         ] {
             let encoded = scenario.to_string();
             assert_eq!(encoded.parse::<Scenario>().unwrap(), scenario, "{encoded}");
@@ -247,7 +274,8 @@ mod tests {
     fn parses_the_documented_example() {
         let text = "status=503,delay_ms=100,chunk_delay_ms=50,cut_after=2,no_usage,hang,retry_after=7,garbage,\
                     chunks=10,words=500,ignore_limit,cut_body,stall_body,first_event_delay_ms=30,\
-                    first_content_delay_ms=40,stall_after=3,malformed_at=1,no_done,endless_line,huge_mb=2,flap";
+                    first_content_delay_ms=40,stall_after=3,malformed_at=1,no_done,endless_line,huge_mb=2,flap,\
+                    error_after=4,tool_use,cache";
         assert_eq!(text.parse::<Scenario>().unwrap(), everything());
     }
 

@@ -1,5 +1,6 @@
 //! The request handler: strip the scenario prefix, record, misbehave as asked,
-//! then answer like an OpenAI-compatible server.
+//! then answer like an OpenAI-compatible server, or, on `/v1/messages`, like
+//! Anthropic's Messages API (its errors in Anthropic's envelope too).
 //!
 //! One fallback handler serves every path so that the `/s/<scenario>` prefix
 //! works for every endpoint, unknown ones included. Invariant: every request
@@ -27,6 +28,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::RecordedRequest;
+use crate::anthropic::{self, MessagesRequest};
 use crate::openai::{self, ChatRequest, HUGE_MARK, MAX_CHOICES, Meta, Reply};
 use crate::scenario::{Scenario, ScenarioError};
 
@@ -42,6 +44,21 @@ static X_BLOCK: [u8; BLOCK] = [b'x'; BLOCK];
 
 const MALFORMED_EVENT: &[u8] = b"data: {this is not json\n\n";
 const DONE_EVENT: &[u8] = b"data: [DONE]\n\n";
+const OVERLOADED_EVENT: &[u8] =
+    b"event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n";
+
+/// The API a path belongs to, which decides how errors are worded.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Dialect {
+    OpenAi,
+    Anthropic,
+}
+
+impl Dialect {
+    fn of(path: &str) -> Dialect {
+        if path == "/v1/messages" { Dialect::Anthropic } else { Dialect::OpenAi }
+    }
+}
 
 /// State shared by all requests of one server.
 pub(crate) struct Shared {
@@ -113,11 +130,15 @@ pub(crate) async fn handle(
             .collect(),
         body: json.clone().unwrap_or(Value::Null),
     });
-    let scenario = match scenario {
-        Ok(scenario) => scenario,
-        Err(e) => return ApiError::invalid("invalid_scenario", e.to_string()).into_response(),
+    let dialect = Dialect::of(path);
+    let scenario = match (scenario, dialect) {
+        (Ok(scenario), _) => scenario,
+        (Err(e), Dialect::OpenAi) => return ApiError::invalid("invalid_scenario", e.to_string()).into_response(),
+        (Err(e), Dialect::Anthropic) => {
+            return AnthropicError::new(StatusCode::BAD_REQUEST, e.to_string()).into_response();
+        }
     };
-    let mut response = respond(&shared, &scenario, &method, path, json).await;
+    let mut response = respond(&shared, &scenario, &method, path, &headers, json).await;
     if let Some(seconds) = scenario.retry_after {
         response.headers_mut().insert(RETRY_AFTER, HeaderValue::from(seconds));
     }
@@ -139,27 +160,33 @@ async fn respond(
     scenario: &Scenario,
     method: &Method,
     path: &str,
+    headers: &HeaderMap,
     body: Option<Value>,
 ) -> Response {
+    let dialect = Dialect::of(path);
     // Counted on arrival, so the turns follow the order requests came in.
     let flapping = scenario.flap && shared.flaps.fetch_add(1, Ordering::Relaxed).is_multiple_of(2);
     if scenario.hang {
         shared.wait_for_shutdown().await;
         let message = "fake-model shut down while hanging";
-        return ApiError::fake(StatusCode::SERVICE_UNAVAILABLE, message, "shutdown").into_response();
+        return fake_error(dialect, StatusCode::SERVICE_UNAVAILABLE, message, "shutdown");
     }
     if let Some(ms) = scenario.delay_ms {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
     if flapping {
         let message = "fake-model flap: this request fails, the next one succeeds";
-        return ApiError::fake(StatusCode::SERVICE_UNAVAILABLE, message, "flap").into_response();
+        return fake_error(dialect, StatusCode::SERVICE_UNAVAILABLE, message, "flap");
     }
     let status = scenario.status.map(|s| StatusCode::from_u16(s).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR));
     if let Some(status) = status.filter(|s| !s.is_success()) {
         let code = status.as_u16();
-        let message = format!("fake-model injected status {code}");
-        return ApiError::fake(status, message, format!("injected_{code}")).into_response();
+        // Anthropic's overloaded answer carries exactly this message.
+        let message = match (dialect, code) {
+            (Dialect::Anthropic, 529) => "Overloaded".to_owned(),
+            _ => format!("fake-model injected status {code}"),
+        };
+        return fake_error(dialect, status, message, format!("injected_{code}"));
     }
     if scenario.garbage {
         return ([(CONTENT_TYPE, "application/json")], "this is not json").into_response();
@@ -168,6 +195,11 @@ async fn respond(
         ("POST", "/v1/chat/completions") => chat(shared, scenario, body).into_response(),
         ("POST", "/v1/embeddings") => embeddings(shared, scenario, body).into_response(),
         ("GET", "/v1/models") => json_answer(shared, scenario, openai::models()),
+        ("POST", "/v1/messages") => messages(shared, scenario, headers, body).into_response(),
+        (_, "/v1/messages") => {
+            let message = format!("{method} is not allowed on {path}");
+            AnthropicError::new(StatusCode::METHOD_NOT_ALLOWED, message).into_response()
+        }
         (_, "/v1/chat/completions" | "/v1/embeddings" | "/v1/models") => ApiError {
             status: StatusCode::METHOD_NOT_ALLOWED,
             ..ApiError::invalid("method_not_allowed", format!("{method} is not allowed on {path}"))
@@ -224,7 +256,59 @@ fn chat(shared: &Arc<Shared>, scenario: &Scenario, body: Option<Value>) -> Resul
     let with_usage = request.wants_usage_chunk() && !scenario.no_usage;
     let content_chunks = if scenario.huge_mb.is_some() { 1 } else { scenario.content_chunks() };
     let steps = openai::stream_chunks(&meta, &reply, content_chunks, with_usage);
-    Ok(stream(shared, scenario, &steps, content_chunks))
+    let frames = steps
+        .iter()
+        .enumerate()
+        .map(|(i, step)| match scenario.malformed_at {
+            Some(at) if at == i => Frame::Bytes(Bytes::from_static(MALFORMED_EVENT)),
+            _ => {
+                let text: String = step.iter().map(|chunk| format!("data: {chunk}\n\n")).collect();
+                Frame::new(text, scenario.huge_mb)
+            }
+        })
+        .collect();
+    Ok(stream(shared, scenario, frames, content_chunks, Dialect::OpenAi))
+}
+
+/// `POST /v1/messages`: validate as Anthropic does, then answer the reply as
+/// a `message` or as Anthropic's stream of events.
+fn messages(
+    shared: &Arc<Shared>,
+    scenario: &Scenario,
+    headers: &HeaderMap,
+    body: Option<Value>,
+) -> Result<Response, AnthropicError> {
+    if !headers.contains_key("anthropic-version") {
+        return Err(AnthropicError::invalid("anthropic-version: header is required"));
+    }
+    let body = body.ok_or_else(|| AnthropicError::invalid("the request body is not valid JSON"))?;
+    let request = MessagesRequest::parse(&body).map_err(AnthropicError::invalid)?;
+    if scenario.endless_line {
+        return Ok(endless_line(shared, request.stream));
+    }
+    let n = shared.next_id.fetch_add(1, Ordering::Relaxed);
+    let meta = anthropic::Meta {
+        id: format!("msg_fake_{n}"),
+        tool_use_id: format!("toolu_fake_{n}"),
+        model: request.model.clone(),
+    };
+    let reply = anthropic::Reply::for_request(&request, scenario);
+    if !request.stream {
+        return Ok(json_answer(shared, scenario, anthropic::message(&meta, &reply)));
+    }
+    let (steps, content_steps) = anthropic::stream_steps(&meta, &reply, scenario.content_chunks());
+    let frames = steps
+        .iter()
+        .enumerate()
+        .map(|(i, step)| {
+            let text: String = match (scenario.malformed_at, step.first()) {
+                (Some(at), Some((name, _))) if at == i => format!("event: {name}\ndata: {{this is not json\n\n"),
+                _ => step.iter().map(|(name, data)| format!("event: {name}\ndata: {data}\n\n")).collect(),
+            };
+            Frame::Bytes(Bytes::from(text))
+        })
+        .collect();
+    Ok(stream(shared, scenario, frames, content_steps, Dialect::Anthropic))
 }
 
 /// How a stream ends after its last frame.
@@ -237,32 +321,36 @@ enum End {
     Stall,
 }
 
-/// Serve the stream's steps as SSE, each step its own body frame, paced by
-/// the delays; then `[DONE]`, or the end the scenario asks for.
-fn stream(shared: &Arc<Shared>, scenario: &Scenario, steps: &[Vec<Value>], content_chunks: usize) -> Response {
-    let mut frames: Vec<Frame> = steps
-        .iter()
-        .map(|step| {
-            let text: String = step.iter().map(|chunk| format!("data: {chunk}\n\n")).collect();
-            Frame::new(text, scenario.huge_mb)
-        })
-        .collect();
-    if let Some(frame) = scenario.malformed_at.and_then(|i| frames.get_mut(i)) {
-        *frame = Frame::Bytes(Bytes::from_static(MALFORMED_EVENT));
-    }
-    // The role chunk, then at most every content chunk.
+/// Serve a stream's steps as SSE, each step its own body frame, paced by
+/// the delays; then, for OpenAI, `[DONE]`; or the end the scenario asks for.
+/// Frame 0 opens the stream (the role chunk, Anthropic's `message_start`),
+/// the next `content_chunks` frames carry the content.
+fn stream(
+    shared: &Arc<Shared>,
+    scenario: &Scenario,
+    mut frames: Vec<Frame>,
+    content_chunks: usize,
+    dialect: Dialect,
+) -> Response {
+    // The opening, then at most every content chunk.
     let keep = |n: usize| 1 + n.min(content_chunks);
-    let end = match (scenario.cut_after, scenario.stall_after) {
-        (Some(n), _) => {
+    let error_after = scenario.error_after.filter(|_| dialect == Dialect::Anthropic);
+    let end = match (scenario.cut_after, scenario.stall_after, error_after) {
+        (Some(n), _, _) => {
             frames.truncate(keep(n));
             End::Cut
         }
-        (None, Some(n)) => {
+        (None, Some(n), _) => {
             frames.truncate(keep(n));
             End::Stall
         }
-        (None, None) => {
-            if !scenario.no_done {
+        (None, None, Some(n)) => {
+            frames.truncate(keep(n));
+            frames.push(Frame::Bytes(Bytes::from_static(OVERLOADED_EVENT)));
+            End::Clean
+        }
+        (None, None, None) => {
+            if dialect == Dialect::OpenAi && !scenario.no_done {
                 frames.push(Frame::Bytes(Bytes::from_static(DONE_EVENT)));
             }
             End::Clean
@@ -491,6 +579,39 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = openai::error(&self.message, self.kind, &self.code, self.param);
+        (self.status, Json(body)).into_response()
+    }
+}
+
+/// A misbehaviour the scenario asked for, worded for the API of the path.
+fn fake_error(dialect: Dialect, status: StatusCode, message: impl Into<String>, code: impl Into<String>) -> Response {
+    match dialect {
+        Dialect::OpenAi => ApiError::fake(status, message, code).into_response(),
+        Dialect::Anthropic => AnthropicError::new(status, message).into_response(),
+    }
+}
+
+/// A refusal in Anthropic's envelope, its error type following the status.
+#[derive(Debug)]
+struct AnthropicError {
+    status: StatusCode,
+    message: String,
+}
+
+impl AnthropicError {
+    fn new(status: StatusCode, message: impl Into<String>) -> AnthropicError {
+        AnthropicError { status, message: message.into() }
+    }
+
+    /// A 400 `invalid_request_error`.
+    fn invalid(message: impl Into<String>) -> AnthropicError {
+        AnthropicError::new(StatusCode::BAD_REQUEST, message)
+    }
+}
+
+impl IntoResponse for AnthropicError {
+    fn into_response(self) -> Response {
+        let body = anthropic::error(anthropic::error_type(self.status.as_u16()), &self.message);
         (self.status, Json(body)).into_response()
     }
 }

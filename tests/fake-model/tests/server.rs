@@ -714,3 +714,397 @@ async fn flap_alternates_failure_and_success() {
     assert_eq!(body["error"]["type"], "fake_error");
     assert_eq!(body["error"]["code"], "flap");
 }
+
+// The Anthropic Messages API: `POST {base}/v1/messages`.
+
+fn anthropic_body(user: &str) -> Value {
+    json!({
+        "model": "claude-fake",
+        "max_tokens": 100,
+        "system": "You are terse.",
+        "messages": [{"role": "user", "content": user}],
+    })
+}
+
+async fn post_messages(base: &str, body: &Value) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(format!("{base}/v1/messages"))
+        .header("anthropic-version", "2023-06-01")
+        .header("x-api-key", "sk-ant-fake")
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// The `(event, data)` pairs of an Anthropic SSE body, in order.
+fn sse_events(text: &str) -> Vec<(String, Value)> {
+    text.split("\n\n")
+        .filter(|event| !event.is_empty())
+        .map(|event| {
+            let (name, data) = event.split_once('\n').expect(event);
+            let name = name.strip_prefix("event: ").expect(event);
+            let data = data.strip_prefix("data: ").expect(event);
+            (name.to_owned(), serde_json::from_str(data).expect(data))
+        })
+        .collect()
+}
+
+async fn messages_stream(base: &str, extra: Value) -> Vec<(String, Value)> {
+    let mut body = anthropic_body("Say hello to the fake model please");
+    body["stream"] = json!(true);
+    for (key, value) in extra.as_object().unwrap() {
+        body[key] = value.clone();
+    }
+    let response = post_messages(base, &body).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    sse_events(&response.text().await.unwrap())
+}
+
+fn names(events: &[(String, Value)]) -> Vec<&str> {
+    events.iter().map(|(name, _)| name.as_str()).collect()
+}
+
+#[tokio::test]
+async fn messages_echo_in_the_messages_api_shape() {
+    let fake = FakeModel::start().await.unwrap();
+    assert_eq!(fake.anthropic_url(&Scenario::default()), fake.base_url());
+    let response = post_messages(&fake.base_url(), &anthropic_body("Say hello to the fake model please")).await;
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.unwrap();
+    let id = body["id"].as_str().unwrap();
+    assert!(id.starts_with("msg_fake_"), "{id}");
+    assert_eq!(
+        body,
+        json!({
+            "id": id,
+            "type": "message",
+            "role": "assistant",
+            "model": "claude-fake",
+            "content": [{"type": "text", "text": "Hello from fake-model! You said: Say hello to the fake model please"}],
+            "stop_reason": "end_turn",
+            "stop_sequence": null,
+            // input as the OpenAI mode's prompt: system 3 + 3, user 7 + 3.
+            "usage": {"input_tokens": 16, "output_tokens": 12, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+        })
+    );
+    let recorded = fake.requests();
+    assert_eq!(recorded[0].path, "/v1/messages");
+    assert_eq!(recorded[0].header("anthropic-version"), Some("2023-06-01"));
+    assert_eq!(recorded[0].header("x-api-key"), Some("sk-ant-fake"));
+    assert_eq!(recorded[0].body["max_tokens"], 100);
+}
+
+#[tokio::test]
+async fn messages_refuse_what_anthropic_refuses_in_its_envelope() {
+    let fake = FakeModel::start().await.unwrap();
+    let refusal =
+        |message: &str| json!({"type": "error", "error": {"type": "invalid_request_error", "message": message}});
+
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/messages", fake.base_url()))
+        .json(&anthropic_body("hi"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    assert_eq!(response.json::<Value>().await.unwrap(), refusal("anthropic-version: header is required"));
+
+    let cases = [
+        ("stream_options", json!({"include_usage": true}), "stream_options: Extra inputs are not permitted"),
+        ("n", json!(1), "n: Extra inputs are not permitted"),
+        ("max_completion_tokens", json!(5), "max_completion_tokens: Extra inputs are not permitted"),
+        ("max_tokens", json!(0), "max_tokens: Input should be greater than or equal to 1"),
+        ("max_tokens", json!("5"), "max_tokens: Input should be a valid integer"),
+        ("model", json!(7), "model: Input should be a valid string"),
+        ("messages", json!([]), "messages: at least one message is required"),
+        ("temperature", json!(1.5), "temperature: Input should be less than or equal to 1"),
+        ("stop_sequences", json!("END"), "stop_sequences: Input should be a valid list"),
+        ("tool_choice", json!({"type": "tool"}), "tool_choice.name: Field required"),
+        (
+            "tools",
+            json!([{"name": "f", "parameters": {"type": "object"}, "strict": true}]),
+            "tools.0.parameters: Extra inputs are not permitted",
+        ),
+        (
+            "messages",
+            json!([{"role": "system", "content": "be terse"}, {"role": "user", "content": "hi"}]),
+            "messages: Unexpected role \"system\". The Messages API accepts a top-level `system` parameter, not \"system\" as an input message role.",
+        ),
+        (
+            "messages",
+            json!([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}]),
+            "messages.0.content.0.content.0.type: `tool_use` blocks are not allowed in tool_result content",
+        ),
+        (
+            "messages",
+            json!([{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/bmp", "data": "AA"}}]}]),
+            "messages.0.content.0.source.media_type: Input should be image/jpeg, image/png, image/gif, image/webp",
+        ),
+        (
+            "messages",
+            json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]),
+            "messages.1.content.0.type: `tool_result` blocks are not allowed in assistant content",
+        ),
+    ];
+    for (key, value, message) in cases {
+        let mut body = anthropic_body("hi");
+        body[key] = value;
+        let response = post_messages(&fake.base_url(), &body).await;
+        assert_eq!(response.status(), 400, "{key}");
+        assert_eq!(response.json::<Value>().await.unwrap(), refusal(message), "{key}");
+    }
+    let mut body = anthropic_body("hi");
+    body.as_object_mut().unwrap().remove("max_tokens");
+    let response = post_messages(&fake.base_url(), &body).await;
+    assert_eq!(response.json::<Value>().await.unwrap(), refusal("max_tokens: Field required"));
+}
+
+#[tokio::test]
+async fn messages_cut_at_max_tokens_and_before_a_stop_sequence() {
+    let fake = FakeModel::start().await.unwrap();
+    let url = fake.anthropic_url(&scenario_from("words=50"));
+    let mut body = anthropic_body("hi");
+    body["max_tokens"] = json!(10);
+    let answer: Value = post_messages(&url, &body).await.json().await.unwrap();
+    let expected: Vec<String> = (1..=10).map(|i| format!("w{i}")).collect();
+    assert_eq!(answer["content"][0]["text"], expected.join(" "));
+    assert_eq!(answer["stop_reason"], "max_tokens");
+    assert_eq!(answer["stop_sequence"], Value::Null);
+    assert_eq!(answer["usage"]["output_tokens"], 10);
+
+    body["stop_sequences"] = json!(["w9", " w4 ", "w99"]);
+    let answer: Value = post_messages(&url, &body).await.json().await.unwrap();
+    assert_eq!(answer["content"][0]["text"], "w1 w2 w3");
+    assert_eq!(answer["stop_reason"], "stop_sequence");
+    assert_eq!(answer["stop_sequence"], " w4 ");
+    assert_eq!(answer["usage"]["output_tokens"], 3);
+
+    // ignore_limit overshoots, as in the OpenAI mode.
+    let url = fake.anthropic_url(&scenario_from("words=50,ignore_limit"));
+    body.as_object_mut().unwrap().remove("stop_sequences");
+    let answer: Value = post_messages(&url, &body).await.json().await.unwrap();
+    assert_eq!(answer["usage"]["output_tokens"], 50);
+    assert_eq!(answer["stop_reason"], "end_turn");
+}
+
+fn with_tools(user: &str) -> Value {
+    let mut body = anthropic_body(user);
+    body["tools"] = json!([
+        {"name": "get_weather", "description": "The weather", "input_schema": {"type": "object", "properties": {"echo": {"type": "string"}}}},
+        {"name": "other", "input_schema": {"type": "object"}},
+    ]);
+    body
+}
+
+#[tokio::test]
+async fn tool_use_calls_the_first_tool_with_the_user_text() {
+    let fake = FakeModel::start().await.unwrap();
+    let url = fake.anthropic_url(&scenario_from("tool_use"));
+    let answer: Value = post_messages(&url, &with_tools("weather in Paris")).await.json().await.unwrap();
+    let n = answer["id"].as_str().unwrap().strip_prefix("msg_fake_").unwrap();
+    assert_eq!(
+        answer["content"],
+        json!([
+            {"type": "text", "text": "I'll call get_weather."},
+            {"type": "tool_use", "id": format!("toolu_fake_{n}"), "name": "get_weather", "input": {"echo": "weather in Paris"}},
+        ])
+    );
+    assert_eq!(answer["stop_reason"], "tool_use");
+    // 3 words of text, 3 of the input's JSON.
+    assert_eq!(answer["usage"]["output_tokens"], 6);
+
+    // A forced tool: that one, without a preamble; `none` or no tools: text.
+    let mut body = with_tools("weather in Paris");
+    body["tool_choice"] = json!({"type": "tool", "name": "other"});
+    let answer: Value = post_messages(&url, &body).await.json().await.unwrap();
+    assert_eq!(answer["content"].as_array().unwrap().len(), 1);
+    assert_eq!(answer["content"][0]["name"], "other");
+    body["tool_choice"] = json!({"type": "none"});
+    let answer: Value = post_messages(&url, &body).await.json().await.unwrap();
+    assert_eq!(answer["stop_reason"], "end_turn");
+    let answer: Value = post_messages(&url, &anthropic_body("hi")).await.json().await.unwrap();
+    assert_eq!(answer["content"][0]["type"], "text");
+
+    // The tool's result comes back; the echo is still the user's own text.
+    let mut body = with_tools("weather in Paris");
+    body["messages"] = json!([
+        {"role": "user", "content": "weather in Paris"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"echo": "x"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
+    ]);
+    let answer: Value = post_messages(&fake.base_url(), &body).await.json().await.unwrap();
+    assert_eq!(answer["content"][0]["text"], "Hello from fake-model! You said: weather in Paris");
+    // system 3 + 3, then 3 + 3, 0 + 3, 1 + 3.
+    assert_eq!(answer["usage"]["input_tokens"], 6 + 6 + 3 + 4);
+}
+
+#[tokio::test]
+async fn cache_reports_cache_tokens() {
+    let fake = FakeModel::start().await.unwrap();
+    let answer: Value =
+        post_messages(&fake.anthropic_url(&scenario_from("cache")), &anthropic_body("hi")).await.json().await.unwrap();
+    assert_eq!(
+        answer["usage"],
+        json!({"input_tokens": 10, "output_tokens": 6, "cache_creation_input_tokens": 2048, "cache_read_input_tokens": 1024})
+    );
+}
+
+#[tokio::test]
+async fn messages_stream_sends_anthropic_events_in_order() {
+    let fake = FakeModel::start().await.unwrap();
+    let events = messages_stream(&fake.base_url(), json!({})).await;
+    let mut expected = vec!["message_start", "content_block_start", "ping"];
+    expected.extend(["content_block_delta"; 5]);
+    expected.extend(["content_block_stop", "message_delta", "message_stop"]);
+    assert_eq!(names(&events), expected);
+    assert!(events.iter().all(|(name, data)| data["type"] == name.as_str()));
+
+    let message = &events[0].1["message"];
+    assert!(message["id"].as_str().unwrap().starts_with("msg_fake_"));
+    assert_eq!(message["type"], "message");
+    assert_eq!(message["role"], "assistant");
+    assert_eq!(message["model"], "claude-fake");
+    assert_eq!(message["content"], json!([]));
+    assert_eq!(message["stop_reason"], Value::Null);
+    assert_eq!(message["stop_sequence"], Value::Null);
+    assert_eq!(
+        message["usage"],
+        json!({"input_tokens": 16, "output_tokens": 1, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0})
+    );
+    assert_eq!(
+        events[1].1,
+        json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+    );
+    let text: String = events[3..8]
+        .iter()
+        .map(|(_, data)| {
+            assert_eq!(data["index"], 0);
+            assert_eq!(data["delta"]["type"], "text_delta");
+            data["delta"]["text"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(text, "Hello from fake-model! You said: Say hello to the fake model please");
+    assert_eq!(events[8].1, json!({"type": "content_block_stop", "index": 0}));
+    assert_eq!(
+        events[9].1,
+        json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": 12}})
+    );
+    assert_eq!(events[10].1, json!({"type": "message_stop"}));
+}
+
+#[tokio::test]
+async fn messages_stream_a_tool_call_as_input_json_deltas() {
+    let fake = FakeModel::start().await.unwrap();
+    let url = fake.anthropic_url(&scenario_from("tool_use,chunks=3"));
+    let mut body = with_tools("weather in Paris");
+    body["stream"] = json!(true);
+    let events = sse_events(&post_messages(&url, &body).await.text().await.unwrap());
+    let mut expected = vec!["message_start", "content_block_start", "ping"];
+    expected.extend(["content_block_delta"; 3]);
+    expected.extend(["content_block_stop", "content_block_start"]);
+    expected.extend(["content_block_delta"; 3]);
+    expected.extend(["content_block_stop", "message_delta", "message_stop"]);
+    assert_eq!(names(&events), expected);
+    let start = &events[7].1;
+    assert_eq!(start["index"], 1);
+    assert_eq!(start["content_block"]["type"], "tool_use");
+    assert!(start["content_block"]["id"].as_str().unwrap().starts_with("toolu_fake_"));
+    assert_eq!(start["content_block"]["name"], "get_weather");
+    assert_eq!(start["content_block"]["input"], json!({}));
+    let partial: String = events[8..11]
+        .iter()
+        .map(|(_, data)| {
+            assert_eq!(data["delta"]["type"], "input_json_delta");
+            data["delta"]["partial_json"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(serde_json::from_str::<Value>(&partial).unwrap(), json!({"echo": "weather in Paris"}));
+    assert_eq!(events[12].1["delta"]["stop_reason"], "tool_use");
+}
+
+#[tokio::test]
+async fn error_after_sends_an_overloaded_event_and_ends() {
+    let fake = FakeModel::start().await.unwrap();
+    let url = fake.anthropic_url(&scenario_from("error_after=2"));
+    let mut body = anthropic_body("hi");
+    body["stream"] = json!(true);
+    let response = post_messages(&url, &body).await;
+    assert_eq!(response.status(), 200);
+    let text = read_to_end_or_error(response).await.expect("the stream failed");
+    let text = String::from_utf8(text).unwrap();
+    assert!(
+        text.ends_with(
+            "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n"
+        ),
+        "{text}"
+    );
+    let events = sse_events(&text);
+    assert_eq!(
+        names(&events),
+        ["message_start", "content_block_start", "ping", "content_block_delta", "content_block_delta", "error"]
+    );
+    assert!(!text.contains("[DONE]"));
+}
+
+#[tokio::test]
+async fn messages_stream_honours_the_stream_knobs() {
+    let fake = FakeModel::start().await.unwrap();
+    let mut body = anthropic_body("hi");
+    body["stream"] = json!(true);
+
+    let response = post_messages(&fake.anthropic_url(&scenario_from("cut_after=1")), &body).await;
+    let received = read_to_end_or_error(response).await.expect_err("the body ended cleanly");
+    let events = sse_events(&String::from_utf8(received).unwrap());
+    assert_eq!(names(&events), ["message_start", "content_block_start", "ping", "content_block_delta"]);
+
+    let response = post_messages(&fake.anthropic_url(&scenario_from("stall_after=0")), &body).await;
+    let mut frames = response.bytes_stream();
+    let received = read_until_silent(&mut frames, Duration::from_millis(300)).await.expect("the stream ended");
+    assert_eq!(
+        names(&sse_events(&String::from_utf8(received).unwrap())),
+        ["message_start", "content_block_start", "ping"]
+    );
+
+    let response = post_messages(&fake.anthropic_url(&scenario_from("malformed_at=1")), &body).await;
+    let text = response.text().await.unwrap();
+    assert!(text.contains("event: content_block_delta\ndata: {this is not json\n\n"), "{text}");
+    assert!(text.ends_with("event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"), "{text}");
+}
+
+#[tokio::test]
+async fn injected_statuses_answer_in_anthropics_envelope() {
+    let fake = FakeModel::start().await.unwrap();
+    let cases = [
+        (400, "invalid_request_error"),
+        (401, "authentication_error"),
+        (403, "permission_error"),
+        (404, "not_found_error"),
+        (413, "request_too_large"),
+        (429, "rate_limit_error"),
+        (500, "api_error"),
+        (503, "api_error"),
+        (529, "overloaded_error"),
+    ];
+    for (status, kind) in cases {
+        let scenario = Scenario { status: Some(status), retry_after: Some(3), ..Default::default() };
+        let url = fake.anthropic_url(&scenario);
+        assert!(url.ends_with(&format!("/s/status={status},retry_after=3")), "{url}");
+        let response = post_messages(&url, &anthropic_body("hi")).await;
+        assert_eq!(response.status(), status);
+        assert_eq!(response.headers()["retry-after"], "3");
+        let message =
+            if status == 529 { "Overloaded".to_owned() } else { format!("fake-model injected status {status}") };
+        assert_eq!(
+            response.json::<Value>().await.unwrap(),
+            json!({"type": "error", "error": {"type": kind, "message": message}}),
+            "{status}"
+        );
+    }
+    // The OpenAI paths keep their own envelope.
+    let url = fake.scenario_url(&scenario_from("status=529"));
+    let body: Value = post(&url, "/chat/completions", &chat_body("hi")).await.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "injected_529");
+    assert_eq!(body["error"]["message"], "fake-model injected status 529");
+}
