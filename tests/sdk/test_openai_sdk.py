@@ -20,6 +20,8 @@ TARGET = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "de
 KEY = "sk-sdk-test-key"
 # A tenant routed to a backend whose stream carries a malformed event mid-way.
 FAULTY_KEY = "sk-sdk-faulty-key"
+# A tenant routed to an Anthropic Messages backend (the fake's Anthropic surface).
+CLAUDE_KEY = "sk-sdk-claude-key"
 
 
 def start(args, banner):
@@ -49,6 +51,10 @@ tenants:
     keys:
       - sha256: {hashlib.sha256(FAULTY_KEY.encode()).hexdigest()}
     backend: malformed
+  claude:
+    keys:
+      - sha256: {hashlib.sha256(CLAUDE_KEY.encode()).hexdigest()}
+    backend: claude
 ai:
   default_backend: chat
   capabilities: {{embeddings: embed}}
@@ -62,8 +68,14 @@ ai:
       default_model: fake-embed
     malformed:
       url: {model_url}/s/malformed_at=2/v1
+    claude:
+      kind: anthropic
+      url: {model_url}/s/tool_use
+      auth: {{type: header, name: x-api-key, secret: "env:SDK_ANTHROPIC_KEY"}}
+      default_model: claude-fake
 """
     )
+    os.environ["SDK_ANTHROPIC_KEY"] = "sk-ant-sdk"
     gw, gw_url = start(
         [str(TARGET / "flexway"), "serve", "--config", str(config), "--listen", "127.0.0.1:0"], "flexway"
     )
@@ -157,3 +169,58 @@ def test_a_stream_broken_mid_way_raises_api_error_with_the_spec_code(gateway):
             received.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
     assert raised.value.code == "upstream_error"
     assert "".join(received).startswith("Hello"), "the content before the fault was relayed"
+
+
+@pytest.fixture
+def claude(gateway):
+    return openai.OpenAI(base_url=gateway + "/v1", api_key=CLAUDE_KEY, max_retries=0)
+
+
+def test_chat_through_an_anthropic_backend(claude):
+    completion = claude.chat.completions.create(
+        model="anything",
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello claude"}],
+    )
+    assert completion.object == "chat.completion"
+    assert completion.model == "claude-fake"
+    assert "hello claude" in completion.choices[0].message.content
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.usage.prompt_tokens > 0 and completion.usage.completion_tokens > 0
+
+
+def test_tool_calls_through_an_anthropic_backend(claude):
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    completion = claude.chat.completions.create(
+        model="anything", messages=[{"role": "user", "content": "find cats"}], tools=tools
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "lookup"
+    assert '"find cats"' in call.function.arguments
+    # The result goes back, as the SDK's users write it.
+    follow = claude.chat.completions.create(
+        model="anything",
+        tools=tools,
+        messages=[
+            {"role": "user", "content": "find cats"},
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "felines"},
+        ],
+    )
+    assert follow.choices[0].message.tool_calls[0].function.name == "lookup"
+
+
+def test_streamed_chat_through_an_anthropic_backend(claude):
+    stream = claude.chat.completions.create(
+        model="anything",
+        messages=[{"role": "user", "content": "stream claude"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "stream claude" in text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
