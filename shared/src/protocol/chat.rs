@@ -11,7 +11,10 @@
 //! When both sides speak the same format, the request is forwarded as the client sent
 //! it but for the fields the gateway owns (the model, the allowance, usage in streams):
 //! the identity translation, which keeps every field a provider adds that this model
-//! does not name, and costs no re-encoding on the hot path.
+//! does not name, and costs no re-encoding on the hot path. So today the OpenAI
+//! outbound translator (`openai::translate::{request, read_completion, read_chunk}`)
+//! is exercised by its round-trip tests only; it serves when a second inbound format
+//! meets an OpenAI backend.
 
 use serde_json::Value;
 

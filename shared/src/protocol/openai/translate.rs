@@ -1,10 +1,14 @@
-//! The OpenAI Chat Completions translator: a request into a [`Call`], and an answer
-//! from the model ([`Completion`], [`Delta`]s) back into Chat Completions JSON.
+//! The OpenAI Chat Completions translator. Inbound: a client's request into a
+//! [`Call`], and the answer ([`Completion`], [`Delta`]s) back into Chat Completions
+//! JSON. Outbound: a [`Call`] made by another inbound format into a request for an
+//! OpenAI backend, and that backend's answer and chunks back into the model.
 
 use serde_json::{Map, Value, json};
 
 use super::{ChatRequest, InvalidRequest, invalid};
-use crate::protocol::chat::{Call, Completion, Delta, Image, Message, Part, Role, Tokens, Tool, ToolCall, ToolChoice};
+use crate::protocol::chat::{
+    Call, Completion, Delta, Finish, Image, Message, Part, Role, Tokens, Tool, ToolCall, ToolChoice,
+};
 
 impl ChatRequest {
     /// The call this request makes. The request was checked by `parse`; what only a
@@ -248,6 +252,169 @@ impl Chunks {
     }
 }
 
+// ---------------------------------------------------------------- outbound
+// A [`Call`] from another inbound format, to an OpenAI backend. (A Chat Completions
+// client's own request goes as it came: the identity, `ChatRequest::upstream_body`.)
+
+/// The Chat Completions request a call makes for `model`, with the gateway's
+/// `allowance` as `max_completion_tokens`, usage asked for in a stream.
+pub fn request(call: &Call, model: &str, allowance: u64) -> Vec<u8> {
+    let mut messages: Vec<Value> = call.system.iter().map(|s| json!({"role": "system", "content": s})).collect();
+    for message in &call.messages {
+        let mut content = Vec::new();
+        let mut calls = Vec::new();
+        for part in &message.parts {
+            match part {
+                Part::Text(text) => content.push(json!({"type": "text", "text": text})),
+                Part::Image(Image::Data { media_type, base64 }) => content.push(
+                    json!({"type": "image_url", "image_url": {"url": format!("data:{media_type};base64,{base64}")}}),
+                ),
+                Part::Image(Image::Url(url)) => content.push(json!({"type": "image_url", "image_url": {"url": url}})),
+                Part::ToolCall(call) => calls.push(call.clone()),
+                // A tool's answer is a message of its own.
+                Part::ToolResult { call_id, content } => {
+                    messages.push(json!({"role": "tool", "tool_call_id": call_id, "content": content}));
+                }
+            }
+        }
+        if content.is_empty() && calls.is_empty() {
+            continue;
+        }
+        let role = if message.role == Role::User { "user" } else { "assistant" };
+        let mut out = json!({"role": role, "content": if content.is_empty() { Value::Null } else { content.into() }});
+        if !calls.is_empty() {
+            out["tool_calls"] = tool_calls(&calls);
+        }
+        messages.push(out);
+    }
+    let mut body = json!({"model": model, "messages": messages, "max_completion_tokens": allowance});
+    let mut set = |key: &str, value: Value| {
+        body[key] = value;
+    };
+    if !call.stop.is_empty() {
+        set("stop", call.stop.clone().into());
+    }
+    if let Some(t) = call.temperature {
+        set("temperature", t.into());
+    }
+    if let Some(p) = call.top_p {
+        set("top_p", p.into());
+    }
+    if call.choices > 1 {
+        set("n", call.choices.into());
+    }
+    if let Some(user) = &call.user {
+        set("user", user.clone().into());
+    }
+    if !call.tools.is_empty() {
+        let tools = call.tools.iter().map(|t| {
+            let mut function = json!({"name": t.name, "parameters": t.parameters});
+            if let Some(d) = &t.description {
+                function["description"] = d.clone().into();
+            }
+            json!({"type": "function", "function": function})
+        });
+        set("tools", tools.collect());
+    }
+    if let Some(choice) = &call.tool_choice {
+        set(
+            "tool_choice",
+            match choice {
+                ToolChoice::Auto => "auto".into(),
+                ToolChoice::None => "none".into(),
+                ToolChoice::Required => "required".into(),
+                ToolChoice::Named(name) => json!({"type": "function", "function": {"name": name}}),
+            },
+        );
+    }
+    if call.stream {
+        set("stream", true.into());
+        set("stream_options", json!({"include_usage": true}));
+    }
+    serde_json::to_vec(&body).unwrap_or_default()
+}
+
+fn finish(reason: &str) -> Finish {
+    match reason {
+        "length" => Finish::Length,
+        "tool_calls" | "function_call" => Finish::ToolCalls,
+        "content_filter" => Finish::ContentFilter,
+        _ => Finish::Stop,
+    }
+}
+
+fn tokens(usage: &Value) -> Option<Tokens> {
+    let input = usage.get("prompt_tokens")?.as_u64()?;
+    let cache_read = usage.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).unwrap_or(0);
+    let output = usage.get("completion_tokens").and_then(Value::as_u64).unwrap_or(0);
+    Some(Tokens { input, output, cache_read, cache_write: 0 })
+}
+
+/// A `chat.completion` as a [`Completion`] (its first choice); `None` when it is not one.
+pub fn read_completion(body: &[u8]) -> Option<Completion> {
+    let answer: Value = serde_json::from_slice(body).ok()?;
+    let choice = answer.get("choices")?.as_array()?.first()?;
+    let message = choice.get("message")?;
+    let tool_calls = message.get("tool_calls").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+    let text = |v: &Value, key: &str| v.get(key).and_then(Value::as_str).map(str::to_owned);
+    Some(Completion {
+        id: text(&answer, "id").unwrap_or_default(),
+        model: text(&answer, "model").unwrap_or_default(),
+        text: text(message, "content"),
+        tool_calls: tool_calls
+            .iter()
+            .filter_map(|c| {
+                let function = c.get("function")?;
+                Some(ToolCall {
+                    id: text(c, "id")?,
+                    name: text(function, "name")?,
+                    arguments: text(function, "arguments").unwrap_or_default(),
+                })
+            })
+            .collect(),
+        finish: choice.get("finish_reason").and_then(Value::as_str).map(finish),
+        usage: answer.get("usage").and_then(tokens),
+    })
+}
+
+/// The [`Delta`]s of one `chat.completion.chunk` (its first choice), or of `[DONE]`.
+pub fn read_chunk(data: &str) -> Option<Vec<Delta>> {
+    if data.trim() == "[DONE]" {
+        return Some(vec![Delta::Done]);
+    }
+    let chunk: Value = serde_json::from_str(data).ok()?;
+    let mut deltas = Vec::new();
+    if let Some(choice) = chunk.get("choices").and_then(Value::as_array).and_then(|c| c.first()) {
+        let delta = &choice["delta"];
+        if delta.get("role").is_some() {
+            let field = |key: &str| chunk.get(key).and_then(Value::as_str).unwrap_or_default().to_owned();
+            deltas.push(Delta::Start { id: field("id"), model: field("model") });
+        }
+        if let Some(text) = delta.get("content").and_then(Value::as_str).filter(|t| !t.is_empty()) {
+            deltas.push(Delta::Text(text.to_owned()));
+        }
+        for call in delta.get("tool_calls").and_then(Value::as_array).into_iter().flatten() {
+            let index = call.get("index").and_then(Value::as_u64).and_then(|i| u32::try_from(i).ok()).unwrap_or(0);
+            let function = &call["function"];
+            if let (Some(id), Some(name)) =
+                (call.get("id").and_then(Value::as_str), function.get("name").and_then(Value::as_str))
+            {
+                deltas.push(Delta::ToolCall { index, id: id.to_owned(), name: name.to_owned() });
+            }
+            if let Some(fragment) = function.get("arguments").and_then(Value::as_str).filter(|a| !a.is_empty()) {
+                deltas.push(Delta::ToolArguments { index, fragment: fragment.to_owned() });
+            }
+        }
+        if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
+            deltas.push(Delta::Finish(finish(reason)));
+        }
+    }
+    if let Some(tokens) = chunk.get("usage").and_then(tokens) {
+        deltas.push(Delta::Usage(tokens));
+    }
+    Some(deltas)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -362,5 +529,62 @@ mod tests {
         assert_eq!(body["usage"], json!({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}));
         let read = super::super::Answer::read(body.to_string().as_bytes()).unwrap();
         assert_eq!(read.finish_reasons, ["tool_calls"]);
+    }
+
+    #[test]
+    fn a_call_goes_out_and_reads_back_the_same() {
+        let original = call(json!({
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [
+                    {"type": "text", "text": "What?"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}}
+                ]},
+                {"role": "assistant", "content": [{"type": "text", "text": "Looking."}], "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+                ]},
+                {"role": "tool", "tool_call_id": "c1", "content": "a cat"}
+            ],
+            "tools": [{"type": "function", "function": {"name": "look", "description": "d", "parameters": {"type": "object"}}}],
+            "tool_choice": "required",
+            "stop": ["END"],
+            "n": 2,
+            "top_p": 0.9,
+            "stream": true,
+            "user": "u"
+        }))
+        .unwrap();
+        let sent = request(&original, "gpt-x", 77);
+        let back = ChatRequest::parse(&sent).unwrap();
+        assert_eq!((back.model.as_str(), back.max_tokens, back.client_wants_usage), ("gpt-x", Some(77), true));
+        assert_eq!(back.call().unwrap(), Call { max_tokens: Some(77), ..original });
+    }
+
+    #[test]
+    fn answers_and_chunks_read_back_into_the_model() {
+        let answer = Completion {
+            id: "a".into(),
+            model: "m".into(),
+            text: Some("Hi".into()),
+            tool_calls: vec![ToolCall { id: "t".into(), name: "look".into(), arguments: "{}".into() }],
+            finish: Some(Finish::Length),
+            usage: Some(Tokens { input: 9, output: 2, cache_read: 3, cache_write: 0 }),
+        };
+        assert_eq!(read_completion(completion(&answer, 1).to_string().as_bytes()), Some(answer));
+        let deltas = [
+            Delta::Start { id: "a".into(), model: "m".into() },
+            Delta::Text("Hi".into()),
+            Delta::ToolCall { index: 1, id: "t".into(), name: "look".into() },
+            Delta::ToolArguments { index: 1, fragment: "{}".into() },
+            Delta::Finish(Finish::ToolCalls),
+            Delta::Usage(Tokens { input: 9, output: 2, cache_read: 0, cache_write: 0 }),
+        ];
+        let mut chunks = Chunks::new(1);
+        for delta in deltas {
+            let chunk = chunks.chunk(delta.clone()).unwrap();
+            assert_eq!(read_chunk(&chunk.to_string()), Some(vec![delta]));
+        }
+        assert_eq!(read_chunk("[DONE]"), Some(vec![Delta::Done]));
     }
 }
