@@ -174,7 +174,13 @@ pub enum StreamError {
     NotJson,
     #[error("the backend sent an error event: {0}")]
     Error(String),
+    #[error("the backend began more than {MAX_TOOL_CALLS} tool calls in one answer")]
+    TooManyToolCalls,
 }
+
+/// Tool calls one streamed answer may begin: what the stream remembers of each is
+/// small, but a backend must not make it grow without end.
+const MAX_TOOL_CALLS: usize = 1024;
 
 /// A stream's state across events: which content blocks are tool calls (and their
 /// index among the answer's tool calls), and the usage so far.
@@ -203,6 +209,9 @@ impl Stream {
                 let index = event.get("index").and_then(Value::as_u64).unwrap_or(0);
                 match block.get("type").and_then(Value::as_str) {
                     Some("tool_use") => {
+                        if self.tools.len() >= MAX_TOOL_CALLS {
+                            return Err(StreamError::TooManyToolCalls);
+                        }
                         let call = u32::try_from(self.tools.len()).unwrap_or(u32::MAX);
                         self.tools.push((index, call));
                         vec![Delta::ToolCall { index: call, id: field(block, "id"), name: field(block, "name") }]
@@ -412,5 +421,18 @@ mod tests {
         let overloaded = json!({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}});
         assert_eq!(stream.next(&overloaded.to_string()), Err(StreamError::Error("Overloaded".into())));
         assert_eq!(stream.next("not json"), Err(StreamError::NotJson));
+    }
+
+    #[test]
+    fn a_stream_cannot_grow_its_tool_calls_without_end() {
+        let mut stream = Stream::default();
+        let start = |i: usize| {
+            json!({"type": "content_block_start", "index": i, "content_block": {"type": "tool_use", "id": "t", "name": "n"}})
+                .to_string()
+        };
+        for i in 0..MAX_TOOL_CALLS {
+            assert_eq!(stream.next(&start(i)).unwrap().len(), 1);
+        }
+        assert_eq!(stream.next(&start(MAX_TOOL_CALLS)), Err(StreamError::TooManyToolCalls));
     }
 }
