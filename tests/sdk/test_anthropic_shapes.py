@@ -5,16 +5,11 @@ stream accumulator prove the fake's `/v1/messages` shapes are the real API's. Th
 gateway's `kind: anthropic` tests then rely on a fake that speaks the API faithfully.
 """
 
-import os
-import pathlib
-import re
-import subprocess
 
 import anthropic
 import pytest
+from processes import TARGET, start
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TARGET = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "debug"
 PROMPT = "Say hello to the fake model please"
 ECHO = f"Hello from fake-model! You said: {PROMPT}"
 TOOLS = [
@@ -24,16 +19,6 @@ TOOLS = [
         "input_schema": {"type": "object", "properties": {"echo": {"type": "string"}}},
     }
 ]
-
-
-def start(args, banner):
-    proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    for line in proc.stderr:
-        match = re.search(banner + r" listening on (http://\S+)", line)
-        if match:
-            return proc, match.group(1)
-    proc.kill()
-    raise RuntimeError(f"{args[0]} did not start")
 
 
 @pytest.fixture(scope="module")

@@ -8,30 +8,17 @@ model list, and the SDK's own exceptions carrying Flexway's error codes.
 import hashlib
 import os
 import pathlib
-import re
-import subprocess
 import tempfile
 
 import openai
 import pytest
+from processes import TARGET, start
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TARGET = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "debug"
 KEY = "sk-sdk-test-key"
 # A tenant routed to a backend whose stream carries a malformed event mid-way.
 FAULTY_KEY = "sk-sdk-faulty-key"
 # A tenant routed to an Anthropic Messages backend (the fake's Anthropic surface).
 CLAUDE_KEY = "sk-sdk-claude-key"
-
-
-def start(args, banner):
-    proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    for line in proc.stderr:
-        match = re.search(banner + r" listening on (http://\S+)", line)
-        if match:
-            return proc, match.group(1)
-    proc.kill()
-    raise RuntimeError(f"{args[0]} did not start")
 
 
 @pytest.fixture(scope="module")
