@@ -39,6 +39,7 @@ fn one_of_each() -> Vec<GatewayError> {
         GatewayError::Identity(IdentityError::UnknownKey),
         GatewayError::Identity(IdentityError::UnknownAgent { agent: "x".into() }),
         GatewayError::Identity(IdentityError::UnreadableAgent),
+        GatewayError::Identity(IdentityError::UnknownTenant { tenant: "t".into() }),
         GatewayError::CapabilityUnavailable { capability: "chat" },
         GatewayError::ImageOriginNotAllowed { origin: "o".into() },
         GatewayError::SensitiveNoInternalBackend,
