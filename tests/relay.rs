@@ -163,6 +163,11 @@ async fn the_tenant_and_agent_the_edge_asserts_are_the_centrals_and_both_audits_
         assert_eq!(edge[field], central[field], "{field}");
     }
     assert!(edge["cost_micro_eur"].as_u64().unwrap() > central["cost_micro_eur"].as_u64().unwrap());
+    // The edge's metrics carry the same split as its audit.
+    let metrics = client().get(format!("{}/metrics", c.edge.url)).send().await.unwrap().text().await.unwrap();
+    let calls =
+        r#"flexway_inference_calls_total{tenant="acme",backend="central",metered_by="upstream",capability="chat"} 1"#;
+    assert!(metrics.lines().any(|l| l == calls), "{metrics}");
 
     // Nothing of the client's own headers went past the edge.
     let seen = &c.external.requests()[0];
