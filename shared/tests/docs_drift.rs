@@ -108,7 +108,14 @@ fn http_doc_names_every_header_the_errors_write() {
             assert!(doc.contains(&format!("`{name}`")), "docs/http.md does not name the `{name}` header");
         }
     }
-    for name in ["flexway-request-id", "flexway-backend", "flexway-degraded", "flexway-budget", "flexway-agent"] {
+    for name in [
+        "flexway-request-id",
+        "flexway-backend",
+        "flexway-degraded",
+        "flexway-budget",
+        "flexway-agent",
+        "flexway-tenant",
+    ] {
         assert!(doc.contains(&format!("`{name}`")), "docs/http.md does not name `{name}`");
     }
 }
