@@ -127,6 +127,8 @@ impl GatewayError {
         match self {
             GatewayError::InvalidRequest(_) => "invalid_request",
             GatewayError::Identity(IdentityError::MissingKey | IdentityError::UnknownKey) => "invalid_api_key",
+            GatewayError::Identity(IdentityError::UnknownTenant { .. }) => "unknown_tenant",
+            GatewayError::Identity(IdentityError::UnreadableTenant) => "unknown_tenant",
             GatewayError::Identity(_) => "unknown_agent",
             GatewayError::CapabilityUnavailable { .. } => "capability_unavailable",
             GatewayError::ImageOriginNotAllowed { .. } => "image_origin_not_allowed",
@@ -260,6 +262,10 @@ mod tests {
         {
             let refused = GatewayError::from(refused);
             assert_eq!((refused.status().as_u16(), refused.code()), (403, "unknown_agent"));
+        }
+        for refused in [IdentityError::UnknownTenant { tenant: "t".into() }, IdentityError::UnreadableTenant] {
+            let refused = GatewayError::from(refused);
+            assert_eq!((refused.status().as_u16(), refused.code()), (403, "unknown_tenant"));
         }
     }
 }

@@ -1081,6 +1081,58 @@ fn warns_about_relay_metered_locally() {
 }
 
 #[test]
+fn relay_identity_headers_default_to_the_names_a_receiving_flexway_reads() {
+    let relay = |identity_headers: &str| {
+        doc().set(
+            "ai.backends.up",
+            &format!(
+                "{{kind: relay, url: 'https://up.example.net', metering: upstream, \
+                 price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 1}}{identity_headers}}}"
+            ),
+        )
+    };
+    let loaded = relay("").loads();
+    let BackendKind::Relay { identity_headers, .. } = &loaded.config.ai.backends["up"].kind else { panic!("a relay") };
+    let expected = ["flexway-tenant", "flexway-agent", "flexway-sensitive"].map(|h| Some(h.to_owned()));
+    assert_eq!([&identity_headers.tenant, &identity_headers.agent, &identity_headers.sensitive], expected.each_ref());
+    assert!(loaded.warnings.iter().all(|w| !w.path.starts_with("ai.backends.up")), "{:?}", loaded.warnings);
+
+    // Declared: only the names given are sent.
+    let loaded = relay(", identity_headers: {tenant: Flexway-Tenant}").loads();
+    let BackendKind::Relay { identity_headers, .. } = &loaded.config.ai.backends["up"].kind else { panic!("a relay") };
+    assert_eq!(identity_headers.tenant.as_deref(), Some("flexway-tenant"));
+    assert_eq!((&identity_headers.agent, &identity_headers.sensitive), (&None, &None));
+    assert!(loaded.warnings.iter().all(|w| !w.path.starts_with("ai.backends.up")), "{:?}", loaded.warnings);
+}
+
+#[test]
+fn warns_about_relay_identity_names_a_receiving_flexway_does_not_read() {
+    let loaded = doc()
+        .set(
+            "ai.backends.up",
+            "{kind: relay, url: 'https://up.example.net', metering: upstream, \
+             price: {input_per_mtok_eur: 1, output_per_mtok_eur: 1}, \
+             identity_headers: {tenant: X-Tenant, agent: Flexway-Agent, sensitive: X-Secret}}",
+        )
+        .loads();
+    let warnings: Vec<_> = loaded.warnings.iter().filter(|w| w.path.starts_with("ai.backends.up")).collect();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert_eq!(warnings[0].path, "ai.backends.up.identity_headers.tenant");
+    assert_eq!(
+        warnings[0].message,
+        "relay up sends the tenant under a name a receiving Flexway does not read (flexway-tenant)"
+    );
+}
+
+#[test]
+fn warns_about_a_relay_url_ending_in_v1() {
+    let loaded =
+        doc().set("ai.backends.up", "{kind: relay, url: 'https://up.example.net/v1/', metering: upstream}").loads();
+    let warning = loaded.warnings.iter().find(|w| w.path == "ai.backends.up.url").unwrap();
+    assert!(warning.message.contains("https://up.example.net/v1/v1/chat/completions"), "{}", warning.message);
+}
+
+#[test]
 fn refuses_relay_keys_on_another_kind() {
     let errors = doc()
         .set("ai.backends.main.metering", "upstream")

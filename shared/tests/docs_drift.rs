@@ -39,6 +39,7 @@ fn one_of_each() -> Vec<GatewayError> {
         GatewayError::Identity(IdentityError::UnknownKey),
         GatewayError::Identity(IdentityError::UnknownAgent { agent: "x".into() }),
         GatewayError::Identity(IdentityError::UnreadableAgent),
+        GatewayError::Identity(IdentityError::UnknownTenant { tenant: "t".into() }),
         GatewayError::CapabilityUnavailable { capability: "chat" },
         GatewayError::ImageOriginNotAllowed { origin: "o".into() },
         GatewayError::SensitiveNoInternalBackend,
@@ -107,7 +108,14 @@ fn http_doc_names_every_header_the_errors_write() {
             assert!(doc.contains(&format!("`{name}`")), "docs/http.md does not name the `{name}` header");
         }
     }
-    for name in ["flexway-request-id", "flexway-backend", "flexway-degraded", "flexway-budget", "flexway-agent"] {
+    for name in [
+        "flexway-request-id",
+        "flexway-backend",
+        "flexway-degraded",
+        "flexway-budget",
+        "flexway-agent",
+        "flexway-tenant",
+    ] {
         assert!(doc.contains(&format!("`{name}`")), "docs/http.md does not name `{name}`");
     }
 }
@@ -146,9 +154,9 @@ fn configuration_doc(schema: &Value) -> String {
          expanded, or has a key longer than 1 KiB (`shared/src/config/bounds.rs`). Relative paths \
          (`file:` references, `store.path`, `audit.path`) resolve against the working \
          directory. A `kind: anthropic` backend is called in its own format, translated both ways \
-         (docs/backends.md). The schema accepts backend kinds `relay` and `grpc` and the keys only \
-         they use (`descriptor_set`, `identity_headers`, `metering`, `relay_peer`), but those protocols \
-         are not built: see docs/http.md.\n",
+         (docs/backends.md); a `kind: relay` backend is another Flexway (docs/http.md, \"Relay\"). \
+         The schema accepts backend kind `grpc` and the key only it uses (`descriptor_set`), but \
+         gRPC is not built: such a backend loads, with a warning, and is never called.\n",
     );
     let mut sections = vec![(String::new(), schema.clone())];
     while !sections.is_empty() {

@@ -42,7 +42,10 @@ pub struct AuditRecord {
     pub model_served: Option<String>,
     /// The backend that served (for a pool, the member), or the last one tried.
     pub backend: Option<String>,
-    /// Where this consumption is billed (`upstream`: by the Flexway a relay leads to).
+    /// Where this consumption is billed: `upstream` when the backend that served (or
+    /// was tried last) is a relay with `metering: upstream`, so the Flexway it leads
+    /// to bills it; `local` otherwise (any other backend, a relay metered locally, a
+    /// call refused before routing). Either way the local ledger settled it.
     pub metered_by: Metering,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,

@@ -287,6 +287,7 @@ impl BackendKind {
 #[derive(Debug, Clone)]
 pub struct Endpoint {
     /// Base URL without a trailing slash; the gateway appends `/chat/completions`, ...
+    /// (a relay's is the other Flexway's base: `/v1` goes in between).
     pub url: String,
     pub auth: Auth,
     pub tls: Option<Tls>,
@@ -393,6 +394,14 @@ impl Metering {
     }
 }
 
+/// The header in which a relay peer's key asserts the tenant a call is made for
+/// (SPEC §8): what a receiving Flexway reads, whatever the sender's config calls it.
+pub const TENANT_HEADER: &str = "flexway-tenant";
+/// The header that names an agent (SPEC §7); a relay peer asserts its agent in it too.
+pub const AGENT_HEADER: &str = "flexway-agent";
+
+/// Header names (lower-case) under which a relay passes the caller's identity on; a
+/// name left out is not sent.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct IdentityHeaders {
     pub tenant: Option<String>,

@@ -146,8 +146,11 @@ pub struct RawKey {
     /// Agent this key is bound to (one of the tenant's `agents`); a bound key cannot
     /// name another agent in the `Flexway-Agent` header.
     pub agent: Option<String>,
-    /// This key belongs to another Flexway relaying to this one: identity headers it
-    /// sends are trusted. Default false.
+    /// This key belongs to another Flexway relaying to this one: the tenant it names in
+    /// `Flexway-Tenant` (one declared here, else 403 `unknown_tenant`) is the call's,
+    /// with the agent it names in `Flexway-Agent` (one of that tenant's). Without
+    /// `Flexway-Tenant` the key calls as its own tenant. From any other key,
+    /// `Flexway-Tenant` is ignored. Default false.
     pub relay_peer: Option<bool>,
 }
 
@@ -295,7 +298,10 @@ pub struct RawBackend {
     /// `relay`: `local` (default; counts here) or `upstream` (the receiving Flexway
     /// meters, so a call is billed once).
     pub metering: Option<RawMetering>,
-    /// `relay`: header names under which the caller's identity is passed on.
+    /// `relay`: header names under which the caller's identity is passed on. Left
+    /// out: `{tenant: Flexway-Tenant, agent: Flexway-Agent, sensitive:
+    /// Flexway-Sensitive}`, the names a receiving Flexway reads (the sensitivity under
+    /// its own `ai.sensitive_header`).
     pub identity_headers: Option<RawIdentityHeaders>,
     /// `grpc`: path of the serialized FileDescriptorSet naming the services served
     /// and the metered methods.
@@ -463,16 +469,18 @@ pub struct RawPoolMember {
     pub weight: Option<u32>,
 }
 
-/// Header names under which a relay passes the caller's identity on; an absent one
-/// is not passed.
+/// Header names under which a relay passes the caller's identity on; in a declared
+/// mapping, a name left out is not sent.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename = "IdentityHeaders", expecting = "identity headers (a mapping)")]
 pub struct RawIdentityHeaders {
-    /// Header carrying the tenant's name.
+    /// Header carrying the tenant's name (a receiving Flexway reads `Flexway-Tenant`).
     pub tenant: Option<String>,
-    /// Header carrying the agent's name.
+    /// Header carrying the agent's name, if the call has one (a receiving Flexway
+    /// reads `Flexway-Agent`).
     pub agent: Option<String>,
-    /// Header carrying the sensitivity flag.
+    /// Header carrying the sensitivity flag, `true` or `false` (a receiving Flexway
+    /// reads its `ai.sensitive_header`).
     pub sensitive: Option<String>,
 }
 

@@ -20,7 +20,7 @@ use crate::routing::breaker::{Admit, Outcome};
 use crate::routing::{Candidate, Route};
 use crate::telemetry::TraceContext;
 use crate::upstream::body::{self, Fault};
-use crate::upstream::{CallError, UpstreamClient};
+use crate::upstream::{CallError, CallerIdentity, UpstreamClient};
 
 /// A backend whose answer is in (a non-streamed one read whole, a stream held until
 /// its first content), before a byte reached the client.
@@ -94,7 +94,7 @@ pub(super) async fn dispatch(
         attempts.tried.push(backend.clone());
         draft.trying(candidate, &model);
         let sent = Instant::now();
-        let answer = attempt(gateway, client, path, body, draft.trace(), expect).await;
+        let answer = attempt(gateway, client, path, body, draft.trace(), draft.caller(), expect).await;
         draft.waited(sent.elapsed());
         let failure = match answer {
             Ok(answered) => {
@@ -172,6 +172,7 @@ async fn attempt(
     path: &str,
     body: Vec<u8>,
     trace: &TraceContext,
+    caller: &CallerIdentity,
     expect: Expect,
 ) -> Result<Answered, Failure> {
     let deadline = tokio::time::Instant::now() + client.timeout;
@@ -180,7 +181,7 @@ async fn attempt(
         Wire::OpenAi => path,
         Wire::Anthropic => anthropic::PATH,
     };
-    let response = client.post_json(path, body, trace).await.map_err(Failure::Head)?;
+    let response = client.post_json(path, body, trace, caller).await.map_err(Failure::Head)?;
     let status = response.status();
     let headers = response.headers();
     if status.is_server_error() {

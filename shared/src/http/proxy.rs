@@ -140,6 +140,8 @@ async fn chat(
     draft.request(request.capability(), &request.model, request.user.as_deref());
     vision::check_images(&request.images, &gateway.config.ai.vision)?;
     let images = request.images.len() as u64;
+    let sensitive = crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?;
+    draft.sensitive(sensitive);
     let demand = Demand {
         capability: request.capability(),
         prompt_tokens: plan::prompt_upper_bound(request.prompt_text_bytes, request.message_count, images),
@@ -147,7 +149,7 @@ async fn chat(
         choices: request.choices,
         completes: true,
         stream: request.stream,
-        sensitive: crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?,
+        sensitive,
     };
     let Admission { route, ticket, soft, allowance } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.soft(soft);
@@ -197,6 +199,8 @@ async fn embed(
     let bytes = read_body(body, headers, gateway.config.ai.vision.max_body_bytes).await?;
     let request = EmbeddingsRequest::parse(&bytes)?;
     draft.request(Capability::Embeddings, &request.model, request.user.as_deref());
+    let sensitive = crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?;
+    draft.sensitive(sensitive);
     let demand = Demand {
         capability: Capability::Embeddings,
         prompt_tokens: request.input_units,
@@ -204,7 +208,7 @@ async fn embed(
         choices: 1,
         completes: false,
         stream: false,
-        sensitive: crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?,
+        sensitive,
     };
     let Admission { route, ticket, soft, .. } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.soft(soft);

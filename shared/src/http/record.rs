@@ -21,6 +21,7 @@ use crate::money::MicroEur;
 use crate::protocol::openai::Usage;
 use crate::routing::Candidate;
 use crate::telemetry::{CallSpan, TraceContext};
+use crate::upstream::CallerIdentity;
 
 use super::RequestId;
 
@@ -36,6 +37,8 @@ pub(super) struct Draft {
     upstream: Duration,
     streamed: bool,
     span: Span,
+    /// Who the call is for, as a relay passes it on.
+    caller: CallerIdentity,
 }
 
 /// What the call's telemetry span needs beyond its audit record.
@@ -98,7 +101,18 @@ impl Draft {
                 finish_reasons: Vec::new(),
                 served: false,
             },
+            caller: CallerIdentity { tenant: caller.tenant.clone(), agent: caller.agent.clone(), sensitive: false },
         }
+    }
+
+    /// Who the call is for, sent to a relay.
+    pub fn caller(&self) -> &CallerIdentity {
+        &self.caller
+    }
+
+    /// The request is sensitive (`ai.sensitive_header`): a relay is told so.
+    pub fn sensitive(&mut self, sensitive: bool) {
+        self.caller.sensitive = sensitive;
     }
 
     /// The call's trace context, sent to each backend tried.

@@ -9,6 +9,12 @@
 //! gateway cannot read is refused, never taken as absent or as `false`, because a
 //! reading that guesses could widen what a caller reaches (another agent's budget,
 //! an external backend for a sensitive prompt).
+//!
+//! A relay peer (SPEC §8: another Flexway, by a key marked `relay_peer: true`) calls
+//! on behalf of its own callers: the tenant it names in `Flexway-Tenant` becomes the
+//! call's, and `Flexway-Agent` then names one of that tenant's agents. Only such a key
+//! is believed: from any other key `Flexway-Tenant` is ignored, so a caller can never
+//! bill another tenant by sending a header.
 
 use http::HeaderMap;
 use sha2::{Digest, Sha256};
@@ -17,9 +23,10 @@ use subtle::ConstantTimeEq;
 use crate::config::{AgentId, Config, Tenant, TenantId};
 use crate::protocol::openai::InvalidRequest;
 
-/// The request header in which a key without a bound agent may name one of its
-/// tenant's agents.
-pub const AGENT_HEADER: &str = "flexway-agent";
+/// `AGENT_HEADER`: the request header in which a key without a bound agent may name
+/// one of its tenant's agents. `TENANT_HEADER`: the one in which a relay peer names
+/// the tenant it calls for.
+pub use crate::config::{AGENT_HEADER, TENANT_HEADER};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Caller {
@@ -44,6 +51,12 @@ pub enum IdentityError {
     UnreadableAgent,
     #[error("the Flexway-Agent header appears more than once with different values (`{first}`, `{other}`)")]
     AmbiguousAgent { first: String, other: String },
+    #[error("tenant `{tenant}` asserted by the relay peer is not declared here")]
+    UnknownTenant { tenant: String },
+    #[error(
+        "the Flexway-Tenant header from a relay peer must name one tenant in readable text (UTF-8, no control characters)"
+    )]
+    UnreadableTenant,
 }
 
 struct KeyRecord {
@@ -80,21 +93,28 @@ impl KeyRing {
         ring
     }
 
-    /// Identifies the caller from the request headers.
+    /// Identifies the caller from the request headers: the key's tenant and agent, or
+    /// for a relay peer's key that sends `Flexway-Tenant`, the tenant it asserts (the
+    /// key's own bound agent, which belongs to the peer's tenant, then does not apply).
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, IdentityError> {
         let key = bearer_key(headers).ok_or(IdentityError::MissingKey)?;
         let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
         let record = self.find(&digest).ok_or(IdentityError::UnknownKey)?;
+        let asserted = if record.relay_peer { tenant_header(headers)? } else { None };
+        let (tenant, bound) = match asserted {
+            Some(asserted) => (self.declared_tenant(asserted)?, None),
+            None => (record.tenant.clone(), record.agent.clone()),
+        };
         let asked = agent_header(headers)?;
-        let agent = match (&record.agent, asked) {
+        let agent = match (bound, asked) {
             (Some(bound), Some(asked)) if bound.as_str() != asked => {
                 return Err(IdentityError::AgentRebind { bound: bound.to_string(), asked: asked.to_owned() });
             }
-            (Some(bound), _) => Some(bound.clone()),
-            (None, Some(asked)) => Some(self.declared_agent(&record.tenant, asked)?),
+            (Some(bound), _) => Some(bound),
+            (None, Some(asked)) => Some(self.declared_agent(&tenant, asked)?),
             (None, None) => None,
         };
-        Ok(Caller { tenant: record.tenant.clone(), agent, key_sha256: digest, relay_peer: record.relay_peer })
+        Ok(Caller { tenant, agent, key_sha256: digest, relay_peer: record.relay_peer })
     }
 
     fn find(&self, digest: &[u8; 32]) -> Option<&KeyRecord> {
@@ -105,6 +125,13 @@ impl KeyRing {
             }
         }
         found
+    }
+
+    fn declared_tenant(&self, asked: &str) -> Result<TenantId, IdentityError> {
+        self.tenants
+            .get_key_value(asked)
+            .map(|(tenant, _)| tenant.clone())
+            .ok_or_else(|| IdentityError::UnknownTenant { tenant: asked.to_owned() })
     }
 
     fn declared_agent(&self, tenant: &TenantId, asked: &str) -> Result<AgentId, IdentityError> {
@@ -131,19 +158,40 @@ fn bearer_key(headers: &HeaderMap) -> Option<&str> {
 /// Both are refused rather than read as "no agent", which would bill the call to
 /// the tenant outside the agent's budgets.
 pub fn agent_header(headers: &HeaderMap) -> Result<Option<&str>, IdentityError> {
+    one_name(headers, AGENT_HEADER).map_err(|unread| match unread {
+        Unread::Unreadable => IdentityError::UnreadableAgent,
+        Unread::Ambiguous { first, other } => IdentityError::AmbiguousAgent { first, other },
+    })
+}
+
+/// The tenant a relay peer names in `Flexway-Tenant`, read as strictly as the agent:
+/// an unreadable or ambiguous value is refused, never read as the peer's own tenant.
+fn tenant_header(headers: &HeaderMap) -> Result<Option<&str>, IdentityError> {
+    one_name(headers, TENANT_HEADER).map_err(|_| IdentityError::UnreadableTenant)
+}
+
+/// Why a header naming one thing could not be read.
+enum Unread {
+    Unreadable,
+    Ambiguous { first: String, other: String },
+}
+
+/// The one name a header gives, if present: readable text, trimmed, the same value
+/// however many times it repeats.
+fn one_name<'h>(headers: &'h HeaderMap, header: &str) -> Result<Option<&'h str>, Unread> {
     let mut named: Option<&str> = None;
-    for value in headers.get_all(AGENT_HEADER) {
+    for value in headers.get_all(header) {
         // Trimmed of HTTP's own whitespace only: Unicode's (U+0085...) is refused.
-        let agent = std::str::from_utf8(value.as_bytes())
+        let name = std::str::from_utf8(value.as_bytes())
             .map(str::trim_ascii)
             .ok()
             .filter(|a| !a.is_empty() && !a.chars().any(char::is_control))
-            .ok_or(IdentityError::UnreadableAgent)?;
+            .ok_or(Unread::Unreadable)?;
         match named {
-            Some(first) if first != agent => {
-                return Err(IdentityError::AmbiguousAgent { first: first.to_owned(), other: agent.to_owned() });
+            Some(first) if first != name => {
+                return Err(Unread::Ambiguous { first: first.to_owned(), other: name.to_owned() });
             }
-            _ => named = Some(agent),
+            _ => named = Some(name),
         }
     }
     Ok(named)
@@ -220,7 +268,19 @@ mod tests {
             backend: None,
             agents,
         };
-        KeyRing::from_tenants([&tenant])
+        let mut edge_agents = BTreeMap::new();
+        edge_agents.insert(AgentId::new("relayer"), Agent::default());
+        let edge = Tenant {
+            name: TenantId::new("edge"),
+            keys: vec![
+                KeyEntry { sha256: hash("peer"), agent: None, relay_peer: true },
+                KeyEntry { sha256: hash("bound-peer"), agent: Some(AgentId::new("relayer")), relay_peer: true },
+            ],
+            budgets: Default::default(),
+            backend: None,
+            agents: edge_agents,
+        };
+        KeyRing::from_tenants([&tenant, &edge])
     }
 
     fn headers(key: Option<&str>, agent: Option<&str>) -> HeaderMap {
@@ -315,6 +375,77 @@ mod tests {
         // The same value twice (a proxy copying the header) names one agent.
         let h = with_key(repeated(AGENT_HEADER, &[b"helper", b" helper"]), "plain");
         assert_eq!(ring().authenticate(&h).unwrap().agent, Some(AgentId::new("helper")));
+    }
+
+    fn asserting(key: &str, tenant: &[u8], agent: Option<&str>) -> HeaderMap {
+        let mut h = headers(Some(key), agent);
+        h.insert(TENANT_HEADER, HeaderValue::from_bytes(tenant).unwrap());
+        h
+    }
+
+    #[test]
+    fn a_relay_peer_calls_for_the_declared_tenant_and_agent_it_asserts() {
+        let caller = ring().authenticate(&asserting("peer", b"acme", Some("helper"))).unwrap();
+        assert_eq!((caller.tenant.as_str(), caller.agent), ("acme", Some(AgentId::new("helper"))));
+        assert!(caller.relay_peer);
+        assert_eq!(hex::encode(caller.key_sha256), key_sha256_hex("peer"));
+        let tenant_only = ring().authenticate(&asserting("peer", b" acme ", None)).unwrap();
+        assert_eq!((tenant_only.tenant.as_str(), tenant_only.agent), ("acme", None));
+    }
+
+    #[test]
+    fn a_relay_peer_asserting_an_undeclared_tenant_is_refused() {
+        let got = ring().authenticate(&asserting("peer", b"initech", None));
+        assert_eq!(got, Err(IdentityError::UnknownTenant { tenant: "initech".into() }));
+        let got = ring().authenticate(&asserting("peer", b"Acme", None));
+        assert_eq!(got, Err(IdentityError::UnknownTenant { tenant: "Acme".into() }));
+    }
+
+    #[test]
+    fn a_relay_peer_asserts_only_agents_of_the_asserted_tenant() {
+        // `relayer` is declared, but under the peer's own tenant.
+        let got = ring().authenticate(&asserting("peer", b"acme", Some("relayer")));
+        assert_eq!(got, Err(IdentityError::UnknownAgent { agent: "relayer".into() }));
+        // A peer key bound to its own agent: the asserted tenant's call is not that agent's.
+        let caller = ring().authenticate(&asserting("bound-peer", b"acme", None)).unwrap();
+        assert_eq!((caller.tenant.as_str(), caller.agent), ("acme", None));
+        let caller = ring().authenticate(&asserting("bound-peer", b"acme", Some("bot"))).unwrap();
+        assert_eq!(caller.agent, Some(AgentId::new("bot")));
+    }
+
+    #[test]
+    fn a_relay_peer_without_a_tenant_header_calls_as_its_own_tenant() {
+        let caller = ring().authenticate(&headers(Some("peer"), Some("relayer"))).unwrap();
+        assert_eq!((caller.tenant.as_str(), caller.agent), ("edge", Some(AgentId::new("relayer"))));
+        let bound = ring().authenticate(&headers(Some("bound-peer"), None)).unwrap();
+        assert_eq!((bound.tenant.as_str(), bound.agent), ("edge", Some(AgentId::new("relayer"))));
+    }
+
+    #[test]
+    fn a_tenant_header_from_a_key_that_is_not_a_relay_peer_is_ignored() {
+        let caller = ring().authenticate(&asserting("plain", b"edge", None)).unwrap();
+        assert_eq!((caller.tenant.as_str(), caller.agent), ("acme", None));
+        // Even a name that is declared nowhere, or unreadable: not read at all.
+        for value in [&b"initech"[..], b"\xff", b""] {
+            let caller = ring().authenticate(&asserting("bound", value, None)).unwrap();
+            assert_eq!((caller.tenant.as_str(), caller.agent), ("acme", Some(AgentId::new("bot"))));
+        }
+    }
+
+    #[test]
+    fn a_relay_peer_tenant_header_must_be_readable_and_single_valued() {
+        for value in [&b"\xff"[..], b"", b"  ", b"ac\tme"] {
+            let got = ring().authenticate(&asserting("peer", value, None));
+            assert_eq!(got, Err(IdentityError::UnreadableTenant), "{value:?}");
+        }
+        let mut twice = headers(Some("peer"), None);
+        twice.append(TENANT_HEADER, HeaderValue::from_static("acme"));
+        twice.append(TENANT_HEADER, HeaderValue::from_static("edge"));
+        assert_eq!(ring().authenticate(&twice), Err(IdentityError::UnreadableTenant));
+        twice.remove(TENANT_HEADER);
+        twice.append(TENANT_HEADER, HeaderValue::from_static("acme"));
+        twice.append(TENANT_HEADER, HeaderValue::from_static("acme"));
+        assert_eq!(ring().authenticate(&twice).unwrap().tenant.as_str(), "acme");
     }
 
     const SENSITIVE: &str = "flexway-sensitive";

@@ -1,9 +1,11 @@
 //! Upstream calls: one HTTP client per backend, with its authentication.
 //!
 //! The request sent upstream is built from nothing: a JSON body, a content type, the
-//! call's trace context, the backend's own credential, and the version header of
-//! the format it speaks (`anthropic-version`). No other header of the
-//! caller's travels, so the caller's key can never reach a backend.
+//! call's trace context, the backend's own credential, the version header of the
+//! format it speaks (`anthropic-version`) — and for a relay (another Flexway, SPEC
+//! §8), the caller's tenant, agent and sensitivity under the header names its
+//! `identity_headers` declares, and only those. No header of the caller's travels, so
+//! the caller's key can never reach a backend.
 //!
 //! A backend's secrets (its auth secret, its TLS material) are resolved before the
 //! gateway starts and again every `secrets.refresh`: each backend's credential and
@@ -22,7 +24,9 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use http::{HeaderName, HeaderValue};
 
-use crate::config::{Auth, BackendId, BackendKind, Config, Endpoint, SecretRef, Tls};
+use crate::config::{
+    AgentId, Auth, BackendId, BackendKind, Config, Endpoint, IdentityHeaders, SecretRef, TenantId, Tls,
+};
 use crate::protocol::{Wire, anthropic};
 use crate::secret::{Resolved, Secret, SecretError};
 use crate::telemetry::{TraceContext, context};
@@ -34,6 +38,8 @@ pub enum SetupError {
     Secret { path: String, source: SecretError },
     #[error("backend `{backend}`: the credential is not a valid header value")]
     BadCredential { backend: BackendId },
+    #[error("backend `{backend}`: an identity header is not a valid header name")]
+    BadIdentityHeader { backend: BackendId },
     #[error("backend `{backend}`: TLS: {detail}")]
     Tls { backend: BackendId, detail: String },
     #[error("HTTP client: {0}")]
@@ -69,6 +75,63 @@ pub struct UpstreamClient {
     pub wire: Wire,
     live: ArcSwap<Live>,
     pub timeout: Duration,
+    /// A relay's: the names it passes the caller's identity under.
+    identity_headers: Option<RelayHeaders>,
+}
+
+/// Who a call is for, as a relay passes it on: the caller's tenant and agent, and
+/// whether the request is sensitive (`ai.sensitive_header`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallerIdentity {
+    pub tenant: TenantId,
+    pub agent: Option<AgentId>,
+    pub sensitive: bool,
+}
+
+/// A relay's `identity_headers`, as header names; one left out is not sent.
+struct RelayHeaders {
+    tenant: Option<HeaderName>,
+    agent: Option<HeaderName>,
+    sensitive: Option<HeaderName>,
+}
+
+impl RelayHeaders {
+    fn new(name: &BackendId, declared: &IdentityHeaders) -> Result<Self, SetupError> {
+        let parse = |header: &Option<String>| {
+            header
+                .as_deref()
+                .map(|h| HeaderName::from_bytes(h.as_bytes()))
+                .transpose()
+                .map_err(|_| SetupError::BadIdentityHeader { backend: name.clone() })
+        };
+        Ok(RelayHeaders {
+            tenant: parse(&declared.tenant)?,
+            agent: parse(&declared.agent)?,
+            sensitive: parse(&declared.sensitive)?,
+        })
+    }
+
+    /// The headers that say who the call is for. A name that cannot be a header value
+    /// fails the call: sent without it, the call would be billed to the relay's own
+    /// tenant at the other end.
+    fn values(&self, caller: &CallerIdentity) -> Result<Vec<(HeaderName, HeaderValue)>, CallError> {
+        let value = |what: &str, text: &str| {
+            HeaderValue::from_str(text)
+                .map_err(|_| CallError::Credential(format!("the {what} `{text}` cannot be sent in a header")))
+        };
+        let sensitive = HeaderValue::from_static(if caller.sensitive { "true" } else { "false" });
+        let mut headers = Vec::new();
+        if let Some(name) = &self.tenant {
+            headers.push((name.clone(), value("tenant", caller.tenant.as_str())?));
+        }
+        if let (Some(name), Some(agent)) = (&self.agent, &caller.agent) {
+            headers.push((name.clone(), value("agent", agent.as_str())?));
+        }
+        if let Some(name) = &self.sensitive {
+            headers.push((name.clone(), sensitive));
+        }
+        Ok(headers)
+    }
 }
 
 /// What a backend's secrets built: the client (its own when it has `tls`) and the
@@ -95,14 +158,20 @@ struct TlsMaterial {
 }
 
 impl UpstreamClient {
-    /// POSTs a JSON body to `{url}{path}` and waits for the response head. The call's
-    /// trace context goes with it (W3C `traceparent`, `tracestate`).
+    /// POSTs a JSON body to `{url}{path}` (`{url}/v1{path}` for a relay) and waits for
+    /// the response head. The call's trace context goes with it (W3C `traceparent`,
+    /// `tracestate`), and to a relay, who the call is for.
     pub async fn post_json(
         &self,
         path: &str,
         body: Vec<u8>,
         trace: &TraceContext,
+        caller: &CallerIdentity,
     ) -> Result<reqwest::Response, CallError> {
+        let identity = match &self.identity_headers {
+            Some(names) => names.values(caller)?,
+            None => Vec::new(),
+        };
         let live = self.live.load();
         let mut request = live
             .http
@@ -117,6 +186,9 @@ impl UpstreamClient {
             if let Some(state) = state {
                 request = request.header(context::TRACESTATE, state);
             }
+        }
+        for (name, value) in identity {
+            request = request.header(name, value);
         }
         match &live.credential {
             Credential::None => {}
@@ -209,16 +281,20 @@ impl Upstreams {
             };
             let material = material(name, endpoint, secrets)?;
             let live = Live::build(name, endpoint, material, None, &shared)?;
+            let base = endpoint.url.trim_end_matches('/');
+            // A relay's url is the other Flexway's base: its API is under `/v1`.
+            let (base, identity_headers) = match &backend.kind {
+                BackendKind::Relay { identity_headers, .. } => {
+                    (format!("{base}/v1"), Some(RelayHeaders::new(name, identity_headers)?))
+                }
+                _ => (base.to_owned(), None),
+            };
             let wire = match backend.kind {
                 BackendKind::Anthropic(_) => Wire::Anthropic,
                 _ => Wire::OpenAi,
             };
-            let client = UpstreamClient {
-                base: endpoint.url.trim_end_matches('/').to_owned(),
-                wire,
-                live: ArcSwap::from_pointee(live),
-                timeout: backend.timeout,
-            };
+            let live = ArcSwap::from_pointee(live);
+            let client = UpstreamClient { base, wire, live, timeout: backend.timeout, identity_headers };
             clients.insert(name.clone(), client);
         }
         Ok(Upstreams { clients })

@@ -14,7 +14,7 @@ use super::super::raw::{
 };
 use super::super::values::{base_url, fraction_ppm, micro_eur, status_range};
 use super::super::*;
-use super::{Catalog, Checker, Summary, capability};
+use super::{Catalog, Checker, DEFAULT_SENSITIVE_HEADER, Summary, capability};
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -138,7 +138,16 @@ impl Checker<'_> {
                         Metering::Local
                     }
                 };
-                let identity_headers = self.identity_headers(path, identity_headers);
+                if let Some(url) = endpoint.as_ref().map(|e| &e.url).filter(|url| url.ends_with("/v1")) {
+                    self.warn(
+                        format!("{path}.url"),
+                        format!(
+                            "relay {name}: url is the other Flexway's base and the gateway appends /v1 \
+                             ({url}/v1/chat/completions); leave /v1 out"
+                        ),
+                    );
+                }
+                let identity_headers = self.identity_headers(path, name, identity_headers);
                 Some(BackendKind::Relay { endpoint: endpoint?, metering, identity_headers: identity_headers? })
             }
             _ => endpoint.map(BackendKind::OpenAi),
@@ -382,9 +391,16 @@ impl Checker<'_> {
         Some(Tls { cert: cert?, key: key?, ca })
     }
 
-    fn identity_headers(&mut self, path: &str, raw: Option<RawIdentityHeaders>) -> Option<IdentityHeaders> {
+    /// The names a relay sends the caller's identity under. Left out, the names a
+    /// receiving Flexway reads (`Flexway-Tenant`, `Flexway-Agent`, and the default
+    /// `ai.sensitive_header`); declared, only the names given.
+    fn identity_headers(&mut self, path: &str, name: &str, raw: Option<RawIdentityHeaders>) -> Option<IdentityHeaders> {
         let Some(raw) = raw else {
-            return Some(IdentityHeaders::default());
+            return Some(IdentityHeaders {
+                tenant: Some(TENANT_HEADER.to_owned()),
+                agent: Some(AGENT_HEADER.to_owned()),
+                sensitive: Some(DEFAULT_SENSITIVE_HEADER.to_ascii_lowercase()),
+            });
         };
         let mut ok = true;
         let mut header = |key: &str, value: Option<String>| match value {
@@ -405,6 +421,17 @@ impl Checker<'_> {
         if distinct.len() != names.len() {
             self.error(format!("{path}.identity_headers"), "tenant, agent and sensitive must be different headers");
             ok = false;
+        }
+        // The receiving Flexway reads fixed names: another one is sent for nothing.
+        for (key, declared, read) in
+            [("tenant", &headers.tenant, TENANT_HEADER), ("agent", &headers.agent, AGENT_HEADER)]
+        {
+            if declared.as_deref().is_some_and(|d| d != read) {
+                self.warn(
+                    format!("{path}.identity_headers.{key}"),
+                    format!("relay {name} sends the {key} under a name a receiving Flexway does not read ({read})"),
+                );
+            }
         }
         ok.then_some(headers)
     }
