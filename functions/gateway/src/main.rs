@@ -7,7 +7,9 @@
 //! `FLEXWAY_CONFIG`), SDK clients with their connections warmed, every secret
 //! reference resolved (Secrets Manager and SSM with the function's own role). Handlers
 //! settle budgets and write the audit before the response ends, never in a task
-//! left behind: Lambda may freeze the environment as soon as the stream closes.
+//! left behind: Lambda may freeze the environment as soon as the stream closes. Each
+//! request carries its invocation's deadline ([`Deadline`]): a stream still open just
+//! before it ends with the `deadline` error, settled and recorded.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -15,7 +17,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use flexway::config::ProcessEnv;
+use flexway::http::Deadline;
 use flexway_aws::AwsSecretSource;
+use lambda_http::RequestExt;
+use lambda_http::tower::ServiceBuilder;
 
 /// As `flexway serve`: many small, short-lived allocations across threads.
 #[global_allocator]
@@ -57,6 +62,16 @@ async fn run(started: Instant) -> Result<(), lambda_http::Error> {
     let secrets = Arc::new(AwsSecretSource::new(sdk.clone()));
     let gateway = flexway::Gateway::new(loaded.config, secrets, adapters).await?;
     let app = flexway::http::api(Arc::new(gateway));
+    // Each invocation's deadline, for streams to end (settled, recorded) before it.
+    let app = ServiceBuilder::new().map_request(with_deadline).service(app);
     tracing::info!(init_ms = started.elapsed().as_millis() as u64, "flexway gateway ready; polling for invocations");
     lambda_http::run_with_streaming_response(app).await
+}
+
+fn with_deadline(mut request: lambda_http::Request) -> lambda_http::Request {
+    if let Some(context) = request.lambda_context_ref() {
+        let deadline = Deadline::from_unix_millis(context.deadline);
+        request.extensions_mut().insert(deadline);
+    }
+    request
 }

@@ -37,6 +37,32 @@ impl RequestId {
     }
 }
 
+/// When the platform ends the call, if it does (a Lambda function's deadline): a
+/// request extension the serverless binary sets. A stream still open
+/// [`DEADLINE_MARGIN`] before it ends for its client with the in-band `deadline`
+/// error, settled on what was relayed and recorded (SPEC §11), instead of being cut
+/// by the platform with nothing settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadline(pub std::time::Instant);
+
+/// Time kept before a [`Deadline`] to settle the call and write its record.
+pub const DEADLINE_MARGIN: std::time::Duration = std::time::Duration::from_secs(3);
+
+impl Deadline {
+    /// The deadline given in milliseconds since the Unix epoch (as Lambda's context
+    /// gives it), on this process's monotonic clock.
+    pub fn from_unix_millis(deadline_ms: u64) -> Deadline {
+        let now_ms = crate::budget::period::unix_now_millis();
+        let left = std::time::Duration::from_millis(deadline_ms.saturating_sub(now_ms));
+        Deadline(std::time::Instant::now() + left)
+    }
+
+    /// When a stream must end: the margin before the deadline.
+    pub fn cutoff(self) -> tokio::time::Instant {
+        tokio::time::Instant::from_std(self.0.checked_sub(DEADLINE_MARGIN).unwrap_or(self.0))
+    }
+}
+
 /// The local shape's surface: the API plus `GET /metrics` (Prometheus).
 pub fn app(gateway: Arc<Gateway>) -> Router {
     finish(api_routes().route("/metrics", get(metrics)), gateway)

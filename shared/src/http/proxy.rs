@@ -11,7 +11,6 @@
 //! reservation is settled or refunded (`budget::Ticket`), on every path below.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::Extension;
 use axum::body::Body;
@@ -20,14 +19,14 @@ use axum::response::Response;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 
-use super::RequestId;
 use super::dispatch::{Answered, Expect, Served, dispatch};
 use super::error::render;
 use super::record::{Draft, UsageSource};
 use super::relay;
+use super::{Deadline, RequestId};
 use crate::admission::{Admission, Demand, admit};
 use crate::budget::{Ticket, plan};
-use crate::config::{BackendId, Capability};
+use crate::config::Capability;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
@@ -47,15 +46,7 @@ enum Reply {
     /// A complete response (relayed 4xx included).
     Now(Response),
     /// A held stream to relay; it settles and records when it ends.
-    Stream(Box<Streamed>),
-}
-
-struct Streamed {
-    backend: BackendId,
-    held: relay::Held,
-    timeout: Duration,
-    headers: Vec<(&'static str, HeaderValue)>,
-    settle: relay::Settle,
+    Stream(Box<relay::Stream>),
 }
 
 /// Who is calling, under which request id.
@@ -74,10 +65,12 @@ enum Operation {
 pub(super) async fn chat_completions(
     State(gateway): State<Arc<Gateway>>,
     Extension(request_id): Extension<RequestId>,
+    deadline: Option<Extension<Deadline>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    handle(gateway, request_id, headers, body, Operation::Chat).await
+    let deadline = deadline.map(|Extension(d)| d);
+    handle(gateway, request_id, headers, body, Operation::Chat, deadline).await
 }
 
 pub(super) async fn embeddings(
@@ -86,7 +79,7 @@ pub(super) async fn embeddings(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    handle(gateway, request_id, headers, body, Operation::Embeddings).await
+    handle(gateway, request_id, headers, body, Operation::Embeddings, None).await
 }
 
 /// Authenticates, runs the call, and records it whatever happened.
@@ -96,6 +89,7 @@ async fn handle(
     headers: HeaderMap,
     body: Body,
     op: Operation,
+    deadline: Option<Deadline>,
 ) -> Response {
     let caller = match gateway.keys.authenticate(&headers) {
         Ok(caller) => caller,
@@ -117,9 +111,9 @@ async fn handle(
             draft.finish(response.status().as_u16(), None).await;
             response
         }
-        Ok(Reply::Stream(streamed)) => {
-            let Streamed { backend, held, timeout, headers, settle } = *streamed;
-            relay::stream(gateway, backend, held, timeout, headers, settle, draft)
+        Ok(Reply::Stream(mut stream)) => {
+            stream.deadline = deadline;
+            relay::stream(gateway, *stream, draft)
         }
         Err(e) => {
             draft.fail(&e).await;
@@ -183,7 +177,8 @@ async fn chat(
             draft.streaming();
             let headers = model_headers(&served.candidate, soft);
             let backend = served.candidate.backend;
-            Ok(Reply::Stream(Box::new(Streamed { backend, held, timeout: served.timeout, headers, settle })))
+            let idle_timeout = served.timeout;
+            Ok(Reply::Stream(Box::new(relay::Stream { backend, held, idle_timeout, headers, settle, deadline: None })))
         }
         Answered::Whole { .. } => complete(gateway, draft, served, settle, soft).await,
     }

@@ -25,6 +25,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
+use super::Deadline;
 use super::record::{Draft, UsageSource};
 use crate::budget::{Ticket, plan};
 use crate::config::{BackendId, Price};
@@ -45,6 +46,8 @@ pub enum StreamEnd {
     Broken(Fault),
     /// The client went away; the backend read was abandoned.
     ClientGone,
+    /// The platform's deadline was near: the client got the `deadline` error event.
+    Deadline,
 }
 
 /// What a finished stream tells the settle and record phases.
@@ -112,6 +115,7 @@ impl Settle {
             StreamEnd::Done => draft.finish(200, None).await,
             StreamEnd::Broken(_) => draft.finish(200, Some("upstream_error")).await,
             StreamEnd::ClientGone => draft.finish(499, Some("client_closed_request")).await,
+            StreamEnd::Deadline => draft.finish(200, Some(DEADLINE_CODE)).await,
         }
     }
 }
@@ -175,26 +179,33 @@ pub(super) async fn hold(
     }
 }
 
+/// A held stream and what its relay needs.
+pub(super) struct Stream {
+    pub backend: BackendId,
+    pub held: Held,
+    /// The backend's `timeout`, between two of its events.
+    pub idle_timeout: Duration,
+    /// The gateway's own response headers.
+    pub headers: Vec<(&'static str, HeaderValue)>,
+    pub settle: Settle,
+    /// The platform's, if it has one.
+    pub deadline: Option<Deadline>,
+}
+
 /// The streamed response, headers first. Settlement and the record run in the pump
 /// task when the stream ends, before the body completes, so they finish inside the
 /// invocation.
-pub(super) fn stream(
-    gateway: Arc<Gateway>,
-    backend: BackendId,
-    held: Held,
-    idle_timeout: Duration,
-    extra: Vec<(&'static str, HeaderValue)>,
-    settle: Settle,
-    mut draft: Draft,
-) -> Response {
+pub(super) fn stream(gateway: Arc<Gateway>, stream: Stream, mut draft: Draft) -> Response {
+    let Stream { backend, held, idle_timeout, headers: extra, settle, deadline } = stream;
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     // The pump outlives the handler: it carries the call's span (its request id) along.
     let pumping = async move {
-        let outcome = pump(held, &tx, idle_timeout, &mut draft).await;
+        let outcome = pump(held, &tx, idle_timeout, &mut draft, deadline.map(Deadline::cutoff)).await;
         let health = match &outcome.end {
             StreamEnd::Broken(fault) => fault_outcome(fault),
-            // A client that leaves says nothing of the backend, which was answering.
-            StreamEnd::Done | StreamEnd::ClientGone => Outcome::Success,
+            // A client that leaves, or the platform's clock, says nothing of the
+            // backend, which was answering.
+            StreamEnd::Done | StreamEnd::ClientGone | StreamEnd::Deadline => Outcome::Success,
         };
         gateway.breakers.record(&backend, health, Instant::now());
         settle.finish(&gateway, &outcome, draft).await;
@@ -221,44 +232,97 @@ pub(super) fn fault_outcome(fault: &Fault) -> Outcome {
     }
 }
 
-/// Forwards the held events, then reads the backend's stream to its end.
-async fn pump(held: Held, tx: &mpsc::Sender<Bytes>, idle_timeout: Duration, draft: &mut Draft) -> RelayOutcome {
+/// Forwards the held events, then reads the backend's stream to its end, or until
+/// `cutoff` (the platform's deadline, less the margin to settle and record).
+async fn pump(
+    held: Held,
+    tx: &mpsc::Sender<Bytes>,
+    idle_timeout: Duration,
+    draft: &mut Draft,
+    cutoff: Option<tokio::time::Instant>,
+) -> RelayOutcome {
     let Held { mut events, pending, mut outcome, client_wants_usage, done } = held;
+    let past_cutoff = || cutoff.is_some_and(|c| tokio::time::Instant::now() >= c);
     for raw in pending {
         draft.first_byte();
-        if tx.send(raw).await.is_err() {
-            outcome.end = StreamEnd::ClientGone;
-            return outcome;
+        match send(tx, raw, cutoff).await {
+            Sent::Yes => {}
+            Sent::ClientGone => return ended(outcome, StreamEnd::ClientGone),
+            Sent::Deadline => return deadline(outcome, tx).await,
         }
     }
     if done {
         return outcome;
     }
     loop {
-        let deadline = tokio::time::Instant::now() + idle_timeout;
-        let event = match events.next(deadline).await {
+        let idle = tokio::time::Instant::now() + idle_timeout;
+        let event = match events.next(cutoff.map_or(idle, |c| c.min(idle))).await {
             Ok(Some(event)) => event,
             Ok(None) => return broken(outcome, tx, ended_early()).await,
+            Err(Fault::Timeout) if past_cutoff() => return deadline(outcome, tx).await,
             Err(fault) => return broken(outcome, tx, fault).await,
         };
-        if event.is_done() {
-            if tx.send(event.raw).await.is_err() {
-                outcome.end = StreamEnd::ClientGone;
+        let done = event.is_done();
+        let forward = if done {
+            true
+        } else {
+            let chunk = match read_chunk(&event) {
+                Ok(chunk) => chunk,
+                Err(fault) => return broken(outcome, tx, fault).await,
+            };
+            tap(chunk.as_ref(), client_wants_usage, &mut outcome)
+        };
+        if forward {
+            draft.first_byte();
+            match send(tx, event.raw, cutoff).await {
+                Sent::Yes => {}
+                Sent::ClientGone => return ended(outcome, StreamEnd::ClientGone),
+                Sent::Deadline => return deadline(outcome, tx).await,
             }
+        }
+        if done {
             return outcome;
         }
-        let chunk = match read_chunk(&event) {
-            Ok(chunk) => chunk,
-            Err(fault) => return broken(outcome, tx, fault).await,
-        };
-        if tap(chunk.as_ref(), client_wants_usage, &mut outcome) {
-            draft.first_byte();
-            if tx.send(event.raw).await.is_err() {
-                outcome.end = StreamEnd::ClientGone;
-                return outcome;
-            }
-        }
     }
+}
+
+enum Sent {
+    Yes,
+    ClientGone,
+    /// The client was still reading the last event when the cutoff came.
+    Deadline,
+}
+
+/// Hands an event to the client's body, waiting no later than `cutoff` for a slow
+/// client to make room.
+async fn send(tx: &mpsc::Sender<Bytes>, raw: Bytes, cutoff: Option<tokio::time::Instant>) -> Sent {
+    let sent = match cutoff {
+        None => tx.send(raw).await,
+        Some(cutoff) => match tokio::time::timeout_at(cutoff, tx.send(raw)).await {
+            Ok(sent) => sent,
+            Err(_) => return Sent::Deadline,
+        },
+    };
+    if sent.is_ok() { Sent::Yes } else { Sent::ClientGone }
+}
+
+fn ended(mut outcome: RelayOutcome, end: StreamEnd) -> RelayOutcome {
+    outcome.end = end;
+    outcome
+}
+
+/// The `error.code` of a stream ended for the platform's deadline.
+pub(super) const DEADLINE_CODE: &str = "deadline";
+
+/// Ends the client's stream before the platform does: the in-band `deadline` error
+/// (offered for a moment only: a client that reads no more must not hold the settle
+/// past the deadline).
+async fn deadline(outcome: RelayOutcome, tx: &mpsc::Sender<Bytes>) -> RelayOutcome {
+    tracing::warn!("stream ended at the function's deadline; settled on what was relayed");
+    let message = "the gateway's time limit was reached; the response is incomplete";
+    let event = sse::event(Some("error"), &error_envelope(message, "api_error", DEADLINE_CODE, None));
+    let _ = tokio::time::timeout(Duration::from_millis(200), tx.send(event)).await;
+    ended(outcome, StreamEnd::Deadline)
 }
 
 /// The backend's events in Chat Completions form: an OpenAI backend's as they come,

@@ -1,0 +1,94 @@
+//! The platform's deadline (SPEC §11): in the serverless shape each invocation has
+//! one, and a stream still open `DEADLINE_MARGIN` before it ends for its client with
+//! the in-band `deadline` error, settled on what was relayed and recorded. The
+//! Lambda binary sets the deadline from its context; here the serverless router gets
+//! one a little over the margin away, in front of a slow stream.
+#![cfg(test)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use flexway::audit::UsageSource;
+use flexway::http::{DEADLINE_MARGIN, Deadline};
+use serde_json::json;
+
+/// The serverless router with every request's deadline `left` from now.
+async fn serve_with_deadline(yaml: &str, adapters: flexway::gateway::Adapters, left: Duration) -> InProcess {
+    let env = std::collections::HashMap::new();
+    let loaded = flexway::config::load_str(yaml, &env).unwrap();
+    let secrets = Arc::new(flexway::secret::LocalSecrets { env });
+    let gateway = Arc::new(flexway::Gateway::new(loaded.config, secrets, adapters).await.unwrap());
+    let deadline = Deadline(Instant::now() + left);
+    let app = flexway::http::api(gateway.clone()).layer(axum::Extension(deadline));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    InProcess { url, gateway }
+}
+
+#[tokio::test]
+async fn a_stream_open_at_the_deadline_ends_with_the_deadline_error_settled_and_recorded() {
+    let model = FakeModel::start().await.unwrap();
+    // 40 chunks 100 ms apart: four seconds of stream, far past the cutoff.
+    let yaml = acme_config(
+        "{tokens_per_day: 100000}",
+        &format!(
+            "  default_backend: slow\n  backends:\n    slow: {{url: \"{}\", price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}}}}",
+            scenario(&model, "words=40,chunks=40,chunk_delay_ms=100")
+        ),
+    );
+    let (adapters, audit) = memory_adapters();
+    let gw = serve_with_deadline(&yaml, adapters, DEADLINE_MARGIN + Duration::from_millis(700)).await;
+    let started = Instant::now();
+    let mut request = hello("m");
+    request["stream"] = json!(true);
+    let response = gw.chat(KEY, request).await;
+    assert_eq!(response.status(), 200);
+    let (events, _) = sse_data(response).await;
+    let elapsed = started.elapsed();
+    assert!(elapsed < Duration::from_secs(3), "the stream ran to its end: {elapsed:?}");
+
+    let last = events.last().unwrap();
+    assert!(last.contains("\"code\":\"deadline\""), "{events:?}");
+    assert!(!events.iter().any(|e| e == "[DONE]"), "a stream cut by the deadline never ends clean");
+    let relayed: Vec<&String> = events.iter().filter(|e| e.contains("\"content\":\"w")).collect();
+    assert!(!relayed.is_empty() && relayed.len() < 40, "part of the answer was relayed: {}", relayed.len());
+
+    // Recorded and settled before the platform would have cut the call.
+    let mut records = audit.records();
+    for _ in 0..100 {
+        if !records.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        records = audit.records();
+    }
+    assert_eq!(records.len(), 1);
+    let record = &records[0];
+    assert_eq!((record.status, record.error_code.as_deref()), (200, Some("deadline")));
+    assert_eq!(record.usage_source, UsageSource::Estimated, "settled on what was relayed");
+    assert!(record.completion_tokens > 0);
+    assert_eq!(gw.live_reservations().await, 0, "no reservation left for the sweeper");
+    let [tokens_today, ..] = gw.ledger("acme", None).await;
+    assert_eq!(tokens_today, record.prompt_tokens + record.completion_tokens);
+}
+
+#[tokio::test]
+async fn a_stream_that_ends_before_the_cutoff_is_untouched() {
+    let model = FakeModel::start().await.unwrap();
+    let yaml = acme_config(
+        "{tokens_per_day: 100000}",
+        &format!("  default_backend: quick\n  backends:\n    quick: {{url: \"{}\"}}", model.url()),
+    );
+    let (adapters, audit) = memory_adapters();
+    let gw = serve_with_deadline(&yaml, adapters, DEADLINE_MARGIN + Duration::from_secs(30)).await;
+    let mut request = hello("m");
+    request["stream"] = json!(true);
+    let (events, error) = sse_data(gw.chat(KEY, request).await).await;
+    assert_eq!((events.last().map(String::as_str), error), (Some("[DONE]"), None));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(audit.records()[0].error_code, None);
+}
