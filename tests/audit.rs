@@ -276,3 +276,29 @@ async fn the_stdout_sink_writes_one_json_line_per_call() {
     let second: AuditRecord = serde_json::from_str(&lines[1]).unwrap();
     assert_eq!((second.status, second.error_code.as_deref()), (400, Some("invalid_request")));
 }
+
+#[tokio::test]
+async fn a_record_the_sink_refuses_goes_to_the_log_in_full() {
+    let model = FakeModel::start().await.unwrap();
+    // Every write to /dev/full fails (ENOSPC): a sink that cannot take the record.
+    let yaml = one_backend(&model.url()).replace("audit: {sink: stdout}", "audit: {sink: file, path: /dev/full}");
+    let gw = Flexway::start(&yaml);
+    let ok = gw.chat(KEY, hello("m")).await;
+    assert_eq!(ok.status(), 200, "a failed audit write never fails the call");
+    let id = ok.headers()["flexway-request-id"].to_str().unwrap().to_owned();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let line = loop {
+        let logs = gw.logs();
+        if let Some(line) = logs.lines().find(|l| l.contains("audit record not written")) {
+            break line.to_owned();
+        }
+        assert!(std::time::Instant::now() < deadline, "no log of the lost record: {logs}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    // The record is in the line whole, as the audit would have had it.
+    let json = &line[line.find("audit_record=").unwrap() + "audit_record=".len()..];
+    let json = &json[..=json.rfind('}').unwrap()];
+    let record: AuditRecord = serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {line}"));
+    assert_eq!((record.request_id.as_str(), record.status), (id.as_str(), 200));
+    assert!(record.prompt_tokens > 0 && record.completion_tokens > 0);
+}

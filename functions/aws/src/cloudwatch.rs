@@ -58,18 +58,31 @@ impl CloudWatchAuditSink {
         self.stream_ready.get_or_try_init(|| self.create_stream()).await.map(|_| ())
     }
 
+    /// CreateLogStream, retried with backoff while CloudWatch throttles it (50 calls
+    /// per second per account: a burst of cold starts meets that limit).
     async fn create_stream(&self) -> Result<(), AuditError> {
-        let result =
-            self.client.create_log_stream().log_group_name(&self.group).log_stream_name(&self.stream).send().await;
-        match result {
-            Ok(_) => Ok(()),
-            Err(e) if e.as_service_error().is_some_and(|e| e.is_resource_already_exists_exception()) => Ok(()),
-            Err(e) => Err(AuditError::Sink(format!(
-                "cannot create log stream {}/{}: {}",
-                self.group,
-                self.stream,
-                DisplayErrorContext(&e)
-            ))),
+        let mut attempt = 0;
+        loop {
+            let result =
+                self.client.create_log_stream().log_group_name(&self.group).log_stream_name(&self.stream).send().await;
+            let e = match result {
+                Ok(_) => return Ok(()),
+                Err(e) if e.as_service_error().is_some_and(|e| e.is_resource_already_exists_exception()) => {
+                    return Ok(());
+                }
+                Err(e) => e,
+            };
+            let throttled = e.as_service_error().and_then(|e| e.meta().code()) == Some("ThrottlingException");
+            attempt += 1;
+            if !throttled || attempt == ATTEMPTS {
+                return Err(AuditError::Sink(format!(
+                    "cannot create log stream {}/{}: {}",
+                    self.group,
+                    self.stream,
+                    DisplayErrorContext(&e)
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(100 << (2 * (attempt - 1)))).await;
         }
     }
 

@@ -41,11 +41,20 @@ pub fn default_audit_stream() -> String {
 
 /// Builds the ledger and the audit sink the config declares, with their SDK clients,
 /// and warms each connection (DescribeTable, CreateLogStream) so that the first
-/// request does not pay for it. A CloudWatch audit also prints each call's EMF
+/// request does not pay for it. Warming is best effort: a cold start that cannot do
+/// it (CreateLogStream is throttled at 50 per second per account, a role may lack
+/// DescribeTable) still starts, and the first call that needs the resource does it
+/// again or says why it cannot. A CloudWatch audit also prints each call's EMF
 /// metrics line to stdout (the function's log), where CloudWatch reads metrics.
 pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Result<Adapters, AdapterError> {
     let budgets: Arc<dyn BudgetStore> = match &config.store {
-        StoreConfig::DynamoDb { table } => Arc::new(dynamodb_store(sdk, table).await?),
+        StoreConfig::DynamoDb { table } => {
+            let store = DynamoDbBudgetStore::new(aws_sdk_dynamodb::Client::new(sdk), table);
+            if let Err(e) = store.warm().await {
+                tracing::warn!("ledger table {table} not reached at start ({e}); starting anyway");
+            }
+            Arc::new(store)
+        }
         StoreConfig::Memory => Arc::new(MemoryBudgetStore::new()),
         StoreConfig::Embedded { path } => Arc::new(EmbeddedBudgetStore::open(path)?),
     };
@@ -53,7 +62,9 @@ pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Res
         AuditSinkConfig::CloudWatch { log_group, log_stream } => {
             let stream = log_stream.clone().unwrap_or_else(default_audit_stream);
             let sink = CloudWatchAuditSink::new(aws_sdk_cloudwatchlogs::Client::new(sdk), log_group, stream);
-            sink.ensure_stream().await?;
+            if let Err(e) = sink.ensure_stream().await {
+                tracing::warn!("{e}; starting anyway: the first audit write creates the stream");
+            }
             Arc::new(EmfAuditSink::new(sink))
         }
         AuditSinkConfig::Stdout => Arc::new(StdoutAuditSink),

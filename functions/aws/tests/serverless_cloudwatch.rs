@@ -184,3 +184,23 @@ async fn the_reader_skips_emf_and_refuses_what_is_not_an_audit_record() {
     let error = flexway_aws::read_audit_log_group(&client, &missing, None, None).await.unwrap_err();
     assert!(matches!(error, flexway_aws::AuditReadError::GroupNotFound { .. }), "{error}");
 }
+
+/// A cold start that cannot warm its resources (a log group or table not there yet, a
+/// throttled CreateLogStream) still starts; the first call that needs them says why.
+#[tokio::test]
+async fn a_cold_start_that_cannot_warm_its_resources_still_starts() {
+    let sdk = emulator::sdk().await;
+    let yaml = format!(
+        "version: 1\nstore: {{kind: dynamodb, table: {table}}}\naudit: {{sink: cloudwatch, log_group: {group}}}\n\
+         tenants: {{acme: {{keys: [{{sha256: {key}}}]}}}}\nai:\n  default_backend: main\n  backends:\n    main: {{url: 'http://127.0.0.1:9/v1'}}\n",
+        table = emulator::unique("no-such-table"),
+        group = emulator::unique("no-such-group"),
+        key = "a".repeat(64),
+    );
+    let env = std::collections::HashMap::new();
+    let config = flexway::config::load_str(&yaml, &env).unwrap().config;
+    let adapters = flexway_aws::build_adapters(&config, &sdk).await.expect("init does not fail for warming");
+    let record = flexway::audit::sample::record("acme", Some("main"), flexway::config::Metering::Local, 0);
+    let error = adapters.audit.write(&[record]).await.expect_err("the group is missing");
+    assert!(error.to_string().contains("no-such-group"), "{error}");
+}

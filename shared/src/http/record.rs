@@ -238,7 +238,7 @@ struct Ended {
 async fn write(gateway: &Gateway, record: AuditRecord, ended: Option<Ended>) {
     gateway.metrics.record_call(&record);
     if let Err(e) = gateway.audit.write(std::slice::from_ref(&record)).await {
-        tracing::error!(request_id = %record.request_id, "audit record not written: {e}");
+        lost(&record, &e.to_string());
     }
     // The record moves into the span once the audit has it: no copy on the way.
     if let Some(Ended { span, duration }) = ended {
@@ -248,6 +248,17 @@ async fn write(gateway: &Gateway, record: AuditRecord, ended: Option<Ended>) {
         gateway.telemetry.after_call().await;
     }
 }
+
+/// A record the audit sink did not take goes to the log in full (it holds metadata
+/// only, never a prompt or a completion), under a message an alarm can match, so
+/// that it can be replayed into the audit.
+fn lost(record: &AuditRecord, why: &str) {
+    let line = serde_json::to_string(record).unwrap_or_default();
+    tracing::error!(request_id = %record.request_id, audit_record = %line, "{AUDIT_NOT_WRITTEN}: {why}");
+}
+
+/// The start of the log message of a record the audit sink did not take.
+pub const AUDIT_NOT_WRITTEN: &str = "audit record not written";
 
 impl Drop for Draft {
     fn drop(&mut self) {
@@ -259,7 +270,7 @@ impl Drop for Draft {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move { write(&gateway, record, span).await });
         } else {
-            tracing::error!(request_id = %record.request_id, "audit record not written: no runtime at drop");
+            lost(&record, "no runtime at drop");
         }
     }
 }
