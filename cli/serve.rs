@@ -18,7 +18,7 @@ use flexway::budget::{BudgetStore, EmbeddedBudgetStore, MemoryBudgetStore, perio
 use flexway::config::{self, AuditSinkConfig, Config, ProcessEnv, Secrets, StoreConfig};
 use flexway::gateway::Adapters;
 use flexway::telemetry::Export;
-use flexway_aws::AwsSecretSource;
+use flexway_aws::{AwsSecretSource, CloudWatchAuditSink, DynamoDbBudgetStore};
 
 /// How long `serve` waits, on its way out, for the last telemetry to be sent.
 const TELEMETRY_FLUSH_AT_EXIT: Duration = Duration::from_secs(5);
@@ -76,25 +76,42 @@ pub fn run(config_path: &Path, listen: &str) -> ExitCode {
     }
 }
 
-/// The local shape's adapters, from the config's tagged enums.
-fn adapters(config: &Config) -> anyhow::Result<Adapters> {
-    let budgets: Arc<dyn BudgetStore> = match &config.store {
-        StoreConfig::Memory => Arc::new(MemoryBudgetStore::new()),
-        StoreConfig::Embedded { path } => Arc::new(EmbeddedBudgetStore::open(path)?),
-        StoreConfig::DynamoDb { .. } => {
-            anyhow::bail!("store kind dynamodb is the serverless shape's (functions/gateway)")
+/// The adapters the config names. The DynamoDB ledger and the CloudWatch audit make
+/// the fleet shape: processes behind a load balancer sharing one table (and one log
+/// group, each process writing its own stream), with the AWS SDK's usual environment
+/// and credentials.
+async fn adapters(config: &Config) -> anyhow::Result<Adapters> {
+    let aws = matches!(config.store, StoreConfig::DynamoDb { .. })
+        || matches!(config.audit.sink, AuditSinkConfig::CloudWatch { .. });
+    let sdk = if aws { Some(aws_config::load_from_env().await) } else { None };
+    let budgets: Arc<dyn BudgetStore> = match (&config.store, &sdk) {
+        (StoreConfig::Memory, _) => Arc::new(MemoryBudgetStore::new()),
+        (StoreConfig::Embedded { path }, _) => Arc::new(EmbeddedBudgetStore::open(path)?),
+        (StoreConfig::DynamoDb { table }, Some(sdk)) => {
+            let store = DynamoDbBudgetStore::new(aws_sdk_dynamodb::Client::new(sdk), table);
+            store.warm().await?;
+            Arc::new(store)
         }
+        (StoreConfig::DynamoDb { .. }, None) => unreachable!("the SDK is loaded for a DynamoDB store"),
     };
-    let audit: Arc<dyn AuditSink> = match &config.audit.sink {
-        AuditSinkConfig::File { path } => Arc::new(FileAuditSink::open(path)?),
-        AuditSinkConfig::Stdout => Arc::new(StdoutAuditSink),
-        AuditSinkConfig::CloudWatch { .. } => anyhow::bail!("audit sink cloudwatch is the serverless shape's"),
+    let audit: Arc<dyn AuditSink> = match (&config.audit.sink, &sdk) {
+        (AuditSinkConfig::File { path }, _) => Arc::new(FileAuditSink::open(path)?),
+        (AuditSinkConfig::Stdout, _) => Arc::new(StdoutAuditSink),
+        (AuditSinkConfig::CloudWatch { log_group, log_stream }, Some(sdk)) => {
+            // One writer per stream: this process's own, unless the config names one.
+            let stream =
+                log_stream.clone().unwrap_or_else(|| format!("flexway-serve-{}", uuid::Uuid::new_v4().simple()));
+            let sink = CloudWatchAuditSink::new(aws_sdk_cloudwatchlogs::Client::new(sdk), log_group, stream);
+            sink.ensure_stream().await?;
+            Arc::new(sink)
+        }
+        (AuditSinkConfig::CloudWatch { .. }, None) => unreachable!("the SDK is loaded for a CloudWatch audit"),
     };
     Ok(Adapters { budgets, audit, export: Export::Batched })
 }
 
 async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
-    let adapters = adapters(&config)?;
+    let adapters = adapters(&config).await?;
     let budgets = adapters.budgets.clone();
     // `env:` and `file:` references, and AWS ones with the SDK's usual environment (as
     // the Lambda function does): both shapes resolve the same configuration alike.

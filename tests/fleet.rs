@@ -1,0 +1,96 @@
+//! The fleet shape (ARCHITECTURE.md, deployment shapes): several `flexway serve`
+//! processes behind any load balancer, sharing one DynamoDB ledger and one CloudWatch
+//! audit log group (each process its own stream), on the AWS emulator
+//! (`AWS_ENDPOINT_URL`; `scripts/test` starts one). A concurrent burst split across
+//! two processes never passes the tenant's cap, and both audits together equal the
+//! ledger, to the token.
+#![cfg(test)]
+
+mod common;
+#[path = "../functions/aws/tests/emulator/mod.rs"]
+mod emulator;
+
+use common::*;
+use flexway::budget::period::unix_now;
+use flexway::budget::{CounterKey, Period, Unit};
+use flexway_aws::DynamoDbBudgetStore;
+
+/// The cap, in tokens per day: room for a handful of the burst's calls only.
+const CAP: u64 = 400;
+
+fn fleet_config(table: &str, group: &str, model: &FakeModel) -> String {
+    format!(
+        r#"version: 1
+store: {{kind: dynamodb, table: {table}}}
+audit: {{sink: cloudwatch, log_group: {group}}}
+tenants:
+  acme:
+    keys:
+      - sha256: {key}
+    budgets: {{tokens_per_day: {CAP}}}
+ai:
+  budget: {{default_max_tokens: 20}}
+  default_backend: main
+  backends:
+    main: {{url: "{url}", price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}}}}
+"#,
+        key = sha(KEY),
+        url = scenario(model, "words=20"),
+    )
+}
+
+fn aws_env() -> Vec<(&'static str, String)> {
+    let var = |name: &str| std::env::var(name).unwrap_or_else(|_| "test".to_owned());
+    vec![
+        ("AWS_ENDPOINT_URL", emulator::endpoint()),
+        ("AWS_REGION", "us-east-1".to_owned()),
+        ("AWS_ACCESS_KEY_ID", var("AWS_ACCESS_KEY_ID")),
+        ("AWS_SECRET_ACCESS_KEY", var("AWS_SECRET_ACCESS_KEY")),
+        ("AWS_EC2_METADATA_DISABLED", "true".to_owned()),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_on_one_table_never_pass_the_cap_and_their_audits_equal_the_ledger() {
+    let sdk = emulator::sdk().await;
+    let dynamodb = aws_sdk_dynamodb::Client::new(&sdk);
+    let logs = aws_sdk_cloudwatchlogs::Client::new(&sdk);
+    let table = emulator::unique("flexway-fleet");
+    let group = format!("/flexway/{}", emulator::unique("fleet-audit"));
+    DynamoDbBudgetStore::create_table(&dynamodb, &table).await.unwrap();
+    logs.create_log_group().log_group_name(&group).send().await.unwrap();
+    let model = FakeModel::start().await.unwrap();
+    let yaml = fleet_config(&table, &group, &model);
+    let env = aws_env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let fleet = [Flexway::start_with_env(&yaml, &env), Flexway::start_with_env(&yaml, &env)];
+
+    // 30 calls at once, alternating between the two processes.
+    let calls = (0..30).map(|i| fleet[i % 2].chat(KEY, hello("m")));
+    let statuses: Vec<u16> = futures_util::future::join_all(calls).await.iter().map(|r| r.status().as_u16()).collect();
+    let served = statuses.iter().filter(|s| **s == 200).count();
+    let refused = statuses.iter().filter(|s| **s == 429).count();
+    assert_eq!(served + refused, 30, "{statuses:?}");
+    assert!(served > 0 && refused > 0, "the cap is reached within the burst: {statuses:?}");
+
+    let store = DynamoDbBudgetStore::new(dynamodb, table);
+    let day = CounterKey::new("acme", None, Unit::Tokens, Period::Day, unix_now());
+    let used = flexway::budget::BudgetStore::used(&store, &[day]).await.unwrap()[0];
+    assert!(used <= CAP, "the cap was passed: {used} > {CAP}");
+
+    // Every call of both processes is in the group, and the served ones sum to the ledger.
+    let records = loop {
+        let records = flexway_aws::read_audit_log_group(&logs, &group, None, None).await.unwrap();
+        if records.len() >= 30 {
+            break records;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert_eq!(records.len(), 30);
+    let streams = logs.describe_log_streams().log_group_name(&group).send().await.unwrap();
+    assert_eq!(streams.log_streams().len(), 2, "one stream per process");
+    let audited: u64 = records.iter().map(|r| r.prompt_tokens + r.completion_tokens).sum();
+    assert_eq!(audited, used, "both audits together equal the ledger");
+    assert_eq!(records.iter().filter(|r| r.status == 200).count(), served);
+    assert_eq!(flexway::budget::BudgetStore::live_reservations(&store).await.unwrap(), 0);
+}
