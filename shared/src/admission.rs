@@ -95,7 +95,7 @@ pub async fn admit(
     }
     Ok(Admission {
         route,
-        ticket: Ticket::new(gateway.budgets.clone(), request_id.to_owned(), budgets),
+        ticket: Ticket::new(gateway.budgets.clone(), request.reservation(), budgets),
         soft,
         allowance: planned.per_choice,
     })

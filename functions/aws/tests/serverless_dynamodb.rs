@@ -60,13 +60,17 @@ async fn refuses_a_line_larger_than_its_limit_without_writing() {
 async fn lines_naming_one_counter_add_up_in_one_transaction() {
     let sdk = emulator::sdk().await;
     let store = fresh_store(&sdk).await;
-    let outcome = store.reserve(&request("dup", &[("t/a", 60, Some(100)), ("t/a", 30, Some(100))])).await.unwrap();
+    let dup = request("dup", &[("t/a", 60, Some(100)), ("t/a", 30, Some(100))]);
+    let outcome = store.reserve(&dup).await.unwrap();
     assert_eq!(outcome, ReserveOutcome::Reserved);
     let refused = store.reserve(&request("dup2", &[("t/a", 6, Some(100)), ("t/a", 5, Some(100))])).await.unwrap();
     assert_eq!(refused, ReserveOutcome::Refused { line: 0 });
     let keys = [CounterKey("t/a".into())];
     assert_eq!(store.used(&keys).await.unwrap(), [90]);
-    assert_eq!(store.settle("dup", &[(CounterKey("t/a".into()), 10)]).await.unwrap(), SettleOutcome::Settled);
+    assert_eq!(
+        store.settle(&dup.reservation(), &[(CounterKey("t/a".into()), 10)]).await.unwrap(),
+        SettleOutcome::Settled
+    );
     assert_eq!(store.used(&keys).await.unwrap(), [10]);
 }
 
