@@ -5,40 +5,60 @@
 //! | item | `pk` (S, hash key) | attributes |
 //! | --- | --- | --- |
 //! | counter | `counter#<key>` (`counter#acme/*/tokens/day/2026-11-29`) | `used` (N), `ttl` (N: period end + 35 days) |
-//! | reservation | `reservation#<request_id>` | `lines` (S, JSON `[[key, amount], ...]`), `expires_at` (N), `swept` (BOOL), `ttl` (N: `expires_at` + 1 day); `actual` (S, JSON like `lines`) only when a settlement could not be written, its `ttl` then pushed 35 days ahead |
+//! | reservation | `reservation#<request_id>` | `lines` (S, JSON `[[key, amount], ...]`), `expires_at` (N), `swept` (BOOL), `ttl` (N: `expires_at` + 1 day), `gsi_expiry_pk` (S, `live#00`..`live#15`) while the sweeper has work on it; `actual` (S, JSON like `lines`) only when a settlement could not be written, its `ttl` then pushed 35 days ahead |
 //!
-//! No sort key, no index. `ttl` is the table's TTL attribute, so the table cleans
-//! itself; nothing here relies on it (TTL deletion is lazy, up to days late, and
-//! emulators never do it): the sweeper finds expired reservations by their
-//! `expires_at`, and deletes swept ones itself after a day.
+//! No sort key. One global secondary index, `expiry` ([`EXPIRY_INDEX`]): hash key
+//! `gsi_expiry_pk` (S), range key `expires_at` (N), projection `ALL`. It is sparse:
+//! only items carrying `gsi_expiry_pk` are in it, i.e. live reservations (set by the
+//! reserve `Put`) and swept ones that received a settle intent (set again by
+//! `record_intent`); a refund by the sweeper `REMOVE`s it, a settle or a charge deletes
+//! the item. Counters and swept reservations are never in it. Sixteen shards spread it
+//! over partitions (FNV-1a of the request id), so the index never caps the table.
+//!
+//! `ttl` is the table's TTL attribute, so the table cleans itself: swept reservations
+//! (out of the index) are deleted by it, lazily (up to days late; emulators never do
+//! it). Correctness never relies on it: a late settle of a swept reservation still
+//! present charges the usage once, as the ledger's rules say.
 //!
 //! # How each operation holds the invariants of `flexway::budget`
 //!
 //! - **reserve** is one `TransactWriteItems`: per counter an `Update` `ADD used :amount`
 //!   conditioned on `attribute_not_exists(used) OR used <= :limit_minus_amount` (no
 //!   condition for an unlimited line), plus a `Put` of the reservation conditioned on
-//!   `attribute_not_exists(pk)`. All or nothing. Idempotency on the request id comes
-//!   from that `Put` condition, not from `ClientRequestToken` (emulators ignore it):
-//!   a cancellation whose reason on the `Put` is `ConditionalCheckFailed` means "already
-//!   reserved"; one on a counter means "refused on that line" (the cancellation
-//!   reasons are indexed like the transaction's items).
-//! - **settle** is one transaction: `ADD used :(actual - reserved)` per counter (a
-//!   signed number) and a `Delete` of the reservation conditioned on
-//!   `swept = false`, so a settle and a sweep can never both apply. A swept
-//!   reservation is settled by charging the actual usage with the `Delete`
-//!   conditioned on `swept = true`. A lost race re-reads the reservation and decides
-//!   again. A settle ignores `actual`: the real settlement supersedes its intent.
+//!   `attribute_not_exists(pk)`. All or nothing. No read before it: admission asks for
+//!   the whole allowance and lets the conditions decide. Idempotency on the request id
+//!   comes from that `Put` condition, not from `ClientRequestToken` (emulators ignore
+//!   it): a cancellation whose reason on the `Put` is `ConditionalCheckFailed` means
+//!   "already reserved"; one on a counter means "refused on that line" (the
+//!   cancellation reasons are indexed like the transaction's items), after one
+//!   `GetItem` of the reservation (DynamoDB may report only the counters' failures on a
+//!   retry): a read on refusal only.
+//! - **settle** is one transaction written from the ticket's `Reservation` (its lines),
+//!   without reading: `ADD used :(actual - reserved)` per counter that moves (a signed
+//!   number) and a `Delete` of the reservation conditioned on `attribute_exists(pk) AND
+//!   swept = false AND lines = :the_ticket's_lines`, so a settle and a sweep can never
+//!   both apply and a ticket's claim is checked, never trusted. Only when that
+//!   condition fails (swept meanwhile, already settled, or lines unlike the stored
+//!   ones) is the reservation read (`GetItem`, strongly consistent) and the settlement
+//!   decided again from what is stored: a swept reservation is settled by charging the
+//!   actual usage with the `Delete` conditioned on `swept = true`; a missing one is
+//!   `Unknown`. A settle ignores `actual`: the real settlement supersedes its intent.
 //! - **record_intent** (a settlement that could not be written) is one `UpdateItem` of
-//!   the reservation alone, `SET actual` conditioned on `attribute_exists(pk)`: no
-//!   counter, no transaction.
-//! - **sweep** scans reservations whose `expires_at` passed. One with `actual` is
-//!   settled on it in its own transaction (counters `ADD actual - reserved`, or
-//!   `actual` if it was already refunded; `Delete` conditioned on the `swept` and
-//!   `actual` it read); any other live one is refunded (counters `ADD -reserved`,
-//!   reservation `SET swept = true` conditioned on `swept = false AND
-//!   attribute_not_exists(actual)`, so an intent recorded meanwhile is never refunded).
-//!   Swept reservations are deleted a day after expiry, unless they carry `actual`.
-//! - Reads (`used`, the reservation before a settle) are strongly consistent.
+//!   the reservation alone, `SET actual, gsi_expiry_pk` conditioned on
+//!   `attribute_exists(pk)`: no counter, no transaction; a swept reservation re-enters
+//!   the index so that the sweeper charges it.
+//! - **sweep** `Query`s each shard of the index for `expires_at < now` (never a
+//!   `Scan`). One with `actual` is settled on it in its own transaction (counters `ADD
+//!   actual - reserved`, or `actual` if it was already refunded; `Delete` conditioned
+//!   on the `swept` and `actual` it read); any other live one is refunded (counters
+//!   `ADD -reserved`, reservation `SET swept = true REMOVE gsi_expiry_pk` conditioned
+//!   on `swept = false AND attribute_not_exists(actual)`, so an intent recorded
+//!   meanwhile is never refunded). The index is eventually consistent: a stale entry
+//!   only loses its conditional write, and the next sweep (a minute later) sees it.
+//! - **live_reservations** counts through the index (`Query`, `Select COUNT`, filter
+//!   `swept = false`), eventually consistent: for tests and operators.
+//! - **used** (`BatchGetItem`, strongly consistent) is read by admission only when a
+//!   reservation was refused (soft threshold, clamp, or the 429 itself).
 //!
 //! # Ceiling
 //!
@@ -48,7 +68,23 @@
 //! per second, i.e. about 250 calls per second (each call reserves and settles). Past
 //! that, DynamoDB throttles or cancels with `TransactionConflict`; this store retries
 //! those with jittered backoff, and a tenant that busy needs sharded counters or
-//! leased budget slices (see the README's "Serverless shape").
+//! leased budget slices (see the README's "Serverless shape"). The expiry index takes
+//! two writes per call (the reservation enters and leaves it) spread over 16 shards:
+//! about 8,000 calls per second for the whole table before the index throttles.
+//!
+//! Per served call, a tenant with its three counters (items ≤ 1 KB; a transactional
+//! write costs 2 WCU per item, an index write 1 WCU, a strongly consistent read 1 RCU
+//! per item ≤ 4 KB), as `a_served_call_costs_two_transactions_and_no_read` counts it:
+//!
+//! | | requests | write units | read units |
+//! | --- | --- | --- | --- |
+//! | before (issue 12) | `BatchGetItem`, `TransactWriteItems`, `GetItem`, `TransactWriteItems` | 8 + 8 = 16 | 3 + 1 = 4 |
+//! | now | `TransactWriteItems`, `TransactWriteItems` | 8 + 8 + 2 (index) = 18 | 0 |
+//!
+//! Each transaction is 3 counters + the reservation = 4 items (an agent with its own
+//! budgets adds 3: 14 WCU each); a settle skips a counter that does not move. The
+//! sweeper no longer reads the whole table every minute (counters live 35 days past
+//! their period): it reads the live reservations only.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
