@@ -92,7 +92,7 @@ async fn measure(
                     latencies.push(sent.elapsed());
                     let actual: Vec<(CounterKey, u64)> =
                         request.lines.iter().map(|l| (l.key.clone(), l.amount / 3)).collect();
-                    store.settle(&request.request_id, &actual).await.unwrap();
+                    store.settle(&request.reservation(), &actual).await.unwrap();
                     n += 1;
                 }
                 latencies

@@ -25,7 +25,23 @@ try:
     dynamodb.create_table(
         TableName=table,
         KeySchema=[{"AttributeName": "pk", "KeyType": "HASH"}],
-        AttributeDefinitions=[{"AttributeName": "pk", "AttributeType": "S"}],
+        AttributeDefinitions=[
+            {"AttributeName": "pk", "AttributeType": "S"},
+            {"AttributeName": "gsi_expiry_pk", "AttributeType": "S"},
+            {"AttributeName": "expires_at", "AttributeType": "N"},
+        ],
+        # The sweeper's sparse index: only live reservations (and swept ones carrying a
+        # settle intent) have gsi_expiry_pk. Same as DynamoDbBudgetStore::create_table.
+        GlobalSecondaryIndexes=[
+            {
+                "IndexName": "expiry",
+                "KeySchema": [
+                    {"AttributeName": "gsi_expiry_pk", "KeyType": "HASH"},
+                    {"AttributeName": "expires_at", "KeyType": "RANGE"},
+                ],
+                "Projection": {"ProjectionType": "ALL"},
+            }
+        ],
         BillingMode="PAY_PER_REQUEST",
     )
     for _ in range(100):

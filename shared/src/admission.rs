@@ -1,12 +1,27 @@
 //! Admission: the route and reserve phases of an inference call (SPEC §4, §6).
 //!
-//! Reads the caller's counters once, decides the soft cap, builds the candidate
-//! chain, and reserves an upper bound of the call's cost at the highest price in that
-//! chain, clamping the completion allowance when only that makes the call fit. A call
-//! that passes admission holds a `Ticket`; one that does not has written nothing.
+//! Decides the soft cap, builds the candidate chain, and reserves an upper bound of the
+//! call's cost at the highest price in that chain, clamping the completion allowance
+//! when only that makes the call fit. A call that passes admission holds a `Ticket`;
+//! one that does not has written nothing.
+//!
+//! The counters are not read on the way (one store write per admitted call): the first
+//! reservation assumes the counters leave room for the whole allowance and stand below
+//! the soft threshold, and its conditions check exactly that (each limited line's
+//! limit is tightened to "still under the soft threshold before this call"). Only when
+//! a condition refuses are the counters read, and the call decided again as if they
+//! had been read first: soft cap, route, clamped allowance, or the refusal. A caller
+//! found past its soft threshold is remembered for [`SOFT_HINT_TTL`], so its next calls
+//! go straight to the soft route without a refused write each. The
+//! `flexway_budget_remaining` gauge is set from those reads: it moves near the soft
+//! threshold and the caps, not on every call.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use crate::budget::plan::{self, Allowance, Budget};
-use crate::budget::{ReserveOutcome, ReserveRequest, Ticket, period::unix_now};
+use crate::budget::{CounterKey, ReserveOutcome, ReserveRequest, Ticket, period::unix_now};
 use crate::config::Capability;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
@@ -19,6 +34,12 @@ pub const RESERVATION_GRACE_SECS: u64 = 10;
 /// A stream's reservation outlives its backend timeouts (which bound each wait, not
 /// the whole stream): a live stream is not swept under a running call.
 pub const STREAM_RESERVATION_SECS: u64 = 15 * 60;
+/// How long a counter read past its soft threshold routes its caller soft without a
+/// read. Counters rarely fall back under the threshold within a period (only refunds
+/// and settlements below the reservation lower them); this bounds the error when they do.
+pub const SOFT_HINT_TTL: Duration = Duration::from_secs(60);
+/// Entries kept before expired ones are pruned.
+const SOFT_HINTS_MAX: usize = 4096;
 
 /// What a call asks of the budgets.
 #[derive(Debug, Clone)]
@@ -47,6 +68,49 @@ pub struct Admission {
     pub allowance: u64,
 }
 
+/// Counters last read past their soft threshold, and until when that is trusted. Per
+/// process (per execution environment on Lambda): a hint, never a guarantee.
+#[derive(Debug, Default)]
+pub struct SoftHints {
+    until: Mutex<HashMap<CounterKey, Instant>>,
+}
+
+impl SoftHints {
+    fn any(&self, budgets: &[Budget], now: Instant) -> bool {
+        let until = self.until.lock().unwrap_or_else(PoisonError::into_inner);
+        budgets.iter().any(|b| until.get(&b.key).is_some_and(|t| *t > now))
+    }
+
+    fn note(&self, budgets: &[Budget], used: &[u64], threshold_ppm: u32, now: Instant) {
+        let mut until = self.until.lock().unwrap_or_else(PoisonError::into_inner);
+        if until.len() >= SOFT_HINTS_MAX {
+            until.retain(|_, t| *t > now);
+        }
+        for (budget, used) in budgets.iter().zip(used) {
+            if plan::is_soft(std::slice::from_ref(budget), &[*used], threshold_ppm) {
+                until.insert(budget.key.clone(), now + SOFT_HINT_TTL);
+            } else {
+                until.remove(&budget.key);
+            }
+        }
+    }
+}
+
+/// One decision of admission: from counters read (`used`), or assumed at 0 with
+/// `guard` holding the reservation under the soft threshold (`threshold_ppm`).
+struct Decision<'a> {
+    budgets: &'a [Budget],
+    used: &'a [u64],
+    soft: bool,
+    guard: Option<u32>,
+}
+
+enum Decided {
+    Admitted(Admission),
+    /// A line's condition refused; nothing was written.
+    Refused(usize),
+}
+
 pub async fn admit(
     gateway: &Gateway,
     caller: &Caller,
@@ -56,6 +120,16 @@ pub async fn admit(
     let now = unix_now();
     let config = &gateway.config;
     let budgets = plan::budgets_for(config, &caller.tenant, caller.agent.as_ref().map(|a| a.as_str()), now);
+    let threshold = config.ai.budget.soft.as_ref().map(|s| s.threshold_ppm);
+    let unread = vec![0; budgets.len()];
+    let assumed_soft = threshold
+        .is_some_and(|t| plan::is_soft(&budgets, &unread, t) || gateway.soft_hints.any(&budgets, Instant::now()));
+    let first =
+        Decision { budgets: &budgets, used: &unread, soft: assumed_soft, guard: threshold.filter(|_| !assumed_soft) };
+    if let Decided::Admitted(admission) = decide(gateway, caller, request_id, demand, &first, now).await? {
+        return Ok(admission);
+    }
+    // A limit or the soft threshold refused: read the counters and decide again.
     let keys: Vec<_> = budgets.iter().map(|b| b.key.clone()).collect();
     let used = gateway.budgets.used(&keys).await.map_err(|e| GatewayError::Internal(e.to_string()))?;
     for (budget, used) in budgets.iter().zip(&used) {
@@ -67,10 +141,32 @@ pub async fn admit(
             );
         }
     }
-    let soft = config.ai.budget.soft.as_ref().is_some_and(|s| plan::is_soft(&budgets, &used, s.threshold_ppm));
-    let route = gateway
-        .router
-        .route(caller, &RouteRequest { capability: demand.capability, sensitive: demand.sensitive, soft })?;
+    let soft = threshold.is_some_and(|t| plan::is_soft(&budgets, &used, t));
+    if let Some(t) = threshold {
+        gateway.soft_hints.note(&budgets, &used, t, Instant::now());
+    }
+    let read = Decision { budgets: &budgets, used: &used, soft, guard: None };
+    match decide(gateway, caller, request_id, demand, &read, now).await? {
+        Decided::Admitted(admission) => Ok(admission),
+        // Lines are the budgets, in order.
+        Decided::Refused(line) => Err(exceeded(&budgets[line], now)),
+    }
+}
+
+async fn decide(
+    gateway: &Gateway,
+    caller: &Caller,
+    request_id: &str,
+    demand: &Demand,
+    decision: &Decision<'_>,
+    now: u64,
+) -> Result<Decided, GatewayError> {
+    let config = &gateway.config;
+    let budgets = decision.budgets;
+    let route = gateway.router.route(
+        caller,
+        &RouteRequest { capability: demand.capability, sensitive: demand.sensitive, soft: decision.soft },
+    )?;
     let price = plan::highest_price(route.candidates.iter().map(|c| gateway.price(&c.backend)));
     let allowance = if demand.completes {
         let default = u64::from(config.ai.budget.default_max_tokens);
@@ -82,28 +178,65 @@ pub async fn admit(
     } else {
         Allowance::NONE
     };
-    let planned = plan::plan(&budgets, &used, demand.prompt_tokens, allowance, price)
+    // Refused here only when even the counters' lowest value could not hold the call.
+    let planned = plan::plan(budgets, decision.used, demand.prompt_tokens, allowance, price)
         .map_err(|index| exceeded(&budgets[index], now))?;
+    let mut lines = planned.lines.clone();
+    if let Some(threshold_ppm) = decision.guard {
+        for line in &mut lines {
+            line.limit = line.limit.map(|limit| under_soft(limit, line.amount, threshold_ppm));
+        }
+    }
     let mut life: u64 = route.candidates.iter().map(|c| gateway.timeout(&c.backend).as_secs() + 1).sum();
     life += if demand.stream { STREAM_RESERVATION_SECS } else { RESERVATION_GRACE_SECS };
-    let request =
-        ReserveRequest { request_id: request_id.to_owned(), lines: planned.lines.clone(), expires_at: now + life };
+    let request = ReserveRequest { request_id: request_id.to_owned(), lines, expires_at: now + life };
     match gateway.budgets.reserve(&request).await.map_err(|e| GatewayError::Internal(e.to_string()))? {
-        ReserveOutcome::Reserved => {}
-        // Lines are the budgets, in order.
-        ReserveOutcome::Refused { line } => return Err(exceeded(&budgets[line], now)),
+        ReserveOutcome::Reserved => Ok(Decided::Admitted(Admission {
+            route,
+            ticket: Ticket::new(gateway.budgets.clone(), request.reservation(), budgets.to_vec()),
+            soft: decision.soft,
+            allowance: planned.per_choice,
+        })),
+        ReserveOutcome::Refused { line } => Ok(Decided::Refused(line)),
     }
-    Ok(Admission {
-        route,
-        ticket: Ticket::new(gateway.budgets.clone(), request_id.to_owned(), budgets),
-        soft,
-        allowance: planned.per_choice,
-    })
+}
+
+/// The limit a line reserved under the assumption "not soft" must stay under: the
+/// counter before this call below the soft threshold (`plan::is_soft`: soft when
+/// `used × 10⁶ ≥ limit × threshold_ppm`), and the limit itself after it.
+fn under_soft(limit: u64, amount: u64, threshold_ppm: u32) -> u64 {
+    let soft_at = (u128::from(limit) * u128::from(threshold_ppm)).div_ceil(1_000_000);
+    let highest_unsoft = u64::try_from(soft_at).unwrap_or(u64::MAX).saturating_sub(1);
+    limit.min(highest_unsoft.saturating_add(amount))
 }
 
 fn exceeded(budget: &Budget, now: u64) -> GatewayError {
     GatewayError::BudgetExceeded {
         budget: budget.name.clone(),
         retry_after_secs: budget.resets_at.saturating_sub(now).max(1),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::Unit;
+
+    fn budget(limit: u64) -> Budget {
+        Budget { name: "b".into(), key: CounterKey("k".into()), unit: Unit::Tokens, limit: Some(limit), resets_at: 0 }
+    }
+
+    /// The tightened condition (`used <= limit' - amount`) admits exactly the counters
+    /// `plan::is_soft` calls not soft, and never more than the limit.
+    #[test]
+    fn the_soft_guard_admits_exactly_the_counters_under_the_threshold() {
+        for (limit, ppm, amount) in [(1000, 800_000, 10), (1000, 800_001, 10), (7, 500_000, 1), (1000, 800_000, 900)] {
+            let guarded = under_soft(limit, amount, ppm);
+            for used in 0..=limit {
+                let fits = used <= guarded - amount.min(guarded);
+                let expected = !plan::is_soft(&[budget(limit)], &[used], ppm) && used + amount <= limit;
+                assert_eq!(fits, expected, "limit {limit} ppm {ppm} amount {amount} used {used}");
+            }
+        }
     }
 }

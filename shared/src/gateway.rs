@@ -9,6 +9,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use crate::admission::SoftHints;
 use crate::audit::{AuditSink, Hasher};
 use crate::budget::BudgetStore;
 use crate::config::{BackendId, Config, Price};
@@ -36,6 +37,9 @@ pub struct Gateway {
     pub router: Router,
     pub upstreams: Upstreams,
     pub budgets: Arc<dyn BudgetStore>,
+    /// Callers last read past their soft threshold: admission routes them soft without
+    /// reading their counters.
+    pub soft_hints: SoftHints,
     pub audit: Arc<dyn AuditSink>,
     /// Salted hashing of identifiers for the audit.
     pub hasher: Hasher,
@@ -69,6 +73,7 @@ impl Gateway {
             router: Router::new(config.clone()),
             upstreams,
             budgets: adapters.budgets,
+            soft_hints: SoftHints::default(),
             audit: adapters.audit,
             hasher: Hasher::new(&salt),
             metrics: Registry::new(),

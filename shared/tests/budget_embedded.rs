@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use flexway::budget::{
-    BudgetStore, CounterKey, EmbeddedBudgetStore, IntentOutcome, Line, ReserveOutcome, ReserveRequest, SettleOutcome,
-    Swept, conformance,
+    BudgetStore, CounterKey, EmbeddedBudgetStore, IntentOutcome, Line, Reservation, ReserveOutcome, ReserveRequest,
+    SettleOutcome, Swept, conformance,
 };
 
 const NOW: u64 = 1_795_967_070;
@@ -24,6 +24,11 @@ fn request(id: &str, lines: &[(&str, u64, Option<u64>)], expires_at: u64) -> Res
         lines: lines.iter().map(|(k, amount, limit)| Line { key: key(k), amount: *amount, limit: *limit }).collect(),
         expires_at,
     }
+}
+
+/// The reservation a ticket carries to its settlement.
+fn held(id: &str, lines: &[(&str, u64)]) -> Reservation {
+    Reservation { request_id: id.to_owned(), lines: lines.iter().map(|(k, amount)| (key(k), *amount)).collect() }
 }
 
 /// A directory that outlives the test's stores (removed when the returned guard drops).
@@ -68,7 +73,8 @@ async fn counters_survive_a_restart() {
         let reserved =
             store.reserve(&request("done", &[("a", 100, Some(1000)), ("b", 5, None)], NOW + 60)).await.unwrap();
         assert_eq!(reserved, ReserveOutcome::Reserved);
-        let settled = store.settle("done", &[(key("a"), 40), (key("b"), 2)]).await.unwrap();
+        let settled =
+            store.settle(&held("done", &[("a", 100), ("b", 5)]), &[(key("a"), 40), (key("b"), 2)]).await.unwrap();
         assert_eq!(settled, SettleOutcome::Settled);
         store.reserve(&request("live", &[("a", 300, Some(1000))], NOW + 60)).await.unwrap();
         store.reserve(&request("stale", &[("b", 7, None)], NOW - 1)).await.unwrap();
@@ -79,11 +85,11 @@ async fn counters_survive_a_restart() {
     assert_eq!(store.used(&counted).await.unwrap(), [340, 9], "counters after reopening");
     assert_eq!(store.live_reservations().await.unwrap(), 2, "reservations after reopening");
     assert_eq!(
-        store.settle("done", &[(key("a"), 40)]).await.unwrap(),
+        store.settle(&held("done", &[("a", 100), ("b", 5)]), &[(key("a"), 40)]).await.unwrap(),
         SettleOutcome::Unknown,
         "settled before the restart"
     );
-    assert_eq!(store.settle("live", &[(key("a"), 120)]).await.unwrap(), SettleOutcome::Settled);
+    assert_eq!(store.settle(&held("live", &[("a", 300)]), &[(key("a"), 120)]).await.unwrap(), SettleOutcome::Settled);
     assert_eq!(store.sweep(NOW).await.unwrap().refunded, 1, "the expired reservation is swept after the restart");
     assert_eq!(store.used(&counted).await.unwrap(), [160, 2]);
     assert_eq!(store.live_reservations().await.unwrap(), 0);
@@ -128,7 +134,7 @@ async fn reservations_written_before_intents_existed_still_sweep() {
         txn.commit().unwrap();
     }
     let store = EmbeddedBudgetStore::open(&path).unwrap();
-    assert_eq!(store.settle("settled", &[(key("a"), 20)]).await.unwrap(), SettleOutcome::Settled);
+    assert_eq!(store.settle(&held("settled", &[("a", 200)]), &[(key("a"), 20)]).await.unwrap(), SettleOutcome::Settled);
     assert_eq!(store.sweep(NOW).await.unwrap(), Swept { refunded: 1, charged: 0 });
     assert_eq!(store.used(&[key("a")]).await.unwrap(), [20]);
 }
@@ -186,7 +192,7 @@ async fn a_corrupt_record_fails_only_the_operations_that_read_it() {
     let store = Arc::new(EmbeddedBudgetStore::open(&path).unwrap());
     let broken = {
         let store = store.clone();
-        tokio::spawn(async move { store.settle("broken", &[(key("a"), 5)]).await })
+        tokio::spawn(async move { store.settle(&held("broken", &[("a", 5)]), &[(key("a"), 5)]).await })
     };
     let fine: Vec<_> = (0..20)
         .map(|i| {

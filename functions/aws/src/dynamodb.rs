@@ -5,40 +5,60 @@
 //! | item | `pk` (S, hash key) | attributes |
 //! | --- | --- | --- |
 //! | counter | `counter#<key>` (`counter#acme/*/tokens/day/2026-11-29`) | `used` (N), `ttl` (N: period end + 35 days) |
-//! | reservation | `reservation#<request_id>` | `lines` (S, JSON `[[key, amount], ...]`), `expires_at` (N), `swept` (BOOL), `ttl` (N: `expires_at` + 1 day); `actual` (S, JSON like `lines`) only when a settlement could not be written, its `ttl` then pushed 35 days ahead |
+//! | reservation | `reservation#<request_id>` | `lines` (S, JSON `[[key, amount], ...]`), `expires_at` (N), `swept` (BOOL), `ttl` (N: `expires_at` + 1 day), `gsi_expiry_pk` (S, `live#00`..`live#15`) while the sweeper has work on it; `actual` (S, JSON like `lines`) only when a settlement could not be written, its `ttl` then pushed 35 days ahead |
 //!
-//! No sort key, no index. `ttl` is the table's TTL attribute, so the table cleans
-//! itself; nothing here relies on it (TTL deletion is lazy, up to days late, and
-//! emulators never do it): the sweeper finds expired reservations by their
-//! `expires_at`, and deletes swept ones itself after a day.
+//! No sort key. One global secondary index, `expiry` ([`EXPIRY_INDEX`]): hash key
+//! `gsi_expiry_pk` (S), range key `expires_at` (N), projection `ALL`. It is sparse:
+//! only items carrying `gsi_expiry_pk` are in it, i.e. live reservations (set by the
+//! reserve `Put`) and swept ones that received a settle intent (set again by
+//! `record_intent`); a refund by the sweeper `REMOVE`s it, a settle or a charge deletes
+//! the item. Counters and swept reservations are never in it. Sixteen shards spread it
+//! over partitions (FNV-1a of the request id), so the index never caps the table.
+//!
+//! `ttl` is the table's TTL attribute, so the table cleans itself: swept reservations
+//! (out of the index) are deleted by it, lazily (up to days late; emulators never do
+//! it). Correctness never relies on it: a late settle of a swept reservation still
+//! present charges the usage once, as the ledger's rules say.
 //!
 //! # How each operation holds the invariants of `flexway::budget`
 //!
 //! - **reserve** is one `TransactWriteItems`: per counter an `Update` `ADD used :amount`
 //!   conditioned on `attribute_not_exists(used) OR used <= :limit_minus_amount` (no
 //!   condition for an unlimited line), plus a `Put` of the reservation conditioned on
-//!   `attribute_not_exists(pk)`. All or nothing. Idempotency on the request id comes
-//!   from that `Put` condition, not from `ClientRequestToken` (emulators ignore it):
-//!   a cancellation whose reason on the `Put` is `ConditionalCheckFailed` means "already
-//!   reserved"; one on a counter means "refused on that line" (the cancellation
-//!   reasons are indexed like the transaction's items).
-//! - **settle** is one transaction: `ADD used :(actual - reserved)` per counter (a
-//!   signed number) and a `Delete` of the reservation conditioned on
-//!   `swept = false`, so a settle and a sweep can never both apply. A swept
-//!   reservation is settled by charging the actual usage with the `Delete`
-//!   conditioned on `swept = true`. A lost race re-reads the reservation and decides
-//!   again. A settle ignores `actual`: the real settlement supersedes its intent.
+//!   `attribute_not_exists(pk)`. All or nothing. No read before it: admission asks for
+//!   the whole allowance and lets the conditions decide. Idempotency on the request id
+//!   comes from that `Put` condition, not from `ClientRequestToken` (emulators ignore
+//!   it): a cancellation whose reason on the `Put` is `ConditionalCheckFailed` means
+//!   "already reserved"; one on a counter means "refused on that line" (the
+//!   cancellation reasons are indexed like the transaction's items), after one
+//!   `GetItem` of the reservation (DynamoDB may report only the counters' failures on a
+//!   retry): a read on refusal only.
+//! - **settle** is one transaction written from the ticket's `Reservation` (its lines),
+//!   without reading: `ADD used :(actual - reserved)` per counter that moves (a signed
+//!   number) and a `Delete` of the reservation conditioned on `attribute_exists(pk) AND
+//!   swept = false AND lines = :the_ticket's_lines`, so a settle and a sweep can never
+//!   both apply and a ticket's claim is checked, never trusted. Only when that
+//!   condition fails (swept meanwhile, already settled, or lines unlike the stored
+//!   ones) is the reservation read (`GetItem`, strongly consistent) and the settlement
+//!   decided again from what is stored: a swept reservation is settled by charging the
+//!   actual usage with the `Delete` conditioned on `swept = true`; a missing one is
+//!   `Unknown`. A settle ignores `actual`: the real settlement supersedes its intent.
 //! - **record_intent** (a settlement that could not be written) is one `UpdateItem` of
-//!   the reservation alone, `SET actual` conditioned on `attribute_exists(pk)`: no
-//!   counter, no transaction.
-//! - **sweep** scans reservations whose `expires_at` passed. One with `actual` is
-//!   settled on it in its own transaction (counters `ADD actual - reserved`, or
-//!   `actual` if it was already refunded; `Delete` conditioned on the `swept` and
-//!   `actual` it read); any other live one is refunded (counters `ADD -reserved`,
-//!   reservation `SET swept = true` conditioned on `swept = false AND
-//!   attribute_not_exists(actual)`, so an intent recorded meanwhile is never refunded).
-//!   Swept reservations are deleted a day after expiry, unless they carry `actual`.
-//! - Reads (`used`, the reservation before a settle) are strongly consistent.
+//!   the reservation alone, `SET actual, gsi_expiry_pk` conditioned on
+//!   `attribute_exists(pk)`: no counter, no transaction; a swept reservation re-enters
+//!   the index so that the sweeper charges it.
+//! - **sweep** `Query`s each shard of the index for `expires_at < now` (never a
+//!   `Scan`). One with `actual` is settled on it in its own transaction (counters `ADD
+//!   actual - reserved`, or `actual` if it was already refunded; `Delete` conditioned
+//!   on the `swept` and `actual` it read); any other live one is refunded (counters
+//!   `ADD -reserved`, reservation `SET swept = true REMOVE gsi_expiry_pk` conditioned
+//!   on `swept = false AND attribute_not_exists(actual)`, so an intent recorded
+//!   meanwhile is never refunded). The index is eventually consistent: a stale entry
+//!   only loses its conditional write, and the next sweep (a minute later) sees it.
+//! - **live_reservations** counts through the index (`Query`, `Select COUNT`, filter
+//!   `swept = false`), eventually consistent: for tests and operators.
+//! - **used** (`BatchGetItem`, strongly consistent) is read by admission only when a
+//!   reservation was refused (soft threshold, clamp, or the 429 itself).
 //!
 //! # Ceiling
 //!
@@ -48,7 +68,23 @@
 //! per second, i.e. about 250 calls per second (each call reserves and settles). Past
 //! that, DynamoDB throttles or cancels with `TransactionConflict`; this store retries
 //! those with jittered backoff, and a tenant that busy needs sharded counters or
-//! leased budget slices (see the README's "Serverless shape").
+//! leased budget slices (see the README's "Serverless shape"). The expiry index takes
+//! two writes per call (the reservation enters and leaves it) spread over 16 shards:
+//! about 8,000 calls per second for the whole table before the index throttles.
+//!
+//! Per served call, a tenant with its three counters (items ≤ 1 KB; a transactional
+//! write costs 2 WCU per item, an index write 1 WCU, a strongly consistent read 1 RCU
+//! per item ≤ 4 KB), as `a_served_call_costs_two_transactions_and_no_read` counts it:
+//!
+//! | | requests | write units | read units |
+//! | --- | --- | --- | --- |
+//! | before (issue 12) | `BatchGetItem`, `TransactWriteItems`, `GetItem`, `TransactWriteItems` | 8 + 8 = 16 | 3 + 1 = 4 |
+//! | now | `TransactWriteItems`, `TransactWriteItems` | 8 + 8 + 2 (index) = 18 | 0 |
+//!
+//! Each transaction is 3 counters + the reservation = 4 items (an agent with its own
+//! budgets adds 3: 14 WCU each); a settle skips a counter that does not move. The
+//! sweeper no longer reads the whole table every minute (counters live 35 days past
+//! their period): it reads the live reservations only.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -57,19 +93,31 @@ use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::error::DisplayErrorContext;
 use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
 use aws_sdk_dynamodb::types::{
-    AttributeDefinition, AttributeValue, BillingMode, Delete, KeySchemaElement, KeyType, KeysAndAttributes, Put,
-    ScalarAttributeType, Select, TimeToLiveSpecification, TransactWriteItem, Update,
+    AttributeDefinition, AttributeValue, BillingMode, Delete, GlobalSecondaryIndex, KeySchemaElement, KeyType,
+    KeysAndAttributes, Projection, ProjectionType, Put, ScalarAttributeType, Select, TimeToLiveSpecification,
+    TransactWriteItem, Update,
 };
 use flexway::budget::ledger::SWEPT_RETENTION_SECS;
 use flexway::budget::{
-    BudgetStore, CounterKey, IntentOutcome, Line, Period, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError,
-    Swept,
+    BudgetStore, CounterKey, IntentOutcome, Line, Period, Reservation, ReserveOutcome, ReserveRequest, SettleOutcome,
+    StoreError, Swept,
 };
 
 const COUNTER_PREFIX: &str = "counter#";
 const RESERVATION_PREFIX: &str = "reservation#";
 /// Counters outlive their period by this much (chargeback reads them after month end).
 const COUNTER_RETENTION_SECS: u64 = 35 * 86_400;
+/// The sparse global secondary index of reservations the sweeper must visit: only
+/// items carrying [`EXPIRY_SHARD`] are in it (hash key), ordered by `expires_at`
+/// (range key), every attribute projected.
+pub const EXPIRY_INDEX: &str = "expiry";
+/// The index's hash key: `live#00` .. `live#15`, set on a reservation while it is
+/// live (and again on a swept one that receives a settle intent), removed when it is
+/// swept; a settled reservation is deleted, so it leaves the index too.
+pub const EXPIRY_SHARD: &str = "gsi_expiry_pk";
+/// Index partitions the live reservations spread over: one partition key takes about
+/// 1,000 writes per second, and every call writes the index twice (put, delete).
+const EXPIRY_SHARDS: u64 = 16;
 /// Attempts on a transaction that DynamoDB cancelled for contention
 /// (`TransactionConflict`, throttling), with jittered exponential backoff.
 const MAX_ATTEMPTS: u32 = 12;
@@ -91,17 +139,17 @@ struct Merged<'a> {
     line: usize,
 }
 
+/// A reservation item as read from the table (or as a ticket says it was written).
 #[derive(Debug)]
-struct Reservation {
+struct Stored {
     lines: Vec<(CounterKey, u64)>,
-    expires_at: u64,
     swept: bool,
     /// The settle intent: the `actual` attribute as stored (a condition compares it)
     /// and parsed.
     intent: Option<(String, Vec<(CounterKey, u64)>)>,
 }
 
-impl Reservation {
+impl Stored {
     /// How a settlement on `actual` moves each counter: by `actual - reserved`, or by
     /// `actual` alone once the sweeper has refunded the reservation.
     fn settle_deltas<'a>(&'a self, actual: &'a [(CounterKey, u64)]) -> BTreeMap<&'a CounterKey, i128> {
@@ -138,34 +186,47 @@ impl DynamoDbBudgetStore {
     /// Checks that the table exists, and opens the connection on the way (called at
     /// the function's init, so the first request does not pay the TLS handshake).
     pub async fn warm(&self) -> Result<(), StoreError> {
-        self.client
+        let described = self
+            .client
             .describe_table()
             .table_name(&self.table)
             .send()
             .await
-            .map(|_| ())
-            .map_err(|e| backend("DescribeTable", &e))
+            .map_err(|e| backend("DescribeTable", &e))?;
+        let indexed = described
+            .table()
+            .is_some_and(|t| t.global_secondary_indexes().iter().any(|i| i.index_name() == Some(EXPIRY_INDEX)));
+        if !indexed {
+            // Calls are served without it; the sweeper cannot find expired reservations.
+            tracing::warn!(table = %self.table, index = EXPIRY_INDEX, "the ledger table has no expiry index: deploy infra/template.yaml");
+        }
+        Ok(())
     }
 
     /// Creates the ledger table as `infra/template.yaml` declares it (on-demand,
-    /// `pk` hash key, TTL on `ttl`) and waits until it is active: for tests and
-    /// `localstack/start`.
+    /// `pk` hash key, TTL on `ttl`, the sparse index [`EXPIRY_INDEX`]) and waits until
+    /// it is active: for tests and `localstack/start` (`localstack/resources.py`
+    /// creates the same).
     pub async fn create_table(client: &Client, table: &str) -> Result<(), StoreError> {
-        let schema = KeySchemaElement::builder()
-            .attribute_name("pk")
-            .key_type(KeyType::Hash)
+        let built = |e: aws_sdk_dynamodb::error::BuildError| StoreError::Backend(e.to_string());
+        let key = |name: &str, key_type| KeySchemaElement::builder().attribute_name(name).key_type(key_type).build();
+        let attribute =
+            |name: &str, kind| AttributeDefinition::builder().attribute_name(name).attribute_type(kind).build();
+        let index = GlobalSecondaryIndex::builder()
+            .index_name(EXPIRY_INDEX)
+            .key_schema(key(EXPIRY_SHARD, KeyType::Hash).map_err(built)?)
+            .key_schema(key("expires_at", KeyType::Range).map_err(built)?)
+            .projection(Projection::builder().projection_type(ProjectionType::All).build())
             .build()
-            .map_err(|e| StoreError::Backend(e.to_string()))?;
-        let attribute = AttributeDefinition::builder()
-            .attribute_name("pk")
-            .attribute_type(ScalarAttributeType::S)
-            .build()
-            .map_err(|e| StoreError::Backend(e.to_string()))?;
+            .map_err(built)?;
         client
             .create_table()
             .table_name(table)
-            .key_schema(schema)
-            .attribute_definitions(attribute)
+            .key_schema(key("pk", KeyType::Hash).map_err(built)?)
+            .attribute_definitions(attribute("pk", ScalarAttributeType::S).map_err(built)?)
+            .attribute_definitions(attribute(EXPIRY_SHARD, ScalarAttributeType::S).map_err(built)?)
+            .attribute_definitions(attribute("expires_at", ScalarAttributeType::N).map_err(built)?)
+            .global_secondary_indexes(index)
             .billing_mode(BillingMode::PayPerRequest)
             .send()
             .await
@@ -173,7 +234,12 @@ impl DynamoDbBudgetStore {
         for _ in 0..100 {
             let described =
                 client.describe_table().table_name(table).send().await.map_err(|e| backend("DescribeTable", &e))?;
-            let active = described.table().and_then(|t| t.table_status()).is_some_and(|s| s.as_str() == "ACTIVE");
+            let active = described.table().is_some_and(|t| {
+                t.table_status().is_some_and(|s| s.as_str() == "ACTIVE")
+                    && t.global_secondary_indexes()
+                        .iter()
+                        .all(|i| i.index_status().is_none_or(|s| s.as_str() == "ACTIVE"))
+            });
             if active {
                 let ttl = TimeToLiveSpecification::builder()
                     .attribute_name("ttl")
@@ -266,7 +332,7 @@ impl DynamoDbBudgetStore {
         }
     }
 
-    async fn reservation(&self, request_id: &str) -> Result<Option<Reservation>, StoreError> {
+    async fn reservation(&self, request_id: &str) -> Result<Option<Stored>, StoreError> {
         let pk = format!("{RESERVATION_PREFIX}{request_id}");
         let output = self
             .client
@@ -312,6 +378,7 @@ impl BudgetStore for DynamoDbBudgetStore {
             .item("expires_at", n(request.expires_at))
             .item("swept", AttributeValue::Bool(false))
             .item("ttl", n(request.expires_at.saturating_add(SWEPT_RETENTION_SECS)))
+            .item(EXPIRY_SHARD, s(expiry_shard(&request.request_id)))
             .condition_expression("attribute_not_exists(pk)")
             .build()
             .map_err(|e| StoreError::Backend(e.to_string()))?;
@@ -342,26 +409,44 @@ impl BudgetStore for DynamoDbBudgetStore {
         Err(contended("reserve", &request.request_id))
     }
 
-    async fn settle(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<SettleOutcome, StoreError> {
+    async fn settle(
+        &self,
+        reservation: &Reservation,
+        actual: &[(CounterKey, u64)],
+    ) -> Result<SettleOutcome, StoreError> {
+        let request_id = reservation.request_id.as_str();
+        // First as the ticket says it was reserved: live, these lines. The `Delete`'s
+        // condition checks both, so a wrong guess writes nothing and costs a read.
+        let mut known = Some(Stored { lines: reservation.lines.clone(), swept: false, intent: None });
         for attempt in 0..MAX_ATTEMPTS {
-            let Some(reservation) = self.reservation(request_id).await? else {
-                return Ok(SettleOutcome::Unknown);
+            let stored = match known.take() {
+                Some(stored) => stored,
+                None => match self.reservation(request_id).await? {
+                    Some(stored) => stored,
+                    None => return Ok(SettleOutcome::Unknown),
+                },
             };
-            let mut items = self.counter_moves(reservation.settle_deltas(actual))?;
+            let mut items = self.counter_moves(stored.settle_deltas(actual))?;
+            let lines = serde_json::to_string(&stored.lines).map_err(|e| StoreError::Backend(e.to_string()))?;
             let delete = Delete::builder()
                 .table_name(&self.table)
                 .key("pk", Self::reservation_key(request_id))
-                .condition_expression("attribute_exists(pk) AND swept = :swept")
-                .expression_attribute_values(":swept", AttributeValue::Bool(reservation.swept))
+                .condition_expression("attribute_exists(pk) AND swept = :swept AND #lines = :lines")
+                .expression_attribute_names("#lines", "lines")
+                .expression_attribute_values(":swept", AttributeValue::Bool(stored.swept))
+                .expression_attribute_values(":lines", s(lines))
                 .build()
                 .map_err(|e| StoreError::Backend(e.to_string()))?;
             items.push(TransactWriteItem::builder().delete(delete).build());
             match self.transact(items).await? {
-                None if reservation.swept => return Ok(SettleOutcome::ChargedAfterSweep),
+                None if stored.swept => return Ok(SettleOutcome::ChargedAfterSweep),
                 None => return Ok(SettleOutcome::Settled),
-                // Settled or swept meanwhile: read it again and decide again.
+                // Swept, settled or unlike the ticket: read it and decide again.
                 Some(Cancelled::Condition(_)) => {}
-                Some(Cancelled::Retry) => backoff(attempt).await,
+                Some(Cancelled::Retry) => {
+                    known = Some(stored);
+                    backoff(attempt).await;
+                }
             }
         }
         Err(contended("settle", request_id))
@@ -376,11 +461,14 @@ impl BudgetStore for DynamoDbBudgetStore {
             .update_item()
             .table_name(&self.table)
             .key("pk", Self::reservation_key(request_id))
-            .update_expression("SET actual = :actual, #ttl = :ttl")
+            // Back in the expiry index if it was swept: the sweeper charges it.
+            .update_expression("SET actual = :actual, #ttl = :ttl, #shard = :shard")
             .condition_expression("attribute_exists(pk)")
             .expression_attribute_names("#ttl", "ttl")
+            .expression_attribute_names("#shard", EXPIRY_SHARD)
             .expression_attribute_values(":actual", s(encoded))
             .expression_attribute_values(":ttl", n(ttl))
+            .expression_attribute_values(":shard", s(expiry_shard(request_id)))
             .send()
             .await;
         match result {
@@ -392,48 +480,46 @@ impl BudgetStore for DynamoDbBudgetStore {
         }
     }
 
+    /// Queries each shard of the expiry index for `expires_at < now`: it holds the
+    /// live reservations and the swept ones that carry an intent, nothing else. The
+    /// index is eventually consistent; every write below is conditioned on the item
+    /// itself, so a stale entry only loses its race.
     async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
         let mut swept = Swept::default();
-        let mut start = None;
-        loop {
-            let page = self
-                .client
-                .scan()
-                .table_name(&self.table)
-                .consistent_read(true)
-                .filter_expression("begins_with(pk, :prefix) AND expires_at < :now")
-                .expression_attribute_values(":prefix", s(RESERVATION_PREFIX.to_owned()))
-                .expression_attribute_values(":now", n(now))
-                .set_exclusive_start_key(start)
-                .send()
-                .await
-                .map_err(|e| backend("Scan", &e))?;
-            for item in page.items() {
-                let pk = string_attr(item, "pk")?;
-                let reservation = parse_reservation(&pk, item)?;
-                if reservation.intent.is_some() {
-                    if self.charge_intent(&pk, &reservation).await? {
-                        swept.charged += 1;
+        for shard in 0..EXPIRY_SHARDS {
+            let mut start = None;
+            loop {
+                let page = self
+                    .client
+                    .query()
+                    .table_name(&self.table)
+                    .index_name(EXPIRY_INDEX)
+                    .key_condition_expression("#shard = :shard AND expires_at < :now")
+                    .expression_attribute_names("#shard", EXPIRY_SHARD)
+                    .expression_attribute_values(":shard", s(shard_name(shard)))
+                    .expression_attribute_values(":now", n(now))
+                    .set_exclusive_start_key(start)
+                    .send()
+                    .await
+                    .map_err(|e| backend("Query", &e))?;
+                for item in page.items() {
+                    let pk = string_attr(item, "pk")?;
+                    let reservation = parse_reservation(&pk, item)?;
+                    if reservation.intent.is_some() {
+                        if self.charge_intent(&pk, &reservation).await? {
+                            swept.charged += 1;
+                        }
+                    } else if !reservation.swept && self.refund_expired(&pk, &reservation).await? {
+                        swept.refunded += 1;
                     }
-                    continue;
                 }
-                if reservation.swept {
-                    // Kept a day so that a late settlement charges exactly once; then gone
-                    // (TTL would do it too, eventually, but not on an emulator).
-                    if reservation.expires_at.saturating_add(SWEPT_RETENTION_SECS) < now {
-                        self.delete_swept(&pk).await?;
-                    }
-                    continue;
+                match page.last_evaluated_key() {
+                    Some(key) if !key.is_empty() => start = Some(key.clone()),
+                    _ => break,
                 }
-                if self.refund_expired(&pk, &reservation).await? {
-                    swept.refunded += 1;
-                }
-            }
-            match page.last_evaluated_key() {
-                Some(key) if !key.is_empty() => start = Some(key.clone()),
-                _ => return Ok(swept),
             }
         }
+        Ok(swept)
     }
 
     async fn used(&self, keys: &[CounterKey]) -> Result<Vec<u64>, StoreError> {
@@ -480,36 +566,42 @@ impl BudgetStore for DynamoDbBudgetStore {
         Ok(keys.iter().map(|k| values.get(&format!("{COUNTER_PREFIX}{}", k.as_str())).copied().unwrap_or(0)).collect())
     }
 
+    /// Counts through the expiry index (eventually consistent), not a table scan.
     async fn live_reservations(&self) -> Result<usize, StoreError> {
         let mut count = 0usize;
-        let mut start = None;
-        loop {
-            let page = self
-                .client
-                .scan()
-                .table_name(&self.table)
-                .consistent_read(true)
-                .select(Select::Count)
-                .filter_expression("begins_with(pk, :prefix) AND swept = :false")
-                .expression_attribute_values(":prefix", s(RESERVATION_PREFIX.to_owned()))
-                .expression_attribute_values(":false", AttributeValue::Bool(false))
-                .set_exclusive_start_key(start)
-                .send()
-                .await
-                .map_err(|e| backend("Scan", &e))?;
-            count += usize::try_from(page.count()).unwrap_or(0);
-            match page.last_evaluated_key() {
-                Some(key) if !key.is_empty() => start = Some(key.clone()),
-                _ => return Ok(count),
+        for shard in 0..EXPIRY_SHARDS {
+            let mut start = None;
+            loop {
+                let page = self
+                    .client
+                    .query()
+                    .table_name(&self.table)
+                    .index_name(EXPIRY_INDEX)
+                    .select(Select::Count)
+                    .key_condition_expression("#shard = :shard")
+                    .filter_expression("swept = :false")
+                    .expression_attribute_names("#shard", EXPIRY_SHARD)
+                    .expression_attribute_values(":shard", s(shard_name(shard)))
+                    .expression_attribute_values(":false", AttributeValue::Bool(false))
+                    .set_exclusive_start_key(start)
+                    .send()
+                    .await
+                    .map_err(|e| backend("Query", &e))?;
+                count += usize::try_from(page.count()).unwrap_or(0);
+                match page.last_evaluated_key() {
+                    Some(key) if !key.is_empty() => start = Some(key.clone()),
+                    _ => break,
+                }
             }
         }
+        Ok(count)
     }
 }
 
 impl DynamoDbBudgetStore {
     /// Refunds one expired reservation; false when a settle, an intent or another
     /// sweeper got there first (an intent is then charged by the next sweep).
-    async fn refund_expired(&self, pk: &str, reservation: &Reservation) -> Result<bool, StoreError> {
+    async fn refund_expired(&self, pk: &str, reservation: &Stored) -> Result<bool, StoreError> {
         let mut deltas: BTreeMap<&CounterKey, i128> = BTreeMap::new();
         for (key, reserved) in &reservation.lines {
             *deltas.entry(key).or_default() -= i128::from(*reserved);
@@ -518,8 +610,10 @@ impl DynamoDbBudgetStore {
         let mark = Update::builder()
             .table_name(&self.table)
             .key("pk", s(pk.to_owned()))
-            .update_expression("SET swept = :true")
+            // Out of the expiry index: the sweeper is done with it (TTL deletes it later).
+            .update_expression("SET swept = :true REMOVE #shard")
             .condition_expression("attribute_exists(pk) AND swept = :false AND attribute_not_exists(actual)")
+            .expression_attribute_names("#shard", EXPIRY_SHARD)
             .expression_attribute_values(":true", AttributeValue::Bool(true))
             .expression_attribute_values(":false", AttributeValue::Bool(false))
             .build()
@@ -544,7 +638,7 @@ impl DynamoDbBudgetStore {
     /// Settles one expired reservation on its intent, as the settlement that could not
     /// be written would have; false when a settle (or another sweeper) closed it first,
     /// or the intent changed meanwhile (the next sweep decides again).
-    async fn charge_intent(&self, pk: &str, reservation: &Reservation) -> Result<bool, StoreError> {
+    async fn charge_intent(&self, pk: &str, reservation: &Stored) -> Result<bool, StoreError> {
         let Some((stored, actual)) = &reservation.intent else {
             return Ok(false);
         };
@@ -560,25 +654,17 @@ impl DynamoDbBudgetStore {
         items.push(TransactWriteItem::builder().delete(delete).build());
         self.sweep_write(items, pk).await
     }
+}
 
-    /// A swept reservation past its retention; one that carries an intent is left for
-    /// `charge_intent`.
-    async fn delete_swept(&self, pk: &str) -> Result<(), StoreError> {
-        let result = self
-            .client
-            .delete_item()
-            .table_name(&self.table)
-            .key("pk", s(pk.to_owned()))
-            .condition_expression("swept = :true AND attribute_not_exists(actual)")
-            .expression_attribute_values(":true", AttributeValue::Bool(true))
-            .send()
-            .await;
-        match result {
-            Ok(_) => Ok(()),
-            Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => Ok(()),
-            Err(e) => Err(backend("DeleteItem", &e)),
-        }
-    }
+/// The expiry index shard of a reservation: a stable hash (FNV-1a) of its request id.
+fn expiry_shard(request_id: &str) -> String {
+    let hash =
+        request_id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    shard_name(hash % EXPIRY_SHARDS)
+}
+
+fn shard_name(shard: u64) -> String {
+    format!("live#{shard:02}")
 }
 
 fn merge(lines: &[Line]) -> Vec<Merged<'_>> {
@@ -613,11 +699,10 @@ fn counter_ttl(key: &CounterKey) -> u64 {
     }
 }
 
-fn parse_reservation(pk: &str, item: &HashMap<String, AttributeValue>) -> Result<Reservation, StoreError> {
+fn parse_reservation(pk: &str, item: &HashMap<String, AttributeValue>) -> Result<Stored, StoreError> {
     let corrupt = |detail: String| StoreError::Corrupt { key: pk.to_owned(), detail };
     let lines = string_attr(item, "lines")?;
     let lines: Vec<(CounterKey, u64)> = serde_json::from_str(&lines).map_err(|e| corrupt(format!("lines: {e}")))?;
-    let expires_at = number_attr(item, "expires_at", pk)?.ok_or_else(|| corrupt("no expires_at".to_owned()))?;
     let swept = match item.get("swept") {
         Some(AttributeValue::Bool(b)) => *b,
         None => false,
@@ -632,7 +717,7 @@ fn parse_reservation(pk: &str, item: &HashMap<String, AttributeValue>) -> Result
         }
         Some(other) => return Err(corrupt(format!("actual is not a string: {other:?}"))),
     };
-    Ok(Reservation { lines, expires_at: u64::try_from(expires_at).unwrap_or(0), swept, intent })
+    Ok(Stored { lines, swept, intent })
 }
 
 fn string_attr(item: &HashMap<String, AttributeValue>, name: &str) -> Result<String, StoreError> {

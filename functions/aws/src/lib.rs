@@ -21,7 +21,7 @@ use flexway::telemetry::Export;
 
 pub use audit_reader::{AuditReadError, WRITE_DELAY_MARGIN_MS, read_audit_log_group};
 pub use cloudwatch::CloudWatchAuditSink;
-pub use dynamodb::DynamoDbBudgetStore;
+pub use dynamodb::{DynamoDbBudgetStore, EXPIRY_INDEX, EXPIRY_SHARD};
 pub use emf::EmfAuditSink;
 pub use secrets::AwsSecretSource;
 

@@ -13,9 +13,17 @@
 
 mod emulator;
 
+use std::sync::{Arc, Mutex};
+
+use aws_sdk_dynamodb::config::interceptors::BeforeTransmitInterceptorContextRef;
+use aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
+use flexway::admission::{Demand, admit};
 use flexway::budget::{
     BudgetStore, CounterKey, IntentOutcome, Line, ReserveOutcome, ReserveRequest, SettleOutcome, conformance,
 };
+use flexway::config::{Capability, Price, TenantId};
+use flexway::identity::Caller;
+use flexway::protocol::openai::Usage;
 use flexway_aws::DynamoDbBudgetStore;
 
 async fn fresh_store(sdk: &aws_config::SdkConfig) -> DynamoDbBudgetStore {
@@ -60,13 +68,17 @@ async fn refuses_a_line_larger_than_its_limit_without_writing() {
 async fn lines_naming_one_counter_add_up_in_one_transaction() {
     let sdk = emulator::sdk().await;
     let store = fresh_store(&sdk).await;
-    let outcome = store.reserve(&request("dup", &[("t/a", 60, Some(100)), ("t/a", 30, Some(100))])).await.unwrap();
+    let dup = request("dup", &[("t/a", 60, Some(100)), ("t/a", 30, Some(100))]);
+    let outcome = store.reserve(&dup).await.unwrap();
     assert_eq!(outcome, ReserveOutcome::Reserved);
     let refused = store.reserve(&request("dup2", &[("t/a", 6, Some(100)), ("t/a", 5, Some(100))])).await.unwrap();
     assert_eq!(refused, ReserveOutcome::Refused { line: 0 });
     let keys = [CounterKey("t/a".into())];
     assert_eq!(store.used(&keys).await.unwrap(), [90]);
-    assert_eq!(store.settle("dup", &[(CounterKey("t/a".into()), 10)]).await.unwrap(), SettleOutcome::Settled);
+    assert_eq!(
+        store.settle(&dup.reservation(), &[(CounterKey("t/a".into()), 10)]).await.unwrap(),
+        SettleOutcome::Settled
+    );
     assert_eq!(store.used(&keys).await.unwrap(), [10]);
 }
 
@@ -113,4 +125,155 @@ async fn items_follow_the_documented_table_design() {
     let ttl: u64 = reservation["ttl"].as_n().unwrap().parse().unwrap();
     assert!(ttl >= expires_at + 30 * 86_400, "a reservation carrying a bill outlives its usual day: ttl {ttl}");
     assert_eq!(get(format!("counter#{key}")).await["used"].as_n().unwrap(), "42");
+}
+
+/// Records the DynamoDB operation of every request the client sends (its
+/// `X-Amz-Target`, attempts included): what a call really costs on the wire.
+#[derive(Debug, Clone, Default)]
+struct Operations(Arc<Mutex<Vec<String>>>);
+
+impl Operations {
+    fn take(&self) -> Vec<String> {
+        std::mem::take(&mut *self.0.lock().unwrap())
+    }
+}
+
+impl Intercept for Operations {
+    fn name(&self) -> &'static str {
+        "CountOperations"
+    }
+
+    fn read_before_transmit(
+        &self,
+        context: &BeforeTransmitInterceptorContextRef<'_>,
+        _runtime_components: &RuntimeComponents,
+        _cfg: &mut ConfigBag,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let target = context.request().headers().get("x-amz-target").unwrap_or("?");
+        let operation = target.rsplit('.').next().unwrap_or(target).to_owned();
+        self.0.lock().unwrap().push(operation);
+        Ok(())
+    }
+}
+
+/// A gateway on a fresh ledger table whose client counts its operations; tenant
+/// `acme` has the three budgets, agent `bot` none of its own.
+async fn counted_gateway(soft: &str) -> (flexway::Gateway, DynamoDbBudgetStore, Operations) {
+    let sdk = emulator::sdk().await;
+    let plain = aws_sdk_dynamodb::Client::new(&sdk);
+    let table = emulator::unique("flexway-ledger-cost");
+    DynamoDbBudgetStore::create_table(&plain, &table).await.expect("create the table");
+    let operations = Operations::default();
+    let config = aws_sdk_dynamodb::config::Builder::from(&sdk).interceptor(operations.clone()).build();
+    let store = DynamoDbBudgetStore::new(aws_sdk_dynamodb::Client::from_conf(config), &table);
+    let yaml = format!(
+        r#"version: 1
+store: {{kind: dynamodb, table: {table}}}
+audit: {{sink: stdout}}
+tenants:
+  acme:
+    keys: [{{sha256: {key}}}]
+    budgets: {{tokens_per_day: 100000, tokens_per_month: 1000000, eur_per_month: 50}}
+ai:
+  default_backend: main
+  budget: {{default_max_tokens: 100, min_completion_tokens: 10{soft}}}
+  backends:
+    main: {{url: "http://127.0.0.1:9", price: {{input_per_mtok_eur: 2, output_per_mtok_eur: 8}}}}
+    small: {{url: "http://127.0.0.1:9", price: {{input_per_mtok_eur: 0.1, output_per_mtok_eur: 0.1}}}}
+"#,
+        key = flexway::identity::key_sha256_hex("sk-cost"),
+    );
+    let env: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    let loaded = flexway::config::load_str(&yaml, &env).unwrap_or_else(|e| panic!("{e}"));
+    let secrets = Arc::new(flexway::secret::LocalSecrets { env });
+    let adapters = flexway::gateway::Adapters {
+        budgets: Arc::new(store.clone()),
+        audit: Arc::new(flexway::audit::StdoutAuditSink),
+        export: flexway::telemetry::Export::EachCall,
+    };
+    let gateway = flexway::Gateway::new(loaded.config, secrets, adapters).await.unwrap();
+    operations.take();
+    (gateway, store, operations)
+}
+
+fn acme() -> Caller {
+    Caller { tenant: TenantId::new("acme"), agent: None, key_sha256: [0; 32], relay_peer: false }
+}
+
+const CHAT: Demand = Demand {
+    capability: Capability::Chat,
+    prompt_tokens: 50,
+    max_tokens: Some(100),
+    choices: 1,
+    completes: true,
+    stream: false,
+    sensitive: false,
+};
+
+/// One served call through the real admission and ticket: what it sends to DynamoDB.
+async fn served_call(gateway: &flexway::Gateway, id: &str) -> bool {
+    let admission = admit(gateway, &acme(), id, &CHAT).await.unwrap();
+    let price = Price {
+        input_per_mtok: flexway::money::MicroEur(2_000_000),
+        output_per_mtok: flexway::money::MicroEur(8_000_000),
+    };
+    admission.ticket.settle(Usage { prompt_tokens: 40, completion_tokens: 60 }, price).await;
+    admission.soft
+}
+
+/// Issue 12: a served call costs its reservation and its settlement, two
+/// `TransactWriteItems`, and not one read (no BatchGetItem of the counters before
+/// reserving, no GetItem of the reservation before settling).
+#[tokio::test]
+async fn a_served_call_costs_two_transactions_and_no_read() {
+    let (gateway, store, operations) = counted_gateway("").await;
+    for i in 0..3 {
+        assert!(!served_call(&gateway, &format!("call-{i}")).await);
+        assert_eq!(operations.take(), ["TransactWriteItems", "TransactWriteItems"], "call {i}");
+    }
+    // The ledger holds the usage: 3 calls of 100 tokens, nothing left reserved.
+    let day = flexway::budget::plan::budgets_for(
+        &gateway.config,
+        &TenantId::new("acme"),
+        None,
+        flexway::budget::period::unix_now(),
+    );
+    assert_eq!(store.used(&[day[0].key.clone()]).await.unwrap(), [300]);
+    assert_eq!(store.live_reservations().await.unwrap(), 0);
+}
+
+/// Past the soft threshold the first call reads (its guarded reservation is refused,
+/// the counters are read, it is decided again); the next ones go soft directly: two
+/// transactions again.
+#[tokio::test]
+async fn past_the_soft_threshold_only_the_first_call_reads() {
+    // 0.1% of 100,000 tokens a day: the first call (150 reserved) crosses it.
+    let (gateway, _store, operations) = counted_gateway(", soft: {threshold: 0.001, backend: small}").await;
+    assert!(!served_call(&gateway, "under").await);
+    assert_eq!(operations.take(), ["TransactWriteItems", "TransactWriteItems"]);
+    assert!(served_call(&gateway, "crossing").await, "the counters are past the threshold");
+    assert_eq!(
+        operations.take(),
+        ["TransactWriteItems", "GetItem", "BatchGetItem", "TransactWriteItems", "TransactWriteItems"],
+        "refused by the soft guard, read, reserved soft, settled"
+    );
+    assert!(served_call(&gateway, "soft").await);
+    assert_eq!(operations.take(), ["TransactWriteItems", "TransactWriteItems"]);
+}
+
+/// The sweeper and `live_reservations` Query the sparse expiry index, never Scan.
+#[tokio::test]
+async fn the_sweeper_queries_the_expiry_index_and_never_scans() {
+    let (_gateway, store, operations) = counted_gateway("").await;
+    let mut expired = request("expired", &[("t/a", 5, Some(100))]);
+    expired.expires_at = flexway::budget::period::unix_now() - 1;
+    store.reserve(&expired).await.unwrap();
+    operations.take();
+    assert_eq!(store.sweep(flexway::budget::period::unix_now()).await.unwrap().refunded, 1);
+    let sent = operations.take();
+    let queries = sent.iter().filter(|o| *o == "Query").count();
+    assert_eq!(queries, 16, "one Query per shard: {sent:?}");
+    assert_eq!(sent.len(), queries + 1, "and one refund transaction: {sent:?}");
+    assert_eq!(store.live_reservations().await.unwrap(), 0);
+    assert!(operations.take().iter().all(|o| o == "Query"));
 }

@@ -2,7 +2,8 @@
 //! the budget reservations whose call vanished (a killed invocation, a timeout) once
 //! they are past their expiry, and charges instead those that carry the actual amounts
 //! of a settlement that could not be written. The ledger table is named by
-//! `FLEXWAY_TABLE`.
+//! `FLEXWAY_TABLE`; it finds them by `Query` on the table's sparse `expiry` index
+//! (live reservations only), never by scanning the table.
 
 use std::process::ExitCode;
 

@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use super::plan::Budget;
 use super::ticket::{self, Ticket};
 use super::{
-    BudgetStore, CounterKey, IntentOutcome, Line, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept,
-    Unit,
+    BudgetStore, CounterKey, IntentOutcome, Line, Reservation, ReserveOutcome, ReserveRequest, SettleOutcome,
+    StoreError, Swept, Unit,
 };
 use crate::config::Price;
 use crate::money::MicroEur;
@@ -35,6 +35,11 @@ fn request(id: &str, lines: &[(&str, u64, Option<u64>)], expires_at: u64) -> Res
         lines: lines.iter().map(|(k, amount, limit)| Line { key: key(k), amount: *amount, limit: *limit }).collect(),
         expires_at,
     }
+}
+
+/// The reservation a ticket carries to its settlement: `(counter, amount)` lines.
+fn held(id: &str, lines: &[(&str, u64)]) -> Reservation {
+    Reservation { request_id: id.to_owned(), lines: lines.iter().map(|(k, amount)| (key(k), *amount)).collect() }
 }
 
 fn check(condition: bool, what: impl FnOnce() -> String) -> Result<(), String> {
@@ -67,7 +72,7 @@ pub async fn reserve_is_all_or_nothing(store: &dyn BudgetStore) -> Result<(), St
     check(outcome == ReserveOutcome::Refused { line: 1 }, || format!("expected Refused on line 1, got {outcome:?}"))?;
     let got = used(store, &["a", "b"]).await?;
     check(got == [0, 950], || format!("a refused reservation moved counters: {got:?}"))?;
-    let settle = call!(store.settle("r2", &[]));
+    let settle = call!(store.settle(&held("r2", &[("a", 10), ("b", 100)]), &[]));
     check(settle == SettleOutcome::Unknown, || format!("a refused reservation was stored: {settle:?}"))?;
     let exact = call!(store.reserve(&request("r3", &[("b", 50, Some(1000))], NOW + 60)));
     check(exact == ReserveOutcome::Reserved, || format!("reaching the limit exactly must fit: {exact:?}"))
@@ -86,11 +91,11 @@ pub async fn reserve_is_idempotent_on_the_request_id(store: &dyn BudgetStore) ->
 
 pub async fn settle_replaces_the_reservation_once(store: &dyn BudgetStore) -> Result<(), String> {
     call!(store.reserve(&request("s1", &[("a", 100, Some(1000)), ("e", 500, Some(10_000))], NOW + 60)));
-    let outcome = call!(store.settle("s1", &[(key("a"), 40), (key("e"), 120)]));
+    let outcome = call!(store.settle(&held("s1", &[("a", 100), ("e", 500)]), &[(key("a"), 40), (key("e"), 120)]));
     check(outcome == SettleOutcome::Settled, || format!("expected Settled, got {outcome:?}"))?;
     let got = used(store, &["a", "e"]).await?;
     check(got == [40, 120], || format!("counters after settle: {got:?}"))?;
-    let again = call!(store.settle("s1", &[(key("a"), 40)]));
+    let again = call!(store.settle(&held("s1", &[("a", 100), ("e", 500)]), &[(key("a"), 40)]));
     check(again == SettleOutcome::Unknown, || format!("second settle applied: {again:?}"))?;
     let got = used(store, &["a", "e"]).await?;
     check(got == [40, 120], || format!("a second settle moved counters: {got:?}"))?;
@@ -100,7 +105,7 @@ pub async fn settle_replaces_the_reservation_once(store: &dyn BudgetStore) -> Re
 
 pub async fn refund_returns_everything(store: &dyn BudgetStore) -> Result<(), String> {
     call!(store.reserve(&request("f1", &[("a", 600, Some(1000)), ("e", 9, Some(10))], NOW + 60)));
-    let outcome = call!(store.settle("f1", &[]));
+    let outcome = call!(store.settle(&held("f1", &[("a", 600), ("e", 9)]), &[]));
     check(outcome == SettleOutcome::Settled, || format!("refund: {outcome:?}"))?;
     let got = used(store, &["a", "e"]).await?;
     check(got == [0, 0], || format!("counters after refund: {got:?}"))?;
@@ -120,9 +125,9 @@ pub async fn sweep_refunds_expired_reservations_only(store: &dyn BudgetStore) ->
     let live = call!(store.live_reservations());
     check(live == 1, || format!("live reservations after sweep: {live}"))?;
     // The swept call finishes after all: its real usage is charged, once.
-    let late = call!(store.settle("old", &[(key("a"), 50)]));
+    let late = call!(store.settle(&held("old", &[("a", 300)]), &[(key("a"), 50)]));
     check(late == SettleOutcome::ChargedAfterSweep, || format!("late settle: {late:?}"))?;
-    let late_again = call!(store.settle("old", &[(key("a"), 50)]));
+    let late_again = call!(store.settle(&held("old", &[("a", 300)]), &[(key("a"), 50)]));
     check(late_again == SettleOutcome::Unknown, || format!("late settle twice: {late_again:?}"))?;
     let got = used(store, &["a"]).await?;
     check(got == [250], || format!("counters after late settle: {got:?}"))
@@ -158,7 +163,7 @@ pub async fn sweep_charges_a_settle_intent_instead_of_refunding(store: &dyn Budg
     check(got == [240, 120], || format!("counters after charging the intent: {got:?}"))?;
     let again = call!(store.sweep(NOW));
     check(again == Swept::default(), || format!("a second sweep closed more: {again:?}"))?;
-    let late = call!(store.settle("i1", &[(key("a"), 40), (key("e"), 120)]));
+    let late = call!(store.settle(&held("i1", &[("a", 100), ("e", 500)]), &[(key("a"), 40), (key("e"), 120)]));
     check(late == SettleOutcome::Unknown, || format!("settle after the intent was charged: {late:?}"))?;
     let late = call!(store.record_intent("i1", &[(key("a"), 40)]));
     check(late == IntentOutcome::Unknown, || format!("intent after the intent was charged: {late:?}"))?;
@@ -178,7 +183,7 @@ pub async fn a_settle_after_its_intent_charges_once(store: &dyn BudgetStore) -> 
     call!(store.record_intent("l1", &[(key("a"), 30), (key("e"), 90)]));
     // Recording again replaces the amounts, never adds to them.
     call!(store.record_intent("l1", &[(key("a"), 40), (key("e"), 120)]));
-    let settled = call!(store.settle("l1", &[(key("a"), 40), (key("e"), 120)]));
+    let settled = call!(store.settle(&held("l1", &[("a", 100), ("e", 500)]), &[(key("a"), 40), (key("e"), 120)]));
     check(settled == SettleOutcome::Settled, || format!("settle after intent: {settled:?}"))?;
     let got = used(store, &["a", "e"]).await?;
     check(got == [40, 120], || format!("counters after the settle: {got:?}"))?;
@@ -186,7 +191,7 @@ pub async fn a_settle_after_its_intent_charges_once(store: &dyn BudgetStore) -> 
     check(swept == Swept::default(), || format!("sweep after the settle: {swept:?}"))?;
     let got = used(store, &["a", "e"]).await?;
     check(got == [40, 120], || format!("counters after the sweep: {got:?}"))?;
-    let again = call!(store.settle("l1", &[(key("a"), 40), (key("e"), 120)]));
+    let again = call!(store.settle(&held("l1", &[("a", 100), ("e", 500)]), &[(key("a"), 40), (key("e"), 120)]));
     check(again == SettleOutcome::Unknown, || format!("second settle: {again:?}"))
 }
 
@@ -204,7 +209,7 @@ pub async fn an_intent_on_a_swept_reservation_is_charged_by_the_next_sweep(
     check(swept == charged(1), || format!("second sweep: {swept:?}"))?;
     let got = used(store, &["a"]).await?;
     check(got == [50], || format!("counters after charging: {got:?}"))?;
-    let late = call!(store.settle("s1", &[(key("a"), 50)]));
+    let late = call!(store.settle(&held("s1", &[("a", 100)]), &[(key("a"), 50)]));
     check(late == SettleOutcome::Unknown, || format!("settle after the charge: {late:?}"))?;
     // Even past the retention of swept reservations, nothing moves again.
     let swept = call!(store.sweep(NOW + 2 * super::ledger::SWEPT_RETENTION_SECS));
@@ -226,14 +231,14 @@ pub async fn the_ledger_equals_the_usage_whatever_the_path(store: &dyn BudgetSto
     reserve("intent-then-settled", NOW - 1).await?;
     reserve("swept-then-settled", NOW - 1).await?;
     reserve("swept-then-intent", NOW - 1).await?;
-    call!(store.settle("settled", &[(key("a"), 11)]));
-    call!(store.settle("refunded", &[]));
+    call!(store.settle(&held("settled", &[("a", 100)]), &[(key("a"), 11)]));
+    call!(store.settle(&held("refunded", &[("a", 100)]), &[]));
     call!(store.record_intent("intent", &[(key("a"), 13)]));
     call!(store.record_intent("intent-then-settled", &[(key("a"), 17)]));
-    call!(store.settle("intent-then-settled", &[(key("a"), 17)]));
+    call!(store.settle(&held("intent-then-settled", &[("a", 100)]), &[(key("a"), 17)]));
     let swept = call!(store.sweep(NOW));
     check(swept == Swept { refunded: 3, charged: 1 }, || format!("first sweep: {swept:?}"))?;
-    call!(store.settle("swept-then-settled", &[(key("a"), 19)]));
+    call!(store.settle(&held("swept-then-settled", &[("a", 100)]), &[(key("a"), 19)]));
     call!(store.record_intent("swept-then-intent", &[(key("a"), 23)]));
     let swept = call!(store.sweep(NOW + 1));
     check(swept == charged(1), || format!("second sweep: {swept:?}"))?;
@@ -256,7 +261,9 @@ pub async fn settle_and_sweep_charge_an_intent_exactly_once(store: Arc<dyn Budge
     let mut sweeps = Vec::new();
     for i in 0..CALLS {
         let settling = store.clone();
-        settles.push(tokio::spawn(async move { settling.settle(&format!("race-{i}"), &[(key("a"), 10)]).await }));
+        settles.push(tokio::spawn(async move {
+            settling.settle(&held(&format!("race-{i}"), &[("a", 100)]), &[(key("a"), 10)]).await
+        }));
         if i % 4 == 0 {
             let store = store.clone();
             sweeps.push(tokio::spawn(async move { store.sweep(NOW).await }));
@@ -311,7 +318,7 @@ pub async fn intents_recorded_during_sweeps_are_all_charged(store: Arc<dyn Budge
     let got = used(store.as_ref(), &["a"]).await?;
     check(got == [10 * CALLS], || format!("ledger after intents and sweeps: {got:?}"))?;
     for i in 0..CALLS {
-        let late = call!(store.settle(&format!("during-{i}"), &[(key("a"), 10)]));
+        let late = call!(store.settle(&held(&format!("during-{i}"), &[("a", 100)]), &[(key("a"), 10)]));
         check(late == SettleOutcome::Unknown, || format!("during-{i} still open after the sweeps: {late:?}"))?;
     }
     Ok(())
@@ -335,12 +342,17 @@ impl BudgetStore for FailingSettles {
     async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
         self.inner.reserve(request).await
     }
-    async fn settle(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<SettleOutcome, StoreError> {
+    async fn settle(
+        &self,
+        reservation: &Reservation,
+        actual: &[(CounterKey, u64)],
+    ) -> Result<SettleOutcome, StoreError> {
+        let request_id = &reservation.request_id;
         let failing = self.failures.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok();
         if failing {
             return Err(StoreError::Backend(format!("settle {request_id}: failed on purpose")));
         }
-        self.inner.settle(request_id, actual).await
+        self.inner.settle(reservation, actual).await
     }
     async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
         self.inner.record_intent(request_id, actual).await
@@ -359,13 +371,48 @@ impl BudgetStore for FailingSettles {
 /// A ticket over counters `t` (tokens) and `e` (micro-euros), reserved 100 and 500.
 /// Its call uses 30 + 10 tokens at 2 and 8 €/Mtok: 40 tokens, 140 µ€.
 async fn ticket(store: Arc<dyn BudgetStore>, id: &str) -> Result<Ticket, String> {
-    call!(store.reserve(&request(id, &[("t", 100, Some(1000)), ("e", 500, Some(10_000))], NOW + 60)));
+    let reserved = request(id, &[("t", 100, Some(1000)), ("e", 500, Some(10_000))], NOW + 60);
+    call!(store.reserve(&reserved));
     let budget = |name: &str, unit| Budget { name: name.to_owned(), key: key(name), unit, limit: None, resets_at: 0 };
-    Ok(Ticket::new(store, id.to_owned(), vec![budget("t", Unit::Tokens), budget("e", Unit::MicroEur)]))
+    Ok(Ticket::new(store, reserved.reservation(), vec![budget("t", Unit::Tokens), budget("e", Unit::MicroEur)]))
 }
 
 const USAGE: Usage = Usage { prompt_tokens: 30, completion_tokens: 10 };
 const PRICE: Price = Price { input_per_mtok: MicroEur(2_000_000), output_per_mtok: MicroEur(8_000_000) };
+
+/// The ticket carries its reserved lines so that a settlement needs no read; when the
+/// sweeper refunded the reservation while the call ran, the store's record decides:
+/// the usage alone is charged (never `usage - reserved` a second time), once.
+pub async fn a_settle_whose_reservation_was_swept_meanwhile_charges_the_usage_alone(
+    store: Arc<dyn BudgetStore>,
+) -> Result<(), String> {
+    let slow = ticket(store.clone(), "outlived").await?;
+    call!(store.reserve(&request("bystander", &[("t", 7, Some(1000))], NOW + 600)));
+    let swept = call!(store.sweep(NOW + 61));
+    check(swept == refunded(1), || format!("sweep during the call: {swept:?}, expected one refund"))?;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [7, 0], || format!("counters after the sweep: {got:?}"))?;
+    let cost = slow.settle(USAGE, PRICE).await;
+    check(cost == MicroEur(140), || format!("cost {cost:?}"))?;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [7 + 40, 140], || format!("counters after the late settle: {got:?}, expected [47, 140]"))?;
+    let again = call!(store.settle(&held("outlived", &[("t", 100), ("e", 500)]), &[(key("t"), 40), (key("e"), 140)]));
+    check(again == SettleOutcome::Unknown, || format!("a second late settle: {again:?}"))?;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [47, 140], || format!("counters after a second late settle: {got:?}"))?;
+    let live = call!(store.live_reservations());
+    check(live == 1, || format!("live reservations: {live}, expected the bystander only"))
+}
+
+/// Lines a caller claims but did not reserve are never trusted: the stored reservation
+/// is what a settlement replaces.
+pub async fn a_settle_settles_the_stored_lines_not_the_claimed_ones(store: &dyn BudgetStore) -> Result<(), String> {
+    call!(store.reserve(&request("claimed", &[("a", 100, Some(1000))], NOW + 60)));
+    let outcome = call!(store.settle(&held("claimed", &[("a", 60), ("b", 5)]), &[(key("a"), 40)]));
+    check(outcome == SettleOutcome::Settled, || format!("settle: {outcome:?}"))?;
+    let got = used(store, &["a", "b"]).await?;
+    check(got == [40, 0], || format!("counters after the settle: {got:?}, expected [40, 0]"))
+}
 
 /// A settlement that fails less often than the ticket tries is simply written.
 pub async fn a_ticket_retries_a_failed_settle(store: Arc<dyn BudgetStore>) -> Result<(), String> {
@@ -394,7 +441,7 @@ pub async fn a_ticket_whose_settle_cannot_be_written_is_charged_by_the_sweeper(
     check(swept == charged(1), || format!("sweep after expiry: {swept:?}, expected one charge"))?;
     let got = used(store.as_ref(), &["t", "e"]).await?;
     check(got == [40, 140], || format!("counters after the sweep: {got:?}, expected the usage [40, 140]"))?;
-    let late = call!(store.settle("unwritten", &[(key("t"), 40), (key("e"), 140)]));
+    let late = call!(store.settle(&held("unwritten", &[("t", 100), ("e", 500)]), &[(key("t"), 40), (key("e"), 140)]));
     check(late == SettleOutcome::Unknown, || format!("late settle: {late:?}"))?;
     let got = used(store.as_ref(), &["t", "e"]).await?;
     check(got == [40, 140], || format!("counters after a late settle: {got:?}"))
@@ -441,7 +488,9 @@ pub async fn concurrent_reservations_never_pass_the_cap(store: Arc<dyn BudgetSto
     let mut settles = Vec::new();
     for id in reserved {
         let store = store.clone();
-        settles.push(tokio::spawn(async move { store.settle(&id, &[(key("cap"), 37), (key("free"), 37)]).await }));
+        settles.push(tokio::spawn(async move {
+            store.settle(&held(&id, &[("cap", 100), ("free", 100)]), &[(key("cap"), 37), (key("free"), 37)]).await
+        }));
     }
     for settle in settles {
         let outcome = settle.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
@@ -501,6 +550,14 @@ where
     note(
         "a_ticket_whose_refund_cannot_be_written_is_refunded_by_the_sweeper",
         a_ticket_whose_refund_cannot_be_written_is_refunded_by_the_sweeper(Arc::new(make().await)).await,
+    );
+    note(
+        "a_settle_whose_reservation_was_swept_meanwhile_charges_the_usage_alone",
+        a_settle_whose_reservation_was_swept_meanwhile_charges_the_usage_alone(Arc::new(make().await)).await,
+    );
+    note(
+        "a_settle_settles_the_stored_lines_not_the_claimed_ones",
+        a_settle_settles_the_stored_lines_not_the_claimed_ones(&make().await).await,
     );
     let shared: Arc<dyn BudgetStore> = Arc::new(make().await);
     note("concurrent_reservations_never_pass_the_cap", concurrent_reservations_never_pass_the_cap(shared).await);

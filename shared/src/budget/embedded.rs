@@ -40,7 +40,10 @@ use redb::{Database, ReadOnlyTable, ReadableDatabase, ReadableTable, Table, Tabl
 use tokio::sync::oneshot;
 
 use super::ledger::{self, LedgerState, StoredReservation};
-use super::{BudgetStore, CounterKey, IntentOutcome, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept};
+use super::{
+    BudgetStore, CounterKey, IntentOutcome, Reservation, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError,
+    Swept,
+};
 
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
 const RESERVATIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("reservations");
@@ -133,8 +136,13 @@ impl BudgetStore for EmbeddedBudgetStore {
         self.submit(|reply| Job::Reserve { request, reply }).await
     }
 
-    async fn settle(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<SettleOutcome, StoreError> {
-        let (request_id, actual) = (request_id.to_owned(), actual.to_vec());
+    /// The reservation is read inside the write transaction: the stored one decides.
+    async fn settle(
+        &self,
+        reservation: &Reservation,
+        actual: &[(CounterKey, u64)],
+    ) -> Result<SettleOutcome, StoreError> {
+        let (request_id, actual) = (reservation.request_id.clone(), actual.to_vec());
         self.submit(|reply| Job::Settle { request_id, actual, reply }).await
     }
 

@@ -5,7 +5,10 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use super::ledger::{self, LedgerState, StoredReservation};
-use super::{BudgetStore, CounterKey, IntentOutcome, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept};
+use super::{
+    BudgetStore, CounterKey, IntentOutcome, Reservation, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError,
+    Swept,
+};
 
 #[derive(Debug, Default)]
 struct State {
@@ -60,8 +63,13 @@ impl BudgetStore for MemoryBudgetStore {
     async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
         self.transact(|s| ledger::reserve(s, request))
     }
-    async fn settle(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<SettleOutcome, StoreError> {
-        self.transact(|s| ledger::settle(s, request_id, actual))
+    /// The reservation is read under the lock: the stored one decides.
+    async fn settle(
+        &self,
+        reservation: &Reservation,
+        actual: &[(CounterKey, u64)],
+    ) -> Result<SettleOutcome, StoreError> {
+        self.transact(|s| ledger::settle(s, &reservation.request_id, actual))
     }
     async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
         self.transact(|s| ledger::record_intent(s, request_id, actual))

@@ -90,6 +90,25 @@ pub struct ReserveRequest {
     pub expires_at: u64,
 }
 
+impl ReserveRequest {
+    /// What its settlement needs: the request id and the lines as reserved.
+    pub fn reservation(&self) -> Reservation {
+        Reservation {
+            request_id: self.request_id.clone(),
+            lines: self.lines.iter().map(|l| (l.key.clone(), l.amount)).collect(),
+        }
+    }
+}
+
+/// A reservation as its caller made it, carried by the `Ticket` to the settlement, so
+/// that a store can settle in one write without reading the reservation first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    pub request_id: String,
+    /// `(counter, amount)` per line of the `ReserveRequest`, in its order.
+    pub lines: Vec<(CounterKey, u64)>,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReserveOutcome {
     Reserved,
@@ -146,7 +165,17 @@ pub trait BudgetStore: Send + Sync {
 
     /// Replaces the reservation by `actual` (per counter key; a key absent from
     /// `actual` settles at 0, so `&[]` is a full refund).
-    async fn settle(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<SettleOutcome, StoreError>;
+    ///
+    /// `reservation` is what the caller reserved: a store may write the settlement from
+    /// it without reading first (DynamoDB: one transaction), but what the store holds
+    /// decides: a reservation swept meanwhile is charged `actual` alone, one already
+    /// closed is `Unknown`, and lines that differ from the stored ones are never
+    /// trusted (the stored ones are settled).
+    async fn settle(
+        &self,
+        reservation: &Reservation,
+        actual: &[(CounterKey, u64)],
+    ) -> Result<SettleOutcome, StoreError>;
 
     /// Leaves `actual` (as for `settle`) on the reservation, for the sweeper to charge,
     /// when the settlement itself could not be written. Writes the reservation alone,

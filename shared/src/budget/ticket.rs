@@ -16,7 +16,10 @@
 //! budget stays held until the reservation expires).
 //!
 //! Either way the hot path is unchanged: when the store answers, a call writes its
-//! reservation and its settlement, nothing else.
+//! reservation and its settlement, nothing else. The ticket carries the reserved lines
+//! (`Reservation`), so the settlement is written without reading the reservation
+//! first; the store reads it only when its write's condition fails (a sweep got there
+//! first, or the reservation is gone).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,7 +29,7 @@ use crate::money::MicroEur;
 use crate::protocol::openai::Usage;
 
 use super::plan::{self, Budget};
-use super::{BudgetStore, CounterKey, IntentOutcome, SettleOutcome, StoreError};
+use super::{BudgetStore, CounterKey, IntentOutcome, Reservation, SettleOutcome, StoreError};
 
 /// Tries at a settlement, at its intent, and at a refund, each. Stores retry contention
 /// themselves; these cover a store that fails outright for a moment.
@@ -36,14 +39,16 @@ const FIRST_PAUSE: Duration = Duration::from_millis(25);
 
 pub struct Ticket {
     store: Arc<dyn BudgetStore>,
-    request_id: String,
+    reservation: Reservation,
     budgets: Vec<Budget>,
     open: bool,
 }
 
 impl Ticket {
-    pub(crate) fn new(store: Arc<dyn BudgetStore>, request_id: String, budgets: Vec<Budget>) -> Self {
-        Ticket { store, request_id, budgets, open: true }
+    /// `reservation` is what was reserved (`ReserveRequest::reservation`); `budgets`
+    /// price the settlement.
+    pub(crate) fn new(store: Arc<dyn BudgetStore>, reservation: Reservation, budgets: Vec<Budget>) -> Self {
+        Ticket { store, reservation, budgets, open: true }
     }
 
     /// Replaces the reservation by `usage` at the serving backend's `price`.
@@ -51,7 +56,7 @@ impl Ticket {
     pub async fn settle(mut self, usage: Usage, price: Price) -> MicroEur {
         self.open = false;
         let actual = plan::actual(&self.budgets, usage, price);
-        settle(self.store.as_ref(), &self.request_id, &actual).await;
+        settle(self.store.as_ref(), &self.reservation, &actual).await;
         plan::cost(usage, price)
     }
 
@@ -59,15 +64,16 @@ impl Ticket {
     /// byte reached the client.
     pub async fn refund(mut self) {
         self.open = false;
-        refund(self.store.as_ref(), &self.request_id).await;
+        refund(self.store.as_ref(), &self.reservation).await;
     }
 }
 
-async fn settle(store: &dyn BudgetStore, request_id: &str, actual: &[(CounterKey, u64)]) {
+async fn settle(store: &dyn BudgetStore, reservation: &Reservation, actual: &[(CounterKey, u64)]) {
+    let request_id = reservation.request_id.as_str();
     let mut failed: Option<StoreError> = None;
     for attempt in 0..ATTEMPTS {
         pause(attempt).await;
-        match store.settle(request_id, actual).await {
+        match store.settle(reservation, actual).await {
             Ok(SettleOutcome::Settled | SettleOutcome::ChargedAfterSweep) => return,
             Ok(SettleOutcome::Unknown) if failed.is_none() => {
                 tracing::error!(request_id, "settlement found no reservation; usage not charged");
@@ -122,10 +128,11 @@ async fn settle(store: &dyn BudgetStore, request_id: &str, actual: &[(CounterKey
     );
 }
 
-async fn refund(store: &dyn BudgetStore, request_id: &str) {
+async fn refund(store: &dyn BudgetStore, reservation: &Reservation) {
+    let request_id = reservation.request_id.as_str();
     for attempt in 0..ATTEMPTS {
         pause(attempt).await;
-        match store.settle(request_id, &[]).await {
+        match store.settle(reservation, &[]).await {
             Ok(_) => return,
             Err(e) if attempt + 1 == ATTEMPTS => {
                 tracing::error!(request_id, error = %e, "refund failed, the sweeper will refund the reservation at its expiry");
@@ -148,9 +155,10 @@ impl Drop for Ticket {
             return;
         }
         let store = self.store.clone();
-        let request_id = std::mem::take(&mut self.request_id);
+        let reservation = Reservation { request_id: String::new(), lines: Vec::new() };
+        let reservation = std::mem::replace(&mut self.reservation, reservation);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { refund(store.as_ref(), &request_id).await });
+            runtime.spawn(async move { refund(store.as_ref(), &reservation).await });
         }
     }
 }
