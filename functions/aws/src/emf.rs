@@ -32,49 +32,21 @@ impl<S> EmfAuditSink<S> {
 #[async_trait::async_trait]
 impl<S: AuditSink> AuditSink for EmfAuditSink<S> {
     async fn write(&self, records: &[AuditRecord]) -> Result<(), AuditError> {
-        if records.is_empty() {
-            return Ok(());
+        if !records.is_empty() {
+            let mut lines = String::new();
+            for record in records {
+                lines.push_str(&emf_line(record));
+                lines.push('\n');
+            }
+            // Metrics are best effort (a lost line is a gap on a graph); the audit
+            // write below is not, and its error is returned.
+            let mut out = std::io::stdout().lock();
+            if let Err(e) = out.write_all(lines.as_bytes()).and_then(|()| out.flush()) {
+                tracing::warn!("cannot write EMF metrics to stdout: {e}");
+            }
         }
-        let mut lines = String::new();
-        for record in records {
-            lines.push_str(&emf_line(record));
-            lines.push('\n');
-        }
-        print(&lines);
-        // The audit write is not best effort: its error is returned (the caller logs
-        // the records in full), and counted for the alarm.
-        let written = self.inner.write(records).await;
-        if written.is_err() {
-            print(&format!("{}\n", failure_line(records.len(), flexway::budget::period::unix_now_millis())));
-        }
-        written
+        self.inner.write(records).await
     }
-}
-
-/// Metrics are best effort: a lost line is a gap on a graph.
-fn print(lines: &str) {
-    let mut out = std::io::stdout().lock();
-    if let Err(e) = out.write_all(lines.as_bytes()).and_then(|()| out.flush()) {
-        tracing::warn!("cannot write EMF metrics to stdout: {e}");
-    }
-}
-
-/// The EMF line counting `records` audit records the sink did not take:
-/// `flexway.audit.write_failures` (namespace `Flexway`, no dimension), which the
-/// template's alarm watches.
-fn failure_line(records: usize, now_ms: u64) -> String {
-    json!({
-        "_aws": {
-            "Timestamp": now_ms,
-            "CloudWatchMetrics": [{
-                "Namespace": "Flexway",
-                "Dimensions": [[]],
-                "Metrics": [{"Name": "flexway.audit.write_failures", "Unit": "Count"}],
-            }],
-        },
-        "flexway.audit.write_failures": records,
-    })
-    .to_string()
 }
 
 /// The CloudWatch Embedded Metric Format line (JSON, no trailing newline) for one call:
@@ -153,18 +125,6 @@ mod tests {
                 "tenant",
             ],
             "nothing else of the record (no key, user, agent, model) goes into a metric line"
-        );
-    }
-
-    #[test]
-    fn a_failed_audit_write_is_counted_without_dimensions() {
-        let value: serde_json::Value = serde_json::from_str(&failure_line(3, 1_000)).unwrap();
-        let directive = &value["_aws"]["CloudWatchMetrics"][0];
-        assert_eq!(directive["Metrics"][0]["Name"], "flexway.audit.write_failures");
-        assert_eq!(directive["Dimensions"], json!([[]]));
-        assert_eq!(
-            (value["_aws"]["Timestamp"].as_u64(), value["flexway.audit.write_failures"].as_u64()),
-            (Some(1_000), Some(3))
         );
     }
 

@@ -257,7 +257,8 @@ fn lost(record: &AuditRecord, why: &str) {
     tracing::error!(request_id = %record.request_id, audit_record = %line, "{AUDIT_NOT_WRITTEN}: {why}");
 }
 
-/// The start of the log message of a record the audit sink did not take.
+/// The start of the log message of a record the audit sink did not take: the
+/// serverless template's `AuditFailuresFilter` counts it for its alarm.
 pub const AUDIT_NOT_WRITTEN: &str = "audit record not written";
 
 impl Drop for Draft {
