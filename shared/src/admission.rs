@@ -131,7 +131,7 @@ pub async fn admit(
     }
     // A limit or the soft threshold refused: read the counters and decide again.
     let keys: Vec<_> = budgets.iter().map(|b| b.key.clone()).collect();
-    let used = gateway.budgets.used(&keys).await.map_err(|e| GatewayError::Internal(e.to_string()))?;
+    let used = gateway.budgets.used(&keys).await?;
     for (budget, used) in budgets.iter().zip(&used) {
         if let Some(limit) = budget.limit {
             gateway.metrics.set_budget_remaining(
@@ -190,7 +190,7 @@ async fn decide(
     let mut life: u64 = route.candidates.iter().map(|c| gateway.timeout(&c.backend).as_secs() + 1).sum();
     life += if demand.stream { STREAM_RESERVATION_SECS } else { RESERVATION_GRACE_SECS };
     let request = ReserveRequest { request_id: request_id.to_owned(), lines, expires_at: now + life };
-    match gateway.budgets.reserve(&request).await.map_err(|e| GatewayError::Internal(e.to_string()))? {
+    match gateway.budgets.reserve(&request).await? {
         ReserveOutcome::Reserved => Ok(Decided::Admitted(Admission {
             route,
             ticket: Ticket::new(gateway.budgets.clone(), request.reservation(), budgets.to_vec()),

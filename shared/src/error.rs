@@ -98,8 +98,29 @@ pub enum GatewayError {
     NotFound { method: String, path: String },
     #[error("method {method} is not allowed on {path}")]
     MethodNotAllowed { method: String, path: String },
+    /// The budget ledger stayed contended past its retries.
+    #[error("the budget ledger is busy; retry in a second")]
+    LedgerBusy,
+    /// The detail is for the log only: the client's message is [`INTERNAL_MESSAGE`]
+    /// (a store's error can name a role, a table, an account).
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+/// What a client reads of an internal error.
+pub const INTERNAL_MESSAGE: &str =
+    "internal error in the gateway; its log has the details under this call's Flexway-Request-Id";
+
+impl From<crate::budget::StoreError> for GatewayError {
+    fn from(e: crate::budget::StoreError) -> Self {
+        match e {
+            crate::budget::StoreError::Busy(detail) => {
+                tracing::warn!("{detail}");
+                GatewayError::LedgerBusy
+            }
+            other => GatewayError::Internal(other.to_string()),
+        }
+    }
 }
 
 impl GatewayError {
@@ -114,7 +135,7 @@ impl GatewayError {
             GatewayError::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             GatewayError::BudgetExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
             GatewayError::UpstreamError { .. } => StatusCode::BAD_GATEWAY,
-            GatewayError::UpstreamUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            GatewayError::UpstreamUnavailable { .. } | GatewayError::LedgerBusy => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             GatewayError::NotFound { .. } => StatusCode::NOT_FOUND,
             GatewayError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
@@ -142,6 +163,7 @@ impl GatewayError {
             GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
             GatewayError::NotFound { .. } => "not_found",
             GatewayError::MethodNotAllowed { .. } => "method_not_allowed",
+            GatewayError::LedgerBusy => "ledger_busy",
             GatewayError::Internal(_) => "internal_error",
         }
     }
@@ -181,6 +203,7 @@ impl GatewayError {
             GatewayError::BudgetExceeded { retry_after_secs, .. } => {
                 vec![("retry-after", retry_after_secs.to_string())]
             }
+            GatewayError::LedgerBusy => vec![("retry-after", "1".to_owned())],
             GatewayError::UpstreamUnavailable { cause, attempts, .. } => {
                 let mut h = vec![("flexway-error-cause", cause.as_str().to_owned())];
                 attempts.headers(&mut h);
@@ -221,6 +244,22 @@ impl Attempts {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_contended_ledger_is_a_503_to_retry_and_a_broken_one_names_nothing_of_aws() {
+        let busy = GatewayError::from(crate::budget::StoreError::Busy("TransactionConflict on acme".into()));
+        assert_eq!((busy.status(), busy.code()), (StatusCode::SERVICE_UNAVAILABLE, "ledger_busy"));
+        assert_eq!(busy.headers(), [("retry-after", "1".to_owned())]);
+        assert!(!busy.to_string().contains("acme"), "{busy}");
+        let arn = "User: arn:aws:sts::123456789012:assumed-role/gw is not authorized on table/ledger";
+        let broken = GatewayError::from(crate::budget::StoreError::Backend(arn.into()));
+        assert_eq!((broken.status(), broken.code()), (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"));
+        let response = crate::http::render(&broken, true);
+        let body =
+            futures_util::FutureExt::now_or_never(axum::body::to_bytes(response.into_body(), 4096)).unwrap().unwrap();
+        let body = String::from_utf8_lossy(&body);
+        assert!(body.contains(INTERNAL_MESSAGE) && !body.contains("arn:aws"), "{body}");
+    }
 
     #[test]
     fn unavailable_names_cause_and_backends() {

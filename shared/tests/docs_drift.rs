@@ -56,6 +56,7 @@ fn one_of_each() -> Vec<GatewayError> {
         GatewayError::UpstreamTimeout { backend: BackendId::new("a"), attempts },
         GatewayError::NotFound { method: "GET".into(), path: "/".into() },
         GatewayError::MethodNotAllowed { method: "GET".into(), path: "/".into() },
+        GatewayError::LedgerBusy,
         GatewayError::Internal("i".into()),
     ]
 }

@@ -756,7 +756,7 @@ fn backend<E: std::error::Error + 'static>(operation: &str, error: &E) -> StoreE
 }
 
 fn contended(operation: &str, id: &str) -> StoreError {
-    StoreError::Backend(format!(
+    StoreError::Busy(format!(
         "{operation} {id}: still contended after {MAX_ATTEMPTS} attempts (TransactionConflict/throttling)"
     ))
 }

@@ -150,6 +150,10 @@ pub struct Swept {
 pub enum StoreError {
     #[error("budget store: {0}")]
     Backend(String),
+    /// Contended past the store's own retries (DynamoDB's `TransactionConflict`,
+    /// throttling): the caller may try again in a moment.
+    #[error("budget store busy: {0}")]
+    Busy(String),
     #[error("budget store: corrupt record {key}: {detail}")]
     Corrupt { key: String, detail: String },
 }

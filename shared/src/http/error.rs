@@ -6,7 +6,7 @@ use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, header};
 use serde_json::json;
 
-use crate::error::GatewayError;
+use crate::error::{GatewayError, INTERNAL_MESSAGE};
 use crate::protocol::openai::error_envelope;
 
 /// An error on an OpenAI route: rendered as the OpenAI envelope.
@@ -32,7 +32,10 @@ pub fn render(error: &GatewayError, openai: bool) -> Response {
     } else {
         tracing::debug!(code = error.code(), status = status.as_u16(), "{error}");
     }
-    let message = error.to_string();
+    let message = match error {
+        GatewayError::Internal(_) => INTERNAL_MESSAGE.to_owned(),
+        _ => error.to_string(),
+    };
     let (body, content_type) = if openai {
         (error_envelope(&message, error.openai_type(), error.code(), error.param()), "application/json")
     } else {
