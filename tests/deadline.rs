@@ -1,8 +1,9 @@
 //! The platform's deadline (SPEC §11): in the serverless shape each invocation has
-//! one, and a stream still open `DEADLINE_MARGIN` before it ends for its client with
-//! the in-band `deadline` error, settled on what was relayed and recorded. The
+//! one, and a stream still open a margin before it (`DEADLINE_MARGIN`, or a tenth of
+//! the time left if shorter) ends for its client with the in-band `deadline` error,
+//! settled on what was relayed and recorded. The
 //! Lambda binary sets the deadline from its context; here the serverless router gets
-//! one a little over the margin away, in front of a slow stream.
+//! one a second away, in front of a slow stream.
 #![cfg(test)]
 
 mod common;
@@ -21,7 +22,7 @@ async fn serve_with_deadline(yaml: &str, adapters: flexway::gateway::Adapters, l
     let loaded = flexway::config::load_str(yaml, &env).unwrap();
     let secrets = Arc::new(flexway::secret::LocalSecrets { env });
     let gateway = Arc::new(flexway::Gateway::new(loaded.config, secrets, adapters).await.unwrap());
-    let deadline = Deadline(Instant::now() + left);
+    let deadline = Deadline::within(left);
     let app = flexway::http::api(gateway.clone()).layer(axum::Extension(deadline));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -41,7 +42,8 @@ async fn a_stream_open_at_the_deadline_ends_with_the_deadline_error_settled_and_
         ),
     );
     let (adapters, audit) = memory_adapters();
-    let gw = serve_with_deadline(&yaml, adapters, DEADLINE_MARGIN + Duration::from_millis(700)).await;
+    // A second left: the cutoff (a tenth of it before the end) comes 0.9 s into a 4 s stream.
+    let gw = serve_with_deadline(&yaml, adapters, Duration::from_secs(1)).await;
     let started = Instant::now();
     let mut request = hello("m");
     request["stream"] = json!(true);
@@ -74,6 +76,24 @@ async fn a_stream_open_at_the_deadline_ends_with_the_deadline_error_settled_and_
     assert_eq!(gw.live_reservations().await, 0, "no reservation left for the sweeper");
     let [tokens_today, ..] = gw.ledger("acme", None).await;
     assert_eq!(tokens_today, record.prompt_tokens + record.completion_tokens);
+}
+
+#[tokio::test]
+async fn a_short_deadline_keeps_a_tenth_of_its_time_as_margin() {
+    // A function whose timeout is 2 s: the cutoff is 0.2 s before its end, not 3 s
+    // (which would end every stream at once).
+    let model = FakeModel::start().await.unwrap();
+    let url = scenario(&model, "chunks=4,chunk_delay_ms=100");
+    let yaml = acme_config(
+        "{tokens_per_day: 100000}",
+        &format!("  default_backend: quick\n  backends:\n    quick: {{url: \"{url}\"}}"),
+    );
+    let (adapters, _) = memory_adapters();
+    let gw = serve_with_deadline(&yaml, adapters, Duration::from_secs(2)).await;
+    let mut request = hello("m");
+    request["stream"] = json!(true);
+    let (events, error) = sse_data(gw.chat(KEY, request).await).await;
+    assert_eq!((events.last().map(String::as_str), error), (Some("[DONE]"), None));
 }
 
 #[tokio::test]

@@ -207,7 +207,7 @@ async fn streams_a_chat_completion_through_the_function_url_with_dynamodb_and_cl
             }
         }
     }
-    assert_eq!(events.last().map(|(_, d)| d.as_str()), Some("[DONE]"), "{events:?}");
+    assert_eq!(events.last().map(|(_, d)| d.as_str()), Some("[DONE]"), "{events:?} {}", function.logs());
     let content: String = events
         .iter()
         .filter(|(_, d)| d.as_str() != "[DONE]")

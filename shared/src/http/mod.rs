@@ -38,28 +38,39 @@ impl RequestId {
 }
 
 /// When the platform ends the call, if it does (a Lambda function's deadline): a
-/// request extension the serverless binary sets. A stream still open
-/// [`DEADLINE_MARGIN`] before it ends for its client with the in-band `deadline`
-/// error, settled on what was relayed and recorded (SPEC §11), instead of being cut
-/// by the platform with nothing settled.
+/// request extension the serverless binary sets. A stream still open a margin before
+/// it ends for its client with the in-band `deadline` error, settled on what was
+/// relayed and recorded (SPEC §11), instead of being cut by the platform with nothing
+/// settled. The margin is [`DEADLINE_MARGIN`], or a tenth of the time the call had
+/// when it arrived if that is shorter (a function whose timeout is a few seconds).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Deadline(pub std::time::Instant);
+pub struct Deadline {
+    at: std::time::Instant,
+    margin: std::time::Duration,
+}
 
 /// Time kept before a [`Deadline`] to settle the call and write its record.
 pub const DEADLINE_MARGIN: std::time::Duration = std::time::Duration::from_secs(3);
 
 impl Deadline {
+    /// A deadline `left` from now.
+    pub fn within(left: std::time::Duration) -> Deadline {
+        Deadline { at: std::time::Instant::now() + left, margin: DEADLINE_MARGIN.min(left / 10) }
+    }
+
     /// The deadline given in milliseconds since the Unix epoch (as Lambda's context
-    /// gives it), on this process's monotonic clock.
-    pub fn from_unix_millis(deadline_ms: u64) -> Deadline {
+    /// gives it), on this process's monotonic clock; `None` for one that is not in the
+    /// future, which no invocation being served can have (`cargo lambda watch` sends
+    /// its timeout, `600000`, where Lambda sends the instant).
+    pub fn from_unix_millis(deadline_ms: u64) -> Option<Deadline> {
         let now_ms = crate::budget::period::unix_now_millis();
-        let left = std::time::Duration::from_millis(deadline_ms.saturating_sub(now_ms));
-        Deadline(std::time::Instant::now() + left)
+        let left = deadline_ms.checked_sub(now_ms).filter(|left| *left > 0)?;
+        Some(Deadline::within(std::time::Duration::from_millis(left)))
     }
 
     /// When a stream must end: the margin before the deadline.
     pub fn cutoff(self) -> tokio::time::Instant {
-        tokio::time::Instant::from_std(self.0.checked_sub(DEADLINE_MARGIN).unwrap_or(self.0))
+        tokio::time::Instant::from_std(self.at.checked_sub(self.margin).unwrap_or(self.at))
     }
 }
 
@@ -170,4 +181,30 @@ async fn not_found(method: Method, uri: Uri) -> Response {
 async fn method_not_allowed(method: Method, uri: Uri) -> Response {
     let error = GatewayError::MethodNotAllowed { method: method.to_string(), path: uri.path().to_owned() };
     render(&error, is_openai_path(&uri))
+}
+
+#[cfg(test)]
+mod deadline_tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn a_deadline_keeps_three_seconds_or_a_tenth_of_the_time_left() {
+        let now_ms = crate::budget::period::unix_now_millis();
+        let cutoff_in = |left_ms: u64| {
+            let deadline = Deadline::from_unix_millis(now_ms + left_ms).unwrap();
+            deadline.cutoff().saturating_duration_since(tokio::time::Instant::now())
+        };
+        let long = cutoff_in(900_000);
+        assert!(long > Duration::from_secs(896) && long <= Duration::from_secs(897), "{long:?}");
+        let short = cutoff_in(2_000);
+        assert!(short > Duration::from_millis(1_700) && short <= Duration::from_millis(1_800), "{short:?}");
+    }
+
+    #[test]
+    fn a_deadline_that_is_not_in_the_future_is_none() {
+        assert_eq!(Deadline::from_unix_millis(600_000), None, "cargo lambda watch's timeout, not an instant");
+        assert_eq!(Deadline::from_unix_millis(crate::budget::period::unix_now_millis().saturating_sub(1)), None);
+    }
 }
