@@ -14,7 +14,9 @@ mod secrets;
 use std::sync::Arc;
 
 use flexway::audit::{AuditError, AuditSink, FileAuditSink, StdoutAuditSink};
-use flexway::budget::{BudgetStore, EmbeddedBudgetStore, MemoryBudgetStore, StoreError};
+use flexway::budget::{
+    BudgetStore, EmbeddedBudgetStore, LeasePolicy, LeasedBudgetStore, MemoryBudgetStore, StoreError,
+};
 use flexway::config::{AuditSinkConfig, Config, StoreConfig};
 use flexway::gateway::Adapters;
 use flexway::telemetry::Export;
@@ -46,6 +48,11 @@ pub fn default_audit_stream() -> String {
 /// DescribeTable) still starts, and the first call that needs the resource does it
 /// again or says why it cannot. A CloudWatch audit also prints each call's EMF
 /// metrics line to stdout (the function's log), where CloudWatch reads metrics.
+///
+/// The DynamoDB ledger is always served through budget leases (`LeasedBudgetStore`,
+/// default policy): a tenant's calls write its counters once per lease, not once per
+/// call, so one tenant is not capped by one counter item's write rate. The sweeper
+/// function uses the plain store: it closes the leases of vanished environments.
 pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Result<Adapters, AdapterError> {
     let budgets: Arc<dyn BudgetStore> = match &config.store {
         StoreConfig::DynamoDb { table } => {
@@ -53,7 +60,7 @@ pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Res
             if let Err(e) = store.warm().await {
                 tracing::warn!("ledger table {table} not reached at start ({e}); starting anyway");
             }
-            Arc::new(store)
+            Arc::new(LeasedBudgetStore::new(Arc::new(store), LeasePolicy::default()))
         }
         StoreConfig::Memory => Arc::new(MemoryBudgetStore::new()),
         StoreConfig::Embedded { path } => Arc::new(EmbeddedBudgetStore::open(path)?),
