@@ -263,26 +263,27 @@ async fn a_served_call_costs_two_transactions_and_no_read() {
 }
 
 /// With budget leases (as `build_adapters` wires the DynamoDB ledger), the first call
-/// takes a lease (one transaction) and the next ones write nothing: they are served
-/// from its slice. Ending the lease is one transaction, after which the counters hold
+/// takes a lease (one transaction) and the next ones write no counter: they are served
+/// from its slice, each leaving the lease's usage on the lease's item. Ending the lease is one transaction, after which the counters hold
 /// exactly the usage of the calls.
 #[tokio::test]
-async fn served_calls_on_a_lease_write_nothing_until_it_ends() {
+async fn served_calls_on_a_lease_write_no_counter_until_it_ends() {
     let leased = Arc::new(std::sync::OnceLock::new());
     let (gateway, store, operations) = counted_gateway_on("", |store| {
-        let lease = Arc::new(LeasedBudgetStore::new(Arc::new(store), LeasePolicy::default()));
+        let policy = LeasePolicy { intent_every: std::time::Duration::ZERO, ..LeasePolicy::default() };
+        let lease = Arc::new(LeasedBudgetStore::new(Arc::new(store), policy));
         let _ = leased.set(lease.clone());
         lease
     })
     .await;
     let leased = leased.get().unwrap();
     assert!(!served_call(&gateway, "first").await);
-    assert_eq!(operations.take(), ["TransactWriteItems"], "the lease, with the first call on it");
+    assert_eq!(operations.take(), ["TransactWriteItems", "UpdateItem"], "the lease with the first call, its usage");
     for i in 0..20 {
         assert!(!served_call(&gateway, &format!("call-{i}")).await);
     }
     let sent = operations.take();
-    assert!(sent.iter().all(|o| o == "UpdateItem"), "at most the lease's intent, once a second: {sent:?}");
+    assert_eq!(sent, vec!["UpdateItem"; 20], "each call: the lease's usage on its own item, no counter");
     leased.flush().await;
     assert_eq!(operations.take(), ["TransactWriteItems"], "the lease settled");
     let day = flexway::budget::plan::budgets_for(
