@@ -67,8 +67,8 @@
 //! single tenant (or agent) counter tops out near 500 reserve-or-settle operations
 //! per second, i.e. about 250 calls per second (each call reserves and settles). Past
 //! that, DynamoDB throttles or cancels with `TransactionConflict`; this store retries
-//! those with jittered backoff, and a tenant that busy needs sharded counters or
-//! leased budget slices (see the README's "Serverless shape"). The expiry index takes
+//! those with jittered backoff. The gateway function lifts that ceiling with budget
+//! leases (`flexway::budget::LeasedBudgetStore` over this store, `build_adapters`). The expiry index takes
 //! two writes per call (the reservation enters and leaves it) spread over 16 shards:
 //! about 8,000 calls per second for the whole table before the index throttles.
 //!

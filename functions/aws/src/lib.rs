@@ -14,7 +14,9 @@ mod secrets;
 use std::sync::Arc;
 
 use flexway::audit::{AuditError, AuditSink, FileAuditSink, StdoutAuditSink};
-use flexway::budget::{BudgetStore, EmbeddedBudgetStore, MemoryBudgetStore, StoreError};
+use flexway::budget::{
+    BudgetStore, EmbeddedBudgetStore, LeasePolicy, LeasedBudgetStore, MemoryBudgetStore, StoreError,
+};
 use flexway::config::{AuditSinkConfig, Config, StoreConfig};
 use flexway::gateway::Adapters;
 use flexway::telemetry::Export;
@@ -33,6 +35,16 @@ pub enum AdapterError {
     Audit(#[from] AuditError),
 }
 
+/// Budget leases on Lambda: an environment serves one call at a time and may freeze
+/// after any response, so each settle leaves the lease's usage on it.
+const LEASES: LeasePolicy = LeasePolicy {
+    calls_per_lease: 64,
+    share_of_remaining: 8,
+    lease_secs: 60,
+    intent_every: std::time::Duration::ZERO,
+    hint_ttl: std::time::Duration::from_secs(1),
+};
+
 /// The audit stream used when the config names none: the execution environment's
 /// own stream name (one writer per stream), else `flexway-audit`.
 pub fn default_audit_stream() -> String {
@@ -46,6 +58,14 @@ pub fn default_audit_stream() -> String {
 /// DescribeTable) still starts, and the first call that needs the resource does it
 /// again or says why it cannot. A CloudWatch audit also prints each call's EMF
 /// metrics line to stdout (the function's log), where CloudWatch reads metrics.
+///
+/// The DynamoDB ledger is always served through budget leases (`LeasedBudgetStore`):
+/// a tenant's calls write its counters once per lease, not once per call, so one
+/// tenant is not capped by one counter item's write rate. Each settle records the
+/// lease's usage on the lease's own item (`intent_every` zero: one uncontended
+/// `UpdateItem`, 1 WCU): an environment frozen or gone after its response leaves a lease
+/// the sweeper charges to the token, never refunds. The sweeper function uses the plain
+/// store: it closes the leases of vanished environments.
 pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Result<Adapters, AdapterError> {
     let budgets: Arc<dyn BudgetStore> = match &config.store {
         StoreConfig::DynamoDb { table } => {
@@ -53,7 +73,7 @@ pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Res
             if let Err(e) = store.warm().await {
                 tracing::warn!("ledger table {table} not reached at start ({e}); starting anyway");
             }
-            Arc::new(store)
+            Arc::new(LeasedBudgetStore::new(Arc::new(store), LEASES))
         }
         StoreConfig::Memory => Arc::new(MemoryBudgetStore::new()),
         StoreConfig::Embedded { path } => Arc::new(EmbeddedBudgetStore::open(path)?),

@@ -19,7 +19,8 @@ use aws_sdk_dynamodb::config::interceptors::BeforeTransmitInterceptorContextRef;
 use aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
 use flexway::admission::{Demand, admit};
 use flexway::budget::{
-    BudgetStore, CounterKey, IntentOutcome, Line, ReserveOutcome, ReserveRequest, SettleOutcome, conformance,
+    BudgetStore, CounterKey, IntentOutcome, LeasePolicy, LeasedBudgetStore, Line, ReserveOutcome, ReserveRequest,
+    SettleOutcome, conformance,
 };
 use flexway::config::{Capability, Price, TenantId};
 use flexway::identity::Caller;
@@ -50,6 +51,17 @@ fn request(id: &str, lines: &[(&str, u64, Option<u64>)]) -> ReserveRequest {
 async fn dynamodb_store_passes_the_conformance_suite() {
     let sdk = emulator::sdk().await;
     let failures = conformance::run_all(|| fresh_store(&sdk)).await;
+    assert!(failures.is_empty(), "conformance failures:\n{}", failures.join("\n"));
+}
+
+/// Budget leases over the DynamoDB ledger (what `build_adapters` runs): the same suite.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leased_dynamodb_store_passes_the_conformance_suite() {
+    let sdk = emulator::sdk().await;
+    let failures = conformance::run_all(|| async {
+        LeasedBudgetStore::new(Arc::new(fresh_store(&sdk).await), LeasePolicy::default())
+    })
+    .await;
     assert!(failures.is_empty(), "conformance failures:\n{}", failures.join("\n"));
 }
 
@@ -159,6 +171,14 @@ impl Intercept for Operations {
 /// A gateway on a fresh ledger table whose client counts its operations; tenant
 /// `acme` has the three budgets, agent `bot` none of its own.
 async fn counted_gateway(soft: &str) -> (flexway::Gateway, DynamoDbBudgetStore, Operations) {
+    counted_gateway_on(soft, |store| Arc::new(store)).await
+}
+
+/// The same, its ledger the store `wrap` makes of the counted DynamoDB store.
+async fn counted_gateway_on(
+    soft: &str,
+    wrap: impl FnOnce(DynamoDbBudgetStore) -> Arc<dyn BudgetStore>,
+) -> (flexway::Gateway, DynamoDbBudgetStore, Operations) {
     let sdk = emulator::sdk().await;
     let plain = aws_sdk_dynamodb::Client::new(&sdk);
     let table = emulator::unique("flexway-ledger-cost");
@@ -187,7 +207,7 @@ ai:
     let loaded = flexway::config::load_str(&yaml, &env).unwrap_or_else(|e| panic!("{e}"));
     let secrets = Arc::new(flexway::secret::LocalSecrets { env });
     let adapters = flexway::gateway::Adapters {
-        budgets: Arc::new(store.clone()),
+        budgets: wrap(store.clone()),
         audit: Arc::new(flexway::audit::StdoutAuditSink),
         export: flexway::telemetry::Export::EachCall,
     };
@@ -239,6 +259,40 @@ async fn a_served_call_costs_two_transactions_and_no_read() {
         flexway::budget::period::unix_now(),
     );
     assert_eq!(store.used(&[day[0].key.clone()]).await.unwrap(), [300]);
+    assert_eq!(store.live_reservations().await.unwrap(), 0);
+}
+
+/// With budget leases (as `build_adapters` wires the DynamoDB ledger), the first call
+/// takes a lease (one transaction) and the next ones write no counter: they are served
+/// from its slice, each leaving the lease's usage on the lease's item. Ending the lease is one transaction, after which the counters hold
+/// exactly the usage of the calls.
+#[tokio::test]
+async fn served_calls_on_a_lease_write_no_counter_until_it_ends() {
+    let leased = Arc::new(std::sync::OnceLock::new());
+    let (gateway, store, operations) = counted_gateway_on("", |store| {
+        let policy = LeasePolicy { intent_every: std::time::Duration::ZERO, ..LeasePolicy::default() };
+        let lease = Arc::new(LeasedBudgetStore::new(Arc::new(store), policy));
+        let _ = leased.set(lease.clone());
+        lease
+    })
+    .await;
+    let leased = leased.get().unwrap();
+    assert!(!served_call(&gateway, "first").await);
+    assert_eq!(operations.take(), ["TransactWriteItems", "UpdateItem"], "the lease with the first call, its usage");
+    for i in 0..20 {
+        assert!(!served_call(&gateway, &format!("call-{i}")).await);
+    }
+    let sent = operations.take();
+    assert_eq!(sent, vec!["UpdateItem"; 20], "each call: the lease's usage on its own item, no counter");
+    leased.flush().await;
+    assert_eq!(operations.take(), ["TransactWriteItems"], "the lease settled");
+    let day = flexway::budget::plan::budgets_for(
+        &gateway.config,
+        &TenantId::new("acme"),
+        None,
+        flexway::budget::period::unix_now(),
+    );
+    assert_eq!(store.used(&[day[0].key.clone()]).await.unwrap(), [21 * 100]);
     assert_eq!(store.live_reservations().await.unwrap(), 0);
 }
 

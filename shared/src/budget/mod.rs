@@ -22,6 +22,7 @@
 #[cfg(any(test, feature = "test-support"))]
 pub mod conformance;
 pub mod embedded;
+pub mod lease;
 pub mod ledger;
 pub mod memory;
 pub mod period;
@@ -31,6 +32,7 @@ pub mod ticket;
 use serde::{Deserialize, Serialize};
 
 pub use embedded::EmbeddedBudgetStore;
+pub use lease::{LeasePolicy, LeasedBudgetStore};
 pub use ledger::{LedgerState, StoredReservation};
 pub use memory::MemoryBudgetStore;
 pub use period::Period;
@@ -159,8 +161,9 @@ pub enum StoreError {
 }
 
 /// The ledger. Implementations: `MemoryBudgetStore` (tests), `EmbeddedBudgetStore`
-/// (local default, durable), `DynamoDbBudgetStore` (serverless). All pass
-/// `conformance::run_all`.
+/// (local default, durable), `DynamoDbBudgetStore` (serverless), and
+/// `LeasedBudgetStore` over any of them (budget leases: one tenant past one counter
+/// item's write rate). All pass `conformance::run_all`.
 #[async_trait::async_trait]
 pub trait BudgetStore: Send + Sync {
     /// Atomically adds every line's amount, or nothing if any limit would be passed.

@@ -68,7 +68,10 @@ impl Ticket {
     }
 }
 
-async fn settle(store: &dyn BudgetStore, reservation: &Reservation, actual: &[(CounterKey, u64)]) {
+/// Settles `reservation` on `actual`, tried [`ATTEMPTS`] times, else leaves `actual` on
+/// it as a settle intent for the sweeper (see the module docs). Also closes budget
+/// leases (`lease.rs`): a lease is a reservation like a call's.
+pub(crate) async fn settle(store: &dyn BudgetStore, reservation: &Reservation, actual: &[(CounterKey, u64)]) {
     let request_id = reservation.request_id.as_str();
     let mut failed: Option<StoreError> = None;
     for attempt in 0..ATTEMPTS {

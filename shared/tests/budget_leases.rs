@@ -1,0 +1,227 @@
+//! Budget leases (`LeasedBudgetStore`): the conformance suite over a memory store, the
+//! hard cap with several instances sharing one ledger, slices that shrink near the cap,
+//! and a vanished instance's lease charged by the sweeper.
+#![cfg(test)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flexway::budget::{
+    BudgetStore, CounterKey, IntentOutcome, LeasePolicy, LeasedBudgetStore, Line, MemoryBudgetStore, Reservation,
+    ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept, conformance,
+};
+
+const NOW: u64 = 1_795_967_070;
+
+fn key(name: &str) -> CounterKey {
+    CounterKey(format!("lease/{name}"))
+}
+
+fn request(id: &str, lines: &[(&str, u64, Option<u64>)]) -> ReserveRequest {
+    ReserveRequest {
+        request_id: id.to_owned(),
+        lines: lines.iter().map(|(k, amount, limit)| Line { key: key(k), amount: *amount, limit: *limit }).collect(),
+        expires_at: NOW + 60,
+    }
+}
+
+fn leased(inner: Arc<MemoryBudgetStore>) -> LeasedBudgetStore<MemoryBudgetStore> {
+    LeasedBudgetStore::new(inner, LeasePolicy::default())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_memory_store_passes_the_conformance_suite() {
+    let failures = conformance::run_all(|| async { leased(Arc::new(MemoryBudgetStore::new())) }).await;
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Every lease's intent written at each settle: the strictest crash setting passes too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_store_with_an_intent_per_settle_passes_the_conformance_suite() {
+    let policy = LeasePolicy { intent_every: Duration::ZERO, ..LeasePolicy::default() };
+    let failures =
+        conformance::run_all(|| async { LeasedBudgetStore::new(Arc::new(MemoryBudgetStore::new()), policy.clone()) })
+            .await;
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Four instances of 8 tasks each share one ledger and spend a tenant's budget to the
+/// end. The test tracks every call's reservation from its admission to its settlement
+/// (added after the store admitted it, replaced by the usage before the store is told):
+/// an under-estimate of what the store holds, so it can never pass the cap unless the
+/// leases let calls pass it. At the end, once the leases are flushed, the ledger holds
+/// the usage settled, to the token, and nothing is left reserved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_instances_never_pass_the_cap_and_the_ledger_equals_the_usage() {
+    const LIMIT: u64 = 200_000;
+    let inner = Arc::new(MemoryBudgetStore::new());
+    let instances: Vec<Arc<LeasedBudgetStore<MemoryBudgetStore>>> =
+        (0..4).map(|_| Arc::new(leased(inner.clone()))).collect();
+    let outstanding = Arc::new(AtomicU64::new(0));
+    let usage = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for (n, store) in instances.iter().enumerate() {
+        for t in 0..8 {
+            let (store, outstanding, usage) = (store.clone(), outstanding.clone(), usage.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut served = 0u64;
+                for i in 0u64.. {
+                    let id = format!("{n}-{t}-{i}");
+                    let amount = 50 + (i * 7 + t) % 100;
+                    let call = request(&id, &[("day", amount, Some(LIMIT)), ("eur", amount * 3, None)]);
+                    if store.reserve(&call).await.unwrap() != ReserveOutcome::Reserved {
+                        return served;
+                    }
+                    let now = outstanding.fetch_add(amount, Ordering::SeqCst) + amount;
+                    assert!(now <= LIMIT, "{now} reserved or used past the cap {LIMIT}");
+                    tokio::task::yield_now().await;
+                    let actual = amount / 2 + i % 3;
+                    outstanding.fetch_sub(amount - actual, Ordering::SeqCst);
+                    usage.fetch_add(actual, Ordering::SeqCst);
+                    let settled = store
+                        .settle(&call.reservation(), &[(key("day"), actual), (key("eur"), actual * 3)])
+                        .await
+                        .unwrap();
+                    assert_eq!(settled, SettleOutcome::Settled);
+                    served += 1;
+                }
+                served
+            }));
+        }
+    }
+    let mut served = 0;
+    for task in tasks {
+        served += task.await.unwrap();
+    }
+    for store in &instances {
+        store.flush().await;
+    }
+    let usage = usage.load(Ordering::SeqCst);
+    let ledger = inner.used(&[key("day"), key("eur")]).await.unwrap();
+    assert_eq!(ledger, [usage, 3 * usage], "ledger = sum of the usage settled, {served} calls");
+    assert_eq!(inner.live_reservations().await.unwrap(), 0, "every lease settled");
+    // Refusals start only near the cap: the budget was spent, not stranded in leases.
+    assert!(usage >= LIMIT - LIMIT / 20, "usage {usage} of {LIMIT} when refusals began");
+}
+
+/// Records the reservations the lease store makes on its inner store.
+struct Recording {
+    inner: MemoryBudgetStore,
+    reserves: Mutex<Vec<(String, u64)>>,
+    writes: AtomicU64,
+}
+
+#[async_trait::async_trait]
+impl BudgetStore for Recording {
+    async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
+        self.writes.fetch_add(1, Ordering::SeqCst);
+        let outcome = self.inner.reserve(request).await?;
+        if outcome == ReserveOutcome::Reserved {
+            let amount = request.lines.first().map_or(0, |l| l.amount);
+            self.reserves.lock().unwrap().push((request.request_id.clone(), amount));
+        }
+        Ok(outcome)
+    }
+    async fn settle(
+        &self,
+        reservation: &Reservation,
+        actual: &[(CounterKey, u64)],
+    ) -> Result<SettleOutcome, StoreError> {
+        self.writes.fetch_add(1, Ordering::SeqCst);
+        self.inner.settle(reservation, actual).await
+    }
+    async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
+        self.writes.fetch_add(1, Ordering::SeqCst);
+        self.inner.record_intent(request_id, actual).await
+    }
+    async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
+        self.inner.sweep(now).await
+    }
+    async fn used(&self, keys: &[CounterKey]) -> Result<Vec<u64>, StoreError> {
+        self.inner.used(keys).await
+    }
+    async fn live_reservations(&self) -> Result<usize, StoreError> {
+        self.inner.live_reservations().await
+    }
+}
+
+/// One instance spends a budget of 1,000 calls to the end: 64 calls' worth per lease
+/// while the budget is far, slices of an eighth of what is left near the cap, then one
+/// reservation per call; exactly 1,000 calls pass, in far fewer writes than calls.
+#[tokio::test]
+async fn slices_shrink_near_the_cap_down_to_one_call() {
+    let inner = Arc::new(Recording {
+        inner: MemoryBudgetStore::new(),
+        reserves: Mutex::new(Vec::new()),
+        writes: AtomicU64::new(0),
+    });
+    let store = LeasedBudgetStore::new(inner.clone(), LeasePolicy::default());
+    let mut served = 0;
+    loop {
+        let call = request(&format!("c{served}"), &[("day", 100, Some(100_000))]);
+        if store.reserve(&call).await.unwrap() != ReserveOutcome::Reserved {
+            break;
+        }
+        store.settle(&call.reservation(), &[(key("day"), 100)]).await.unwrap();
+        served += 1;
+    }
+    assert_eq!(served, 1000, "the whole budget, not a token more");
+    store.flush().await;
+    assert_eq!(inner.used(&[key("day")]).await.unwrap(), [100_000]);
+    let reserves = inner.reserves.lock().unwrap().clone();
+    let slices: Vec<u64> = reserves.iter().map(|(_, amount)| *amount).collect();
+    assert_eq!(slices.first(), Some(&6400), "64 calls' worth while far from the cap: {slices:?}");
+    assert!(slices.windows(2).all(|w| w[1] <= w[0]), "slices only shrink: {slices:?}");
+    let (last_id, last) = reserves.last().unwrap();
+    assert!(!last_id.starts_with("lease#") && *last == 100, "the last calls reserve alone: {reserves:?}");
+    let writes = inner.writes.load(Ordering::SeqCst);
+    assert!(writes < 100, "{writes} writes for 1,000 calls: {slices:?}");
+}
+
+/// An instance that vanishes mid-lease: with its usage recorded as the lease's intent,
+/// the sweeper charges what it served (the call in flight is refunded, as a vanished
+/// call is); without an intent since, the lease is refunded and those calls go
+/// uncharged — the bounded loss that `intent_every` sets.
+#[tokio::test]
+async fn a_vanished_instance_lease_is_charged_by_the_sweeper() {
+    for (intent_every, charged) in [(Duration::ZERO, 5 * 10), (Duration::from_secs(3600), 0)] {
+        let inner = Arc::new(MemoryBudgetStore::new());
+        let store = LeasedBudgetStore::new(inner.clone(), LeasePolicy { intent_every, ..LeasePolicy::default() });
+        for i in 0..5 {
+            let call = request(&format!("v{i}"), &[("day", 100, Some(100_000))]);
+            assert_eq!(store.reserve(&call).await.unwrap(), ReserveOutcome::Reserved);
+            store.settle(&call.reservation(), &[(key("day"), 10)]).await.unwrap();
+        }
+        store.reserve(&request("in-flight", &[("day", 100, Some(100_000))])).await.unwrap();
+        drop(store);
+        assert_eq!(inner.used(&[key("day")]).await.unwrap(), [6400], "the slice is held until the sweep");
+        assert_eq!(inner.sweep(NOW + 60).await.unwrap(), Swept::default(), "the lease outlives its calls");
+        let swept = inner.sweep(NOW + 121).await.unwrap();
+        let expected = if charged > 0 { Swept { refunded: 0, charged: 1 } } else { Swept { refunded: 1, charged: 0 } };
+        assert_eq!(swept, expected, "intent every {intent_every:?}");
+        assert_eq!(inner.used(&[key("day")]).await.unwrap(), [charged], "intent every {intent_every:?}");
+        assert_eq!(inner.live_reservations().await.unwrap(), 0);
+    }
+}
+
+/// A lease is all its calls' counters' slices in one write; unlimited lines are written
+/// with the lease's settlement, and a tighter per-call limit (admission's soft guard)
+/// keeps a call out of a lease taken under a looser one.
+#[tokio::test]
+async fn a_call_under_a_tighter_limit_is_not_served_from_a_looser_lease() {
+    let inner = Arc::new(MemoryBudgetStore::new());
+    let store = leased(inner.clone());
+    let first = request("loose", &[("day", 100, Some(100_000)), ("eur", 500, None)]);
+    store.reserve(&first).await.unwrap();
+    assert_eq!(inner.used(&[key("day"), key("eur")]).await.unwrap(), [6400, 0]);
+    assert_eq!(store.used(&[key("day"), key("eur")]).await.unwrap(), [100, 500]);
+    // Fits the slice, but its own condition says the counter must stand at 50 or less
+    // before it: with the lease taken from 0 and 100 used, that cannot be promised.
+    let tight = request("tight", &[("day", 100, Some(150))]);
+    assert_eq!(store.reserve(&tight).await.unwrap(), ReserveOutcome::Refused { line: 0 });
+    store.settle(&first.reservation(), &[(key("day"), 70), (key("eur"), 300)]).await.unwrap();
+    store.flush().await;
+    assert_eq!(inner.used(&[key("day"), key("eur")]).await.unwrap(), [70, 300]);
+    assert_eq!(inner.live_reservations().await.unwrap(), 0);
+}
