@@ -14,7 +14,9 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 
 use flexway::audit::{AuditSink, FileAuditSink, StdoutAuditSink};
-use flexway::budget::{BudgetStore, EmbeddedBudgetStore, MemoryBudgetStore, period::unix_now};
+use flexway::budget::{
+    BudgetStore, EmbeddedBudgetStore, LeasePolicy, LeasedBudgetStore, MemoryBudgetStore, period::unix_now,
+};
 use flexway::config::{self, AuditSinkConfig, Config, ProcessEnv, Secrets, StoreConfig};
 use flexway::gateway::Adapters;
 use flexway::telemetry::Export;
@@ -76,21 +78,28 @@ pub fn run(config_path: &Path, listen: &str) -> ExitCode {
     }
 }
 
-/// The adapters the config names. The DynamoDB ledger and the CloudWatch audit make
-/// the fleet shape: processes behind a load balancer sharing one table (and one log
-/// group, each process writing its own stream), with the AWS SDK's usual environment
-/// and credentials.
-async fn adapters(config: &Config) -> anyhow::Result<Adapters> {
+/// The adapters the config names, and the leased ledger to flush on the way out if
+/// there is one. The DynamoDB ledger and the CloudWatch audit make the fleet shape:
+/// processes behind a load balancer sharing one table (and one log group, each process
+/// writing its own stream), with the AWS SDK's usual environment and credentials. The
+/// DynamoDB ledger is served through budget leases, as the Lambda function's is: a
+/// process writes a tenant's counters once per lease, and records a lease's usage as
+/// its settle intent every second (a killed process loses at most that second's
+/// usage; the other processes' sweepers charge the rest).
+async fn adapters(config: &Config) -> anyhow::Result<(Adapters, Option<Arc<Leased>>)> {
     let aws = matches!(config.store, StoreConfig::DynamoDb { .. })
         || matches!(config.audit.sink, AuditSinkConfig::CloudWatch { .. });
     let sdk = if aws { Some(aws_config::load_from_env().await) } else { None };
+    let mut leases = None;
     let budgets: Arc<dyn BudgetStore> = match (&config.store, &sdk) {
         (StoreConfig::Memory, _) => Arc::new(MemoryBudgetStore::new()),
         (StoreConfig::Embedded { path }, _) => Arc::new(EmbeddedBudgetStore::open(path)?),
         (StoreConfig::DynamoDb { table }, Some(sdk)) => {
             let store = DynamoDbBudgetStore::new(aws_sdk_dynamodb::Client::new(sdk), table);
             store.warm().await?;
-            Arc::new(store)
+            let leased = Arc::new(LeasedBudgetStore::new(Arc::new(store), LeasePolicy::default()));
+            leases = Some(leased.clone());
+            leased
         }
         (StoreConfig::DynamoDb { .. }, None) => unreachable!("the SDK is loaded for a DynamoDB store"),
     };
@@ -107,11 +116,13 @@ async fn adapters(config: &Config) -> anyhow::Result<Adapters> {
         }
         (AuditSinkConfig::CloudWatch { .. }, None) => unreachable!("the SDK is loaded for a CloudWatch audit"),
     };
-    Ok(Adapters { budgets, audit, export: Export::Batched })
+    Ok((Adapters { budgets, audit, export: Export::Batched }, leases))
 }
 
+type Leased = LeasedBudgetStore<DynamoDbBudgetStore>;
+
 async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
-    let adapters = adapters(&config).await?;
+    let (adapters, leases) = adapters(&config).await?;
     let budgets = adapters.budgets.clone();
     // `env:` and `file:` references, and AWS ones with the SDK's usual environment (as
     // the Lambda function does): both shapes resolve the same configuration alike.
@@ -150,13 +161,30 @@ async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
             tracing::warn!("TCP_NODELAY: {e}");
         }
     });
-    let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    serve_http(listener, flexway::http::app(gateway.clone()), shutdown).await;
+    serve_http(listener, flexway::http::app(gateway.clone()), stop_signal()).await;
+    // What the leases served goes to the counters: the ledger then equals the audit.
+    if let Some(leases) = leases {
+        leases.flush().await;
+    }
     // The spans and metrics of the last calls, before the process ends.
     gateway.telemetry.flush(TELEMETRY_FLUSH_AT_EXIT).await;
     Ok(())
+}
+
+/// Ctrl-C, or the SIGTERM a container platform (ECS, Kubernetes) stops a task with.
+async fn stop_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(term) => term,
+        Err(e) => {
+            tracing::warn!("cannot listen for SIGTERM ({e}): Ctrl-C only");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
 }
 
 /// `axum::serve`'s loop with the transport's limits set (axum does not expose

@@ -1,9 +1,10 @@
 //! The fleet shape (ARCHITECTURE.md, deployment shapes): several `flexway serve`
 //! processes behind any load balancer, sharing one DynamoDB ledger and one CloudWatch
 //! audit log group (each process its own stream), on the AWS emulator
-//! (`AWS_ENDPOINT_URL`; `scripts/test` starts one). A concurrent burst split across
-//! two processes never passes the tenant's cap, and both audits together equal the
-//! ledger, to the token.
+//! (`AWS_ENDPOINT_URL`; `scripts/test` starts one), each serving the ledger through
+//! budget leases. A concurrent burst split across two processes never passes the
+//! tenant's cap, and once the processes stop (SIGTERM, as a platform stops a task:
+//! each settles its leases) both audits together equal the ledger, to the token.
 #![cfg(test)]
 
 mod common;
@@ -63,7 +64,7 @@ async fn two_processes_on_one_table_never_pass_the_cap_and_their_audits_equal_th
     let yaml = fleet_config(&table, &group, &model);
     let env = aws_env();
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let fleet = [Flexway::start_with_env(&yaml, &env), Flexway::start_with_env(&yaml, &env)];
+    let mut fleet = [Flexway::start_with_env(&yaml, &env), Flexway::start_with_env(&yaml, &env)];
 
     // 30 calls at once, alternating between the two processes.
     let calls = (0..30).map(|i| fleet[i % 2].chat(KEY, hello("m")));
@@ -75,6 +76,16 @@ async fn two_processes_on_one_table_never_pass_the_cap_and_their_audits_equal_th
 
     let store = DynamoDbBudgetStore::new(dynamodb, table);
     let day = CounterKey::new("acme", None, Unit::Tokens, Period::Day, unix_now());
+    let used = flexway::budget::BudgetStore::used(&store, &[day.clone()]).await.unwrap()[0];
+    assert!(used <= CAP, "the cap was passed, leases included: {used} > {CAP}");
+
+    // Stopped as a platform stops a task: each process settles its leases on the way out.
+    for process in &mut fleet {
+        let pid = process.pid().to_string();
+        assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+        let status = process.wait_exit(std::time::Duration::from_secs(10)).expect("the process stops");
+        assert!(status.success(), "{status:?}: {}", process.logs());
+    }
     let used = flexway::budget::BudgetStore::used(&store, &[day]).await.unwrap()[0];
     assert!(used <= CAP, "the cap was passed: {used} > {CAP}");
 
