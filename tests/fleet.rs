@@ -76,7 +76,7 @@ async fn two_processes_on_one_table_never_pass_the_cap_and_their_audits_equal_th
 
     let store = DynamoDbBudgetStore::new(dynamodb, table);
     let day = CounterKey::new("acme", None, Unit::Tokens, Period::Day, unix_now());
-    let used = flexway::budget::BudgetStore::used(&store, &[day.clone()]).await.unwrap()[0];
+    let used = flexway::budget::BudgetStore::used(&store, std::slice::from_ref(&day)).await.unwrap()[0];
     assert!(used <= CAP, "the cap was passed, leases included: {used} > {CAP}");
 
     // Stopped as a platform stops a task: each process settles its leases on the way out.
