@@ -8,7 +8,6 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -18,16 +17,9 @@ use serde_json::json;
 
 /// The serverless router with every request's deadline `left` from now.
 async fn serve_with_deadline(yaml: &str, adapters: flexway::gateway::Adapters, left: Duration) -> InProcess {
-    let env = std::collections::HashMap::new();
-    let loaded = flexway::config::load_str(yaml, &env).unwrap();
-    let secrets = Arc::new(flexway::secret::LocalSecrets { env });
-    let gateway = Arc::new(flexway::Gateway::new(loaded.config, secrets, adapters).await.unwrap());
     let deadline = Deadline::within(left);
-    let app = flexway::http::api(gateway.clone()).layer(axum::Extension(deadline));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    InProcess { url, gateway }
+    serve_router_in_process(yaml, adapters, |gateway| flexway::http::api(gateway).layer(axum::Extension(deadline)))
+        .await
 }
 
 #[tokio::test]

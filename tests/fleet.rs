@@ -40,17 +40,6 @@ ai:
     )
 }
 
-fn aws_env() -> Vec<(&'static str, String)> {
-    let var = |name: &str| std::env::var(name).unwrap_or_else(|_| "test".to_owned());
-    vec![
-        ("AWS_ENDPOINT_URL", emulator::endpoint()),
-        ("AWS_REGION", "us-east-1".to_owned()),
-        ("AWS_ACCESS_KEY_ID", var("AWS_ACCESS_KEY_ID")),
-        ("AWS_SECRET_ACCESS_KEY", var("AWS_SECRET_ACCESS_KEY")),
-        ("AWS_EC2_METADATA_DISABLED", "true".to_owned()),
-    ]
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_processes_on_one_table_never_pass_the_cap_and_their_audits_equal_the_ledger() {
     let sdk = emulator::sdk().await;
@@ -62,7 +51,7 @@ async fn two_processes_on_one_table_never_pass_the_cap_and_their_audits_equal_th
     logs.create_log_group().log_group_name(&group).send().await.unwrap();
     let model = FakeModel::start().await.unwrap();
     let yaml = fleet_config(&table, &group, &model);
-    let env = aws_env();
+    let env = emulator::process_env();
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let mut fleet = [Flexway::start_with_env(&yaml, &env), Flexway::start_with_env(&yaml, &env)];
 

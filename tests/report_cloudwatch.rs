@@ -26,16 +26,7 @@ struct Run {
 
 /// The binary, with the emulator as its AWS environment (as `scripts/test` exports it).
 fn flexway(args: &[&str]) -> Run {
-    let var = |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
-    let out = Command::new(env!("CARGO_BIN_EXE_flexway"))
-        .args(args)
-        .env("AWS_ENDPOINT_URL", emulator::endpoint())
-        .env("AWS_REGION", "us-east-1")
-        .env("AWS_ACCESS_KEY_ID", var("AWS_ACCESS_KEY_ID", "test"))
-        .env("AWS_SECRET_ACCESS_KEY", var("AWS_SECRET_ACCESS_KEY", "test"))
-        .env("AWS_EC2_METADATA_DISABLED", "true")
-        .output()
-        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_flexway")).args(args).envs(emulator::process_env()).output().unwrap();
     Run {
         code: out.status.code().unwrap(),
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -14,20 +14,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-/// The emulator as the binary's AWS environment (as `scripts/test` exports it).
-fn aws_env() -> Vec<(&'static str, String)> {
-    let var = |name: &str| std::env::var(name).unwrap_or_else(|_| "test".to_owned());
-    vec![
-        ("AWS_ENDPOINT_URL", emulator::endpoint()),
-        ("AWS_REGION", "us-east-1".to_owned()),
-        ("AWS_ACCESS_KEY_ID", var("AWS_ACCESS_KEY_ID")),
-        ("AWS_SECRET_ACCESS_KEY", var("AWS_SECRET_ACCESS_KEY")),
-        ("AWS_EC2_METADATA_DISABLED", "true".to_owned()),
-    ]
-}
-
 fn start(yaml: &str) -> Flexway {
-    let env = aws_env();
+    let env = emulator::process_env();
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     Flexway::start_with_env(yaml, &env)
 }
@@ -114,7 +102,7 @@ async fn serve_refuses_to_start_on_a_reference_that_does_not_exist_naming_it() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_flexway"))
         .args(["serve", "--listen", "127.0.0.1:0", "--config"])
         .arg(&config)
-        .envs(aws_env())
+        .envs(emulator::process_env())
         .env("SALT", "pepper")
         .output()
         .unwrap();
@@ -129,7 +117,7 @@ async fn serve_refuses_to_start_on_a_reference_that_does_not_exist_naming_it() {
         std::process::Command::new(env!("CARGO_BIN_EXE_flexway"))
             .args(["validate", "--resolve-secrets", "--config"])
             .arg(config)
-            .envs(aws_env())
+            .envs(emulator::process_env())
             .env("SALT", "pepper")
             .output()
             .unwrap()

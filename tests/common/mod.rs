@@ -235,13 +235,23 @@ pub struct InProcess {
 }
 
 pub async fn serve_in_process(yaml: &str, adapters: flexway::gateway::Adapters) -> InProcess {
+    serve_router_in_process(yaml, adapters, flexway::http::app).await
+}
+
+/// As [`serve_in_process`], with the router `router` makes of the gateway (the
+/// serverless shape's `flexway::http::api`, with layers of a test's own).
+pub async fn serve_router_in_process(
+    yaml: &str,
+    adapters: flexway::gateway::Adapters,
+    router: impl FnOnce(Arc<flexway::Gateway>) -> axum::Router,
+) -> InProcess {
     let env: std::collections::HashMap<String, String> = std::collections::HashMap::new();
     let loaded = flexway::config::load_str(yaml, &env).unwrap_or_else(|e| panic!("{e}"));
     let secrets = Arc::new(flexway::secret::LocalSecrets { env });
     let gateway = Arc::new(flexway::Gateway::new(loaded.config, secrets, adapters).await.unwrap());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let app = flexway::http::app(gateway.clone());
+    let app = router(gateway.clone());
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
         let _ = tcp.set_nodelay(true);
     });

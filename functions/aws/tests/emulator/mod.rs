@@ -36,6 +36,19 @@ pub async fn sdk() -> SdkConfig {
         .await
 }
 
+/// The emulator as a child process's AWS environment (as `scripts/test` exports it),
+/// for the binaries the tests start.
+pub fn process_env() -> Vec<(&'static str, String)> {
+    let var = |name: &str| std::env::var(name).unwrap_or_else(|_| "test".to_owned());
+    vec![
+        ("AWS_ENDPOINT_URL", endpoint()),
+        ("AWS_REGION", "us-east-1".to_owned()),
+        ("AWS_ACCESS_KEY_ID", var("AWS_ACCESS_KEY_ID")),
+        ("AWS_SECRET_ACCESS_KEY", var("AWS_SECRET_ACCESS_KEY")),
+        ("AWS_EC2_METADATA_DISABLED", "true".to_owned()),
+    ]
+}
+
 pub fn unique(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
 }
