@@ -358,12 +358,9 @@ impl Source {
             }
             let deltas = translate.stream.next(&event.data).map_err(|e| Fault::Invalid(e.to_string()))?;
             for delta in deltas {
-                let event = match translate.chunks.chunk(delta) {
-                    Some(chunk) => sse::Event { raw: sse::event(None, &chunk), data: chunk.to_string(), name: None },
-                    None => {
-                        sse::Event { raw: Bytes::from_static(b"data: [DONE]\n\n"), data: "[DONE]".into(), name: None }
-                    }
-                };
+                // The chunk's JSON text, encoded once for the event and its data.
+                let data = translate.chunks.chunk(delta).map_or_else(|| "[DONE]".to_owned(), |c| c.to_string());
+                let event = sse::Event { raw: Bytes::from(format!("data: {data}\n\n")), data, name: None };
                 translate.ready.push_back(event);
             }
         }
