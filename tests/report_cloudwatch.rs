@@ -174,12 +174,18 @@ async fn dates_narrow_the_read_and_lines_that_are_not_audit_are_named() {
         .write(&[record(&today, "req-1", "acme", "ptu-west", Metering::Local, 42)])
         .await
         .unwrap();
-    // An EMF metrics line is not audit, and is skipped.
+    // The function's own lines (the group is also its log group): EMF metrics, a
+    // platform line, a JSON log line. Not audit, and skipped.
     let now_ms = i64::try_from(flexway::budget::period::unix_now_millis()).unwrap();
-    put_raw(&client, &group, "metrics", now_ms, &[r#"{"_aws":{"Timestamp":1,"CloudWatchMetrics":[]},"calls":1}"#])
-        .await;
-    // Some other JSON, five days ago: outside a period starting today.
-    put_raw(&client, &group, "stray", now_ms - 5 * 86_400_000, &[r#"{"hello":"world"}"#]).await;
+    let own_lines = [
+        r#"{"_aws":{"Timestamp":1,"CloudWatchMetrics":[]},"calls":1}"#,
+        "START RequestId: 7a52 Version: $LATEST",
+        r#"{"timestamp":"2026-12-01T06:00:00Z","level":"INFO","fields":{"message":"flexway gateway ready"}}"#,
+    ];
+    put_raw(&client, &group, "function", now_ms, &own_lines).await;
+    // A record cut short, five days ago: outside a period starting today.
+    let cut = r#"{"schema_version":1,"ts":"2026-11-26T10:00:00.000Z","request_id":"req-0","ten"#;
+    put_raw(&client, &group, "stray", now_ms - 5 * 86_400_000, &[cut]).await;
 
     let run = flexway(&["report", "--log-group", &group, "--format", "json"]);
     assert_eq!(run.code, 1, "{}", run.stdout);

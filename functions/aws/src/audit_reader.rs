@@ -1,6 +1,7 @@
 //! Reading the audit back from a CloudWatch Logs group (`flexway report --log-group`):
 //! every event of every stream, one [`AuditRecord`] per event, as
-//! [`CloudWatchAuditSink`](crate::CloudWatchAuditSink) writes them.
+//! [`CloudWatchAuditSink`](crate::CloudWatchAuditSink) writes them or Lambda delivers
+//! them from the function's stdout (the group is then also the function's log).
 //!
 //! An event's timestamp is when the sink wrote it: just after the call ended, so at
 //! or a little after the record's `ts`. A caller narrowing the read to a period of
@@ -34,9 +35,9 @@ pub enum AuditReadError {
 /// page. Sorted by event timestamp, events of the same timestamp in the order
 /// received (a batch's records share one timestamp and keep the order calls ended).
 ///
-/// An event that is not an audit record is an error naming it, so that nothing is
-/// silently left out of a bill; EMF metrics lines (an object with an `_aws` key)
-/// are not audit and are skipped.
+/// Events that are not records (the function's own log lines, when the group is
+/// also its log group) are skipped; an event that claims to be a record and is not
+/// one is an error naming it, so that nothing is silently left out of a bill.
 pub async fn read_audit_log_group(
     client: &Client,
     log_group: &str,
@@ -78,7 +79,12 @@ pub async fn read_audit_log_group(
     Ok(events.into_iter().map(|(_, record)| record).collect())
 }
 
-/// The event's record; `None` for an EMF metrics line.
+/// The event's record; `None` for an event that is not one. The serverless stack
+/// makes the audit group the gateway function's own log group, so the group also
+/// holds the function's other lines: Lambda's `START`/`END`/`REPORT` lines, JSON log
+/// lines, EMF metrics. A record is recognised by its `schema_version` key, which the
+/// writer puts first: an event that has it and does not parse is an error naming it
+/// (a record cut or damaged is never skipped in silence).
 fn parse_event(
     group: &str,
     event: &aws_sdk_cloudwatchlogs::types::FilteredLogEvent,
@@ -88,7 +94,7 @@ fn parse_event(
     let stream = || event.log_stream_name().unwrap_or("?").to_owned();
     let record: AuditRecord = match serde_json::from_str(message) {
         Ok(record) => record,
-        Err(_) if is_emf(message) => return Ok(None),
+        Err(_) if !claims_to_be_a_record(message) => return Ok(None),
         Err(source) => {
             return Err(AuditReadError::NotARecord {
                 group: group.to_owned(),
@@ -125,10 +131,13 @@ fn error_chain(error: &dyn std::error::Error) -> String {
     text
 }
 
-/// CloudWatch Embedded Metric Format: a JSON object with the `_aws` metadata key.
-fn is_emf(message: &str) -> bool {
-    serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(message)
-        .is_ok_and(|object| object.contains_key("_aws"))
+/// Whether a line that did not parse as a record was meant to be one: it starts
+/// as the writer starts every record, or it is a JSON object with a top-level
+/// `schema_version`. Anything else (text, EMF, log lines) is not audit.
+fn claims_to_be_a_record(message: &str) -> bool {
+    message.trim_start().starts_with(r#"{"schema_version""#)
+        || serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(message)
+            .is_ok_and(|object| object.contains_key("schema_version"))
 }
 
 #[cfg(test)]
@@ -136,10 +145,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn emf_lines_are_recognised_by_their_aws_key() {
-        assert!(is_emf(r#"{"_aws":{"Timestamp":1,"CloudWatchMetrics":[]},"tenant":"acme"}"#));
-        assert!(!is_emf(r#"{"tenant":"acme"}"#));
-        assert!(!is_emf("START RequestId: 1 Version: $LATEST"));
-        assert!(!is_emf(r#"["_aws"]"#));
+    fn only_lines_that_claim_to_be_records_are_held_to_the_record_schema() {
+        // The function's own lines in the same group: not audit.
+        assert!(!claims_to_be_a_record(r#"{"_aws":{"Timestamp":1,"CloudWatchMetrics":[]},"tenant":"acme"}"#));
+        assert!(!claims_to_be_a_record("START RequestId: 1 Version: $LATEST"));
+        assert!(!claims_to_be_a_record("REPORT RequestId: 1\tDuration: 2.01 ms"));
+        assert!(!claims_to_be_a_record(
+            r#"{"timestamp":"2026-12-01T06:00:00Z","level":"ERROR","fields":{"message":"audit record not written: x","audit_record":"{\"schema_version\":1}"}}"#
+        ));
+        // A record cut short, or one whose fields do not parse: an error, never skipped.
+        assert!(claims_to_be_a_record(r#"{"schema_version":1,"ts":"2026-12-01T06:00:00.000Z","request_id":"req-"#));
+        assert!(claims_to_be_a_record(r#"{"tenant":"acme","schema_version":1}"#));
     }
 }

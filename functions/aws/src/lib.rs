@@ -51,12 +51,27 @@ pub fn default_audit_stream() -> String {
     std::env::var("AWS_LAMBDA_LOG_STREAM_NAME").unwrap_or_else(|_| "flexway-audit".to_owned())
 }
 
+/// Whether `log_group` is the group Lambda delivers this function's own log to
+/// (`AWS_LAMBDA_LOG_GROUP_NAME`, its `LoggingConfig`). Records printed to stdout
+/// then reach the audit group with no network write by the function: Lambda ships
+/// the log outside the invocation's path, and still ships what was printed when the
+/// environment is frozen after the response.
+fn is_own_log_group(log_group: &str) -> bool {
+    std::env::var("AWS_LAMBDA_LOG_GROUP_NAME").is_ok_and(|own| own == log_group)
+}
+
 /// Builds the ledger and the audit sink the config declares, with their SDK clients,
 /// and warms each connection (DescribeTable, CreateLogStream) so that the first
 /// request does not pay for it. Warming is best effort: a cold start that cannot do
 /// it (CreateLogStream is throttled at 50 per second per account, a role may lack
 /// DescribeTable) still starts, and the first call that needs the resource does it
-/// again or says why it cannot. A CloudWatch audit also prints each call's EMF
+/// again or says why it cannot.
+///
+/// A CloudWatch audit whose group is the function's own log group (the template's
+/// `LoggingConfig`) is printed to stdout, one record a line, and Lambda delivers it:
+/// nothing between the answer and the client waits on the network. Any other group
+/// is written with PutLogEvents (a function deployed with its own log group, the
+/// fleet shape). A CloudWatch audit also prints each call's EMF
 /// metrics line to stdout (the function's log), where CloudWatch reads metrics.
 ///
 /// The DynamoDB ledger is always served through budget leases (`LeasedBudgetStore`):
@@ -79,6 +94,19 @@ pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Res
         StoreConfig::Embedded { path } => Arc::new(EmbeddedBudgetStore::open(path)?),
     };
     let audit: Arc<dyn AuditSink> = match &config.audit.sink {
+        AuditSinkConfig::CloudWatch { log_group, log_stream } if is_own_log_group(log_group) => {
+            if let Some(stream) = log_stream {
+                tracing::warn!(
+                    "audit.log_stream {stream} is not used: {log_group} is this function's own log group, whose \
+                     streams Lambda names"
+                );
+            }
+            tracing::info!(
+                "{log_group} is this function's own log group: audit records are printed and Lambda delivers \
+                 them (no PutLogEvents on the request path)"
+            );
+            Arc::new(EmfAuditSink::new(StdoutAuditSink))
+        }
         AuditSinkConfig::CloudWatch { log_group, log_stream } => {
             let stream = log_stream.clone().unwrap_or_else(default_audit_stream);
             let sink = CloudWatchAuditSink::new(aws_sdk_cloudwatchlogs::Client::new(sdk), log_group, stream);

@@ -154,14 +154,15 @@ async fn the_reader_reads_every_page_of_every_stream_in_time_order() {
 }
 
 #[tokio::test]
-async fn the_reader_skips_emf_and_refuses_what_is_not_an_audit_record() {
+async fn the_reader_skips_the_functions_own_lines_and_refuses_a_damaged_record() {
     let sdk = emulator::sdk().await;
     let client = aws_sdk_cloudwatchlogs::Client::new(&sdk);
     let group = fresh_group(&client).await;
     let now = now_ms();
     let good = serde_json::to_string(&record("req-1", "acme")).unwrap();
     let emf = r#"{"_aws":{"Timestamp":1,"CloudWatchMetrics":[]},"tenant":"acme","calls":1}"#.to_owned();
-    put_raw(&client, &group, "ok", now, &[good, emf]).await;
+    let log = r#"{"level":"info","fields":{"message":"hello"}}"#.to_owned();
+    put_raw(&client, &group, "ok", now, &[good, emf, "END RequestId: 7a52".to_owned(), log]).await;
     let read = flexway_aws::read_audit_log_group(&client, &group, None, None).await.unwrap();
     assert_eq!(read.iter().map(|r| r.request_id.as_str()).collect::<Vec<_>>(), ["req-1"]);
 
@@ -173,7 +174,9 @@ async fn the_reader_skips_emf_and_refuses_what_is_not_an_audit_record() {
     assert!(error.to_string().contains("stream newer"), "{error}");
 
     let group = fresh_group(&client).await;
-    put_raw(&client, &group, "other", now, &[r#"{"level":"info","msg":"hello"}"#.to_owned()]).await;
+    let mut damaged = serde_json::to_value(record("req-3", "acme")).unwrap();
+    damaged["prompt_tokens"] = serde_json::json!("many");
+    put_raw(&client, &group, "other", now, &[damaged.to_string()]).await;
     let error = flexway_aws::read_audit_log_group(&client, &group, None, None).await.unwrap_err();
     let event = client.filter_log_events().log_group_name(&group).send().await.unwrap();
     let event_id = event.events()[0].event_id().unwrap();
