@@ -107,7 +107,7 @@ fn read_log_group(group: &str, filter: &Filter) -> Result<Vec<AuditRecord>, Stri
     let (from, to) = filter.unix_millis();
     let (from, to) = (from.map(|ms| (ms - margin).max(0)), to.map(|ms| (ms + margin).max(0)));
     runtime.block_on(async {
-        let sdk = aws_config::load_from_env().await;
+        let sdk = flexway_aws::load_sdk_config().await;
         let client = aws_sdk_cloudwatchlogs::Client::new(&sdk);
         flexway_aws::read_audit_log_group(&client, group, from, to).await.map_err(|e| match e {
             flexway_aws::AuditReadError::Query { .. } => {

@@ -89,7 +89,7 @@ pub fn run(config_path: &Path, listen: &str) -> ExitCode {
 async fn adapters(config: &Config) -> anyhow::Result<(Adapters, Option<Arc<Leased>>)> {
     let aws = matches!(config.store, StoreConfig::DynamoDb { .. })
         || matches!(config.audit.sink, AuditSinkConfig::CloudWatch { .. });
-    let sdk = if aws { Some(aws_config::load_from_env().await) } else { None };
+    let sdk = if aws { Some(flexway_aws::load_sdk_config().await) } else { None };
     let mut leases = None;
     let budgets: Arc<dyn BudgetStore> = match (&config.store, &sdk) {
         (StoreConfig::Memory, _) => Arc::new(MemoryBudgetStore::new()),

@@ -35,6 +35,25 @@ pub enum AdapterError {
     Audit(#[from] AuditError),
 }
 
+/// The AWS SDK's configuration loader, as `aws_config::defaults` with the latest
+/// behavior version, and with its HTTP client on the stack the rest of Flexway uses
+/// (hyper 1, rustls with ring): the SDK's own default client would build aws-lc as
+/// well. Every binary and test loads its SDK configuration through it.
+pub fn sdk_loader() -> aws_config::ConfigLoader {
+    static CLIENT: std::sync::OnceLock<aws_sdk_dynamodb::config::SharedHttpClient> = std::sync::OnceLock::new();
+    let client = CLIENT.get_or_init(|| {
+        use aws_smithy_http_client::tls::{Provider, rustls_provider::CryptoMode};
+        aws_smithy_http_client::Builder::new().tls_provider(Provider::Rustls(CryptoMode::Ring)).build_https()
+    });
+    aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(client.clone())
+}
+
+/// The SDK's configuration from the environment (region, credentials, endpoint), as
+/// `aws_config::load_from_env` reads it, on [`sdk_loader`]'s client.
+pub async fn load_sdk_config() -> aws_config::SdkConfig {
+    sdk_loader().load().await
+}
+
 /// Budget leases on Lambda: an environment serves one call at a time and may freeze
 /// after any response, so each settle leaves the lease's usage on it.
 const LEASES: LeasePolicy = LeasePolicy {

@@ -40,7 +40,7 @@ impl AwsSecretSource {
     }
 
     async fn sdk(&self) -> &SdkConfig {
-        self.sdk.get_or_init(aws_config::load_from_env).await
+        self.sdk.get_or_init(crate::load_sdk_config).await
     }
 
     async fn resolve_arn(&self, reference: &SecretRef, arn: &str) -> Result<Secret, SecretError> {

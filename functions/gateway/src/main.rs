@@ -55,7 +55,7 @@ async fn run(started: Instant) -> Result<(), lambda_http::Error> {
     for warning in &loaded.warnings {
         tracing::warn!("{}: {warning}", path.display());
     }
-    let sdk = aws_config::load_from_env().await;
+    let sdk = flexway_aws::load_sdk_config().await;
     let adapters = flexway_aws::build_adapters(&loaded.config, &sdk).await?;
     // Secrets Manager / SSM references with the function's own role; refreshed on the
     // request path when `secrets.refresh` is due (`flexway::http::api`).

@@ -36,7 +36,7 @@ fn main() -> ExitCode {
 
 async fn run() -> Result<(), Error> {
     let table = std::env::var("FLEXWAY_TABLE").map_err(|_| "FLEXWAY_TABLE is not set")?;
-    let sdk = aws_config::load_from_env().await;
+    let sdk = flexway_aws::load_sdk_config().await;
     let store = flexway_aws::dynamodb_store(&sdk, &table).await?;
     let store = &store;
     lambda_runtime::run(service_fn(move |event: LambdaEvent<Value>| sweep(store, event))).await

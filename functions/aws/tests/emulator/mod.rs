@@ -9,7 +9,7 @@
 //! aws-sdk-dynamodb, tokio and uuid.
 #![allow(dead_code)]
 
-use aws_config::{BehaviorVersion, Region, SdkConfig};
+use aws_config::{Region, SdkConfig};
 use aws_sdk_dynamodb::config::Credentials;
 
 pub fn endpoint() -> String {
@@ -28,7 +28,7 @@ pub async fn sdk() -> SdkConfig {
     }
     let key = std::env::var("AWS_ACCESS_KEY_ID").unwrap_or_else(|_| "test".to_owned());
     let secret = std::env::var("AWS_SECRET_ACCESS_KEY").unwrap_or_else(|_| "test".to_owned());
-    aws_config::defaults(BehaviorVersion::latest())
+    flexway_aws::sdk_loader()
         .region(Region::new("us-east-1"))
         .endpoint_url(endpoint)
         .credentials_provider(Credentials::new(key, secret, None, None, "flexway-tests"))
