@@ -56,6 +56,8 @@ pub struct Demand {
     pub stream: bool,
     /// The sensitivity header was true.
     pub sensitive: bool,
+    /// The session's affinity key (`routing::affinity_key`), if any.
+    pub affinity: Option<u64>,
 }
 
 pub struct Admission {
@@ -165,7 +167,12 @@ async fn decide(
     let budgets = decision.budgets;
     let route = gateway.router.route(
         caller,
-        &RouteRequest { capability: demand.capability, sensitive: demand.sensitive, soft: decision.soft },
+        &RouteRequest {
+            capability: demand.capability,
+            sensitive: demand.sensitive,
+            soft: decision.soft,
+            affinity: demand.affinity,
+        },
     )?;
     let price = plan::highest_price(route.candidates.iter().map(|c| gateway.price(&c.backend)));
     let allowance = if demand.completes {

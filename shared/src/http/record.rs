@@ -85,6 +85,7 @@ impl Draft {
             ttfb_ms: None,
             key_hash: gateway.hasher.hash(&caller.key_sha256),
             user_hash: None,
+            close_reason: None,
         };
         Draft {
             gateway: gateway.clone(),
