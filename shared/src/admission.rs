@@ -208,6 +208,50 @@ async fn decide(
     }
 }
 
+/// The allowance of a realtime session's next response (SPEC §2.3), at the price of
+/// the backend the session is pinned to: `prompt` tokens (a realtime response reads
+/// the whole conversation so far, so the last response's total is the next one's
+/// floor) plus the completion allowance (`ai.budget.default_max_tokens`, clamped down
+/// to `min_completion_tokens` when only that fits). As for a call, the counters are
+/// read only when the first write is refused. `Err(BudgetExceeded)` when no allowance
+/// fits: the session ends there. No routing: a session never moves.
+pub async fn reserve_turn(
+    gateway: &Gateway,
+    caller: &Caller,
+    request_id: &str,
+    prompt: u64,
+    price: crate::config::Price,
+) -> Result<(Ticket, u64), GatewayError> {
+    let now = unix_now();
+    let config = &gateway.config;
+    let budgets = plan::budgets_for(config, &caller.tenant, caller.agent.as_ref().map(|a| a.as_str()), now);
+    let allowance = Allowance {
+        per_choice: u64::from(config.ai.budget.default_max_tokens),
+        choices: 1,
+        min_per_choice: u64::from(config.ai.budget.min_completion_tokens),
+    };
+    let unread = vec![0; budgets.len()];
+    let mut used = unread.clone();
+    for read in [false, true] {
+        if read {
+            let keys: Vec<_> = budgets.iter().map(|b| b.key.clone()).collect();
+            used = gateway.budgets.used(&keys).await?;
+        }
+        let planned = plan::plan(&budgets, &used, prompt, allowance, price).map_err(|i| exceeded(&budgets[i], now))?;
+        let expires_at = now + STREAM_RESERVATION_SECS;
+        let request = ReserveRequest { request_id: request_id.to_owned(), lines: planned.lines, expires_at };
+        match gateway.budgets.reserve(&request).await? {
+            ReserveOutcome::Reserved => {
+                let ticket = Ticket::new(gateway.budgets.clone(), request.reservation(), budgets.to_vec());
+                return Ok((ticket, planned.per_choice));
+            }
+            ReserveOutcome::Refused { line } if read => return Err(exceeded(&budgets[line], now)),
+            ReserveOutcome::Refused { .. } => {}
+        }
+    }
+    Err(GatewayError::Internal("unreachable: the second reservation decides".into()))
+}
+
 /// The limit a line reserved under the assumption "not soft" must stay under: the
 /// counter before this call below the soft threshold (`plan::is_soft`: soft when
 /// `used × 10⁶ ≥ limit × threshold_ppm`), and the limit itself after it.

@@ -92,6 +92,9 @@ pub enum CloseReason {
     MessageTooLarge,
     /// The gateway stopped (SIGTERM, Ctrl-C): closed with 1001.
     Shutdown,
+    /// The gateway failed (the ledger could not reserve the next allowance): closed
+    /// with 1011 `internal_error`.
+    Internal,
 }
 
 impl CloseReason {
@@ -103,6 +106,7 @@ impl CloseReason {
             CloseReason::BudgetExceeded => "budget_exceeded",
             CloseReason::MessageTooLarge => "message_too_large",
             CloseReason::Shutdown => "shutdown",
+            CloseReason::Internal => "internal_error",
         }
     }
 }

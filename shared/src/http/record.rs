@@ -176,6 +176,16 @@ impl Draft {
         self.upstream += upstream;
     }
 
+    /// A realtime session ended: why. A cap that closed it leaves the budget state
+    /// `exceeded`.
+    pub fn closed(&mut self, reason: crate::audit::CloseReason) {
+        self.record.close_reason = Some(reason);
+        if reason == crate::audit::CloseReason::BudgetExceeded {
+            self.record.budget_state = BudgetState::Exceeded;
+        }
+        self.streamed = true;
+    }
+
     pub fn streaming(&mut self) {
         self.streamed = true;
     }
