@@ -94,6 +94,7 @@ pub enum CloseReason {
     Shutdown,
     /// The gateway failed (the ledger could not reserve the next allowance): closed
     /// with 1011 `internal_error`.
+    #[serde(rename = "internal_error")]
     Internal,
 }
 
@@ -111,7 +112,8 @@ impl CloseReason {
     }
 }
 
-/// The kind of call: the endpoint family it came through.
+/// The kind of call: the endpoint family it came through (`realtime`: a WebSocket
+/// session, one record for the whole session).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 #[schemars(inline)]
@@ -119,7 +121,6 @@ pub enum Operation {
     Chat,
     Embeddings,
     Grpc,
-    /// A realtime session (WebSocket): one record for the whole session.
     Realtime,
 }
 

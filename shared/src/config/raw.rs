@@ -300,8 +300,8 @@ pub struct RawBackend {
     pub aliases: Option<BTreeMap<String, String>>,
     /// Model served when the requested one is neither in `models` nor `aliases`.
     pub default_model: Option<String>,
-    /// What the backend serves (`chat`, `vision`, `embeddings`, `realtime`). Default
-    /// `[chat]`; for a pool, its members' union.
+    /// What the backend serves (`realtime`: sessions over WebSocket, `/v1/realtime`,
+    /// local shape only). Default `[chat]`; for a pool, its members' union.
     pub capabilities: Option<Vec<RawCapability>>,
     /// `false` declares the backend internal: it may receive sensitive requests.
     /// Default true.
@@ -364,7 +364,6 @@ pub enum RawCapability {
     Chat,
     Vision,
     Embeddings,
-    /// Realtime sessions over WebSocket (`/v1/realtime`, local shape only).
     Realtime,
 }
 
