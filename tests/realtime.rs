@@ -397,3 +397,27 @@ async fn validate_warns_about_realtime_backends_in_the_serverless_shape() {
     let local = flexway::config::load_str(&realtime_config("https://rt.example.net/v1", "{}", ""), &env).unwrap();
     assert!(!local.warnings.iter().any(|w| w.to_string().contains("realtime")));
 }
+
+#[test]
+fn only_what_is_built_loads_for_realtime() {
+    let env: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    let anthropic = realtime_config("https://rt.example.net", "{}", "").replace(
+        "      capabilities: [chat, realtime]\n",
+        "      kind: anthropic\n      capabilities: [chat, realtime]\n",
+    );
+    let error = flexway::config::load_str(&anthropic, &env).map(|_| ()).unwrap_err().to_string();
+    assert!(error.contains("ai.backends.rt.capabilities") && error.contains("realtime"), "{error}");
+    let mtls = realtime_config("https://rt.example.net/v1", "{}", "").replace(
+        "      capabilities: [chat, realtime]\n",
+        "      capabilities: [chat, realtime]\n      tls: {cert: \"env:C\", key: \"env:K\"}\n",
+    );
+    let error = flexway::config::load_str(&mtls, &env).map(|_| ()).unwrap_err().to_string();
+    assert!(error.contains("ai.backends.rt.tls"), "{error}");
+    let override_chat = realtime_config("https://rt.example.net/v1", "{}", "").replace(
+        "      capabilities: [chat, realtime]\n",
+        "      capabilities: [chat]\n",
+    );
+    let override_chat = override_chat.replace("  default_backend: rt\n", "  default_backend: rt\n  capabilities: {realtime: rt}\n");
+    let error = flexway::config::load_str(&override_chat, &env).map(|_| ()).unwrap_err().to_string();
+    assert!(error.contains("ai.capabilities.realtime"), "{error}");
+}
