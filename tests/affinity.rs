@@ -12,7 +12,8 @@ use common::*;
 /// A pool of `members` (name, url), equal weights, one priority; `affinity` is the
 /// `ai.affinity` line or nothing.
 fn pool_config(members: &[(&str, String)], affinity: &str) -> String {
-    let mut ai = format!("  default_backend: pool\n{affinity}  backends:\n    pool:\n      kind: pool\n      members:\n");
+    let mut ai =
+        format!("  default_backend: pool\n{affinity}  backends:\n    pool:\n      kind: pool\n      members:\n");
     for (name, _) in members {
         ai.push_str(&format!("        - {{backend: {name}}}\n"));
     }
@@ -43,7 +44,8 @@ async fn served(gw: &Flexway, session: Option<&str>, calls: usize) -> Vec<String
 
 #[tokio::test]
 async fn a_session_sticks_to_one_member_and_sessions_spread_over_the_pool() {
-    let fakes = [FakeModel::start().await.unwrap(), FakeModel::start().await.unwrap(), FakeModel::start().await.unwrap()];
+    let fakes =
+        [FakeModel::start().await.unwrap(), FakeModel::start().await.unwrap(), FakeModel::start().await.unwrap()];
     let members = [("a", fakes[0].url()), ("b", fakes[1].url()), ("c", fakes[2].url())];
     let gw = Flexway::start(&pool_config(&members, AFFINITY));
     let mut per_member: BTreeMap<String, usize> = BTreeMap::new();
@@ -63,7 +65,8 @@ async fn a_session_sticks_to_one_member_and_sessions_spread_over_the_pool() {
 
 #[tokio::test]
 async fn a_session_whose_member_is_down_falls_back_and_stays_on_its_next_member() {
-    let fakes = [FakeModel::start().await.unwrap(), FakeModel::start().await.unwrap(), FakeModel::start().await.unwrap()];
+    let fakes =
+        [FakeModel::start().await.unwrap(), FakeModel::start().await.unwrap(), FakeModel::start().await.unwrap()];
     let down = fakes[0].scenario_url(&Scenario { status: Some(503), ..Default::default() });
     let members = [("a", down), ("b", fakes[1].url()), ("c", fakes[2].url())];
     let gw = Flexway::start(&pool_config(&members, AFFINITY));
@@ -78,7 +81,8 @@ async fn a_session_whose_member_is_down_falls_back_and_stays_on_its_next_member(
 
 #[tokio::test]
 async fn without_ai_affinity_the_session_header_changes_nothing() {
-    let fakes = [FakeModel::start().await.unwrap(), FakeModel::start().await.unwrap(), FakeModel::start().await.unwrap()];
+    let fakes =
+        [FakeModel::start().await.unwrap(), FakeModel::start().await.unwrap(), FakeModel::start().await.unwrap()];
     let members = [("a", fakes[0].url()), ("b", fakes[1].url()), ("c", fakes[2].url())];
     let gw = Flexway::start(&pool_config(&members, ""));
     let served: BTreeSet<String> = served(&gw, Some("session-1"), 30).await.into_iter().collect();

@@ -38,7 +38,11 @@ fn ws_url(base: &str, model: &str) -> String {
     format!("{}/v1/realtime?model={model}", base.replacen("http://", "ws://", 1))
 }
 
-async fn connect(base: &str, model: &str, auth: Auth<'_>) -> Result<(Client, tungstenite::http::Response<Option<Vec<u8>>>), tungstenite::Error> {
+async fn connect(
+    base: &str,
+    model: &str,
+    auth: Auth<'_>,
+) -> Result<(Client, tungstenite::http::Response<Option<Vec<u8>>>), tungstenite::Error> {
     let mut request = ws_url(base, model).into_client_request().unwrap();
     match auth {
         Auth::Bearer(key) => {
@@ -279,7 +283,10 @@ async fn a_backends_own_close_is_relayed_with_its_code_and_reason() {
     let gw = serve_in_process(&realtime_config(&fake.url(), "{}", ""), adapters).await;
     let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
     next_event(&mut client).await;
-    client.send(Message::text(json!({"type": "fake.close", "code": 4000, "reason": "session expired"}).to_string())).await.unwrap();
+    client
+        .send(Message::text(json!({"type": "fake.close", "code": 4000, "reason": "session expired"}).to_string()))
+        .await
+        .unwrap();
     assert_eq!(close_frame(&mut client).await, (4000, "session expired".to_owned()));
     let records = memory_records(&audit, 1).await;
     assert_eq!(records[0].close_reason, Some(CloseReason::UpstreamClosed));
@@ -413,11 +420,10 @@ fn only_what_is_built_loads_for_realtime() {
     );
     let error = flexway::config::load_str(&mtls, &env).map(|_| ()).unwrap_err().to_string();
     assert!(error.contains("ai.backends.rt.tls"), "{error}");
-    let override_chat = realtime_config("https://rt.example.net/v1", "{}", "").replace(
-        "      capabilities: [chat, realtime]\n",
-        "      capabilities: [chat]\n",
-    );
-    let override_chat = override_chat.replace("  default_backend: rt\n", "  default_backend: rt\n  capabilities: {realtime: rt}\n");
+    let override_chat = realtime_config("https://rt.example.net/v1", "{}", "")
+        .replace("      capabilities: [chat, realtime]\n", "      capabilities: [chat]\n");
+    let override_chat =
+        override_chat.replace("  default_backend: rt\n", "  default_backend: rt\n  capabilities: {realtime: rt}\n");
     let error = flexway::config::load_str(&override_chat, &env).map(|_| ()).unwrap_err().to_string();
     assert!(error.contains("ai.capabilities.realtime"), "{error}");
 }

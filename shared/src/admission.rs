@@ -230,26 +230,26 @@ pub async fn reserve_turn(
         choices: 1,
         min_per_choice: u64::from(config.ai.budget.min_completion_tokens),
     };
-    let unread = vec![0; budgets.len()];
-    let mut used = unread.clone();
-    for read in [false, true] {
-        if read {
-            let keys: Vec<_> = budgets.iter().map(|b| b.key.clone()).collect();
-            used = gateway.budgets.used(&keys).await?;
-        }
+    let mut used = vec![0; budgets.len()];
+    let mut read = false;
+    loop {
         let planned = plan::plan(&budgets, &used, prompt, allowance, price).map_err(|i| exceeded(&budgets[i], now))?;
         let expires_at = now + STREAM_RESERVATION_SECS;
         let request = ReserveRequest { request_id: request_id.to_owned(), lines: planned.lines, expires_at };
         match gateway.budgets.reserve(&request).await? {
             ReserveOutcome::Reserved => {
-                let ticket = Ticket::new(gateway.budgets.clone(), request.reservation(), budgets.to_vec());
+                let ticket = Ticket::new(gateway.budgets.clone(), request.reservation(), budgets);
                 return Ok((ticket, planned.per_choice));
             }
             ReserveOutcome::Refused { line } if read => return Err(exceeded(&budgets[line], now)),
-            ReserveOutcome::Refused { .. } => {}
+            // A limit refused: read the counters, and plan again (clamped) on them.
+            ReserveOutcome::Refused { .. } => {
+                let keys: Vec<_> = budgets.iter().map(|b| b.key.clone()).collect();
+                used = gateway.budgets.used(&keys).await?;
+                read = true;
+            }
         }
     }
-    Err(GatewayError::Internal("unreachable: the second reservation decides".into()))
 }
 
 /// The limit a line reserved under the assumption "not soft" must stay under: the

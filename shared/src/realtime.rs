@@ -133,7 +133,8 @@ mod tests {
 
     #[test]
     fn finds_the_key_among_the_subprotocols() {
-        let offered = http::HeaderValue::from_static("realtime, openai-insecure-api-key.sk-123, openai-beta.realtime-v1");
+        let offered =
+            http::HeaderValue::from_static("realtime, openai-insecure-api-key.sk-123, openai-beta.realtime-v1");
         assert_eq!(subprotocol_key(&offered), Some("sk-123"));
         assert_eq!(subprotocol_key(&http::HeaderValue::from_static("realtime")), None);
     }

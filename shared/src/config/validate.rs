@@ -648,7 +648,11 @@ impl Checker<'_> {
         let vision = self.vision(vision.unwrap_or_default());
         let limits = self.limits(limits.unwrap_or_default());
         let affinity = affinity.and_then(|raw| {
-            let header = self.required("ai.affinity.header", raw.header, "(the header carrying the session, e.g. Flexway-Session)")?;
+            let header = self.required(
+                "ai.affinity.header",
+                raw.header,
+                "(the header carrying the session, e.g. Flexway-Session)",
+            )?;
             self.header("ai.affinity.header", &header).map(|header| Affinity { header })
         });
 

@@ -36,10 +36,10 @@ use futures_util::{SinkExt, StreamExt};
 use http::{HeaderMap, HeaderValue, header};
 use tokio_tungstenite::tungstenite::{self, protocol::frame::coding::CloseCode};
 
+use super::RequestId;
 use super::error::render;
 use super::proxy::model_headers;
 use super::record::{Draft, UsageSource};
-use super::RequestId;
 use crate::admission::{Admission, Demand, admit, reserve_turn};
 use crate::audit::{CloseReason, Operation};
 use crate::budget::Ticket;
@@ -214,7 +214,11 @@ async fn open(
             }
             // The backend's own refusal (a 4xx): the caller's answer, relayed as is.
             Err(ConnectError::Status { status, body }) if status.is_client_error() => {
-                gateway.breakers.record(backend, Outcome::Status { status: status.as_u16(), retry_after: None }, Instant::now());
+                gateway.breakers.record(
+                    backend,
+                    Outcome::Status { status: status.as_u16(), retry_after: None },
+                    Instant::now(),
+                );
                 ticket.refund().await;
                 let mut response = (status, body).into_response();
                 for (name, value) in model_headers(candidate, soft) {
@@ -306,7 +310,12 @@ impl Session {
     }
 
     /// Forwards messages both ways until one side ends the session.
-    async fn proxy(&mut self, client: &mut WebSocket, mut stop: tokio::sync::watch::Receiver<bool>, totals: &mut Totals) -> End {
+    async fn proxy(
+        &mut self,
+        client: &mut WebSocket,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+        totals: &mut Totals,
+    ) -> End {
         let stopping = async move {
             if stop.wait_for(|stop| *stop).await.is_err() {
                 std::future::pending::<()>().await;
@@ -337,7 +346,9 @@ impl Session {
                                 reason: f.reason.as_str().into(),
                             });
                             let _ = tokio::time::timeout(CLOSE_GRACE, self.upstream.close(frame)).await;
-                            // Answered by the client's WebSocket itself; the upstream is closed.
+                            // Reading on sends the client's WebSocket's own answer to
+                            // its close, and sees the connection end.
+                            drain(client).await;
                             return End::new(CloseReason::ClientClosed, None);
                         }
                         // Answered by each side's own WebSocket.

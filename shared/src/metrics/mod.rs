@@ -172,9 +172,8 @@ impl Registry {
 
     /// A realtime session's response was charged (`response.done`).
     pub fn realtime_response(&self, tenant: &str, backend: &str) {
-        self.realtime_responses.with(&[label(Some(tenant)), label(Some(backend))], u64::default, |n| {
-            *n = n.saturating_add(1)
-        });
+        self.realtime_responses
+            .with(&[label(Some(tenant)), label(Some(backend))], u64::default, |n| *n = n.saturating_add(1));
     }
 
     pub fn set_realtime_open(&self, open: usize) {

@@ -53,7 +53,8 @@ impl UpstreamClient {
         url.query_pairs_mut().append_pair("model", model);
         let mut request = url.as_str().into_client_request().map_err(|e| CallError::Connect(e.to_string()))?;
         let headers = request.headers_mut();
-        headers.insert(http::header::USER_AGENT, HeaderValue::from_static(concat!("flexway/", env!("CARGO_PKG_VERSION"))));
+        headers
+            .insert(http::header::USER_AGENT, HeaderValue::from_static(concat!("flexway/", env!("CARGO_PKG_VERSION"))));
         if let Some((traceparent, state)) = trace.upstream() {
             headers.insert(context::TRACEPARENT, traceparent);
             if let Some(state) = state {
