@@ -679,6 +679,10 @@ mod tests {
         registry.set_budget_remaining("acme", "tokens_per_day", 5.0);
         registry.set_breaker_state("ptu-west", BreakerState::Closed);
         registry.observe_overshoot("ptu-west", 12);
+        registry.realtime_session_ended(Some("rt"), "budget_exceeded");
+        registry.realtime_response("acme", "rt");
+        registry.realtime_response("acme", "rt");
+        registry.set_realtime_open(3);
         let text = registry.render_prometheus();
         assert!(text.ends_with('\n'));
         for line in text.lines() {
@@ -691,8 +695,12 @@ mod tests {
             assert!(value == "+Inf" || value.parse::<f64>().is_ok(), "{line}");
         }
         let types = lines(&text, "# TYPE");
-        assert_eq!(types.len(), 10, "{types:?}");
+        assert_eq!(types.len(), 13, "{types:?}");
         assert!(text.contains("flexway_allowance_overshoot_tokens_total{backend=\"ptu-west\"} 12\n"), "{text}");
+        assert!(text.contains("flexway_realtime_sessions_open 3\n"), "{text}");
+        let ended = "flexway_realtime_sessions_total{backend=\"rt\",close_reason=\"budget_exceeded\"} 1\n";
+        assert!(text.contains(ended), "{text}");
+        assert!(text.contains("flexway_realtime_responses_total{tenant=\"acme\",backend=\"rt\"} 2\n"), "{text}");
     }
 
     #[test]
