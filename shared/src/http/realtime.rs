@@ -84,13 +84,12 @@ pub(super) async fn session(
             return render(&error, true);
         }
     };
-    let opened = open(&gateway, &caller, &request_id, &mut draft, &headers, query.get("model")).await;
-    match opened.map(|opened| (opened, upgrade)) {
-        Ok((Opened::Refused(response), _)) => {
+    match open(&gateway, &caller, &request_id, &mut draft, &headers, query.get("model")).await {
+        Ok(Opened::Refused(response)) => {
             draft.finish(response.status().as_u16(), None).await;
             response
         }
-        Ok((Opened::Session(session), upgrade)) => {
+        Ok(Opened::Session(session)) => {
             let limit = usize::try_from(gateway.config.ai.limits.max_event_bytes).unwrap_or(usize::MAX);
             let headers = model_headers(&session.candidate, session.soft);
             let mut response = upgrade
