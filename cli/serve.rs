@@ -25,6 +25,10 @@ use flexway_aws::{AwsSecretSource, CloudWatchAuditSink, DynamoDbBudgetStore};
 /// How long `serve` waits, on its way out, for the last telemetry to be sent.
 const TELEMETRY_FLUSH_AT_EXIT: Duration = Duration::from_secs(5);
 
+/// How long `serve` waits, on its way out, for the realtime sessions it closed to
+/// settle and write their records.
+const SESSIONS_CLOSE_AT_EXIT: Duration = Duration::from_secs(10);
+
 /// How often the local shape refunds expired reservations.
 const SWEEP_EVERY: Duration = Duration::from_secs(5);
 
@@ -162,6 +166,9 @@ async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
         }
     });
     serve_http(listener, flexway::http::app(gateway.clone()), stop_signal()).await;
+    // Upgraded connections are no longer the transport's: realtime sessions are closed
+    // (1001) and waited for here, so each settles and writes its record.
+    gateway.sessions.close_all(SESSIONS_CLOSE_AT_EXIT).await;
     // What the leases served goes to the counters: the ledger then equals the audit.
     if let Some(leases) = leases {
         leases.flush().await;

@@ -43,6 +43,13 @@ impl Gateway {
         let line = status.lines().find(|l| l.starts_with("VmHWM")).unwrap_or("VmHWM: ?");
         line.split_whitespace().skip(1).collect::<Vec<_>>().join(" ")
     }
+
+    /// Resident memory of the gateway process now (`VmRSS`), in KiB.
+    pub fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
+        let line = status.lines().find(|l| l.starts_with("VmRSS")).unwrap_or("VmRSS: 0");
+        line.split_whitespace().nth(1).and_then(|kib| kib.parse().ok()).unwrap_or(0)
+    }
 }
 
 impl Drop for Gateway {

@@ -56,6 +56,8 @@ pub struct Demand {
     pub stream: bool,
     /// The sensitivity header was true.
     pub sensitive: bool,
+    /// The session's affinity key (`routing::affinity_key`), if any.
+    pub affinity: Option<u64>,
 }
 
 pub struct Admission {
@@ -165,7 +167,12 @@ async fn decide(
     let budgets = decision.budgets;
     let route = gateway.router.route(
         caller,
-        &RouteRequest { capability: demand.capability, sensitive: demand.sensitive, soft: decision.soft },
+        &RouteRequest {
+            capability: demand.capability,
+            sensitive: demand.sensitive,
+            soft: decision.soft,
+            affinity: demand.affinity,
+        },
     )?;
     let price = plan::highest_price(route.candidates.iter().map(|c| gateway.price(&c.backend)));
     let allowance = if demand.completes {
@@ -198,6 +205,50 @@ async fn decide(
             allowance: planned.per_choice,
         })),
         ReserveOutcome::Refused { line } => Ok(Decided::Refused(line)),
+    }
+}
+
+/// The allowance of a realtime session's next response (SPEC §2.3), at the price of
+/// the backend the session is pinned to: `prompt` tokens (a realtime response reads
+/// the whole conversation so far, so the last response's total is the next one's
+/// floor) plus the completion allowance (`ai.budget.default_max_tokens`, clamped down
+/// to `min_completion_tokens` when only that fits). As for a call, the counters are
+/// read only when the first write is refused. `Err(BudgetExceeded)` when no allowance
+/// fits: the session ends there. No routing: a session never moves.
+pub async fn reserve_turn(
+    gateway: &Gateway,
+    caller: &Caller,
+    request_id: &str,
+    prompt: u64,
+    price: crate::config::Price,
+) -> Result<(Ticket, u64), GatewayError> {
+    let now = unix_now();
+    let config = &gateway.config;
+    let budgets = plan::budgets_for(config, &caller.tenant, caller.agent.as_ref().map(|a| a.as_str()), now);
+    let allowance = Allowance {
+        per_choice: u64::from(config.ai.budget.default_max_tokens),
+        choices: 1,
+        min_per_choice: u64::from(config.ai.budget.min_completion_tokens),
+    };
+    let mut used = vec![0; budgets.len()];
+    let mut read = false;
+    loop {
+        let planned = plan::plan(&budgets, &used, prompt, allowance, price).map_err(|i| exceeded(&budgets[i], now))?;
+        let expires_at = now + STREAM_RESERVATION_SECS;
+        let request = ReserveRequest { request_id: request_id.to_owned(), lines: planned.lines, expires_at };
+        match gateway.budgets.reserve(&request).await? {
+            ReserveOutcome::Reserved => {
+                let ticket = Ticket::new(gateway.budgets.clone(), request.reservation(), budgets);
+                return Ok((ticket, planned.per_choice));
+            }
+            ReserveOutcome::Refused { line } if read => return Err(exceeded(&budgets[line], now)),
+            // A limit refused: read the counters, and plan again (clamped) on them.
+            ReserveOutcome::Refused { .. } => {
+                let keys: Vec<_> = budgets.iter().map(|b| b.key.clone()).collect();
+                used = gateway.budgets.used(&keys).await?;
+                read = true;
+            }
+        }
     }
 }
 

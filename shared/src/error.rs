@@ -98,6 +98,12 @@ pub enum GatewayError {
     NotFound { method: String, path: String },
     #[error("method {method} is not allowed on {path}")]
     MethodNotAllowed { method: String, path: String },
+    /// `GET /v1/realtime` in the serverless shape: a function URL holds no WebSocket.
+    #[error(
+        "realtime sessions (WebSocket, GET /v1/realtime) are not served by the serverless shape: a Lambda function \
+         URL cannot hold a WebSocket; use a gateway run with `flexway serve`"
+    )]
+    RealtimeUnavailable,
     /// The budget ledger stayed contended past its retries.
     #[error("the budget ledger is busy; retry in a second")]
     LedgerBusy,
@@ -138,6 +144,7 @@ impl GatewayError {
             GatewayError::UpstreamUnavailable { .. } | GatewayError::LedgerBusy => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             GatewayError::NotFound { .. } => StatusCode::NOT_FOUND,
+            GatewayError::RealtimeUnavailable => StatusCode::NOT_IMPLEMENTED,
             GatewayError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             GatewayError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -162,6 +169,7 @@ impl GatewayError {
             GatewayError::UpstreamUnavailable { .. } => "upstream_unavailable",
             GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
             GatewayError::NotFound { .. } => "not_found",
+            GatewayError::RealtimeUnavailable => "realtime_unavailable",
             GatewayError::MethodNotAllowed { .. } => "method_not_allowed",
             GatewayError::LedgerBusy => "ledger_busy",
             GatewayError::Internal(_) => "internal_error",

@@ -15,6 +15,7 @@ use crate::budget::BudgetStore;
 use crate::config::{BackendId, Config, Price};
 use crate::identity::KeyRing;
 use crate::metrics::Registry;
+use crate::realtime::Sessions;
 use crate::routing::Router;
 use crate::routing::breaker::Breakers;
 use crate::secret::{SecretSource, resolve_all};
@@ -46,6 +47,8 @@ pub struct Gateway {
     pub breakers: Breakers,
     pub metrics: Registry,
     pub telemetry: Telemetry,
+    /// Open realtime sessions (local shape), closed and waited for when it stops.
+    pub sessions: Sessions,
     secrets: Arc<dyn SecretSource>,
     /// When the backends' secrets are next due for a refresh.
     next_refresh: Mutex<Instant>,
@@ -69,6 +72,7 @@ impl Gateway {
         let config = Arc::new(config);
         Ok(Gateway {
             telemetry,
+            sessions: Sessions::default(),
             keys: KeyRing::new(&config),
             router: Router::new(config.clone()),
             upstreams,

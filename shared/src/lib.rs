@@ -13,6 +13,7 @@ pub mod identity;
 pub mod metrics;
 pub mod money;
 pub mod protocol;
+pub mod realtime;
 pub mod routing;
 pub mod secret;
 pub mod telemetry;

@@ -57,6 +57,8 @@ fn schema_lists_every_spec_field() {
         "ttfb_ms",
         "key_hash",
         "user_hash",
+        // §2.3: a realtime session's record says how it ended (absent for other calls).
+        "close_reason",
     ];
     for field in spec_fields {
         assert!(properties.contains_key(field), "missing {field}");

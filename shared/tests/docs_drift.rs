@@ -57,6 +57,7 @@ fn one_of_each() -> Vec<GatewayError> {
         GatewayError::NotFound { method: "GET".into(), path: "/".into() },
         GatewayError::MethodNotAllowed { method: "GET".into(), path: "/".into() },
         GatewayError::LedgerBusy,
+        GatewayError::RealtimeUnavailable,
         GatewayError::Internal("i".into()),
     ]
 }

@@ -228,6 +228,7 @@ const CHAT: Demand = Demand {
     completes: true,
     stream: false,
     sensitive: false,
+    affinity: None,
 };
 
 /// One served call through the real admission and ticket: what it sends to DynamoDB.

@@ -67,9 +67,53 @@ pub struct AuditRecord {
     pub key_hash: String,
     /// Salted SHA-256 of the OpenAI `user` field, when the client sent one.
     pub user_hash: Option<String>,
+    /// A realtime session's (`operation: realtime`) end: who closed it and why. The
+    /// session's totals are its tokens and cost, its duration `latency_ms`. Absent
+    /// for every other operation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub close_reason: Option<CloseReason>,
 }
 
-/// The kind of call: the endpoint family it came through.
+/// How a realtime session ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+#[schemars(inline)]
+pub enum CloseReason {
+    /// The client closed the session (or went away).
+    ClientClosed,
+    /// The backend closed the session with a close frame (relayed to the client).
+    UpstreamClosed,
+    /// The backend dropped the connection, or sent what is not a WebSocket message:
+    /// the client's session is closed with 1011 `upstream_error`.
+    UpstreamError,
+    /// A hard budget cap was reached: closed with 4429 `budget_exceeded`.
+    BudgetExceeded,
+    /// A message over `ai.limits.max_event_bytes`, from either side: closed with 1009.
+    MessageTooLarge,
+    /// The gateway stopped (SIGTERM, Ctrl-C): closed with 1001.
+    Shutdown,
+    /// The gateway failed (the ledger could not reserve the next allowance): closed
+    /// with 1011 `internal_error`.
+    #[serde(rename = "internal_error")]
+    Internal,
+}
+
+impl CloseReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CloseReason::ClientClosed => "client_closed",
+            CloseReason::UpstreamClosed => "upstream_closed",
+            CloseReason::UpstreamError => "upstream_error",
+            CloseReason::BudgetExceeded => "budget_exceeded",
+            CloseReason::MessageTooLarge => "message_too_large",
+            CloseReason::Shutdown => "shutdown",
+            CloseReason::Internal => "internal_error",
+        }
+    }
+}
+
+/// The kind of call: the endpoint family it came through (`realtime`: a WebSocket
+/// session, one record for the whole session).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 #[schemars(inline)]
@@ -77,6 +121,7 @@ pub enum Operation {
     Chat,
     Embeddings,
     Grpc,
+    Realtime,
 }
 
 impl Operation {
@@ -85,6 +130,7 @@ impl Operation {
             Operation::Chat => "chat",
             Operation::Embeddings => "embeddings",
             Operation::Grpc => "grpc",
+            Operation::Realtime => "realtime",
         }
     }
 }
@@ -207,6 +253,7 @@ mod tests {
             ttfb_ms: None,
             key_hash: "ab".repeat(2),
             user_hash: None,
+            close_reason: None,
         }
     }
 

@@ -449,6 +449,7 @@ mod tests {
             ttfb_ms: Some(90),
             key_hash: "00".repeat(32),
             user_hash: None,
+            close_reason: None,
         }
     }
 

@@ -180,7 +180,16 @@ pub struct Ai {
     pub budget: BudgetPolicy,
     pub vision: VisionPolicy,
     pub limits: Limits,
+    /// Session affinity for HTTP calls (`ai.affinity`); `None`: off.
+    pub affinity: Option<Affinity>,
     pub backends: BTreeMap<BackendId, Backend>,
+}
+
+/// `ai.affinity`: the header whose value pins a session to a pool member.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Affinity {
+    /// Header name, stored lower-case.
+    pub header: String,
 }
 
 /// Bounds on an upstream answer (`ai.limits`).
@@ -194,6 +203,7 @@ pub struct Limits {
 pub struct CapabilityOverrides {
     pub vision: Option<BackendId>,
     pub embeddings: Option<BackendId>,
+    pub realtime: Option<BackendId>,
 }
 
 #[derive(Debug, Clone)]
@@ -228,6 +238,7 @@ pub enum Capability {
     Chat,
     Vision,
     Embeddings,
+    Realtime,
 }
 
 impl Capability {
@@ -236,6 +247,7 @@ impl Capability {
             Capability::Chat => "chat",
             Capability::Vision => "vision",
             Capability::Embeddings => "embeddings",
+            Capability::Realtime => "realtime",
         }
     }
 }

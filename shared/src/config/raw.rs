@@ -196,8 +196,23 @@ pub struct RawAi {
     pub vision: Option<RawVision>,
     /// Limits on what a backend may send back.
     pub limits: Option<RawLimits>,
+    /// Session affinity for HTTP calls: calls carrying the same value in `header`
+    /// go to the same pool member while it is healthy. Absent: off.
+    pub affinity: Option<RawAffinity>,
     /// The backends by name.
     pub backends: Option<BTreeMap<String, RawBackend>>,
+}
+
+/// Session affinity (SPEC §2.3): a pool picks its member by consistent (rendezvous)
+/// hashing of the header's value, inside the usual priority order, so that the same
+/// session goes to the same member while that member is healthy, falls back as usual
+/// when it is not, and few sessions move when a member is added.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Affinity", expecting = "an affinity (a mapping)")]
+pub struct RawAffinity {
+    /// The request header carrying the session's value, e.g. `Flexway-Session`.
+    #[schemars(required)]
+    pub header: Option<String>,
 }
 
 /// Capability overrides.
@@ -208,6 +223,8 @@ pub struct RawCapabilityOverrides {
     pub vision: Option<String>,
     /// Backend for `/v1/embeddings`; it must serve `embeddings`.
     pub embeddings: Option<String>,
+    /// Backend for `/v1/realtime` sessions (WebSocket); it must serve `realtime`.
+    pub realtime: Option<String>,
 }
 
 /// Budget policy.
@@ -257,7 +274,8 @@ pub struct RawLimits {
     /// Largest non-streamed answer body (a relayed 4xx included). Default 67108864 (64 MiB).
     #[schemars(range(min = 1))]
     pub max_response_bytes: Option<u64>,
-    /// Largest single server-sent event of a stream. Default 1048576 (1 MiB).
+    /// Largest single server-sent event of a stream, and largest WebSocket message of
+    /// a realtime session, either way. Default 1048576 (1 MiB).
     #[schemars(range(min = 1))]
     pub max_event_bytes: Option<u64>,
 }
@@ -282,7 +300,8 @@ pub struct RawBackend {
     pub aliases: Option<BTreeMap<String, String>>,
     /// Model served when the requested one is neither in `models` nor `aliases`.
     pub default_model: Option<String>,
-    /// What the backend serves. Default `[chat]`; for a pool, its members' union.
+    /// What the backend serves (`realtime`: sessions over WebSocket, `/v1/realtime`,
+    /// local shape only). Default `[chat]`; for a pool, its members' union.
     pub capabilities: Option<Vec<RawCapability>>,
     /// `false` declares the backend internal: it may receive sensitive requests.
     /// Default true.
@@ -345,6 +364,7 @@ pub enum RawCapability {
     Chat,
     Vision,
     Embeddings,
+    Realtime,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]

@@ -246,6 +246,7 @@ fn capability(raw: RawCapability) -> Capability {
         RawCapability::Chat => Capability::Chat,
         RawCapability::Vision => Capability::Vision,
         RawCapability::Embeddings => Capability::Embeddings,
+        RawCapability::Realtime => Capability::Realtime,
     }
 }
 
@@ -293,6 +294,13 @@ impl Checker<'_> {
             );
         }
         for backend in ai.backends.values() {
+            if backend.capabilities.contains(&Capability::Realtime) && backend.kind.endpoint().is_some() {
+                self.warn(
+                    format!("ai.backends.{}.capabilities", backend.name),
+                    "realtime sessions are not served by the serverless shape (a function URL cannot hold a \
+                     WebSocket): /v1/realtime is refused there; serve this backend's sessions with `flexway serve`",
+                );
+            }
             if matches!(backend.kind, BackendKind::Grpc { .. }) {
                 self.warn(
                     format!("ai.backends.{}", backend.name),
@@ -602,6 +610,7 @@ impl Checker<'_> {
             budget,
             vision,
             limits,
+            affinity,
             backends: _,
         } = raw;
 
@@ -614,6 +623,7 @@ impl Checker<'_> {
         let capabilities = CapabilityOverrides {
             vision: self.capability_backend("vision", capabilities.vision, Capability::Vision, catalog),
             embeddings: self.capability_backend("embeddings", capabilities.embeddings, Capability::Embeddings, catalog),
+            realtime: self.capability_backend("realtime", capabilities.realtime, Capability::Realtime, catalog),
         };
 
         let sensitive_header =
@@ -637,6 +647,14 @@ impl Checker<'_> {
         let budget = self.budget_policy(budget.unwrap_or_default(), catalog);
         let vision = self.vision(vision.unwrap_or_default());
         let limits = self.limits(limits.unwrap_or_default());
+        let affinity = affinity.and_then(|raw| {
+            let header = self.required(
+                "ai.affinity.header",
+                raw.header,
+                "(the header carrying the session, e.g. Flexway-Session)",
+            )?;
+            self.header("ai.affinity.header", &header).map(|header| Affinity { header })
+        });
 
         Some(Ai {
             default_backend: default_backend?,
@@ -646,6 +664,7 @@ impl Checker<'_> {
             budget: budget?,
             vision: vision?,
             limits,
+            affinity,
             backends,
         })
     }

@@ -4,6 +4,7 @@
 mod dispatch;
 mod error;
 mod proxy;
+mod realtime;
 mod record;
 mod relay;
 
@@ -76,14 +77,22 @@ impl Deadline {
 
 /// The local shape's surface: the API plus `GET /metrics` (Prometheus).
 pub fn app(gateway: Arc<Gateway>) -> Router {
-    finish(api_routes().route("/metrics", get(metrics)), gateway)
+    let routes = api_routes().route("/v1/realtime", get(realtime::session)).route("/metrics", get(metrics));
+    finish(routes, gateway)
 }
 
 /// The serverless shape's surface: the API only (metrics leave as CloudWatch EMF).
 /// Secrets are refreshed on the request path when due
 /// ([`Gateway::refresh_secrets_if_due`]): no task outlives an invocation.
 pub fn api(gateway: Arc<Gateway>) -> Router {
-    finish(api_routes().layer(middleware::from_fn_with_state(gateway.clone(), refresh_due_secrets)), gateway)
+    let routes = api_routes().route("/v1/realtime", get(realtime_unavailable));
+    finish(routes.layer(middleware::from_fn_with_state(gateway.clone(), refresh_due_secrets)), gateway)
+}
+
+/// The serverless shape's answer to `GET /v1/realtime`: a function URL cannot hold a
+/// WebSocket, said plainly (501 `realtime_unavailable`), before anything else.
+async fn realtime_unavailable() -> Response {
+    render(&GatewayError::RealtimeUnavailable, true)
 }
 
 async fn refresh_due_secrets(State(gateway): State<Arc<Gateway>>, request: Request, next: Next) -> Response {
@@ -112,6 +121,7 @@ async fn metrics(State(gateway): State<Arc<Gateway>>) -> Response {
     for (backend, state) in gateway.breakers.states(now) {
         gateway.metrics.set_breaker_state(backend.as_str(), state);
     }
+    gateway.metrics.set_realtime_open(gateway.sessions.count());
     let mut text = gateway.metrics.render_prometheus();
     gateway.telemetry.render_prometheus(&mut text);
     let mut response = text.into_response();

@@ -144,6 +144,7 @@ async fn chat(
         completes: true,
         stream: request.stream,
         sensitive,
+        affinity: crate::routing::affinity_key(headers, gateway.config.ai.affinity.as_ref()),
     };
     let Admission { route, ticket, soft, allowance } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.soft(soft);
@@ -204,6 +205,7 @@ async fn embed(
         completes: false,
         stream: false,
         sensitive,
+        affinity: crate::routing::affinity_key(headers, gateway.config.ai.affinity.as_ref()),
     };
     let Admission { route, ticket, soft, .. } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.soft(soft);

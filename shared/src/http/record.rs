@@ -85,6 +85,7 @@ impl Draft {
             ttfb_ms: None,
             key_hash: gateway.hasher.hash(&caller.key_sha256),
             user_hash: None,
+            close_reason: None,
         };
         Draft {
             gateway: gateway.clone(),
@@ -173,6 +174,16 @@ impl Draft {
     /// Adds time spent waiting on a backend.
     pub fn waited(&mut self, upstream: Duration) {
         self.upstream += upstream;
+    }
+
+    /// A realtime session ended: why. A cap that closed it leaves the budget state
+    /// `exceeded`.
+    pub fn closed(&mut self, reason: crate::audit::CloseReason) {
+        self.record.close_reason = Some(reason);
+        if reason == crate::audit::CloseReason::BudgetExceeded {
+            self.record.budget_state = BudgetState::Exceeded;
+        }
+        self.streamed = true;
     }
 
     pub fn streaming(&mut self) {

@@ -77,6 +77,11 @@ pub struct Registry {
     usage_drift: Family<Histogram>,
     budget_remaining: Family<f64>,
     breaker_state: Family<f64>,
+    /// Realtime sessions ended, per [backend, close_reason].
+    realtime_sessions: Family<u64>,
+    /// Realtime responses charged, per [tenant, backend].
+    realtime_responses: Family<u64>,
+    realtime_open: AtomicU64,
 }
 
 impl std::fmt::Debug for Registry {
@@ -108,6 +113,9 @@ impl Registry {
             usage_drift: Family::new(),
             budget_remaining: Family::new(),
             breaker_state: Family::new(),
+            realtime_sessions: Family::new(),
+            realtime_responses: Family::new(),
+            realtime_open: AtomicU64::new(0),
         }
     }
 
@@ -155,6 +163,21 @@ impl Registry {
     /// `budget` names the counter, e.g. `tokens_per_day`, `eur_per_month`.
     pub fn set_budget_remaining(&self, tenant: &str, budget: &str, remaining: f64) {
         self.budget_remaining.with(&[label(Some(tenant)), label(Some(budget))], f64::default, |v| *v = remaining);
+    }
+
+    /// A realtime session ended (its call and cost are counted by its audit record).
+    pub fn realtime_session_ended(&self, backend: Option<&str>, close_reason: &str) {
+        self.realtime_sessions.with(&[label(backend), close_reason], u64::default, |n| *n = n.saturating_add(1));
+    }
+
+    /// A realtime session's response was charged (`response.done`).
+    pub fn realtime_response(&self, tenant: &str, backend: &str) {
+        self.realtime_responses
+            .with(&[label(Some(tenant)), label(Some(backend))], u64::default, |n| *n = n.saturating_add(1));
+    }
+
+    pub fn set_realtime_open(&self, open: usize) {
+        self.realtime_open.store(open as u64, Ordering::Relaxed);
     }
 
     pub fn set_breaker_state(&self, backend: &str, state: BreakerState) {
@@ -278,6 +301,29 @@ impl Registry {
         );
         for (values, value) in self.breaker_state.snapshot(|v| *v) {
             sample(&mut out, "flexway_breaker_state", &["backend"], &values, None, &float(value));
+        }
+
+        header(&mut out, "flexway_realtime_sessions_open", "gauge", "Realtime sessions open now.");
+        let open = self.realtime_open.load(Ordering::Relaxed).to_string();
+        sample(&mut out, "flexway_realtime_sessions_open", &[], &[], None, &open);
+        header(
+            &mut out,
+            "flexway_realtime_sessions_total",
+            "counter",
+            "Realtime sessions ended, by backend and close reason.",
+        );
+        for (values, n) in self.realtime_sessions.snapshot(|v| *v) {
+            let names = ["backend", "close_reason"];
+            sample(&mut out, "flexway_realtime_sessions_total", &names, &values, None, &n.to_string());
+        }
+        header(
+            &mut out,
+            "flexway_realtime_responses_total",
+            "counter",
+            "Responses of realtime sessions charged (response.done), by tenant and backend.",
+        );
+        for (values, n) in self.realtime_responses.snapshot(|v| *v) {
+            sample(&mut out, "flexway_realtime_responses_total", &["tenant", "backend"], &values, None, &n.to_string());
         }
         out
     }
@@ -633,6 +679,10 @@ mod tests {
         registry.set_budget_remaining("acme", "tokens_per_day", 5.0);
         registry.set_breaker_state("ptu-west", BreakerState::Closed);
         registry.observe_overshoot("ptu-west", 12);
+        registry.realtime_session_ended(Some("rt"), "budget_exceeded");
+        registry.realtime_response("acme", "rt");
+        registry.realtime_response("acme", "rt");
+        registry.set_realtime_open(3);
         let text = registry.render_prometheus();
         assert!(text.ends_with('\n'));
         for line in text.lines() {
@@ -645,8 +695,12 @@ mod tests {
             assert!(value == "+Inf" || value.parse::<f64>().is_ok(), "{line}");
         }
         let types = lines(&text, "# TYPE");
-        assert_eq!(types.len(), 10, "{types:?}");
+        assert_eq!(types.len(), 13, "{types:?}");
         assert!(text.contains("flexway_allowance_overshoot_tokens_total{backend=\"ptu-west\"} 12\n"), "{text}");
+        assert!(text.contains("flexway_realtime_sessions_open 3\n"), "{text}");
+        let ended = "flexway_realtime_sessions_total{backend=\"rt\",close_reason=\"budget_exceeded\"} 1\n";
+        assert!(text.contains(ended), "{text}");
+        assert!(text.contains("flexway_realtime_responses_total{tenant=\"acme\",backend=\"rt\"} 2\n"), "{text}");
     }
 
     #[test]

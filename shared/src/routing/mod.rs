@@ -7,6 +7,13 @@
 //! inside a group), then the declared fallbacks, each backend at most once, each able
 //! to serve the request's capability. Invariant: a sensitive call's chain holds only
 //! internal backends (the header narrows routing, never widens it).
+//!
+//! Session affinity (`ai.affinity`, off by default): a call carrying a session value
+//! orders each pool's priority groups by weighted rendezvous hashing of that value
+//! instead of at random, so the same session starts at the same member while the
+//! pool is unchanged; a member that is unhealthy (breaker open, failing) is passed by
+//! the dispatcher as usual, to the session's next member in the same order. Adding a
+//! member moves only the sessions that now rank it first (about 1/n of them).
 
 pub mod breaker;
 
@@ -27,6 +34,41 @@ pub struct RouteRequest {
     pub sensitive: bool,
     /// A budget reached its soft threshold: switch to the soft backend.
     pub soft: bool,
+    /// The session's affinity key ([`affinity_key`]), when `ai.affinity` is on and the
+    /// call carries its header: pools order their members by it.
+    pub affinity: Option<u64>,
+}
+
+/// The affinity key of a call: a stable 64-bit hash of the value of the affinity
+/// header (the first one, if repeated), `None` when affinity is off or the header is
+/// absent or empty. Stable across processes and releases, so that every instance of a
+/// fleet sends a session to the same member.
+pub fn affinity_key(headers: &http::HeaderMap, affinity: Option<&crate::config::Affinity>) -> Option<u64> {
+    let value = headers.get(affinity?.header.as_str())?.as_bytes();
+    (!value.is_empty()).then(|| mix(fnv1a(value)))
+}
+
+/// FNV-1a, 64 bits: a stable hash of a few bytes (names, session values).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, b| (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// SplitMix64's finaliser: spreads the bits of a hash evenly.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Weighted rendezvous score of `member` for the session `key`: `weight / -ln(u)`,
+/// `u` uniform in (0, 1) from the pair's hash. The member with the highest score
+/// serves; each member wins a share of sessions proportional to its weight.
+fn rendezvous_score(key: u64, member: &PoolMember) -> f64 {
+    let hash = mix(key ^ fnv1a(member.backend.as_str().as_bytes()));
+    // 53 bits, and never 0: u in (0, 1].
+    let unit = ((hash >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+    let ln = -unit.ln();
+    if ln <= 0.0 { f64::INFINITY } else { f64::from(member.weight.max(1)) / ln }
 }
 
 /// The candidates for a call, in order.
@@ -77,6 +119,7 @@ impl Router {
             Capability::Chat => None,
             Capability::Vision => ai.capabilities.vision.as_ref(),
             Capability::Embeddings => ai.capabilities.embeddings.as_ref(),
+            Capability::Realtime => ai.capabilities.realtime.as_ref(),
         };
         if let Some(backend) = override_for {
             return backend;
@@ -93,7 +136,8 @@ impl Router {
         let entry = self.entry_backend(caller, request);
         let via_pool = self.backend(entry).is_some_and(|b| matches!(b.kind, BackendKind::Pool { .. }));
         let mut candidates = Vec::new();
-        self.expand(entry, false, &mut candidates, &mut BTreeSet::new(), &mut rand::rng());
+        let order = Order { affinity: request.affinity };
+        self.expand(entry, false, &mut candidates, &mut BTreeSet::new(), &mut rand::rng(), order);
         candidates.retain(|c| self.backend(&c.backend).is_some_and(|b| b.capabilities.contains(&request.capability)));
         if request.sensitive {
             candidates.retain(|c| self.is_internal(&c.backend));
@@ -123,6 +167,7 @@ impl Router {
         chain: &mut Vec<Candidate>,
         seen: &mut BTreeSet<BackendId>,
         rng: &mut impl Rng,
+        order: Order,
     ) {
         if !seen.insert(name.clone()) {
             return;
@@ -133,7 +178,10 @@ impl Router {
         match &backend.kind {
             BackendKind::Pool { members } => {
                 let best = members.iter().map(|m| m.priority).min().unwrap_or(1);
-                let order = pool_order(members, rng);
+                let order = match order.affinity {
+                    Some(key) => affinity_order(members, key),
+                    None => pool_order(members, rng),
+                };
                 for member in &order {
                     if seen.insert(member.backend.clone()) {
                         chain.push(Candidate {
@@ -145,7 +193,7 @@ impl Router {
                 // Members' own fallbacks come after every member.
                 for member in order {
                     for fallback in self.backend(&member.backend).map(|b| b.fallback.as_slice()).unwrap_or_default() {
-                        self.expand(fallback, true, chain, seen, rng);
+                        self.expand(fallback, true, chain, seen, rng, Order::default());
                     }
                 }
             }
@@ -153,7 +201,7 @@ impl Router {
             _ => chain.push(Candidate { backend: name.clone(), degraded }),
         }
         for fallback in &backend.fallback {
-            self.expand(fallback, true, chain, seen, rng);
+            self.expand(fallback, true, chain, seen, rng, order);
         }
     }
 
@@ -162,14 +210,15 @@ impl Router {
         let mut names = Vec::new();
         let mut seen_backends = BTreeSet::new();
         let mut backends = Vec::new();
-        for capability in [Capability::Chat, Capability::Vision, Capability::Embeddings] {
+        for capability in [Capability::Chat, Capability::Vision, Capability::Embeddings, Capability::Realtime] {
             let mut chain = Vec::new();
             self.expand(
-                self.entry_backend(caller, &RouteRequest { capability, sensitive: false, soft: false }),
+                self.entry_backend(caller, &RouteRequest { capability, sensitive: false, soft: false, affinity: None }),
                 false,
                 &mut chain,
                 &mut BTreeSet::new(),
                 &mut rand::rng(),
+                Order::default(),
             );
             for candidate in chain {
                 if seen_backends.insert(candidate.backend.clone()) {
@@ -189,6 +238,22 @@ impl Router {
         }
         names
     }
+}
+
+/// How pools order their members: at random by weight, or by a session's affinity.
+#[derive(Debug, Clone, Copy, Default)]
+struct Order {
+    affinity: Option<u64>,
+}
+
+/// Members by priority group (1 first); inside a group, by the session's weighted
+/// rendezvous score, highest first (ties, which need equal hashes, by name).
+fn affinity_order(members: &[PoolMember], key: u64) -> Vec<&PoolMember> {
+    let mut order: Vec<(&PoolMember, f64)> = members.iter().map(|m| (m, rendezvous_score(key, m))).collect();
+    order.sort_by(|(a, sa), (b, sb)| {
+        a.priority.cmp(&b.priority).then(sb.total_cmp(sa)).then_with(|| a.backend.cmp(&b.backend))
+    });
+    order.into_iter().map(|(m, _)| m).collect()
 }
 
 /// Members by priority group (1 first); inside a group, a weighted random order.
@@ -240,6 +305,68 @@ mod tests {
             assert_eq!(order[0].backend.as_str(), "a");
             assert_eq!(order.len(), 3);
         }
+    }
+
+    fn first_of(members: &[PoolMember], key: u64) -> String {
+        affinity_order(members, key)[0].backend.to_string()
+    }
+
+    fn session(n: u64) -> u64 {
+        let mut headers = http::HeaderMap::new();
+        headers.insert("flexway-session", format!("session-{n}").parse().unwrap());
+        let affinity = crate::config::Affinity { header: "flexway-session".into() };
+        affinity_key(&headers, Some(&affinity)).unwrap()
+    }
+
+    #[test]
+    fn affinity_sends_a_session_to_the_same_member_every_time() {
+        let members = [member("a", 1, 1), member("b", 1, 1), member("c", 1, 1), member("d", 2, 1)];
+        for n in 0..200 {
+            let first = first_of(&members, session(n));
+            assert_ne!(first, "d", "a lower priority group never comes first");
+            for _ in 0..5 {
+                assert_eq!(first_of(&members, session(n)), first);
+            }
+            let order = affinity_order(&members, session(n));
+            assert_eq!(order.len(), 4);
+            assert_eq!(order[3].backend.as_str(), "d");
+        }
+    }
+
+    #[test]
+    fn affinity_spreads_sessions_by_weight() {
+        let members = [member("a", 1, 3), member("b", 1, 1)];
+        let on_a = (0..4000).filter(|n| first_of(&members, session(*n)) == "a").count();
+        // Expected 3,000 of 4,000 sessions; within 5%.
+        assert!((2850..=3150).contains(&on_a), "a first for {on_a} sessions");
+    }
+
+    #[test]
+    fn adding_a_member_moves_only_the_sessions_it_takes() {
+        let three = [member("a", 1, 1), member("b", 1, 1), member("c", 1, 1)];
+        let four = [member("a", 1, 1), member("b", 1, 1), member("c", 1, 1), member("d", 1, 1)];
+        let mut moved = 0;
+        for n in 0..4000 {
+            let (before, after) = (first_of(&three, session(n)), first_of(&four, session(n)));
+            if before != after {
+                assert_eq!(after, "d", "a session only ever moves to the new member");
+                moved += 1;
+            }
+        }
+        // About a quarter (1,000) move: to the new member, none between the old ones.
+        assert!((850..=1150).contains(&moved), "{moved} sessions moved");
+    }
+
+    #[test]
+    fn no_affinity_without_the_header_or_the_config() {
+        let affinity = crate::config::Affinity { header: "flexway-session".into() };
+        let mut headers = http::HeaderMap::new();
+        assert_eq!(affinity_key(&headers, Some(&affinity)), None);
+        headers.insert("flexway-session", "".parse().unwrap());
+        assert_eq!(affinity_key(&headers, Some(&affinity)), None, "an empty value is no session");
+        headers.insert("flexway-session", "s1".parse().unwrap());
+        assert_eq!(affinity_key(&headers, None), None, "off unless configured");
+        assert!(affinity_key(&headers, Some(&affinity)).is_some());
     }
 
     #[test]

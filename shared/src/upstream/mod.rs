@@ -15,6 +15,7 @@
 //! re-read at every call (a projected workload-identity token rotates under our feet).
 
 pub mod body;
+pub mod realtime;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -67,6 +68,27 @@ enum Credential {
     None,
     Header(HeaderName, HeaderValue),
     TokenFile(PathBuf),
+}
+
+impl Credential {
+    /// The header this credential sends, if any.
+    fn header(&self) -> Result<Option<(HeaderName, HeaderValue)>, CallError> {
+        match self {
+            Credential::None => Ok(None),
+            Credential::Header(name, value) => Ok(Some((name.clone(), value.clone()))),
+            Credential::TokenFile(path) => {
+                // A few bytes from a projected token file: read in place, not on the
+                // blocking pool (two thread hops for a microsecond's work).
+                let token = std::fs::read_to_string(path)
+                    .map_err(|e| CallError::Credential(format!("token_file {}: {e}", path.display())))?;
+                let mut value = HeaderValue::from_str(&format!("Bearer {}", token.trim())).map_err(|_| {
+                    CallError::Credential(format!("token_file {}: not a valid header value", path.display()))
+                })?;
+                value.set_sensitive(true);
+                Ok(Some((http::header::AUTHORIZATION, value)))
+            }
+        }
+    }
 }
 
 pub struct UpstreamClient {
@@ -190,20 +212,8 @@ impl UpstreamClient {
         for (name, value) in identity {
             request = request.header(name, value);
         }
-        match &live.credential {
-            Credential::None => {}
-            Credential::Header(name, value) => request = request.header(name, value),
-            Credential::TokenFile(path) => {
-                // A few bytes from a projected token file: read in place, not on the
-                // blocking pool (two thread hops for a microsecond's work).
-                let token = std::fs::read_to_string(path)
-                    .map_err(|e| CallError::Credential(format!("token_file {}: {e}", path.display())))?;
-                let mut value = HeaderValue::from_str(&format!("Bearer {}", token.trim())).map_err(|_| {
-                    CallError::Credential(format!("token_file {}: not a valid header value", path.display()))
-                })?;
-                value.set_sensitive(true);
-                request = request.header(http::header::AUTHORIZATION, value);
-            }
+        if let Some((name, value)) = live.credential.header()? {
+            request = request.header(name, value);
         }
         match tokio::time::timeout(self.timeout, request.send()).await {
             Err(_) => Err(CallError::Timeout(self.timeout)),

@@ -2,8 +2,9 @@
 //! and README demo.
 //!
 //! It answers `POST /v1/chat/completions` (streamed or not), `POST
-//! /v1/embeddings`, `GET /v1/models` and Anthropic's `POST /v1/messages`
-//! (streamed or not) deterministically, records every request it receives,
+//! /v1/embeddings`, `GET /v1/models`, Anthropic's `POST /v1/messages`
+//! (streamed or not) and realtime sessions (`GET /v1/realtime`, a WebSocket:
+//! see [`realtime`]) deterministically, records every request it receives,
 //! and misbehaves on demand: a [`Scenario`] encoded in a
 //! path prefix of the backend URL (`/s/status=503,retry_after=7/v1`) injects
 //! statuses (steady or flapping), delays, hangs, long or overshooting replies,
@@ -36,6 +37,7 @@
 
 mod anthropic;
 mod openai;
+pub mod realtime;
 mod scenario;
 mod server;
 

@@ -19,6 +19,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
+use axum::extract::ws::WebSocketUpgrade;
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::http::header::{CACHE_CONTROL, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
@@ -114,10 +116,16 @@ pub(crate) async fn handle(
     method: Method,
     uri: Uri,
     headers: HeaderMap,
+    upgrade: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
     body: Bytes,
 ) -> Response {
     let (scenario, path) = split_scenario(uri.path());
-    let json = serde_json::from_slice::<Value>(&body).ok();
+    // A realtime session records its model (the query's) as its body.
+    let model = (path == "/v1/realtime").then(|| realtime_model(&uri));
+    let json = match &model {
+        Some(model) => Some(serde_json::json!({ "model": model })),
+        None => serde_json::from_slice::<Value>(&body).ok(),
+    };
     shared.lock().push(RecordedRequest {
         method: method.to_string(),
         path: path.to_owned(),
@@ -138,11 +146,21 @@ pub(crate) async fn handle(
             return AnthropicError::new(StatusCode::BAD_REQUEST, e.to_string()).into_response();
         }
     };
+    if let Some(model) = model {
+        return crate::realtime::respond(scenario, upgrade.ok(), model).await;
+    }
     let mut response = respond(&shared, &scenario, &method, path, &headers, json).await;
     if let Some(seconds) = scenario.retry_after {
         response.headers_mut().insert(RETRY_AFTER, HeaderValue::from(seconds));
     }
     response
+}
+
+/// The `model` of a realtime session's query (`?model=NAME`), empty when absent.
+fn realtime_model(uri: &Uri) -> String {
+    let query = uri.query().unwrap_or_default();
+    let model = query.split('&').find_map(|pair| pair.strip_prefix("model=")).unwrap_or_default();
+    model.replace("%2F", "/").replace("%3A", ":").replace('+', " ")
 }
 
 /// Split `/s/<scenario>/rest` into the scenario and `/rest`; other paths have

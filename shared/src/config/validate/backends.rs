@@ -33,6 +33,7 @@ impl Checker<'_> {
         let path = format!("ai.backends.{name}");
         let kind = raw.kind.unwrap_or(RawBackendKind::Openai);
         self.refuse_foreign_keys(&path, kind, &raw);
+        let has_tls = raw.tls.is_some();
         let summary = catalog.get(name)?;
 
         let RawBackend {
@@ -83,7 +84,24 @@ impl Checker<'_> {
         if capabilities.as_ref().is_some_and(Vec::is_empty) {
             self.error(
                 format!("{path}.capabilities"),
-                "list at least one of chat, vision, embeddings (or leave it out: default [chat])",
+                "list at least one of chat, vision, embeddings, realtime (or leave it out: default [chat])",
+            );
+        }
+        let realtime = capabilities.as_ref().is_some_and(|c| c.contains(&RawCapability::Realtime));
+        if realtime && matches!(kind, RawBackendKind::Anthropic | RawBackendKind::Relay) {
+            self.error(
+                format!("{path}.capabilities"),
+                format!(
+                    "realtime sessions speak OpenAI's realtime protocol to an `openai` backend; {} does not serve them",
+                    kind.a_backend()
+                ),
+            );
+        }
+        if realtime && has_tls {
+            self.error(
+                format!("{path}.tls"),
+                "a client certificate (mTLS) is not built for realtime sessions: serve realtime from a backend \
+                 without `tls`",
             );
         }
         if kind == RawBackendKind::Anthropic

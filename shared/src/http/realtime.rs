@@ -1,0 +1,473 @@
+//! `GET /v1/realtime?model=NAME` (SPEC §2.3, local shape): a WebSocket session proxied
+//! message by message to one backend that serves `realtime`.
+//!
+//! Before the upgrade, as for any call: identity (`Authorization: Bearer`, or the
+//! `openai-insecure-api-key.` subprotocol browsers send), routing, the first response's
+//! allowance reserved (a refusal is a plain HTTP 429 `budget_exceeded`), and the
+//! backend's own WebSocket opened, trying the route in order like a call's fallback:
+//! nothing has reached the client yet. Once the client is upgraded the session is
+//! pinned to that backend: no failover, no retry.
+//!
+//! Budget: the session always holds one reservation, the allowance of its next
+//! response (`admission::reserve_turn`). Each `response.done` settles it on the usage
+//! reported and reserves the next one; when none fits the session is closed with 4429
+//! `budget_exceeded`, right after the `response.done` that reached the cap. So the
+//! counters always include what the next response may spend, concurrent calls cannot
+//! take it, and only a response that overshoots its own allowance can pass a cap (by
+//! that overshoot, charged in full). The allowance held when the session ends is
+//! refunded; a response still running then is not charged (its usage never came).
+//!
+//! Every session ends in exactly one audit record (`operation: realtime`, its totals,
+//! its duration in `latency_ms`, `close_reason`) whatever ends it: either side closing
+//! or dropping, the cap, a message over the limit, or the gateway stopping (which
+//! closes every session with 1001 and waits for their records). Memory per session is
+//! bounded: one message of at most `ai.limits.max_event_bytes` per direction.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Extension;
+use axum::extract::ws::{self, CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Query, State};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures_util::{SinkExt, StreamExt};
+use http::{HeaderMap, HeaderValue, header};
+use tokio_tungstenite::tungstenite::{self, protocol::frame::coding::CloseCode};
+
+use super::RequestId;
+use super::error::render;
+use super::proxy::model_headers;
+use super::record::{Draft, UsageSource};
+use crate::admission::{Admission, Demand, admit, reserve_turn};
+use crate::audit::{CloseReason, Operation};
+use crate::budget::Ticket;
+use crate::config::{BackendId, Capability, Price};
+use crate::error::{Attempts, GatewayError, UnavailableCause};
+use crate::gateway::Gateway;
+use crate::identity::Caller;
+use crate::money::MicroEur;
+use crate::protocol::openai::{InvalidRequest, Usage};
+use crate::realtime::{self as rt, response_done_usage, subprotocol_key};
+use crate::routing::Candidate;
+use crate::routing::breaker::{Admit, Outcome};
+use crate::upstream::CallError;
+use crate::upstream::realtime::{BUFFER_BYTES, ConnectError, Upstream};
+
+/// The subprotocol the gateway selects when the client offers it (OpenAI's browser
+/// clients do); the key's own subprotocol is never echoed.
+const SUBPROTOCOL: &str = "realtime";
+/// How long a closing side is given to answer the close before its connection is
+/// dropped.
+const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+pub(super) async fn session(
+    State(gateway): State<Arc<Gateway>>,
+    Extension(request_id): Extension<RequestId>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    upgrade: Result<WebSocketUpgrade, ws::rejection::WebSocketUpgradeRejection>,
+) -> Response {
+    let caller = match authenticate(&gateway, &headers) {
+        Ok(caller) => caller,
+        // Refused before identification: no audit record (SPEC §9), only the log.
+        Err(e) => return render(&e, true),
+    };
+    let mut draft = Draft::begin(&gateway, &request_id, &caller, Operation::Realtime, &headers);
+    let upgrade = match upgrade {
+        Ok(upgrade) => upgrade,
+        Err(e) => {
+            let message = format!("GET /v1/realtime opens a WebSocket session: {e}");
+            let error = GatewayError::from(InvalidRequest { message, param: None });
+            draft.fail(&error).await;
+            return render(&error, true);
+        }
+    };
+    match open(&gateway, &caller, &request_id, &mut draft, &headers, query.get("model")).await {
+        Ok(Opened::Refused(response)) => {
+            draft.finish(response.status().as_u16(), None).await;
+            response
+        }
+        Ok(Opened::Session(session)) => {
+            let limit = usize::try_from(gateway.config.ai.limits.max_event_bytes).unwrap_or(usize::MAX);
+            let headers = model_headers(&session.candidate, session.soft);
+            let mut response = upgrade
+                .protocols([SUBPROTOCOL])
+                .max_message_size(limit)
+                .max_frame_size(limit)
+                .read_buffer_size(BUFFER_BYTES)
+                .write_buffer_size(BUFFER_BYTES)
+                .on_upgrade(move |socket| session.run(socket, draft));
+            for (name, value) in headers {
+                response.headers_mut().insert(name, value);
+            }
+            response
+        }
+        Err(e) => {
+            draft.fail(&e).await;
+            render(&e, true)
+        }
+    }
+}
+
+/// The caller, by `Authorization: Bearer` or, for a browser, by the key in the
+/// `openai-insecure-api-key.` subprotocol.
+fn authenticate(gateway: &Gateway, headers: &HeaderMap) -> Result<Caller, GatewayError> {
+    if headers.contains_key(header::AUTHORIZATION) {
+        return Ok(gateway.keys.authenticate(headers)?);
+    }
+    let Some(key) = headers.get(header::SEC_WEBSOCKET_PROTOCOL).and_then(subprotocol_key) else {
+        return Ok(gateway.keys.authenticate(headers)?);
+    };
+    let mut with_key = headers.clone();
+    let mut bearer = HeaderValue::from_str(&format!("Bearer {key}"))
+        .map_err(|_| GatewayError::Identity(crate::identity::IdentityError::UnknownKey))?;
+    bearer.set_sensitive(true);
+    with_key.insert(header::AUTHORIZATION, bearer);
+    Ok(gateway.keys.authenticate(&with_key)?)
+}
+
+enum Opened {
+    Session(Box<Session>),
+    /// The backend's own refusal of the handshake (a 4xx), relayed as is.
+    Refused(Response),
+}
+
+struct Session {
+    gateway: Arc<Gateway>,
+    caller: Caller,
+    request_id: RequestId,
+    candidate: Candidate,
+    upstream: Upstream,
+    price: Price,
+    soft: bool,
+    ticket: Option<Ticket>,
+}
+
+/// Everything before the upgrade: the request read, routed, the first allowance
+/// reserved, the backend's session opened.
+async fn open(
+    gateway: &Arc<Gateway>,
+    caller: &Caller,
+    request_id: &RequestId,
+    draft: &mut Draft,
+    headers: &HeaderMap,
+    model: Option<&String>,
+) -> Result<Opened, GatewayError> {
+    let model = model.filter(|m| !m.is_empty()).ok_or_else(|| InvalidRequest {
+        message: "GET /v1/realtime needs the model to open a session with: `?model=NAME`".into(),
+        param: Some("model"),
+    })?;
+    draft.request(Capability::Realtime, model, None);
+    let sensitive = crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?;
+    draft.sensitive(sensitive);
+    let demand = Demand {
+        capability: Capability::Realtime,
+        prompt_tokens: 0,
+        max_tokens: None,
+        choices: 1,
+        completes: true,
+        stream: true,
+        sensitive,
+        affinity: None,
+    };
+    let Admission { route, ticket, soft, allowance } = admit(gateway, caller, &request_id.0, &demand).await?;
+    draft.soft(soft);
+    draft.allowance(allowance);
+    let mut attempts = Attempts::default();
+    // The last backend tried, if it timed out (504 rather than 503).
+    let mut last_timeout: Option<BackendId> = None;
+    for candidate in &route.candidates {
+        let backend = &candidate.backend;
+        let (Some(endpoint), Some(client)) =
+            (gateway.config.ai.backends.get(backend).and_then(|b| b.kind.endpoint()), gateway.upstreams.get(backend))
+        else {
+            continue;
+        };
+        if gateway.breakers.admit(backend, Instant::now()) == Admit::No {
+            attempts.skipped.push(backend.clone());
+            continue;
+        }
+        let served = endpoint.served_model(model);
+        attempts.tried.push(backend.clone());
+        draft.trying(candidate, &served);
+        let limit = usize::try_from(gateway.config.ai.limits.max_event_bytes).unwrap_or(usize::MAX);
+        let sent = Instant::now();
+        let connected = client.connect_realtime(&served, draft.trace(), limit).await;
+        draft.waited(sent.elapsed());
+        let outcome = match connected {
+            Ok(upstream) => {
+                gateway.breakers.record(backend, Outcome::Success, Instant::now());
+                let session = Session {
+                    gateway: gateway.clone(),
+                    caller: caller.clone(),
+                    request_id: request_id.clone(),
+                    candidate: candidate.clone(),
+                    upstream,
+                    price: gateway.price(backend),
+                    soft,
+                    ticket: Some(ticket),
+                };
+                return Ok(Opened::Session(Box::new(session)));
+            }
+            // The backend's own refusal (a 4xx): the caller's answer, relayed as is.
+            Err(ConnectError::Status { status, body }) if status.is_client_error() => {
+                gateway.breakers.record(
+                    backend,
+                    Outcome::Status { status: status.as_u16(), retry_after: None },
+                    Instant::now(),
+                );
+                ticket.refund().await;
+                let mut response = (status, body).into_response();
+                for (name, value) in model_headers(candidate, soft) {
+                    response.headers_mut().insert(name, value);
+                }
+                return Ok(Opened::Refused(response));
+            }
+            Err(ConnectError::Status { status, .. }) => {
+                last_timeout = None;
+                tracing::warn!(backend = %backend, status = status.as_u16(), "realtime backend refused the session");
+                Outcome::Status { status: status.as_u16(), retry_after: None }
+            }
+            Err(ConnectError::Call(CallError::Timeout(after))) => {
+                tracing::warn!(backend = %backend, ?after, "realtime backend timed out");
+                last_timeout = Some(backend.clone());
+                Outcome::Timeout
+            }
+            Err(ConnectError::Call(e)) => {
+                last_timeout = None;
+                tracing::warn!(backend = %backend, "realtime backend unreachable: {e}");
+                Outcome::ConnectionError
+            }
+        };
+        gateway.breakers.record(backend, outcome, Instant::now());
+    }
+    ticket.refund().await;
+    Err(match last_timeout {
+        Some(backend) => GatewayError::UpstreamTimeout { backend, attempts },
+        None => {
+            let cause = if attempts.tried.is_empty() && !attempts.skipped.is_empty() {
+                UnavailableCause::CircuitOpen
+            } else if route.via_pool {
+                UnavailableCause::PoolExhausted
+            } else {
+                UnavailableCause::UpstreamFailed
+            };
+            GatewayError::UpstreamUnavailable { cause, attempts, last_failure: None }
+        }
+    })
+}
+
+/// How one direction's message ended the session, and what the client is told.
+struct End {
+    reason: CloseReason,
+    /// The close frame sent to the client, if the gateway sends one.
+    client: Option<(u16, &'static str)>,
+}
+
+impl End {
+    fn new(reason: CloseReason, client: Option<(u16, &'static str)>) -> End {
+        End { reason, client }
+    }
+}
+
+impl Session {
+    /// The session, from the upgrade to its record.
+    async fn run(mut self, mut client: WebSocket, mut draft: Draft) {
+        let gateway = self.gateway.clone();
+        let open = gateway.sessions.open();
+        draft.first_byte();
+        let mut totals = Totals::default();
+        let end = self.proxy(&mut client, open.stop.clone(), &mut totals).await;
+        if let Some((code, reason)) = end.client {
+            close(&mut client, code, reason).await;
+        }
+        let upstream_ended = matches!(end.reason, CloseReason::UpstreamClosed | CloseReason::UpstreamError);
+        if !upstream_ended {
+            let frame = tungstenite::protocol::CloseFrame { code: CloseCode::Normal, reason: "".into() };
+            let _ = tokio::time::timeout(CLOSE_GRACE, self.upstream.close(Some(frame))).await;
+        }
+        if end.reason == CloseReason::UpstreamError {
+            gateway.breakers.record(&self.candidate.backend, Outcome::ConnectionError, Instant::now());
+        }
+        if let Some(ticket) = self.ticket.take() {
+            ticket.refund().await;
+        }
+        draft.usage(totals.usage, UsageSource::Reported, totals.cost);
+        draft.closed(end.reason);
+        let error_code = match end.reason {
+            CloseReason::BudgetExceeded => Some("budget_exceeded"),
+            CloseReason::UpstreamError => Some("upstream_error"),
+            CloseReason::MessageTooLarge => Some("message_too_large"),
+            CloseReason::Internal => Some("internal_error"),
+            CloseReason::ClientClosed | CloseReason::UpstreamClosed | CloseReason::Shutdown => None,
+        };
+        gateway.metrics.realtime_session_ended(Some(self.candidate.backend.as_str()), end.reason.as_str());
+        draft.finish(http::StatusCode::SWITCHING_PROTOCOLS.as_u16(), error_code).await;
+        drop(open);
+    }
+
+    /// Forwards messages both ways until one side ends the session.
+    async fn proxy(
+        &mut self,
+        client: &mut WebSocket,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+        totals: &mut Totals,
+    ) -> End {
+        let stopping = async move {
+            if stop.wait_for(|stop| *stop).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::pin!(stopping);
+        loop {
+            tokio::select! {
+                () = &mut stopping => return End::new(CloseReason::Shutdown, Some((rt::CLOSE_GOING_AWAY, "shutdown"))),
+                from_client = client.recv() => {
+                    let message = match from_client {
+                        None => return End::new(CloseReason::ClientClosed, None),
+                        Some(Err(e)) if too_large(&e) => {
+                            return End::new(CloseReason::MessageTooLarge, Some((rt::CLOSE_TOO_LARGE, "message_too_large")));
+                        }
+                        Some(Err(_)) => return End::new(CloseReason::ClientClosed, None),
+                        Some(Ok(message)) => message,
+                    };
+                    let message = match message {
+                        Message::Text(text) => match tungstenite::Utf8Bytes::try_from(Bytes::from(text)) {
+                            Ok(text) => tungstenite::Message::Text(text),
+                            Err(_) => continue,
+                        },
+                        Message::Binary(data) => tungstenite::Message::Binary(data),
+                        Message::Close(frame) => {
+                            let frame = frame.map(|f| tungstenite::protocol::CloseFrame {
+                                code: CloseCode::from(f.code),
+                                reason: f.reason.as_str().into(),
+                            });
+                            let _ = tokio::time::timeout(CLOSE_GRACE, self.upstream.close(frame)).await;
+                            // Reading on sends the client's WebSocket's own answer to
+                            // its close, and sees the connection end.
+                            drain(client).await;
+                            return End::new(CloseReason::ClientClosed, None);
+                        }
+                        // Answered by each side's own WebSocket.
+                        Message::Ping(_) | Message::Pong(_) => continue,
+                    };
+                    if self.upstream.send(message).await.is_err() {
+                        return End::new(CloseReason::UpstreamError, Some((rt::CLOSE_UPSTREAM_ERROR, "upstream_error")));
+                    }
+                }
+                from_upstream = self.upstream.next() => {
+                    let message = match from_upstream {
+                        None => return End::new(CloseReason::UpstreamError, Some((rt::CLOSE_UPSTREAM_ERROR, "upstream_error"))),
+                        Some(Err(tungstenite::Error::Capacity(_))) => {
+                            tracing::warn!(backend = %self.candidate.backend, "realtime backend sent a message over ai.limits.max_event_bytes");
+                            return End::new(CloseReason::MessageTooLarge, Some((rt::CLOSE_UPSTREAM_ERROR, "upstream_error")));
+                        }
+                        Some(Err(e)) => {
+                            tracing::warn!(backend = %self.candidate.backend, "realtime backend dropped the session: {e}");
+                            return End::new(CloseReason::UpstreamError, Some((rt::CLOSE_UPSTREAM_ERROR, "upstream_error")));
+                        }
+                        Some(Ok(message)) => message,
+                    };
+                    let (message, usage) = match message {
+                        tungstenite::Message::Text(text) => {
+                            let usage = response_done_usage(text.as_str());
+                            match ws::Utf8Bytes::try_from(Bytes::from(text)) {
+                                Ok(text) => (Message::Text(text), usage),
+                                Err(_) => continue,
+                            }
+                        }
+                        tungstenite::Message::Binary(data) => (Message::Binary(data), None),
+                        tungstenite::Message::Close(frame) => {
+                            // The backend's own close, relayed as it is.
+                            let frame = frame.map(|f| CloseFrame { code: f.code.into(), reason: f.reason.as_str().into() });
+                            let _ = tokio::time::timeout(CLOSE_GRACE, client.send(Message::Close(frame))).await;
+                            drain(client).await;
+                            return End::new(CloseReason::UpstreamClosed, None);
+                        }
+                        tungstenite::Message::Ping(_) | tungstenite::Message::Pong(_) | tungstenite::Message::Frame(_) => continue,
+                    };
+                    if client.send(message).await.is_err() {
+                        return End::new(CloseReason::ClientClosed, None);
+                    }
+                    if let Some(usage) = usage {
+                        match self.charge(usage, totals).await {
+                            Ok(()) => {}
+                            Err(GatewayError::BudgetExceeded { .. }) => {
+                                return End::new(CloseReason::BudgetExceeded, Some((rt::CLOSE_BUDGET_EXCEEDED, "budget_exceeded")));
+                            }
+                            Err(e) => {
+                                tracing::error!("realtime session: the next response's allowance could not be reserved: {e}");
+                                return End::new(CloseReason::Internal, Some((rt::CLOSE_INTERNAL, "internal_error")));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Settles the allowance held on `usage`, and reserves the next response's.
+    async fn charge(&mut self, usage: Usage, totals: &mut Totals) -> Result<(), GatewayError> {
+        let gateway = self.gateway.clone();
+        let cost = match self.ticket.take() {
+            Some(ticket) => ticket.settle(usage, self.price).await,
+            None => return Err(GatewayError::Internal("a response without an allowance".into())),
+        };
+        totals.add(usage, cost);
+        gateway.metrics.realtime_response(self.caller.tenant.as_str(), self.candidate.backend.as_str());
+        let turn = format!("{}.{}", self.request_id.0, totals.responses);
+        let (ticket, _) = reserve_turn(&gateway, &self.caller, &turn, usage.total(), self.price).await?;
+        self.ticket = Some(ticket);
+        Ok(())
+    }
+}
+
+/// What a session consumed.
+#[derive(Default)]
+struct Totals {
+    usage: Usage,
+    cost: MicroEur,
+    responses: u64,
+}
+
+impl Totals {
+    fn add(&mut self, usage: Usage, cost: MicroEur) {
+        self.usage.prompt_tokens = self.usage.prompt_tokens.saturating_add(usage.prompt_tokens);
+        self.usage.completion_tokens = self.usage.completion_tokens.saturating_add(usage.completion_tokens);
+        self.cost = self.cost.saturating_add(cost);
+        self.responses += 1;
+    }
+}
+
+/// Sends a close frame to the client and gives it a moment to answer.
+async fn close(client: &mut WebSocket, code: u16, reason: &'static str) {
+    let frame = CloseFrame { code, reason: ws::Utf8Bytes::from_static(reason) };
+    if tokio::time::timeout(CLOSE_GRACE, client.send(Message::Close(Some(frame)))).await.is_ok() {
+        drain(client).await;
+    }
+}
+
+/// Reads what the client still sends until its close arrives (or the grace ends).
+async fn drain(client: &mut WebSocket) {
+    let _ = tokio::time::timeout(CLOSE_GRACE, async {
+        while let Some(Ok(message)) = client.recv().await {
+            if matches!(message, Message::Close(_)) {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
+fn too_large(error: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(s) = source {
+        if matches!(s.downcast_ref::<tungstenite::Error>(), Some(tungstenite::Error::Capacity(_))) {
+            return true;
+        }
+        source = s.source();
+    }
+    false
+}

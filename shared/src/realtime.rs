@@ -1,0 +1,141 @@
+//! Realtime sessions (SPEC §2.3): what the gateway reads of the OpenAI realtime event
+//! protocol, and the registry of open sessions. The proxy itself is `http::realtime`.
+//!
+//! The gateway reads only what it meters: a backend's text message is parsed only
+//! when it may be a `response.done` (a substring test first), and only its
+//! `response.usage` is read; every message, of either side, is forwarded untouched.
+//!
+//! The registry lets the process stop cleanly: on SIGTERM `flexway serve` asks every
+//! open session to close (1001, `shutdown`) and waits for them to settle their budget
+//! and write their audit record, so no session is cut without both.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+use tokio::sync::watch;
+
+use crate::protocol::openai::Usage;
+
+/// Close code and reason when a hard budget cap ends a session.
+pub const CLOSE_BUDGET_EXCEEDED: u16 = 4429;
+/// Close code when the backend dropped the session or broke the protocol (1011,
+/// "internal error", reason `upstream_error`).
+pub const CLOSE_UPSTREAM_ERROR: u16 = 1011;
+/// Close code when the gateway itself fails (1011, reason `internal_error`): the
+/// ledger could not reserve the next response's allowance.
+pub const CLOSE_INTERNAL: u16 = 1011;
+/// Close code for a message over the limit (1009, "message too big").
+pub const CLOSE_TOO_LARGE: u16 = 1009;
+/// Close code when the gateway stops (1001, "going away").
+pub const CLOSE_GOING_AWAY: u16 = 1001;
+
+/// The usage of a `response.done` event, if `text` is one that reports it.
+pub fn response_done_usage(text: &str) -> Option<Usage> {
+    #[derive(Deserialize)]
+    struct Event {
+        #[serde(rename = "type")]
+        kind: String,
+        response: Option<Response>,
+    }
+    #[derive(Deserialize)]
+    struct Response {
+        usage: Option<RealtimeUsage>,
+    }
+    #[derive(Deserialize)]
+    struct RealtimeUsage {
+        #[serde(default)]
+        input_tokens: u64,
+        #[serde(default)]
+        output_tokens: u64,
+    }
+    if !text.contains("response.done") {
+        return None;
+    }
+    let event: Event = serde_json::from_str(text).ok()?;
+    if event.kind != "response.done" {
+        return None;
+    }
+    let usage = event.response?.usage?;
+    Some(Usage { prompt_tokens: usage.input_tokens, completion_tokens: usage.output_tokens })
+}
+
+/// The key a browser sends in the `openai-insecure-api-key.` subprotocol, if any.
+pub fn subprotocol_key(protocols: &http::HeaderValue) -> Option<&str> {
+    protocols.to_str().ok()?.split(',').map(str::trim).find_map(|p| p.strip_prefix(SUBPROTOCOL_KEY_PREFIX))
+}
+
+/// The subprotocol prefix of a key sent by a browser (which cannot set headers on a
+/// WebSocket): `openai-insecure-api-key.<key>`.
+pub const SUBPROTOCOL_KEY_PREFIX: &str = "openai-insecure-api-key.";
+
+/// The open sessions of this process, and the signal that asks them to close.
+#[derive(Debug)]
+pub struct Sessions {
+    stop: watch::Sender<bool>,
+    open: watch::Sender<usize>,
+}
+
+impl Default for Sessions {
+    fn default() -> Self {
+        Sessions { stop: watch::Sender::new(false), open: watch::Sender::new(0) }
+    }
+}
+
+/// A session counted open until dropped.
+#[derive(Debug)]
+pub struct Open<'a> {
+    sessions: &'a Sessions,
+    pub stop: watch::Receiver<bool>,
+}
+
+impl Sessions {
+    /// Counts a session open; it is asked to close through `stop`.
+    pub fn open(&self) -> Open<'_> {
+        self.open.send_modify(|n| *n += 1);
+        Open { sessions: self, stop: self.stop.subscribe() }
+    }
+
+    /// How many sessions are open.
+    pub fn count(&self) -> usize {
+        *self.open.borrow()
+    }
+
+    /// Asks every session to close, and waits up to `within` for them to end
+    /// (settled and recorded). Sessions opened after this are closed at once.
+    pub async fn close_all(&self, within: Duration) {
+        self.stop.send_replace(true);
+        let mut open = self.open.subscribe();
+        let _ = tokio::time::timeout(within, open.wait_for(|n| *n == 0)).await;
+    }
+}
+
+impl Drop for Open<'_> {
+    fn drop(&mut self) {
+        self.sessions.open.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_usage_of_response_done_only() {
+        let done = r#"{"type":"response.done","event_id":"e1","response":{"id":"r1","status":"completed",
+            "output":[{"type":"message","content":[{"type":"text","text":"response.done"}]}],
+            "usage":{"total_tokens":57,"input_tokens":40,"output_tokens":17,"input_token_details":{"audio_tokens":30}}}}"#;
+        assert_eq!(response_done_usage(done), Some(Usage { prompt_tokens: 40, completion_tokens: 17 }));
+        let delta = r#"{"type":"response.output_text.delta","delta":"the word response.done in a reply"}"#;
+        assert_eq!(response_done_usage(delta), None);
+        assert_eq!(response_done_usage(r#"{"type":"response.done","response":{"status":"cancelled"}}"#), None);
+        assert_eq!(response_done_usage("response.done, not json"), None);
+    }
+
+    #[test]
+    fn finds_the_key_among_the_subprotocols() {
+        let offered =
+            http::HeaderValue::from_static("realtime, openai-insecure-api-key.sk-123, openai-beta.realtime-v1");
+        assert_eq!(subprotocol_key(&offered), Some("sk-123"));
+        assert_eq!(subprotocol_key(&http::HeaderValue::from_static("realtime")), None);
+    }
+}

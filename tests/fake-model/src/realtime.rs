@@ -1,0 +1,111 @@
+//! The fake realtime upstream: `GET /v1/realtime?model=M` upgraded to a WebSocket
+//! that speaks enough of OpenAI's realtime event protocol for the gateway's tests.
+//!
+//! On open it sends `session.created`. A `response.create` is answered with
+//! `response.created`, one `response.output_text.delta` per output token, and
+//! `response.done` whose `usage` reports 20 input tokens and `words` (default 5)
+//! output tokens. `{"type":"fake.close","code":C,"reason":R}` makes it close the
+//! session with that code and reason. Every other text message, and every binary
+//! one, is echoed back unchanged, so a test sees what the gateway forwarded.
+//!
+//! Scenario keys: `status` refuses the handshake with that status; `delay_ms`
+//! delays it; `cut_after=N` drops the TCP connection (no close frame) when the
+//! (N+1)th `response.create` arrives, after N complete responses; `huge_mb=N`
+//! answers a `response.create` with one text message of N MiB first.
+
+use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+
+use crate::scenario::Scenario;
+
+/// Input tokens each response reports.
+pub const INPUT_TOKENS: u64 = 20;
+/// Output tokens each response reports unless `words` says otherwise.
+pub const OUTPUT_TOKENS: u64 = 5;
+
+pub(crate) async fn respond(scenario: Scenario, upgrade: Option<WebSocketUpgrade>, model: String) -> Response {
+    if let Some(ms) = scenario.delay_ms {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
+    if let Some(status) = scenario.status.and_then(|s| StatusCode::from_u16(s).ok()).filter(|s| !s.is_success()) {
+        let body = json!({"error": {"message": format!("fake-model injected status {}", status.as_u16()),
+            "type": "fake", "param": null, "code": format!("injected_{}", status.as_u16())}});
+        return (status, axum::Json(body)).into_response();
+    }
+    let Some(upgrade) = upgrade else {
+        let body = json!({"error": {"message": "/v1/realtime is a WebSocket", "type": "invalid_request_error",
+            "param": null, "code": "not_websocket"}});
+        return (StatusCode::BAD_REQUEST, axum::Json(body)).into_response();
+    };
+    upgrade.max_message_size(64 << 20).on_upgrade(move |socket| session(socket, scenario, model))
+}
+
+async fn session(mut socket: WebSocket, scenario: Scenario, model: String) {
+    let created = json!({"type": "session.created", "event_id": "evt_fake_0", "session": {"model": model}});
+    if socket.send(text(&created)).await.is_err() {
+        return;
+    }
+    let mut responses = 0usize;
+    while let Some(Ok(message)) = socket.recv().await {
+        let reply = match message {
+            Message::Text(body) => {
+                let event: Value = serde_json::from_str(body.as_str()).unwrap_or(Value::Null);
+                match event["type"].as_str() {
+                    Some("response.create") => {
+                        if scenario.cut_after == Some(responses) {
+                            // Dropped without a close frame: the connection is cut.
+                            return;
+                        }
+                        responses += 1;
+                        if send_response(&mut socket, &scenario, responses).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    Some("fake.close") => {
+                        let code = event["code"].as_u64().and_then(|c| u16::try_from(c).ok()).unwrap_or(1000);
+                        let reason = Utf8Bytes::from(event["reason"].as_str().unwrap_or_default());
+                        let _ = socket.send(Message::Close(Some(CloseFrame { code, reason }))).await;
+                        // Wait for the other side's close, as a server does.
+                        while let Some(Ok(message)) = socket.recv().await {
+                            if matches!(message, Message::Close(_)) {
+                                break;
+                            }
+                        }
+                        return;
+                    }
+                    _ => Message::Text(body),
+                }
+            }
+            Message::Binary(data) => Message::Binary(data),
+            Message::Close(_) => return,
+            Message::Ping(_) | Message::Pong(_) => continue,
+        };
+        if socket.send(reply).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn send_response(socket: &mut WebSocket, scenario: &Scenario, n: usize) -> Result<(), axum::Error> {
+    let id = format!("resp_fake_{n}");
+    if let Some(mb) = scenario.huge_mb {
+        let huge = format!(r#"{{"type":"response.output_text.delta","delta":"{}"}}"#, "a".repeat(mb << 20));
+        socket.send(Message::Text(huge.into())).await?;
+    }
+    socket.send(text(&json!({"type": "response.created", "response": {"id": id, "status": "in_progress"}}))).await?;
+    let output = scenario.words.map_or(OUTPUT_TOKENS, |w| w as u64);
+    for i in 0..output {
+        let delta = json!({"type": "response.output_text.delta", "response_id": id, "delta": format!("w{} ", i + 1)});
+        socket.send(text(&delta)).await?;
+    }
+    let done = json!({"type": "response.done", "response": {"id": id, "status": "completed",
+        "usage": {"total_tokens": INPUT_TOKENS + output, "input_tokens": INPUT_TOKENS, "output_tokens": output}}});
+    socket.send(text(&done)).await
+}
+
+fn text(event: &Value) -> Message {
+    Message::Text(event.to_string().into())
+}

@@ -1,0 +1,429 @@
+//! Realtime sessions over WebSocket (SPEC §2.3), end to end: the real `flexway`
+//! binary (or, where a test reads the ledger, the same router in process) in front of
+//! the fake realtime upstream, a tokio-tungstenite client on the other side.
+#![cfg(test)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use flexway::audit::{AuditRecord, BudgetState, CloseReason, Operation};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{Value, json};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::{self, Message};
+
+type Client = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// `acme` with `budgets`, one backend `rt` at `url` serving chat and realtime
+/// (1 € / 2 € per million tokens), allowances of 50 tokens (at least 10).
+fn realtime_config(url: &str, budgets: &str, extra_ai: &str) -> String {
+    acme_config(
+        budgets,
+        &format!(
+            "  default_backend: rt\n  budget: {{default_max_tokens: 50, min_completion_tokens: 10}}\n{extra_ai}  backends:\n    rt:\n      url: \"{url}\"\n      capabilities: [chat, realtime]\n      price: {{input_per_mtok_eur: 1.0, output_per_mtok_eur: 2.0}}\n"
+        ),
+    )
+}
+
+enum Auth<'a> {
+    Bearer(&'a str),
+    /// The browser's way: `realtime, openai-insecure-api-key.<key>`.
+    Subprotocol(&'a str),
+}
+
+fn ws_url(base: &str, model: &str) -> String {
+    format!("{}/v1/realtime?model={model}", base.replacen("http://", "ws://", 1))
+}
+
+async fn connect(
+    base: &str,
+    model: &str,
+    auth: Auth<'_>,
+) -> Result<(Client, tungstenite::http::Response<Option<Vec<u8>>>), tungstenite::Error> {
+    let mut request = ws_url(base, model).into_client_request().unwrap();
+    match auth {
+        Auth::Bearer(key) => {
+            request.headers_mut().insert("authorization", format!("Bearer {key}").parse().unwrap());
+        }
+        Auth::Subprotocol(key) => {
+            let offered = format!("realtime, openai-insecure-api-key.{key}, openai-beta.realtime-v1");
+            request.headers_mut().insert("sec-websocket-protocol", offered.parse().unwrap());
+        }
+    }
+    tokio_tungstenite::connect_async(request).await
+}
+
+/// The next text event, as JSON (binary messages are returned as `{"binary": len}`).
+async fn next_event(client: &mut Client) -> Value {
+    loop {
+        let message = tokio::time::timeout(Duration::from_secs(10), client.next()).await.unwrap().unwrap().unwrap();
+        match message {
+            Message::Text(text) => return serde_json::from_str(text.as_str()).unwrap(),
+            Message::Close(frame) => return json!({"close": frame.map(|f| (u16::from(f.code), f.reason.to_string()))}),
+            Message::Binary(data) => return json!({"binary": data.len()}),
+            _ => continue,
+        }
+    }
+}
+
+/// Sends `response.create` and reads up to its `response.done`.
+async fn one_response(client: &mut Client) -> Value {
+    client.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
+    loop {
+        let event = next_event(client).await;
+        if event["type"] == "response.done" || event.get("close").is_some() {
+            return event;
+        }
+    }
+}
+
+/// Reads until the session's close frame: its code and reason.
+async fn close_frame(client: &mut Client) -> (u16, String) {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), client.next()).await.unwrap() {
+            Some(Ok(Message::Close(Some(frame)))) => return (u16::from(frame.code), frame.reason.to_string()),
+            Some(Ok(Message::Close(None))) | None => panic!("closed without a close frame"),
+            Some(Ok(_)) => continue,
+            Some(Err(e)) => panic!("no close frame: {e}"),
+        }
+    }
+}
+
+/// The audit records written on the binary's stdout so far, once `count` are there.
+async fn records(gw: &Flexway, count: usize) -> Vec<AuditRecord> {
+    for _ in 0..200 {
+        let lines = gw.stdout();
+        if lines.len() >= count {
+            return lines.iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("expected {count} audit records, got {:?}\n{}", gw.stdout(), gw.logs());
+}
+
+/// The in-process gateway's records, once `count` are there.
+async fn memory_records(audit: &flexway::audit::sinks::MemoryAuditSink, count: usize) -> Vec<AuditRecord> {
+    for _ in 0..200 {
+        let records = audit.records();
+        if records.len() >= count {
+            return records;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("expected {count} audit records, got {:?}", audit.records());
+}
+
+#[tokio::test]
+async fn frames_pass_both_ways_untouched_and_the_session_is_one_audit_record() {
+    let fake = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&realtime_config(&fake.url(), "{}", ""));
+    let (mut client, response) = connect(&gw.url, "gpt-realtime", Auth::Bearer(KEY)).await.unwrap();
+    assert_eq!(response.headers()["flexway-backend"], "rt");
+    assert!(response.headers().contains_key("flexway-request-id"));
+    let created = next_event(&mut client).await;
+    assert_eq!(created["type"], "session.created");
+    assert_eq!(created["session"]["model"], "gpt-realtime");
+
+    // Text and binary messages reach the backend and come back byte for byte.
+    let text = r#"{"type":"conversation.item.create","item":{"type":"message","content":[{"type":"input_text","text":"héllo"}]}}"#;
+    client.send(Message::text(text)).await.unwrap();
+    match client.next().await.unwrap().unwrap() {
+        Message::Text(echo) => assert_eq!(echo.as_str(), text),
+        other => panic!("{other:?}"),
+    }
+    let audio: Vec<u8> = (0..=255).cycle().take(40_000).collect();
+    client.send(Message::binary(audio.clone())).await.unwrap();
+    match client.next().await.unwrap().unwrap() {
+        Message::Binary(echo) => assert_eq!(echo.as_ref(), audio.as_slice()),
+        other => panic!("{other:?}"),
+    }
+    for _ in 0..2 {
+        let done = one_response(&mut client).await;
+        assert_eq!(done["response"]["usage"]["output_tokens"], 5, "{done}");
+    }
+    client.close(None).await.unwrap();
+
+    let records = records(&gw, 1).await;
+    assert_eq!(records.len(), 1, "one record for the whole session: {records:?}");
+    let record = &records[0];
+    assert_eq!(record.operation, Operation::Realtime);
+    assert_eq!(record.capability.as_str(), "realtime");
+    assert_eq!(record.status, 101);
+    assert_eq!(record.close_reason, Some(CloseReason::ClientClosed));
+    assert_eq!(record.error_code, None);
+    assert_eq!((record.prompt_tokens, record.completion_tokens), (40, 10));
+    // 40 × 1 € + 10 × 2 € per million tokens.
+    assert_eq!(record.cost_micro_eur, 60);
+    assert_eq!(record.backend.as_deref(), Some("rt"));
+    assert_eq!(record.model_requested.as_deref(), Some("gpt-realtime"));
+    let line = &gw.stdout()[0];
+    assert!(!line.contains("héllo") && !line.contains(KEY), "metadata only: {line}");
+    let sent = fake.requests();
+    assert_eq!(sent[0].path, "/v1/realtime");
+    assert_eq!(sent[0].body["model"], "gpt-realtime");
+    assert!(sent[0].header("authorization").is_none(), "the caller's key never goes upstream");
+}
+
+#[tokio::test]
+async fn a_browser_authenticates_with_the_subprotocol_and_gets_realtime_back() {
+    let fake = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&realtime_config(&fake.url(), "{}", ""));
+    let (mut client, response) = connect(&gw.url, "m", Auth::Subprotocol(KEY)).await.unwrap();
+    assert_eq!(response.headers()["sec-websocket-protocol"], "realtime", "the key's subprotocol is never echoed");
+    assert_eq!(next_event(&mut client).await["type"], "session.created");
+    one_response(&mut client).await;
+    client.close(None).await.unwrap();
+    let records = records(&gw, 1).await;
+    assert_eq!(records[0].tenant, "acme");
+    assert_eq!((records[0].prompt_tokens, records[0].completion_tokens), (20, 5));
+
+    for refused in [Auth::Bearer("sk-wrong"), Auth::Subprotocol("sk-wrong")] {
+        match connect(&gw.url, "m", refused).await {
+            Err(tungstenite::Error::Http(response)) => {
+                assert_eq!(response.status(), 401);
+                let body: Value = serde_json::from_slice(response.body().as_deref().unwrap()).unwrap();
+                assert_eq!(body["error"]["code"], "invalid_api_key");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_session_over_budget_is_refused_with_a_plain_429_before_the_upgrade() {
+    let fake = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&realtime_config(&fake.url(), "{tokens_per_day: 5}", ""));
+    match connect(&gw.url, "m", Auth::Bearer(KEY)).await {
+        Err(tungstenite::Error::Http(response)) => {
+            assert_eq!(response.status(), 429);
+            assert!(response.headers().contains_key("retry-after"));
+            let body: Value = serde_json::from_slice(response.body().as_deref().unwrap()).unwrap();
+            assert_eq!(body["error"]["code"], "budget_exceeded");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(fake.request_count(), 0, "the backend is never called");
+    let records = records(&gw, 1).await;
+    assert_eq!((records[0].status, records[0].budget_state), (429, BudgetState::Exceeded));
+    assert_eq!(records[0].operation, Operation::Realtime);
+}
+
+#[tokio::test]
+async fn each_response_is_charged_as_it_passes_and_the_hard_cap_closes_the_session_with_4429() {
+    let fake = FakeModel::start().await.unwrap();
+    let (adapters, audit) = memory_adapters();
+    // Each response: 20 + 5 tokens. The allowance held is the last total (the next
+    // prompt's floor) plus 50, clamped down to 10: after four responses (100 tokens)
+    // 30 remain, less than 25 + 10, so the session ends there.
+    let gw = serve_in_process(&realtime_config(&fake.url(), "{tokens_per_day: 130}", ""), adapters).await;
+    let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    next_event(&mut client).await;
+    for n in 1..=3 {
+        let done = one_response(&mut client).await;
+        assert_eq!(done["type"], "response.done", "response {n}: {done}");
+        assert!(gw.ledger("acme", None).await[0] <= 130, "used and reserved together stay under the cap");
+    }
+    let done = one_response(&mut client).await;
+    assert_eq!(done["type"], "response.done", "the response that reached the cap is delivered whole");
+    assert_eq!(close_frame(&mut client).await, (4429, "budget_exceeded".to_owned()));
+
+    let records = memory_records(&audit, 1).await;
+    let record = &records[0];
+    assert_eq!(record.close_reason, Some(CloseReason::BudgetExceeded));
+    assert_eq!(record.error_code.as_deref(), Some("budget_exceeded"));
+    assert_eq!(record.budget_state, BudgetState::Exceeded);
+    assert_eq!((record.prompt_tokens, record.completion_tokens), (80, 20));
+    let [day, month, eur] = gw.ledger("acme", None).await;
+    assert_eq!((day, month, eur), (100, 100, record.cost_micro_eur), "the ledger is the sum of the responses");
+    assert_eq!(gw.live_reservations().await, 0, "nothing left reserved");
+
+    // 30 tokens remain: a new session opens on an allowance clamped to them, and is
+    // closed after its first response; then nothing fits and the next one is refused.
+    let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    next_event(&mut client).await;
+    assert_eq!(one_response(&mut client).await["type"], "response.done");
+    assert_eq!(close_frame(&mut client).await.0, 4429);
+    memory_records(&audit, 2).await;
+    assert_eq!(gw.ledger("acme", None).await[0], 125);
+    match connect(&gw.url, "m", Auth::Bearer(KEY)).await {
+        Err(tungstenite::Error::Http(response)) => assert_eq!(response.status(), 429),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(gw.live_reservations().await, 0);
+}
+
+#[tokio::test]
+async fn a_backend_that_drops_the_session_closes_the_clients_with_1011_upstream_error() {
+    let fake = FakeModel::start().await.unwrap();
+    let (adapters, audit) = memory_adapters();
+    let url = fake.scenario_url(&Scenario { cut_after: Some(1), ..Default::default() });
+    let gw = serve_in_process(&realtime_config(&url, "{tokens_per_day: 100000}", ""), adapters).await;
+    let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    next_event(&mut client).await;
+    assert_eq!(one_response(&mut client).await["type"], "response.done");
+    client.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
+    assert_eq!(close_frame(&mut client).await, (1011, "upstream_error".to_owned()));
+
+    let records = memory_records(&audit, 1).await;
+    assert_eq!(records[0].close_reason, Some(CloseReason::UpstreamError));
+    assert_eq!(records[0].error_code.as_deref(), Some("upstream_error"));
+    assert_eq!((records[0].prompt_tokens, records[0].completion_tokens), (20, 5), "what was served is charged");
+    assert_eq!(gw.ledger("acme", None).await[0], 25);
+    assert_eq!(gw.live_reservations().await, 0);
+    assert_eq!(fake.request_count(), 1, "no retry, no failover inside a session");
+}
+
+#[tokio::test]
+async fn a_backends_own_close_is_relayed_with_its_code_and_reason() {
+    let fake = FakeModel::start().await.unwrap();
+    let (adapters, audit) = memory_adapters();
+    let gw = serve_in_process(&realtime_config(&fake.url(), "{}", ""), adapters).await;
+    let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    next_event(&mut client).await;
+    client
+        .send(Message::text(json!({"type": "fake.close", "code": 4000, "reason": "session expired"}).to_string()))
+        .await
+        .unwrap();
+    assert_eq!(close_frame(&mut client).await, (4000, "session expired".to_owned()));
+    let records = memory_records(&audit, 1).await;
+    assert_eq!(records[0].close_reason, Some(CloseReason::UpstreamClosed));
+    assert_eq!(records[0].error_code, None);
+}
+
+#[tokio::test]
+async fn a_client_that_vanishes_leaves_nothing_reserved_and_one_record() {
+    let fake = FakeModel::start().await.unwrap();
+    let (adapters, audit) = memory_adapters();
+    let gw = serve_in_process(&realtime_config(&fake.url(), "{tokens_per_day: 100000}", ""), adapters).await;
+    let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    next_event(&mut client).await;
+    one_response(&mut client).await;
+    assert_eq!(gw.live_reservations().await, 1, "the next response's allowance is held");
+    drop(client); // no close frame: the TCP connection just ends
+    let records = memory_records(&audit, 1).await;
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].close_reason, Some(CloseReason::ClientClosed));
+    assert_eq!(gw.live_reservations().await, 0);
+    assert_eq!(gw.ledger("acme", None).await[0], 25);
+}
+
+#[tokio::test]
+async fn a_message_over_the_limit_closes_the_session_with_1009() {
+    let fake = FakeModel::start().await.unwrap();
+    let (adapters, audit) = memory_adapters();
+    let limits = "  limits: {max_event_bytes: 65536}\n";
+    let gw = serve_in_process(&realtime_config(&fake.url(), "{}", limits), adapters).await;
+    let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    next_event(&mut client).await;
+    let _ = client.send(Message::text("x".repeat(100_000))).await;
+    assert_eq!(close_frame(&mut client).await.0, 1009);
+    let records = memory_records(&audit, 1).await;
+    assert_eq!(records[0].close_reason, Some(CloseReason::MessageTooLarge));
+
+    // From the backend: one huge event.
+    let url = fake.scenario_url(&Scenario { huge_mb: Some(1), ..Default::default() });
+    let (adapters, audit) = memory_adapters();
+    let gw = serve_in_process(&realtime_config(&url, "{}", limits), adapters).await;
+    let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    next_event(&mut client).await;
+    client.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
+    assert_eq!(close_frame(&mut client).await, (1011, "upstream_error".to_owned()));
+    let records = memory_records(&audit, 1).await;
+    assert_eq!(records[0].close_reason, Some(CloseReason::MessageTooLarge));
+}
+
+#[tokio::test]
+async fn without_a_realtime_backend_the_session_is_refused_before_the_upgrade() {
+    let fake = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&one_backend(&fake.url()));
+    match connect(&gw.url, "m", Auth::Bearer(KEY)).await {
+        Err(tungstenite::Error::Http(response)) => {
+            assert_eq!(response.status(), 400);
+            let body: Value = serde_json::from_slice(response.body().as_deref().unwrap()).unwrap();
+            assert_eq!(body["error"]["code"], "capability_unavailable");
+        }
+        other => panic!("{other:?}"),
+    }
+    // A backend that is down: 503 before the upgrade, never a session.
+    let gw = Flexway::start(&realtime_config("http://127.0.0.1:9", "{}", ""));
+    match connect(&gw.url, "m", Auth::Bearer(KEY)).await {
+        Err(tungstenite::Error::Http(response)) => assert_eq!(response.status(), 503),
+        other => panic!("{other:?}"),
+    }
+    // Not a WebSocket request, or no model: 400 in the OpenAI envelope.
+    let plain = client().get(format!("{}/v1/realtime?model=m", gw.url)).bearer_auth(KEY).send().await.unwrap();
+    assert_eq!(plain.status(), 400);
+    match connect(&gw.url, "", Auth::Bearer(KEY)).await {
+        Err(tungstenite::Error::Http(response)) => assert_eq!(response.status(), 400),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn stopping_the_gateway_closes_open_sessions_with_1001_and_records_them() {
+    let fake = FakeModel::start().await.unwrap();
+    let mut gw = Flexway::start(&realtime_config(&fake.url(), "{}", ""));
+    let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    next_event(&mut client).await;
+    one_response(&mut client).await;
+    gw.interrupt();
+    assert_eq!(close_frame(&mut client).await, (1001, "shutdown".to_owned()));
+    assert!(gw.wait_exit(Duration::from_secs(15)).is_some_and(|s| s.success()), "{}", gw.logs());
+    let records = records(&gw, 1).await;
+    assert_eq!(records[0].close_reason, Some(CloseReason::Shutdown));
+    assert_eq!((records[0].prompt_tokens, records[0].completion_tokens), (20, 5));
+}
+
+#[tokio::test]
+async fn the_serverless_shape_refuses_realtime_with_a_clear_error() {
+    let fake = FakeModel::start().await.unwrap();
+    let (adapters, _) = memory_adapters();
+    let gw = serve_router_in_process(&realtime_config(&fake.url(), "{}", ""), adapters, flexway::http::api).await;
+    match connect(&gw.url, "m", Auth::Bearer(KEY)).await {
+        Err(tungstenite::Error::Http(response)) => {
+            assert_eq!(response.status(), 501);
+            let body: Value = serde_json::from_slice(response.body().as_deref().unwrap()).unwrap();
+            assert_eq!(body["error"]["code"], "realtime_unavailable");
+            assert!(body["error"]["message"].as_str().unwrap().contains("WebSocket"), "{body}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn validate_warns_about_realtime_backends_in_the_serverless_shape() {
+    let yaml = realtime_config("https://rt.example.net/v1", "{}", "")
+        .replace("store: {kind: memory}", "store: {kind: dynamodb, table: ledger}");
+    let env: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    let loaded = flexway::config::load_str(&yaml, &env).unwrap();
+    let warning = loaded.warnings.iter().map(ToString::to_string).find(|w| w.contains("realtime"));
+    assert!(warning.as_deref().is_some_and(|w| w.contains("WebSocket")), "{:?}", loaded.warnings);
+    let local = flexway::config::load_str(&realtime_config("https://rt.example.net/v1", "{}", ""), &env).unwrap();
+    assert!(!local.warnings.iter().any(|w| w.to_string().contains("realtime")));
+}
+
+#[test]
+fn only_what_is_built_loads_for_realtime() {
+    let env: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    let anthropic = realtime_config("https://rt.example.net", "{}", "").replace(
+        "      capabilities: [chat, realtime]\n",
+        "      kind: anthropic\n      capabilities: [chat, realtime]\n",
+    );
+    let error = flexway::config::load_str(&anthropic, &env).map(|_| ()).unwrap_err().to_string();
+    assert!(error.contains("ai.backends.rt.capabilities") && error.contains("realtime"), "{error}");
+    let mtls = realtime_config("https://rt.example.net/v1", "{}", "").replace(
+        "      capabilities: [chat, realtime]\n",
+        "      capabilities: [chat, realtime]\n      tls: {cert: \"env:C\", key: \"env:K\"}\n",
+    );
+    let error = flexway::config::load_str(&mtls, &env).map(|_| ()).unwrap_err().to_string();
+    assert!(error.contains("ai.backends.rt.tls"), "{error}");
+    let override_chat = realtime_config("https://rt.example.net/v1", "{}", "")
+        .replace("      capabilities: [chat, realtime]\n", "      capabilities: [chat]\n");
+    let override_chat =
+        override_chat.replace("  default_backend: rt\n", "  default_backend: rt\n  capabilities: {realtime: rt}\n");
+    let error = flexway::config::load_str(&override_chat, &env).map(|_| ()).unwrap_err().to_string();
+    assert!(error.contains("ai.capabilities.realtime"), "{error}");
+}
