@@ -77,6 +77,10 @@ pub enum Operation {
     Chat,
     Embeddings,
     Grpc,
+    /// A chat call that came in by the Responses API (SPEC §2.1).
+    Responses,
+    /// A chat call that came in by the Anthropic Messages API (SPEC §2.2).
+    Messages,
 }
 
 impl Operation {
@@ -85,6 +89,8 @@ impl Operation {
             Operation::Chat => "chat",
             Operation::Embeddings => "embeddings",
             Operation::Grpc => "grpc",
+            Operation::Responses => "responses",
+            Operation::Messages => "messages",
         }
     }
 }

@@ -8,14 +8,14 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::{HeaderValue, StatusCode, header};
 
+use super::door::Door;
 use super::record::Draft;
 use super::relay;
 use crate::config::{BackendId, Endpoint};
 use crate::error::{Attempts, GatewayError, UnavailableCause};
 use crate::gateway::Gateway;
-use crate::protocol::openai::translate;
 use crate::protocol::openai::{Answer, InvalidRequest};
-use crate::protocol::{Wire, anthropic, unix_seconds};
+use crate::protocol::{Wire, anthropic};
 use crate::routing::breaker::{Admit, Outcome};
 use crate::routing::{Candidate, Route};
 use crate::telemetry::TraceContext;
@@ -76,6 +76,7 @@ pub(super) async fn dispatch(
     requested_model: &str,
     body_for: impl Fn(&str, Wire) -> Result<Vec<u8>, InvalidRequest>,
     expect: Expect,
+    door: &Door,
 ) -> Result<Served, GatewayError> {
     let mut attempts = Attempts::default();
     let mut last: Option<(BackendId, Failure)> = None;
@@ -94,7 +95,7 @@ pub(super) async fn dispatch(
         attempts.tried.push(backend.clone());
         draft.trying(candidate, &model);
         let sent = Instant::now();
-        let answer = attempt(gateway, client, path, body, draft.trace(), draft.caller(), expect).await;
+        let answer = attempt(gateway, client, path, body, draft.trace(), draft.caller(), expect, door).await;
         draft.waited(sent.elapsed());
         let failure = match answer {
             Ok(answered) => {
@@ -174,6 +175,7 @@ async fn attempt(
     trace: &TraceContext,
     caller: &CallerIdentity,
     expect: Expect,
+    door: &Door,
 ) -> Result<Answered, Failure> {
     let deadline = tokio::time::Instant::now() + client.timeout;
     let limits = gateway.config.ai.limits;
@@ -195,40 +197,29 @@ async fn attempt(
                 headers.get(header::CONTENT_TYPE).cloned().unwrap_or(HeaderValue::from_static("application/json"));
             let retry_after = headers.get(header::RETRY_AFTER).cloned();
             let body = body::read_whole(response, limits.max_response_bytes, deadline).await.map_err(Failure::Body)?;
-            let (body, answer) = match (client.wire, status.is_success()) {
-                (Wire::OpenAi, true) => {
-                    let answer = Answer::read(&body)
-                        .ok_or_else(|| Failure::Body(Fault::Invalid("the answer is not a JSON object".into())))?;
-                    (body, Some(answer))
-                }
-                (Wire::OpenAi, false) => (body, None),
-                (Wire::Anthropic, true) => {
-                    let completion = anthropic::completion(&body).ok_or_else(|| {
-                        Failure::Body(Fault::Invalid("the answer is not an Anthropic Messages `message`".into()))
-                    })?;
-                    let answer = Answer::of(&completion);
-                    (Bytes::from(translate::completion(&completion, unix_seconds()).to_string()), Some(answer))
-                }
+            if !status.is_success() {
                 // Its refusal, in the envelope the caller reads.
-                (Wire::Anthropic, false) => {
-                    let envelope = anthropic::error(status.as_u16(), &body);
-                    return Ok(Answered::Whole {
-                        status,
-                        content_type: HeaderValue::from_static("application/json"),
-                        retry_after,
-                        body: Bytes::from(envelope.to_string()),
-                        answer: None,
-                    });
-                }
-            };
-            Ok(Answered::Whole { status, content_type, retry_after, body, answer })
+                let body = door.refusal(client.wire, status.as_u16(), body);
+                let content_type =
+                    if door.native(client.wire) { content_type } else { HeaderValue::from_static("application/json") };
+                return Ok(Answered::Whole { status, content_type, retry_after, body, answer: None });
+            }
+            let (body, answer) = door.answer(client.wire, body).ok_or_else(|| {
+                let what = match client.wire {
+                    Wire::OpenAi => "the answer is not a JSON object",
+                    Wire::Anthropic => "the answer is not an Anthropic Messages `message`",
+                };
+                Failure::Body(Fault::Invalid(what.into()))
+            })?;
+            Ok(Answered::Whole { status, content_type, retry_after, body, answer: Some(answer) })
         }
         Expect::Stream { client_wants_usage } => {
             if !is_event_stream(headers) {
                 let detail = "a stream was asked for but the answer is not text/event-stream";
                 return Err(Failure::Body(Fault::Invalid(detail.into())));
             }
-            let held = relay::hold(response, limits.max_event_bytes, deadline, client_wants_usage, client.wire).await;
+            let held =
+                relay::hold(response, limits.max_event_bytes, deadline, client_wants_usage, client.wire, door).await;
             held.map(Answered::Stream).map_err(Failure::Body)
         }
     }

@@ -2,6 +2,7 @@
 //! with `axum::serve`, the Lambda function with `lambda_http`'s streaming runner.
 
 mod dispatch;
+mod door;
 mod error;
 mod proxy;
 mod record;
@@ -18,7 +19,7 @@ use http::{HeaderMap, HeaderValue, Method, Uri};
 use serde_json::json;
 use tracing::Instrument;
 
-pub use error::{ApiError, render};
+pub use error::{ApiError, Envelope, render, render_in};
 
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
@@ -94,6 +95,9 @@ async fn refresh_due_secrets(State(gateway): State<Arc<Gateway>>, request: Reque
 fn api_routes() -> Router<Arc<Gateway>> {
     Router::new()
         .route("/v1/chat/completions", post(proxy::chat_completions))
+        .route("/v1/responses", post(proxy::responses))
+        .route("/v1/messages", post(proxy::messages))
+        .route("/v1/messages/count_tokens", post(proxy::count_tokens))
         .route("/v1/embeddings", post(proxy::embeddings))
         .route("/v1/models", get(models))
         .route("/healthz", get(healthz))
