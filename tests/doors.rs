@@ -377,8 +377,9 @@ async fn count_tokens_is_the_gateway_s_estimate_in_anthropic_s_format() {
         .unwrap();
     assert_eq!(response.status(), 200);
     let counted: Value = response.json().await.unwrap();
-    // 33 bytes of text at 4 a token (9), 4 framing tokens for the one message, 3 priming.
-    assert_eq!(counted, json!({"input_tokens": 16}));
+    // 33 bytes of text at 4 a token (9), 4 framing tokens for the system prompt and
+    // for the message, 3 priming.
+    assert_eq!(counted, json!({"input_tokens": 20}));
     let response = client().post(format!("{}/v1/messages/count_tokens", gw.url)).json(&body).send().await.unwrap();
     assert_eq!(response.status(), 401);
     assert!(model.requests().is_empty(), "counting calls no backend");
@@ -438,4 +439,23 @@ async fn a_responses_burst_never_passes_the_cap() {
 async fn a_messages_burst_never_passes_the_cap() {
     let body = json!({"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": "hello there"}]});
     burst("/v1/messages", body, "x-api-key").await;
+}
+
+/// The Lambda function serves `flexway::http::api`: the doors are on that router too.
+#[tokio::test]
+async fn the_serverless_router_serves_both_doors() {
+    let model = FakeModel::start().await.unwrap();
+    let (adapters, audit) = memory_adapters();
+    let gw = serve_router_in_process(&two_kinds(&model, "", "{}"), adapters, flexway::http::api).await;
+    let responses =
+        client().post(format!("{}/v1/responses", gw.url)).bearer_auth(KEY).json(&json!({"model": "m", "input": "hi"}));
+    assert_eq!(responses.send().await.unwrap().status(), 200);
+    let messages = json!({"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]});
+    let messages = client().post(format!("{}/v1/messages", gw.url)).header("x-api-key", OTHER_KEY).json(&messages);
+    assert_eq!(messages.send().await.unwrap().status(), 200);
+    let counted = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+    let counted = client().post(format!("{}/v1/messages/count_tokens", gw.url)).header("x-api-key", KEY).json(&counted);
+    assert_eq!(counted.send().await.unwrap().status(), 200);
+    let operations: Vec<_> = audit.records().iter().map(|r| r.operation.as_str()).collect();
+    assert_eq!(operations, ["responses", "messages"]);
 }

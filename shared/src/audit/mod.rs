@@ -77,9 +77,9 @@ pub enum Operation {
     Chat,
     Embeddings,
     Grpc,
-    /// A chat call that came in by the Responses API (SPEC §2.1).
+    // A chat call that came in by the Responses API (SPEC §2.1), or by the Anthropic
+    // Messages API (§2.2). Plain comments: doc comments would split the schema's enum.
     Responses,
-    /// A chat call that came in by the Anthropic Messages API (SPEC §2.2).
     Messages,
 }
 

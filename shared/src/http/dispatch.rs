@@ -44,9 +44,15 @@ pub(super) enum Answered {
     Stream(relay::Held),
 }
 
-/// What the caller expects of a successful answer.
+/// What the caller expects of a successful answer, and the door it goes back by.
 #[derive(Clone, Copy)]
-pub(super) enum Expect {
+pub(super) struct Expect<'a> {
+    pub shape: Shape,
+    pub door: &'a Door,
+}
+
+#[derive(Clone, Copy)]
+pub(super) enum Shape {
     Json,
     Stream { client_wants_usage: bool },
 }
@@ -75,8 +81,7 @@ pub(super) async fn dispatch(
     path: &str,
     requested_model: &str,
     body_for: impl Fn(&str, Wire) -> Result<Vec<u8>, InvalidRequest>,
-    expect: Expect,
-    door: &Door,
+    expect: Expect<'_>,
 ) -> Result<Served, GatewayError> {
     let mut attempts = Attempts::default();
     let mut last: Option<(BackendId, Failure)> = None;
@@ -95,7 +100,7 @@ pub(super) async fn dispatch(
         attempts.tried.push(backend.clone());
         draft.trying(candidate, &model);
         let sent = Instant::now();
-        let answer = attempt(gateway, client, path, body, draft.trace(), draft.caller(), expect, door).await;
+        let answer = attempt(gateway, client, path, body, draft.trace(), draft.caller(), expect).await;
         draft.waited(sent.elapsed());
         let failure = match answer {
             Ok(answered) => {
@@ -174,9 +179,9 @@ async fn attempt(
     body: Vec<u8>,
     trace: &TraceContext,
     caller: &CallerIdentity,
-    expect: Expect,
-    door: &Door,
+    expect: Expect<'_>,
 ) -> Result<Answered, Failure> {
+    let door = expect.door;
     let deadline = tokio::time::Instant::now() + client.timeout;
     let limits = gateway.config.ai.limits;
     let path = match client.wire {
@@ -190,9 +195,9 @@ async fn attempt(
         let retry_after = headers.get(header::RETRY_AFTER).and_then(seconds);
         return Err(Failure::Status { status: status.as_u16(), retry_after });
     }
-    let expect = if status.is_success() { expect } else { Expect::Json };
-    match expect {
-        Expect::Json => {
+    let shape = if status.is_success() { expect.shape } else { Shape::Json };
+    match shape {
+        Shape::Json => {
             let content_type =
                 headers.get(header::CONTENT_TYPE).cloned().unwrap_or(HeaderValue::from_static("application/json"));
             let retry_after = headers.get(header::RETRY_AFTER).cloned();
@@ -213,7 +218,7 @@ async fn attempt(
             })?;
             Ok(Answered::Whole { status, content_type, retry_after, body, answer: Some(answer) })
         }
-        Expect::Stream { client_wants_usage } => {
+        Shape::Stream { client_wants_usage } => {
             if !is_event_stream(headers) {
                 let detail = "a stream was asked for but the answer is not text/event-stream";
                 return Err(Failure::Body(Fault::Invalid(detail.into())));

@@ -9,6 +9,10 @@
 //! backend's own 4xx (its 429 included) is the caller's answer and is relayed as is.
 //! Every identified call ends in exactly one audit record (`record::Draft`), and every
 //! reservation is settled or refunded (`budget::Ticket`), on every path below.
+//!
+//! Chat comes in by three doors (`/v1/chat/completions`, `/v1/responses`,
+//! `/v1/messages`): each parses into the same measure and call, and runs the same
+//! phases; only the format of the answer differs (`door.rs`).
 
 use std::sync::{Arc, OnceLock};
 
@@ -19,7 +23,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 
-use super::dispatch::{Answered, Expect, Served, dispatch};
+use super::dispatch::{Answered, Expect, Served, Shape, dispatch};
 use super::door::Door;
 use super::error::{Envelope, render_in};
 use super::record::{Draft, UsageSource};
@@ -105,7 +109,7 @@ pub(super) async fn messages(
 
 /// `POST /v1/messages/count_tokens`: the gateway's own estimate of the prompt's
 /// tokens (the typical one of a settlement without usage: 4 bytes a token, framing,
-/// 2,048 a image), never a backend's count. It calls no model, so it is neither
+/// 2,048 an image), never a backend's count. It calls no model, so it is neither
 /// budgeted nor audited.
 pub(super) async fn count_tokens(State(gateway): State<Arc<Gateway>>, headers: HeaderMap, body: Body) -> Response {
     let counted = async {
@@ -313,10 +317,10 @@ async fn chat(
     let door = inbound.door(call.request_id, gateway);
     let translated = OnceLock::new();
     let body_for = |model: &str, wire: Wire| inbound.body_for(model, wire, allowance, &translated);
-    let expect =
-        if request.stream { Expect::Stream { client_wants_usage: request.client_wants_usage } } else { Expect::Json };
-    let dispatched =
-        dispatch(gateway, draft, &route, "/chat/completions", request.model, body_for, expect, &door).await;
+    let shape =
+        if request.stream { Shape::Stream { client_wants_usage: request.client_wants_usage } } else { Shape::Json };
+    let expect = Expect { shape, door: &door };
+    let dispatched = dispatch(gateway, draft, &route, "/chat/completions", request.model, body_for, expect).await;
     let served = match dispatched {
         Ok(served) => served,
         Err(e) => return Err(refunded(ticket, e).await),
@@ -371,8 +375,8 @@ async fn embed(
             Err(InvalidRequest { message: "embeddings are not served by this backend".into(), param: None })
         }
     };
-    let dispatched =
-        dispatch(gateway, draft, &route, "/embeddings", &request.model, body_for, Expect::Json, &Door::Chat).await;
+    let expect = Expect { shape: Shape::Json, door: &Door::Chat };
+    let dispatched = dispatch(gateway, draft, &route, "/embeddings", &request.model, body_for, expect).await;
     let served = match dispatched {
         Ok(served) => served,
         Err(e) => return Err(refunded(ticket, e).await),

@@ -151,7 +151,7 @@ pub(super) async fn hold(
             Wire::OpenAi => Reader::OpenAi,
             Wire::Anthropic => Reader::Anthropic(anthropic::Stream::default()),
         };
-        Mode::Translate { read, write: door.writer(wire, client_wants_usage) }
+        Mode::Translate { read, write: Box::new(door.writer(wire, client_wants_usage)) }
     };
     let mut held = Held {
         events: Source { events, mode },
@@ -325,7 +325,7 @@ struct Source {
 
 enum Mode {
     Chunks { client_wants_usage: bool },
-    Translate { read: Reader, write: Writer },
+    Translate { read: Reader, write: Box<Writer> },
 }
 
 /// A backend's stream format, read into deltas.
@@ -370,7 +370,7 @@ impl Source {
         };
         if event.data.is_empty() {
             // A comment or keep-alive: only a stream relayed as it came shows it.
-            let out = if matches!(write, Writer::Raw) { event.raw } else { Bytes::new() };
+            let out = if matches!(**write, Writer::Raw) { event.raw } else { Bytes::new() };
             return Ok(Some(Step { out, content: false, done: false }));
         }
         let deltas = match read {

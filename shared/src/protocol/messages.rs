@@ -101,7 +101,8 @@ impl MessagesRequest {
                 }
             }
         }
-        measure.message_count = messages.len() as u64;
+        // The system prompt is framed like a message.
+        measure.message_count = messages.len() as u64 + u64::from(body.get("system").is_some_and(|s| !s.is_null()));
         match body.get("tools") {
             None | Some(Value::Null) => {}
             Some(tools @ Value::Array(_)) => measure.prompt_text_bytes += tools.to_string().len() as u64,
@@ -552,7 +553,7 @@ mod tests {
         }))
         .unwrap();
         let m = &request.measure;
-        assert_eq!((m.model.as_str(), m.max_tokens, m.stream, m.message_count), ("claude-x", Some(50), true, 3));
+        assert_eq!((m.model.as_str(), m.max_tokens, m.stream, m.message_count), ("claude-x", Some(50), true, 4));
         assert_eq!(m.images, [ImageRef { url: "data:image/png;base64,iVBO".into() }]);
         assert_eq!(m.user.as_deref(), Some("u-1"));
         assert!(m.prompt_text_bytes > 20, "{}", m.prompt_text_bytes);

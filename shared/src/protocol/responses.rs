@@ -727,7 +727,7 @@ mod tests {
                 "response.completed",
             ]
         );
-        let last = text.lines().filter_map(|l| l.strip_prefix("data: ")).last().unwrap();
+        let last = text.lines().filter_map(|l| l.strip_prefix("data: ")).next_back().unwrap();
         let last: Value = serde_json::from_str(last).unwrap();
         assert_eq!(last["response"]["output"][0]["content"][0]["text"], "Hello");
         assert_eq!(last["response"]["usage"]["output_tokens"], 2);
