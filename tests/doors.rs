@@ -459,3 +459,26 @@ async fn the_serverless_router_serves_both_doors() {
     let operations: Vec<_> = audit.records().iter().map(|r| r.operation.as_str()).collect();
     assert_eq!(operations, ["responses", "messages"]);
 }
+
+#[tokio::test]
+async fn the_messages_paths_answer_every_error_in_anthropic_s_envelope() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&two_kinds(&model, "", "{}"));
+    for (method, path, status) in [
+        (reqwest::Method::GET, "/v1/messages", 405),
+        (reqwest::Method::POST, "/v1/messages/batches", 404),
+        (reqwest::Method::GET, "/v1/messages/count_tokens", 405),
+    ] {
+        let response = client().request(method, format!("{}{path}", gw.url)).send().await.unwrap();
+        assert_eq!(response.status(), status, "{path}");
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["type"], "error", "{path}: {body}");
+        assert!(body["error"]["type"].is_string() && body["error"]["message"].is_string(), "{body}");
+    }
+    let malformed = messages_call(&gw, KEY, json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}));
+    let response = malformed.send().await.unwrap();
+    assert_eq!(response.status(), 400);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+    assert!(body["error"]["message"].as_str().unwrap().starts_with("invalid_request: `max_tokens`"), "{body}");
+}

@@ -131,6 +131,15 @@ def test_responses_tool_call_round_trip(oa):
     assert "felines" in follow.output_text or any(i.type == "function_call" for i in follow.output)
 
 
+def test_responses_streamed_tool_call(oa):
+    with oa.responses.stream(model="anything", input="find dogs", tools=TOOLS) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()
+    [call] = [item for item in final.output if item.type == "function_call"]
+    assert call.name == "lookup" and call.arguments == "".join(deltas)
+    assert "find dogs" in call.arguments and call.call_id
+
+
 def test_responses_refuses_stored_state_naming_the_field(oa):
     with pytest.raises(openai.BadRequestError) as err:
         oa.responses.create(model="anything", input="x", store=True)

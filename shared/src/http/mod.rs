@@ -141,7 +141,7 @@ async fn request_id(mut request: Request, next: Next) -> Response {
     let span = tracing::error_span!("request", request_id = %id.0);
     let mut response = if headers_too_large(request.headers()) {
         let error = GatewayError::HeadersTooLarge { max_headers: MAX_HEADERS, max_bytes: MAX_HEADER_BYTES };
-        span.in_scope(|| render(&error, is_openai_path(request.uri())))
+        span.in_scope(|| render_in(&error, envelope_for(request.uri())))
     } else {
         request.extensions_mut().insert(id.clone());
         next.run(request).instrument(span).await
@@ -173,18 +173,27 @@ async fn models(State(gateway): State<Arc<Gateway>>, headers: HeaderMap) -> Resu
     Ok(Json(model_list(names.iter().map(String::as_str))).into_response())
 }
 
-fn is_openai_path(uri: &Uri) -> bool {
-    uri.path() == "/v1" || uri.path().starts_with("/v1/")
+/// The envelope of errors on a path: Anthropic's on the Messages door (SPEC §2.2),
+/// OpenAI's elsewhere under `/v1`, problem details everywhere else.
+fn envelope_for(uri: &Uri) -> Envelope {
+    let path = uri.path();
+    if path == "/v1/messages" || path.starts_with("/v1/messages/") {
+        Envelope::Anthropic
+    } else if path == "/v1" || path.starts_with("/v1/") {
+        Envelope::OpenAi
+    } else {
+        Envelope::Problem
+    }
 }
 
 async fn not_found(method: Method, uri: Uri) -> Response {
     let error = GatewayError::NotFound { method: method.to_string(), path: uri.path().to_owned() };
-    render(&error, is_openai_path(&uri))
+    render_in(&error, envelope_for(&uri))
 }
 
 async fn method_not_allowed(method: Method, uri: Uri) -> Response {
     let error = GatewayError::MethodNotAllowed { method: method.to_string(), path: uri.path().to_owned() };
-    render(&error, is_openai_path(&uri))
+    render_in(&error, envelope_for(&uri))
 }
 
 #[cfg(test)]
