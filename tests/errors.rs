@@ -57,7 +57,7 @@ async fn malformed_requests_are_invalid_request() {
 async fn unknown_paths_use_the_envelope_under_v1_and_problem_json_elsewhere() {
     let model = FakeModel::start().await.unwrap();
     let gw = Flexway::start(&one_backend(&model.url()));
-    let v1 = client().get(format!("{}/v1/responses", gw.url)).send().await.unwrap();
+    let v1 = client().get(format!("{}/v1/completions", gw.url)).send().await.unwrap();
     envelope(v1, 404, "not_found").await;
     let other = client().get(format!("{}/admin", gw.url)).send().await.unwrap();
     assert_eq!(other.status(), 404);

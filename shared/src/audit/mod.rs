@@ -122,6 +122,10 @@ pub enum Operation {
     Embeddings,
     Grpc,
     Realtime,
+    // A chat call that came in by the Responses API (SPEC §2.1), or by the Anthropic
+    // Messages API (§2.2). Plain comments: doc comments would split the schema's enum.
+    Responses,
+    Messages,
 }
 
 impl Operation {
@@ -131,6 +135,8 @@ impl Operation {
             Operation::Embeddings => "embeddings",
             Operation::Grpc => "grpc",
             Operation::Realtime => "realtime",
+            Operation::Responses => "responses",
+            Operation::Messages => "messages",
         }
     }
 }

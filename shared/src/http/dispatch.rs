@@ -8,14 +8,14 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::{HeaderValue, StatusCode, header};
 
+use super::door::Door;
 use super::record::Draft;
 use super::relay;
 use crate::config::{BackendId, Endpoint};
 use crate::error::{Attempts, GatewayError, UnavailableCause};
 use crate::gateway::Gateway;
-use crate::protocol::openai::translate;
 use crate::protocol::openai::{Answer, InvalidRequest};
-use crate::protocol::{Wire, anthropic, unix_seconds};
+use crate::protocol::{Wire, anthropic};
 use crate::routing::breaker::{Admit, Outcome};
 use crate::routing::{Candidate, Route};
 use crate::telemetry::TraceContext;
@@ -44,9 +44,15 @@ pub(super) enum Answered {
     Stream(relay::Held),
 }
 
-/// What the caller expects of a successful answer.
+/// What the caller expects of a successful answer, and the door it goes back by.
 #[derive(Clone, Copy)]
-pub(super) enum Expect {
+pub(super) struct Expect<'a> {
+    pub shape: Shape,
+    pub door: &'a Door,
+}
+
+#[derive(Clone, Copy)]
+pub(super) enum Shape {
     Json,
     Stream { client_wants_usage: bool },
 }
@@ -75,7 +81,7 @@ pub(super) async fn dispatch(
     path: &str,
     requested_model: &str,
     body_for: impl Fn(&str, Wire) -> Result<Vec<u8>, InvalidRequest>,
-    expect: Expect,
+    expect: Expect<'_>,
 ) -> Result<Served, GatewayError> {
     let mut attempts = Attempts::default();
     let mut last: Option<(BackendId, Failure)> = None;
@@ -173,8 +179,9 @@ async fn attempt(
     body: Vec<u8>,
     trace: &TraceContext,
     caller: &CallerIdentity,
-    expect: Expect,
+    expect: Expect<'_>,
 ) -> Result<Answered, Failure> {
+    let door = expect.door;
     let deadline = tokio::time::Instant::now() + client.timeout;
     let limits = gateway.config.ai.limits;
     let path = match client.wire {
@@ -188,47 +195,36 @@ async fn attempt(
         let retry_after = headers.get(header::RETRY_AFTER).and_then(seconds);
         return Err(Failure::Status { status: status.as_u16(), retry_after });
     }
-    let expect = if status.is_success() { expect } else { Expect::Json };
-    match expect {
-        Expect::Json => {
+    let shape = if status.is_success() { expect.shape } else { Shape::Json };
+    match shape {
+        Shape::Json => {
             let content_type =
                 headers.get(header::CONTENT_TYPE).cloned().unwrap_or(HeaderValue::from_static("application/json"));
             let retry_after = headers.get(header::RETRY_AFTER).cloned();
             let body = body::read_whole(response, limits.max_response_bytes, deadline).await.map_err(Failure::Body)?;
-            let (body, answer) = match (client.wire, status.is_success()) {
-                (Wire::OpenAi, true) => {
-                    let answer = Answer::read(&body)
-                        .ok_or_else(|| Failure::Body(Fault::Invalid("the answer is not a JSON object".into())))?;
-                    (body, Some(answer))
-                }
-                (Wire::OpenAi, false) => (body, None),
-                (Wire::Anthropic, true) => {
-                    let completion = anthropic::completion(&body).ok_or_else(|| {
-                        Failure::Body(Fault::Invalid("the answer is not an Anthropic Messages `message`".into()))
-                    })?;
-                    let answer = Answer::of(&completion);
-                    (Bytes::from(translate::completion(&completion, unix_seconds()).to_string()), Some(answer))
-                }
+            if !status.is_success() {
                 // Its refusal, in the envelope the caller reads.
-                (Wire::Anthropic, false) => {
-                    let envelope = anthropic::error(status.as_u16(), &body);
-                    return Ok(Answered::Whole {
-                        status,
-                        content_type: HeaderValue::from_static("application/json"),
-                        retry_after,
-                        body: Bytes::from(envelope.to_string()),
-                        answer: None,
-                    });
-                }
-            };
-            Ok(Answered::Whole { status, content_type, retry_after, body, answer })
+                let body = door.refusal(client.wire, status.as_u16(), body);
+                let content_type =
+                    if door.native(client.wire) { content_type } else { HeaderValue::from_static("application/json") };
+                return Ok(Answered::Whole { status, content_type, retry_after, body, answer: None });
+            }
+            let (body, answer) = door.answer(client.wire, body).ok_or_else(|| {
+                let what = match client.wire {
+                    Wire::OpenAi => "the answer is not a JSON object",
+                    Wire::Anthropic => "the answer is not an Anthropic Messages `message`",
+                };
+                Failure::Body(Fault::Invalid(what.into()))
+            })?;
+            Ok(Answered::Whole { status, content_type, retry_after, body, answer: Some(answer) })
         }
-        Expect::Stream { client_wants_usage } => {
+        Shape::Stream { client_wants_usage } => {
             if !is_event_stream(headers) {
                 let detail = "a stream was asked for but the answer is not text/event-stream";
                 return Err(Failure::Body(Fault::Invalid(detail.into())));
             }
-            let held = relay::hold(response, limits.max_event_bytes, deadline, client_wants_usage, client.wire).await;
+            let held =
+                relay::hold(response, limits.max_event_bytes, deadline, client_wants_usage, client.wire, door).await;
             held.map(Answered::Stream).map_err(Failure::Body)
         }
     }

@@ -7,6 +7,7 @@ use http::{HeaderValue, header};
 use serde_json::json;
 
 use crate::error::{GatewayError, INTERNAL_MESSAGE};
+use crate::protocol::messages;
 use crate::protocol::openai::error_envelope;
 
 /// An error on an OpenAI route: rendered as the OpenAI envelope.
@@ -26,6 +27,22 @@ impl IntoResponse for ApiError {
 }
 
 pub fn render(error: &GatewayError, openai: bool) -> Response {
+    render_in(error, if openai { Envelope::OpenAi } else { Envelope::Problem })
+}
+
+/// The shape an error is written in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Envelope {
+    /// `{"error": {"message", "type", "param", "code"}}`, under `/v1/*`.
+    OpenAi,
+    /// `{"type": "error", "error": {"type", "message"}}` on the Anthropic Messages
+    /// door (SPEC §2.2): the gateway's code leads the message.
+    Anthropic,
+    /// RFC 9457 problem details, everywhere else.
+    Problem,
+}
+
+pub fn render_in(error: &GatewayError, envelope: Envelope) -> Response {
     let status = error.status();
     if status.is_server_error() {
         tracing::warn!(code = error.code(), status = status.as_u16(), "{error}");
@@ -36,8 +53,11 @@ pub fn render(error: &GatewayError, openai: bool) -> Response {
         GatewayError::Internal(_) => INTERNAL_MESSAGE.to_owned(),
         _ => error.to_string(),
     };
-    let (body, content_type) = if openai {
+    let (body, content_type) = if envelope == Envelope::OpenAi {
         (error_envelope(&message, error.openai_type(), error.code(), error.param()), "application/json")
+    } else if envelope == Envelope::Anthropic {
+        let message = format!("{}: {message}", error.code());
+        (messages::error_envelope(messages::error_type(status.as_u16()), &message), "application/json")
     } else {
         let problem = json!({
             "type": format!("https://flexway.dev/errors/{}", error.code()),

@@ -2,6 +2,7 @@
 //! with `axum::serve`, the Lambda function with `lambda_http`'s streaming runner.
 
 mod dispatch;
+mod door;
 mod error;
 mod proxy;
 mod realtime;
@@ -19,7 +20,7 @@ use http::{HeaderMap, HeaderValue, Method, Uri};
 use serde_json::json;
 use tracing::Instrument;
 
-pub use error::{ApiError, render};
+pub use error::{ApiError, Envelope, render, render_in};
 
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
@@ -103,6 +104,9 @@ async fn refresh_due_secrets(State(gateway): State<Arc<Gateway>>, request: Reque
 fn api_routes() -> Router<Arc<Gateway>> {
     Router::new()
         .route("/v1/chat/completions", post(proxy::chat_completions))
+        .route("/v1/responses", post(proxy::responses))
+        .route("/v1/messages", post(proxy::messages))
+        .route("/v1/messages/count_tokens", post(proxy::count_tokens))
         .route("/v1/embeddings", post(proxy::embeddings))
         .route("/v1/models", get(models))
         .route("/healthz", get(healthz))
@@ -147,7 +151,7 @@ async fn request_id(mut request: Request, next: Next) -> Response {
     let span = tracing::error_span!("request", request_id = %id.0);
     let mut response = if headers_too_large(request.headers()) {
         let error = GatewayError::HeadersTooLarge { max_headers: MAX_HEADERS, max_bytes: MAX_HEADER_BYTES };
-        span.in_scope(|| render(&error, is_openai_path(request.uri())))
+        span.in_scope(|| render_in(&error, envelope_for(request.uri())))
     } else {
         request.extensions_mut().insert(id.clone());
         next.run(request).instrument(span).await
@@ -179,18 +183,27 @@ async fn models(State(gateway): State<Arc<Gateway>>, headers: HeaderMap) -> Resu
     Ok(Json(model_list(names.iter().map(String::as_str))).into_response())
 }
 
-fn is_openai_path(uri: &Uri) -> bool {
-    uri.path() == "/v1" || uri.path().starts_with("/v1/")
+/// The envelope of errors on a path: Anthropic's on the Messages door (SPEC §2.2),
+/// OpenAI's elsewhere under `/v1`, problem details everywhere else.
+fn envelope_for(uri: &Uri) -> Envelope {
+    let path = uri.path();
+    if path == "/v1/messages" || path.starts_with("/v1/messages/") {
+        Envelope::Anthropic
+    } else if path == "/v1" || path.starts_with("/v1/") {
+        Envelope::OpenAi
+    } else {
+        Envelope::Problem
+    }
 }
 
 async fn not_found(method: Method, uri: Uri) -> Response {
     let error = GatewayError::NotFound { method: method.to_string(), path: uri.path().to_owned() };
-    render(&error, is_openai_path(&uri))
+    render_in(&error, envelope_for(&uri))
 }
 
 async fn method_not_allowed(method: Method, uri: Uri) -> Response {
     let error = GatewayError::MethodNotAllowed { method: method.to_string(), path: uri.path().to_owned() };
-    render(&error, is_openai_path(&uri))
+    render_in(&error, envelope_for(&uri))
 }
 
 #[cfg(test)]

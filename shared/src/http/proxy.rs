@@ -9,18 +9,23 @@
 //! backend's own 4xx (its 429 included) is the caller's answer and is relayed as is.
 //! Every identified call ends in exactly one audit record (`record::Draft`), and every
 //! reservation is settled or refunded (`budget::Ticket`), on every path below.
+//!
+//! Chat comes in by three doors (`/v1/chat/completions`, `/v1/responses`,
+//! `/v1/messages`): each parses into the same measure and call, and runs the same
+//! phases; only the format of the answer differs (`door.rs`).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use axum::Extension;
 use axum::body::Body;
 use axum::extract::State;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 
-use super::dispatch::{Answered, Expect, Served, dispatch};
-use super::error::render;
+use super::dispatch::{Answered, Expect, Served, Shape, dispatch};
+use super::door::Door;
+use super::error::{Envelope, render_in};
 use super::record::{Draft, UsageSource};
 use super::relay;
 use super::{Deadline, RequestId};
@@ -30,8 +35,11 @@ use crate::config::Capability;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
-use crate::protocol::openai::{ChatRequest, EmbeddingsRequest, InvalidRequest, Usage};
-use crate::protocol::{Wire, anthropic, vision};
+use crate::protocol::chat::Call as ChatCall;
+use crate::protocol::messages::MessagesRequest;
+use crate::protocol::openai::{ChatRequest, EmbeddingsRequest, ImageRef, InvalidRequest, Usage, translate};
+use crate::protocol::responses::{self, ResponsesRequest};
+use crate::protocol::{Measure, Wire, anthropic, vision};
 use crate::routing::Candidate;
 
 pub const BACKEND_HEADER: &str = "flexway-backend";
@@ -56,10 +64,12 @@ struct Call<'a> {
     request_id: &'a RequestId,
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Operation {
     Chat,
     Embeddings,
+    Responses,
+    Messages,
 }
 
 pub(super) async fn chat_completions(
@@ -71,6 +81,48 @@ pub(super) async fn chat_completions(
 ) -> Response {
     let deadline = deadline.map(|Extension(d)| d);
     handle(gateway, request_id, headers, body, Operation::Chat, deadline).await
+}
+
+/// `POST /v1/responses` (SPEC §2.1): the chat path, answered in the Responses format.
+pub(super) async fn responses(
+    State(gateway): State<Arc<Gateway>>,
+    Extension(request_id): Extension<RequestId>,
+    deadline: Option<Extension<Deadline>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let deadline = deadline.map(|Extension(d)| d);
+    handle(gateway, request_id, headers, body, Operation::Responses, deadline).await
+}
+
+/// `POST /v1/messages` (SPEC §2.2): the chat path, answered in Anthropic's format.
+pub(super) async fn messages(
+    State(gateway): State<Arc<Gateway>>,
+    Extension(request_id): Extension<RequestId>,
+    deadline: Option<Extension<Deadline>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let deadline = deadline.map(|Extension(d)| d);
+    handle(gateway, request_id, headers, body, Operation::Messages, deadline).await
+}
+
+/// `POST /v1/messages/count_tokens`: the gateway's own estimate of the prompt's
+/// tokens (the typical one of a settlement without usage: 4 bytes a token, framing,
+/// 2,048 an image), never a backend's count. It calls no model, so it is neither
+/// budgeted nor audited.
+pub(super) async fn count_tokens(State(gateway): State<Arc<Gateway>>, headers: HeaderMap, body: Body) -> Response {
+    let counted = async {
+        gateway.keys.authenticate_x_api_key(&headers)?;
+        let bytes = read_body(body, &headers, gateway.config.ai.vision.max_body_bytes).await?;
+        let request = MessagesRequest::parse_count(&bytes)?;
+        let m = &request.measure;
+        Ok::<_, GatewayError>(plan::prompt_typical(m.prompt_text_bytes, m.message_count, m.images.len() as u64))
+    };
+    match counted.await {
+        Ok(tokens) => axum::Json(serde_json::json!({"input_tokens": tokens})).into_response(),
+        Err(e) => render_in(&e, Envelope::Anthropic),
+    }
 }
 
 pub(super) async fn embeddings(
@@ -91,20 +143,29 @@ async fn handle(
     op: Operation,
     deadline: Option<Deadline>,
 ) -> Response {
-    let caller = match gateway.keys.authenticate(&headers) {
+    let envelope = if op == Operation::Messages { Envelope::Anthropic } else { Envelope::OpenAi };
+    let caller = match op {
+        Operation::Messages => gateway.keys.authenticate_x_api_key(&headers),
+        _ => gateway.keys.authenticate(&headers),
+    };
+    let caller = match caller {
         Ok(caller) => caller,
         // Refused before identification: no audit record (SPEC §9), only the log.
-        Err(e) => return render(&GatewayError::from(e), true),
+        Err(e) => return render_in(&GatewayError::from(e), envelope),
     };
     let operation = match op {
         Operation::Chat => crate::audit::Operation::Chat,
         Operation::Embeddings => crate::audit::Operation::Embeddings,
+        Operation::Responses => crate::audit::Operation::Responses,
+        Operation::Messages => crate::audit::Operation::Messages,
     };
     let mut draft = Draft::begin(&gateway, &request_id, &caller, operation, &headers);
     let call = Call { caller: &caller, request_id: &request_id };
     let result = match op {
-        Operation::Chat => chat(&gateway, call, &mut draft, &headers, body).await,
         Operation::Embeddings => embed(&gateway, call, &mut draft, &headers, body).await,
+        Operation::Chat | Operation::Responses | Operation::Messages => {
+            chat(&gateway, call, &mut draft, &headers, body, op).await
+        }
     };
     match result {
         Ok(Reply::Now(response)) => {
@@ -117,7 +178,107 @@ async fn handle(
         }
         Err(e) => {
             draft.fail(&e).await;
-            render(&e, true)
+            render_in(&e, envelope)
+        }
+    }
+}
+
+/// A chat request, by whichever door it came.
+enum Inbound {
+    Chat(ChatRequest),
+    Responses(ResponsesRequest),
+    Messages(MessagesRequest),
+}
+
+/// What the call phases read of an [`Inbound`] request.
+struct View<'a> {
+    model: &'a str,
+    stream: bool,
+    client_wants_usage: bool,
+    max_tokens: Option<u64>,
+    choices: u64,
+    images: &'a [ImageRef],
+    prompt_text_bytes: u64,
+    message_count: u64,
+    user: Option<&'a str>,
+}
+
+impl View<'_> {
+    fn of(m: &Measure) -> View<'_> {
+        View {
+            model: &m.model,
+            stream: m.stream,
+            client_wants_usage: false,
+            max_tokens: m.max_tokens,
+            choices: 1,
+            images: &m.images,
+            prompt_text_bytes: m.prompt_text_bytes,
+            message_count: m.message_count,
+            user: m.user.as_deref(),
+        }
+    }
+}
+
+impl Inbound {
+    fn parse(op: Operation, bytes: &[u8]) -> Result<Inbound, InvalidRequest> {
+        Ok(match op {
+            Operation::Responses => Inbound::Responses(ResponsesRequest::parse(bytes)?),
+            Operation::Messages => Inbound::Messages(MessagesRequest::parse(bytes)?),
+            Operation::Chat | Operation::Embeddings => Inbound::Chat(ChatRequest::parse(bytes)?),
+        })
+    }
+
+    fn view(&self) -> View<'_> {
+        match self {
+            Inbound::Chat(r) => View {
+                model: &r.model,
+                stream: r.stream,
+                client_wants_usage: r.client_wants_usage,
+                max_tokens: r.max_tokens,
+                choices: r.choices,
+                images: &r.images,
+                prompt_text_bytes: r.prompt_text_bytes,
+                message_count: r.message_count,
+                user: r.user.as_deref(),
+            },
+            Inbound::Responses(r) => View::of(&r.measure),
+            Inbound::Messages(r) => View::of(&r.measure),
+        }
+    }
+
+    /// The door the answer goes back by.
+    fn door(&self, request_id: &RequestId, gateway: &Gateway) -> Door {
+        match self {
+            Inbound::Chat(_) => Door::Chat,
+            Inbound::Responses(r) => Door::Responses {
+                id: responses::response_id(&request_id.0),
+                echo: r.echo(),
+                limit: gateway.config.ai.limits.max_response_bytes,
+            },
+            Inbound::Messages(_) => Door::Messages,
+        }
+    }
+
+    /// The body for a backend of `wire`: the client's own when the formats agree (but
+    /// for the model and the allowance), else the call translated (once, for every
+    /// candidate that needs it).
+    fn body_for(
+        &self,
+        model: &str,
+        wire: Wire,
+        allowance: u64,
+        translated: &OnceLock<Result<ChatCall, InvalidRequest>>,
+    ) -> Result<Vec<u8>, InvalidRequest> {
+        let call = || match self {
+            Inbound::Chat(r) => translated.get_or_init(|| r.call()).as_ref().map_err(Clone::clone),
+            Inbound::Messages(r) => translated.get_or_init(|| r.call()).as_ref().map_err(Clone::clone),
+            Inbound::Responses(r) => Ok(&r.call),
+        };
+        match (self, wire) {
+            (Inbound::Chat(r), Wire::OpenAi) => Ok(r.upstream_body(model, allowance)),
+            (Inbound::Messages(r), Wire::Anthropic) => Ok(r.upstream_body(model, allowance)),
+            (_, Wire::OpenAi) => Ok(translate::request(call()?, model, allowance)),
+            (_, Wire::Anthropic) => anthropic::request(call()?, model, allowance),
         }
     }
 }
@@ -128,16 +289,20 @@ async fn chat(
     draft: &mut Draft,
     headers: &HeaderMap,
     body: Body,
+    op: Operation,
 ) -> Result<Reply, GatewayError> {
     let bytes = read_body(body, headers, gateway.config.ai.vision.max_body_bytes).await?;
-    let request = ChatRequest::parse(&bytes)?;
-    draft.request(request.capability(), &request.model, request.user.as_deref());
-    vision::check_images(&request.images, &gateway.config.ai.vision)?;
+    let inbound = Inbound::parse(op, &bytes)?;
+    drop(bytes);
+    let request = inbound.view();
+    let capability = if request.images.is_empty() { Capability::Chat } else { Capability::Vision };
+    draft.request(capability, request.model, request.user);
+    vision::check_images(request.images, &gateway.config.ai.vision)?;
     let images = request.images.len() as u64;
     let sensitive = crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?;
     draft.sensitive(sensitive);
     let demand = Demand {
-        capability: request.capability(),
+        capability,
         prompt_tokens: plan::prompt_upper_bound(request.prompt_text_bytes, request.message_count, images),
         max_tokens: request.max_tokens,
         choices: request.choices,
@@ -150,18 +315,14 @@ async fn chat(
     draft.soft(soft);
     draft.allowance(allowance);
     let prompt_typical = plan::prompt_typical(request.prompt_text_bytes, request.message_count, images);
-    // One translation for every candidate of another format (the identity for OpenAI's).
-    let call = std::sync::OnceLock::new();
-    let body_for = |model: &str, wire: Wire| match wire {
-        Wire::OpenAi => Ok(request.upstream_body(model, allowance)),
-        Wire::Anthropic => {
-            let call = call.get_or_init(|| request.call());
-            anthropic::request(call.as_ref().map_err(Clone::clone)?, model, allowance)
-        }
-    };
-    let expect =
-        if request.stream { Expect::Stream { client_wants_usage: request.client_wants_usage } } else { Expect::Json };
-    let served = match dispatch(gateway, draft, &route, "/chat/completions", &request.model, body_for, expect).await {
+    let door = inbound.door(call.request_id, gateway);
+    let translated = OnceLock::new();
+    let body_for = |model: &str, wire: Wire| inbound.body_for(model, wire, allowance, &translated);
+    let shape =
+        if request.stream { Shape::Stream { client_wants_usage: request.client_wants_usage } } else { Shape::Json };
+    let expect = Expect { shape, door: &door };
+    let dispatched = dispatch(gateway, draft, &route, "/chat/completions", request.model, body_for, expect).await;
+    let served = match dispatched {
         Ok(served) => served,
         Err(e) => return Err(refunded(ticket, e).await),
     };
@@ -216,7 +377,9 @@ async fn embed(
             Err(InvalidRequest { message: "embeddings are not served by this backend".into(), param: None })
         }
     };
-    let served = match dispatch(gateway, draft, &route, "/embeddings", &request.model, body_for, Expect::Json).await {
+    let expect = Expect { shape: Shape::Json, door: &Door::Chat };
+    let dispatched = dispatch(gateway, draft, &route, "/embeddings", &request.model, body_for, expect).await;
+    let served = match dispatched {
         Ok(served) => served,
         Err(e) => return Err(refunded(ticket, e).await),
     };

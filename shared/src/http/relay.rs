@@ -12,7 +12,6 @@
 //! the client's stream ends with an SSE error event, never a clean `[DONE]`, and the
 //! backend's breaker counts the failure.
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,13 +25,14 @@ use tokio::sync::mpsc;
 use tracing::Instrument;
 
 use super::Deadline;
+use super::door::{Door, Writer};
 use super::record::{Draft, UsageSource};
 use crate::budget::{Ticket, plan};
 use crate::config::{BackendId, Price};
 use crate::gateway::Gateway;
 use crate::protocol::anthropic;
-use crate::protocol::openai::translate::Chunks;
-use crate::protocol::openai::{MAX_CHOICES, Usage, error_envelope};
+use crate::protocol::chat::Delta;
+use crate::protocol::openai::{MAX_CHOICES, Usage, error_envelope, translate};
 use crate::protocol::{Wire, sse};
 use crate::routing::breaker::Outcome;
 use crate::upstream::body::{Events, Fault};
@@ -127,8 +127,7 @@ pub(super) struct Held {
     /// not ask for already left out).
     pending: Vec<Bytes>,
     outcome: RelayOutcome,
-    client_wants_usage: bool,
-    /// `[DONE]` is among `pending`.
+    /// The stream's end (`[DONE]`, `message_stop`, ...) is among `pending`.
     done: bool,
 }
 
@@ -142,38 +141,38 @@ pub(super) async fn hold(
     deadline: tokio::time::Instant,
     client_wants_usage: bool,
     wire: Wire,
+    door: &Door,
 ) -> Result<Held, Fault> {
     let events = Events::new(response, max_event_bytes);
-    let translate = match wire {
-        Wire::OpenAi => None,
-        Wire::Anthropic => {
-            Some(Translate { chunks: Chunks::new(crate::protocol::unix_seconds()), ..Translate::default() })
-        }
+    let mode = if door.native(wire) && wire == Wire::OpenAi {
+        Mode::Chunks { client_wants_usage }
+    } else {
+        let read = match wire {
+            Wire::OpenAi => Reader::OpenAi,
+            Wire::Anthropic => Reader::Anthropic(anthropic::Stream::default()),
+        };
+        Mode::Translate { read, write: Box::new(door.writer(wire, client_wants_usage)) }
     };
     let mut held = Held {
-        events: Source { events, translate },
+        events: Source { events, mode },
         pending: Vec::new(),
         outcome: RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0, finish_reasons: Vec::new() },
-        client_wants_usage,
         done: false,
     };
     let mut held_bytes = 0u64;
     loop {
-        let Some(event) = held.events.next(deadline).await? else {
+        let Some(step) = held.events.next(deadline, &mut held.outcome).await? else {
             return Err(ended_early());
         };
-        if event.is_done() {
-            held.pending.push(event.raw);
+        if !step.out.is_empty() {
+            held_bytes += step.out.len() as u64;
+            held.pending.push(step.out);
+        }
+        if step.done {
             held.done = true;
             return Ok(held);
         }
-        let chunk = read_chunk(&event)?;
-        let content = chunk.as_ref().is_some_and(carries_content);
-        if tap(chunk.as_ref(), client_wants_usage, &mut held.outcome) {
-            held_bytes += event.raw.len() as u64;
-            held.pending.push(event.raw);
-        }
-        if content || held_bytes > max_event_bytes {
+        if step.content || held_bytes > max_event_bytes {
             return Ok(held);
         }
     }
@@ -241,14 +240,14 @@ async fn pump(
     draft: &mut Draft,
     cutoff: Option<tokio::time::Instant>,
 ) -> RelayOutcome {
-    let Held { mut events, pending, mut outcome, client_wants_usage, done } = held;
+    let Held { mut events, pending, mut outcome, done } = held;
     let past_cutoff = || cutoff.is_some_and(|c| tokio::time::Instant::now() >= c);
     for raw in pending {
         draft.first_byte();
         match send(tx, raw, cutoff).await {
             Sent::Yes => {}
             Sent::ClientGone => return ended(outcome, StreamEnd::ClientGone),
-            Sent::Deadline => return deadline(outcome, tx).await,
+            Sent::Deadline => return deadline(outcome, &mut events, tx).await,
         }
     }
     if done {
@@ -256,31 +255,21 @@ async fn pump(
     }
     loop {
         let idle = tokio::time::Instant::now() + idle_timeout;
-        let event = match events.next(cutoff.map_or(idle, |c| c.min(idle))).await {
-            Ok(Some(event)) => event,
-            Ok(None) => return broken(outcome, tx, ended_early()).await,
-            Err(Fault::Timeout) if past_cutoff() => return deadline(outcome, tx).await,
-            Err(fault) => return broken(outcome, tx, fault).await,
+        let step = match events.next(cutoff.map_or(idle, |c| c.min(idle)), &mut outcome).await {
+            Ok(Some(step)) => step,
+            Ok(None) => return broken(outcome, &mut events, tx, ended_early()).await,
+            Err(Fault::Timeout) if past_cutoff() => return deadline(outcome, &mut events, tx).await,
+            Err(fault) => return broken(outcome, &mut events, tx, fault).await,
         };
-        let done = event.is_done();
-        let forward = if done {
-            true
-        } else {
-            let chunk = match read_chunk(&event) {
-                Ok(chunk) => chunk,
-                Err(fault) => return broken(outcome, tx, fault).await,
-            };
-            tap(chunk.as_ref(), client_wants_usage, &mut outcome)
-        };
-        if forward {
+        if !step.out.is_empty() {
             draft.first_byte();
-            match send(tx, event.raw, cutoff).await {
+            match send(tx, step.out, cutoff).await {
                 Sent::Yes => {}
                 Sent::ClientGone => return ended(outcome, StreamEnd::ClientGone),
-                Sent::Deadline => return deadline(outcome, tx).await,
+                Sent::Deadline => return deadline(outcome, &mut events, tx).await,
             }
         }
-        if done {
+        if step.done {
             return outcome;
         }
     }
@@ -317,52 +306,106 @@ pub(super) const DEADLINE_CODE: &str = "deadline";
 /// Ends the client's stream before the platform does: the in-band `deadline` error
 /// (offered for a moment only: a client that reads no more must not hold the settle
 /// past the deadline).
-async fn deadline(outcome: RelayOutcome, tx: &mpsc::Sender<Bytes>) -> RelayOutcome {
+async fn deadline(outcome: RelayOutcome, source: &mut Source, tx: &mpsc::Sender<Bytes>) -> RelayOutcome {
     tracing::warn!("stream ended at the function's deadline; settled on what was relayed");
     let message = "the gateway's time limit was reached; the response is incomplete";
-    let event = sse::event(Some("error"), &error_envelope(message, "api_error", DEADLINE_CODE, None));
+    let event = source.error_event(DEADLINE_CODE, message);
     let _ = tokio::time::timeout(Duration::from_millis(200), tx.send(event)).await;
     ended(outcome, StreamEnd::Deadline)
 }
 
-/// The backend's events in Chat Completions form: an OpenAI backend's as they come,
-/// another format's translated one event at a time (an event may make several chunks,
-/// or none).
+/// The backend's events, as the client reads them: an OpenAI backend's chunks for a
+/// Chat Completions client as they come (`Mode::Chunks`), anything else read into
+/// [`Delta`]s one event at a time and written in the door's format (an event may make
+/// several of the client's, or none), or relayed as it came when the formats agree.
 struct Source {
     events: Events,
-    translate: Option<Translate>,
+    mode: Mode,
 }
 
-#[derive(Default)]
-struct Translate {
-    stream: anthropic::Stream,
-    chunks: Chunks,
-    /// Chunks made from the last event, not yet handed out.
-    ready: VecDeque<sse::Event>,
+enum Mode {
+    Chunks { client_wants_usage: bool },
+    Translate { read: Reader, write: Box<Writer> },
+}
+
+/// A backend's stream format, read into deltas.
+enum Reader {
+    OpenAi,
+    Anthropic(anthropic::Stream),
+}
+
+/// What one backend event gives the client.
+struct Step {
+    /// The bytes to send (none: a usage chunk the client did not ask for, ...).
+    out: Bytes,
+    /// It carries the answer proper (text, a tool call, a finish, usage).
+    content: bool,
+    /// The stream's proper end.
+    done: bool,
 }
 
 impl Source {
-    async fn next(&mut self, deadline: tokio::time::Instant) -> Result<Option<sse::Event>, Fault> {
-        let Some(translate) = &mut self.translate else {
-            return self.events.next(deadline).await;
+    /// The next backend event as a step, its usage and sizes tapped into `outcome`;
+    /// `None` when the backend's body ended.
+    async fn next(
+        &mut self,
+        deadline: tokio::time::Instant,
+        outcome: &mut RelayOutcome,
+    ) -> Result<Option<Step>, Fault> {
+        let Some(event) = self.events.next(deadline).await? else {
+            return Ok(None);
         };
-        loop {
-            if let Some(event) = translate.ready.pop_front() {
-                return Ok(Some(event));
+        let (read, write) = match &mut self.mode {
+            Mode::Chunks { client_wants_usage } => {
+                if event.is_done() {
+                    return Ok(Some(Step { out: event.raw, content: false, done: true }));
+                }
+                let chunk = read_chunk(&event)?;
+                let content = chunk.as_ref().is_some_and(carries_content);
+                let forward = tap(chunk.as_ref(), *client_wants_usage, outcome);
+                let out = if forward { event.raw } else { Bytes::new() };
+                return Ok(Some(Step { out, content, done: false }));
             }
-            let Some(event) = self.events.next(deadline).await? else {
-                return Ok(None);
-            };
-            if event.data.is_empty() {
-                continue;
+            Mode::Translate { read, write } => (read, write),
+        };
+        if event.data.is_empty() {
+            // A comment or keep-alive: only a stream relayed as it came shows it.
+            let out = if matches!(**write, Writer::Raw) { event.raw } else { Bytes::new() };
+            return Ok(Some(Step { out, content: false, done: false }));
+        }
+        let deltas = match read {
+            Reader::OpenAi if event.is_done() => vec![Delta::Done],
+            Reader::OpenAi => read_chunk(&event)?.map(|chunk| translate::deltas(&chunk)).unwrap_or_default(),
+            Reader::Anthropic(stream) => stream.next(&event.data).map_err(|e| Fault::Invalid(e.to_string()))?,
+        };
+        let mut step = Step { out: Bytes::new(), content: false, done: false };
+        for delta in &deltas {
+            match delta {
+                Delta::Start { .. } => {}
+                Delta::Text(text) => outcome.content_bytes += text.len() as u64,
+                Delta::ToolCall { name, .. } => outcome.content_bytes += name.len() as u64,
+                Delta::ToolArguments { fragment, .. } => outcome.content_bytes += fragment.len() as u64,
+                Delta::Finish(finish) => {
+                    if outcome.finish_reasons.len() < MAX_CHOICES as usize {
+                        outcome.finish_reasons.push(finish.as_str().to_owned());
+                    }
+                }
+                Delta::Usage(tokens) => {
+                    outcome.usage = Some(Usage { prompt_tokens: tokens.input, completion_tokens: tokens.output });
+                }
+                Delta::Done => step.done = true,
             }
-            let deltas = translate.stream.next(&event.data).map_err(|e| Fault::Invalid(e.to_string()))?;
-            for delta in deltas {
-                // The chunk's JSON text, encoded once for the event and its data.
-                let data = translate.chunks.chunk(delta).map_or_else(|| "[DONE]".to_owned(), |c| c.to_string());
-                let event = sse::Event { raw: Bytes::from(format!("data: {data}\n\n")), data, name: None };
-                translate.ready.push_back(event);
-            }
+            step.content |= !matches!(delta, Delta::Start { .. });
+        }
+        step.out = write.write(&event.raw, deltas).map_err(Fault::Invalid)?;
+        Ok(Some(step))
+    }
+
+    /// The in-band error event of the client's format.
+    fn error_event(&mut self, code: &str, message: &str) -> Bytes {
+        match &mut self.mode {
+            Mode::Chunks { .. } => sse::event(Some("error"), &error_envelope(message, "api_error", code, None)),
+            Mode::Translate { write, .. } => write.error_event(code, message),
         }
     }
 }
@@ -443,10 +486,15 @@ fn tap(chunk: Option<&Value>, client_wants_usage: bool, outcome: &mut RelayOutco
 }
 
 /// Ends the client's stream with the in-band error event (never `[DONE]`).
-async fn broken(mut outcome: RelayOutcome, tx: &mpsc::Sender<Bytes>, fault: Fault) -> RelayOutcome {
+async fn broken(
+    mut outcome: RelayOutcome,
+    source: &mut Source,
+    tx: &mpsc::Sender<Bytes>,
+    fault: Fault,
+) -> RelayOutcome {
     tracing::warn!("stream broke mid-way: {fault}");
     let message = format!("{fault}; the response is incomplete");
-    let event = sse::event(Some("error"), &error_envelope(&message, "api_error", "upstream_error", None));
+    let event = source.error_event("upstream_error", &message);
     // If the client is gone too, there is no one left to tell.
     let _ = tx.send(event).await;
     outcome.end = StreamEnd::Broken(fault);

@@ -97,7 +97,18 @@ impl KeyRing {
     /// for a relay peer's key that sends `Flexway-Tenant`, the tenant it asserts (the
     /// key's own bound agent, which belongs to the peer's tenant, then does not apply).
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, IdentityError> {
-        let key = bearer_key(headers).ok_or(IdentityError::MissingKey)?;
+        self.identify(bearer_key(headers), headers)
+    }
+
+    /// As [`Keys::authenticate`], for the Anthropic Messages door (SPEC §2.2): the key
+    /// comes as `x-api-key`, as Anthropic's SDKs send it, or as a bearer token.
+    pub fn authenticate_x_api_key(&self, headers: &HeaderMap) -> Result<Caller, IdentityError> {
+        let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim).filter(|k| !k.is_empty());
+        self.identify(x_api_key.or_else(|| bearer_key(headers)), headers)
+    }
+
+    fn identify(&self, key: Option<&str>, headers: &HeaderMap) -> Result<Caller, IdentityError> {
+        let key = key.ok_or(IdentityError::MissingKey)?;
         let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
         let record = self.find(&digest).ok_or(IdentityError::UnknownKey)?;
         let asserted = if record.relay_peer { tenant_header(headers)? } else { None };

@@ -1,20 +1,19 @@
 //! One chat call as the gateway understands it, whatever wire format carried it.
 //!
 //! Each wire format has a translator on each side it is spoken on. Inbound, a client's
-//! request becomes a [`Call`] and the answer goes back in the client's format: today
-//! OpenAI Chat Completions (`openai.rs`); the Responses API and Anthropic Messages
-//! (SPEC §2.1–2.2) will be two more inbound translators onto the same model.
-//! Outbound, a [`Call`] becomes a backend's request, and the backend's answer a
-//! [`Completion`], or a stream of [`Delta`]s, one backend event at a time: OpenAI
-//! (`openai.rs`) and Anthropic (`anthropic.rs`).
+//! request becomes a [`Call`] and the answer goes back in the client's format: OpenAI
+//! Chat Completions (`openai/translate.rs`), the Responses API (`responses.rs`) and
+//! Anthropic Messages (`messages.rs`), SPEC §2, §2.1, §2.2. Outbound, a [`Call`]
+//! becomes a backend's request, and the backend's answer a [`Completion`], or a stream
+//! of [`Delta`]s, one backend event at a time: OpenAI (`openai/translate.rs`) and
+//! Anthropic (`anthropic.rs`).
 //!
-//! When both sides speak the same format, the request is forwarded as the client sent
-//! it but for the fields the gateway owns (the model, the allowance, usage in streams):
-//! the identity translation, which keeps every field a provider adds that this model
-//! does not name, and costs no re-encoding on the hot path. So today the OpenAI
-//! outbound translator (`openai::translate::{request, read_completion, read_chunk}`)
-//! is exercised by its round-trip tests only; it serves when a second inbound format
-//! meets an OpenAI backend.
+//! When both sides speak the same format (a Chat Completions client and an OpenAI
+//! backend, an Anthropic Messages client and an `anthropic` backend), the request is
+//! forwarded as the client sent it but for the fields the gateway owns (the model, the
+//! allowance, usage in streams): the identity translation, which keeps every field a
+//! provider adds that this model does not name, and costs no re-encoding on the hot
+//! path (`http/door.rs` decides).
 
 use serde_json::Value;
 

@@ -163,11 +163,22 @@ fn scope() -> otlp::InstrumentationScope {
     otlp::InstrumentationScope { name: "flexway".to_owned(), version: env!("CARGO_PKG_VERSION").to_owned() }
 }
 
+/// `gen_ai.operation.name`: a call through the Responses or the Anthropic Messages
+/// door is a chat in the GenAI conventions' words (the audit's `operation` says which
+/// door it came by).
+fn gen_ai_operation(operation: crate::audit::Operation) -> &'static str {
+    use crate::audit::Operation;
+    match operation {
+        Operation::Responses | Operation::Messages => "chat",
+        other => other.as_str(),
+    }
+}
+
 /// The call's span: named `{operation} {model}`, kind CLIENT (the gateway calls a
 /// model), with the GenAI attributes and Flexway's own.
 fn span(call: &CallSpan) -> otlp::Span {
     let record = &call.record;
-    let operation = record.operation.as_str();
+    let operation = gen_ai_operation(record.operation);
     let name = match &record.model_requested {
         Some(model) => format!("{operation} {model}"),
         None => operation.to_owned(),
@@ -266,7 +277,7 @@ impl Metrics {
 
     fn observe(&mut self, call: &CallSpan) {
         let record = &call.record;
-        let mut common: Attributes = vec![("gen_ai.operation.name", record.operation.as_str().to_owned())];
+        let mut common: Attributes = vec![("gen_ai.operation.name", gen_ai_operation(record.operation).to_owned())];
         if let Some(provider) = call.provider {
             common.push(("gen_ai.provider.name", provider.to_owned()));
         }

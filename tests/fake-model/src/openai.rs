@@ -18,6 +18,9 @@ pub(crate) const MAX_CHOICES: usize = 128;
 /// text after it, so the content never exists in memory.
 pub(crate) const HUGE_MARK: &str = "@@fake-model-huge-content@@";
 
+/// The id of the tool call a `tool_use` reply makes.
+pub(crate) const TOOL_CALL_ID: &str = "call_fake_1";
+
 /// The fields of a chat request the fake looks at; the rest is ignored.
 #[derive(Debug, Deserialize)]
 pub(crate) struct ChatRequest {
@@ -29,6 +32,9 @@ pub(crate) struct ChatRequest {
     pub max_tokens: Option<usize>,
     pub max_completion_tokens: Option<usize>,
     pub n: Option<usize>,
+    #[serde(default)]
+    pub tools: Vec<Value>,
+    pub tool_choice: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -74,6 +80,9 @@ pub(crate) struct Reply {
     pub choice_tokens: usize,
     /// How many identical choices the answer has.
     pub choices: usize,
+    /// Under `tool_use`: the function called (name, JSON arguments) instead of
+    /// content.
+    pub tool_call: Option<(String, String)>,
 }
 
 impl Reply {
@@ -99,6 +108,9 @@ impl Reply {
         };
         let prompt_tokens = request.prompt_tokens();
         let choices = request.choices();
+        if let Some(reply) = Self::tool_reply(request, scenario, prompt_tokens) {
+            return reply;
+        }
         let limit = [request.max_tokens, request.max_completion_tokens].into_iter().flatten().min();
         match limit.filter(|_| !scenario.ignore_limit) {
             Some(limit) if limit < words(&content) => Reply {
@@ -107,9 +119,54 @@ impl Reply {
                 prompt_tokens,
                 choice_tokens: limit,
                 choices,
+                tool_call: None,
             },
-            _ => Reply { choice_tokens: words(&content), content, finish_reason: "stop", prompt_tokens, choices },
+            _ => Reply {
+                choice_tokens: words(&content),
+                content,
+                finish_reason: "stop",
+                prompt_tokens,
+                choices,
+                tool_call: None,
+            },
         }
+    }
+
+    /// Under `tool_use`, a request with tools (and `tool_choice` not `none`)
+    /// calls the first tool (or the one `tool_choice` names) with `{"echo":
+    /// <last user text>}`; once the last message is a tool's result, the reply
+    /// says what the tool said (`The tool said: <result>`).
+    fn tool_reply(request: &ChatRequest, scenario: &Scenario, prompt_tokens: usize) -> Option<Reply> {
+        let choice = request.tool_choice.as_ref();
+        if !scenario.tool_use || request.tools.is_empty() || choice.and_then(Value::as_str) == Some("none") {
+            return None;
+        }
+        let last = request.messages.last()?;
+        if last.role == "tool" {
+            let content = format!("The tool said: {}", message_text(&last.content));
+            let choice_tokens = words(&content);
+            return Some(Reply {
+                content,
+                finish_reason: "stop",
+                prompt_tokens,
+                choice_tokens,
+                choices: 1,
+                tool_call: None,
+            });
+        }
+        let named = choice.and_then(|c| c.pointer("/function/name")).and_then(Value::as_str);
+        let first = request.tools[0].pointer("/function/name").and_then(Value::as_str);
+        let name = named.or(first)?.to_owned();
+        let said = request.messages.iter().rev().find(|m| m.role == "user").map(|m| message_text(&m.content));
+        let arguments = json!({"echo": said.unwrap_or_default()}).to_string();
+        Some(Reply {
+            content: String::new(),
+            finish_reason: "tool_calls",
+            prompt_tokens,
+            choice_tokens: words(&arguments),
+            choices: 1,
+            tool_call: Some((name, arguments)),
+        })
     }
 
     /// The reply of `huge_mb`: one choice of one long word (one token),
@@ -122,6 +179,7 @@ impl Reply {
             prompt_tokens: request.prompt_tokens(),
             choice_tokens: 1,
             choices: 1,
+            tool_call: None,
         }
     }
 
@@ -147,9 +205,15 @@ pub(crate) struct Meta {
 pub(crate) fn completion(meta: &Meta, reply: &Reply, with_usage: bool) -> Value {
     let choices: Vec<Value> = (0..reply.choices)
         .map(|index| {
+            let message = match &reply.tool_call {
+                Some((name, arguments)) => json!({"role": "assistant", "content": null, "tool_calls": [
+                    {"id": TOOL_CALL_ID, "type": "function", "function": {"name": name, "arguments": arguments}}
+                ]}),
+                None => json!({"role": "assistant", "content": reply.content}),
+            };
             json!({
                 "index": index,
-                "message": {"role": "assistant", "content": reply.content},
+                "message": message,
                 "logprobs": null,
                 "finish_reason": reply.finish_reason,
             })
@@ -193,9 +257,20 @@ pub(crate) fn stream_chunks(meta: &Meta, reply: &Reply, content_chunks: usize, w
             .collect()
     };
     let mut steps = vec![step(json!({"role": "assistant", "content": ""}), None)];
-    steps.extend(
-        split_in(&reply.content, content_chunks).into_iter().map(|piece| step(json!({ "content": piece }), None)),
-    );
+    match &reply.tool_call {
+        Some((name, arguments)) => {
+            let call = json!({"index": 0, "id": TOOL_CALL_ID, "type": "function", "function": {"name": name, "arguments": ""}});
+            steps.push(step(json!({"tool_calls": [call]}), None));
+            steps.extend(
+                split_in(arguments, content_chunks)
+                    .into_iter()
+                    .map(|piece| step(json!({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}), None)),
+            );
+        }
+        None => steps.extend(
+            split_in(&reply.content, content_chunks).into_iter().map(|piece| step(json!({ "content": piece }), None)),
+        ),
+    }
     steps.push(step(json!({}), Some(reply.finish_reason)));
     if with_usage {
         steps.push(vec![json!({

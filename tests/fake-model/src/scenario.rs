@@ -11,8 +11,8 @@
 //! every other body, then `huge_mb`; `cut_after` wins over `stall_after`,
 //! which wins over `error_after`; `cut_body` wins over `stall_body`.
 //!
-//! Most keys mean the same on both APIs the fake speaks. `error_after`,
-//! `tool_use` and `cache` are for the Anthropic Messages API only; `n`,
+//! Most keys mean the same on both APIs the fake speaks (`tool_use` on each
+//! API's terms). `error_after` and `cache` are for the Anthropic Messages API only; `n`,
 //! `no_usage`, `no_done` and `huge_mb` for the OpenAI API only (Anthropic
 //! always reports usage and ends its streams with `message_stop`).
 
@@ -84,9 +84,11 @@ pub struct Scenario {
     /// Anthropic stream: after this many content deltas, Anthropic's
     /// in-stream `overloaded_error` event, then a clean end.
     pub error_after: Option<usize>,
-    /// Anthropic: when the request has tools (and `tool_choice` is not
-    /// `none`), answer with a `tool_use` block calling the first tool (or the
-    /// one `tool_choice` names) with `{"echo": <last user text>}`.
+    /// When the request has tools (and `tool_choice` is not `none`), answer
+    /// with a call of the first tool (or the one `tool_choice` names) with
+    /// `{"echo": <last user text>}`: an Anthropic `tool_use` block, or OpenAI
+    /// `tool_calls` (there, once the last message is a tool's result, the reply
+    /// is `The tool said: <result>` instead).
     pub tool_use: bool,
     /// Anthropic: report non-zero `cache_creation_input_tokens` (2048) and
     /// `cache_read_input_tokens` (1024) instead of 0.

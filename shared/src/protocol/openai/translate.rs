@@ -383,6 +383,11 @@ pub fn read_chunk(data: &str) -> Option<Vec<Delta>> {
         return Some(vec![Delta::Done]);
     }
     let chunk: Value = serde_json::from_str(data).ok()?;
+    Some(deltas(&chunk))
+}
+
+/// The [`Delta`]s of one `chat.completion.chunk` already read (its first choice).
+pub fn deltas(chunk: &Value) -> Vec<Delta> {
     let mut deltas = Vec::new();
     if let Some(choice) = chunk.get("choices").and_then(Value::as_array).and_then(|c| c.first()) {
         let delta = &choice["delta"];
@@ -412,7 +417,7 @@ pub fn read_chunk(data: &str) -> Option<Vec<Delta>> {
     if let Some(tokens) = chunk.get("usage").and_then(tokens) {
         deltas.push(Delta::Usage(tokens));
     }
-    Some(deltas)
+    deltas
 }
 
 #[cfg(test)]

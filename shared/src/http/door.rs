@@ -1,0 +1,139 @@
+//! The front doors (SPEC §2, §2.1, §2.2): what differs between a call that came in as
+//! Chat Completions, as a Responses request or as an Anthropic Messages request is the
+//! format its answer goes back in. Everything else (identity, routing, budget,
+//! dispatch with fallback, relay, settle, record) is the one chat path.
+//!
+//! A backend that speaks the door's own format (OpenAI for chat, Anthropic for
+//! messages) is relayed as it answers; any other answer is read into the chat model
+//! ([`Completion`], [`Delta`]s) and written in the door's format, one event at a time.
+
+use bytes::{Bytes, BytesMut};
+use serde_json::Value;
+
+use crate::protocol::chat::{Completion, Delta};
+use crate::protocol::openai::{Answer, error_envelope, translate};
+use crate::protocol::responses::{self, Echo};
+use crate::protocol::{Wire, anthropic, messages, sse, unix_seconds};
+
+/// The door a call came in by, and what its answer's format needs.
+#[derive(Debug, Clone)]
+pub(super) enum Door {
+    Chat,
+    /// `id`: the response's id (from the request id); `limit`: what a stream may keep
+    /// of its output for the `.done` events (`ai.limits.max_response_bytes`).
+    Responses {
+        id: String,
+        echo: Echo,
+        limit: u64,
+    },
+    Messages,
+}
+
+impl Door {
+    /// Whether a backend of this format answers in the door's own.
+    pub fn native(&self, wire: Wire) -> bool {
+        matches!((self, wire), (Door::Chat, Wire::OpenAi) | (Door::Messages, Wire::Anthropic))
+    }
+
+    /// A backend's successful answer, read whole, as the client's body and what the
+    /// gateway reads of it; `None` when it is not a valid answer.
+    pub fn answer(&self, wire: Wire, body: Bytes) -> Option<(Bytes, Answer)> {
+        if let (Door::Chat, Wire::OpenAi) = (self, wire) {
+            let answer = Answer::read(&body)?;
+            return Some((body, answer));
+        }
+        let completion = match wire {
+            Wire::OpenAi => translate::read_completion(&body)?,
+            Wire::Anthropic => anthropic::completion(&body)?,
+        };
+        let answer = Answer::of(&completion);
+        if self.native(wire) {
+            return Some((body, answer));
+        }
+        Some((Bytes::from(self.render(&completion).to_string()), answer))
+    }
+
+    fn render(&self, completion: &Completion) -> Value {
+        match self {
+            Door::Chat => translate::completion(completion, unix_seconds()),
+            Door::Responses { id, echo, .. } => responses::answer(id, completion, echo, unix_seconds()),
+            Door::Messages => messages::message(completion),
+        }
+    }
+
+    /// A backend's own refusal (4xx), in the door's envelope (as it came when the
+    /// formats agree).
+    pub fn refusal(&self, wire: Wire, status: u16, body: Bytes) -> Bytes {
+        match (self, wire) {
+            (Door::Messages, Wire::Anthropic) | (Door::Chat | Door::Responses { .. }, Wire::OpenAi) => body,
+            (Door::Messages, Wire::OpenAi) => Bytes::from(messages::error_from_openai(status, &body).to_string()),
+            (Door::Chat | Door::Responses { .. }, Wire::Anthropic) => {
+                Bytes::from(anthropic::error(status, &body).to_string())
+            }
+        }
+    }
+
+    /// How the stream of a backend of `wire` reaches this door's client.
+    pub fn writer(&self, wire: Wire, client_wants_usage: bool) -> Writer {
+        match self {
+            _ if self.native(wire) && wire == Wire::Anthropic => Writer::Raw,
+            Door::Chat => Writer::Chat { chunks: translate::Chunks::new(unix_seconds()), client_wants_usage },
+            Door::Responses { id, echo, limit } => {
+                Writer::Responses(responses::Events::new(id.clone(), echo.clone(), unix_seconds(), *limit))
+            }
+            Door::Messages => Writer::Messages(messages::Events::default()),
+        }
+    }
+}
+
+/// Writes a translated stream's [`Delta`]s for the client.
+pub(super) enum Writer {
+    /// The backend's events as they came (their deltas read for the tap only).
+    Raw,
+    Chat {
+        chunks: translate::Chunks,
+        client_wants_usage: bool,
+    },
+    Responses(responses::Events),
+    Messages(messages::Events),
+}
+
+impl Writer {
+    /// The events `deltas` make, after `raw` (the backend's event) for [`Writer::Raw`].
+    pub fn write(&mut self, raw: &Bytes, deltas: Vec<Delta>) -> Result<Bytes, String> {
+        let mut out = BytesMut::new();
+        match self {
+            Writer::Raw => return Ok(raw.clone()),
+            Writer::Chat { chunks, client_wants_usage } => {
+                for delta in deltas {
+                    if matches!(delta, Delta::Usage(_)) && !*client_wants_usage {
+                        continue;
+                    }
+                    let data = chunks.chunk(delta).map_or_else(|| "[DONE]".to_owned(), |c| c.to_string());
+                    out.extend_from_slice(format!("data: {data}\n\n").as_bytes());
+                }
+            }
+            Writer::Responses(events) => {
+                for delta in deltas {
+                    events.write(delta, &mut out)?;
+                }
+            }
+            Writer::Messages(events) => {
+                for delta in deltas {
+                    events.write(delta, &mut out)?;
+                }
+            }
+        }
+        Ok(out.freeze())
+    }
+
+    /// The in-band error event a stream that cannot end properly ends with, in the
+    /// door's format, carrying the gateway's `code`.
+    pub fn error_event(&mut self, code: &str, message: &str) -> Bytes {
+        match self {
+            Writer::Responses(events) => events.error_event(code, message),
+            Writer::Raw | Writer::Messages(_) => messages::error_event(code, message),
+            Writer::Chat { .. } => sse::event(Some("error"), &error_envelope(message, "api_error", code, None)),
+        }
+    }
+}
