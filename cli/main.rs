@@ -1,6 +1,10 @@
 //! `flexway`: the local shape and the operator's tools (SPEC §13).
 #![allow(clippy::print_stdout)]
 
+// The AWS adapters when the `aws` feature is on, refusals with how to get them when not.
+#[cfg_attr(feature = "aws", path = "aws/built.rs")]
+#[cfg_attr(not(feature = "aws"), path = "aws/not_built.rs")]
+mod aws;
 mod key;
 mod report;
 mod serve;
@@ -121,7 +125,7 @@ fn validate(path: &std::path::Path, secrets: Secrets) -> ExitCode {
 /// with its path in the document.
 fn resolve_secrets(config: &flexway::config::Config) -> std::io::Result<Vec<(String, flexway::secret::SecretError)>> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let source = flexway_aws::AwsSecretSource::from_env();
-    let (_, failures) = runtime.block_on(flexway::secret::resolve_all(&config.secret_references(), &source));
+    let source = aws::secret_source();
+    let (_, failures) = runtime.block_on(flexway::secret::resolve_all(&config.secret_references(), source.as_ref()));
     Ok(failures)
 }

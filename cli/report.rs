@@ -103,17 +103,8 @@ fn read_log_group(group: &str, filter: &Filter) -> Result<Vec<AuditRecord>, Stri
         .build()
         .map_err(|e| format!("cannot start the async runtime: {e}"))?;
     // CloudWatch refuses times before the epoch (`--from 1969-12-31`); no event is older.
-    let margin = flexway_aws::WRITE_DELAY_MARGIN_MS;
+    let margin = crate::aws::WRITE_DELAY_MARGIN_MS;
     let (from, to) = filter.unix_millis();
     let (from, to) = (from.map(|ms| (ms - margin).max(0)), to.map(|ms| (ms + margin).max(0)));
-    runtime.block_on(async {
-        let sdk = flexway_aws::load_sdk_config().await;
-        let client = aws_sdk_cloudwatchlogs::Client::new(&sdk);
-        flexway_aws::read_audit_log_group(&client, group, from, to).await.map_err(|e| match e {
-            flexway_aws::AuditReadError::Query { .. } => {
-                format!("{e}\nhint: it is read with the AWS environment: AWS_REGION, credentials, AWS_ENDPOINT_URL")
-            }
-            e => e.to_string(),
-        })
-    })
+    runtime.block_on(crate::aws::read_log_group(group, from, to))
 }

@@ -14,13 +14,12 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 
 use flexway::audit::{AuditSink, FileAuditSink, StdoutAuditSink};
-use flexway::budget::{
-    BudgetStore, EmbeddedBudgetStore, LeasePolicy, LeasedBudgetStore, MemoryBudgetStore, period::unix_now,
-};
+use flexway::budget::{BudgetStore, EmbeddedBudgetStore, MemoryBudgetStore, period::unix_now};
 use flexway::config::{self, AuditSinkConfig, Config, ProcessEnv, Secrets, StoreConfig};
 use flexway::gateway::Adapters;
 use flexway::telemetry::Export;
-use flexway_aws::{AwsSecretSource, CloudWatchAuditSink, DynamoDbBudgetStore};
+
+use crate::aws;
 
 /// How long `serve` waits, on its way out, for the last telemetry to be sent.
 const TELEMETRY_FLUSH_AT_EXIT: Duration = Duration::from_secs(5);
@@ -83,54 +82,39 @@ pub fn run(config_path: &Path, listen: &str) -> ExitCode {
 }
 
 /// The adapters the config names, and the leased ledger to flush on the way out if
-/// there is one. The DynamoDB ledger and the CloudWatch audit make the fleet shape:
+/// there is one. The DynamoDB ledger and the CloudWatch audit (built with the `aws`
+/// feature) make the fleet shape:
 /// processes behind a load balancer sharing one table (and one log group, each process
 /// writing its own stream), with the AWS SDK's usual environment and credentials. The
 /// DynamoDB ledger is served through budget leases, as the Lambda function's is: a
 /// process writes a tenant's counters once per lease, and records a lease's usage as
 /// its settle intent every second (a killed process loses at most that second's
 /// usage; the other processes' sweepers charge the rest).
-async fn adapters(config: &Config) -> anyhow::Result<(Adapters, Option<Arc<Leased>>)> {
-    let aws = matches!(config.store, StoreConfig::DynamoDb { .. })
-        || matches!(config.audit.sink, AuditSinkConfig::CloudWatch { .. });
-    let sdk = if aws { Some(flexway_aws::load_sdk_config().await) } else { None };
+async fn adapters(config: &Config) -> anyhow::Result<(Adapters, Option<Arc<aws::Leases>>)> {
     let mut leases = None;
-    let budgets: Arc<dyn BudgetStore> = match (&config.store, &sdk) {
-        (StoreConfig::Memory, _) => Arc::new(MemoryBudgetStore::new()),
-        (StoreConfig::Embedded { path }, _) => Arc::new(EmbeddedBudgetStore::open(path)?),
-        (StoreConfig::DynamoDb { table }, Some(sdk)) => {
-            let store = DynamoDbBudgetStore::new(aws_sdk_dynamodb::Client::new(sdk), table);
-            store.warm().await?;
-            let leased = Arc::new(LeasedBudgetStore::new(Arc::new(store), LeasePolicy::default()));
-            leases = Some(leased.clone());
-            leased
+    let budgets: Arc<dyn BudgetStore> = match &config.store {
+        StoreConfig::Memory => Arc::new(MemoryBudgetStore::new()),
+        StoreConfig::Embedded { path } => Arc::new(EmbeddedBudgetStore::open(path)?),
+        StoreConfig::DynamoDb { table } => {
+            let (ledger, leased) = aws::dynamodb_ledger(table).await?;
+            leases = Some(leased);
+            ledger
         }
-        (StoreConfig::DynamoDb { .. }, None) => unreachable!("the SDK is loaded for a DynamoDB store"),
     };
-    let audit: Arc<dyn AuditSink> = match (&config.audit.sink, &sdk) {
-        (AuditSinkConfig::File { path }, _) => Arc::new(FileAuditSink::open(path)?),
-        (AuditSinkConfig::Stdout, _) => Arc::new(StdoutAuditSink),
-        (AuditSinkConfig::CloudWatch { log_group, log_stream }, Some(sdk)) => {
-            // One writer per stream: this process's own, unless the config names one.
-            let stream =
-                log_stream.clone().unwrap_or_else(|| format!("flexway-serve-{}", uuid::Uuid::new_v4().simple()));
-            let sink = CloudWatchAuditSink::new(aws_sdk_cloudwatchlogs::Client::new(sdk), log_group, stream);
-            sink.ensure_stream().await?;
-            Arc::new(sink)
+    let audit: Arc<dyn AuditSink> = match &config.audit.sink {
+        AuditSinkConfig::File { path } => Arc::new(FileAuditSink::open(path)?),
+        AuditSinkConfig::Stdout => Arc::new(StdoutAuditSink),
+        AuditSinkConfig::CloudWatch { log_group, log_stream } => {
+            aws::cloudwatch_audit(log_group, log_stream.as_deref()).await?
         }
-        (AuditSinkConfig::CloudWatch { .. }, None) => unreachable!("the SDK is loaded for a CloudWatch audit"),
     };
     Ok((Adapters { budgets, audit, export: Export::Batched }, leases))
 }
 
-type Leased = LeasedBudgetStore<DynamoDbBudgetStore>;
-
 async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
     let (adapters, leases) = adapters(&config).await?;
     let budgets = adapters.budgets.clone();
-    // `env:` and `file:` references, and AWS ones with the SDK's usual environment (as
-    // the Lambda function does): both shapes resolve the same configuration alike.
-    let gateway = Arc::new(flexway::Gateway::new(config, Arc::new(AwsSecretSource::from_env()), adapters).await?);
+    let gateway = Arc::new(flexway::Gateway::new(config, aws::secret_source(), adapters).await?);
     let refreshing = gateway.clone();
     tokio::spawn(async move { refreshing.refresh_secrets_forever().await });
     // The sweeper refunds reservations whose call vanished (a killed process), and

@@ -185,6 +185,7 @@ const NO_AWS: [(&str, &str); 4] = [
 /// `--resolve-secrets` calls AWS for it (tests/secrets_aws.rs, against the emulator,
 /// shows it resolving); here no AWS answers, and the error names the reference.
 #[test]
+#[cfg(feature = "aws")]
 fn validate_checks_an_aws_reference_for_form_and_resolve_secrets_calls_aws() {
     let dir = tempfile::tempdir().unwrap();
     let arn = "arn:aws:ssm:eu-west-1:123456789012:parameter/flexway/a";
@@ -198,6 +199,21 @@ fn validate_checks_an_aws_reference_for_form_and_resolve_secrets_calls_aws() {
     assert!(!status.success(), "{stderr}");
     let error = line(&stderr, "error:", "ai.backends.a.auth.secret");
     assert!(error.contains(&format!("secret {arn}: SSM: ")), "{error}");
+}
+
+/// Without the `aws` feature the reference still loads (its form is checked), and
+/// resolving it says this flexway does not resolve AWS references.
+#[test]
+#[cfg(not(feature = "aws"))]
+fn without_the_aws_feature_an_aws_reference_is_refused_when_resolved() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = with_secret(dir.path(), "arn:aws:ssm:eu-west-1:123456789012:parameter/flexway/a");
+    let (status, stdout, stderr) = flexway_in_clean_env(&["validate", "--config", &config], &[SALT]);
+    assert!(status.success() && stdout.contains("ok (0 warning(s))"), "{stdout}\n{stderr}");
+    let (status, _, stderr) = flexway_in_clean_env(&["validate", "--config", &config, "--resolve-secrets"], &[SALT]);
+    assert!(!status.success(), "{stderr}");
+    let error = line(&stderr, "error:", "ai.backends.a.auth.secret");
+    assert!(error.contains("does not resolve AWS Secrets Manager or SSM references"), "{error}");
 }
 
 #[test]

@@ -5,7 +5,9 @@
 //! budget leases. A concurrent burst split across two processes never passes the
 //! tenant's cap, and once the processes stop (SIGTERM, as a platform stops a task:
 //! each settles its leases) both audits together equal the ledger, to the token.
+// The binary reaches AWS only when built with the `aws` feature (scripts/test builds it).
 #![cfg(test)]
+#![cfg(feature = "aws")]
 
 mod common;
 #[path = "../functions/aws/tests/emulator/mod.rs"]

@@ -157,6 +157,16 @@ fn a_log_group_with_bad_dates_is_a_usage_error_before_any_call() {
 }
 
 #[test]
+#[cfg(not(feature = "aws"))]
+fn without_the_aws_feature_a_log_group_is_refused_with_how_to_build_it() {
+    let run = flexway(&["report", "--log-group", "/flexway/audit"]);
+    assert_eq!(run.code, 1, "{}", run.stderr);
+    assert!(run.stderr.contains("--features aws"), "{}", run.stderr);
+    assert!(run.stdout.is_empty());
+}
+
+#[test]
+#[cfg(feature = "aws")]
 fn an_unreachable_aws_endpoint_exits_1_with_the_reason() {
     // A port nothing listens on: bound, then released.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();

@@ -3,7 +3,9 @@
 //! emulator (`AWS_ENDPOINT_URL`, default http://127.0.0.1:4566; `localstack/start`
 //! starts one, `scripts/test` does it all). No emulator answering is a failure, never
 //! a skip.
+// The binary reaches AWS only when built with the `aws` feature (scripts/test builds it).
 #![cfg(test)]
+#![cfg(feature = "aws")]
 
 #[path = "../functions/aws/tests/emulator/mod.rs"]
 mod emulator;

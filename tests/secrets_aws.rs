@@ -4,6 +4,9 @@
 //! http://127.0.0.1:4566; `scripts/test` starts it), sends them to the backends, and
 //! picks up a rotation at the next `secrets.refresh`. A reference that does not exist
 //! stops the start naming it. No emulator answering is a failure, never a skip.
+// The binary resolves ARNs only when built with the `aws` feature (scripts/test builds it).
+#![cfg(test)]
+#![cfg(feature = "aws")]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;

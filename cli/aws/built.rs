@@ -1,0 +1,54 @@
+//! What the `aws` feature builds into `flexway`: the fleet shape's DynamoDB ledger
+//! (through budget leases) and CloudWatch audit, `report --log-group`, and secret
+//! references by ARN. Its twin `not_built.rs` has the same items, refusing.
+
+use std::sync::Arc;
+
+use flexway::audit::{AuditRecord, AuditSink};
+use flexway::budget::{BudgetStore, LeasePolicy, LeasedBudgetStore};
+use flexway::secret::SecretSource;
+use flexway_aws::{AwsSecretSource, CloudWatchAuditSink, DynamoDbBudgetStore};
+
+/// The leased DynamoDB ledger, flushed when `serve` stops.
+pub type Leases = LeasedBudgetStore<DynamoDbBudgetStore>;
+
+/// The DynamoDB ledger on `table` through budget leases, its connection warmed: the
+/// ledger, and its leases to flush on the way out.
+pub async fn dynamodb_ledger(table: &str) -> anyhow::Result<(Arc<dyn BudgetStore>, Arc<Leases>)> {
+    let sdk = flexway_aws::load_sdk_config().await;
+    let store = DynamoDbBudgetStore::new(aws_sdk_dynamodb::Client::new(&sdk), table);
+    store.warm().await?;
+    let leases = Arc::new(LeasedBudgetStore::new(Arc::new(store), LeasePolicy::default()));
+    Ok((leases.clone(), leases))
+}
+
+/// The CloudWatch audit in `log_group`, on this process's own stream unless the config
+/// names one (one writer per stream).
+pub async fn cloudwatch_audit(log_group: &str, log_stream: Option<&str>) -> anyhow::Result<Arc<dyn AuditSink>> {
+    let sdk = flexway_aws::load_sdk_config().await;
+    let stream = log_stream.map_or_else(|| format!("flexway-serve-{}", uuid::Uuid::new_v4().simple()), str::to_owned);
+    let sink = CloudWatchAuditSink::new(aws_sdk_cloudwatchlogs::Client::new(&sdk), log_group, stream);
+    sink.ensure_stream().await?;
+    Ok(Arc::new(sink))
+}
+
+/// `env:` and `file:` references, and AWS ones with the SDK's usual environment (as
+/// the Lambda function does): both shapes resolve the same configuration alike.
+pub fn secret_source() -> Arc<dyn SecretSource> {
+    Arc::new(AwsSecretSource::from_env())
+}
+
+/// The audit records in `group` whose events are timestamped in `from..=to` (Unix ms).
+pub async fn read_log_group(group: &str, from: Option<i64>, to: Option<i64>) -> Result<Vec<AuditRecord>, String> {
+    let sdk = flexway_aws::load_sdk_config().await;
+    let client = aws_sdk_cloudwatchlogs::Client::new(&sdk);
+    flexway_aws::read_audit_log_group(&client, group, from, to).await.map_err(|e| match e {
+        flexway_aws::AuditReadError::Query { .. } => {
+            format!("{e}\nhint: it is read with the AWS environment: AWS_REGION, credentials, AWS_ENDPOINT_URL")
+        }
+        e => e.to_string(),
+    })
+}
+
+/// How much later than its `ts` a record's event can be timestamped.
+pub const WRITE_DELAY_MARGIN_MS: i64 = flexway_aws::WRITE_DELAY_MARGIN_MS;
