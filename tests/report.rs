@@ -48,6 +48,7 @@ fn record(ts: &str, tenant: &str, agent: Option<&str>, backend: &str, metered_by
         ttfb_ms: Some(80),
         key_hash: "0".repeat(64),
         user_hash: None,
+        feature: None,
     }
 }
 

@@ -71,6 +71,7 @@ fn record(date: &str, request_id: &str, tenant: &str, backend: &str, metered_by:
         ttfb_ms: Some(40),
         key_hash: "ab".repeat(32),
         user_hash: None,
+        feature: None,
     }
 }
 

@@ -19,6 +19,7 @@ use crate::routing::Router;
 use crate::routing::breaker::Breakers;
 use crate::secret::{SecretSource, resolve_all};
 use crate::telemetry::{Export, Telemetry};
+use crate::upstream::grpc::GrpcClient;
 use crate::upstream::{SetupError, Upstreams};
 
 /// The adapters a shape plugs into the core: built by each binary from the config's
@@ -36,6 +37,8 @@ pub struct Gateway {
     pub keys: KeyRing,
     pub router: Router,
     pub upstreams: Upstreams,
+    /// The `kind: grpc` backends' client (h2c).
+    pub grpc: GrpcClient,
     pub budgets: Arc<dyn BudgetStore>,
     /// Callers last read past their soft threshold: admission routes them soft without
     /// reading their counters.
@@ -72,6 +75,7 @@ impl Gateway {
             keys: KeyRing::new(&config),
             router: Router::new(config.clone()),
             upstreams,
+            grpc: GrpcClient::new(),
             budgets: adapters.budgets,
             soft_hints: SoftHints::default(),
             audit: adapters.audit,

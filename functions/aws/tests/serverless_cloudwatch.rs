@@ -34,6 +34,7 @@ fn record(request_id: &str, tenant: &str) -> AuditRecord {
         ttfb_ms: Some(40),
         key_hash: "ab".repeat(32),
         user_hash: None,
+        feature: None,
     }
 }
 

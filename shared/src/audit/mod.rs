@@ -67,6 +67,11 @@ pub struct AuditRecord {
     pub key_hash: String,
     /// Salted SHA-256 of the OpenAI `user` field, when the client sent one.
     pub user_hash: Option<String>,
+    /// A gRPC call's feature, from its method's `(flexway.v1.operation).ai` option
+    /// (absent for HTTP calls and unmetered methods; records written before it read
+    /// as absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub feature: Option<String>,
 }
 
 /// The kind of call: the endpoint family it came through.
@@ -207,6 +212,7 @@ mod tests {
             ttfb_ms: None,
             key_hash: "ab".repeat(2),
             user_hash: None,
+            feature: None,
         }
     }
 

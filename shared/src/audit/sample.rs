@@ -32,5 +32,6 @@ pub fn record(tenant: &str, backend: Option<&str>, metered_by: Metering, cost: u
         ttfb_ms: Some(120),
         key_hash: "ab".repeat(32),
         user_hash: Some("cd".repeat(32)),
+        feature: None,
     }
 }

@@ -147,6 +147,7 @@ mod tests {
             ttfb_ms: Some(120),
             key_hash: "ab".repeat(32),
             user_hash: None,
+            feature: None,
         }
     }
 

@@ -605,10 +605,20 @@ impl Checker<'_> {
             backends: _,
         } = raw;
 
-        let default_backend = self
-            .required("ai.default_backend", default_backend, "(the backend serving what no override routes elsewhere)")
-            .and_then(|b| self.route_target("ai.default_backend", &b, catalog, "the default backend"))
-            .map(|(id, _)| id);
+        // A configuration of gRPC backends only serves no HTTP call (SPEC §10).
+        let grpc_only = !catalog.backends.is_empty()
+            && catalog.backends.values().all(|summary| summary.kind == RawBackendKind::Grpc);
+        let default_backend = match default_backend {
+            None if grpc_only => Some(None),
+            default_backend => self
+                .required(
+                    "ai.default_backend",
+                    default_backend,
+                    "(the backend serving what no override routes elsewhere)",
+                )
+                .and_then(|b| self.route_target("ai.default_backend", &b, catalog, "the default backend"))
+                .map(|(id, _)| Some(id)),
+        };
 
         let capabilities = capabilities.unwrap_or_default();
         let capabilities = CapabilityOverrides {

@@ -3,6 +3,7 @@
 
 mod dispatch;
 mod error;
+pub mod grpc;
 mod proxy;
 mod record;
 mod relay;
@@ -101,7 +102,7 @@ fn api_routes() -> Router<Arc<Gateway>> {
 
 fn finish(routes: Router<Arc<Gateway>>, gateway: Arc<Gateway>) -> Router {
     routes
-        .fallback(not_found)
+        .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn(request_id))
         .with_state(gateway)
@@ -171,6 +172,16 @@ async fn models(State(gateway): State<Arc<Gateway>>, headers: HeaderMap) -> Resu
 
 fn is_openai_path(uri: &Uri) -> bool {
     uri.path() == "/v1" || uri.path().starts_with("/v1/")
+}
+
+/// gRPC calls (`/package.Service/Method`, `application/grpc*`) go to the gRPC proxy;
+/// anything else unrouted is a 404.
+async fn fallback(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
+    if grpc::is_grpc(request.headers()) {
+        let request_id = request.extensions().get::<RequestId>().cloned().unwrap_or_else(RequestId::generate);
+        return grpc::handle(gateway, request_id, request).await;
+    }
+    not_found(request.method().clone(), request.uri().clone()).await
 }
 
 async fn not_found(method: Method, uri: Uri) -> Response {

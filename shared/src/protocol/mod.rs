@@ -4,6 +4,7 @@
 
 pub mod anthropic;
 pub mod chat;
+pub mod grpc;
 pub mod openai;
 pub mod sse;
 pub mod vision;

@@ -15,6 +15,7 @@
 //! re-read at every call (a projected workload-identity token rotates under our feet).
 
 pub mod body;
+pub mod grpc;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
