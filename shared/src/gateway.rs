@@ -56,8 +56,19 @@ pub struct Gateway {
 
 impl Gateway {
     /// Resolves every secret reference of `config` through `secrets` (concurrently),
-    /// then builds the gateway; `secrets` is kept for the refreshes.
+    /// then builds the gateway; `secrets` is kept for the refreshes. A grpc backend
+    /// whose descriptor set is missing (loading only warns) stops the start.
     pub async fn new(config: Config, secrets: Arc<dyn SecretSource>, adapters: Adapters) -> Result<Self, SetupError> {
+        for (backend, settings) in &config.ai.backends {
+            if let crate::config::BackendKind::Grpc { descriptor_set, .. } = &settings.kind
+                && !descriptor_set.exists()
+            {
+                return Err(SetupError::MissingDescriptorSet {
+                    backend: backend.clone(),
+                    path: descriptor_set.clone(),
+                });
+            }
+        }
         let (resolved, failures) = resolve_all(&config.secret_references(), secrets.as_ref()).await;
         if let Some((path, source)) = failures.into_iter().next() {
             return Err(SetupError::Secret { path, source });

@@ -57,6 +57,8 @@ fn schema_lists_every_spec_field() {
         "ttfb_ms",
         "key_hash",
         "user_hash",
+        // SPEC §10 (issue 13): a gRPC call's record names its method's feature.
+        "feature",
     ];
     for field in spec_fields {
         assert!(properties.contains_key(field), "missing {field}");

@@ -172,9 +172,9 @@ pub struct Agent {
 
 #[derive(Debug, Clone)]
 pub struct Ai {
-    /// `None` only when every backend is `grpc` (SPEC §10): HTTP calls then have no
-    /// backend to go to.
-    pub default_backend: Option<BackendId>,
+    /// Empty (a name no backend has) only when every backend is `grpc` (SPEC §10):
+    /// no HTTP call then has a backend to go to (`capability_unavailable`).
+    pub default_backend: BackendId,
     pub capabilities: CapabilityOverrides,
     /// Header name, stored lower-case.
     pub sensitive_header: String,
@@ -183,6 +183,9 @@ pub struct Ai {
     pub vision: VisionPolicy,
     pub limits: Limits,
     pub backends: BTreeMap<BackendId, Backend>,
+    /// What each `kind: grpc` backend's descriptor set declares, read at load (empty
+    /// for a backend whose set is missing under [`Secrets::Check`](super::Secrets)).
+    pub grpc: BTreeMap<BackendId, Arc<GrpcServices>>,
 }
 
 /// Bounds on an upstream answer (`ai.limits`).
@@ -230,8 +233,9 @@ pub enum Capability {
     Chat,
     Vision,
     Embeddings,
-    /// A gRPC call (SPEC §10). Never declared by a backend: a `grpc` backend's
-    /// descriptor set says what it serves, and no HTTP call asks for it.
+    // A gRPC call (SPEC §10). Never declared by a backend: a `grpc` backend's
+    // descriptor set says what it serves, and no HTTP call asks for it. (A plain
+    // comment: a doc comment would turn the published enum into a `oneOf`.)
     Grpc,
 }
 
@@ -269,12 +273,11 @@ pub enum BackendKind {
         metering: Metering,
         identity_headers: IdentityHeaders,
     },
-    /// A specialised model's gRPC upstream (h2c), with what its descriptor set says it
-    /// serves, read at load.
+    /// A specialised model's gRPC upstream (h2c); what its descriptor set declares is
+    /// in [`Ai::grpc`].
     Grpc {
         url: String,
         descriptor_set: PathBuf,
-        services: Arc<GrpcServices>,
     },
     Pool {
         members: Vec<PoolMember>,

@@ -49,7 +49,7 @@ pub(super) fn validate(
     let Parsed { raw, errors: shape_errors } = parsed;
     let unparsed = Unparsed::new(&shape_errors.lost_values);
     let RawConfig { version, store, audit, secrets: secret_policy, tenants, ai, telemetry } = raw;
-    let mut check = Checker { env, secrets, errors: Vec::new(), warnings: Vec::new() };
+    let mut check = Checker { env, secrets, errors: Vec::new(), warnings: Vec::new(), grpc: BTreeMap::new() };
 
     match version {
         Some(1) => {}
@@ -261,6 +261,8 @@ struct Checker<'a> {
     secrets: Secrets,
     errors: Vec<Diagnostic>,
     warnings: Vec<Diagnostic>,
+    /// The grpc backends' descriptor sets, as read (`Ai::grpc`).
+    grpc: BTreeMap<BackendId, std::sync::Arc<GrpcServices>>,
 }
 
 impl Checker<'_> {
@@ -609,7 +611,7 @@ impl Checker<'_> {
         let grpc_only = !catalog.backends.is_empty()
             && catalog.backends.values().all(|summary| summary.kind == RawBackendKind::Grpc);
         let default_backend = match default_backend {
-            None if grpc_only => Some(None),
+            None if grpc_only => Some(BackendId::new("")),
             default_backend => self
                 .required(
                     "ai.default_backend",
@@ -617,7 +619,7 @@ impl Checker<'_> {
                     "(the backend serving what no override routes elsewhere)",
                 )
                 .and_then(|b| self.route_target("ai.default_backend", &b, catalog, "the default backend"))
-                .map(|(id, _)| Some(id)),
+                .map(|(id, _)| id),
         };
 
         let capabilities = capabilities.unwrap_or_default();
@@ -657,6 +659,7 @@ impl Checker<'_> {
             vision: vision?,
             limits,
             backends,
+            grpc: std::mem::take(&mut self.grpc),
         })
     }
 

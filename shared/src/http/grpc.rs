@@ -302,15 +302,13 @@ fn route(gateway: &Gateway, rpc: &str, sensitive: bool) -> Result<(BackendId, St
     let (service, method) = rpc.split_once('/').filter(|(s, m)| !s.is_empty() && !m.is_empty()).ok_or_else(|| {
         Refusal::new(Code::Unimplemented, "invalid_request", format!("`/{rpc}` is not a gRPC method path"))
     })?;
-    let serving: Vec<_> = gateway
-        .config
-        .ai
-        .backends
-        .values()
-        .filter_map(|backend| match &backend.kind {
-            BackendKind::Grpc { url, services, .. } if services.services.contains_key(service) => {
-                Some((backend, url, services))
-            }
+    let ai = &gateway.config.ai;
+    let serving: Vec<_> = ai
+        .grpc
+        .iter()
+        .filter(|(_, services)| services.services.contains_key(service))
+        .filter_map(|(name, services)| match ai.backends.get(name).map(|b| (b, &b.kind)) {
+            Some((backend, BackendKind::Grpc { url, .. })) => Some((backend, url, services)),
             _ => None,
         })
         .collect();

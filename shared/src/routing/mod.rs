@@ -55,23 +55,22 @@ impl Router {
     }
 
     /// The backend this caller's routing starts from, before expansion: default,
-    /// tenant, agent, capability override, sensitivity, then the soft-cap switch;
-    /// `None` in a configuration of gRPC backends only (no default backend).
-    pub fn entry_backend(&self, caller: &Caller, request: &RouteRequest) -> Option<&BackendId> {
+    /// tenant, agent, capability override, sensitivity, then the soft-cap switch.
+    pub fn entry_backend(&self, caller: &Caller, request: &RouteRequest) -> &BackendId {
         let ai = &self.config.ai;
         let capability = request.capability;
         let serves = |b: &BackendId| self.backend(b).is_some_and(|b| b.capabilities.contains(&capability));
         if request.sensitive
             && let Some(pinned) = &ai.sensitive_backend
         {
-            return Some(pinned);
+            return pinned;
         }
         if request.soft {
             let switch = ai.budget.soft.as_ref().map(|s| &s.backend);
             // Never to an external backend for a sensitive request.
             let allowed = |b: &&BackendId| serves(b) && (!request.sensitive || self.is_internal(b));
             if let Some(backend) = switch.filter(allowed) {
-                return Some(backend);
+                return backend;
             }
         }
         let override_for = match capability {
@@ -80,20 +79,18 @@ impl Router {
             Capability::Embeddings => ai.capabilities.embeddings.as_ref(),
         };
         if let Some(backend) = override_for {
-            return Some(backend);
+            return backend;
         }
         let tenant = self.config.tenants.get(&caller.tenant);
         let agent_backend =
             caller.agent.as_ref().and_then(|a| tenant.and_then(|t| t.agents.get(a))).and_then(|a| a.backend.as_ref());
-        agent_backend.or_else(|| tenant.and_then(|t| t.backend.as_ref())).or(ai.default_backend.as_ref())
+        agent_backend.or_else(|| tenant.and_then(|t| t.backend.as_ref())).unwrap_or(&ai.default_backend)
     }
 
     /// The ordered chain of candidates for a call: only backends that serve its
     /// capability and, for a sensitive call, only internal ones.
     pub fn route(&self, caller: &Caller, request: &RouteRequest) -> Result<Route, GatewayError> {
-        let Some(entry) = self.entry_backend(caller, request) else {
-            return Err(GatewayError::CapabilityUnavailable { capability: request.capability.as_str() });
-        };
+        let entry = self.entry_backend(caller, request);
         let via_pool = self.backend(entry).is_some_and(|b| matches!(b.kind, BackendKind::Pool { .. }));
         let mut candidates = Vec::new();
         self.expand(entry, false, &mut candidates, &mut BTreeSet::new(), &mut rand::rng());
@@ -167,10 +164,13 @@ impl Router {
         let mut backends = Vec::new();
         for capability in [Capability::Chat, Capability::Vision, Capability::Embeddings] {
             let mut chain = Vec::new();
-            let request = RouteRequest { capability, sensitive: false, soft: false };
-            if let Some(entry) = self.entry_backend(caller, &request) {
-                self.expand(entry, false, &mut chain, &mut BTreeSet::new(), &mut rand::rng());
-            }
+            self.expand(
+                self.entry_backend(caller, &RouteRequest { capability, sensitive: false, soft: false }),
+                false,
+                &mut chain,
+                &mut BTreeSet::new(),
+                &mut rand::rng(),
+            );
             for candidate in chain {
                 if seen_backends.insert(candidate.backend.clone()) {
                     backends.push(candidate.backend);

@@ -69,7 +69,8 @@ impl Checker<'_> {
                 let url = self.url(&path, kind, url.as_deref()).and_then(|url| self.h2c(&path, url));
                 let read = self.descriptor_set(&path, name, descriptor_set);
                 let (descriptor_set, services) = read?;
-                Some(BackendKind::Grpc { url: url?, descriptor_set, services: Arc::new(services) })
+                self.grpc.insert(BackendId::new(name), Arc::new(services));
+                Some(BackendKind::Grpc { url: url?, descriptor_set })
             }
             RawBackendKind::Pool => {
                 let members = self.members(&path, name, members, catalog);
@@ -436,10 +437,10 @@ impl Checker<'_> {
     }
 
     /// The descriptor set, read now: what the backend serves and how each method is
-    /// metered. A file that cannot be used is an error; one that does not exist is an
-    /// error when the gateway is about to start ([`Secrets::Resolve`]) and a warning
-    /// for `flexway validate` (the set is often built and shipped apart from the
-    /// config, as secrets are): the backend then serves nothing.
+    /// metered. A file that cannot be used is an error. One that does not exist is a
+    /// warning, because the set is often built and shipped apart from the config (the
+    /// SPEC's example names one): the gateway itself does not start without it
+    /// (`Gateway::new`).
     fn descriptor_set(&mut self, path: &str, name: &str, raw: Option<String>) -> Option<(PathBuf, GrpcServices)> {
         let key_path = format!("{path}.descriptor_set");
         let file =
@@ -457,17 +458,12 @@ impl Checker<'_> {
             std::fs::read(&file).map(Ok)
         }) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let message = format!("{file} does not exist: backend {name} cannot serve gRPC calls without it");
-                match self.secrets {
-                    Secrets::Check => {
-                        self.warn(&key_path, format!("{message} (the gateway will not start until it does)"));
-                        return Some((PathBuf::from(file), GrpcServices::default()));
-                    }
-                    Secrets::Resolve => {
-                        self.error(&key_path, message);
-                        return None;
-                    }
-                }
+                let message = format!(
+                    "{file} does not exist: gRPC calls to backend {name} will be refused until it does \
+                     (flexway serve and the Lambda function do not start without it)"
+                );
+                self.warn(&key_path, message);
+                return Some((PathBuf::from(file), GrpcServices::default()));
             }
             Err(e) => Err(format!("{file} cannot be read: {e}")),
             Ok(result) => result,
