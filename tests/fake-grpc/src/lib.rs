@@ -154,3 +154,56 @@ impl Ocr for Service {
         Ok(Response::new(request.into_inner()))
     }
 }
+
+/// A gRPC-Web client's framing (the serverless shape's protocol), for clients that
+/// speak it over plain HTTP/1.1: each message length-prefixed, the trailers in a last
+/// frame flagged 0x80.
+pub mod web {
+    /// `application/grpc-web+proto`.
+    pub const CONTENT_TYPE: &str = "application/grpc-web+proto";
+
+    /// One message, framed.
+    pub fn frame(message: &impl prost::Message) -> Vec<u8> {
+        let payload = message.encode_to_vec();
+        let mut out = vec![0];
+        out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        out.extend_from_slice(&payload);
+        out
+    }
+
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum Frame {
+        Message(Vec<u8>),
+        /// The trailers block, `name:value\r\n` lines.
+        Trailers(String),
+    }
+
+    /// Reads frames from a response body as its chunks arrive.
+    #[derive(Debug, Default)]
+    pub struct Reader {
+        buffer: Vec<u8>,
+    }
+
+    impl Reader {
+        /// The frames completed by `chunk`.
+        pub fn push(&mut self, chunk: &[u8]) -> Vec<Frame> {
+            self.buffer.extend_from_slice(chunk);
+            let mut frames = Vec::new();
+            while self.buffer.len() >= 5 {
+                let length =
+                    u32::from_be_bytes([self.buffer[1], self.buffer[2], self.buffer[3], self.buffer[4]]) as usize;
+                if self.buffer.len() < 5 + length {
+                    break;
+                }
+                let flag = self.buffer[0];
+                let payload: Vec<u8> = self.buffer.drain(..5 + length).skip(5).collect();
+                frames.push(if flag & 0x80 != 0 {
+                    Frame::Trailers(String::from_utf8_lossy(&payload).into_owned())
+                } else {
+                    Frame::Message(payload)
+                });
+            }
+            frames
+        }
+    }
+}
