@@ -299,7 +299,8 @@ impl Checker<'_> {
                 self.warn(
                     format!("ai.backends.{}", backend.name),
                     "no native gRPC through a Lambda function URL (gRPC-Web only): in the serverless shape \
-                     callers of this backend must use gRPC-Web",
+                     callers of this backend must use gRPC-Web, and its client and bidirectional streaming \
+                     methods are refused (the function URL buffers the request body)",
                 );
             }
         }
