@@ -479,3 +479,20 @@ async fn serves_grpc_web_unary_and_refuses_client_streaming() {
     assert_eq!(records[1].status, 12);
     assert_eq!(upstream.calls(), 1);
 }
+
+/// A client's END_STREAM often comes as an empty DATA frame: passed on as such, an h2
+/// upstream counts them as a flood and closes the connection after about a hundred
+/// (GOAWAY ENHANCE_YOUR_CALM, `too_many_data_frames`).
+#[tokio::test]
+async fn many_sequential_calls_share_the_upstream_connection() {
+    let upstream = FakeOcr::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config =
+        grpc_config(&descriptor_file(dir.path()), &upstream.url(), "{eur_per_month: 1000}", false, "{sink: stdout}");
+    let flexway = Flexway::start(&config);
+    let mut ocr = client(&flexway.url).await;
+    for i in 0..300 {
+        let answer = ocr.recognize(authed(image(64, 0), KEY)).await;
+        assert!(answer.is_ok(), "call {i}: {answer:?}\n{}", flexway.logs());
+    }
+}

@@ -595,12 +595,19 @@ impl RequestBody {
 
     fn boxed(self) -> UpstreamBody {
         let frames = futures_util::stream::try_unfold(self, |mut this| async move {
-            let frame = match this.pending.pop_front() {
-                Some(frame) => frame,
-                None => match this.body.frame().await {
-                    None => return Ok(None),
-                    Some(frame) => frame.map_err(|e| Box::new(e) as BoxError)?,
-                },
+            let frame = loop {
+                let frame = match this.pending.pop_front() {
+                    Some(frame) => frame,
+                    None => match this.body.frame().await {
+                        None => return Ok(None),
+                        Some(frame) => frame.map_err(|e| Box::new(e) as BoxError)?,
+                    },
+                };
+                // An empty DATA frame (a client's END_STREAM) is not passed on: an h2
+                // server counts empty frames as a flood (GOAWAY ENHANCE_YOUR_CALM).
+                if frame.data_ref().is_none_or(|data| !data.is_empty()) {
+                    break frame;
+                }
             };
             if let Some(data) = frame.data_ref()
                 && this.meter.per_byte().is_some()
@@ -660,7 +667,9 @@ impl Drop for Ending {
 }
 
 struct Relaying {
-    body: hyper::body::Incoming,
+    /// The upstream's answer; dropped as soon as the call ends, so that its stream is
+    /// released at once rather than when the client's response is.
+    body: Option<hyper::body::Incoming>,
     counter: MessageCounter,
     ending: Ending,
     flavor: Flavor,
@@ -687,7 +696,7 @@ impl Relay {
             response.headers_mut().insert(BACKEND_HEADER, value);
         }
         let state = Relaying {
-            body,
+            body: Some(body),
             counter: MessageCounter::default(),
             ending: Ending { draft: Some(draft), meter: self.meter },
             flavor: self.flavor,
@@ -709,7 +718,8 @@ impl Relay {
 impl Relaying {
     /// The next frame for the client; `None` once the call has ended.
     async fn next(&mut self) -> Option<Frame<Bytes>> {
-        let frame = match self.body.frame().await {
+        let Some(body) = self.body.as_mut() else { return None };
+        let frame = match body.frame().await {
             None => return self.finish(None).await,
             Some(Err(e)) => {
                 tracing::warn!("gRPC upstream stream: {e}");
@@ -721,6 +731,10 @@ impl Relaying {
             Some(Ok(frame)) => frame,
         };
         if let Some(data) = frame.data_ref() {
+            if data.is_empty() {
+                // Not relayed: an h2 peer counts empty DATA frames as a flood.
+                return Box::pin(self.next()).await;
+            }
             if self.ending.meter.per_byte().is_some() {
                 let seen = self.counter.feed(data);
                 for declared in seen.declared {
@@ -758,6 +772,7 @@ impl Relaying {
         }
         if let Some(status) = self.status_in_headers {
             // Trailers-only: the status was in the headers, already relayed.
+            self.body = None;
             self.ending.end(status, None).await;
             self.done = true;
             return None;
@@ -774,6 +789,7 @@ impl Relaying {
         status: u16,
         error_code: Option<&'static str>,
     ) -> Option<Frame<Bytes>> {
+        self.body = None;
         let cost = self.ending.end(status, error_code).await;
         if let Ok(value) = HeaderValue::from_str(&cost.to_eur_string()) {
             trailers.insert(COST_TRAILER, value);
