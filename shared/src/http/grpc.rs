@@ -718,7 +718,7 @@ impl Relay {
 impl Relaying {
     /// The next frame for the client; `None` once the call has ended.
     async fn next(&mut self) -> Option<Frame<Bytes>> {
-        let Some(body) = self.body.as_mut() else { return None };
+        let body = self.body.as_mut()?;
         let frame = match body.frame().await {
             None => return self.finish(None).await,
             Some(Err(e)) => {
