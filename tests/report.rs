@@ -49,6 +49,7 @@ fn record(ts: &str, tenant: &str, agent: Option<&str>, backend: &str, metered_by
         key_hash: "0".repeat(64),
         user_hash: None,
         close_reason: None,
+        feature: None,
     }
 }
 

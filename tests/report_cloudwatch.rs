@@ -74,6 +74,7 @@ fn record(date: &str, request_id: &str, tenant: &str, backend: &str, metered_by:
         key_hash: "ab".repeat(32),
         user_hash: None,
         close_reason: None,
+        feature: None,
     }
 }
 

@@ -261,6 +261,33 @@ fn under_soft(limit: u64, amount: u64, threshold_ppm: u32) -> u64 {
     limit.min(highest_unsoft.saturating_add(amount))
 }
 
+/// Reserves `amount` micro-euros (and no tokens) on every budget of the caller: a
+/// gRPC call's reservation (SPEC §10), one atomic write, refused whole at a hard cap.
+/// `request_id` names the reservation (a call may hold several: `req_..`, `req_../2`).
+pub async fn reserve_eur(
+    gateway: &Gateway,
+    caller: &Caller,
+    request_id: &str,
+    amount: crate::money::MicroEur,
+    life_secs: u64,
+) -> Result<Ticket, GatewayError> {
+    let now = unix_now();
+    let budgets = plan::budgets_for(&gateway.config, &caller.tenant, caller.agent.as_ref().map(|a| a.as_str()), now);
+    let lines = budgets
+        .iter()
+        .map(|b| crate::budget::Line {
+            key: b.key.clone(),
+            amount: if b.unit == crate::budget::Unit::MicroEur { amount.0 } else { 0 },
+            limit: b.limit,
+        })
+        .collect();
+    let request = ReserveRequest { request_id: request_id.to_owned(), lines, expires_at: now + life_secs };
+    match gateway.budgets.reserve(&request).await? {
+        ReserveOutcome::Reserved => Ok(Ticket::new(gateway.budgets.clone(), request.reservation(), budgets)),
+        ReserveOutcome::Refused { line } => Err(exceeded(&budgets[line], now)),
+    }
+}
+
 fn exceeded(budget: &Budget, now: u64) -> GatewayError {
     GatewayError::BudgetExceeded {
         budget: budget.name.clone(),

@@ -20,6 +20,7 @@ use crate::routing::Router;
 use crate::routing::breaker::Breakers;
 use crate::secret::{SecretSource, resolve_all};
 use crate::telemetry::{Export, Telemetry};
+use crate::upstream::grpc::GrpcClient;
 use crate::upstream::{SetupError, Upstreams};
 
 /// The adapters a shape plugs into the core: built by each binary from the config's
@@ -37,6 +38,8 @@ pub struct Gateway {
     pub keys: KeyRing,
     pub router: Router,
     pub upstreams: Upstreams,
+    /// The `kind: grpc` backends' client (h2c).
+    pub grpc: GrpcClient,
     pub budgets: Arc<dyn BudgetStore>,
     /// Callers last read past their soft threshold: admission routes them soft without
     /// reading their counters.
@@ -56,8 +59,19 @@ pub struct Gateway {
 
 impl Gateway {
     /// Resolves every secret reference of `config` through `secrets` (concurrently),
-    /// then builds the gateway; `secrets` is kept for the refreshes.
+    /// then builds the gateway; `secrets` is kept for the refreshes. A grpc backend
+    /// whose descriptor set is missing (loading only warns) stops the start.
     pub async fn new(config: Config, secrets: Arc<dyn SecretSource>, adapters: Adapters) -> Result<Self, SetupError> {
+        for (backend, settings) in &config.ai.backends {
+            if let crate::config::BackendKind::Grpc { descriptor_set, .. } = &settings.kind
+                && !descriptor_set.exists()
+            {
+                return Err(SetupError::MissingDescriptorSet {
+                    backend: backend.clone(),
+                    path: descriptor_set.clone(),
+                });
+            }
+        }
         let (resolved, failures) = resolve_all(&config.secret_references(), secrets.as_ref()).await;
         if let Some((path, source)) = failures.into_iter().next() {
             return Err(SetupError::Secret { path, source });
@@ -76,6 +90,7 @@ impl Gateway {
             keys: KeyRing::new(&config),
             router: Router::new(config.clone()),
             upstreams,
+            grpc: GrpcClient::new(),
             budgets: adapters.budgets,
             soft_hints: SoftHints::default(),
             audit: adapters.audit,

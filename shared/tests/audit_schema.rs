@@ -59,6 +59,8 @@ fn schema_lists_every_spec_field() {
         "user_hash",
         // §2.3: a realtime session's record says how it ended (absent for other calls).
         "close_reason",
+        // SPEC §10 (issue 13): a gRPC call's record names its method's feature.
+        "feature",
     ];
     for field in spec_fields {
         assert!(properties.contains_key(field), "missing {field}");

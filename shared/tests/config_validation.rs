@@ -1177,20 +1177,15 @@ fn refuses_empty_descriptor_set() {
 }
 
 #[test]
-fn accepts_existing_descriptor_set_warning_only_that_grpc_is_not_built() {
-    let set = temp_file("ocr.binpb", b"\x0a\x00");
-    let loaded = doc()
+fn refuses_a_descriptor_set_that_is_not_one() {
+    let set = temp_file("garbage.binpb", b"\xff\xff\xff\xff");
+    let message = doc()
         .set(
             "ai.backends.ocr",
-            &format!("{{kind: grpc, url: 'grpcs://ocr.example.net', descriptor_set: '{}'}}", set.display()),
+            &format!("{{kind: grpc, url: 'grpc://ocr.example.net', descriptor_set: '{}'}}", set.display()),
         )
-        .loads();
-    let warnings = other_warnings(&loaded);
-    assert_eq!(warnings.len(), 1, "{warnings:?}");
-    assert_eq!(warnings[0].path, "ai.backends.ocr");
-    assert!(warnings[0].message.contains("kind grpc is not built yet"), "{warnings:?}");
-    let BackendKind::Grpc { url, descriptor_set } = &loaded.config.ai.backends["ocr"].kind else { panic!("grpc") };
-    assert_eq!((url.as_str(), descriptor_set), ("https://ocr.example.net", &set));
+        .refused("ai.backends.ocr.descriptor_set", "not a usable serialized FileDescriptorSet");
+    assert!(message.contains(&set.display().to_string()), "{message}");
 }
 
 #[test]

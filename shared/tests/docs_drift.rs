@@ -157,8 +157,9 @@ fn configuration_doc(schema: &Value) -> String {
          (`file:` references, `store.path`, `audit.path`) resolve against the working \
          directory. A `kind: anthropic` backend is called in its own format, translated both ways \
          (docs/backends.md); a `kind: relay` backend is another Flexway (docs/http.md, \"Relay\"). \
-         The schema accepts backend kind `grpc` and the key only it uses (`descriptor_set`), but \
-         gRPC is not built: such a backend loads, with a warning, and is never called.\n",
+         A `kind: grpc` backend is a specialised model's gRPC upstream over HTTP/2 cleartext: its \
+         `descriptor_set` (relative to the working directory too) is read at load and says which \
+         services it serves and how each method is metered (docs/grpc.md).\n",
     );
     let mut sections = vec![(String::new(), schema.clone())];
     while !sections.is_empty() {

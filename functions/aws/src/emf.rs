@@ -9,7 +9,7 @@
 use std::io::Write;
 
 use flexway::audit::{AuditError, AuditRecord, AuditSink};
-use flexway::metrics::{CALL_LABELS, call_labels};
+use flexway::metrics::{CALL_LABELS, GRPC_CALL_LABELS, call_labels};
 use flexway::money::MicroEur;
 use serde_json::json;
 
@@ -56,12 +56,17 @@ impl<S: AuditSink> AuditSink for EmfAuditSink<S> {
 fn emf_line(record: &AuditRecord) -> String {
     let [tenant, backend, metered_by, capability] = call_labels(record);
     let cost_eur = record.cost_micro_eur as f64 / MicroEur::PER_EUR as f64;
-    json!({
+    // A metered gRPC call: the feature is a dimension too (SPEC §10).
+    let dimensions = match &record.feature {
+        Some(_) => json!([GRPC_CALL_LABELS, ["tenant"], ["backend"], ["feature"]]),
+        None => json!([CALL_LABELS, ["tenant"], ["backend"]]),
+    };
+    let mut line = json!({
         "_aws": {
             "Timestamp": record.ts.unix_millis(),
             "CloudWatchMetrics": [{
                 "Namespace": "Flexway",
-                "Dimensions": [CALL_LABELS, ["tenant"], ["backend"]],
+                "Dimensions": dimensions,
                 "Metrics": [
                     {"Name": "flexway.inference.cost", "Unit": "None"},
                     {"Name": "flexway.inference.calls", "Unit": "Count"},
@@ -74,8 +79,11 @@ fn emf_line(record: &AuditRecord) -> String {
         "capability": capability,
         "flexway.inference.cost": cost_eur,
         "flexway.inference.calls": 1,
-    })
-    .to_string()
+    });
+    if let (Some(feature), Some(fields)) = (&record.feature, line.as_object_mut()) {
+        fields.insert("feature".to_owned(), json!(feature));
+    }
+    line.to_string()
 }
 
 #[cfg(test)]

@@ -35,6 +35,7 @@ fn record(request_id: &str, tenant: &str) -> AuditRecord {
         key_hash: "ab".repeat(32),
         user_hash: None,
         close_reason: None,
+        feature: None,
     }
 }
 

@@ -72,6 +72,11 @@ pub struct AuditRecord {
     /// for every other operation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub close_reason: Option<CloseReason>,
+    /// A gRPC call's feature, from its method's `(flexway.v1.operation).ai` option
+    /// (absent for HTTP calls and unmetered methods; records written before it read
+    /// as absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub feature: Option<String>,
 }
 
 /// How a realtime session ended.
@@ -260,6 +265,7 @@ mod tests {
             key_hash: "ab".repeat(2),
             user_hash: None,
             close_reason: None,
+            feature: None,
         }
     }
 

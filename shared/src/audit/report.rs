@@ -156,6 +156,8 @@ pub struct Row {
     pub tenant: String,
     pub agent: Option<String>,
     pub backend: Option<String>,
+    /// A metered gRPC call's feature (SPEC §10): gRPC rows are split by feature.
+    pub feature: Option<String>,
     pub metered_by: Metering,
     pub totals: Totals,
 }
@@ -184,17 +186,20 @@ pub struct Report {
     pub upstream_total: Totals,
 }
 
-/// Sums the records that pass `filter` per (tenant, agent, backend, metered_by).
+/// Sums the records that pass `filter` per (tenant, agent, backend, feature,
+/// metered_by); only gRPC calls have a feature.
 pub fn chargeback(records: &[AuditRecord], filter: &Filter) -> Report {
-    type Key<'a> = (&'a str, Option<&'a str>, Option<&'a str>, Metering);
+    type Key<'a> = (&'a str, Option<&'a str>, Option<&'a str>, Option<&'a str>, Metering);
     let mut sums: BTreeMap<Key<'_>, Totals> = BTreeMap::new();
     for record in records.iter().filter(|r| filter.matches(r)) {
-        let key = (record.tenant.as_str(), record.agent.as_deref(), record.backend.as_deref(), record.metered_by);
+        let backend = record.backend.as_deref();
+        let key =
+            (record.tenant.as_str(), record.agent.as_deref(), backend, record.feature.as_deref(), record.metered_by);
         sums.entry(key).or_default().add_record(record);
     }
 
     let mut tenants: Vec<TenantReport> = Vec::new();
-    for ((tenant, agent, backend, metered_by), totals) in sums {
+    for ((tenant, agent, backend, feature, metered_by), totals) in sums {
         if tenants.last().is_none_or(|t| t.tenant != tenant) {
             tenants.push(TenantReport {
                 tenant: tenant.to_owned(),
@@ -211,6 +216,7 @@ pub fn chargeback(records: &[AuditRecord], filter: &Filter) -> Report {
             tenant: tenant.to_owned(),
             agent: agent.map(str::to_owned),
             backend: backend.map(str::to_owned),
+            feature: feature.map(str::to_owned),
             metered_by,
             totals,
         };
@@ -236,11 +242,13 @@ const NONE: &str = "-";
 
 /// One row per line, locally billed rows first, then the upstream-metered ones; no
 /// totals rows, so that summing the cost column of the `local` rows gives the bill.
+/// When gRPC rows are present, a last column says their feature (`-` for others).
 pub fn to_csv(report: &Report) -> String {
-    let mut out = String::from("tenant,agent,backend,metered_by,calls,prompt_tokens,completion_tokens,cost_eur\n");
-    let local = report.tenants.iter().flat_map(|t| &t.local);
-    let upstream = report.tenants.iter().flat_map(|t| &t.upstream);
-    for row in local.chain(upstream) {
+    let rows = || report.tenants.iter().flat_map(|t| &t.local).chain(report.tenants.iter().flat_map(|t| &t.upstream));
+    let features = rows().any(|row| row.feature.is_some());
+    let mut out = String::from("tenant,agent,backend,metered_by,calls,prompt_tokens,completion_tokens,cost_eur");
+    out.push_str(if features { ",feature\n" } else { "\n" });
+    for row in rows() {
         let fields = [
             csv_field(&row.tenant),
             csv_field(row.agent.as_deref().unwrap_or(NONE)),
@@ -252,6 +260,10 @@ pub fn to_csv(report: &Report) -> String {
             row.totals.cost.to_eur_string(),
         ];
         out.push_str(&fields.join(","));
+        if features {
+            out.push(',');
+            out.push_str(&csv_field(row.feature.as_deref().unwrap_or(NONE)));
+        }
         out.push('\n');
     }
     out
@@ -275,6 +287,9 @@ pub fn to_json(report: &Report) -> serde_json::Value {
             object.insert("agent".into(), json!(row.agent));
             object.insert("backend".into(), json!(row.backend));
             object.insert("metered_by".into(), json!(row.metered_by));
+            if let Some(feature) = &row.feature {
+                object.insert("feature".into(), json!(feature));
+            }
         }
         value
     };
@@ -382,11 +397,17 @@ pub fn to_markdown(report: &Report) -> String {
 
 fn md_row(out: &mut String, row: &Row) {
     let t = &row.totals;
+    let backend = row.backend.as_deref().unwrap_or(NONE);
+    // A gRPC row: the backend and, in parentheses, the feature.
+    let backend = match &row.feature {
+        Some(feature) => format!("{backend} ({feature})"),
+        None => backend.to_owned(),
+    };
     let _ = writeln!(
         out,
         "| {} | {} | {} | {} | {} | {} |",
         md_cell(row.agent.as_deref().unwrap_or(NONE)),
-        md_cell(row.backend.as_deref().unwrap_or(NONE)),
+        md_cell(&backend),
         t.calls,
         t.prompt_tokens,
         t.completion_tokens,
@@ -450,6 +471,7 @@ mod tests {
             key_hash: "00".repeat(32),
             user_hash: None,
             close_reason: None,
+            feature: None,
         }
     }
 

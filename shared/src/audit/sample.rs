@@ -33,5 +33,6 @@ pub fn record(tenant: &str, backend: Option<&str>, metered_by: Metering, cost: u
         key_hash: "ab".repeat(32),
         user_hash: Some("cd".repeat(32)),
         close_reason: None,
+        feature: None,
     }
 }

@@ -148,6 +148,7 @@ mod tests {
             key_hash: "ab".repeat(32),
             user_hash: None,
             close_reason: None,
+            feature: None,
         }
     }
 

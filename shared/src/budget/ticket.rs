@@ -60,6 +60,18 @@ impl Ticket {
         plan::cost(usage, price)
     }
 
+    /// Replaces the reservation by `cost` in micro-euros and no tokens: a gRPC call,
+    /// priced per call or per byte (SPEC §10).
+    pub async fn settle_eur(mut self, cost: MicroEur) {
+        self.open = false;
+        let actual: Vec<(CounterKey, u64)> = self
+            .budgets
+            .iter()
+            .map(|b| (b.key.clone(), if b.unit == super::Unit::MicroEur { cost.0 } else { 0 }))
+            .collect();
+        settle(self.store.as_ref(), &self.reservation, &actual).await;
+    }
+
     /// Returns the whole reservation: the call failed or was refused before its first
     /// byte reached the client.
     pub async fn refund(mut self) {

@@ -19,6 +19,7 @@
 pub mod bounds;
 pub mod model;
 
+mod descriptor;
 mod duration;
 mod raw;
 mod shape;

@@ -172,6 +172,8 @@ pub struct Agent {
 
 #[derive(Debug, Clone)]
 pub struct Ai {
+    /// Empty (a name no backend has) only when every backend is `grpc` (SPEC §10):
+    /// no HTTP call then has a backend to go to (`capability_unavailable`).
     pub default_backend: BackendId,
     pub capabilities: CapabilityOverrides,
     /// Header name, stored lower-case.
@@ -183,6 +185,9 @@ pub struct Ai {
     /// Session affinity for HTTP calls (`ai.affinity`); `None`: off.
     pub affinity: Option<Affinity>,
     pub backends: BTreeMap<BackendId, Backend>,
+    /// What each `kind: grpc` backend's descriptor set declares, read at load (empty
+    /// for a backend whose set is missing under [`Secrets::Check`](super::Secrets)).
+    pub grpc: BTreeMap<BackendId, Arc<GrpcServices>>,
 }
 
 /// `ai.affinity`: the header whose value pins a session to a pool member.
@@ -239,6 +244,10 @@ pub enum Capability {
     Vision,
     Embeddings,
     Realtime,
+    // A gRPC call (SPEC §10). Never declared by a backend: a `grpc` backend's
+    // descriptor set says what it serves, and no HTTP call asks for it. (A plain
+    // comment: a doc comment would turn the published enum into a `oneOf`.)
+    Grpc,
 }
 
 impl Capability {
@@ -248,6 +257,7 @@ impl Capability {
             Capability::Vision => "vision",
             Capability::Embeddings => "embeddings",
             Capability::Realtime => "realtime",
+            Capability::Grpc => "grpc",
         }
     }
 }
@@ -270,9 +280,20 @@ pub struct Backend {
 pub enum BackendKind {
     OpenAi(Endpoint),
     Anthropic(Endpoint),
-    Relay { endpoint: Endpoint, metering: Metering, identity_headers: IdentityHeaders },
-    Grpc { url: String, descriptor_set: PathBuf },
-    Pool { members: Vec<PoolMember> },
+    Relay {
+        endpoint: Endpoint,
+        metering: Metering,
+        identity_headers: IdentityHeaders,
+    },
+    /// A specialised model's gRPC upstream (h2c); what its descriptor set declares is
+    /// in [`Ai::grpc`].
+    Grpc {
+        url: String,
+        descriptor_set: PathBuf,
+    },
+    Pool {
+        members: Vec<PoolMember>,
+    },
 }
 
 impl BackendKind {
@@ -458,5 +479,54 @@ impl Default for BreakerPolicy {
             status: vec![(500, 599)],
             accept_retry_after: false,
         }
+    }
+}
+
+/// The services a `kind: grpc` backend serves, by full name (`ocr.v1.Ocr`), and their
+/// methods by name, as its descriptor set declares them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GrpcServices {
+    pub services: BTreeMap<String, BTreeMap<String, GrpcMethod>>,
+}
+
+impl GrpcServices {
+    pub fn method(&self, service: &str, method: &str) -> Option<&GrpcMethod> {
+        self.services.get(service)?.get(method)
+    }
+}
+
+/// One method: its shape, and its metering when it carries `(flexway.v1.operation).ai`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrpcMethod {
+    pub client_streaming: bool,
+    pub server_streaming: bool,
+    /// `None`: proxied unmetered (identity still required).
+    pub operation: Option<AiOperation>,
+}
+
+/// `(flexway.v1.operation).ai`, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AiOperation {
+    pub metering: GrpcMetering,
+    /// Micro-euros per thousand calls or per thousand message bytes.
+    pub price_per_thousand: MicroEur,
+    /// A metrics dimension and an audit field (`ocr`).
+    pub feature: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GrpcMetering {
+    /// Per call; the body is never read.
+    PerCall,
+    /// Per byte of request and response message payloads (the 5-byte gRPC prefix of
+    /// each message is not counted).
+    PerByte,
+}
+
+impl AiOperation {
+    /// The cost of `units` (calls or bytes), rounded up to the micro-euro.
+    pub fn cost(&self, units: u64) -> MicroEur {
+        let micro = u128::from(units) * u128::from(self.price_per_thousand.0);
+        MicroEur(u64::try_from(micro.div_ceil(1000)).unwrap_or(u64::MAX))
     }
 }

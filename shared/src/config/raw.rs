@@ -181,8 +181,8 @@ pub struct RawAgent {
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename = "Ai", expecting = "the ai section (a mapping)")]
 pub struct RawAi {
-    /// Backend serving every request that no override routes elsewhere.
-    #[schemars(required)]
+    /// Backend serving every request that no override routes elsewhere. Required,
+    /// unless every backend is `grpc` (a gRPC call is routed by its service).
     pub default_backend: Option<String>,
     /// Backends for requests that need a capability (images, embeddings).
     pub capabilities: Option<RawCapabilityOverrides>,

@@ -49,7 +49,7 @@ pub(super) fn validate(
     let Parsed { raw, errors: shape_errors } = parsed;
     let unparsed = Unparsed::new(&shape_errors.lost_values);
     let RawConfig { version, store, audit, secrets: secret_policy, tenants, ai, telemetry } = raw;
-    let mut check = Checker { env, secrets, errors: Vec::new(), warnings: Vec::new() };
+    let mut check = Checker { env, secrets, errors: Vec::new(), warnings: Vec::new(), grpc: BTreeMap::new() };
 
     match version {
         Some(1) => {}
@@ -262,6 +262,8 @@ struct Checker<'a> {
     secrets: Secrets,
     errors: Vec<Diagnostic>,
     warnings: Vec<Diagnostic>,
+    /// The grpc backends' descriptor sets, as read (`Ai::grpc`).
+    grpc: BTreeMap<BackendId, std::sync::Arc<GrpcServices>>,
 }
 
 impl Checker<'_> {
@@ -305,7 +307,8 @@ impl Checker<'_> {
                 self.warn(
                     format!("ai.backends.{}", backend.name),
                     "no native gRPC through a Lambda function URL (gRPC-Web only): in the serverless shape \
-                     callers of this backend must use gRPC-Web",
+                     callers of this backend must use gRPC-Web, and its client and bidirectional streaming \
+                     methods are refused (the function URL buffers the request body)",
                 );
             }
         }
@@ -614,10 +617,20 @@ impl Checker<'_> {
             backends: _,
         } = raw;
 
-        let default_backend = self
-            .required("ai.default_backend", default_backend, "(the backend serving what no override routes elsewhere)")
-            .and_then(|b| self.route_target("ai.default_backend", &b, catalog, "the default backend"))
-            .map(|(id, _)| id);
+        // A configuration of gRPC backends only serves no HTTP call (SPEC §10).
+        let grpc_only = !catalog.backends.is_empty()
+            && catalog.backends.values().all(|summary| summary.kind == RawBackendKind::Grpc);
+        let default_backend = match default_backend {
+            None if grpc_only => Some(BackendId::new("")),
+            default_backend => self
+                .required(
+                    "ai.default_backend",
+                    default_backend,
+                    "(the backend serving what no override routes elsewhere)",
+                )
+                .and_then(|b| self.route_target("ai.default_backend", &b, catalog, "the default backend"))
+                .map(|(id, _)| id),
+        };
 
         let capabilities = capabilities.unwrap_or_default();
         let capabilities = CapabilityOverrides {
@@ -666,6 +679,7 @@ impl Checker<'_> {
             limits,
             affinity,
             backends,
+            grpc: std::mem::take(&mut self.grpc),
         })
     }
 

@@ -4,6 +4,7 @@
 mod dispatch;
 mod door;
 mod error;
+pub mod grpc;
 mod proxy;
 mod realtime;
 mod record;
@@ -114,7 +115,7 @@ fn api_routes() -> Router<Arc<Gateway>> {
 
 fn finish(routes: Router<Arc<Gateway>>, gateway: Arc<Gateway>) -> Router {
     routes
-        .fallback(not_found)
+        .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn(request_id))
         .with_state(gateway)
@@ -194,6 +195,16 @@ fn envelope_for(uri: &Uri) -> Envelope {
     } else {
         Envelope::Problem
     }
+}
+
+/// gRPC calls (`/package.Service/Method`, `application/grpc*`) go to the gRPC proxy;
+/// anything else unrouted is a 404.
+async fn fallback(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
+    if grpc::is_grpc(request.headers()) {
+        let request_id = request.extensions().get::<RequestId>().cloned().unwrap_or_else(RequestId::generate);
+        return grpc::handle(gateway, request_id, request).await;
+    }
+    not_found(request.method().clone(), request.uri().clone()).await
 }
 
 async fn not_found(method: Method, uri: Uri) -> Response {

@@ -39,6 +39,8 @@ pub(super) struct Draft {
     span: Span,
     /// Who the call is for, as a relay passes it on.
     caller: CallerIdentity,
+    /// The status and code recorded if the call is dropped before it ends.
+    abandoned: (u16, &'static str),
 }
 
 /// What the call's telemetry span needs beyond its audit record.
@@ -86,6 +88,7 @@ impl Draft {
             key_hash: gateway.hasher.hash(&caller.key_sha256),
             user_hash: None,
             close_reason: None,
+            feature: None,
         };
         Draft {
             gateway: gateway.clone(),
@@ -103,7 +106,24 @@ impl Draft {
                 served: false,
             },
             caller: CallerIdentity { tenant: caller.tenant.clone(), agent: caller.agent.clone(), sensitive: false },
+            abandoned: (CLIENT_CLOSED_REQUEST, "client_closed_request"),
         }
+    }
+
+    /// What the record says if the call is dropped before it ends (a gRPC call:
+    /// `CANCELLED`, not HTTP's 499).
+    pub fn abandoned_as(&mut self, status: u16, error_code: &'static str) {
+        self.abandoned = (status, error_code);
+    }
+
+    /// A gRPC call's feature (its method's `(flexway.v1.operation).ai`).
+    pub fn feature(&mut self, feature: &str) {
+        self.record.feature = Some(feature.to_owned());
+    }
+
+    /// A hard budget cap refused the call (or a step of it).
+    pub fn exceeded(&mut self) {
+        self.record.budget_state = BudgetState::Exceeded;
     }
 
     /// Who the call is for, sent to a relay.
@@ -277,7 +297,8 @@ impl Drop for Draft {
         if !self.open {
             return;
         }
-        let (record, span) = self.complete(CLIENT_CLOSED_REQUEST, Some("client_closed_request"));
+        let (status, error_code) = self.abandoned;
+        let (record, span) = self.complete(status, Some(error_code));
         let gateway = self.gateway.clone();
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move { write(&gateway, record, span).await });

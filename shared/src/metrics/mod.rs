@@ -67,7 +67,8 @@ pub use crate::routing::breaker::State as BreakerState;
 
 /// The process's metrics. Share it (`Arc`) between the request path and `/metrics`.
 pub struct Registry {
-    /// (calls, micro-euros) per [tenant, backend, metered_by, capability].
+    /// (calls, micro-euros) per [tenant, backend, metered_by, capability], and
+    /// [.., feature] for metered gRPC calls.
     calls: Family<CallSums>,
     usage_estimated: Family<u64>,
     /// (calls, tokens) written past the allowance sent, per backend.
@@ -124,10 +125,22 @@ impl Registry {
     /// too. Call it once per record written, refused calls included.
     pub fn record_call(&self, record: &AuditRecord) {
         let labels = call_labels(record);
-        self.calls.with(&labels, CallSums::default, |sums| {
+        let count = |sums: &mut CallSums| {
             sums.calls = sums.calls.saturating_add(1);
             sums.cost_micro_eur = sums.cost_micro_eur.saturating_add(record.cost_micro_eur);
-        });
+        };
+        match record.feature.as_deref() {
+            // A metered gRPC call adds its feature as a fifth label (SPEC §10).
+            Some(feature) => {
+                let [tenant, backend, metered_by, capability] = labels;
+                self.calls.with(
+                    &[tenant, backend, metered_by, capability, label(Some(feature))],
+                    CallSums::default,
+                    count,
+                )
+            }
+            None => self.calls.with(&labels, CallSums::default, count),
+        }
         let tokens = record.prompt_tokens.saturating_add(record.completion_tokens);
         if record.usage_source == UsageSource::Estimated && tokens > 0 {
             self.usage_estimated.with(&[labels[1]], u64::default, |count| *count = count.saturating_add(1));
@@ -196,7 +209,8 @@ impl Registry {
             "Inference calls with an audit record, refused ones included.",
         );
         for (values, sums) in &calls {
-            sample(&mut out, "flexway_inference_calls_total", &CALL_LABELS, values, None, &sums.calls.to_string());
+            let calls = sums.calls.to_string();
+            sample(&mut out, "flexway_inference_calls_total", &GRPC_CALL_LABELS, values, None, &calls);
         }
 
         header(
@@ -207,7 +221,7 @@ impl Registry {
         );
         for (values, sums) in &calls {
             let euros = MicroEur(sums.cost_micro_eur).to_eur_string();
-            sample(&mut out, "flexway_inference_cost_eur_total", &CALL_LABELS, values, None, &euros);
+            sample(&mut out, "flexway_inference_cost_eur_total", &GRPC_CALL_LABELS, values, None, &euros);
         }
 
         header(
@@ -332,6 +346,10 @@ impl Registry {
 /// The labels of the call and cost counters, in this order; [`call_labels`] gives a
 /// call's values.
 pub const CALL_LABELS: [&str; 4] = ["tenant", "backend", "metered_by", "capability"];
+
+/// The call and cost counters' labels for a metered gRPC call: [`CALL_LABELS`] and its
+/// method's `feature` (the series of other calls do not carry it).
+pub const GRPC_CALL_LABELS: [&str; 5] = ["tenant", "backend", "metered_by", "capability", "feature"];
 
 /// A call's values for [`CALL_LABELS`], from its audit record, never empty ([`NONE`]
 /// for a missing backend): what the Prometheus counters here and the serverless

@@ -5,6 +5,7 @@
 pub mod anthropic;
 pub mod chat;
 pub mod messages;
+pub mod grpc;
 pub mod openai;
 pub mod responses;
 pub mod sse;

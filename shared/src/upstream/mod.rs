@@ -16,6 +16,7 @@
 
 pub mod body;
 pub mod realtime;
+pub mod grpc;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -45,6 +46,10 @@ pub enum SetupError {
     Tls { backend: BackendId, detail: String },
     #[error("HTTP client: {0}")]
     Client(String),
+    /// A grpc backend's descriptor set that loading only warned about (it may be
+    /// shipped apart from the config): a gateway does not start without it.
+    #[error("ai.backends.{backend}.descriptor_set: {} does not exist: a gateway with a grpc backend starts only with its descriptor set", path.display())]
+    MissingDescriptorSet { backend: BackendId, path: std::path::PathBuf },
     #[error(transparent)]
     Telemetry(#[from] crate::telemetry::NoRuntime),
 }

@@ -1,13 +1,15 @@
 //! Backends: each kind's keys, references between backends, pools.
 //!
 //! A key that belongs to another kind is refused naming both kinds; a gRPC backend
-//! never enters HTTP routing (no fallback, pool or override may name it); a pool
+//! never enters HTTP routing (its descriptor set is read here) (no fallback, pool or override may name it); a pool
 //! never nests and is internal only if all its members are.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
+use super::super::descriptor;
 use super::super::raw::{
     RawAuth, RawAuthKind, RawBackend, RawBackendKind, RawBreaker, RawCapability, RawIdentityHeaders, RawMetering,
     RawPoolMember, RawPrice, RawSecret, RawTls,
@@ -17,6 +19,8 @@ use super::super::*;
 use super::{Catalog, Checker, DEFAULT_SENSITIVE_HEADER, Summary, capability};
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// A descriptor set larger than this is not one an operator meant.
+const MAX_DESCRIPTOR_SET_BYTES: u64 = 16 * 1024 * 1024;
 
 const HTTP_KINDS: &[RawBackendKind] = &[RawBackendKind::Openai, RawBackendKind::Anthropic, RawBackendKind::Relay];
 const ROUTABLE_KINDS: &[RawBackendKind] =
@@ -63,15 +67,11 @@ impl Checker<'_> {
                 self.http_backend(&path, name, kind, endpoint, metering, identity_headers)
             }
             RawBackendKind::Grpc => {
-                // Loads, so that SPEC §12's example does; never routed to or called.
-                self.warn(
-                    path.as_str(),
-                    "kind grpc is not built yet: this backend is checked but never called, and no gRPC \
-                     listener serves it",
-                );
-                let url = self.url(&path, kind, url.as_deref());
-                let descriptor_set = self.descriptor_set(&path, name, descriptor_set);
-                Some(BackendKind::Grpc { url: url?, descriptor_set: descriptor_set? })
+                let url = self.url(&path, kind, url.as_deref()).and_then(|url| self.h2c(&path, url));
+                let read = self.descriptor_set(&path, name, descriptor_set);
+                let (descriptor_set, services) = read?;
+                self.grpc.insert(BackendId::new(name), Arc::new(services));
+                Some(BackendKind::Grpc { url: url?, descriptor_set })
             }
             RawBackendKind::Pool => {
                 let members = self.members(&path, name, members, catalog);
@@ -454,29 +454,64 @@ impl Checker<'_> {
         ok.then_some(headers)
     }
 
-    fn descriptor_set(&mut self, path: &str, name: &str, raw: Option<String>) -> Option<PathBuf> {
+    /// The descriptor set, read now: what the backend serves and how each method is
+    /// metered. A file that cannot be used is an error. One that does not exist is a
+    /// warning, because the set is often built and shipped apart from the config (the
+    /// SPEC's example names one): the gateway itself does not start without it
+    /// (`Gateway::new`).
+    fn descriptor_set(&mut self, path: &str, name: &str, raw: Option<String>) -> Option<(PathBuf, GrpcServices)> {
         let key_path = format!("{path}.descriptor_set");
         let file =
             self.non_empty(&key_path, raw, "for a grpc backend (the FileDescriptorSet of the services it serves)")?;
-        // Not decoded here: the gRPC module reads it. A missing file is only a warning
-        // because the set is often built and shipped apart from the config.
-        match std::fs::metadata(&file) {
+        let bytes = match std::fs::metadata(&file).and_then(|meta| {
+            if meta.len() > MAX_DESCRIPTOR_SET_BYTES {
+                return Ok(Err(format!(
+                    "{file} is {} bytes, more than a descriptor set needs ({MAX_DESCRIPTOR_SET_BYTES})",
+                    meta.len()
+                )));
+            }
+            if !meta.is_file() {
+                return Ok(Err(format!("{file} is not a file")));
+            }
+            std::fs::read(&file).map(Ok)
+        }) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let message = format!(
-                    "{file} does not exist: gRPC calls to backend {name} will be refused until \
-                     it does"
+                    "{file} does not exist: gRPC calls to backend {name} will be refused until it does \
+                     (flexway serve and the Lambda function do not start without it)"
                 );
                 self.warn(&key_path, message);
+                return Some((PathBuf::from(file), GrpcServices::default()));
             }
-            Err(e) => self.error(&key_path, format!("{file} cannot be read: {e}")),
-            Ok(meta) if !meta.is_file() => self.error(&key_path, format!("{file} is not a file")),
-            Ok(meta) if meta.len() == 0 => {
-                let message = format!("{file} is empty: it must be a serialized FileDescriptorSet");
-                self.error(&key_path, message);
-            }
-            Ok(_) => {}
+            Err(e) => Err(format!("{file} cannot be read: {e}")),
+            Ok(result) => result,
+        };
+        let bytes = bytes.map_err(|message| self.error(&key_path, message)).ok()?;
+        if bytes.is_empty() {
+            self.error(&key_path, format!("{file} is empty: it must be a serialized FileDescriptorSet"));
+            return None;
         }
-        Some(PathBuf::from(file))
+        match descriptor::services(&bytes) {
+            Ok(services) => Some((PathBuf::from(file), services)),
+            Err(reasons) => {
+                for reason in reasons {
+                    self.error(&key_path, format!("{file}: {reason}"));
+                }
+                None
+            }
+        }
+    }
+
+    /// A gRPC upstream is reached over HTTP/2 cleartext: TLS towards it is not built.
+    fn h2c(&mut self, path: &str, url: String) -> Option<String> {
+        if url.starts_with("https://") {
+            self.error(
+                format!("{path}.url"),
+                "TLS towards a gRPC upstream is not built: use http:// or grpc:// (HTTP/2 cleartext)",
+            );
+            return None;
+        }
+        Some(url)
     }
 
     fn members(

@@ -1,0 +1,803 @@
+//! gRPC through the gateway (SPEC §10): a generic, frame-level proxy, with no stubs of
+//! the upstream's services. The phases are those of an HTTP call: authenticate →
+//! route (the `kind: grpc` backends whose descriptor set declares the service;
+//! internal ones only for a sensitive call) → reserve → call → relay frame by frame,
+//! metering on the way → settle → record.
+//!
+//! Metering, from the method's `(flexway.v1.operation).ai` option:
+//! - `PER_CALL`: one call's price is reserved before the call and charged when the
+//!   upstream answers with status OK (refunded otherwise); the body is never read.
+//! - `PER_BYTE`: the payload bytes of request and response messages (each message's
+//!   5-byte prefix excluded), rounded up to the micro-euro over the whole call. Before
+//!   the call the gateway reserves the request message's bytes (unary and server
+//!   streaming: its prefix is read first) plus [`RESPONSE_ALLOWANCE_BYTES`]; whenever
+//!   a message's prefix says more bytes are coming than are reserved, it reserves
+//!   another step (that message's bytes or the allowance, whichever is larger) before
+//!   the message passes. A step refused at the cap ends the call with
+//!   `RESOURCE_EXHAUSTED` (`budget_exceeded`): the cap is never passed. The call is
+//!   settled on the bytes that passed, or refunded whole when the upstream never
+//!   answered.
+//! - no option: proxied unmetered (identity still required).
+//!
+//! Invariants: exactly one audit record per identified call, whatever happens (the
+//! client cancels, the upstream drops: the record is written, and the reservations
+//! settled, when the response ends or is dropped); nothing is buffered beyond one
+//! frame, and no message over [`MAX_MESSAGE_BYTES`] passes a metered call. gRPC-Web
+//! (the serverless shape: a function URL buffers request bodies) serves unary and
+//! server-streaming methods only; client and bidirectional streaming are refused.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::response::Response;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, header};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+
+use super::RequestId;
+use super::proxy::BACKEND_HEADER;
+use super::record::{Draft, UsageSource};
+use crate::admission::{STREAM_RESERVATION_SECS, reserve_eur};
+use crate::audit::Operation;
+use crate::budget::Ticket;
+use crate::config::{AiOperation, BackendId, BackendKind, Capability, GrpcMetering, GrpcMethod};
+use crate::error::GatewayError;
+use crate::gateway::Gateway;
+use crate::identity::Caller;
+use crate::money::MicroEur;
+use crate::protocol::grpc::{Code, MessageCounter, encode_message, status_of, web_trailers_frame};
+use crate::protocol::openai::Usage;
+use crate::routing::Candidate;
+use crate::upstream::grpc::{BoxError, UpstreamBody};
+
+/// The response allowance a per-byte call reserves before it starts, and the least it
+/// reserves at each step after.
+pub const RESPONSE_ALLOWANCE_BYTES: u64 = 4096;
+/// The largest message a metered call passes (gRPC's usual default): a larger
+/// declared length ends the call with `RESOURCE_EXHAUSTED`.
+pub const MAX_MESSAGE_BYTES: u64 = 4 * 1024 * 1024;
+/// The settled cost, in the trailers (euros, `0.002500`).
+pub const COST_TRAILER: &str = "flexway-cost-eur";
+
+/// Whether a request is gRPC or gRPC-Web (by its content type).
+pub(super) fn is_grpc(headers: &HeaderMap) -> bool {
+    content_type(headers).starts_with("application/grpc")
+}
+
+fn content_type(headers: &HeaderMap) -> &str {
+    headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default()
+}
+
+/// Native gRPC (HTTP/2, trailers) or gRPC-Web (trailers in the body).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flavor {
+    Native,
+    Web,
+}
+
+impl Flavor {
+    fn of(headers: &HeaderMap) -> Result<Flavor, Refusal> {
+        let kind = content_type(headers).split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+        if kind.starts_with("application/grpc-web-text") {
+            return Err(Refusal::new(
+                Code::Unimplemented,
+                "invalid_request",
+                "gRPC-Web text (base64) is not served: send application/grpc-web+proto",
+            ));
+        }
+        Ok(if kind.starts_with("application/grpc-web") { Flavor::Web } else { Flavor::Native })
+    }
+
+    fn content_type(self) -> HeaderValue {
+        HeaderValue::from_static(match self {
+            Flavor::Native => "application/grpc",
+            Flavor::Web => "application/grpc-web+proto",
+        })
+    }
+}
+
+/// A gRPC status the gateway answers itself, with the SPEC's code in its message.
+#[derive(Debug)]
+struct Refusal {
+    code: Code,
+    error_code: &'static str,
+    message: String,
+}
+
+impl Refusal {
+    fn new(code: Code, error_code: &'static str, message: impl Into<String>) -> Self {
+        Refusal { code, error_code, message: message.into() }
+    }
+
+    /// `budget_exceeded: budget exceeded: tenant acme eur_per_month; ...`
+    fn text(&self) -> String {
+        format!("{}: {}", self.error_code, self.message)
+    }
+}
+
+impl From<GatewayError> for Refusal {
+    fn from(error: GatewayError) -> Self {
+        let code = match error.status().as_u16() {
+            401 => Code::Unauthenticated,
+            403 => Code::PermissionDenied,
+            429 => Code::ResourceExhausted,
+            400 | 413 | 431 => Code::InvalidArgument,
+            404 | 405 => Code::Unimplemented,
+            502 | 503 => Code::Unavailable,
+            504 => Code::DeadlineExceeded,
+            _ => Code::Internal,
+        };
+        let message = match &error {
+            GatewayError::Internal(detail) => {
+                tracing::error!("{detail}");
+                crate::error::INTERNAL_MESSAGE.to_owned()
+            }
+            other => other.to_string(),
+        };
+        Refusal { code, error_code: error.code(), message }
+    }
+}
+
+/// A call's answer made of its status alone ("trailers-only").
+fn refused(flavor: Flavor, refusal: &Refusal) -> Response {
+    let mut response = Response::new(Body::empty());
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, flavor.content_type());
+    headers.insert("grpc-status", HeaderValue::from(refusal.code.number()));
+    if let Ok(message) = HeaderValue::from_str(&encode_message(&refusal.text())) {
+        headers.insert("grpc-message", message);
+    }
+    response
+}
+
+pub(super) async fn handle(gateway: Arc<Gateway>, request_id: RequestId, request: Request) -> Response {
+    let flavor = match Flavor::of(request.headers()) {
+        Ok(flavor) => flavor,
+        Err(refusal) => return refused(Flavor::Web, &refusal),
+    };
+    let caller = match gateway.keys.authenticate(request.headers()) {
+        Ok(caller) => caller,
+        // Refused before identification: no audit record (SPEC §9).
+        Err(e) => return refused(flavor, &Refusal::from(GatewayError::from(e))),
+    };
+    let mut draft = Draft::begin(&gateway, &request_id, &caller, Operation::Grpc, request.headers());
+    draft.abandoned_as(Code::Cancelled.number(), "cancelled");
+    let rpc = request.uri().path().trim_start_matches('/').to_owned();
+    draft.request(Capability::Grpc, &rpc, None);
+    match call(&gateway, &caller, &request_id, &mut draft, flavor, &rpc, request).await {
+        Ok(Proxied { response, relay }) => relay.respond(response, draft),
+        Err(Failed { refusal, meter }) => {
+            if let Some(meter) = meter {
+                meter.close(false, refusal.code.number()).await;
+            }
+            if refusal.code == Code::ResourceExhausted {
+                draft.exceeded();
+            }
+            draft.finish(refusal.code.number(), Some(refusal.error_code)).await;
+            refused(flavor, &refusal)
+        }
+    }
+}
+
+/// An answered call, and what relays its body.
+struct Proxied {
+    response: http::Response<hyper::body::Incoming>,
+    relay: Relay,
+}
+
+/// A call that ends before a body is relayed; its reservations, if any, to return.
+struct Failed {
+    refusal: Refusal,
+    meter: Option<Arc<Meter>>,
+}
+
+impl From<Refusal> for Failed {
+    fn from(refusal: Refusal) -> Self {
+        Failed { refusal, meter: None }
+    }
+}
+
+impl From<GatewayError> for Failed {
+    fn from(error: GatewayError) -> Self {
+        Failed::from(Refusal::from(error))
+    }
+}
+
+async fn call(
+    gateway: &Arc<Gateway>,
+    caller: &Caller,
+    request_id: &RequestId,
+    draft: &mut Draft,
+    flavor: Flavor,
+    rpc: &str,
+    request: Request,
+) -> Result<Proxied, Failed> {
+    let (parts, mut body) = request.into_parts();
+    let sensitive = crate::identity::sensitivity(&parts.headers, &gateway.config.ai.sensitive_header)
+        .map_err(GatewayError::from)?;
+    draft.sensitive(sensitive);
+    let (backend, url, method) = route(gateway, rpc, sensitive)?;
+    draft.trying(&Candidate { backend: backend.clone(), degraded: false }, rpc);
+    if let Some(operation) = &method.operation {
+        draft.feature(&operation.feature);
+    }
+    if flavor == Flavor::Web && method.client_streaming {
+        return Err(Refusal::new(
+            Code::Unimplemented,
+            "invalid_request",
+            format!(
+                "/{rpc} is a client or bidirectional streaming method: gRPC-Web carries unary and \
+                 server-streaming calls only (a function URL buffers the request body); call it with native \
+                 gRPC (flexway serve)"
+            ),
+        )
+        .into());
+    }
+
+    // Reserve: a per-byte call's first request message is measured first (its prefix).
+    let timeout = gateway.timeout(&backend);
+    let meter = Arc::new(Meter::new(gateway.clone(), caller.clone(), request_id, method.operation.clone(), timeout));
+    let mut pending = VecDeque::new();
+    let first = match &method.operation {
+        Some(op) if op.metering == GrpcMetering::PerByte && !method.client_streaming => {
+            let (frames, first) = peek_first_message(&mut body).await.map_err(Failed::from)?;
+            pending = frames;
+            first
+        }
+        _ => 0,
+    };
+    if first > MAX_MESSAGE_BYTES {
+        return Err(too_large(first).into());
+    }
+    meter.reserve_first(first).await.map_err(Failed::from)?;
+
+    let body = RequestBody::new(body, pending, meter.clone());
+    let sensitive_header = gateway.config.ai.sensitive_header.as_str();
+    let upstream = upstream_request(&url, rpc, &parts.headers, sensitive_header, flavor, body)
+        .map_err(|refusal| Failed { refusal, meter: Some(meter.clone()) })?;
+    let sent = tokio::time::timeout(timeout, gateway.grpc.send(upstream)).await;
+    let response = match sent {
+        Ok(Ok(response)) => response,
+        Ok(Err(e)) => {
+            let refusal = meter.refusal().unwrap_or_else(|| {
+                tracing::warn!(backend = %backend, "gRPC upstream: {e}");
+                Refusal::new(
+                    Code::Unavailable,
+                    "upstream_unavailable",
+                    format!("backend `{backend}` could not be reached: {}", root_cause(&e)),
+                )
+            });
+            return Err(Failed { refusal, meter: Some(meter) });
+        }
+        Err(_) => {
+            let refusal = Refusal::new(
+                Code::DeadlineExceeded,
+                "upstream_timeout",
+                format!("backend `{backend}` did not answer within {timeout:?}"),
+            );
+            return Err(Failed { refusal, meter: Some(meter) });
+        }
+    };
+    draft.first_byte();
+    if response.status() != http::StatusCode::OK {
+        let status = response.status();
+        let refusal = Refusal::new(
+            Code::Unavailable,
+            "upstream_error",
+            format!("backend `{backend}` answered HTTP {status}, not a gRPC response"),
+        );
+        return Err(Failed { refusal, meter: Some(meter) });
+    }
+    Ok(Proxied { response, relay: Relay { flavor, backend, meter } })
+}
+
+/// The backend serving `rpc` (`package.Service/Method`): the first, by name, of the
+/// `kind: grpc` backends whose descriptor set declares the service, internal ones only
+/// for a sensitive call.
+fn route(gateway: &Gateway, rpc: &str, sensitive: bool) -> Result<(BackendId, String, GrpcMethod), Refusal> {
+    let (service, method) = rpc.split_once('/').filter(|(s, m)| !s.is_empty() && !m.is_empty()).ok_or_else(|| {
+        Refusal::new(Code::Unimplemented, "invalid_request", format!("`/{rpc}` is not a gRPC method path"))
+    })?;
+    let ai = &gateway.config.ai;
+    let serving: Vec<_> = ai
+        .grpc
+        .iter()
+        .filter(|(_, services)| services.services.contains_key(service))
+        .filter_map(|(name, services)| match ai.backends.get(name).map(|b| (b, &b.kind)) {
+            Some((backend, BackendKind::Grpc { url, .. })) => Some((backend, url, services)),
+            _ => None,
+        })
+        .collect();
+    if serving.is_empty() {
+        return Err(Refusal::new(
+            Code::Unimplemented,
+            "unknown_service",
+            format!("no grpc backend's descriptor set declares the service `{service}`"),
+        ));
+    }
+    let Some((backend, url, services)) = serving.into_iter().find(|(backend, ..)| !sensitive || !backend.external)
+    else {
+        return Err(Refusal::from(GatewayError::SensitiveNoInternalBackend));
+    };
+    let method = services.method(service, method).cloned().ok_or_else(|| {
+        Refusal::new(
+            Code::Unimplemented,
+            "unknown_service",
+            format!("the service `{service}` has no method `{method}`"),
+        )
+    })?;
+    Ok((backend.name.clone(), url.clone(), method))
+}
+
+fn too_large(declared: u64) -> Refusal {
+    Refusal::new(
+        Code::ResourceExhausted,
+        "message_too_large",
+        format!("a message of {declared} bytes is larger than the {MAX_MESSAGE_BYTES} bytes a metered call passes"),
+    )
+}
+
+fn root_cause(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut cause = error;
+    while let Some(source) = cause.source() {
+        cause = source;
+    }
+    cause.to_string()
+}
+
+/// Reads the request until the first message's prefix (5 bytes) is in: its declared
+/// length, and the frames read, to send on first. At most one frame more than the
+/// prefix is held.
+async fn peek_first_message(body: &mut Body) -> Result<(VecDeque<Frame<Bytes>>, u64), Refusal> {
+    let mut frames = VecDeque::new();
+    let mut counter = MessageCounter::default();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            Refusal::new(Code::Cancelled, "client_closed_request", format!("could not read the request: {e}"))
+        })?;
+        let declared = frame.data_ref().map(|data| counter.feed(data).declared).unwrap_or_default();
+        frames.push_back(frame);
+        if let Some(first) = declared.first() {
+            return Ok((frames, *first));
+        }
+    }
+    Ok((frames, 0))
+}
+
+/// The request sent upstream: the caller's metadata minus its credentials and the
+/// gateway's own headers, as native gRPC.
+fn upstream_request(
+    url: &str,
+    rpc: &str,
+    headers: &HeaderMap,
+    sensitive_header: &str,
+    flavor: Flavor,
+    body: RequestBody,
+) -> Result<http::Request<UpstreamBody>, Refusal> {
+    let uri: http::Uri = format!("{url}/{rpc}")
+        .parse()
+        .map_err(|e| Refusal::new(Code::Internal, "upstream_error", format!("upstream URI: {e}")))?;
+    let mut request = http::Request::builder()
+        .method(http::Method::POST)
+        .uri(uri)
+        .version(http::Version::HTTP_2)
+        .body(body.boxed())
+        .map_err(|e| Refusal::new(Code::Internal, "upstream_error", format!("upstream request: {e}")))?;
+    let out = request.headers_mut();
+    for (name, value) in headers {
+        if forwarded(name) && name.as_str() != sensitive_header {
+            out.append(name.clone(), value.clone());
+        }
+    }
+    if flavor == Flavor::Web {
+        // `application/grpc-web+proto` → `application/grpc+proto`.
+        let native = content_type(headers).replacen("application/grpc-web", "application/grpc", 1);
+        if let Ok(value) = HeaderValue::from_str(&native) {
+            out.insert(header::CONTENT_TYPE, value);
+        }
+        out.remove("x-grpc-web");
+        out.remove("x-user-agent");
+    }
+    out.insert(header::TE, HeaderValue::from_static("trailers"));
+    Ok(request)
+}
+
+/// Whether a caller's header goes upstream: not its key, not the gateway's own
+/// headers (identity, sensitivity, agent), not the connection's.
+fn forwarded(name: &HeaderName) -> bool {
+    let name = name.as_str();
+    !matches!(
+        name,
+        "authorization"
+            | "proxy-authorization"
+            | "x-api-key"
+            | "cookie"
+            | "host"
+            | "connection"
+            | "keep-alive"
+            | "transfer-encoding"
+            | "upgrade"
+            | "content-length"
+            | "te"
+    ) && !name.starts_with("flexway-")
+        && !name.starts_with("proxy-")
+}
+
+// ----- metering -------------------------------------------------------------------
+
+/// A call's budget: its reservations, what they cover, and what passed.
+struct Meter {
+    gateway: Arc<Gateway>,
+    caller: Caller,
+    request_id: String,
+    operation: Option<AiOperation>,
+    life_secs: u64,
+    held: tokio::sync::Mutex<Held>,
+    /// A step refused at the cap, or a message too large: how the call ends.
+    refusal: Mutex<Option<Refusal>>,
+}
+
+#[derive(Default)]
+struct Held {
+    tickets: Vec<(Ticket, MicroEur)>,
+    /// Bytes the reservations cover, and bytes admitted (declared by prefixes).
+    covered: u64,
+    admitted: u64,
+    /// Payload bytes that passed, both directions.
+    passed: u64,
+    closed: bool,
+}
+
+impl Meter {
+    fn new(
+        gateway: Arc<Gateway>,
+        caller: Caller,
+        request_id: &RequestId,
+        operation: Option<AiOperation>,
+        timeout: Duration,
+    ) -> Self {
+        Meter {
+            gateway,
+            caller,
+            request_id: request_id.0.clone(),
+            operation,
+            life_secs: timeout.as_secs() + STREAM_RESERVATION_SECS,
+            held: tokio::sync::Mutex::new(Held::default()),
+            refusal: Mutex::new(None),
+        }
+    }
+
+    fn per_byte(&self) -> Option<&AiOperation> {
+        self.operation.as_ref().filter(|op| op.metering == GrpcMetering::PerByte)
+    }
+
+    /// The reservation made before the call: one call's price, or the first
+    /// request message's bytes plus the response allowance.
+    async fn reserve_first(&self, first_message: u64) -> Result<(), GatewayError> {
+        let Some(operation) = &self.operation else { return Ok(()) };
+        let units = match operation.metering {
+            GrpcMetering::PerCall => 1,
+            GrpcMetering::PerByte => first_message + RESPONSE_ALLOWANCE_BYTES,
+        };
+        let mut held = self.held.lock().await;
+        self.step(&mut held, operation, units).await
+    }
+
+    async fn step(&self, held: &mut Held, operation: &AiOperation, units: u64) -> Result<(), GatewayError> {
+        let amount = operation.cost(units);
+        let id = match held.tickets.len() {
+            0 => self.request_id.clone(),
+            n => format!("{}/{}", self.request_id, n + 1),
+        };
+        let ticket = reserve_eur(&self.gateway, &self.caller, &id, amount, self.life_secs).await?;
+        held.tickets.push((ticket, amount));
+        held.covered += units;
+        Ok(())
+    }
+
+    /// Before a message of `declared` payload bytes passes (per-byte calls): reserves
+    /// a step if the reservations do not cover it. `false`: the call must end.
+    async fn admit(&self, declared: u64) -> bool {
+        let Some(operation) = self.per_byte() else { return true };
+        if declared > MAX_MESSAGE_BYTES {
+            self.refuse(too_large(declared));
+            return false;
+        }
+        let mut held = self.held.lock().await;
+        if held.closed {
+            return false;
+        }
+        if held.admitted + declared > held.covered {
+            let missing = held.admitted + declared - held.covered;
+            if let Err(e) = self.step(&mut held, operation, missing.max(RESPONSE_ALLOWANCE_BYTES)).await {
+                drop(held);
+                self.refuse(Refusal::from(e));
+                return false;
+            }
+        }
+        held.admitted += declared;
+        true
+    }
+
+    async fn passed(&self, payload: u64) {
+        if payload > 0 && self.per_byte().is_some() {
+            let mut held = self.held.lock().await;
+            if !held.closed {
+                held.passed += payload;
+            }
+        }
+    }
+
+    fn refuse(&self, refusal: Refusal) {
+        let mut slot = self.refusal.lock().unwrap_or_else(PoisonError::into_inner);
+        slot.get_or_insert(refusal);
+    }
+
+    fn refusal(&self) -> Option<Refusal> {
+        self.refusal.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+
+    /// Settles every reservation on the call's cost and returns it: per call when the
+    /// upstream served it with status OK, per byte on what passed once the upstream
+    /// answered; a refund otherwise. Once: later calls cost nothing.
+    async fn close(&self, answered: bool, status: u16) -> MicroEur {
+        let mut held = self.held.lock().await;
+        if held.closed {
+            return MicroEur(0);
+        }
+        held.closed = true;
+        let cost = match &self.operation {
+            None => MicroEur(0),
+            Some(op) if !answered => op.cost(0),
+            Some(op) => match op.metering {
+                GrpcMetering::PerCall if status == Code::Ok.number() => op.cost(1),
+                GrpcMetering::PerCall => MicroEur(0),
+                GrpcMetering::PerByte => op.cost(held.passed),
+            },
+        };
+        // The cost is within what was reserved (each step was reserved before its
+        // bytes passed): spread it over the reservations in order.
+        let mut left = cost.0;
+        for (ticket, amount) in std::mem::take(&mut held.tickets) {
+            let part = left.min(amount.0);
+            left -= part;
+            if part == 0 {
+                ticket.refund().await;
+            } else {
+                ticket.settle_eur(MicroEur(part)).await;
+            }
+        }
+        if left > 0 {
+            tracing::error!(request_id = %self.request_id, left, "gRPC cost beyond its reservations: not charged");
+        }
+        MicroEur(cost.0 - left)
+    }
+}
+
+// ----- the two directions -------------------------------------------------------------
+
+/// The caller's request body on its way upstream: frames as they come, metered.
+struct RequestBody {
+    body: Body,
+    pending: VecDeque<Frame<Bytes>>,
+    meter: Arc<Meter>,
+    counter: MessageCounter,
+}
+
+impl RequestBody {
+    fn new(body: Body, pending: VecDeque<Frame<Bytes>>, meter: Arc<Meter>) -> Self {
+        RequestBody { body, pending, meter, counter: MessageCounter::default() }
+    }
+
+    fn boxed(self) -> UpstreamBody {
+        let frames = futures_util::stream::try_unfold(self, |mut this| async move {
+            let frame = loop {
+                let frame = match this.pending.pop_front() {
+                    Some(frame) => frame,
+                    None => match this.body.frame().await {
+                        None => return Ok(None),
+                        Some(frame) => frame.map_err(|e| Box::new(e) as BoxError)?,
+                    },
+                };
+                // An empty DATA frame (a client's END_STREAM) is not passed on: an h2
+                // server counts empty frames as a flood (GOAWAY ENHANCE_YOUR_CALM).
+                if frame.data_ref().is_none_or(|data| !data.is_empty()) {
+                    break frame;
+                }
+            };
+            if let Some(data) = frame.data_ref()
+                && this.meter.per_byte().is_some()
+            {
+                let seen = this.counter.feed(data);
+                for declared in seen.declared {
+                    if !this.meter.admit(declared).await {
+                        return Err(BoxError::from("the call was refused a budget step"));
+                    }
+                }
+                this.meter.passed(seen.payload).await;
+            }
+            Ok(Some((frame, this)))
+        });
+        http_body_util::BodyExt::boxed_unsync(StreamBody::new(frames))
+    }
+}
+
+/// What relays the answer's body: metering, the final status, the record.
+struct Relay {
+    flavor: Flavor,
+    backend: BackendId,
+    meter: Arc<Meter>,
+}
+
+/// The end of a call, written once: when its last frame is relayed, or when the
+/// response is dropped (the client went away) — then with status CANCELLED.
+struct Ending {
+    draft: Option<Draft>,
+    meter: Arc<Meter>,
+}
+
+impl Ending {
+    async fn end(&mut self, status: u16, error_code: Option<&'static str>) -> MicroEur {
+        let Some(mut draft) = self.draft.take() else { return MicroEur(0) };
+        let cost = self.meter.close(true, status).await;
+        draft.usage(Usage::default(), UsageSource::Reported, cost);
+        if status == Code::ResourceExhausted.number() && error_code == Some("budget_exceeded") {
+            draft.exceeded();
+        }
+        draft.finish(status, error_code).await;
+        cost
+    }
+}
+
+impl Drop for Ending {
+    fn drop(&mut self) {
+        let Some(draft) = self.draft.take() else { return };
+        let meter = self.meter.clone();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let mut ending = Ending { draft: Some(draft), meter };
+                ending.end(Code::Cancelled.number(), Some("cancelled")).await;
+            });
+        }
+    }
+}
+
+struct Relaying {
+    /// The upstream's answer; dropped as soon as the call ends, so that its stream is
+    /// released at once rather than when the client's response is.
+    body: Option<hyper::body::Incoming>,
+    counter: MessageCounter,
+    ending: Ending,
+    flavor: Flavor,
+    /// `grpc-status` of a trailers-only answer (in its headers).
+    status_in_headers: Option<u16>,
+    done: bool,
+}
+
+impl Relay {
+    fn respond(self, upstream: http::Response<hyper::body::Incoming>, draft: Draft) -> Response {
+        let (parts, body) = upstream.into_parts();
+        let mut response = Response::new(Body::empty());
+        for (name, value) in &parts.headers {
+            if !matches!(name.as_str(), "content-length" | "connection" | "transfer-encoding" | "keep-alive") {
+                response.headers_mut().append(name.clone(), value.clone());
+            }
+        }
+        if self.flavor == Flavor::Web {
+            let native = content_type(&parts.headers).replacen("application/grpc", "application/grpc-web", 1);
+            let value = HeaderValue::from_str(&native).unwrap_or_else(|_| self.flavor.content_type());
+            response.headers_mut().insert(header::CONTENT_TYPE, value);
+        }
+        if let Ok(value) = HeaderValue::from_str(self.backend.as_str()) {
+            response.headers_mut().insert(BACKEND_HEADER, value);
+        }
+        let state = Relaying {
+            body: Some(body),
+            counter: MessageCounter::default(),
+            ending: Ending { draft: Some(draft), meter: self.meter },
+            flavor: self.flavor,
+            status_in_headers: status_of(&parts.headers),
+            done: false,
+        };
+        let frames = futures_util::stream::unfold(state, |mut state| async move {
+            if state.done {
+                return None;
+            }
+            let frame = state.next().await?;
+            Some((Ok::<_, std::convert::Infallible>(frame), state))
+        });
+        *response.body_mut() = Body::new(StreamBody::new(frames));
+        response
+    }
+}
+
+impl Relaying {
+    /// The next frame for the client; `None` once the call has ended.
+    async fn next(&mut self) -> Option<Frame<Bytes>> {
+        let body = self.body.as_mut()?;
+        let frame = match body.frame().await {
+            None => return self.finish(None).await,
+            Some(Err(e)) => {
+                tracing::warn!("gRPC upstream stream: {e}");
+                let refusal = self.ending.meter.refusal().unwrap_or_else(|| {
+                    Refusal::new(Code::Unavailable, "upstream_error", format!("the upstream stream broke: {e}"))
+                });
+                return self.finish(Some(refusal)).await;
+            }
+            Some(Ok(frame)) => frame,
+        };
+        if let Some(data) = frame.data_ref() {
+            if data.is_empty() {
+                // Not relayed: an h2 peer counts empty DATA frames as a flood.
+                return Box::pin(self.next()).await;
+            }
+            if self.ending.meter.per_byte().is_some() {
+                let seen = self.counter.feed(data);
+                for declared in seen.declared {
+                    if !self.ending.meter.admit(declared).await {
+                        let refusal = self.ending.meter.refusal();
+                        return self.finish(refusal).await;
+                    }
+                }
+                self.ending.meter.passed(seen.payload).await;
+            }
+            return Some(frame);
+        }
+        match frame.into_trailers() {
+            Ok(trailers) => {
+                // A step refused on the request side ends the call with its refusal.
+                if let Some(refusal) = self.ending.meter.refusal() {
+                    return self.finish(Some(refusal)).await;
+                }
+                let status = status_of(&trailers).unwrap_or(Code::Unknown.number());
+                self.trailers(trailers, status, None).await
+            }
+            Err(_) => Some(Frame::data(Bytes::new())),
+        }
+    }
+
+    /// The stream ended without trailers (or the gateway ends it with `refusal`).
+    async fn finish(&mut self, refusal: Option<Refusal>) -> Option<Frame<Bytes>> {
+        if let Some(refusal) = refusal.or_else(|| self.ending.meter.refusal()) {
+            let mut trailers = HeaderMap::new();
+            trailers.insert("grpc-status", HeaderValue::from(refusal.code.number()));
+            if let Ok(message) = HeaderValue::from_str(&encode_message(&refusal.text())) {
+                trailers.insert("grpc-message", message);
+            }
+            return self.trailers(trailers, refusal.code.number(), Some(refusal.error_code)).await;
+        }
+        if let Some(status) = self.status_in_headers {
+            // Trailers-only: the status was in the headers, already relayed.
+            self.body = None;
+            self.ending.end(status, None).await;
+            self.done = true;
+            return None;
+        }
+        let refusal = Refusal::new(Code::Internal, "upstream_error", "the upstream ended the call without a status");
+        Box::pin(self.finish(Some(refusal))).await
+    }
+
+    /// Settles and records the call, then hands the client its trailers (gRPC-Web: as
+    /// the body's last frame): the record is written before the response ends.
+    async fn trailers(
+        &mut self,
+        mut trailers: HeaderMap,
+        status: u16,
+        error_code: Option<&'static str>,
+    ) -> Option<Frame<Bytes>> {
+        self.body = None;
+        let cost = self.ending.end(status, error_code).await;
+        if let Ok(value) = HeaderValue::from_str(&cost.to_eur_string()) {
+            trailers.insert(COST_TRAILER, value);
+        }
+        self.done = true;
+        Some(match self.flavor {
+            Flavor::Native => Frame::trailers(trailers),
+            Flavor::Web => Frame::data(web_trailers_frame(&trailers)),
+        })
+    }
+}

@@ -1,0 +1,498 @@
+//! gRPC through the gateway (SPEC §10): a real tonic server (the metered OCR-like
+//! service of `tests/fake-grpc`, compiled from a .proto that imports
+//! `proto/flexway/v1/options.proto`) behind `flexway serve`, called by real tonic
+//! clients over HTTP/2 cleartext on the gateway's one listener. Costs are asserted
+//! exactly: per call, 2.5 €/thousand = 2,500 µ€; per byte, 0.5 €/thousand = 500 µ€ a
+//! message payload byte (the 5-byte prefix not counted), both directions summed.
+//!
+//! The ledger tests run the same router in-process (`serve_in_process`), so that the
+//! counters and live reservations can be read; the rest run the real binary.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::*;
+use fake_grpc::pb::ocr_client::OcrClient;
+use fake_grpc::pb::{Image, Ping, Text};
+use fake_grpc::{DESCRIPTOR_SET, FakeOcr};
+use prost::Message;
+use tonic::transport::Channel;
+use tonic::{Code, Request};
+
+const PER_CALL_MICRO: u64 = 2_500;
+const PER_BYTE_MICRO: u64 = 500;
+
+/// The descriptor set, written where a config can name it.
+fn descriptor_file(dir: &Path) -> PathBuf {
+    let path = dir.join("ocr.binpb");
+    std::fs::write(&path, DESCRIPTOR_SET).unwrap();
+    path
+}
+
+/// A config of gRPC backends only (no `ai.default_backend`), the audit in `audit`.
+fn grpc_config(set: &Path, url: &str, budgets: &str, internal: bool, audit: &str) -> String {
+    format!(
+        r#"version: 1
+store: {{kind: memory}}
+audit: {audit}
+tenants:
+  acme:
+    keys:
+      - sha256: {key}
+    budgets: {budgets}
+ai:
+  backends:
+    ocr:
+      kind: grpc
+      url: {url}
+      descriptor_set: {set}
+      external: {external}
+"#,
+        key = sha(KEY),
+        set = set.display(),
+        external = !internal,
+    )
+}
+
+async fn client(url: &str) -> OcrClient<Channel> {
+    OcrClient::connect(url.to_owned()).await.unwrap()
+}
+
+fn authed<T>(message: T, key: &str) -> Request<T> {
+    let mut request = Request::new(message);
+    request.metadata_mut().insert("authorization", format!("Bearer {key}").parse().unwrap());
+    request
+}
+
+fn image(bytes: usize, reply_bytes: u32) -> Image {
+    Image { data: vec![7; bytes], reply_bytes, ..Default::default() }
+}
+
+fn records(lines: &[String]) -> Vec<serde_json::Value> {
+    lines.iter().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).collect()
+}
+
+/// The audit records written so far (the stdout sink), waiting for `count` of them.
+async fn audit(flexway: &Flexway, count: usize) -> Vec<serde_json::Value> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let found = records(&flexway.stdout());
+        if found.len() >= count || Instant::now() > deadline {
+            return found;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn meters_per_call_and_per_byte_exactly_through_flexway_serve() {
+    let upstream = FakeOcr::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let audit_file = dir.path().join("audit.jsonl");
+    let config = grpc_config(
+        &descriptor_file(dir.path()),
+        &upstream.url(),
+        "{eur_per_month: 100}",
+        false,
+        &format!("{{sink: file, path: {}}}", audit_file.display()),
+    );
+    let flexway = Flexway::start(&config);
+    let mut ocr = client(&flexway.url).await;
+
+    // Per call: the body is never read, the price is per call.
+    let answer = ocr.recognize(authed(image(10_000, 0), KEY)).await.unwrap();
+    assert_eq!(answer.get_ref().text, "10000");
+    assert_eq!(answer.metadata().get("flexway-backend").unwrap(), "ocr");
+    assert_eq!(answer.metadata().get("flexway-cost-eur").unwrap(), "0.002500");
+    assert!(answer.metadata().get("flexway-request-id").is_some());
+
+    // Per byte: request and response payloads.
+    let request = image(100, 50);
+    let request_bytes = request.encoded_len() as u64;
+    let answer = ocr.extract(authed(request, KEY)).await.unwrap();
+    let response_bytes = answer.get_ref().encoded_len() as u64;
+    assert_eq!((request_bytes, response_bytes), (104, 52));
+    let per_byte = (request_bytes + response_bytes) * PER_BYTE_MICRO;
+    assert_eq!(answer.metadata().get("flexway-cost-eur").unwrap(), "0.078000");
+
+    // Unmetered: proxied, identity still required.
+    let pong = ocr.health(authed(Ping { note: "hi".into() }, KEY)).await.unwrap();
+    assert_eq!(pong.get_ref().note, "hi");
+    assert_eq!(pong.metadata().get("flexway-cost-eur").unwrap(), "0.000000");
+    assert_eq!(upstream.calls(), 3);
+
+    let text = wait_for_lines(&audit_file, 3).await;
+    let records = records(&text);
+    assert_eq!(records.len(), 3, "{text:?}");
+    for record in &records {
+        assert_eq!(record["operation"], "grpc");
+        assert_eq!(record["capability"], "grpc");
+        assert_eq!(record["status"], 0);
+        assert_eq!(record["backend"], "ocr");
+        assert_eq!(record["tenant"], "acme");
+        assert_eq!(record["usage_source"], "reported");
+    }
+    assert_eq!(records[0]["model_requested"], "ocr.v1.Ocr/Recognize");
+    assert_eq!(records[0]["feature"], "ocr");
+    assert_eq!(records[0]["cost_micro_eur"], PER_CALL_MICRO);
+    assert_eq!(records[1]["feature"], "extract");
+    assert_eq!(records[1]["cost_micro_eur"], per_byte);
+    assert!(records[2].get("feature").is_none(), "{}", records[2]);
+    assert_eq!(records[2]["cost_micro_eur"], 0);
+
+    // Metrics carry the feature dimension.
+    let metrics = common::client().get(format!("{}/metrics", flexway.url)).send().await.unwrap().text().await.unwrap();
+    let ocr_calls = r#"flexway_inference_calls_total{tenant="acme",backend="ocr",metered_by="local",capability="grpc",feature="ocr"} 1"#;
+    assert!(metrics.contains(ocr_calls), "{metrics}");
+    let extract_cost = r#"flexway_inference_cost_eur_total{tenant="acme",backend="ocr",metered_by="local",capability="grpc",feature="extract"} 0.078000"#;
+    assert!(metrics.contains(extract_cost), "{metrics}");
+
+    // `flexway report` has the gRPC rows, by feature.
+    let report = std::process::Command::new(env!("CARGO_BIN_EXE_flexway"))
+        .args(["report", "--format", "csv", "--audit"])
+        .arg(&audit_file)
+        .output()
+        .unwrap();
+    let csv = String::from_utf8(report.stdout).unwrap();
+    assert!(
+        csv.starts_with("tenant,agent,backend,metered_by,calls,prompt_tokens,completion_tokens,cost_eur,feature\n")
+    );
+    assert!(csv.contains("acme,-,ocr,local,1,0,0,0.002500,ocr\n"), "{csv}");
+    assert!(csv.contains("acme,-,ocr,local,1,0,0,0.078000,extract\n"), "{csv}");
+    assert!(csv.contains("acme,-,ocr,local,1,0,0,0.000000,-\n"), "{csv}");
+}
+
+async fn wait_for_lines(path: &Path, count: usize) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let lines: Vec<String> = text.lines().map(str::to_owned).collect();
+        if lines.len() >= count || Instant::now() > deadline {
+            return lines;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn refuses_a_bad_key_with_unauthenticated_and_records_nothing() {
+    let upstream = FakeOcr::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = grpc_config(&descriptor_file(dir.path()), &upstream.url(), "{}", false, "{sink: stdout}");
+    let flexway = Flexway::start(&config);
+    let mut ocr = client(&flexway.url).await;
+
+    let status = ocr.recognize(authed(image(1, 0), "sk-wrong")).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated);
+    assert!(status.message().contains("invalid_api_key"), "{}", status.message());
+    let status = ocr.health(Request::new(Ping::default())).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "unmetered methods need a key too");
+    assert_eq!(upstream.calls(), 0);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(records(&flexway.stdout()).is_empty(), "a refused key is not audited: {:?}", flexway.stdout());
+}
+
+#[tokio::test]
+async fn a_sensitive_call_needs_an_internal_backend() {
+    let upstream = FakeOcr::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let set = descriptor_file(dir.path());
+
+    let external = Flexway::start(&grpc_config(&set, &upstream.url(), "{}", false, "{sink: stdout}"));
+    let mut ocr = client(&external.url).await;
+    let mut request = authed(image(1, 0), KEY);
+    request.metadata_mut().insert("flexway-sensitive", "true".parse().unwrap());
+    let status = ocr.recognize(request).await.unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied);
+    assert!(status.message().contains("sensitive_no_internal_backend"), "{}", status.message());
+    assert_eq!(upstream.calls(), 0);
+    let record = &audit(&external, 1).await[0];
+    assert_eq!(record["status"], 7);
+    assert_eq!(record["error_code"], "sensitive_no_internal_backend");
+
+    // An unreadable value is refused, never read as false.
+    let mut request = authed(image(1, 0), KEY);
+    request.metadata_mut().insert("flexway-sensitive", "maybe".parse().unwrap());
+    assert_eq!(ocr.recognize(request).await.unwrap_err().code(), Code::InvalidArgument);
+
+    let internal = Flexway::start(&grpc_config(&set, &upstream.url(), "{}", true, "{sink: stdout}"));
+    let mut ocr = client(&internal.url).await;
+    let mut request = authed(image(3, 0), KEY);
+    request.metadata_mut().insert("flexway-sensitive", "true".parse().unwrap());
+    assert_eq!(ocr.recognize(request).await.unwrap().get_ref().text, "3");
+}
+
+#[tokio::test]
+async fn refuses_at_the_euro_cap_with_resource_exhausted() {
+    let upstream = FakeOcr::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // Two calls at 2,500 µ€ fit in 6,000 µ€; the third does not.
+    let config =
+        grpc_config(&descriptor_file(dir.path()), &upstream.url(), "{eur_per_month: 0.006}", false, "{sink: stdout}");
+    let flexway = Flexway::start(&config);
+    let mut ocr = client(&flexway.url).await;
+    for _ in 0..2 {
+        ocr.recognize(authed(image(1, 0), KEY)).await.unwrap();
+    }
+    let status = ocr.recognize(authed(image(1, 0), KEY)).await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert!(status.message().contains("budget_exceeded"), "{}", status.message());
+    assert_eq!(upstream.calls(), 2, "a refused call never reaches the upstream");
+    let records = audit(&flexway, 3).await;
+    assert_eq!(records[2]["status"], 8);
+    assert_eq!(records[2]["error_code"], "budget_exceeded");
+    assert_eq!(records[2]["budget_state"], "exceeded");
+    assert_eq!(records[2]["cost_micro_eur"], 0);
+    // Unmetered calls still pass: they cost nothing.
+    ocr.health(authed(Ping::default(), KEY)).await.unwrap();
+}
+
+#[tokio::test]
+async fn streams_frame_by_frame_in_all_four_shapes() {
+    let upstream = FakeOcr::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config =
+        grpc_config(&descriptor_file(dir.path()), &upstream.url(), "{eur_per_month: 100}", false, "{sink: stdout}");
+    let flexway = Flexway::start(&config);
+    let mut ocr = client(&flexway.url).await;
+
+    // Server streaming: four pages 200 ms apart arrive as they are sent.
+    let request = Image { count: 4, delay_ms: 200, reply_bytes: 10, ..Default::default() };
+    let mut bytes = request.encoded_len() as u64;
+    let started = Instant::now();
+    let mut pages = ocr.pages(authed(request, KEY)).await.unwrap().into_inner();
+    let mut arrivals = Vec::new();
+    while let Some(page) = pages.message().await.unwrap() {
+        arrivals.push(started.elapsed());
+        bytes += page.encoded_len() as u64;
+    }
+    assert_eq!(arrivals.len(), 4);
+    let spread = arrivals[3] - arrivals[0];
+    assert!(spread >= Duration::from_millis(450), "pages arrived together ({arrivals:?}): buffered");
+    let trailers = pages.trailers().await.unwrap().unwrap();
+    let expected = bytes * PER_BYTE_MICRO;
+    assert_eq!(trailers.get("flexway-cost-eur").unwrap().to_str().unwrap(), micro_to_eur(expected));
+
+    // Client streaming: three chunks, one answer.
+    let chunks: Vec<Image> = (0..3).map(|_| image(1000, 0)).collect();
+    let sent: u64 = chunks.iter().map(|c| c.encoded_len() as u64).sum();
+    let answer = ocr.upload(authed(tokio_stream::iter(chunks), KEY)).await.unwrap();
+    assert_eq!(answer.get_ref().text, "3000");
+    let upload_cost = (sent + answer.get_ref().encoded_len() as u64) * PER_BYTE_MICRO;
+    assert_eq!(answer.metadata().get("flexway-cost-eur").unwrap().to_str().unwrap(), micro_to_eur(upload_cost));
+
+    // Bidirectional: each message is answered before the next is sent, which a proxy
+    // that buffered either direction would never let happen.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Image>(1);
+    tx.send(image(5, 0)).await.unwrap();
+    let mut answers =
+        ocr.converse(authed(tokio_stream::wrappers::ReceiverStream::new(rx), KEY)).await.unwrap().into_inner();
+    for (i, size) in [5usize, 6, 7].into_iter().enumerate() {
+        let answer: Text = tokio::time::timeout(Duration::from_secs(5), answers.message())
+            .await
+            .expect("an answer per message, before the next is sent")
+            .unwrap()
+            .unwrap();
+        assert_eq!((answer.text, answer.index), (size.to_string(), i as u32));
+        if size < 7 {
+            tx.send(image(size + 1, 0)).await.unwrap();
+        }
+    }
+    drop(tx);
+    assert!(answers.message().await.unwrap().is_none());
+    let trailers = answers.trailers().await.unwrap().unwrap();
+    assert_eq!(trailers.get("flexway-cost-eur").unwrap(), "0.001000", "per call: 1 €/thousand");
+
+    let records = audit(&flexway, 3).await;
+    let features: Vec<&str> = records.iter().map(|r| r["feature"].as_str().unwrap()).collect();
+    assert_eq!(features, ["pages", "upload", "converse"]);
+    let costs: Vec<u64> = records.iter().map(|r| r["cost_micro_eur"].as_u64().unwrap()).collect();
+    assert_eq!(costs, [expected, upload_cost, 1_000]);
+}
+
+fn micro_to_eur(micro: u64) -> String {
+    format!("{}.{:06}", micro / 1_000_000, micro % 1_000_000)
+}
+
+#[tokio::test]
+async fn an_upstream_error_status_is_relayed_and_a_per_call_method_is_not_charged() {
+    let upstream = FakeOcr::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = grpc_config(&descriptor_file(dir.path()), &upstream.url(), "{}", false, "{sink: stdout}");
+    let flexway = Flexway::start(&config);
+    let mut ocr = client(&flexway.url).await;
+    let failing = Image { fail_with: Code::InvalidArgument as u32, ..Default::default() };
+    let status = ocr.recognize(authed(failing, KEY)).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert_eq!(status.message(), "asked to fail");
+    let record = &audit(&flexway, 1).await[0];
+    assert_eq!(record["status"], 3);
+    assert_eq!(record["cost_micro_eur"], 0);
+}
+
+// ----- the ledger (in-process: the same router, its counters readable) ------------
+
+async fn in_process(
+    url: &str,
+    budgets: &str,
+) -> (InProcess, std::sync::Arc<flexway::audit::sinks::MemoryAuditSink>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = grpc_config(&descriptor_file(dir.path()), url, budgets, false, "{sink: stdout}");
+    let (adapters, audit) = memory_adapters();
+    (serve_in_process(&config, adapters).await, audit, dir)
+}
+
+async fn audit_in_process(
+    audit: &flexway::audit::sinks::MemoryAuditSink,
+    count: usize,
+) -> Vec<flexway::audit::AuditRecord> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let records = audit.records();
+        if records.len() >= count || Instant::now() > deadline {
+            return records;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn refunds_the_reservation_when_the_upstream_is_down() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let (gateway, audit, _dir) = in_process(&url, "{eur_per_month: 100}").await;
+    let mut ocr = client(&gateway.url).await;
+    let status = ocr.recognize(authed(image(1, 0), KEY)).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable);
+    assert!(status.message().contains("upstream_unavailable"), "{}", status.message());
+    let status = ocr.extract(authed(image(100, 0), KEY)).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable);
+    let records = audit_in_process(&audit, 2).await;
+    assert_eq!(records.iter().map(|r| r.status).collect::<Vec<_>>(), [14, 14]);
+    assert_eq!(gateway.ledger("acme", None).await, [0, 0, 0], "refunded in full");
+    assert_eq!(gateway.live_reservations().await, 0);
+}
+
+#[tokio::test]
+async fn a_per_byte_stream_stops_at_the_cap_and_the_ledger_equals_the_audit() {
+    let upstream = FakeOcr::start().await.unwrap();
+    // 5 €: the first reservation (request + 4 KiB allowance ≈ 2.05 €) and one step
+    // more (2.05 €) fit, a third step does not.
+    let (gateway, audit, _dir) = in_process(&upstream.url(), "{eur_per_month: 5}").await;
+    let mut ocr = client(&gateway.url).await;
+    let request = Image { count: 10, reply_bytes: 2000, ..Default::default() };
+    let mut bytes = request.encoded_len() as u64;
+    let mut pages = ocr.pages(authed(request, KEY)).await.unwrap().into_inner();
+    let mut received = 0;
+    let status = loop {
+        match pages.message().await {
+            Ok(Some(page)) => {
+                received += 1;
+                bytes += page.encoded_len() as u64;
+            }
+            Ok(None) => panic!("the stream should stop at the cap"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert!(status.message().contains("budget_exceeded"), "{}", status.message());
+    assert_eq!(received, 4, "the pages the reservations covered");
+    let records = audit_in_process(&audit, 1).await;
+    assert_eq!(records[0].cost_micro_eur, bytes * PER_BYTE_MICRO, "charged on what passed");
+    assert_eq!(records[0].status, 8);
+    let [_, _, eur] = gateway.ledger("acme", None).await;
+    assert_eq!(eur, records[0].cost_micro_eur);
+    assert!(eur <= 5_000_000);
+    assert_eq!(gateway.live_reservations().await, 0);
+
+    // Per call, the ledger holds exactly what the audit says.
+    ocr.recognize(authed(image(1, 0), KEY)).await.unwrap();
+    let records = audit_in_process(&audit, 2).await;
+    let [_, _, eur] = gateway.ledger("acme", None).await;
+    assert_eq!(eur, records.iter().map(|r| r.cost_micro_eur).sum::<u64>());
+    assert_eq!(gateway.live_reservations().await, 0);
+}
+
+#[tokio::test]
+async fn a_cancelled_stream_is_recorded_once_and_settled_on_what_passed() {
+    let upstream = FakeOcr::start().await.unwrap();
+    let (gateway, audit, _dir) = in_process(&upstream.url(), "{eur_per_month: 100}").await;
+    let mut ocr = client(&gateway.url).await;
+    let request = Image { count: 50, delay_ms: 50, reply_bytes: 10, ..Default::default() };
+    let mut pages = ocr.pages(authed(request, KEY)).await.unwrap().into_inner();
+    pages.message().await.unwrap().unwrap();
+    drop(pages);
+    let records = audit_in_process(&audit, 1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(audit.records().len(), 1, "one record");
+    assert_eq!(records[0].status, 1, "CANCELLED");
+    assert!(records[0].cost_micro_eur > 0);
+    let [_, _, eur] = gateway.ledger("acme", None).await;
+    assert_eq!(eur, records[0].cost_micro_eur);
+    assert_eq!(gateway.live_reservations().await, 0);
+}
+
+// ----- gRPC-Web (the serverless shape's protocol, on the same router) ------------
+
+fn framed(message: &impl Message) -> Vec<u8> {
+    let payload = message.encode_to_vec();
+    let mut out = vec![0];
+    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    out.extend_from_slice(&payload);
+    out
+}
+
+#[tokio::test]
+async fn serves_grpc_web_unary_and_refuses_client_streaming() {
+    let upstream = FakeOcr::start().await.unwrap();
+    let (gateway, audit, _dir) = in_process(&upstream.url(), "{eur_per_month: 100}").await;
+    let web = |method: &str, body: Vec<u8>| {
+        common::client()
+            .post(format!("{}/ocr.v1.Ocr/{method}", gateway.url))
+            .bearer_auth(KEY)
+            .header("content-type", "application/grpc-web+proto")
+            .header("x-grpc-web", "1")
+            .body(body)
+    };
+    let response = web("Recognize", framed(&image(42, 0))).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert!(response.headers()["content-type"].to_str().unwrap().starts_with("application/grpc-web"));
+    let body = response.bytes().await.unwrap();
+    let length = u32::from_be_bytes(body[1..5].try_into().unwrap()) as usize;
+    let text = Text::decode(&body[5..5 + length]).unwrap();
+    assert_eq!(text.text, "42");
+    let trailers = String::from_utf8_lossy(&body[5 + length + 5..]).to_string();
+    assert_eq!(body[5 + length], 0x80, "the trailers frame");
+    assert!(trailers.contains("grpc-status:0\r\n"), "{trailers}");
+    assert!(trailers.contains("flexway-cost-eur:0.002500\r\n"), "{trailers}");
+
+    let response = web("Upload", framed(&image(1, 0))).send().await.unwrap();
+    assert_eq!(response.headers()["grpc-status"], "12");
+    let message = response.headers()["grpc-message"].to_str().unwrap().to_owned();
+    assert!(message.contains("gRPC-Web carries unary and server-streaming calls only"), "{message}");
+    let records = audit_in_process(&audit, 2).await;
+    assert_eq!(records[0].cost_micro_eur, PER_CALL_MICRO);
+    assert_eq!(records[1].status, 12);
+    assert_eq!(upstream.calls(), 1);
+}
+
+/// A client's END_STREAM often comes as an empty DATA frame: passed on as such, an h2
+/// upstream counts them as a flood and closes the connection after about a hundred
+/// (GOAWAY ENHANCE_YOUR_CALM, `too_many_data_frames`).
+#[tokio::test]
+async fn many_sequential_calls_share_the_upstream_connection() {
+    let upstream = FakeOcr::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config =
+        grpc_config(&descriptor_file(dir.path()), &upstream.url(), "{eur_per_month: 1000}", false, "{sink: stdout}");
+    let flexway = Flexway::start(&config);
+    let mut ocr = client(&flexway.url).await;
+    for i in 0..300 {
+        let answer = ocr.recognize(authed(image(64, 0), KEY)).await;
+        assert!(answer.is_ok(), "call {i}: {answer:?}\n{}", flexway.logs());
+    }
+}
