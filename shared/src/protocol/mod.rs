@@ -4,8 +4,8 @@
 
 pub mod anthropic;
 pub mod chat;
-pub mod messages;
 pub mod grpc;
+pub mod messages;
 pub mod openai;
 pub mod responses;
 pub mod sse;

@@ -15,8 +15,8 @@
 //! re-read at every call (a projected workload-identity token rotates under our feet).
 
 pub mod body;
-pub mod realtime;
 pub mod grpc;
+pub mod realtime;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
