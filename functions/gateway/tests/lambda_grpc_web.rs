@@ -9,10 +9,9 @@
 //! cannot work there: they are refused with UNIMPLEMENTED, which this test checks too.
 #![cfg(test)]
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+mod support;
+
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use fake_grpc::pb::{Image, Text};
@@ -21,65 +20,9 @@ use fake_grpc::{DESCRIPTOR_SET, FakeOcr};
 use futures_util::StreamExt;
 use prost::Message;
 use sha2::{Digest, Sha256};
+use support::{Process, cargo_lambda, free_port, workspace};
 
 const KEY: &str = "sk-test-grpc-web";
-
-fn workspace() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn cargo_lambda() -> PathBuf {
-    if let Ok(path) = std::env::var("CARGO_LAMBDA") {
-        return PathBuf::from(path);
-    }
-    let venv = workspace().join(".venv/bin/cargo-lambda");
-    if venv.exists() { venv } else { PathBuf::from("cargo-lambda") }
-}
-
-/// A child process in its own process group, killed (group and all) on drop.
-struct Process {
-    child: Child,
-    name: &'static str,
-    logs: Arc<Mutex<Vec<String>>>,
-}
-
-impl Process {
-    fn spawn(name: &'static str, mut command: Command) -> Process {
-        use std::os::unix::process::CommandExt;
-        command.process_group(0).stdout(Stdio::piped()).stderr(Stdio::piped());
-        let mut child = command.spawn().unwrap_or_else(|e| panic!("cannot start {name} ({command:?}): {e}"));
-        let logs = Arc::new(Mutex::new(Vec::new()));
-        let pipes: [Option<Box<dyn std::io::Read + Send>>; 2] = [
-            child.stdout.take().map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
-            child.stderr.take().map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
-        ];
-        for pipe in pipes.into_iter().flatten() {
-            let logs = logs.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                    logs.lock().unwrap().push(line);
-                }
-            });
-        }
-        Process { child, name, logs }
-    }
-
-    fn logs(&self) -> String {
-        format!("--- {} ---\n{}", self.name, self.logs.lock().unwrap().join("\n"))
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = Command::new("kill").arg("--").arg(format!("-{}", self.child.id())).status();
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
 
 /// One call's answer: its messages (with when each arrived) and its trailers block.
 struct Answer {

@@ -15,81 +15,19 @@
 
 #[path = "../../aws/tests/emulator/mod.rs"]
 mod emulator;
+mod support;
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use fake_model::{FakeModel, Scenario};
 use flexway::budget::BudgetStore;
 use futures_util::StreamExt;
 use sha2::{Digest, Sha256};
+use support::{Process, cargo_lambda, free_port, workspace};
 
 const KEY: &str = "sk-test-lambda";
-
-fn workspace() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn cargo_lambda() -> PathBuf {
-    if let Ok(path) = std::env::var("CARGO_LAMBDA") {
-        return PathBuf::from(path);
-    }
-    let venv = workspace().join(".venv/bin/cargo-lambda");
-    if venv.exists() {
-        return venv;
-    }
-    PathBuf::from("cargo-lambda")
-}
-
-/// A child process in its own process group, killed (group and all) on drop.
-struct Process {
-    child: Child,
-    name: &'static str,
-    logs: Arc<Mutex<Vec<String>>>,
-}
-
-impl Process {
-    fn spawn(name: &'static str, mut command: Command) -> Process {
-        use std::os::unix::process::CommandExt;
-        command.process_group(0).stdout(Stdio::piped()).stderr(Stdio::piped());
-        let mut child = command.spawn().unwrap_or_else(|e| panic!("cannot start {name} ({command:?}): {e}"));
-        let logs = Arc::new(Mutex::new(Vec::new()));
-        for pipe in [
-            child.stdout.take().map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
-            child.stderr.take().map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            let logs = logs.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                    logs.lock().unwrap().push(line);
-                }
-            });
-        }
-        Process { child, name, logs }
-    }
-
-    fn logs(&self) -> String {
-        format!("--- {} ---\n{}", self.name, self.logs.lock().unwrap().join("\n"))
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = Command::new("kill").arg("--").arg(format!("-{}", self.child.id())).status();
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
 
 /// The gateway's config on the emulated table and audit group, in front of one
 /// backend (with its key from `key_secret`, a secret reference, when given).
