@@ -8,6 +8,7 @@ mod aws;
 mod key;
 mod report;
 mod serve;
+mod workers;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -7,11 +7,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::{Listener, ListenerExt};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioExecutor;
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
 
 use flexway::audit::{AuditSink, FileAuditSink, StdoutAuditSink};
 use flexway::budget::{BudgetStore, EmbeddedBudgetStore, MemoryBudgetStore, period::unix_now};
@@ -20,6 +18,7 @@ use flexway::gateway::Adapters;
 use flexway::telemetry::Export;
 
 use crate::aws;
+use crate::workers::Workers;
 
 /// How long `serve` waits, on its way out, for the last telemetry to be sent.
 const TELEMETRY_FLUSH_AT_EXIT: Duration = Duration::from_secs(5);
@@ -65,7 +64,9 @@ pub fn run(config_path: &Path, listen: &str) -> ExitCode {
     for warning in &loaded.warnings {
         tracing::warn!("{}: {warning}", config_path.display());
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    // The main runtime accepts and runs the background tasks; the calls are served on
+    // one thread per core (`workers.rs`).
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("error: cannot start the runtime: {e}");
@@ -112,6 +113,9 @@ async fn adapters(config: &Config) -> anyhow::Result<(Adapters, Option<Arc<aws::
 }
 
 async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
+    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    // Each serving thread calls the backends through connection pools of its own.
+    flexway::upstream::set_serving_threads(threads);
     let (adapters, leases) = adapters(&config).await?;
     let budgets = adapters.budgets.clone();
     let gateway = Arc::new(flexway::Gateway::new(config, aws::secret_source(), adapters).await?);
@@ -142,14 +146,9 @@ async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await?;
     // Tests and scripts read this line to find the port when `--listen` asks for 0.
     eprintln!("flexway listening on http://{}", listener.local_addr()?);
-    // Without TCP_NODELAY, Nagle holds a stream's first small chunk until the client
-    // acknowledges the headers: up to 40 ms added to the first byte.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::warn!("TCP_NODELAY: {e}");
-        }
-    });
-    serve_http(listener, flexway::http::app(gateway.clone()), stop_signal()).await;
+    let builder = transport();
+    let workers = Workers::start(threads, &flexway::http::app(gateway.clone()), &builder)?;
+    let workers = serve_http(listener, workers, stop_signal()).await;
     // Upgraded connections are no longer the transport's: realtime sessions are closed
     // (1001) and waited for here, so each settles and writes its record.
     gateway.sessions.close_all(SESSIONS_CLOSE_AT_EXIT).await;
@@ -159,6 +158,7 @@ async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
     }
     // The spans and metrics of the last calls, before the process ends.
     gateway.telemetry.flush(TELEMETRY_FLUSH_AT_EXIT).await;
+    workers.stop();
     Ok(())
 }
 
@@ -178,37 +178,62 @@ async fn stop_signal() {
     }
 }
 
-/// `axum::serve`'s loop with the transport's limits set (axum does not expose
-/// hyper's builder): HTTP/1.1 and HTTP/2 on one port, upgrades allowed, and on
-/// `shutdown` no new connection while those open finish their requests.
+/// The transport's limits (axum does not expose hyper's builder): HTTP/1.1 and HTTP/2
+/// on one port, the header limits above, upgrades (WebSocket, HTTP/2 CONNECT) allowed.
 ///
 /// HTTP/1.1 keeps hyper's count of 100 headers: past it hyper's bare 431 answers, since
 /// raising the count moves the parser's header array to the heap on every request
 /// (hyper documents a ~5% cost).
-async fn serve_http<L>(mut listener: L, app: axum::Router, shutdown: impl Future<Output = ()>)
-where
-    L: Listener<Io = tokio::net::TcpStream>,
-{
+fn transport() -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().max_buf_size(MAX_HEADER_SECTION);
     builder.http2().max_header_list_size(MAX_HEADER_SECTION as u32).enable_connect_protocol();
+    builder
+}
+
+/// `axum::serve`'s loop, handing each connection to a serving thread; on `shutdown`, no
+/// new connection while those open finish their requests.
+async fn serve_http(
+    listener: tokio::net::TcpListener,
+    mut workers: Workers,
+    shutdown: impl Future<Output = ()>,
+) -> Workers {
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        // `accept` retries by itself on errors (axum's handling: back off on EMFILE).
-        let (io, _) = tokio::select! {
-            accepted = listener.accept() => accepted,
+        let stream = tokio::select! {
+            accepted = accept(&listener) => accepted,
             () = &mut shutdown => break,
         };
-        let service = TowerToHyperService::new(app.clone());
-        let connection = builder.serve_connection_with_upgrades(TokioIo::new(io), service).into_owned();
-        let connection = graceful.watch(connection);
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!("connection ended: {e}");
-            }
-        });
+        // Without TCP_NODELAY, Nagle holds a stream's first small chunk until the
+        // client acknowledges the headers: up to 40 ms added to the first byte.
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::warn!("TCP_NODELAY: {e}");
+        }
+        workers.hand(stream, graceful.watcher());
     }
     drop(listener);
     graceful.shutdown().await;
+    workers
+}
+
+/// The next connection. Errors are retried as axum's listener does: a connection that
+/// failed before it was accepted is skipped, and a lack of resources (too many open
+/// files) waits a second rather than spinning.
+async fn accept(listener: &tokio::net::TcpListener) -> tokio::net::TcpStream {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => return stream,
+            Err(e) if is_connection_error(&e) => {}
+            Err(e) => {
+                tracing::error!("accept error: {e}");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+fn is_connection_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    matches!(e.kind(), ConnectionRefused | ConnectionAborted | ConnectionReset)
 }

@@ -211,3 +211,105 @@ async fn a_corrupt_record_fails_only_the_operations_that_read_it() {
     assert!(store.sweep(NOW).await.is_err(), "sweep reads every record, the corrupt one included");
     assert_eq!(store.used(&[key("a")]).await.unwrap(), [30]);
 }
+
+/// Copies what a process killed now would leave on disk: the database file as its last
+/// durable commit wrote it (a commit without an fsync lives in the process's memory
+/// only) and the settle journal, which is in the page cache.
+fn leave_as_killed(store: &EmbeddedBudgetStore, to: &std::path::Path, with_journal: bool) -> PathBuf {
+    std::fs::create_dir_all(to).unwrap();
+    let file = to.join("ledger.redb");
+    std::fs::copy(store.file(), &file).unwrap();
+    if with_journal {
+        std::fs::copy(journal(store.file()), journal(&file)).unwrap();
+    }
+    file
+}
+
+fn journal(file: &std::path::Path) -> PathBuf {
+    PathBuf::from(format!("{}.journal", file.display()))
+}
+
+/// The database is committed without an fsync; the journal holds what was acknowledged
+/// (a reservation once synced, a settlement once written). A kill before the next
+/// checkpoint loses nothing: the journal is replayed at open, and replaying it again
+/// changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_was_acknowledged_before_a_checkpoint_survives_a_kill() {
+    let (dir, path) = fresh_dir();
+    let store = EmbeddedBudgetStore::open(&path).unwrap();
+    store.reserve(&request("call", &[("a", 100, Some(1000))], NOW + 60)).await.unwrap();
+    let settled = store.settle(&held("call", &[("a", 100)]), &[(key("a"), 40)]).await.unwrap();
+    assert_eq!(settled, SettleOutcome::Settled);
+    assert_eq!(store.used(&[key("a")]).await.unwrap(), [40], "visible at once");
+    assert!(std::fs::metadata(journal(store.file())).unwrap().len() > 0, "journaled");
+
+    // Without the journal, the file alone holds neither: no database fsync was paid.
+    let unjournaled = leave_as_killed(&store, &dir.path().join("file-only"), false);
+    let killed = leave_as_killed(&store, &dir.path().join("killed"), true);
+    let kept_journal = std::fs::read(journal(&killed)).unwrap();
+    drop(store);
+    assert_eq!(std::fs::metadata(journal(&path.join("ledger.redb"))).unwrap().len(), 0, "a clean close empties it");
+    let reopened = EmbeddedBudgetStore::open(&path).unwrap();
+    assert_eq!(reopened.used(&[key("a")]).await.unwrap(), [40], "made durable at close");
+    drop(reopened);
+
+    let file_only = EmbeddedBudgetStore::open(&unjournaled).unwrap();
+    assert_eq!(file_only.used(&[key("a")]).await.unwrap(), [0]);
+    assert_eq!(file_only.live_reservations().await.unwrap(), 0);
+    drop(file_only);
+
+    let replayed = EmbeddedBudgetStore::open(&killed).unwrap();
+    assert_eq!(replayed.used(&[key("a")]).await.unwrap(), [40], "the journal replayed");
+    assert_eq!(replayed.live_reservations().await.unwrap(), 0);
+    drop(replayed);
+    assert_eq!(std::fs::metadata(journal(&killed)).unwrap().len(), 0, "emptied once replayed");
+    // Killed again right after its replay committed, before the journal was emptied.
+    std::fs::write(journal(&killed), &kept_journal).unwrap();
+    let again = EmbeddedBudgetStore::open(&killed).unwrap();
+    assert_eq!(again.used(&[key("a")]).await.unwrap(), [40], "a second replay changes nothing");
+}
+
+/// A checkpoint (every `CHECKPOINT_EVERY` while the journal holds anything) puts
+/// everything in the database file and empties the journal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_puts_everything_in_the_file_and_empties_the_journal() {
+    let (dir, path) = fresh_dir();
+    let store = EmbeddedBudgetStore::open(&path).unwrap();
+    store.reserve(&request("first", &[("a", 100, Some(1000))], NOW + 60)).await.unwrap();
+    store.settle(&held("first", &[("a", 100)]), &[(key("a"), 30)]).await.unwrap();
+    store.reserve(&request("second", &[("a", 100, Some(1000))], NOW + 60)).await.unwrap();
+    let started = std::time::Instant::now();
+    while std::fs::metadata(journal(store.file())).unwrap().len() > 0 {
+        assert!(started.elapsed() < flexway::budget::embedded::CHECKPOINT_EVERY * 10, "no checkpoint");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let file = leave_as_killed(&store, &dir.path().join("killed"), false);
+    drop(store);
+    let reopened = EmbeddedBudgetStore::open(&file).unwrap();
+    assert_eq!(reopened.used(&[key("a")]).await.unwrap(), [130], "the settlement and the second reservation");
+    assert_eq!(reopened.live_reservations().await.unwrap(), 1);
+}
+
+/// A last line cut short was never acknowledged (the process died inside its write):
+/// dropped. A line that does not parse before the end is corruption, and the store
+/// does not open on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_cut_short_opens_and_a_damaged_one_does_not() {
+    let (_dir, path) = fresh_dir();
+    let file = {
+        let store = EmbeddedBudgetStore::open(&path).unwrap();
+        store.reserve(&request("call", &[("a", 100, Some(1000))], NOW + 60)).await.unwrap();
+        store.file().to_owned()
+    };
+    let line = r#"{"c":[["embedded/a",40]],"r":[["call",null]]}"#;
+    std::fs::write(journal(&file), format!("{line}\n{{\"c\":[[\"embedded/a\",9")).unwrap();
+    let store = EmbeddedBudgetStore::open(&file).unwrap();
+    assert_eq!(store.used(&[key("a")]).await.unwrap(), [40]);
+    drop(store);
+
+    std::fs::write(journal(&file), format!("{{\"c\":\n{line}\n")).unwrap();
+    match EmbeddedBudgetStore::open(&file) {
+        Err(flexway::budget::StoreError::Corrupt { key, .. }) => assert!(key.ends_with(".journal:1"), "{key}"),
+        other => panic!("opened on a damaged journal: {other:?}"),
+    }
+}

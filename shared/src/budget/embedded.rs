@@ -5,13 +5,29 @@
 //! operation, drains whatever else is already queued (up to [`MAX_BATCH`]), applies
 //! them in arrival order inside one write transaction — each operation's rules see the
 //! state the previous ones left — commits once, and only then answers every caller of
-//! the batch. One fsync serves many concurrent calls; that is how a durable ledger adds
-//! well under a millisecond to a request.
+//! the batch. One fsync serves many concurrent calls.
+//!
+//! A call pays one fsync, and a small one: the database is committed without an fsync
+//! (redb's `Durability::None`: visible at once to every later read and write, kept in
+//! this process's memory), and what each batch wrote (counters' new values,
+//! reservations put or removed) is appended to the journal (`<file>.journal`, one JSON
+//! line a batch, one `write(2)`). A batch holding a reservation, an intent or a sweep
+//! is acknowledged once that line is on disk (`fdatasync` of the journal: one small
+//! write where a durable redb commit rewrites about ten pages); a batch of settlements
+//! and refunds alone once the line is in the page cache, which a killed process does
+//! not lose, and the next synced line or checkpoint carries it to the disk. A
+//! checkpoint (a durable redb commit, then the journal emptied) runs every
+//! [`CHECKPOINT_EVERY`], past [`CHECKPOINT_BYTES`] of journal, and at close. `open`
+//! replays what a dead process left in the journal before anything else: the lines
+//! hold values, not operations, so replaying a line twice changes nothing.
 //!
 //! Invariants:
-//! - nothing acknowledged is lost: a caller hears `Ok` only after the commit that holds
-//!   its effect returned, with redb's default `Durability::Immediate` (fsync); if the
-//!   commit fails, every operation of the batch gets the error;
+//! - nothing acknowledged is lost when the process dies: a reservation, intent or sweep
+//!   is acknowledged only after the fsync of the journal line that holds it; a
+//!   settlement once the journal holds it (a power loss, unlike a killed process, may
+//!   take the settlements journaled since the last fsync with the page cache: their
+//!   reservations stay held, and the sweeper refunds them at their expiry). If the
+//!   journal or the commit fails, every operation of the batch gets the error;
 //! - an operation applies whole or not at all: its reads and writes go through an
 //!   overlay that reaches the tables only once its rules returned `Ok`; an operation
 //!   whose rules fail leaves nothing behind and the rest of the batch proceeds. (redb
@@ -21,22 +37,33 @@
 //! - reads (`used`, `live_reservations`) use their own read transaction and see
 //!   committed data only: what a caller was told, never what is still in flight.
 //!
+//! A batch whose journal line was written but whose fsync or commit failed is answered
+//! with the error, yet a replay may still apply it: a reservation its caller was refused
+//! for is then held until the sweeper refunds it, never a charge that did not happen.
+//!
 //! A call whose future is dropped after its operation was queued may still apply;
 //! retrying is safe because reservations are idempotent on the request id.
 //!
 //! File layout: `<dir>/ledger.redb` when `path` is a directory or has no extension
-//! (the directory is created), else the file `path` itself. Two tables: `counters`
-//! (counter key → value) and `reservations` (request id → JSON `StoredReservation`).
+//! (the directory is created), else the file `path` itself; the journal beside it.
+//! Two tables: `counters` (counter key → value) and `reservations` (request id → JSON
+//! `StoredReservation`).
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::thread::{self, JoinHandle};
+use std::time::Instant;
 
-use redb::{Database, ReadOnlyTable, ReadableDatabase, ReadableTable, Table, TableDefinition, WriteTransaction};
+use redb::{
+    Database, Durability, ReadOnlyTable, ReadableDatabase, ReadableTable, Table, TableDefinition, WriteTransaction,
+};
+use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use super::ledger::{self, LedgerState, StoredReservation};
@@ -50,6 +77,12 @@ const RESERVATIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("reserva
 
 /// The most operations one commit carries; more wait for the next one.
 pub const MAX_BATCH: usize = 256;
+
+/// A checkpoint at least this often while the journal holds anything.
+pub const CHECKPOINT_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// A checkpoint once the journal holds this much.
+pub const CHECKPOINT_BYTES: u64 = 4 * 1024 * 1024;
 
 /// The file name used when `open` is given a directory.
 pub const FILE_NAME: &str = "ledger.redb";
@@ -77,10 +110,21 @@ impl EmbeddedBudgetStore {
     pub fn open(path: &Path) -> Result<Self, StoreError> {
         let file = database_file(path)?;
         let db = Database::create(&file).map_err(|e| backend(format!("open {}: {e}", file.display())))?;
-        // Both tables exist before the first read transaction looks for them.
+        let (mut journal, left) = Journal::open(&journal_file(&file))?;
+        // Both tables exist before the first read transaction looks for them, and what a
+        // killed process acknowledged without an fsync is replayed, durably.
         let txn = db.begin_write().map_err(backend)?;
-        Tables::open(&txn)?;
+        {
+            let mut tables = Tables::open(&txn)?;
+            for effects in &left {
+                effects.replay(&mut tables)?;
+            }
+        }
         txn.commit().map_err(backend)?;
+        journal.clear()?;
+        if !left.is_empty() {
+            tracing::info!(batches = left.len(), file = %file.display(), "ledger: journal replayed");
+        }
 
         let db = Arc::new(db);
         let commits = Arc::new(AtomicU64::new(0));
@@ -90,7 +134,7 @@ impl EmbeddedBudgetStore {
             .spawn({
                 let db = db.clone();
                 let commits = commits.clone();
-                move || write_loop(&db, &queue, &commits)
+                move || write_loop(&db, &queue, &mut journal, &commits)
             })
             .map_err(|e| backend(format!("start the ledger writer: {e}")))?;
         Ok(Self { db, file, ops: Some(ops), writer: Some(writer), commits })
@@ -186,6 +230,12 @@ fn database_file(path: &Path) -> Result<PathBuf, StoreError> {
     Ok(path.to_owned())
 }
 
+fn journal_file(file: &Path) -> PathBuf {
+    let mut name = file.as_os_str().to_owned();
+    name.push(".journal");
+    PathBuf::from(name)
+}
+
 fn backend(error: impl fmt::Display) -> StoreError {
     StoreError::Backend(error.to_string())
 }
@@ -202,6 +252,11 @@ enum Job {
 }
 
 impl Job {
+    /// A settlement or refund: its batch is acknowledged before the journal's fsync.
+    fn deferrable(&self) -> bool {
+        matches!(self, Job::Settle { .. })
+    }
+
     /// Runs the operation's rules; its answer waits for the commit.
     fn apply(self, state: &mut impl LedgerState) -> Answer {
         match self {
@@ -265,8 +320,22 @@ fn deliver<T>(reply: Reply<T>, result: Result<T, StoreError>, committed: Result<
     let _ = reply.send(result);
 }
 
-fn write_loop(db: &Database, queue: &mpsc::Receiver<Job>, commits: &AtomicU64) {
-    while let Ok(first) = queue.recv() {
+fn write_loop(db: &Database, queue: &mpsc::Receiver<Job>, journal: &mut Journal, commits: &AtomicU64) {
+    let mut checkpointed = Instant::now();
+    loop {
+        let first = if journal.is_empty() {
+            queue.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected)
+        } else {
+            queue.recv_timeout(CHECKPOINT_EVERY.saturating_sub(checkpointed.elapsed()))
+        };
+        let first = match first {
+            Ok(job) => job,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                checkpoint(db, journal, &mut checkpointed);
+                continue;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        };
         let mut jobs = Vec::with_capacity(16);
         jobs.push(first);
         while jobs.len() < MAX_BATCH {
@@ -275,14 +344,34 @@ fn write_loop(db: &Database, queue: &mpsc::Receiver<Job>, commits: &AtomicU64) {
                 Err(_) => break,
             }
         }
-        write_batch(db, jobs, commits);
+        write_batch(db, jobs, journal, commits);
+        if journal.len >= CHECKPOINT_BYTES || checkpointed.elapsed() >= CHECKPOINT_EVERY {
+            checkpoint(db, journal, &mut checkpointed);
+        }
+    }
+    // Closing: the file holds everything, and the journal is left empty.
+    checkpoint(db, journal, &mut checkpointed);
+}
+
+/// A durable commit (it carries every commit made without an fsync before it), then
+/// the journal emptied. If either fails, the journal keeps growing and the next
+/// checkpoint tries again; at the next open it is replayed.
+fn checkpoint(db: &Database, journal: &mut Journal, checkpointed: &mut Instant) {
+    *checkpointed = Instant::now();
+    if journal.is_empty() {
+        return;
+    }
+    let durable = db.begin_write().map_err(backend).and_then(|txn| txn.commit().map_err(backend));
+    if let Err(e) = durable.and_then(|()| journal.clear()) {
+        tracing::error!(error = %e, "ledger checkpoint failed; the journal is kept and replayed at the next open");
     }
 }
 
-fn write_batch(db: &Database, jobs: Vec<Job>, commits: &AtomicU64) {
+fn write_batch(db: &Database, jobs: Vec<Job>, journal: &mut Journal, commits: &AtomicU64) {
+    let sync = !jobs.iter().all(Job::deferrable);
     let mut jobs = jobs.into_iter();
     let mut answers = Vec::with_capacity(jobs.len());
-    let committed = apply_and_commit(db, &mut jobs, &mut answers).map_err(|e| e.to_string());
+    let committed = apply_and_commit(db, sync, journal, &mut jobs, &mut answers).map_err(|e| e.to_string());
     if committed.is_ok() {
         commits.fetch_add(1, Ordering::Relaxed);
     } else if let Err(why) = &committed {
@@ -298,13 +387,19 @@ fn write_batch(db: &Database, jobs: Vec<Job>, commits: &AtomicU64) {
     }
 }
 
-/// On error the transaction is dropped, which aborts it: nothing of the batch lands.
+/// Applies the batch in one transaction, journals what it wrote (synced when `sync`),
+/// then commits without an fsync. On error the transaction is dropped, which aborts
+/// it: nothing of the batch lands in the database.
 fn apply_and_commit(
     db: &Database,
+    sync: bool,
+    journal: &mut Journal,
     jobs: &mut impl Iterator<Item = Job>,
     answers: &mut Vec<Answer>,
 ) -> Result<(), StoreError> {
-    let txn = db.begin_write().map_err(backend)?;
+    let mut txn = db.begin_write().map_err(backend)?;
+    txn.set_durability(Durability::None).map_err(backend)?;
+    let mut effects = Effects::default();
     {
         let mut tables = Tables::open(&txn)?;
         for job in jobs {
@@ -313,11 +408,116 @@ fn apply_and_commit(
             let applied = answer.is_ok();
             answers.push(answer);
             if applied {
-                overlay.write()?;
+                overlay.write(&mut effects)?;
             }
         }
     }
+    journal.append(&effects, sync)?;
     txn.commit().map_err(backend)
+}
+
+/// What one batch wrote, as the journal keeps it: values, so that a replay sets them
+/// again and a second replay changes nothing. In the order written: a later entry for
+/// the same key wins.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Effects {
+    #[serde(rename = "c", default, skip_serializing_if = "Vec::is_empty")]
+    counters: Vec<(CounterKey, u64)>,
+    /// A reservation put, or removed (`null`).
+    #[serde(rename = "r", default, skip_serializing_if = "Vec::is_empty")]
+    reservations: Vec<(String, Option<StoredReservation>)>,
+}
+
+impl Effects {
+    fn is_empty(&self) -> bool {
+        self.counters.is_empty() && self.reservations.is_empty()
+    }
+
+    fn replay(&self, tables: &mut Tables<'_>) -> Result<(), StoreError> {
+        for (key, value) in &self.counters {
+            tables.counters.insert(key.as_str(), value).map_err(backend)?;
+        }
+        for (request_id, reservation) in &self.reservations {
+            match reservation {
+                Some(reservation) => {
+                    let bytes = serde_json::to_vec(reservation).map_err(backend)?;
+                    tables.reservations.insert(request_id.as_str(), bytes.as_slice()).map_err(backend)?;
+                }
+                None => {
+                    tables.reservations.remove(request_id.as_str()).map_err(backend)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The journal: what the batches since the last checkpoint wrote, one JSON line each.
+struct Journal {
+    file: File,
+    path: PathBuf,
+    len: u64,
+}
+
+impl Journal {
+    /// Opens (or creates) the journal and reads what it holds. A last line cut short
+    /// (no newline: the process died inside its write) was never acknowledged and is
+    /// dropped; any other line that does not parse is corruption.
+    fn open(path: &Path) -> Result<(Journal, Vec<Effects>), StoreError> {
+        let failed = |e: std::io::Error| backend(format!("ledger journal {}: {e}", path.display()));
+        let file = std::fs::OpenOptions::new().create(true).append(true).read(true).open(path).map_err(failed)?;
+        let mut left = Vec::new();
+        let mut reader = BufReader::new(&file);
+        let mut line = String::new();
+        let mut number = 0;
+        loop {
+            line.clear();
+            if reader.read_line(&mut line).map_err(failed)? == 0 {
+                break;
+            }
+            number += 1;
+            if !line.ends_with('\n') {
+                tracing::warn!(journal = %path.display(), line = number, "ledger: a journal line cut short, dropped");
+                break;
+            }
+            let effects = serde_json::from_str(&line).map_err(|e| StoreError::Corrupt {
+                key: format!("{}:{number}", path.display()),
+                detail: e.to_string(),
+            })?;
+            left.push(effects);
+        }
+        let len = file.metadata().map_err(failed)?.len();
+        Ok((Journal { file, path: path.to_owned(), len }, left))
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// One `write(2)` for the batch, then `fdatasync` when `sync`. A batch that wrote
+    /// nothing has nothing to journal, but a sync still carries the lines before it.
+    fn append(&mut self, effects: &Effects, sync: bool) -> Result<(), StoreError> {
+        let failed = |e: std::io::Error| backend(format!("ledger journal {}: {e}", self.path.display()));
+        if !effects.is_empty() {
+            let mut line = serde_json::to_vec(effects).map_err(backend)?;
+            line.push(b'\n');
+            self.file.write_all(&line).map_err(failed)?;
+            self.len += line.len() as u64;
+        }
+        if sync && self.len > 0 {
+            self.file.sync_data().map_err(failed)?;
+        }
+        Ok(())
+    }
+
+    /// After a durable commit: everything the journal held is in the file.
+    fn clear(&mut self) -> Result<(), StoreError> {
+        if self.len > 0 {
+            self.file.set_len(0).map_err(|e| backend(format!("ledger journal {}: {e}", self.path.display())))?;
+            self.len = 0;
+        }
+        Ok(())
+    }
 }
 
 struct Tables<'txn> {
@@ -352,17 +552,21 @@ impl<'a, 'txn> Overlay<'a, 'txn> {
         Self { tables, counters: BTreeMap::new(), reservations: BTreeMap::new() }
     }
 
-    fn write(self) -> Result<(), StoreError> {
-        for (key, value) in &self.counters {
+    /// Lands the operation's writes in the tables, and adds them to the batch's `effects`.
+    fn write(self, effects: &mut Effects) -> Result<(), StoreError> {
+        for (key, value) in self.counters {
             self.tables.counters.insert(key.as_str(), value).map_err(backend)?;
+            effects.counters.push((key, value));
         }
-        for (request_id, pending) in &self.reservations {
+        for (request_id, pending) in self.reservations {
             match pending {
-                Pending::Put(_, bytes) => {
+                Pending::Put(reservation, bytes) => {
                     self.tables.reservations.insert(request_id.as_str(), bytes.as_slice()).map_err(backend)?;
+                    effects.reservations.push((request_id, Some(reservation)));
                 }
                 Pending::Delete => {
                     self.tables.reservations.remove(request_id.as_str()).map_err(backend)?;
+                    effects.reservations.push((request_id, None));
                 }
             }
         }
@@ -524,7 +728,9 @@ mod tests {
         let (bad, a4) = settle("corrupt", 50);
         let (r3, a5) = reserve("r3", 30, 100);
         let commits = AtomicU64::new(0);
-        write_batch(&store.db, vec![r1, r2, s1, bad, r3], &commits);
+        let (mut journal, _) = Journal::open(&dir.path().join("batch.journal")).unwrap();
+        write_batch(&store.db, vec![r1, r2, s1, bad, r3], &mut journal, &commits);
+        assert!(!journal.is_empty(), "the batch's writes are journaled");
 
         assert_eq!(commits.load(Ordering::Relaxed), 1);
         assert_eq!(a1.await.unwrap().unwrap(), ReserveOutcome::Reserved);

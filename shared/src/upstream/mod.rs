@@ -13,14 +13,22 @@
 //! a request uses one consistent set and a rotated key is picked up without a
 //! restart. A refresh that fails keeps the last good set. `token_file` is apart: it is
 //! re-read at every call (a projected workload-identity token rotates under our feet).
+//!
+//! Connection pools are per serving thread: `flexway serve` serves calls on one
+//! single-threaded runtime per core ([`set_serving_threads`], [`enter_serving_thread`]),
+//! and a connection's task runs on the runtime that opened it, so each thread calls
+//! through clients of its own and no call wakes another thread. Elsewhere (the Lambda
+//! function, tests) there is one client per backend.
 
 pub mod body;
 pub mod grpc;
 pub mod realtime;
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -32,6 +40,29 @@ use crate::config::{
 use crate::protocol::{Wire, anthropic};
 use crate::secret::{Resolved, Secret, SecretError};
 use crate::telemetry::{TraceContext, context};
+
+/// How many serving threads call the backends: each gets its own clients (connection
+/// pools). Set once by `flexway serve` before the gateway is built; 1 otherwise.
+static SERVING_THREADS: AtomicUsize = AtomicUsize::new(1);
+
+thread_local! {
+    /// This thread's place among the serving threads (0 elsewhere).
+    static SERVING_THREAD: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Gives every backend `threads` clients, one per serving thread; for the gateways
+/// built after it.
+pub fn set_serving_threads(threads: usize) {
+    SERVING_THREADS.store(threads.max(1), Ordering::Relaxed);
+}
+
+/// Marks the current thread as serving thread `index` (of [`set_serving_threads`]).
+pub fn enter_serving_thread(index: usize) {
+    SERVING_THREAD.with(|slot| slot.set(index));
+}
+
+/// The paths the gateway posts to: their URLs are parsed once per backend.
+const PATHS: [&str; 3] = ["/chat/completions", "/embeddings", anthropic::PATH];
 
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
@@ -98,6 +129,8 @@ impl Credential {
 
 pub struct UpstreamClient {
     base: String,
+    /// `base` + each of [`PATHS`], parsed.
+    urls: Vec<(&'static str, reqwest::Url)>,
     /// The format the backend speaks (`anthropic-version` goes with Anthropic's).
     pub wire: Wire,
     live: ArcSwap<Live>,
@@ -164,7 +197,8 @@ impl RelayHeaders {
 /// What a backend's secrets built: the client (its own when it has `tls`) and the
 /// credential, replaced together by a refresh.
 struct Live {
-    http: reqwest::Client,
+    /// One client per serving thread (see the module docs).
+    http: Vec<reqwest::Client>,
     credential: Credential,
     /// The values they were built from, to tell whether a refresh brought new ones.
     material: Material,
@@ -200,11 +234,12 @@ impl UpstreamClient {
             None => Vec::new(),
         };
         let live = self.live.load();
-        let mut request = live
-            .http
-            .post(format!("{}{}", self.base, path))
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(body);
+        let http = &live.http[SERVING_THREAD.with(Cell::get) % live.http.len()];
+        let request = match self.urls.iter().find(|(known, _)| *known == path) {
+            Some((_, url)) => http.post(url.clone()),
+            None => http.post(format!("{}{}", self.base, path)),
+        };
+        let mut request = request.header(http::header::CONTENT_TYPE, "application/json").body(body);
         if self.wire == Wire::Anthropic {
             request = request.header("anthropic-version", anthropic::VERSION);
         }
@@ -288,7 +323,10 @@ pub struct Upstreams {
 impl Upstreams {
     /// Every endpoint backend's client, from its secrets resolved in `secrets`.
     pub fn new(config: &Config, secrets: &Resolved) -> Result<Self, SetupError> {
-        let shared = client_builder().build().map_err(|e| SetupError::Client(e.to_string()))?;
+        let threads = SERVING_THREADS.load(Ordering::Relaxed);
+        let shared = (0..threads)
+            .map(|_| client_builder().build().map_err(|e| SetupError::Client(e.to_string())))
+            .collect::<Result<Vec<_>, _>>()?;
         let mut clients = HashMap::new();
         for (name, backend) in &config.ai.backends {
             let Some(endpoint) = backend.kind.endpoint() else {
@@ -309,7 +347,11 @@ impl Upstreams {
                 _ => Wire::OpenAi,
             };
             let live = ArcSwap::from_pointee(live);
-            let client = UpstreamClient { base, wire, live, timeout: backend.timeout, identity_headers };
+            let urls = PATHS
+                .iter()
+                .filter_map(|path| Some((*path, reqwest::Url::parse(&format!("{base}{path}")).ok()?)))
+                .collect();
+            let client = UpstreamClient { base, urls, wire, live, timeout: backend.timeout, identity_headers };
             clients.insert(name.clone(), client);
         }
         Ok(Upstreams { clients })
@@ -383,21 +425,26 @@ impl Live {
         endpoint: &Endpoint,
         material: Material,
         previous: Option<&Live>,
-        keep: &reqwest::Client,
+        keep: &[reqwest::Client],
     ) -> Result<Live, SetupError> {
         let http = match (&endpoint.tls, &material.tls) {
             (Some(tls), Some(pem)) if previous.is_none_or(|p| p.material.tls.as_ref() != Some(pem)) => {
-                tls_client(name, tls, pem)?
+                keep.iter().map(|_| tls_client(name, tls, pem)).collect::<Result<_, _>>()?
             }
-            _ => keep.clone(),
+            _ => keep.to_vec(),
         };
         let credential = credential(name, &endpoint.auth, material.auth.as_ref())?;
         Ok(Live { http, credential, material })
     }
 }
 
+/// No redirect is followed and no request is retried by the client: a backend's
+/// answer, a 3xx included, is the answer; trying again is the route's business
+/// (fallback before the first byte, SPEC §5).
 fn client_builder() -> reqwest::ClientBuilder {
     reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .retry(reqwest::retry::never())
         .tcp_nodelay(true)
         .pool_idle_timeout(Duration::from_secs(90))
         .pool_max_idle_per_host(1024)
