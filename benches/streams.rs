@@ -1,14 +1,20 @@
-//! Streams through the real `flexway` binary: 1,000 concurrent SSE streams (memory,
+//! Streams through the real `flexway` binary: 10,000 concurrent SSE streams (memory,
 //! stalls), and the time Flexway adds to a stream's first byte.
 //!
 //! `cargo bench --bench streams` — starts the fake model server in-process (each
-//! stream: 20 chunks, 50 ms apart) and `flexway serve` (release build) as its own
-//! process with the in-memory ledger and a file audit, then:
+//! stream: 20 chunks, `BENCH_CHUNK_MS` apart, 500 by default) and `flexway serve`
+//! (release build) as its own process with the in-memory ledger and a file audit, then:
 //! 1. first byte, one stream at a time (unpaced backend), 200 streams straight to the
 //!    fake server and 200 through Flexway: p50/p99 of each and their difference;
-//! 2. 1,000 streams at once through Flexway: completion, the longest gap between two
-//!    chunks of any stream (a stall shows here), and the gateway process's peak
-//!    resident memory (VmHWM).
+//! 2. `BENCH_STREAMS` (10,000 by default) streams at once through Flexway:
+//!    completion, the longest gap between two chunks of any stream (a stall shows
+//!    here), and the gateway process's peak resident memory (VmHWM).
+//!
+//! The concurrent streams come over HTTP/2, 100 to a connection (as an SDK with
+//! HTTP/2 sends them), and each goes to the backend on a connection of its own
+//! (HTTP/1.1): the gateway holds 10,000 upstream sockets, the bench process 10,000 of
+//! the fake server's, under this machine's limit of 20,000 open files a process that
+//! HTTP/1.1 on both sides would pass.
 //!
 //! Figures are printed, never asserted.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout, clippy::panic)]
@@ -26,6 +32,13 @@ const KEY: &str = "sk-bench";
 /// A tenant whose backend answers without pacing, for the first-byte measurement.
 const QUICK_KEY: &str = "sk-bench-quick";
 
+/// HTTP/2 streams a client connection carries (the gateway accepts 200).
+const STREAMS_PER_CONNECTION: usize = 100;
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
 fn main() {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
     runtime.block_on(run());
@@ -33,7 +46,10 @@ fn main() {
 
 async fn run() {
     let model = FakeModel::start().await.unwrap();
-    let paced = model.scenario_url(&Scenario { chunks: Some(20), chunk_delay_ms: Some(50), ..Default::default() });
+    let chunk_ms = env_or("BENCH_CHUNK_MS", 500);
+    let concurrent = env_or("BENCH_STREAMS", 10_000) as usize;
+    let paced =
+        model.scenario_url(&Scenario { chunks: Some(20), chunk_delay_ms: Some(chunk_ms), ..Default::default() });
     let yaml = format!(
         "version: 1\nstore: {{kind: memory}}\naudit: {{sink: file, path: audit.jsonl}}\ntenants:\n  bench:\n    keys: [{{sha256: {}}}]\n  quick:\n    keys: [{{sha256: {}}}]\n    backend: fast\nai:\n  default_backend: paced\n  backends:\n    paced: {{url: \"{paced}\"}}\n    fast: {{url: \"{}\"}}\n",
         hex::encode(Sha256::digest(KEY)),
@@ -55,9 +71,13 @@ async fn run() {
         pct(&via, 99.0) - pct(&direct, 99.0)
     );
 
-    let concurrent = 1000;
+    let connections: Vec<_> = (0..concurrent.div_ceil(STREAMS_PER_CONNECTION))
+        .map(|_| reqwest::Client::builder().http2_prior_knowledge().build().unwrap())
+        .collect();
     let started = Instant::now();
-    let tasks: Vec<_> = (0..concurrent).map(|_| tokio::spawn(stream_once(client.clone(), gateway.clone()))).collect();
+    let tasks: Vec<_> = (0..concurrent)
+        .map(|i| tokio::spawn(stream_once(connections[i / STREAMS_PER_CONNECTION].clone(), gateway.clone())))
+        .collect();
     let mut completed = 0;
     let mut worst_gap = Duration::ZERO;
     for task in tasks {
@@ -66,9 +86,12 @@ async fn run() {
             worst_gap = worst_gap.max(gap);
         }
     }
-    println!("{concurrent} concurrent streams of 20 chunks 50 ms apart through the gateway");
+    println!("{concurrent} concurrent streams of 20 chunks {chunk_ms} ms apart through the gateway");
     println!("  completed {completed}/{concurrent} in {:.2} s", started.elapsed().as_secs_f64());
-    println!("  longest gap between two chunks of one stream: {} ms (the backend paces 50 ms)", worst_gap.as_millis());
+    println!(
+        "  longest gap between two chunks of one stream: {} ms (the backend paces {chunk_ms} ms)",
+        worst_gap.as_millis()
+    );
     println!("  gateway process peak memory: {}", process.peak_memory());
 }
 

@@ -81,3 +81,47 @@ async fn answer_limits_of_zero_are_refused_at_load() {
     assert!(stderr.contains("ai.limits.max_response_bytes"), "{stderr}");
     assert!(stderr.contains("ai.limits.max_event_bytes"), "{stderr}");
 }
+
+/// A backend that answers every request with `reply` (one response a connection),
+/// counting the requests it got.
+async fn raw_peer(reply: String) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = hits.clone();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let reply = reply.clone();
+            tokio::spawn(async move {
+                let mut request = vec![0; 64 * 1024];
+                let _ = socket.read(&mut request).await;
+                let _ = socket.write_all(reply.as_bytes()).await;
+            });
+        }
+    });
+    (url, hits)
+}
+
+/// A backend's redirect is not followed (the request carries the backend's
+/// credential): the 307 is relayed with its status, refunded, and the place it points
+/// to is never called.
+#[tokio::test]
+async fn a_backends_redirect_is_relayed_not_followed() {
+    let ok = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}";
+    let (elsewhere, elsewhere_hits) = raw_peer(ok.to_owned()).await;
+    let body = r#"{"error": {"message": "moved"}}"#;
+    let redirect = format!(
+        "HTTP/1.1 307 Temporary Redirect\r\nlocation: {elsewhere}/chat/completions\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let (url, hits) = raw_peer(redirect).await;
+    let gw = gateway(&url, "");
+    let response = gw.chat(KEY, hello("m")).await;
+    assert_eq!(response.status(), 307);
+    assert!(!response.headers().contains_key("location"));
+    assert_eq!(response.headers()["flexway-cost-eur"], "0.000000");
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(elsewhere_hits.load(std::sync::atomic::Ordering::SeqCst), 0, "the redirect was followed");
+}
