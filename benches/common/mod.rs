@@ -19,7 +19,18 @@ impl Gateway {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("flexway.yaml");
         std::fs::write(&config, yaml).unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_flexway"))
+        // `BENCH_WRAP="valgrind --tool=massif"` runs the gateway under a profiler.
+        let wrap = std::env::var("BENCH_WRAP").unwrap_or_default();
+        let mut wrap = wrap.split_whitespace();
+        let mut command = match wrap.next() {
+            Some(tool) => {
+                let mut command = Command::new(tool);
+                command.args(wrap).arg(env!("CARGO_BIN_EXE_flexway"));
+                command
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_flexway")),
+        };
+        let mut child = command
             .args(["serve", "--config", config.to_str().unwrap(), "--listen", "127.0.0.1:0"])
             .current_dir(dir.path())
             .env("FLEXWAY_LOG", "warn")
@@ -54,6 +65,11 @@ impl Gateway {
 
 impl Drop for Gateway {
     fn drop(&mut self) {
+        // Under a profiler, SIGTERM: the gateway stops cleanly and the profiler writes.
+        if std::env::var_os("BENCH_WRAP").is_some() {
+            let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+            let _ = self.child.wait();
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
