@@ -66,9 +66,16 @@ impl Gateway {
 impl Drop for Gateway {
     fn drop(&mut self) {
         // Under a profiler, SIGTERM: the gateway stops cleanly and the profiler writes.
+        // The bench's own idle HTTP/2 connections cannot answer the gateway's closing
+        // (this thread is here), so it is given ten seconds, then killed.
         if std::env::var_os("BENCH_WRAP").is_some() {
             let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
-            let _ = self.child.wait();
+            for _ in 0..100 {
+                if matches!(self.child.try_wait(), Ok(Some(_))) {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
