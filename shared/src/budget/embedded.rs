@@ -1,25 +1,24 @@
 //! `EmbeddedBudgetStore`: the durable local ledger (`store: {kind: embedded, path: ...}`),
-//! one redb file, the same rules as every other store (`ledger.rs`).
+//! the same rules as every other store (`ledger.rs`), kept in memory, made durable by a
+//! journal, and checkpointed into one redb file.
 //!
 //! Writes go through one writer thread that commits in groups: it blocks for an
 //! operation, drains whatever else is already queued (up to [`MAX_BATCH`]), applies
-//! them in arrival order inside one write transaction — each operation's rules see the
-//! state the previous ones left — commits once, and only then answers every caller of
-//! the batch. One fsync serves many concurrent calls.
+//! them in arrival order — each operation's rules see the state the previous ones left
+//! — appends what the batch wrote to the journal (`<file>.journal`: one JSON line a
+//! batch, one `write(2)`, values rather than operations), and only then puts the batch
+//! in the ledger that reads see and answers every caller of the batch.
 //!
-//! A call pays one fsync, and a small one: the database is committed without an fsync
-//! (redb's `Durability::None`: visible at once to every later read and write, kept in
-//! this process's memory), and what each batch wrote (counters' new values,
-//! reservations put or removed) is appended to the journal (`<file>.journal`, one JSON
-//! line a batch, one `write(2)`). A batch holding a reservation, an intent or a sweep
-//! is acknowledged once that line is on disk (`fdatasync` of the journal: one small
-//! write where a durable redb commit rewrites about ten pages); a batch of settlements
-//! and refunds alone once the line is in the page cache, which a killed process does
-//! not lose, and the next synced line or checkpoint carries it to the disk. A
-//! checkpoint (a durable redb commit, then the journal emptied) runs every
-//! [`CHECKPOINT_EVERY`], past [`CHECKPOINT_BYTES`] of journal, and at close. `open`
-//! replays what a dead process left in the journal before anything else: the lines
-//! hold values, not operations, so replaying a line twice changes nothing.
+//! A call pays one fsync, and a small one: a batch holding a reservation, an intent or
+//! a sweep is answered once its journal line is on disk (`fdatasync`: one short write,
+//! where a durable redb commit rewrites about ten pages); a batch of settlements and
+//! refunds alone once its line is in the page cache, which a killed process does not
+//! lose, and the next synced line or checkpoint carries it to the disk. A checkpoint
+//! writes what changed since the last one into the redb file (one durable commit) and
+//! empties the journal: every [`CHECKPOINT_EVERY`] while the journal holds anything,
+//! past [`CHECKPOINT_BYTES`] of journal, and at close. `open` loads the file and replays
+//! what a dead process left in the journal: a line sets values, so replaying it twice
+//! changes nothing.
 //!
 //! Invariants:
 //! - nothing acknowledged is lost when the process dies: a reservation, intent or sweep
@@ -27,19 +26,20 @@
 //!   settlement once the journal holds it (a power loss, unlike a killed process, may
 //!   take the settlements journaled since the last fsync with the page cache: their
 //!   reservations stay held, and the sweeper refunds them at their expiry). If the
-//!   journal or the commit fails, every operation of the batch gets the error;
-//! - an operation applies whole or not at all: its reads and writes go through an
-//!   overlay that reaches the tables only once its rules returned `Ok`; an operation
-//!   whose rules fail leaves nothing behind and the rest of the batch proceeds. (redb
-//!   refuses a savepoint once a transaction has opened a table, so per-operation
-//!   savepoints inside a batch are not available.) A storage error while writing an
-//!   overlay aborts the whole batch;
-//! - reads (`used`, `live_reservations`) use their own read transaction and see
-//!   committed data only: what a caller was told, never what is still in flight.
+//!   journal write fails, every operation of the batch gets the error and the ledger is
+//!   left as it was;
+//! - an operation applies whole or not at all: its writes are kept apart until its rules
+//!   returned `Ok`; an operation whose rules fail leaves nothing behind and the rest of
+//!   the batch proceeds;
+//! - reads (`used`, `live_reservations`) see what callers were told: a batch reaches the
+//!   ledger they read only once journaled, never while in flight. They take a read lock
+//!   and touch no file;
+//! - a record of the file that does not decode fails only the operations that read it
+//!   (its reservation's, or any that reads them all), as it would in the file.
 //!
-//! A batch whose journal line was written but whose fsync or commit failed is answered
-//! with the error, yet a replay may still apply it: a reservation its caller was refused
-//! for is then held until the sweeper refunds it, never a charge that did not happen.
+//! A batch whose journal line was written but whose fsync failed is answered with the
+//! error, yet a replay may still apply it: a reservation its caller was refused for is
+//! then held until the sweeper refunds it, never a charge that did not happen.
 //!
 //! A call whose future is dropped after its operation was queued may still apply;
 //! retrying is safe because reservations are idempotent on the request id.
@@ -47,22 +47,21 @@
 //! File layout: `<dir>/ledger.redb` when `path` is a directory or has no extension
 //! (the directory is created), else the file `path` itself; the journal beside it.
 //! Two tables: `counters` (counter key → value) and `reservations` (request id → JSON
-//! `StoredReservation`).
+//! `StoredReservation`). The whole ledger is held in memory: its counters (a few a
+//! tenant and agent per day and month) and its reservations (those in flight, and the
+//! swept ones kept a day).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::fs::File;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
+use std::sync::{Arc, RwLock, mpsc};
 use std::thread::{self, JoinHandle};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use redb::{
-    Database, Durability, ReadOnlyTable, ReadableDatabase, ReadableTable, Table, TableDefinition, WriteTransaction,
-};
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
@@ -75,11 +74,11 @@ use super::{
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
 const RESERVATIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("reservations");
 
-/// The most operations one commit carries; more wait for the next one.
+/// The most operations one batch carries; more wait for the next one.
 pub const MAX_BATCH: usize = 256;
 
 /// A checkpoint at least this often while the journal holds anything.
-pub const CHECKPOINT_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+pub const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
 
 /// A checkpoint once the journal holds this much.
 pub const CHECKPOINT_BYTES: u64 = 4 * 1024 * 1024;
@@ -88,7 +87,7 @@ pub const CHECKPOINT_BYTES: u64 = 4 * 1024 * 1024;
 pub const FILE_NAME: &str = "ledger.redb";
 
 pub struct EmbeddedBudgetStore {
-    db: Arc<Database>,
+    ledger: Arc<RwLock<Ledger>>,
     file: PathBuf,
     /// `None` only while dropping: closing the channel stops the writer.
     ops: Option<mpsc::Sender<Job>>,
@@ -106,38 +105,34 @@ impl fmt::Debug for EmbeddedBudgetStore {
 }
 
 impl EmbeddedBudgetStore {
-    /// Creates or opens the ledger at `path` and starts its writer thread.
+    /// Creates or opens the ledger at `path`, replays its journal, and starts its
+    /// writer thread.
     pub fn open(path: &Path) -> Result<Self, StoreError> {
         let file = database_file(path)?;
         let db = Database::create(&file).map_err(|e| backend(format!("open {}: {e}", file.display())))?;
+        let mut ledger = Ledger::load(&db)?;
         let (mut journal, left) = Journal::open(&journal_file(&file))?;
-        // Both tables exist before the first read transaction looks for them, and what a
-        // killed process acknowledged without an fsync is replayed, durably.
-        let txn = db.begin_write().map_err(backend)?;
-        {
-            let mut tables = Tables::open(&txn)?;
-            for effects in &left {
-                effects.replay(&mut tables)?;
-            }
+        for effects in &left {
+            ledger.apply(effects);
         }
-        txn.commit().map_err(backend)?;
-        journal.clear()?;
+        // What a dead process acknowledged is in the file before anything is served.
+        checkpoint(&db, &mut ledger, &mut journal)?;
         if !left.is_empty() {
             tracing::info!(batches = left.len(), file = %file.display(), "ledger: journal replayed");
         }
 
-        let db = Arc::new(db);
+        let ledger = Arc::new(RwLock::new(ledger));
         let commits = Arc::new(AtomicU64::new(0));
         let (ops, queue) = mpsc::channel();
         let writer = thread::Builder::new()
             .name("flexway-ledger".into())
             .spawn({
-                let db = db.clone();
+                let ledger = ledger.clone();
                 let commits = commits.clone();
-                move || write_loop(&db, &queue, &mut journal, &commits)
+                move || write_loop(&db, &ledger, &queue, &mut journal, &commits)
             })
             .map_err(|e| backend(format!("start the ledger writer: {e}")))?;
-        Ok(Self { db, file, ops: Some(ops), writer: Some(writer), commits })
+        Ok(Self { ledger, file, ops: Some(ops), writer: Some(writer), commits })
     }
 
     /// The database file in use.
@@ -145,24 +140,29 @@ impl EmbeddedBudgetStore {
         &self.file
     }
 
-    /// Write transactions committed since `open`: fewer than the operations acknowledged
-    /// when concurrent calls shared commits.
+    /// Batches journaled since `open`: fewer than the operations acknowledged when
+    /// concurrent calls shared them.
     pub fn commits(&self) -> u64 {
         self.commits.load(Ordering::Relaxed)
     }
 
-    /// Queues one operation and waits for the commit that makes it durable.
+    /// Queues one operation and waits for the journal line that makes it durable.
     async fn submit<T>(&self, job: impl FnOnce(Reply<T>) -> Job) -> Result<T, StoreError> {
         let (reply, answer) = oneshot::channel();
         let ops = self.ops.as_ref().ok_or_else(|| backend("ledger writer stopped"))?;
         ops.send(job(reply)).map_err(|_| backend("ledger writer stopped"))?;
         answer.await.map_err(|_| backend("ledger writer stopped before answering"))?
     }
+
+    fn read(&self) -> Result<std::sync::RwLockReadGuard<'_, Ledger>, StoreError> {
+        self.ledger.read().map_err(|_| backend("ledger lock poisoned"))
+    }
 }
 
 impl Drop for EmbeddedBudgetStore {
-    /// Closes the queue and waits for the writer to finish the batch in hand, so the file
-    /// is released when the store is gone (a reopen in the same process then succeeds).
+    /// Closes the queue and waits for the writer to finish the batch in hand and its
+    /// last checkpoint, so the file is released when the store is gone (a reopen in the
+    /// same process then succeeds).
     fn drop(&mut self) {
         drop(self.ops.take());
         if let Some(writer) = self.writer.take()
@@ -180,7 +180,7 @@ impl BudgetStore for EmbeddedBudgetStore {
         self.submit(|reply| Job::Reserve { request, reply }).await
     }
 
-    /// The reservation is read inside the write transaction: the stored one decides.
+    /// The reservation is read by the writer: the stored one decides.
     async fn settle(
         &self,
         reservation: &Reservation,
@@ -199,19 +199,21 @@ impl BudgetStore for EmbeddedBudgetStore {
         self.submit(|reply| Job::Sweep { now, reply }).await
     }
 
-    /// A read transaction and a few B-tree lookups: microseconds, no fsync, so it runs
-    /// on the caller's thread.
+    /// A few lookups under a read lock.
     async fn used(&self, keys: &[CounterKey]) -> Result<Vec<u64>, StoreError> {
-        let mut snapshot = Snapshot::begin(&self.db)?;
-        keys.iter().map(|key| snapshot.counter(key)).collect()
+        let ledger = self.read()?;
+        Ok(keys.iter().map(|key| ledger.counters.get(key).copied().unwrap_or(0)).collect())
     }
 
-    /// Reads every reservation, so it leaves the async worker threads alone.
     async fn live_reservations(&self) -> Result<usize, StoreError> {
-        let db = self.db.clone();
-        tokio::task::spawn_blocking(move || ledger::live_reservations(&mut Snapshot::begin(&db)?))
-            .await
-            .map_err(|e| backend(format!("live reservations: {e}")))?
+        let ledger = self.read()?;
+        let mut live = 0;
+        for (request_id, stored) in &ledger.reservations {
+            if !stored.as_ref().map_err(|detail| corrupt(request_id, detail))?.swept {
+                live += 1;
+            }
+        }
+        Ok(live)
     }
 }
 
@@ -320,7 +322,13 @@ fn deliver<T>(reply: Reply<T>, result: Result<T, StoreError>, committed: Result<
     let _ = reply.send(result);
 }
 
-fn write_loop(db: &Database, queue: &mpsc::Receiver<Job>, journal: &mut Journal, commits: &AtomicU64) {
+fn write_loop(
+    db: &Database,
+    ledger: &RwLock<Ledger>,
+    queue: &mpsc::Receiver<Job>,
+    journal: &mut Journal,
+    commits: &AtomicU64,
+) {
     let mut checkpointed = Instant::now();
     loop {
         let first = if journal.is_empty() {
@@ -331,7 +339,7 @@ fn write_loop(db: &Database, queue: &mpsc::Receiver<Job>, journal: &mut Journal,
         let first = match first {
             Ok(job) => job,
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                checkpoint(db, journal, &mut checkpointed);
+                checkpoint_logged(db, ledger, journal, &mut checkpointed);
                 continue;
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -344,76 +352,248 @@ fn write_loop(db: &Database, queue: &mpsc::Receiver<Job>, journal: &mut Journal,
                 Err(_) => break,
             }
         }
-        write_batch(db, jobs, journal, commits);
+        write_batch(ledger, jobs, journal, commits);
         if journal.len >= CHECKPOINT_BYTES || checkpointed.elapsed() >= CHECKPOINT_EVERY {
-            checkpoint(db, journal, &mut checkpointed);
+            checkpoint_logged(db, ledger, journal, &mut checkpointed);
         }
     }
     // Closing: the file holds everything, and the journal is left empty.
-    checkpoint(db, journal, &mut checkpointed);
+    checkpoint_logged(db, ledger, journal, &mut checkpointed);
 }
 
-/// A durable commit (it carries every commit made without an fsync before it), then
-/// the journal emptied. If either fails, the journal keeps growing and the next
-/// checkpoint tries again; at the next open it is replayed.
-fn checkpoint(db: &Database, journal: &mut Journal, checkpointed: &mut Instant) {
+fn checkpoint_logged(db: &Database, ledger: &RwLock<Ledger>, journal: &mut Journal, checkpointed: &mut Instant) {
     *checkpointed = Instant::now();
     if journal.is_empty() {
         return;
     }
-    let durable = db.begin_write().map_err(backend).and_then(|txn| txn.commit().map_err(backend));
-    if let Err(e) = durable.and_then(|()| journal.clear()) {
+    let done = match ledger.write() {
+        Ok(mut ledger) => checkpoint(db, &mut ledger, journal),
+        Err(_) => Err(backend("ledger lock poisoned")),
+    };
+    if let Err(e) = done {
         tracing::error!(error = %e, "ledger checkpoint failed; the journal is kept and replayed at the next open");
     }
 }
 
-fn write_batch(db: &Database, jobs: Vec<Job>, journal: &mut Journal, commits: &AtomicU64) {
+/// Writes what changed since the last checkpoint into the file (one durable commit),
+/// then empties the journal. On error nothing is forgotten: the changes stay marked
+/// and the journal keeps growing until a checkpoint succeeds.
+fn checkpoint(db: &Database, ledger: &mut Ledger, journal: &mut Journal) -> Result<(), StoreError> {
+    let txn = db.begin_write().map_err(backend)?;
+    {
+        let mut counters = txn.open_table(COUNTERS).map_err(backend)?;
+        for key in &ledger.changed_counters {
+            let value = ledger.counters.get(key).copied().unwrap_or(0);
+            counters.insert(key.as_str(), value).map_err(backend)?;
+        }
+        let mut reservations = txn.open_table(RESERVATIONS).map_err(backend)?;
+        for request_id in &ledger.changed_reservations {
+            match ledger.reservations.get(request_id) {
+                Some(Ok(reservation)) => {
+                    let bytes = serde_json::to_vec(reservation).map_err(backend)?;
+                    reservations.insert(request_id.as_str(), bytes.as_slice()).map_err(backend)?;
+                }
+                // A record that did not decode is left as the file has it.
+                Some(Err(_)) => {}
+                None => {
+                    reservations.remove(request_id.as_str()).map_err(backend)?;
+                }
+            }
+        }
+    }
+    txn.commit().map_err(backend)?;
+    ledger.changed_counters.clear();
+    ledger.changed_reservations.clear();
+    journal.clear()
+}
+
+fn write_batch(ledger: &RwLock<Ledger>, jobs: Vec<Job>, journal: &mut Journal, commits: &AtomicU64) {
     let sync = !jobs.iter().all(Job::deferrable);
     let mut jobs = jobs.into_iter();
     let mut answers = Vec::with_capacity(jobs.len());
-    let committed = apply_and_commit(db, sync, journal, &mut jobs, &mut answers).map_err(|e| e.to_string());
-    if committed.is_ok() {
+    let journaled = apply_and_journal(ledger, sync, journal, &mut jobs, &mut answers).map_err(|e| e.to_string());
+    if journaled.is_ok() {
         commits.fetch_add(1, Ordering::Relaxed);
-    } else if let Err(why) = &committed {
-        tracing::error!(error = %why, operations = answers.len() + jobs.len(), "ledger batch not committed");
+    } else if let Err(why) = &journaled {
+        tracing::error!(error = %why, operations = answers.len() + jobs.len(), "ledger batch not written");
     }
-    let committed = committed.as_ref().map(|_| ()).map_err(String::as_str);
+    let journaled = journaled.as_ref().map(|_| ()).map_err(String::as_str);
     for answer in answers {
-        answer.send(committed);
+        answer.send(journaled);
     }
     // Left over when the batch aborted before reaching them.
     for job in jobs {
-        job.fail(committed.err().unwrap_or("ledger batch aborted"));
+        job.fail(journaled.err().unwrap_or("ledger batch aborted"));
     }
 }
 
-/// Applies the batch in one transaction, journals what it wrote (synced when `sync`),
-/// then commits without an fsync. On error the transaction is dropped, which aborts
-/// it: nothing of the batch lands in the database.
-fn apply_and_commit(
-    db: &Database,
+/// Applies the batch over the ledger, journals what it wrote (synced when `sync`), and
+/// only then puts it in the ledger. On error the batch is dropped: the ledger is left
+/// as it was.
+fn apply_and_journal(
+    ledger: &RwLock<Ledger>,
     sync: bool,
     journal: &mut Journal,
     jobs: &mut impl Iterator<Item = Job>,
     answers: &mut Vec<Answer>,
 ) -> Result<(), StoreError> {
-    let mut txn = db.begin_write().map_err(backend)?;
-    txn.set_durability(Durability::None).map_err(backend)?;
-    let mut effects = Effects::default();
-    {
-        let mut tables = Tables::open(&txn)?;
+    let effects = {
+        let read = ledger.read().map_err(|_| backend("ledger lock poisoned"))?;
+        let mut batch = Batch::new(&read);
         for job in jobs {
-            let mut overlay = Overlay::new(&mut tables);
-            let answer = job.apply(&mut overlay);
+            let answer = job.apply(&mut batch);
             let applied = answer.is_ok();
             answers.push(answer);
-            if applied {
-                overlay.write(&mut effects)?;
-            }
+            batch.end_operation(applied);
+        }
+        batch.effects()
+    };
+    journal.append(&effects, sync)?;
+    ledger.write().map_err(|_| backend("ledger lock poisoned"))?.apply(&effects);
+    Ok(())
+}
+
+/// A reservation as the ledger holds it: decoded, or what did not decode.
+type Stored = Result<StoredReservation, String>;
+
+/// The ledger as callers were told it: the file's content and every batch journaled
+/// since, with what changed since the last checkpoint.
+#[derive(Default)]
+struct Ledger {
+    counters: HashMap<CounterKey, u64>,
+    reservations: HashMap<String, Stored>,
+    changed_counters: HashSet<CounterKey>,
+    changed_reservations: HashSet<String>,
+}
+
+impl Ledger {
+    /// Everything the file holds (creating both tables on a new file).
+    fn load(db: &Database) -> Result<Ledger, StoreError> {
+        let txn = db.begin_write().map_err(backend)?;
+        txn.open_table(COUNTERS).map_err(backend)?;
+        txn.open_table(RESERVATIONS).map_err(backend)?;
+        txn.commit().map_err(backend)?;
+        let txn = db.begin_read().map_err(backend)?;
+        let mut ledger = Ledger::default();
+        for entry in txn.open_table(COUNTERS).map_err(backend)?.iter().map_err(backend)? {
+            let (key, value) = entry.map_err(backend)?;
+            ledger.counters.insert(CounterKey(key.value().to_owned()), value.value());
+        }
+        for entry in txn.open_table(RESERVATIONS).map_err(backend)?.iter().map_err(backend)? {
+            let (request_id, bytes) = entry.map_err(backend)?;
+            let stored = serde_json::from_slice(bytes.value()).map_err(|e| e.to_string());
+            ledger.reservations.insert(request_id.value().to_owned(), stored);
+        }
+        Ok(ledger)
+    }
+
+    /// A batch's writes (journaled first, or replayed from the journal).
+    fn apply(&mut self, effects: &Effects) {
+        for (key, value) in &effects.counters {
+            self.counters.insert(key.clone(), *value);
+            self.changed_counters.insert(key.clone());
+        }
+        for (request_id, reservation) in &effects.reservations {
+            match reservation {
+                Some(reservation) => self.reservations.insert(request_id.clone(), Ok(reservation.clone())),
+                None => self.reservations.remove(request_id),
+            };
+            self.changed_reservations.insert(request_id.clone());
         }
     }
-    journal.append(&effects, sync)?;
-    txn.commit().map_err(backend)
+}
+
+/// One batch's view of the ledger: its operations' writes over it, the current
+/// operation's over those, kept only if its rules return `Ok`.
+struct Batch<'l> {
+    ledger: &'l Ledger,
+    counters: BTreeMap<CounterKey, u64>,
+    reservations: BTreeMap<String, Option<StoredReservation>>,
+    op_counters: BTreeMap<CounterKey, u64>,
+    op_reservations: BTreeMap<String, Option<StoredReservation>>,
+    /// The writes kept, in order: what the journal line says.
+    effects: Effects,
+}
+
+impl<'l> Batch<'l> {
+    fn new(ledger: &'l Ledger) -> Self {
+        Batch {
+            ledger,
+            counters: BTreeMap::new(),
+            reservations: BTreeMap::new(),
+            op_counters: BTreeMap::new(),
+            op_reservations: BTreeMap::new(),
+            effects: Effects::default(),
+        }
+    }
+
+    /// Keeps the operation's writes if it `applied`, else drops them.
+    fn end_operation(&mut self, applied: bool) {
+        let counters = std::mem::take(&mut self.op_counters);
+        let reservations = std::mem::take(&mut self.op_reservations);
+        if !applied {
+            return;
+        }
+        for (key, value) in counters {
+            self.counters.insert(key.clone(), value);
+            self.effects.counters.push((key, value));
+        }
+        for (request_id, reservation) in reservations {
+            self.reservations.insert(request_id.clone(), reservation.clone());
+            self.effects.reservations.push((request_id, reservation));
+        }
+    }
+
+    fn effects(self) -> Effects {
+        self.effects
+    }
+}
+
+impl LedgerState for Batch<'_> {
+    fn counter(&mut self, key: &CounterKey) -> Result<u64, StoreError> {
+        let value =
+            self.op_counters.get(key).or_else(|| self.counters.get(key)).or_else(|| self.ledger.counters.get(key));
+        Ok(value.copied().unwrap_or(0))
+    }
+    fn set_counter(&mut self, key: &CounterKey, value: u64) -> Result<(), StoreError> {
+        self.op_counters.insert(key.clone(), value);
+        Ok(())
+    }
+    fn reservation(&mut self, request_id: &str) -> Result<Option<StoredReservation>, StoreError> {
+        if let Some(pending) = self.op_reservations.get(request_id).or_else(|| self.reservations.get(request_id)) {
+            return Ok(pending.clone());
+        }
+        match self.ledger.reservations.get(request_id) {
+            Some(stored) => stored.clone().map(Some).map_err(|detail| corrupt(request_id, &detail)),
+            None => Ok(None),
+        }
+    }
+    fn put_reservation(&mut self, request_id: &str, reservation: &StoredReservation) -> Result<(), StoreError> {
+        self.op_reservations.insert(request_id.to_owned(), Some(reservation.clone()));
+        Ok(())
+    }
+    fn delete_reservation(&mut self, request_id: &str) -> Result<(), StoreError> {
+        self.op_reservations.insert(request_id.to_owned(), None);
+        Ok(())
+    }
+    fn all_reservations(&mut self) -> Result<Vec<(String, StoredReservation)>, StoreError> {
+        let mut all: BTreeMap<String, StoredReservation> = BTreeMap::new();
+        for (request_id, stored) in &self.ledger.reservations {
+            let reservation = stored.as_ref().map_err(|detail| corrupt(request_id, detail))?;
+            all.insert(request_id.clone(), reservation.clone());
+        }
+        for (request_id, pending) in self.reservations.iter().chain(&self.op_reservations) {
+            match pending {
+                Some(reservation) => all.insert(request_id.clone(), reservation.clone()),
+                None => all.remove(request_id),
+            };
+        }
+        Ok(all.into_iter().collect())
+    }
+}
+
+fn corrupt(request_id: &str, detail: &str) -> StoreError {
+    StoreError::Corrupt { key: format!("reservations/{request_id}"), detail: detail.to_owned() }
 }
 
 /// What one batch wrote, as the journal keeps it: values, so that a replay sets them
@@ -432,259 +612,126 @@ impl Effects {
     fn is_empty(&self) -> bool {
         self.counters.is_empty() && self.reservations.is_empty()
     }
-
-    fn replay(&self, tables: &mut Tables<'_>) -> Result<(), StoreError> {
-        for (key, value) in &self.counters {
-            tables.counters.insert(key.as_str(), value).map_err(backend)?;
-        }
-        for (request_id, reservation) in &self.reservations {
-            match reservation {
-                Some(reservation) => {
-                    let bytes = serde_json::to_vec(reservation).map_err(backend)?;
-                    tables.reservations.insert(request_id.as_str(), bytes.as_slice()).map_err(backend)?;
-                }
-                None => {
-                    tables.reservations.remove(request_id.as_str()).map_err(backend)?;
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
-/// The journal: what the batches since the last checkpoint wrote, one JSON line each.
+/// The journal: what the batches since the last checkpoint wrote, one JSON line each,
+/// written in place into a file allocated ahead ([`JOURNAL_BYTES`] of zeros), so that
+/// a line's `fdatasync` flushes its data and no file size (on this machine's disk an
+/// append's fdatasync took twice an overwrite's). Every line carries the journal's
+/// epoch, which a checkpoint advances before the next line is written over the old
+/// ones from the start: the journal is the run of lines from the start that share the
+/// first line's epoch. What follows it (zeros, the lines of an earlier epoch, a line
+/// cut short or damaged by a power loss) ends it. Replaying an earlier epoch whole (a
+/// kill right after a checkpoint, before the next line) sets what the checkpoint
+/// already holds, and changes nothing.
 struct Journal {
     file: File,
     path: PathBuf,
+    epoch: u64,
+    /// Where the next line goes; the bytes of this epoch.
     len: u64,
+    /// Lines of this epoch (the epoch's marker line aside).
+    lines: usize,
+}
+
+/// The journal file's size, allocated at open: twice the size that calls a checkpoint.
+pub const JOURNAL_BYTES: u64 = 2 * CHECKPOINT_BYTES;
+
+/// A journal line: the batch's writes, under the journal's epoch.
+#[derive(Serialize, Deserialize)]
+struct Line<E> {
+    #[serde(rename = "e", default)]
+    epoch: u64,
+    #[serde(flatten)]
+    effects: E,
 }
 
 impl Journal {
-    /// Opens (or creates) the journal and reads what it holds. A last line cut short
-    /// (no newline: the process died inside its write) was never acknowledged and is
-    /// dropped; any other line that does not parse is corruption.
+    /// Opens (or creates and allocates) the journal and reads the lines of its epoch.
     fn open(path: &Path) -> Result<(Journal, Vec<Effects>), StoreError> {
         let failed = |e: std::io::Error| backend(format!("ledger journal {}: {e}", path.display()));
-        let file = std::fs::OpenOptions::new().create(true).append(true).read(true).open(path).map_err(failed)?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .read(true)
+            .open(path)
+            .map_err(failed)?;
         let mut left = Vec::new();
+        let mut epoch = None;
         let mut reader = BufReader::new(&file);
-        let mut line = String::new();
+        let mut text = String::new();
         let mut number = 0;
         loop {
-            line.clear();
-            if reader.read_line(&mut line).map_err(failed)? == 0 {
-                break;
+            text.clear();
+            match reader.read_line(&mut text) {
+                Ok(0) => break,
+                Ok(_) => {}
+                // Zeros and an earlier epoch's bytes after the end need not be UTF-8.
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidData => break,
+                Err(e) => return Err(failed(e)),
             }
             number += 1;
-            if !line.ends_with('\n') {
-                tracing::warn!(journal = %path.display(), line = number, "ledger: a journal line cut short, dropped");
+            let line: Option<Line<Effects>> = text.strip_suffix('\n').and_then(|t| serde_json::from_str(t).ok());
+            // Zeros, a line cut short, or the rest of an earlier epoch's line: the end.
+            let Some(line) = line else {
+                tracing::debug!(journal = %path.display(), line = number, "ledger: the journal ends");
+                break;
+            };
+            if epoch.is_some_and(|e| e != line.epoch) {
                 break;
             }
-            let effects = serde_json::from_str(&line).map_err(|e| StoreError::Corrupt {
-                key: format!("{}:{number}", path.display()),
-                detail: e.to_string(),
-            })?;
-            left.push(effects);
+            epoch = Some(line.epoch);
+            left.push(line.effects);
         }
-        let len = file.metadata().map_err(failed)?.len();
-        Ok((Journal { file, path: path.to_owned(), len }, left))
+        let size = file.metadata().map_err(failed)?.len();
+        if size < JOURNAL_BYTES {
+            // Zeros written, not a hole: the blocks exist before the first line's fsync.
+            let zeros = vec![0; usize::try_from(JOURNAL_BYTES - size).unwrap_or(0)];
+            std::os::unix::fs::FileExt::write_all_at(&file, &zeros, size).map_err(failed)?;
+            file.sync_all().map_err(failed)?;
+        }
+        let journal = Journal { file, path: path.to_owned(), epoch: epoch.unwrap_or(0), len: 0, lines: left.len() };
+        Ok((journal, left))
     }
 
     fn is_empty(&self) -> bool {
-        self.len == 0
+        self.lines == 0
     }
 
-    /// One `write(2)` for the batch, then `fdatasync` when `sync`. A batch that wrote
+    fn write_at(&mut self, bytes: &[u8]) -> Result<(), StoreError> {
+        std::os::unix::fs::FileExt::write_all_at(&self.file, bytes, self.len)
+            .map_err(|e| backend(format!("ledger journal {}: {e}", self.path.display())))?;
+        self.len += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// One `pwrite(2)` for the batch, then `fdatasync` when `sync`. A batch that wrote
     /// nothing has nothing to journal, but a sync still carries the lines before it.
     fn append(&mut self, effects: &Effects, sync: bool) -> Result<(), StoreError> {
-        let failed = |e: std::io::Error| backend(format!("ledger journal {}: {e}", self.path.display()));
         if !effects.is_empty() {
-            let mut line = serde_json::to_vec(effects).map_err(backend)?;
+            let mut line = serde_json::to_vec(&Line { epoch: self.epoch, effects }).map_err(backend)?;
             line.push(b'\n');
-            self.file.write_all(&line).map_err(failed)?;
-            self.len += line.len() as u64;
+            self.write_at(&line)?;
+            self.lines += 1;
         }
-        if sync && self.len > 0 {
-            self.file.sync_data().map_err(failed)?;
+        if sync && self.lines > 0 {
+            self.file.sync_data().map_err(|e| backend(format!("ledger journal {}: {e}", self.path.display())))?;
         }
         Ok(())
     }
 
-    /// After a durable commit: everything the journal held is in the file.
+    /// After a checkpoint: a new epoch, whose marker line (no writes) starts the file,
+    /// so that the lines before it are no longer read.
     fn clear(&mut self) -> Result<(), StoreError> {
-        if self.len > 0 {
-            self.file.set_len(0).map_err(|e| backend(format!("ledger journal {}: {e}", self.path.display())))?;
-            self.len = 0;
-        }
-        Ok(())
+        self.epoch += 1;
+        self.len = 0;
+        self.lines = 0;
+        let mut marker =
+            serde_json::to_vec(&Line { epoch: self.epoch, effects: Effects::default() }).map_err(backend)?;
+        marker.push(b'\n');
+        self.write_at(&marker)
     }
-}
-
-struct Tables<'txn> {
-    counters: Table<'txn, &'static str, u64>,
-    reservations: Table<'txn, &'static str, &'static [u8]>,
-}
-
-impl<'txn> Tables<'txn> {
-    fn open(txn: &'txn WriteTransaction) -> Result<Self, StoreError> {
-        Ok(Self {
-            counters: txn.open_table(COUNTERS).map_err(backend)?,
-            reservations: txn.open_table(RESERVATIONS).map_err(backend)?,
-        })
-    }
-}
-
-/// One operation's view of the write transaction: reads see the tables under the
-/// operation's own pending writes; `write` lands them once the rules returned `Ok`.
-struct Overlay<'a, 'txn> {
-    tables: &'a mut Tables<'txn>,
-    counters: BTreeMap<CounterKey, u64>,
-    reservations: BTreeMap<String, Pending>,
-}
-
-enum Pending {
-    Put(StoredReservation, Vec<u8>),
-    Delete,
-}
-
-impl<'a, 'txn> Overlay<'a, 'txn> {
-    fn new(tables: &'a mut Tables<'txn>) -> Self {
-        Self { tables, counters: BTreeMap::new(), reservations: BTreeMap::new() }
-    }
-
-    /// Lands the operation's writes in the tables, and adds them to the batch's `effects`.
-    fn write(self, effects: &mut Effects) -> Result<(), StoreError> {
-        for (key, value) in self.counters {
-            self.tables.counters.insert(key.as_str(), value).map_err(backend)?;
-            effects.counters.push((key, value));
-        }
-        for (request_id, pending) in self.reservations {
-            match pending {
-                Pending::Put(reservation, bytes) => {
-                    self.tables.reservations.insert(request_id.as_str(), bytes.as_slice()).map_err(backend)?;
-                    effects.reservations.push((request_id, Some(reservation)));
-                }
-                Pending::Delete => {
-                    self.tables.reservations.remove(request_id.as_str()).map_err(backend)?;
-                    effects.reservations.push((request_id, None));
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-impl LedgerState for Overlay<'_, '_> {
-    fn counter(&mut self, key: &CounterKey) -> Result<u64, StoreError> {
-        match self.counters.get(key) {
-            Some(value) => Ok(*value),
-            None => read_counter(&self.tables.counters, key),
-        }
-    }
-    fn set_counter(&mut self, key: &CounterKey, value: u64) -> Result<(), StoreError> {
-        self.counters.insert(key.clone(), value);
-        Ok(())
-    }
-    fn reservation(&mut self, request_id: &str) -> Result<Option<StoredReservation>, StoreError> {
-        match self.reservations.get(request_id) {
-            Some(Pending::Put(reservation, _)) => Ok(Some(reservation.clone())),
-            Some(Pending::Delete) => Ok(None),
-            None => read_reservation(&self.tables.reservations, request_id),
-        }
-    }
-    fn put_reservation(&mut self, request_id: &str, reservation: &StoredReservation) -> Result<(), StoreError> {
-        let bytes =
-            serde_json::to_vec(reservation).map_err(|e| backend(format!("encode reservation {request_id}: {e}")))?;
-        self.reservations.insert(request_id.to_owned(), Pending::Put(reservation.clone(), bytes));
-        Ok(())
-    }
-    fn delete_reservation(&mut self, request_id: &str) -> Result<(), StoreError> {
-        self.reservations.insert(request_id.to_owned(), Pending::Delete);
-        Ok(())
-    }
-    fn all_reservations(&mut self) -> Result<Vec<(String, StoredReservation)>, StoreError> {
-        let mut all: BTreeMap<String, StoredReservation> =
-            read_all_reservations(&self.tables.reservations)?.into_iter().collect();
-        for (request_id, pending) in &self.reservations {
-            match pending {
-                Pending::Put(reservation, _) => all.insert(request_id.clone(), reservation.clone()),
-                Pending::Delete => all.remove(request_id),
-            };
-        }
-        Ok(all.into_iter().collect())
-    }
-}
-
-// ---- reads ----
-
-/// Committed state, read-only: `used` and `live_reservations` run the ledger's reads
-/// on it; the ledger's writes never reach it.
-struct Snapshot {
-    counters: ReadOnlyTable<&'static str, u64>,
-    reservations: ReadOnlyTable<&'static str, &'static [u8]>,
-}
-
-impl Snapshot {
-    fn begin(db: &Database) -> Result<Self, StoreError> {
-        let txn = db.begin_read().map_err(backend)?;
-        Ok(Self {
-            counters: txn.open_table(COUNTERS).map_err(backend)?,
-            reservations: txn.open_table(RESERVATIONS).map_err(backend)?,
-        })
-    }
-}
-
-impl LedgerState for Snapshot {
-    fn counter(&mut self, key: &CounterKey) -> Result<u64, StoreError> {
-        read_counter(&self.counters, key)
-    }
-    fn set_counter(&mut self, _: &CounterKey, _: u64) -> Result<(), StoreError> {
-        Err(backend("write to a read-only snapshot"))
-    }
-    fn reservation(&mut self, request_id: &str) -> Result<Option<StoredReservation>, StoreError> {
-        read_reservation(&self.reservations, request_id)
-    }
-    fn put_reservation(&mut self, _: &str, _: &StoredReservation) -> Result<(), StoreError> {
-        Err(backend("write to a read-only snapshot"))
-    }
-    fn delete_reservation(&mut self, _: &str) -> Result<(), StoreError> {
-        Err(backend("write to a read-only snapshot"))
-    }
-    fn all_reservations(&mut self) -> Result<Vec<(String, StoredReservation)>, StoreError> {
-        read_all_reservations(&self.reservations)
-    }
-}
-
-fn read_counter(table: &impl ReadableTable<&'static str, u64>, key: &CounterKey) -> Result<u64, StoreError> {
-    Ok(table.get(key.as_str()).map_err(backend)?.map_or(0, |value| value.value()))
-}
-
-fn read_reservation(
-    table: &impl ReadableTable<&'static str, &'static [u8]>,
-    request_id: &str,
-) -> Result<Option<StoredReservation>, StoreError> {
-    match table.get(request_id).map_err(backend)? {
-        Some(bytes) => decode(request_id, bytes.value()).map(Some),
-        None => Ok(None),
-    }
-}
-
-fn read_all_reservations(
-    table: &impl ReadableTable<&'static str, &'static [u8]>,
-) -> Result<Vec<(String, StoredReservation)>, StoreError> {
-    let mut all = Vec::new();
-    for entry in table.iter().map_err(backend)? {
-        let (request_id, bytes) = entry.map_err(backend)?;
-        let request_id = request_id.value().to_owned();
-        let reservation = decode(&request_id, bytes.value())?;
-        all.push((request_id, reservation));
-    }
-    Ok(all)
-}
-
-fn decode(request_id: &str, bytes: &[u8]) -> Result<StoredReservation, StoreError> {
-    serde_json::from_slice(bytes)
-        .map_err(|e| StoreError::Corrupt { key: format!("reservations/{request_id}"), detail: e.to_string() })
 }
 
 #[cfg(test)]
@@ -712,16 +759,14 @@ mod tests {
     }
 
     /// One batch, applied in order, each operation on the state the previous left, one
-    /// commit; the operation that fails in the middle writes nothing and fails nobody else.
+    /// journal line; the operation that fails in the middle writes nothing and fails
+    /// nobody else.
     #[tokio::test]
-    async fn a_batch_applies_in_order_in_one_commit_and_isolates_a_failing_operation() {
+    async fn a_batch_applies_in_order_in_one_line_and_isolates_a_failing_operation() {
         let dir = tempfile::tempdir().unwrap();
-        let store = EmbeddedBudgetStore::open(dir.path()).unwrap();
-        {
-            let txn = store.db.begin_write().unwrap();
-            txn.open_table(RESERVATIONS).unwrap().insert("corrupt", b"{".as_slice()).unwrap();
-            txn.commit().unwrap();
-        }
+        let mut ledger = Ledger::default();
+        ledger.reservations.insert("corrupt".into(), Err("not JSON".into()));
+        let ledger = RwLock::new(ledger);
         let (r1, a1) = reserve("r1", 80, 100);
         let (r2, a2) = reserve("r2", 30, 100);
         let (s1, a3) = settle("r1", 10);
@@ -729,8 +774,8 @@ mod tests {
         let (r3, a5) = reserve("r3", 30, 100);
         let commits = AtomicU64::new(0);
         let (mut journal, _) = Journal::open(&dir.path().join("batch.journal")).unwrap();
-        write_batch(&store.db, vec![r1, r2, s1, bad, r3], &mut journal, &commits);
-        assert!(!journal.is_empty(), "the batch's writes are journaled");
+        write_batch(&ledger, vec![r1, r2, s1, bad, r3], &mut journal, &commits);
+        drop(journal);
 
         assert_eq!(commits.load(Ordering::Relaxed), 1);
         assert_eq!(a1.await.unwrap().unwrap(), ReserveOutcome::Reserved);
@@ -738,31 +783,33 @@ mod tests {
         assert_eq!(a3.await.unwrap().unwrap(), SettleOutcome::Settled);
         assert!(matches!(a4.await.unwrap(), Err(StoreError::Corrupt { .. })));
         assert_eq!(a5.await.unwrap().unwrap(), ReserveOutcome::Reserved, "sees the settlement of r1");
-        assert_eq!(store.used(&[key("a")]).await.unwrap(), [40]);
-        assert!(
-            matches!(store.live_reservations().await, Err(StoreError::Corrupt { key, .. }) if key == "reservations/corrupt")
-        );
+        let ledger = ledger.into_inner().unwrap();
+        assert_eq!(ledger.counters[&key("a")], 40);
+        assert!(ledger.reservations.contains_key("r3") && !ledger.reservations.contains_key("r1"));
+        assert_eq!(ledger.reservations["corrupt"], Err("not JSON".to_owned()), "left as it was");
+
+        let (_, lines) = Journal::open(&dir.path().join("batch.journal")).unwrap();
+        assert_eq!(lines.len(), 1, "one line for the batch");
+        let mut replayed = Ledger::default();
+        replayed.apply(&lines[0]);
+        assert_eq!(replayed.counters, ledger.counters);
+        assert_eq!(replayed.reservations.keys().collect::<HashSet<_>>(), HashSet::from([&"r3".to_owned()]));
     }
 
-    /// Pending writes reach the tables only through `write`.
+    /// An operation's writes reach the batch only when it applied.
     #[test]
-    fn an_overlay_that_is_not_written_leaves_nothing() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = EmbeddedBudgetStore::open(dir.path()).unwrap();
-        let txn = store.db.begin_write().unwrap();
-        {
-            let mut tables = Tables::open(&txn).unwrap();
-            let mut overlay = Overlay::new(&mut tables);
-            overlay.set_counter(&key("a"), 7).unwrap();
-            overlay
-                .put_reservation("x", &StoredReservation { lines: vec![], expires_at: 0, swept: false, intent: None })
-                .unwrap();
-            assert_eq!(overlay.counter(&key("a")).unwrap(), 7, "an operation reads its own writes");
-            assert_eq!(overlay.all_reservations().unwrap().len(), 1);
-        }
-        txn.commit().unwrap();
-        let mut snapshot = Snapshot::begin(&store.db).unwrap();
-        assert_eq!(snapshot.counter(&key("a")).unwrap(), 0);
-        assert_eq!(snapshot.reservation("x").unwrap(), None);
+    fn an_operation_that_fails_leaves_nothing() {
+        let ledger = Ledger::default();
+        let mut batch = Batch::new(&ledger);
+        batch.set_counter(&key("a"), 7).unwrap();
+        batch
+            .put_reservation("x", &StoredReservation { lines: vec![], expires_at: 0, swept: false, intent: None })
+            .unwrap();
+        assert_eq!(batch.counter(&key("a")).unwrap(), 7, "an operation reads its own writes");
+        assert_eq!(batch.all_reservations().unwrap().len(), 1);
+        batch.end_operation(false);
+        assert_eq!(batch.counter(&key("a")).unwrap(), 0);
+        assert_eq!(batch.reservation("x").unwrap(), None);
+        assert!(batch.effects().is_empty());
     }
 }
