@@ -288,10 +288,25 @@ async fn a_checkpoint_puts_everything_in_the_file() {
         assert!(started.elapsed() < flexway::budget::embedded::CHECKPOINT_EVERY * 10, "no checkpoint");
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     };
-    drop(store);
     let reopened = EmbeddedBudgetStore::open(&file).unwrap();
     assert_eq!(reopened.used(&[key("a")]).await.unwrap(), [130], "the settlement and the second reservation");
     assert_eq!(reopened.live_reservations().await.unwrap(), 1);
+    drop(reopened);
+
+    // A reservation the file holds leaves it at the checkpoint after its settlement.
+    store.settle(&held("second", &[("a", 100)]), &[(key("a"), 20)]).await.unwrap();
+    let started = std::time::Instant::now();
+    loop {
+        let file = leave_as_killed(&store, &dir.path().join("settled"), false);
+        let copy = EmbeddedBudgetStore::open(&file).unwrap();
+        if copy.live_reservations().await.unwrap() == 0 {
+            assert_eq!(copy.used(&[key("a")]).await.unwrap(), [50]);
+            break;
+        }
+        drop(copy);
+        assert!(started.elapsed() < flexway::budget::embedded::CHECKPOINT_EVERY * 10, "no checkpoint");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }
 
 /// The journal is the run of lines from its start that share the first one's epoch: a

@@ -395,6 +395,9 @@ fn checkpoint(db: &Database, ledger: &mut Ledger, journal: &mut Journal) -> Resu
                 }
                 // A record that did not decode is left as the file has it.
                 Some(Err(_)) => {}
+                // Most calls reserve and settle between two checkpoints: their
+                // reservation never reached the file, and nothing is removed.
+                None if !ledger.in_file.contains(request_id) => {}
                 None => {
                     reservations.remove(request_id.as_str()).map_err(backend)?;
                 }
@@ -402,8 +405,15 @@ fn checkpoint(db: &Database, ledger: &mut Ledger, journal: &mut Journal) -> Resu
         }
     }
     txn.commit().map_err(backend)?;
+    let changed = std::mem::take(&mut ledger.changed_reservations);
+    for request_id in changed {
+        if ledger.reservations.contains_key(&request_id) {
+            ledger.in_file.insert(request_id);
+        } else {
+            ledger.in_file.remove(&request_id);
+        }
+    }
     ledger.changed_counters.clear();
-    ledger.changed_reservations.clear();
     journal.clear()
 }
 
@@ -464,6 +474,8 @@ struct Ledger {
     reservations: HashMap<String, Stored>,
     changed_counters: HashSet<CounterKey>,
     changed_reservations: HashSet<String>,
+    /// The reservations the file holds (as of the last checkpoint).
+    in_file: HashSet<String>,
 }
 
 impl Ledger {
@@ -482,6 +494,7 @@ impl Ledger {
         for entry in txn.open_table(RESERVATIONS).map_err(backend)?.iter().map_err(backend)? {
             let (request_id, bytes) = entry.map_err(backend)?;
             let stored = serde_json::from_slice(bytes.value()).map_err(|e| e.to_string());
+            ledger.in_file.insert(request_id.value().to_owned());
             ledger.reservations.insert(request_id.value().to_owned(), stored);
         }
         Ok(ledger)
