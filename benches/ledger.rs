@@ -76,7 +76,7 @@ async fn measure(
     tasks: usize,
     duration: Duration,
 ) -> Row {
-    let commits_before = embedded.as_ref().map(|s| s.commits());
+    let commits_before = embedded.as_ref().map(|s| s.syncs());
     let start = Instant::now();
     let deadline = start + duration;
     let workers: Vec<_> = (0..tasks)
@@ -105,7 +105,7 @@ async fn measure(
     }
     let elapsed = start.elapsed();
     reserve.sort_unstable();
-    let commits = embedded.as_ref().zip(commits_before).map(|(s, before)| s.commits() - before);
+    let commits = embedded.as_ref().zip(commits_before).map(|(s, before)| s.syncs() - before);
     Row { store: name, tasks, pairs: reserve.len() as u64, elapsed, reserve, commits }
 }
 

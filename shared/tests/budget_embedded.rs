@@ -1,7 +1,7 @@
 //! The embedded (redb) ledger: the conformance suite, durability across a restart, and
 //! group commit.
 #![cfg(test)]
-// The group-commit test prints the commits it took, for whoever runs it by hand.
+// The group-commit test prints the fsyncs it took, for whoever runs it by hand.
 #![allow(clippy::print_stdout)]
 
 use std::path::PathBuf;
@@ -140,7 +140,7 @@ async fn reservations_written_before_intents_existed_still_sweep() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn many_concurrent_ops_share_commits() {
+async fn many_concurrent_ops_share_fsyncs() {
     let (_dir, path) = fresh_dir();
     let store: Arc<EmbeddedBudgetStore> = Arc::new(EmbeddedBudgetStore::open(&path).unwrap());
     let tasks: Vec<_> = (0..200)
@@ -158,9 +158,9 @@ async fn many_concurrent_ops_share_commits() {
     }
     assert_eq!(store.used(&[key("shared"), key("free")]).await.unwrap(), [600, 200]);
     assert_eq!(store.live_reservations().await.unwrap(), 200);
-    let commits = store.commits();
-    assert!(commits < 200, "200 concurrent reserves took {commits} commits: no batching happened");
-    println!("200 concurrent reserves in {commits} commits");
+    let syncs = store.syncs();
+    assert!(syncs < 200, "200 concurrent reserves took {syncs} fsyncs: no batching happened");
+    println!("200 concurrent reserves in {syncs} fsyncs");
     // The cap is now reached exactly: one more is refused and writes nothing.
     let refused = store
         .reserve(&request("one-too-many", &[("free", 1, None), ("shared", 1, Some(600))], NOW + 60))
@@ -241,6 +241,7 @@ async fn what_was_acknowledged_before_a_checkpoint_survives_a_kill() {
     let settled = store.settle(&held("call", &[("a", 100)]), &[(key("a"), 40)]).await.unwrap();
     assert_eq!(settled, SettleOutcome::Settled);
     assert_eq!(store.used(&[key("a")]).await.unwrap(), [40], "visible at once");
+    assert_eq!(store.syncs(), 1, "one fsync for the call: its reservation's");
 
     // Without the journal, the file alone holds neither: no database fsync was paid.
     let unjournaled = leave_as_killed(&store, &dir.path().join("file-only"), false);

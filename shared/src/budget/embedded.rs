@@ -92,14 +92,14 @@ pub struct EmbeddedBudgetStore {
     /// `None` only while dropping: closing the channel stops the writer.
     ops: Option<mpsc::Sender<Job>>,
     writer: Option<JoinHandle<()>>,
-    commits: Arc<AtomicU64>,
+    syncs: Arc<AtomicU64>,
 }
 
 impl fmt::Debug for EmbeddedBudgetStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("EmbeddedBudgetStore")
             .field("file", &self.file)
-            .field("commits", &self.commits())
+            .field("syncs", &self.syncs())
             .finish_non_exhaustive()
     }
 }
@@ -122,17 +122,17 @@ impl EmbeddedBudgetStore {
         }
 
         let ledger = Arc::new(RwLock::new(ledger));
-        let commits = Arc::new(AtomicU64::new(0));
+        let syncs = Arc::new(AtomicU64::new(0));
         let (ops, queue) = mpsc::channel();
         let writer = thread::Builder::new()
             .name("flexway-ledger".into())
             .spawn({
                 let ledger = ledger.clone();
-                let commits = commits.clone();
-                move || write_loop(&db, &ledger, &queue, &mut journal, &commits)
+                let syncs = syncs.clone();
+                move || write_loop(&db, &ledger, &queue, &mut journal, &syncs)
             })
             .map_err(|e| backend(format!("start the ledger writer: {e}")))?;
-        Ok(Self { ledger, file, ops: Some(ops), writer: Some(writer), commits })
+        Ok(Self { ledger, file, ops: Some(ops), writer: Some(writer), syncs })
     }
 
     /// The database file in use.
@@ -140,10 +140,11 @@ impl EmbeddedBudgetStore {
         &self.file
     }
 
-    /// Batches journaled since `open`: fewer than the operations acknowledged when
-    /// concurrent calls shared them.
-    pub fn commits(&self) -> u64 {
-        self.commits.load(Ordering::Relaxed)
+    /// Journal fsyncs since `open`: one per batch that held a reservation, an intent or
+    /// a sweep, so fewer than the operations acknowledged when concurrent calls shared
+    /// a batch, and none for settlements alone.
+    pub fn syncs(&self) -> u64 {
+        self.syncs.load(Ordering::Relaxed)
     }
 
     /// Queues one operation and waits for the journal line that makes it durable.
@@ -327,7 +328,7 @@ fn write_loop(
     ledger: &RwLock<Ledger>,
     queue: &mpsc::Receiver<Job>,
     journal: &mut Journal,
-    commits: &AtomicU64,
+    syncs: &AtomicU64,
 ) {
     let mut checkpointed = Instant::now();
     loop {
@@ -352,7 +353,7 @@ fn write_loop(
                 Err(_) => break,
             }
         }
-        write_batch(ledger, jobs, journal, commits);
+        write_batch(ledger, jobs, journal, syncs);
         if journal.len >= CHECKPOINT_BYTES || checkpointed.elapsed() >= CHECKPOINT_EVERY {
             checkpoint_logged(db, ledger, journal, &mut checkpointed);
         }
@@ -417,13 +418,13 @@ fn checkpoint(db: &Database, ledger: &mut Ledger, journal: &mut Journal) -> Resu
     journal.clear()
 }
 
-fn write_batch(ledger: &RwLock<Ledger>, jobs: Vec<Job>, journal: &mut Journal, commits: &AtomicU64) {
+fn write_batch(ledger: &RwLock<Ledger>, jobs: Vec<Job>, journal: &mut Journal, syncs: &AtomicU64) {
     let sync = !jobs.iter().all(Job::deferrable);
     let mut jobs = jobs.into_iter();
     let mut answers = Vec::with_capacity(jobs.len());
     let journaled = apply_and_journal(ledger, sync, journal, &mut jobs, &mut answers).map_err(|e| e.to_string());
-    if journaled.is_ok() {
-        commits.fetch_add(1, Ordering::Relaxed);
+    if journaled.is_ok() && sync {
+        syncs.fetch_add(1, Ordering::Relaxed);
     } else if let Err(why) = &journaled {
         tracing::error!(error = %why, operations = answers.len() + jobs.len(), "ledger batch not written");
     }
@@ -785,12 +786,12 @@ mod tests {
         let (s1, a3) = settle("r1", 10);
         let (bad, a4) = settle("corrupt", 50);
         let (r3, a5) = reserve("r3", 30, 100);
-        let commits = AtomicU64::new(0);
+        let syncs = AtomicU64::new(0);
         let (mut journal, _) = Journal::open(&dir.path().join("batch.journal")).unwrap();
-        write_batch(&ledger, vec![r1, r2, s1, bad, r3], &mut journal, &commits);
+        write_batch(&ledger, vec![r1, r2, s1, bad, r3], &mut journal, &syncs);
         drop(journal);
 
-        assert_eq!(commits.load(Ordering::Relaxed), 1);
+        assert_eq!(syncs.load(Ordering::Relaxed), 1);
         assert_eq!(a1.await.unwrap().unwrap(), ReserveOutcome::Reserved);
         assert_eq!(a2.await.unwrap().unwrap(), ReserveOutcome::Refused { line: 0 }, "sees r1");
         assert_eq!(a3.await.unwrap().unwrap(), SettleOutcome::Settled);
