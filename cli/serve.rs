@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::{Listener, ListenerExt};
 use hyper_util::rt::TokioExecutor;
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
@@ -146,6 +147,13 @@ async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await?;
     // Tests and scripts read this line to find the port when `--listen` asks for 0.
     eprintln!("flexway listening on http://{}", listener.local_addr()?);
+    // Without TCP_NODELAY, Nagle holds a stream's first small chunk until the client
+    // acknowledges the headers: up to 40 ms added to the first byte.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!("TCP_NODELAY: {e}");
+        }
+    });
     let builder = transport();
     let workers = Workers::start(threads, &flexway::http::app(gateway.clone()), &builder)?;
     let workers = serve_http(listener, workers, stop_signal()).await;
@@ -193,47 +201,21 @@ fn transport() -> auto::Builder<TokioExecutor> {
 
 /// `axum::serve`'s loop, handing each connection to a serving thread; on `shutdown`, no
 /// new connection while those open finish their requests.
-async fn serve_http(
-    listener: tokio::net::TcpListener,
-    mut workers: Workers,
-    shutdown: impl Future<Output = ()>,
-) -> Workers {
+async fn serve_http<L>(mut listener: L, mut workers: Workers, shutdown: impl Future<Output = ()>) -> Workers
+where
+    L: Listener<Io = tokio::net::TcpStream>,
+{
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        let stream = tokio::select! {
-            accepted = accept(&listener) => accepted,
+        // `accept` retries by itself on errors (axum's handling: back off on EMFILE).
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept() => accepted,
             () = &mut shutdown => break,
         };
-        // Without TCP_NODELAY, Nagle holds a stream's first small chunk until the
-        // client acknowledges the headers: up to 40 ms added to the first byte.
-        if let Err(e) = stream.set_nodelay(true) {
-            tracing::warn!("TCP_NODELAY: {e}");
-        }
         workers.hand(stream, graceful.watcher());
     }
     drop(listener);
     graceful.shutdown().await;
     workers
-}
-
-/// The next connection. Errors are retried as axum's listener does: a connection that
-/// failed before it was accepted is skipped, and a lack of resources (too many open
-/// files) waits a second rather than spinning.
-async fn accept(listener: &tokio::net::TcpListener) -> tokio::net::TcpStream {
-    loop {
-        match listener.accept().await {
-            Ok((stream, _)) => return stream,
-            Err(e) if is_connection_error(&e) => {}
-            Err(e) => {
-                tracing::error!("accept error: {e}");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
-    }
-}
-
-fn is_connection_error(e: &std::io::Error) -> bool {
-    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
-    matches!(e.kind(), ConnectionRefused | ConnectionAborted | ConnectionReset)
 }

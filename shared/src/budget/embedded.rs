@@ -112,12 +112,12 @@ impl EmbeddedBudgetStore {
         let db = Database::create(&file).map_err(|e| backend(format!("open {}: {e}", file.display())))?;
         let mut ledger = Ledger::load(&db)?;
         let (mut journal, left) = Journal::open(&journal_file(&file))?;
-        for effects in &left {
-            ledger.apply(effects);
-        }
         // What a dead process acknowledged is in the file before anything is served.
-        checkpoint(&db, &mut ledger, &mut journal)?;
         if !left.is_empty() {
+            for effects in &left {
+                ledger.apply(effects);
+            }
+            checkpoint(&db, &mut ledger, &mut journal)?;
             tracing::info!(batches = left.len(), file = %file.display(), "ledger: journal replayed");
         }
 
@@ -207,14 +207,7 @@ impl BudgetStore for EmbeddedBudgetStore {
     }
 
     async fn live_reservations(&self) -> Result<usize, StoreError> {
-        let ledger = self.read()?;
-        let mut live = 0;
-        for (request_id, stored) in &ledger.reservations {
-            if !stored.as_ref().map_err(|detail| corrupt(request_id, detail))?.swept {
-                live += 1;
-            }
-        }
-        Ok(live)
+        ledger::live_reservations(&mut Batch::new(&*self.read()?))
     }
 }
 
@@ -696,7 +689,10 @@ impl Journal {
                 break;
             }
             epoch = Some(line.epoch);
-            left.push(line.effects);
+            // An epoch's marker line writes nothing.
+            if !line.effects.is_empty() {
+                left.push(line.effects);
+            }
         }
         let size = file.metadata().map_err(failed)?.len();
         if size < JOURNAL_BYTES {
