@@ -41,6 +41,7 @@ impl Workers {
             let thread = std::thread::Builder::new().name(format!("flexway-serve-{index}")).spawn(move || {
                 flexway::upstream::enter_serving_thread(index);
                 runtime.block_on(async move {
+                    tokio::spawn(keep_timers_near());
                     while let Some(Handed { stream, watcher }) = handed.recv().await {
                         serve_connection(stream, watcher, &app, &builder);
                     }
@@ -74,6 +75,19 @@ impl Workers {
                 tracing::error!("a serving thread panicked");
             }
         }
+    }
+}
+
+/// Keeps a timer due within a second on this thread's runtime. Tokio wakes its timer
+/// driver (an eventfd write, and one more `epoll_wait` round) whenever a timer is set
+/// to fire before the driver's next wake-up: on an otherwise idle thread, every call's
+/// timeout (the backend's `timeout`, seconds away) did, a system call a request seen
+/// in `strace`. With this tick, those timers are set without waking anything.
+async fn keep_timers_near() {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
     }
 }
 

@@ -84,17 +84,18 @@ impl Gateway {
         let upstreams = Upstreams::new(&config, &resolved)?;
         let next_refresh = Mutex::new(Instant::now() + config.secrets.refresh);
         let config = Arc::new(config);
+        let keys = KeyRing::new(&config);
         Ok(Gateway {
             telemetry,
             sessions: Sessions::default(),
-            keys: KeyRing::new(&config),
+            hasher: Hasher::with_keys(&salt, keys.digests()),
+            keys,
             router: Router::new(config.clone()),
             upstreams,
             grpc: GrpcClient::new(),
             budgets: adapters.budgets,
             soft_hints: SoftHints::default(),
             audit: adapters.audit,
-            hasher: Hasher::new(&salt),
             metrics: Registry::new(),
             breakers: Breakers::new(config.ai.backends.iter().map(|(n, b)| (n.clone(), b.circuit_breaker.clone()))),
             config,

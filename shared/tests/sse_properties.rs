@@ -7,6 +7,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use flexway::protocol::sse::{Event, Splitter};
 use flexway::upstream::body::{Events, Fault};
+use http_body_util::StreamBody;
+use hyper::body::Frame;
 use proptest::prelude::*;
 
 /// Bytes that look like SSE often enough to matter: fields, line ends, blank lines.
@@ -52,9 +54,19 @@ fn split_all(chunks: &[Vec<u8>]) -> (Vec<Event>, Vec<u8>) {
     (events, splitter.pending().to_vec())
 }
 
-fn response(chunks: Vec<Vec<u8>>) -> reqwest::Response {
-    let stream = futures_util::stream::iter(chunks.into_iter().map(|c| Ok::<_, std::io::Error>(Bytes::from(c))));
-    reqwest::Response::from(http::Response::new(reqwest::Body::wrap_stream(stream)))
+/// A body of these chunks, as a backend's would arrive.
+fn body<S>(chunks: S) -> StreamBody<impl futures_util::Stream<Item = Result<Frame<Bytes>, std::io::Error>> + Unpin>
+where
+    S: futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Unpin,
+{
+    use futures_util::StreamExt as _;
+    StreamBody::new(chunks.map(|chunk| chunk.map(Frame::data)))
+}
+
+fn response(
+    chunks: Vec<Vec<u8>>,
+) -> StreamBody<impl futures_util::Stream<Item = Result<Frame<Bytes>, std::io::Error>> + Unpin> {
+    body(futures_util::stream::iter(chunks.into_iter().map(|c| Ok::<_, std::io::Error>(Bytes::from(c)))))
 }
 
 proptest! {
@@ -107,8 +119,7 @@ async fn an_endless_line_is_refused_once_past_the_limit_not_buffered() {
         Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; 64 * 1024]))
     });
     use futures_util::StreamExt as _;
-    let response = reqwest::Response::from(http::Response::new(reqwest::Body::wrap_stream(frames)));
-    let mut events = Events::new(response, 1024 * 1024);
+    let mut events = Events::new(body(frames), 1024 * 1024);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     let fault = events.next(deadline).await.unwrap_err();
     assert!(matches!(fault, Fault::Invalid(ref m) if m.contains("max_event_bytes")), "{fault:?}");
@@ -119,8 +130,7 @@ async fn an_endless_line_is_refused_once_past_the_limit_not_buffered() {
 #[tokio::test]
 async fn a_stalled_stream_is_a_timeout() {
     let never = futures_util::stream::pending::<Result<Bytes, std::io::Error>>();
-    let response = reqwest::Response::from(http::Response::new(reqwest::Body::wrap_stream(never)));
-    let mut events = Events::new(response, 1024);
+    let mut events = Events::new(body(never), 1024);
     let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
     assert_eq!(events.next(deadline).await.unwrap_err(), Fault::Timeout);
 }

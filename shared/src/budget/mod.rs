@@ -45,13 +45,20 @@ pub struct CounterKey(pub String);
 
 impl CounterKey {
     pub fn new(tenant: &str, agent: Option<&str>, unit: Unit, period: Period, now: u64) -> Self {
-        CounterKey(format!(
-            "{tenant}/{}/{}/{}/{}",
-            agent.unwrap_or("*"),
-            unit.as_str(),
-            period.as_str(),
-            period.stamp(now)
-        ))
+        Self::stamped(tenant, agent, unit, period, &period.stamp(now))
+    }
+
+    /// The key of the period whose [`Period::stamp`] is `stamp`.
+    pub fn stamped(tenant: &str, agent: Option<&str>, unit: Unit, period: Period, stamp: &str) -> Self {
+        let parts = [tenant, agent.unwrap_or("*"), unit.as_str(), period.as_str(), stamp];
+        let mut key = String::with_capacity(parts.iter().map(|p| p.len() + 1).sum());
+        for (i, part) in parts.iter().enumerate() {
+            if i > 0 {
+                key.push('/');
+            }
+            key.push_str(part);
+        }
+        CounterKey(key)
     }
 
     pub fn as_str(&self) -> &str {

@@ -77,16 +77,24 @@ pub fn budgets_for(config: &Config, tenant: &TenantId, agent: Option<&str>, now:
     let Some(t) = config.tenants.get(tenant) else {
         return out;
     };
-    push_scope(&mut out, tenant.as_str(), None, &t.budgets, now);
+    // Each period's stamp and end once, for every budget of the call.
+    let periods = [Period::Day, Period::Month].map(|p| (p, p.stamp(now), p.end(now)));
+    push_scope(&mut out, tenant.as_str(), None, &t.budgets, &periods);
     if let Some((name, a)) = agent.and_then(|name| t.agents.get_key_value(name))
         && a.budgets != Budgets::default()
     {
-        push_scope(&mut out, tenant.as_str(), Some(name.as_str()), &a.budgets, now);
+        push_scope(&mut out, tenant.as_str(), Some(name.as_str()), &a.budgets, &periods);
     }
     out
 }
 
-fn push_scope(out: &mut Vec<Budget>, tenant: &str, agent: Option<&str>, budgets: &Budgets, now: u64) {
+fn push_scope(
+    out: &mut Vec<Budget>,
+    tenant: &str,
+    agent: Option<&str>,
+    budgets: &Budgets,
+    periods: &[(Period, String, u64); 2],
+) {
     let who = match agent {
         Some(agent) => format!("agent {tenant}/{agent}"),
         None => format!("tenant {tenant}"),
@@ -97,12 +105,15 @@ fn push_scope(out: &mut Vec<Budget>, tenant: &str, agent: Option<&str>, budgets:
         ("eur_per_month", Unit::MicroEur, Period::Month, budgets.eur_per_month.map(|m| m.0)),
     ];
     for (kind, unit, period, limit) in kinds {
+        let Some((_, stamp, end)) = periods.iter().find(|(p, _, _)| *p == period) else {
+            continue;
+        };
         out.push(Budget {
-            name: format!("{who} {kind}"),
-            key: CounterKey::new(tenant, agent, unit, period, now),
+            name: [who.as_str(), " ", kind].concat(),
+            key: CounterKey::stamped(tenant, agent, unit, period, stamp),
             unit,
             limit,
-            resets_at: period.end(now),
+            resets_at: *end,
         });
     }
 }
@@ -200,6 +211,29 @@ mod tests {
     }
 
     const PRICE: Price = Price { input_per_mtok: MicroEur(2_000_000), output_per_mtok: MicroEur(8_000_000) };
+
+    #[test]
+    fn a_scopes_budgets_are_named_and_keyed_by_their_period() {
+        let now = 1_764_590_400; // 2025-12-01T12:00:00Z
+        let budgets = Budgets { tokens_per_day: Some(10), eur_per_month: Some(MicroEur(5)), ..Budgets::default() };
+        let periods = [Period::Day, Period::Month].map(|p| (p, p.stamp(now), p.end(now)));
+        let mut out = Vec::new();
+        push_scope(&mut out, "acme", Some("bot"), &budgets, &periods);
+        let seen: Vec<(&str, &str, Option<u64>, u64)> =
+            out.iter().map(|b| (b.name.as_str(), b.key.as_str(), b.limit, b.resets_at)).collect();
+        assert_eq!(
+            seen,
+            [
+                ("agent acme/bot tokens_per_day", "acme/bot/tokens/day/2025-12-01", Some(10), 1_764_633_600),
+                ("agent acme/bot tokens_per_month", "acme/bot/tokens/month/2025-12", None, 1_767_225_600),
+                ("agent acme/bot eur_per_month", "acme/bot/eur/month/2025-12", Some(5), 1_767_225_600),
+            ]
+        );
+        assert_eq!(
+            CounterKey::new("acme", None, Unit::Tokens, Period::Day, now).as_str(),
+            "acme/*/tokens/day/2025-12-01"
+        );
+    }
 
     #[test]
     fn prompt_bound_never_undercounts_bytes() {

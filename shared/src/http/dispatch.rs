@@ -201,7 +201,9 @@ async fn attempt(
             let content_type =
                 headers.get(header::CONTENT_TYPE).cloned().unwrap_or(HeaderValue::from_static("application/json"));
             let retry_after = headers.get(header::RETRY_AFTER).cloned();
-            let body = body::read_whole(response, limits.max_response_bytes, deadline).await.map_err(Failure::Body)?;
+            let body = body::read_whole(response.into_body(), limits.max_response_bytes, deadline)
+                .await
+                .map_err(Failure::Body)?;
             if !status.is_success() {
                 // Its refusal, in the envelope the caller reads.
                 let body = door.refusal(client.wire, status.as_u16(), body);
@@ -239,7 +241,7 @@ fn endpoint<'a>(gateway: &'a Gateway, backend: &BackendId) -> Option<&'a Endpoin
     gateway.config.ai.backends.get(backend).and_then(|b| b.kind.endpoint())
 }
 
-fn is_event_stream(headers: &reqwest::header::HeaderMap) -> bool {
+fn is_event_stream(headers: &http::HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())

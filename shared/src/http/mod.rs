@@ -35,8 +35,12 @@ pub const REQUEST_ID_HEADER: &str = "flexway-request-id";
 pub struct RequestId(pub String);
 
 impl RequestId {
+    /// `req_` and a random (v4) UUID, from the thread's own generator (ChaCha,
+    /// seeded from the OS once): `Uuid::new_v4` asks the kernel each time, a
+    /// `getrandom` system call a request.
     pub fn generate() -> Self {
-        RequestId(format!("req_{}", uuid::Uuid::new_v4().simple()))
+        let uuid = uuid::Builder::from_random_bytes(rand::random()).into_uuid();
+        RequestId(format!("req_{}", uuid.simple()))
     }
 }
 

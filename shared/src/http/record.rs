@@ -85,7 +85,7 @@ impl Draft {
             budget_state: BudgetState::Ok,
             latency_ms: 0,
             ttfb_ms: None,
-            key_hash: gateway.hasher.hash(&caller.key_sha256),
+            key_hash: gateway.hasher.hash_key(&caller.key_sha256),
             user_hash: None,
             close_reason: None,
             feature: None,

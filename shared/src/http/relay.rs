@@ -136,14 +136,14 @@ pub(super) struct Held {
 /// Memory stays bounded: at most `max_event_bytes` of events is held before the
 /// stream counts as started.
 pub(super) async fn hold(
-    response: reqwest::Response,
+    response: crate::upstream::Answer,
     max_event_bytes: u64,
     deadline: tokio::time::Instant,
     client_wants_usage: bool,
     wire: Wire,
     door: &Door,
 ) -> Result<Held, Fault> {
-    let events = Events::new(response, max_event_bytes);
+    let events = Events::new(response.into_body(), max_event_bytes);
     let mode = if door.native(wire) && wire == Wire::OpenAi {
         Mode::Chunks { client_wants_usage }
     } else {

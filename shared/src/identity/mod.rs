@@ -93,6 +93,11 @@ impl KeyRing {
         ring
     }
 
+    /// The SHA-256 of every configured key.
+    pub fn digests(&self) -> impl Iterator<Item = &[u8; 32]> {
+        self.keys.iter().map(|record| &record.sha256)
+    }
+
     /// Identifies the caller from the request headers: the key's tenant and agent, or
     /// for a relay peer's key that sends `Flexway-Tenant`, the tenant it asserts (the
     /// key's own bound agent, which belongs to the peer's tenant, then does not apply).

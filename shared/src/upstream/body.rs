@@ -7,10 +7,9 @@
 //! caller turns into a fallback (before the client's first byte) or an in-band error
 //! event (after it).
 
-use std::pin::Pin;
-
 use bytes::{Bytes, BytesMut};
-use futures_util::{Stream, StreamExt};
+use http_body_util::BodyExt;
+use hyper::body::{Body, Incoming};
 use tokio::time::{Instant, timeout_at};
 
 use crate::protocol::sse::{Event, Splitter};
@@ -29,11 +28,31 @@ pub enum Fault {
     Invalid(String),
 }
 
+/// The next piece of data of `body` (trailers skipped), `None` at its end.
+async fn next_data<B>(body: &mut B) -> Option<Result<Bytes, B::Error>>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    loop {
+        match body.frame().await? {
+            Ok(frame) => match frame.into_data() {
+                Ok(data) => return Some(Ok(data)),
+                Err(_trailers) => continue,
+            },
+            Err(e) => return Some(Err(e)),
+        }
+    }
+}
+
 /// Reads a whole body, refusing it as soon as it passes `limit` bytes.
-pub async fn read_whole(mut response: reqwest::Response, limit: u64, deadline: Instant) -> Result<Bytes, Fault> {
+pub async fn read_whole<B>(mut body: B, limit: u64, deadline: Instant) -> Result<Bytes, Fault>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: std::error::Error + 'static,
+{
     let too_large =
         || Fault::Invalid(format!("the answer is larger than {limit} bytes (ai.limits.max_response_bytes)"));
-    let declared = response.content_length();
+    let declared = body.size_hint().exact();
     if declared.is_some_and(|len| len > limit) {
         return Err(too_large());
     }
@@ -41,11 +60,11 @@ pub async fn read_whole(mut response: reqwest::Response, limit: u64, deadline: I
     let mut first: Option<Bytes> = None;
     let mut joined = BytesMut::new();
     loop {
-        let chunk = match timeout_at(deadline, response.chunk()).await {
+        let chunk = match timeout_at(deadline, next_data(&mut body)).await {
             Err(_) => return Err(Fault::Timeout),
-            Ok(Err(e)) => return Err(Fault::Cut(format!("reading the answer failed: {}", super::without_url(&e)))),
-            Ok(Ok(None)) => break,
-            Ok(Ok(Some(chunk))) => chunk,
+            Ok(Some(Err(e))) => return Err(Fault::Cut(format!("reading the answer failed: {}", super::describe(&e)))),
+            Ok(None) => break,
+            Ok(Some(Ok(chunk))) => chunk,
         };
         let read = first.as_ref().map_or(0, Bytes::len) + joined.len() + chunk.len();
         if read as u64 > limit {
@@ -65,20 +84,23 @@ pub async fn read_whole(mut response: reqwest::Response, limit: u64, deadline: I
     Ok(first.unwrap_or_else(|| joined.freeze()))
 }
 
-type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
-
-/// A backend's server-sent events, one at a time.
-pub struct Events {
-    body: ByteStream,
+/// A backend's server-sent events, one at a time, from its body (`B`: a backend's
+/// answer, or any body in tests).
+pub struct Events<B = Incoming> {
+    body: B,
     splitter: Splitter,
     max_event: usize,
     ended: bool,
 }
 
-impl Events {
-    pub fn new(response: reqwest::Response, max_event_bytes: u64) -> Self {
+impl<B> Events<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: std::error::Error + 'static,
+{
+    pub fn new(body: B, max_event_bytes: u64) -> Self {
         Events {
-            body: Box::pin(response.bytes_stream()),
+            body,
             splitter: Splitter::default(),
             max_event: usize::try_from(max_event_bytes).unwrap_or(usize::MAX),
             ended: false,
@@ -101,11 +123,11 @@ impl Events {
             if self.ended {
                 return Ok(None);
             }
-            match timeout_at(deadline, self.body.next()).await {
+            match timeout_at(deadline, next_data(&mut self.body)).await {
                 Err(_) => return Err(Fault::Timeout),
                 Ok(None) => self.ended = true,
                 Ok(Some(Err(e))) => {
-                    return Err(Fault::Cut(format!("the backend stream failed: {}", super::without_url(&e))));
+                    return Err(Fault::Cut(format!("the backend stream failed: {}", super::describe(&e))));
                 }
                 Ok(Some(Ok(bytes))) => self.splitter.push(&bytes),
             }

@@ -19,6 +19,10 @@
 //! and a connection's task runs on the runtime that opened it, so each thread calls
 //! through clients of its own and no call wakes another thread. Elsewhere (the Lambda
 //! function, tests) there is one client per backend.
+//!
+//! The client is hyper-util's pooled client over rustls (`ring`; the webpki roots, or a
+//! backend's own `tls.ca`), HTTP/2 when TLS negotiates it. It follows no redirect and
+//! retries nothing but a request that a pooled connection closed before it was sent.
 
 pub mod body;
 pub mod grpc;
@@ -32,7 +36,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use http::{HeaderName, HeaderValue};
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Method, Uri};
+use http_body_util::Full;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 use crate::config::{
     AgentId, Auth, BackendId, BackendKind, Config, Endpoint, IdentityHeaders, SecretRef, TenantId, Tls,
@@ -127,10 +139,16 @@ impl Credential {
     }
 }
 
+/// A backend's HTTP client (cheap to clone: its pool is shared).
+type Http = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// A backend's answer, its head read; `body.rs` reads the rest.
+pub type Answer = http::Response<hyper::body::Incoming>;
+
 pub struct UpstreamClient {
     base: String,
     /// `base` + each of [`PATHS`], parsed.
-    urls: Vec<(&'static str, reqwest::Url)>,
+    urls: Vec<(&'static str, Uri)>,
     /// The format the backend speaks (`anthropic-version` goes with Anthropic's).
     pub wire: Wire,
     live: ArcSwap<Live>,
@@ -198,7 +216,7 @@ impl RelayHeaders {
 /// credential, replaced together by a refresh.
 struct Live {
     /// One client per serving thread (see the module docs).
-    http: Vec<reqwest::Client>,
+    http: Vec<Http>,
     credential: Credential,
     /// The values they were built from, to tell whether a refresh brought new ones.
     material: Material,
@@ -228,47 +246,54 @@ impl UpstreamClient {
         body: Vec<u8>,
         trace: &TraceContext,
         caller: &CallerIdentity,
-    ) -> Result<reqwest::Response, CallError> {
-        let identity = match &self.identity_headers {
-            Some(names) => names.values(caller)?,
-            None => Vec::new(),
+    ) -> Result<Answer, CallError> {
+        let uri = match self.urls.iter().find(|(known, _)| *known == path) {
+            Some((_, uri)) => uri.clone(),
+            None => format!("{}{}", self.base, path)
+                .parse::<Uri>()
+                .map_err(|e| CallError::Connect(format!("the backend url with {path}: {e}")))?,
         };
-        let live = self.live.load();
-        let http = &live.http[SERVING_THREAD.with(Cell::get) % live.http.len()];
-        let request = match self.urls.iter().find(|(known, _)| *known == path) {
-            Some((_, url)) => http.post(url.clone()),
-            None => http.post(format!("{}{}", self.base, path)),
-        };
-        let mut request = request.header(http::header::CONTENT_TYPE, "application/json").body(body);
+        let mut request = http::Request::new(Full::new(Bytes::from(body)));
+        *request.method_mut() = Method::POST;
+        *request.uri_mut() = uri;
+        let headers = request.headers_mut();
+        headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.insert(http::header::ACCEPT, HeaderValue::from_static("*/*"));
+        headers.insert(http::header::USER_AGENT, HeaderValue::from_static(USER_AGENT));
         if self.wire == Wire::Anthropic {
-            request = request.header("anthropic-version", anthropic::VERSION);
+            headers.insert("anthropic-version", HeaderValue::from_static(anthropic::VERSION));
         }
         if let Some((traceparent, state)) = trace.upstream() {
-            request = request.header(context::TRACEPARENT, traceparent);
+            headers.insert(context::TRACEPARENT, traceparent);
             if let Some(state) = state {
-                request = request.header(context::TRACESTATE, state);
+                headers.insert(context::TRACESTATE, state);
             }
         }
-        for (name, value) in identity {
-            request = request.header(name, value);
+        if let Some(names) = &self.identity_headers {
+            for (name, value) in names.values(caller)? {
+                headers.insert(name, value);
+            }
         }
+        let live = self.live.load();
         if let Some((name, value)) = live.credential.header()? {
-            request = request.header(name, value);
+            headers.insert(name, value);
         }
-        match tokio::time::timeout(self.timeout, request.send()).await {
+        let http = &live.http[SERVING_THREAD.with(Cell::get) % live.http.len()];
+        match tokio::time::timeout(self.timeout, http.request(request)).await {
             Err(_) => Err(CallError::Timeout(self.timeout)),
-            Ok(Err(e)) if e.is_timeout() => Err(CallError::Timeout(self.timeout)),
             Ok(Err(e)) => Err(send_error(&e)),
             Ok(Ok(response)) => Ok(response),
         }
     }
 }
 
+const USER_AGENT: &str = concat!("flexway/", env!("CARGO_PKG_VERSION"));
+
 /// A request that got no answer: a TLS failure as rustls names it, else the
-/// connection error as reqwest tells it. rustls's error sits down the error's sources,
+/// connection error as hyper tells it. rustls's error sits down the error's sources,
 /// inside I/O errors (hyper's, tokio-rustls's) whose `source()` skips the error they
 /// wrap: those are opened with `get_ref`.
-fn send_error(e: &reqwest::Error) -> CallError {
+fn send_error(e: &hyper_util::client::legacy::Error) -> CallError {
     let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(error) = next {
         if let Some(tls) = error.downcast_ref::<rustls::Error>() {
@@ -279,7 +304,7 @@ fn send_error(e: &reqwest::Error) -> CallError {
             None => error.source(),
         };
     }
-    CallError::Connect(without_url(e))
+    CallError::Connect(describe(e))
 }
 
 /// rustls's words, and where to look: the CA that should sign the backend's
@@ -304,10 +329,11 @@ fn tls_failure(error: &rustls::Error) -> String {
     }
 }
 
-/// reqwest errors print the URL; ours carry no secret, but keep messages short.
-fn without_url(e: &reqwest::Error) -> String {
+/// An error and its sources, in one line (`client error (Connect): tcp connect
+/// error: Connection refused`).
+pub(crate) fn describe(e: &(dyn std::error::Error + 'static)) -> String {
     let mut message = e.to_string();
-    let mut source = std::error::Error::source(e);
+    let mut source = e.source();
     while let Some(s) = source {
         message = format!("{message}: {s}");
         source = s.source();
@@ -325,7 +351,7 @@ impl Upstreams {
     pub fn new(config: &Config, secrets: &Resolved) -> Result<Self, SetupError> {
         let threads = SERVING_THREADS.load(Ordering::Relaxed);
         let shared = (0..threads)
-            .map(|_| client_builder().build().map_err(|e| SetupError::Client(e.to_string())))
+            .map(|_| tls_config(public_roots(), None).map(http_client).map_err(|e| SetupError::Client(e.to_string())))
             .collect::<Result<Vec<_>, _>>()?;
         let mut clients = HashMap::new();
         for (name, backend) in &config.ai.backends {
@@ -347,10 +373,7 @@ impl Upstreams {
                 _ => Wire::OpenAi,
             };
             let live = ArcSwap::from_pointee(live);
-            let urls = PATHS
-                .iter()
-                .filter_map(|path| Some((*path, reqwest::Url::parse(&format!("{base}{path}")).ok()?)))
-                .collect();
+            let urls = PATHS.iter().filter_map(|path| Some((*path, format!("{base}{path}").parse().ok()?))).collect();
             let client = UpstreamClient { base, urls, wire, live, timeout: backend.timeout, identity_headers };
             clients.insert(name.clone(), client);
         }
@@ -425,7 +448,7 @@ impl Live {
         endpoint: &Endpoint,
         material: Material,
         previous: Option<&Live>,
-        keep: &[reqwest::Client],
+        keep: &[Http],
     ) -> Result<Live, SetupError> {
         let http = match (&endpoint.tls, &material.tls) {
             (Some(tls), Some(pem)) if previous.is_none_or(|p| p.material.tls.as_ref() != Some(pem)) => {
@@ -438,23 +461,49 @@ impl Live {
     }
 }
 
-/// No redirect is followed and no request is retried by the client: a backend's
-/// answer, a 3xx included, is the answer; trying again is the route's business
-/// (fallback before the first byte, SPEC §5).
-fn client_builder() -> reqwest::ClientBuilder {
-    reqwest::Client::builder()
-        .redirect(reqwest::redirect::Policy::none())
-        .retry(reqwest::retry::never())
-        .tcp_nodelay(true)
+/// A client over `tls`. No redirect is followed (hyper follows none) and no request is
+/// retried but one a pooled connection closed before sending it: a backend's answer, a
+/// 3xx included, is the answer; trying again is the route's business (fallback before
+/// the first byte, SPEC §5).
+fn http_client(tls: rustls::ClientConfig) -> Http {
+    let mut tcp = HttpConnector::new();
+    tcp.enforce_http(false);
+    tcp.set_nodelay(true);
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_all_versions()
+        .wrap_connector(tcp);
+    Client::builder(TokioExecutor::new())
+        .pool_timer(TokioTimer::new())
         .pool_idle_timeout(Duration::from_secs(90))
         .pool_max_idle_per_host(1024)
-        .user_agent(concat!("flexway/", env!("CARGO_PKG_VERSION")))
+        .build(connector)
+}
+
+/// The roots a backend's certificate is checked against without a `tls.ca`.
+fn public_roots() -> rustls::RootCertStore {
+    rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() }
+}
+
+/// rustls on the `ring` provider, with a client certificate when `identity` is given.
+fn tls_config(
+    roots: rustls::RootCertStore,
+    identity: Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>,
+) -> Result<rustls::ClientConfig, rustls::Error> {
+    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots);
+    match identity {
+        Some((certs, key)) => builder.with_client_auth_cert(certs, key),
+        None => Ok(builder.with_no_client_auth()),
+    }
 }
 
 /// The backend's own client for mTLS: its client certificate and key, and its CA
 /// bundle in place of the system roots. Errors name the reference and what is wrong
 /// with its PEM, never the PEM (the key is a secret).
-fn tls_client(name: &BackendId, tls: &Tls, pem: &TlsMaterial) -> Result<reqwest::Client, SetupError> {
+fn tls_client(name: &BackendId, tls: &Tls, pem: &TlsMaterial) -> Result<Http, SetupError> {
     let err = |detail: String| SetupError::Tls { backend: name.clone(), detail };
     // Both read apart first, so that an error says which one is wrong.
     if !pem_holds(pem.cert.expose(), &["CERTIFICATE"]) {
@@ -463,20 +512,26 @@ fn tls_client(name: &BackendId, tls: &Tls, pem: &TlsMaterial) -> Result<reqwest:
     if !pem_holds(pem.key.expose(), &["PRIVATE KEY", "RSA PRIVATE KEY", "EC PRIVATE KEY"]) {
         return Err(err(format!("tls.key ({}) holds no PEM private key", tls.key)));
     }
-    let identity = format!("{}\n{}\n", pem.cert.expose(), pem.key.expose());
-    let identity = reqwest::Identity::from_pem(identity.as_bytes())
-        .map_err(|e| err(format!("tls.cert and tls.key ({}, {}): {}", tls.cert, tls.key, without_url(&e))))?;
-    let mut builder = client_builder().identity(identity);
-    if let (Some(reference), Some(ca)) = (&tls.ca, &pem.ca) {
-        let roots = reqwest::Certificate::from_pem_bundle(ca.expose().as_bytes())
-            .map_err(|e| err(format!("tls.ca ({reference}): {}", without_url(&e))))?;
-        if roots.is_empty() {
-            return Err(err(format!("tls.ca ({reference}) holds no PEM certificate")));
+    let pair = |detail: String| err(format!("tls.cert and tls.key ({}, {}): {detail}", tls.cert, tls.key));
+    let certs = CertificateDer::pem_slice_iter(pem.cert.expose().as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| pair(e.to_string()))?;
+    let key = PrivateKeyDer::from_pem_slice(pem.key.expose().as_bytes()).map_err(|e| pair(e.to_string()))?;
+    let roots = match (&tls.ca, &pem.ca) {
+        (Some(reference), Some(ca)) => {
+            let bundle = CertificateDer::pem_slice_iter(ca.expose().as_bytes())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| err(format!("tls.ca ({reference}): {e}")))?;
+            let mut roots = rustls::RootCertStore::empty();
+            let (added, _) = roots.add_parsable_certificates(bundle);
+            if added == 0 {
+                return Err(err(format!("tls.ca ({reference}) holds no PEM certificate")));
+            }
+            roots
         }
-        builder =
-            roots.into_iter().fold(builder.tls_built_in_root_certs(false), |b, root| b.add_root_certificate(root));
-    }
-    builder.build().map_err(|e| err(without_url(&e)))
+        _ => public_roots(),
+    };
+    tls_config(roots, Some((certs, key))).map(http_client).map_err(|e| pair(e.to_string()))
 }
 
 /// Whether `pem` has a block of one of these labels (`-----BEGIN <label>-----`).

@@ -1,8 +1,7 @@
 //! The gateway's own WebSocket to a realtime backend (SPEC §2.3): `{url}/realtime?
 //! model=M` over `ws`/`wss`, with the backend's credential and the call's trace
 //! context, and nothing of the caller's request (its key least of all). TLS is
-//! rustls on the `ring` provider with the webpki roots, as reqwest's is for HTTP
-//! calls; a backend with `tls` (mTLS) is refused at load for realtime.
+//! rustls on the `ring` provider with the webpki roots, as for HTTP calls; a backend with `tls` (mTLS) is refused at load for realtime.
 //!
 //! Memory per session is bounded on this side by `max_message` (one message, one
 //! frame) and by small read and write buffers: a session holds at most one message
@@ -88,12 +87,7 @@ impl UpstreamClient {
 /// One TLS configuration for every realtime backend: `ring`, the webpki roots.
 fn tls_config() -> Result<Arc<rustls::ClientConfig>, CallError> {
     static CONFIG: OnceLock<Result<Arc<rustls::ClientConfig>, String>> = OnceLock::new();
-    let config = CONFIG.get_or_init(|| {
-        let roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
-        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .map(|builder| Arc::new(builder.with_root_certificates(roots).with_no_client_auth()))
-            .map_err(|e| e.to_string())
-    });
+    let config =
+        CONFIG.get_or_init(|| super::tls_config(super::public_roots(), None).map(Arc::new).map_err(|e| e.to_string()));
     config.clone().map_err(CallError::Tls)
 }
