@@ -85,10 +85,7 @@ struct Exporter {
 
 impl Exporter {
     fn new(config: &TelemetryConfig, counters: Arc<Counters>) -> Self {
-        let client = reqwest::Client::builder()
-            .timeout(POST_TIMEOUT)
-            .user_agent(concat!("flexway/", env!("CARGO_PKG_VERSION")))
-            .build();
+        let client = reqwest::Client::builder().timeout(POST_TIMEOUT).user_agent(crate::upstream::USER_AGENT).build();
         if let Err(e) = &client {
             tracing::error!("telemetry: cannot build the OTLP client, nothing will be exported: {e}");
         }

@@ -287,7 +287,8 @@ impl UpstreamClient {
     }
 }
 
-const USER_AGENT: &str = concat!("flexway/", env!("CARGO_PKG_VERSION"));
+/// What the gateway's own HTTP clients call themselves.
+pub(crate) const USER_AGENT: &str = concat!("flexway/", env!("CARGO_PKG_VERSION"));
 
 /// A request that got no answer: a TLS failure as rustls names it, else the
 /// connection error as hyper tells it. rustls's error sits down the error's sources,

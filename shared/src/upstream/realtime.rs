@@ -1,7 +1,8 @@
 //! The gateway's own WebSocket to a realtime backend (SPEC §2.3): `{url}/realtime?
 //! model=M` over `ws`/`wss`, with the backend's credential and the call's trace
 //! context, and nothing of the caller's request (its key least of all). TLS is
-//! rustls on the `ring` provider with the webpki roots, as for HTTP calls; a backend with `tls` (mTLS) is refused at load for realtime.
+//! rustls on the `ring` provider with the webpki roots, as for HTTP calls; a backend
+//! with `tls` (mTLS) is refused at load for realtime.
 //!
 //! Memory per session is bounded on this side by `max_message` (one message, one
 //! frame) and by small read and write buffers: a session holds at most one message
@@ -52,8 +53,7 @@ impl UpstreamClient {
         url.query_pairs_mut().append_pair("model", model);
         let mut request = url.as_str().into_client_request().map_err(|e| CallError::Connect(e.to_string()))?;
         let headers = request.headers_mut();
-        headers
-            .insert(http::header::USER_AGENT, HeaderValue::from_static(concat!("flexway/", env!("CARGO_PKG_VERSION"))));
+        headers.insert(http::header::USER_AGENT, HeaderValue::from_static(super::USER_AGENT));
         if let Some((traceparent, state)) = trace.upstream() {
             headers.insert(context::TRACEPARENT, traceparent);
             if let Some(state) = state {
