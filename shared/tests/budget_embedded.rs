@@ -334,3 +334,31 @@ async fn the_journal_ends_at_a_line_cut_short_or_an_earlier_epoch() {
     let store = EmbeddedBudgetStore::open(&file).unwrap();
     assert_eq!(store.used(&[key("a")]).await.unwrap(), [55], "the earlier epoch's line is not replayed");
 }
+
+/// A call alone on the ledger is written by its caller, on its own thread: its
+/// reservation (fsync included) and its settlement are answered within the first poll,
+/// where the writer thread would answer later, from another thread. A reservation made
+/// while another call holds one goes through the writer thread and shares its fsync.
+#[tokio::test(flavor = "current_thread")]
+async fn a_call_alone_is_written_on_its_own_thread() {
+    use futures_util::FutureExt;
+    let (_dir, path) = fresh_dir();
+    let store = EmbeddedBudgetStore::open(&path).unwrap();
+    for round in 0..3 {
+        let id = format!("alone-{round}");
+        let reserved = store.reserve(&request(&id, &[("a", 10, Some(1000))], NOW + 60)).now_or_never();
+        assert_eq!(reserved.map(Result::unwrap), Some(ReserveOutcome::Reserved), "round {round}");
+        let settled = store.settle(&held(&id, &[("a", 10)]), &[(key("a"), 4)]).now_or_never();
+        assert_eq!(settled.map(Result::unwrap), Some(SettleOutcome::Settled), "round {round}");
+    }
+    assert_eq!(store.syncs(), 3, "one fsync a call: its reservation's");
+
+    // Two calls in flight: the second reservation is the writer thread's, and the
+    // ledger as exact.
+    store.reserve(&request("first", &[("a", 10, Some(1000))], NOW + 60)).await.unwrap();
+    let second = request("second", &[("a", 10, Some(1000))], NOW + 60);
+    assert_eq!(store.reserve(&second).await.unwrap(), ReserveOutcome::Reserved);
+    assert_eq!(store.used(&[key("a")]).await.unwrap(), [12 + 20]);
+    assert_eq!(store.live_reservations().await.unwrap(), 2);
+    assert_eq!(store.syncs(), 5);
+}

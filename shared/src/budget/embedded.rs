@@ -2,12 +2,21 @@
 //! the same rules as every other store (`ledger.rs`), kept in memory, made durable by a
 //! journal, and checkpointed into one redb file.
 //!
-//! Writes go through one writer thread that commits in groups: it blocks for an
-//! operation, drains whatever else is already queued (up to [`MAX_BATCH`]), applies
-//! them in arrival order — each operation's rules see the state the previous ones left
-//! — appends what the batch wrote to the journal (`<file>.journal`: one JSON line a
-//! batch, one `write(2)`, values rather than operations), and only then puts the batch
-//! in the ledger that reads see and answers every caller of the batch.
+//! Writes are committed in groups by one writer thread (`flexway-ledger`): it blocks
+//! for an operation, drains whatever else is already queued (up to [`MAX_BATCH`]),
+//! applies them in arrival order — each operation's rules see the state the previous
+//! ones left — appends what the batch wrote to the journal (`<file>.journal`: one JSON
+//! line a batch, one `write(2)`, values rather than operations), and only then puts the
+//! batch in the ledger that reads see and answers every caller of the batch.
+//!
+//! Two operations skip the queue and are written by their caller, on its own thread,
+//! as a batch of one, when no batch is being written (the writer's lock is free): a
+//! settlement or refund, which waits for no fsync, and a reservation when the ledger
+//! holds no other call's reservation (a call alone, fsync included). Handing these to
+//! the writer thread and back took two wake-ups each, four a call (issue 15). Under
+//! concurrency a reservation still goes through the queue, where it shares its fsync
+//! with the others'; the caller writing its own blocks its thread for the fsync only
+//! when no other call is in flight.
 //!
 //! A call pays one fsync, and a small one: a batch holding a reservation, an intent or
 //! a sweep is answered once its journal line is on disk (`fdatasync`: one short write,
@@ -57,7 +66,7 @@ use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock, mpsc};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, TryLockError, mpsc};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -88,11 +97,20 @@ pub const FILE_NAME: &str = "ledger.redb";
 
 pub struct EmbeddedBudgetStore {
     ledger: Arc<RwLock<Ledger>>,
+    /// Held to write a batch or a checkpoint: by the writer thread, or by a caller
+    /// writing its own operation.
+    writer: Arc<Mutex<Writer>>,
     file: PathBuf,
     /// `None` only while dropping: closing the channel stops the writer.
     ops: Option<mpsc::Sender<Job>>,
-    writer: Option<JoinHandle<()>>,
+    thread: Option<JoinHandle<()>>,
     syncs: Arc<AtomicU64>,
+}
+
+/// What a batch is written with.
+struct Writer {
+    journal: Journal,
+    db: Database,
 }
 
 impl fmt::Debug for EmbeddedBudgetStore {
@@ -122,17 +140,17 @@ impl EmbeddedBudgetStore {
         }
 
         let ledger = Arc::new(RwLock::new(ledger));
+        let writer = Arc::new(Mutex::new(Writer { journal, db }));
         let syncs = Arc::new(AtomicU64::new(0));
         let (ops, queue) = mpsc::channel();
-        let writer = thread::Builder::new()
+        let thread = thread::Builder::new()
             .name("flexway-ledger".into())
             .spawn({
-                let ledger = ledger.clone();
-                let syncs = syncs.clone();
-                move || write_loop(&db, &ledger, &queue, &mut journal, &syncs)
+                let (ledger, writer, syncs) = (ledger.clone(), writer.clone(), syncs.clone());
+                move || write_loop(&writer, &ledger, &queue, &syncs)
             })
             .map_err(|e| backend(format!("start the ledger writer: {e}")))?;
-        Ok(Self { ledger, file, ops: Some(ops), writer: Some(writer), syncs })
+        Ok(Self { ledger, writer, file, ops: Some(ops), thread: Some(thread), syncs })
     }
 
     /// The database file in use.
@@ -147,12 +165,38 @@ impl EmbeddedBudgetStore {
         self.syncs.load(Ordering::Relaxed)
     }
 
-    /// Queues one operation and waits for the journal line that makes it durable.
+    /// Writes one operation here, or queues it for the writer thread (see the module
+    /// docs), and waits for the journal line that makes it durable.
     async fn submit<T>(&self, job: impl FnOnce(Reply<T>) -> Job) -> Result<T, StoreError> {
         let (reply, answer) = oneshot::channel();
-        let ops = self.ops.as_ref().ok_or_else(|| backend("ledger writer stopped"))?;
-        ops.send(job(reply)).map_err(|_| backend("ledger writer stopped"))?;
+        let job = job(reply);
+        let job = if self.written_here(&job) { self.write_here(job) } else { Some(job) };
+        if let Some(job) = job {
+            let ops = self.ops.as_ref().ok_or_else(|| backend("ledger writer stopped"))?;
+            ops.send(job).map_err(|_| backend("ledger writer stopped"))?;
+        }
         answer.await.map_err(|_| backend("ledger writer stopped before answering"))?
+    }
+
+    /// A settlement, or a reservation while the ledger holds no other.
+    fn written_here(&self, job: &Job) -> bool {
+        match job {
+            Job::Settle { .. } => true,
+            Job::Reserve { .. } => self.ledger.read().is_ok_and(|ledger| ledger.live == 0),
+            Job::Intent { .. } | Job::Sweep { .. } => false,
+        }
+    }
+
+    /// Writes `job` as a batch of its own if no batch is being written; else gives it
+    /// back, for the queue.
+    fn write_here(&self, job: Job) -> Option<Job> {
+        let mut writer = match self.writer.try_lock() {
+            Ok(writer) => writer,
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) => return Some(job),
+        };
+        write_batch(&self.ledger, vec![job], &mut writer.journal, &self.syncs);
+        None
     }
 
     fn read(&self) -> Result<std::sync::RwLockReadGuard<'_, Ledger>, StoreError> {
@@ -166,8 +210,8 @@ impl Drop for EmbeddedBudgetStore {
     /// same process then succeeds).
     fn drop(&mut self) {
         drop(self.ops.take());
-        if let Some(writer) = self.writer.take()
-            && writer.join().is_err()
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
         {
             tracing::error!(file = %self.file.display(), "the ledger writer thread panicked");
         }
@@ -316,52 +360,46 @@ fn deliver<T>(reply: Reply<T>, result: Result<T, StoreError>, committed: Result<
     let _ = reply.send(result);
 }
 
-fn write_loop(
-    db: &Database,
-    ledger: &RwLock<Ledger>,
-    queue: &mpsc::Receiver<Job>,
-    journal: &mut Journal,
-    syncs: &AtomicU64,
-) {
+fn write_loop(writer: &Mutex<Writer>, ledger: &RwLock<Ledger>, queue: &mpsc::Receiver<Job>, syncs: &AtomicU64) {
+    let lock = || writer.lock().unwrap_or_else(PoisonError::into_inner);
     let mut checkpointed = Instant::now();
     loop {
-        let first = if journal.is_empty() {
-            queue.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected)
-        } else {
-            queue.recv_timeout(CHECKPOINT_EVERY.saturating_sub(checkpointed.elapsed()))
-        };
-        let first = match first {
-            Ok(job) => job,
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                checkpoint_logged(db, ledger, journal, &mut checkpointed);
-                continue;
-            }
+        // Callers write into the journal too, without waking this thread: it looks
+        // every period whether the journal holds anything to checkpoint, and takes the
+        // lock only then or for a batch.
+        let wait = CHECKPOINT_EVERY.saturating_sub(checkpointed.elapsed());
+        let first = match queue.recv_timeout(wait) {
+            Ok(job) => Some(job),
+            Err(mpsc::RecvTimeoutError::Timeout) => None,
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         };
-        let mut jobs = Vec::with_capacity(16);
-        jobs.push(first);
-        while jobs.len() < MAX_BATCH {
-            match queue.try_recv() {
-                Ok(job) => jobs.push(job),
-                Err(_) => break,
+        let mut writer = lock();
+        if let Some(first) = first {
+            let mut jobs = Vec::with_capacity(16);
+            jobs.push(first);
+            while jobs.len() < MAX_BATCH {
+                match queue.try_recv() {
+                    Ok(job) => jobs.push(job),
+                    Err(_) => break,
+                }
             }
+            write_batch(ledger, jobs, &mut writer.journal, syncs);
         }
-        write_batch(ledger, jobs, journal, syncs);
-        if journal.len >= CHECKPOINT_BYTES || checkpointed.elapsed() >= CHECKPOINT_EVERY {
-            checkpoint_logged(db, ledger, journal, &mut checkpointed);
+        if writer.journal.len >= CHECKPOINT_BYTES || checkpointed.elapsed() >= CHECKPOINT_EVERY {
+            checkpointed = Instant::now();
+            checkpoint_logged(ledger, &mut writer);
         }
     }
     // Closing: the file holds everything, and the journal is left empty.
-    checkpoint_logged(db, ledger, journal, &mut checkpointed);
+    checkpoint_logged(ledger, &mut lock());
 }
 
-fn checkpoint_logged(db: &Database, ledger: &RwLock<Ledger>, journal: &mut Journal, checkpointed: &mut Instant) {
-    *checkpointed = Instant::now();
-    if journal.is_empty() {
+fn checkpoint_logged(ledger: &RwLock<Ledger>, writer: &mut Writer) {
+    if writer.journal.is_empty() {
         return;
     }
     let done = match ledger.write() {
-        Ok(mut ledger) => checkpoint(db, &mut ledger, journal),
+        Ok(mut ledger) => checkpoint(&writer.db, &mut ledger, &mut writer.journal),
         Err(_) => Err(backend("ledger lock poisoned")),
     };
     if let Err(e) = done {
@@ -470,6 +508,13 @@ struct Ledger {
     changed_reservations: HashSet<String>,
     /// The reservations the file holds (as of the last checkpoint).
     in_file: HashSet<String>,
+    /// The reservations held and not swept: the calls in flight, give or take those
+    /// whose process died (until the sweeper gets to them).
+    live: usize,
+}
+
+fn is_live(stored: Option<&Stored>) -> bool {
+    matches!(stored, Some(Ok(reservation)) if !reservation.swept)
 }
 
 impl Ledger {
@@ -489,6 +534,7 @@ impl Ledger {
             let (request_id, bytes) = entry.map_err(backend)?;
             let stored = serde_json::from_slice(bytes.value()).map_err(|e| e.to_string());
             ledger.in_file.insert(request_id.value().to_owned());
+            ledger.live += usize::from(is_live(Some(&stored)));
             ledger.reservations.insert(request_id.value().to_owned(), stored);
         }
         Ok(ledger)
@@ -501,10 +547,13 @@ impl Ledger {
             self.changed_counters.insert(key.clone());
         }
         for (request_id, reservation) in &effects.reservations {
+            let was_live = is_live(self.reservations.get(request_id));
             match reservation {
                 Some(reservation) => self.reservations.insert(request_id.clone(), Ok(reservation.clone())),
                 None => self.reservations.remove(request_id),
             };
+            let live = is_live(self.reservations.get(request_id));
+            self.live = self.live + usize::from(live) - usize::from(was_live);
             self.changed_reservations.insert(request_id.clone());
         }
     }
