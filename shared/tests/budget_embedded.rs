@@ -268,7 +268,9 @@ async fn what_was_acknowledged_before_a_checkpoint_survives_a_kill() {
 }
 
 /// A checkpoint (every `CHECKPOINT_EVERY` while the journal holds anything) puts
-/// everything in the database file and empties the journal.
+/// everything in the database file and empties the journal. These calls are alone on
+/// the ledger, so their callers wrote the journal lines, waking no thread: the writer
+/// thread finds them on its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_puts_everything_in_the_file() {
     let (dir, path) = fresh_dir();
@@ -353,8 +355,8 @@ async fn a_call_alone_is_written_on_its_own_thread() {
     }
     assert_eq!(store.syncs(), 3, "one fsync a call: its reservation's");
 
-    // Two calls in flight: the second reservation is the writer thread's, and the
-    // ledger as exact.
+    // Two calls in flight: the second reservation goes through the writer thread's
+    // queue, and the ledger is as exact.
     store.reserve(&request("first", &[("a", 10, Some(1000))], NOW + 60)).await.unwrap();
     let second = request("second", &[("a", 10, Some(1000))], NOW + 60);
     assert_eq!(store.reserve(&second).await.unwrap(), ReserveOutcome::Reserved);

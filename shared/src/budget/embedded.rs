@@ -2,21 +2,27 @@
 //! the same rules as every other store (`ledger.rs`), kept in memory, made durable by a
 //! journal, and checkpointed into one redb file.
 //!
-//! Writes are committed in groups by one writer thread (`flexway-ledger`): it blocks
-//! for an operation, drains whatever else is already queued (up to [`MAX_BATCH`]),
-//! applies them in arrival order — each operation's rules see the state the previous
-//! ones left — appends what the batch wrote to the journal (`<file>.journal`: one JSON
-//! line a batch, one `write(2)`, values rather than operations), and only then puts the
-//! batch in the ledger that reads see and answers every caller of the batch.
+//! Writes are committed in groups by one writer thread (`flexway-ledger`): it waits
+//! for an operation (a second at most, to look for a checkpoint due), drains whatever
+//! else is already queued (up to [`MAX_BATCH`]), applies them in arrival order — each
+//! operation's rules see the state the previous ones left — appends what the batch
+//! wrote to the journal (`<file>.journal`: one JSON line a batch, one `write(2)`,
+//! values rather than operations), and only then puts the batch in the ledger that
+//! reads see and answers every caller of the batch.
 //!
 //! Two operations skip the queue and are written by their caller, on its own thread,
-//! as a batch of one, when no batch is being written (the writer's lock is free): a
-//! settlement or refund, which waits for no fsync, and a reservation when the ledger
-//! holds no other call's reservation (a call alone, fsync included). Handing these to
-//! the writer thread and back took two wake-ups each, four a call (issue 15). Under
-//! concurrency a reservation still goes through the queue, where it shares its fsync
-//! with the others'; the caller writing its own blocks its thread for the fsync only
-//! when no other call is in flight.
+//! as a batch of one, when no batch or checkpoint is being written (the writer's lock
+//! and the ledger's are free): a settlement or refund, which waits for no fsync, and a
+//! reservation when the ledger holds no other live reservation (a call alone), fsync
+//! included. Handing these to the writer thread and back took two wake-ups each, four
+//! a call (issue 15). Such an operation may pass operations already queued: arrival
+//! order holds within a batch. The fsync of a reservation written so blocks the whole
+//! serving thread (`flexway serve` runs one single-threaded runtime per core), every
+//! connection on it included, for as long as the disk takes; it happens only when no
+//! other budgeted call is in flight in the process, so no other call's reservation
+//! waits behind it, but unbudgeted requests and open streams on that thread do. Under
+//! concurrency a reservation goes through the queue, where it shares its fsync with
+//! the others'.
 //!
 //! A call pays one fsync, and a small one: a batch holding a reservation, an intent or
 //! a sweep is answered once its journal line is on disk (`fdatasync`: one short write,
@@ -25,7 +31,8 @@
 //! lose, and the next synced line or checkpoint carries it to the disk. A checkpoint
 //! writes what changed since the last one into the redb file (one durable commit) and
 //! empties the journal: every [`CHECKPOINT_EVERY`] while the journal holds anything,
-//! past [`CHECKPOINT_BYTES`] of journal, and at close. `open` loads the file and replays
+//! past [`CHECKPOINT_BYTES`] of journal (looked at after each of the writer thread's
+//! batches and every second), and at close. `open` loads the file and replays
 //! what a dead process left in the journal: a line sets values, so replaying it twice
 //! changes nothing.
 //!
@@ -178,18 +185,23 @@ impl EmbeddedBudgetStore {
         answer.await.map_err(|_| backend("ledger writer stopped before answering"))?
     }
 
-    /// A settlement, or a reservation while the ledger holds no other.
+    /// A settlement, or a reservation while the ledger holds no other. Never waits for
+    /// a lock: a checkpoint holds the ledger's through a durable commit.
     fn written_here(&self, job: &Job) -> bool {
         match job {
             Job::Settle { .. } => true,
-            Job::Reserve { .. } => self.ledger.read().is_ok_and(|ledger| ledger.live == 0),
+            Job::Reserve { .. } => self.ledger.try_read().is_ok_and(|ledger| ledger.live == 0),
             Job::Intent { .. } | Job::Sweep { .. } => false,
         }
     }
 
     /// Writes `job` as a batch of its own if no batch is being written; else gives it
-    /// back, for the queue.
+    /// back, for the queue. A writer thread that died leaves the journal without its
+    /// checkpoints: every operation then fails, as it would in the queue.
     fn write_here(&self, job: Job) -> Option<Job> {
+        if self.thread.as_ref().is_none_or(JoinHandle::is_finished) {
+            return Some(job);
+        }
         let mut writer = match self.writer.try_lock() {
             Ok(writer) => writer,
             Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
@@ -225,7 +237,7 @@ impl BudgetStore for EmbeddedBudgetStore {
         self.submit(|reply| Job::Reserve { request, reply }).await
     }
 
-    /// The reservation is read by the writer: the stored one decides.
+    /// The reservation is read by whoever writes the batch: the stored one decides.
     async fn settle(
         &self,
         reservation: &Reservation,
@@ -365,8 +377,7 @@ fn write_loop(writer: &Mutex<Writer>, ledger: &RwLock<Ledger>, queue: &mpsc::Rec
     let mut checkpointed = Instant::now();
     loop {
         // Callers write into the journal too, without waking this thread: it looks
-        // every period whether the journal holds anything to checkpoint, and takes the
-        // lock only then or for a batch.
+        // every period whether the journal holds anything to checkpoint.
         let wait = CHECKPOINT_EVERY.saturating_sub(checkpointed.elapsed());
         let first = match queue.recv_timeout(wait) {
             Ok(job) => Some(job),
@@ -552,8 +563,11 @@ impl Ledger {
                 Some(reservation) => self.reservations.insert(request_id.clone(), Ok(reservation.clone())),
                 None => self.reservations.remove(request_id),
             };
-            let live = is_live(self.reservations.get(request_id));
-            self.live = self.live + usize::from(live) - usize::from(was_live);
+            match (was_live, is_live(self.reservations.get(request_id))) {
+                (false, true) => self.live += 1,
+                (true, false) => self.live = self.live.saturating_sub(1),
+                _ => {}
+            }
             self.changed_reservations.insert(request_id.clone());
         }
     }
