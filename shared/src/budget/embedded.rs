@@ -559,11 +559,12 @@ impl Ledger {
         }
         for (request_id, reservation) in &effects.reservations {
             let was_live = is_live(self.reservations.get(request_id));
+            let now_live = reservation.as_ref().is_some_and(|r| !r.swept);
             match reservation {
                 Some(reservation) => self.reservations.insert(request_id.clone(), Ok(reservation.clone())),
                 None => self.reservations.remove(request_id),
             };
-            match (was_live, is_live(self.reservations.get(request_id))) {
+            match (was_live, now_live) {
                 (false, true) => self.live += 1,
                 (true, false) => self.live = self.live.saturating_sub(1),
                 _ => {}

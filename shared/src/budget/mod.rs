@@ -50,15 +50,7 @@ impl CounterKey {
 
     /// The key of the period whose [`Period::stamp`] is `stamp`.
     pub fn stamped(tenant: &str, agent: Option<&str>, unit: Unit, period: Period, stamp: &str) -> Self {
-        let parts = [tenant, agent.unwrap_or("*"), unit.as_str(), period.as_str(), stamp];
-        let mut key = String::with_capacity(parts.iter().map(|p| p.len() + 1).sum());
-        for (i, part) in parts.iter().enumerate() {
-            if i > 0 {
-                key.push('/');
-            }
-            key.push_str(part);
-        }
-        CounterKey(key)
+        CounterKey([tenant, agent.unwrap_or("*"), unit.as_str(), period.as_str(), stamp].join("/"))
     }
 
     pub fn as_str(&self) -> &str {

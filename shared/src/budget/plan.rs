@@ -77,8 +77,7 @@ pub fn budgets_for(config: &Config, tenant: &TenantId, agent: Option<&str>, now:
     let Some(t) = config.tenants.get(tenant) else {
         return out;
     };
-    // Each period's stamp and end once, for every budget of the call.
-    let periods = [Period::Day, Period::Month].map(|p| (p, p.stamp(now), p.end(now)));
+    let periods = Periods::at(now);
     push_scope(&mut out, tenant.as_str(), None, &t.budgets, &periods);
     if let Some((name, a)) = agent.and_then(|name| t.agents.get_key_value(name))
         && a.budgets != Budgets::default()
@@ -88,13 +87,28 @@ pub fn budgets_for(config: &Config, tenant: &TenantId, agent: Option<&str>, now:
     out
 }
 
-fn push_scope(
-    out: &mut Vec<Budget>,
-    tenant: &str,
-    agent: Option<&str>,
-    budgets: &Budgets,
-    periods: &[(Period, String, u64); 2],
-) {
+/// Each period's stamp and end at one instant, computed once for every budget of a
+/// call.
+struct Periods {
+    day: (String, u64),
+    month: (String, u64),
+}
+
+impl Periods {
+    fn at(now: u64) -> Self {
+        let of = |p: Period| (p.stamp(now), p.end(now));
+        Periods { day: of(Period::Day), month: of(Period::Month) }
+    }
+
+    fn of(&self, period: Period) -> &(String, u64) {
+        match period {
+            Period::Day => &self.day,
+            Period::Month => &self.month,
+        }
+    }
+}
+
+fn push_scope(out: &mut Vec<Budget>, tenant: &str, agent: Option<&str>, budgets: &Budgets, periods: &Periods) {
     let who = match agent {
         Some(agent) => format!("agent {tenant}/{agent}"),
         None => format!("tenant {tenant}"),
@@ -105,9 +119,7 @@ fn push_scope(
         ("eur_per_month", Unit::MicroEur, Period::Month, budgets.eur_per_month.map(|m| m.0)),
     ];
     for (kind, unit, period, limit) in kinds {
-        let Some((_, stamp, end)) = periods.iter().find(|(p, _, _)| *p == period) else {
-            continue;
-        };
+        let (stamp, end) = periods.of(period);
         out.push(Budget {
             name: [who.as_str(), " ", kind].concat(),
             key: CounterKey::stamped(tenant, agent, unit, period, stamp),
@@ -216,7 +228,7 @@ mod tests {
     fn a_scopes_budgets_are_named_and_keyed_by_their_period() {
         let now = 1_764_590_400; // 2025-12-01T12:00:00Z
         let budgets = Budgets { tokens_per_day: Some(10), eur_per_month: Some(MicroEur(5)), ..Budgets::default() };
-        let periods = [Period::Day, Period::Month].map(|p| (p, p.stamp(now), p.end(now)));
+        let periods = Periods::at(now);
         let mut out = Vec::new();
         push_scope(&mut out, "acme", Some("bot"), &budgets, &periods);
         let seen: Vec<(&str, &str, Option<u64>, u64)> =

@@ -351,9 +351,8 @@ impl Upstreams {
     /// Every endpoint backend's client, from its secrets resolved in `secrets`.
     pub fn new(config: &Config, secrets: &Resolved) -> Result<Self, SetupError> {
         let threads = SERVING_THREADS.load(Ordering::Relaxed);
-        let shared = (0..threads)
-            .map(|_| tls_config(public_roots(), None).map(http_client).map_err(|e| SetupError::Client(e.to_string())))
-            .collect::<Result<Vec<_>, _>>()?;
+        let tls = tls_config(public_roots(), None).map_err(|e| SetupError::Client(e.to_string()))?;
+        let shared: Vec<Http> = (0..threads).map(|_| http_client(tls.clone())).collect();
         let mut clients = HashMap::new();
         for (name, backend) in &config.ai.backends {
             let Some(endpoint) = backend.kind.endpoint() else {
