@@ -870,6 +870,52 @@ mod tests {
         assert_eq!(replayed.reservations.keys().collect::<HashSet<_>>(), HashSet::from([&"r3".to_owned()]));
     }
 
+    /// The caller writes its own reservation only while no other is live; settlements
+    /// always. The live count follows puts, sweeps and removals, and the file.
+    #[tokio::test]
+    async fn a_reservation_is_written_by_its_caller_only_while_no_other_is_live() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedBudgetStore::open(dir.path()).unwrap();
+        let (alone, _) = reserve("alone", 10, 100);
+        assert!(store.written_here(&alone));
+        let request = ReserveRequest {
+            request_id: "held".into(),
+            lines: vec![Line { key: key("a"), amount: 10, limit: Some(100) }],
+            expires_at: u64::MAX,
+        };
+        store.reserve(&request).await.unwrap();
+        let (second, _) = reserve("second", 10, 100);
+        assert!(!store.written_here(&second), "another call holds a reservation");
+        assert!(store.written_here(&settle("held", 4).0));
+        store.settle(&Reservation { request_id: "held".into(), lines: vec![(key("a"), 10)] }, &[]).await.unwrap();
+        assert!(store.written_here(&second));
+
+        let reservation = |swept| StoredReservation { lines: vec![], expires_at: 0, swept, intent: None };
+        let effects = |id: &str, stored: Option<StoredReservation>| Effects {
+            counters: vec![],
+            reservations: vec![(id.to_owned(), stored)],
+        };
+        let mut ledger = Ledger::default();
+        ledger.apply(&effects("x", Some(reservation(false))));
+        ledger.apply(&effects("y", Some(reservation(false))));
+        ledger.apply(&effects("x", Some(reservation(false))));
+        assert_eq!(ledger.live, 2, "a put over a live one counts once");
+        ledger.apply(&effects("x", Some(reservation(true))));
+        assert_eq!(ledger.live, 1, "swept");
+        ledger.apply(&effects("x", None));
+        ledger.apply(&effects("y", None));
+        assert_eq!(ledger.live, 0);
+        ledger.apply(&effects("z", None));
+        assert_eq!(ledger.live, 0, "removing what is not there");
+
+        // Reopened, a reservation the file holds is live.
+        store.reserve(&ReserveRequest { request_id: "kept".into(), ..request }).await.unwrap();
+        drop(store);
+        let reopened = EmbeddedBudgetStore::open(dir.path()).unwrap();
+        assert_eq!(reopened.ledger.read().unwrap().live, 1);
+        assert!(!reopened.written_here(&reserve("next", 1, 100).0));
+    }
+
     /// An operation's writes reach the batch only when it applied.
     #[test]
     fn an_operation_that_fails_leaves_nothing() {
