@@ -2,14 +2,15 @@
 //! loopback TLS server that requires a client certificate, every certificate made at
 //! test time. The right certificate passes; a certificate the backend does not accept,
 //! a wrong CA or no `tls` at all is a 503 whose message names the TLS failure, and no
-//! message or log line carries the private key.
+//! message or log line carries the private key. A backend whose TLS offers `h2` is
+//! called over HTTP/2.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use common::*;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -55,11 +56,21 @@ impl Authority {
 /// The fake model's OpenAI surface over TLS on loopback, for clients whose certificate
 /// `clients` signed; a client without one is refused in the handshake.
 async fn tls_backend(server: &Leaf, clients: &Authority) -> SocketAddr {
+    tls_backend_offering(server, clients, &[]).await.0
+}
+
+/// The same, offering `alpn` in the handshake; with the HTTP version of every request
+/// it served.
+async fn tls_backend_offering(
+    server: &Leaf,
+    clients: &Authority,
+    alpn: &[&[u8]],
+) -> (SocketAddr, Arc<Mutex<Vec<axum::http::Version>>>) {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();
     roots.add(CertificateDer::from_pem_slice(clients.pem().as_bytes()).unwrap()).unwrap();
     let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone()).build().unwrap();
-    let config = rustls::ServerConfig::builder_with_provider(provider)
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .unwrap()
         .with_client_cert_verifier(verifier)
@@ -68,24 +79,33 @@ async fn tls_backend(server: &Leaf, clients: &Authority) -> SocketAddr {
             PrivateKeyDer::from_pem_slice(server.key.as_bytes()).unwrap(),
         )
         .unwrap();
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let versions = Arc::new(Mutex::new(Vec::new()));
+    let seen = versions.clone();
+    let router = fake_model::router().layer(axum::middleware::from_fn(
+        move |request: axum::extract::Request, next: axum::middleware::Next| {
+            seen.lock().unwrap().push(request.version());
+            next.run(request)
+        },
+    ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         loop {
             let Ok((tcp, _)) = listener.accept().await else { return };
-            let acceptor = acceptor.clone();
+            let (acceptor, router) = (acceptor.clone(), router.clone());
             tokio::spawn(async move {
                 let tls = match acceptor.accept(tcp).into_fallible().await {
                     Ok(tls) => tls,
                     Err((_, tcp)) => return linger(tcp).await,
                 };
-                let service = TowerToHyperService::new(fake_model::router());
+                let service = TowerToHyperService::new(router);
                 let _ = auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(tls), service).await;
             });
         }
     });
-    addr
+    (addr, versions)
 }
 
 /// A refused handshake's close, as servers in the field make it (nginx's
@@ -152,7 +172,7 @@ async fn refused(gw: &Flexway) -> (u16, String, String) {
 #[tokio::test]
 async fn the_right_client_certificate_passes() {
     let pki = pki();
-    let addr = tls_backend(&pki.server, &pki.ca).await;
+    let (addr, versions) = tls_backend_offering(&pki.server, &pki.ca, &[]).await;
     let dir = tempfile::tempdir().unwrap();
     let tls = format!(
         "{{cert: '{}', key: 'env:CLIENT_KEY', ca: '{}'}}",
@@ -164,6 +184,27 @@ async fn the_right_client_certificate_passes() {
     assert_eq!(response.status(), 200);
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["object"], "chat.completion", "{body}");
+    assert_eq!(*versions.lock().unwrap(), [axum::http::Version::HTTP_11], "no ALPN offered: HTTP/1.1");
+}
+
+/// A backend whose TLS offers HTTP/2 (ALPN `h2`) is called over HTTP/2
+/// (docs/operations.md).
+#[tokio::test]
+async fn a_backend_whose_tls_offers_h2_is_called_over_http2() {
+    let pki = pki();
+    let (addr, versions) = tls_backend_offering(&pki.server, &pki.ca, &[b"h2", b"http/1.1"]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let tls = format!(
+        "{{cert: '{}', key: 'env:CLIENT_KEY', ca: '{}'}}",
+        write(dir.path(), "client.pem", &pki.client.cert),
+        write(dir.path(), "ca.pem", &pki.ca.pem())
+    );
+    let gw = Flexway::start_with_env(&mtls_config(addr, Some(tls)), &[("CLIENT_KEY", &pki.client.key)]);
+    for _ in 0..2 {
+        let response = gw.chat(KEY, hello("m")).await;
+        assert_eq!(response.status(), 200);
+    }
+    assert_eq!(*versions.lock().unwrap(), [axum::http::Version::HTTP_2; 2]);
 }
 
 #[tokio::test]
