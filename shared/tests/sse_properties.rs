@@ -134,3 +134,28 @@ async fn a_stalled_stream_is_a_timeout() {
     let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
     assert_eq!(events.next(deadline).await.unwrap_err(), Fault::Timeout);
 }
+
+/// Trailers (an HTTP/2 backend may send them after its data) are skipped: the data on
+/// either side of them is read, whole or as events.
+#[tokio::test]
+async fn trailers_between_data_are_skipped() {
+    let frames = || {
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("x-trailer", http::HeaderValue::from_static("1"));
+        let frames = [
+            Frame::data(Bytes::from_static(b"data: one\n\n")),
+            Frame::trailers(trailers),
+            Frame::data(Bytes::from_static(b"data: two\n\n")),
+        ];
+        StreamBody::new(futures_util::stream::iter(frames.map(Ok::<_, std::io::Error>)))
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let whole = flexway::upstream::body::read_whole(frames(), 1024, deadline).await.unwrap();
+    assert_eq!(&whole[..], b"data: one\n\ndata: two\n\n");
+    let mut events = Events::new(frames(), 1024);
+    let mut data = Vec::new();
+    while let Some(event) = events.next(deadline).await.unwrap() {
+        data.push(event.data);
+    }
+    assert_eq!(data, ["one", "two"]);
+}
