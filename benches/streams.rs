@@ -15,10 +15,16 @@
 //! (HTTP/1.1): the gateway holds 10,000 upstream sockets, the bench process 10,000 of
 //! the fake server's, under this machine's limit of 20,000 open files a process that
 //! HTTP/1.1 on both sides would pass.
+//! 3. the same streams to the fake server behind TLS offering HTTP/2 (ALPN `h2`, as
+//!    hosted models' APIs do), allowing `BENCH_H2_MAX_STREAMS` streams a connection
+//!    (250 by default, Go's servers'), through a second `flexway serve`: the calls
+//!    share connections, more of them as the calls in flight need. `BENCH_H2=0`
+//!    skips it.
 //!
 //! Figures are printed, never asserted.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout, clippy::panic)]
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod common;
@@ -71,12 +77,63 @@ async fn run() {
         pct(&via, 99.0) - pct(&direct, 99.0)
     );
 
+    let run = concurrently(&gateway, KEY, concurrent).await;
+    println!("{concurrent} concurrent streams of 20 chunks {chunk_ms} ms apart through the gateway");
+    run.print(chunk_ms);
+    println!("  gateway process peak memory: {}", process.peak_memory());
+    drop(process);
+
+    // The same streams to a backend that speaks HTTP/2 (TLS, ALPN), as hosted models'
+    // APIs do: the calls share each serving thread's connection to it.
+    if std::env::var("BENCH_H2").is_ok_and(|v| v == "0") {
+        return;
+    }
+    let max_streams = env_or("BENCH_H2_MAX_STREAMS", 250) as u32;
+    let tls = h2_backend(max_streams).await;
+    let scenario = Scenario { chunks: Some(20), chunk_delay_ms: Some(chunk_ms), ..Default::default() };
+    let url = format!("https://localhost:{}/s/{scenario}/v1", tls.port);
+    let yaml = format!(
+        "version: 1\nstore: {{kind: memory}}\naudit: {{sink: file, path: audit.jsonl}}\ntenants:\n  bench:\n    keys: [{{sha256: {}}}]\nai:\n  default_backend: h2\n  backends:\n    h2:\n      url: \"{url}\"\n      tls: {{ca: \"file:{ca}\", cert: \"file:{cert}\", key: \"file:{key}\"}}\n",
+        hex::encode(Sha256::digest(KEY)),
+        ca = tls.ca.display(),
+        cert = tls.cert.display(),
+        key = tls.key.display(),
+    );
+    let process = common::Gateway::start(&yaml);
+    let run = concurrently(&process.url, KEY, concurrent).await;
+    println!(
+        "{concurrent} concurrent streams, the same, to a backend over HTTP/2 (TLS, ALPN h2; it allows {max_streams} streams a connection)"
+    );
+    run.print(chunk_ms);
+    println!("  gateway process peak memory: {}", process.peak_memory());
+}
+
+struct Run {
+    completed: usize,
+    concurrent: usize,
+    elapsed: Duration,
+    worst_gap: Duration,
+}
+
+impl Run {
+    fn print(&self, chunk_ms: u64) {
+        println!("  completed {}/{} in {:.2} s", self.completed, self.concurrent, self.elapsed.as_secs_f64());
+        println!(
+            "  longest gap between two chunks of one stream: {} ms (the backend paces {chunk_ms} ms)",
+            self.worst_gap.as_millis()
+        );
+    }
+}
+
+/// `concurrent` streams at once through the gateway at `base`, HTTP/2 from the
+/// clients, [`STREAMS_PER_CONNECTION`] to a connection.
+async fn concurrently(base: &str, key: &'static str, concurrent: usize) -> Run {
     let connections: Vec<_> = (0..concurrent.div_ceil(STREAMS_PER_CONNECTION))
         .map(|_| reqwest::Client::builder().http2_prior_knowledge().build().unwrap())
         .collect();
     let started = Instant::now();
     let tasks: Vec<_> = (0..concurrent)
-        .map(|i| tokio::spawn(stream_once(connections[i / STREAMS_PER_CONNECTION].clone(), gateway.clone())))
+        .map(|i| tokio::spawn(stream_once(connections[i / STREAMS_PER_CONNECTION].clone(), base.to_owned(), key)))
         .collect();
     let mut completed = 0;
     let mut worst_gap = Duration::ZERO;
@@ -86,13 +143,72 @@ async fn run() {
             worst_gap = worst_gap.max(gap);
         }
     }
-    println!("{concurrent} concurrent streams of 20 chunks {chunk_ms} ms apart through the gateway");
-    println!("  completed {completed}/{concurrent} in {:.2} s", started.elapsed().as_secs_f64());
-    println!(
-        "  longest gap between two chunks of one stream: {} ms (the backend paces {chunk_ms} ms)",
-        worst_gap.as_millis()
-    );
-    println!("  gateway process peak memory: {}", process.peak_memory());
+    Run { completed, concurrent, elapsed: started.elapsed(), worst_gap }
+}
+
+/// The fake model over TLS on loopback (a certificate for `localhost` from a CA made
+/// here), offering HTTP/2 by ALPN and allowing `max_streams` streams a connection.
+struct TlsBackend {
+    port: u16,
+    ca: std::path::PathBuf,
+    cert: std::path::PathBuf,
+    key: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+async fn h2_backend(max_streams: u32) -> TlsBackend {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use hyper_util::server::conn::auto;
+    use hyper_util::service::TowerToHyperService;
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let authority = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
+    let leaf = |names: Vec<String>| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(names).unwrap().signed_by(&key, &authority).unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = leaf(vec!["localhost".to_owned()]);
+    let (client_cert, client_key) = leaf(vec!["flexway".to_owned()]);
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let (ca, cert, key) =
+        (write("ca.pem", &authority.pem()), write("client.pem", &client_cert), write("client.key", &client_key));
+
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![CertificateDer::from_pem_slice(server_cert.as_bytes()).unwrap()],
+            PrivateKeyDer::from_pem_slice(server_key.as_bytes()).unwrap(),
+        )
+        .unwrap();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else { return };
+                let mut builder = auto::Builder::new(TokioExecutor::new());
+                builder.http2().max_concurrent_streams(max_streams);
+                let service = TowerToHyperService::new(fake_model::router());
+                let _ = builder.serve_connection(TokioIo::new(tls), service).await;
+            });
+        }
+    });
+    TlsBackend { port, ca, cert, key, _dir: dir }
 }
 
 fn body() -> serde_json::Value {
@@ -116,8 +232,8 @@ async fn first_bytes(client: &reqwest::Client, base: &str, count: usize) -> Vec<
 }
 
 /// Reads one stream to its end; the longest wait between two chunks, or None if it failed.
-async fn stream_once(client: reqwest::Client, base: String) -> Option<Duration> {
-    let response = client.post(format!("{base}/chat/completions")).bearer_auth(KEY).json(&body()).send().await.ok()?;
+async fn stream_once(client: reqwest::Client, base: String, key: &str) -> Option<Duration> {
+    let response = client.post(format!("{base}/chat/completions")).bearer_auth(key).json(&body()).send().await.ok()?;
     if !response.status().is_success() {
         return None;
     }

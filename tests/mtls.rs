@@ -3,14 +3,16 @@
 //! test time. The right certificate passes; a certificate the backend does not accept,
 //! a wrong CA or no `tls` at all is a 503 whose message names the TLS failure, and no
 //! message or log line carries the private key. A backend whose TLS offers `h2` is
-//! called over HTTP/2.
+//! called over HTTP/2, on as many connections as the calls in flight need.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use common::*;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -56,7 +58,7 @@ impl Authority {
 /// The fake model's OpenAI surface over TLS on loopback, for clients whose certificate
 /// `clients` signed; a client without one is refused in the handshake.
 async fn tls_backend(server: &Leaf, clients: &Authority) -> SocketAddr {
-    tls_backend_offering(server, clients, &[]).await.0
+    tls_backend_offering(server, clients, &[], 200).await.0
 }
 
 /// The same, offering `alpn` in the handshake; with the HTTP version of every request
@@ -65,7 +67,8 @@ async fn tls_backend_offering(
     server: &Leaf,
     clients: &Authority,
     alpn: &[&[u8]],
-) -> (SocketAddr, Arc<Mutex<Vec<axum::http::Version>>>) {
+    max_streams: u32,
+) -> (SocketAddr, Arc<Mutex<Vec<axum::http::Version>>>, Arc<AtomicUsize>) {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();
     roots.add(CertificateDer::from_pem_slice(clients.pem().as_bytes()).unwrap()).unwrap();
@@ -91,9 +94,12 @@ async fn tls_backend_offering(
     ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let accepted = connections.clone();
     tokio::spawn(async move {
         loop {
             let Ok((tcp, _)) = listener.accept().await else { return };
+            accepted.fetch_add(1, Ordering::Relaxed);
             let (acceptor, router) = (acceptor.clone(), router.clone());
             tokio::spawn(async move {
                 let tls = match acceptor.accept(tcp).into_fallible().await {
@@ -101,11 +107,13 @@ async fn tls_backend_offering(
                     Err((_, tcp)) => return linger(tcp).await,
                 };
                 let service = TowerToHyperService::new(router);
-                let _ = auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(tls), service).await;
+                let mut builder = auto::Builder::new(TokioExecutor::new());
+                builder.http2().max_concurrent_streams(max_streams);
+                let _ = builder.serve_connection(TokioIo::new(tls), service).await;
             });
         }
     });
-    (addr, versions)
+    (addr, versions, connections)
 }
 
 /// A refused handshake's close, as servers in the field make it (nginx's
@@ -172,7 +180,7 @@ async fn refused(gw: &Flexway) -> (u16, String, String) {
 #[tokio::test]
 async fn the_right_client_certificate_passes() {
     let pki = pki();
-    let (addr, versions) = tls_backend_offering(&pki.server, &pki.ca, &[]).await;
+    let (addr, versions, _) = tls_backend_offering(&pki.server, &pki.ca, &[], 200).await;
     let dir = tempfile::tempdir().unwrap();
     let tls = format!(
         "{{cert: '{}', key: 'env:CLIENT_KEY', ca: '{}'}}",
@@ -192,7 +200,7 @@ async fn the_right_client_certificate_passes() {
 #[tokio::test]
 async fn a_backend_whose_tls_offers_h2_is_called_over_http2() {
     let pki = pki();
-    let (addr, versions) = tls_backend_offering(&pki.server, &pki.ca, &[b"h2", b"http/1.1"]).await;
+    let (addr, versions, _) = tls_backend_offering(&pki.server, &pki.ca, &[b"h2", b"http/1.1"], 200).await;
     let dir = tempfile::tempdir().unwrap();
     let tls = format!(
         "{{cert: '{}', key: 'env:CLIENT_KEY', ca: '{}'}}",
@@ -205,6 +213,59 @@ async fn a_backend_whose_tls_offers_h2_is_called_over_http2() {
         assert_eq!(response.status(), 200);
     }
     assert_eq!(*versions.lock().unwrap(), [axum::http::Version::HTTP_2; 2]);
+}
+
+/// A server takes only so many streams on one HTTP/2 connection (here 100, the floor
+/// RFC 9113 asks for). More calls at once than one connection takes go out on more
+/// connections (upstream/mod.rs, lanes): without them, each serving thread would carry
+/// at most 100 calls at once to this backend and the rest would wait, here for ever,
+/// since every stream stalls after its first content chunk.
+#[tokio::test(flavor = "multi_thread")]
+async fn more_calls_at_once_than_one_http2_connection_takes_go_out_on_more_connections() {
+    let pki = pki();
+    let (addr, _, connections) = tls_backend_offering(&pki.server, &pki.ca, &[b"h2"], 100).await;
+    let dir = tempfile::tempdir().unwrap();
+    let tls = format!(
+        "{{cert: '{}', key: 'env:CLIENT_KEY', ca: '{}'}}",
+        write(dir.path(), "client.pem", &pki.client.cert),
+        write(dir.path(), "ca.pem", &pki.ca.pem())
+    );
+    let yaml = config(&format!(
+        "  default_backend: main\n  backends:\n    main:\n      url: https://localhost:{}/s/stall_after=1/v1\n      timeout: 60s\n      tls: {tls}\n",
+        addr.port()
+    ));
+    let gw = Arc::new(Flexway::start_with_env(&yaml, &[("CLIENT_KEY", &pki.client.key)]));
+    // More than the serving threads (one a core) could carry on one connection each.
+    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let calls = 100 * threads + 50;
+    let (started, mut arrivals) = tokio::sync::mpsc::channel::<()>(calls);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    for _ in 0..calls {
+        let (gw, started, mut stopped) = (gw.clone(), started.clone(), stopped.clone());
+        tokio::spawn(async move {
+            let mut body = hello("m");
+            body["stream"] = true.into();
+            let response = gw.chat(KEY, body).await;
+            assert_eq!(response.status(), 200);
+            let mut chunks = response.bytes_stream();
+            // The gateway answers once the backend's first content chunk has come.
+            assert!(futures_util::StreamExt::next(&mut chunks).await.is_some());
+            started.send(()).await.unwrap();
+            let _ = stopped.wait_for(|stop| *stop).await;
+        });
+    }
+    let mut open = 0;
+    let all = tokio::time::timeout(Duration::from_secs(20), async {
+        while open < calls {
+            arrivals.recv().await.unwrap();
+            open += 1;
+        }
+    })
+    .await;
+    stop.send(true).unwrap();
+    assert!(all.is_ok(), "{open} of {calls} streams open at once");
+    let opened = connections.load(Ordering::Relaxed);
+    assert!(opened >= calls.div_ceil(100), "{opened} connections for {calls} streams at once");
 }
 
 #[tokio::test]

@@ -9,7 +9,7 @@
 
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
-use hyper::body::{Body, Incoming};
+use hyper::body::Body;
 use tokio::time::{Instant, timeout_at};
 
 use crate::protocol::sse::{Event, Splitter};
@@ -86,7 +86,7 @@ where
 
 /// A backend's server-sent events, one at a time, from its body (`B`: a backend's
 /// answer, or any body in tests).
-pub struct Events<B = Incoming> {
+pub struct Events<B = super::AnswerBody> {
     body: B,
     splitter: Splitter,
     max_event: usize,
