@@ -207,7 +207,9 @@ pub(super) fn stream(gateway: Arc<Gateway>, stream: Stream, mut draft: Draft) ->
             StreamEnd::Done | StreamEnd::ClientGone | StreamEnd::Deadline => Outcome::Success,
         };
         gateway.breakers.record(&backend, health, Instant::now());
-        settle.finish(&gateway, &outcome, draft).await;
+        // Boxed, as the rare ends below: the task's own size is what each open stream
+        // holds while it waits for the next event.
+        Box::pin(settle.finish(&gateway, &outcome, draft)).await;
         drop(tx);
     };
     tokio::spawn(pumping.instrument(tracing::Span::current()));
@@ -247,7 +249,7 @@ async fn pump(
         match send(tx, raw, cutoff).await {
             Sent::Yes => {}
             Sent::ClientGone => return ended(outcome, StreamEnd::ClientGone),
-            Sent::Deadline => return deadline(outcome, &mut events, tx).await,
+            Sent::Deadline => return Box::pin(deadline(outcome, &mut events, tx)).await,
         }
     }
     if done {
@@ -257,16 +259,16 @@ async fn pump(
         let idle = tokio::time::Instant::now() + idle_timeout;
         let step = match events.next(cutoff.map_or(idle, |c| c.min(idle)), &mut outcome).await {
             Ok(Some(step)) => step,
-            Ok(None) => return broken(outcome, &mut events, tx, ended_early()).await,
-            Err(Fault::Timeout) if past_cutoff() => return deadline(outcome, &mut events, tx).await,
-            Err(fault) => return broken(outcome, &mut events, tx, fault).await,
+            Ok(None) => return Box::pin(broken(outcome, &mut events, tx, ended_early())).await,
+            Err(Fault::Timeout) if past_cutoff() => return Box::pin(deadline(outcome, &mut events, tx)).await,
+            Err(fault) => return Box::pin(broken(outcome, &mut events, tx, fault)).await,
         };
         if !step.out.is_empty() {
             draft.first_byte();
             match send(tx, step.out, cutoff).await {
                 Sent::Yes => {}
                 Sent::ClientGone => return ended(outcome, StreamEnd::ClientGone),
-                Sent::Deadline => return deadline(outcome, &mut events, tx).await,
+                Sent::Deadline => return Box::pin(deadline(outcome, &mut events, tx)).await,
             }
         }
         if step.done {
