@@ -313,6 +313,43 @@ async fn streams_frame_by_frame_in_all_four_shapes() {
     assert_eq!(costs, [expected, upload_cost, 1_000]);
 }
 
+/// A server takes only so many streams on one HTTP/2 connection (here 100). More calls
+/// at once than that go out on another connection (upstream/lanes.rs) instead of
+/// queueing in hyper until a stream ends: here they would wait for the whole test, as
+/// every call's one page comes a minute later.
+#[tokio::test(flavor = "multi_thread")]
+async fn more_calls_at_once_than_one_connection_takes_go_out_on_another() {
+    let upstream = FakeOcr::start_allowing(Some(100)).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = grpc_config(&descriptor_file(dir.path()), &upstream.url(), "{}", false, "{sink: stdout}");
+    let flexway = Flexway::start(&config);
+    let ocr = client(&flexway.url).await;
+    let calls = 150;
+    let (started, mut arrivals) = tokio::sync::mpsc::channel::<()>(calls);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    for _ in 0..calls {
+        let (mut ocr, started, mut stopped) = (ocr.clone(), started.clone(), stopped.clone());
+        tokio::spawn(async move {
+            let request = Image { count: 1, delay_ms: 60_000, ..Default::default() };
+            let pages = ocr.pages(authed(request, KEY)).await.unwrap();
+            started.send(()).await.unwrap();
+            let _ = stopped.wait_for(|stop| *stop).await;
+            drop(pages);
+        });
+    }
+    let mut open = 0;
+    let all = tokio::time::timeout(Duration::from_secs(20), async {
+        while open < calls {
+            arrivals.recv().await.unwrap();
+            open += 1;
+        }
+    })
+    .await;
+    stop.send(true).unwrap();
+    assert!(all.is_ok(), "{open} of {calls} calls open at once");
+    assert!(upstream.connections() >= 2, "{} connection(s) for {calls} calls at once", upstream.connections());
+}
+
 fn micro_to_eur(micro: u64) -> String {
     format!("{}.{:06}", micro / 1_000_000, micro % 1_000_000)
 }

@@ -185,7 +185,7 @@ pub(super) async fn handle(gateway: Arc<Gateway>, request_id: RequestId, request
 
 /// An answered call, and what relays its body.
 struct Proxied {
-    response: http::Response<hyper::body::Incoming>,
+    response: http::Response<crate::upstream::AnswerBody>,
     relay: Relay,
 }
 
@@ -669,7 +669,7 @@ impl Drop for Ending {
 struct Relaying {
     /// The upstream's answer; dropped as soon as the call ends, so that its stream is
     /// released at once rather than when the client's response is.
-    body: Option<hyper::body::Incoming>,
+    body: Option<crate::upstream::AnswerBody>,
     counter: MessageCounter,
     ending: Ending,
     flavor: Flavor,
@@ -679,7 +679,7 @@ struct Relaying {
 }
 
 impl Relay {
-    fn respond(self, upstream: http::Response<hyper::body::Incoming>, draft: Draft) -> Response {
+    fn respond(self, upstream: http::Response<crate::upstream::AnswerBody>, draft: Draft) -> Response {
         let (parts, body) = upstream.into_parts();
         let mut response = Response::new(Body::empty());
         for (name, value) in &parts.headers {

@@ -24,25 +24,20 @@
 //! backend's own `tls.ca`), HTTP/2 when TLS negotiates it. It follows no redirect and
 //! retries nothing but a request that a pooled connection closed before it was sent.
 //!
-//! Its pool keeps one HTTP/2 connection to a backend, and a server takes only so many
-//! streams on one connection (its `SETTINGS_MAX_CONCURRENT_STREAMS`: 128 for nginx
-//! and AWS's load balancers, 250 for Go's servers): past that, hyper queues the calls
-//! until a stream ends. So a serving thread calls through [`Lanes`]: one client, and
-//! another, with its own connections, whenever each one already has
-//! [`CALLS_PER_LANE`] calls in flight (100, the floor RFC 9113 asks servers to allow).
-//! A call holds its seat on a lane until its answer's body is dropped.
+//! Its pool keeps one HTTP/2 connection to a backend, whose server takes only so many
+//! streams on it: a serving thread calls through [`lanes`], one client and another
+//! with its own connections whenever each already has 100 calls in flight.
 
 pub mod body;
 pub mod grpc;
+pub mod lanes;
 pub mod realtime;
 
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -154,85 +149,8 @@ type Http = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 
 /// A backend's answer, its head read; `body.rs` reads the rest.
 pub type Answer = http::Response<AnswerBody>;
-
-/// The calls a lane carries at once before the next call takes another lane.
-pub const CALLS_PER_LANE: usize = 100;
-
-/// A serving thread's clients over one TLS configuration, each with its own pool (see
-/// the module docs). Lanes are added as calls in flight need them, never removed: an
-/// idle lane's connections close after the pool's idle timeout.
-struct Lanes {
-    tls: rustls::ClientConfig,
-    lanes: Mutex<Vec<Arc<Lane>>>,
-}
-
-struct Lane {
-    client: Http,
-    in_flight: AtomicUsize,
-}
-
-/// A call's place on a lane, given back when it is dropped.
-struct Seat(Arc<Lane>);
-
-impl Drop for Seat {
-    fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-impl Lanes {
-    fn new(tls: rustls::ClientConfig) -> Lanes {
-        let first = Arc::new(Lane { client: http_client(tls.clone()), in_flight: AtomicUsize::new(0) });
-        Lanes { tls, lanes: Mutex::new(vec![first]) }
-    }
-
-    /// A seat on the first lane with room, on a new lane when none has.
-    fn seat(&self) -> Seat {
-        let mut lanes = self.lanes.lock().unwrap_or_else(PoisonError::into_inner);
-        let lane = match lanes.iter().find(|lane| lane.in_flight.load(Ordering::Relaxed) < CALLS_PER_LANE) {
-            Some(lane) => lane.clone(),
-            None => {
-                let lane = Arc::new(Lane { client: http_client(self.tls.clone()), in_flight: AtomicUsize::new(0) });
-                lanes.push(lane.clone());
-                lane
-            }
-        };
-        lane.in_flight.fetch_add(1, Ordering::Relaxed);
-        Seat(lane)
-    }
-
-    #[cfg(test)]
-    fn count(&self) -> usize {
-        self.lanes.lock().unwrap_or_else(PoisonError::into_inner).len()
-    }
-}
-
-/// A backend's answer body, read as hyper gives it; the call keeps its seat on its
-/// lane while this lives.
-pub struct AnswerBody {
-    body: hyper::body::Incoming,
-    _seat: Seat,
-}
-
-impl hyper::body::Body for AnswerBody {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> hyper::body::SizeHint {
-        self.body.size_hint()
-    }
-}
+pub use lanes::AnswerBody;
+use lanes::Lanes;
 
 pub struct UpstreamClient {
     base: String,
@@ -305,7 +223,7 @@ impl RelayHeaders {
 /// credential, replaced together by a refresh.
 struct Live {
     /// One set of lanes per serving thread (see the module docs).
-    http: Vec<Arc<Lanes>>,
+    http: Vec<Arc<Lanes<Http>>>,
     credential: Credential,
     /// The values they were built from, to tell whether a refresh brought new ones.
     material: Material,
@@ -367,11 +285,11 @@ impl UpstreamClient {
         if let Some((name, value)) = live.credential.header()? {
             headers.insert(name, value);
         }
-        let seat = live.http[SERVING_THREAD.with(Cell::get) % live.http.len()].seat();
-        match tokio::time::timeout(self.timeout, seat.0.client.request(request)).await {
+        let (lane, seat) = live.http[SERVING_THREAD.with(Cell::get) % live.http.len()].seat();
+        match tokio::time::timeout(self.timeout, lane.client.request(request)).await {
             Err(_) => Err(CallError::Timeout(self.timeout)),
             Ok(Err(e)) => Err(send_error(&e)),
-            Ok(Ok(response)) => Ok(response.map(|body| AnswerBody { body, _seat: seat })),
+            Ok(Ok(response)) => Ok(response.map(|body| AnswerBody::new(body, seat))),
         }
     }
 }
@@ -441,7 +359,7 @@ impl Upstreams {
     pub fn new(config: &Config, secrets: &Resolved) -> Result<Self, SetupError> {
         let threads = SERVING_THREADS.load(Ordering::Relaxed);
         let tls = tls_config(public_roots(), None).map_err(|e| SetupError::Client(e.to_string()))?;
-        let shared: Vec<Arc<Lanes>> = (0..threads).map(|_| Arc::new(Lanes::new(tls.clone()))).collect();
+        let shared: Vec<Arc<Lanes<Http>>> = (0..threads).map(|_| lanes(tls.clone())).collect();
         let mut clients = HashMap::new();
         for (name, backend) in &config.ai.backends {
             let Some(endpoint) = backend.kind.endpoint() else {
@@ -537,7 +455,7 @@ impl Live {
         endpoint: &Endpoint,
         material: Material,
         previous: Option<&Live>,
-        keep: &[Arc<Lanes>],
+        keep: &[Arc<Lanes<Http>>],
     ) -> Result<Live, SetupError> {
         let http = match (&endpoint.tls, &material.tls) {
             (Some(tls), Some(pem)) if previous.is_none_or(|p| p.material.tls.as_ref() != Some(pem)) => {
@@ -570,6 +488,11 @@ fn http_client(tls: rustls::ClientConfig) -> Http {
         .build(connector)
 }
 
+/// Lanes of clients over `tls`.
+fn lanes(tls: rustls::ClientConfig) -> Arc<Lanes<Http>> {
+    Arc::new(Lanes::new(move || http_client(tls.clone())))
+}
+
 /// The roots a backend's certificate is checked against without a `tls.ca`.
 fn public_roots() -> rustls::RootCertStore {
     rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() }
@@ -592,7 +515,7 @@ fn tls_config(
 /// The backend's own client for mTLS: its client certificate and key, and its CA
 /// bundle in place of the system roots. Errors name the reference and what is wrong
 /// with its PEM, never the PEM (the key is a secret).
-fn tls_client(name: &BackendId, tls: &Tls, pem: &TlsMaterial) -> Result<Arc<Lanes>, SetupError> {
+fn tls_client(name: &BackendId, tls: &Tls, pem: &TlsMaterial) -> Result<Arc<Lanes<Http>>, SetupError> {
     let err = |detail: String| SetupError::Tls { backend: name.clone(), detail };
     // Both read apart first, so that an error says which one is wrong.
     if !pem_holds(pem.cert.expose(), &["CERTIFICATE"]) {
@@ -620,7 +543,7 @@ fn tls_client(name: &BackendId, tls: &Tls, pem: &TlsMaterial) -> Result<Arc<Lane
         }
         _ => public_roots(),
     };
-    tls_config(roots, Some((certs, key))).map(|tls| Arc::new(Lanes::new(tls))).map_err(|e| pair(e.to_string()))
+    tls_config(roots, Some((certs, key))).map(lanes).map_err(|e| pair(e.to_string()))
 }
 
 /// Whether `pem` has a block of one of these labels (`-----BEGIN <label>-----`).
@@ -654,30 +577,4 @@ fn credential(name: &BackendId, auth: &Auth, secret: Option<&Secret>) -> Result<
             return Err(SetupError::BadCredential { backend: name.clone() });
         }
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_call_takes_a_new_lane_only_when_every_lane_is_full() {
-        let tls = tls_config(public_roots(), None).unwrap();
-        let lanes = Lanes::new(tls);
-        let mut seats: Vec<Seat> = (0..CALLS_PER_LANE).map(|_| lanes.seat()).collect();
-        assert_eq!(lanes.count(), 1);
-        assert!(seats.iter().all(|seat| Arc::ptr_eq(&seat.0, &seats[0].0)));
-
-        let overflow = lanes.seat();
-        assert_eq!(lanes.count(), 2);
-        assert!(!Arc::ptr_eq(&overflow.0, &seats[0].0));
-
-        // A call that ends gives its seat back: the next call rides the first lane again.
-        let first = seats.pop().unwrap().0.clone();
-        let again = lanes.seat();
-        assert!(Arc::ptr_eq(&again.0, &first));
-        assert_eq!(lanes.count(), 2);
-        assert_eq!(first.in_flight.load(Ordering::Relaxed), CALLS_PER_LANE);
-        assert_eq!(overflow.0.in_flight.load(Ordering::Relaxed), 1);
-    }
 }

@@ -36,25 +36,44 @@ pub const DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/ocr.
 pub struct FakeOcr {
     pub addr: SocketAddr,
     calls: Arc<AtomicU64>,
+    connections: Arc<AtomicU64>,
     _stop: oneshot::Sender<()>,
 }
 
 impl FakeOcr {
     pub async fn start() -> std::io::Result<FakeOcr> {
+        Self::start_allowing(None).await
+    }
+
+    /// A server that takes at most `max_streams` streams on one connection (tonic's
+    /// own default: no limit).
+    pub async fn start_allowing(max_streams: Option<u32>) -> std::io::Result<FakeOcr> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let calls = Arc::new(AtomicU64::new(0));
+        let connections = Arc::new(AtomicU64::new(0));
+        let accepted = connections.clone();
+        let incoming = TcpListenerStream::new(listener).map(move |connection| {
+            accepted.fetch_add(1, Ordering::SeqCst);
+            connection
+        });
         let (stop, stopped) = oneshot::channel::<()>();
         let service = OcrServer::new(Service { calls: calls.clone() });
         tokio::spawn(async move {
             let _ = tonic::transport::Server::builder()
+                .max_concurrent_streams(max_streams)
                 .add_service(service)
-                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                .serve_with_incoming_shutdown(incoming, async {
                     let _ = stopped.await;
                 })
                 .await;
         });
-        Ok(FakeOcr { addr, calls, _stop: stop })
+        Ok(FakeOcr { addr, calls, connections, _stop: stop })
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> u64 {
+        self.connections.load(Ordering::SeqCst)
     }
 
     /// `http://127.0.0.1:PORT`, the backend's `url`.
