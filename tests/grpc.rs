@@ -337,16 +337,11 @@ async fn more_calls_at_once_than_one_connection_takes_go_out_on_another() {
             drop(pages);
         });
     }
-    let mut open = 0;
-    let all = tokio::time::timeout(Duration::from_secs(20), async {
-        while open < calls {
-            arrivals.recv().await.unwrap();
-            open += 1;
-        }
-    })
-    .await;
+    let all = all_arrive(&mut arrivals, calls, Duration::from_secs(20)).await;
     stop.send(true).unwrap();
-    assert!(all.is_ok(), "{open} of {calls} calls open at once");
+    if let Err(open) = all {
+        panic!("{open} of {calls} calls open at once");
+    }
     assert!(upstream.connections() >= 2, "{} connection(s) for {calls} calls at once", upstream.connections());
 }
 

@@ -254,16 +254,11 @@ async fn more_calls_at_once_than_one_http2_connection_takes_go_out_on_more_conne
             let _ = stopped.wait_for(|stop| *stop).await;
         });
     }
-    let mut open = 0;
-    let all = tokio::time::timeout(Duration::from_secs(20), async {
-        while open < calls {
-            arrivals.recv().await.unwrap();
-            open += 1;
-        }
-    })
-    .await;
+    let all = all_arrive(&mut arrivals, calls, Duration::from_secs(20)).await;
     stop.send(true).unwrap();
-    assert!(all.is_ok(), "{open} of {calls} streams open at once");
+    if let Err(open) = all {
+        panic!("{open} of {calls} streams open at once");
+    }
     let opened = connections.load(Ordering::Relaxed);
     assert!(opened >= calls.div_ceil(100), "{opened} connections for {calls} streams at once");
 }

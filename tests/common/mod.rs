@@ -303,3 +303,20 @@ pub fn embedded_adapters(
     };
     (adapters, audit)
 }
+
+/// Waits up to `within` for `count` messages on `arrivals`; how many came, if not all.
+pub async fn all_arrive(
+    arrivals: &mut tokio::sync::mpsc::Receiver<()>,
+    count: usize,
+    within: Duration,
+) -> Result<(), usize> {
+    let mut came = 0;
+    let all = tokio::time::timeout(within, async {
+        while came < count {
+            arrivals.recv().await.unwrap();
+            came += 1;
+        }
+    })
+    .await;
+    all.map_err(|_| came)
+}
