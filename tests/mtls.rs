@@ -158,6 +158,16 @@ fn write(dir: &Path, name: &str, text: &str) -> String {
     format!("file:{}", path.display())
 }
 
+/// The `tls` mapping of a backend that presents the right client certificate, its key
+/// in `CLIENT_KEY`.
+fn right_client_tls(dir: &Path, pki: &Pki) -> String {
+    format!(
+        "{{cert: '{}', key: 'env:CLIENT_KEY', ca: '{}'}}",
+        write(dir, "client.pem", &pki.client.cert),
+        write(dir, "ca.pem", &pki.ca.pem())
+    )
+}
+
 /// One backend `main` at `https://localhost:PORT/v1` with `tls` as given (a flow
 /// mapping, or nothing).
 fn mtls_config(addr: SocketAddr, tls: Option<String>) -> String {
@@ -182,11 +192,7 @@ async fn the_right_client_certificate_passes() {
     let pki = pki();
     let (addr, versions, _) = tls_backend_offering(&pki.server, &pki.ca, &[], 200).await;
     let dir = tempfile::tempdir().unwrap();
-    let tls = format!(
-        "{{cert: '{}', key: 'env:CLIENT_KEY', ca: '{}'}}",
-        write(dir.path(), "client.pem", &pki.client.cert),
-        write(dir.path(), "ca.pem", &pki.ca.pem())
-    );
+    let tls = right_client_tls(dir.path(), &pki);
     let gw = Flexway::start_with_env(&mtls_config(addr, Some(tls)), &[("CLIENT_KEY", &pki.client.key)]);
     let response = gw.chat(KEY, hello("m")).await;
     assert_eq!(response.status(), 200);
@@ -202,11 +208,7 @@ async fn a_backend_whose_tls_offers_h2_is_called_over_http2() {
     let pki = pki();
     let (addr, versions, _) = tls_backend_offering(&pki.server, &pki.ca, &[b"h2", b"http/1.1"], 200).await;
     let dir = tempfile::tempdir().unwrap();
-    let tls = format!(
-        "{{cert: '{}', key: 'env:CLIENT_KEY', ca: '{}'}}",
-        write(dir.path(), "client.pem", &pki.client.cert),
-        write(dir.path(), "ca.pem", &pki.ca.pem())
-    );
+    let tls = right_client_tls(dir.path(), &pki);
     let gw = Flexway::start_with_env(&mtls_config(addr, Some(tls)), &[("CLIENT_KEY", &pki.client.key)]);
     for _ in 0..2 {
         let response = gw.chat(KEY, hello("m")).await;
@@ -217,7 +219,7 @@ async fn a_backend_whose_tls_offers_h2_is_called_over_http2() {
 
 /// A server takes only so many streams on one HTTP/2 connection (here 100, the floor
 /// RFC 9113 asks for). More calls at once than one connection takes go out on more
-/// connections (upstream/mod.rs, lanes): without them, each serving thread would carry
+/// connections (upstream/lanes.rs): without them, each serving thread would carry
 /// at most 100 calls at once to this backend and the rest would wait, here for ever,
 /// since every stream stalls after its first content chunk.
 #[tokio::test(flavor = "multi_thread")]
@@ -225,11 +227,7 @@ async fn more_calls_at_once_than_one_http2_connection_takes_go_out_on_more_conne
     let pki = pki();
     let (addr, _, connections) = tls_backend_offering(&pki.server, &pki.ca, &[b"h2"], 100).await;
     let dir = tempfile::tempdir().unwrap();
-    let tls = format!(
-        "{{cert: '{}', key: 'env:CLIENT_KEY', ca: '{}'}}",
-        write(dir.path(), "client.pem", &pki.client.cert),
-        write(dir.path(), "ca.pem", &pki.ca.pem())
-    );
+    let tls = right_client_tls(dir.path(), &pki);
     let yaml = config(&format!(
         "  default_backend: main\n  backends:\n    main:\n      url: https://localhost:{}/s/stall_after=1/v1\n      timeout: 60s\n      tls: {tls}\n",
         addr.port()

@@ -7,8 +7,9 @@
 //! calls until a stream ends. A lane carries at most [`CALLS_PER_LANE`] calls at once
 //! (100, the floor RFC 9113 asks servers to allow), so no connection is asked for more
 //! streams than that. A call holds its [`Seat`] until its answer's body is dropped
-//! ([`AnswerBody`]). Lanes are never removed: an idle lane's connections close after its
-//! pool's idle timeout, and what is left of it is a few hundred bytes.
+//! ([`AnswerBody`]). A lane counts every call through it, whatever the backend, so a
+//! connection carries at most as many streams as its lane has calls. Lanes are never
+//! removed: an idle lane's connections close after its pool's idle timeout.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
