@@ -25,6 +25,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout, clippy::panic)]
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 mod common;
@@ -106,6 +107,7 @@ async fn run() {
     );
     run.print(chunk_ms);
     println!("  gateway process peak memory: {}", process.peak_memory());
+    println!("  connections the backend accepted: {}", tls.connections.load(Ordering::Relaxed));
 }
 
 struct Run {
@@ -153,6 +155,8 @@ struct TlsBackend {
     ca: std::path::PathBuf,
     cert: std::path::PathBuf,
     key: std::path::PathBuf,
+    /// TCP connections accepted, handshakes refused included.
+    connections: Arc<AtomicUsize>,
     _dir: tempfile::TempDir,
 }
 
@@ -196,8 +200,11 @@ async fn h2_backend(max_streams: u32) -> TlsBackend {
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let accepted = connections.clone();
     tokio::spawn(async move {
         while let Ok((tcp, _)) = listener.accept().await {
+            accepted.fetch_add(1, Ordering::Relaxed);
             let acceptor = acceptor.clone();
             tokio::spawn(async move {
                 let Ok(tls) = acceptor.accept(tcp).await else { return };
@@ -208,7 +215,7 @@ async fn h2_backend(max_streams: u32) -> TlsBackend {
             });
         }
     });
-    TlsBackend { port, ca, cert, key, _dir: dir }
+    TlsBackend { port, ca, cert, key, connections, _dir: dir }
 }
 
 fn body() -> serde_json::Value {

@@ -10,7 +10,7 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -58,22 +58,29 @@ impl Authority {
 /// The fake model's OpenAI surface over TLS on loopback, for clients whose certificate
 /// `clients` signed; a client without one is refused in the handshake.
 async fn tls_backend(server: &Leaf, clients: &Authority) -> SocketAddr {
-    tls_backend_offering(server, clients, &[], 200).await.0
+    tls_backend_offering(server, clients, &[], 200).await.addr
 }
 
-/// The same, offering `alpn` in the handshake; with the HTTP version of every request
-/// it served.
-async fn tls_backend_offering(
-    server: &Leaf,
-    clients: &Authority,
-    alpn: &[&[u8]],
-    max_streams: u32,
-) -> (SocketAddr, Arc<Mutex<Vec<axum::http::Version>>>, Arc<AtomicUsize>) {
+/// A TLS backend of these tests, and what it saw.
+struct Backend {
+    addr: SocketAddr,
+    /// The HTTP version of every request it served.
+    versions: Arc<Mutex<Vec<axum::http::Version>>>,
+    /// TCP connections accepted.
+    connections: Arc<AtomicUsize>,
+    /// Set, it offers only `http/1.1` to the connections that come next, and speaks
+    /// only HTTP/1.1 on them (a server whose HTTP/2 was turned off).
+    http1_from_now: Arc<AtomicBool>,
+}
+
+/// The same, offering `alpn` in the handshake, and allowing `max_streams` streams on
+/// an HTTP/2 connection.
+async fn tls_backend_offering(server: &Leaf, clients: &Authority, alpn: &[&[u8]], max_streams: u32) -> Backend {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();
     roots.add(CertificateDer::from_pem_slice(clients.pem().as_bytes()).unwrap()).unwrap();
     let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone()).build().unwrap();
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+    let config = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .unwrap()
         .with_client_cert_verifier(verifier)
@@ -82,8 +89,12 @@ async fn tls_backend_offering(
             PrivateKeyDer::from_pem_slice(server.key.as_bytes()).unwrap(),
         )
         .unwrap();
-    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let offering = |alpn: &[&[u8]]| {
+        let mut config = config.clone();
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        tokio_rustls::TlsAcceptor::from(Arc::new(config))
+    };
+    let (acceptor, http1_acceptor) = (offering(alpn), offering(&[b"http/1.1"]));
     let versions = Arc::new(Mutex::new(Vec::new()));
     let seen = versions.clone();
     let router = fake_model::router().layer(axum::middleware::from_fn(
@@ -95,12 +106,15 @@ async fn tls_backend_offering(
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let connections = Arc::new(AtomicUsize::new(0));
-    let accepted = connections.clone();
+    let http1_from_now = Arc::new(AtomicBool::new(false));
+    let (accepted, http1) = (connections.clone(), http1_from_now.clone());
     tokio::spawn(async move {
         loop {
             let Ok((tcp, _)) = listener.accept().await else { return };
             accepted.fetch_add(1, Ordering::Relaxed);
-            let (acceptor, router) = (acceptor.clone(), router.clone());
+            let http1 = http1.load(Ordering::Relaxed);
+            let acceptor = if http1 { http1_acceptor.clone() } else { acceptor.clone() };
+            let router = router.clone();
             tokio::spawn(async move {
                 let tls = match acceptor.accept(tcp).into_fallible().await {
                     Ok(tls) => tls,
@@ -109,11 +123,12 @@ async fn tls_backend_offering(
                 let service = TowerToHyperService::new(router);
                 let mut builder = auto::Builder::new(TokioExecutor::new());
                 builder.http2().max_concurrent_streams(max_streams);
+                let builder = if http1 { builder.http1_only() } else { builder };
                 let _ = builder.serve_connection(TokioIo::new(tls), service).await;
             });
         }
     });
-    (addr, versions, connections)
+    Backend { addr, versions, connections, http1_from_now }
 }
 
 /// A refused handshake's close, as servers in the field make it (nginx's
@@ -190,7 +205,7 @@ async fn refused(gw: &Flexway) -> (u16, String, String) {
 #[tokio::test]
 async fn the_right_client_certificate_passes() {
     let pki = pki();
-    let (addr, versions, _) = tls_backend_offering(&pki.server, &pki.ca, &[], 200).await;
+    let Backend { addr, versions, .. } = tls_backend_offering(&pki.server, &pki.ca, &[], 200).await;
     let dir = tempfile::tempdir().unwrap();
     let tls = right_client_tls(dir.path(), &pki);
     let gw = Flexway::start_with_env(&mtls_config(addr, Some(tls)), &[("CLIENT_KEY", &pki.client.key)]);
@@ -206,7 +221,7 @@ async fn the_right_client_certificate_passes() {
 #[tokio::test]
 async fn a_backend_whose_tls_offers_h2_is_called_over_http2() {
     let pki = pki();
-    let (addr, versions, _) = tls_backend_offering(&pki.server, &pki.ca, &[b"h2", b"http/1.1"], 200).await;
+    let Backend { addr, versions, .. } = tls_backend_offering(&pki.server, &pki.ca, &[b"h2", b"http/1.1"], 200).await;
     let dir = tempfile::tempdir().unwrap();
     let tls = right_client_tls(dir.path(), &pki);
     let gw = Flexway::start_with_env(&mtls_config(addr, Some(tls)), &[("CLIENT_KEY", &pki.client.key)]);
@@ -217,6 +232,28 @@ async fn a_backend_whose_tls_offers_h2_is_called_over_http2() {
     assert_eq!(*versions.lock().unwrap(), [axum::http::Version::HTTP_2; 2]);
 }
 
+/// A backend whose server stops choosing HTTP/2 (turned off behind the same address)
+/// is called on without a failure: the gateway had noted `h2` and calls over HTTP/2
+/// only; the call that meets an HTTP/1.1 handshake goes again, letting TLS choose
+/// (upstream/alpn.rs), and so do the calls after it.
+#[tokio::test]
+async fn a_backend_that_turns_http2_off_is_called_on_without_a_failure() {
+    let pki = pki();
+    let backend = tls_backend_offering(&pki.server, &pki.ca, &[b"h2", b"http/1.1"], 200).await;
+    let dir = tempfile::tempdir().unwrap();
+    let tls = right_client_tls(dir.path(), &pki);
+    let gw = Flexway::start_with_env(&mtls_config(backend.addr, Some(tls)), &[("CLIENT_KEY", &pki.client.key)]);
+    assert_eq!(gw.chat(KEY, hello("m")).await.status(), 200);
+    backend.http1_from_now.store(true, Ordering::Relaxed);
+    for _ in 0..2 {
+        let response = gw.chat(KEY, hello("m")).await;
+        assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+    }
+    assert_eq!(backend.versions.lock().unwrap().len(), 3);
+    // The second call's HTTP/2-only connect met the HTTP/1.1 handshake.
+    assert!(backend.connections.load(Ordering::Relaxed) >= 2);
+}
+
 /// A server takes only so many streams on one HTTP/2 connection (here 100, the floor
 /// RFC 9113 asks for). More calls at once than one connection takes go out on more
 /// connections (upstream/lanes.rs): without them, each serving thread would carry
@@ -225,17 +262,65 @@ async fn a_backend_whose_tls_offers_h2_is_called_over_http2() {
 #[tokio::test(flavor = "multi_thread")]
 async fn more_calls_at_once_than_one_http2_connection_takes_go_out_on_more_connections() {
     let pki = pki();
-    let (addr, _, connections) = tls_backend_offering(&pki.server, &pki.ca, &[b"h2"], 100).await;
+    let Backend { addr, connections, .. } = tls_backend_offering(&pki.server, &pki.ca, &[b"h2"], 100).await;
+    let (gw, _certs) = stalling_h2_gateway(&pki, addr);
+    let calls = more_calls_than_one_connection_a_thread();
+    if let Err(open) = hold_streams_open(&gw, calls).await {
+        panic!("{open} of {calls} streams open at once");
+    }
+    let opened = connections.load(Ordering::Relaxed);
+    assert!(opened >= calls.div_ceil(100), "{opened} connections for {calls} streams at once");
+}
+
+/// Once the backend's server has chosen `h2`, a burst of calls shares connections from
+/// the start: a call that finds one being opened waits for it (upstream/alpn.rs), on
+/// each new lane too. Letting TLS choose, each call of the burst opened a connection
+/// of its own until the first one was pooled: here about one a call.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_of_calls_to_an_http2_backend_opens_a_connection_a_lane_not_one_a_call() {
+    let pki = pki();
+    let Backend { addr, connections, .. } = tls_backend_offering(&pki.server, &pki.ca, &[b"h2"], 100).await;
+    let (gw, _certs) = stalling_h2_gateway(&pki, addr);
+    // One call first: its handshake tells the gateway the backend speaks HTTP/2.
+    hold_streams_open(&gw, 1).await.unwrap();
+    assert_eq!(connections.load(Ordering::Relaxed), 1);
+
+    let calls = more_calls_than_one_connection_a_thread();
+    if let Err(open) = hold_streams_open(&gw, calls).await {
+        panic!("{open} of {calls} streams open at once");
+    }
+    // A connection for each lane the calls took (100 calls a lane), on each serving
+    // thread, and the first call's.
+    let opened = connections.load(Ordering::Relaxed);
+    let lanes = calls.div_ceil(100) + serving_threads();
+    assert!(opened <= 1 + lanes, "{opened} connections for {calls} streams at once ({lanes} lanes at most)");
+}
+
+/// A gateway whose backend, at `addr` over mTLS, stalls every stream after its first
+/// content chunk; with the directory of its client certificate.
+fn stalling_h2_gateway(pki: &Pki, addr: SocketAddr) -> (Arc<Flexway>, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
-    let tls = right_client_tls(dir.path(), &pki);
+    let tls = right_client_tls(dir.path(), pki);
     let yaml = config(&format!(
         "  default_backend: main\n  backends:\n    main:\n      url: https://localhost:{}/s/stall_after=1/v1\n      timeout: 60s\n      tls: {tls}\n",
         addr.port()
     ));
-    let gw = Arc::new(Flexway::start_with_env(&yaml, &[("CLIENT_KEY", &pki.client.key)]));
-    // More than the serving threads (one a core) could carry on one connection each.
-    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
-    let calls = 100 * threads + 50;
+    (Arc::new(Flexway::start_with_env(&yaml, &[("CLIENT_KEY", &pki.client.key)])), dir)
+}
+
+fn serving_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
+}
+
+/// More calls than the serving threads (one a core) could carry on one connection each.
+fn more_calls_than_one_connection_a_thread() -> usize {
+    100 * serving_threads() + 50
+}
+
+/// `calls` streamed calls at once, each held open from its first content chunk (the
+/// gateway answers once the backend's first has come) until all are (20 s at most),
+/// then let go. The error is how many were open.
+async fn hold_streams_open(gw: &Arc<Flexway>, calls: usize) -> Result<(), usize> {
     let (started, mut arrivals) = tokio::sync::mpsc::channel::<()>(calls);
     let (stop, stopped) = tokio::sync::watch::channel(false);
     for _ in 0..calls {
@@ -246,7 +331,6 @@ async fn more_calls_at_once_than_one_http2_connection_takes_go_out_on_more_conne
             let response = gw.chat(KEY, body).await;
             assert_eq!(response.status(), 200);
             let mut chunks = response.bytes_stream();
-            // The gateway answers once the backend's first content chunk has come.
             assert!(futures_util::StreamExt::next(&mut chunks).await.is_some());
             started.send(()).await.unwrap();
             let _ = stopped.wait_for(|stop| *stop).await;
@@ -254,11 +338,7 @@ async fn more_calls_at_once_than_one_http2_connection_takes_go_out_on_more_conne
     }
     let all = all_arrive(&mut arrivals, calls, Duration::from_secs(20)).await;
     stop.send(true).unwrap();
-    if let Err(open) = all {
-        panic!("{open} of {calls} streams open at once");
-    }
-    let opened = connections.load(Ordering::Relaxed);
-    assert!(opened >= calls.div_ceil(100), "{opened} connections for {calls} streams at once");
+    all
 }
 
 #[tokio::test]

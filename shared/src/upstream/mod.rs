@@ -26,8 +26,12 @@
 //!
 //! Its pool keeps one HTTP/2 connection to a backend, whose server takes only so many
 //! streams on it: a serving thread calls through [`lanes`], one client and another
-//! with its own connections whenever each already has 100 calls in flight.
+//! with its own connections whenever each already has 100 calls in flight. A lane has
+//! two clients over one connector, one letting TLS choose the version and one speaking
+//! HTTP/2 only, for a backend whose server chose `h2` at the last handshake ([`alpn`]):
+//! calls to it then wait for the connection being opened instead of each opening one.
 
+mod alpn;
 pub mod body;
 pub mod grpc;
 pub mod lanes;
@@ -37,7 +41,7 @@ use std::cell::Cell;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -145,10 +149,19 @@ impl Credential {
 }
 
 /// A backend's HTTP client (cheap to clone: its pool is shared).
-type Http = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+type Http = Client<Noting<HttpsConnector<HttpConnector>>, Full<Bytes>>;
+
+/// A lane's two clients, over one connector (see the module docs).
+struct Clients {
+    /// TLS chooses the version (ALPN); HTTP/1.1 over plain TCP.
+    auto: Http,
+    /// HTTP/2 only, for a backend whose server chose `h2` at the last handshake.
+    h2: Http,
+}
 
 /// A backend's answer, its head read; `body.rs` reads the rest.
 pub type Answer = http::Response<AnswerBody>;
+use alpn::{Negotiated, Noting};
 pub use lanes::AnswerBody;
 use lanes::Lanes;
 
@@ -162,6 +175,8 @@ pub struct UpstreamClient {
     pub timeout: Duration,
     /// A relay's: the names it passes the caller's identity under.
     identity_headers: Option<RelayHeaders>,
+    /// Whether the backend's server chose `h2` at the last TLS handshake with it.
+    speaks_h2: Arc<AtomicBool>,
 }
 
 /// Who a call is for, as a relay passes it on: the caller's tenant and agent, and
@@ -223,7 +238,7 @@ impl RelayHeaders {
 /// credential, replaced together by a refresh.
 struct Live {
     /// One set of lanes per serving thread (see the module docs).
-    http: Vec<Arc<Lanes<Http>>>,
+    http: Vec<Arc<Lanes<Clients>>>,
     credential: Credential,
     /// The values they were built from, to tell whether a refresh brought new ones.
     material: Material,
@@ -286,12 +301,36 @@ impl UpstreamClient {
             headers.insert(name, value);
         }
         let (lane, seat) = live.http[SERVING_THREAD.with(Cell::get) % live.http.len()].seat();
-        match tokio::time::timeout(self.timeout, lane.client.request(request)).await {
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let sent = if self.speaks_h2.load(Ordering::Relaxed) {
+            let again = copy(&request);
+            match tokio::time::timeout_at(deadline, lane.client.h2.request(request)).await {
+                // The server chose HTTP/1.1 at this call's handshake (alpn.rs): the
+                // request was never sent, and goes again letting TLS choose.
+                Ok(Err(e)) if e.is_connect() && !self.speaks_h2.load(Ordering::Relaxed) => {
+                    tokio::time::timeout_at(deadline, lane.client.auto.request(again)).await
+                }
+                sent => sent,
+            }
+        } else {
+            tokio::time::timeout_at(deadline, lane.client.auto.request(request)).await
+        };
+        match sent {
             Err(_) => Err(CallError::Timeout(self.timeout)),
             Ok(Err(e)) => Err(send_error(&e)),
             Ok(Ok(response)) => Ok(response.map(|body| AnswerBody::new(body, seat))),
         }
     }
+}
+
+/// A request to send again: its method, URL, headers and body (the body's bytes are
+/// shared, not copied).
+fn copy(request: &http::Request<Full<Bytes>>) -> http::Request<Full<Bytes>> {
+    let mut again = http::Request::new(request.body().clone());
+    *again.method_mut() = request.method().clone();
+    *again.uri_mut() = request.uri().clone();
+    *again.headers_mut() = request.headers().clone();
+    again
 }
 
 /// What the gateway's own HTTP clients call themselves.
@@ -352,6 +391,8 @@ pub(crate) fn describe(e: &(dyn std::error::Error + 'static)) -> String {
 /// Every endpoint backend's client.
 pub struct Upstreams {
     clients: HashMap<BackendId, UpstreamClient>,
+    /// What the backends' servers chose at their TLS handshakes.
+    negotiated: Arc<Negotiated>,
 }
 
 impl Upstreams {
@@ -359,14 +400,15 @@ impl Upstreams {
     pub fn new(config: &Config, secrets: &Resolved) -> Result<Self, SetupError> {
         let threads = SERVING_THREADS.load(Ordering::Relaxed);
         let tls = tls_config(public_roots(), None).map_err(|e| SetupError::Client(e.to_string()))?;
-        let shared: Vec<Arc<Lanes<Http>>> = (0..threads).map(|_| lanes(tls.clone())).collect();
+        let negotiated = Arc::new(Negotiated::default());
+        let shared: Vec<_> = (0..threads).map(|_| lanes(tls.clone(), &negotiated)).collect();
         let mut clients = HashMap::new();
         for (name, backend) in &config.ai.backends {
             let Some(endpoint) = backend.kind.endpoint() else {
                 continue;
             };
             let material = material(name, endpoint, secrets)?;
-            let live = Live::build(name, endpoint, material, None, &shared)?;
+            let live = Live::build(name, endpoint, material, None, &shared, &negotiated)?;
             let base = endpoint.url.trim_end_matches('/');
             // A relay's url is the other Flexway's base: its API is under `/v1`.
             let (base, identity_headers) = match &backend.kind {
@@ -381,10 +423,13 @@ impl Upstreams {
             };
             let live = ArcSwap::from_pointee(live);
             let urls = PATHS.iter().filter_map(|path| Some((*path, format!("{base}{path}").parse().ok()?))).collect();
-            let client = UpstreamClient { base, urls, wire, live, timeout: backend.timeout, identity_headers };
+            let authority = base.parse::<Uri>().ok().and_then(|uri| uri.authority().map(|a| a.as_str().to_owned()));
+            let speaks_h2 = authority.map_or_else(Arc::default, |authority| negotiated.speaks_h2(&authority));
+            let timeout = backend.timeout;
+            let client = UpstreamClient { base, urls, wire, live, timeout, identity_headers, speaks_h2 };
             clients.insert(name.clone(), client);
         }
-        Ok(Upstreams { clients })
+        Ok(Upstreams { clients, negotiated })
     }
 
     pub fn get(&self, name: &BackendId) -> Option<&UpstreamClient> {
@@ -409,7 +454,7 @@ impl Upstreams {
             if material == current.material {
                 continue;
             }
-            match Live::build(name, endpoint, material, Some(&current), &current.http) {
+            match Live::build(name, endpoint, material, Some(&current), &current.http, &self.negotiated) {
                 Ok(live) => {
                     client.live.store(Arc::new(live));
                     updated.push(name.clone());
@@ -455,11 +500,12 @@ impl Live {
         endpoint: &Endpoint,
         material: Material,
         previous: Option<&Live>,
-        keep: &[Arc<Lanes<Http>>],
+        keep: &[Arc<Lanes<Clients>>],
+        negotiated: &Arc<Negotiated>,
     ) -> Result<Live, SetupError> {
         let http = match (&endpoint.tls, &material.tls) {
             (Some(tls), Some(pem)) if previous.is_none_or(|p| p.material.tls.as_ref() != Some(pem)) => {
-                keep.iter().map(|_| tls_client(name, tls, pem)).collect::<Result<_, _>>()?
+                keep.iter().map(|_| tls_client(name, tls, pem, negotiated)).collect::<Result<_, _>>()?
             }
             _ => keep.to_vec(),
         };
@@ -468,29 +514,35 @@ impl Live {
     }
 }
 
-/// A client over `tls`. No redirect is followed (hyper follows none) and no request is
-/// retried but one a pooled connection closed before sending it: a backend's answer, a
-/// 3xx included, is the answer; trying again is the route's business (fallback before
-/// the first byte, SPEC §5).
-fn http_client(tls: rustls::ClientConfig) -> Http {
+/// A lane's clients over `tls`, noting in `negotiated` what each handshake chose. No
+/// redirect is followed (hyper follows none) and no request is retried but one a
+/// pooled connection closed before sending it: a backend's answer, a 3xx included, is
+/// the answer; trying again is the route's business (fallback before the first byte,
+/// SPEC §5).
+fn http_clients(tls: rustls::ClientConfig, negotiated: &Arc<Negotiated>) -> Clients {
     let mut tcp = HttpConnector::new();
     tcp.enforce_http(false);
     tcp.set_nodelay(true);
-    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http()
         .enable_all_versions()
         .wrap_connector(tcp);
-    Client::builder(TokioExecutor::new())
-        .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .pool_max_idle_per_host(1024)
-        .build(connector)
+    let client = |h2_only| {
+        Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_max_idle_per_host(1024)
+            .http2_only(h2_only)
+            .build(Noting { inner: https.clone(), negotiated: negotiated.clone(), h2_only })
+    };
+    Clients { auto: client(false), h2: client(true) }
 }
 
 /// Lanes of clients over `tls`.
-fn lanes(tls: rustls::ClientConfig) -> Arc<Lanes<Http>> {
-    Arc::new(Lanes::new(move || http_client(tls.clone())))
+fn lanes(tls: rustls::ClientConfig, negotiated: &Arc<Negotiated>) -> Arc<Lanes<Clients>> {
+    let negotiated = negotiated.clone();
+    Arc::new(Lanes::new(move || http_clients(tls.clone(), &negotiated)))
 }
 
 /// The roots a backend's certificate is checked against without a `tls.ca`.
@@ -515,7 +567,12 @@ fn tls_config(
 /// The backend's own client for mTLS: its client certificate and key, and its CA
 /// bundle in place of the system roots. Errors name the reference and what is wrong
 /// with its PEM, never the PEM (the key is a secret).
-fn tls_client(name: &BackendId, tls: &Tls, pem: &TlsMaterial) -> Result<Arc<Lanes<Http>>, SetupError> {
+fn tls_client(
+    name: &BackendId,
+    tls: &Tls,
+    pem: &TlsMaterial,
+    negotiated: &Arc<Negotiated>,
+) -> Result<Arc<Lanes<Clients>>, SetupError> {
     let err = |detail: String| SetupError::Tls { backend: name.clone(), detail };
     // Both read apart first, so that an error says which one is wrong.
     if !pem_holds(pem.cert.expose(), &["CERTIFICATE"]) {
@@ -543,7 +600,7 @@ fn tls_client(name: &BackendId, tls: &Tls, pem: &TlsMaterial) -> Result<Arc<Lane
         }
         _ => public_roots(),
     };
-    tls_config(roots, Some((certs, key))).map(lanes).map_err(|e| pair(e.to_string()))
+    tls_config(roots, Some((certs, key))).map(|tls| lanes(tls, negotiated)).map_err(|e| pair(e.to_string()))
 }
 
 /// Whether `pem` has a block of one of these labels (`-----BEGIN <label>-----`).
