@@ -3,8 +3,10 @@
 //! A stream is first *held* ([`hold`]): the gateway sends its own status and headers
 //! only once the backend's first event that carries content (or its clean end)
 //! arrives, so a slow first token, a cut or a malformed first event still falls back
-//! like a failure before the headers. Then a pump task reads the rest and feeds a
-//! small channel that is the client's body, so nothing is buffered whole and a slow
+//! like a failure before the headers. The events held go out with the headers, as the
+//! body's first chunk (one write, with no task in between). Then a pump task reads
+//! the rest and feeds a small channel that is the client's body, so nothing is
+//! buffered whole and a slow
 //! client slows the backend read (back-pressure) instead of growing memory. The usage
 //! chunk the gateway always asks for is tapped on the way and shown only to a client
 //! that asked for it. If the backend's stream breaks after the headers (an error, a
@@ -19,6 +21,7 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
+use futures_util::StreamExt;
 use http::{HeaderValue, header};
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -195,7 +198,11 @@ pub(super) struct Stream {
 /// task when the stream ends, before the body completes, so they finish inside the
 /// invocation.
 pub(super) fn stream(gateway: Arc<Gateway>, stream: Stream, mut draft: Draft) -> Response {
-    let Stream { backend, held, idle_timeout, headers: extra, settle, deadline } = stream;
+    let Stream { backend, mut held, idle_timeout, headers: extra, settle, deadline } = stream;
+    let first = joined(std::mem::take(&mut held.pending));
+    if first.is_some() {
+        draft.first_byte();
+    }
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     // The pump outlives the handler: it carries the call's span (its request id) along.
     let pumping = async move {
@@ -213,8 +220,8 @@ pub(super) fn stream(gateway: Arc<Gateway>, stream: Stream, mut draft: Draft) ->
         drop(tx);
     };
     tokio::spawn(pumping.instrument(tracing::Span::current()));
-    let body =
-        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx)) });
+    let rest = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (b, rx)) });
+    let body = futures_util::stream::iter(first).chain(rest).map(Ok::<_, Infallible>);
     let mut response = Response::new(Body::from_stream(body));
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
@@ -233,8 +240,17 @@ pub(super) fn fault_outcome(fault: &Fault) -> Outcome {
     }
 }
 
-/// Forwards the held events, then reads the backend's stream to its end, or until
-/// `cutoff` (the platform's deadline, less the margin to settle and record).
+/// Events as one chunk; `None` for none.
+fn joined(events: Vec<Bytes>) -> Option<Bytes> {
+    match events.len() {
+        0 | 1 => events.into_iter().next(),
+        _ => Some(events.concat().into()),
+    }
+}
+
+/// Reads the backend's stream after the events held (already in the client's body) to
+/// its end, or until `cutoff` (the platform's deadline, less the margin to settle and
+/// record).
 async fn pump(
     held: Held,
     tx: &mpsc::Sender<Bytes>,
@@ -242,16 +258,8 @@ async fn pump(
     draft: &mut Draft,
     cutoff: Option<tokio::time::Instant>,
 ) -> RelayOutcome {
-    let Held { mut events, pending, mut outcome, done } = held;
+    let Held { mut events, mut outcome, done, .. } = held;
     let past_cutoff = || cutoff.is_some_and(|c| tokio::time::Instant::now() >= c);
-    for raw in pending {
-        draft.first_byte();
-        match send(tx, raw, cutoff).await {
-            Sent::Yes => {}
-            Sent::ClientGone => return ended(outcome, StreamEnd::ClientGone),
-            Sent::Deadline => return Box::pin(deadline(outcome, &mut events, tx)).await,
-        }
-    }
     if done {
         return outcome;
     }
