@@ -1,10 +1,10 @@
-//! What a durable ledger costs: reserve+settle throughput and reserve latency, memory
-//! store against the embedded (redb, fsync per commit) store.
+//! What a durable ledger costs: reserve+settle throughput and latency, memory store
+//! against the embedded (journal fsync, redb checkpoints) store.
 //!
 //! `cargo bench --bench ledger` — for each store, 1 and 64 concurrent tasks each loop
-//! reserve (timed) then settle on the same tenant's counters for `LEDGER_BENCH_SECS`
-//! (default 3) seconds. Prints pairs/s, reserve p50/p99, and for the embedded store how
-//! many operations each commit (each fsync) carried.
+//! reserve then settle (each timed) on the same tenant's counters for
+//! `LEDGER_BENCH_SECS` (default 3) seconds. Prints pairs/s, reserve and settle
+//! p50/p99, and for the embedded store how many operations each fsync carried.
 //!
 //! Figures are printed, never asserted: this machine's disk and load decide them.
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
@@ -31,6 +31,7 @@ struct Row {
     pairs: u64,
     elapsed: Duration,
     reserve: Vec<Duration>,
+    settle: Vec<Duration>,
     commits: Option<u64>,
 }
 
@@ -48,27 +49,29 @@ async fn run() {
 
     println!("ledger: reserve+settle pairs, {secs} s per row, temp dir {}", dir.path().display());
     println!(
-        "{:<9} {:>5} {:>12} {:>12} {:>12} {:>12} {:>14}",
-        "store", "tasks", "pairs/s", "ops/s", "reserve p50", "reserve p99", "ops per fsync"
+        "{:<9} {:>5} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>14}",
+        "store", "tasks", "pairs/s", "ops/s", "reserve p50", "reserve p99", "settle p50", "settle p99", "ops per fsync"
     );
     for row in &rows {
         let rate = row.pairs as f64 / row.elapsed.as_secs_f64();
         let per_commit =
             row.commits.map_or_else(|| "-".to_owned(), |c| format!("{:.1}", (2 * row.pairs) as f64 / c.max(1) as f64));
         println!(
-            "{:<9} {:>5} {:>12.0} {:>12.0} {:>12} {:>12} {:>14}",
+            "{:<9} {:>5} {:>12.0} {:>12.0} {:>12} {:>12} {:>12} {:>12} {:>14}",
             row.store,
             row.tasks,
             rate,
             2.0 * rate,
             micros(percentile(&row.reserve, 0.50)),
             micros(percentile(&row.reserve, 0.99)),
+            micros(percentile(&row.settle, 0.50)),
+            micros(percentile(&row.settle, 0.99)),
             per_commit
         );
     }
 }
 
-/// `tasks` loops of reserve (timed) + settle until `duration` has passed.
+/// `tasks` loops of reserve + settle, each timed, until `duration` has passed.
 async fn measure(
     name: &'static str,
     store: Arc<dyn BudgetStore>,
@@ -83,30 +86,35 @@ async fn measure(
         .map(|task| {
             let store = store.clone();
             tokio::spawn(async move {
-                let mut latencies = Vec::new();
+                let (mut reserves, mut settles) = (Vec::new(), Vec::new());
                 let mut n = 0u64;
                 while Instant::now() < deadline {
                     let request = request(task, n);
                     let sent = Instant::now();
                     store.reserve(&request).await.unwrap();
-                    latencies.push(sent.elapsed());
+                    reserves.push(sent.elapsed());
                     let actual: Vec<(CounterKey, u64)> =
                         request.lines.iter().map(|l| (l.key.clone(), l.amount / 3)).collect();
+                    let sent = Instant::now();
                     store.settle(&request.reservation(), &actual).await.unwrap();
+                    settles.push(sent.elapsed());
                     n += 1;
                 }
-                latencies
+                (reserves, settles)
             })
         })
         .collect();
-    let mut reserve = Vec::new();
+    let (mut reserve, mut settle) = (Vec::new(), Vec::new());
     for worker in workers {
-        reserve.extend(worker.await.unwrap());
+        let (reserves, settles) = worker.await.unwrap();
+        reserve.extend(reserves);
+        settle.extend(settles);
     }
     let elapsed = start.elapsed();
     reserve.sort_unstable();
+    settle.sort_unstable();
     let commits = embedded.as_ref().zip(commits_before).map(|(s, before)| s.syncs() - before);
-    Row { store: name, tasks, pairs: reserve.len() as u64, elapsed, reserve, commits }
+    Row { store: name, tasks, pairs: reserve.len() as u64, elapsed, reserve, settle, commits }
 }
 
 /// What admission reserves for one call: tenant and agent, tokens per day and month,
