@@ -235,7 +235,7 @@ async fn a_backend_whose_tls_offers_h2_is_called_over_http2() {
 /// A backend whose server stops choosing HTTP/2 (turned off behind the same address)
 /// is called on without a failure: the gateway had noted `h2` and calls over HTTP/2
 /// only; the call that meets an HTTP/1.1 handshake goes again, letting TLS choose
-/// (upstream/alpn.rs), and so do the calls after it.
+/// (upstream/alpn.rs), and is served once (without the retry it was a 503).
 #[tokio::test]
 async fn a_backend_that_turns_http2_off_is_called_on_without_a_failure() {
     let pki = pki();

@@ -15,9 +15,14 @@
 //! ([`Noting`]), and a call to a backend whose last handshake chose `h2` goes through
 //! its lane's HTTP/2-only client. A later handshake that chooses otherwise turns the
 //! backend back to the client that lets TLS choose: the HTTP/2-only client's connector
-//! drops that connection before any request is sent on it, and the call goes again
-//! through the other client (`UpstreamClient::post_json`). Plain `http://` URLs are
-//! never noted: they speak HTTP/1.1.
+//! drops that connection before any request is sent on it ([`NotH2`]), and the call
+//! goes again through the other client (`UpstreamClient::post_json`), as do the calls
+//! that were waiting for that connection. The flags are kept by authority, for
+//! `https://` URLs only: a plain `http://` backend always goes through the client that
+//! lets TLS choose, so speaks HTTP/1.1.
+//!
+//! A lane's HTTP/2-only client has a pool of its own: its first call opens a
+//! connection even when the lane's other client already holds one to the backend.
 
 use std::collections::HashMap;
 use std::error::Error as StdError;
@@ -63,6 +68,18 @@ type Connecting<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
 #[derive(Debug, thiserror::Error)]
 #[error("the backend's server did not choose h2 at the TLS handshake")]
 pub(crate) struct NotH2;
+
+/// Whether a call's error is [`NotH2`], down its sources.
+pub(crate) fn refused(error: &(dyn StdError + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if error.is::<NotH2>() {
+            return true;
+        }
+        next = error.source();
+    }
+    false
+}
 
 impl<C> Service<Uri> for Noting<C>
 where

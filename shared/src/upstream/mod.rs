@@ -305,9 +305,10 @@ impl UpstreamClient {
         let sent = if self.speaks_h2.load(Ordering::Relaxed) {
             let again = copy(&request);
             match tokio::time::timeout_at(deadline, lane.client.h2.request(request)).await {
-                // The server chose HTTP/1.1 at this call's handshake (alpn.rs): the
-                // request was never sent, and goes again letting TLS choose.
-                Ok(Err(e)) if e.is_connect() && !self.speaks_h2.load(Ordering::Relaxed) => {
+                // The server chose HTTP/1.1 at this call's handshake, or at the one it
+                // waited for (alpn.rs): the request was never sent, and goes again
+                // letting TLS choose.
+                Ok(Err(e)) if e.is_connect() && (alpn::refused(&e) || !self.speaks_h2.load(Ordering::Relaxed)) => {
                     tokio::time::timeout_at(deadline, lane.client.auto.request(again)).await
                 }
                 sent => sent,
@@ -423,7 +424,10 @@ impl Upstreams {
             };
             let live = ArcSwap::from_pointee(live);
             let urls = PATHS.iter().filter_map(|path| Some((*path, format!("{base}{path}").parse().ok()?))).collect();
-            let authority = base.parse::<Uri>().ok().and_then(|uri| uri.authority().map(|a| a.as_str().to_owned()));
+            // Only TLS chooses a version: a plain `http://` backend keeps a flag of its
+            // own, never set, whatever an `https://` one at the same authority chose.
+            let tls = base.parse::<Uri>().ok().filter(|uri| uri.scheme() == Some(&http::uri::Scheme::HTTPS));
+            let authority = tls.as_ref().and_then(Uri::authority).map(|a| a.as_str().to_owned());
             let speaks_h2 = authority.map_or_else(Arc::default, |authority| negotiated.speaks_h2(&authority));
             let timeout = backend.timeout;
             let client = UpstreamClient { base, urls, wire, live, timeout, identity_headers, speaks_h2 };
