@@ -6,13 +6,12 @@
 //! like a failure before the headers. The events held go out with the headers, as the
 //! body's first chunk (one write, with no task in between). Then a pump task reads
 //! the rest and feeds a small channel that is the client's body, so nothing is
-//! buffered whole and a slow
-//! client slows the backend read (back-pressure) instead of growing memory. The usage
-//! chunk the gateway always asks for is tapped on the way and shown only to a client
-//! that asked for it. If the backend's stream breaks after the headers (an error, a
-//! stall past the timeout, a malformed or oversized event, an end without `[DONE]`),
-//! the client's stream ends with an SSE error event, never a clean `[DONE]`, and the
-//! backend's breaker counts the failure.
+//! buffered whole and a slow client slows the backend read (back-pressure) instead of
+//! growing memory. The usage chunk the gateway always asks for is tapped on the way
+//! and shown only to a client that asked for it. If the backend's stream breaks after
+//! the headers (an error, a stall past the timeout, a malformed or oversized event, an
+//! end without `[DONE]`), the client's stream ends with an SSE error event, never a
+//! clean `[DONE]`, and the backend's breaker counts the failure.
 
 use std::convert::Infallible;
 use std::sync::Arc;

@@ -69,18 +69,6 @@ type Connecting<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
 #[error("the backend's server did not choose h2 at the TLS handshake")]
 pub(crate) struct NotH2;
 
-/// Whether a call's error is [`NotH2`], down its sources.
-pub(crate) fn refused(error: &(dyn StdError + 'static)) -> bool {
-    let mut next = Some(error);
-    while let Some(error) = next {
-        if error.is::<NotH2>() {
-            return true;
-        }
-        next = error.source();
-    }
-    false
-}
-
 impl<C> Service<Uri> for Noting<C>
 where
     C: Service<Uri>,

@@ -55,6 +55,9 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
+use self::alpn::{Negotiated, NotH2, Noting};
+pub use self::lanes::AnswerBody;
+use self::lanes::Lanes;
 use crate::config::{
     AgentId, Auth, BackendId, BackendKind, Config, Endpoint, IdentityHeaders, SecretRef, TenantId, Tls,
 };
@@ -161,9 +164,6 @@ struct Clients {
 
 /// A backend's answer, its head read; `body.rs` reads the rest.
 pub type Answer = http::Response<AnswerBody>;
-use alpn::{Negotiated, Noting};
-pub use lanes::AnswerBody;
-use lanes::Lanes;
 
 pub struct UpstreamClient {
     base: String,
@@ -308,7 +308,9 @@ impl UpstreamClient {
                 // The server chose HTTP/1.1 at this call's handshake, or at the one it
                 // waited for (alpn.rs): the request was never sent, and goes again
                 // letting TLS choose.
-                Ok(Err(e)) if e.is_connect() && (alpn::refused(&e) || !self.speaks_h2.load(Ordering::Relaxed)) => {
+                Ok(Err(e))
+                    if e.is_connect() && (cause::<NotH2>(&e).is_some() || !self.speaks_h2.load(Ordering::Relaxed)) =>
+                {
                     tokio::time::timeout_at(deadline, lane.client.auto.request(again)).await
                 }
                 sent => sent,
@@ -338,21 +340,29 @@ fn copy(request: &http::Request<Full<Bytes>>) -> http::Request<Full<Bytes>> {
 pub(crate) const USER_AGENT: &str = concat!("flexway/", env!("CARGO_PKG_VERSION"));
 
 /// A request that got no answer: a TLS failure as rustls names it, else the
-/// connection error as hyper tells it. rustls's error sits down the error's sources,
-/// inside I/O errors (hyper's, tokio-rustls's) whose `source()` skips the error they
-/// wrap: those are opened with `get_ref`.
+/// connection error as hyper tells it.
 fn send_error(e: &hyper_util::client::legacy::Error) -> CallError {
-    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    match cause::<rustls::Error>(e) {
+        Some(tls) => CallError::Tls(tls_failure(tls)),
+        None => CallError::Connect(describe(e)),
+    }
+}
+
+/// The first error of type `T` down `e`'s sources, `e` included. An I/O error's
+/// `source()` skips the error it wraps (hyper's, tokio-rustls's do so): it is opened
+/// with `get_ref`.
+fn cause<'e, T: std::error::Error + 'static>(e: &'e (dyn std::error::Error + 'static)) -> Option<&'e T> {
+    let mut next = Some(e);
     while let Some(error) = next {
-        if let Some(tls) = error.downcast_ref::<rustls::Error>() {
-            return CallError::Tls(tls_failure(tls));
+        if let Some(found) = error.downcast_ref::<T>() {
+            return Some(found);
         }
         next = match error.downcast_ref::<std::io::Error>().and_then(std::io::Error::get_ref) {
             Some(inner) => Some(inner),
             None => error.source(),
         };
     }
-    CallError::Connect(describe(e))
+    None
 }
 
 /// rustls's words, and where to look: the CA that should sign the backend's
