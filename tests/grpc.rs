@@ -325,20 +325,14 @@ async fn more_calls_at_once_than_one_connection_takes_go_out_on_another() {
     let flexway = Flexway::start(&config);
     let ocr = client(&flexway.url).await;
     let calls = 150;
-    let (started, mut arrivals) = tokio::sync::mpsc::channel::<()>(calls);
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    for _ in 0..calls {
-        let (mut ocr, started, mut stopped) = (ocr.clone(), started.clone(), stopped.clone());
-        tokio::spawn(async move {
+    let all = hold_open(calls, Duration::from_secs(20), || {
+        let mut ocr = ocr.clone();
+        async move {
             let request = Image { count: 1, delay_ms: 60_000, ..Default::default() };
-            let pages = ocr.pages(authed(request, KEY)).await.unwrap();
-            started.send(()).await.unwrap();
-            let _ = stopped.wait_for(|stop| *stop).await;
-            drop(pages);
-        });
-    }
-    let all = all_arrive(&mut arrivals, calls, Duration::from_secs(20)).await;
-    stop.send(true).unwrap();
+            ocr.pages(authed(request, KEY)).await.unwrap()
+        }
+    })
+    .await;
     if let Err(open) = all {
         panic!("{open} of {calls} calls open at once");
     }

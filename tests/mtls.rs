@@ -321,24 +321,19 @@ fn more_calls_than_one_connection_a_thread() -> usize {
 /// gateway answers once the backend's first has come) until all are (20 s at most),
 /// then let go. The error is how many were open.
 async fn hold_streams_open(gw: &Arc<Flexway>, calls: usize) -> Result<(), usize> {
-    let (started, mut arrivals) = tokio::sync::mpsc::channel::<()>(calls);
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    for _ in 0..calls {
-        let (gw, started, mut stopped) = (gw.clone(), started.clone(), stopped.clone());
-        tokio::spawn(async move {
+    hold_open(calls, Duration::from_secs(20), || {
+        let gw = gw.clone();
+        async move {
             let mut body = hello("m");
             body["stream"] = true.into();
             let response = gw.chat(KEY, body).await;
             assert_eq!(response.status(), 200);
             let mut chunks = response.bytes_stream();
             assert!(futures_util::StreamExt::next(&mut chunks).await.is_some());
-            started.send(()).await.unwrap();
-            let _ = stopped.wait_for(|stop| *stop).await;
-        });
-    }
-    let all = all_arrive(&mut arrivals, calls, Duration::from_secs(20)).await;
-    stop.send(true).unwrap();
-    all
+            chunks
+        }
+    })
+    .await
 }
 
 #[tokio::test]

@@ -304,19 +304,32 @@ pub fn embedded_adapters(
     (adapters, audit)
 }
 
-/// Waits up to `within` for `count` messages on `arrivals`; how many came, if not all.
-pub async fn all_arrive(
-    arrivals: &mut tokio::sync::mpsc::Receiver<()>,
-    count: usize,
-    within: Duration,
-) -> Result<(), usize> {
+/// `calls` calls at once, each made by `open` and held (what it gives kept) once
+/// `open` has finished, until all are (or `within` has passed), then let go. The
+/// error is how many were open.
+pub async fn hold_open<F, Held>(calls: usize, within: Duration, open: impl Fn() -> F) -> Result<(), usize>
+where
+    F: std::future::Future<Output = Held> + Send + 'static,
+    Held: Send + 'static,
+{
+    let (started, mut arrivals) = tokio::sync::mpsc::channel::<()>(calls);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    for _ in 0..calls {
+        let (opening, started, mut stopped) = (open(), started.clone(), stopped.clone());
+        tokio::spawn(async move {
+            let _held = opening.await;
+            started.send(()).await.unwrap();
+            let _ = stopped.wait_for(|stop| *stop).await;
+        });
+    }
     let mut came = 0;
     let all = tokio::time::timeout(within, async {
-        while came < count {
+        while came < calls {
             arrivals.recv().await.unwrap();
             came += 1;
         }
     })
     .await;
+    stop.send(true).unwrap();
     all.map_err(|_| came)
 }
