@@ -16,9 +16,10 @@
 //! `flexway_budget_remaining` gauge is set from those reads: it moves near the soft
 //! threshold and the caps, not on every call.
 
-use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
+
+use foldhash::HashMap;
 
 use crate::budget::plan::{self, Allowance, Budget};
 use crate::budget::{CounterKey, ReserveOutcome, ReserveRequest, Ticket, period::unix_now};

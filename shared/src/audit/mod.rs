@@ -202,7 +202,7 @@ pub struct Hasher {
     salt: Vec<u8>,
     /// The hashes of the configured keys (by their SHA-256), computed once: every
     /// call's record names its key, and SHA-256 in software is ~3,000 instructions.
-    keys: std::collections::HashMap<[u8; 32], String>,
+    keys: foldhash::HashMap<[u8; 32], String>,
 }
 
 impl std::fmt::Debug for Hasher {

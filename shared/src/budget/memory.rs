@@ -1,8 +1,9 @@
 //! `MemoryBudgetStore`: the ledger in a mutex. For tests and for deployments that
 //! accept losing counters on restart (`store: {kind: memory}`).
 
-use std::collections::HashMap;
 use std::sync::Mutex;
+
+use foldhash::HashMap;
 
 use super::ledger::{self, LedgerState, StoredReservation};
 use super::{

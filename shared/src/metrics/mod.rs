@@ -9,12 +9,13 @@
 //! in integer micro-euros and only turned into euros when rendered. Recording is cheap:
 //! one short lock per family, no allocation once a series exists.
 
-use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::hash::{BuildHasher as _, RandomState};
+use std::hash::BuildHasher as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
+
+use foldhash::HashMap;
 
 use crate::audit::{AuditRecord, UsageSource};
 use crate::money::MicroEur;
@@ -377,7 +378,7 @@ fn nanos(duration: Duration) -> i64 {
 /// Series of one family, keyed by their label values. The map is keyed by a hash of
 /// the values so that finding an existing series needs no allocation.
 struct Family<V> {
-    hasher: RandomState,
+    hasher: foldhash::fast::RandomState,
     series: Mutex<HashMap<u64, Vec<Series<V>>>>,
 }
 
@@ -386,7 +387,7 @@ type Series<V> = (Box<[String]>, V);
 
 impl<V> Family<V> {
     fn new() -> Self {
-        Family { hasher: RandomState::new(), series: Mutex::new(HashMap::new()) }
+        Family { hasher: Default::default(), series: Default::default() }
     }
 
     fn with<R>(&self, labels: &[&str], make: impl FnOnce() -> V, update: impl FnOnce(&mut V) -> R) -> R {

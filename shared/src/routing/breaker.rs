@@ -12,9 +12,11 @@
 //! - memory per backend is bounded whatever the traffic: the failure-count window keeps
 //!   at most `n` instants, the ratio window at most [`RATIO_BUCKETS`] buckets.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
+
+use foldhash::HashMap;
 
 use crate::config::{BackendId, BreakerPolicy, BreakerTrigger};
 

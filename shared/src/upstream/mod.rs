@@ -38,7 +38,6 @@ pub mod lanes;
 pub mod realtime;
 
 use std::cell::Cell;
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -46,6 +45,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
+use foldhash::HashMap;
 use http::{HeaderName, HeaderValue, Method, Uri};
 use http_body_util::Full;
 use hyper_rustls::HttpsConnector;
@@ -413,7 +413,7 @@ impl Upstreams {
         let tls = tls_config(public_roots(), None).map_err(|e| SetupError::Client(e.to_string()))?;
         let negotiated = Arc::new(Negotiated::default());
         let shared: Vec<_> = (0..threads).map(|_| lanes(tls.clone(), &negotiated)).collect();
-        let mut clients = HashMap::new();
+        let mut clients = HashMap::default();
         for (name, backend) in &config.ai.backends {
             let Some(endpoint) = backend.kind.endpoint() else {
                 continue;
