@@ -7,6 +7,9 @@
 //! usage chunk), settlement uses a typical estimate instead (4 bytes a token), marked
 //! `estimated`: a bound would overcharge by about four times.
 
+use std::cell::RefCell;
+use std::rc::Rc;
+
 use crate::config::{Budgets, Config, Price, TenantId};
 use crate::money::MicroEur;
 use crate::protocol::openai::Usage;
@@ -95,9 +98,22 @@ struct Periods {
 }
 
 impl Periods {
-    fn at(now: u64) -> Self {
-        let of = |p: Period| (p.stamp(now), p.end(now));
-        Periods { day: of(Period::Day), month: of(Period::Month) }
+    /// The periods at `now`: the same for every second of a UTC day (a Unix day is
+    /// 86,400 seconds), so each thread computes them once a day, not once a call.
+    fn at(now: u64) -> Rc<Periods> {
+        thread_local! {
+            static TODAY: RefCell<Option<(u64, Rc<Periods>)>> = const { RefCell::new(None) };
+        }
+        let day = now / 86_400;
+        TODAY.with_borrow_mut(|today| match today {
+            Some((cached, periods)) if *cached == day => Rc::clone(periods),
+            _ => {
+                let of = |p: Period| (p.stamp(now), p.end(now));
+                let periods = Rc::new(Periods { day: of(Period::Day), month: of(Period::Month) });
+                *today = Some((day, Rc::clone(&periods)));
+                periods
+            }
+        })
     }
 
     fn of(&self, period: Period) -> &(String, u64) {
@@ -245,6 +261,21 @@ mod tests {
             CounterKey::new("acme", None, Unit::Tokens, Period::Day, now).as_str(),
             "acme/*/tokens/day/2025-12-01"
         );
+    }
+
+    #[test]
+    fn the_periods_kept_for_a_day_are_that_days_and_the_next_day_gets_its_own() {
+        let midnight = 1_764_633_600; // 2025-12-02T00:00:00Z
+        let stamps = |now| {
+            let periods = Periods::at(now);
+            (periods.day.0.clone(), periods.month.0.clone(), periods.day.1)
+        };
+        assert_eq!(stamps(midnight - 86_400), ("2025-12-01".into(), "2025-12".into(), midnight));
+        assert_eq!(stamps(midnight - 1), ("2025-12-01".into(), "2025-12".into(), midnight));
+        assert_eq!(stamps(midnight), ("2025-12-02".into(), "2025-12".into(), midnight + 86_400));
+        // Back to an earlier day on the same thread (a clock set back): computed again.
+        assert_eq!(stamps(midnight - 1).0, "2025-12-01");
+        assert_eq!(stamps(0), ("1970-01-01".into(), "1970-01".into(), 86_400));
     }
 
     #[test]

@@ -62,11 +62,11 @@ pub struct Answer {
 }
 
 #[derive(serde::Deserialize)]
-struct AnswerView {
+struct AnswerView<'a> {
     #[serde(default)]
     usage: Option<UsageView>,
-    #[serde(default)]
-    choices: Option<Vec<ChoiceView>>,
+    #[serde(default, borrow)]
+    choices: Option<Vec<ChoiceView<'a>>>,
 }
 
 #[derive(serde::Deserialize)]
@@ -76,17 +76,19 @@ struct UsageView {
 }
 
 #[derive(serde::Deserialize)]
-struct ChoiceView {
-    #[serde(default)]
-    message: Option<MessageView>,
+struct ChoiceView<'a> {
+    #[serde(default, borrow)]
+    message: Option<MessageView<'a>>,
     #[serde(default)]
     finish_reason: Option<Value>,
 }
 
+/// The completion's text is measured, not kept: borrowed from the body unless it
+/// has escapes to undo.
 #[derive(serde::Deserialize)]
-struct MessageView {
-    #[serde(default)]
-    content: Option<String>,
+struct MessageView<'a> {
+    #[serde(default, borrow)]
+    content: Option<std::borrow::Cow<'a, str>>,
 }
 
 impl Answer {
@@ -273,25 +275,40 @@ impl ChatRequest {
     /// in each limit field the client sent, or in `max_tokens` (the field every
     /// OpenAI-compatible server reads) when it sent none.
     pub fn upstream_body(&self, served_model: &str, allowance: u64) -> Vec<u8> {
-        let mut body = self.body.clone();
-        body.insert("model".into(), Value::String(served_model.to_owned()));
+        let mut owned = vec![("model", Value::String(served_model.to_owned()))];
         if self.stream {
-            let options = body.entry("stream_options").or_insert_with(|| json!({}));
-            if let Value::Object(o) = options {
-                o.insert("include_usage".into(), Value::Bool(true));
-            } else {
-                *options = json!({"include_usage": true});
-            }
+            let mut options = match self.body.get("stream_options") {
+                Some(Value::Object(o)) => o.clone(),
+                _ => Map::new(),
+            };
+            options.insert("include_usage".into(), Value::Bool(true));
+            owned.push(("stream_options", Value::Object(options)));
         }
-        let sent = |key: &str| body.get(key).is_some_and(|v| !v.is_null());
+        let sent = |key: &str| self.body.get(key).is_some_and(|v| !v.is_null());
         let (completion, legacy) = (sent("max_completion_tokens"), sent("max_tokens"));
         if completion {
-            body.insert("max_completion_tokens".into(), json!(allowance));
+            owned.push(("max_completion_tokens", json!(allowance)));
         }
         if legacy || !completion {
-            body.insert("max_tokens".into(), json!(allowance));
+            owned.push(("max_tokens", json!(allowance)));
         }
-        serde_json::to_vec(&body).unwrap_or_default()
+        with_owned(&self.body, &owned)
+    }
+}
+
+/// A client's body with the fields the gateway owns set to `owned`, serialized
+/// without copying the rest (the messages, the input): the same bytes as the body
+/// with those fields inserted, keys in order as a `Map` keeps them.
+fn with_owned(body: &Map<String, Value>, owned: &[(&str, Value)]) -> Vec<u8> {
+    let kept =
+        body.iter().map(|(key, value)| (key.as_str(), value)).filter(|(key, _)| !owned.iter().any(|(k, _)| k == key));
+    let mut fields: Vec<(&str, &Value)> = kept.chain(owned.iter().map(|(key, value)| (*key, value))).collect();
+    fields.sort_unstable_by_key(|(key, _)| *key);
+    let mut out = Vec::with_capacity(256);
+    let mut serializer = serde_json::Serializer::new(&mut out);
+    match serde::Serializer::collect_map(&mut serializer, fields) {
+        Ok(()) => out,
+        Err(_) => Vec::new(),
     }
 }
 
@@ -393,9 +410,7 @@ impl EmbeddingsRequest {
     }
 
     pub fn upstream_body(&self, served_model: &str) -> Vec<u8> {
-        let mut body = self.body.clone();
-        body.insert("model".into(), Value::String(served_model.to_owned()));
-        serde_json::to_vec(&body).unwrap_or_default()
+        with_owned(&self.body, &[("model", Value::String(served_model.to_owned()))])
     }
 }
 
@@ -508,6 +523,25 @@ mod tests {
         assert_eq!(body["stream_options"]["include_usage"], true);
         assert_eq!(body["temperature"], 0.5);
         assert_eq!(body["max_tokens"], 9);
+    }
+
+    #[test]
+    fn the_owned_fields_are_written_where_the_body_with_them_inserted_would_have_them() {
+        let body = json!({"model": "alias", "messages": [{"role": "user", "content": "x\"y"}], "max_tokens": 3,
+            "a": 1, "zeta": {"k": [1, 2]}, "stream_options": {"include_usage": false, "other": true}});
+        let Value::Object(body) = body else { unreachable!() };
+        let owned = [
+            ("max_completion_tokens", json!(5)),
+            ("max_tokens", json!(5)),
+            ("model", json!("real")),
+            ("stream_options", json!({"include_usage": true, "other": true})),
+        ];
+        let mut inserted = body.clone();
+        for (key, value) in &owned {
+            inserted.insert((*key).to_owned(), value.clone());
+        }
+        assert_eq!(String::from_utf8(with_owned(&body, &owned)).unwrap(), Value::Object(inserted).to_string());
+        assert_eq!(with_owned(&Map::new(), &owned[2..3]), br#"{"model":"real"}"#);
     }
 
     #[test]
