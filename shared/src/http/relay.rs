@@ -475,7 +475,7 @@ fn tap(chunk: Option<&Value>, client_wants_usage: bool, outcome: &mut RelayOutco
                 outcome.content_bytes += text.len() as u64;
             }
             if let Some(calls) = delta.get("tool_calls") {
-                outcome.content_bytes += calls.to_string().len() as u64;
+                outcome.content_bytes += crate::protocol::json_len(calls);
             }
             if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str)
                 && outcome.finish_reasons.len() < MAX_CHOICES as usize

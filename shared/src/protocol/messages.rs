@@ -105,7 +105,7 @@ impl MessagesRequest {
         measure.message_count = messages.len() as u64 + u64::from(body.get("system").is_some_and(|s| !s.is_null()));
         match body.get("tools") {
             None | Some(Value::Null) => {}
-            Some(tools @ Value::Array(_)) => measure.prompt_text_bytes += tools.to_string().len() as u64,
+            Some(tools @ Value::Array(_)) => measure.prompt_text_bytes += super::json_len(tools),
             Some(_) => return Err(invalid("tools", "`tools` must be an array")),
         }
         measure.user = match body.get("metadata").and_then(|m| m.get("user_id")) {
@@ -187,7 +187,7 @@ fn text_block<'a>(block: &'a Value, place: &'static str) -> Result<&'a str, Inva
 /// cannot measure.
 fn measure_block(block: &Value, at: &str, measure: &mut Measure) -> Result<(), InvalidRequest> {
     let field = |key: &str| block.get(key);
-    let bytes = |v: Option<&Value>| v.map_or(0, |v| v.as_str().map_or_else(|| v.to_string().len(), str::len)) as u64;
+    let bytes = |v: Option<&Value>| v.map_or(0, |v| v.as_str().map_or_else(|| super::json_len(v), |s| s.len() as u64));
     match block.get("type").and_then(Value::as_str) {
         Some("text") => match field("text") {
             Some(Value::String(t)) => measure.prompt_text_bytes += t.len() as u64,

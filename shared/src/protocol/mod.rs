@@ -38,7 +38,45 @@ pub enum Wire {
     Anthropic,
 }
 
+/// The length of `value` written as compact JSON (what `value.to_string().len()` gives),
+/// counted without writing it anywhere: tools, tool calls and schemas are measured as
+/// prompt text, and can be large.
+pub fn json_len(value: &serde_json::Value) -> u64 {
+    struct Counting(u64);
+    impl std::io::Write for Counting {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 += bytes.len() as u64;
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut counting = Counting(0);
+    match serde_json::to_writer(&mut counting, value) {
+        Ok(()) => counting.0,
+        Err(_) => value.to_string().len() as u64,
+    }
+}
+
 /// Now, in the seconds of a Chat Completions `created`.
 pub fn unix_seconds() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    #[test]
+    fn json_len_is_the_written_lengths() {
+        for value in [
+            json!(null),
+            json!("é\"\n\u{1}"),
+            json!([{"type": "function", "function": {"name": "f", "parameters": {"a": [1, 2.5, -3]}}}]),
+            json!({}),
+        ] {
+            assert_eq!(super::json_len(&value), value.to_string().len() as u64, "{value}");
+        }
+    }
 }

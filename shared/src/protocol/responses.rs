@@ -104,7 +104,7 @@ impl ResponsesRequest {
             ..Call::default()
         };
         if let Some(tools) = body.get("tools") {
-            measure.prompt_text_bytes += tools.to_string().len() as u64;
+            measure.prompt_text_bytes += super::json_len(tools);
         }
         match body.get("instructions") {
             None | Some(Value::Null) => {}

@@ -240,14 +240,14 @@ impl ChatRequest {
             // Tool calls and names count towards the prompt too: measure them as text.
             for key in ["tool_calls", "function_call", "name"] {
                 if let Some(v) = message.get(key) {
-                    prompt_text_bytes += v.to_string().len() as u64;
+                    prompt_text_bytes += crate::protocol::json_len(v);
                 }
             }
         }
         // Tool definitions are part of the prompt the model reads.
         for key in ["tools", "functions", "response_format"] {
             if let Some(v) = body.get(key) {
-                prompt_text_bytes += v.to_string().len() as u64;
+                prompt_text_bytes += crate::protocol::json_len(v);
             }
         }
         let message_count = messages.len() as u64;
