@@ -143,7 +143,7 @@ fn reservation_item(request_id: &str) -> String {
 #[async_trait::async_trait]
 impl BudgetStore for SimulatedDynamoDb {
     async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
-        let mut items: Vec<String> = request.lines.iter().map(|l| l.key.0.clone()).collect();
+        let mut items: Vec<String> = request.lines.iter().map(|l| l.key.as_str().to_owned()).collect();
         items.push(reservation_item(&request.request_id));
         self.write(items, 2.0, self.inner.reserve(request)).await?
     }
@@ -152,7 +152,8 @@ impl BudgetStore for SimulatedDynamoDb {
         reservation: &Reservation,
         actual: &[(CounterKey, u64)],
     ) -> Result<SettleOutcome, StoreError> {
-        let mut items: Vec<String> = reservation.lines.iter().chain(actual).map(|(k, _)| k.0.clone()).collect();
+        let mut items: Vec<String> =
+            reservation.lines.iter().chain(actual).map(|(k, _)| k.as_str().to_owned()).collect();
         items.push(reservation_item(&reservation.request_id));
         self.write(items, 2.0, self.inner.settle(reservation, actual)).await?
     }
@@ -174,7 +175,7 @@ impl BudgetStore for SimulatedDynamoDb {
 }
 
 fn key(name: &str) -> CounterKey {
-    CounterKey(format!("acme/*/{name}"))
+    CounterKey(format!("acme/*/{name}").into())
 }
 
 /// One call of the tenant: tokens per day, tokens per month, micro-euros per month.

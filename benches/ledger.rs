@@ -120,7 +120,7 @@ async fn measure(
 /// What admission reserves for one call: tenant and agent, tokens per day and month,
 /// micro-euros per month, under limits that never refuse here.
 fn request(task: usize, n: u64) -> ReserveRequest {
-    let key = |s: &str| CounterKey(format!("bench/{s}"));
+    let key = |s: &str| CounterKey(format!("bench/{s}").into());
     let line = |k: &str, amount: u64| Line { key: key(k), amount, limit: Some(u64::MAX / 2) };
     ReserveRequest {
         request_id: format!("bench-{task}-{n}"),

@@ -15,7 +15,7 @@ use flexway::budget::{
 const NOW: u64 = 1_795_967_070;
 
 fn key(name: &str) -> CounterKey {
-    CounterKey(format!("embedded/{name}"))
+    CounterKey(format!("embedded/{name}").into())
 }
 
 fn request(id: &str, lines: &[(&str, u64, Option<u64>)], expires_at: u64) -> ReserveRequest {

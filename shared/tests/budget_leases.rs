@@ -15,7 +15,7 @@ use flexway::budget::{
 const NOW: u64 = 1_795_967_070;
 
 fn key(name: &str) -> CounterKey {
-    CounterKey(format!("lease/{name}"))
+    CounterKey(format!("lease/{name}").into())
 }
 
 fn request(id: &str, lines: &[(&str, u64, Option<u64>)]) -> ReserveRequest {

@@ -41,7 +41,7 @@ fn request(id: &str, lines: &[(&str, u64, Option<u64>)]) -> ReserveRequest {
         request_id: id.to_owned(),
         lines: lines
             .iter()
-            .map(|(k, amount, limit)| Line { key: CounterKey((*k).to_owned()), amount: *amount, limit: *limit })
+            .map(|(k, amount, limit)| Line { key: CounterKey((*k).into()), amount: *amount, limit: *limit })
             .collect(),
         expires_at: flexway::budget::period::unix_now() + 60,
     }
@@ -129,7 +129,7 @@ async fn items_follow_the_documented_table_design() {
     assert!(!reservation.contains_key("actual"), "no intent unless a settlement failed");
 
     // A settle intent is one attribute of the reservation item; no counter moves.
-    let intent = store.record_intent("design", &[(CounterKey(key.to_owned()), 17)]).await.unwrap();
+    let intent = store.record_intent("design", &[(CounterKey(key.into()), 17)]).await.unwrap();
     assert_eq!(intent, IntentOutcome::Recorded);
     let reservation = get("reservation#design".to_owned()).await;
     let actual: Vec<(String, u64)> = serde_json::from_str(reservation["actual"].as_s().unwrap()).unwrap();

@@ -48,7 +48,7 @@ impl Drop for Process {
 fn reservation(id: &str, amount: u64, expires_at: u64) -> ReserveRequest {
     ReserveRequest {
         request_id: id.to_owned(),
-        lines: vec![Line { key: CounterKey("acme/*/tokens/day/2026-11-29".to_owned()), amount, limit: Some(1000) }],
+        lines: vec![Line { key: CounterKey("acme/*/tokens/day/2026-11-29".into()), amount, limit: Some(1000) }],
         expires_at,
     }
 }
@@ -64,7 +64,7 @@ async fn a_scheduled_event_refunds_expired_reservations_and_charges_settle_inten
     assert_eq!(store.reserve(&reservation("vanished", 300, now - 5)).await.unwrap(), ReserveOutcome::Reserved);
     assert_eq!(store.reserve(&reservation("running", 200, now + 600)).await.unwrap(), ReserveOutcome::Reserved);
     assert_eq!(store.reserve(&reservation("unwritten", 100, now - 5)).await.unwrap(), ReserveOutcome::Reserved);
-    let actual = [(CounterKey("acme/*/tokens/day/2026-11-29".to_owned()), 40)];
+    let actual = [(CounterKey("acme/*/tokens/day/2026-11-29".into()), 40)];
     assert_eq!(store.record_intent("unwritten", &actual).await.unwrap(), IntentOutcome::Recorded);
 
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -109,7 +109,7 @@ async fn a_scheduled_event_refunds_expired_reservations_and_charges_settle_inten
     assert_eq!(response.status(), 200);
     let body: serde_json::Value = response.json().await.unwrap();
     assert_eq!(body, serde_json::json!({"refunded": 1, "charged": 1}));
-    let used = store.used(&[CounterKey("acme/*/tokens/day/2026-11-29".to_owned())]).await.unwrap();
+    let used = store.used(&[CounterKey("acme/*/tokens/day/2026-11-29".into())]).await.unwrap();
     assert_eq!(used, [200 + 40], "the vanished call refunded, the unwritten settlement charged, the running one held");
     assert_eq!(store.live_reservations().await.unwrap(), 1);
 }

@@ -26,7 +26,7 @@ use crate::protocol::openai::Usage;
 const NOW: u64 = 1_795_967_070;
 
 fn key(name: &str) -> CounterKey {
-    CounterKey(format!("conformance/{name}"))
+    CounterKey(format!("conformance/{name}").into())
 }
 
 fn request(id: &str, lines: &[(&str, u64, Option<u64>)], expires_at: u64) -> ReserveRequest {

@@ -539,7 +539,7 @@ impl Ledger {
         let mut ledger = Ledger::default();
         for entry in txn.open_table(COUNTERS).map_err(backend)?.iter().map_err(backend)? {
             let (key, value) = entry.map_err(backend)?;
-            ledger.counters.insert(CounterKey(key.value().to_owned()), value.value());
+            ledger.counters.insert(CounterKey(key.value().into()), value.value());
         }
         for entry in txn.open_table(RESERVATIONS).map_err(backend)?.iter().map_err(backend)? {
             let (request_id, bytes) = entry.map_err(backend)?;
@@ -814,7 +814,7 @@ mod tests {
     use crate::budget::Line;
 
     fn key(name: &str) -> CounterKey {
-        CounterKey(format!("batch/{name}"))
+        CounterKey(format!("batch/{name}").into())
     }
 
     fn reserve(id: &str, amount: u64, limit: u64) -> (Job, oneshot::Receiver<Result<ReserveOutcome, StoreError>>) {

@@ -29,6 +29,8 @@ pub mod period;
 pub mod plan;
 pub mod ticket;
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
 pub use embedded::EmbeddedBudgetStore;
@@ -41,7 +43,7 @@ pub use ticket::Ticket;
 /// Names one counter: `acme/*/tokens/day/2026-11-29`, `acme/bot/eur/month/2026-11`.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct CounterKey(pub String);
+pub struct CounterKey(pub Arc<str>);
 
 impl CounterKey {
     pub fn new(tenant: &str, agent: Option<&str>, unit: Unit, period: Period, now: u64) -> Self {
@@ -50,7 +52,7 @@ impl CounterKey {
 
     /// The key of the period whose [`Period::stamp`] is `stamp`.
     pub fn stamped(tenant: &str, agent: Option<&str>, unit: Unit, period: Period, stamp: &str) -> Self {
-        CounterKey([tenant, agent.unwrap_or("*"), unit.as_str(), period.as_str(), stamp].join("/"))
+        CounterKey([tenant, agent.unwrap_or("*"), unit.as_str(), period.as_str(), stamp].join("/").into())
     }
 
     pub fn as_str(&self) -> &str {
