@@ -16,9 +16,8 @@
 
 use std::sync::{Arc, OnceLock};
 
-use axum::Extension;
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
@@ -72,38 +71,20 @@ enum Operation {
     Messages,
 }
 
-pub(super) async fn chat_completions(
-    State(gateway): State<Arc<Gateway>>,
-    Extension(request_id): Extension<RequestId>,
-    deadline: Option<Extension<Deadline>>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    let deadline = deadline.map(|Extension(d)| d);
+pub(super) async fn chat_completions(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
+    let (request_id, deadline, headers, body) = taken(request);
     handle(gateway, request_id, headers, body, Operation::Chat, deadline).await
 }
 
 /// `POST /v1/responses` (SPEC §2.1): the chat path, answered in the Responses format.
-pub(super) async fn responses(
-    State(gateway): State<Arc<Gateway>>,
-    Extension(request_id): Extension<RequestId>,
-    deadline: Option<Extension<Deadline>>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    let deadline = deadline.map(|Extension(d)| d);
+pub(super) async fn responses(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
+    let (request_id, deadline, headers, body) = taken(request);
     handle(gateway, request_id, headers, body, Operation::Responses, deadline).await
 }
 
 /// `POST /v1/messages` (SPEC §2.2): the chat path, answered in Anthropic's format.
-pub(super) async fn messages(
-    State(gateway): State<Arc<Gateway>>,
-    Extension(request_id): Extension<RequestId>,
-    deadline: Option<Extension<Deadline>>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    let deadline = deadline.map(|Extension(d)| d);
+pub(super) async fn messages(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
+    let (request_id, deadline, headers, body) = taken(request);
     handle(gateway, request_id, headers, body, Operation::Messages, deadline).await
 }
 
@@ -125,13 +106,18 @@ pub(super) async fn count_tokens(State(gateway): State<Arc<Gateway>>, headers: H
     }
 }
 
-pub(super) async fn embeddings(
-    State(gateway): State<Arc<Gateway>>,
-    Extension(request_id): Extension<RequestId>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
+pub(super) async fn embeddings(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
+    let (request_id, _, headers, body) = taken(request);
     handle(gateway, request_id, headers, body, Operation::Embeddings, None).await
+}
+
+/// A call's id (the request-id layer's), its deadline (the Lambda adapter's), headers
+/// and body, moved out of the request: axum's `HeaderMap` and `Extension` extractors
+/// would copy them.
+fn taken(request: Request) -> (RequestId, Option<Deadline>, HeaderMap, Body) {
+    let (mut parts, body) = request.into_parts();
+    let request_id = parts.extensions.remove::<RequestId>().unwrap_or_else(RequestId::generate);
+    (request_id, parts.extensions.remove::<Deadline>(), parts.headers, body)
 }
 
 /// Authenticates, runs the call, and records it whatever happened.
