@@ -22,7 +22,7 @@ impl LedgerState for State {
         Ok(self.counters.get(key).copied().unwrap_or(0))
     }
     fn set_counter(&mut self, key: &CounterKey, value: u64) -> Result<(), StoreError> {
-        // A counter is set far more often than made: its key is copied only once.
+        // A counter is set far more often than made: the map keeps the key it has.
         match self.counters.get_mut(key) {
             Some(counter) => *counter = value,
             None => _ = self.counters.insert(key.clone(), value),

@@ -276,6 +276,17 @@ mod tests {
         // Back to an earlier day on the same thread (a clock set back): computed again.
         assert_eq!(stamps(midnight - 1).0, "2025-12-01");
         assert_eq!(stamps(0), ("1970-01-01".into(), "1970-01".into(), 86_400));
+        // What is kept is what each period computes, at a month's, a leap day's and a
+        // year's last second and first, and past the last date there is.
+        for now in [1_764_547_199, 1_764_547_200, 1_709_251_199, 1_709_251_200, 1_798_761_599, 1_798_761_600]
+            .into_iter()
+            .chain([i64::MAX as u64, i64::MAX as u64 + 1, u64::MAX])
+        {
+            let periods = Periods::at(now);
+            for (period, (stamp, end)) in [(Period::Day, &periods.day), (Period::Month, &periods.month)] {
+                assert_eq!((stamp.clone(), *end), (period.stamp(now), period.end(now)), "{period:?} at {now}");
+            }
+        }
     }
 
     #[test]

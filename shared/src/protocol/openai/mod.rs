@@ -62,11 +62,11 @@ pub struct Answer {
 }
 
 #[derive(serde::Deserialize)]
-struct AnswerView<'a> {
+struct AnswerView {
     #[serde(default)]
     usage: Option<UsageView>,
-    #[serde(default, borrow)]
-    choices: Option<Vec<ChoiceView<'a>>>,
+    #[serde(default)]
+    choices: Option<Vec<ChoiceView>>,
 }
 
 #[derive(serde::Deserialize)]
@@ -76,19 +76,37 @@ struct UsageView {
 }
 
 #[derive(serde::Deserialize)]
-struct ChoiceView<'a> {
-    #[serde(default, borrow)]
-    message: Option<MessageView<'a>>,
+struct ChoiceView {
+    #[serde(default)]
+    message: Option<MessageView>,
     #[serde(default)]
     finish_reason: Option<Value>,
 }
 
-/// The completion's text is measured, not kept: borrowed from the body unless it
-/// has escapes to undo.
 #[derive(serde::Deserialize)]
-struct MessageView<'a> {
-    #[serde(default, borrow)]
-    content: Option<std::borrow::Cow<'a, str>>,
+struct MessageView {
+    #[serde(default)]
+    content: Option<TextLen>,
+}
+
+/// A string's length in bytes (its escapes undone), read without keeping the string:
+/// the completion's text is measured, never held.
+struct TextLen(u64);
+
+impl<'de> serde::Deserialize<'de> for TextLen {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Measure;
+        impl serde::de::Visitor<'_> for Measure {
+            type Value = TextLen;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<TextLen, E> {
+                Ok(TextLen(text.len() as u64))
+            }
+        }
+        deserializer.deserialize_str(Measure)
+    }
 }
 
 impl Answer {
@@ -110,7 +128,7 @@ impl Answer {
             .map(str::to_owned)
             .collect();
         let completion_bytes =
-            choices.into_iter().filter_map(|c| c.message.and_then(|m| m.content)).map(|t| t.len() as u64).sum();
+            choices.into_iter().filter_map(|c| c.message.and_then(|m| m.content)).map(|TextLen(len)| len).sum();
         Some(Answer { usage, completion_bytes, finish_reasons })
     }
 
@@ -298,7 +316,9 @@ impl ChatRequest {
 
 /// A client's body with the fields the gateway owns set to `owned`, serialized
 /// without copying the rest (the messages, the input): the same bytes as the body
-/// with those fields inserted, keys in order as a `Map` keeps them.
+/// with those fields inserted. The fields are written sorted by key, the order in
+/// which serde_json's `Map` (a `BTreeMap` without its `preserve_order` feature, as
+/// built here) keeps and writes them.
 fn with_owned(body: &Map<String, Value>, owned: &[(&str, Value)]) -> Vec<u8> {
     let kept =
         body.iter().map(|(key, value)| (key.as_str(), value)).filter(|(key, _)| !owned.iter().any(|(k, _)| k == key));
@@ -526,6 +546,31 @@ mod tests {
     }
 
     #[test]
+    fn every_form_of_the_owned_fields_is_written_in_key_order() {
+        let cases = [
+            (
+                json!({"stream": true, "stream_options": {"include_usage": false, "x": 1}}),
+                json!({"include_usage": true, "x": 1}),
+            ),
+            (json!({"stream": true, "stream_options": null}), json!({"include_usage": true})),
+            (json!({"stream": true}), json!({"include_usage": true})),
+        ];
+        for (mut body, options) in cases {
+            body["model"] = json!("alias");
+            body["messages"] = json!([{"role": "user", "content": "x"}]);
+            body["max_completion_tokens"] = json!(7);
+            body["max_tokens"] = Value::Null;
+            let sent = chat(body).unwrap().upstream_body("real", 5);
+            let read: Value = serde_json::from_slice(&sent).unwrap();
+            // Written as serde_json writes the object it reads back: the same key order.
+            assert_eq!(sent, read.to_string().into_bytes());
+            assert_eq!(read["stream_options"], options);
+            assert_eq!((read["max_completion_tokens"].clone(), read["max_tokens"].clone()), (json!(5), Value::Null));
+            assert_eq!(read["model"], "real");
+        }
+    }
+
+    #[test]
     fn the_owned_fields_are_written_where_the_body_with_them_inserted_would_have_them() {
         let body = json!({"model": "alias", "messages": [{"role": "user", "content": "x\"y"}], "max_tokens": 3,
             "a": 1, "zeta": {"k": [1, 2]}, "stream_options": {"include_usage": false, "other": true}});
@@ -569,6 +614,11 @@ mod tests {
         assert_eq!(Answer::read(b" []"), None);
         assert_eq!(Answer::read(b"not json"), None);
         assert_eq!(Answer::read(b"{\"usage\": null}").unwrap().usage, None);
+        // The text's length is its bytes once unescaped, summed over the choices.
+        let escaped = br#"{"choices": [{"message": {"content": "a\"\u00e9\n"}}, {"message": {"content": null}},
+            {"message": {"content": "xy"}}]}"#;
+        assert_eq!(Answer::read(escaped).unwrap().completion_bytes, 5 + 2);
+        assert_eq!(Answer::read(br#"{"choices": [{"message": {"content": 7}}]}"#), None);
     }
 
     #[test]
