@@ -2,8 +2,11 @@
 //! crates flexway serves with (hyper's server through hyper-util, hyper-util's pooled
 //! client, mimalloc) and its threading (one single-threaded runtime per core, each with
 //! its own upstream pool), doing nothing a gateway does: no identity, no routing, no
-//! ledger, no audit. The request's body goes to the upstream as it came, and the
-//! answer's body back.
+//! ledger, no audit, and no axum router or middleware. The request's body goes to the
+//! upstream as it came, and the answer's body back. Unlike `flexway serve` (which
+//! accepts on its main runtime and hands each connection to a serving thread), every
+//! thread here accepts on the shared listener: one connection, as in the latency
+//! measure, is served the same way.
 //!
 //!   hyper-hop LISTEN UPSTREAM      e.g. hyper-hop 127.0.0.1:8081 127.0.0.1:8080
 
