@@ -53,10 +53,9 @@ pub fn json_len(value: &serde_json::Value) -> u64 {
         }
     }
     let mut counting = Counting(0);
-    match serde_json::to_writer(&mut counting, value) {
-        Ok(()) => counting.0,
-        Err(_) => value.to_string().len() as u64,
-    }
+    // A `Value` (string keys only) written to a writer that never fails cannot fail.
+    let _ = serde_json::to_writer(&mut counting, value);
+    counting.0
 }
 
 /// Now, in the seconds of a Chat Completions `created`.
