@@ -8,7 +8,11 @@
 //! operation's rules see the state the previous ones left — appends what the batch
 //! wrote to the journal (`<file>.journal`: one JSON line a batch, one `write(2)`,
 //! values rather than operations), and only then puts the batch in the ledger that
-//! reads see and answers every caller of the batch.
+//! reads see. It answers the batch's settlements and refunds at once, and the rest
+//! after the journal's fsync: a settlement queued with reservations does not wait for
+//! their fsync (it may still wait for the fsync of the batch before it, which holds the
+//! writer's lock: writing it on its caller's thread meanwhile, one `write(2)` a
+//! settlement, cost 7% of the throughput at 64 connections on this machine).
 //!
 //! Two operations skip the queue and are written by their caller, on its own thread,
 //! as a batch of one, when no batch or checkpoint is being written (the writer's lock
@@ -43,19 +47,22 @@
 //!   take the settlements journaled since the last fsync with the page cache: their
 //!   reservations stay held, and the sweeper refunds them at their expiry). If the
 //!   journal write fails, every operation of the batch gets the error and the ledger is
-//!   left as it was;
+//!   left as it was; lines reach the journal in the order of the lock, fsync or not;
 //! - an operation applies whole or not at all: its writes are kept apart until its rules
 //!   returned `Ok`; an operation whose rules fail leaves nothing behind and the rest of
 //!   the batch proceeds;
-//! - reads (`used`, `live_reservations`) see what callers were told: a batch reaches the
-//!   ledger they read only once journaled, never while in flight. They take a read lock
-//!   and touch no file;
+//! - reads (`used`, `live_reservations`) see no operation before its journal line is
+//!   written: a batch reaches the ledger they read once its line is in the journal
+//!   (what a replay would find), never while its rules run. A reservation may be read
+//!   there during its fsync, before its caller is answered. They take a read lock and
+//!   touch no file;
 //! - a record of the file that does not decode fails only the operations that read it
 //!   (its reservation's, or any that reads them all), as it would in the file.
 //!
 //! A batch whose journal line was written but whose fsync failed is answered with the
-//! error, yet a replay may still apply it: a reservation its caller was refused for is
-//! then held until the sweeper refunds it, never a charge that did not happen.
+//! error, yet it is in the ledger, as a replay of what the page cache holds may put it:
+//! a reservation its caller was refused for is then held until the sweeper refunds it,
+//! never a charge that did not happen.
 //!
 //! A call whose future is dropped after its operation was queued may still apply;
 //! retrying is safe because reservations are idempotent on the request id.
@@ -67,7 +74,7 @@
 //! tenant and agent per day and month) and its reservations (those in flight, and the
 //! swept ones kept a day).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -77,6 +84,7 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock, TryLockError, mpsc};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use foldhash::{HashMap, HashSet};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
@@ -207,7 +215,7 @@ impl EmbeddedBudgetStore {
             Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
             Err(TryLockError::WouldBlock) => return Some(job),
         };
-        write_batch(&self.ledger, vec![job], &mut writer.journal, &self.syncs);
+        write_batch(&self.ledger, vec![job], &mut writer.journal).sync_and_answer(&writer.journal, &self.syncs);
         None
     }
 
@@ -342,6 +350,11 @@ enum Answer {
 }
 
 impl Answer {
+    /// A settlement's or refund's: sent once its line is written, before any fsync.
+    fn deferrable(&self) -> bool {
+        matches!(self, Answer::Settle(..))
+    }
+
     fn is_ok(&self) -> bool {
         match self {
             Answer::Reserve(_, result) => result.is_ok(),
@@ -394,7 +407,7 @@ fn write_loop(writer: &Mutex<Writer>, ledger: &RwLock<Ledger>, queue: &mpsc::Rec
                     Err(_) => break,
                 }
             }
-            write_batch(ledger, jobs, &mut writer.journal, syncs);
+            write_batch(ledger, jobs, &mut writer.journal).sync_and_answer(&writer.journal, syncs);
         }
         if writer.journal.len >= CHECKPOINT_BYTES || checkpointed.elapsed() >= CHECKPOINT_EVERY {
             checkpointed = Instant::now();
@@ -460,32 +473,70 @@ fn checkpoint(db: &Database, ledger: &mut Ledger, journal: &mut Journal) -> Resu
     journal.clear()
 }
 
-fn write_batch(ledger: &RwLock<Ledger>, jobs: Vec<Job>, journal: &mut Journal, syncs: &AtomicU64) {
+/// Writes a batch: applies its operations over the ledger, writes its journal line (one
+/// `pwrite(2)`), puts it in the ledger, and answers its settlements and refunds, which
+/// wait for no fsync. The fsync and the other answers follow
+/// ([`Written::sync_and_answer`]).
+fn write_batch(ledger: &RwLock<Ledger>, jobs: Vec<Job>, journal: &mut Journal) -> Written {
     let sync = !jobs.iter().all(Job::deferrable);
     let mut jobs = jobs.into_iter();
     let mut answers = Vec::with_capacity(jobs.len());
-    let journaled = apply_and_journal(ledger, sync, journal, &mut jobs, &mut answers).map_err(|e| e.to_string());
-    if journaled.is_ok() && sync {
-        syncs.fetch_add(1, Ordering::Relaxed);
-    } else if let Err(why) = &journaled {
+    let written = apply_and_write(ledger, journal, &mut jobs, &mut answers).map_err(|e| e.to_string());
+    if let Err(why) = &written {
         tracing::error!(error = %why, operations = answers.len() + jobs.len(), "ledger batch not written");
     }
-    let journaled = journaled.as_ref().map(|_| ()).map_err(String::as_str);
-    for answer in answers {
-        answer.send(journaled);
-    }
+    let failed = written.as_ref().err().map(String::as_str);
     // Left over when the batch aborted before reaching them.
     for job in jobs {
-        job.fail(journaled.err().unwrap_or("ledger batch aborted"));
+        job.fail(failed.unwrap_or("ledger batch aborted"));
+    }
+    let (settled, waiting): (Vec<_>, Vec<_>) = answers.into_iter().partition(Answer::deferrable);
+    for answer in settled {
+        answer.send(failed.map_or(Ok(()), Err));
+    }
+    Written { answers: waiting, sync, failed: written.err() }
+}
+
+/// A batch written and in the ledger, whose fsync and answers are still to come.
+#[must_use = "its callers wait for their answers"]
+struct Written {
+    answers: Vec<Answer>,
+    /// The batch holds a reservation, an intent or a sweep.
+    sync: bool,
+    failed: Option<String>,
+}
+
+impl Written {
+    /// Syncs the journal (when the batch needs it) and answers the batch's callers.
+    /// A failed fsync fails them; the batch stays in the ledger, as a replay of the
+    /// journal the page cache still holds could put it there.
+    fn sync_and_answer(self, journal: &Journal, syncs: &AtomicU64) {
+        let synced = match (&self.failed, self.sync) {
+            (Some(why), _) => Err(why.clone()),
+            (None, false) => Ok(()),
+            (None, true) => match journal.sync() {
+                Ok(()) => {
+                    syncs.fetch_add(1, Ordering::Relaxed);
+                    Ok(())
+                }
+                Err(e) => {
+                    let why = e.to_string();
+                    tracing::error!(error = %why, operations = self.answers.len(), "ledger batch not synced");
+                    Err(why)
+                }
+            },
+        };
+        let synced = synced.as_ref().map(|_| ()).map_err(String::as_str);
+        for answer in self.answers {
+            answer.send(synced);
+        }
     }
 }
 
-/// Applies the batch over the ledger, journals what it wrote (synced when `sync`), and
-/// only then puts it in the ledger. On error the batch is dropped: the ledger is left
-/// as it was.
-fn apply_and_journal(
+/// Applies the batch over the ledger, writes its journal line, and only then puts it
+/// in the ledger. On error the batch is dropped: the ledger is left as it was.
+fn apply_and_write(
     ledger: &RwLock<Ledger>,
-    sync: bool,
     journal: &mut Journal,
     jobs: &mut impl Iterator<Item = Job>,
     answers: &mut Vec<Answer>,
@@ -501,7 +552,7 @@ fn apply_and_journal(
         }
         batch.effects()
     };
-    journal.append(&effects, sync)?;
+    journal.write(&effects)?;
     ledger.write().map_err(|_| backend("ledger lock poisoned"))?.apply(&effects);
     Ok(())
 }
@@ -780,19 +831,24 @@ impl Journal {
         Ok(())
     }
 
-    /// One `pwrite(2)` for the batch, then `fdatasync` when `sync`. A batch that wrote
-    /// nothing has nothing to journal, but a sync still carries the lines before it.
-    fn append(&mut self, effects: &Effects, sync: bool) -> Result<(), StoreError> {
+    /// One `pwrite(2)` for the batch; a batch that wrote nothing has nothing to journal.
+    fn write(&mut self, effects: &Effects) -> Result<(), StoreError> {
         if !effects.is_empty() {
             let mut line = serde_json::to_vec(&Line { epoch: self.epoch, effects }).map_err(backend)?;
             line.push(b'\n');
             self.write_at(&line)?;
             self.lines += 1;
         }
-        if sync && self.lines > 0 {
-            self.file.sync_data().map_err(|e| backend(format!("ledger journal {}: {e}", self.path.display())))?;
-        }
         Ok(())
+    }
+
+    /// `fdatasync` of the lines written so far, if there are any: a batch that wrote
+    /// nothing still waits for the lines before it.
+    fn sync(&self) -> Result<(), StoreError> {
+        if self.lines == 0 {
+            return Ok(());
+        }
+        self.file.sync_data().map_err(|e| backend(format!("ledger journal {} fsync: {e}", self.path.display())))
     }
 
     /// After a checkpoint: a new epoch, whose marker line (no writes) starts the file,
@@ -834,40 +890,51 @@ mod tests {
 
     /// One batch, applied in order, each operation on the state the previous left, one
     /// journal line; the operation that fails in the middle writes nothing and fails
-    /// nobody else.
+    /// nobody else. Its settlements are answered once the line is written, the rest once
+    /// it is synced.
     #[tokio::test]
     async fn a_batch_applies_in_order_in_one_line_and_isolates_a_failing_operation() {
         let dir = tempfile::tempdir().unwrap();
         let mut ledger = Ledger::default();
         ledger.reservations.insert("corrupt".into(), Err("not JSON".into()));
         let ledger = RwLock::new(ledger);
-        let (r1, a1) = reserve("r1", 80, 100);
+        let (r1, mut a1) = reserve("r1", 80, 100);
         let (r2, a2) = reserve("r2", 30, 100);
-        let (s1, a3) = settle("r1", 10);
-        let (bad, a4) = settle("corrupt", 50);
-        let (r3, a5) = reserve("r3", 30, 100);
+        let (s1, mut a3) = settle("r1", 10);
+        let (bad, mut a4) = settle("corrupt", 50);
+        let (r3, mut a5) = reserve("r3", 30, 100);
         let syncs = AtomicU64::new(0);
         let (mut journal, _) = Journal::open(&dir.path().join("batch.journal")).unwrap();
-        write_batch(&ledger, vec![r1, r2, s1, bad, r3], &mut journal, &syncs);
+        let first = write_batch(&ledger, vec![r1, r2, s1, bad, r3], &mut journal);
+
+        assert_eq!(a3.try_recv().unwrap().unwrap(), SettleOutcome::Settled, "before the fsync");
+        assert!(matches!(a4.try_recv().unwrap(), Err(StoreError::Corrupt { .. })));
+        assert!(a1.try_recv().is_err() && a5.try_recv().is_err(), "reservations wait for the fsync");
+        first.sync_and_answer(&journal, &syncs);
+        assert_eq!(syncs.load(Ordering::Relaxed), 1);
+        let (s3, mut a6) = settle("r3", 5);
+        write_batch(&ledger, vec![s3], &mut journal).sync_and_answer(&journal, &syncs);
+        assert_eq!(a6.try_recv().unwrap().unwrap(), SettleOutcome::Settled);
+        assert_eq!(syncs.load(Ordering::Relaxed), 1, "a settlement alone syncs nothing");
         drop(journal);
 
-        assert_eq!(syncs.load(Ordering::Relaxed), 1);
         assert_eq!(a1.await.unwrap().unwrap(), ReserveOutcome::Reserved);
         assert_eq!(a2.await.unwrap().unwrap(), ReserveOutcome::Refused { line: 0 }, "sees r1");
-        assert_eq!(a3.await.unwrap().unwrap(), SettleOutcome::Settled);
-        assert!(matches!(a4.await.unwrap(), Err(StoreError::Corrupt { .. })));
         assert_eq!(a5.await.unwrap().unwrap(), ReserveOutcome::Reserved, "sees the settlement of r1");
         let ledger = ledger.into_inner().unwrap();
-        assert_eq!(ledger.counters[&key("a")], 40);
-        assert!(ledger.reservations.contains_key("r3") && !ledger.reservations.contains_key("r1"));
+        assert_eq!(ledger.counters[&key("a")], 15);
+        assert!(!ledger.reservations.contains_key("r1") && !ledger.reservations.contains_key("r3"), "settled");
         assert_eq!(ledger.reservations["corrupt"], Err("not JSON".to_owned()), "left as it was");
 
         let (_, lines) = Journal::open(&dir.path().join("batch.journal")).unwrap();
-        assert_eq!(lines.len(), 1, "one line for the batch");
+        assert_eq!(lines.len(), 2, "one line a batch");
         let mut replayed = Ledger::default();
         replayed.apply(&lines[0]);
+        assert_eq!(replayed.counters[&key("a")], 40, "the first batch's line");
+        assert_eq!(replayed.reservations.keys().collect::<Vec<_>>(), [&"r3".to_owned()]);
+        replayed.apply(&lines[1]);
         assert_eq!(replayed.counters, ledger.counters);
-        assert_eq!(replayed.reservations.keys().collect::<HashSet<_>>(), HashSet::from([&"r3".to_owned()]));
+        assert!(replayed.reservations.is_empty());
     }
 
     /// The caller writes its own reservation only while no other is live; settlements
