@@ -28,10 +28,10 @@
 //! concurrency a reservation goes through the queue, where it shares its fsync with
 //! the others'.
 //!
-//! A call pays one fsync, and a small one: a batch holding a reservation, an intent or
-//! a sweep is answered once its journal line is on disk (`fdatasync`: one short write,
-//! where a durable redb commit rewrites about ten pages); a batch of settlements and
-//! refunds alone once its line is in the page cache, which a killed process does not
+//! A call pays one fsync, and a small one: a reservation, an intent or a sweep is
+//! answered once its journal line is on disk (`fdatasync`: one short write, where a
+//! durable redb commit rewrites about ten pages); a settlement or refund once its line
+//! is in the page cache, whatever else its batch holds, which a killed process does not
 //! lose, and the next synced line or checkpoint carries it to the disk. A checkpoint
 //! writes what changed since the last one into the redb file (one durable commit) and
 //! empties the journal: every [`CHECKPOINT_EVERY`] while the journal holds anything,
@@ -59,10 +59,15 @@
 //! - a record of the file that does not decode fails only the operations that read it
 //!   (its reservation's, or any that reads them all), as it would in the file.
 //!
-//! A batch whose journal line was written but whose fsync failed is answered with the
-//! error, yet it is in the ledger, as a replay of what the page cache holds may put it:
-//! a reservation its caller was refused for is then held until the sweeper refunds it,
-//! never a charge that did not happen.
+//! A failed fsync is not tried again: Linux reports a writeback error once and may drop
+//! the pages, so the journal's lines since the last checkpoint may never reach the disk,
+//! and a later fsync that succeeds vouches for nothing before it. The batch, already in
+//! the ledger, is made durable by a checkpoint instead (the whole ledger committed to
+//! the file, a new journal), and so is every batch after it until a checkpoint
+//! succeeds; its callers get the checkpoint's outcome (its settlements were answered at
+//! the write). A reservation whose caller got the error may still be in the ledger,
+//! and a retry then finds it: it is held until the sweeper refunds it, never a charge
+//! that did not happen.
 //!
 //! A call whose future is dropped after its operation was queued may still apply;
 //! retrying is safe because reservations are idempotent on the request id.
@@ -147,11 +152,12 @@ impl EmbeddedBudgetStore {
         let (mut journal, left) = Journal::open(&journal_file(&file))?;
         // What a dead process acknowledged is in the file before anything is served.
         if !left.is_empty() {
-            for effects in &left {
+            let batches = left.len();
+            for effects in left {
                 ledger.apply(effects);
             }
             checkpoint(&db, &mut ledger, &mut journal)?;
-            tracing::info!(batches = left.len(), file = %file.display(), "ledger: journal replayed");
+            tracing::info!(batches, file = %file.display(), "ledger: journal replayed");
         }
 
         let ledger = Arc::new(RwLock::new(ledger));
@@ -181,7 +187,8 @@ impl EmbeddedBudgetStore {
     }
 
     /// Writes one operation here, or queues it for the writer thread (see the module
-    /// docs), and waits for the journal line that makes it durable.
+    /// docs), and waits for its answer: a settlement's once its journal line is
+    /// written, any other's once it is durable.
     async fn submit<T>(&self, job: impl FnOnce(Reply<T>) -> Job) -> Result<T, StoreError> {
         let (reply, answer) = oneshot::channel();
         let job = job(reply);
@@ -215,7 +222,11 @@ impl EmbeddedBudgetStore {
             Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
             Err(TryLockError::WouldBlock) => return Some(job),
         };
-        write_batch(&self.ledger, vec![job], &mut writer.journal).sync_and_answer(&writer.journal, &self.syncs);
+        write_batch(&self.ledger, vec![job], &mut writer.journal).sync_and_answer(
+            &mut writer,
+            &self.ledger,
+            &self.syncs,
+        );
         None
     }
 
@@ -350,9 +361,9 @@ enum Answer {
 }
 
 impl Answer {
-    /// A settlement's or refund's: sent once its line is written, before any fsync.
-    fn deferrable(&self) -> bool {
-        matches!(self, Answer::Settle(..))
+    /// Any but a settlement's or refund's, which is sent once its line is written.
+    fn waits_for_sync(&self) -> bool {
+        !matches!(self, Answer::Settle(..))
     }
 
     fn is_ok(&self) -> bool {
@@ -407,7 +418,7 @@ fn write_loop(writer: &Mutex<Writer>, ledger: &RwLock<Ledger>, queue: &mpsc::Rec
                     Err(_) => break,
                 }
             }
-            write_batch(ledger, jobs, &mut writer.journal).sync_and_answer(&writer.journal, syncs);
+            write_batch(ledger, jobs, &mut writer.journal).sync_and_answer(&mut writer, ledger, syncs);
         }
         if writer.journal.len >= CHECKPOINT_BYTES || checkpointed.elapsed() >= CHECKPOINT_EVERY {
             checkpointed = Instant::now();
@@ -490,7 +501,7 @@ fn write_batch(ledger: &RwLock<Ledger>, jobs: Vec<Job>, journal: &mut Journal) -
     for job in jobs {
         job.fail(failed.unwrap_or("ledger batch aborted"));
     }
-    let (settled, waiting): (Vec<_>, Vec<_>) = answers.into_iter().partition(Answer::deferrable);
+    let (waiting, settled): (Vec<_>, Vec<_>) = answers.into_iter().partition(Answer::waits_for_sync);
     for answer in settled {
         answer.send(failed.map_or(Ok(()), Err));
     }
@@ -507,30 +518,38 @@ struct Written {
 }
 
 impl Written {
-    /// Syncs the journal (when the batch needs it) and answers the batch's callers.
-    /// A failed fsync fails them; the batch stays in the ledger, as a replay of the
-    /// journal the page cache still holds could put it there.
-    fn sync_and_answer(self, journal: &Journal, syncs: &AtomicU64) {
-        let synced = match (&self.failed, self.sync) {
-            (Some(why), _) => Err(why.clone()),
-            (None, false) => Ok(()),
-            (None, true) => match journal.sync() {
-                Ok(()) => {
-                    syncs.fetch_add(1, Ordering::Relaxed);
-                    Ok(())
-                }
-                Err(e) => {
-                    let why = e.to_string();
-                    tracing::error!(error = %why, operations = self.answers.len(), "ledger batch not synced");
-                    Err(why)
-                }
-            },
+    /// Makes the batch durable (when it needs it) and answers the batch's callers.
+    fn sync_and_answer(self, writer: &mut Writer, ledger: &RwLock<Ledger>, syncs: &AtomicU64) {
+        let synced = match self.failed {
+            Some(why) => Err(why),
+            None if !self.sync => Ok(()),
+            None => make_durable(writer, ledger, syncs),
         };
         let synced = synced.as_ref().map(|_| ()).map_err(String::as_str);
         for answer in self.answers {
             answer.send(synced);
         }
     }
+}
+
+/// Makes every line written so far durable: the journal's fsync or, once an fsync of
+/// it failed (see the module docs), a checkpoint, which commits the whole ledger to the
+/// file and starts the journal afresh.
+fn make_durable(writer: &mut Writer, ledger: &RwLock<Ledger>, syncs: &AtomicU64) -> Result<(), String> {
+    if !writer.journal.failed {
+        match writer.journal.sync() {
+            Ok(()) => {
+                syncs.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "ledger journal fsync failed; the ledger is checkpointed instead");
+                writer.journal.failed = true;
+            }
+        }
+    }
+    let mut ledger = ledger.write().map_err(|_| "ledger lock poisoned".to_owned())?;
+    checkpoint(&writer.db, &mut ledger, &mut writer.journal).map_err(|e| e.to_string())
 }
 
 /// Applies the batch over the ledger, writes its journal line, and only then puts it
@@ -553,15 +572,16 @@ fn apply_and_write(
         batch.effects()
     };
     journal.write(&effects)?;
-    ledger.write().map_err(|_| backend("ledger lock poisoned"))?.apply(&effects);
+    ledger.write().map_err(|_| backend("ledger lock poisoned"))?.apply(effects);
     Ok(())
 }
 
 /// A reservation as the ledger holds it: decoded, or what did not decode.
 type Stored = Result<StoredReservation, String>;
 
-/// The ledger as callers were told it: the file's content and every batch journaled
-/// since, with what changed since the last checkpoint.
+/// The ledger as its journal has it: the file's content and every batch written to the
+/// journal since (a batch in its fsync included), with what changed since the last
+/// checkpoint.
 #[derive(Default)]
 struct Ledger {
     counters: HashMap<CounterKey, u64>,
@@ -603,24 +623,28 @@ impl Ledger {
     }
 
     /// A batch's writes (journaled first, or replayed from the journal).
-    fn apply(&mut self, effects: &Effects) {
-        for (key, value) in &effects.counters {
-            self.counters.insert(key.clone(), *value);
-            self.changed_counters.insert(key.clone());
+    fn apply(&mut self, effects: Effects) {
+        for (key, value) in effects.counters {
+            // A counter is set far more often than made: the map keeps the key it has.
+            match self.counters.get_mut(&key) {
+                Some(counter) => *counter = value,
+                None => _ = self.counters.insert(key.clone(), value),
+            }
+            self.changed_counters.insert(key);
         }
-        for (request_id, reservation) in &effects.reservations {
-            let was_live = is_live(self.reservations.get(request_id));
+        for (request_id, reservation) in effects.reservations {
+            let was_live = is_live(self.reservations.get(&request_id));
             let now_live = reservation.as_ref().is_some_and(|r| !r.swept);
             match reservation {
-                Some(reservation) => self.reservations.insert(request_id.clone(), Ok(reservation.clone())),
-                None => self.reservations.remove(request_id),
-            };
+                Some(reservation) => _ = self.reservations.insert(request_id.clone(), Ok(reservation)),
+                None => _ = self.reservations.remove(&request_id),
+            }
             match (was_live, now_live) {
                 (false, true) => self.live += 1,
                 (true, false) => self.live = self.live.saturating_sub(1),
                 _ => {}
             }
-            self.changed_reservations.insert(request_id.clone());
+            self.changed_reservations.insert(request_id);
         }
     }
 }
@@ -754,6 +778,9 @@ struct Journal {
     len: u64,
     /// Lines of this epoch (the epoch's marker line aside).
     lines: usize,
+    /// An fsync failed since the last checkpoint: the lines before it may be lost, and
+    /// only a checkpoint makes the ledger durable.
+    failed: bool,
 }
 
 /// The journal file's size, allocated at open: twice the size that calls a checkpoint.
@@ -816,7 +843,14 @@ impl Journal {
             std::os::unix::fs::FileExt::write_all_at(&file, &zeros, size).map_err(failed)?;
             file.sync_all().map_err(failed)?;
         }
-        let journal = Journal { file, path: path.to_owned(), epoch: epoch.unwrap_or(0), len: 0, lines: left.len() };
+        let journal = Journal {
+            file,
+            path: path.to_owned(),
+            epoch: epoch.unwrap_or(0),
+            len: 0,
+            lines: left.len(),
+            failed: false,
+        };
         Ok((journal, left))
     }
 
@@ -857,6 +891,7 @@ impl Journal {
         self.epoch += 1;
         self.len = 0;
         self.lines = 0;
+        self.failed = false;
         let mut marker =
             serde_json::to_vec(&Line { epoch: self.epoch, effects: Effects::default() }).map_err(backend)?;
         marker.push(b'\n');
@@ -904,19 +939,20 @@ mod tests {
         let (bad, mut a4) = settle("corrupt", 50);
         let (r3, mut a5) = reserve("r3", 30, 100);
         let syncs = AtomicU64::new(0);
-        let (mut journal, _) = Journal::open(&dir.path().join("batch.journal")).unwrap();
-        let first = write_batch(&ledger, vec![r1, r2, s1, bad, r3], &mut journal);
+        let (journal, _) = Journal::open(&dir.path().join("batch.journal")).unwrap();
+        let mut writer = Writer { journal, db: Database::create(dir.path().join("batch.redb")).unwrap() };
+        let first = write_batch(&ledger, vec![r1, r2, s1, bad, r3], &mut writer.journal);
 
         assert_eq!(a3.try_recv().unwrap().unwrap(), SettleOutcome::Settled, "before the fsync");
         assert!(matches!(a4.try_recv().unwrap(), Err(StoreError::Corrupt { .. })));
         assert!(a1.try_recv().is_err() && a5.try_recv().is_err(), "reservations wait for the fsync");
-        first.sync_and_answer(&journal, &syncs);
+        first.sync_and_answer(&mut writer, &ledger, &syncs);
         assert_eq!(syncs.load(Ordering::Relaxed), 1);
         let (s3, mut a6) = settle("r3", 5);
-        write_batch(&ledger, vec![s3], &mut journal).sync_and_answer(&journal, &syncs);
+        write_batch(&ledger, vec![s3], &mut writer.journal).sync_and_answer(&mut writer, &ledger, &syncs);
         assert_eq!(a6.try_recv().unwrap().unwrap(), SettleOutcome::Settled);
         assert_eq!(syncs.load(Ordering::Relaxed), 1, "a settlement alone syncs nothing");
-        drop(journal);
+        drop(writer);
 
         assert_eq!(a1.await.unwrap().unwrap(), ReserveOutcome::Reserved);
         assert_eq!(a2.await.unwrap().unwrap(), ReserveOutcome::Refused { line: 0 }, "sees r1");
@@ -928,13 +964,48 @@ mod tests {
 
         let (_, lines) = Journal::open(&dir.path().join("batch.journal")).unwrap();
         assert_eq!(lines.len(), 2, "one line a batch");
+        let mut lines = lines.into_iter();
         let mut replayed = Ledger::default();
-        replayed.apply(&lines[0]);
+        replayed.apply(lines.next().unwrap());
         assert_eq!(replayed.counters[&key("a")], 40, "the first batch's line");
         assert_eq!(replayed.reservations.keys().collect::<Vec<_>>(), [&"r3".to_owned()]);
-        replayed.apply(&lines[1]);
+        replayed.apply(lines.next().unwrap());
         assert_eq!(replayed.counters, ledger.counters);
         assert!(replayed.reservations.is_empty());
+    }
+
+    /// A journal whose fsync fails (/dev/null takes writes and refuses `fdatasync`): a
+    /// batch's settlement is answered at the write, its reservation once a checkpoint put
+    /// the whole ledger in the file, and so on for the next batch, whose fsync fails too.
+    #[tokio::test]
+    async fn a_failed_fsync_is_made_good_by_a_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::create(dir.path().join("ledger.redb")).unwrap();
+        let ledger = RwLock::new(Ledger::load(&db).unwrap());
+        let file = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null").unwrap();
+        let journal = Journal { file, path: "/dev/null".into(), epoch: 0, len: 0, lines: 0, failed: false };
+        let mut writer = Writer { journal, db };
+        let syncs = AtomicU64::new(0);
+
+        let (r1, mut a1) = reserve("r1", 80, 100);
+        write_batch(&ledger, vec![r1], &mut writer.journal).sync_and_answer(&mut writer, &ledger, &syncs);
+        assert_eq!(a1.try_recv().unwrap().unwrap(), ReserveOutcome::Reserved);
+        assert_eq!(syncs.load(Ordering::Relaxed), 0, "no fsync succeeded");
+        assert!(!writer.journal.failed && writer.journal.is_empty(), "a checkpoint started a new journal");
+        let file = Ledger::load(&writer.db).unwrap();
+        assert_eq!(file.counters[&key("a")], 80);
+        assert!(file.in_file.contains("r1"));
+
+        let (s1, mut a2) = settle("r1", 10);
+        let (r2, mut a3) = reserve("r2", 30, 100);
+        let written = write_batch(&ledger, vec![s1, r2], &mut writer.journal);
+        assert_eq!(a2.try_recv().unwrap().unwrap(), SettleOutcome::Settled, "at the write");
+        assert!(a3.try_recv().is_err());
+        written.sync_and_answer(&mut writer, &ledger, &syncs);
+        assert_eq!(a3.try_recv().unwrap().unwrap(), ReserveOutcome::Reserved);
+        let file = Ledger::load(&writer.db).unwrap();
+        assert_eq!(file.counters[&key("a")], 40);
+        assert_eq!(file.in_file.iter().collect::<Vec<_>>(), [&"r2".to_owned()]);
     }
 
     /// The caller writes its own reservation only while no other is live; settlements
@@ -963,16 +1034,16 @@ mod tests {
             reservations: vec![(id.to_owned(), stored)],
         };
         let mut ledger = Ledger::default();
-        ledger.apply(&effects("x", Some(reservation(false))));
-        ledger.apply(&effects("y", Some(reservation(false))));
-        ledger.apply(&effects("x", Some(reservation(false))));
+        ledger.apply(effects("x", Some(reservation(false))));
+        ledger.apply(effects("y", Some(reservation(false))));
+        ledger.apply(effects("x", Some(reservation(false))));
         assert_eq!(ledger.live, 2, "a put over a live one counts once");
-        ledger.apply(&effects("x", Some(reservation(true))));
+        ledger.apply(effects("x", Some(reservation(true))));
         assert_eq!(ledger.live, 1, "swept");
-        ledger.apply(&effects("x", None));
-        ledger.apply(&effects("y", None));
+        ledger.apply(effects("x", None));
+        ledger.apply(effects("y", None));
         assert_eq!(ledger.live, 0);
-        ledger.apply(&effects("z", None));
+        ledger.apply(effects("z", None));
         assert_eq!(ledger.live, 0, "removing what is not there");
 
         // Reopened, a reservation the file holds is live.
