@@ -312,9 +312,11 @@ async fn a_checkpoint_puts_everything_in_the_file() {
     }
 }
 
-/// The journal is the run of lines from its start that share the first one's epoch: a
-/// last line cut short (the process died inside its write) was never acknowledged, and
-/// the lines of an earlier epoch after it were checkpointed already. Neither is replayed.
+/// The journal is the run of lines from its start in the epoch the file names (its
+/// last checkpoint started it): a last line cut short (the process died inside its
+/// write) was never acknowledged, the lines of an earlier epoch after it were
+/// checkpointed already, and an earlier epoch at the start is older than the file.
+/// None is replayed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_journal_ends_at_a_line_cut_short_or_an_earlier_epoch() {
     let (_dir, path) = fresh_dir();
@@ -323,18 +325,32 @@ async fn the_journal_ends_at_a_line_cut_short_or_an_earlier_epoch() {
         store.reserve(&request("call", &[("a", 100, Some(1000))], NOW + 60)).await.unwrap();
         store.file().to_owned()
     };
-    let line = r#"{"e":7,"c":[["embedded/a",40]],"r":[["call",null]]}"#;
-    std::fs::write(journal(&file), format!("{line}\n{{\"e\":7,\"c\":[[\"embedded/a\",9")).unwrap();
+    // The epoch the close's checkpoint started, in the marker line it wrote.
+    let epoch = || {
+        let journal = std::fs::read(journal(&file)).unwrap();
+        let first = journal.split(|b| *b == b'\n').next().unwrap();
+        serde_json::from_slice::<serde_json::Value>(first).unwrap()["e"].as_u64().unwrap()
+    };
+    let e = epoch();
+    let line = format!(r#"{{"e":{e},"c":[["embedded/a",40]],"r":[["call",null]]}}"#);
+    std::fs::write(journal(&file), format!("{line}\n{{\"e\":{e},\"c\":[[\"embedded/a\",9")).unwrap();
     let store = EmbeddedBudgetStore::open(&file).unwrap();
     assert_eq!(store.used(&[key("a")]).await.unwrap(), [40]);
     assert_eq!(store.live_reservations().await.unwrap(), 0);
     drop(store);
 
-    let earlier = r#"{"e":6,"c":[["embedded/a",999]]}"#;
-    let later = r#"{"e":8,"c":[["embedded/a",55]]}"#;
-    std::fs::write(journal(&file), format!("{later}\n{earlier}\n")).unwrap();
+    let e = epoch();
+    let earlier = format!(r#"{{"e":{},"c":[["embedded/a",999]]}}"#, e - 1);
+    let current = format!(r#"{{"e":{e},"c":[["embedded/a",55]]}}"#);
+    std::fs::write(journal(&file), format!("{current}\n{earlier}\n")).unwrap();
     let store = EmbeddedBudgetStore::open(&file).unwrap();
     assert_eq!(store.used(&[key("a")]).await.unwrap(), [55], "the earlier epoch's line is not replayed");
+    drop(store);
+
+    let e = epoch();
+    std::fs::write(journal(&file), format!("{{\"e\":{},\"c\":[[\"embedded/a\",999]]}}\n", e - 1)).unwrap();
+    let store = EmbeddedBudgetStore::open(&file).unwrap();
+    assert_eq!(store.used(&[key("a")]).await.unwrap(), [55], "a journal older than the file is not replayed");
 }
 
 /// A call alone on the ledger is written by its caller, on its own thread: its

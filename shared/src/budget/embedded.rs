@@ -42,7 +42,8 @@
 //!
 //! Invariants:
 //! - nothing acknowledged is lost when the process dies: a reservation, intent or sweep
-//!   is acknowledged only after the fsync of the journal line that holds it; a
+//!   is acknowledged only after the fsync of the journal line that holds it (or, once
+//!   an fsync failed, the checkpoint that holds it); a
 //!   settlement once the journal holds it (a power loss, unlike a killed process, may
 //!   take the settlements journaled since the last fsync with the page cache: their
 //!   reservations stay held, and the sweeper refunds them at their expiry). If the
@@ -65,9 +66,13 @@
 //! the ledger, is made durable by a checkpoint instead (the whole ledger committed to
 //! the file, a new journal), and so is every batch after it until a checkpoint
 //! succeeds; its callers get the checkpoint's outcome (its settlements were answered at
-//! the write). A reservation whose caller got the error may still be in the ledger,
-//! and a retry then finds it: it is held until the sweeper refunds it, never a charge
-//! that did not happen.
+//! the write). Such a checkpoint may run on a serving thread, for a call alone. A
+//! reservation whose caller got the error may still be in the ledger: a retry finds it,
+//! and is acknowledged only once a checkpoint succeeds; else it is held until the
+//! sweeper refunds it, never a charge that did not happen. redb refuses every write
+//! after a commit that failed, until the file is opened again: once a checkpoint fails,
+//! reservations, intents and sweeps fail until the process restarts (settlements are
+//! still journaled, and replayed at the next open).
 //!
 //! A call whose future is dropped after its operation was queued may still apply;
 //! retrying is safe because reservations are idempotent on the request id.
@@ -102,6 +107,10 @@ use super::{
 
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
 const RESERVATIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("reservations");
+/// `journal_epoch`: the epoch of the journal that follows the file's content, written
+/// by each checkpoint with it. Absent from files written before it existed.
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const JOURNAL_EPOCH: &str = "journal_epoch";
 
 /// The most operations one batch carries; more wait for the next one.
 pub const MAX_BATCH: usize = 256;
@@ -149,7 +158,7 @@ impl EmbeddedBudgetStore {
         let file = database_file(path)?;
         let db = Database::create(&file).map_err(|e| backend(format!("open {}: {e}", file.display())))?;
         let mut ledger = Ledger::load(&db)?;
-        let (mut journal, left) = Journal::open(&journal_file(&file))?;
+        let (mut journal, left) = Journal::open(&journal_file(&file), journal_epoch(&db)?)?;
         // What a dead process acknowledged is in the file before anything is served.
         if !left.is_empty() {
             let batches = left.len();
@@ -179,7 +188,8 @@ impl EmbeddedBudgetStore {
         &self.file
     }
 
-    /// Journal fsyncs since `open`: one per batch that held a reservation, an intent or
+    /// Journal fsyncs that succeeded since `open` (a batch made durable by a checkpoint
+    /// after a failed fsync counts none): one per batch that held a reservation, an intent or
     /// a sweep, so fewer than the operations acknowledged when concurrent calls shared
     /// a batch, and none for settlements alone.
     pub fn syncs(&self) -> u64 {
@@ -448,6 +458,9 @@ fn checkpoint_logged(ledger: &RwLock<Ledger>, writer: &mut Writer) {
 fn checkpoint(db: &Database, ledger: &mut Ledger, journal: &mut Journal) -> Result<(), StoreError> {
     let txn = db.begin_write().map_err(backend)?;
     {
+        // The journal's next epoch, which `clear` below starts: only its lines follow
+        // what this commit holds, whatever older lines the disk still has.
+        txn.open_table(META).map_err(backend)?.insert(JOURNAL_EPOCH, journal.epoch + 1).map_err(backend)?;
         let mut counters = txn.open_table(COUNTERS).map_err(backend)?;
         for key in &ledger.changed_counters {
             let value = ledger.counters.get(key).copied().unwrap_or(0);
@@ -576,6 +589,14 @@ fn apply_and_write(
     Ok(())
 }
 
+/// The epoch of the journal that follows the file's content (`None`: a file from before
+/// it was kept, or that never had a checkpoint).
+fn journal_epoch(db: &Database) -> Result<Option<u64>, StoreError> {
+    let txn = db.begin_read().map_err(backend)?;
+    let meta = txn.open_table(META).map_err(backend)?;
+    Ok(meta.get(JOURNAL_EPOCH).map_err(backend)?.map(|epoch| epoch.value()))
+}
+
 /// A reservation as the ledger holds it: decoded, or what did not decode.
 type Stored = Result<StoredReservation, String>;
 
@@ -600,11 +621,12 @@ fn is_live(stored: Option<&Stored>) -> bool {
 }
 
 impl Ledger {
-    /// Everything the file holds (creating both tables on a new file).
+    /// Everything the file holds (creating its tables on a new file).
     fn load(db: &Database) -> Result<Ledger, StoreError> {
         let txn = db.begin_write().map_err(backend)?;
         txn.open_table(COUNTERS).map_err(backend)?;
         txn.open_table(RESERVATIONS).map_err(backend)?;
+        txn.open_table(META).map_err(backend)?;
         txn.commit().map_err(backend)?;
         let txn = db.begin_read().map_err(backend)?;
         let mut ledger = Ledger::default();
@@ -765,11 +787,12 @@ impl Effects {
 /// a line's `fdatasync` flushes its data and no file size (on this machine's disk an
 /// append's fdatasync took twice an overwrite's). Every line carries the journal's
 /// epoch, which a checkpoint advances before the next line is written over the old
-/// ones from the start: the journal is the run of lines from the start that share the
-/// first line's epoch. What follows it (zeros, the lines of an earlier epoch, a line
-/// cut short or damaged by a power loss) ends it. Replaying an earlier epoch whole (a
-/// kill right after a checkpoint, before the next line) sets what the checkpoint
-/// already holds, and changes nothing.
+/// ones from the start, and commits to the file with what it holds: the journal is the
+/// run of lines from the start in that epoch. What follows it (zeros, the lines of an
+/// earlier epoch, a line cut short or damaged by a power loss) ends it, and an earlier
+/// epoch at the start (the new epoch's first line not yet on disk) is no journal at
+/// all: its lines are older than the file, and may lack the ones a failed fsync lost.
+/// A file from before the epoch was committed with it takes the first line's epoch.
 struct Journal {
     file: File,
     path: PathBuf,
@@ -796,8 +819,9 @@ struct Line<E> {
 }
 
 impl Journal {
-    /// Opens (or creates and allocates) the journal and reads the lines of its epoch.
-    fn open(path: &Path) -> Result<(Journal, Vec<Effects>), StoreError> {
+    /// Opens (or creates and allocates) the journal and reads the lines of its epoch,
+    /// `expected` if the file names one.
+    fn open(path: &Path, expected: Option<u64>) -> Result<(Journal, Vec<Effects>), StoreError> {
         let failed = |e: std::io::Error| backend(format!("ledger journal {}: {e}", path.display()));
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -807,7 +831,7 @@ impl Journal {
             .open(path)
             .map_err(failed)?;
         let mut left = Vec::new();
-        let mut epoch = None;
+        let mut epoch = expected;
         let mut reader = BufReader::new(&file);
         let mut text = String::new();
         let mut number = 0;
@@ -828,6 +852,9 @@ impl Journal {
                 break;
             };
             if epoch.is_some_and(|e| e != line.epoch) {
+                if number == 1 {
+                    tracing::info!(journal = %path.display(), epoch = line.epoch, ?expected, "ledger: the journal's lines are older than the file");
+                }
                 break;
             }
             epoch = Some(line.epoch);
@@ -939,7 +966,7 @@ mod tests {
         let (bad, mut a4) = settle("corrupt", 50);
         let (r3, mut a5) = reserve("r3", 30, 100);
         let syncs = AtomicU64::new(0);
-        let (journal, _) = Journal::open(&dir.path().join("batch.journal")).unwrap();
+        let (journal, _) = Journal::open(&dir.path().join("batch.journal"), None).unwrap();
         let mut writer = Writer { journal, db: Database::create(dir.path().join("batch.redb")).unwrap() };
         let first = write_batch(&ledger, vec![r1, r2, s1, bad, r3], &mut writer.journal);
 
@@ -962,7 +989,7 @@ mod tests {
         assert!(!ledger.reservations.contains_key("r1") && !ledger.reservations.contains_key("r3"), "settled");
         assert_eq!(ledger.reservations["corrupt"], Err("not JSON".to_owned()), "left as it was");
 
-        let (_, lines) = Journal::open(&dir.path().join("batch.journal")).unwrap();
+        let (_, lines) = Journal::open(&dir.path().join("batch.journal"), None).unwrap();
         assert_eq!(lines.len(), 2, "one line a batch");
         let mut lines = lines.into_iter();
         let mut replayed = Ledger::default();
@@ -977,6 +1004,7 @@ mod tests {
     /// A journal whose fsync fails (/dev/null takes writes and refuses `fdatasync`): a
     /// batch's settlement is answered at the write, its reservation once a checkpoint put
     /// the whole ledger in the file, and so on for the next batch, whose fsync fails too.
+    #[cfg(target_os = "linux")]
     #[tokio::test]
     async fn a_failed_fsync_is_made_good_by_a_checkpoint() {
         let dir = tempfile::tempdir().unwrap();
@@ -1006,6 +1034,52 @@ mod tests {
         let file = Ledger::load(&writer.db).unwrap();
         assert_eq!(file.counters[&key("a")], 40);
         assert_eq!(file.in_file.iter().collect::<Vec<_>>(), [&"r2".to_owned()]);
+    }
+
+    /// A checkpoint names the journal's epoch in the file: a journal whose new epoch's
+    /// first line never reached the disk (a power loss, or an fsync that failed) is not
+    /// replayed over the file, though its older lines say otherwise (here the
+    /// reservation the file has settled, without its settlement's line).
+    #[tokio::test]
+    async fn a_journal_older_than_the_file_is_not_replayed() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join(FILE_NAME);
+        let db = Database::create(&file).unwrap();
+        let ledger = RwLock::new(Ledger::load(&db).unwrap());
+        let (journal, left) = Journal::open(&journal_file(&file), journal_epoch(&db).unwrap()).unwrap();
+        assert!(left.is_empty());
+        let mut writer = Writer { journal, db };
+        let syncs = AtomicU64::new(0);
+        write_batch(&ledger, vec![reserve("r1", 80, 100).0], &mut writer.journal).sync_and_answer(
+            &mut writer,
+            &ledger,
+            &syncs,
+        );
+        let stale = std::fs::read(journal_file(&file)).unwrap();
+        write_batch(&ledger, vec![settle("r1", 10).0], &mut writer.journal).sync_and_answer(
+            &mut writer,
+            &ledger,
+            &syncs,
+        );
+        checkpoint(&writer.db, &mut ledger.write().unwrap(), &mut writer.journal).unwrap();
+        drop(writer);
+        std::fs::write(journal_file(&file), &stale).unwrap();
+
+        let store = EmbeddedBudgetStore::open(dir.path()).unwrap();
+        assert_eq!(store.used(&[key("a")]).await.unwrap(), [10], "the file's, not the stale line's 80");
+        assert_eq!(store.live_reservations().await.unwrap(), 0);
+        store.reserve(&reserve_request("r2", 90)).await.unwrap();
+        drop(store);
+        let again = EmbeddedBudgetStore::open(dir.path()).unwrap();
+        assert_eq!(again.used(&[key("a")]).await.unwrap(), [100], "reserved on the file's figure, kept at close");
+    }
+
+    fn reserve_request(id: &str, amount: u64) -> ReserveRequest {
+        ReserveRequest {
+            request_id: id.to_owned(),
+            lines: vec![Line { key: key("a"), amount, limit: Some(100) }],
+            expires_at: u64::MAX,
+        }
     }
 
     /// The caller writes its own reservation only while no other is live; settlements
