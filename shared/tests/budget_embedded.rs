@@ -339,16 +339,16 @@ async fn the_journal_ends_at_a_line_cut_short_or_an_earlier_epoch() {
     assert_eq!(store.live_reservations().await.unwrap(), 0);
     drop(store);
 
+    // A line setting the counter to `value`, in `epoch`.
+    let counter = |epoch: u64, value: u64| format!(r#"{{"e":{epoch},"c":[["embedded/a",{value}]]}}"#);
     let e = epoch();
-    let earlier = format!(r#"{{"e":{},"c":[["embedded/a",999]]}}"#, e - 1);
-    let current = format!(r#"{{"e":{e},"c":[["embedded/a",55]]}}"#);
-    std::fs::write(journal(&file), format!("{current}\n{earlier}\n")).unwrap();
+    std::fs::write(journal(&file), format!("{}\n{}\n", counter(e, 55), counter(e - 1, 999))).unwrap();
     let store = EmbeddedBudgetStore::open(&file).unwrap();
     assert_eq!(store.used(&[key("a")]).await.unwrap(), [55], "the earlier epoch's line is not replayed");
     drop(store);
 
     let e = epoch();
-    std::fs::write(journal(&file), format!("{{\"e\":{},\"c\":[[\"embedded/a\",999]]}}\n", e - 1)).unwrap();
+    std::fs::write(journal(&file), format!("{}\n", counter(e - 1, 999))).unwrap();
     let store = EmbeddedBudgetStore::open(&file).unwrap();
     assert_eq!(store.used(&[key("a")]).await.unwrap(), [55], "a journal older than the file is not replayed");
 }

@@ -333,11 +333,6 @@ enum Job {
 }
 
 impl Job {
-    /// A settlement or refund: its batch is acknowledged before the journal's fsync.
-    fn deferrable(&self) -> bool {
-        matches!(self, Job::Settle { .. })
-    }
-
     /// Runs the operation's rules; its answer waits for the commit.
     fn apply(self, state: &mut impl LedgerState) -> Answer {
         match self {
@@ -443,13 +438,15 @@ fn checkpoint_logged(ledger: &RwLock<Ledger>, writer: &mut Writer) {
     if writer.journal.is_empty() {
         return;
     }
-    let done = match ledger.write() {
-        Ok(mut ledger) => checkpoint(&writer.db, &mut ledger, &mut writer.journal),
-        Err(_) => Err(backend("ledger lock poisoned")),
-    };
-    if let Err(e) = done {
+    if let Err(e) = checkpoint_held(ledger, writer) {
         tracing::error!(error = %e, "ledger checkpoint failed; the journal is kept and replayed at the next open");
     }
+}
+
+/// A checkpoint, by the holder of the writer's lock.
+fn checkpoint_held(ledger: &RwLock<Ledger>, writer: &mut Writer) -> Result<(), StoreError> {
+    let mut ledger = ledger.write().map_err(|_| backend("ledger lock poisoned"))?;
+    checkpoint(&writer.db, &mut ledger, &mut writer.journal)
 }
 
 /// Writes what changed since the last checkpoint into the file (one durable commit),
@@ -502,7 +499,6 @@ fn checkpoint(db: &Database, ledger: &mut Ledger, journal: &mut Journal) -> Resu
 /// wait for no fsync. The fsync and the other answers follow
 /// ([`Written::sync_and_answer`]).
 fn write_batch(ledger: &RwLock<Ledger>, jobs: Vec<Job>, journal: &mut Journal) -> Written {
-    let sync = !jobs.iter().all(Job::deferrable);
     let mut jobs = jobs.into_iter();
     let mut answers = Vec::with_capacity(jobs.len());
     let written = apply_and_write(ledger, journal, &mut jobs, &mut answers).map_err(|e| e.to_string());
@@ -518,15 +514,14 @@ fn write_batch(ledger: &RwLock<Ledger>, jobs: Vec<Job>, journal: &mut Journal) -
     for answer in settled {
         answer.send(failed.map_or(Ok(()), Err));
     }
-    Written { answers: waiting, sync, failed: written.err() }
+    Written { answers: waiting, failed: written.err() }
 }
 
 /// A batch written and in the ledger, whose fsync and answers are still to come.
 #[must_use = "its callers wait for their answers"]
 struct Written {
+    /// Those of its reservations, intents and sweeps: the batch needs an fsync if any.
     answers: Vec<Answer>,
-    /// The batch holds a reservation, an intent or a sweep.
-    sync: bool,
     failed: Option<String>,
 }
 
@@ -535,7 +530,7 @@ impl Written {
     fn sync_and_answer(self, writer: &mut Writer, ledger: &RwLock<Ledger>, syncs: &AtomicU64) {
         let synced = match self.failed {
             Some(why) => Err(why),
-            None if !self.sync => Ok(()),
+            None if self.answers.is_empty() => Ok(()),
             None => make_durable(writer, ledger, syncs),
         };
         let synced = synced.as_ref().map(|_| ()).map_err(String::as_str);
@@ -561,8 +556,7 @@ fn make_durable(writer: &mut Writer, ledger: &RwLock<Ledger>, syncs: &AtomicU64)
             }
         }
     }
-    let mut ledger = ledger.write().map_err(|_| "ledger lock poisoned".to_owned())?;
-    checkpoint(&writer.db, &mut ledger, &mut writer.journal).map_err(|e| e.to_string())
+    checkpoint_held(ledger, writer).map_err(|e| e.to_string())
 }
 
 /// Applies the batch over the ledger, writes its journal line, and only then puts it
@@ -935,14 +929,17 @@ mod tests {
         CounterKey(format!("batch/{name}").into())
     }
 
-    fn reserve(id: &str, amount: u64, limit: u64) -> (Job, oneshot::Receiver<Result<ReserveOutcome, StoreError>>) {
-        let (reply, answer) = oneshot::channel();
-        let request = ReserveRequest {
+    fn request(id: &str, amount: u64, limit: u64) -> ReserveRequest {
+        ReserveRequest {
             request_id: id.to_owned(),
             lines: vec![Line { key: key("a"), amount, limit: Some(limit) }],
             expires_at: u64::MAX,
-        };
-        (Job::Reserve { request, reply }, answer)
+        }
+    }
+
+    fn reserve(id: &str, amount: u64, limit: u64) -> (Job, oneshot::Receiver<Result<ReserveOutcome, StoreError>>) {
+        let (reply, answer) = oneshot::channel();
+        (Job::Reserve { request: request(id, amount, limit), reply }, answer)
     }
 
     fn settle(id: &str, actual: u64) -> (Job, oneshot::Receiver<Result<SettleOutcome, StoreError>>) {
@@ -1068,18 +1065,10 @@ mod tests {
         let store = EmbeddedBudgetStore::open(dir.path()).unwrap();
         assert_eq!(store.used(&[key("a")]).await.unwrap(), [10], "the file's, not the stale line's 80");
         assert_eq!(store.live_reservations().await.unwrap(), 0);
-        store.reserve(&reserve_request("r2", 90)).await.unwrap();
+        store.reserve(&request("r2", 90, 100)).await.unwrap();
         drop(store);
         let again = EmbeddedBudgetStore::open(dir.path()).unwrap();
         assert_eq!(again.used(&[key("a")]).await.unwrap(), [100], "reserved on the file's figure, kept at close");
-    }
-
-    fn reserve_request(id: &str, amount: u64) -> ReserveRequest {
-        ReserveRequest {
-            request_id: id.to_owned(),
-            lines: vec![Line { key: key("a"), amount, limit: Some(100) }],
-            expires_at: u64::MAX,
-        }
     }
 
     /// The caller writes its own reservation only while no other is live; settlements
@@ -1090,12 +1079,7 @@ mod tests {
         let store = EmbeddedBudgetStore::open(dir.path()).unwrap();
         let (alone, _) = reserve("alone", 10, 100);
         assert!(store.written_here(&alone));
-        let request = ReserveRequest {
-            request_id: "held".into(),
-            lines: vec![Line { key: key("a"), amount: 10, limit: Some(100) }],
-            expires_at: u64::MAX,
-        };
-        store.reserve(&request).await.unwrap();
+        store.reserve(&request("held", 10, 100)).await.unwrap();
         let (second, _) = reserve("second", 10, 100);
         assert!(!store.written_here(&second), "another call holds a reservation");
         assert!(store.written_here(&settle("held", 4).0));
@@ -1121,7 +1105,7 @@ mod tests {
         assert_eq!(ledger.live, 0, "removing what is not there");
 
         // Reopened, a reservation the file holds is live.
-        store.reserve(&ReserveRequest { request_id: "kept".into(), ..request }).await.unwrap();
+        store.reserve(&request("kept", 10, 100)).await.unwrap();
         drop(store);
         let reopened = EmbeddedBudgetStore::open(dir.path()).unwrap();
         assert_eq!(reopened.ledger.read().unwrap().live, 1);
