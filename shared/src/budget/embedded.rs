@@ -1112,6 +1112,27 @@ mod tests {
         assert!(!reopened.written_here(&reserve("next", 1, 100).0));
     }
 
+    /// The bytes a journal line is written as are those a replay reads, whatever binary
+    /// wrote them: an empty list left out, a removed reservation as `null`.
+    #[test]
+    fn a_journal_line_is_written_in_the_format_replay_reads() {
+        let reservation = StoredReservation { lines: vec![(key("a"), 40)], expires_at: 9, swept: false, intent: None };
+        let effects = Effects {
+            counters: vec![(key("a"), 40)],
+            reservations: vec![("r1".into(), Some(reservation)), ("r0".into(), None)],
+        };
+        let line = serde_json::to_string(&super::Line { epoch: 7, effects: &effects }).unwrap();
+        assert_eq!(
+            line,
+            r#"{"e":7,"c":[["batch/a",40]],"r":[["r1",{"lines":[["batch/a",40]],"expires_at":9,"swept":false}],["r0",null]]}"#
+        );
+        let read: super::Line<Effects> = serde_json::from_str(&line).unwrap();
+        assert_eq!(read.epoch, 7);
+        assert_eq!(format!("{:?}", read.effects), format!("{effects:?}"));
+        let marker = super::Line { epoch: 8, effects: Effects::default() };
+        assert_eq!(serde_json::to_string(&marker).unwrap(), r#"{"e":8}"#);
+    }
+
     /// An operation's writes reach the batch only when it applied.
     #[test]
     fn an_operation_that_fails_leaves_nothing() {
