@@ -666,13 +666,18 @@ impl Ledger {
 }
 
 /// One batch's view of the ledger: its operations' writes over it, the current
-/// operation's over those, kept only if its rules return `Ok`.
+/// operation's over those, kept only if its rules return `Ok`. The writes kept are its
+/// effects, in order; the maps only say where each key's latest write is among them, so
+/// that no key or reservation is copied twice (a batch is mostly one operation of a
+/// few writes).
 struct Batch<'l> {
     ledger: &'l Ledger,
-    counters: BTreeMap<CounterKey, u64>,
-    reservations: BTreeMap<String, Option<StoredReservation>>,
-    op_counters: BTreeMap<CounterKey, u64>,
-    op_reservations: BTreeMap<String, Option<StoredReservation>>,
+    /// A counter's latest write in `effects.counters`.
+    counters: HashMap<CounterKey, usize>,
+    /// A reservation's latest write in `effects.reservations`.
+    reservations: HashMap<String, usize>,
+    op_counters: Vec<(CounterKey, u64)>,
+    op_reservations: Vec<(String, Option<StoredReservation>)>,
     /// The writes kept, in order: what the journal line says.
     effects: Effects,
 }
@@ -681,27 +686,27 @@ impl<'l> Batch<'l> {
     fn new(ledger: &'l Ledger) -> Self {
         Batch {
             ledger,
-            counters: BTreeMap::new(),
-            reservations: BTreeMap::new(),
-            op_counters: BTreeMap::new(),
-            op_reservations: BTreeMap::new(),
+            counters: HashMap::default(),
+            reservations: HashMap::default(),
+            op_counters: Vec::new(),
+            op_reservations: Vec::new(),
             effects: Effects::default(),
         }
     }
 
     /// Keeps the operation's writes if it `applied`, else drops them.
     fn end_operation(&mut self, applied: bool) {
-        let counters = std::mem::take(&mut self.op_counters);
-        let reservations = std::mem::take(&mut self.op_reservations);
         if !applied {
+            self.op_counters.clear();
+            self.op_reservations.clear();
             return;
         }
-        for (key, value) in counters {
-            self.counters.insert(key.clone(), value);
+        for (key, value) in self.op_counters.drain(..) {
+            self.counters.insert(key.clone(), self.effects.counters.len());
             self.effects.counters.push((key, value));
         }
-        for (request_id, reservation) in reservations {
-            self.reservations.insert(request_id.clone(), reservation.clone());
+        for (request_id, reservation) in self.op_reservations.drain(..) {
+            self.reservations.insert(request_id.clone(), self.effects.reservations.len());
             self.effects.reservations.push((request_id, reservation));
         }
     }
@@ -709,20 +714,38 @@ impl<'l> Batch<'l> {
     fn effects(self) -> Effects {
         self.effects
     }
+
+    /// The batch's pending write of a reservation, if it has one (`Some(None)`: removed).
+    fn pending(&self, request_id: &str) -> Option<&Option<StoredReservation>> {
+        let op = self.op_reservations.iter().find(|(id, _)| id == request_id).map(|(_, pending)| pending);
+        op.or_else(|| self.reservations.get(request_id).map(|&at| &self.effects.reservations[at].1))
+    }
+
+    fn put(&mut self, request_id: &str, reservation: Option<StoredReservation>) {
+        match self.op_reservations.iter_mut().find(|(id, _)| id == request_id) {
+            Some((_, pending)) => *pending = reservation,
+            None => self.op_reservations.push((request_id.to_owned(), reservation)),
+        }
+    }
 }
 
 impl LedgerState for Batch<'_> {
     fn counter(&mut self, key: &CounterKey) -> Result<u64, StoreError> {
-        let value =
-            self.op_counters.get(key).or_else(|| self.counters.get(key)).or_else(|| self.ledger.counters.get(key));
-        Ok(value.copied().unwrap_or(0))
+        let op = self.op_counters.iter().find(|(k, _)| k == key).map(|(_, value)| *value);
+        let value = op
+            .or_else(|| self.counters.get(key).map(|&at| self.effects.counters[at].1))
+            .or_else(|| self.ledger.counters.get(key).copied());
+        Ok(value.unwrap_or(0))
     }
     fn set_counter(&mut self, key: &CounterKey, value: u64) -> Result<(), StoreError> {
-        self.op_counters.insert(key.clone(), value);
+        match self.op_counters.iter_mut().find(|(k, _)| k == key) {
+            Some((_, pending)) => *pending = value,
+            None => self.op_counters.push((key.clone(), value)),
+        }
         Ok(())
     }
     fn reservation(&mut self, request_id: &str) -> Result<Option<StoredReservation>, StoreError> {
-        if let Some(pending) = self.op_reservations.get(request_id).or_else(|| self.reservations.get(request_id)) {
+        if let Some(pending) = self.pending(request_id) {
             return Ok(pending.clone());
         }
         match self.ledger.reservations.get(request_id) {
@@ -731,11 +754,11 @@ impl LedgerState for Batch<'_> {
         }
     }
     fn put_reservation(&mut self, request_id: &str, reservation: &StoredReservation) -> Result<(), StoreError> {
-        self.op_reservations.insert(request_id.to_owned(), Some(reservation.clone()));
+        self.put(request_id, Some(reservation.clone()));
         Ok(())
     }
     fn delete_reservation(&mut self, request_id: &str) -> Result<(), StoreError> {
-        self.op_reservations.insert(request_id.to_owned(), None);
+        self.put(request_id, None);
         Ok(())
     }
     fn all_reservations(&mut self) -> Result<Vec<(String, StoredReservation)>, StoreError> {
@@ -744,7 +767,8 @@ impl LedgerState for Batch<'_> {
             let reservation = stored.as_ref().map_err(|detail| corrupt(request_id, detail))?;
             all.insert(request_id.clone(), reservation.clone());
         }
-        for (request_id, pending) in self.reservations.iter().chain(&self.op_reservations) {
+        // In order: a later write of the same reservation wins.
+        for (request_id, pending) in self.effects.reservations.iter().chain(&self.op_reservations) {
             match pending {
                 Some(reservation) => all.insert(request_id.clone(), reservation.clone()),
                 None => all.remove(request_id),
