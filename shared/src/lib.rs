@@ -10,6 +10,7 @@ pub mod error;
 pub mod gateway;
 pub mod http;
 pub mod identity;
+mod json;
 pub mod metrics;
 pub mod money;
 pub mod protocol;

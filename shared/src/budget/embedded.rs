@@ -104,6 +104,7 @@ use super::{
     BudgetStore, CounterKey, IntentOutcome, Reservation, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError,
     Swept,
 };
+use crate::json;
 
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
 const RESERVATIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("reservations");
@@ -944,39 +945,49 @@ impl Journal {
 }
 
 /// A journal line, `\n` included: the bytes `serde_json` makes of a [`Line`] (a test
-/// holds them equal; `Journal::open` reads them with it), written here because
-/// serde_json escapes a string a byte at a time, and a call's two lines spent some 3,600
-/// instructions there (callgrind, issue 15).
+/// holds them equal; `Journal::open` reads them with it), written by hand
+/// ([`crate::json`]).
 fn encode(epoch: u64, effects: &Effects, line: &mut Vec<u8>) {
-    line.extend_from_slice(b"{\"e\":");
-    number(line, epoch);
+    line.push(b'{');
+    json::key(line, "e");
+    json::number(line, epoch);
     if !effects.counters.is_empty() {
-        line.extend_from_slice(b",\"c\":");
+        line.push(b',');
+        json::key(line, "c");
         amounts(line, &effects.counters);
     }
     if !effects.reservations.is_empty() {
-        line.extend_from_slice(b",\"r\":[");
+        line.push(b',');
+        json::key(line, "r");
+        line.push(b'[');
         for (i, (request_id, reservation)) in effects.reservations.iter().enumerate() {
             if i > 0 {
                 line.push(b',');
             }
             line.push(b'[');
-            string(line, request_id);
+            json::string(line, request_id);
+            line.push(b',');
             match reservation {
-                None => line.extend_from_slice(b",null]"),
+                None => line.extend_from_slice(b"null"),
                 Some(reservation) => {
-                    line.extend_from_slice(b",{\"lines\":");
+                    line.push(b'{');
+                    json::key(line, "lines");
                     amounts(line, &reservation.lines);
-                    line.extend_from_slice(b",\"expires_at\":");
-                    number(line, reservation.expires_at);
-                    line.extend_from_slice(if reservation.swept { b",\"swept\":true" } else { b",\"swept\":false" });
+                    line.push(b',');
+                    json::key(line, "expires_at");
+                    json::number(line, reservation.expires_at);
+                    line.push(b',');
+                    json::key(line, "swept");
+                    line.extend_from_slice(if reservation.swept { b"true" } else { b"false" });
                     if let Some(intent) = &reservation.intent {
-                        line.extend_from_slice(b",\"intent\":");
+                        line.push(b',');
+                        json::key(line, "intent");
                         amounts(line, intent);
                     }
-                    line.extend_from_slice(b"}]");
+                    line.push(b'}');
                 }
             }
+            line.push(b']');
         }
         line.push(b']');
     }
@@ -991,31 +1002,12 @@ fn amounts(line: &mut Vec<u8>, amounts: &[(CounterKey, u64)]) {
             line.push(b',');
         }
         line.push(b'[');
-        string(line, key.as_str());
+        json::string(line, key.as_str());
         line.push(b',');
-        number(line, *amount);
+        json::number(line, *amount);
         line.push(b']');
     }
     line.push(b']');
-}
-
-fn number(line: &mut Vec<u8>, n: u64) {
-    line.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
-}
-
-/// A JSON string: copied as is when no byte needs escaping (counter keys and request
-/// ids, but for a rare configured name), which is checked without a branch a byte, so
-/// that it vectorizes; else escaped by serde_json.
-fn string(line: &mut Vec<u8>, s: &str) {
-    let plain = s.bytes().fold(true, |plain, b| plain & (b >= 0x20) & (b != b'"') & (b != b'\\'));
-    if plain {
-        line.push(b'"');
-        line.extend_from_slice(s.as_bytes());
-        line.push(b'"');
-    } else {
-        // Into a Vec, serializing a string cannot fail.
-        let _ = serde_json::to_writer(&mut *line, s);
-    }
 }
 
 #[cfg(test)]
