@@ -4,11 +4,9 @@
 //! (callgrind, issue 15). What this writes is what serde_json writes for the same
 //! values; the tests of each line hold the two equal.
 
-/// A JSON string: copied as is when no byte needs escaping (checked without a branch
-/// a byte), else escaped by serde_json.
+/// A JSON string: copied as is when no byte needs escaping, else escaped by serde_json.
 pub(crate) fn string(out: &mut Vec<u8>, s: &str) {
-    let escapes = s.bytes().fold(0u8, |any, b| any | u8::from(b < 0x20 || b == b'"' || b == b'\\'));
-    if escapes == 0 {
+    if !needs_escaping(s.as_bytes()) {
         out.push(b'"');
         out.extend_from_slice(s.as_bytes());
         out.push(b'"');
@@ -16,6 +14,12 @@ pub(crate) fn string(out: &mut Vec<u8>, s: &str) {
         // Into a Vec, serializing a string cannot fail.
         let _ = serde_json::to_writer(&mut *out, s);
     }
+}
+
+/// Whether any byte is a control character, `"` or `\\`: a fold without a branch a byte
+/// (a word-at-a-time version cost more instructions here).
+fn needs_escaping(bytes: &[u8]) -> bool {
+    bytes.iter().fold(0u8, |any, &b| any | u8::from(b < 0x20 || b == b'"' || b == b'\\')) != 0
 }
 
 /// A string, or `null`.
@@ -49,7 +53,22 @@ mod tests {
 
     #[test]
     fn strings_are_written_as_serde_json_writes_them() {
-        for s in ["", "plain/key-1", "é ü 語", "quote \" and \\ slash", "tab\tnew\nline\u{1}\u{1f}", "\u{7f} del"] {
+        let long = [
+            "acme/*/tokens/month/2026-12: plain, and long enough for several words",
+            "mixed é ü 語 and ascii past eight bytes, non-ASCII passes as is",
+            "1234567\"",
+            "12345678\\",
+            "123456789\u{1f}",
+            "\u{0}bcdefgh",
+            "abcdefg\u{7f}\u{80}\u{ff}",
+        ];
+        for s in ["", "plain/key-1", "é ü 語", "quote \" and \\ slash", "tab\tnew\nline\u{1}\u{1f}", "\u{7f} del"]
+            .into_iter()
+            .chain(long)
+        {
+            // The fast path is taken exactly when nothing needs escaping.
+            let escapes = s.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\');
+            assert_eq!(needs_escaping(s.as_bytes()), escapes, "{s:?}");
             let mut out = Vec::new();
             string(&mut out, s);
             assert_eq!(String::from_utf8(out).unwrap(), serde_json::to_string(s).unwrap(), "{s:?}");
