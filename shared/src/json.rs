@@ -30,6 +30,10 @@ pub(crate) fn option(out: &mut Vec<u8>, s: Option<&str>) {
     }
 }
 
+pub(crate) fn boolean(out: &mut Vec<u8>, b: bool) {
+    out.extend_from_slice(if b { b"true" } else { b"false" });
+}
+
 pub(crate) fn number(out: &mut Vec<u8>, n: u64) {
     out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
 }

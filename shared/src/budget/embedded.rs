@@ -669,8 +669,8 @@ impl Ledger {
 /// One batch's view of the ledger: its operations' writes over it, the current
 /// operation's over those, kept only if its rules return `Ok`. The writes kept are its
 /// effects, in order; the maps only say where each key's latest write is among them, so
-/// that no key or reservation is copied twice (a batch is mostly one operation of a
-/// few writes).
+/// that a reservation is not cloned into a map beside its effects (a batch is mostly
+/// one operation of a few writes).
 struct Batch<'l> {
     ledger: &'l Ledger,
     /// A counter's latest write in `effects.counters`.
@@ -978,7 +978,7 @@ fn encode(epoch: u64, effects: &Effects, line: &mut Vec<u8>) {
                     json::number(line, reservation.expires_at);
                     line.push(b',');
                     json::key(line, "swept");
-                    line.extend_from_slice(if reservation.swept { b"true" } else { b"false" });
+                    json::boolean(line, reservation.swept);
                     if let Some(intent) = &reservation.intent {
                         line.push(b',');
                         json::key(line, "intent");
