@@ -828,6 +828,9 @@ struct Journal {
 /// The journal file's size, allocated at open: twice the size that calls a checkpoint.
 pub const JOURNAL_BYTES: u64 = 2 * CHECKPOINT_BYTES;
 
+/// The journal is allocated a page a write (see `Journal::open`).
+const PAGE: u64 = 4096;
+
 /// A journal line: the batch's writes, under the journal's epoch.
 #[derive(Serialize, Deserialize)]
 struct Line<E> {
@@ -885,8 +888,18 @@ impl Journal {
         let size = file.metadata().map_err(failed)?.len();
         if size < JOURNAL_BYTES {
             // Zeros written, not a hole: the blocks exist before the first line's fsync.
-            let zeros = vec![0; usize::try_from(JOURNAL_BYTES - size).unwrap_or(0)];
-            std::os::unix::fs::FileExt::write_all_at(&file, &zeros, size).map_err(failed)?;
+            // A page at a time: the page cache keeps a write's pages in folios the size
+            // of the write, and every later line written into a large folio walks all of
+            // its blocks (on this machine's ext4, one 8 MiB write made each line's
+            // pwrite cost 15 µs of CPU instead of 6, and its fdatasync 73-80 instead of
+            // 59-65).
+            let page = [0; PAGE as usize];
+            let mut at = size;
+            while at < JOURNAL_BYTES {
+                let end = ((at / PAGE + 1) * PAGE).min(JOURNAL_BYTES);
+                std::os::unix::fs::FileExt::write_all_at(&file, &page[..(end - at) as usize], at).map_err(failed)?;
+                at = end;
+            }
             file.sync_all().map_err(failed)?;
         }
         let journal = Journal {
@@ -1246,6 +1259,30 @@ mod tests {
         };
         let serde = serde_json::to_string(&super::Line { epoch: u64::MAX, effects: &effects }).unwrap();
         assert_eq!(written(u64::MAX, &effects), serde + "\n");
+    }
+
+    /// A journal shorter than its size (new, or cut short) is allocated to it, the
+    /// allocation starting where the file ends, whatever its length: its lines are
+    /// read and kept, zeros follow.
+    #[test]
+    fn a_short_journal_is_allocated_to_its_size_with_its_lines_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ledger.redb.journal");
+        let mut lines = Vec::new();
+        encode(5, &Effects { counters: vec![(key("a"), 40)], reservations: Vec::new() }, &mut lines);
+        for length in [0, lines.len(), lines.len() + 5000] {
+            let mut content = lines.clone();
+            content.resize(length.max(lines.len()), 0);
+            content.truncate(length);
+            std::fs::write(&path, &content).unwrap();
+            let (journal, left) = Journal::open(&path, Some(5)).unwrap();
+            assert_eq!(left.len(), usize::from(length > 0), "{length} bytes");
+            assert_eq!(journal.lines, left.len());
+            let file = std::fs::read(&path).unwrap();
+            assert_eq!(file.len() as u64, JOURNAL_BYTES);
+            assert_eq!(&file[..length], &content[..]);
+            assert!(file[length..].iter().all(|b| *b == 0));
+        }
     }
 
     /// An operation's writes reach the batch only when it applied.
