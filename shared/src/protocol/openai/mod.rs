@@ -1,10 +1,16 @@
 //! The OpenAI surface: request views, usage, error envelopes.
 //!
-//! Requests are kept as JSON objects and relayed with every field the client sent,
-//! except the few the gateway owns (`model`, `stream_options`, the completion allowance).
-//! What the gateway needs to decide (model, stream, limits, images) is read once here,
-//! and a malformed request is refused here with the `param` that is wrong.
+//! Requests are kept as their top-level fields, each as the client wrote it, and relayed
+//! with every field the client sent, except the few the gateway owns (`model`,
+//! `stream_options`, the completion allowance): the client's own text of each field
+//! goes upstream, never written again from values (issue 15: that cost as much as
+//! reading them). What the gateway needs to decide (model, stream, limits, images) is
+//! read once here, from values of the fields it reads, and a malformed request is
+//! refused here with the `param` that is wrong.
 
+use std::collections::BTreeMap;
+
+use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
 use crate::config::Capability;
@@ -144,32 +150,58 @@ impl Answer {
     }
 }
 
-fn parse_object(body: &[u8]) -> Result<Map<String, Value>, InvalidRequest> {
-    match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(InvalidRequest { message: "the request body must be a JSON object".into(), param: None }),
+/// A request body's top-level fields, each as the client wrote it: sorted by key, and
+/// the last of a repeated key kept, as serde_json's `Map` keeps them.
+type Fields = BTreeMap<String, Box<RawValue>>;
+
+fn parse_object(body: &[u8]) -> Result<Fields, InvalidRequest> {
+    match serde_json::from_slice::<Fields>(body) {
+        Ok(fields) => Ok(fields),
+        // Valid JSON of another type than an object.
+        Err(e) if e.is_data() => {
+            Err(InvalidRequest { message: "the request body must be a JSON object".into(), param: None })
+        }
         Err(e) => Err(InvalidRequest { message: format!("the request body is not valid JSON: {e}"), param: None }),
     }
 }
 
-fn required_model(body: &Map<String, Value>) -> Result<String, InvalidRequest> {
-    match body.get("model") {
-        Some(Value::String(m)) if !m.trim().is_empty() => Ok(m.clone()),
+/// A field read as a value (its text was parsed once already: it parses again).
+fn value(raw: &RawValue) -> Value {
+    serde_json::from_str(raw.get()).unwrap_or(Value::Null)
+}
+
+/// The body's fields as values, for the translations to other formats.
+fn values(fields: &Fields) -> Map<String, Value> {
+    fields.iter().map(|(key, raw)| (key.clone(), value(raw))).collect()
+}
+
+/// The compact length of a field written as JSON.
+fn json_len(raw: &RawValue) -> u64 {
+    crate::protocol::json_len(&value(raw))
+}
+
+fn is_null(raw: &RawValue) -> bool {
+    raw.get() == "null"
+}
+
+fn required_model(body: &Fields) -> Result<String, InvalidRequest> {
+    match body.get("model").map(|raw| value(raw)) {
+        Some(Value::String(m)) if !m.trim().is_empty() => Ok(m),
         Some(Value::String(_)) | None => Err(invalid("model", "`model` is required")),
         Some(_) => Err(invalid("model", "`model` must be a string")),
     }
 }
 
-fn optional_user(body: &Map<String, Value>) -> Result<Option<String>, InvalidRequest> {
-    match body.get("user") {
+fn optional_user(body: &Fields) -> Result<Option<String>, InvalidRequest> {
+    match body.get("user").map(|raw| value(raw)) {
         None | Some(Value::Null) => Ok(None),
-        Some(Value::String(u)) => Ok(Some(u.clone())),
+        Some(Value::String(u)) => Ok(Some(u)),
         Some(_) => Err(invalid("user", "`user` must be a string")),
     }
 }
 
-fn optional_u64(body: &Map<String, Value>, key: &'static str) -> Result<Option<u64>, InvalidRequest> {
-    match body.get(key) {
+fn optional_u64(body: &Fields, key: &'static str) -> Result<Option<u64>, InvalidRequest> {
+    match body.get(key).map(|raw| value(raw)) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v.as_u64().map(Some).ok_or_else(|| invalid(key, format!("`{key}` must be a non-negative integer"))),
     }
@@ -188,7 +220,7 @@ pub const MAX_CHOICES: u64 = 128;
 /// A `POST /v1/chat/completions` body.
 #[derive(Debug, Clone)]
 pub struct ChatRequest {
-    body: Map<String, Value>,
+    body: Fields,
     pub model: String,
     pub stream: bool,
     /// Whether the client itself asked for the usage chunk.
@@ -210,12 +242,12 @@ impl ChatRequest {
     pub fn parse(bytes: &[u8]) -> Result<Self, InvalidRequest> {
         let body = parse_object(bytes)?;
         let model = required_model(&body)?;
-        let stream = match body.get("stream") {
+        let stream = match body.get("stream").map(|raw| value(raw)) {
             None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
+            Some(Value::Bool(b)) => b,
             Some(_) => return Err(invalid("stream", "`stream` must be a boolean")),
         };
-        let client_wants_usage = match body.get("stream_options") {
+        let client_wants_usage = match body.get("stream_options").map(|raw| value(raw)) {
             None | Some(Value::Null) => false,
             Some(Value::Object(o)) => match o.get("include_usage") {
                 None | Some(Value::Null) => false,
@@ -237,7 +269,7 @@ impl ChatRequest {
             Some(n @ 1..=MAX_CHOICES) => n,
             Some(_) => return Err(invalid("n", format!("`n` must be between 1 and {MAX_CHOICES}"))),
         };
-        let messages = match body.get("messages") {
+        let messages = match body.get("messages").map(|raw| value(raw)) {
             Some(Value::Array(m)) if !m.is_empty() => m,
             Some(Value::Array(_)) => {
                 return Err(invalid("messages", "`messages` must not be empty"));
@@ -264,8 +296,8 @@ impl ChatRequest {
         }
         // Tool definitions are part of the prompt the model reads.
         for key in ["tools", "functions", "response_format"] {
-            if let Some(v) = body.get(key) {
-                prompt_text_bytes += crate::protocol::json_len(v);
+            if let Some(raw) = body.get(key) {
+                prompt_text_bytes += json_len(raw);
             }
         }
         let message_count = messages.len() as u64;
@@ -295,14 +327,14 @@ impl ChatRequest {
     pub fn upstream_body(&self, served_model: &str, allowance: u64) -> Vec<u8> {
         let mut owned = vec![("model", Value::String(served_model.to_owned()))];
         if self.stream {
-            let mut options = match self.body.get("stream_options") {
-                Some(Value::Object(o)) => o.clone(),
+            let mut options = match self.body.get("stream_options").map(|raw| value(raw)) {
+                Some(Value::Object(o)) => o,
                 _ => Map::new(),
             };
             options.insert("include_usage".into(), Value::Bool(true));
             owned.push(("stream_options", Value::Object(options)));
         }
-        let sent = |key: &str| self.body.get(key).is_some_and(|v| !v.is_null());
+        let sent = |key: &str| self.body.get(key).is_some_and(|raw| !is_null(raw));
         let (completion, legacy) = (sent("max_completion_tokens"), sent("max_tokens"));
         if completion {
             owned.push(("max_completion_tokens", json!(allowance)));
@@ -314,22 +346,40 @@ impl ChatRequest {
     }
 }
 
-/// A client's body with the fields the gateway owns set to `owned`, serialized
-/// without copying the rest (the messages, the input): the same bytes as the body
-/// with those fields inserted. The fields are written sorted by key, the order in
-/// which serde_json's `Map` (a `BTreeMap` without its `preserve_order` feature, as
-/// built here) keeps and writes them.
-fn with_owned(body: &Map<String, Value>, owned: &[(&str, Value)]) -> Vec<u8> {
-    let kept =
-        body.iter().map(|(key, value)| (key.as_str(), value)).filter(|(key, _)| !owned.iter().any(|(k, _)| k == key));
-    let mut fields: Vec<(&str, &Value)> = kept.chain(owned.iter().map(|(key, value)| (*key, value))).collect();
-    fields.sort_unstable_by_key(|(key, _)| *key);
-    let mut out = Vec::with_capacity(256);
-    let mut serializer = serde_json::Serializer::new(&mut out);
-    match serde::Serializer::collect_map(&mut serializer, fields) {
-        Ok(()) => out,
-        Err(_) => Vec::new(),
+/// A client's body with the fields the gateway owns set to `owned`: the client's other
+/// fields copied as it wrote them (the messages, the input: never written again from
+/// values), sorted by key with the owned ones, as serde_json writes a `Map`.
+fn with_owned(body: &Fields, owned: &[(&str, Value)]) -> Vec<u8> {
+    enum Field<'a> {
+        Kept(&'a RawValue),
+        Owned(&'a Value),
     }
+    let kept = body
+        .iter()
+        .filter(|(key, _)| !owned.iter().any(|(k, _)| k == key))
+        .map(|(key, raw)| (key.as_str(), Field::Kept(raw)));
+    let mut fields: Vec<(&str, Field)> =
+        kept.chain(owned.iter().map(|(key, value)| (*key, Field::Owned(value)))).collect();
+    fields.sort_unstable_by_key(|(key, _)| *key);
+    let size = body.iter().map(|(key, raw)| key.len() + raw.get().len() + 4).sum::<usize>();
+    let mut out = Vec::with_capacity(size + 64 * owned.len() + 2);
+    out.push(b'{');
+    for (i, (key, field)) in fields.into_iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        crate::json::string(&mut out, key);
+        out.push(b':');
+        match field {
+            Field::Kept(raw) => out.extend_from_slice(raw.get().as_bytes()),
+            // Into a Vec, a value with string keys cannot fail to serialize.
+            Field::Owned(value) => {
+                let _ = serde_json::to_writer(&mut out, value);
+            }
+        }
+    }
+    out.push(b'}');
+    out
 }
 
 /// Measures one message's content, collecting its images. Returns its text bytes.
@@ -389,7 +439,7 @@ fn measure_content(i: usize, content: Option<&Value>, images: &mut Vec<ImageRef>
 /// A `POST /v1/embeddings` body.
 #[derive(Debug, Clone)]
 pub struct EmbeddingsRequest {
-    body: Map<String, Value>,
+    body: Fields,
     pub model: String,
     /// Bytes (or token ids) of input: an upper bound of its token count.
     pub input_units: u64,
@@ -401,7 +451,7 @@ impl EmbeddingsRequest {
     pub fn parse(bytes: &[u8]) -> Result<Self, InvalidRequest> {
         let body = parse_object(bytes)?;
         let model = required_model(&body)?;
-        let input_units = match body.get("input") {
+        let input_units = match body.get("input").map(|raw| value(raw)) {
             Some(Value::String(s)) if !s.is_empty() => s.len() as u64,
             Some(Value::Array(items)) if !items.is_empty() => {
                 let mut units = 0u64;
@@ -575,6 +625,7 @@ mod tests {
         let body = json!({"model": "alias", "messages": [{"role": "user", "content": "x\"y"}], "max_tokens": 3,
             "a": 1, "zeta": {"k": [1, 2]}, "stream_options": {"include_usage": false, "other": true}});
         let Value::Object(body) = body else { unreachable!() };
+        let fields = parse_object(Value::Object(body.clone()).to_string().as_bytes()).unwrap();
         let owned = [
             ("max_completion_tokens", json!(5)),
             ("max_tokens", json!(5)),
@@ -585,8 +636,50 @@ mod tests {
         for (key, value) in &owned {
             inserted.insert((*key).to_owned(), value.clone());
         }
-        assert_eq!(String::from_utf8(with_owned(&body, &owned)).unwrap(), Value::Object(inserted).to_string());
-        assert_eq!(with_owned(&Map::new(), &owned[2..3]), br#"{"model":"real"}"#);
+        assert_eq!(String::from_utf8(with_owned(&fields, &owned)).unwrap(), Value::Object(inserted).to_string());
+        assert_eq!(with_owned(&Fields::new(), &owned[2..3]), br#"{"model":"real"}"#);
+    }
+
+    /// What the client wrote goes upstream as it wrote it (spaces, escapes, numbers),
+    /// and is read as serde_json reads it: a repeated name's last value, an escaped
+    /// name for the name it spells.
+    #[test]
+    fn the_client_fields_go_upstream_as_written() {
+        let messages = r#"[ {"role":"system","role" : "user", "content" : "caf\u00e9 \"x\""},
+            {"rol\u0065": "assistant", "content": [{"type": "text", "text": "ab"}, {"type": "image_url",
+            "image_url": {"url": "https://x/1.png", "url": "https://x/2.png"}}], "name": "n"} ]"#;
+        let body = format!(
+            r#"{{ "temperature" : 1.0e0, "model": "first", "messages": {messages}, "model": "alias", "x": {{"deep": [1, {{"k": null}}]}} }}"#
+        );
+        let request = ChatRequest::parse(body.as_bytes()).unwrap();
+        assert_eq!(request.model, "alias");
+        // `café "x"` (9 bytes) + `ab` + the name written as JSON (`"n"`).
+        assert_eq!(request.prompt_text_bytes, 9 + 2 + 3);
+        assert_eq!(request.images, [ImageRef { url: "https://x/2.png".into() }]);
+        let sent = String::from_utf8(request.upstream_body("real", 5)).unwrap();
+        assert_eq!(
+            sent,
+            format!(
+                r#"{{"max_tokens":5,"messages":{messages},"model":"real","temperature":1.0e0,"x":{{"deep": [1, {{"k": null}}]}}}}"#
+            )
+        );
+        let read: Value = serde_json::from_str(&sent).unwrap();
+        assert_eq!(read["messages"][0]["content"], "café \"x\"");
+        let call = request.call().unwrap();
+        assert_eq!(call.messages.len(), 2);
+    }
+
+    #[test]
+    fn a_body_that_is_not_an_object_is_told_apart_from_one_that_is_not_json() {
+        for (body, message) in [
+            (&b"[1]"[..], "the request body must be a JSON object"),
+            (&b"\"text\""[..], "the request body must be a JSON object"),
+            (&b"{\"model\": "[..], "the request body is not valid JSON: EOF while parsing a value at line 1 column 10"),
+            (&b"{} {}"[..], "the request body is not valid JSON: trailing characters at line 1 column 4"),
+        ] {
+            let err = ChatRequest::parse(body).unwrap_err();
+            assert_eq!((err.message.as_str(), err.param), (message, None), "{}", String::from_utf8_lossy(body));
+        }
     }
 
     #[test]

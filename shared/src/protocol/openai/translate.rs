@@ -5,7 +5,7 @@
 
 use serde_json::{Map, Value, json};
 
-use super::{ChatRequest, InvalidRequest, invalid};
+use super::{ChatRequest, InvalidRequest, invalid, values};
 use crate::protocol::chat::{
     Call, Completion, Delta, Finish, Image, Message, Part, Role, Tokens, Tool, ToolCall, ToolChoice,
 };
@@ -15,7 +15,7 @@ impl ChatRequest {
     /// translation needs (a tool message's `tool_call_id`, well-formed tools) is
     /// checked here, with the `param` at fault.
     pub fn call(&self) -> Result<Call, InvalidRequest> {
-        let body = &self.body;
+        let body = &values(&self.body);
         let mut call = Call {
             max_tokens: self.max_tokens,
             stream: self.stream,
