@@ -170,11 +170,6 @@ fn value(raw: &RawValue) -> Value {
     serde_json::from_str(raw.get()).unwrap_or(Value::Null)
 }
 
-/// The body's fields as values, for the translations to other formats.
-fn values(fields: &Fields) -> Map<String, Value> {
-    fields.iter().map(|(key, raw)| (key.clone(), value(raw))).collect()
-}
-
 /// The compact length of a field written as JSON.
 fn json_len(raw: &RawValue) -> u64 {
     crate::protocol::json_len(&value(raw))
@@ -221,6 +216,8 @@ pub const MAX_CHOICES: u64 = 128;
 #[derive(Debug, Clone)]
 pub struct ChatRequest {
     body: Fields,
+    /// The messages as values: measured by `parse`, read by the translations.
+    messages: Vec<Value>,
     pub model: String,
     pub stream: bool,
     /// Whether the client itself asked for the usage chunk.
@@ -313,6 +310,7 @@ impl ChatRequest {
             images,
             prompt_text_bytes,
             message_count,
+            messages,
         })
     }
 

@@ -5,7 +5,7 @@
 
 use serde_json::{Map, Value, json};
 
-use super::{ChatRequest, InvalidRequest, invalid, values};
+use super::{ChatRequest, InvalidRequest, invalid, value};
 use crate::protocol::chat::{
     Call, Completion, Delta, Finish, Image, Message, Part, Role, Tokens, Tool, ToolCall, ToolChoice,
 };
@@ -15,17 +15,17 @@ impl ChatRequest {
     /// translation needs (a tool message's `tool_call_id`, well-formed tools) is
     /// checked here, with the `param` at fault.
     pub fn call(&self) -> Result<Call, InvalidRequest> {
-        let body = &values(&self.body);
+        let field = |key: &str| self.body.get(key).map(|raw| value(raw));
         let mut call = Call {
             max_tokens: self.max_tokens,
             stream: self.stream,
             choices: self.choices,
             user: self.user.clone(),
-            temperature: body.get("temperature").and_then(Value::as_f64),
-            top_p: body.get("top_p").and_then(Value::as_f64),
-            stop: match body.get("stop") {
+            temperature: field("temperature").as_ref().and_then(Value::as_f64),
+            top_p: field("top_p").as_ref().and_then(Value::as_f64),
+            stop: match field("stop") {
                 None | Some(Value::Null) => Vec::new(),
-                Some(Value::String(s)) => vec![s.clone()],
+                Some(Value::String(s)) => vec![s],
                 Some(Value::Array(items)) => items
                     .iter()
                     .map(|s| s.as_str().map(str::to_owned))
@@ -33,12 +33,11 @@ impl ChatRequest {
                     .ok_or_else(|| invalid("stop", "`stop` must be a string or an array of strings"))?,
                 Some(_) => return Err(invalid("stop", "`stop` must be a string or an array of strings")),
             },
-            tools: tools(body.get("tools"))?,
-            tool_choice: tool_choice(body.get("tool_choice"))?,
+            tools: tools(field("tools").as_ref())?,
+            tool_choice: tool_choice(field("tool_choice").as_ref())?,
             ..Call::default()
         };
-        let messages = body.get("messages").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
-        for (i, message) in messages.iter().enumerate() {
+        for (i, message) in self.messages.iter().enumerate() {
             let role = message.get("role").and_then(Value::as_str).unwrap_or_default();
             let content = message.get("content");
             match role {
