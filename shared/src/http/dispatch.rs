@@ -41,7 +41,7 @@ pub(super) enum Answered {
         answer: Option<Answer>,
     },
     /// A stream whose first content event (or clean end) has arrived.
-    Stream(relay::Held),
+    Stream(Box<relay::Held>),
 }
 
 /// What the caller expects of a successful answer, and the door it goes back by.
@@ -227,7 +227,7 @@ async fn attempt(
             }
             let held =
                 relay::hold(response, limits.max_event_bytes, deadline, client_wants_usage, client.wire, door).await;
-            held.map(Answered::Stream).map_err(Failure::Body)
+            held.map(|held| Answered::Stream(Box::new(held))).map_err(Failure::Body)
         }
     }
 }

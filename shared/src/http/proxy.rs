@@ -326,7 +326,14 @@ async fn chat(
             let headers = model_headers(&served.candidate, soft);
             let backend = served.candidate.backend;
             let idle_timeout = served.timeout;
-            Ok(Reply::Stream(Box::new(relay::Stream { backend, held, idle_timeout, headers, settle, deadline: None })))
+            Ok(Reply::Stream(Box::new(relay::Stream {
+                backend,
+                held: *held,
+                idle_timeout,
+                headers,
+                settle,
+                deadline: None,
+            })))
         }
         Answered::Whole { .. } => complete(gateway, draft, served, settle, soft).await,
     }

@@ -65,33 +65,60 @@ impl<C> Lanes<C> {
     }
 }
 
-/// A backend's answer body, read as hyper gives it; the call keeps its seat on its
-/// lane while this lives.
+/// A backend's answer body: hyper's, for a call through a lane (which keeps its seat
+/// while this lives), or the gateway's own client's, for a plain `http://` backend.
 pub struct AnswerBody {
-    body: Incoming,
-    _seat: Seat,
+    body: Inner,
+    _seat: Option<Seat>,
+}
+
+enum Inner {
+    Pooled(Incoming),
+    Plain(super::h1::Body),
+}
+
+/// Why an answer's body could not be read, as its client tells it.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error(transparent)]
+    Pooled(#[from] hyper::Error),
+    #[error(transparent)]
+    Plain(#[from] super::h1::Error),
 }
 
 impl AnswerBody {
     pub(crate) fn new(body: Incoming, seat: Seat) -> AnswerBody {
-        AnswerBody { body, _seat: seat }
+        AnswerBody { body: Inner::Pooled(body), _seat: Some(seat) }
+    }
+
+    pub(crate) fn plain(body: super::h1::Body) -> AnswerBody {
+        AnswerBody { body: Inner::Plain(body), _seat: None }
     }
 }
 
 impl Body for AnswerBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        match &mut self.body {
+            Inner::Pooled(body) => Pin::new(body).poll_frame(cx).map(|f| f.map(|f| f.map_err(Into::into))),
+            Inner::Plain(body) => Pin::new(body).poll_frame(cx).map(|f| f.map(|f| f.map_err(Into::into))),
+        }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        match &self.body {
+            Inner::Pooled(body) => body.is_end_stream(),
+            Inner::Plain(body) => body.is_end_stream(),
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+        match &self.body {
+            Inner::Pooled(body) => body.size_hint(),
+            Inner::Plain(body) => body.size_hint(),
+        }
     }
 }
 

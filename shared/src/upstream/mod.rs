@@ -20,9 +20,12 @@
 //! through clients of its own and no call wakes another thread. Elsewhere (the Lambda
 //! function, tests) there is one client per backend.
 //!
-//! The client is hyper-util's pooled client over rustls (`ring`; the webpki roots, or a
-//! backend's own `tls.ca`), HTTP/2 when TLS negotiates it. It follows no redirect and
-//! retries nothing but a request that a pooled connection closed before it was sent.
+//! An `https://` backend is called through hyper-util's pooled client over rustls
+//! (`ring`; the webpki roots, or a backend's own `tls.ca`), HTTP/2 when TLS negotiates
+//! it; a plain `http://` backend through the gateway's own HTTP/1.1 client ([`h1`]),
+//! which holds a few hundred bytes where hyper's holds ~29 KB a connection, and calls on
+//! the caller's task. Neither follows a redirect, and both retry nothing but a request
+//! that a pooled connection closed before it was sent.
 //!
 //! Its pool keeps one HTTP/2 connection to a backend, whose server takes only so many
 //! streams on it: a serving thread calls through [`lanes`], one client and another
@@ -34,6 +37,7 @@
 mod alpn;
 pub mod body;
 pub mod grpc;
+mod h1;
 pub mod lanes;
 pub mod realtime;
 
@@ -56,8 +60,8 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 use self::alpn::{Negotiated, NotH2, Noting};
-pub use self::lanes::AnswerBody;
 use self::lanes::Lanes;
+pub use self::lanes::{AnswerBody, BodyError};
 use crate::config::{
     AgentId, Auth, BackendId, BackendKind, Config, Endpoint, IdentityHeaders, SecretRef, TenantId, Tls,
 };
@@ -177,6 +181,14 @@ pub struct UpstreamClient {
     identity_headers: Option<RelayHeaders>,
     /// Whether the backend's server chose `h2` at the last TLS handshake with it.
     speaks_h2: Arc<AtomicBool>,
+    /// A plain `http://` backend: called through the gateway's own HTTP/1.1 client.
+    plain: Option<Plain>,
+}
+
+/// Where a plain backend is, and each serving thread's pool of connections.
+struct Plain {
+    target: h1::Target,
+    pools: Vec<Arc<h1::Pool>>,
 }
 
 /// Who a call is for, as a relay passes it on: the caller's tenant and agent, and
@@ -275,10 +287,7 @@ impl UpstreamClient {
                 .parse::<Uri>()
                 .map_err(|e| CallError::Connect(format!("the backend url with {path}: {e}")))?,
         };
-        let mut request = http::Request::new(Full::new(Bytes::from(body)));
-        *request.method_mut() = Method::POST;
-        *request.uri_mut() = uri;
-        let headers = request.headers_mut();
+        let mut headers = http::HeaderMap::with_capacity(8);
         headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         headers.insert(http::header::ACCEPT, HeaderValue::from_static("*/*"));
         headers.insert(http::header::USER_AGENT, HeaderValue::from_static(USER_AGENT));
@@ -300,8 +309,21 @@ impl UpstreamClient {
         if let Some((name, value)) = live.credential.header()? {
             headers.insert(name, value);
         }
-        let (lane, seat) = live.http[SERVING_THREAD.with(Cell::get) % live.http.len()].seat();
         let deadline = tokio::time::Instant::now() + self.timeout;
+        if let Some(plain) = &self.plain {
+            let pool = &plain.pools[SERVING_THREAD.with(Cell::get) % plain.pools.len()];
+            let request = h1::request(&plain.target, &uri, &headers, &body);
+            return match tokio::time::timeout_at(deadline, pool.post(&plain.target, &request)).await {
+                Err(_) => Err(CallError::Timeout(self.timeout)),
+                Ok(Err(e)) => Err(CallError::Connect(describe(&e))),
+                Ok(Ok(response)) => Ok(response.map(AnswerBody::plain)),
+            };
+        }
+        let mut request = http::Request::new(Full::new(Bytes::from(body)));
+        *request.method_mut() = Method::POST;
+        *request.uri_mut() = uri;
+        *request.headers_mut() = headers;
+        let (lane, seat) = live.http[SERVING_THREAD.with(Cell::get) % live.http.len()].seat();
         let sent = if self.speaks_h2.load(Ordering::Relaxed) {
             let again = copy(&request);
             match tokio::time::timeout_at(deadline, lane.client.h2.request(request)).await {
@@ -413,6 +435,7 @@ impl Upstreams {
         let tls = tls_config(public_roots(), None).map_err(|e| SetupError::Client(e.to_string()))?;
         let negotiated = Arc::new(Negotiated::default());
         let shared: Vec<_> = (0..threads).map(|_| lanes(tls.clone(), &negotiated)).collect();
+        let pools: Vec<_> = (0..threads).map(|_| Arc::new(h1::Pool::default())).collect();
         let mut clients = HashMap::default();
         for (name, backend) in &config.ai.backends {
             let Some(endpoint) = backend.kind.endpoint() else {
@@ -440,7 +463,9 @@ impl Upstreams {
             let authority = tls.as_ref().and_then(Uri::authority).map(|a| a.as_str().to_owned());
             let speaks_h2 = authority.map_or_else(Arc::default, |authority| negotiated.speaks_h2(&authority));
             let timeout = backend.timeout;
-            let client = UpstreamClient { base, urls, wire, live, timeout, identity_headers, speaks_h2 };
+            let plain = base.parse::<Uri>().ok().and_then(|uri| h1::Target::of(&uri));
+            let plain = plain.map(|target| Plain { target, pools: pools.clone() });
+            let client = UpstreamClient { base, urls, wire, live, timeout, identity_headers, speaks_h2, plain };
             clients.insert(name.clone(), client);
         }
         Ok(Upstreams { clients, negotiated })

@@ -1,0 +1,694 @@
+//! HTTP/1.1 to a plain `http://` backend, spoken by the calling task itself.
+//!
+//! hyper's pooled client runs each connection as a task of its own, fed through a
+//! channel: ~29 KB a connection (the channel's first block 9.5, a write buffer 8.2, a
+//! read buffer 8.2), held as long as the connection is, and every call hops between
+//! its task and the connection's. A stream keeps its connection to the backend for its
+//! whole life, so at 10,000 streams over HTTP/1.1 hyper's share alone was ~290 MB
+//! (issue 15). Here the call writes its request and reads the answer on its own task,
+//! and a stream waiting for its next event holds its socket and a few words: the read
+//! buffer is taken when the socket is readable and let go when it is drained.
+//!
+//! What it speaks: a POST of a known length, the request's head and body in one write;
+//! an answer framed by `content-length`, `chunked` or the connection's close (RFC 9112
+//! §6.3), its `1xx` heads skipped, its trailers read and dropped. A connection goes
+//! back to its pool once its answer was read to the end, unless the answer said
+//! `close`, was HTTP/1.0 or framed by the close, or more bytes followed it. A pooled
+//! connection is checked before it is reused (a server that closed it has left an
+//! end-of-file to read) and one idle for 90 s is closed, when its backend is next
+//! called; a write that fails on a pooled connection goes again on another, then on a
+//! new one. Nothing is retried once the request was written. A body dropped before
+//! its end closes its connection.
+//!
+//! HTTPS backends go through hyper's client: TLS chooses the version there
+//! (`super::alpn`), and HTTP/2 shares a connection among streams.
+
+use std::collections::VecDeque;
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll, ready};
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes, BytesMut};
+use foldhash::HashMap;
+use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Uri, Version};
+use hyper::body::{Frame, SizeHint};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+
+/// How long a connection may wait in its pool.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// The connections a pool keeps to one backend.
+const MAX_IDLE: usize = 1024;
+/// What one read asks of the socket.
+const READ: usize = 8 * 1024;
+/// The largest response head read (status line and headers).
+const MAX_HEAD: usize = 64 * 1024;
+const MAX_HEADERS: usize = 100;
+/// The longest chunk-size or trailer line.
+const MAX_LINE: usize = 4 * 1024;
+
+/// Why an answer could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("tcp connect error: {0}")]
+    Connect(io::Error),
+    #[error(transparent)]
+    Io(#[from] io::Error),
+    #[error("the backend closed the connection before the end of its answer")]
+    Closed,
+    #[error("the backend's answer is not valid HTTP/1.1: {0}")]
+    Invalid(String),
+}
+
+fn invalid(what: impl Into<String>) -> Error {
+    Error::Invalid(what.into())
+}
+
+/// Where a plain backend is: the pools' key and the request's `host`, and what to
+/// connect to.
+pub(crate) struct Target {
+    authority: Arc<str>,
+    host: String,
+    port: u16,
+}
+
+impl Target {
+    /// The target of an `http://` URL; `None` for any other.
+    pub fn of(uri: &Uri) -> Option<Target> {
+        if uri.scheme() != Some(&http::uri::Scheme::HTTP) {
+            return None;
+        }
+        let authority = uri.authority()?;
+        let host = authority.host().trim_start_matches('[').trim_end_matches(']').to_owned();
+        Some(Target { authority: authority.as_str().into(), host, port: authority.port_u16().unwrap_or(80) })
+    }
+}
+
+/// The request's bytes: its head, then `body`.
+pub(crate) fn request(target: &Target, uri: &Uri, headers: &HeaderMap, body: &[u8]) -> Vec<u8> {
+    let path = uri.path_and_query().map_or("/", |p| p.as_str());
+    let mut out = Vec::with_capacity(256 + body.len());
+    for part in ["POST ", path, " HTTP/1.1\r\nhost: ", &target.authority, "\r\n"] {
+        out.extend_from_slice(part.as_bytes());
+    }
+    for (name, value) in headers {
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"content-length: ");
+    out.extend_from_slice(itoa::Buffer::new().format(body.len()).as_bytes());
+    out.extend_from_slice(b"\r\n\r\n");
+    out.extend_from_slice(body);
+    out
+}
+
+/// Idle connections, by backend authority. One per serving thread: a socket is driven
+/// by the runtime that opened it.
+#[derive(Default)]
+pub(crate) struct Pool {
+    idle: Mutex<HashMap<Arc<str>, VecDeque<Idle>>>,
+}
+
+struct Idle {
+    stream: TcpStream,
+    since: Instant,
+}
+
+impl Pool {
+    /// Sends `request` to `target` and reads the answer's head.
+    pub async fn post(self: &Arc<Self>, target: &Target, request: &[u8]) -> Result<http::Response<Body>, Error> {
+        let mut stream = loop {
+            let (mut stream, pooled) = match self.take(&target.authority) {
+                Some(stream) => (stream, true),
+                None => (connect(target).await?, false),
+            };
+            match stream.write_all(request).await {
+                Ok(()) => break stream,
+                // The server closed it while it waited: the request never went.
+                Err(_) if pooled => continue,
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let mut buf = BytesMut::new();
+        let head = std::future::poll_fn(|cx| poll_head(&mut stream, &mut buf, cx)).await?;
+        let (framing, keep_alive) = framing(&head)?;
+        let mut body = Body {
+            stream: Some(stream),
+            buf,
+            framing,
+            keep_alive,
+            home: Some((self.clone(), target.authority.clone())),
+        };
+        if matches!(body.framing, Framing::End) {
+            body.release();
+        }
+        Ok(http::Response::from_parts(head, body))
+    }
+
+    /// The most recently used of `authority`'s idle connections that is still open.
+    fn take(&self, authority: &str) -> Option<TcpStream> {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let waiting = idle.get_mut(authority)?;
+        while let Some(Idle { stream, since }) = waiting.pop_back() {
+            if since.elapsed() < IDLE_TIMEOUT && still_open(&stream) {
+                return Some(stream);
+            }
+        }
+        None
+    }
+
+    fn put(&self, authority: &Arc<str>, stream: TcpStream) {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let waiting = idle.entry(authority.clone()).or_default();
+        while waiting.front().is_some_and(|oldest| oldest.since.elapsed() >= IDLE_TIMEOUT) || waiting.len() >= MAX_IDLE
+        {
+            waiting.pop_front();
+        }
+        waiting.push_back(Idle { stream, since: Instant::now() });
+    }
+}
+
+async fn connect(target: &Target) -> Result<TcpStream, Error> {
+    let stream = TcpStream::connect((target.host.as_str(), target.port)).await.map_err(Error::Connect)?;
+    stream.set_nodelay(true).map_err(Error::Connect)?;
+    Ok(stream)
+}
+
+/// Whether an idle connection can carry a request: nothing to read on it (an
+/// end-of-file, a reset, or bytes it should not have sent all rule it out). Costs no
+/// system call unless the socket was last seen readable.
+fn still_open(stream: &TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    matches!(stream.try_read(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+}
+
+/// Reads into `buf` once `stream` is readable; `buf` is let go while it waits empty.
+fn poll_read(stream: &TcpStream, buf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+    loop {
+        if stream.poll_read_ready(cx)?.is_pending() {
+            if buf.is_empty() {
+                *buf = BytesMut::new();
+            }
+            return Poll::Pending;
+        }
+        if buf.capacity() - buf.len() < READ / 4 {
+            buf.reserve(READ);
+        }
+        match stream.try_read_buf(buf) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            read => return Poll::Ready(read),
+        }
+    }
+}
+
+/// The answer's head, past any `1xx` interim heads.
+fn poll_head(
+    stream: &mut TcpStream,
+    buf: &mut BytesMut,
+    cx: &mut Context<'_>,
+) -> Poll<Result<http::response::Parts, Error>> {
+    loop {
+        if !buf.is_empty() {
+            match parse_head(buf)? {
+                Some((head, len)) => {
+                    buf.advance(len);
+                    if head.status.is_informational() {
+                        if head.status == StatusCode::SWITCHING_PROTOCOLS {
+                            return Poll::Ready(Err(invalid(
+                                "101 Switching Protocols, for a request that asked no upgrade",
+                            )));
+                        }
+                        continue;
+                    }
+                    return Poll::Ready(Ok(head));
+                }
+                None if buf.len() > MAX_HEAD => {
+                    return Poll::Ready(Err(invalid(format!("a response head longer than {MAX_HEAD} bytes"))));
+                }
+                None => {}
+            }
+        }
+        if ready!(poll_read(stream, buf, cx))? == 0 {
+            return Poll::Ready(Err(Error::Closed));
+        }
+    }
+}
+
+/// A complete head at the start of `buf` and its length; `None` while it is partial.
+fn parse_head(buf: &[u8]) -> Result<Option<(http::response::Parts, usize)>, Error> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut parsed = httparse::Response::new(&mut headers);
+    let len = match parsed.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(invalid(e.to_string())),
+    };
+    let mut head = http::Response::new(());
+    *head.status_mut() =
+        parsed.code.and_then(|code| StatusCode::from_u16(code).ok()).ok_or_else(|| invalid("its status"))?;
+    *head.version_mut() = if parsed.version == Some(0) { Version::HTTP_10 } else { Version::HTTP_11 };
+    let map = head.headers_mut();
+    map.reserve(parsed.headers.len());
+    for header in parsed.headers.iter() {
+        let name = HeaderName::from_bytes(header.name.as_bytes()).map_err(|_| invalid("a header name"))?;
+        let value = HeaderValue::from_bytes(header.value).map_err(|_| invalid(format!("the {name} header")))?;
+        map.append(name, value);
+    }
+    Ok(Some((head.into_parts().0, len)))
+}
+
+/// How the answer's body ends, and whether its connection can be used again.
+fn framing(head: &http::response::Parts) -> Result<(Framing, bool), Error> {
+    let mut keep_alive = head.version == Version::HTTP_11 && !has_token(&head.headers, &CONNECTION, "close");
+    if head.status == StatusCode::NO_CONTENT || head.status == StatusCode::NOT_MODIFIED {
+        return Ok((Framing::End, keep_alive));
+    }
+    if head.headers.contains_key(TRANSFER_ENCODING) {
+        let last = head.headers.get_all(TRANSFER_ENCODING).iter().flat_map(tokens).last();
+        if !last.is_some_and(|coding| coding.eq_ignore_ascii_case("chunked")) {
+            return Ok((Framing::Close, false));
+        }
+        // A length next to `chunked` is ignored, and the connection not trusted again.
+        keep_alive &= !head.headers.contains_key(CONTENT_LENGTH);
+        return Ok((Framing::Line(Line::Size), keep_alive));
+    }
+    let mut length = None;
+    for value in head.headers.get_all(CONTENT_LENGTH).iter().flat_map(tokens) {
+        let parsed = value.bytes().all(|b| b.is_ascii_digit()).then(|| value.parse::<u64>().ok()).flatten();
+        match (parsed, length) {
+            (None, _) => return Err(invalid(format!("content-length `{value}`"))),
+            (Some(n), Some(seen)) if n != seen => return Err(invalid("two different content-lengths")),
+            (Some(n), _) => length = Some(n),
+        }
+    }
+    Ok(match length {
+        Some(0) => (Framing::End, keep_alive),
+        Some(n) => (Framing::Length(n), keep_alive),
+        None => (Framing::Close, false),
+    })
+}
+
+/// The comma-separated tokens of a header value.
+fn tokens(value: &HeaderValue) -> impl Iterator<Item = &str> {
+    value.to_str().unwrap_or("").split(',').map(str::trim).filter(|t| !t.is_empty())
+}
+
+fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
+    headers.get_all(name).iter().flat_map(tokens).any(|t| t.eq_ignore_ascii_case(token))
+}
+
+enum Framing {
+    /// This many bytes are left.
+    Length(u64),
+    /// Chunked: this many bytes of the current chunk are left.
+    Chunk(u64),
+    /// Chunked: a line is next.
+    Line(Line),
+    /// Everything until the backend closes the connection.
+    Close,
+    End,
+}
+
+#[derive(Clone, Copy)]
+enum Line {
+    /// A chunk's size.
+    Size,
+    /// The line end after a chunk's data.
+    DataEnd,
+    /// A trailer field, or the empty line that ends the body.
+    Trailer,
+}
+
+/// An answer's body, read from its connection as the caller asks for it.
+pub struct Body {
+    /// `None` once the body ended or failed.
+    stream: Option<TcpStream>,
+    buf: BytesMut,
+    framing: Framing,
+    keep_alive: bool,
+    /// Where the connection goes back to at the end.
+    home: Option<(Arc<Pool>, Arc<str>)>,
+}
+
+impl Body {
+    /// The next piece of data in `buf`; `None` when more must be read or the body
+    /// has ended.
+    fn decode(&mut self) -> Result<Option<Bytes>, Error> {
+        loop {
+            match &mut self.framing {
+                Framing::End => return Ok(None),
+                Framing::Close => return Ok((!self.buf.is_empty()).then(|| self.buf.split().freeze())),
+                Framing::Length(left) => {
+                    let Some(data) = front(&mut self.buf, left) else { return Ok(None) };
+                    if *left == 0 {
+                        self.framing = Framing::End;
+                    }
+                    return Ok(Some(data));
+                }
+                Framing::Chunk(left) => {
+                    let Some(data) = front(&mut self.buf, left) else { return Ok(None) };
+                    if *left == 0 {
+                        self.framing = Framing::Line(Line::DataEnd);
+                    }
+                    return Ok(Some(data));
+                }
+                Framing::Line(kind) => {
+                    let Some(line) = line(&mut self.buf)? else { return Ok(None) };
+                    self.framing = match *kind {
+                        Line::Size => match chunk_size(&line)? {
+                            0 => Framing::Line(Line::Trailer),
+                            size => Framing::Chunk(size),
+                        },
+                        Line::DataEnd if line.is_empty() => Framing::Line(Line::Size),
+                        Line::DataEnd => return Err(invalid("a chunk longer than its size")),
+                        Line::Trailer if line.is_empty() => Framing::End,
+                        Line::Trailer => Framing::Line(Line::Trailer),
+                    };
+                }
+            }
+        }
+    }
+
+    /// Gives the connection back to its pool if it can carry another request.
+    fn release(&mut self) {
+        if let Some(stream) = self.stream.take()
+            && self.keep_alive
+            && self.buf.is_empty()
+            && let Some((pool, authority)) = &self.home
+        {
+            pool.put(authority, stream);
+        }
+    }
+
+    fn fail(&mut self, error: Error) -> Poll<Option<Result<Frame<Bytes>, Error>>> {
+        self.stream = None;
+        self.framing = Framing::End;
+        Poll::Ready(Some(Err(error)))
+    }
+}
+
+/// Up to `left` bytes from the front of `buf`; `None` if it is empty.
+fn front(buf: &mut BytesMut, left: &mut u64) -> Option<Bytes> {
+    if buf.is_empty() {
+        return None;
+    }
+    let n = usize::try_from(*left).unwrap_or(usize::MAX).min(buf.len());
+    *left -= n as u64;
+    Some(buf.split_to(n).freeze())
+}
+
+/// A line from the front of `buf`, without its end (`\r\n`, or a bare `\n`).
+fn line(buf: &mut BytesMut) -> Result<Option<BytesMut>, Error> {
+    match buf.iter().position(|&b| b == b'\n') {
+        Some(end) => {
+            let mut line = buf.split_to(end + 1);
+            line.truncate(if end > 0 && line[end - 1] == b'\r' { end - 1 } else { end });
+            Ok(Some(line))
+        }
+        None if buf.len() > MAX_LINE => Err(invalid(format!("a chunk line longer than {MAX_LINE} bytes"))),
+        None => Ok(None),
+    }
+}
+
+/// A chunk's size: hexadecimal digits, maybe followed by extensions (ignored).
+fn chunk_size(line: &[u8]) -> Result<u64, Error> {
+    let digits = line.split(|&b| b == b';').next().unwrap_or_default().trim_ascii();
+    std::str::from_utf8(digits)
+        .ok()
+        .filter(|d| !d.is_empty() && d.len() <= 16 && d.bytes().all(|b| b.is_ascii_hexdigit()))
+        .and_then(|d| u64::from_str_radix(d, 16).ok())
+        .ok_or_else(|| invalid(format!("the chunk size `{}`", String::from_utf8_lossy(digits))))
+}
+
+impl hyper::body::Body for Body {
+    type Data = Bytes;
+    type Error = Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Error>>> {
+        let this = self.get_mut();
+        loop {
+            match this.decode() {
+                Err(e) => return this.fail(e),
+                Ok(Some(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                Ok(None) if matches!(this.framing, Framing::End) => {
+                    this.release();
+                    return Poll::Ready(None);
+                }
+                Ok(None) => {}
+            }
+            let Some(stream) = &this.stream else { return Poll::Ready(None) };
+            match ready!(poll_read(stream, &mut this.buf, cx)) {
+                Err(e) => return this.fail(e.into()),
+                Ok(0) if matches!(this.framing, Framing::Close) => {
+                    this.stream = None;
+                    this.framing = Framing::End;
+                }
+                Ok(0) => return this.fail(Error::Closed),
+                Ok(_) => {}
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self.framing, Framing::End)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.framing {
+            Framing::Length(left) => SizeHint::with_exact(left),
+            Framing::End => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use http_body_util::BodyExt;
+    use tokio::io::AsyncReadExt;
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    /// A backend on loopback: it answers each request it reads with the next of
+    /// `replies`, and closes the connection after a reply marked so. Counts the
+    /// connections it accepted.
+    async fn peer(replies: Vec<(&'static str, bool)>) -> (Target, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url: Uri = format!("http://{}/v1", listener.local_addr().unwrap()).parse().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let replies = Arc::new(Mutex::new(VecDeque::from(replies)));
+        let counter = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::Relaxed);
+                let replies = replies.clone();
+                tokio::spawn(async move {
+                    while read_request(&mut socket).await {
+                        let Some((reply, close)) = replies.lock().unwrap().pop_front() else { return };
+                        socket.write_all(reply.as_bytes()).await.unwrap();
+                        if close {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (Target::of(&url).unwrap(), accepted)
+    }
+
+    /// Reads one request (its head and its content-length's bytes); false at the end.
+    async fn read_request(socket: &mut TcpStream) -> bool {
+        let mut seen = Vec::new();
+        let mut byte = [0u8; 1];
+        while !seen.ends_with(b"\r\n\r\n") {
+            if socket.read(&mut byte).await.unwrap_or(0) == 0 {
+                return false;
+            }
+            seen.push(byte[0]);
+        }
+        let head = String::from_utf8(seen).unwrap();
+        let length = head.lines().find_map(|l| l.strip_prefix("content-length: ")).unwrap().parse().unwrap();
+        let mut body = vec![0u8; length];
+        socket.read_exact(&mut body).await.is_ok()
+    }
+
+    async fn call(pool: &Arc<Pool>, target: &Target) -> Result<http::Response<Body>, Error> {
+        let uri: Uri = format!("http://{}/v1/chat/completions", target.authority).parse().unwrap();
+        pool.post(target, &request(target, &uri, &HeaderMap::new(), b"{}")).await
+    }
+
+    async fn text(answer: http::Response<Body>) -> Result<String, Error> {
+        let bytes = answer.into_body().collect().await?.to_bytes();
+        Ok(String::from_utf8(bytes.to_vec()).unwrap())
+    }
+
+    fn idle(pool: &Pool, target: &Target) -> usize {
+        pool.idle.lock().unwrap().get(&target.authority).map_or(0, VecDeque::len)
+    }
+
+    const OK: &str = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 7\r\n\r\n{\"a\":1}";
+
+    #[test]
+    fn the_request_is_its_head_then_its_body() {
+        let target = Target::of(&"http://[::1]:8080/v1".parse().unwrap()).unwrap();
+        assert_eq!((target.host.as_str(), target.port), ("::1", 8080));
+        let uri = "http://[::1]:8080/v1/chat/completions?x=1".parse().unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert("authorization", HeaderValue::from_static("Bearer k"));
+        let sent = request(&target, &uri, &headers, b"{\"m\":1}");
+        assert_eq!(
+            String::from_utf8(sent).unwrap(),
+            "POST /v1/chat/completions?x=1 HTTP/1.1\r\nhost: [::1]:8080\r\nauthorization: Bearer k\r\n\
+             content-length: 7\r\n\r\n{\"m\":1}"
+        );
+        assert!(Target::of(&"https://a.example/v1".parse().unwrap()).is_none());
+        let default_port = Target::of(&"http://a.example/v1".parse().unwrap()).unwrap();
+        assert_eq!((&*default_port.authority, default_port.port), ("a.example", 80));
+    }
+
+    /// Decodes `wire` fed to the body a byte at a time: every split a socket can make.
+    fn decoded(framing: Framing, wire: &[u8]) -> Result<(Vec<u8>, bool), Error> {
+        let mut body = Body { stream: None, buf: BytesMut::new(), framing, keep_alive: true, home: None };
+        let mut out = Vec::new();
+        for &byte in wire {
+            body.buf.extend_from_slice(&[byte]);
+            while let Some(data) = body.decode()? {
+                out.extend_from_slice(&data);
+            }
+        }
+        Ok((out, matches!(body.framing, Framing::End)))
+    }
+
+    #[test]
+    fn a_chunked_body_is_read_across_any_split_with_its_extensions_and_trailers_dropped() {
+        let wire = b"5;ext=1\r\nhello\r\nA\r\n, world!!!\r\n0\r\nx-trailer: t\r\n\r\n";
+        assert_eq!(decoded(Framing::Line(Line::Size), wire).unwrap(), (b"hello, world!!!".to_vec(), true));
+        // Bare line feeds are read as line ends too.
+        assert_eq!(decoded(Framing::Line(Line::Size), b"2\nok\n0\n\n").unwrap(), (b"ok".to_vec(), true));
+        // Not ended until the empty line after the last chunk.
+        assert_eq!(decoded(Framing::Line(Line::Size), b"2\r\nok\r\n0\r\n").unwrap(), (b"ok".to_vec(), false));
+        assert_eq!(decoded(Framing::Length(4), b"abcd").unwrap(), (b"abcd".to_vec(), true));
+    }
+
+    #[test]
+    fn a_malformed_chunk_is_an_error() {
+        for wire in [&b"zz\r\n"[..], b"2\r\nokay\r\n", b"11111111111111111\r\n", b"\r\n"] {
+            let error = decoded(Framing::Line(Line::Size), wire).unwrap_err();
+            assert!(matches!(error, Error::Invalid(_)), "{wire:?}: {error}");
+        }
+        let endless = vec![b'1'; MAX_LINE + 2];
+        assert!(matches!(decoded(Framing::Line(Line::Size), &endless), Err(Error::Invalid(_))));
+    }
+
+    #[tokio::test]
+    async fn a_connection_is_used_again_only_after_its_answer_was_read_to_its_end() {
+        let (target, accepted) = peer(vec![(OK, false); 4]).await;
+        let pool = Arc::new(Pool::default());
+        for _ in 0..2 {
+            let answer = call(&pool, &target).await.unwrap();
+            assert_eq!(answer.status(), StatusCode::OK);
+            assert_eq!(answer.headers()["content-type"], "application/json");
+            assert_eq!(text(answer).await.unwrap(), "{\"a\":1}");
+            assert_eq!(idle(&pool, &target), 1);
+        }
+        assert_eq!(accepted.load(Ordering::Relaxed), 1);
+
+        // An answer dropped unread closes its connection: the next call opens another.
+        drop(call(&pool, &target).await.unwrap());
+        assert_eq!(idle(&pool, &target), 0);
+        assert_eq!(text(call(&pool, &target).await.unwrap()).await.unwrap(), "{\"a\":1}");
+        assert_eq!(accepted.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test]
+    async fn an_answer_that_says_close_or_ends_with_the_connection_is_not_pooled() {
+        let close = "HTTP/1.1 200 OK\r\nconnection: Close\r\ncontent-length: 2\r\n\r\nok";
+        let until_close = "HTTP/1.1 200 OK\r\n\r\nall of it";
+        let old = "HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok";
+        let (target, accepted) = peer(vec![(close, true), (until_close, true), (old, true), (OK, false)]).await;
+        let pool = Arc::new(Pool::default());
+        for expected in ["ok", "all of it", "ok", "{\"a\":1}"] {
+            assert_eq!(text(call(&pool, &target).await.unwrap()).await.unwrap(), expected);
+        }
+        assert_eq!(accepted.load(Ordering::Relaxed), 4);
+        assert_eq!(idle(&pool, &target), 1);
+    }
+
+    #[tokio::test]
+    async fn a_pooled_connection_the_backend_closed_is_not_used() {
+        let (target, accepted) = peer(vec![(OK, true), (OK, false)]).await;
+        let pool = Arc::new(Pool::default());
+        assert_eq!(text(call(&pool, &target).await.unwrap()).await.unwrap(), "{\"a\":1}");
+        assert_eq!(idle(&pool, &target), 1);
+        // The backend's end-of-file reaches the runtime while the connection waits.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(text(call(&pool, &target).await.unwrap()).await.unwrap(), "{\"a\":1}");
+        assert_eq!(accepted.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test]
+    async fn interim_heads_are_skipped_and_an_empty_answer_frees_its_connection_at_once() {
+        let interim = "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: x\r\n\r\n\
+                       HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok";
+        let empty = "HTTP/1.1 204 No Content\r\n\r\n";
+        let (target, accepted) = peer(vec![(interim, false), (empty, false), (OK, false)]).await;
+        let pool = Arc::new(Pool::default());
+        let answer = call(&pool, &target).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::CREATED);
+        assert_eq!(text(answer).await.unwrap(), "ok");
+        let answer = call(&pool, &target).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::NO_CONTENT);
+        assert!(hyper::body::Body::is_end_stream(answer.body()));
+        assert_eq!(idle(&pool, &target), 1);
+        drop(answer);
+        assert_eq!(text(call(&pool, &target).await.unwrap()).await.unwrap(), "{\"a\":1}");
+        assert_eq!(accepted.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test]
+    async fn an_answer_cut_short_or_malformed_is_an_error() {
+        let cut = "HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc";
+        let answer = call(&Arc::new(Pool::default()), &peer(vec![(cut, true)]).await.0).await.unwrap();
+        assert_eq!(hyper::body::Body::size_hint(answer.body()).exact(), Some(10));
+        assert!(matches!(text(answer).await, Err(Error::Closed)));
+
+        let chunk_cut = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nab";
+        let answer = call(&Arc::new(Pool::default()), &peer(vec![(chunk_cut, true)]).await.0).await.unwrap();
+        assert!(matches!(text(answer).await, Err(Error::Closed)));
+
+        let no_answer = peer(vec![("", true)]).await.0;
+        assert!(matches!(call(&Arc::new(Pool::default()), &no_answer).await, Err(Error::Closed)));
+
+        let long_head: &'static str = format!("HTTP/1.1 200 OK\r\nx: {}\r\n", "a".repeat(MAX_HEAD)).leak();
+        for malformed in [
+            "not http\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\nok",
+            "HTTP/1.1 200 OK\r\ncontent-length: +2\r\n\r\nok",
+            "HTTP/1.1 101 Switching Protocols\r\n\r\n",
+            long_head,
+        ] {
+            let target = peer(vec![(malformed, true)]).await.0;
+            let error = call(&Arc::new(Pool::default()), &target).await.err();
+            assert!(matches!(error, Some(Error::Invalid(_))), "{malformed:.40}: {error:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_backend_that_is_not_there_is_a_connect_error() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url: Uri = format!("http://{}/v1", listener.local_addr().unwrap()).parse().unwrap();
+        drop(listener);
+        let error = call(&Arc::new(Pool::default()), &Target::of(&url).unwrap()).await.err().unwrap();
+        assert!(matches!(error, Error::Connect(_)), "{error}");
+        assert!(error.to_string().starts_with("tcp connect error: "), "{error}");
+    }
+}
