@@ -392,6 +392,32 @@ impl Body {
     }
 }
 
+/// A caller that stops at an answer's last event (a stream's `[DONE]`) drops the body
+/// before its end is read: the chunked body's last line, often already arrived. What
+/// is there is read without waiting, and the connection pooled if that ends the
+/// answer; otherwise it closes.
+impl Drop for Body {
+    fn drop(&mut self) {
+        if !self.keep_alive {
+            return;
+        }
+        let mut left = MAX_LINE;
+        loop {
+            match self.decode() {
+                Ok(Some(data)) if data.len() < left => left -= data.len(),
+                Ok(None) if matches!(self.framing, Framing::End) => return self.release(),
+                Ok(None) => {}
+                Ok(Some(_)) | Err(_) => return,
+            }
+            let Some(stream) = &self.stream else { return };
+            self.buf.reserve(MAX_LINE);
+            if !matches!(stream.try_read_buf(&mut self.buf), Ok(read) if read > 0) {
+                return;
+            }
+        }
+    }
+}
+
 /// Up to `left` bytes from the front of `buf`; `None` if it is empty.
 fn front(buf: &mut BytesMut, left: &mut u64) -> Option<Bytes> {
     if buf.is_empty() {
@@ -479,8 +505,8 @@ mod tests {
     use super::*;
 
     /// A backend on loopback: it answers each request it reads with the next of
-    /// `replies`, and closes the connection after a reply marked so. Counts the
-    /// connections it accepted.
+    /// `replies` (pausing 20 ms at each `|`), and closes the connection after a reply
+    /// marked so. Counts the connections it accepted.
     async fn peer(replies: Vec<(&'static str, bool)>) -> (Target, Arc<AtomicUsize>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url: Uri = format!("http://{}/v1", listener.local_addr().unwrap()).parse().unwrap();
@@ -494,7 +520,14 @@ mod tests {
                 tokio::spawn(async move {
                     while read_request(&mut socket).await {
                         let Some((reply, close)) = replies.lock().unwrap().pop_front() else { return };
-                        socket.write_all(reply.as_bytes()).await.unwrap();
+                        for (i, piece) in reply.split('|').enumerate() {
+                            if i > 0 {
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                            }
+                            if socket.write_all(piece.as_bytes()).await.is_err() {
+                                return;
+                            }
+                        }
                         if close {
                             return;
                         }
@@ -607,6 +640,29 @@ mod tests {
         assert_eq!(idle(&pool, &target), 0);
         assert_eq!(text(call(&pool, &target).await.unwrap()).await.unwrap(), "{\"a\":1}");
         assert_eq!(accepted.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test]
+    async fn a_body_dropped_after_its_last_data_is_pooled_once_its_end_has_come() {
+        let stream = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\n[DONE]\r\n|0\r\n\r\n";
+        let cut = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\n[DONE]\r\n|x";
+        let (target, accepted) = peer(vec![(stream, false), (stream, false), (cut, false), (OK, false)]).await;
+        let pool = Arc::new(Pool::default());
+        // Its end arrived after the last event was read: read at the drop.
+        let mut body = call(&pool, &target).await.unwrap().into_body();
+        assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap(), "[DONE]");
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        drop(body);
+        assert_eq!(idle(&pool, &target), 1);
+        // Not arrived yet, or not an end: the connection closes.
+        for _ in 0..2 {
+            let mut body = call(&pool, &target).await.unwrap().into_body();
+            assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap(), "[DONE]");
+            drop(body);
+            assert_eq!(idle(&pool, &target), 0);
+        }
+        assert_eq!(text(call(&pool, &target).await.unwrap()).await.unwrap(), "{\"a\":1}");
+        assert_eq!(accepted.load(Ordering::Relaxed), 3);
     }
 
     #[tokio::test]
