@@ -7,7 +7,9 @@
 //! whole life, so at 10,000 streams over HTTP/1.1 hyper's share alone was ~290 MB
 //! (issue 15). Here the call writes its request and reads the answer on its own task,
 //! and a stream waiting for its next event holds its socket and a few words: the read
-//! buffer is taken when the socket is readable and let go when it is drained.
+//! buffer is taken when the socket is readable and let go when it is drained. At
+//! 10,000 streams the gateway's peak went from 357 MB to 165 MB (`cargo bench --bench
+//! streams`), and a non-streamed call from ~115,700 to ~96,500 instructions.
 //!
 //! What it speaks: a POST of a known length, the request's head and body in one write;
 //! an answer framed by `content-length`, `chunked` or the connection's close (RFC 9112
@@ -18,7 +20,8 @@
 //! end-of-file to read) and one idle for 90 s is closed, when its backend is next
 //! called; a write that fails on a pooled connection goes again on another, then on a
 //! new one. Nothing is retried once the request was written. A body dropped before
-//! its end closes its connection.
+//! its end reads what has already arrived of it, without waiting, and closes its
+//! connection unless that was the end.
 //!
 //! HTTPS backends go through hyper's client: TLS chooses the version there
 //! (`super::alpn`), and HTTP/2 shares a connection among streams.
