@@ -802,6 +802,15 @@ fn refuses_tls_certificate_without_key() {
 }
 
 #[test]
+fn refuses_tls_towards_a_plain_http_url() {
+    let cert = temp_file("plain-cert.pem", b"cert");
+    doc()
+        .set("ai.backends.main.url", "http://10.0.0.7/v1")
+        .set("ai.backends.main.tls", &format!("{{cert: 'file:{0}', key: 'file:{0}'}}", cert.display()))
+        .refused("ai.backends.main.tls", "http://");
+}
+
+#[test]
 fn refuses_tls_references_that_do_not_resolve() {
     let errors = doc().set("ai.backends.main.tls", "{cert: 'file:/nonexistent/c.pem', key: 'env:NOT_THERE'}").errors();
     assert_eq!(errors.len(), 2, "{errors:#?}");

@@ -290,7 +290,7 @@ pub struct RawBackend {
     pub url: Option<String>,
     /// How the gateway authenticates to the backend. Default `{type: none}`.
     pub auth: Option<RawAuth>,
-    /// Client certificate (mTLS) and extra CA.
+    /// Client certificate (mTLS) and extra CA; for an https:// url only.
     pub tls: Option<RawTls>,
     /// Price in euros per million tokens. Default 0.
     pub price: Option<RawPrice>,

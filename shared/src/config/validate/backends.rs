@@ -341,6 +341,14 @@ impl Checker<'_> {
             Some(tls) => Some(self.tls(&format!("{path}.tls"), tls)?),
             None => None,
         };
+        if tls.is_some() && url.as_deref().is_some_and(|url| url.starts_with("http://")) {
+            self.error(
+                format!("{path}.tls"),
+                "a client certificate is presented over TLS only: this backend's url is http://, so it would \
+                 never be sent; write https:// or remove `tls`",
+            );
+            return None;
+        }
         Some(Endpoint {
             url: url?,
             auth: auth?,
