@@ -17,8 +17,8 @@
 //! back to its pool once its answer was read to the end, unless the answer said
 //! `close`, was HTTP/1.0 or framed by the close, or more bytes followed it. A pooled
 //! connection is checked before it is reused (a server that closed it has left an
-//! end-of-file to read) and one idle for 90 s is closed, when its backend is next
-//! called; a write that fails on a pooled connection goes again on another, then on a
+//! end-of-file to read), and one idle for 90 s is closed (a pool looks every 30 s,
+//! from a task on the runtime that first pooled a connection); a write that fails on a pooled connection goes again on another, then on a
 //! new one. Nothing is retried once the request was written. A body dropped before
 //! its end reads what has already arrived of it, without waiting, and closes its
 //! connection unless that was the end.
@@ -29,9 +29,10 @@
 use std::collections::VecDeque;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use foldhash::HashMap;
@@ -40,9 +41,12 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Uri, Version};
 use hyper::body::{Frame, SizeHint};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 /// How long a connection may wait in its pool.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// How often a pool closes the connections idle past [`IDLE_TIMEOUT`].
+const REAP_EVERY: Duration = Duration::from_secs(30);
 /// The connections a pool keeps to one backend.
 const MAX_IDLE: usize = 1024;
 /// What one read asks of the socket.
@@ -115,6 +119,8 @@ pub(crate) fn request(target: &Target, uri: &Uri, headers: &HeaderMap, body: &[u
 #[derive(Default)]
 pub(crate) struct Pool {
     idle: Mutex<HashMap<Arc<str>, VecDeque<Idle>>>,
+    /// Whether a task closes this pool's expired connections.
+    reaping: AtomicBool,
 }
 
 struct Idle {
@@ -165,7 +171,7 @@ impl Pool {
         None
     }
 
-    fn put(&self, authority: &Arc<str>, stream: TcpStream) {
+    fn put(self: &Arc<Self>, authority: &Arc<str>, stream: TcpStream) {
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         let waiting = idle.entry(authority.clone()).or_default();
         while waiting.front().is_some_and(|oldest| oldest.since.elapsed() >= IDLE_TIMEOUT) || waiting.len() >= MAX_IDLE
@@ -173,6 +179,31 @@ impl Pool {
             waiting.pop_front();
         }
         waiting.push_back(Idle { stream, since: Instant::now() });
+        drop(idle);
+        if !self.reaping.load(Ordering::Relaxed)
+            && !self.reaping.swap(true, Ordering::Relaxed)
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            let pool = Arc::downgrade(self);
+            runtime.spawn(async move {
+                loop {
+                    tokio::time::sleep(REAP_EVERY).await;
+                    let Some(pool) = pool.upgrade() else { return };
+                    pool.reap();
+                }
+            });
+        }
+    }
+
+    /// Closes the connections idle past [`IDLE_TIMEOUT`].
+    fn reap(&self) {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        idle.retain(|_, waiting| {
+            while waiting.front().is_some_and(|oldest| oldest.since.elapsed() >= IDLE_TIMEOUT) {
+                waiting.pop_front();
+            }
+            !waiting.is_empty()
+        });
     }
 }
 
@@ -666,6 +697,21 @@ mod tests {
         }
         assert_eq!(text(call(&pool, &target).await.unwrap()).await.unwrap(), "{\"a\":1}");
         assert_eq!(accepted.load(Ordering::Relaxed), 3);
+    }
+
+    #[tokio::test]
+    async fn a_connection_idle_past_its_timeout_is_closed_without_another_call() {
+        let (target, _) = peer(vec![(OK, false)]).await;
+        let pool = Arc::new(Pool::default());
+        assert_eq!(text(call(&pool, &target).await.unwrap()).await.unwrap(), "{\"a\":1}");
+        assert_eq!(idle(&pool, &target), 1);
+        // The clock stands still but for these sleeps: the pool's task runs at each of
+        // its times as they pass.
+        tokio::time::pause();
+        tokio::time::sleep(IDLE_TIMEOUT - REAP_EVERY / 2).await;
+        assert_eq!(idle(&pool, &target), 1);
+        tokio::time::sleep(REAP_EVERY).await;
+        assert!(pool.idle.lock().unwrap().is_empty());
     }
 
     #[tokio::test]
