@@ -56,6 +56,8 @@ const MAX_HEAD: usize = 64 * 1024;
 const MAX_HEADERS: usize = 100;
 /// The longest chunk-size or trailer line.
 const MAX_LINE: usize = 4 * 1024;
+/// What a body dropped before its end may still read from its socket to find it.
+const DROP_READ: usize = 2 * MAX_LINE;
 
 /// Why an answer could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -138,7 +140,8 @@ impl Pool {
             };
             match stream.write_all(request).await {
                 Ok(()) => break stream,
-                // The server closed it while it waited: the request never went.
+                // A pooled connection the server closed while it waited: a server that
+                // closed it reads no request from it.
                 Err(_) if pooled => continue,
                 Err(e) => return Err(e.into()),
             }
@@ -181,14 +184,14 @@ impl Pool {
         waiting.push_back(Idle { stream, since: Instant::now() });
         drop(idle);
         if !self.reaping.load(Ordering::Relaxed)
-            && !self.reaping.swap(true, Ordering::Relaxed)
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
+            && !self.reaping.swap(true, Ordering::Relaxed)
         {
-            let pool = Arc::downgrade(self);
+            let reaper = Reaper(Arc::downgrade(self));
             runtime.spawn(async move {
                 loop {
                     tokio::time::sleep(REAP_EVERY).await;
-                    let Some(pool) = pool.upgrade() else { return };
+                    let Some(pool) = reaper.0.upgrade() else { return };
                     pool.reap();
                 }
             });
@@ -204,6 +207,18 @@ impl Pool {
             }
             !waiting.is_empty()
         });
+    }
+}
+
+/// The task that reaps a pool; the next connection pooled starts another once it ends
+/// (its runtime shut down).
+struct Reaper(std::sync::Weak<Pool>);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        if let Some(pool) = self.0.upgrade() {
+            pool.reaping.store(false, Ordering::Relaxed);
+        }
     }
 }
 
@@ -303,7 +318,7 @@ fn framing(head: &http::response::Parts) -> Result<(Framing, bool), Error> {
         return Ok((Framing::End, keep_alive));
     }
     if head.headers.contains_key(TRANSFER_ENCODING) {
-        let last = head.headers.get_all(TRANSFER_ENCODING).iter().flat_map(tokens).last();
+        let last = list(&head.headers, &TRANSFER_ENCODING)?.pop();
         if !last.is_some_and(|coding| coding.eq_ignore_ascii_case("chunked")) {
             return Ok((Framing::Close, false));
         }
@@ -312,7 +327,7 @@ fn framing(head: &http::response::Parts) -> Result<(Framing, bool), Error> {
         return Ok((Framing::Line(Line::Size), keep_alive));
     }
     let mut length = None;
-    for value in head.headers.get_all(CONTENT_LENGTH).iter().flat_map(tokens) {
+    for value in list(&head.headers, &CONTENT_LENGTH)? {
         let parsed = value.bytes().all(|b| b.is_ascii_digit()).then(|| value.parse::<u64>().ok()).flatten();
         match (parsed, length) {
             (None, _) => return Err(invalid(format!("content-length `{value}`"))),
@@ -330,6 +345,20 @@ fn framing(head: &http::response::Parts) -> Result<(Framing, bool), Error> {
 /// The comma-separated tokens of a header value.
 fn tokens(value: &HeaderValue) -> impl Iterator<Item = &str> {
     value.to_str().unwrap_or("").split(',').map(str::trim).filter(|t| !t.is_empty())
+}
+
+/// The tokens of a header that frames the body: a value that is not text, or holds
+/// none, makes the framing invalid (RFC 9112 §6.3), not absent.
+fn list<'h>(headers: &'h HeaderMap, name: &HeaderName) -> Result<Vec<&'h str>, Error> {
+    let mut all = Vec::new();
+    for value in headers.get_all(name) {
+        let before = all.len();
+        all.extend(tokens(value));
+        if value.to_str().is_err() || all.len() == before {
+            return Err(invalid(format!("the {name} header `{}`", String::from_utf8_lossy(value.as_bytes()))));
+        }
+    }
+    Ok(all)
 }
 
 fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
@@ -427,26 +456,31 @@ impl Body {
 }
 
 /// A caller that stops at an answer's last event (a stream's `[DONE]`) drops the body
-/// before its end is read: the chunked body's last line, often already arrived. What
-/// is there is read without waiting, and the connection pooled if that ends the
-/// answer; otherwise it closes.
+/// before its end is read: the chunked body's last line, often already arrived; one
+/// that refuses an answer (a 5xx) drops it unread. What is there is read without
+/// waiting, [`DROP_READ`] bytes at most from the socket, and the connection pooled if
+/// that ends the answer; otherwise it closes.
 impl Drop for Body {
     fn drop(&mut self) {
         if !self.keep_alive {
             return;
         }
-        let mut left = MAX_LINE;
+        let mut read = 0;
         loop {
             match self.decode() {
-                Ok(Some(data)) if data.len() < left => left -= data.len(),
+                Ok(Some(_)) => continue,
                 Ok(None) if matches!(self.framing, Framing::End) => return self.release(),
                 Ok(None) => {}
-                Ok(Some(_)) | Err(_) => return,
+                Err(_) => return,
             }
             let Some(stream) = &self.stream else { return };
-            self.buf.reserve(MAX_LINE);
-            if !matches!(stream.try_read_buf(&mut self.buf), Ok(read) if read > 0) {
+            if read >= DROP_READ {
                 return;
+            }
+            self.buf.reserve(MAX_LINE);
+            match stream.try_read_buf(&mut self.buf) {
+                Ok(n) if n > 0 => read += n,
+                _ => return,
             }
         }
     }
@@ -658,7 +692,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_is_used_again_only_after_its_answer_was_read_to_its_end() {
-        let (target, accepted) = peer(vec![(OK, false); 4]).await;
+        let slow = "HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\n|{\"a\":1}";
+        let (target, accepted) = peer(vec![(OK, false), (OK, false), (OK, false), (slow, false), (OK, false)]).await;
         let pool = Arc::new(Pool::default());
         for _ in 0..2 {
             let answer = call(&pool, &target).await.unwrap();
@@ -669,7 +704,11 @@ mod tests {
         }
         assert_eq!(accepted.load(Ordering::Relaxed), 1);
 
-        // An answer dropped unread closes its connection: the next call opens another.
+        // An answer dropped unread (a refused 5xx) whose body has come is read to its
+        // end at the drop; one whose body has not come closes its connection, and the
+        // next call opens another.
+        drop(call(&pool, &target).await.unwrap());
+        assert_eq!(idle(&pool, &target), 1);
         drop(call(&pool, &target).await.unwrap());
         assert_eq!(idle(&pool, &target), 0);
         assert_eq!(text(call(&pool, &target).await.unwrap()).await.unwrap(), "{\"a\":1}");
@@ -712,6 +751,19 @@ mod tests {
         assert_eq!(idle(&pool, &target), 1);
         tokio::time::sleep(REAP_EVERY).await;
         assert!(pool.idle.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_large_body_dropped_unread_is_not_read_to_its_end() {
+        let large: &'static str =
+            format!("HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n{}", "a".repeat(100_000)).leak();
+        let (target, _) = peer(vec![(large, false)]).await;
+        let pool = Arc::new(Pool::default());
+        let answer = call(&pool, &target).await.unwrap();
+        // All of it has come by now; the drop reads some and gives up.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(answer);
+        assert_eq!(idle(&pool, &target), 0);
     }
 
     #[tokio::test]
@@ -778,6 +830,8 @@ mod tests {
             "not http\r\n\r\n",
             "HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\nok",
             "HTTP/1.1 200 OK\r\ncontent-length: +2\r\n\r\nok",
+            "HTTP/1.1 200 OK\r\ncontent-length: \r\n\r\nok",
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: ,\r\n\r\nok",
             "HTTP/1.1 101 Switching Protocols\r\n\r\n",
             long_head,
         ] {
