@@ -24,8 +24,8 @@
 //! (`ring`; the webpki roots, or a backend's own `tls.ca`), HTTP/2 when TLS negotiates
 //! it; a plain `http://` backend through the gateway's own HTTP/1.1 client ([`h1`]),
 //! on the caller's task, without hyper's ~29 KB a connection (10,000 streams: a 165 MB
-//! peak against 357 MB through hyper's client). Neither follows a redirect, and both retry nothing but a request
-//! that a pooled connection closed before it was sent.
+//! peak against 357 MB through hyper's client). Neither follows a redirect, and both
+//! retry nothing but a request that a pooled connection closed before it was sent.
 //!
 //! Its pool keeps one HTTP/2 connection to a backend, whose server takes only so many
 //! streams on it: a serving thread calls through [`lanes`], one client and another
@@ -457,14 +457,14 @@ impl Upstreams {
             };
             let live = ArcSwap::from_pointee(live);
             let urls = PATHS.iter().filter_map(|path| Some((*path, format!("{base}{path}").parse().ok()?))).collect();
+            let uri = base.parse::<Uri>().ok();
             // Only TLS chooses a version: a plain `http://` backend keeps a flag of its
             // own, never set, whatever an `https://` one at the same authority chose.
-            let tls = base.parse::<Uri>().ok().filter(|uri| uri.scheme() == Some(&http::uri::Scheme::HTTPS));
-            let authority = tls.as_ref().and_then(Uri::authority).map(|a| a.as_str().to_owned());
+            let tls = uri.as_ref().filter(|uri| uri.scheme() == Some(&http::uri::Scheme::HTTPS));
+            let authority = tls.and_then(Uri::authority).map(|a| a.as_str().to_owned());
             let speaks_h2 = authority.map_or_else(Arc::default, |authority| negotiated.speaks_h2(&authority));
             let timeout = backend.timeout;
-            let plain = base.parse::<Uri>().ok().and_then(|uri| h1::Target::of(&uri));
-            let plain = plain.map(|target| Plain { target, pools: pools.clone() });
+            let plain = uri.as_ref().and_then(h1::Target::of).map(|target| Plain { target, pools: pools.clone() });
             let client = UpstreamClient { base, urls, wire, live, timeout, identity_headers, speaks_h2, plain };
             clients.insert(name.clone(), client);
         }
