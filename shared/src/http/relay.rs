@@ -23,6 +23,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use http::{HeaderValue, header};
 use serde_json::Value;
+use serde_json::value::RawValue;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
@@ -34,7 +35,7 @@ use crate::config::{BackendId, Price};
 use crate::gateway::Gateway;
 use crate::protocol::anthropic;
 use crate::protocol::chat::Delta;
-use crate::protocol::openai::{MAX_CHOICES, Usage, error_envelope, translate};
+use crate::protocol::openai::{MAX_CHOICES, TextLen, Usage, UsageView, error_envelope, translate};
 use crate::protocol::{Wire, sse};
 use crate::routing::breaker::Outcome;
 use crate::upstream::body::{Events, Fault};
@@ -369,9 +370,7 @@ impl Source {
                 if event.is_done() {
                     return Ok(Some(Step { out: event.raw, content: false, done: true }));
                 }
-                let chunk = read_chunk(&event)?;
-                let content = chunk.as_ref().is_some_and(carries_content);
-                let forward = tap(chunk.as_ref(), *client_wants_usage, outcome);
+                let (content, forward) = tap_chunk(&event, *client_wants_usage, outcome)?;
                 let out = if forward { event.raw } else { Bytes::new() };
                 return Ok(Some(Step { out, content, done: false }));
             }
@@ -421,6 +420,108 @@ impl Source {
 
 fn ended_early() -> Fault {
     Fault::Cut("the backend ended the stream before [DONE]".to_owned())
+}
+
+/// Reads one chunk of an OpenAI stream: whether it carries content, and whether it
+/// goes to the client (not the usage-only chunk the client did not ask for), its
+/// usage and sizes tapped into `outcome`. A chunk of the usual shape is read through
+/// [`ChunkView`], borrowed from the event's text; any other goes through a `Value`,
+/// which decides what it means (a fault, or fields of unexpected types ignored).
+fn tap_chunk(event: &sse::Event, client_wants_usage: bool, outcome: &mut RelayOutcome) -> Result<(bool, bool), Fault> {
+    if let Some(view) = ChunkView::read(&event.data) {
+        return Ok(view.tap(client_wants_usage, outcome));
+    }
+    let chunk = read_chunk(event)?;
+    let content = chunk.as_ref().is_some_and(carries_content);
+    Ok((content, tap(chunk.as_ref(), client_wants_usage, outcome)))
+}
+
+/// The fields of a chunk the relay reads, nothing else built: a chunk parsed into a
+/// `Value` (a map, a `String` for every key and text) was a stream's largest cost a
+/// chunk (issue 15). Strict where the `Value` reading is lenient: a field of another
+/// type, a repeated key or an `error` make [`ChunkView::read`] give up, and the chunk
+/// is read as a `Value`, so both readings agree on every chunk (tested below).
+#[derive(serde::Deserialize)]
+struct ChunkView<'a> {
+    #[serde(default, borrow)]
+    choices: Option<Vec<ChoiceView<'a>>>,
+    #[serde(default)]
+    usage: Option<UsageView>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    error: Option<&'a RawValue>,
+}
+
+#[derive(serde::Deserialize)]
+struct ChoiceView<'a> {
+    #[serde(default, borrow)]
+    delta: Option<DeltaView<'a>>,
+    #[serde(default)]
+    finish_reason: Option<String>,
+}
+
+#[derive(serde::Deserialize)]
+struct DeltaView<'a> {
+    #[serde(default)]
+    content: Option<TextLen>,
+    #[serde(default)]
+    refusal: Option<TextLen>,
+    /// Kept when `null` too: the `Value` reading counts a `null`'s four bytes.
+    #[serde(default, borrow, deserialize_with = "present")]
+    tool_calls: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    function_call: Option<&'a RawValue>,
+}
+
+/// A field present, whatever its value (`null` included).
+fn present<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue as serde::Deserialize>::deserialize(deserializer).map(Some)
+}
+
+impl<'a> ChunkView<'a> {
+    /// `None` when the chunk is not of the usual shape (see above).
+    fn read(data: &'a str) -> Option<Self> {
+        // serde would also read a struct from a JSON array: only an object will do.
+        if !data.trim_start().starts_with('{') {
+            return None;
+        }
+        let view: ChunkView<'a> = serde_json::from_str(data).ok()?;
+        view.error.is_none_or(|e| e.get() == "null").then_some(view)
+    }
+
+    /// As [`carries_content`] and [`tap`] together.
+    fn tap(self, client_wants_usage: bool, outcome: &mut RelayOutcome) -> (bool, bool) {
+        let mut content = false;
+        let choices = self.choices.unwrap_or_default();
+        for choice in &choices {
+            if let Some(delta) = &choice.delta {
+                if let Some(TextLen(len)) = delta.content {
+                    outcome.content_bytes += len;
+                    content |= len > 0;
+                }
+                content |= delta.refusal.as_ref().is_some_and(|TextLen(len)| *len > 0);
+                if let Some(calls) = delta.tool_calls {
+                    let calls = serde_json::from_str::<Value>(calls.get()).unwrap_or(Value::Null);
+                    outcome.content_bytes += crate::protocol::json_len(&calls);
+                    content |= !calls.is_null();
+                }
+                content |= delta.function_call.is_some();
+            }
+            if let Some(reason) = &choice.finish_reason {
+                content = true;
+                if outcome.finish_reasons.len() < MAX_CHOICES as usize {
+                    outcome.finish_reasons.push(reason.clone());
+                }
+            }
+        }
+        let Some(usage) = self.usage else {
+            return (content, true);
+        };
+        let Some(prompt_tokens) = usage.prompt_tokens else {
+            return (true, true);
+        };
+        outcome.usage = Some(Usage { prompt_tokens, completion_tokens: usage.completion_tokens.unwrap_or(0) });
+        (true, client_wants_usage || !choices.is_empty())
+    }
 }
 
 /// The JSON chunk an event carries; `None` for an event without data (a comment, a
@@ -547,6 +648,73 @@ mod tests {
         splitter.push(b": keep-alive\n\n");
         assert_eq!(read_chunk(&splitter.next_event().unwrap()), Ok(None));
         assert!(read_chunk(&event(r#"{"choices": []}"#)).unwrap().is_some());
+    }
+
+    /// The `Value` reading alone, as the relay read every chunk before `ChunkView`.
+    fn tap_as_value(
+        event: &sse::Event,
+        client_wants_usage: bool,
+        outcome: &mut RelayOutcome,
+    ) -> Result<(bool, bool), Fault> {
+        let chunk = read_chunk(event)?;
+        let content = chunk.as_ref().is_some_and(carries_content);
+        Ok((content, tap(chunk.as_ref(), client_wants_usage, outcome)))
+    }
+
+    #[test]
+    fn the_borrowed_reading_of_a_chunk_agrees_with_the_value_reading() {
+        // Read by the view: the usual shapes, escapes, nulls, unknown fields.
+        let usual = [
+            r#"{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":"Hello"},"logprobs":null,"finish_reason":null}],"usage":null}"#,
+            r#"{"choices":[{"delta":{"content":"caf\u00e9 \"quoted\"\n"}}]}"#,
+            r#"{"choices":[{"delta":{"refusal":"no"}}]}"#,
+            r#"{"choices":[{"delta":{"refusal":""}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"name":"look", "arguments":"{}"}}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":null}}]}"#,
+            r#"{"choices":[{"delta":{"function_call":{"name":"f"}}}]}"#,
+            r#"{"choices":[{"delta":{"function_call":null,"content":null}}]}"#,
+            r#"{"choices":[{"delta":{},"finish_reason":"stop"},{"delta":{},"finish_reason":"length"}]}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":0}}}"#,
+            r#"{"choices":null,"usage":{"prompt_tokens":3}}"#,
+            r#"{"usage":{"completion_tokens":4}}"#,
+            r#"{"usage":{"prompt_tokens":null}}"#,
+            r#"{"choices":[{"delta":null}],"error":null}"#,
+            r#"  {"choices":[{"delta":{"content":"x"}}],"usage":{"prompt_tokens":1,"completion_tokens":2}}"#,
+            r#"{}"#,
+        ];
+        // Left to the `Value` reading: other types, repeated keys, errors, not objects.
+        let unusual = [
+            r#"{"choices":"none"}"#,
+            r#"{"choices":[1,{"delta":{"content":"x"}}]}"#,
+            r#"{"choices":[{"delta":"x"}]}"#,
+            r#"{"choices":[{"delta":{"content":["part"]}}]}"#,
+            r#"{"choices":[{"delta":{},"finish_reason":7}]}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":1.5,"completion_tokens":2}}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":"2"}}"#,
+            r#"{"choices":[],"usage":7}"#,
+            r#"{"choices":[],"choices":[{"delta":{"content":"last"}}]}"#,
+            r#"{"error":{"message":"overloaded"}}"#,
+            r#"[1,2]"#,
+            r#"{not json"#,
+            r#""#,
+        ];
+        for (data, usual) in usual.iter().map(|d| (d, true)).chain(unusual.iter().map(|d| (d, false))) {
+            assert_eq!(ChunkView::read(data).is_some(), usual, "{data}");
+            let event = sse::Event { raw: Bytes::new(), data: (*data).to_owned(), name: None };
+            for wants in [false, true] {
+                let fresh = || RelayOutcome {
+                    end: StreamEnd::Done,
+                    usage: None,
+                    content_bytes: 1,
+                    finish_reasons: vec!["stop".into()],
+                };
+                let (mut ours, mut theirs) = (fresh(), fresh());
+                let read = tap_chunk(&event, wants, &mut ours);
+                assert_eq!(read, tap_as_value(&event, wants, &mut theirs), "{data}");
+                assert_eq!(ours, theirs, "{data}");
+            }
+        }
     }
 
     #[test]

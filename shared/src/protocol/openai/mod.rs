@@ -76,9 +76,9 @@ struct AnswerView {
 }
 
 #[derive(serde::Deserialize)]
-struct UsageView {
-    prompt_tokens: Option<u64>,
-    completion_tokens: Option<u64>,
+pub(crate) struct UsageView {
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
 }
 
 #[derive(serde::Deserialize)]
@@ -97,7 +97,7 @@ struct MessageView {
 
 /// A string's length in bytes (its escapes undone), read without keeping the string:
 /// the completion's text is measured, never held.
-struct TextLen(u64);
+pub(crate) struct TextLen(pub u64);
 
 impl<'de> serde::Deserialize<'de> for TextLen {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
