@@ -1115,6 +1115,31 @@ fn relay_identity_headers_default_to_the_names_a_receiving_flexway_reads() {
 }
 
 #[test]
+fn refuses_to_send_a_header_the_gateway_writes_itself() {
+    let errors = doc()
+        .set(
+            "ai.backends.up",
+            "{kind: relay, url: 'http://up.example.net', metering: upstream, \
+             identity_headers: {tenant: Content-Length, agent: Host, sensitive: X-Sensitive}}",
+        )
+        .set(
+            "ai.backends.payg",
+            "{url: 'https://payg.example.net/v1', auth: {type: header, name: Transfer-Encoding, secret: 'env:K'}}",
+        )
+        .errors();
+    let got: Vec<(&str, &str)> = errors.iter().map(|e| (e.path.as_str(), e.message.as_str())).collect();
+    for (path, name) in [
+        ("ai.backends.up.identity_headers.tenant", "content-length"),
+        ("ai.backends.up.identity_headers.agent", "host"),
+        ("ai.backends.payg.auth.name", "transfer-encoding"),
+    ] {
+        let message = format!("`{name}` is written by the gateway itself: choose another header name");
+        assert!(got.contains(&(path, message.as_str())), "{path}: {got:?}");
+    }
+    assert!(got.iter().all(|(path, _)| !path.ends_with("sensitive")), "{got:?}");
+}
+
+#[test]
 fn warns_about_relay_identity_names_a_receiving_flexway_does_not_read() {
     let loaded = doc()
         .set(

@@ -385,7 +385,8 @@ pub struct RawAuth {
     pub kind: Option<RawAuthKind>,
     /// Secret reference (`bearer`, `header`).
     pub secret: Option<RawSecret>,
-    /// Header carrying the secret (`header`).
+    /// Header carrying the secret (`header`); not a name the gateway writes itself
+    /// (`host`, `content-length`, `content-type`, a hop-by-hop header).
     pub name: Option<String>,
     /// File holding a token, re-read at every call and sent as a bearer token
     /// (`token_file`).
@@ -490,7 +491,9 @@ pub struct RawPoolMember {
 }
 
 /// Header names under which a relay passes the caller's identity on; in a declared
-/// mapping, a name left out is not sent.
+/// mapping, a name left out is not sent. Not a name the gateway writes itself (`host`,
+/// `content-length`, `transfer-encoding`, `connection`, `keep-alive`, `proxy-connection`,
+/// `te`, `trailer`, `upgrade`, `content-type`).
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename = "IdentityHeaders", expecting = "identity headers (a mapping)")]
 pub struct RawIdentityHeaders {

@@ -103,6 +103,21 @@ struct Unparsed {
     units: BTreeSet<String>,
 }
 
+/// The request headers a config may not name for the gateway to send (see
+/// `Checker::sent_header`).
+const RESERVED_HEADERS: [&str; 10] = [
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+    "content-type",
+];
+
 impl Unparsed {
     /// From the paths of the shape errors that lost a value (an unknown key took
     /// nothing the rules read: its part is still judged).
@@ -379,6 +394,19 @@ impl Checker<'_> {
 
     fn header(&mut self, path: &str, name: &str) -> Option<String> {
         header_name(name).map_err(|message| self.error(path, message)).ok()
+    }
+
+    /// A header the gateway sends a backend under a name the config gives: not one
+    /// that frames the request or holds for one hop only (RFC 9110 §7.6.1), nor the
+    /// body's type, which the gateway writes itself (sent twice, a backend may read
+    /// either, or refuse the request).
+    fn sent_header(&mut self, path: &str, name: &str) -> Option<String> {
+        let name = self.header(path, name)?;
+        if RESERVED_HEADERS.contains(&name.as_str()) {
+            self.error(path, format!("`{name}` is written by the gateway itself: choose another header name"));
+            return None;
+        }
+        Some(name)
     }
 
     fn non_empty(&mut self, path: &str, text: Option<String>, what: &str) -> Option<String> {

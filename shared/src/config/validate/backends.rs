@@ -385,7 +385,7 @@ impl Checker<'_> {
             RawAuthKind::Header => {
                 let name = self
                     .required(&format!("{path}.name"), name, &with)
-                    .and_then(|n| self.header(&format!("{path}.name"), &n));
+                    .and_then(|n| self.sent_header(&format!("{path}.name"), &n));
                 let secret = self
                     .required(&format!("{path}.secret"), secret, &with)
                     .and_then(|s| self.secret(&format!("{path}.secret"), &s));
@@ -432,7 +432,7 @@ impl Checker<'_> {
         let mut header = |key: &str, value: Option<String>| match value {
             None => None,
             Some(v) => {
-                let parsed = self.header(&format!("{path}.identity_headers.{key}"), &v);
+                let parsed = self.sent_header(&format!("{path}.identity_headers.{key}"), &v);
                 ok &= parsed.is_some();
                 parsed
             }
