@@ -5,7 +5,8 @@
 //! stream: 20 chunks, `BENCH_CHUNK_MS` apart, 500 by default) and `flexway serve`
 //! (release build) as its own process with the in-memory ledger and a file audit, then:
 //! 1. first byte, one stream at a time (unpaced backend), 200 streams straight to the
-//!    fake server and 200 through Flexway: p50/p99 of each and their difference;
+//!    fake server and 200 through Flexway, alternating: p50/p99 of each and their
+//!    difference;
 //! 2. `BENCH_STREAMS` (10,000 by default) streams at once through Flexway:
 //!    completion, the longest gap between two chunks of any stream (a stall shows
 //!    here), and the gateway process's peak resident memory (VmHWM).
@@ -67,8 +68,7 @@ async fn run() {
     let gateway = process.url.clone();
     let client = reqwest::Client::builder().pool_max_idle_per_host(2000).build().unwrap();
 
-    let direct = first_bytes(&client, &model.url(), 200).await;
-    let via = first_bytes(&client, &gateway, 200).await;
+    let (direct, via) = first_bytes(&client, &model.url(), &gateway, 200).await;
     println!("first byte of a stream, one at a time, 200 streams each");
     println!("  direct   p50 {:>7.1} µs  p99 {:>7.1} µs", pct(&direct, 50.0), pct(&direct, 99.0));
     println!("  gateway  p50 {:>7.1} µs  p99 {:>7.1} µs", pct(&via, 50.0), pct(&via, 99.0));
@@ -222,20 +222,33 @@ fn body() -> serde_json::Value {
     serde_json::json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "stream a benchmark answer"}]})
 }
 
-async fn first_bytes(client: &reqwest::Client, base: &str, count: usize) -> Vec<f64> {
-    let mut out = Vec::with_capacity(count);
+/// The first byte of `count` streams straight to the backend and `count` through the
+/// gateway, one at a time, alternating: the machine's drift within the run weighs on
+/// both alike.
+async fn first_bytes(client: &reqwest::Client, direct: &str, gateway: &str, count: usize) -> (Vec<f64>, Vec<f64>) {
+    let mut out = [Vec::with_capacity(count + 20), Vec::with_capacity(count + 20)];
     for _ in 0..count + 20 {
-        let sent = Instant::now();
-        let response =
-            client.post(format!("{base}/chat/completions")).bearer_auth(QUICK_KEY).json(&body()).send().await.unwrap();
-        let mut stream = response.bytes_stream();
-        let _first = stream.next().await.unwrap().unwrap();
-        out.push(sent.elapsed().as_secs_f64() * 1e6);
-        while stream.next().await.is_some() {}
+        for (base, times) in [direct, gateway].into_iter().zip(&mut out) {
+            let sent = Instant::now();
+            let response = client
+                .post(format!("{base}/chat/completions"))
+                .bearer_auth(QUICK_KEY)
+                .json(&body())
+                .send()
+                .await
+                .unwrap();
+            let mut stream = response.bytes_stream();
+            let _first = stream.next().await.unwrap().unwrap();
+            times.push(sent.elapsed().as_secs_f64() * 1e6);
+            while stream.next().await.is_some() {}
+        }
     }
-    let mut out = out.split_off(20); // warm-up dropped
-    out.sort_by(f64::total_cmp);
-    out
+    let [direct, via] = out.map(|mut times| {
+        let mut times = times.split_off(20); // warm-up dropped
+        times.sort_by(f64::total_cmp);
+        times
+    });
+    (direct, via)
 }
 
 /// Reads one stream to its end; the longest wait between two chunks, or None if it failed.
