@@ -9,7 +9,8 @@
 //!    difference;
 //! 2. `BENCH_STREAMS` (10,000 by default) streams at once through Flexway:
 //!    completion, the longest gap between two chunks of any stream (a stall shows
-//!    here), and the gateway process's peak resident memory (VmHWM).
+//!    here), the gateway process's peak resident memory (VmHWM) and the CPU time it
+//!    used meanwhile.
 //!
 //! The concurrent streams come over HTTP/2, 100 to a connection (as an SDK with
 //! HTTP/2 sends them), and each goes to the backend on a connection of its own
@@ -78,10 +79,12 @@ async fn run() {
         pct(&via, 99.0) - pct(&direct, 99.0)
     );
 
+    let cpu = process.cpu_seconds();
     let run = concurrently(&gateway, KEY, concurrent).await;
     println!("{concurrent} concurrent streams of 20 chunks {chunk_ms} ms apart through the gateway");
     run.print(chunk_ms);
     println!("  gateway process peak memory: {}", process.peak_memory());
+    println!("  gateway CPU time for them: {:.2} s", process.cpu_seconds() - cpu);
     drop(process);
 
     // The same streams to a backend that speaks HTTP/2 (TLS, ALPN), as hosted models'
@@ -101,12 +104,14 @@ async fn run() {
         key = tls.key.display(),
     );
     let process = common::Gateway::start(&yaml);
+    let cpu = process.cpu_seconds();
     let run = concurrently(&process.url, KEY, concurrent).await;
     println!(
         "{concurrent} concurrent streams, the same, to a backend over HTTP/2 (TLS, ALPN h2; it allows {max_streams} streams a connection)"
     );
     run.print(chunk_ms);
     println!("  gateway process peak memory: {}", process.peak_memory());
+    println!("  gateway CPU time for them: {:.2} s", process.cpu_seconds() - cpu);
     println!("  connections the backend accepted: {}", tls.connections.load(Ordering::Relaxed));
 }
 

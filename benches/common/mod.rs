@@ -55,6 +55,16 @@ impl Gateway {
         line.split_whitespace().skip(1).collect::<Vec<_>>().join(" ")
     }
 
+    /// CPU time the gateway process has used so far, user and system, in seconds.
+    pub fn cpu_seconds(&self) -> f64 {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap_or_default();
+        // Past the command's name, which may hold spaces: utime and stime are the 12th
+        // and 13th fields after it, in clock ticks (100 a second on Linux).
+        let after = stat.rsplit_once(") ").map_or("", |(_, rest)| rest);
+        let ticks: u64 = after.split_whitespace().skip(11).take(2).filter_map(|t| t.parse::<u64>().ok()).sum();
+        ticks as f64 / 100.0
+    }
+
     /// Resident memory of the gateway process now (`VmRSS`), in KiB.
     pub fn rss_kib(&self) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
