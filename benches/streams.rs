@@ -249,7 +249,7 @@ async fn first_bytes(client: &reqwest::Client, direct: &str, gateway: &str, coun
         }
     }
     let [direct, via] = out.map(|mut times| {
-        let mut times = times.split_off(20); // warm-up dropped
+        times.drain(..20); // warm-up dropped
         times.sort_by(f64::total_cmp);
         times
     });

@@ -35,7 +35,7 @@ use crate::config::{BackendId, Price};
 use crate::gateway::Gateway;
 use crate::protocol::anthropic;
 use crate::protocol::chat::Delta;
-use crate::protocol::openai::{MAX_CHOICES, TextLen, Usage, UsageView, error_envelope, translate};
+use crate::protocol::openai::{self, MAX_CHOICES, TextLen, Usage, UsageView, error_envelope, translate};
 use crate::protocol::{Wire, sse};
 use crate::routing::breaker::Outcome;
 use crate::upstream::body::{Events, Fault};
@@ -428,9 +428,18 @@ fn ended_early() -> Fault {
 /// [`ChunkView`], borrowed from the event's text; any other goes through a `Value`,
 /// which decides what it means (a fault, or fields of unexpected types ignored).
 fn tap_chunk(event: &sse::Event, client_wants_usage: bool, outcome: &mut RelayOutcome) -> Result<(bool, bool), Fault> {
-    if let Some(view) = ChunkView::read(&event.data) {
-        return Ok(view.tap(client_wants_usage, outcome));
+    match ChunkView::read(&event.data) {
+        Some(view) => Ok(view.tap(client_wants_usage, outcome)),
+        None => tap_as_value(event, client_wants_usage, outcome),
     }
+}
+
+/// [`tap_chunk`] through a `Value`: any chunk, whatever its shape.
+fn tap_as_value(
+    event: &sse::Event,
+    client_wants_usage: bool,
+    outcome: &mut RelayOutcome,
+) -> Result<(bool, bool), Fault> {
     let chunk = read_chunk(event)?;
     let content = chunk.as_ref().is_some_and(carries_content);
     Ok((content, tap(chunk.as_ref(), client_wants_usage, outcome)))
@@ -480,8 +489,7 @@ fn present<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<&
 impl<'a> ChunkView<'a> {
     /// `None` when the chunk is not of the usual shape (see above).
     fn read(data: &'a str) -> Option<Self> {
-        // serde would also read a struct from a JSON array: only an object will do.
-        if !data.trim_start().starts_with('{') {
+        if !openai::is_object(data.as_bytes()) {
             return None;
         }
         let view: ChunkView<'a> = serde_json::from_str(data).ok()?;
@@ -516,10 +524,10 @@ impl<'a> ChunkView<'a> {
         let Some(usage) = self.usage else {
             return (content, true);
         };
-        let Some(prompt_tokens) = usage.prompt_tokens else {
+        let Some(usage) = usage.usage() else {
             return (true, true);
         };
-        outcome.usage = Some(Usage { prompt_tokens, completion_tokens: usage.completion_tokens.unwrap_or(0) });
+        outcome.usage = Some(usage);
         (true, client_wants_usage || !choices.is_empty())
     }
 }
@@ -648,17 +656,6 @@ mod tests {
         splitter.push(b": keep-alive\n\n");
         assert_eq!(read_chunk(&splitter.next_event().unwrap()), Ok(None));
         assert!(read_chunk(&event(r#"{"choices": []}"#)).unwrap().is_some());
-    }
-
-    /// The `Value` reading alone, as the relay read every chunk before `ChunkView`.
-    fn tap_as_value(
-        event: &sse::Event,
-        client_wants_usage: bool,
-        outcome: &mut RelayOutcome,
-    ) -> Result<(bool, bool), Fault> {
-        let chunk = read_chunk(event)?;
-        let content = chunk.as_ref().is_some_and(carries_content);
-        Ok((content, tap(chunk.as_ref(), client_wants_usage, outcome)))
     }
 
     #[test]

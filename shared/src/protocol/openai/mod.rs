@@ -77,8 +77,22 @@ struct AnswerView {
 
 #[derive(serde::Deserialize)]
 pub(crate) struct UsageView {
-    pub prompt_tokens: Option<u64>,
-    pub completion_tokens: Option<u64>,
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+}
+
+impl UsageView {
+    /// As [`Usage::from_value`]: `prompt_tokens` required, `completion_tokens` 0 when
+    /// absent.
+    pub(crate) fn usage(&self) -> Option<Usage> {
+        Some(Usage { prompt_tokens: self.prompt_tokens?, completion_tokens: self.completion_tokens.unwrap_or(0) })
+    }
+}
+
+/// Whether a JSON text is an object: serde reads a struct from a JSON array too, and
+/// the views here read objects only.
+pub(crate) fn is_object(text: &[u8]) -> bool {
+    text.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
 }
 
 #[derive(serde::Deserialize)]
@@ -118,14 +132,11 @@ impl<'de> serde::Deserialize<'de> for TextLen {
 impl Answer {
     /// `None` when the body is not a JSON object of the OpenAI shape.
     pub fn read(body: &[u8]) -> Option<Answer> {
-        // serde would also read a struct from a JSON array: only an object will do.
-        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        if !is_object(body) {
             return None;
         }
         let view: AnswerView = serde_json::from_slice(body).ok()?;
-        let usage = view.usage.and_then(|u| {
-            Some(Usage { prompt_tokens: u.prompt_tokens?, completion_tokens: u.completion_tokens.unwrap_or(0) })
-        });
+        let usage = view.usage.as_ref().and_then(UsageView::usage);
         let choices = view.choices.unwrap_or_default();
         let finish_reasons = choices
             .iter()
