@@ -11,7 +11,9 @@
 //! 10,000 streams the gateway's peak went from 357 MB to 165 MB (`cargo bench --bench
 //! streams`), and a non-streamed call from ~115,700 to ~96,500 instructions.
 //!
-//! What it speaks: a POST of a known length, the request's head and body in one write;
+//! What it speaks: a POST of a known length, the request's head and body in one write
+//! (a backend's answer before the request was written whole, a 413 or a 401 from a
+//! backend that then stops reading or closes, is read and its connection closed);
 //! an answer framed by `content-length`, `chunked` or the connection's close (RFC 9112
 //! §6.3), its `1xx` heads skipped, its trailers read and dropped. A connection goes
 //! back to its pool once its answer was read to the end, unless the answer said
@@ -39,7 +41,7 @@ use foldhash::HashMap;
 use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Uri, Version};
 use hyper::body::{Frame, SizeHint};
-use tokio::io::AsyncWriteExt;
+use tokio::io::AsyncWrite;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
@@ -133,22 +135,29 @@ struct Idle {
 impl Pool {
     /// Sends `request` to `target` and reads the answer's head.
     pub async fn post(self: &Arc<Self>, target: &Target, request: &[u8]) -> Result<http::Response<Body>, Error> {
-        let mut stream = loop {
+        let mut buf = BytesMut::new();
+        let (mut stream, early) = loop {
             let (mut stream, pooled) = match self.take(&target.authority) {
                 Some(stream) => (stream, true),
                 None => (connect(target).await?, false),
             };
-            match stream.write_all(request).await {
-                Ok(()) => break stream,
+            let mut written = 0;
+            match std::future::poll_fn(|cx| poll_send(&mut stream, request, &mut written, &mut buf, cx)).await {
+                Ok(early) => break (stream, early),
                 // A pooled connection the server closed while it waited: a server that
                 // closed it reads no request from it.
-                Err(_) if pooled => continue,
-                Err(e) => return Err(e.into()),
+                Err(_) if pooled => buf.clear(),
+                Err(e) => return Err(e),
             }
         };
-        let mut buf = BytesMut::new();
-        let head = std::future::poll_fn(|cx| poll_head(&mut stream, &mut buf, cx)).await?;
+        // A request not written whole leaves the connection in the middle of it.
+        let whole = early.is_none();
+        let head = match early {
+            Some(head) => head,
+            None => std::future::poll_fn(|cx| poll_head(&mut stream, &mut buf, cx)).await?,
+        };
         let (framing, keep_alive) = framing(&head)?;
+        let keep_alive = keep_alive && whole;
         let mut body = Body {
             stream: Some(stream),
             buf,
@@ -253,6 +262,36 @@ fn poll_read(stream: &TcpStream, buf: &mut BytesMut, cx: &mut Context<'_>) -> Po
             read => return Poll::Ready(read),
         }
     }
+}
+
+/// Writes what is left of `request` past `written`. A backend may answer before it
+/// has read all of it (a 413, a 401: RFC 9112 §9.6) and then stop reading, or close
+/// the connection: a write that cannot go on, or fails, looks for that answer's head
+/// and ends with it (`Some`) if it came. `None`: the request was written whole.
+fn poll_send(
+    stream: &mut TcpStream,
+    request: &[u8],
+    written: &mut usize,
+    buf: &mut BytesMut,
+    cx: &mut Context<'_>,
+) -> Poll<Result<Option<http::response::Parts>, Error>> {
+    while *written < request.len() {
+        let refused = match Pin::new(&mut *stream).poll_write(cx, &request[*written..]) {
+            Poll::Ready(Ok(0)) => io::Error::from(io::ErrorKind::WriteZero),
+            Poll::Ready(Ok(n)) => {
+                *written += n;
+                continue;
+            }
+            Poll::Ready(Err(e)) => e,
+            Poll::Pending => return poll_head(stream, buf, cx).map_ok(Some),
+        };
+        // What the backend sent before it closed, if anything.
+        return match poll_head(stream, buf, cx) {
+            Poll::Ready(Ok(head)) => Poll::Ready(Ok(Some(head))),
+            _ => Poll::Ready(Err(refused.into())),
+        };
+    }
+    Poll::Ready(Ok(None))
 }
 
 /// The answer's head, past any `1xx` interim heads.
@@ -568,7 +607,7 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use http_body_util::BodyExt;
-    use tokio::io::AsyncReadExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
 
     use super::*;
@@ -840,6 +879,48 @@ mod tests {
             let target = peer(vec![(malformed, true)]).await.0;
             let error = call(&Arc::new(Pool::default()), &target).await.err();
             assert!(matches!(error, Some(Error::Invalid(_))), "{malformed:.40}: {error:?}");
+        }
+    }
+
+    /// A backend that answers once it has read the request's head, before its body
+    /// (a 413, a 401), then either closes the connection with the body unread
+    /// (`close`) or keeps it open without reading on.
+    async fn early(close: bool) -> Target {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url: Uri = format!("http://{}/v1", listener.local_addr().unwrap()).parse().unwrap();
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut seen = Vec::new();
+            let mut byte = [0u8; 1];
+            while !seen.ends_with(b"\r\n\r\n") {
+                assert_eq!(socket.read(&mut byte).await.unwrap(), 1);
+                seen.push(byte[0]);
+            }
+            let refusal = "HTTP/1.1 413 Payload Too Large\r\nconnection: close\r\ncontent-length: 9\r\n\r\ntoo large";
+            socket.write_all(refusal.as_bytes()).await.unwrap();
+            if !close {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+            }
+        });
+        Target::of(&url).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_backend_that_answers_before_it_has_read_the_body_is_heard() {
+        for close in [true, false] {
+            let target = early(close).await;
+            let pool = Arc::new(Pool::default());
+            let uri: Uri = format!("http://{}/v1/chat/completions", target.authority).parse().unwrap();
+            // More than loopback's socket buffers hold: the write cannot end unread.
+            let body = vec![b' '; 64 << 20];
+            let request = request(&target, &uri, &HeaderMap::new(), &body);
+            let answer = tokio::time::timeout(Duration::from_secs(10), pool.post(&target, &request))
+                .await
+                .expect("an answer, not a wait");
+            let answer = answer.unwrap_or_else(|e| panic!("close {close}: {e}"));
+            assert_eq!(answer.status(), StatusCode::PAYLOAD_TOO_LARGE);
+            assert_eq!(text(answer).await.unwrap(), "too large");
+            assert_eq!(idle(&pool, &target), 0, "a connection with a request half written is not used again");
         }
     }
 
