@@ -646,17 +646,22 @@ mod tests {
         (Target::of(&url).unwrap(), accepted)
     }
 
-    /// Reads one request (its head and its content-length's bytes); false at the end.
-    async fn read_request(socket: &mut TcpStream) -> bool {
+    /// Reads a request's head, byte by byte; `None` at the end.
+    async fn read_head(socket: &mut TcpStream) -> Option<String> {
         let mut seen = Vec::new();
         let mut byte = [0u8; 1];
         while !seen.ends_with(b"\r\n\r\n") {
             if socket.read(&mut byte).await.unwrap_or(0) == 0 {
-                return false;
+                return None;
             }
             seen.push(byte[0]);
         }
-        let head = String::from_utf8(seen).unwrap();
+        Some(String::from_utf8(seen).unwrap())
+    }
+
+    /// Reads one request (its head and its content-length's bytes); false at the end.
+    async fn read_request(socket: &mut TcpStream) -> bool {
+        let Some(head) = read_head(socket).await else { return false };
         let length = head.lines().find_map(|l| l.strip_prefix("content-length: ")).unwrap().parse().unwrap();
         let mut body = vec![0u8; length];
         socket.read_exact(&mut body).await.is_ok()
@@ -890,12 +895,7 @@ mod tests {
         let url: Uri = format!("http://{}/v1", listener.local_addr().unwrap()).parse().unwrap();
         tokio::spawn(async move {
             let (mut socket, _) = listener.accept().await.unwrap();
-            let mut seen = Vec::new();
-            let mut byte = [0u8; 1];
-            while !seen.ends_with(b"\r\n\r\n") {
-                assert_eq!(socket.read(&mut byte).await.unwrap(), 1);
-                seen.push(byte[0]);
-            }
+            read_head(&mut socket).await.expect("a request's head");
             let refusal = "HTTP/1.1 413 Payload Too Large\r\nconnection: close\r\ncontent-length: 9\r\n\r\ntoo large";
             socket.write_all(refusal.as_bytes()).await.unwrap();
             if !close {
