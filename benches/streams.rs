@@ -4,9 +4,12 @@
 //! `cargo bench --bench streams` — starts the fake model server in-process (each
 //! stream: 20 chunks, `BENCH_CHUNK_MS` apart, 500 by default) and `flexway serve`
 //! (release build) as its own process with the in-memory ledger and a file audit, then:
-//! 1. first byte, one stream at a time (unpaced backend), 200 streams straight to the
-//!    fake server and 200 through Flexway, alternating: p50/p99 of each and their
-//!    difference;
+//! 1. first byte, one stream at a time (unpaced backend), `BENCH_FIRST_BYTES` streams
+//!    (200 by default) straight to the fake server, as many through Flexway and, when
+//!    nginx is installed, as many through a bare nginx `proxy_pass` hop (unbuffered,
+//!    kept-alive upstream connections), taken in turn: p50/p99 of each and what each
+//!    hop adds to the direct figures, the nginx hop being the floor a proxy pays on
+//!    this machine;
 //! 2. `BENCH_STREAMS` (10,000 by default) streams at once through Flexway:
 //!    completion, the longest gap between two chunks of any stream (a stall shows
 //!    here), the gateway process's peak resident memory (VmHWM) and the CPU time it
@@ -69,15 +72,24 @@ async fn run() {
     let gateway = process.url.clone();
     let client = reqwest::Client::builder().pool_max_idle_per_host(2000).build().unwrap();
 
-    let (direct, via) = first_bytes(&client, &model.url(), &gateway, 200).await;
-    println!("first byte of a stream, one at a time, 200 streams each");
-    println!("  direct   p50 {:>7.1} µs  p99 {:>7.1} µs", pct(&direct, 50.0), pct(&direct, 99.0));
-    println!("  gateway  p50 {:>7.1} µs  p99 {:>7.1} µs", pct(&via, 50.0), pct(&via, 99.0));
-    println!(
-        "  added    p50 {:>7.1} µs  p99 {:>7.1} µs",
-        pct(&via, 50.0) - pct(&direct, 50.0),
-        pct(&via, 99.0) - pct(&direct, 99.0)
-    );
+    let count = env_or("BENCH_FIRST_BYTES", 200) as usize;
+    let hop = NginxHop::start(model.addr());
+    let mut targets = vec![("direct", model.url()), ("gateway", gateway.clone())];
+    match &hop {
+        Some(hop) => targets.push(("nginx hop", hop.url.clone())),
+        None => println!("(nginx not installed: no nginx hop measured; apt-get install nginx-light)"),
+    }
+    let times = first_bytes(&client, &targets, count).await;
+    println!("first byte of a stream, one at a time, {count} streams each, in turn");
+    for ((name, _), times) in targets.iter().zip(&times) {
+        println!("  {name:<10} p50 {:>7.1} µs  p99 {:>7.1} µs", pct(times, 50.0), pct(times, 99.0));
+    }
+    let direct = &times[0];
+    for ((name, _), via) in targets.iter().zip(&times).skip(1) {
+        let added = |p| pct(via, p) - pct(direct, p);
+        println!("  added by the {name:<10} p50 {:>7.1} µs  p99 {:>7.1} µs", added(50.0), added(99.0));
+    }
+    drop(hop);
 
     let cpu = process.cpu_seconds();
     let run = concurrently(&gateway, KEY, concurrent).await;
@@ -227,13 +239,13 @@ fn body() -> serde_json::Value {
     serde_json::json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "stream a benchmark answer"}]})
 }
 
-/// The first byte of `count` streams straight to the backend and `count` through the
-/// gateway, one at a time, alternating: the machine's drift within the run weighs on
-/// both alike.
-async fn first_bytes(client: &reqwest::Client, direct: &str, gateway: &str, count: usize) -> (Vec<f64>, Vec<f64>) {
-    let mut out = [Vec::with_capacity(count + 20), Vec::with_capacity(count + 20)];
+/// The first byte of `count` streams to each target (a name and an OpenAI base URL),
+/// one stream at a time, the targets in turn: the machine's drift within the run
+/// weighs on all alike. Sorted times in µs, one list a target.
+async fn first_bytes(client: &reqwest::Client, targets: &[(&str, String)], count: usize) -> Vec<Vec<f64>> {
+    let mut out = vec![Vec::with_capacity(count + 20); targets.len()];
     for _ in 0..count + 20 {
-        for (base, times) in [direct, gateway].into_iter().zip(&mut out) {
+        for ((_, base), times) in targets.iter().zip(&mut out) {
             let sent = Instant::now();
             let response = client
                 .post(format!("{base}/chat/completions"))
@@ -248,12 +260,66 @@ async fn first_bytes(client: &reqwest::Client, direct: &str, gateway: &str, coun
             while stream.next().await.is_some() {}
         }
     }
-    let [direct, via] = out.map(|mut times| {
+    for times in &mut out {
         times.drain(..20); // warm-up dropped
         times.sort_by(f64::total_cmp);
-        times
-    });
-    (direct, via)
+    }
+    out
+}
+
+/// A bare nginx `proxy_pass` hop in front of the fake model server, as a child
+/// process: one worker (as the gateway's two cores are shared with everyone here),
+/// kept-alive upstream connections, answers passed on unbuffered as they come.
+struct NginxHop {
+    child: std::process::Child,
+    /// `http://127.0.0.1:PORT/v1`
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl NginxHop {
+    /// None when nginx is not installed.
+    fn start(upstream: std::net::SocketAddr) -> Option<NginxHop> {
+        let nginx = ["/usr/sbin/nginx", "/usr/bin/nginx"].into_iter().find(|p| std::path::Path::new(p).exists())?;
+        let dir = tempfile::tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let path = dir.path().display();
+        let conf = format!(
+            "worker_processes 1;\ndaemon off;\npid {path}/nginx.pid;\nerror_log {path}/error.log warn;\n\
+             events {{ worker_connections 1024; }}\n\
+             http {{\n  access_log off;\n  keepalive_requests 1000000;\n\
+             client_body_temp_path {path}/body;\n  proxy_temp_path {path}/proxy;\n\
+             upstream model {{ server {upstream}; keepalive 16; }}\n\
+             server {{ listen 127.0.0.1:{port}; location / {{ proxy_pass http://model; proxy_http_version 1.1; \
+             proxy_set_header Connection \"\"; proxy_buffering off; }} }}\n}}\n"
+        );
+        let config = dir.path().join("nginx.conf");
+        std::fs::write(&config, conf).unwrap();
+        let child = std::process::Command::new(nginx)
+            .args(["-e", "stderr", "-p"])
+            .arg(dir.path())
+            .arg("-c")
+            .arg(&config)
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let hop = NginxHop { child, url: format!("http://127.0.0.1:{port}/v1"), _dir: dir };
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Some(hop);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("nginx did not listen on {port}"); // its drop stops it
+    }
+}
+
+impl Drop for NginxHop {
+    fn drop(&mut self) {
+        // SIGQUIT, not SIGKILL: a killed master leaves its worker running.
+        let _ = std::process::Command::new("kill").args(["-QUIT", &self.child.id().to_string()]).status();
+        let _ = self.child.wait();
+    }
 }
 
 /// Reads one stream to its end; the longest wait between two chunks, or None if it failed.
