@@ -73,12 +73,11 @@ async fn run() {
     let gateway = process.url.clone();
     let client = reqwest::Client::builder().pool_max_idle_per_host(2000).build().unwrap();
 
-    let count = env_or("BENCH_FIRST_BYTES", 200) as usize;
+    let count = env_or("BENCH_FIRST_BYTES", 200).max(1) as usize;
     let hop = NginxHop::start(model.addr());
     let mut targets = vec![("direct", model.url()), ("gateway", gateway.clone())];
-    match &hop {
-        Some(hop) => targets.push(("nginx hop", hop.url.clone())),
-        None => println!("(nginx not installed: no nginx hop measured; apt-get install nginx-light)"),
+    if let Some(hop) = &hop {
+        targets.push(("nginx hop", hop.url.clone()));
     }
     let times = first_bytes(&client, &targets, count).await;
     println!("first byte of a stream, one at a time, {count} streams each, in turn");
@@ -89,6 +88,10 @@ async fn run() {
     for ((name, _), via) in targets.iter().zip(&times).skip(1) {
         let added = |p| pct(via, p) - pct(direct, p);
         println!("  added by the {name:<10} p50 {:>7.1} µs  p99 {:>7.1} µs", added(50.0), added(99.0));
+    }
+    if let [_, via, hop] = &times[..] {
+        let over = |p| pct(via, p) - pct(hop, p);
+        println!("  the gateway over the nginx hop  p50 {:>7.1} µs  p99 {:>7.1} µs", over(50.0), over(99.0));
     }
     drop(hop);
 
@@ -142,7 +145,7 @@ impl Run {
         // who did not ask for it: `[DONE]` comes two paces after the last chunk sent.
         println!(
             "  longest gap between two chunks of one stream: {} ms (the backend paces {chunk_ms} ms; \
-             {} ms before [DONE], the usage chunk kept back)",
+             expected {} ms before [DONE], the usage chunk kept back)",
             self.worst_gap.as_millis(),
             2 * chunk_ms
         );
@@ -245,15 +248,18 @@ fn body() -> serde_json::Value {
 }
 
 /// The first byte of `count` streams to each target (a name and an OpenAI base URL),
-/// one stream at a time, the targets in turn: the machine's drift within the run
-/// weighs on all alike. Sorted times in µs, one list a target.
+/// one stream at a time, the targets in turn, each round starting one target further:
+/// the machine's drift within the run weighs on all alike. Sorted times in µs, one
+/// list a target.
 async fn first_bytes(client: &reqwest::Client, targets: &[(&str, String)], count: usize) -> Vec<Vec<f64>> {
-    let mut out = vec![Vec::with_capacity(count + 20); targets.len()];
-    for _ in 0..count + 20 {
-        for ((_, base), times) in targets.iter().zip(&mut out) {
+    const WARM_UP: usize = 20;
+    let mut out: Vec<Vec<f64>> = targets.iter().map(|_| Vec::with_capacity(count + WARM_UP)).collect();
+    for round in 0..count + WARM_UP {
+        for turn in 0..targets.len() {
+            let i = (round + turn) % targets.len();
             let sent = Instant::now();
             let response = client
-                .post(format!("{base}/chat/completions"))
+                .post(format!("{}/chat/completions", targets[i].1))
                 .bearer_auth(QUICK_KEY)
                 .json(&body())
                 .send()
@@ -261,42 +267,66 @@ async fn first_bytes(client: &reqwest::Client, targets: &[(&str, String)], count
                 .unwrap();
             let mut stream = response.bytes_stream();
             let _first = stream.next().await.unwrap().unwrap();
-            times.push(sent.elapsed().as_secs_f64() * 1e6);
+            out[i].push(sent.elapsed().as_secs_f64() * 1e6);
             while stream.next().await.is_some() {}
         }
     }
     for times in &mut out {
-        times.drain(..20); // warm-up dropped
+        times.drain(..WARM_UP);
         times.sort_by(f64::total_cmp);
     }
     out
 }
 
 /// A bare nginx `proxy_pass` hop in front of the fake model server, as a child
-/// process: one worker (as the gateway's two cores are shared with everyone here),
+/// process: one process (as the gateway's two cores are shared with everyone here),
 /// kept-alive upstream connections, answers passed on unbuffered as they come.
 struct NginxHop {
     child: std::process::Child,
     /// `http://127.0.0.1:PORT/v1`
     url: String,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl NginxHop {
-    /// None when nginx is not installed.
+    /// None, and a line saying why, when nginx is not installed or does not start.
     fn start(upstream: std::net::SocketAddr) -> Option<NginxHop> {
-        let nginx = ["/usr/sbin/nginx", "/usr/bin/nginx"].into_iter().find(|p| std::path::Path::new(p).exists())?;
+        let Some(nginx) = ["/usr/sbin/nginx", "/usr/bin/nginx"].into_iter().find(|p| std::path::Path::new(p).exists())
+        else {
+            println!("(nginx is not installed, so no nginx hop is measured: apt-get install nginx-light)");
+            return None;
+        };
         let dir = tempfile::tempdir().unwrap();
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let path = dir.path().display();
+        // No master: the one process serves, as this user, and dies with a kill. Every
+        // path nginx would write to is in the temp dir.
         let conf = format!(
-            "worker_processes 1;\ndaemon off;\npid {path}/nginx.pid;\nerror_log {path}/error.log warn;\n\
-             events {{ worker_connections 1024; }}\n\
-             http {{\n  access_log off;\n  keepalive_requests 1000000;\n\
-             client_body_temp_path {path}/body;\n  proxy_temp_path {path}/proxy;\n\
-             upstream model {{ server {upstream}; keepalive 16; }}\n\
-             server {{ listen 127.0.0.1:{port}; location / {{ proxy_pass http://model; proxy_http_version 1.1; \
-             proxy_set_header Connection \"\"; proxy_buffering off; }} }}\n}}\n"
+            r#"master_process off;
+daemon off;
+pid {path}/nginx.pid;
+error_log {path}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  keepalive_requests 1000000;
+  client_body_temp_path {path}/body;
+  proxy_temp_path {path}/proxy;
+  fastcgi_temp_path {path}/fastcgi;
+  uwsgi_temp_path {path}/uwsgi;
+  scgi_temp_path {path}/scgi;
+  upstream model {{ server {upstream}; keepalive 16; keepalive_requests 1000000; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://model;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+}}
+"#
         );
         let config = dir.path().join("nginx.conf");
         std::fs::write(&config, conf).unwrap();
@@ -308,21 +338,25 @@ impl NginxHop {
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        let hop = NginxHop { child, url: format!("http://127.0.0.1:{port}/v1"), _dir: dir };
+        let mut hop = NginxHop { child, url: format!("http://127.0.0.1:{port}/v1"), dir };
         for _ in 0..100 {
+            if matches!(hop.child.try_wait(), Ok(Some(_))) {
+                break;
+            }
             if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
                 return Some(hop);
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        panic!("nginx did not listen on {port}"); // its drop stops it
+        let log = std::fs::read_to_string(hop.dir.path().join("error.log")).unwrap_or_default();
+        println!("(the nginx hop did not start on port {port}, so it is not measured: {})", log.trim());
+        None
     }
 }
 
 impl Drop for NginxHop {
     fn drop(&mut self) {
-        // SIGQUIT, not SIGKILL: a killed master leaves its worker running.
-        let _ = std::process::Command::new("kill").args(["-QUIT", &self.child.id().to_string()]).status();
+        let _ = self.child.kill();
         let _ = self.child.wait();
     }
 }
