@@ -330,8 +330,12 @@ http {{
         );
         let config = dir.path().join("nginx.conf");
         std::fs::write(&config, conf).unwrap();
+        // `-e`: what goes wrong before the config's own `error_log` applies (a bad
+        // directive, a port taken) lands in the same file.
         let child = std::process::Command::new(nginx)
-            .args(["-e", "stderr", "-p"])
+            .arg("-e")
+            .arg(dir.path().join("error.log"))
+            .arg("-p")
             .arg(dir.path())
             .arg("-c")
             .arg(&config)
