@@ -255,6 +255,89 @@ async fn each_response_is_charged_as_it_passes_and_the_hard_cap_closes_the_sessi
     assert_eq!(gw.live_reservations().await, 0);
 }
 
+/// Runs responses on `client` until the gateway closes it: each response's output
+/// tokens, and the close frame.
+async fn responses_until_closed(client: &mut Client, create: &Value) -> (Vec<u64>, (u16, String)) {
+    let mut outputs = Vec::new();
+    loop {
+        if client.send(Message::text(create.to_string())).await.is_err() {
+            return (outputs, close_frame(client).await);
+        }
+        loop {
+            let event = next_event(client).await;
+            if event["type"] == "response.done" {
+                outputs.push(event["response"]["usage"]["output_tokens"].as_u64().unwrap());
+                break;
+            }
+            if let Some(close) = event.get("close") {
+                let (code, reason): (u16, String) = serde_json::from_value(close.clone()).unwrap();
+                return (outputs, (code, reason));
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_response_is_told_the_allowance_held_and_no_session_passes_a_hard_cap() {
+    let fake = FakeModel::start().await.unwrap();
+    // A backend that writes 500 tokens a response unless told less, and reads none
+    // (so what the ledger holds is what the gateway bounds: the output).
+    let url = fake.scenario_url(&Scenario { words: Some(500), input_tokens: Some(0), ..Default::default() });
+    let (adapters, audit) = memory_adapters();
+    let gw = serve_in_process(&realtime_config(&url, "{tokens_per_day: 200}", ""), adapters).await;
+
+    // The client's own limits, each larger than the allowance of 50 or absent.
+    let (mut a, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    let (mut b, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    let (mut c, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    for client in [&mut a, &mut b, &mut c] {
+        assert_eq!(next_event(client).await["type"], "session.created");
+    }
+    let update = json!({"type": "session.update", "session": {"instructions": "Be brief.", "max_response_output_tokens": "inf"}});
+    a.send(Message::text(update.to_string())).await.unwrap();
+    let echoed = next_event(&mut a).await;
+    assert_eq!(echoed["session"], json!({"instructions": "Be brief.", "max_response_output_tokens": 50}));
+    let bare = json!({"type": "response.create"});
+    let large = json!({"type": "response.create", "response": {"max_output_tokens": 4096}});
+    let ((out_a, close_a), (out_b, close_b), (out_c, close_c)) = tokio::join!(
+        responses_until_closed(&mut a, &bare),
+        responses_until_closed(&mut b, &large),
+        responses_until_closed(&mut c, &bare),
+    );
+    for (outputs, close) in [(&out_a, close_a), (&out_b, close_b), (&out_c, close_c)] {
+        assert!(outputs.iter().all(|&o| o <= 50), "no response writes past the allowance: {outputs:?}");
+        assert_eq!(close, (4429, "budget_exceeded".to_owned()));
+    }
+    let records = memory_records(&audit, 3).await;
+    let used = gw.ledger("acme", None).await[0];
+    assert!(used <= 200, "the hard cap of 200 tokens is never passed: {used}");
+    let served: u64 = out_a.iter().chain(&out_b).chain(&out_c).sum();
+    assert_eq!(used, served, "the ledger holds what was served");
+    assert_eq!(records.iter().map(|r| r.completion_tokens).sum::<u64>(), served, "and the audit too");
+    assert_eq!(gw.live_reservations().await, 0);
+
+    // Later sessions, one after the other, stop at the cap the same way.
+    let mut refused = false;
+    for _ in 0..10 {
+        let (mut client, _) = match connect(&gw.url, "m", Auth::Bearer(KEY)).await {
+            Ok(opened) => opened,
+            Err(tungstenite::Error::Http(response)) => {
+                assert_eq!(response.status(), 429);
+                refused = true;
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        next_event(&mut client).await;
+        let (outputs, close) = responses_until_closed(&mut client, &bare).await;
+        assert!(outputs.iter().all(|&o| o <= 50), "{outputs:?}");
+        assert_eq!(close.0, 4429);
+    }
+    assert!(refused, "a session opens only while an allowance fits");
+    assert!(gw.ledger("acme", None).await[0] <= 200);
+    assert_eq!(gw.live_reservations().await, 0);
+}
+
 #[tokio::test]
 async fn a_backend_that_drops_the_session_closes_the_clients_with_1011_upstream_error() {
     let fake = FakeModel::start().await.unwrap();

@@ -1,17 +1,23 @@
 //! Realtime sessions (SPEC §2.3): what the gateway reads of the OpenAI realtime event
 //! protocol, and the registry of open sessions. The proxy itself is `http::realtime`.
 //!
-//! The gateway reads only what it meters: a backend's text message is parsed only
-//! when it may be a `response.done` (a substring test first), and only its
-//! `response.usage` is read; every message, of either side, is forwarded untouched.
+//! The gateway reads only what it meters and what it bounds: a backend's text message
+//! is parsed only when it may be a `response.done` (a substring test first), and only
+//! its `response.usage` is read. A client's text message is parsed only when it may be
+//! a `session.update` or a `response.create`, the two events that set how much a
+//! response may write: the gateway lowers that limit to the output allowance the
+//! session holds (SPEC §2.3), so that no response can write past a hard cap. Every
+//! other message, of either side, is forwarded untouched.
 //!
 //! The registry lets the process stop cleanly: on SIGTERM `flexway serve` asks every
 //! open session to close (1001, `shutdown`) and waits for them to settle their budget
 //! and write their audit record, so no session is cut without both.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use tokio::sync::watch;
 
 use crate::protocol::openai::Usage;
@@ -57,6 +63,41 @@ pub fn response_done_usage(text: &str) -> Option<Usage> {
     }
     let usage = event.response?.usage?;
     Some(Usage { prompt_tokens: usage.input_tokens, completion_tokens: usage.output_tokens })
+}
+
+/// A client's `session.update` or `response.create` rewritten to carry at most
+/// `allowance` output tokens: the limit it sets (`session.max_response_output_tokens`,
+/// or `session.max_output_tokens` where the client uses that name;
+/// `response.max_output_tokens`) lowered to the allowance when larger, and set to it
+/// when absent, `"inf"` or not a count. `None` when the message is left as it is: any
+/// other event, a limit already within the allowance, or text that is not such an
+/// event (the backend refuses it on its own terms). The event's other fields are kept
+/// as the client wrote them (their keys in order).
+pub fn with_allowance(text: &str, allowance: u64) -> Option<String> {
+    type Fields = BTreeMap<String, Box<RawValue>>;
+    if !text.contains("session.update") && !text.contains("response.create") {
+        return None;
+    }
+    let mut event: Fields = serde_json::from_str(text).ok()?;
+    let kind: &str = serde_json::from_str(event.get("type")?.get()).ok()?;
+    let (object, field) = match kind {
+        "session.update" => ("session", "max_response_output_tokens"),
+        "response.create" => ("response", "max_output_tokens"),
+        _ => return None,
+    };
+    let mut inner: Fields = match event.get(object) {
+        Some(raw) => serde_json::from_str(raw.get()).ok()?,
+        None => Fields::new(),
+    };
+    let field =
+        if object == "session" && inner.contains_key("max_output_tokens") { "max_output_tokens" } else { field };
+    let asked = inner.get(field).and_then(|raw| serde_json::from_str::<u64>(raw.get()).ok());
+    if asked.is_some_and(|asked| asked <= allowance) {
+        return None;
+    }
+    inner.insert(field.to_owned(), RawValue::from_string(allowance.to_string()).ok()?);
+    event.insert(object.to_owned(), serde_json::value::to_raw_value(&inner).ok()?);
+    serde_json::to_string(&event).ok()
 }
 
 /// The key a browser sends in the `openai-insecure-api-key.` subprotocol, if any.
@@ -129,6 +170,50 @@ mod tests {
         assert_eq!(response_done_usage(delta), None);
         assert_eq!(response_done_usage(r#"{"type":"response.done","response":{"status":"cancelled"}}"#), None);
         assert_eq!(response_done_usage("response.done, not json"), None);
+    }
+
+    #[test]
+    fn the_limits_a_client_sets_are_lowered_to_the_allowance() {
+        let rewritten =
+            |text: &str| with_allowance(text, 50).map(|t| serde_json::from_str::<serde_json::Value>(&t).unwrap());
+        // Absent, "inf", larger, or not a count: the allowance.
+        let create = rewritten(r#"{"type":"response.create"}"#).unwrap();
+        assert_eq!(create, serde_json::json!({"type": "response.create", "response": {"max_output_tokens": 50}}));
+        for limit in [r#""inf""#, "4096", "-1", "12.5", "null"] {
+            let text = format!(
+                r#"{{"type":"session.update","session":{{"instructions":"Be brief.","max_response_output_tokens":{limit}}}}}"#
+            );
+            let update = rewritten(&text).unwrap();
+            assert_eq!(update["session"]["max_response_output_tokens"], 50, "{limit}");
+            assert_eq!(update["session"]["instructions"], "Be brief.", "{limit}");
+        }
+        let update =
+            rewritten(r#"{"type":"session.update","session":{"type":"realtime","max_output_tokens":"inf"}}"#).unwrap();
+        assert_eq!(
+            update["session"],
+            serde_json::json!({"type": "realtime", "max_output_tokens": 50}),
+            "the client's own name"
+        );
+        let update = rewritten(r#"{"type":"session.update"}"#).unwrap();
+        assert_eq!(update["session"]["max_response_output_tokens"], 50);
+        // Within the allowance, or not one of the two events: untouched.
+        assert_eq!(with_allowance(r#"{"type":"response.create","response":{"max_output_tokens":20}}"#, 50), None);
+        assert_eq!(with_allowance(r#"{"type":"response.create","response":{"max_output_tokens":50}}"#, 50), None);
+        let item = r#"{"type":"conversation.item.create","item":{"content":[{"type":"input_text","text":"response.create"}]}}"#;
+        assert_eq!(with_allowance(item, 50), None);
+        assert_eq!(with_allowance(r#"{"type":"response.cancel","note":"session.update"}"#, 50), None);
+        assert_eq!(with_allowance("response.create, not json", 50), None);
+        assert_eq!(with_allowance(r#"{"type":"response.create","response":"not an object"}"#, 50), None);
+    }
+
+    #[test]
+    fn the_other_fields_keep_their_text() {
+        let text = r#"{"type":"response.create","event_id":"e 1","response":{"instructions":"Say \u00e9.","tools":[ {"a" : 1.50} ]}}"#;
+        let rewritten = with_allowance(text, 7).unwrap();
+        assert_eq!(
+            rewritten,
+            r#"{"event_id":"e 1","response":{"instructions":"Say \u00e9.","max_output_tokens":7,"tools":[ {"a" : 1.50} ]},"type":"response.create"}"#
+        );
     }
 
     #[test]

@@ -1378,3 +1378,58 @@ fn refuses_embeddings_on_an_anthropic_backend() {
         .set("ai.backends.main.capabilities", "[chat, embeddings]")
         .refused("ai.backends.main.capabilities", "the Messages API has no embeddings");
 }
+
+#[test]
+fn forward_headers_are_kept_by_name_in_lower_case() {
+    let loaded = doc().set("ai.backends.main.forward_headers", "[Anthropic-Beta, openai-beta, X-Team-Trace]").loads();
+    let BackendKind::OpenAi(endpoint) = &loaded.config.ai.backends["main"].kind else { panic!("an openai backend") };
+    assert_eq!(endpoint.forward_headers, ["anthropic-beta", "openai-beta", "x-team-trace"]);
+    let loaded = doc().loads();
+    let BackendKind::OpenAi(endpoint) = &loaded.config.ai.backends["main"].kind else { panic!("an openai backend") };
+    assert!(endpoint.forward_headers.is_empty(), "nothing of the caller's is forwarded unless named");
+}
+
+#[test]
+fn refuses_to_forward_a_credential_a_hop_header_or_the_gateways_own() {
+    let errors = doc()
+        .set(
+            "ai.backends.main.forward_headers",
+            "[Authorization, x-api-key, Cookie, Proxy-Authorization, Connection, Host, Content-Type, traceparent, \
+             anthropic-version, Flexway-Tenant, Sec-WebSocket-Key, anthropic-beta, Anthropic-Beta, 'not a name']",
+        )
+        .set("ai.backends.internal.auth", "{type: header, name: X-Backend-Key, secret: 'env:BACKEND_KEY'}")
+        .set("ai.backends.internal.forward_headers", "[x-backend-key]")
+        .errors();
+    let at = |i: usize| format!("ai.backends.main.forward_headers[{i}]");
+    for i in 0..4 {
+        assert_error(&errors, &at(i), "carries a credential");
+    }
+    for i in 4..9 {
+        assert_error(&errors, &at(i), "written by the gateway itself");
+    }
+    assert_error(&errors, &at(9), "the gateway's own");
+    assert_error(&errors, &at(10), "the gateway's own");
+    assert_error(&errors, &at(12), "listed twice");
+    assert!(errors.iter().any(|e| e.path == at(13)), "{errors:#?}");
+    assert_error(&errors, "ai.backends.internal.forward_headers[0]", "carries a credential");
+    assert_eq!(errors.len(), 14, "{errors:#?}");
+}
+
+#[test]
+fn refuses_to_forward_the_headers_the_gateway_reads() {
+    let errors = doc()
+        .set("ai.sensitive_header", "X-Data-Class")
+        .set("ai.affinity", "{header: X-Conversation}")
+        .set("ai.backends.main.forward_headers", "[x-data-class, X-Conversation, x-fine]")
+        .errors();
+    assert_error(&errors, "ai.backends.main.forward_headers[0]", "read by the gateway itself");
+    assert_error(&errors, "ai.backends.main.forward_headers[1]", "read by the gateway itself");
+    assert_eq!(errors.len(), 2, "{errors:#?}");
+}
+
+#[test]
+fn forward_headers_belong_to_http_backends_only() {
+    doc()
+        .set("ai.backends.pool", "{kind: pool, members: [{backend: main}], forward_headers: [anthropic-beta]}")
+        .refused("ai.backends.pool.forward_headers", "does not apply to a pool backend");
+}

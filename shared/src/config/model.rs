@@ -328,6 +328,8 @@ pub struct Endpoint {
     /// Client-facing name → backend model name.
     pub aliases: BTreeMap<String, String>,
     pub default_model: Option<String>,
+    /// The caller's headers passed on (`forward_headers`), lower-case names.
+    pub forward_headers: Vec<String>,
 }
 
 impl Endpoint {

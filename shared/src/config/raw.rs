@@ -325,6 +325,11 @@ pub struct RawBackend {
     /// `grpc`: path of the serialized FileDescriptorSet naming the services served
     /// and the metered methods.
     pub descriptor_set: Option<String>,
+    /// `openai`, `anthropic`, `relay`: the caller's request headers passed on to the
+    /// backend, by name (e.g. `[anthropic-beta]`, `[openai-beta]`); nothing else of the
+    /// caller's headers ever reaches a backend. Never a credential, a hop-by-hop
+    /// header, one the gateway writes itself or one of Flexway's own.
+    pub forward_headers: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]

@@ -103,6 +103,14 @@ struct Unparsed {
     units: BTreeSet<String>,
 }
 
+/// Request headers that carry a caller's credential: never passed on to a backend
+/// (`forward_headers`).
+const CREDENTIAL_HEADERS: [&str; 4] = ["authorization", "proxy-authorization", "x-api-key", "cookie"];
+
+/// Request headers the gateway writes to a backend itself, beyond [`RESERVED_HEADERS`]:
+/// a caller's would go out beside the gateway's own (`forward_headers`).
+const GATEWAY_HEADERS: [&str; 5] = ["accept", "user-agent", "traceparent", "tracestate", "anthropic-version"];
+
 /// The request headers a config may not name for the gateway to send (see
 /// `Checker::sent_header`).
 const RESERVED_HEADERS: [&str; 10] = [
@@ -696,6 +704,23 @@ impl Checker<'_> {
             )?;
             self.header("ai.affinity.header", &header).map(|header| Affinity { header })
         });
+        // The headers the gateway reads of its caller are never passed on.
+        let read: Vec<&str> =
+            sensitive_header.iter().chain(affinity.as_ref().map(|a| &a.header)).map(String::as_str).collect();
+        for (name, backend) in &backends {
+            let forwarded = backend.kind.endpoint().map(|e| e.forward_headers.as_slice()).unwrap_or_default();
+            for (i, header) in forwarded.iter().enumerate() {
+                if read.contains(&header.as_str()) {
+                    self.error(
+                        format!("ai.backends.{name}.forward_headers[{i}]"),
+                        format!(
+                            "`{header}` is read by the gateway itself (ai.sensitive_header, ai.affinity.header): \
+                             it is never passed on"
+                        ),
+                    );
+                }
+            }
+        }
 
         Some(Ai {
             default_backend: default_backend?,

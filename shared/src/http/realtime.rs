@@ -12,10 +12,16 @@
 //! response (`admission::reserve_turn`). Each `response.done` settles it on the usage
 //! reported and reserves the next one; when none fits the session is closed with 4429
 //! `budget_exceeded`, right after the `response.done` that reached the cap. So the
-//! counters always include what the next response may spend, concurrent calls cannot
-//! take it, and only a response that overshoots its own allowance can pass a cap (by
-//! that overshoot, charged in full). The allowance held when the session ends is
-//! refunded; a response still running then is not charged (its usage never came).
+//! counters always include what the next response may spend, and concurrent calls
+//! cannot take it. The allowance reserved is the allowance sent: every client
+//! `session.update` and `response.create` goes upstream with its output limit lowered
+//! to the output allowance held (`realtime::with_allowance`), so a response cannot
+//! write past it. What a response reads is known only from its `response.done` (the
+//! conversation so far, the backend's own instructions, audio): the next allowance
+//! counts the last response's total as its floor, and a response that reads more than
+//! that passes a cap by the difference, charged in full. The allowance held when the
+//! session ends is refunded; a response still running then is not charged (its usage
+//! never came).
 //!
 //! Every session ends in exactly one audit record (`operation: realtime`, its totals,
 //! its duration in `latency_ms`, `close_reason`) whatever ends it: either side closing
@@ -143,6 +149,8 @@ struct Session {
     price: Price,
     soft: bool,
     ticket: Option<Ticket>,
+    /// The output allowance `ticket` holds: the most a response may be told to write.
+    allowance: u64,
 }
 
 /// Everything before the upgrade: the request read, routed, the first allowance
@@ -194,7 +202,7 @@ async fn open(
         draft.trying(candidate, &served);
         let limit = usize::try_from(gateway.config.ai.limits.max_event_bytes).unwrap_or(usize::MAX);
         let sent = Instant::now();
-        let connected = client.connect_realtime(&served, draft.trace(), limit).await;
+        let connected = client.connect_realtime(&served, draft.trace(), draft.caller(), limit).await;
         draft.waited(sent.elapsed());
         let outcome = match connected {
             Ok(upstream) => {
@@ -208,6 +216,7 @@ async fn open(
                     price: gateway.price(backend),
                     soft,
                     ticket: Some(ticket),
+                    allowance,
                 };
                 return Ok(Opened::Session(Box::new(session)));
             }
@@ -334,9 +343,12 @@ impl Session {
                         Some(Ok(message)) => message,
                     };
                     let message = match message {
-                        Message::Text(text) => match tungstenite::Utf8Bytes::try_from(Bytes::from(text)) {
-                            Ok(text) => tungstenite::Message::Text(text),
-                            Err(_) => continue,
+                        Message::Text(text) => match rt::with_allowance(text.as_str(), self.allowance) {
+                            Some(bounded) => tungstenite::Message::Text(bounded.into()),
+                            None => match tungstenite::Utf8Bytes::try_from(Bytes::from(text)) {
+                                Ok(text) => tungstenite::Message::Text(text),
+                                Err(_) => continue,
+                            },
                         },
                         Message::Binary(data) => tungstenite::Message::Binary(data),
                         Message::Close(frame) => {
@@ -418,8 +430,9 @@ impl Session {
         totals.add(usage, cost);
         gateway.metrics.realtime_response(self.caller.tenant.as_str(), self.candidate.backend.as_str());
         let turn = format!("{}.{}", self.request_id.0, totals.responses);
-        let (ticket, _) = reserve_turn(&gateway, &self.caller, &turn, usage.total(), self.price).await?;
+        let (ticket, allowance) = reserve_turn(&gateway, &self.caller, &turn, usage.total(), self.price).await?;
         self.ticket = Some(ticket);
+        self.allowance = allowance;
         Ok(())
     }
 }

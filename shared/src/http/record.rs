@@ -105,7 +105,12 @@ impl Draft {
                 finish_reasons: Vec::new(),
                 served: false,
             },
-            caller: CallerIdentity { tenant: caller.tenant.clone(), agent: caller.agent.clone(), sensitive: false },
+            caller: CallerIdentity {
+                tenant: caller.tenant.clone(),
+                agent: caller.agent.clone(),
+                sensitive: false,
+                forwarded: gateway.upstreams.forwardable(headers),
+            },
             abandoned: (CLIENT_CLOSED_REQUEST, "client_closed_request"),
         }
     }

@@ -4,8 +4,9 @@
 //! call's trace context, the backend's own credential, the version header of the
 //! format it speaks (`anthropic-version`) — and for a relay (another Flexway, SPEC
 //! §8), the caller's tenant, agent and sensitivity under the header names its
-//! `identity_headers` declares, and only those. No header of the caller's travels, so
-//! the caller's key can never reach a backend.
+//! `identity_headers` declares, and only those. Of the caller's own headers only
+//! those a backend names in `forward_headers` travel (an `anthropic-beta`, say): the
+//! config refuses a credential there, so the caller's key can never reach a backend.
 //!
 //! A backend's secrets (its auth secret, its TLS material) are resolved before the
 //! gateway starts and again every `secrets.refresh`: each backend's credential and
@@ -101,6 +102,8 @@ pub enum SetupError {
     BadCredential { backend: BackendId },
     #[error("backend `{backend}`: an identity header is not a valid header name")]
     BadIdentityHeader { backend: BackendId },
+    #[error("backend `{backend}`: a forwarded header is not a valid header name")]
+    BadForwardHeader { backend: BackendId },
     #[error("backend `{backend}`: TLS: {detail}")]
     Tls { backend: BackendId, detail: String },
     #[error("HTTP client: {0}")]
@@ -179,6 +182,8 @@ pub struct UpstreamClient {
     pub timeout: Duration,
     /// A relay's: the names it passes the caller's identity under.
     identity_headers: Option<RelayHeaders>,
+    /// The caller's headers this backend is sent (`forward_headers`).
+    forward: Vec<HeaderName>,
     /// Whether the backend's server chose `h2` at the last TLS handshake with it.
     speaks_h2: Arc<AtomicBool>,
     /// A plain `http://` backend: called through the gateway's own HTTP/1.1 client.
@@ -198,6 +203,9 @@ pub struct CallerIdentity {
     pub tenant: TenantId,
     pub agent: Option<AgentId>,
     pub sensitive: bool,
+    /// The caller's headers that some backend forwards ([`Upstreams::forwardable`]);
+    /// each backend is sent those it names. Empty when no backend forwards any.
+    pub forwarded: Vec<(HeaderName, HeaderValue)>,
 }
 
 /// A relay's `identity_headers`, as header names; one left out is not sent.
@@ -305,6 +313,7 @@ impl UpstreamClient {
                 headers.insert(name, value);
             }
         }
+        self.forward_to(&mut headers, caller);
         let live = self.live.load();
         if let Some((name, value)) = live.credential.header()? {
             headers.insert(name, value);
@@ -344,6 +353,17 @@ impl UpstreamClient {
             Err(_) => Err(CallError::Timeout(self.timeout)),
             Ok(Err(e)) => Err(send_error(&e)),
             Ok(Ok(response)) => Ok(response.map(|body| AnswerBody::new(body, seat))),
+        }
+    }
+}
+
+impl UpstreamClient {
+    /// The caller's headers this backend names in `forward_headers`, every value of each.
+    fn forward_to(&self, headers: &mut http::HeaderMap, caller: &CallerIdentity) {
+        for (name, value) in &caller.forwarded {
+            if self.forward.contains(name) {
+                headers.append(name.clone(), value.clone());
+            }
         }
     }
 }
@@ -424,6 +444,8 @@ pub(crate) fn describe(e: &(dyn std::error::Error + 'static)) -> String {
 /// Every endpoint backend's client.
 pub struct Upstreams {
     clients: HashMap<BackendId, UpstreamClient>,
+    /// Every name some backend's `forward_headers` lists.
+    forwardable: Vec<HeaderName>,
     /// What the backends' servers chose at their TLS handshakes.
     negotiated: Arc<Negotiated>,
 }
@@ -437,6 +459,7 @@ impl Upstreams {
         let shared: Vec<_> = (0..threads).map(|_| lanes(tls.clone(), &negotiated)).collect();
         let pools: Vec<_> = (0..threads).map(|_| Arc::new(h1::Pool::default())).collect();
         let mut clients = HashMap::default();
+        let mut forwardable: Vec<HeaderName> = Vec::new();
         for (name, backend) in &config.ai.backends {
             let Some(endpoint) = backend.kind.endpoint() else {
                 continue;
@@ -465,10 +488,36 @@ impl Upstreams {
             let speaks_h2 = authority.map_or_else(Arc::default, |authority| negotiated.speaks_h2(&authority));
             let timeout = backend.timeout;
             let plain = uri.as_ref().and_then(h1::Target::of).map(|target| Plain { target, pools: pools.clone() });
-            let client = UpstreamClient { base, urls, wire, live, timeout, identity_headers, speaks_h2, plain };
+            let forward: Vec<HeaderName> = endpoint
+                .forward_headers
+                .iter()
+                .map(|h| {
+                    HeaderName::from_bytes(h.as_bytes())
+                        .map_err(|_| SetupError::BadForwardHeader { backend: name.clone() })
+                })
+                .collect::<Result<_, _>>()?;
+            for header in &forward {
+                if !forwardable.contains(header) {
+                    forwardable.push(header.clone());
+                }
+            }
+            let client =
+                UpstreamClient { base, urls, wire, live, timeout, identity_headers, forward, speaks_h2, plain };
             clients.insert(name.clone(), client);
         }
-        Ok(Upstreams { clients, negotiated })
+        Ok(Upstreams { clients, forwardable, negotiated })
+    }
+
+    /// The caller's headers some backend forwards, each value of each: what a call
+    /// keeps of its request's headers for the backends it may reach.
+    pub fn forwardable(&self, headers: &http::HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
+        let mut kept = Vec::new();
+        for name in &self.forwardable {
+            for value in headers.get_all(name) {
+                kept.push((name.clone(), value.clone()));
+            }
+        }
+        kept
     }
 
     pub fn get(&self, name: &BackendId) -> Option<&UpstreamClient> {

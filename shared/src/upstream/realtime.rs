@@ -1,6 +1,7 @@
 //! The gateway's own WebSocket to a realtime backend (SPEC §2.3): `{url}/realtime?
 //! model=M` over `ws`/`wss`, with the backend's credential and the call's trace
-//! context, and nothing of the caller's request (its key least of all). TLS is
+//! context, and nothing of the caller's request (its key least of all) but the
+//! headers the backend names in `forward_headers`. TLS is
 //! rustls on the `ring` provider with the webpki roots, as for HTTP calls; a backend
 //! with `tls` (mTLS) is refused at load for realtime.
 //!
@@ -17,7 +18,7 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::{Connector, MaybeTlsStream, WebSocketStream, tungstenite};
 
-use super::{CallError, UpstreamClient};
+use super::{CallError, CallerIdentity, UpstreamClient};
 use crate::telemetry::{TraceContext, context};
 
 /// A realtime session's connection to its backend.
@@ -44,6 +45,7 @@ impl UpstreamClient {
         &self,
         model: &str,
         trace: &TraceContext,
+        caller: &CallerIdentity,
         max_message: usize,
     ) -> Result<Upstream, ConnectError> {
         let mut url = reqwest::Url::parse(&format!("{}/realtime", self.base))
@@ -60,6 +62,7 @@ impl UpstreamClient {
                 headers.insert(context::TRACESTATE, state);
             }
         }
+        self.forward_to(headers, caller);
         if let Some((name, value)) = self.live.load().credential.header()? {
             headers.insert(name, value);
         }

@@ -3,10 +3,16 @@
 //!
 //! On open it sends `session.created`. A `response.create` is answered with
 //! `response.created`, one `response.output_text.delta` per output token, and
-//! `response.done` whose `usage` reports 20 input tokens and `words` (default 5)
-//! output tokens. `{"type":"fake.close","code":C,"reason":R}` makes it close the
-//! session with that code and reason. Every other text message, and every binary
-//! one, is echoed back unchanged, so a test sees what the gateway forwarded.
+//! `response.done` whose `usage` reports `input_tokens` (default 20) input tokens
+//! and `words` (default 5) output tokens, or fewer when it was told a lower limit,
+//! as a real server obeys one:
+//! the `response.create`'s `response.max_output_tokens`, else the last
+//! `session.update`'s `session.max_response_output_tokens` (or `max_output_tokens`);
+//! `"inf"` lifts it, and `ignore_limit` makes it write `words` whatever it was told.
+//! `{"type":"fake.close","code":C,"reason":R}` makes it close the
+//! session with that code and reason. Every other text message (a `session.update`
+//! included), and every binary one, is echoed back unchanged, so a test sees what the
+//! gateway forwarded.
 //!
 //! Scenario keys: `status` refuses the handshake with that status; `delay_ms`
 //! delays it; `cut_after=N` drops the TCP connection (no close frame) when the
@@ -48,18 +54,35 @@ async fn session(mut socket: WebSocket, scenario: Scenario, model: String) {
         return;
     }
     let mut responses = 0usize;
+    // The output limit the last `session.update` set, if any.
+    let mut session_limit: Option<u64> = None;
     while let Some(Ok(message)) = socket.recv().await {
         let reply = match message {
             Message::Text(body) => {
                 let event: Value = serde_json::from_str(body.as_str()).unwrap_or(Value::Null);
                 match event["type"].as_str() {
+                    Some("session.update") => {
+                        let session = &event["session"];
+                        let limit =
+                            session.get("max_response_output_tokens").or_else(|| session.get("max_output_tokens"));
+                        if let Some(limit) = limit {
+                            session_limit = limit.as_u64();
+                        }
+                        Message::Text(body)
+                    }
                     Some("response.create") => {
                         if scenario.cut_after == Some(responses) {
                             // Dropped without a close frame: the connection is cut.
                             return;
                         }
                         responses += 1;
-                        if send_response(&mut socket, &scenario, responses).await.is_err() {
+                        let limit = event["response"]["max_output_tokens"].as_u64().or(session_limit);
+                        let words = scenario.words.map_or(OUTPUT_TOKENS, |w| w as u64);
+                        let output = match limit {
+                            Some(limit) if !scenario.ignore_limit => words.min(limit),
+                            _ => words,
+                        };
+                        if send_response(&mut socket, &scenario, responses, output).await.is_err() {
                             return;
                         }
                         continue;
@@ -89,20 +112,20 @@ async fn session(mut socket: WebSocket, scenario: Scenario, model: String) {
     }
 }
 
-async fn send_response(socket: &mut WebSocket, scenario: &Scenario, n: usize) -> Result<(), axum::Error> {
+async fn send_response(socket: &mut WebSocket, scenario: &Scenario, n: usize, output: u64) -> Result<(), axum::Error> {
     let id = format!("resp_fake_{n}");
     if let Some(mb) = scenario.huge_mb {
         let huge = format!(r#"{{"type":"response.output_text.delta","delta":"{}"}}"#, "a".repeat(mb << 20));
         socket.send(Message::Text(huge.into())).await?;
     }
     socket.send(text(&json!({"type": "response.created", "response": {"id": id, "status": "in_progress"}}))).await?;
-    let output = scenario.words.map_or(OUTPUT_TOKENS, |w| w as u64);
     for i in 0..output {
         let delta = json!({"type": "response.output_text.delta", "response_id": id, "delta": format!("w{} ", i + 1)});
         socket.send(text(&delta)).await?;
     }
+    let input = scenario.input_tokens.unwrap_or(INPUT_TOKENS);
     let done = json!({"type": "response.done", "response": {"id": id, "status": "completed",
-        "usage": {"total_tokens": INPUT_TOKENS + output, "input_tokens": INPUT_TOKENS, "output_tokens": output}}});
+        "usage": {"total_tokens": input + output, "input_tokens": input, "output_tokens": output}}});
     socket.send(text(&done)).await
 }
 

@@ -12,9 +12,10 @@
 //! which wins over `error_after`; `cut_body` wins over `stall_body`.
 //!
 //! Most keys mean the same on both APIs the fake speaks (`tool_use` on each
-//! API's terms). `error_after` and `cache` are for the Anthropic Messages API only; `n`,
-//! `no_usage`, `no_done` and `huge_mb` for the OpenAI API only (Anthropic
-//! always reports usage and ends its streams with `message_stop`).
+//! API's terms). `error_after` and `cache` are for the Anthropic Messages API
+//! only; `n`, `no_usage`, `no_done` and `huge_mb` for the OpenAI API only
+//! (Anthropic always reports usage and ends its streams with `message_stop`);
+//! `input_tokens` for realtime sessions only.
 
 use std::fmt;
 use std::str::FromStr;
@@ -43,9 +44,10 @@ pub struct Scenario {
     /// Number of content chunks in a stream (default 5).
     pub chunks: Option<usize>,
     /// Chat: the reply is this many words (`w1 w2 ... wN`) instead of the echo.
+    /// Realtime: each response writes this many output tokens (within its limit).
     pub words: Option<usize>,
     /// Chat: ignore `max_tokens` and `max_completion_tokens`, like a backend
-    /// that overshoots its allowance.
+    /// that overshoots its allowance. Realtime: ignore the output limits.
     pub ignore_limit: bool,
     /// Non-streamed JSON answers: announce the full `Content-Length`, send
     /// about half the body, then abort the connection.
@@ -93,6 +95,8 @@ pub struct Scenario {
     /// Anthropic: report non-zero `cache_creation_input_tokens` (2048) and
     /// `cache_read_input_tokens` (1024) instead of 0.
     pub cache: bool,
+    /// Realtime: the input tokens each response reports (default 20).
+    pub input_tokens: Option<u64>,
 }
 
 /// Why a scenario prefix could not be read.
@@ -129,6 +133,7 @@ impl fmt::Display for Scenario {
             ("malformed_at", self.malformed_at.map(|n| n as u64)),
             ("huge_mb", self.huge_mb.map(|n| n as u64)),
             ("error_after", self.error_after.map(|n| n as u64)),
+            ("input_tokens", self.input_tokens),
         ];
         let flags = [
             ("hang", self.hang),
@@ -193,6 +198,7 @@ impl FromStr for Scenario {
                 "error_after" => scenario.error_after = Some(number(key, value)?),
                 "tool_use" => scenario.tool_use = flag(key, value)?,
                 "cache" => scenario.cache = flag(key, value)?,
+                "input_tokens" => scenario.input_tokens = Some(number(key, value)?),
                 other => return Err(ScenarioError::UnknownKey(other.to_owned())),
             }
         }
@@ -247,6 +253,7 @@ mod tests {
             error_after: Some(4),
             tool_use: true,
             cache: true,
+            input_tokens: Some(0),
         }
     }
 
@@ -277,7 +284,7 @@ mod tests {
         let text = "status=503,delay_ms=100,chunk_delay_ms=50,cut_after=2,no_usage,hang,retry_after=7,garbage,\
                     chunks=10,words=500,ignore_limit,cut_body,stall_body,first_event_delay_ms=30,\
                     first_content_delay_ms=40,stall_after=3,malformed_at=1,no_done,endless_line,huge_mb=2,flap,\
-                    error_after=4,tool_use,cache";
+                    error_after=4,tool_use,cache,input_tokens=0";
         assert_eq!(text.parse::<Scenario>().unwrap(), everything());
     }
 

@@ -16,7 +16,10 @@ use super::super::raw::{
 };
 use super::super::values::{base_url, fraction_ppm, micro_eur, status_range};
 use super::super::*;
-use super::{Catalog, Checker, DEFAULT_SENSITIVE_HEADER, Summary, capability};
+use super::{
+    CREDENTIAL_HEADERS, Catalog, Checker, DEFAULT_SENSITIVE_HEADER, GATEWAY_HEADERS, RESERVED_HEADERS, Summary,
+    capability,
+};
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// A descriptor set larger than this is not one an operator meant.
@@ -58,12 +61,13 @@ impl Checker<'_> {
             metering,
             identity_headers,
             descriptor_set,
+            forward_headers,
         } = raw;
 
         // In the order keys are usually written, so errors read top to bottom.
         let backend_kind = match kind {
             RawBackendKind::Openai | RawBackendKind::Anthropic | RawBackendKind::Relay => {
-                let endpoint = EndpointKeys { url, auth, tls, models, aliases, default_model };
+                let endpoint = EndpointKeys { url, auth, tls, models, aliases, default_model, forward_headers };
                 self.http_backend(&path, name, kind, endpoint, metering, identity_headers)
             }
             RawBackendKind::Grpc => {
@@ -205,7 +209,7 @@ impl Checker<'_> {
 
     /// Keys that belong to other kinds of backend are refused, naming the kind.
     fn refuse_foreign_keys(&mut self, path: &str, kind: RawBackendKind, raw: &RawBackend) {
-        let keys: [(&str, bool, &[RawBackendKind]); 12] = [
+        let keys: [(&str, bool, &[RawBackendKind]); 13] = [
             ("url", raw.url.is_some(), ENDPOINT_KINDS),
             ("auth", raw.auth.is_some(), HTTP_KINDS),
             ("tls", raw.tls.is_some(), HTTP_KINDS),
@@ -218,6 +222,7 @@ impl Checker<'_> {
             ("metering", raw.metering.is_some(), &[RawBackendKind::Relay]),
             ("identity_headers", raw.identity_headers.is_some(), &[RawBackendKind::Relay]),
             ("descriptor_set", raw.descriptor_set.is_some(), &[RawBackendKind::Grpc]),
+            ("forward_headers", raw.forward_headers.is_some(), HTTP_KINDS),
         ];
         let here = kind.a_backend();
         for (key, present, kinds) in keys {
@@ -334,9 +339,10 @@ impl Checker<'_> {
     }
 
     fn endpoint(&mut self, path: &str, kind: RawBackendKind, keys: EndpointKeys) -> Option<Endpoint> {
-        let EndpointKeys { url, auth, tls, models, aliases, default_model } = keys;
+        let EndpointKeys { url, auth, tls, models, aliases, default_model, forward_headers } = keys;
         let url = self.url(path, kind, url.as_deref());
         let auth = self.auth(&format!("{path}.auth"), auth);
+        let forward_headers = self.forward_headers(&format!("{path}.forward_headers"), forward_headers, auth.as_ref());
         let tls = match tls {
             Some(tls) => Some(self.tls(&format!("{path}.tls"), tls)?),
             None => None,
@@ -356,7 +362,46 @@ impl Checker<'_> {
             models: models.unwrap_or_default(),
             aliases: aliases.unwrap_or_default(),
             default_model,
+            forward_headers: forward_headers?,
         })
+    }
+
+    /// The caller's headers a backend is sent: each a header name, listed once, and
+    /// none that would carry a credential (the caller's key, a cookie, the backend's
+    /// own auth header), frame or route the request (RFC 9110 §7.6.1, and the body's
+    /// type), or say something only the gateway may say (its own `flexway-` headers,
+    /// the trace context, the format's version, a WebSocket's handshake). The
+    /// sensitivity and affinity headers are checked once `ai` is read.
+    fn forward_headers(&mut self, path: &str, raw: Option<Vec<String>>, auth: Option<&Auth>) -> Option<Vec<String>> {
+        let mut names: Vec<String> = Vec::new();
+        let mut valid = true;
+        for (i, raw_name) in raw.unwrap_or_default().iter().enumerate() {
+            let at = format!("{path}[{i}]");
+            let Some(name) = self.header(&at, raw_name) else {
+                valid = false;
+                continue;
+            };
+            let own_auth = matches!(auth, Some(Auth::Header { name: own, .. }) if own.eq_ignore_ascii_case(&name));
+            let refusal = if CREDENTIAL_HEADERS.contains(&name.as_str()) || own_auth {
+                Some("carries a credential: a caller's secret never reaches a backend")
+            } else if RESERVED_HEADERS.contains(&name.as_str()) || GATEWAY_HEADERS.contains(&name.as_str()) {
+                Some("is written by the gateway itself (or holds for one hop only)")
+            } else if name.starts_with("flexway-") || name.starts_with("sec-websocket-") {
+                Some("is the gateway's own: it is never passed on")
+            } else if names.contains(&name) {
+                Some("is listed twice")
+            } else {
+                None
+            };
+            match refusal {
+                Some(why) => {
+                    self.error(at, format!("`{name}` {why}"));
+                    valid = false;
+                }
+                None => names.push(name),
+            }
+        }
+        valid.then_some(names)
     }
 
     fn auth(&mut self, path: &str, raw: Option<RawAuth>) -> Option<Auth> {
@@ -629,4 +674,5 @@ struct EndpointKeys {
     models: Option<Vec<String>>,
     aliases: Option<BTreeMap<String, String>>,
     default_model: Option<String>,
+    forward_headers: Option<Vec<String>>,
 }
