@@ -62,7 +62,7 @@ async fn a_stream_open_at_the_deadline_ends_with_the_deadline_error_settled_and_
     }
     assert_eq!(records.len(), 1);
     let record = &records[0];
-    assert_eq!((record.status, record.error_code.as_deref()), (200, Some("deadline")));
+    assert_eq!((record.status, record.error_code.map(|c| c.as_str())), (200, Some("deadline")));
     assert_eq!(record.usage_source, UsageSource::Estimated, "settled on what was relayed");
     assert!(record.completion_tokens > 0);
     assert_eq!(gw.live_reservations().await, 0, "no reservation left for the sweeper");

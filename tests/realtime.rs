@@ -233,7 +233,7 @@ async fn each_response_is_charged_as_it_passes_and_the_hard_cap_closes_the_sessi
     let records = memory_records(&audit, 1).await;
     let record = &records[0];
     assert_eq!(record.close_reason, Some(CloseReason::BudgetExceeded));
-    assert_eq!(record.error_code.as_deref(), Some("budget_exceeded"));
+    assert_eq!(record.error_code.map(|c| c.as_str()), Some("budget_exceeded"));
     assert_eq!(record.budget_state, BudgetState::Exceeded);
     assert_eq!((record.prompt_tokens, record.completion_tokens), (80, 20));
     let [day, month, eur] = gw.ledger("acme", None).await;
@@ -352,7 +352,7 @@ async fn a_backend_that_drops_the_session_closes_the_clients_with_1011_upstream_
 
     let records = memory_records(&audit, 1).await;
     assert_eq!(records[0].close_reason, Some(CloseReason::UpstreamError));
-    assert_eq!(records[0].error_code.as_deref(), Some("upstream_error"));
+    assert_eq!(records[0].error_code.map(|c| c.as_str()), Some("upstream_error"));
     assert_eq!((records[0].prompt_tokens, records[0].completion_tokens), (20, 5), "what was served is charged");
     assert_eq!(gw.ledger("acme", None).await[0], 25);
     assert_eq!(gw.live_reservations().await, 0);

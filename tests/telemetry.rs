@@ -233,7 +233,7 @@ async fn streams_failures_and_the_genai_metrics() {
     let failed_record = records.iter().find(|r| r.status != 200).unwrap();
     let status = failed.status.as_ref().unwrap();
     assert_eq!(status.code, 2, "STATUS_CODE_ERROR");
-    assert_eq!(Some(status.message.clone()), failed_record.error_code);
+    assert_eq!(Some(status.message.as_str()), failed_record.error_code.map(|c| c.as_str()));
     let attrs = attributes(&failed.attributes);
     assert_eq!(attrs["error.type"], json!(failed_record.error_code));
     assert_eq!(attrs["http.response.status_code"], json!(refused_status));

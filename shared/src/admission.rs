@@ -11,18 +11,15 @@
 //! limit is tightened to "still under the soft threshold before this call"). Only when
 //! a condition refuses are the counters read, and the call decided again as if they
 //! had been read first: soft cap, route, clamped allowance, or the refusal. A caller
-//! found past its soft threshold is remembered for [`SOFT_HINT_TTL`], so its next calls
-//! go straight to the soft route without a refused write each. The
+//! found past its soft threshold is remembered for a while, so its next calls
+//! go straight to the soft route without a refused write each (`budget::SoftHints`). The
 //! `flexway_budget_remaining` gauge is set from those reads: it moves near the soft
 //! threshold and the caps, not on every call.
 
-use std::sync::{Mutex, PoisonError};
-use std::time::{Duration, Instant};
-
-use foldhash::HashMap;
+use std::time::Instant;
 
 use crate::budget::plan::{self, Allowance, Budget};
-use crate::budget::{CounterKey, ReserveOutcome, ReserveRequest, Ticket, period::unix_now};
+use crate::budget::{ReserveOutcome, ReserveRequest, Ticket, period::unix_now};
 use crate::config::Capability;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
@@ -35,13 +32,6 @@ pub const RESERVATION_GRACE_SECS: u64 = 10;
 /// A stream's reservation outlives its backend timeouts (which bound each wait, not
 /// the whole stream): a live stream is not swept under a running call.
 pub const STREAM_RESERVATION_SECS: u64 = 15 * 60;
-/// How long a counter read past its soft threshold routes its caller soft without a
-/// read. Counters rarely fall back under the threshold within a period (only refunds
-/// and settlements below the reservation lower them); this bounds the error when they do.
-pub const SOFT_HINT_TTL: Duration = Duration::from_secs(60);
-/// Entries kept before expired ones are pruned.
-const SOFT_HINTS_MAX: usize = 4096;
-
 /// What a call asks of the budgets.
 #[derive(Debug, Clone)]
 pub struct Demand {
@@ -69,34 +59,6 @@ pub struct Admission {
     /// The completion allowance of each choice: what was reserved, and what must be
     /// sent upstream (the client's limit, the default, or a clamped one).
     pub allowance: u64,
-}
-
-/// Counters last read past their soft threshold, and until when that is trusted. Per
-/// process (per execution environment on Lambda): a hint, never a guarantee.
-#[derive(Debug, Default)]
-pub struct SoftHints {
-    until: Mutex<HashMap<CounterKey, Instant>>,
-}
-
-impl SoftHints {
-    fn any(&self, budgets: &[Budget], now: Instant) -> bool {
-        let until = self.until.lock().unwrap_or_else(PoisonError::into_inner);
-        budgets.iter().any(|b| until.get(&b.key).is_some_and(|t| *t > now))
-    }
-
-    fn note(&self, budgets: &[Budget], used: &[u64], threshold_ppm: u32, now: Instant) {
-        let mut until = self.until.lock().unwrap_or_else(PoisonError::into_inner);
-        if until.len() >= SOFT_HINTS_MAX {
-            until.retain(|_, t| *t > now);
-        }
-        for (budget, used) in budgets.iter().zip(used) {
-            if plan::is_soft(std::slice::from_ref(budget), &[*used], threshold_ppm) {
-                until.insert(budget.key.clone(), now + SOFT_HINT_TTL);
-            } else {
-                until.remove(&budget.key);
-            }
-        }
-    }
 }
 
 /// One decision of admission: from counters read (`used`), or assumed at 0 with
@@ -299,7 +261,7 @@ fn exceeded(budget: &Budget, now: u64) -> GatewayError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::budget::Unit;
+    use crate::budget::{CounterKey, Unit};
 
     fn budget(limit: u64) -> Budget {
         Budget { name: "b".into(), key: CounterKey("k".into()), unit: Unit::Tokens, limit: Some(limit), resets_at: 0 }

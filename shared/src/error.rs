@@ -1,15 +1,15 @@
 //! One error facade for the whole request path.
 //!
-//! Each module owns its error; `GatewayError` composes them and answers the three
-//! questions the edge asks: which HTTP status, which SPEC code, and whether another
-//! backend might do better (`is_retryable`, used by fallback). Rendering lives in
-//! `http::error`, once.
+//! Each module owns its error; `GatewayError` composes them and answers what the edge
+//! asks: which SPEC code (`ErrorCode`, which gives the HTTP status), which message,
+//! which headers. Rendering lives in each envelope's module, once.
 
 use http::StatusCode;
 
+use crate::call::{ErrorCode, InvalidRequest};
 use crate::config::BackendId;
 use crate::identity::IdentityError;
-use crate::protocol::openai::InvalidRequest;
+use crate::protocol::vision::VisionError;
 
 /// Why no backend could serve (`Flexway-Error-Cause`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,62 +129,48 @@ impl From<crate::budget::StoreError> for GatewayError {
     }
 }
 
-impl GatewayError {
-    pub fn status(&self) -> StatusCode {
-        match self {
-            GatewayError::InvalidRequest(_)
-            | GatewayError::CapabilityUnavailable { .. }
-            | GatewayError::ImageOriginNotAllowed { .. } => StatusCode::BAD_REQUEST,
-            GatewayError::Identity(IdentityError::MissingKey | IdentityError::UnknownKey) => StatusCode::UNAUTHORIZED,
-            GatewayError::Identity(_) | GatewayError::SensitiveNoInternalBackend => StatusCode::FORBIDDEN,
-            GatewayError::BodyTooLarge { .. } | GatewayError::ImageTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            GatewayError::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            GatewayError::BudgetExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
-            GatewayError::UpstreamError { .. } => StatusCode::BAD_GATEWAY,
-            GatewayError::UpstreamUnavailable { .. } | GatewayError::LedgerBusy => StatusCode::SERVICE_UNAVAILABLE,
-            GatewayError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
-            GatewayError::NotFound { .. } => StatusCode::NOT_FOUND,
-            GatewayError::RealtimeUnavailable => StatusCode::NOT_IMPLEMENTED,
-            GatewayError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
-            GatewayError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+impl From<VisionError> for GatewayError {
+    fn from(err: VisionError) -> Self {
+        match err {
+            VisionError::TooLarge { limit, .. } => GatewayError::ImageTooLarge { limit },
+            VisionError::OriginNotAllowed { origin } => GatewayError::ImageOriginNotAllowed { origin },
+            VisionError::Invalid(message) => {
+                GatewayError::InvalidRequest(InvalidRequest { message, param: Some("messages") })
+            }
         }
+    }
+}
+
+impl GatewayError {
+    /// The HTTP status of this refusal: its code's.
+    pub fn status(&self) -> StatusCode {
+        self.code().refusal_status().unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
     }
 
     /// The SPEC's error code (also the low-cardinality label for metrics).
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
-            GatewayError::InvalidRequest(_) => "invalid_request",
-            GatewayError::Identity(IdentityError::MissingKey | IdentityError::UnknownKey) => "invalid_api_key",
-            GatewayError::Identity(IdentityError::UnknownTenant { .. }) => "unknown_tenant",
-            GatewayError::Identity(IdentityError::UnreadableTenant) => "unknown_tenant",
-            GatewayError::Identity(_) => "unknown_agent",
-            GatewayError::CapabilityUnavailable { .. } => "capability_unavailable",
-            GatewayError::ImageOriginNotAllowed { .. } => "image_origin_not_allowed",
-            GatewayError::SensitiveNoInternalBackend => "sensitive_no_internal_backend",
-            GatewayError::BodyTooLarge { .. } => "body_too_large",
-            GatewayError::ImageTooLarge { .. } => "image_too_large",
-            GatewayError::HeadersTooLarge { .. } => "headers_too_large",
-            GatewayError::BudgetExceeded { .. } => "budget_exceeded",
-            GatewayError::UpstreamError { .. } => "upstream_error",
-            GatewayError::UpstreamUnavailable { .. } => "upstream_unavailable",
-            GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
-            GatewayError::NotFound { .. } => "not_found",
-            GatewayError::RealtimeUnavailable => "realtime_unavailable",
-            GatewayError::MethodNotAllowed { .. } => "method_not_allowed",
-            GatewayError::LedgerBusy => "ledger_busy",
-            GatewayError::Internal(_) => "internal_error",
-        }
-    }
-
-    /// The OpenAI error `type` for this status, as OpenAI's own API uses them.
-    pub fn openai_type(&self) -> &'static str {
-        match self.status().as_u16() {
-            401 => "authentication_error",
-            403 => "permission_error",
-            404 => "not_found_error",
-            429 => "insufficient_quota",
-            400..=499 => "invalid_request_error",
-            _ => "api_error",
+            GatewayError::InvalidRequest(_) => ErrorCode::InvalidRequest,
+            GatewayError::Identity(IdentityError::MissingKey | IdentityError::UnknownKey) => ErrorCode::InvalidApiKey,
+            GatewayError::Identity(IdentityError::UnknownTenant { .. } | IdentityError::UnreadableTenant) => {
+                ErrorCode::UnknownTenant
+            }
+            GatewayError::Identity(_) => ErrorCode::UnknownAgent,
+            GatewayError::CapabilityUnavailable { .. } => ErrorCode::CapabilityUnavailable,
+            GatewayError::ImageOriginNotAllowed { .. } => ErrorCode::ImageOriginNotAllowed,
+            GatewayError::SensitiveNoInternalBackend => ErrorCode::SensitiveNoInternalBackend,
+            GatewayError::BodyTooLarge { .. } => ErrorCode::BodyTooLarge,
+            GatewayError::ImageTooLarge { .. } => ErrorCode::ImageTooLarge,
+            GatewayError::HeadersTooLarge { .. } => ErrorCode::HeadersTooLarge,
+            GatewayError::BudgetExceeded { .. } => ErrorCode::BudgetExceeded,
+            GatewayError::UpstreamError { .. } => ErrorCode::UpstreamError,
+            GatewayError::UpstreamUnavailable { .. } => ErrorCode::UpstreamUnavailable,
+            GatewayError::UpstreamTimeout { .. } => ErrorCode::UpstreamTimeout,
+            GatewayError::NotFound { .. } => ErrorCode::NotFound,
+            GatewayError::RealtimeUnavailable => ErrorCode::RealtimeUnavailable,
+            GatewayError::MethodNotAllowed { .. } => ErrorCode::MethodNotAllowed,
+            GatewayError::LedgerBusy => ErrorCode::LedgerBusy,
+            GatewayError::Internal(_) => ErrorCode::InternalError,
         }
     }
 
@@ -193,16 +179,6 @@ impl GatewayError {
             GatewayError::InvalidRequest(e) => e.param,
             _ => None,
         }
-    }
-
-    /// Whether another backend could succeed where this one failed (fallback).
-    pub fn is_retryable(&self) -> bool {
-        matches!(
-            self,
-            GatewayError::UpstreamError { .. }
-                | GatewayError::UpstreamUnavailable { .. }
-                | GatewayError::UpstreamTimeout { .. }
-        )
     }
 
     /// Response headers this error carries besides the envelope.
@@ -256,12 +232,12 @@ mod tests {
     #[test]
     fn a_contended_ledger_is_a_503_to_retry_and_a_broken_one_names_nothing_of_aws() {
         let busy = GatewayError::from(crate::budget::StoreError::Busy("TransactionConflict on acme".into()));
-        assert_eq!((busy.status(), busy.code()), (StatusCode::SERVICE_UNAVAILABLE, "ledger_busy"));
+        assert_eq!((busy.status(), busy.code().as_str()), (StatusCode::SERVICE_UNAVAILABLE, "ledger_busy"));
         assert_eq!(busy.headers(), [("retry-after", "1".to_owned())]);
         assert!(!busy.to_string().contains("acme"), "{busy}");
         let arn = "User: arn:aws:sts::123456789012:assumed-role/gw is not authorized on table/ledger";
         let broken = GatewayError::from(crate::budget::StoreError::Backend(arn.into()));
-        assert_eq!((broken.status(), broken.code()), (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"));
+        assert_eq!((broken.status(), broken.code().as_str()), (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"));
         let response = crate::http::render(&broken, true);
         let body =
             futures_util::FutureExt::now_or_never(axum::body::to_bytes(response.into_body(), 4096)).unwrap().unwrap();
@@ -281,7 +257,7 @@ mod tests {
         };
         assert!(err.to_string().contains("skipped for an open circuit: c"));
         assert_eq!(err.status(), StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(err.code(), "upstream_unavailable");
+        assert_eq!(err.code().as_str(), "upstream_unavailable");
         assert!(err.to_string().contains("upstream_failed"));
         assert!(err.to_string().contains("a, b"));
         assert!(err.headers().contains(&("flexway-error-cause", "upstream_failed".to_owned())));
@@ -301,18 +277,34 @@ mod tests {
     #[test]
     fn identity_errors_map_to_spec_codes() {
         let missing = GatewayError::from(IdentityError::MissingKey);
-        assert_eq!((missing.status().as_u16(), missing.code()), (401, "invalid_api_key"));
+        assert_eq!((missing.status().as_u16(), missing.code().as_str()), (401, "invalid_api_key"));
         let agent = GatewayError::from(IdentityError::UnknownAgent { agent: "x".into() });
-        assert_eq!((agent.status().as_u16(), agent.code()), (403, "unknown_agent"));
+        assert_eq!((agent.status().as_u16(), agent.code().as_str()), (403, "unknown_agent"));
         for refused in
             [IdentityError::UnreadableAgent, IdentityError::AmbiguousAgent { first: "a".into(), other: "b".into() }]
         {
             let refused = GatewayError::from(refused);
-            assert_eq!((refused.status().as_u16(), refused.code()), (403, "unknown_agent"));
+            assert_eq!((refused.status().as_u16(), refused.code().as_str()), (403, "unknown_agent"));
         }
         for refused in [IdentityError::UnknownTenant { tenant: "t".into() }, IdentityError::UnreadableTenant] {
             let refused = GatewayError::from(refused);
-            assert_eq!((refused.status().as_u16(), refused.code()), (403, "unknown_tenant"));
+            assert_eq!((refused.status().as_u16(), refused.code().as_str()), (403, "unknown_tenant"));
         }
+    }
+
+    #[test]
+    fn vision_errors_map_to_spec_codes() {
+        let too_large = GatewayError::from(VisionError::TooLarge { limit: 8, size: 9 });
+        assert_eq!((too_large.status().as_u16(), too_large.code().as_str()), (413, "image_too_large"));
+        assert!(matches!(too_large, GatewayError::ImageTooLarge { limit: 8 }));
+
+        let origin = GatewayError::from(VisionError::OriginNotAllowed { origin: "https://evil.net".to_owned() });
+        assert_eq!((origin.status().as_u16(), origin.code().as_str()), (400, "image_origin_not_allowed"));
+        assert!(origin.to_string().contains("https://evil.net"));
+
+        let invalid = GatewayError::from(VisionError::Invalid("bad image".to_owned()));
+        assert_eq!((invalid.status().as_u16(), invalid.code().as_str()), (400, "invalid_request"));
+        assert_eq!(invalid.param(), Some("messages"));
+        assert_eq!(invalid.to_string(), "bad image");
     }
 }

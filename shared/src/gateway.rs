@@ -9,9 +9,9 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::admission::SoftHints;
 use crate::audit::{AuditSink, Hasher};
 use crate::budget::BudgetStore;
+use crate::budget::SoftHints;
 use crate::config::{BackendId, Config, Price};
 use crate::identity::KeyRing;
 use crate::metrics::Registry;

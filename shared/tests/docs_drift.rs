@@ -1,5 +1,5 @@
 //! The reference in `docs/` kept true by the code:
-//! - `docs/http.md` lists every error code `GatewayError::code()` returns, with its status;
+//! - `docs/http.md` lists every `ErrorCode`, a refusal's with its status;
 //! - `docs/configuration.md` is generated from the config's JSON Schema (regenerate with
 //!   `FLEXWAY_BLESS=1 cargo test -p flexway --test docs_drift`);
 //! - `docs/budgets.md`'s worked example is the arithmetic of `flexway::budget::plan`.
@@ -7,11 +7,13 @@
 
 mod support;
 
+use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use flexway::budget::plan::{self, Allowance, Budget};
 use flexway::budget::{CounterKey, Unit};
+use flexway::call::ErrorCode;
 use flexway::config::{BackendId, Price};
 use flexway::error::{Attempts, GatewayError, UnavailableCause};
 use flexway::identity::IdentityError;
@@ -62,43 +64,40 @@ fn one_of_each() -> Vec<GatewayError> {
     ]
 }
 
-/// The string literals of the `code()` match arms in `shared/src/error.rs`.
-fn codes_in_source() -> Vec<String> {
-    let source = read("shared/src/error.rs");
-    let start = source.find("pub fn code(&self)").expect("GatewayError::code() in shared/src/error.rs");
-    let body = &source[start..];
-    let end = body[1..].find("pub fn ").map_or(body.len(), |i| i + 1);
-    let mut codes: Vec<String> = body[..end]
-        .lines()
-        .filter_map(|line| line.split_once("=> \"").map(|(_, rest)| rest.split('"').next().unwrap_or("").to_owned()))
-        .collect();
-    codes.sort();
-    codes.dedup();
-    codes
+/// The codes of refusals: those with an HTTP status of their own.
+fn refusal_codes() -> BTreeSet<ErrorCode> {
+    ErrorCode::ALL.into_iter().filter(|code| code.refusal_status().is_some()).collect()
 }
 
 #[test]
-fn every_error_code_in_the_source_is_one_this_test_builds() {
-    let mut built: Vec<String> = one_of_each().iter().map(|e| e.code().to_owned()).collect();
-    built.sort();
-    built.dedup();
-    assert_eq!(codes_in_source(), built, "GatewayError::code() changed: update one_of_each() and docs/http.md");
+fn every_refusal_code_is_one_this_test_builds() {
+    let built: BTreeSet<ErrorCode> = one_of_each().iter().map(GatewayError::code).collect();
+    assert_eq!(built, refusal_codes(), "GatewayError::code() changed: update one_of_each() and docs/http.md");
+    for error in one_of_each() {
+        assert_eq!(Some(error.status()), error.code().refusal_status(), "{error}");
+    }
 }
 
 #[test]
 fn http_doc_lists_every_error_code_with_its_status() {
     let doc = read("docs/http.md");
-    let table_rows: Vec<&str> = doc.lines().filter(|l| l.starts_with("| `")).collect();
-    for error in one_of_each() {
-        let row = format!("| `{}` | {} |", error.code(), error.status().as_u16());
+    let section = &doc[doc.find("## Error codes").unwrap()..];
+    let section = &section[..section[1..].find("\n## ").map_or(section.len(), |i| i + 1)];
+    let table_rows: Vec<&str> = section.lines().filter(|l| l.starts_with("| `")).collect();
+    for code in ErrorCode::ALL {
+        let row = match code.refusal_status() {
+            Some(status) => format!("| `{code}` | {} |", status.as_u16()),
+            None => format!("| `{code}` | "),
+        };
         assert!(table_rows.iter().any(|l| l.starts_with(&row)), "docs/http.md has no error-table row starting `{row}`");
     }
-    // The table lists no code the gateway does not produce.
-    let codes = codes_in_source();
-    let section = &doc[doc.find("## Error codes").unwrap()..];
-    for line in section.lines().filter(|l| l.starts_with("| `")) {
+    // The tables list no code the gateway does not produce.
+    for line in table_rows {
         let code = line.trim_start_matches("| `").split('`').next().unwrap();
-        assert!(codes.iter().any(|c| c == code), "docs/http.md documents `{code}`, which the code never returns");
+        assert!(
+            ErrorCode::ALL.iter().any(|c| c.as_str() == code),
+            "docs/http.md documents `{code}`, which the code never returns"
+        );
     }
 }
 

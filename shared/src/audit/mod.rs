@@ -57,7 +57,7 @@ pub struct AuditRecord {
     pub cost_micro_eur: u64,
     /// HTTP status returned to the client (or gRPC code).
     pub status: u16,
-    pub error_code: Option<String>,
+    pub error_code: Option<ErrorCode>,
     pub degraded: bool,
     /// `soft`: past a soft limit, still served; `exceeded`: refused by a hard limit.
     pub budget_state: BudgetState,
@@ -104,6 +104,18 @@ pub enum CloseReason {
 }
 
 impl CloseReason {
+    /// The code the session's record carries: none when a side closed it in the
+    /// ordinary way.
+    pub fn error_code(self) -> Option<ErrorCode> {
+        match self {
+            CloseReason::BudgetExceeded => Some(ErrorCode::BudgetExceeded),
+            CloseReason::UpstreamError => Some(ErrorCode::UpstreamError),
+            CloseReason::MessageTooLarge => Some(ErrorCode::MessageTooLarge),
+            CloseReason::Internal => Some(ErrorCode::InternalError),
+            CloseReason::ClientClosed | CloseReason::UpstreamClosed | CloseReason::Shutdown => None,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             CloseReason::ClientClosed => "client_closed",
@@ -117,34 +129,7 @@ impl CloseReason {
     }
 }
 
-/// The kind of call: the endpoint family it came through (`realtime`: a WebSocket
-/// session, one record for the whole session).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(rename_all = "lowercase")]
-#[schemars(inline)]
-pub enum Operation {
-    Chat,
-    Embeddings,
-    Grpc,
-    Realtime,
-    // A chat call that came in by the Responses API (SPEC §2.1), or by the Anthropic
-    // Messages API (§2.2). Plain comments: doc comments would split the schema's enum.
-    Responses,
-    Messages,
-}
-
-impl Operation {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Operation::Chat => "chat",
-            Operation::Embeddings => "embeddings",
-            Operation::Grpc => "grpc",
-            Operation::Realtime => "realtime",
-            Operation::Responses => "responses",
-            Operation::Messages => "messages",
-        }
-    }
-}
+pub use crate::call::{ErrorCode, Operation};
 
 /// Whether the usage settled came from the backend or from Flexway's estimate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, schemars::JsonSchema)]
@@ -285,7 +270,7 @@ mod tests {
             cost_eur: 0.000_296,
             cost_micro_eur: 296,
             status: 429,
-            error_code: Some("budget_exceeded".into()),
+            error_code: Some(ErrorCode::BudgetExceeded),
             degraded: true,
             budget_state: BudgetState::Exceeded,
             latency_ms: 120,

@@ -8,7 +8,7 @@
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
-use super::{AuditError, AuditRecord, AuditSink};
+use super::{AuditError, AuditRecord, AuditSink, ErrorCode};
 use crate::json;
 
 /// One JSON line per record, `\n`-terminated, in the order given.
@@ -61,7 +61,7 @@ fn line(record: &AuditRecord, out: &mut Vec<u8>) {
     json::next(out, "status");
     json::number(out, record.status.into());
     json::next(out, "error_code");
-    json::option(out, record.error_code.as_deref());
+    json::option(out, record.error_code.map(ErrorCode::as_str));
     json::next(out, "degraded");
     json::boolean(out, record.degraded);
     json::next(out, "budget_state");
@@ -255,7 +255,7 @@ mod tests {
             r.close_reason = Some(reasons[i]);
             r.feature = Some(format!("feature-{i}"));
             r.cost_eur = costs[i];
-            r.error_code = Some("upstream_error".into());
+            r.error_code = Some(ErrorCode::UpstreamError);
             r.user_hash = Some("cd".repeat(32));
             r.ttfb_ms = None;
             r.degraded = true;

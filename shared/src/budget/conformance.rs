@@ -19,9 +19,9 @@ use super::{
     BudgetStore, CounterKey, IntentOutcome, Line, Reservation, ReserveOutcome, ReserveRequest, SettleOutcome,
     StoreError, Swept, Unit,
 };
+use crate::call::Usage;
 use crate::config::Price;
 use crate::money::MicroEur;
-use crate::protocol::openai::Usage;
 
 const NOW: u64 = 1_795_967_070;
 

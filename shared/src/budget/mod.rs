@@ -22,6 +22,7 @@
 #[cfg(any(test, feature = "test-support"))]
 pub mod conformance;
 pub mod embedded;
+mod hints;
 pub mod lease;
 pub mod ledger;
 pub mod memory;
@@ -34,6 +35,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 pub use embedded::EmbeddedBudgetStore;
+pub use hints::{SOFT_HINT_TTL, SoftHints};
 pub use lease::{LeasePolicy, LeasedBudgetStore};
 pub use ledger::{LedgerState, StoredReservation};
 pub use memory::MemoryBudgetStore;

@@ -10,9 +10,9 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
+use crate::call::Usage;
 use crate::config::{Budgets, Config, Price, TenantId};
 use crate::money::MicroEur;
-use crate::protocol::openai::Usage;
 
 use super::{CounterKey, Line, Period, Unit};
 

@@ -24,9 +24,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::call::Usage;
 use crate::config::Price;
 use crate::money::MicroEur;
-use crate::protocol::openai::Usage;
 
 use super::plan::{self, Budget};
 use super::{BudgetStore, CounterKey, IntentOutcome, Reservation, SettleOutcome, StoreError};

@@ -6,6 +6,7 @@ use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, header};
 use serde_json::json;
 
+use crate::call::ErrorCode;
 use crate::error::{GatewayError, INTERNAL_MESSAGE};
 use crate::protocol::messages;
 use crate::protocol::openai::error_envelope;
@@ -42,29 +43,42 @@ pub enum Envelope {
     Problem,
 }
 
+/// The OpenAI error `type` of a refusal's status, as OpenAI's own API uses them.
+fn openai_type(status: http::StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        429 => "insufficient_quota",
+        400..=499 => "invalid_request_error",
+        _ => "api_error",
+    }
+}
+
 pub fn render_in(error: &GatewayError, envelope: Envelope) -> Response {
     let status = error.status();
+    let code: ErrorCode = error.code();
     if status.is_server_error() {
-        tracing::warn!(code = error.code(), status = status.as_u16(), "{error}");
+        tracing::warn!(code = code.as_str(), status = status.as_u16(), "{error}");
     } else {
-        tracing::debug!(code = error.code(), status = status.as_u16(), "{error}");
+        tracing::debug!(code = code.as_str(), status = status.as_u16(), "{error}");
     }
     let message = match error {
         GatewayError::Internal(_) => INTERNAL_MESSAGE.to_owned(),
         _ => error.to_string(),
     };
     let (body, content_type) = if envelope == Envelope::OpenAi {
-        (error_envelope(&message, error.openai_type(), error.code(), error.param()), "application/json")
+        (error_envelope(&message, openai_type(status), code.as_str(), error.param()), "application/json")
     } else if envelope == Envelope::Anthropic {
-        let message = format!("{}: {message}", error.code());
+        let message = format!("{code}: {message}");
         (messages::error_envelope(messages::error_type(status.as_u16()), &message), "application/json")
     } else {
         let problem = json!({
-            "type": format!("https://flexway.dev/errors/{}", error.code()),
+            "type": format!("https://flexway.dev/errors/{code}"),
             "title": status.canonical_reason().unwrap_or("Error"),
             "status": status.as_u16(),
             "detail": message,
-            "code": error.code(),
+            "code": code.as_str(),
         });
         (problem, "application/problem+json")
     };

@@ -39,11 +39,11 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 
 use super::RequestId;
-use super::proxy::BACKEND_HEADER;
 use super::record::{Draft, UsageSource};
 use crate::admission::{STREAM_RESERVATION_SECS, reserve_eur};
-use crate::audit::Operation;
 use crate::budget::Ticket;
+use crate::call::headers::BACKEND as BACKEND_HEADER;
+use crate::call::{ErrorCode, Operation};
 use crate::config::{AiOperation, BackendId, BackendKind, Capability, GrpcMetering, GrpcMethod};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
@@ -85,7 +85,7 @@ impl Flavor {
         if kind.starts_with("application/grpc-web-text") {
             return Err(Refusal::new(
                 Code::Unimplemented,
-                "invalid_request",
+                ErrorCode::InvalidRequest,
                 "gRPC-Web text (base64) is not served: send application/grpc-web+proto",
             ));
         }
@@ -104,12 +104,12 @@ impl Flavor {
 #[derive(Debug)]
 struct Refusal {
     code: Code,
-    error_code: &'static str,
+    error_code: ErrorCode,
     message: String,
 }
 
 impl Refusal {
-    fn new(code: Code, error_code: &'static str, message: impl Into<String>) -> Self {
+    fn new(code: Code, error_code: ErrorCode, message: impl Into<String>) -> Self {
         Refusal { code, error_code, message: message.into() }
     }
 
@@ -121,16 +121,6 @@ impl Refusal {
 
 impl From<GatewayError> for Refusal {
     fn from(error: GatewayError) -> Self {
-        let code = match error.status().as_u16() {
-            401 => Code::Unauthenticated,
-            403 => Code::PermissionDenied,
-            429 => Code::ResourceExhausted,
-            400 | 413 | 431 => Code::InvalidArgument,
-            404 | 405 => Code::Unimplemented,
-            502 | 503 => Code::Unavailable,
-            504 => Code::DeadlineExceeded,
-            _ => Code::Internal,
-        };
         let message = match &error {
             GatewayError::Internal(detail) => {
                 tracing::error!("{detail}");
@@ -138,7 +128,8 @@ impl From<GatewayError> for Refusal {
             }
             other => other.to_string(),
         };
-        Refusal { code, error_code: error.code(), message }
+        let error_code = error.code();
+        Refusal { code: Code::of(error_code), error_code, message }
     }
 }
 
@@ -165,7 +156,7 @@ pub(super) async fn handle(gateway: Arc<Gateway>, request_id: RequestId, request
         Err(e) => return refused(flavor, &Refusal::from(GatewayError::from(e))),
     };
     let mut draft = Draft::begin(&gateway, &request_id, &caller, Operation::Grpc, request.headers());
-    draft.abandoned_as(Code::Cancelled.number(), "cancelled");
+    draft.abandoned_as(Code::Cancelled.number(), ErrorCode::Cancelled);
     let rpc = request.uri().path().trim_start_matches('/').to_owned();
     draft.request(Capability::Grpc, &rpc, None);
     match call(&gateway, &caller, &request_id, &mut draft, flavor, &rpc, request).await {
@@ -228,7 +219,7 @@ async fn call(
     if flavor == Flavor::Web && method.client_streaming {
         return Err(Refusal::new(
             Code::Unimplemented,
-            "invalid_request",
+            ErrorCode::InvalidRequest,
             format!(
                 "/{rpc} is a client or bidirectional streaming method: gRPC-Web carries unary and \
                  server-streaming calls only (a function URL buffers the request body); call it with native \
@@ -267,7 +258,7 @@ async fn call(
                 tracing::warn!(backend = %backend, "gRPC upstream: {e}");
                 Refusal::new(
                     Code::Unavailable,
-                    "upstream_unavailable",
+                    ErrorCode::UpstreamUnavailable,
                     format!("backend `{backend}` could not be reached: {}", root_cause(&e)),
                 )
             });
@@ -276,7 +267,7 @@ async fn call(
         Err(_) => {
             let refusal = Refusal::new(
                 Code::DeadlineExceeded,
-                "upstream_timeout",
+                ErrorCode::UpstreamTimeout,
                 format!("backend `{backend}` did not answer within {timeout:?}"),
             );
             return Err(Failed { refusal, meter: Some(meter) });
@@ -287,7 +278,7 @@ async fn call(
         let status = response.status();
         let refusal = Refusal::new(
             Code::Unavailable,
-            "upstream_error",
+            ErrorCode::UpstreamError,
             format!("backend `{backend}` answered HTTP {status}, not a gRPC response"),
         );
         return Err(Failed { refusal, meter: Some(meter) });
@@ -300,7 +291,7 @@ async fn call(
 /// for a sensitive call.
 fn route(gateway: &Gateway, rpc: &str, sensitive: bool) -> Result<(BackendId, String, GrpcMethod), Refusal> {
     let (service, method) = rpc.split_once('/').filter(|(s, m)| !s.is_empty() && !m.is_empty()).ok_or_else(|| {
-        Refusal::new(Code::Unimplemented, "invalid_request", format!("`/{rpc}` is not a gRPC method path"))
+        Refusal::new(Code::Unimplemented, ErrorCode::InvalidRequest, format!("`/{rpc}` is not a gRPC method path"))
     })?;
     let ai = &gateway.config.ai;
     let serving: Vec<_> = ai
@@ -315,7 +306,7 @@ fn route(gateway: &Gateway, rpc: &str, sensitive: bool) -> Result<(BackendId, St
     if serving.is_empty() {
         return Err(Refusal::new(
             Code::Unimplemented,
-            "unknown_service",
+            ErrorCode::UnknownService,
             format!("no grpc backend's descriptor set declares the service `{service}`"),
         ));
     }
@@ -326,7 +317,7 @@ fn route(gateway: &Gateway, rpc: &str, sensitive: bool) -> Result<(BackendId, St
     let method = services.method(service, method).cloned().ok_or_else(|| {
         Refusal::new(
             Code::Unimplemented,
-            "unknown_service",
+            ErrorCode::UnknownService,
             format!("the service `{service}` has no method `{method}`"),
         )
     })?;
@@ -336,7 +327,7 @@ fn route(gateway: &Gateway, rpc: &str, sensitive: bool) -> Result<(BackendId, St
 fn too_large(declared: u64) -> Refusal {
     Refusal::new(
         Code::ResourceExhausted,
-        "message_too_large",
+        ErrorCode::MessageTooLarge,
         format!("a message of {declared} bytes is larger than the {MAX_MESSAGE_BYTES} bytes a metered call passes"),
     )
 }
@@ -357,7 +348,7 @@ async fn peek_first_message(body: &mut Body) -> Result<(VecDeque<Frame<Bytes>>, 
     let mut counter = MessageCounter::default();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| {
-            Refusal::new(Code::Cancelled, "client_closed_request", format!("could not read the request: {e}"))
+            Refusal::new(Code::Cancelled, ErrorCode::ClientClosedRequest, format!("could not read the request: {e}"))
         })?;
         let declared = frame.data_ref().map(|data| counter.feed(data).declared).unwrap_or_default();
         frames.push_back(frame);
@@ -380,13 +371,13 @@ fn upstream_request(
 ) -> Result<http::Request<UpstreamBody>, Refusal> {
     let uri: http::Uri = format!("{url}/{rpc}")
         .parse()
-        .map_err(|e| Refusal::new(Code::Internal, "upstream_error", format!("upstream URI: {e}")))?;
+        .map_err(|e| Refusal::new(Code::Internal, ErrorCode::UpstreamError, format!("upstream URI: {e}")))?;
     let mut request = http::Request::builder()
         .method(http::Method::POST)
         .uri(uri)
         .version(http::Version::HTTP_2)
         .body(body.boxed())
-        .map_err(|e| Refusal::new(Code::Internal, "upstream_error", format!("upstream request: {e}")))?;
+        .map_err(|e| Refusal::new(Code::Internal, ErrorCode::UpstreamError, format!("upstream request: {e}")))?;
     let out = request.headers_mut();
     for (name, value) in headers {
         if forwarded(name) && name.as_str() != sensitive_header {
@@ -641,11 +632,11 @@ struct Ending {
 }
 
 impl Ending {
-    async fn end(&mut self, status: u16, error_code: Option<&'static str>) -> MicroEur {
+    async fn end(&mut self, status: u16, error_code: Option<ErrorCode>) -> MicroEur {
         let Some(mut draft) = self.draft.take() else { return MicroEur(0) };
         let cost = self.meter.close(true, status).await;
         draft.usage(Usage::default(), UsageSource::Reported, cost);
-        if status == Code::ResourceExhausted.number() && error_code == Some("budget_exceeded") {
+        if status == Code::ResourceExhausted.number() && error_code == Some(ErrorCode::BudgetExceeded) {
             draft.exceeded();
         }
         draft.finish(status, error_code).await;
@@ -660,7 +651,7 @@ impl Drop for Ending {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
                 let mut ending = Ending { draft: Some(draft), meter };
-                ending.end(Code::Cancelled.number(), Some("cancelled")).await;
+                ending.end(Code::Cancelled.number(), Some(ErrorCode::Cancelled)).await;
             });
         }
     }
@@ -724,7 +715,7 @@ impl Relaying {
             Some(Err(e)) => {
                 tracing::warn!("gRPC upstream stream: {e}");
                 let refusal = self.ending.meter.refusal().unwrap_or_else(|| {
-                    Refusal::new(Code::Unavailable, "upstream_error", format!("the upstream stream broke: {e}"))
+                    Refusal::new(Code::Unavailable, ErrorCode::UpstreamError, format!("the upstream stream broke: {e}"))
                 });
                 return self.finish(Some(refusal)).await;
             }
@@ -777,7 +768,8 @@ impl Relaying {
             self.done = true;
             return None;
         }
-        let refusal = Refusal::new(Code::Internal, "upstream_error", "the upstream ended the call without a status");
+        let refusal =
+            Refusal::new(Code::Internal, ErrorCode::UpstreamError, "the upstream ended the call without a status");
         Box::pin(self.finish(Some(refusal))).await
     }
 
@@ -787,7 +779,7 @@ impl Relaying {
         &mut self,
         mut trailers: HeaderMap,
         status: u16,
-        error_code: Option<&'static str>,
+        error_code: Option<ErrorCode>,
     ) -> Option<Frame<Bytes>> {
         self.body = None;
         let cost = self.ending.end(status, error_code).await;

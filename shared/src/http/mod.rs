@@ -27,22 +27,8 @@ use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::protocol::openai::model_list;
 
-pub const REQUEST_ID_HEADER: &str = "flexway-request-id";
-
-/// The id of one request, returned as `Flexway-Request-Id` and used by the ledger
-/// and the audit.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RequestId(pub String);
-
-impl RequestId {
-    /// `req_` and a random (v4) UUID, from the thread's own generator (ChaCha,
-    /// seeded from the OS once): `Uuid::new_v4` asks the kernel each time, a
-    /// `getrandom` system call a request.
-    pub fn generate() -> Self {
-        let uuid = uuid::Builder::from_random_bytes(rand::random()).into_uuid();
-        RequestId(format!("req_{}", uuid.simple()))
-    }
-}
+pub use crate::call::RequestId;
+pub use crate::call::headers::REQUEST_ID as REQUEST_ID_HEADER;
 
 /// When the platform ends the call, if it does (a Lambda function's deadline): a
 /// request extension the serverless binary sets. A stream still open a margin before

@@ -30,6 +30,7 @@ use super::relay;
 use super::{Deadline, RequestId};
 use crate::admission::{Admission, Demand, admit};
 use crate::budget::{Ticket, plan};
+use crate::call::Operation;
 use crate::config::Capability;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
@@ -41,12 +42,9 @@ use crate::protocol::responses::{self, ResponsesRequest};
 use crate::protocol::{Measure, Wire, anthropic, vision};
 use crate::routing::Candidate;
 
-pub const BACKEND_HEADER: &str = "flexway-backend";
-pub const DEGRADED_HEADER: &str = "flexway-degraded";
-pub const BUDGET_HEADER: &str = "flexway-budget";
-/// The settled cost of a non-streamed answer, in euros (`0.000123`); a stream's is
-/// only known after its last byte, so only its audit record says it.
-pub const COST_HEADER: &str = "flexway-cost-eur";
+use crate::call::headers::{
+    BACKEND as BACKEND_HEADER, BUDGET as BUDGET_HEADER, COST as COST_HEADER, DEGRADED as DEGRADED_HEADER,
+};
 
 /// What the call phases hand to the record phase.
 enum Reply {
@@ -61,14 +59,6 @@ enum Reply {
 struct Call<'a> {
     caller: &'a Caller,
     request_id: &'a RequestId,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Operation {
-    Chat,
-    Embeddings,
-    Responses,
-    Messages,
 }
 
 pub(super) async fn chat_completions(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
@@ -139,19 +129,11 @@ async fn handle(
         // Refused before identification: no audit record (SPEC §9), only the log.
         Err(e) => return render_in(&GatewayError::from(e), envelope),
     };
-    let operation = match op {
-        Operation::Chat => crate::audit::Operation::Chat,
-        Operation::Embeddings => crate::audit::Operation::Embeddings,
-        Operation::Responses => crate::audit::Operation::Responses,
-        Operation::Messages => crate::audit::Operation::Messages,
-    };
-    let mut draft = Draft::begin(&gateway, &request_id, &caller, operation, &headers);
+    let mut draft = Draft::begin(&gateway, &request_id, &caller, op, &headers);
     let call = Call { caller: &caller, request_id: &request_id };
     let result = match op {
         Operation::Embeddings => embed(&gateway, call, &mut draft, &headers, body).await,
-        Operation::Chat | Operation::Responses | Operation::Messages => {
-            chat(&gateway, call, &mut draft, &headers, body, op).await
-        }
+        _ => chat(&gateway, call, &mut draft, &headers, body, op).await,
     };
     match result {
         Ok(Reply::Now(response)) => {
@@ -210,7 +192,7 @@ impl Inbound {
         Ok(match op {
             Operation::Responses => Inbound::Responses(ResponsesRequest::parse(bytes)?),
             Operation::Messages => Inbound::Messages(MessagesRequest::parse(bytes)?),
-            Operation::Chat | Operation::Embeddings => Inbound::Chat(ChatRequest::parse(bytes)?),
+            _ => Inbound::Chat(ChatRequest::parse(bytes)?),
         })
     }
 

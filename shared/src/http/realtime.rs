@@ -47,8 +47,9 @@ use super::error::render;
 use super::proxy::model_headers;
 use super::record::{Draft, UsageSource};
 use crate::admission::{Admission, Demand, admit, reserve_turn};
-use crate::audit::{CloseReason, Operation};
+use crate::audit::CloseReason;
 use crate::budget::Ticket;
+use crate::call::{ErrorCode, Operation};
 use crate::config::{BackendId, Capability, Price};
 use crate::error::{Attempts, GatewayError, UnavailableCause};
 use crate::gateway::Gateway;
@@ -305,13 +306,7 @@ impl Session {
         }
         draft.usage(totals.usage, UsageSource::Reported, totals.cost);
         draft.closed(end.reason);
-        let error_code = match end.reason {
-            CloseReason::BudgetExceeded => Some("budget_exceeded"),
-            CloseReason::UpstreamError => Some("upstream_error"),
-            CloseReason::MessageTooLarge => Some("message_too_large"),
-            CloseReason::Internal => Some("internal_error"),
-            CloseReason::ClientClosed | CloseReason::UpstreamClosed | CloseReason::Shutdown => None,
-        };
+        let error_code = end.reason.error_code();
         gateway.metrics.realtime_session_ended(Some(self.candidate.backend.as_str()), end.reason.as_str());
         draft.finish(http::StatusCode::SWITCHING_PROTOCOLS.as_u16(), error_code).await;
         drop(open);
@@ -337,7 +332,7 @@ impl Session {
                     let message = match from_client {
                         None => return End::new(CloseReason::ClientClosed, None),
                         Some(Err(e)) if too_large(&e) => {
-                            return End::new(CloseReason::MessageTooLarge, Some((rt::CLOSE_TOO_LARGE, "message_too_large")));
+                            return End::new(CloseReason::MessageTooLarge, Some((rt::CLOSE_TOO_LARGE, ErrorCode::MessageTooLarge.as_str())));
                         }
                         Some(Err(_)) => return End::new(CloseReason::ClientClosed, None),
                         Some(Ok(message)) => message,
@@ -366,19 +361,19 @@ impl Session {
                         Message::Ping(_) | Message::Pong(_) => continue,
                     };
                     if self.upstream.send(message).await.is_err() {
-                        return End::new(CloseReason::UpstreamError, Some((rt::CLOSE_UPSTREAM_ERROR, "upstream_error")));
+                        return End::new(CloseReason::UpstreamError, Some((rt::CLOSE_UPSTREAM_ERROR, ErrorCode::UpstreamError.as_str())));
                     }
                 }
                 from_upstream = self.upstream.next() => {
                     let message = match from_upstream {
-                        None => return End::new(CloseReason::UpstreamError, Some((rt::CLOSE_UPSTREAM_ERROR, "upstream_error"))),
+                        None => return End::new(CloseReason::UpstreamError, Some((rt::CLOSE_UPSTREAM_ERROR, ErrorCode::UpstreamError.as_str()))),
                         Some(Err(tungstenite::Error::Capacity(_))) => {
                             tracing::warn!(backend = %self.candidate.backend, "realtime backend sent a message over ai.limits.max_event_bytes");
-                            return End::new(CloseReason::MessageTooLarge, Some((rt::CLOSE_UPSTREAM_ERROR, "upstream_error")));
+                            return End::new(CloseReason::MessageTooLarge, Some((rt::CLOSE_UPSTREAM_ERROR, ErrorCode::UpstreamError.as_str())));
                         }
                         Some(Err(e)) => {
                             tracing::warn!(backend = %self.candidate.backend, "realtime backend dropped the session: {e}");
-                            return End::new(CloseReason::UpstreamError, Some((rt::CLOSE_UPSTREAM_ERROR, "upstream_error")));
+                            return End::new(CloseReason::UpstreamError, Some((rt::CLOSE_UPSTREAM_ERROR, ErrorCode::UpstreamError.as_str())));
                         }
                         Some(Ok(message)) => message,
                     };
@@ -407,11 +402,11 @@ impl Session {
                         match self.charge(usage, totals).await {
                             Ok(()) => {}
                             Err(GatewayError::BudgetExceeded { .. }) => {
-                                return End::new(CloseReason::BudgetExceeded, Some((rt::CLOSE_BUDGET_EXCEEDED, "budget_exceeded")));
+                                return End::new(CloseReason::BudgetExceeded, Some((rt::CLOSE_BUDGET_EXCEEDED, ErrorCode::BudgetExceeded.as_str())));
                             }
                             Err(e) => {
                                 tracing::error!("realtime session: the next response's allowance could not be reserved: {e}");
-                                return End::new(CloseReason::Internal, Some((rt::CLOSE_INTERNAL, "internal_error")));
+                                return End::new(CloseReason::Internal, Some((rt::CLOSE_INTERNAL, ErrorCode::InternalError.as_str())));
                             }
                         }
                     }

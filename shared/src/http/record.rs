@@ -12,7 +12,8 @@ use std::time::{Duration, Instant, SystemTime};
 use http::HeaderMap;
 
 pub use crate::audit::UsageSource;
-use crate::audit::{AuditRecord, BudgetState, Operation, SCHEMA_VERSION, Timestamp};
+use crate::audit::{AuditRecord, BudgetState, SCHEMA_VERSION, Timestamp};
+use crate::call::{ErrorCode, Operation};
 use crate::config::{BackendKind, Capability, Metering};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
@@ -40,7 +41,7 @@ pub(super) struct Draft {
     /// Who the call is for, as a relay passes it on.
     caller: CallerIdentity,
     /// The status and code recorded if the call is dropped before it ends.
-    abandoned: (u16, &'static str),
+    abandoned: (u16, ErrorCode),
 }
 
 /// What the call's telemetry span needs beyond its audit record.
@@ -111,13 +112,13 @@ impl Draft {
                 sensitive: false,
                 forwarded: gateway.upstreams.forwardable(headers),
             },
-            abandoned: (CLIENT_CLOSED_REQUEST, "client_closed_request"),
+            abandoned: (CLIENT_CLOSED_REQUEST, ErrorCode::ClientClosedRequest),
         }
     }
 
     /// What the record says if the call is dropped before it ends (a gRPC call:
     /// `CANCELLED`, not HTTP's 499).
-    pub fn abandoned_as(&mut self, status: u16, error_code: &'static str) {
+    pub fn abandoned_as(&mut self, status: u16, error_code: ErrorCode) {
         self.abandoned = (status, error_code);
     }
 
@@ -221,7 +222,7 @@ impl Draft {
         }
     }
 
-    pub async fn finish(mut self, status: u16, error_code: Option<&str>) {
+    pub async fn finish(mut self, status: u16, error_code: Option<ErrorCode>) {
         self.open = false;
         let (record, span) = self.complete(status, error_code);
         let metrics = &self.gateway.metrics;
@@ -246,11 +247,11 @@ impl Draft {
     }
 
     /// The record as the call ends, and what its span adds if telemetry is on.
-    fn complete(&mut self, status: u16, error_code: Option<&str>) -> (AuditRecord, Option<Ended>) {
+    fn complete(&mut self, status: u16, error_code: Option<ErrorCode>) -> (AuditRecord, Option<Ended>) {
         let mut record = self.record.clone();
         record.ts = Timestamp::now();
         record.status = status;
-        record.error_code = error_code.map(str::to_owned);
+        record.error_code = error_code;
         record.latency_ms = elapsed_ms(self.started);
         if record.ttfb_ms.is_none() && status < 400 {
             record.ttfb_ms = Some(record.latency_ms);

@@ -31,6 +31,7 @@ use super::Deadline;
 use super::door::{Door, Writer};
 use super::record::{Draft, UsageSource};
 use crate::budget::{Ticket, plan};
+use crate::call::ErrorCode;
 use crate::config::{BackendId, Price};
 use crate::gateway::Gateway;
 use crate::protocol::anthropic;
@@ -116,9 +117,9 @@ impl Settle {
         draft.finish_reasons(outcome.finish_reasons.clone());
         match &outcome.end {
             StreamEnd::Done => draft.finish(200, None).await,
-            StreamEnd::Broken(_) => draft.finish(200, Some("upstream_error")).await,
-            StreamEnd::ClientGone => draft.finish(499, Some("client_closed_request")).await,
-            StreamEnd::Deadline => draft.finish(200, Some(DEADLINE_CODE)).await,
+            StreamEnd::Broken(_) => draft.finish(200, Some(ErrorCode::UpstreamError)).await,
+            StreamEnd::ClientGone => draft.finish(499, Some(ErrorCode::ClientClosedRequest)).await,
+            StreamEnd::Deadline => draft.finish(200, Some(ErrorCode::Deadline)).await,
         }
     }
 }
@@ -310,16 +311,13 @@ fn ended(mut outcome: RelayOutcome, end: StreamEnd) -> RelayOutcome {
     outcome
 }
 
-/// The `error.code` of a stream ended for the platform's deadline.
-pub(super) const DEADLINE_CODE: &str = "deadline";
-
 /// Ends the client's stream before the platform does: the in-band `deadline` error
 /// (offered for a moment only: a client that reads no more must not hold the settle
 /// past the deadline).
 async fn deadline(outcome: RelayOutcome, source: &mut Source, tx: &mpsc::Sender<Bytes>) -> RelayOutcome {
     tracing::warn!("stream ended at the function's deadline; settled on what was relayed");
     let message = "the gateway's time limit was reached; the response is incomplete";
-    let event = source.error_event(DEADLINE_CODE, message);
+    let event = source.error_event(ErrorCode::Deadline.as_str(), message);
     let _ = tokio::time::timeout(Duration::from_millis(200), tx.send(event)).await;
     ended(outcome, StreamEnd::Deadline)
 }
@@ -612,7 +610,7 @@ async fn broken(
 ) -> RelayOutcome {
     tracing::warn!("stream broke mid-way: {fault}");
     let message = format!("{fault}; the response is incomplete");
-    let event = source.error_event("upstream_error", &message);
+    let event = source.error_event(ErrorCode::UpstreamError.as_str(), &message);
     // If the client is gone too, there is no one left to tell.
     let _ = tx.send(event).await;
     outcome.end = StreamEnd::Broken(fault);

@@ -20,8 +20,8 @@ use http::HeaderMap;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
+use crate::call::InvalidRequest;
 use crate::config::{AgentId, Config, Tenant, TenantId};
-use crate::protocol::openai::InvalidRequest;
 
 /// `AGENT_HEADER`: the request header in which a key without a bound agent may name
 /// one of its tenant's agents. `TENANT_HEADER`: the one in which a relay peer names

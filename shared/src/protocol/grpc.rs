@@ -6,6 +6,7 @@
 //! payload bytes. A message's bytes are its payload, the prefix (1 flag byte, 4 length
 //! bytes) excluded; that is what per-byte metering charges.
 
+use crate::call::ErrorCode;
 use bytes::{BufMut, Bytes, BytesMut};
 use http::HeaderMap;
 
@@ -29,6 +30,30 @@ pub enum Code {
 impl Code {
     pub fn number(self) -> u16 {
         self as u16
+    }
+
+    /// The status a gRPC caller reads for a gateway's code: the gRPC mapping of the
+    /// refusal's HTTP status (gRPC's own HTTP mapping, read backwards), and the codes
+    /// that are gRPC's own.
+    pub fn of(code: ErrorCode) -> Code {
+        match code {
+            ErrorCode::InvalidApiKey => Code::Unauthenticated,
+            ErrorCode::UnknownAgent | ErrorCode::UnknownTenant | ErrorCode::SensitiveNoInternalBackend => {
+                Code::PermissionDenied
+            }
+            ErrorCode::BudgetExceeded | ErrorCode::MessageTooLarge => Code::ResourceExhausted,
+            ErrorCode::InvalidRequest
+            | ErrorCode::CapabilityUnavailable
+            | ErrorCode::ImageOriginNotAllowed
+            | ErrorCode::BodyTooLarge
+            | ErrorCode::ImageTooLarge
+            | ErrorCode::HeadersTooLarge => Code::InvalidArgument,
+            ErrorCode::NotFound | ErrorCode::MethodNotAllowed | ErrorCode::UnknownService => Code::Unimplemented,
+            ErrorCode::UpstreamError | ErrorCode::UpstreamUnavailable | ErrorCode::LedgerBusy => Code::Unavailable,
+            ErrorCode::UpstreamTimeout | ErrorCode::Deadline => Code::DeadlineExceeded,
+            ErrorCode::ClientClosedRequest | ErrorCode::Cancelled => Code::Cancelled,
+            ErrorCode::RealtimeUnavailable | ErrorCode::InternalError => Code::Internal,
+        }
     }
 }
 

@@ -8,8 +8,7 @@
 //! browser's: anything it is unsure of is refused, never guessed.
 
 use crate::config::VisionPolicy;
-use crate::error::GatewayError;
-use crate::protocol::openai::{ImageRef, InvalidRequest};
+use crate::protocol::openai::ImageRef;
 
 /// Why an image was refused.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
@@ -22,18 +21,6 @@ pub enum VisionError {
     OriginNotAllowed { origin: String },
     #[error("{0}")]
     Invalid(String),
-}
-
-impl From<VisionError> for GatewayError {
-    fn from(err: VisionError) -> Self {
-        match err {
-            VisionError::TooLarge { limit, .. } => GatewayError::ImageTooLarge { limit },
-            VisionError::OriginNotAllowed { origin } => GatewayError::ImageOriginNotAllowed { origin },
-            VisionError::Invalid(message) => {
-                GatewayError::InvalidRequest(InvalidRequest { message, param: Some("messages") })
-            }
-        }
-    }
 }
 
 /// Checks every image of a request against the policy; the first refusal wins.
@@ -468,22 +455,6 @@ mod tests {
             check_images(&mixed, &policy),
             Err(VisionError::OriginNotAllowed { origin: "https://evil.net".to_owned() })
         );
-    }
-
-    #[test]
-    fn vision_errors_map_to_spec_codes() {
-        let too_large = GatewayError::from(VisionError::TooLarge { limit: 8, size: 9 });
-        assert_eq!((too_large.status().as_u16(), too_large.code()), (413, "image_too_large"));
-        assert!(matches!(too_large, GatewayError::ImageTooLarge { limit: 8 }));
-
-        let origin = GatewayError::from(VisionError::OriginNotAllowed { origin: "https://evil.net".to_owned() });
-        assert_eq!((origin.status().as_u16(), origin.code()), (400, "image_origin_not_allowed"));
-        assert!(origin.to_string().contains("https://evil.net"));
-
-        let invalid = GatewayError::from(VisionError::Invalid("bad image".to_owned()));
-        assert_eq!((invalid.status().as_u16(), invalid.code()), (400, "invalid_request"));
-        assert_eq!(invalid.param(), Some("messages"));
-        assert_eq!(invalid.to_string(), "bad image");
     }
 
     #[test]

@@ -85,7 +85,8 @@ struct Exporter {
 
 impl Exporter {
     fn new(config: &TelemetryConfig, counters: Arc<Counters>) -> Self {
-        let client = reqwest::Client::builder().timeout(POST_TIMEOUT).user_agent(crate::upstream::USER_AGENT).build();
+        let client =
+            reqwest::Client::builder().timeout(POST_TIMEOUT).user_agent(crate::call::headers::USER_AGENT).build();
         if let Err(e) = &client {
             tracing::error!("telemetry: cannot build the OTLP client, nothing will be exported: {e}");
         }
@@ -226,7 +227,9 @@ fn span(call: &CallSpan) -> otlp::Span {
         start_time_unix_nano: unix_nanos(call.started),
         end_time_unix_nano: unix_nanos(call.started + call.duration),
         attributes,
-        status: record.error_code.as_ref().map(|code| otlp::Status { message: code.clone(), code: otlp::STATUS_ERROR }),
+        status: record
+            .error_code
+            .map(|code| otlp::Status { message: code.as_str().to_owned(), code: otlp::STATUS_ERROR }),
         flags: u32::from(trace.flags) | otlp::FLAGS_HAS_IS_REMOTE | remote,
     }
 }
@@ -297,7 +300,7 @@ impl Metrics {
         }
         let mut attributes = common;
         if let Some(code) = &record.error_code {
-            attributes.push(("error.type", code.clone()));
+            attributes.push(("error.type", code.as_str().to_owned()));
         }
         let seconds = call.duration.as_secs_f64();
         self.duration

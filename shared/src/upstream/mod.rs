@@ -378,8 +378,7 @@ fn copy(request: &http::Request<Full<Bytes>>) -> http::Request<Full<Bytes>> {
     again
 }
 
-/// What the gateway's own HTTP clients call themselves.
-pub(crate) const USER_AGENT: &str = concat!("flexway/", env!("CARGO_PKG_VERSION"));
+pub(crate) use crate::call::headers::USER_AGENT;
 
 /// A request that got no answer: a TLS failure as rustls names it, else the
 /// connection error as hyper tells it.

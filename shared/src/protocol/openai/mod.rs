@@ -17,13 +17,7 @@ use crate::config::Capability;
 
 pub mod translate;
 
-/// A refused request: a message and the offending parameter.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
-pub struct InvalidRequest {
-    pub message: String,
-    pub param: Option<&'static str>,
-}
+pub use crate::call::{InvalidRequest, Usage};
 
 fn invalid(param: &'static str, message: impl Into<String>) -> InvalidRequest {
     InvalidRequest { message: message.into(), param: Some(param) }
@@ -34,13 +28,6 @@ pub fn error_envelope(message: &str, kind: &str, code: &str, param: Option<&str>
     json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
 }
 
-/// Token usage as a backend reports it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: u64,
-    pub completion_tokens: u64,
-}
-
 impl Usage {
     /// Reads an OpenAI `usage` object; `None` when absent or null.
     pub fn from_value(usage: Option<&Value>) -> Option<Usage> {
@@ -49,10 +36,6 @@ impl Usage {
         let prompt = get("prompt_tokens")?;
         let completion = get("completion_tokens").unwrap_or(0);
         Some(Usage { prompt_tokens: prompt, completion_tokens: completion })
-    }
-
-    pub fn total(&self) -> u64 {
-        self.prompt_tokens.saturating_add(self.completion_tokens)
     }
 }
 

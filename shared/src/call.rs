@@ -1,0 +1,247 @@
+//! The vocabulary of one call, at the bottom of the crate: every other module may use
+//! it, and it uses none of them. What a call is named by (`RequestId`), what it
+//! consumed (`Usage`), why it was refused (`InvalidRequest`, `ErrorCode`), the door it
+//! came by (`Operation`), and the names of the headers the gateway writes.
+//!
+//! `ErrorCode` is the one list of codes the gateway writes anywhere: a refusal's
+//! envelope, a stream's in-band error event, a gRPC status message, a WebSocket close
+//! reason, and the audit record's `error_code`. Each envelope maps it once, in the
+//! module that writes that envelope (`http::error`, `protocol::grpc`,
+//! `audit::CloseReason`).
+
+use http::StatusCode;
+use serde::{Deserialize, Serialize};
+
+/// Header names the gateway writes on its answers.
+pub mod headers {
+    /// The id of the call, on every answer.
+    pub const REQUEST_ID: &str = "flexway-request-id";
+    /// The backend that served (for a pool, the member).
+    pub const BACKEND: &str = "flexway-backend";
+    /// `backend-fallback` when a fallback served.
+    pub const DEGRADED: &str = "flexway-degraded";
+    /// `soft` once the soft cap is reached.
+    pub const BUDGET: &str = "flexway-budget";
+    /// The settled cost of a non-streamed answer, in euros (`0.000123`); a stream's is
+    /// only known after its last byte, so only its audit record says it.
+    pub const COST: &str = "flexway-cost-eur";
+    /// What the gateway's own HTTP clients call themselves.
+    pub const USER_AGENT: &str = concat!("flexway/", env!("CARGO_PKG_VERSION"));
+}
+
+/// The id of one request, returned as `Flexway-Request-Id` and used by the ledger
+/// and the audit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestId(pub String);
+
+impl RequestId {
+    /// `req_` and a random (v4) UUID, from the thread's own generator (ChaCha,
+    /// seeded from the OS once): `Uuid::new_v4` asks the kernel each time, a
+    /// `getrandom` system call a request.
+    pub fn generate() -> Self {
+        let uuid = uuid::Builder::from_random_bytes(rand::random()).into_uuid();
+        RequestId(format!("req_{}", uuid.simple()))
+    }
+}
+
+/// Token usage as a backend reports it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+impl Usage {
+    pub fn total(&self) -> u64 {
+        self.prompt_tokens.saturating_add(self.completion_tokens)
+    }
+}
+
+/// A refused request: a message and the offending parameter.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct InvalidRequest {
+    pub message: String,
+    pub param: Option<&'static str>,
+}
+
+/// The door a call came in by (`realtime`: a WebSocket session, one record for the
+/// whole session).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+#[schemars(inline)]
+pub enum Operation {
+    Chat,
+    Embeddings,
+    Grpc,
+    Realtime,
+    // A chat call that came in by the Responses API (SPEC §2.1), or by the Anthropic
+    // Messages API (§2.2). Plain comments: doc comments would split the schema's enum.
+    Responses,
+    Messages,
+}
+
+impl Operation {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Operation::Chat => "chat",
+            Operation::Embeddings => "embeddings",
+            Operation::Grpc => "grpc",
+            Operation::Realtime => "realtime",
+            Operation::Responses => "responses",
+            Operation::Messages => "messages",
+        }
+    }
+}
+
+/// Every code the gateway writes (SPEC §2's table, and the codes of a call that
+/// ended after its answer began). Plain comments on the variants: doc comments would
+/// split the schema's enum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+#[schemars(inline)]
+pub enum ErrorCode {
+    // Refusals, before a byte of an answer: each is an HTTP status of its own.
+    InvalidRequest,
+    CapabilityUnavailable,
+    ImageOriginNotAllowed,
+    InvalidApiKey,
+    UnknownAgent,
+    UnknownTenant,
+    SensitiveNoInternalBackend,
+    NotFound,
+    MethodNotAllowed,
+    BodyTooLarge,
+    ImageTooLarge,
+    HeadersTooLarge,
+    BudgetExceeded,
+    RealtimeUnavailable,
+    LedgerBusy,
+    InternalError,
+    UpstreamError,
+    UpstreamUnavailable,
+    UpstreamTimeout,
+    // gRPC: no backend declares the service or method.
+    UnknownService,
+    // A call that ended after its answer began: a stream cut before the platform's
+    // deadline, a client gone (HTTP's 499, gRPC's CANCELLED), a realtime message over
+    // the limit.
+    Deadline,
+    ClientClosedRequest,
+    Cancelled,
+    MessageTooLarge,
+}
+
+impl ErrorCode {
+    /// Every code, in the order of SPEC §2's table and then the others.
+    pub const ALL: [ErrorCode; 24] = [
+        ErrorCode::InvalidRequest,
+        ErrorCode::CapabilityUnavailable,
+        ErrorCode::ImageOriginNotAllowed,
+        ErrorCode::InvalidApiKey,
+        ErrorCode::UnknownAgent,
+        ErrorCode::UnknownTenant,
+        ErrorCode::SensitiveNoInternalBackend,
+        ErrorCode::NotFound,
+        ErrorCode::MethodNotAllowed,
+        ErrorCode::BodyTooLarge,
+        ErrorCode::ImageTooLarge,
+        ErrorCode::HeadersTooLarge,
+        ErrorCode::BudgetExceeded,
+        ErrorCode::RealtimeUnavailable,
+        ErrorCode::LedgerBusy,
+        ErrorCode::InternalError,
+        ErrorCode::UpstreamError,
+        ErrorCode::UpstreamUnavailable,
+        ErrorCode::UpstreamTimeout,
+        ErrorCode::UnknownService,
+        ErrorCode::Deadline,
+        ErrorCode::ClientClosedRequest,
+        ErrorCode::Cancelled,
+        ErrorCode::MessageTooLarge,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidRequest => "invalid_request",
+            ErrorCode::CapabilityUnavailable => "capability_unavailable",
+            ErrorCode::ImageOriginNotAllowed => "image_origin_not_allowed",
+            ErrorCode::InvalidApiKey => "invalid_api_key",
+            ErrorCode::UnknownAgent => "unknown_agent",
+            ErrorCode::UnknownTenant => "unknown_tenant",
+            ErrorCode::SensitiveNoInternalBackend => "sensitive_no_internal_backend",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::MethodNotAllowed => "method_not_allowed",
+            ErrorCode::BodyTooLarge => "body_too_large",
+            ErrorCode::ImageTooLarge => "image_too_large",
+            ErrorCode::HeadersTooLarge => "headers_too_large",
+            ErrorCode::BudgetExceeded => "budget_exceeded",
+            ErrorCode::RealtimeUnavailable => "realtime_unavailable",
+            ErrorCode::LedgerBusy => "ledger_busy",
+            ErrorCode::InternalError => "internal_error",
+            ErrorCode::UpstreamError => "upstream_error",
+            ErrorCode::UpstreamUnavailable => "upstream_unavailable",
+            ErrorCode::UpstreamTimeout => "upstream_timeout",
+            ErrorCode::UnknownService => "unknown_service",
+            ErrorCode::Deadline => "deadline",
+            ErrorCode::ClientClosedRequest => "client_closed_request",
+            ErrorCode::Cancelled => "cancelled",
+            ErrorCode::MessageTooLarge => "message_too_large",
+        }
+    }
+
+    /// The HTTP status of a refusal with this code; `None` for the codes that are
+    /// never an HTTP refusal (they end a call whose answer began, or another
+    /// transport's).
+    pub fn refusal_status(self) -> Option<StatusCode> {
+        Some(match self {
+            ErrorCode::InvalidRequest | ErrorCode::CapabilityUnavailable | ErrorCode::ImageOriginNotAllowed => {
+                StatusCode::BAD_REQUEST
+            }
+            ErrorCode::InvalidApiKey => StatusCode::UNAUTHORIZED,
+            ErrorCode::UnknownAgent | ErrorCode::UnknownTenant | ErrorCode::SensitiveNoInternalBackend => {
+                StatusCode::FORBIDDEN
+            }
+            ErrorCode::NotFound => StatusCode::NOT_FOUND,
+            ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ErrorCode::BodyTooLarge | ErrorCode::ImageTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorCode::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            ErrorCode::BudgetExceeded => StatusCode::TOO_MANY_REQUESTS,
+            ErrorCode::RealtimeUnavailable => StatusCode::NOT_IMPLEMENTED,
+            ErrorCode::LedgerBusy | ErrorCode::UpstreamUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::InternalError => StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::UpstreamError => StatusCode::BAD_GATEWAY,
+            ErrorCode::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            ErrorCode::UnknownService
+            | ErrorCode::Deadline
+            | ErrorCode::ClientClosedRequest
+            | ErrorCode::Cancelled
+            | ErrorCode::MessageTooLarge => return None,
+        })
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_code_is_written_as_serde_writes_it_and_read_back() {
+        let mut seen = std::collections::HashSet::new();
+        for code in ErrorCode::ALL {
+            let json = serde_json::to_string(&code).unwrap();
+            assert_eq!(json, format!("\"{}\"", code.as_str()));
+            assert_eq!(serde_json::from_str::<ErrorCode>(&json).unwrap(), code);
+            assert!(seen.insert(code.as_str()), "{code} twice");
+        }
+        // ALL holds every variant: the schema lists them all.
+        let schema = schemars::schema_for!(ErrorCode).to_value();
+        assert_eq!(schema["enum"].as_array().map(Vec::len), Some(ErrorCode::ALL.len()), "{schema}");
+    }
+}
