@@ -522,3 +522,104 @@ async fn many_sequential_calls_share_the_upstream_connection() {
         assert!(answer.is_ok(), "call {i}: {answer:?}\n{}", flexway.logs());
     }
 }
+
+// ----- fallback and breakers ------------------------------------------------------
+
+/// Two `grpc` backends declaring the same service: `a-down` (first by name, nothing
+/// listening, its breaker tripping after 2 failures for a minute) and `b-up`.
+fn two_backends(set: &Path, down: &str, up: &str) -> String {
+    format!(
+        r#"version: 1
+store: {{kind: memory}}
+audit: {{sink: stdout}}
+tenants:
+  acme:
+    keys:
+      - sha256: {key}
+    budgets: {{eur_per_month: 100}}
+ai:
+  backends:
+    a-down:
+      kind: grpc
+      url: {down}
+      descriptor_set: {set}
+      circuit_breaker: {{failures: 2, interval: 60s, trip: 60s}}
+    b-up:
+      kind: grpc
+      url: {up}
+      descriptor_set: {set}
+"#,
+        key = sha(KEY),
+        set = set.display(),
+    )
+}
+
+fn closed_url() -> String {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    url
+}
+
+#[tokio::test]
+async fn a_call_falls_back_to_the_next_backend_declaring_the_service_and_is_charged_once() {
+    let upstream = FakeOcr::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = two_backends(&descriptor_file(dir.path()), &closed_url(), &upstream.url());
+    let (adapters, audit) = memory_adapters();
+    let gateway = serve_in_process(&config, adapters).await;
+    let mut ocr = client(&gateway.url).await;
+
+    // Per call and per byte (whose first message was read before the first attempt).
+    let answer = ocr.recognize(authed(image(10, 0), KEY)).await.unwrap();
+    assert_eq!(answer.get_ref().text, "10");
+    assert_eq!(answer.metadata().get("flexway-backend").unwrap(), "b-up");
+    assert_eq!(answer.metadata().get("flexway-degraded").unwrap(), "backend-fallback");
+    let request = image(100, 50);
+    let request_bytes = request.encoded_len() as u64;
+    let answer = ocr.extract(authed(request, KEY)).await.unwrap();
+    let response_bytes = answer.get_ref().encoded_len() as u64;
+    assert_eq!(answer.metadata().get("flexway-backend").unwrap(), "b-up");
+    assert_eq!(upstream.calls(), 2, "each call reached the backend that served it once");
+
+    let records = audit_in_process(&audit, 2).await;
+    assert!(records.iter().all(|r| r.backend.as_deref() == Some("b-up") && r.degraded && r.status == 0), "{records:?}");
+    let per_byte = (request_bytes + response_bytes) * PER_BYTE_MICRO;
+    assert_eq!(records.iter().map(|r| r.cost_micro_eur).collect::<Vec<_>>(), [PER_CALL_MICRO, per_byte]);
+    assert_eq!(gateway.ledger("acme", None).await[2], PER_CALL_MICRO + per_byte, "charged once, where it was served");
+    assert_eq!(gateway.live_reservations().await, 0);
+}
+
+#[tokio::test]
+async fn a_grpc_backend_whose_breaker_opened_is_skipped_until_its_trip_ends() {
+    let upstream = FakeOcr::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // The down backend listens on a port that drops each connection: a failure a call.
+    let down = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let down_url = format!("http://{}", down.local_addr().unwrap());
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counted = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = down.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            drop(socket);
+        }
+    });
+    let config = two_backends(&descriptor_file(dir.path()), &down_url, &upstream.url());
+    let (adapters, _audit) = memory_adapters();
+    let gateway = serve_in_process(&config, adapters).await;
+    let mut ocr = client(&gateway.url).await;
+    for _ in 0..6 {
+        let answer = ocr.recognize(authed(image(1, 0), KEY)).await.unwrap();
+        assert_eq!(answer.metadata().get("flexway-backend").unwrap(), "b-up");
+    }
+    let tried = accepted.load(std::sync::atomic::Ordering::SeqCst);
+    assert!((2..6).contains(&tried), "the down backend is tried until its breaker opens, then skipped: {tried}");
+    assert_eq!(upstream.calls(), 6);
+    let metrics = client_get(&format!("{}/metrics", gateway.url)).await;
+    assert!(metrics.contains(r#"flexway_breaker_state{backend="a-down"} 1"#), "{metrics}");
+}
+
+async fn client_get(url: &str) -> String {
+    common::client().get(url).send().await.unwrap().text().await.unwrap()
+}

@@ -1,34 +1,33 @@
-//! The dispatch phase: the route tried in order until one backend's answer is in,
-//! before a byte reaches the client (SPEC §5). A non-streamed answer is in once read
-//! whole, a stream once its first content arrives ([`relay::hold`]); every failure
-//! before that point falls back to the next candidate and feeds its breaker.
+//! The dispatch phase of an HTTP call: what one attempt at one backend is, for the
+//! attempt phase (`chain`) that tries the route in order (SPEC §5). A non-streamed
+//! answer is in once read whole, a stream once its first content arrives
+//! ([`relay::hold`]); every failure before that point is a [`Failure`], and the chain
+//! falls back to the next candidate.
 
-use std::time::{Duration, Instant};
+use std::future::Future;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, StatusCode, header};
 
+use super::chain::{self, Failure};
 use super::door::Door;
 use super::record::Draft;
 use super::relay;
 use crate::config::{BackendId, Endpoint};
-use crate::error::{Attempts, GatewayError, UnavailableCause};
+use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::protocol::openai::{Answer, InvalidRequest};
 use crate::protocol::{Wire, anthropic};
-use crate::routing::breaker::{Admit, Outcome};
-use crate::routing::{Candidate, Route};
+use crate::routing::Route;
+use crate::routing::breaker::Outcome;
 use crate::telemetry::TraceContext;
 use crate::upstream::body::{self, Fault};
-use crate::upstream::{CallError, CallerIdentity, UpstreamClient};
+use crate::upstream::{CallerIdentity, UpstreamClient};
 
 /// A backend whose answer is in (a non-streamed one read whole, a stream held until
 /// its first content), before a byte reached the client.
-pub(super) struct Served {
-    pub candidate: Candidate,
-    pub answered: Answered,
-    pub timeout: Duration,
-}
+pub(super) type Served = chain::Served<Answered>;
 
 pub(super) enum Answered {
     /// A non-streamed answer read whole: a 2xx checked to be a JSON object (`answer`),
@@ -57,117 +56,71 @@ pub(super) enum Shape {
     Stream { client_wants_usage: bool },
 }
 
-/// Why one attempt failed, before anything reached the client.
-enum Failure {
-    /// A 5xx (whether its breaker counts it is the breaker policy's business).
-    Status {
-        status: u16,
-        retry_after: Option<Duration>,
-    },
-    Head(CallError),
-    Body(Fault),
-}
-
-/// Tries the route in order until a backend's answer is in: read whole, or for a
-/// stream, held until its first content. A connection error, a status its breaker
-/// counts (5xx by default), a timeout, a body cut, stalled or invalid: each falls back
-/// to the next candidate, since nothing has reached the client yet. Backends whose
-/// breaker is open are skipped; every outcome feeds the breaker (a stream's success
-/// is recorded when it ends).
+/// Tries the route in order until a backend's answer is in (`chain`): read whole, or
+/// for a stream, held until its first content. An answer read whole tells its
+/// breaker its status; a stream's success is told when it ends (the relay).
 pub(super) async fn dispatch(
     gateway: &Gateway,
     draft: &mut Draft,
     route: &Route,
     path: &str,
     requested_model: &str,
-    body_for: impl Fn(&str, Wire) -> Result<Vec<u8>, InvalidRequest>,
+    body_for: impl Fn(&str, Wire) -> Result<Vec<u8>, InvalidRequest> + Sync,
     expect: Expect<'_>,
 ) -> Result<Served, GatewayError> {
-    let mut attempts = Attempts::default();
-    let mut last: Option<(BackendId, Failure)> = None;
-    for candidate in &route.candidates {
-        let backend = &candidate.backend;
-        let (Some(endpoint), Some(client)) = (endpoint(gateway, backend), gateway.upstreams.get(backend)) else {
-            continue;
-        };
-        if gateway.breakers.admit(backend, Instant::now()) == Admit::No {
-            attempts.skipped.push(backend.clone());
-            continue;
-        }
-        let model = endpoint.served_model(requested_model);
-        // A request this backend's format cannot carry is the caller's to change.
-        let body = body_for(&model, client.wire)?;
-        attempts.tried.push(backend.clone());
-        draft.trying(candidate, &model);
-        let sent = Instant::now();
-        let answer = attempt(gateway, client, path, body, draft.trace(), draft.caller(), expect).await;
-        draft.waited(sent.elapsed());
-        let failure = match answer {
-            Ok(answered) => {
-                if let Answered::Whole { status, retry_after, .. } = &answered {
-                    let retry_after = retry_after.as_ref().and_then(seconds);
-                    let outcome = Outcome::Status { status: status.as_u16(), retry_after };
-                    gateway.breakers.record(backend, outcome, Instant::now());
-                }
-                return Ok(Served { candidate: candidate.clone(), answered, timeout: client.timeout });
-            }
-            Err(failure) => failure,
-        };
-        let outcome = match &failure {
-            Failure::Status { status, retry_after } => {
-                tracing::warn!(backend = %backend, status, "backend failed");
-                Some(Outcome::Status { status: *status, retry_after: *retry_after })
-            }
-            Failure::Head(CallError::Timeout(after)) => {
-                tracing::warn!(backend = %backend, ?after, "backend timed out");
-                Some(Outcome::Timeout)
-            }
-            Failure::Head(CallError::Connect(e)) => {
-                tracing::warn!(backend = %backend, "backend unreachable: {e}");
-                Some(Outcome::ConnectionError)
-            }
-            Failure::Head(e @ CallError::Tls(_)) => {
-                tracing::warn!(backend = %backend, "backend unreachable: {e}");
-                Some(Outcome::ConnectionError)
-            }
-            // Our own credential file is missing: not the backend's health.
-            Failure::Head(e @ CallError::Credential(_)) => {
-                tracing::error!(backend = %backend, "{e}");
-                None
-            }
-            Failure::Body(fault) => {
-                tracing::warn!(backend = %backend, "backend answer failed before the first byte: {fault}");
-                Some(relay::fault_outcome(fault))
-            }
-        };
-        if let Some(outcome) = outcome {
-            gateway.breakers.record(backend, outcome, Instant::now());
-        }
-        last = Some((backend.clone(), failure));
+    let door = Http { gateway, path, requested_model, body_for, expect };
+    chain::attempt_chain(gateway, draft, route, &door).await
+}
+
+/// An HTTP door's attempt: a JSON body POSTed to the backend's path, its answer read
+/// whole or, for a stream, held until its first content.
+struct Http<'a, B> {
+    gateway: &'a Gateway,
+    path: &'a str,
+    requested_model: &'a str,
+    body_for: B,
+    expect: Expect<'a>,
+}
+
+impl<'a, B> chain::Attempt for Http<'a, B>
+where
+    B: Fn(&str, Wire) -> Result<Vec<u8>, InvalidRequest> + Sync,
+{
+    type Target = (&'a Endpoint, &'a UpstreamClient);
+    type Prepared = Vec<u8>;
+    type Answer = Answered;
+
+    fn reach(&self, backend: &BackendId) -> Option<(Self::Target, Duration)> {
+        chain::endpoint(self.gateway, backend)
     }
-    Err(match last {
-        Some((backend, Failure::Head(CallError::Timeout(_)) | Failure::Body(Fault::Timeout))) => {
-            GatewayError::UpstreamTimeout { backend, attempts }
-        }
-        Some((backend, Failure::Body(Fault::Invalid(detail)))) => {
-            GatewayError::UpstreamError { backend, detail, attempts }
-        }
-        _ => {
-            let cause = if attempts.tried.is_empty() && !attempts.skipped.is_empty() {
-                UnavailableCause::CircuitOpen
-            } else if route.via_pool {
-                UnavailableCause::PoolExhausted
-            } else {
-                UnavailableCause::UpstreamFailed
+
+    fn prepare(&self, (endpoint, client): &Self::Target) -> Result<(String, Vec<u8>), GatewayError> {
+        let model = endpoint.served_model(self.requested_model);
+        let body = (self.body_for)(&model, client.wire)?;
+        Ok((model, body))
+    }
+
+    fn attempt(
+        &self,
+        (_, client): &Self::Target,
+        body: Vec<u8>,
+        draft: &Draft,
+    ) -> impl Future<Output = Result<chain::Answered<Answered>, Failure>> + Send {
+        let (gateway, client, path, expect) = (self.gateway, *client, self.path, self.expect);
+        let (trace, caller) = (draft.trace(), draft.caller());
+        async move {
+            let answered = attempt(gateway, client, path, body, trace, caller, expect).await?;
+            let outcome = match &answered {
+                Answered::Whole { status, retry_after, .. } => {
+                    let retry_after = retry_after.as_ref().and_then(seconds);
+                    Some(Outcome::Status { status: status.as_u16(), retry_after })
+                }
+                // A stream's success is told when it ends (the relay).
+                Answered::Stream(_) => None,
             };
-            // A TLS failure is named: it is a certificate to fix, not a backend down.
-            let last_failure = match last {
-                Some((backend, Failure::Head(e @ CallError::Tls(_)))) => Some(format!("backend `{backend}`: {e}")),
-                _ => None,
-            };
-            GatewayError::UpstreamUnavailable { cause, attempts, last_failure }
+            Ok(chain::Answered { value: answered, outcome })
         }
-    })
+    }
 }
 
 /// One call to one backend, up to its answer being in (bounded by the backend's
@@ -235,10 +188,6 @@ async fn attempt(
 /// `Retry-After` in seconds (the HTTP-date form is not used by model APIs).
 fn seconds(value: &HeaderValue) -> Option<Duration> {
     value.to_str().ok()?.trim().parse::<u64>().ok().map(Duration::from_secs)
-}
-
-fn endpoint<'a>(gateway: &'a Gateway, backend: &BackendId) -> Option<&'a Endpoint> {
-    gateway.config.ai.backends.get(backend).and_then(|b| b.kind.endpoint())
 }
 
 fn is_event_stream(headers: &http::HeaderMap) -> bool {

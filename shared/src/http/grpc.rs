@@ -39,10 +39,11 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 
 use super::RequestId;
+use super::chain::{self, Answered, Failure};
 use super::record::{Draft, UsageSource};
 use crate::admission::{STREAM_RESERVATION_SECS, reserve_eur};
 use crate::budget::Ticket;
-use crate::call::headers::BACKEND as BACKEND_HEADER;
+use crate::call::headers::{BACKEND as BACKEND_HEADER, DEGRADED as DEGRADED_HEADER};
 use crate::call::{ErrorCode, Operation};
 use crate::config::{AiOperation, BackendId, BackendKind, Capability, GrpcMetering, GrpcMethod};
 use crate::error::GatewayError;
@@ -51,7 +52,10 @@ use crate::identity::Caller;
 use crate::money::MicroEur;
 use crate::protocol::grpc::{Code, MessageCounter, encode_message, status_of, web_trailers_frame};
 use crate::protocol::openai::Usage;
-use crate::routing::Candidate;
+use crate::routing::breaker::{Outcome, Pass};
+use crate::routing::{Candidate, Route};
+use crate::upstream::CallError;
+use crate::upstream::body::Fault;
 use crate::upstream::grpc::{BoxError, UpstreamBody};
 
 /// The response allowance a per-byte call reserves before it starts, and the least it
@@ -211,8 +215,10 @@ async fn call(
     let sensitive = crate::identity::sensitivity(&parts.headers, &gateway.config.ai.sensitive_header)
         .map_err(GatewayError::from)?;
     draft.sensitive(sensitive);
-    let (backend, url, method) = route(gateway, rpc, sensitive)?;
-    draft.trying(&Candidate { backend: backend.clone(), degraded: false }, rpc);
+    let (route, method) = route(gateway, rpc, sensitive)?;
+    if let Some(first) = route.candidates.first() {
+        draft.trying(first, rpc);
+    }
     if let Some(operation) = &method.operation {
         draft.feature(&operation.feature);
     }
@@ -230,8 +236,9 @@ async fn call(
     }
 
     // Reserve: a per-byte call's first request message is measured first (its prefix).
-    let timeout = gateway.timeout(&backend);
-    let meter = Arc::new(Meter::new(gateway.clone(), caller.clone(), request_id, method.operation.clone(), timeout));
+    // The reservation outlives every backend the call may try.
+    let timeouts = route.candidates.iter().map(|c| gateway.timeout(&c.backend)).sum();
+    let meter = Arc::new(Meter::new(gateway.clone(), caller.clone(), request_id, method.operation.clone(), timeouts));
     let mut pending = VecDeque::new();
     let first = match &method.operation {
         Some(op) if op.metering == GrpcMetering::PerByte && !method.client_streaming => {
@@ -246,51 +253,88 @@ async fn call(
     }
     meter.reserve_first(first).await.map_err(Failed::from)?;
 
-    let body = RequestBody::new(body, pending, meter.clone());
+    // Attempt the route: a backend that fails before taking a byte of the request
+    // (unreachable, timed out, not answering gRPC) gives the call to the next one.
+    let slot = Slot::new(RequestBody::new(body, pending, meter.clone()));
     let sensitive_header = gateway.config.ai.sensitive_header.as_str();
-    let upstream = upstream_request(&url, rpc, &parts.headers, sensitive_header, flavor, body)
-        .map_err(|refusal| Failed { refusal, meter: Some(meter.clone()) })?;
-    let sent = tokio::time::timeout(timeout, gateway.grpc.send(upstream)).await;
-    let response = match sent {
-        Ok(Ok(response)) => response,
-        Ok(Err(e)) => {
-            let refusal = meter.refusal().unwrap_or_else(|| {
-                tracing::warn!(backend = %backend, "gRPC upstream: {e}");
-                Refusal::new(
-                    Code::Unavailable,
-                    ErrorCode::UpstreamUnavailable,
-                    format!("backend `{backend}` could not be reached: {}", root_cause(&e)),
-                )
-            });
-            return Err(Failed { refusal, meter: Some(meter) });
-        }
-        Err(_) => {
-            let refusal = Refusal::new(
-                Code::DeadlineExceeded,
-                ErrorCode::UpstreamTimeout,
-                format!("backend `{backend}` did not answer within {timeout:?}"),
-            );
+    let door = Send { gateway, rpc, headers: &parts.headers, sensitive_header, flavor, slot };
+    let served = match chain::attempt_chain(gateway, draft, &route, &door).await {
+        Ok(served) => served,
+        Err(e) => {
+            // A budget step refused while the request went out is why the call ended.
+            let refusal = meter.refusal().unwrap_or_else(|| Refusal::from(e));
             return Err(Failed { refusal, meter: Some(meter) });
         }
     };
     draft.first_byte();
-    if response.status() != http::StatusCode::OK {
-        let status = response.status();
-        let refusal = Refusal::new(
-            Code::Unavailable,
-            ErrorCode::UpstreamError,
-            format!("backend `{backend}` answered HTTP {status}, not a gRPC response"),
-        );
-        return Err(Failed { refusal, meter: Some(meter) });
-    }
-    Ok(Proxied { response, relay: Relay { flavor, backend, meter } })
+    let relay = Relay { flavor, candidate: served.candidate, pass: served.pass, meter };
+    Ok(Proxied { response: served.value, relay })
 }
 
-/// The backend serving `rpc` (`package.Service/Method`): the first, by name, of the
-/// `kind: grpc` backends whose descriptor set declares the service, internal ones only
-/// for a sensitive call.
-fn route(gateway: &Gateway, rpc: &str, sensitive: bool) -> Result<(BackendId, String, GrpcMethod), Refusal> {
-    let (service, method) = rpc.split_once('/').filter(|(s, m)| !s.is_empty() && !m.is_empty()).ok_or_else(|| {
+/// The gRPC door's attempt: the call sent to one upstream, its request body taken
+/// from the slot as the upstream reads it.
+struct Send<'a> {
+    gateway: &'a Gateway,
+    rpc: &'a str,
+    headers: &'a HeaderMap,
+    sensitive_header: &'a str,
+    flavor: Flavor,
+    slot: Slot,
+}
+
+impl<'a> chain::Attempt for Send<'a> {
+    /// The upstream's URL and its `timeout`.
+    type Target = (&'a str, Duration);
+    type Prepared = ();
+    type Answer = http::Response<crate::upstream::AnswerBody>;
+
+    fn reach(&self, backend: &BackendId) -> Option<(Self::Target, Duration)> {
+        match self.gateway.config.ai.backends.get(backend).map(|b| &b.kind) {
+            Some(BackendKind::Grpc { url, .. }) => {
+                let timeout = self.gateway.timeout(backend);
+                Some(((url.as_str(), timeout), timeout))
+            }
+            _ => None,
+        }
+    }
+
+    fn prepare(&self, _: &Self::Target) -> Result<(String, ()), GatewayError> {
+        Ok((self.rpc.to_owned(), ()))
+    }
+
+    async fn attempt(
+        &self,
+        &(url, timeout): &Self::Target,
+        (): (),
+        _: &Draft,
+    ) -> Result<Answered<Self::Answer>, Failure> {
+        // Once the upstream took part of the body, the call cannot go elsewhere.
+        let failed = |failure: Failure| {
+            if self.slot.untouched() { failure } else { Failure::AfterSend(Box::new(failure)) }
+        };
+        let upstream =
+            upstream_request(url, self.rpc, self.headers, self.sensitive_header, self.flavor, self.slot.body())
+                .map_err(|detail| Failure::Head(CallError::Connect(detail)))?;
+        match tokio::time::timeout(timeout, self.gateway.grpc.send(upstream)).await {
+            Err(_) => Err(failed(Failure::Head(CallError::Timeout(timeout)))),
+            Ok(Err(e)) => Err(failed(Failure::Head(CallError::Connect(root_cause(&e))))),
+            Ok(Ok(response)) if response.status() != http::StatusCode::OK => {
+                let detail = format!("answered HTTP {}, not a gRPC response", response.status());
+                Err(failed(Failure::Body(Fault::Invalid(detail))))
+            }
+            Ok(Ok(response)) => Ok(Answered { value: response, outcome: Some(Outcome::Success) }),
+        }
+    }
+}
+
+/// The backends serving `rpc` (`package.Service/Method`), in order, and its method:
+/// the `kind: grpc` backends whose descriptor set declares the service, by name,
+/// internal ones only for a sensitive call. The first's method is the call's; the
+/// others that declare it metered the same way are its fallbacks, tried while no byte
+/// of the request has gone upstream (a fallback that meters it otherwise is left out:
+/// a call is metered as it was reserved).
+fn route(gateway: &Gateway, rpc: &str, sensitive: bool) -> Result<(Route, GrpcMethod), Refusal> {
+    let (service, name) = rpc.split_once('/').filter(|(s, m)| !s.is_empty() && !m.is_empty()).ok_or_else(|| {
         Refusal::new(Code::Unimplemented, ErrorCode::InvalidRequest, format!("`/{rpc}` is not a gRPC method path"))
     })?;
     let ai = &gateway.config.ai;
@@ -298,10 +342,8 @@ fn route(gateway: &Gateway, rpc: &str, sensitive: bool) -> Result<(BackendId, St
         .grpc
         .iter()
         .filter(|(_, services)| services.services.contains_key(service))
-        .filter_map(|(name, services)| match ai.backends.get(name).map(|b| (b, &b.kind)) {
-            Some((backend, BackendKind::Grpc { url, .. })) => Some((backend, url, services)),
-            _ => None,
-        })
+        .filter_map(|(backend, services)| ai.backends.get(backend).map(|b| (b, services)))
+        .filter(|(backend, _)| matches!(backend.kind, BackendKind::Grpc { .. }))
         .collect();
     if serving.is_empty() {
         return Err(Refusal::new(
@@ -310,18 +352,24 @@ fn route(gateway: &Gateway, rpc: &str, sensitive: bool) -> Result<(BackendId, St
             format!("no grpc backend's descriptor set declares the service `{service}`"),
         ));
     }
-    let Some((backend, url, services)) = serving.into_iter().find(|(backend, ..)| !sensitive || !backend.external)
-    else {
+    let allowed: Vec<_> = serving.into_iter().filter(|(backend, _)| !sensitive || !backend.external).collect();
+    let Some((_, services)) = allowed.first() else {
         return Err(Refusal::from(GatewayError::SensitiveNoInternalBackend));
     };
-    let method = services.method(service, method).cloned().ok_or_else(|| {
+    let method = services.method(service, name).cloned().ok_or_else(|| {
         Refusal::new(
             Code::Unimplemented,
             ErrorCode::UnknownService,
-            format!("the service `{service}` has no method `{method}`"),
+            format!("the service `{service}` has no method `{name}`"),
         )
     })?;
-    Ok((backend.name.clone(), url.clone(), method))
+    let candidates = allowed
+        .iter()
+        .filter(|(_, services)| services.method(service, name).is_some_and(|m| m.operation == method.operation))
+        .enumerate()
+        .map(|(i, (backend, _))| Candidate { backend: backend.name.clone(), degraded: i > 0 })
+        .collect();
+    Ok((Route { candidates, via_pool: false }, method))
 }
 
 fn too_large(declared: u64) -> Refusal {
@@ -367,17 +415,15 @@ fn upstream_request(
     headers: &HeaderMap,
     sensitive_header: &str,
     flavor: Flavor,
-    body: RequestBody,
-) -> Result<http::Request<UpstreamBody>, Refusal> {
-    let uri: http::Uri = format!("{url}/{rpc}")
-        .parse()
-        .map_err(|e| Refusal::new(Code::Internal, ErrorCode::UpstreamError, format!("upstream URI: {e}")))?;
+    body: UpstreamBody,
+) -> Result<http::Request<UpstreamBody>, String> {
+    let uri: http::Uri = format!("{url}/{rpc}").parse().map_err(|e| format!("upstream URI: {e}"))?;
     let mut request = http::Request::builder()
         .method(http::Method::POST)
         .uri(uri)
         .version(http::Version::HTTP_2)
-        .body(body.boxed())
-        .map_err(|e| Refusal::new(Code::Internal, ErrorCode::UpstreamError, format!("upstream request: {e}")))?;
+        .body(body)
+        .map_err(|e| format!("upstream request: {e}"))?;
     let out = request.headers_mut();
     for (name, value) in headers {
         if forwarded(name) && name.as_str() != sensitive_header {
@@ -572,6 +618,32 @@ impl Meter {
 // ----- the two directions -------------------------------------------------------------
 
 /// The caller's request body on its way upstream: frames as they come, metered.
+/// The request's body until a backend takes it: a send that fails before polling it
+/// leaves it here for the next backend; once polled, the call is that backend's.
+struct Slot(Arc<Mutex<Option<RequestBody>>>);
+
+impl Slot {
+    fn new(body: RequestBody) -> Self {
+        Slot(Arc::new(Mutex::new(Some(body))))
+    }
+
+    /// Whether no backend has taken the body yet.
+    fn untouched(&self) -> bool {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).is_some()
+    }
+
+    /// The body for one send: taken from the slot when first polled.
+    fn body(&self) -> UpstreamBody {
+        let slot = self.0.clone();
+        let taken =
+            futures_util::stream::once(async move { slot.lock().unwrap_or_else(PoisonError::into_inner).take() });
+        let bodies =
+            futures_util::StreamExt::map(taken, |body| futures_util::stream::iter(body.map(RequestBody::frames)));
+        let frames = futures_util::StreamExt::flatten(futures_util::StreamExt::flatten(bodies));
+        http_body_util::BodyExt::boxed_unsync(StreamBody::new(frames))
+    }
+}
+
 struct RequestBody {
     body: Body,
     pending: VecDeque<Frame<Bytes>>,
@@ -584,8 +656,9 @@ impl RequestBody {
         RequestBody { body, pending, meter, counter: MessageCounter::default() }
     }
 
-    fn boxed(self) -> UpstreamBody {
-        let frames = futures_util::stream::try_unfold(self, |mut this| async move {
+    /// The frames sent upstream, metered on the way.
+    fn frames(self) -> impl futures_util::Stream<Item = Result<Frame<Bytes>, BoxError>> {
+        futures_util::stream::try_unfold(self, |mut this| async move {
             let frame = loop {
                 let frame = match this.pending.pop_front() {
                     Some(frame) => frame,
@@ -612,15 +685,17 @@ impl RequestBody {
                 this.meter.passed(seen.payload).await;
             }
             Ok(Some((frame, this)))
-        });
-        http_body_util::BodyExt::boxed_unsync(StreamBody::new(frames))
+        })
     }
 }
 
 /// What relays the answer's body: metering, the final status, the record.
 struct Relay {
     flavor: Flavor,
-    backend: BackendId,
+    /// The backend that answered, and its breaker's pass (a stream that breaks counts
+    /// against it).
+    candidate: Candidate,
+    pass: Pass,
     meter: Arc<Meter>,
 }
 
@@ -667,6 +742,7 @@ struct Relaying {
     /// `grpc-status` of a trailers-only answer (in its headers).
     status_in_headers: Option<u16>,
     done: bool,
+    pass: Pass,
 }
 
 impl Relay {
@@ -683,13 +759,17 @@ impl Relay {
             let value = HeaderValue::from_str(&native).unwrap_or_else(|_| self.flavor.content_type());
             response.headers_mut().insert(header::CONTENT_TYPE, value);
         }
-        if let Ok(value) = HeaderValue::from_str(self.backend.as_str()) {
+        if let Ok(value) = HeaderValue::from_str(self.candidate.backend.as_str()) {
             response.headers_mut().insert(BACKEND_HEADER, value);
+        }
+        if self.candidate.degraded {
+            response.headers_mut().insert(DEGRADED_HEADER, HeaderValue::from_static("backend-fallback"));
         }
         let state = Relaying {
             body: Some(body),
             counter: MessageCounter::default(),
             ending: Ending { draft: Some(draft), meter: self.meter },
+            pass: self.pass,
             flavor: self.flavor,
             status_in_headers: status_of(&parts.headers),
             done: false,
@@ -714,6 +794,7 @@ impl Relaying {
             None => return self.finish(None).await,
             Some(Err(e)) => {
                 tracing::warn!("gRPC upstream stream: {e}");
+                self.pass.record(&self.ending.meter.gateway.breakers, Outcome::ConnectionError);
                 let refusal = self.ending.meter.refusal().unwrap_or_else(|| {
                     Refusal::new(Code::Unavailable, ErrorCode::UpstreamError, format!("the upstream stream broke: {e}"))
                 });

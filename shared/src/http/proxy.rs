@@ -302,14 +302,13 @@ async fn chat(
         prompt_typical,
         allowance: Some(allowance.saturating_mul(request.choices)),
     };
-    match served.answered {
+    match served.value {
         Answered::Stream(held) => {
             draft.streaming();
             let headers = model_headers(&served.candidate, soft);
-            let backend = served.candidate.backend;
             let idle_timeout = served.timeout;
             Ok(Reply::Stream(Box::new(relay::Stream {
-                backend,
+                pass: served.pass,
                 held: *held,
                 idle_timeout,
                 headers,
@@ -386,7 +385,7 @@ async fn complete(
     soft: bool,
 ) -> Result<Reply, GatewayError> {
     let mut headers = model_headers(&served.candidate, soft);
-    let Answered::Whole { status, content_type, retry_after, body, answer } = served.answered else {
+    let Answered::Whole { status, content_type, retry_after, body, answer } = served.value else {
         return Err(
             refunded(settle.ticket, GatewayError::Internal("a stream where an answer was expected".into())).await
         );

@@ -31,7 +31,6 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::Extension;
 use axum::extract::ws::{self, CloseFrame, Message, WebSocket, WebSocketUpgrade};
@@ -43,6 +42,7 @@ use http::{HeaderMap, HeaderValue, header};
 use tokio_tungstenite::tungstenite::{self, protocol::frame::coding::CloseCode};
 
 use super::RequestId;
+use super::chain::{self, Answered, Failure};
 use super::error::render;
 use super::proxy::model_headers;
 use super::record::{Draft, UsageSource};
@@ -50,16 +50,16 @@ use crate::admission::{Admission, Demand, admit, reserve_turn};
 use crate::audit::CloseReason;
 use crate::budget::Ticket;
 use crate::call::{ErrorCode, Operation};
-use crate::config::{BackendId, Capability, Price};
-use crate::error::{Attempts, GatewayError, UnavailableCause};
+use crate::config::{BackendId, Capability, Endpoint, Price};
+use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
 use crate::money::MicroEur;
 use crate::protocol::openai::{InvalidRequest, Usage};
 use crate::realtime::{self as rt, response_done_usage, subprotocol_key};
 use crate::routing::Candidate;
-use crate::routing::breaker::{Admit, Outcome};
-use crate::upstream::CallError;
+use crate::routing::breaker::{Outcome, Pass};
+use crate::upstream::UpstreamClient;
 use crate::upstream::realtime::{BUFFER_BYTES, ConnectError, Upstream};
 
 /// The subprotocol the gateway selects when the client offers it (OpenAI's browser
@@ -146,6 +146,8 @@ struct Session {
     caller: Caller,
     request_id: RequestId,
     candidate: Candidate,
+    /// The backend's breaker pass: a session the backend drops counts against it.
+    pass: Pass,
     upstream: Upstream,
     price: Price,
     soft: bool,
@@ -155,7 +157,7 @@ struct Session {
 }
 
 /// Everything before the upgrade: the request read, routed, the first allowance
-/// reserved, the backend's session opened.
+/// reserved, the backend's session opened (the route tried in order, `chain`).
 async fn open(
     gateway: &Arc<Gateway>,
     caller: &Caller,
@@ -184,89 +186,98 @@ async fn open(
     let Admission { route, ticket, soft, allowance } = admit(gateway, caller, &request_id.0, &demand).await?;
     draft.soft(soft);
     draft.allowance(allowance);
-    let mut attempts = Attempts::default();
-    // The last backend tried, if it timed out (504 rather than 503).
-    let mut last_timeout: Option<BackendId> = None;
-    for candidate in &route.candidates {
-        let backend = &candidate.backend;
-        let (Some(endpoint), Some(client)) =
-            (gateway.config.ai.backends.get(backend).and_then(|b| b.kind.endpoint()), gateway.upstreams.get(backend))
-        else {
-            continue;
-        };
-        if gateway.breakers.admit(backend, Instant::now()) == Admit::No {
-            attempts.skipped.push(backend.clone());
-            continue;
+    let limit = usize::try_from(gateway.config.ai.limits.max_event_bytes).unwrap_or(usize::MAX);
+    let door = Connect { gateway, model, limit };
+    let served = match chain::attempt_chain(gateway, draft, &route, &door).await {
+        Ok(served) => served,
+        Err(e) => {
+            ticket.refund().await;
+            return Err(e);
         }
-        let served = endpoint.served_model(model);
-        attempts.tried.push(backend.clone());
-        draft.trying(candidate, &served);
-        let limit = usize::try_from(gateway.config.ai.limits.max_event_bytes).unwrap_or(usize::MAX);
-        let sent = Instant::now();
-        let connected = client.connect_realtime(&served, draft.trace(), draft.caller(), limit).await;
-        draft.waited(sent.elapsed());
-        let outcome = match connected {
-            Ok(upstream) => {
-                gateway.breakers.record(backend, Outcome::Success, Instant::now());
-                let session = Session {
-                    gateway: gateway.clone(),
-                    caller: caller.clone(),
-                    request_id: request_id.clone(),
-                    candidate: candidate.clone(),
-                    upstream,
-                    price: gateway.price(backend),
-                    soft,
-                    ticket: Some(ticket),
-                    allowance,
-                };
-                return Ok(Opened::Session(Box::new(session)));
+    };
+    match served.value {
+        Connected::Refused { status, body } => {
+            ticket.refund().await;
+            let mut response = (status, body).into_response();
+            for (name, value) in model_headers(&served.candidate, soft) {
+                response.headers_mut().insert(name, value);
             }
-            // The backend's own refusal (a 4xx): the caller's answer, relayed as is.
-            Err(ConnectError::Status { status, body }) if status.is_client_error() => {
-                gateway.breakers.record(
-                    backend,
-                    Outcome::Status { status: status.as_u16(), retry_after: None },
-                    Instant::now(),
-                );
-                ticket.refund().await;
-                let mut response = (status, body).into_response();
-                for (name, value) in model_headers(candidate, soft) {
-                    response.headers_mut().insert(name, value);
-                }
-                return Ok(Opened::Refused(response));
-            }
-            Err(ConnectError::Status { status, .. }) => {
-                last_timeout = None;
-                tracing::warn!(backend = %backend, status = status.as_u16(), "realtime backend refused the session");
-                Outcome::Status { status: status.as_u16(), retry_after: None }
-            }
-            Err(ConnectError::Call(CallError::Timeout(after))) => {
-                tracing::warn!(backend = %backend, ?after, "realtime backend timed out");
-                last_timeout = Some(backend.clone());
-                Outcome::Timeout
-            }
-            Err(ConnectError::Call(e)) => {
-                last_timeout = None;
-                tracing::warn!(backend = %backend, "realtime backend unreachable: {e}");
-                Outcome::ConnectionError
-            }
-        };
-        gateway.breakers.record(backend, outcome, Instant::now());
+            Ok(Opened::Refused(response))
+        }
+        Connected::Session(upstream) => Ok(Opened::Session(Box::new(Session {
+            gateway: gateway.clone(),
+            caller: caller.clone(),
+            request_id: request_id.clone(),
+            price: gateway.price(&served.candidate.backend),
+            candidate: served.candidate,
+            pass: served.pass,
+            upstream: *upstream,
+            soft,
+            ticket: Some(ticket),
+            allowance,
+        }))),
     }
-    ticket.refund().await;
-    Err(match last_timeout {
-        Some(backend) => GatewayError::UpstreamTimeout { backend, attempts },
-        None => {
-            let cause = if attempts.tried.is_empty() && !attempts.skipped.is_empty() {
-                UnavailableCause::CircuitOpen
-            } else if route.via_pool {
-                UnavailableCause::PoolExhausted
-            } else {
-                UnavailableCause::UpstreamFailed
-            };
-            GatewayError::UpstreamUnavailable { cause, attempts, last_failure: None }
+}
+
+/// The realtime door's attempt: the backend's own WebSocket session opened.
+struct Connect<'a> {
+    gateway: &'a Gateway,
+    /// The model the client asked for.
+    model: &'a str,
+    /// `ai.limits.max_event_bytes`: the largest message read from the backend.
+    limit: usize,
+}
+
+impl<'a> chain::Attempt for Connect<'a> {
+    type Target = (&'a Endpoint, &'a UpstreamClient);
+    /// The model served.
+    type Prepared = String;
+    type Answer = Connected;
+
+    fn reach(&self, backend: &BackendId) -> Option<(Self::Target, std::time::Duration)> {
+        chain::endpoint(self.gateway, backend)
+    }
+
+    fn prepare(&self, (endpoint, _): &Self::Target) -> Result<(String, String), GatewayError> {
+        let served = endpoint.served_model(self.model);
+        Ok((served.clone(), served))
+    }
+
+    fn attempt(
+        &self,
+        (_, client): &Self::Target,
+        served: String,
+        draft: &Draft,
+    ) -> impl std::future::Future<Output = Result<Answered<Connected>, Failure>> + Send {
+        let (client, limit) = (*client, self.limit);
+        let (trace, caller) = (draft.trace(), draft.caller());
+        async move {
+            match client.connect_realtime(&served, trace, caller, limit).await {
+                Ok(upstream) => {
+                    Ok(Answered { value: Connected::Session(Box::new(upstream)), outcome: Some(Outcome::Success) })
+                }
+                // The backend's own refusal (a 4xx): the caller's answer, relayed as is.
+                Err(ConnectError::Status { status, body }) if status.is_client_error() => {
+                    let outcome = Outcome::Status { status: status.as_u16(), retry_after: None };
+                    Ok(Answered { value: Connected::Refused { status, body }, outcome: Some(outcome) })
+                }
+                Err(ConnectError::Status { status, .. }) => {
+                    Err(Failure::Status { status: status.as_u16(), retry_after: None })
+                }
+                Err(ConnectError::Call(e)) => Err(Failure::Head(e)),
+            }
         }
-    })
+    }
+}
+
+/// What a backend answered the session's handshake.
+enum Connected {
+    Session(Box<Upstream>),
+    /// Its own refusal (a 4xx).
+    Refused {
+        status: http::StatusCode,
+        body: Bytes,
+    },
 }
 
 /// How one direction's message ended the session, and what the client is told.
@@ -299,7 +310,7 @@ impl Session {
             let _ = tokio::time::timeout(CLOSE_GRACE, self.upstream.close(Some(frame))).await;
         }
         if end.reason == CloseReason::UpstreamError {
-            gateway.breakers.record(&self.candidate.backend, Outcome::ConnectionError, Instant::now());
+            self.pass.record(&gateway.breakers, Outcome::ConnectionError);
         }
         if let Some(ticket) = self.ticket.take() {
             ticket.refund().await;

@@ -15,7 +15,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::response::Response;
@@ -38,7 +38,7 @@ use crate::protocol::anthropic;
 use crate::protocol::chat::Delta;
 use crate::protocol::openai::{self, MAX_CHOICES, TextLen, Usage, UsageView, error_envelope, translate};
 use crate::protocol::{Wire, sse};
-use crate::routing::breaker::Outcome;
+use crate::routing::breaker::{Outcome, Pass};
 use crate::upstream::body::{Events, Fault};
 
 /// How a relayed stream ended.
@@ -184,7 +184,8 @@ pub(super) async fn hold(
 
 /// A held stream and what its relay needs.
 pub(super) struct Stream {
-    pub backend: BackendId,
+    /// The serving backend's breaker pass: the stream's end is its outcome.
+    pub pass: Pass,
     pub held: Held,
     /// The backend's `timeout`, between two of its events.
     pub idle_timeout: Duration,
@@ -199,7 +200,7 @@ pub(super) struct Stream {
 /// task when the stream ends, before the body completes, so they finish inside the
 /// invocation.
 pub(super) fn stream(gateway: Arc<Gateway>, stream: Stream, mut draft: Draft) -> Response {
-    let Stream { backend, mut held, idle_timeout, headers: extra, settle, deadline } = stream;
+    let Stream { pass, mut held, idle_timeout, headers: extra, settle, deadline } = stream;
     let first = joined(std::mem::take(&mut held.pending));
     if first.is_some() {
         draft.first_byte();
@@ -209,12 +210,12 @@ pub(super) fn stream(gateway: Arc<Gateway>, stream: Stream, mut draft: Draft) ->
     let pumping = async move {
         let outcome = pump(held, &tx, idle_timeout, &mut draft, deadline.map(Deadline::cutoff)).await;
         let health = match &outcome.end {
-            StreamEnd::Broken(fault) => fault_outcome(fault),
+            StreamEnd::Broken(fault) => super::chain::fault_outcome(fault),
             // A client that leaves, or the platform's clock, says nothing of the
             // backend, which was answering.
             StreamEnd::Done | StreamEnd::ClientGone | StreamEnd::Deadline => Outcome::Success,
         };
-        gateway.breakers.record(&backend, health, Instant::now());
+        pass.record(&gateway.breakers, health);
         // Boxed, as the rare ends below: the task's own size is what each open stream
         // holds while it waits for the next event.
         Box::pin(settle.finish(&gateway, &outcome, draft)).await;
@@ -231,14 +232,6 @@ pub(super) fn stream(gateway: Arc<Gateway>, stream: Stream, mut draft: Draft) ->
         headers.insert(name, value);
     }
     response
-}
-
-/// How a failure after the headers counts for the backend's breaker.
-pub(super) fn fault_outcome(fault: &Fault) -> Outcome {
-    match fault {
-        Fault::Timeout => Outcome::Timeout,
-        Fault::Cut(_) | Fault::Invalid(_) => Outcome::ConnectionError,
-    }
 }
 
 /// Events as one chunk; `None` for none.

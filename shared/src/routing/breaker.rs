@@ -95,6 +95,26 @@ pub enum Admit {
     No,
 }
 
+/// A call's admission by its backend's breaker ([`Breakers::pass`]): what the call's
+/// outcome is reported through, once its answer is in or, for a stream or a session,
+/// once it ends. A half-open breaker's pass is its one probe; a pass never reported
+/// (its call dropped) does not wedge it.
+#[derive(Debug, Clone)]
+pub struct Pass {
+    backend: BackendId,
+}
+
+impl Pass {
+    pub fn backend(&self) -> &BackendId {
+        &self.backend
+    }
+
+    /// Reports the call's outcome to the backend's breaker.
+    pub fn record(&self, breakers: &Breakers, outcome: Outcome) {
+        breakers.record(&self.backend, outcome, Instant::now());
+    }
+}
+
 /// The breakers of every declared backend.
 pub struct Breakers {
     breakers: Mutex<HashMap<BackendId, Breaker>>,
@@ -106,14 +126,20 @@ impl Breakers {
         Breakers { breakers: Mutex::new(breakers) }
     }
 
+    /// A pass for a call to `backend`, unless its breaker is open (or its one
+    /// half-open probe is out): the only way in, and its outcome goes back through it.
+    pub fn pass(&self, backend: &BackendId, now: Instant) -> Option<Pass> {
+        (self.admit(backend, now) != Admit::No).then(|| Pass { backend: backend.clone() })
+    }
+
     /// Whether a call may go to `backend`. A `Probe` answer reserves the half-open
     /// breaker's one trial for this caller. An unknown backend is always admitted.
-    pub fn admit(&self, backend: &BackendId, now: Instant) -> Admit {
+    fn admit(&self, backend: &BackendId, now: Instant) -> Admit {
         self.with(backend, |b| b.admit(now)).unwrap_or(Admit::Yes)
     }
 
     /// Records the outcome of a call to `backend`. Unknown backends are ignored.
-    pub fn record(&self, backend: &BackendId, outcome: Outcome, now: Instant) {
+    fn record(&self, backend: &BackendId, outcome: Outcome, now: Instant) {
         self.with(backend, |b| b.record(outcome, now));
     }
 
