@@ -10,7 +10,7 @@
 //!    messages of 64 KiB (`Pages`, metered per byte: every message counted, a budget
 //!    step reserved every 64 KiB), MB/s direct and through the gateway.
 //!
-//! Figures are printed, never asserted: this machine's load decides them.
+//! Figures are printed, never asserted: the machine's load decides them.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 use std::time::Instant;

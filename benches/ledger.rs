@@ -6,7 +6,7 @@
 //! `LEDGER_BENCH_SECS` (default 3) seconds. Prints pairs/s, reserve and settle
 //! p50/p99, and for the embedded store how many operations each fsync carried.
 //!
-//! Figures are printed, never asserted: this machine's disk and load decide them.
+//! Figures are printed, never asserted: the machine's disk and load decide them.
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;

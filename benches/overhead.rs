@@ -10,7 +10,7 @@
 //!    so a stall that delays the following requests is visible, not hidden.
 //! 2. throughput through the gateway at 64 concurrent connections for 5 s.
 //!
-//! Figures are printed, never asserted: this machine's load decides them.
+//! Figures are printed, never asserted: the machine's load decides them.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 use std::sync::Arc;

@@ -9,7 +9,7 @@
 //!    nginx is installed, as many through a bare nginx `proxy_pass` hop (unbuffered,
 //!    kept-alive upstream connections), taken in turn: p50/p99 of each and what each
 //!    hop adds to the direct figures, the nginx hop being the floor a proxy pays on
-//!    this machine;
+//!    the machine;
 //! 2. `BENCH_STREAMS` (10,000 by default) streams at once through Flexway:
 //!    completion, the longest gap between two chunks of any stream (a stall shows
 //!    here past two paces: the last is the backend's usage chunk, which the gateway
@@ -19,7 +19,7 @@
 //! The concurrent streams come over HTTP/2, 100 to a connection (as an SDK with
 //! HTTP/2 sends them), and each goes to the backend on a connection of its own
 //! (HTTP/1.1): the gateway holds 10,000 upstream sockets, the bench process 10,000 of
-//! the fake server's, under this machine's limit of 20,000 open files a process that
+//! the fake server's, under a limit of 20,000 open files a process that
 //! HTTP/1.1 on both sides would pass.
 //! 3. the same streams to the fake server behind TLS offering HTTP/2 (ALPN `h2`, as
 //!    hosted models' APIs do), allowing `BENCH_H2_MAX_STREAMS` streams a connection

@@ -4,8 +4,8 @@
 //! A call's tasks (the client connection, the handler, the upstream connection from its
 //! thread's own pool) all run on the thread that accepted the connection: no wake-up
 //! crosses threads on the request path, where tokio's multi-threaded scheduler woke
-//! another core for the upstream connection's task and back (issue 15: ~60 µs a call
-//! on this 2-vCPU machine). The accept loop and the background tasks (sweeper, secret
+//! another core for the upstream connection's task and back (~60 µs a call
+//! on a 2-vCPU machine). The accept loop and the background tasks (sweeper, secret
 //! refresh, telemetry) stay on the main runtime; a connection crosses threads once,
 //! when accepted.
 

@@ -528,29 +528,14 @@ async fn many_sequential_calls_share_the_upstream_connection() {
 /// Two `grpc` backends declaring the same service: `a-down` (first by name, nothing
 /// listening, its breaker tripping after 2 failures for a minute) and `b-up`.
 fn two_backends(set: &Path, down: &str, up: &str) -> String {
-    format!(
-        r#"version: 1
-store: {{kind: memory}}
-audit: {{sink: stdout}}
-tenants:
-  acme:
-    keys:
-      - sha256: {key}
-    budgets: {{eur_per_month: 100}}
-ai:
-  backends:
-    a-down:
-      kind: grpc
-      url: {down}
-      descriptor_set: {set}
-      circuit_breaker: {{failures: 2, interval: 60s, trip: 60s}}
-    b-up:
-      kind: grpc
-      url: {up}
-      descriptor_set: {set}
-"#,
-        key = sha(KEY),
-        set = set.display(),
+    let set = set.display();
+    acme_config(
+        "{eur_per_month: 100}",
+        &format!(
+            "  backends:\n    a-down:\n      kind: grpc\n      url: {down}\n      descriptor_set: {set}\n      \
+             circuit_breaker: {{failures: 2, interval: 60s, trip: 60s}}\n    b-up:\n      kind: grpc\n      \
+             url: {up}\n      descriptor_set: {set}\n"
+        ),
     )
 }
 

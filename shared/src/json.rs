@@ -1,7 +1,7 @@
 //! JSON text written by hand, for the two lines every call writes (its audit record and
 //! its ledger journal lines): serde_json checks each byte of a string against its
 //! escape table, and a call's keys, names and ids spent ~9,000 instructions there
-//! (callgrind, issue 15). What this writes is what serde_json writes for the same
+//! (callgrind). What this writes is what serde_json writes for the same
 //! values; the tests of each line hold the two equal.
 
 /// A JSON string: copied as is when no byte needs escaping, else escaped by serde_json.

@@ -59,7 +59,7 @@ fn schema_lists_every_spec_field() {
         "user_hash",
         // §2.3: a realtime session's record says how it ended (absent for other calls).
         "close_reason",
-        // SPEC §10 (issue 13): a gRPC call's record names its method's feature.
+        // SPEC §10: a gRPC call's record names its method's feature.
         "feature",
     ];
     for field in spec_fields {

@@ -78,7 +78,7 @@
 //!
 //! | | requests | write units | read units |
 //! | --- | --- | --- | --- |
-//! | before (issue 12) | `BatchGetItem`, `TransactWriteItems`, `GetItem`, `TransactWriteItems` | 8 + 8 = 16 | 3 + 1 = 4 |
+//! | the first design, with reads | `BatchGetItem`, `TransactWriteItems`, `GetItem`, `TransactWriteItems` | 8 + 8 = 16 | 3 + 1 = 4 |
 //! | now | `TransactWriteItems`, `TransactWriteItems` | 8 + 8 + 2 (index) = 18 | 0 |
 //!
 //! Each transaction is 3 counters + the reservation = 4 items (an agent with its own

@@ -22,7 +22,7 @@ fn jsonl(records: &[AuditRecord]) -> Vec<u8> {
 
 /// A record's line: the bytes serde_json makes of it (a test holds them equal; readers
 /// parse it with serde), written by hand ([`crate::json`]): serde_json's escaping of
-/// each name and value was ~5,500 instructions a call (issue 15).
+/// each name and value was ~5,500 instructions a call.
 fn line(record: &AuditRecord, out: &mut Vec<u8>) {
     out.push(b'{');
     json::key(out, "schema_version");

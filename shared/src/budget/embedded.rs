@@ -12,14 +12,14 @@
 //! after the journal's fsync: a settlement queued with reservations does not wait for
 //! their fsync (it may still wait for the fsync of the batch before it, which holds the
 //! writer's lock: writing it on its caller's thread meanwhile, one `write(2)` a
-//! settlement, cost 7% of the throughput at 64 connections on this machine).
+//! settlement, cost 7% of the throughput at 64 connections).
 //!
 //! Two operations skip the queue and are written by their caller, on its own thread,
 //! as a batch of one, when no batch or checkpoint is being written (the writer's lock
 //! and the ledger's are free): a settlement or refund, which waits for no fsync, and a
 //! reservation when the ledger holds no other live reservation (a call alone), fsync
 //! included. Handing these to the writer thread and back took two wake-ups each, four
-//! a call (issue 15). Such an operation may pass operations already queued: arrival
+//! a call. Such an operation may pass operations already queued: arrival
 //! order holds within a batch. The fsync of a reservation written so blocks the whole
 //! serving thread (`flexway serve` runs one single-threaded runtime per core), every
 //! connection on it included, for as long as the disk takes; it happens only when no
@@ -803,7 +803,7 @@ impl Effects {
 
 /// The journal: what the batches since the last checkpoint wrote, one JSON line each,
 /// written in place into a file allocated ahead ([`JOURNAL_BYTES`] of zeros), so that
-/// a line's `fdatasync` flushes its data and no file size (on this machine's disk an
+/// a line's `fdatasync` flushes its data and no file size (on a virtio disk an
 /// append's fdatasync took twice an overwrite's). Every line carries the journal's
 /// epoch, which a checkpoint advances before the next line is written over the old
 /// ones from the start, and commits to the file with what it holds: the journal is the
@@ -890,7 +890,7 @@ impl Journal {
             // Zeros written, not a hole: the blocks exist before the first line's fsync.
             // A page at a time: the page cache keeps a write's pages in folios the size
             // of the write, and every later line written into a large folio walks all of
-            // its blocks (on this machine's ext4, one 8 MiB write made each line's
+            // its blocks (on ext4, one 8 MiB write made each line's
             // pwrite cost 15 µs of CPU instead of 6, and its fdatasync 73-80 instead of
             // 59-65).
             let page = [0; PAGE as usize];

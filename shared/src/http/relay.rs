@@ -438,7 +438,7 @@ fn tap_as_value(
 
 /// The fields of a chunk the relay reads, nothing else built: a chunk parsed into a
 /// `Value` (a map, a `String` for every key and text) was a stream's largest cost a
-/// chunk (issue 15). Strict where the `Value` reading is lenient: a field of another
+/// chunk. Strict where the `Value` reading is lenient: a field of another
 /// type, a repeated key or an `error` make [`ChunkView::read`] give up, and the chunk
 /// is read as a `Value`, so both readings agree on every chunk (tested below).
 #[derive(serde::Deserialize)]

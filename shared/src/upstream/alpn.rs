@@ -8,7 +8,7 @@
 //! dropped once the first is pooled. A lane starts with an empty pool, so under a
 //! ramp of streams each new lane went through this: in `cargo bench --bench streams`,
 //! 10,000 streams to an HTTP/2 backend opened 10,000 TLS connections to keep about a
-//! hundred (issue 15). Now a burst opens one a lane, but for the calls that come
+//! hundred. Now a burst opens one a lane, but for the calls that come
 //! during the very first handshake with a backend, before anything is noted.
 //!
 //! So the connector notes what each TLS handshake chose, by the backend's authority

@@ -3,7 +3,7 @@
 //! Requests are kept as their top-level fields, each as the client wrote it, and relayed
 //! with every field the client sent, except the few the gateway owns (`model`,
 //! `stream_options`, the completion allowance): the client's own text of each field
-//! goes upstream, never written again from values (issue 15: that cost as much as
+//! goes upstream, never written again from values (that cost as much as
 //! reading them). What the gateway needs to decide (model, stream, limits, images) is
 //! read once here, from values of the fields it reads, and a malformed request is
 //! refused here with the `param` that is wrong.
