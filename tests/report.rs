@@ -4,8 +4,8 @@
 use std::path::Path;
 use std::process::Command;
 
-use flexway::audit::{AuditRecord, BudgetState, Operation, SCHEMA_VERSION, UsageSource};
-use flexway::config::{Capability, Metering};
+use flexway::audit::{AuditRecord, sample};
+use flexway::config::Metering;
 
 struct Run {
     code: i32,
@@ -24,32 +24,17 @@ fn flexway(args: &[&str]) -> Run {
 
 fn record(ts: &str, tenant: &str, agent: Option<&str>, backend: &str, metered_by: Metering, cost: u64) -> AuditRecord {
     AuditRecord {
-        schema_version: SCHEMA_VERSION,
         ts: ts.parse().unwrap(),
         request_id: format!("req-{ts}"),
-        tenant: tenant.into(),
         agent: agent.map(Into::into),
-        operation: Operation::Chat,
-        capability: Capability::Chat,
-        model_requested: Some("gpt-4o".into()),
         model_served: Some("gpt-4o".into()),
-        backend: Some(backend.into()),
-        metered_by,
         prompt_tokens: 1_000,
         completion_tokens: 200,
-        usage_source: UsageSource::Reported,
-        cost_eur: cost as f64 / 1e6,
-        cost_micro_eur: cost,
-        status: 200,
-        error_code: None,
-        degraded: false,
-        budget_state: BudgetState::Ok,
         latency_ms: 350,
         ttfb_ms: Some(80),
         key_hash: "0".repeat(64),
         user_hash: None,
-        close_reason: None,
-        feature: None,
+        ..sample::record(tenant, Some(backend), metered_by, cost)
     }
 }
 

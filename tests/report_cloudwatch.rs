@@ -14,9 +14,9 @@ use std::process::Command;
 
 use aws_sdk_cloudwatchlogs::Client;
 use aws_sdk_cloudwatchlogs::types::InputLogEvent;
-use flexway::audit::{AuditRecord, AuditSink, BudgetState, Operation, SCHEMA_VERSION, UsageSource};
+use flexway::audit::{AuditRecord, AuditSink, sample};
 use flexway::budget::period::{Period, unix_now};
-use flexway::config::{Capability, Metering};
+use flexway::config::Metering;
 use flexway_aws::CloudWatchAuditSink;
 use serde_json::Value;
 
@@ -49,32 +49,16 @@ fn date(days: i64) -> String {
 
 fn record(date: &str, request_id: &str, tenant: &str, backend: &str, metered_by: Metering, cost: u64) -> AuditRecord {
     AuditRecord {
-        schema_version: SCHEMA_VERSION,
         ts: format!("{date}T12:00:00.000Z").parse().unwrap(),
         request_id: request_id.to_owned(),
-        tenant: tenant.to_owned(),
         agent: Some("bot".to_owned()),
-        operation: Operation::Chat,
-        capability: Capability::Chat,
         model_requested: Some("chat-default".to_owned()),
         model_served: Some("gpt-4.1".to_owned()),
-        backend: Some(backend.to_owned()),
-        metered_by,
-        prompt_tokens: 100,
         completion_tokens: 20,
-        usage_source: UsageSource::Reported,
-        cost_eur: cost as f64 / 1e6,
-        cost_micro_eur: cost,
-        status: 200,
-        error_code: None,
-        degraded: false,
-        budget_state: BudgetState::Ok,
         latency_ms: 120,
         ttfb_ms: Some(40),
-        key_hash: "ab".repeat(32),
         user_hash: None,
-        close_reason: None,
-        feature: None,
+        ..sample::record(tenant, Some(backend), metered_by, cost)
     }
 }
 

@@ -4,38 +4,23 @@
 
 mod emulator;
 
-use flexway::audit::{AuditRecord, AuditSink, BudgetState, Operation, SCHEMA_VERSION, UsageSource};
-use flexway::config::{Capability, Metering};
+use flexway::audit::{AuditRecord, AuditSink, SCHEMA_VERSION, sample};
+use flexway::config::Metering;
 use flexway_aws::CloudWatchAuditSink;
 
 fn record(request_id: &str, tenant: &str) -> AuditRecord {
     AuditRecord {
-        schema_version: SCHEMA_VERSION,
         ts: "2026-11-29T15:44:30.123Z".parse().unwrap(),
         request_id: request_id.to_owned(),
-        tenant: tenant.to_owned(),
         agent: None,
-        operation: Operation::Chat,
-        capability: Capability::Chat,
         model_requested: Some("chat-default".to_owned()),
         model_served: Some("gpt-4.1".to_owned()),
-        backend: Some("ptu-west".to_owned()),
-        metered_by: Metering::Local,
         prompt_tokens: 12,
         completion_tokens: 34,
-        usage_source: UsageSource::Reported,
-        cost_eur: 0.000296,
-        cost_micro_eur: 296,
-        status: 200,
-        error_code: None,
-        degraded: false,
-        budget_state: BudgetState::Ok,
         latency_ms: 120,
         ttfb_ms: Some(40),
-        key_hash: "ab".repeat(32),
         user_hash: None,
-        close_reason: None,
-        feature: None,
+        ..sample::record(tenant, Some("ptu-west"), Metering::Local, 296)
     }
 }
 
