@@ -55,7 +55,9 @@ pub struct AuditRecord {
     pub cost_eur: f64,
     /// The exact cost in integer micro-euros, as settled in the ledger.
     pub cost_micro_eur: u64,
-    /// HTTP status returned to the client (or gRPC code).
+    /// The call's status: the HTTP status returned to the client, or for `operation:
+    /// grpc` the call's gRPC status code (`grpc-status`: 0 OK, 14 UNAVAILABLE, ...).
+    /// Read it typed with `AuditRecord::call_status`.
     pub status: u16,
     pub error_code: Option<ErrorCode>,
     pub degraded: bool,
@@ -179,6 +181,22 @@ impl AuditRecord {
     pub fn cost(&self) -> MicroEur {
         MicroEur(self.cost_micro_eur)
     }
+
+    /// The record's `status`, saying which kind it is.
+    pub fn call_status(&self) -> CallStatus {
+        match self.operation {
+            Operation::Grpc => CallStatus::Grpc(self.status),
+            _ => CallStatus::Http(self.status),
+        }
+    }
+}
+
+/// A call's status: an HTTP status, or a gRPC call's status code. The record keeps
+/// one number (`status`); its `operation` says which it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallStatus {
+    Http(u16),
+    Grpc(u16),
 }
 
 /// Salted SHA-256, hex: how identifiers enter the audit.

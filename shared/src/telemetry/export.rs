@@ -14,6 +14,7 @@ use tokio::time::MissedTickBehavior;
 
 use super::otlp::{self, KeyValue, kv};
 use super::{CallSpan, Counters, Export, Message};
+use crate::audit::CallStatus;
 use crate::config::TelemetryConfig;
 
 /// Spans per export request at most (a batch is sent as soon as it is full).
@@ -201,7 +202,10 @@ fn span(call: &CallSpan) -> otlp::Span {
     if !call.finish_reasons.is_empty() {
         attributes.push(kv("gen_ai.response.finish_reasons", call.finish_reasons.clone()));
     }
-    attributes.push(kv("http.response.status_code", u64::from(record.status)));
+    attributes.push(match record.call_status() {
+        CallStatus::Http(status) => kv("http.response.status_code", u64::from(status)),
+        CallStatus::Grpc(code) => kv("rpc.grpc.status_code", u64::from(code)),
+    });
     if let Some(code) = &record.error_code {
         attributes.push(kv("error.type", code.as_str()));
     }
@@ -359,6 +363,32 @@ fn unix_nanos(at: SystemTime) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_grpc_calls_span_carries_its_grpc_status_not_an_http_one() {
+        let call = |operation, status| {
+            let mut record = crate::audit::sample::record("acme", Some("ocr"), crate::config::Metering::Local, 0);
+            record.operation = operation;
+            record.status = status;
+            let trace = crate::telemetry::TraceContext::from_headers(&http::HeaderMap::new(), true);
+            let started = SystemTime::now();
+            let call = CallSpan {
+                record,
+                trace,
+                started,
+                duration: Duration::ZERO,
+                provider: None,
+                max_tokens: None,
+                finish_reasons: Vec::new(),
+                served: true,
+            };
+            span(&call).attributes.into_iter().map(|a| a.key).collect::<Vec<_>>()
+        };
+        let grpc = call(crate::audit::Operation::Grpc, 14);
+        assert!(grpc.iter().any(|k| k == "rpc.grpc.status_code") && !grpc.iter().any(|k| k.starts_with("http.")));
+        let chat = call(crate::audit::Operation::Chat, 200);
+        assert!(chat.iter().any(|k| k == "http.response.status_code") && !chat.iter().any(|k| k.starts_with("rpc.")));
+    }
 
     #[test]
     fn buckets_hold_values_up_to_their_bound() {
