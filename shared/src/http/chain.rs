@@ -239,7 +239,142 @@ fn unserved(route: &Route, attempts: Attempts, last: Option<(BackendId, Failure)
 
 #[cfg(test)]
 mod tests {
+    use std::collections::VecDeque;
+    use std::sync::{Arc, Mutex};
+
     use super::*;
+    use crate::call::{InvalidRequest, Operation, RequestId};
+
+    /// A door whose attempts answer as scripted, in order, noting each backend tried.
+    #[derive(Default)]
+    struct Scripted {
+        answers: Mutex<VecDeque<Result<&'static str, Failure>>>,
+        tried: Mutex<Vec<String>>,
+        /// A backend whose request cannot be prepared (the caller's error).
+        unpreparable: Option<&'static str>,
+    }
+
+    impl Scripted {
+        fn answering(answers: Vec<Result<&'static str, Failure>>) -> Scripted {
+            Scripted { answers: Mutex::new(answers.into()), ..Scripted::default() }
+        }
+
+        fn tried(&self) -> Vec<String> {
+            self.tried.lock().unwrap().clone()
+        }
+    }
+
+    impl Attempt for Scripted {
+        type Target = BackendId;
+        type Prepared = ();
+        type Answer = &'static str;
+
+        fn reach(&self, backend: &BackendId) -> Option<(BackendId, Duration)> {
+            (backend.as_str() != "elsewhere").then(|| (backend.clone(), Duration::from_secs(1)))
+        }
+
+        fn prepare(&self, target: &BackendId) -> Result<(String, ()), GatewayError> {
+            if self.unpreparable == Some(target.as_str()) {
+                return Err(InvalidRequest { message: "not for this format".into(), param: Some("n") }.into());
+            }
+            Ok(("model".to_owned(), ()))
+        }
+
+        async fn attempt(&self, target: &BackendId, (): (), _: &Draft) -> Result<Answered<&'static str>, Failure> {
+            self.tried.lock().unwrap().push(target.to_string());
+            let next = self.answers.lock().unwrap().pop_front().expect("a scripted answer for each attempt");
+            next.map(|value| Answered { value, outcome: Some(Outcome::Success) })
+        }
+    }
+
+    /// A gateway with backends `a` (its breaker trips on one failure), `b`, `c` and
+    /// `elsewhere`, and a call's draft.
+    async fn gateway() -> (Arc<Gateway>, Draft) {
+        use sha2::Digest;
+        let yaml = format!(
+            "version: 1\ntenants:\n  acme:\n    keys: [{{sha256: {}}}]\nai:\n  default_backend: a\n  backends:\n    \
+             a: {{url: 'http://127.0.0.1:9/v1', circuit_breaker: {{failures: 1, trip: 60s}}}}\n    \
+             b: {{url: 'http://127.0.0.1:9/v1'}}\n    c: {{url: 'http://127.0.0.1:9/v1'}}\n    \
+             elsewhere: {{url: 'http://127.0.0.1:9/v1'}}\n",
+            hex::encode(sha2::Sha256::digest(b"k"))
+        );
+        let env = std::collections::HashMap::<String, String>::new();
+        let loaded = crate::config::load_str(&yaml, &env).unwrap();
+        let adapters = crate::gateway::Adapters {
+            budgets: Arc::new(crate::budget::MemoryBudgetStore::new()),
+            audit: Arc::new(crate::audit::sinks::MemoryAuditSink::new()),
+            export: crate::telemetry::Export::Batched,
+        };
+        let secrets = Arc::new(crate::secret::LocalSecrets { env });
+        let gateway = Arc::new(Gateway::new(loaded.config, secrets, adapters).await.unwrap());
+        let mut headers = http::HeaderMap::new();
+        headers.insert(http::header::AUTHORIZATION, http::HeaderValue::from_static("Bearer k"));
+        let caller = gateway.keys.authenticate(&headers).unwrap();
+        let draft = Draft::begin(&gateway, &RequestId::generate(), &caller, Operation::Chat, &headers);
+        (gateway, draft)
+    }
+
+    fn route(names: &[&str]) -> Route {
+        let candidates = names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| Candidate { backend: BackendId::new(name), degraded: i > 0 })
+            .collect();
+        Route { candidates, via_pool: false }
+    }
+
+    fn status(status: u16) -> Failure {
+        Failure::Status { status, retry_after: None }
+    }
+
+    #[tokio::test]
+    async fn the_route_is_tried_in_order_until_one_answers() {
+        let (gateway, mut draft) = gateway().await;
+        let door = Scripted::answering(vec![Err(status(503)), Ok("from c")]);
+        let served = attempt_chain(&gateway, &mut draft, &route(&["elsewhere", "a", "c", "b"]), &door).await.unwrap();
+        assert_eq!((served.value, served.candidate.backend.as_str()), ("from c", "c"));
+        assert!(served.candidate.degraded);
+        assert_eq!(door.tried(), ["a", "c"], "a candidate the door cannot reach is passed over; b is never tried");
+    }
+
+    #[tokio::test]
+    async fn a_failure_opens_the_breaker_and_the_next_call_skips_that_backend() {
+        let (gateway, mut draft) = gateway().await;
+        let door = Scripted::answering(vec![Err(status(500)), Ok("from b")]);
+        attempt_chain(&gateway, &mut draft, &route(&["a", "b"]), &door).await.unwrap();
+        let door = Scripted::answering(vec![Ok("from b")]);
+        let served = attempt_chain(&gateway, &mut draft, &route(&["a", "b"]), &door).await.unwrap();
+        assert_eq!((served.value, door.tried()), ("from b", vec!["b".to_owned()]));
+        // With only that backend, nothing is tried: 503 circuit_open, naming it.
+        let door = Scripted::default();
+        match attempt_chain(&gateway, &mut draft, &route(&["a"]), &door).await {
+            Err(GatewayError::UpstreamUnavailable { cause: UnavailableCause::CircuitOpen, attempts, .. }) => {
+                assert_eq!(attempts.skipped, [BackendId::new("a")]);
+            }
+            Err(other) => panic!("{other}"),
+            Ok(_) => panic!("served"),
+        }
+        assert!(door.tried().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_failure_after_the_request_went_out_ends_the_call_there() {
+        let (gateway, mut draft) = gateway().await;
+        let sent = Failure::AfterSend(Box::new(Failure::Head(CallError::Timeout(Duration::from_secs(1)))));
+        let door = Scripted::answering(vec![Err(sent)]);
+        let error = attempt_chain(&gateway, &mut draft, &route(&["b", "c"]), &door).await.err().unwrap();
+        assert!(matches!(error, GatewayError::UpstreamTimeout { .. }), "{error}");
+        assert_eq!(door.tried(), ["b"], "c never gets a request b took part of");
+    }
+
+    #[tokio::test]
+    async fn a_request_the_backend_cannot_carry_ends_the_call_before_any_attempt() {
+        let (gateway, mut draft) = gateway().await;
+        let door = Scripted { unpreparable: Some("b"), ..Scripted::answering(vec![Ok("from c")]) };
+        let error = attempt_chain(&gateway, &mut draft, &route(&["b", "c"]), &door).await.err().unwrap();
+        assert!(matches!(error, GatewayError::InvalidRequest(_)), "{error}");
+        assert!(door.tried().is_empty());
+    }
 
     #[test]
     fn a_failure_is_retried_until_the_request_went_out_and_counts_but_our_own_credential() {
