@@ -292,3 +292,38 @@ async fn a_backend_failure_is_logged_with_the_request_id() {
         assert!(!line.contains(&id), "{line}");
     }
 }
+
+#[tokio::test]
+async fn a_model_or_user_too_long_for_the_audit_is_invalid_request_through_every_door() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&one_backend(&model.url()));
+    let long_model = "m".repeat(257);
+    let long_user = "u".repeat(1025);
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    let refused = [
+        ("/v1/chat/completions", json!({"model": long_model, "messages": messages}), "model"),
+        ("/v1/chat/completions", json!({"model": "m", "user": long_user, "messages": messages}), "user"),
+        ("/v1/embeddings", json!({"model": long_model, "input": "x"}), "model"),
+        ("/v1/embeddings", json!({"model": "m", "user": long_user, "input": "x"}), "user"),
+        ("/v1/responses", json!({"model": long_model, "input": "x"}), "model"),
+        ("/v1/responses", json!({"model": "m", "user": long_user, "input": "x"}), "user"),
+    ];
+    for (path, body, param) in refused {
+        let body = envelope(gw.post(path, KEY, body).send().await.unwrap(), 400, "invalid_request").await;
+        assert_eq!(body["error"]["param"], param, "{path}: {body}");
+    }
+    // The Messages door, in Anthropic's envelope.
+    for (body, what) in [
+        (json!({"model": long_model, "max_tokens": 5, "messages": messages}), "model"),
+        (json!({"model": "m", "max_tokens": 5, "metadata": {"user_id": long_user}, "messages": messages}), "metadata"),
+    ] {
+        let response = gw.post("/v1/messages", KEY, body).send().await.unwrap();
+        assert_eq!(response.status(), 400, "{what}");
+        let body: Value = response.json().await.unwrap();
+        assert!(body["error"]["message"].as_str().unwrap().starts_with("invalid_request: "), "{body}");
+    }
+    assert_eq!(model.request_count(), 0, "nothing too long reaches a backend");
+    // At the bounds, served.
+    let at_bounds = json!({"model": "m".repeat(256), "user": "u".repeat(1024), "messages": messages});
+    assert_eq!(gw.post("/v1/chat/completions", KEY, at_bounds).send().await.unwrap().status(), 200);
+}

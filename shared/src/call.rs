@@ -65,6 +65,26 @@ pub struct InvalidRequest {
     pub param: Option<&'static str>,
 }
 
+/// The longest `model` a caller may send (SPEC §2): the audit keeps it, and no call
+/// may make a record that a log store cuts or a report cannot read.
+pub const MAX_MODEL_BYTES: usize = 256;
+/// The longest `user` a caller may send (SPEC §2; the audit keeps its salted hash,
+/// the backend gets it as sent).
+pub const MAX_USER_BYTES: usize = 1024;
+
+impl InvalidRequest {
+    /// Refuses a caller's `text` (its `param`: a model name, a user) over `max` bytes.
+    pub fn check_bounded(param: &'static str, text: &str, max: usize) -> Result<(), InvalidRequest> {
+        if text.len() > max {
+            return Err(InvalidRequest {
+                message: format!("`{param}` is {} bytes; the gateway takes at most {max}", text.len()),
+                param: Some(param),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// The door a call came in by (`realtime`: a WebSocket session, one record for the
 /// whole session).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, schemars::JsonSchema)]

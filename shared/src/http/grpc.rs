@@ -162,6 +162,12 @@ pub(super) async fn handle(gateway: Arc<Gateway>, request_id: RequestId, request
     let mut draft = Draft::begin(&gateway, &request_id, &caller, Operation::Grpc, request.headers());
     draft.abandoned_as(Code::Cancelled.number(), ErrorCode::Cancelled);
     let rpc = request.uri().path().trim_start_matches('/').to_owned();
+    // The method is the call's model in its record: bounded like a model name.
+    if let Err(e) = crate::call::InvalidRequest::check_bounded("model", &rpc, crate::call::MAX_MODEL_BYTES) {
+        let refusal = Refusal::from(GatewayError::from(e));
+        draft.finish(refusal.code.number(), Some(refusal.error_code)).await;
+        return refused(flavor, &refusal);
+    }
     draft.request(Capability::Grpc, &rpc, None);
     match call(&gateway, &caller, &request_id, &mut draft, flavor, &rpc, request).await {
         Ok(Proxied { response, relay }) => relay.respond(response, draft),

@@ -170,6 +170,7 @@ async fn open(
         message: "GET /v1/realtime needs the model to open a session with: `?model=NAME`".into(),
         param: Some("model"),
     })?;
+    InvalidRequest::check_bounded("model", model, crate::call::MAX_MODEL_BYTES)?;
     draft.request(Capability::Realtime, model, None);
     let sensitive = crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?;
     draft.sensitive(sensitive);

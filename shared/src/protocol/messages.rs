@@ -54,6 +54,7 @@ impl MessagesRequest {
             Some(Value::String(m)) if !m.trim().is_empty() => m.clone(),
             _ => return Err(invalid("model", "`model` is required and must be a string")),
         };
+        InvalidRequest::check_bounded("model", &model, crate::call::MAX_MODEL_BYTES)?;
         let max_tokens = match body.get("max_tokens") {
             None | Some(Value::Null) => None,
             Some(v) => match v.as_u64() {
@@ -110,7 +111,10 @@ impl MessagesRequest {
         }
         measure.user = match body.get("metadata").and_then(|m| m.get("user_id")) {
             None | Some(Value::Null) => None,
-            Some(Value::String(u)) => Some(u.clone()),
+            Some(Value::String(u)) => {
+                InvalidRequest::check_bounded("metadata", u, crate::call::MAX_USER_BYTES)?;
+                Some(u.clone())
+            }
             Some(_) => return Err(invalid("metadata", "`metadata.user_id` must be a string")),
         };
         Ok(MessagesRequest { body, measure })

@@ -73,6 +73,7 @@ impl ResponsesRequest {
             Some(Value::String(m)) if !m.trim().is_empty() => m.clone(),
             _ => return Err(invalid("model", "`model` is required and must be a string")),
         };
+        InvalidRequest::check_bounded("model", &model, crate::call::MAX_MODEL_BYTES)?;
         let stream = match body.get("stream") {
             None | Some(Value::Null) => false,
             Some(Value::Bool(b)) => *b,
@@ -87,7 +88,10 @@ impl ResponsesRequest {
             };
         let user = match body.get("user") {
             None | Some(Value::Null) => None,
-            Some(Value::String(u)) => Some(u.clone()),
+            Some(Value::String(u)) => {
+                InvalidRequest::check_bounded("user", u, crate::call::MAX_USER_BYTES)?;
+                Some(u.clone())
+            }
             Some(_) => return Err(invalid("user", "`user` must be a string")),
         };
         let number = |key: &str| body.get(key).and_then(Value::as_f64);

@@ -18,6 +18,7 @@ use crate::config::Capability;
 pub mod translate;
 
 pub use crate::call::{InvalidRequest, Usage};
+use crate::call::{MAX_MODEL_BYTES, MAX_USER_BYTES};
 
 fn invalid(param: &'static str, message: impl Into<String>) -> InvalidRequest {
     InvalidRequest { message: message.into(), param: Some(param) }
@@ -175,7 +176,10 @@ fn is_null(raw: &RawValue) -> bool {
 
 fn required_model(body: &Fields) -> Result<String, InvalidRequest> {
     match body.get("model").map(|raw| value(raw)) {
-        Some(Value::String(m)) if !m.trim().is_empty() => Ok(m),
+        Some(Value::String(m)) if !m.trim().is_empty() => {
+            InvalidRequest::check_bounded("model", &m, MAX_MODEL_BYTES)?;
+            Ok(m)
+        }
         Some(Value::String(_)) | None => Err(invalid("model", "`model` is required")),
         Some(_) => Err(invalid("model", "`model` must be a string")),
     }
@@ -184,7 +188,10 @@ fn required_model(body: &Fields) -> Result<String, InvalidRequest> {
 fn optional_user(body: &Fields) -> Result<Option<String>, InvalidRequest> {
     match body.get("user").map(|raw| value(raw)) {
         None | Some(Value::Null) => Ok(None),
-        Some(Value::String(u)) => Ok(Some(u)),
+        Some(Value::String(u)) => {
+            InvalidRequest::check_bounded("user", &u, MAX_USER_BYTES)?;
+            Ok(Some(u))
+        }
         Some(_) => Err(invalid("user", "`user` must be a string")),
     }
 }
