@@ -27,6 +27,9 @@ pub mod headers {
     pub const COST: &str = "flexway-cost-eur";
     /// What the gateway's own HTTP clients call themselves.
     pub const USER_AGENT: &str = concat!("flexway/", env!("CARGO_PKG_VERSION"));
+    /// Request headers that carry a caller's credential: never passed on to a
+    /// backend, by any door.
+    pub const CREDENTIALS: [&str; 4] = ["authorization", "proxy-authorization", "x-api-key", "cookie"];
 }
 
 /// The id of one request, returned as `Flexway-Request-Id` and used by the ledger

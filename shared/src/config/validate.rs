@@ -103,10 +103,6 @@ struct Unparsed {
     units: BTreeSet<String>,
 }
 
-/// Request headers that carry a caller's credential: never passed on to a backend
-/// (`forward_headers`).
-const CREDENTIAL_HEADERS: [&str; 4] = ["authorization", "proxy-authorization", "x-api-key", "cookie"];
-
 /// Request headers the gateway writes to a backend itself, beyond [`RESERVED_HEADERS`]:
 /// a caller's would go out beside the gateway's own (`forward_headers`).
 const GATEWAY_HEADERS: [&str; 5] = ["accept", "user-agent", "traceparent", "tracestate", "anthropic-version"];

@@ -43,7 +43,7 @@ use super::chain::{self, Answered, Failure};
 use super::record::{Draft, UsageSource};
 use crate::admission::{STREAM_RESERVATION_SECS, reserve_eur};
 use crate::budget::Ticket;
-use crate::call::headers::{BACKEND as BACKEND_HEADER, DEGRADED as DEGRADED_HEADER};
+use crate::call::headers::{BACKEND as BACKEND_HEADER, CREDENTIALS, DEGRADED as DEGRADED_HEADER};
 use crate::call::{ErrorCode, Operation};
 use crate::config::{AiOperation, BackendId, BackendKind, Capability, GrpcMetering, GrpcMethod};
 use crate::error::GatewayError;
@@ -263,7 +263,7 @@ async fn call(
     // (unreachable, timed out, not answering gRPC) gives the call to the next one.
     let slot = Slot::new(RequestBody::new(body, pending, meter.clone()));
     let sensitive_header = gateway.config.ai.sensitive_header.as_str();
-    let door = Send { gateway, rpc, headers: &parts.headers, sensitive_header, flavor, slot };
+    let door = SendCall { gateway, rpc, headers: &parts.headers, sensitive_header, flavor, slot };
     let served = match chain::attempt_chain(gateway, draft, &route, &door).await {
         Ok(served) => served,
         Err(e) => {
@@ -279,7 +279,7 @@ async fn call(
 
 /// The gRPC door's attempt: the call sent to one upstream, its request body taken
 /// from the slot as the upstream reads it.
-struct Send<'a> {
+struct SendCall<'a> {
     gateway: &'a Gateway,
     rpc: &'a str,
     headers: &'a HeaderMap,
@@ -288,7 +288,7 @@ struct Send<'a> {
     slot: Slot,
 }
 
-impl<'a> chain::Attempt for Send<'a> {
+impl<'a> chain::Attempt for SendCall<'a> {
     /// The upstream's URL and its `timeout`.
     type Target = (&'a str, Duration);
     type Prepared = ();
@@ -453,20 +453,12 @@ fn upstream_request(
 /// headers (identity, sensitivity, agent), not the connection's.
 fn forwarded(name: &HeaderName) -> bool {
     let name = name.as_str();
-    !matches!(
-        name,
-        "authorization"
-            | "proxy-authorization"
-            | "x-api-key"
-            | "cookie"
-            | "host"
-            | "connection"
-            | "keep-alive"
-            | "transfer-encoding"
-            | "upgrade"
-            | "content-length"
-            | "te"
-    ) && !name.starts_with("flexway-")
+    !CREDENTIALS.contains(&name)
+        && !matches!(
+            name,
+            "host" | "connection" | "keep-alive" | "transfer-encoding" | "upgrade" | "content-length" | "te"
+        )
+        && !name.starts_with("flexway-")
         && !name.starts_with("proxy-")
 }
 

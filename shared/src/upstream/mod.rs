@@ -355,9 +355,7 @@ impl UpstreamClient {
             Ok(Ok(response)) => Ok(response.map(|body| AnswerBody::new(body, seat))),
         }
     }
-}
 
-impl UpstreamClient {
     /// The caller's headers this backend names in `forward_headers`, every value of each.
     fn forward_to(&self, headers: &mut http::HeaderMap, caller: &CallerIdentity) {
         for (name, value) in &caller.forwarded {

@@ -16,10 +16,8 @@ use super::super::raw::{
 };
 use super::super::values::{base_url, fraction_ppm, micro_eur, status_range};
 use super::super::*;
-use super::{
-    CREDENTIAL_HEADERS, Catalog, Checker, DEFAULT_SENSITIVE_HEADER, GATEWAY_HEADERS, RESERVED_HEADERS, Summary,
-    capability,
-};
+use super::{Catalog, Checker, DEFAULT_SENSITIVE_HEADER, GATEWAY_HEADERS, RESERVED_HEADERS, Summary, capability};
+use crate::call::headers::CREDENTIALS;
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// A descriptor set larger than this is not one an operator meant.
@@ -382,7 +380,7 @@ impl Checker<'_> {
                 continue;
             };
             let own_auth = matches!(auth, Some(Auth::Header { name: own, .. }) if own.eq_ignore_ascii_case(&name));
-            let refusal = if CREDENTIAL_HEADERS.contains(&name.as_str()) || own_auth {
+            let refusal = if CREDENTIALS.contains(&name.as_str()) || own_auth {
                 Some("carries a credential: a caller's secret never reaches a backend")
             } else if RESERVED_HEADERS.contains(&name.as_str()) || GATEWAY_HEADERS.contains(&name.as_str()) {
                 Some("is written by the gateway itself (or holds for one hop only)")
