@@ -18,38 +18,16 @@ fn two_kinds(model: &FakeModel, scenario: &str, budgets: &str) -> String {
         "" => (model.url(), model.base_url()),
         s => (format!("http://{}/s/{s}/v1", model.addr()), format!("http://{}/s/{s}", model.addr())),
     };
-    format!(
-        r#"version: 1
-store: {{kind: memory}}
-audit: {{sink: stdout}}
-tenants:
-  acme:
-    keys:
-      - sha256: {key}
-    budgets: {budgets}
-  globex:
-    keys:
-      - sha256: {other}
-    budgets: {budgets}
-    backend: claude
-ai:
-  default_backend: openai
-  vision: {{allowed_origins: ["https://img.example.com"]}}
-  backends:
-    openai:
-      url: {openai}
-      capabilities: [chat, vision]
-      default_model: gpt-fake
-      price: {{input_per_mtok_eur: 1.0, output_per_mtok_eur: 2.0}}
-    claude:
-      kind: anthropic
-      url: {anthropic}
-      capabilities: [chat, vision]
-      default_model: claude-fake
-      price: {{input_per_mtok_eur: 3.0, output_per_mtok_eur: 15.0}}
-"#,
-        key = sha(KEY),
-        other = sha(OTHER_KEY),
+    two_tenants(
+        budgets,
+        "claude",
+        &format!(
+            "  default_backend: openai\n  vision: {{allowed_origins: [\"https://img.example.com\"]}}\n  backends:\n    \
+             openai:\n      url: {openai}\n      capabilities: [chat, vision]\n      default_model: gpt-fake\n      \
+             price: {{input_per_mtok_eur: 1.0, output_per_mtok_eur: 2.0}}\n    claude:\n      kind: anthropic\n      \
+             url: {anthropic}\n      capabilities: [chat, vision]\n      default_model: claude-fake\n      \
+             price: {{input_per_mtok_eur: 3.0, output_per_mtok_eur: 15.0}}\n"
+        ),
     )
 }
 

@@ -17,36 +17,18 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 /// `x-team-trace`; `globex` (OTHER_KEY) on `claude`, an Anthropic one that forwards
 /// `anthropic-beta`.
 fn forwarding(model: &FakeModel) -> String {
-    format!(
-        r#"version: 1
-store: {{kind: memory}}
-audit: {{sink: stdout}}
-tenants:
-  acme:
-    keys:
-      - sha256: {key}
-  globex:
-    keys:
-      - sha256: {other}
-    backend: claude
-ai:
-  default_backend: oa
-  backends:
-    oa:
-      url: {openai}
-      capabilities: [chat, embeddings, realtime]
-      forward_headers: [OpenAI-Beta, x-team-trace]
-      price: {{input_per_mtok_eur: 1.0, output_per_mtok_eur: 2.0}}
-    claude:
-      kind: anthropic
-      url: {anthropic}
-      forward_headers: [anthropic-beta]
-      price: {{input_per_mtok_eur: 3.0, output_per_mtok_eur: 15.0}}
-"#,
-        key = sha(KEY),
-        other = sha(OTHER_KEY),
-        openai = model.url(),
-        anthropic = model.base_url(),
+    two_tenants(
+        "{}",
+        "claude",
+        &format!(
+            "  default_backend: oa\n  backends:\n    oa:\n      url: {openai}\n      \
+             capabilities: [chat, embeddings, realtime]\n      forward_headers: [OpenAI-Beta, x-team-trace]\n      \
+             price: {{input_per_mtok_eur: 1.0, output_per_mtok_eur: 2.0}}\n    claude:\n      kind: anthropic\n      \
+             url: {anthropic}\n      forward_headers: [anthropic-beta]\n      \
+             price: {{input_per_mtok_eur: 3.0, output_per_mtok_eur: 15.0}}\n",
+            openai = model.url(),
+            anthropic = model.base_url(),
+        ),
     )
 }
 

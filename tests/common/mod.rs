@@ -151,50 +151,42 @@ pub fn hello(model: &str) -> serde_json::Value {
     serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hello there"}]})
 }
 
+/// A config on the memory ledger and the stdout audit, with the given `tenants:` and
+/// `ai:` bodies (each indented by two spaces).
+fn with_tenants(tenants: &str, ai: &str) -> String {
+    format!("version: 1\nstore: {{kind: memory}}\naudit: {{sink: stdout}}\ntenants:\n{tenants}ai:\n{ai}\n")
+}
+
 /// A config with one tenant, `acme` (key KEY), its `budgets:` mapping, and the given
 /// `ai:` body (indented by two spaces).
 pub fn acme_config(budgets: &str, ai: &str) -> String {
-    format!(
-        r#"version: 1
-store: {{kind: memory}}
-audit: {{sink: stdout}}
-tenants:
-  acme:
-    keys:
-      - sha256: {key}
-    budgets: {budgets}
-ai:
-{ai}
-"#,
-        key = sha(KEY)
-    )
+    with_tenants(&format!("  acme:\n    keys:\n      - sha256: {}\n    budgets: {budgets}\n", sha(KEY)), ai)
+}
+
+/// A config with tenants `acme` (KEY) and `globex` (OTHER_KEY, routed to
+/// `globex_backend`), each with `budgets:`, and the given `ai:` body (indented by two
+/// spaces).
+pub fn two_tenants(budgets: &str, globex_backend: &str, ai: &str) -> String {
+    let tenants = format!(
+        "  acme:\n    keys:\n      - sha256: {}\n    budgets: {budgets}\n  globex:\n    keys:\n      \
+         - sha256: {}\n    budgets: {budgets}\n    backend: {globex_backend}\n",
+        sha(KEY),
+        sha(OTHER_KEY)
+    );
+    with_tenants(&tenants, ai)
 }
 
 /// A config with tenants `acme` (agent `bot` bound to AGENT_KEY, agent `helper`) and
 /// `globex`, and the given `ai:` body (indented by two spaces).
 pub fn config(ai: &str) -> String {
-    format!(
-        r#"version: 1
-store: {{kind: memory}}
-audit: {{sink: stdout}}
-tenants:
-  acme:
-    keys:
-      - sha256: {key}
-      - {{sha256: {agent_key}, agent: bot}}
-    agents:
-      bot: {{}}
-      helper: {{}}
-  globex:
-    keys:
-      - sha256: {other_key}
-ai:
-{ai}
-"#,
-        key = sha(KEY),
-        agent_key = sha(AGENT_KEY),
-        other_key = sha(OTHER_KEY),
-    )
+    let tenants = format!(
+        "  acme:\n    keys:\n      - sha256: {}\n      - {{sha256: {}, agent: bot}}\n    agents:\n      \
+         bot: {{}}\n      helper: {{}}\n  globex:\n    keys:\n      - sha256: {}\n",
+        sha(KEY),
+        sha(AGENT_KEY),
+        sha(OTHER_KEY)
+    );
+    with_tenants(&tenants, ai)
 }
 
 /// `ai:` with one backend `main` at `url`.
