@@ -20,6 +20,11 @@
 //! admission to its settlement; it must never pass the cap, and once the leases are
 //! flushed the counters must equal the usage settled, to the token.
 //!
+//! Then the false 429 (`moving`): a tenant whose calls move from one environment to
+//! the next while the others sit frozen, under the lease policy before leases had a
+//! life of their own and under today's; it prints the refusals while the day had room
+//! and the time to the cap.
+//!
 //! Figures are printed, never asserted; the correctness checks print and exit non-zero.
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
@@ -28,12 +33,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use flexway::budget::period::unix_now;
 use flexway::budget::{
     BudgetStore, CounterKey, IntentOutcome, LeasePolicy, LeasedBudgetStore, Line, MemoryBudgetStore, Reservation,
     ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept,
 };
 
-const NOW: u64 = 1_795_967_070;
 const ITEM_WCU_PER_SEC: f64 = 1_000.0;
 const BURST_SECS: f64 = 0.1;
 const LATENCY_MS: u64 = 4;
@@ -161,6 +166,15 @@ impl BudgetStore for SimulatedDynamoDb {
         let items = vec![reservation_item(request_id)];
         self.write(items, 1.0, self.inner.record_intent(request_id, actual)).await?
     }
+    async fn renew(
+        &self,
+        request_id: &str,
+        actual: &[(CounterKey, u64)],
+        expires_at: u64,
+    ) -> Result<IntentOutcome, StoreError> {
+        let items = vec![reservation_item(request_id)];
+        self.write(items, 1.0, self.inner.renew(request_id, actual, expires_at)).await?
+    }
     async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
         self.inner.sweep(now).await
     }
@@ -187,7 +201,7 @@ fn call(id: String, tokens: u64, day_limit: u64) -> ReserveRequest {
             Line { key: key("tokens/month"), amount: tokens, limit: Some(u64::MAX / 4) },
             Line { key: key("eur/month"), amount: tokens * 5, limit: Some(u64::MAX / 4) },
         ],
-        expires_at: NOW + 60,
+        expires_at: unix_now() + 60,
     }
 }
 
@@ -304,7 +318,7 @@ async fn run() {
         for store in &leased {
             store.flush().await;
         }
-        inner.inner.sweep(NOW + 86_400).await.unwrap();
+        inner.inner.sweep(unix_now() + 86_400).await.unwrap();
         let served = tally.served.load(Ordering::Relaxed);
         let requests = inner.requests.load(Ordering::Relaxed);
         println!(
@@ -335,7 +349,7 @@ async fn run() {
         store.flush().await;
     }
     // A lease whose settlement was cancelled past its retries left it as an intent.
-    let swept = inner.inner.sweep(NOW + 86_400).await.unwrap();
+    let swept = inner.inner.sweep(unix_now() + 86_400).await.unwrap();
     let ledger = inner.inner.used(&[key("tokens/day")]).await.unwrap()[0];
     let usage = tally.usage.load(Ordering::SeqCst);
     let peak = tally.peak.load(Ordering::SeqCst);
@@ -352,7 +366,73 @@ async fn run() {
     if peak > day_limit || ledger != usage || live != 0 {
         failed = true;
     }
+    for (name, policy) in [("before", previous_policy()), ("after", lambda_policy())] {
+        failed |= moving(name, policy).await;
+    }
     if failed {
         std::process::exit(1);
     }
+}
+
+/// The lease policy before leases had a life of their own: 64 calls' worth from the
+/// first lease, no share of the limit until one was refused, and a life past the call
+/// that took it (its expiry, a minute, plus a minute).
+fn previous_policy() -> LeasePolicy {
+    LeasePolicy { first_calls: 64, share_of_remaining: 1, lease_secs: 120, ..lambda_policy() }
+}
+
+/// What the Lambda function runs (`flexway_aws::build_adapters`).
+fn lambda_policy() -> LeasePolicy {
+    LeasePolicy { intent_every: Duration::ZERO, ..LeasePolicy::default() }
+}
+
+/// The false 429: a tenant with a 3,000-token day whose calls (46 tokens each) move
+/// from one Lambda environment to the next, as function URLs spread them: 10 calls on
+/// the first, 10 on the second, then the third until the cap. The first two are then
+/// frozen (no tender runs: nothing renews or returns their leases). A refusal while
+/// the day still had room for the call is a false 429; the client retries every
+/// 100 ms, for `MOVING_PATIENCE_SECS` (default 30) at most. Prints the false 429s and
+/// the time to the cap (or what stayed stranded); true when the cap was passed.
+async fn moving(name: &str, policy: LeasePolicy) -> bool {
+    const DAY: u64 = 3_000;
+    const TOKENS: u64 = 46;
+    let patience = Duration::from_secs(env_or("MOVING_PATIENCE_SECS", 30));
+    let inner = Arc::new(SimulatedDynamoDb::new());
+    let stores: Vec<Leased> = (0..3).map(|_| LeasedBudgetStore::new(inner.clone(), policy.clone())).collect();
+    let (mut spent, mut false_429, mut first_false) = (0u64, 0u64, None::<u64>);
+    let start = Instant::now();
+    let mut i = 0u64;
+    loop {
+        let environment = (i / 10).min(2) as usize;
+        let request = call(format!("moving-{i}"), TOKENS, DAY);
+        match stores[environment].reserve(&request).await {
+            Ok(ReserveOutcome::Reserved) => {
+                stores[environment].settle(&request.reservation(), &actual_of(TOKENS)).await.unwrap();
+                spent += TOKENS;
+                i += 1;
+                continue;
+            }
+            Ok(ReserveOutcome::Refused { .. }) | Err(_) => {}
+        }
+        if spent + TOKENS > DAY || start.elapsed() > patience {
+            break;
+        }
+        false_429 += 1;
+        first_false.get_or_insert(spent);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let elapsed = start.elapsed();
+    let reached = spent + TOKENS > DAY;
+    println!(
+        "moving tenant, {name:<6} (slices of {} calls first, {} s life): {false_429} false 429s{}, {}",
+        policy.first_calls,
+        policy.lease_secs,
+        first_false.map(|s| format!(" (the first with {} of {DAY} tokens unspent)", DAY - s)).unwrap_or_default(),
+        if reached {
+            format!("the cap reached in {:.1} s", elapsed.as_secs_f64())
+        } else {
+            format!("{} tokens still stranded after {:.0} s", DAY - spent, elapsed.as_secs_f64())
+        },
+    );
+    spent > DAY
 }

@@ -3,18 +3,21 @@
 //! (`--log-group`, with the AWS SDK's usual environment: `AWS_REGION`, credentials,
 //! `AWS_ENDPOINT_URL`).
 //!
-//! Exit codes: 0 with the report on stdout; 1 when the audit cannot be read (the error
-//! names the file and line, or the log group and event); 2 for a usage error (bad
-//! dates, not exactly one source).
+//! Exit codes: 0 with the report on stdout; 3 with the report of every readable record
+//! on stdout and, on stderr, each line that is not one (the file's line, or the log
+//! group's event and stream, and why: cut, damaged, of a newer schema), so that a
+//! pipeline notices (SPEC §2); 1 when the audit cannot be read at all; 2 for a usage
+//! error (bad dates, not exactly one source).
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use flexway::audit::AuditRecord;
-use flexway::audit::report::{self, Filter};
+use flexway::audit::report::{self, Filter, Read};
 
 const USAGE: u8 = 2;
+/// The report is out, without the lines listed on stderr.
+const UNREADABLE_LINES: u8 = 3;
 
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["audit", "log_group"])))]
@@ -63,8 +66,8 @@ pub fn run(args: ReportArgs) -> ExitCode {
             return ExitCode::from(USAGE);
         }
     };
-    let records = match read {
-        Ok(records) => records,
+    let Read { records, unreadable } = match read {
+        Ok(read) => read,
         Err(error) => {
             eprintln!("error: {error}");
             return ExitCode::FAILURE;
@@ -78,10 +81,18 @@ pub fn run(args: ReportArgs) -> ExitCode {
         Format::Md => report::to_markdown(&report),
     };
     let mut stdout = std::io::stdout().lock();
-    match stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush()) {
-        Ok(()) => ExitCode::SUCCESS,
+    let written = stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush());
+    for line in &unreadable {
+        eprintln!("unreadable: {line}");
+    }
+    if !unreadable.is_empty() {
+        eprintln!("error: {} unreadable line(s) left out of the report", unreadable.len());
+    }
+    let done = if unreadable.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(UNREADABLE_LINES) };
+    match written {
+        Ok(()) => done,
         // A closed pipe (`| head`) is the reader's choice, not a failure worth a message.
-        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => done,
         Err(error) => {
             eprintln!("error: writing the report: {error}");
             ExitCode::FAILURE
@@ -89,15 +100,19 @@ pub fn run(args: ReportArgs) -> ExitCode {
     }
 }
 
-fn read_file(path: &Path) -> Result<Vec<AuditRecord>, String> {
+fn read_file(path: &Path) -> Result<Read, String> {
     let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    report::read_jsonl(std::io::BufReader::new(file)).map_err(|e| format!("{}: {e}", path.display()))
+    let mut read = report::read_jsonl(std::io::BufReader::new(file)).map_err(|e| format!("{}: {e}", path.display()))?;
+    for line in &mut read.unreadable {
+        line.at = format!("{}: {}", path.display(), line.at);
+    }
+    Ok(read)
 }
 
 /// Reads the events of the period from the log group. An event is timestamped when
 /// the sink wrote it, a little after its record's `ts`: the query window is the
 /// period widened by that delay, and the `ts` filter (in `chargeback`) decides.
-fn read_log_group(group: &str, filter: &Filter) -> Result<Vec<AuditRecord>, String> {
+fn read_log_group(group: &str, filter: &Filter) -> Result<Read, String> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -106,5 +121,9 @@ fn read_log_group(group: &str, filter: &Filter) -> Result<Vec<AuditRecord>, Stri
     let margin = crate::aws::WRITE_DELAY_MARGIN_MS;
     let (from, to) = filter.unix_millis();
     let (from, to) = (from.map(|ms| (ms - margin).max(0)), to.map(|ms| (ms + margin).max(0)));
-    runtime.block_on(crate::aws::read_log_group(group, from, to))
+    let mut read = runtime.block_on(crate::aws::read_log_group(group, from, to))?;
+    for line in &mut read.unreadable {
+        line.at = format!("log group {group}, {}", line.at);
+    }
+    Ok(read)
 }

@@ -89,9 +89,10 @@ pub fn run(config_path: &Path, listen: &str) -> ExitCode {
 /// processes behind a load balancer sharing one table (and one log group, each process
 /// writing its own stream), with the AWS SDK's usual environment and credentials. The
 /// DynamoDB ledger is served through budget leases, as the Lambda function's is: a
-/// process writes a tenant's counters once per lease, and records a lease's usage as
-/// its settle intent every second (a killed process loses at most that second's
-/// usage; the other processes' sweepers charge the rest).
+/// process writes a tenant's counters once per lease, and renews a lease with its
+/// usage at most every second (a killed process loses at most that second's usage;
+/// its lease expires seconds later and the other processes' sweeps charge the rest
+/// and give its unused slice back).
 async fn adapters(config: &Config) -> anyhow::Result<(Adapters, Option<Arc<aws::Leases>>)> {
     let mut leases = None;
     let budgets: Arc<dyn BudgetStore> = match &config.store {

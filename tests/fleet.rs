@@ -82,7 +82,7 @@ async fn two_processes_on_one_table_never_pass_the_cap_and_their_audits_equal_th
 
     // Every call of both processes is in the group, and the served ones sum to the ledger.
     let records = loop {
-        let records = flexway_aws::read_audit_log_group(&logs, &group, None, None).await.unwrap();
+        let records = flexway_aws::read_audit_log_group(&logs, &group, None, None).await.unwrap().records;
         if records.len() >= 30 {
             break records;
         }
@@ -94,5 +94,79 @@ async fn two_processes_on_one_table_never_pass_the_cap_and_their_audits_equal_th
     let audited: u64 = records.iter().map(|r| r.prompt_tokens + r.completion_tokens).sum();
     assert_eq!(audited, used, "both audits together equal the ledger");
     assert_eq!(records.iter().filter(|r| r.status == 200).count(), served);
+    assert_eq!(flexway::budget::BudgetStore::live_reservations(&store).await.unwrap(), 0);
+}
+
+/// The false 429 of long, large leases, on the fleet shape: three processes on one
+/// table, a tenant with a 3,000-token day. The third process serves the tenant's first
+/// call at once (no process holds most of the day); a process killed with SIGKILL
+/// after its call leaves a lease that comes back within seconds, its usage charged;
+/// the tenant then spends its day to the cap, all but a call's worth, on one process
+/// while the others sit idle. The ledger equals the usage the clients were answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_is_never_refused_while_its_day_has_room_whichever_process_serves_it() {
+    const DAY: u64 = 3_000;
+    let sdk = emulator::sdk().await;
+    let dynamodb = aws_sdk_dynamodb::Client::new(&sdk);
+    let logs = aws_sdk_cloudwatchlogs::Client::new(&sdk);
+    let table = emulator::unique("flexway-fleet-leases");
+    let group = format!("/flexway/{}", emulator::unique("fleet-leases"));
+    DynamoDbBudgetStore::create_table(&dynamodb, &table).await.unwrap();
+    logs.create_log_group().log_group_name(&group).send().await.unwrap();
+    let model = FakeModel::start().await.unwrap();
+    let yaml = fleet_config(&table, &group, &model).replace(&format!("tokens_per_day: {CAP}"), "tokens_per_day: 3000");
+    let env = emulator::process_env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut fleet = [
+        Flexway::start_with_env(&yaml, &env),
+        Flexway::start_with_env(&yaml, &env),
+        Flexway::start_with_env(&yaml, &env),
+    ];
+    let mut answered = 0u64;
+    let tokens = |body: serde_json::Value| {
+        let usage = &body["usage"];
+        usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap()
+    };
+    for (n, process) in fleet.iter().enumerate() {
+        let response = process.chat(KEY, hello("m")).await;
+        assert_eq!(response.status(), 200, "process {n}'s first call, the day nearly unspent");
+        answered += tokens(response.json().await.unwrap());
+    }
+    // Past `intent_every`, the killed process's usage is on its lease.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let killed = fleet[1].pid().to_string();
+    assert!(std::process::Command::new("kill").args(["-KILL", &killed]).status().unwrap().success());
+
+    let started = std::time::Instant::now();
+    let mut refused_since: Option<std::time::Instant> = None;
+    loop {
+        let response = fleet[2].chat(KEY, hello("m")).await;
+        if response.status() == 200 {
+            refused_since = None;
+            answered += tokens(response.json().await.unwrap());
+            continue;
+        }
+        assert_eq!(response.status(), 429);
+        // A call reserves its prompt and 20 completion tokens: under 100.
+        if answered + 100 > DAY {
+            break;
+        }
+        let since = *refused_since.get_or_insert_with(std::time::Instant::now);
+        let unspent = DAY - answered;
+        assert!(since.elapsed().as_secs() < 20, "refused for 20 s with {unspent} of {DAY} tokens unspent");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    eprintln!("the day spent to the cap in {:?}", started.elapsed());
+
+    for process in fleet.iter_mut().step_by(2) {
+        let pid = process.pid().to_string();
+        assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+        let status = process.wait_exit(std::time::Duration::from_secs(10)).expect("the process stops");
+        assert!(status.success(), "{status:?}: {}", process.logs());
+    }
+    let store = DynamoDbBudgetStore::new(dynamodb, table);
+    let day = CounterKey::new("acme", None, Unit::Tokens, Period::Day, unix_now());
+    let used = flexway::budget::BudgetStore::used(&store, &[day]).await.unwrap()[0];
+    assert_eq!(used, answered, "the ledger holds every answered call, the killed process's included");
     assert_eq!(flexway::budget::BudgetStore::live_reservations(&store).await.unwrap(), 0);
 }

@@ -190,16 +190,27 @@ fn bad_dates_are_usage_errors() {
 }
 
 #[test]
-fn a_broken_audit_names_the_file_and_line() {
+fn an_unreadable_line_is_listed_apart_and_the_report_still_comes_out_with_exit_3() {
     let dir = tempfile::tempdir().unwrap();
     let audit = audit_file(dir.path());
+    let whole = flexway(&["report", "--audit", &audit, "--format", "json"]);
+    assert_eq!(whole.code, 0, "{}", whole.stderr);
     let mut text = std::fs::read_to_string(&audit).unwrap();
+    let first_line = text.lines().next().unwrap().to_owned();
     text.push_str("{\"tenant\": \"acme\"}\n");
+    text.push_str(&first_line[..first_line.len() / 2]);
+    text.push('\n');
     std::fs::write(&audit, text).unwrap();
-    let run = flexway(&["report", "--audit", &audit]);
-    assert_eq!(run.code, 1);
-    assert!(run.stderr.contains("audit.jsonl: line 7:"), "{}", run.stderr);
-    assert!(run.stdout.is_empty());
+    let run = flexway(&["report", "--audit", &audit, "--format", "json"]);
+    assert_eq!(run.code, 3, "{}", run.stderr);
+    assert_eq!(run.stdout, whole.stdout, "the totals of the readable records, the unreadable ones apart");
+    assert!(
+        run.stderr.contains("unreadable: ") && run.stderr.contains("audit.jsonl: line 7: not an audit record"),
+        "{}",
+        run.stderr
+    );
+    assert!(run.stderr.contains("audit.jsonl: line 8: not an audit record"), "{}", run.stderr);
+    assert!(run.stderr.contains("2 unreadable line(s)"), "{}", run.stderr);
 
     let missing = flexway(&["report", "--audit", dir.path().join("none.jsonl").to_str().unwrap()]);
     assert_eq!(missing.code, 1);

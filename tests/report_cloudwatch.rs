@@ -175,14 +175,15 @@ async fn dates_narrow_the_read_and_lines_that_are_not_audit_are_named() {
     let cut = r#"{"schema_version":1,"ts":"2026-11-26T10:00:00.000Z","request_id":"req-0","ten"#;
     put_raw(&client, &group, "stray", now_ms - 5 * 86_400_000, &[cut]).await;
 
+    // The report of every readable record, the cut one listed apart, exit 3.
     let run = flexway(&["report", "--log-group", &group, "--format", "json"]);
-    assert_eq!(run.code, 1, "{}", run.stdout);
+    assert_eq!(run.code, 3, "{}", run.stderr);
     let stray = client.filter_log_events().log_group_name(&group).log_stream_names("stray").send().await.unwrap();
     let event_id = stray.events()[0].event_id().unwrap();
-    assert!(run.stderr.contains("not an audit record"), "{}", run.stderr);
-    let named = format!("log group {group}, event {event_id} (stream stray)");
+    let named = format!("unreadable: log group {group}, event {event_id} (stream stray): not an audit record");
     assert!(run.stderr.contains(&named), "names the event: {}", run.stderr);
-    assert!(run.stdout.is_empty(), "no partial report: {}", run.stdout);
+    let report: serde_json::Value = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(cost(&report["local_total"]), 42, "{report:#}");
 
     // A period starting today does not read that event at all.
     let report = report_json(&["report", "--log-group", &group, "--from", &today, "--format", "json"]);

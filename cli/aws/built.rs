@@ -4,7 +4,8 @@
 
 use std::sync::Arc;
 
-use flexway::audit::{AuditRecord, AuditSink};
+use flexway::audit::AuditSink;
+use flexway::audit::report::Read;
 use flexway::budget::{BudgetStore, LeasePolicy, LeasedBudgetStore};
 use flexway::secret::SecretSource;
 use flexway_aws::{AwsSecretSource, CloudWatchAuditSink, DynamoDbBudgetStore};
@@ -18,7 +19,7 @@ pub async fn dynamodb_ledger(table: &str) -> anyhow::Result<(Arc<dyn BudgetStore
     let sdk = flexway_aws::load_sdk_config().await;
     let store = DynamoDbBudgetStore::new(aws_sdk_dynamodb::Client::new(&sdk), table);
     store.warm().await?;
-    let leases = Arc::new(LeasedBudgetStore::new(Arc::new(store), LeasePolicy::default()));
+    let leases = LeasedBudgetStore::start(Arc::new(store), LeasePolicy::default());
     Ok((leases.clone(), leases))
 }
 
@@ -39,7 +40,7 @@ pub fn secret_source() -> Arc<dyn SecretSource> {
 }
 
 /// The audit records in `group` whose events are timestamped in `from..=to` (Unix ms).
-pub async fn read_log_group(group: &str, from: Option<i64>, to: Option<i64>) -> Result<Vec<AuditRecord>, String> {
+pub async fn read_log_group(group: &str, from: Option<i64>, to: Option<i64>) -> Result<Read, String> {
     let sdk = flexway_aws::load_sdk_config().await;
     let client = aws_sdk_cloudwatchlogs::Client::new(&sdk);
     flexway_aws::read_audit_log_group(&client, group, from, to).await.map_err(|e| match e {

@@ -4,7 +4,8 @@
 
 use std::sync::Arc;
 
-use flexway::audit::{AuditRecord, AuditSink};
+use flexway::audit::AuditSink;
+use flexway::audit::report::Read;
 use flexway::budget::BudgetStore;
 use flexway::config::ProcessEnv;
 use flexway::secret::{LocalSecrets, SecretSource};
@@ -34,7 +35,7 @@ pub fn secret_source() -> Arc<dyn SecretSource> {
     Arc::new(LocalSecrets::<ProcessEnv>::default())
 }
 
-pub async fn read_log_group(group: &str, _from: Option<i64>, _to: Option<i64>) -> Result<Vec<AuditRecord>, String> {
+pub async fn read_log_group(group: &str, _from: Option<i64>, _to: Option<i64>) -> Result<Read, String> {
     Err(format!("--log-group {group}: {NOT_BUILT}"))
 }
 

@@ -12,7 +12,7 @@ use flexway::budget::{
     ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept, conformance,
 };
 
-const NOW: u64 = 1_795_967_070;
+use conformance::NOW;
 
 fn key(name: &str) -> CounterKey {
     CounterKey(format!("lease/{name}").into())
@@ -26,8 +26,13 @@ fn request(id: &str, lines: &[(&str, u64, Option<u64>)]) -> ReserveRequest {
     }
 }
 
+/// The store's clock stands at `NOW`, where the tests' reservations expire.
+fn on_test_clock<S: BudgetStore + 'static>(inner: Arc<S>, policy: LeasePolicy) -> LeasedBudgetStore<S> {
+    LeasedBudgetStore::new(inner, policy).with_clock(|| NOW)
+}
+
 fn leased(inner: Arc<MemoryBudgetStore>) -> LeasedBudgetStore<MemoryBudgetStore> {
-    LeasedBudgetStore::new(inner, LeasePolicy::default())
+    on_test_clock(inner, LeasePolicy::default())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -41,8 +46,7 @@ async fn leased_memory_store_passes_the_conformance_suite() {
 async fn leased_store_with_an_intent_per_settle_passes_the_conformance_suite() {
     let policy = LeasePolicy { intent_every: Duration::ZERO, ..LeasePolicy::default() };
     let failures =
-        conformance::run_all(|| async { LeasedBudgetStore::new(Arc::new(MemoryBudgetStore::new()), policy.clone()) })
-            .await;
+        conformance::run_all(|| async { on_test_clock(Arc::new(MemoryBudgetStore::new()), policy.clone()) }).await;
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
@@ -135,6 +139,15 @@ impl BudgetStore for Recording {
         self.writes.fetch_add(1, Ordering::SeqCst);
         self.inner.record_intent(request_id, actual).await
     }
+    async fn renew(
+        &self,
+        request_id: &str,
+        actual: &[(CounterKey, u64)],
+        expires_at: u64,
+    ) -> Result<IntentOutcome, StoreError> {
+        self.writes.fetch_add(1, Ordering::SeqCst);
+        self.inner.renew(request_id, actual, expires_at).await
+    }
     async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
         self.inner.sweep(now).await
     }
@@ -146,17 +159,18 @@ impl BudgetStore for Recording {
     }
 }
 
-/// One instance spends a budget of 1,000 calls to the end: 64 calls' worth per lease
-/// while the budget is far, slices of an eighth of what is left near the cap, then one
-/// reservation per call; exactly 1,000 calls pass, in far fewer writes than calls.
+/// One instance spends a budget of 1,000 calls to the end: a first lease of
+/// `first_calls`, then 64 calls' worth at the rate observed while the budget is far,
+/// slices of an eighth of what is left near the cap, then one reservation per call;
+/// exactly 1,000 calls pass, in far fewer writes than calls.
 #[tokio::test]
-async fn slices_shrink_near_the_cap_down_to_one_call() {
+async fn slices_grow_with_the_rate_and_shrink_near_the_cap_down_to_one_call() {
     let inner = Arc::new(Recording {
         inner: MemoryBudgetStore::new(),
         reserves: Mutex::new(Vec::new()),
         writes: AtomicU64::new(0),
     });
-    let store = LeasedBudgetStore::new(inner.clone(), LeasePolicy::default());
+    let store = on_test_clock(inner.clone(), LeasePolicy::default());
     let mut served = 0;
     loop {
         let call = request(&format!("c{served}"), &[("day", 100, Some(100_000))]);
@@ -171,23 +185,26 @@ async fn slices_shrink_near_the_cap_down_to_one_call() {
     assert_eq!(inner.used(&[key("day")]).await.unwrap(), [100_000]);
     let reserves = inner.reserves.lock().unwrap().clone();
     let slices: Vec<u64> = reserves.iter().map(|(_, amount)| *amount).collect();
-    assert_eq!(slices.first(), Some(&6400), "64 calls' worth while far from the cap: {slices:?}");
-    assert!(slices.windows(2).all(|w| w[1] <= w[0]), "slices only shrink: {slices:?}");
+    assert_eq!(slices.first(), Some(&400), "the first lease holds `first_calls` calls: {slices:?}");
+    assert_eq!(slices.get(1), Some(&6400), "then 64 calls' worth at the rate observed: {slices:?}");
+    assert!(slices[1..].windows(2).all(|w| w[1] <= w[0]), "then slices only shrink: {slices:?}");
     let (last_id, last) = reserves.last().unwrap();
     assert!(!last_id.starts_with("lease#") && *last == 100, "the last calls reserve alone: {reserves:?}");
     let writes = inner.writes.load(Ordering::SeqCst);
     assert!(writes < 100, "{writes} writes for 1,000 calls: {slices:?}");
 }
 
-/// An instance that vanishes mid-lease: with its usage recorded as the lease's intent,
-/// the sweeper charges what it served (the call in flight is refunded, as a vanished
-/// call is); without an intent since, the lease is refunded and those calls go
-/// uncharged — the bounded loss that `intent_every` sets.
+/// An instance that vanishes mid-lease stops renewing it: past its own short life (not
+/// the calls'), any sweep closes it. With its usage recorded at each renewal the
+/// sweeper charges what it served (the call in flight is refunded, as a vanished call
+/// is); without a renewal since, the lease is refunded and those calls go uncharged —
+/// the bounded loss that `intent_every` sets.
 #[tokio::test]
-async fn a_vanished_instance_lease_is_charged_by_the_sweeper() {
+async fn a_vanished_instance_lease_is_charged_by_the_sweeper_seconds_later() {
     for (intent_every, charged) in [(Duration::ZERO, 5 * 10), (Duration::from_secs(3600), 0)] {
         let inner = Arc::new(MemoryBudgetStore::new());
-        let store = LeasedBudgetStore::new(inner.clone(), LeasePolicy { intent_every, ..LeasePolicy::default() });
+        let policy = LeasePolicy { intent_every, first_calls: 64, ..LeasePolicy::default() };
+        let store = on_test_clock(inner.clone(), policy);
         for i in 0..5 {
             let call = request(&format!("v{i}"), &[("day", 100, Some(100_000))]);
             assert_eq!(store.reserve(&call).await.unwrap(), ReserveOutcome::Reserved);
@@ -196,8 +213,9 @@ async fn a_vanished_instance_lease_is_charged_by_the_sweeper() {
         store.reserve(&request("in-flight", &[("day", 100, Some(100_000))])).await.unwrap();
         drop(store);
         assert_eq!(inner.used(&[key("day")]).await.unwrap(), [6400], "the slice is held until the sweep");
-        assert_eq!(inner.sweep(NOW + 60).await.unwrap(), Swept::default(), "the lease outlives its calls");
-        let swept = inner.sweep(NOW + 121).await.unwrap();
+        let life = LeasePolicy::default().lease_secs;
+        assert_eq!(inner.sweep(NOW + life - 1).await.unwrap(), Swept::default(), "the lease is still live");
+        let swept = inner.sweep(NOW + life + 1).await.unwrap();
         let expected = if charged > 0 { Swept { refunded: 0, charged: 1 } } else { Swept { refunded: 1, charged: 0 } };
         assert_eq!(swept, expected, "intent every {intent_every:?}");
         assert_eq!(inner.used(&[key("day")]).await.unwrap(), [charged], "intent every {intent_every:?}");
@@ -214,7 +232,7 @@ async fn a_call_under_a_tighter_limit_is_not_served_from_a_looser_lease() {
     let store = leased(inner.clone());
     let first = request("loose", &[("day", 100, Some(100_000)), ("eur", 500, None)]);
     store.reserve(&first).await.unwrap();
-    assert_eq!(inner.used(&[key("day"), key("eur")]).await.unwrap(), [6400, 0]);
+    assert_eq!(inner.used(&[key("day"), key("eur")]).await.unwrap(), [400, 0], "`first_calls` calls' worth");
     assert_eq!(store.used(&[key("day"), key("eur")]).await.unwrap(), [100, 500]);
     // Fits the slice, but its own condition says the counter must stand at 50 or less
     // before it: with the lease taken from 0 and 100 used, that cannot be promised.
@@ -224,4 +242,116 @@ async fn a_call_under_a_tighter_limit_is_not_served_from_a_looser_lease() {
     store.flush().await;
     assert_eq!(inner.used(&[key("day"), key("eur")]).await.unwrap(), [70, 300]);
     assert_eq!(inner.live_reservations().await.unwrap(), 0);
+}
+
+/// Leases on the real clock, short enough for a test: a two-second life, returned
+/// after 200 ms without a call, reclaimed by a refused instance at most every 100 ms.
+fn short_leases() -> LeasePolicy {
+    LeasePolicy {
+        lease_secs: 2,
+        idle: Duration::from_millis(200),
+        reclaim_every: Duration::from_millis(100),
+        ..LeasePolicy::default()
+    }
+}
+
+/// A call on the real clock: 46 tokens reserved on a 3,000-token day.
+fn day_call(id: String) -> ReserveRequest {
+    ReserveRequest {
+        request_id: id,
+        lines: vec![Line { key: key("day"), amount: CALL, limit: Some(DAY) }],
+        expires_at: flexway::budget::period::unix_now() + 60,
+    }
+}
+
+const DAY: u64 = 3_000;
+const CALL: u64 = 46;
+
+/// Serves calls of `CALL` tokens on `store` until the day is spent but for less than a
+/// call; a refusal before that is retried every 50 ms for at most `patience`, the
+/// time other instances' leases take to come back. Returns the tokens served.
+async fn spend_to_the_cap(store: &dyn BudgetStore, name: &str, spent_elsewhere: u64, patience: Duration) -> u64 {
+    let mut served = 0;
+    let mut refused_since: Option<std::time::Instant> = None;
+    for i in 0.. {
+        let call = day_call(format!("{name}-{i}"));
+        if store.reserve(&call).await.unwrap() == ReserveOutcome::Reserved {
+            refused_since = None;
+            served += CALL;
+            assert!(spent_elsewhere + served <= DAY, "{} tokens served past the cap {DAY}", spent_elsewhere + served);
+            store.settle(&call.reservation(), &[(key("day"), CALL)]).await.unwrap();
+            continue;
+        }
+        if spent_elsewhere + served + CALL > DAY {
+            break;
+        }
+        let since = *refused_since.get_or_insert_with(std::time::Instant::now);
+        assert!(
+            since.elapsed() < patience,
+            "refused with {} of {DAY} tokens unspent for {patience:?}: budget stranded in leases",
+            DAY - spent_elsewhere - served
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    served
+}
+
+/// The false 429 of long, large leases: three instances share a 3,000-token day and
+/// the tenant's calls move from one to the next. Each instance's first call is served
+/// at once (no instance holds most of the day), and the last one reaches the cap, all
+/// but a call's worth, within a few idle periods of the others going quiet: their
+/// leases come back, never stranded. The cap is never passed and the ledger equals the
+/// usage once the leases are flushed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_moving_between_instances_reaches_its_cap_while_the_others_sit_idle() {
+    let inner = Arc::new(MemoryBudgetStore::new());
+    let instances: Vec<_> = (0..3).map(|_| LeasedBudgetStore::start(inner.clone(), short_leases())).collect();
+    let mut spent = 0;
+    for (n, store) in instances.iter().enumerate() {
+        for i in 0..10 {
+            let call = day_call(format!("move-{n}-{i}"));
+            let outcome = store.reserve(&call).await.unwrap();
+            assert_eq!(outcome, ReserveOutcome::Reserved, "instance {n}, call {i}: {spent} of {DAY} tokens spent");
+            store.settle(&call.reservation(), &[(key("day"), CALL)]).await.unwrap();
+            spent += CALL;
+        }
+    }
+    // Three seconds: a few idle periods, far less than one of the old leases' life.
+    let last = spend_to_the_cap(instances[2].as_ref(), "last", spent, Duration::from_secs(3)).await;
+    spent += last;
+    assert!(spent + CALL > DAY, "{spent} of {DAY} spent: more than a call's worth left");
+    for store in &instances {
+        store.flush().await;
+    }
+    assert_eq!(inner.used(&[key("day")]).await.unwrap(), [spent], "ledger = usage");
+    assert_eq!(inner.live_reservations().await.unwrap(), 0, "every lease closed");
+}
+
+/// A process killed with calls served from its lease (its usage renewed at each
+/// settle) and one in flight: another instance, refused, reclaims the expired lease
+/// within its two-second life (plus the clock's second) and spends the day to the
+/// cap. The killed one's served usage is charged, its call in flight refunded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_instance_lease_is_charged_and_freed_within_seconds() {
+    let inner = Arc::new(MemoryBudgetStore::new());
+    let policy = LeasePolicy { intent_every: Duration::ZERO, first_calls: 8, ..short_leases() };
+    let killed = LeasedBudgetStore::start(inner.clone(), policy.clone());
+    let mut spent = 0;
+    for i in 0..3 {
+        let call = day_call(format!("killed-{i}"));
+        assert_eq!(killed.reserve(&call).await.unwrap(), ReserveOutcome::Reserved);
+        killed.settle(&call.reservation(), &[(key("day"), CALL)]).await.unwrap();
+        spent += CALL;
+    }
+    assert_eq!(killed.reserve(&day_call("in-flight".into())).await.unwrap(), ReserveOutcome::Reserved);
+    assert_eq!(inner.used(&[key("day")]).await.unwrap(), [8 * CALL], "the killed instance's slice");
+    drop(killed);
+
+    let survivor = LeasedBudgetStore::start(inner.clone(), policy);
+    let served = spend_to_the_cap(survivor.as_ref(), "survivor", spent, Duration::from_secs(5)).await;
+    spent += served;
+    assert!(spent + CALL > DAY, "{spent} of {DAY} spent: more than a call's worth left");
+    survivor.flush().await;
+    assert_eq!(inner.used(&[key("day")]).await.unwrap(), [spent], "the killed one's usage charged, once");
+    assert_eq!(inner.live_reservations().await.unwrap(), 0, "the killed one's lease closed");
 }

@@ -8,7 +8,8 @@
 //! `ts` widens it by [`WRITE_DELAY_MARGIN_MS`] and then filters on `ts` itself.
 
 use aws_sdk_cloudwatchlogs::Client;
-use flexway::audit::{AuditRecord, SCHEMA_VERSION};
+use flexway::audit::AuditRecord;
+use flexway::audit::report::{Read, Unreadable, parse_record};
 
 /// How much later than its `ts` a record's event can be timestamped: the audit is
 /// written within the invocation that served the call (at most 15 minutes on
@@ -21,14 +22,13 @@ pub enum AuditReadError {
     GroupNotFound { group: String },
     #[error("cannot read log group {group}: {message}")]
     Query { group: String, message: String },
-    #[error("log group {group}, event {event_id} (stream {stream}): not an audit record: {source}")]
-    NotARecord { group: String, event_id: String, stream: String, source: serde_json::Error },
-    #[error(
-        "log group {group}, event {event_id} (stream {stream}): schema_version {found} is newer than this \
-         flexway understands ({SCHEMA_VERSION})"
-    )]
-    Version { group: String, event_id: String, stream: String, found: u32 },
 }
+
+/// Only events that mention `schema_version` are read: every record does, first
+/// thing, and the gateway function's other lines in its log group (Lambda's
+/// `START`/`END`/`REPORT`, EMF metrics) do not, so they never leave CloudWatch. A
+/// term, not a JSON pattern: a record cut short still matches, and is listed.
+pub const RECORD_FILTER_PATTERN: &str = "\"schema_version\"";
 
 /// Every audit record in `log_group` whose event is timestamped in `from_ms..=to_ms`
 /// (Unix milliseconds; `None` leaves that end open), with FilterLogEvents, page after
@@ -37,19 +37,22 @@ pub enum AuditReadError {
 ///
 /// Events that are not records (the function's own log lines, when the group is
 /// also its log group) are skipped; an event that claims to be a record and is not
-/// one is an error naming it, so that nothing is silently left out of a bill.
+/// one (cut, damaged, of a newer schema) is listed in `unreadable` by its event id and
+/// stream, and the read goes on, so that nothing is silently left out of a bill.
 pub async fn read_audit_log_group(
     client: &Client,
     log_group: &str,
     from_ms: Option<i64>,
     to_ms: Option<i64>,
-) -> Result<Vec<AuditRecord>, AuditReadError> {
+) -> Result<Read, AuditReadError> {
     let mut events: Vec<(i64, AuditRecord)> = Vec::new();
+    let mut unreadable = Vec::new();
     let mut next_token: Option<String> = None;
     loop {
         let page = client
             .filter_log_events()
             .log_group_name(log_group)
+            .filter_pattern(RECORD_FILTER_PATTERN)
             .set_start_time(from_ms)
             .set_end_time(to_ms)
             .set_next_token(next_token.clone())
@@ -63,8 +66,10 @@ pub async fn read_audit_log_group(
                 }
             })?;
         for event in page.events() {
-            if let Some(record) = parse_event(log_group, event)? {
-                events.push((event.timestamp().unwrap_or_default(), record));
+            match parse_event(event) {
+                Ok(Some(record)) => events.push((event.timestamp().unwrap_or_default(), record)),
+                Ok(None) => {}
+                Err(why) => unreadable.push(why),
             }
         }
         // A page can be empty and still not the last: only a missing token ends the
@@ -76,43 +81,29 @@ pub async fn read_audit_log_group(
     }
     // A stable sort: equal timestamps keep the order received.
     events.sort_by_key(|(timestamp, _)| *timestamp);
-    Ok(events.into_iter().map(|(_, record)| record).collect())
+    Ok(Read { records: events.into_iter().map(|(_, record)| record).collect(), unreadable })
 }
 
 /// The event's record; `None` for an event that is not one. The serverless stack
 /// makes the audit group the gateway function's own log group, so the group also
 /// holds the function's other lines: Lambda's `START`/`END`/`REPORT` lines, JSON log
 /// lines, EMF metrics. A record is recognised by its `schema_version` key, which the
-/// writer puts first: an event that has it and does not parse is an error naming it
-/// (a record cut or damaged is never skipped in silence).
-fn parse_event(
-    group: &str,
-    event: &aws_sdk_cloudwatchlogs::types::FilteredLogEvent,
-) -> Result<Option<AuditRecord>, AuditReadError> {
+/// writer puts first: an event that has it and cannot be counted is unreadable, named
+/// by its event id and stream (a record cut or damaged is never skipped in silence).
+fn parse_event(event: &aws_sdk_cloudwatchlogs::types::FilteredLogEvent) -> Result<Option<AuditRecord>, Unreadable> {
     let message = event.message().unwrap_or_default();
-    let event_id = || event.event_id().unwrap_or("?").to_owned();
-    let stream = || event.log_stream_name().unwrap_or("?").to_owned();
-    let record: AuditRecord = match serde_json::from_str(message) {
-        Ok(record) => record,
-        Err(_) if !claims_to_be_a_record(message) => return Ok(None),
-        Err(source) => {
-            return Err(AuditReadError::NotARecord {
-                group: group.to_owned(),
-                event_id: event_id(),
-                stream: stream(),
-                source,
-            });
-        }
-    };
-    if record.schema_version > SCHEMA_VERSION {
-        return Err(AuditReadError::Version {
-            group: group.to_owned(),
-            event_id: event_id(),
-            stream: stream(),
-            found: record.schema_version,
-        });
+    match parse_record(message) {
+        Ok(record) => Ok(Some(record)),
+        Err(_) if !claims_to_be_a_record(message) => Ok(None),
+        Err(why) => Err(Unreadable {
+            at: format!(
+                "event {} (stream {})",
+                event.event_id().unwrap_or("?"),
+                event.log_stream_name().unwrap_or("?")
+            ),
+            why,
+        }),
     }
-    Ok(Some(record))
 }
 
 /// The error and its sources, `: `-separated (the SDK's own errors say little at

@@ -47,14 +47,20 @@
 //!   the reservation alone, `SET actual, gsi_expiry_pk` conditioned on
 //!   `attribute_exists(pk)`: no counter, no transaction; a swept reservation re-enters
 //!   the index so that the sweeper charges it.
+//! - **renew** (a budget lease still serving) is one `UpdateItem` of the lease's item,
+//!   `SET actual, expires_at` conditioned on `attribute_exists(pk) AND swept = false`:
+//!   its usage so far for the sweeper, and a new expiry (the index's range key).
 //! - **sweep** `Query`s each shard of the index for `expires_at < now` (never a
 //!   `Scan`). One with `actual` is settled on it in its own transaction (counters `ADD
 //!   actual - reserved`, or `actual` if it was already refunded; `Delete` conditioned
 //!   on the `swept` and `actual` it read); any other live one is refunded (counters
 //!   `ADD -reserved`, reservation `SET swept = true REMOVE gsi_expiry_pk` conditioned
 //!   on `swept = false AND attribute_not_exists(actual)`, so an intent recorded
-//!   meanwhile is never refunded). The index is eventually consistent: a stale entry
-//!   only loses its conditional write, and the next sweep (a minute later) sees it.
+//!   meanwhile is never refunded). Both conditions also hold `expires_at < :now`, so
+//!   a lease renewed since the index was read is left alone. The index is eventually
+//!   consistent: a stale entry only loses its conditional write, and the next sweep
+//!   sees it. An item that cannot be read or written is logged and left for the next
+//!   sweep; the others are still closed.
 //! - **live_reservations** counts through the index (`Query`, `Select COUNT`, filter
 //!   `swept = false`), eventually consistent: for tests and operators.
 //! - **used** (`BatchGetItem`, strongly consistent) is read by admission only when a
@@ -295,7 +301,11 @@ impl DynamoDbBudgetStore {
     }
 
     async fn transact(&self, items: Vec<TransactWriteItem>) -> Result<Option<Cancelled>, StoreError> {
-        let result = self.client.transact_write_items().set_transact_items(Some(items)).send().await;
+        // One token for the SDK's attempts at this request: an attempt that timed out
+        // after DynamoDB applied it is answered as applied when retried, not refused.
+        let token = format!("{:032x}", rand::random::<u128>());
+        let result =
+            self.client.transact_write_items().set_transact_items(Some(items)).client_request_token(token).send().await;
         let error = match result {
             Ok(_) => return Ok(None),
             Err(error) => error,
@@ -480,6 +490,40 @@ impl BudgetStore for DynamoDbBudgetStore {
         }
     }
 
+    /// One `UpdateItem` of the lease's own item, conditioned on it being live: the
+    /// usage so far as its `actual` (the sweeper charges it, never refunds it) and the
+    /// new expiry, which is the index's range key.
+    async fn renew(
+        &self,
+        request_id: &str,
+        actual: &[(CounterKey, u64)],
+        expires_at: u64,
+    ) -> Result<IntentOutcome, StoreError> {
+        let encoded = serde_json::to_string(actual).map_err(|e| StoreError::Backend(e.to_string()))?;
+        let ttl = flexway::budget::period::unix_now().saturating_add(COUNTER_RETENTION_SECS);
+        let result = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("pk", Self::reservation_key(request_id))
+            .update_expression("SET actual = :actual, expires_at = :expires_at, #ttl = :ttl")
+            .condition_expression("attribute_exists(pk) AND swept = :live")
+            .expression_attribute_names("#ttl", "ttl")
+            .expression_attribute_values(":actual", s(encoded))
+            .expression_attribute_values(":expires_at", n(expires_at))
+            .expression_attribute_values(":ttl", n(ttl))
+            .expression_attribute_values(":live", AttributeValue::Bool(false))
+            .send()
+            .await;
+        match result {
+            Ok(_) => Ok(IntentOutcome::Recorded),
+            Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => {
+                Ok(IntentOutcome::Unknown)
+            }
+            Err(e) => Err(backend("UpdateItem", &e)),
+        }
+    }
+
     /// Queries each shard of the expiry index for `expires_at < now`: it holds the
     /// live reservations and the swept ones that carry an intent, nothing else. The
     /// index is eventually consistent; every write below is conditioned on the item
@@ -503,14 +547,16 @@ impl BudgetStore for DynamoDbBudgetStore {
                     .await
                     .map_err(|e| backend("Query", &e))?;
                 for item in page.items() {
-                    let pk = string_attr(item, "pk")?;
-                    let reservation = parse_reservation(&pk, item)?;
-                    if reservation.intent.is_some() {
-                        if self.charge_intent(&pk, &reservation).await? {
-                            swept.charged += 1;
+                    // One item that cannot be read or written is left for the next
+                    // sweep; the others are still closed.
+                    match self.sweep_item(item, now).await {
+                        Ok(Closed::Charged) => swept.charged += 1,
+                        Ok(Closed::Refunded) => swept.refunded += 1,
+                        Ok(Closed::Nothing) => {}
+                        Err(e) => {
+                            let pk = string_attr(item, "pk").unwrap_or_default();
+                            tracing::error!(pk, error = %e, "sweeper: reservation left for the next sweep");
                         }
-                    } else if !reservation.swept && self.refund_expired(&pk, &reservation).await? {
-                        swept.refunded += 1;
                     }
                 }
                 match page.last_evaluated_key() {
@@ -599,9 +645,22 @@ impl BudgetStore for DynamoDbBudgetStore {
 }
 
 impl DynamoDbBudgetStore {
+    async fn sweep_item(&self, item: &HashMap<String, AttributeValue>, now: u64) -> Result<Closed, StoreError> {
+        let pk = string_attr(item, "pk")?;
+        let reservation = parse_reservation(&pk, item)?;
+        if reservation.intent.is_some() {
+            if self.charge_intent(&pk, &reservation, now).await? {
+                return Ok(Closed::Charged);
+            }
+        } else if !reservation.swept && self.refund_expired(&pk, &reservation, now).await? {
+            return Ok(Closed::Refunded);
+        }
+        Ok(Closed::Nothing)
+    }
+
     /// Refunds one expired reservation; false when a settle, an intent or another
     /// sweeper got there first (an intent is then charged by the next sweep).
-    async fn refund_expired(&self, pk: &str, reservation: &Stored) -> Result<bool, StoreError> {
+    async fn refund_expired(&self, pk: &str, reservation: &Stored, now: u64) -> Result<bool, StoreError> {
         let mut deltas: BTreeMap<&CounterKey, i128> = BTreeMap::new();
         for (key, reserved) in &reservation.lines {
             *deltas.entry(key).or_default() -= i128::from(*reserved);
@@ -612,8 +671,11 @@ impl DynamoDbBudgetStore {
             .key("pk", s(pk.to_owned()))
             // Out of the expiry index: the sweeper is done with it (TTL deletes it later).
             .update_expression("SET swept = :true REMOVE #shard")
-            .condition_expression("attribute_exists(pk) AND swept = :false AND attribute_not_exists(actual)")
+            .condition_expression(
+                "attribute_exists(pk) AND swept = :false AND attribute_not_exists(actual) AND expires_at < :now",
+            )
             .expression_attribute_names("#shard", EXPIRY_SHARD)
+            .expression_attribute_values(":now", n(now))
             .expression_attribute_values(":true", AttributeValue::Bool(true))
             .expression_attribute_values(":false", AttributeValue::Bool(false))
             .build()
@@ -638,7 +700,7 @@ impl DynamoDbBudgetStore {
     /// Settles one expired reservation on its intent, as the settlement that could not
     /// be written would have; false when a settle (or another sweeper) closed it first,
     /// or the intent changed meanwhile (the next sweep decides again).
-    async fn charge_intent(&self, pk: &str, reservation: &Stored) -> Result<bool, StoreError> {
+    async fn charge_intent(&self, pk: &str, reservation: &Stored, now: u64) -> Result<bool, StoreError> {
         let Some((stored, actual)) = &reservation.intent else {
             return Ok(false);
         };
@@ -646,14 +708,23 @@ impl DynamoDbBudgetStore {
         let delete = Delete::builder()
             .table_name(&self.table)
             .key("pk", s(pk.to_owned()))
-            .condition_expression("attribute_exists(pk) AND swept = :swept AND actual = :actual")
+            // Still expired: a lease renewed since the index was read is not closed.
+            .condition_expression("attribute_exists(pk) AND swept = :swept AND actual = :actual AND expires_at < :now")
             .expression_attribute_values(":swept", AttributeValue::Bool(reservation.swept))
+            .expression_attribute_values(":now", n(now))
             .expression_attribute_values(":actual", s(stored.clone()))
             .build()
             .map_err(|e| StoreError::Backend(e.to_string()))?;
         items.push(TransactWriteItem::builder().delete(delete).build());
         self.sweep_write(items, pk).await
     }
+}
+
+/// What sweeping one item did.
+enum Closed {
+    Charged,
+    Refunded,
+    Nothing,
 }
 
 /// The expiry index shard of a reservation: a stable hash (FNV-1a) of its request id.

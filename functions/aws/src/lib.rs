@@ -39,13 +39,31 @@ pub enum AdapterError {
 /// behavior version, and with its HTTP client on the stack the rest of Flexway uses
 /// (hyper 1, rustls with ring): the SDK's own default client would build aws-lc as
 /// well. Every binary and test loads its SDK configuration through it.
+///
+/// With timeouts ([`sdk_timeouts`]): without them a write that hangs holds a call for
+/// as long as the function may run. Retrying a write is safe: a reservation is
+/// idempotent on its `Put` condition, and each transaction carries a client request
+/// token, so an attempt that was applied and then timed out is answered as applied.
 pub fn sdk_loader() -> aws_config::ConfigLoader {
     static CLIENT: std::sync::OnceLock<aws_sdk_dynamodb::config::SharedHttpClient> = std::sync::OnceLock::new();
     let client = CLIENT.get_or_init(|| {
         use aws_smithy_http_client::tls::{Provider, rustls_provider::CryptoMode};
         aws_smithy_http_client::Builder::new().tls_provider(Provider::Rustls(CryptoMode::Ring)).build_https()
     });
-    aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(client.clone())
+    aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .http_client(client.clone())
+        .timeout_config(sdk_timeouts())
+}
+
+/// Connecting takes at most 2 s, one attempt 5 s (a DynamoDB write answers in
+/// milliseconds, a page of FilterLogEvents in well under that), one operation with
+/// its retries 12 s.
+pub fn sdk_timeouts() -> aws_config::timeout::TimeoutConfig {
+    aws_config::timeout::TimeoutConfig::builder()
+        .connect_timeout(std::time::Duration::from_secs(2))
+        .operation_attempt_timeout(std::time::Duration::from_secs(5))
+        .operation_timeout(std::time::Duration::from_secs(12))
+        .build()
 }
 
 /// The SDK's configuration from the environment (region, credentials, endpoint), as
@@ -55,14 +73,10 @@ pub async fn load_sdk_config() -> aws_config::SdkConfig {
 }
 
 /// Budget leases on Lambda: an environment serves one call at a time and may freeze
-/// after any response, so each settle leaves the lease's usage on it.
-const LEASES: LeasePolicy = LeasePolicy {
-    calls_per_lease: 64,
-    share_of_remaining: 8,
-    lease_secs: 60,
-    intent_every: std::time::Duration::ZERO,
-    hint_ttl: std::time::Duration::from_secs(1),
-};
+/// after any response, so each settle renews the lease with its usage (one write of
+/// the lease's own item): a frozen environment's lease is charged to the token when it
+/// is reclaimed, seconds later.
+const LEASES: LeasePolicy = LeasePolicy { intent_every: std::time::Duration::ZERO, ..LeasePolicy::DEFAULT };
 
 /// The audit stream used when the config names none: the execution environment's
 /// own stream name (one writer per stream), else `flexway-audit`.
@@ -95,11 +109,11 @@ fn is_own_log_group(log_group: &str) -> bool {
 ///
 /// The DynamoDB ledger is always served through budget leases (`LeasedBudgetStore`):
 /// a tenant's calls write its counters once per lease, not once per call, so one
-/// tenant is not capped by one counter item's write rate. Each settle records the
-/// lease's usage on the lease's own item (`intent_every` zero: one uncontended
+/// tenant is not capped by one counter item's write rate. Each settle renews the
+/// lease with its usage on the lease's own item (`intent_every` zero: one uncontended
 /// `UpdateItem`, 1 WCU): an environment frozen or gone after its response leaves a lease
-/// the sweeper charges to the token, never refunds. The sweeper function uses the plain
-/// store: it closes the leases of vanished environments.
+/// that expires seconds later, and that the sweeper, or any environment refused a call,
+/// charges to the token and closes. The sweeper function uses the plain store.
 pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Result<Adapters, AdapterError> {
     let budgets: Arc<dyn BudgetStore> = match &config.store {
         StoreConfig::DynamoDb { table } => {
@@ -107,7 +121,7 @@ pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Res
             if let Err(e) = store.warm().await {
                 tracing::warn!("ledger table {table} not reached at start ({e}); starting anyway");
             }
-            Arc::new(LeasedBudgetStore::new(Arc::new(store), LEASES))
+            LeasedBudgetStore::start(Arc::new(store), LEASES)
         }
         StoreConfig::Memory => Arc::new(MemoryBudgetStore::new()),
         StoreConfig::Embedded { path } => Arc::new(EmbeddedBudgetStore::open(path)?),

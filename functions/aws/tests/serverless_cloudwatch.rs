@@ -128,20 +128,20 @@ async fn the_reader_reads_every_page_of_every_stream_in_time_order() {
     put_raw(&client, &group, "gateway-earlier", start, &lines).await;
     later.write(&many).await.unwrap();
 
-    let read = flexway_aws::read_audit_log_group(&client, &group, None, None).await.unwrap();
+    let read = flexway_aws::read_audit_log_group(&client, &group, None, None).await.unwrap().records;
     assert_eq!(read.len(), 10_003);
     assert_eq!(read[..2], earlier[..], "the earlier stream first, by event time");
     assert_eq!(read[2..], many[..], "all pages, in the order written");
 
     // Bounds are on event timestamps, both inclusive.
     let first_only = flexway_aws::read_audit_log_group(&client, &group, None, Some(start)).await.unwrap();
-    assert_eq!(first_only, earlier);
+    assert_eq!(first_only.records, earlier);
     let rest = flexway_aws::read_audit_log_group(&client, &group, Some(start + 1), None).await.unwrap();
-    assert_eq!(rest.len(), 10_001);
+    assert_eq!(rest.records.len(), 10_001);
 }
 
 #[tokio::test]
-async fn the_reader_skips_the_functions_own_lines_and_refuses_a_damaged_record() {
+async fn the_reader_skips_the_functions_own_lines_and_lists_a_damaged_record() {
     let sdk = emulator::sdk().await;
     let client = aws_sdk_cloudwatchlogs::Client::new(&sdk);
     let group = fresh_group(&client).await;
@@ -151,24 +151,26 @@ async fn the_reader_skips_the_functions_own_lines_and_refuses_a_damaged_record()
     let log = r#"{"level":"info","fields":{"message":"hello"}}"#.to_owned();
     put_raw(&client, &group, "ok", now, &[good, emf, "END RequestId: 7a52".to_owned(), log]).await;
     let read = flexway_aws::read_audit_log_group(&client, &group, None, None).await.unwrap();
-    assert_eq!(read.iter().map(|r| r.request_id.as_str()).collect::<Vec<_>>(), ["req-1"]);
+    assert_eq!(read.records.iter().map(|r| r.request_id.as_str()).collect::<Vec<_>>(), ["req-1"]);
+    assert!(read.unreadable.is_empty(), "{:?}", read.unreadable);
 
     let mut newer = serde_json::to_value(record("req-2", "acme")).unwrap();
     newer["schema_version"] = serde_json::json!(SCHEMA_VERSION + 1);
-    put_raw(&client, &group, "newer", now + 1, &[newer.to_string()]).await;
-    let error = flexway_aws::read_audit_log_group(&client, &group, None, None).await.unwrap_err();
-    assert!(matches!(error, flexway_aws::AuditReadError::Version { .. }), "{error}");
-    assert!(error.to_string().contains("stream newer"), "{error}");
-
-    let group = fresh_group(&client).await;
     let mut damaged = serde_json::to_value(record("req-3", "acme")).unwrap();
     damaged["prompt_tokens"] = serde_json::json!("many");
-    put_raw(&client, &group, "other", now, &[damaged.to_string()]).await;
-    let error = flexway_aws::read_audit_log_group(&client, &group, None, None).await.unwrap_err();
-    let event = client.filter_log_events().log_group_name(&group).send().await.unwrap();
-    let event_id = event.events()[0].event_id().unwrap();
-    assert!(matches!(error, flexway_aws::AuditReadError::NotARecord { .. }), "{error}");
-    assert!(error.to_string().contains(&format!("event {event_id} (stream other)")), "names the event: {error}");
+    put_raw(&client, &group, "newer", now + 1, &[newer.to_string()]).await;
+    put_raw(&client, &group, "other", now + 2, &[damaged.to_string()]).await;
+    put_raw(&client, &group, "after", now + 3, &[serde_json::to_string(&record("req-4", "acme")).unwrap()]).await;
+    let read = flexway_aws::read_audit_log_group(&client, &group, None, None).await.unwrap();
+    let served: Vec<&str> = read.records.iter().map(|r| r.request_id.as_str()).collect();
+    assert_eq!(served, ["req-1", "req-4"], "the read goes past unreadable events");
+    let [newer, damaged] = read.unreadable.as_slice() else { panic!("{:?}", read.unreadable) };
+    assert!(newer.why.contains("is newer than this flexway understands"), "{newer}");
+    assert!(newer.at.contains("(stream newer)"), "{newer}");
+    let events = client.filter_log_events().log_group_name(&group).log_stream_names("other").send().await.unwrap();
+    let event_id = events.events()[0].event_id().unwrap();
+    assert_eq!(damaged.at, format!("event {event_id} (stream other)"), "names the event");
+    assert!(damaged.why.starts_with("not an audit record"), "{damaged}");
 
     let missing = emulator::unique("/flexway/no-such-group");
     let error = flexway_aws::read_audit_log_group(&client, &missing, None, None).await.unwrap_err();

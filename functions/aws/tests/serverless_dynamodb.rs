@@ -60,6 +60,7 @@ async fn leased_dynamodb_store_passes_the_conformance_suite() {
     let sdk = emulator::sdk().await;
     let failures = conformance::run_all(|| async {
         LeasedBudgetStore::new(Arc::new(fresh_store(&sdk).await), LeasePolicy::default())
+            .with_clock(|| conformance::NOW)
     })
     .await;
     assert!(failures.is_empty(), "conformance failures:\n{}", failures.join("\n"));
@@ -271,7 +272,8 @@ async fn a_served_call_costs_two_transactions_and_no_read() {
 async fn served_calls_on_a_lease_write_no_counter_until_it_ends() {
     let leased = Arc::new(std::sync::OnceLock::new());
     let (gateway, store, operations) = counted_gateway_on("", |store| {
-        let policy = LeasePolicy { intent_every: std::time::Duration::ZERO, ..LeasePolicy::default() };
+        // One lease for every call: 64 calls' worth from the first.
+        let policy = LeasePolicy { intent_every: std::time::Duration::ZERO, first_calls: 64, ..LeasePolicy::default() };
         let lease = Arc::new(LeasedBudgetStore::new(Arc::new(store), policy));
         let _ = leased.set(lease.clone());
         lease
@@ -331,4 +333,33 @@ async fn the_sweeper_queries_the_expiry_index_and_never_scans() {
     assert_eq!(sent.len(), queries + 1, "and one refund transaction: {sent:?}");
     assert_eq!(store.live_reservations().await.unwrap(), 0);
     assert!(operations.take().iter().all(|o| o == "Query"));
+}
+
+/// A ledger endpoint that accepts connections and never answers: the SDK's timeouts
+/// (`flexway_aws::sdk_timeouts`) end the write with an error instead of holding the
+/// call for as long as the function may run.
+#[tokio::test]
+async fn a_write_to_a_ledger_that_never_answers_gives_up_with_an_error() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            open.push(socket);
+        }
+    });
+    let sdk = flexway_aws::sdk_loader()
+        .region(aws_config::Region::new("us-east-1"))
+        .endpoint_url(format!("http://{address}"))
+        .credentials_provider(aws_sdk_dynamodb::config::Credentials::new("test", "test", None, None, "hung"))
+        .load()
+        .await;
+    let store = DynamoDbBudgetStore::new(aws_sdk_dynamodb::Client::new(&sdk), "hung");
+    let hung = request("hung", &[("t/a", 5, Some(100))]);
+    let reserve = store.reserve(&hung);
+    // Far past the operation timeout (12 s): only a missing timeout reaches it.
+    let outcome = tokio::time::timeout(std::time::Duration::from_secs(60), reserve).await;
+    let error = outcome.expect("the SDK's timeouts end the write").unwrap_err();
+    assert!(error.to_string().contains("TransactWriteItems"), "{error}");
+    held.abort();
 }

@@ -393,7 +393,7 @@ async fn the_audit_goes_through_the_functions_own_log_when_that_is_the_audit_gro
     assert!(streams.log_streams().is_empty(), "the function called the Logs API: {streams:?}");
 
     deliver(logs, log_group, &function.output()).await;
-    let records = flexway_aws::read_audit_log_group(logs, log_group, None, None).await.unwrap();
+    let records = flexway_aws::read_audit_log_group(logs, log_group, None, None).await.unwrap().records;
     let read: Vec<&str> = records.iter().map(|r| r.request_id.as_str()).collect();
     assert_eq!(read, request_ids, "one record per call, in order, among {:?}", function.output());
     let used = resources.used_once_leases_are_swept().await;

@@ -3,8 +3,10 @@
 //! Invariants: money is summed in integer micro-euros (`cost_micro_eur`), never from the
 //! float `cost_eur`; a consumption metered upstream (`metered_by: upstream`, a relay to
 //! another Flexway that bills it) is shown apart and never added to what is billed
-//! locally, so nothing is billed twice; a record this build does not understand (a
-//! newer `schema_version`) stops the report rather than being misread.
+//! locally, so nothing is billed twice; a line that is not a record, or a record this
+//! build does not understand (a newer `schema_version`), is never misread nor
+//! skipped in silence: the read finishes and lists it apart from the totals (SPEC §2),
+//! and `flexway report` exits 3.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -22,34 +24,72 @@ use crate::money::MicroEur;
 pub enum ReportError {
     #[error("line {line}: cannot read: {source}")]
     Io { line: usize, source: std::io::Error },
-    #[error("line {line}: not an audit record: {source}")]
-    Parse { line: usize, source: serde_json::Error },
-    #[error("line {line}: schema_version {found} is newer than this flexway understands ({SCHEMA_VERSION})")]
-    Version { line: usize, found: u32 },
     #[error("{name} date {value:?} is not a calendar date YYYY-MM-DD")]
     Date { name: &'static str, value: String },
     #[error("--from {from} is after --to {to}")]
     EmptyPeriod { from: String, to: String },
 }
 
-/// Reads a JSONL audit: one record per line, blank lines skipped. Errors name the
-/// line (1-based).
-pub fn read_jsonl(reader: impl BufRead) -> Result<Vec<AuditRecord>, ReportError> {
-    let mut records = Vec::new();
-    for (index, line) in reader.lines().enumerate() {
-        let line_no = index + 1;
-        let line = line.map_err(|source| ReportError::Io { line: line_no, source })?;
+/// A line the reader could not take as a record: where (`line 12`, a log event) and
+/// why. It is counted nowhere and listed apart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unreadable {
+    pub at: String,
+    pub why: String,
+}
+
+impl std::fmt::Display for Unreadable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.at, self.why)
+    }
+}
+
+/// What reading an audit gave: the records, and every line that was not one.
+#[derive(Debug, Default, PartialEq)]
+pub struct Read {
+    pub records: Vec<AuditRecord>,
+    pub unreadable: Vec<Unreadable>,
+}
+
+/// A line's record, or why it is not one this build can count.
+pub fn parse_record(line: &str) -> Result<AuditRecord, String> {
+    let record: AuditRecord = serde_json::from_str(line).map_err(|e| format!("not an audit record: {e}"))?;
+    if record.schema_version > SCHEMA_VERSION {
+        return Err(format!(
+            "schema_version {} is newer than this flexway understands ({SCHEMA_VERSION})",
+            record.schema_version
+        ));
+    }
+    Ok(record)
+}
+
+/// Reads a JSONL audit: one record per line, blank lines skipped. A line that is not
+/// a record (cut, damaged, not UTF-8, of a newer schema) is listed by its number
+/// (1-based) and the read goes on; only a file that cannot be read at all is an error.
+pub fn read_jsonl(mut reader: impl BufRead) -> Result<Read, ReportError> {
+    let mut read = Read::default();
+    let mut bytes = Vec::new();
+    for line_no in 1.. {
+        bytes.clear();
+        match reader.read_until(b'\n', &mut bytes) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(source) => return Err(ReportError::Io { line: line_no, source }),
+        }
+        let at = || format!("line {line_no}");
+        let Ok(line) = std::str::from_utf8(&bytes) else {
+            read.unreadable.push(Unreadable { at: at(), why: "not UTF-8".into() });
+            continue;
+        };
         if line.trim().is_empty() {
             continue;
         }
-        let record: AuditRecord =
-            serde_json::from_str(&line).map_err(|source| ReportError::Parse { line: line_no, source })?;
-        if record.schema_version > SCHEMA_VERSION {
-            return Err(ReportError::Version { line: line_no, found: record.schema_version });
+        match parse_record(line.trim_end_matches(['\n', '\r'])) {
+            Ok(record) => read.records.push(record),
+            Err(why) => read.unreadable.push(Unreadable { at: at(), why }),
         }
-        records.push(record);
     }
-    Ok(records)
+    Ok(read)
 }
 
 /// Which records count: those whose `ts` falls on a UTC date in `from..=to`.
@@ -597,13 +637,15 @@ mod tests {
     }
 
     #[test]
-    fn a_record_whose_ts_is_not_a_timestamp_is_refused_with_its_line() {
+    fn a_record_whose_ts_is_not_a_timestamp_is_listed_with_its_line() {
         let good = serde_json::to_string(&sample()[0]).unwrap();
         let bad = good.replace("2025-03-01T08:00:00.000Z", "yesterday");
         assert_ne!(good, bad);
-        let error = read_jsonl(format!("{good}\n{bad}\n").as_bytes()).unwrap_err();
-        assert!(matches!(error, ReportError::Parse { line: 2, .. }), "{error}");
-        assert!(error.to_string().contains("\"yesterday\" is not an RFC 3339 timestamp"), "{error}");
+        let read = read_jsonl(format!("{good}\n{bad}\n").as_bytes()).unwrap();
+        assert_eq!(read.records, sample()[..1]);
+        let [unreadable] = read.unreadable.as_slice() else { panic!("{:?}", read.unreadable) };
+        assert_eq!(unreadable.at, "line 2");
+        assert!(unreadable.why.contains("\"yesterday\" is not an RFC 3339 timestamp"), "{unreadable}");
     }
 
     #[test]
@@ -615,25 +657,33 @@ mod tests {
             text.push_str("\n\n");
         }
         text.push_str("   \n");
-        assert_eq!(read_jsonl(text.as_bytes()).unwrap(), records);
+        assert_eq!(read_jsonl(text.as_bytes()).unwrap(), Read { records, unreadable: Vec::new() });
     }
 
     #[test]
-    fn read_errors_name_the_line() {
+    fn the_read_goes_past_unreadable_lines_and_names_each() {
         let good = serde_json::to_string(&sample()[0]).unwrap();
-        let text = format!("{good}\n\n{{\"tenant\": \"acme\"}}\n");
-        let error = read_jsonl(text.as_bytes()).unwrap_err();
-        assert!(matches!(error, ReportError::Parse { line: 3, .. }), "{error}");
-        assert!(error.to_string().starts_with("line 3:"), "{error}");
+        let cut = &good[..good.len() / 2];
+        let mut text = format!("{good}\n\n{{\"tenant\": \"acme\"}}\n{cut}\n").into_bytes();
+        text.extend_from_slice(b"\xff\xfe\n");
+        text.extend_from_slice(format!("{good}\n").as_bytes());
+        let read = read_jsonl(text.as_slice()).unwrap();
+        assert_eq!(read.records.len(), 2, "the lines around the unreadable ones are read");
+        let at: Vec<&str> = read.unreadable.iter().map(|u| u.at.as_str()).collect();
+        assert_eq!(at, ["line 3", "line 4", "line 5"]);
+        assert!(read.unreadable[0].why.starts_with("not an audit record"), "{}", read.unreadable[0]);
+        assert_eq!(read.unreadable[2].why, "not UTF-8");
     }
 
     #[test]
-    fn refuses_a_newer_schema_version() {
+    fn a_newer_schema_version_is_listed_never_misread() {
         let mut newer = sample()[0].clone();
         newer.schema_version = SCHEMA_VERSION + 1;
         let text = serde_json::to_string(&newer).unwrap();
-        let error = read_jsonl(text.as_bytes()).unwrap_err();
-        assert!(matches!(error, ReportError::Version { line: 1, .. }), "{error}");
+        let read = read_jsonl(text.as_bytes()).unwrap();
+        assert!(read.records.is_empty());
+        assert_eq!(read.unreadable.len(), 1);
+        assert!(read.unreadable[0].why.contains("is newer than this flexway understands"), "{}", read.unreadable[0]);
     }
 
     #[test]

@@ -23,7 +23,8 @@ use crate::call::Usage;
 use crate::config::Price;
 use crate::money::MicroEur;
 
-const NOW: u64 = 1_795_967_070;
+/// The suite's clock: its reservations expire around it, and its sweeps name it.
+pub const NOW: u64 = 1_795_967_070;
 
 fn key(name: &str) -> CounterKey {
     CounterKey(format!("conformance/{name}").into())
@@ -174,6 +175,33 @@ pub async fn sweep_charges_a_settle_intent_instead_of_refunding(store: &dyn Budg
     check(got == [90, 120], || format!("counters after both intents: {got:?}"))?;
     let live = call!(store.live_reservations());
     check(live == 0, || format!("live reservations left: {live}"))
+}
+
+/// A renewal moves a live reservation's expiry and leaves its usage so far for the
+/// sweeper; it never revives a swept one nor reopens a closed one.
+pub async fn renew_moves_the_expiry_of_a_live_reservation_only(store: &dyn BudgetStore) -> Result<(), String> {
+    let nobody = call!(store.renew("nobody", &[(key("a"), 1)], NOW + 60));
+    check(nobody == IntentOutcome::Unknown, || format!("renewing nothing: {nobody:?}"))?;
+    call!(store.reserve(&request("r1", &[("a", 100, Some(1000))], NOW - 1)));
+    call!(store.reserve(&request("r2", &[("a", 200, Some(1000))], NOW - 1)));
+    let renewed = call!(store.renew("r1", &[(key("a"), 30)], NOW + 60));
+    check(renewed == IntentOutcome::Recorded, || format!("renew: {renewed:?}"))?;
+    // Renewing again replaces the usage, as an intent does.
+    call!(store.renew("r1", &[(key("a"), 40)], NOW + 60));
+    let got = used(store, &["a"]).await?;
+    check(got == [300], || format!("a renewal moved counters: {got:?}"))?;
+    let swept = call!(store.sweep(NOW));
+    check(swept == refunded(1), || format!("sweep before the renewed expiry: {swept:?}"))?;
+    let live = call!(store.live_reservations());
+    check(live == 1, || format!("live reservations after the sweep: {live}"))?;
+    let late = call!(store.renew("r2", &[(key("a"), 10)], NOW + 60));
+    check(late == IntentOutcome::Unknown, || format!("renewing a swept reservation: {late:?}"))?;
+    let swept = call!(store.sweep(NOW + 61));
+    check(swept == charged(1), || format!("sweep past the renewed expiry: {swept:?}"))?;
+    let got = used(store, &["a"]).await?;
+    check(got == [40], || format!("counters after charging the renewed usage: {got:?}"))?;
+    let closed = call!(store.renew("r1", &[(key("a"), 50)], NOW + 120));
+    check(closed == IntentOutcome::Unknown, || format!("renewing a closed reservation: {closed:?}"))
 }
 
 /// The real settlement arrives after all (its first answer was lost): it replaces the
@@ -357,6 +385,14 @@ impl BudgetStore for FailingSettles {
     async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
         self.inner.record_intent(request_id, actual).await
     }
+    async fn renew(
+        &self,
+        request_id: &str,
+        actual: &[(CounterKey, u64)],
+        expires_at: u64,
+    ) -> Result<IntentOutcome, StoreError> {
+        self.inner.renew(request_id, actual, expires_at).await
+    }
     async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
         self.inner.sweep(now).await
     }
@@ -524,6 +560,10 @@ where
     note(
         "sweep_charges_a_settle_intent_instead_of_refunding",
         sweep_charges_a_settle_intent_instead_of_refunding(&make().await).await,
+    );
+    note(
+        "renew_moves_the_expiry_of_a_live_reservation_only",
+        renew_moves_the_expiry_of_a_live_reservation_only(&make().await).await,
     );
     note("a_settle_after_its_intent_charges_once", a_settle_after_its_intent_charges_once(&make().await).await);
     note(

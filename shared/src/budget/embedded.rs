@@ -279,7 +279,17 @@ impl BudgetStore for EmbeddedBudgetStore {
 
     async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
         let (request_id, actual) = (request_id.to_owned(), actual.to_vec());
-        self.submit(|reply| Job::Intent { request_id, actual, reply }).await
+        self.submit(|reply| Job::Intent { request_id, actual, renew: None, reply }).await
+    }
+
+    async fn renew(
+        &self,
+        request_id: &str,
+        actual: &[(CounterKey, u64)],
+        expires_at: u64,
+    ) -> Result<IntentOutcome, StoreError> {
+        let (request_id, actual) = (request_id.to_owned(), actual.to_vec());
+        self.submit(|reply| Job::Intent { request_id, actual, renew: Some(expires_at), reply }).await
     }
 
     async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
@@ -327,10 +337,26 @@ fn backend(error: impl fmt::Display) -> StoreError {
 type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
 
 enum Job {
-    Reserve { request: ReserveRequest, reply: Reply<ReserveOutcome> },
-    Settle { request_id: String, actual: Vec<(CounterKey, u64)>, reply: Reply<SettleOutcome> },
-    Intent { request_id: String, actual: Vec<(CounterKey, u64)>, reply: Reply<IntentOutcome> },
-    Sweep { now: u64, reply: Reply<Swept> },
+    Reserve {
+        request: ReserveRequest,
+        reply: Reply<ReserveOutcome>,
+    },
+    Settle {
+        request_id: String,
+        actual: Vec<(CounterKey, u64)>,
+        reply: Reply<SettleOutcome>,
+    },
+    /// `renew`: the new expiry of a renewed reservation (else a plain intent).
+    Intent {
+        request_id: String,
+        actual: Vec<(CounterKey, u64)>,
+        renew: Option<u64>,
+        reply: Reply<IntentOutcome>,
+    },
+    Sweep {
+        now: u64,
+        reply: Reply<Swept>,
+    },
 }
 
 impl Job {
@@ -341,8 +367,11 @@ impl Job {
             Job::Settle { request_id, actual, reply } => {
                 Answer::Settle(reply, ledger::settle(state, &request_id, &actual))
             }
-            Job::Intent { request_id, actual, reply } => {
+            Job::Intent { request_id, actual, renew: None, reply } => {
                 Answer::Intent(reply, ledger::record_intent(state, &request_id, &actual))
+            }
+            Job::Intent { request_id, actual, renew: Some(expires_at), reply } => {
+                Answer::Intent(reply, ledger::renew(state, &request_id, &actual, expires_at))
             }
             Job::Sweep { now, reply } => Answer::Sweep(reply, ledger::sweep(state, now)),
         }

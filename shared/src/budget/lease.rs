@@ -4,10 +4,10 @@
 //! A lease is a reservation on the inner store like a call's, made under a lease id:
 //! a *slice* of each limited counter, taken with the inner store's one conditional
 //! write. Calls are then reserved and settled against the slice in memory, with no
-//! write per call. When the lease ends (a call does not fit it, it nears its expiry,
-//! the sweep, `flush`) it is settled on the inner store with the usage it served: one
-//! write, after which the counters hold exactly what the calls used. Unlimited lines
-//! (no limit) are counted the same way and written with that settlement.
+//! write per call. When the lease ends (a call does not fit it, it goes idle, `flush`)
+//! it is settled on the inner store with the usage it served: one write, after which
+//! the counters hold exactly what the calls used. Unlimited lines (no limit) are
+//! counted the same way and written with that settlement.
 //!
 //! Invariants:
 //! - the hard cap holds: a lease is admitted by the same condition as a call
@@ -15,39 +15,50 @@
 //!   settled, and a call is served from a slice only while the slice holds it (and the
 //!   call's own condition holds with the lease's usage counted before it, so a tighter
 //!   per-call limit, such as admission's soft guard, is kept too);
-//! - once a lease is settled, its counters moved by the usage of the calls it served,
-//!   to the token: ledger = audit;
+//! - once a lease is settled (or reclaimed and its owner's late part charged), its
+//!   counters moved by the usage of the calls it served, to the token: ledger = audit;
 //! - to a caller this is a `BudgetStore` like any other (the conformance suite runs on
 //!   it): a call's reserve, settle, intent and sweep follow the ledger's rules, whether
 //!   it was served from a lease or, at the edge, reserved directly on the inner store.
 //!
-//! Slice policy. A slice is a number of calls' worth of the call that takes the lease:
-//! `calls_per_lease` (64) at most, and at most 1/`share_of_remaining` (1/8) of the
-//! budget seen remaining on each line, so slices shrink as a budget nears its cap and
-//! the instances share what is left. The remaining budget is read only when a lease
-//! is refused (one `used` read), and remembered for `hint_ttl`; when even one call's
-//! worth is more than that share, the call is reserved directly on the inner store
-//! (one write per call at the edge: exact, as without leases). Near the cap a call
-//! may be refused while another instance's lease still holds unused budget: at most
-//! a few calls' worth per instance, returned when that lease ends.
+//! A lease never strands budget. It has a short life of its own (`lease_secs`, a few
+//! seconds, independent of any call's expiry) and is renewed while it serves: each
+//! renewal is one write of the lease's own item (`BudgetStore::renew`), which also
+//! records the usage served so far. Its owner returns it after `idle` without a call
+//! (the tender, [`LeasedBudgetStore::start`], runs every fraction of a second). An owner
+//! that cannot (a process killed, a Lambda environment frozen after its response)
+//! stops renewing it: within `lease_secs` it is expired, and any sweep closes it,
+//! charging the usage last recorded and giving the unused slice back. Every instance
+//! refused a call sweeps the inner store (at most every `reclaim_every`), so the
+//! budget a dead or frozen instance held comes back to the one that needs it within
+//! seconds, without waiting for the scheduled sweeper. An owner that finds its lease
+//! closed (a renewal or its settlement answers `Unknown`) charges what it served after
+//! the last recorded usage, on its own, and takes a new lease: nothing lost, nothing
+//! counted twice. A call in flight on a live owner keeps its lease renewed however
+//! long it runs (a stream), so a lease is never closed under a running call.
 //!
-//! Crash trade-off. An instance that dies (or a Lambda environment frozen past the
-//! lease's expiry) leaves its lease on the inner store. Its usage so far is recorded
-//! on the lease as a settle intent (`record_intent`: one write of the lease's own item,
-//! never of a counter) at most every `intent_every` (1 s), so the sweeper *charges*
-//! the lease at its expiry instead of refunding it. What is lost is bounded: the usage
-//! of the calls that instance settled since its last intent goes uncharged (with
-//! `intent_every` zero, none: one intent write per call, on the instance's own item,
-//! which does not contend). Calls in flight at the crash are refunded, as a vanished
-//! call is without leases. A lease lives `lease_secs` past the expiry of the call that
-//! took it and serves only calls that expire before it does, so the sweeper never
-//! closes a lease under a running call.
+//! Slice policy. A slice is a number of calls' worth of the call that takes the lease:
+//! the calls its previous lease served in a lease's life at the rate observed (at
+//! least `first_calls`, at most `calls_per_lease`), and at most 1/`share_of_remaining`
+//! of the limit, or of the budget seen remaining once a lease was refused (one `used`
+//! read, remembered for `hint_ttl`). When even one call's worth is more than that
+//! share, the call is reserved directly on the inner store (one write per call at the
+//! edge: exact, as without leases). So an instance that serves one call every few
+//! seconds holds a few calls' worth, one that serves hundreds a second holds enough
+//! for a lease's life, and the instances share what is left near the cap.
+//!
+//! Crash trade-off. What a dead instance's lease is charged is the usage it recorded:
+//! its settled calls since the last recording go uncharged (with `intent_every` zero,
+//! none: one renewal per settled call, on the instance's own item, which does not
+//! contend). Calls in flight at the crash are refunded, as a vanished call is without
+//! leases.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::ledger::SWEPT_RETENTION_SECS;
+use super::period::unix_now;
 use super::{
     BudgetStore, CounterKey, IntentOutcome, Line, Reservation, ReserveOutcome, ReserveRequest, SettleOutcome,
     StoreError, Swept, ticket,
@@ -58,25 +69,47 @@ use super::{
 pub struct LeasePolicy {
     /// A slice holds at most this many calls' worth of the call that takes the lease.
     pub calls_per_lease: u64,
-    /// A slice takes at most 1/`share_of_remaining` of the budget seen remaining.
+    /// Calls' worth of the first lease over a set of counters (no rate observed yet).
+    pub first_calls: u64,
+    /// A slice takes at most 1/`share_of_remaining` of the limit, and of the budget
+    /// seen remaining after a refused lease.
     pub share_of_remaining: u64,
-    /// A lease expires this long after the call that took it.
+    /// A lease's own life on the inner store, in seconds: renewed while it serves.
     pub lease_secs: u64,
-    /// The lease's usage is recorded as its settle intent at most this often.
+    /// An owner returns a lease that served no call for this long.
+    pub idle: Duration,
+    /// The lease's usage is written (with its renewal) at most this often on a settle.
     pub intent_every: Duration,
     /// How long the remaining budget read at a refused lease is trusted.
     pub hint_ttl: Duration,
+    /// A refused instance sweeps the inner store (closing expired leases) at most this
+    /// often.
+    pub reclaim_every: Duration,
+}
+
+impl LeasePolicy {
+    pub const DEFAULT: LeasePolicy = LeasePolicy {
+        calls_per_lease: 64,
+        first_calls: 4,
+        share_of_remaining: 8,
+        lease_secs: 4,
+        idle: Duration::from_secs(2),
+        intent_every: Duration::from_secs(1),
+        hint_ttl: Duration::from_secs(1),
+        reclaim_every: Duration::from_secs(1),
+    };
+
+    /// How often the tender looks: often enough to return an idle lease soon after
+    /// `idle`, and to renew a busy one long before it expires.
+    pub fn tend_every(&self) -> Duration {
+        let quarter_life = Duration::from_secs(self.lease_secs.max(1)) / 4;
+        (self.idle / 2).min(quarter_life).max(Duration::from_millis(10))
+    }
 }
 
 impl Default for LeasePolicy {
     fn default() -> Self {
-        LeasePolicy {
-            calls_per_lease: 64,
-            share_of_remaining: 8,
-            lease_secs: 60,
-            intent_every: Duration::from_secs(1),
-            hint_ttl: Duration::from_secs(1),
-        }
+        LeasePolicy::DEFAULT
     }
 }
 
@@ -86,17 +119,28 @@ type Amounts = BTreeMap<CounterKey, u64>;
 struct Lease {
     /// The lease as reserved on the inner store: its id and `(counter, slice)` lines.
     reservation: Reservation,
+    /// The limited counters it serves (its key in `State::open`).
+    keyset: Vec<CounterKey>,
     /// Per limited counter: the slice, and the limit it was taken under.
     slices: BTreeMap<CounterKey, (u64, u64)>,
+    /// Unix seconds: its expiry on the inner store, as last written.
     expires_at: u64,
     /// Actual usage of the calls settled from it (every counter, limited or not).
     settled: Amounts,
+    /// The usage last written on the inner store: what a reclaim charges.
+    recorded: Amounts,
     /// Reserved amounts of its calls in flight.
     held: Amounts,
     in_flight: usize,
     /// No new call: it is settled when its last call in flight is.
     draining: bool,
-    intent_at: Instant,
+    /// A renewal is on its way: one at a time, and never a close meanwhile, so the
+    /// owner always knows what the inner store holds.
+    renewing: bool,
+    written_at: Instant,
+    taken_at: Instant,
+    active_at: Instant,
+    served: u64,
 }
 
 impl Lease {
@@ -104,9 +148,10 @@ impl Lease {
         self.settled.get(key).copied().unwrap_or(0).saturating_add(self.held.get(key).copied().unwrap_or(0))
     }
 
-    /// Whether a call (its lines merged per counter) fits what is left of the slices.
-    fn fits(&self, merged: &Merged, expires_at: u64) -> bool {
-        if self.draining || expires_at > self.expires_at {
+    /// Whether a call (its lines merged per counter) fits what is left of the slices,
+    /// while the lease is live on the inner store.
+    fn fits(&self, merged: &Merged, now: u64) -> bool {
+        if self.draining || now >= self.expires_at {
             return false;
         }
         merged.iter().all(|(key, (amount, limit))| {
@@ -118,6 +163,11 @@ impl Lease {
             // `leased_under - slice`.
             after <= *slice && leased_under.saturating_sub(*slice).saturating_add(after) <= *limit
         })
+    }
+
+    /// Whether its owner may close it now.
+    fn closable(&self) -> bool {
+        self.in_flight == 0 && !self.renewing
     }
 }
 
@@ -144,16 +194,36 @@ struct State {
     open: HashMap<Vec<CounterKey>, u64>,
     calls: HashMap<String, Call>,
     hints: HashMap<CounterKey, Hint>,
+    /// Calls' worth of the next lease per set of counters, from the last one's rate.
+    sizes: HashMap<Vec<CounterKey>, u64>,
+    reclaimed_at: Option<Instant>,
+}
+
+impl State {
+    /// Takes a lease out to be closed, remembering its rate for the next one.
+    fn end(&mut self, number: u64, policy: &LeasePolicy) -> Option<Write> {
+        let lease = self.leases.remove(&number)?;
+        if self.open.get(&lease.keyset) == Some(&number) {
+            self.open.remove(&lease.keyset);
+        }
+        let age_ms = lease.taken_at.elapsed().as_millis().max(1);
+        let life_ms = u128::from(policy.lease_secs).saturating_mul(1000);
+        let at_rate = u128::from(lease.served).saturating_mul(life_ms) / age_ms;
+        let next = u64::try_from(at_rate).unwrap_or(u64::MAX).clamp(policy.first_calls.max(1), policy.calls_per_lease);
+        self.sizes.insert(lease.keyset.clone(), next);
+        Some(close(lease))
+    }
 }
 
 /// A write to the inner store, decided under the lock and sent after it.
 #[derive(Debug)]
 enum Write {
-    /// Settle a lease on the usage it served.
-    Close { lease: Reservation, actual: Vec<(CounterKey, u64)> },
-    /// Leave a lease's usage so far on it, for the sweeper.
-    Intent { lease_id: String, actual: Vec<(CounterKey, u64)> },
-    /// Charge the late settlement of a call swept after its lease was closed.
+    /// Settle a lease on the usage it served (`recorded`: what a reclaim charged).
+    Close { lease: Reservation, actual: Vec<(CounterKey, u64)>, recorded: Vec<(CounterKey, u64)> },
+    /// Renew a lease, with its usage so far for the sweeper.
+    Renew { number: u64, lease_id: String, actual: Vec<(CounterKey, u64)>, expires_at: u64 },
+    /// Charge usage whose reservation is gone: a call swept after its lease closed, or
+    /// what a reclaimed lease served after its last renewal.
     Charge { request_id: String, actual: Vec<(CounterKey, u64)>, expires_at: u64 },
 }
 
@@ -192,27 +262,62 @@ fn lines_of(amounts: &Amounts) -> Vec<(CounterKey, u64)> {
     amounts.iter().filter(|(_, v)| **v > 0).map(|(k, v)| (k.clone(), *v)).collect()
 }
 
+/// `actual` less `recorded`, per counter.
+fn beyond(actual: &[(CounterKey, u64)], recorded: &[(CounterKey, u64)]) -> Vec<(CounterKey, u64)> {
+    let mut rest = Amounts::new();
+    add(&mut rest, actual);
+    sub(&mut rest, recorded);
+    lines_of(&rest)
+}
+
 /// A `BudgetStore` that serves calls from leased slices of the inner store's budgets.
 /// Several instances (processes, Lambda environments) may share one inner store.
 pub struct LeasedBudgetStore<S> {
-    inner: std::sync::Arc<S>,
+    inner: Arc<S>,
     policy: LeasePolicy,
     /// Names this instance's leases on the inner store.
     instance: String,
     state: Mutex<State>,
     /// One lease taken at a time per instance; calls that fit never wait on it.
     acquiring: tokio::sync::Mutex<()>,
+    /// Unix seconds, as the inner store's expiries count them.
+    clock: fn() -> u64,
 }
 
 impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
-    pub fn new(inner: std::sync::Arc<S>, policy: LeasePolicy) -> Self {
+    /// A store with no tender: its leases are renewed and returned only by its calls,
+    /// its sweeps and `tend` (tests drive it by hand). Serving uses [`Self::start`].
+    pub fn new(inner: Arc<S>, policy: LeasePolicy) -> Self {
         LeasedBudgetStore {
             inner,
             policy,
             instance: uuid::Uuid::new_v4().simple().to_string(),
             state: Mutex::new(State::default()),
             acquiring: tokio::sync::Mutex::new(()),
+            clock: unix_now,
         }
+    }
+
+    /// The same store on another clock: tests whose reservations expire at fixed
+    /// times keep its leases and reclaims on that time.
+    pub fn with_clock(self, clock: fn() -> u64) -> Self {
+        LeasedBudgetStore { clock, ..self }
+    }
+
+    /// The store, with its tender running on the current runtime every
+    /// [`LeasePolicy::tend_every`] until the store is dropped.
+    pub fn start(inner: Arc<S>, policy: LeasePolicy) -> Arc<Self> {
+        let store = Arc::new(Self::new(inner, policy));
+        let every = store.policy.tend_every();
+        let tended = Arc::downgrade(&store);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let Some(store) = tended.upgrade() else { return };
+                store.tend().await;
+            }
+        });
+        store
     }
 
     pub fn inner(&self) -> &S {
@@ -225,6 +330,40 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Returns the leases idle for `idle`, and renews the others when half their life
+    /// is gone or their usage was not written for `intent_every`.
+    pub async fn tend(&self) {
+        let now = (self.clock)();
+        let writes = {
+            let mut state = self.state();
+            let policy = &self.policy;
+            let idle: Vec<u64> = state
+                .leases
+                .iter()
+                .filter(|(_, l)| {
+                    l.closable() && (l.draining || l.expires_at <= now || l.active_at.elapsed() >= policy.idle)
+                })
+                .map(|(n, _)| *n)
+                .collect();
+            let mut writes: Vec<Write> = idle.iter().filter_map(|n| state.end(*n, policy)).collect();
+            // Renewed at half its life, or sooner when it has usage the inner store
+            // does not hold yet: what a crash loses is bounded by `intent_every`.
+            let due: Vec<u64> = state
+                .leases
+                .iter()
+                .filter(|(_, l)| {
+                    let unwritten =
+                        l.written_at.elapsed() >= policy.intent_every && lines_of(&l.settled) != lines_of(&l.recorded);
+                    !l.renewing && (unwritten || l.expires_at.saturating_sub(now) <= policy.lease_secs / 2)
+                })
+                .map(|(n, _)| *n)
+                .collect();
+            writes.extend(due.into_iter().filter_map(|n| renewal(&mut state, n, now + policy.lease_secs)));
+            writes
+        };
+        self.apply(writes).await;
+    }
+
     /// Settles every lease with no call in flight, and ends the others when their last
     /// call is settled: after it, the inner store's counters hold exactly the usage
     /// served (for a shutdown, and for tests and benchmarks that compare the ledger).
@@ -232,30 +371,32 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
         let writes = {
             let mut state = self.state();
             state.open.clear();
-            let idle: Vec<u64> = state.leases.iter().filter(|(_, l)| l.in_flight == 0).map(|(n, _)| *n).collect();
             for lease in state.leases.values_mut() {
                 lease.draining = true;
             }
-            idle.iter().filter_map(|n| state.leases.remove(n)).map(close).collect()
+            let idle: Vec<u64> = state.leases.iter().filter(|(_, l)| l.closable()).map(|(n, _)| *n).collect();
+            idle.iter().filter_map(|n| state.end(*n, &self.policy)).collect()
         };
         self.apply(writes).await;
     }
 
     /// Serves the call from this instance's memory if it can: already reserved
     /// (idempotency), or it fits its lease.
-    fn serve_locally(&self, request: &ReserveRequest, merged: &Merged, keyset: &[CounterKey]) -> bool {
+    fn serve_locally(&self, request: &ReserveRequest, merged: &Merged, keyset: &[CounterKey], now: u64) -> bool {
         let mut state = self.state();
         if state.calls.contains_key(&request.request_id) {
             return true;
         }
         let Some(number) = state.open.get(keyset).copied() else { return false };
         let Some(lease) = state.leases.get_mut(&number) else { return false };
-        if !lease.fits(merged, request.expires_at) {
+        if !lease.fits(merged, now) {
             return false;
         }
         let lines: Vec<(CounterKey, u64)> = request.lines.iter().map(|l| (l.key.clone(), l.amount)).collect();
         add(&mut lease.held, &lines);
         lease.in_flight += 1;
+        lease.served += 1;
+        lease.active_at = Instant::now();
         state.calls.insert(
             request.request_id.clone(),
             Call { lease: number, lines, expires_at: request.expires_at, swept: false, intent: None },
@@ -263,39 +404,41 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
         true
     }
 
-    /// Ends the lease serving `keyset`: settled now if idle, else when its last call is.
+    /// Ends the lease serving `keyset`: settled now if it can be, else when its last
+    /// call is (or its renewal answers).
     fn retire(&self, keyset: &[CounterKey]) -> Vec<Write> {
         let mut state = self.state();
         let Some(number) = state.open.remove(keyset) else { return Vec::new() };
         match state.leases.get_mut(&number) {
-            Some(lease) if lease.in_flight > 0 => {
+            Some(lease) if !lease.closable() => {
                 lease.draining = true;
                 Vec::new()
             }
-            Some(_) => state.leases.remove(&number).map(close).into_iter().collect(),
+            Some(_) => state.end(number, &self.policy).into_iter().collect(),
             None => Vec::new(),
         }
     }
 
-    /// Calls' worth a new slice may hold: the most, unless a recent read says the
-    /// budget left is short (0: reserve the call directly).
-    fn calls_for(&self, merged: &Merged) -> u64 {
+    /// Calls' worth a new slice may hold: the rate observed, within a share of each
+    /// limit and of what a recent read says is left (0: reserve the call directly).
+    fn calls_for(&self, merged: &Merged, keyset: &[CounterKey]) -> u64 {
         let state = self.state();
-        let ttl = self.policy.hint_ttl;
+        let policy = &self.policy;
+        let share = policy.share_of_remaining.max(1);
+        let rate = state.sizes.get(keyset).copied().unwrap_or(policy.first_calls).min(policy.calls_per_lease);
         merged
             .iter()
-            .filter(|(_, (_, limit))| limit.is_some())
-            .filter_map(|(key, (amount, _))| {
-                let hint = state.hints.get(*key).filter(|h| h.at.elapsed() < ttl)?;
-                let per_call = amount.max(&1).saturating_mul(self.policy.share_of_remaining.max(1));
-                Some(hint.remaining / per_call)
+            .filter_map(|(key, (amount, limit))| Some((key, amount.max(&1).saturating_mul(share), (*limit)?)))
+            .map(|(key, per_call, limit)| {
+                let remaining = state.hints.get(*key).filter(|h| h.at.elapsed() < policy.hint_ttl);
+                remaining.map_or(limit, |h| h.remaining.min(limit)) / per_call
             })
-            .fold(self.policy.calls_per_lease, u64::min)
+            .fold(rate, u64::min)
     }
 
     /// Reads the limited counters after a refused lease; returns the calls' worth the
     /// slices may hold now.
-    async fn read_remaining(&self, merged: &Merged<'_>) -> Result<u64, StoreError> {
+    async fn read_remaining(&self, merged: &Merged<'_>, keyset: &[CounterKey]) -> Result<u64, StoreError> {
         let limited: Vec<(&CounterKey, u64)> =
             merged.iter().filter_map(|(key, (_, limit))| limit.map(|l| (*key, l))).collect();
         let keys: Vec<CounterKey> = limited.iter().map(|(k, _)| (*k).clone()).collect();
@@ -307,7 +450,7 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
                 state.hints.insert((*key).clone(), Hint { remaining: limit.saturating_sub(used), at });
             }
         }
-        Ok(self.calls_for(merged))
+        Ok(self.calls_for(merged, keyset))
     }
 
     fn spend_hints(&self, amounts: &[(CounterKey, u64)]) {
@@ -346,7 +489,7 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
         let lease = ReserveRequest {
             request_id: format!("lease#{}#{number}", self.instance),
             lines,
-            expires_at: request.expires_at.saturating_add(self.policy.lease_secs),
+            expires_at: (self.clock)().saturating_add(self.policy.lease_secs),
         };
         if self.inner.reserve(&lease).await? != ReserveOutcome::Reserved {
             return Ok(false);
@@ -356,18 +499,25 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
         let call: Vec<(CounterKey, u64)> = request.lines.iter().map(|l| (l.key.clone(), l.amount)).collect();
         let mut held = Amounts::new();
         add(&mut held, &call);
+        let at = Instant::now();
         let mut state = self.state();
         state.leases.insert(
             number,
             Lease {
                 slices: lease.lines.iter().map(|l| (l.key.clone(), (l.amount, l.limit.unwrap_or(u64::MAX)))).collect(),
+                keyset: keyset.to_vec(),
                 reservation,
                 expires_at: lease.expires_at,
                 settled: Amounts::new(),
+                recorded: Amounts::new(),
                 held,
                 in_flight: 1,
                 draining: false,
-                intent_at: Instant::now(),
+                renewing: false,
+                written_at: at,
+                taken_at: at,
+                active_at: at,
+                served: 1,
             },
         );
         state.open.insert(keyset.to_vec(), number);
@@ -378,18 +528,41 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
         Ok(true)
     }
 
+    /// Sweeps the inner store, which closes the expired leases of instances gone or
+    /// frozen, when this instance did not do so within `reclaim_every`. Whether it
+    /// closed anything.
+    async fn reclaim(&self) -> bool {
+        {
+            let mut state = self.state();
+            if state.reclaimed_at.is_some_and(|at| at.elapsed() < self.policy.reclaim_every) {
+                return false;
+            }
+            state.reclaimed_at = Some(Instant::now());
+        }
+        match self.inner.sweep((self.clock)()).await {
+            Ok(swept) => swept.refunded + swept.charged > 0,
+            Err(e) => {
+                tracing::warn!(error = %e, "reclaiming expired leases failed");
+                false
+            }
+        }
+    }
+
     /// Replaces a local call's reservation by `actual` (its lease's usage moves), or
-    /// charges it alone if it was swept. `None`: not a call of this instance's leases.
+    /// charges it alone if its lease is gone. `None`: not a call of this instance's
+    /// leases.
     fn finish(
         &self,
         state: &mut State,
         request_id: &str,
         actual: &[(CounterKey, u64)],
+        now: u64,
     ) -> Option<(SettleOutcome, Vec<Write>)> {
         let call = state.calls.remove(request_id)?;
         let Some(lease) = state.leases.get_mut(&call.lease) else {
-            // Only a swept call outlives its lease (a lease ends with its last call in
-            // flight): its late settlement is charged on its own.
+            // A lease ends with its last call in flight, so only a call swept here, or
+            // one whose lease was reclaimed under it, outlives its lease: its hold was
+            // returned with the lease, its usage is charged on its own.
             let charge = Write::Charge {
                 request_id: request_id.to_owned(),
                 actual: actual.to_vec(),
@@ -402,26 +575,95 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
             lease.in_flight = lease.in_flight.saturating_sub(1);
         }
         add(&mut lease.settled, actual);
+        lease.active_at = Instant::now();
         let outcome = if call.swept { SettleOutcome::ChargedAfterSweep } else { SettleOutcome::Settled };
         let mut writes = Vec::new();
-        if lease.draining && lease.in_flight == 0 {
-            writes.extend(state.leases.remove(&call.lease).map(close));
-        } else if lease.intent_at.elapsed() >= self.policy.intent_every {
-            lease.intent_at = Instant::now();
-            writes.push(intent(state, call.lease));
+        let (closable, draining) = (lease.closable(), lease.draining);
+        let due = !lease.renewing && lease.written_at.elapsed() >= self.policy.intent_every;
+        if draining && closable {
+            writes.extend(state.end(call.lease, &self.policy));
+        } else if due {
+            writes.extend(renewal(state, call.lease, now + self.policy.lease_secs));
         }
         Some((outcome, writes))
     }
 
+    /// What the inner store answered to a renewal. A lease it no longer holds was
+    /// reclaimed (its recorded usage charged, its slice given back): what it served
+    /// since is charged now, and its calls in flight are charged on their own.
+    fn renewed(
+        &self,
+        number: u64,
+        answer: Result<IntentOutcome, StoreError>,
+        actual: Vec<(CounterKey, u64)>,
+        expires_at: u64,
+    ) -> Vec<Write> {
+        let mut state = self.state();
+        let Some(lease) = state.leases.get_mut(&number) else { return Vec::new() };
+        lease.renewing = false;
+        match answer {
+            Ok(IntentOutcome::Recorded) => {
+                lease.recorded = actual.into_iter().collect();
+                lease.expires_at = expires_at;
+                lease.written_at = Instant::now();
+            }
+            Ok(IntentOutcome::Unknown) => {
+                let Some(lease) = state.leases.remove(&number) else { return Vec::new() };
+                if state.open.get(&lease.keyset) == Some(&number) {
+                    state.open.remove(&lease.keyset);
+                }
+                let rest = beyond(&lines_of(&lease.settled), &lines_of(&lease.recorded));
+                let lease_id = lease.reservation.request_id;
+                tracing::info!(lease_id, "lease reclaimed while its owner was away: it takes a new one");
+                if rest.is_empty() {
+                    return Vec::new();
+                }
+                return vec![Write::Charge {
+                    request_id: lease_id,
+                    actual: rest,
+                    expires_at: (self.clock)() + self.policy.lease_secs,
+                }];
+            }
+            Err(e) => {
+                let lease_id = &lease.reservation.request_id;
+                tracing::warn!(lease_id, error = %e, "renewing a lease failed; the tender tries again");
+            }
+        }
+        let closable = state.leases.get(&number).is_some_and(|l| l.draining && l.closable());
+        if closable { state.end(number, &self.policy).into_iter().collect() } else { Vec::new() }
+    }
+
     async fn apply(&self, writes: Vec<Write>) {
         let inner: &dyn BudgetStore = self.inner.as_ref();
-        for write in writes {
+        let mut queue = VecDeque::from(writes);
+        while let Some(write) = queue.pop_front() {
             match write {
-                Write::Close { lease, actual } => ticket::settle(inner, &lease, &actual).await,
-                Write::Intent { lease_id, actual } => {
-                    if let Err(e) = inner.record_intent(&lease_id, &actual).await {
-                        tracing::warn!(lease_id, error = %e, "recording a lease's usage failed; the next settle tries again");
+                Write::Close { lease, actual, recorded } => match ticket::settle(inner, &lease, &actual).await {
+                    // Reclaimed meanwhile: the sweep charged what was recorded.
+                    Some(SettleOutcome::Unknown) => {
+                        let lease_id = lease.request_id;
+                        tracing::info!(
+                            lease_id,
+                            "lease reclaimed while its owner was away; its last usage charged now"
+                        );
+                        let rest = beyond(&actual, &recorded);
+                        if !rest.is_empty() {
+                            let expires_at = (self.clock)() + self.policy.lease_secs;
+                            queue.push_back(Write::Charge { request_id: lease_id, actual: rest, expires_at });
+                        }
                     }
+                    Some(SettleOutcome::ChargedAfterSweep) => {
+                        let lease_id = lease.request_id;
+                        tracing::info!(
+                            lease_id,
+                            "lease refunded by a sweep while its owner was away; its usage charged now"
+                        );
+                    }
+                    Some(SettleOutcome::Settled) | None => {}
+                },
+                Write::Renew { number, lease_id, actual, expires_at } => {
+                    let answer = inner.renew(&lease_id, &actual, expires_at).await;
+                    queue.extend(self.renewed(number, answer, actual, expires_at));
                 }
                 Write::Charge { request_id, actual, expires_at } => {
                     // A reservation of the usage itself, unlimited, settled on it: the
@@ -435,7 +677,9 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
                         expires_at: expires_at.saturating_add(SWEPT_RETENTION_SECS),
                     };
                     match inner.reserve(&late).await {
-                        Ok(_) => ticket::settle(inner, &late.reservation(), &actual).await,
+                        Ok(_) => {
+                            ticket::settle(inner, &late.reservation(), &actual).await;
+                        }
                         Err(e) => {
                             tracing::error!(request_id, ?actual, error = %e, "a late settlement could not be charged")
                         }
@@ -447,26 +691,23 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
 }
 
 fn close(lease: Lease) -> Write {
-    Write::Close { actual: lines_of(&lease.settled), lease: lease.reservation }
+    Write::Close { actual: lines_of(&lease.settled), recorded: lines_of(&lease.recorded), lease: lease.reservation }
 }
 
-/// What the sweeper should charge if this instance vanished now: the usage settled,
-/// and the intents of its calls (in flight or swept) whose settlement failed.
-fn intent(state: &State, number: u64) -> Write {
-    let mut actual = Amounts::new();
-    let lease_id = match state.leases.get(&number) {
-        Some(lease) => {
-            actual.clone_from(&lease.settled);
-            lease.reservation.request_id.clone()
-        }
-        None => String::new(),
-    };
+/// Marks the lease renewing, and the renewal: until `expires_at`, with what the
+/// sweeper should charge if this instance vanished now (the usage settled, and the
+/// intents of its calls whose settlement failed).
+fn renewal(state: &mut State, number: u64, expires_at: u64) -> Option<Write> {
+    let lease = state.leases.get_mut(&number)?;
+    lease.renewing = true;
+    let mut actual = lease.settled.clone();
+    let lease_id = lease.reservation.request_id.clone();
     for call in state.calls.values().filter(|c| c.lease == number) {
         if let Some(intent) = &call.intent {
             add(&mut actual, intent);
         }
     }
-    Write::Intent { lease_id, actual: lines_of(&actual) }
+    Some(Write::Renew { number, lease_id, actual: lines_of(&actual), expires_at })
 }
 
 #[async_trait::async_trait]
@@ -475,28 +716,32 @@ impl<S: BudgetStore + 'static> BudgetStore for LeasedBudgetStore<S> {
         let merged = merge(&request.lines);
         let keyset: Vec<CounterKey> =
             merged.iter().filter(|(_, (_, limit))| limit.is_some()).map(|(k, _)| (*k).clone()).collect();
-        if self.serve_locally(request, &merged, &keyset) {
+        if self.serve_locally(request, &merged, &keyset, (self.clock)()) {
             return Ok(ReserveOutcome::Reserved);
         }
         let _acquiring = self.acquiring.lock().await;
         // Another call may have taken a lease while this one waited.
-        if self.serve_locally(request, &merged, &keyset) {
+        if self.serve_locally(request, &merged, &keyset, (self.clock)()) {
             return Ok(ReserveOutcome::Reserved);
         }
         let retired = self.retire(&keyset);
         self.apply(retired).await;
-        let mut calls = self.calls_for(&merged);
+        let mut calls = self.calls_for(&merged, &keyset);
         if calls > 0 {
             if self.take_lease(request, &merged, &keyset, calls).await? {
                 return Ok(ReserveOutcome::Reserved);
             }
-            calls = self.read_remaining(&merged).await?;
+            calls = self.read_remaining(&merged, &keyset).await?;
             if calls > 0 && self.take_lease(request, &merged, &keyset, calls).await? {
                 return Ok(ReserveOutcome::Reserved);
             }
         }
-        // At the edge: the call's own reservation, exact.
-        let outcome = self.inner.reserve(request).await?;
+        // At the edge: the call's own reservation, exact; once more if the leases of
+        // instances gone or frozen were reclaimed meanwhile.
+        let mut outcome = self.inner.reserve(request).await?;
+        if outcome != ReserveOutcome::Reserved && self.reclaim().await {
+            outcome = self.inner.reserve(request).await?;
+        }
         if outcome == ReserveOutcome::Reserved {
             self.spend_hints(&request.reservation().lines);
         }
@@ -512,7 +757,7 @@ impl<S: BudgetStore + 'static> BudgetStore for LeasedBudgetStore<S> {
     ) -> Result<SettleOutcome, StoreError> {
         let finished = {
             let mut state = self.state();
-            self.finish(&mut state, &reservation.request_id, actual)
+            self.finish(&mut state, &reservation.request_id, actual, (self.clock)())
         };
         let Some((outcome, writes)) = finished else {
             return self.inner.settle(reservation, actual).await;
@@ -532,6 +777,28 @@ impl<S: BudgetStore + 'static> BudgetStore for LeasedBudgetStore<S> {
         self.inner.record_intent(request_id, actual).await
     }
 
+    /// A call served from a lease lives in this instance's memory: its expiry moves
+    /// there (its lease is renewed on its own). Any other is renewed on the inner store.
+    async fn renew(
+        &self,
+        request_id: &str,
+        actual: &[(CounterKey, u64)],
+        expires_at: u64,
+    ) -> Result<IntentOutcome, StoreError> {
+        {
+            let mut state = self.state();
+            if let Some(call) = state.calls.get_mut(request_id) {
+                if call.swept {
+                    return Ok(IntentOutcome::Unknown);
+                }
+                call.intent = Some(actual.to_vec());
+                call.expires_at = expires_at;
+                return Ok(IntentOutcome::Recorded);
+            }
+        }
+        self.inner.renew(request_id, actual, expires_at).await
+    }
+
     /// Sweeps this instance's calls by the ledger's rules, settles its expired leases,
     /// then sweeps the inner store (which closes the leases of vanished instances:
     /// charged their recorded usage, or refunded).
@@ -545,7 +812,7 @@ impl<S: BudgetStore + 'static> BudgetStore for LeasedBudgetStore<S> {
             for id in expired {
                 let Some(call) = state.calls.get_mut(&id) else { continue };
                 if let Some(intent) = call.intent.take() {
-                    if let Some((_, more)) = self.finish(&mut state, &id, &intent) {
+                    if let Some((_, more)) = self.finish(&mut state, &id, &intent, now) {
                         writes.extend(more);
                     }
                     swept.charged += 1;
@@ -564,11 +831,20 @@ impl<S: BudgetStore + 'static> BudgetStore for LeasedBudgetStore<S> {
             let ended: Vec<u64> = state
                 .leases
                 .iter()
-                .filter(|(_, l)| l.in_flight == 0 && (l.draining || l.expires_at < now))
+                .filter(|(_, l)| l.closable() && (l.draining || l.expires_at < now))
                 .map(|(n, _)| *n)
                 .collect();
-            state.open.retain(|_, n| !ended.contains(n));
-            writes.extend(ended.iter().filter_map(|n| state.leases.remove(n)).map(close));
+            writes.extend(ended.iter().filter_map(|n| state.end(*n, &self.policy)));
+            // A lease still serving is renewed past this sweep's `now` first: the
+            // inner sweep closes only the leases of instances gone or frozen.
+            let lease_secs = self.policy.lease_secs;
+            let due: Vec<u64> = state
+                .leases
+                .iter()
+                .filter(|(_, l)| !l.renewing && l.expires_at.saturating_sub(now) <= lease_secs / 2)
+                .map(|(n, _)| *n)
+                .collect();
+            writes.extend(due.into_iter().filter_map(|n| renewal(&mut state, n, now + lease_secs)));
             writes
         };
         self.apply(writes).await;

@@ -112,6 +112,22 @@ pub fn record_intent(
     Ok(IntentOutcome::Recorded)
 }
 
+/// Records `actual` as the intent of a live reservation and moves its expiry.
+pub fn renew(
+    state: &mut impl LedgerState,
+    request_id: &str,
+    actual: &[(CounterKey, u64)],
+    expires_at: u64,
+) -> Result<IntentOutcome, StoreError> {
+    let Some(mut reservation) = state.reservation(request_id)?.filter(|r| !r.swept) else {
+        return Ok(IntentOutcome::Unknown);
+    };
+    reservation.intent = Some(actual.to_vec());
+    reservation.expires_at = expires_at;
+    state.put_reservation(request_id, &reservation)?;
+    Ok(IntentOutcome::Recorded)
+}
+
 pub fn sweep(state: &mut impl LedgerState, now: u64) -> Result<Swept, StoreError> {
     let mut swept = Swept::default();
     for (request_id, mut reservation) in state.all_reservations()? {

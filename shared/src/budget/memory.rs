@@ -79,6 +79,14 @@ impl BudgetStore for MemoryBudgetStore {
     async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
         self.transact(|s| ledger::record_intent(s, request_id, actual))
     }
+    async fn renew(
+        &self,
+        request_id: &str,
+        actual: &[(CounterKey, u64)],
+        expires_at: u64,
+    ) -> Result<IntentOutcome, StoreError> {
+        self.transact(|s| ledger::renew(s, request_id, actual, expires_at))
+    }
     async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
         self.transact(|s| ledger::sweep(s, now))
     }

@@ -193,6 +193,17 @@ pub trait BudgetStore: Send + Sync {
     /// reservation too (its late settlement failed): the sweeper then charges `actual`.
     async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError>;
 
+    /// Renews a live reservation (a budget lease, `lease.rs`): records `actual` as its
+    /// intent, as `record_intent` does, and moves its expiry to `expires_at`, in one
+    /// write of the reservation alone. `Unknown`, and nothing written, when it is no
+    /// longer live: closed, or swept (a swept reservation is never revived).
+    async fn renew(
+        &self,
+        request_id: &str,
+        actual: &[(CounterKey, u64)],
+        expires_at: u64,
+    ) -> Result<IntentOutcome, StoreError>;
+
     /// Closes every reservation whose expiry is before `now`: one carrying a settle
     /// intent is settled on it (counters move by actual − reserved, or by actual if it
     /// was already refunded), any other live one is refunded in full.

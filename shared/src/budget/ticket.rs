@@ -56,7 +56,7 @@ impl Ticket {
     pub async fn settle(mut self, usage: Usage, price: Price) -> MicroEur {
         self.open = false;
         let actual = plan::actual(&self.budgets, usage, price);
-        settle(self.store.as_ref(), &self.reservation, &actual).await;
+        settle_call(self.store.as_ref(), &self.reservation, &actual).await;
         plan::cost(usage, price)
     }
 
@@ -69,7 +69,7 @@ impl Ticket {
             .iter()
             .map(|b| (b.key.clone(), if b.unit == super::Unit::MicroEur { cost.0 } else { 0 }))
             .collect();
-        settle(self.store.as_ref(), &self.reservation, &actual).await;
+        settle_call(self.store.as_ref(), &self.reservation, &actual).await;
     }
 
     /// Returns the whole reservation: the call failed or was refused before its first
@@ -80,20 +80,32 @@ impl Ticket {
     }
 }
 
+async fn settle_call(store: &dyn BudgetStore, reservation: &Reservation, actual: &[(CounterKey, u64)]) {
+    if settle(store, reservation, actual).await == Some(SettleOutcome::Unknown) {
+        let request_id = reservation.request_id.as_str();
+        tracing::error!(request_id, "settlement found no reservation; usage not charged");
+    }
+}
+
 /// Settles `reservation` on `actual`, tried [`ATTEMPTS`] times, else leaves `actual` on
 /// it as a settle intent for the sweeper (see the module docs). Also closes budget
 /// leases (`lease.rs`): a lease is a reservation like a call's.
-pub(crate) async fn settle(store: &dyn BudgetStore, reservation: &Reservation, actual: &[(CounterKey, u64)]) {
+///
+/// The store's answer when it gave one plainly; `None` when the settlement fell back
+/// to its intent, or when a failed attempt may have been written after all. A caller
+/// decides what `Unknown` means: a call's usage went uncharged, a lease was reclaimed.
+pub(crate) async fn settle(
+    store: &dyn BudgetStore,
+    reservation: &Reservation,
+    actual: &[(CounterKey, u64)],
+) -> Option<SettleOutcome> {
     let request_id = reservation.request_id.as_str();
     let mut failed: Option<StoreError> = None;
     for attempt in 0..ATTEMPTS {
         pause(attempt).await;
         match store.settle(reservation, actual).await {
-            Ok(SettleOutcome::Settled | SettleOutcome::ChargedAfterSweep) => return,
-            Ok(SettleOutcome::Unknown) if failed.is_none() => {
-                tracing::error!(request_id, "settlement found no reservation; usage not charged");
-                return;
-            }
+            Ok(outcome @ (SettleOutcome::Settled | SettleOutcome::ChargedAfterSweep)) => return Some(outcome),
+            Ok(SettleOutcome::Unknown) if failed.is_none() => return Some(SettleOutcome::Unknown),
             Ok(SettleOutcome::Unknown) => {
                 // A failed attempt may have been written all the same (its answer lost).
                 tracing::warn!(
@@ -101,7 +113,7 @@ pub(crate) async fn settle(store: &dyn BudgetStore, reservation: &Reservation, a
                     "settlement found no reservation after a failed attempt: that attempt was written, or the \
                      reservation was closed meanwhile"
                 );
-                return;
+                return None;
             }
             Err(e) => {
                 tracing::warn!(request_id, attempt, error = %e, "settlement failed");
@@ -121,7 +133,7 @@ pub(crate) async fn settle(store: &dyn BudgetStore, reservation: &Reservation, a
                     "settle intent recorded: the settlement could not be written, its actual amounts are on the \
                      reservation and the sweeper charges them at its expiry"
                 );
-                return;
+                return None;
             }
             Ok(IntentOutcome::Unknown) => {
                 tracing::warn!(
@@ -129,7 +141,7 @@ pub(crate) async fn settle(store: &dyn BudgetStore, reservation: &Reservation, a
                     "settle intent found no reservation: a failed settlement attempt was written, or the \
                      reservation was closed meanwhile"
                 );
-                return;
+                return None;
             }
             Err(e) => tracing::warn!(request_id, attempt, error = %e, "recording the settle intent failed"),
         }
@@ -141,6 +153,7 @@ pub(crate) async fn settle(store: &dyn BudgetStore, reservation: &Reservation, a
         "settlement and its intent could not be written: the sweeper will refund the reservation and the call \
          goes uncharged in the ledger"
     );
+    None
 }
 
 async fn refund(store: &dyn BudgetStore, reservation: &Reservation) {
