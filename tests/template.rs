@@ -55,3 +55,39 @@ fn the_sweepers_reserved_concurrency_is_a_parameter_an_account_with_a_low_quota_
     let condition = &template["Conditions"]["HasSweeperReservedConcurrency"];
     assert!(tagged(condition).is_some_and(|(tag, _)| tag == "!Not"), "{condition:?}");
 }
+
+/// The gateway behind API Gateway as well as its function URL: a regional REST API
+/// whose every path and method goes to the function through the streaming Lambda
+/// proxy integration, and whose stage stays out of the function's routes.
+#[test]
+fn the_gateway_is_behind_a_streaming_rest_api_with_its_stage_out_of_the_path() {
+    let template = template();
+    let resources = &template["Resources"];
+    let api = &resources["GatewayApi"];
+    assert_eq!(api["Type"], "AWS::ApiGateway::RestApi");
+    assert_eq!(api["Properties"]["EndpointConfiguration"]["Types"][0], "REGIONAL");
+    assert_eq!(resources["GatewayApiProxy"]["Properties"]["PathPart"], "{proxy+}");
+    let method = &resources["GatewayApiProxyMethod"]["Properties"];
+    assert_eq!(method["HttpMethod"], "ANY");
+    let integration = &method["Integration"];
+    assert_eq!(integration["Type"], "AWS_PROXY");
+    assert_eq!(integration["IntegrationHttpMethod"], "POST");
+    assert_eq!(integration["ResponseTransferMode"], "STREAM", "buffered answers wait for the whole completion");
+    assert_eq!(integration["TimeoutInMillis"].as_u64(), Some(900_000), "a stream may last the function's 15 minutes");
+    let (tag, uri) = tagged(&integration["Uri"]).expect("a !Sub");
+    assert_eq!(tag, "!Sub");
+    let uri = uri.as_str().unwrap();
+    assert!(
+        uri.contains(":lambda:path/2021-11-15/functions/${GatewayFunction.Arn}/response-streaming-invocations"),
+        "InvokeWithResponseStream, not Invoke: {uri}"
+    );
+    let permission = &resources["GatewayApiInvokeAccess"]["Properties"];
+    assert_eq!(permission["Action"], "lambda:InvokeFunction");
+    assert_eq!(permission["Principal"], "apigateway.amazonaws.com");
+    let (_, source) = tagged(&permission["SourceArn"]).expect("a !Sub");
+    assert!(source.as_str().unwrap().contains(":${GatewayApi}/"), "only this API may invoke: {source:?}");
+    let environment = &resources["GatewayFunction"]["Properties"]["Environment"]["Variables"];
+    assert_eq!(environment["AWS_LAMBDA_HTTP_IGNORE_STAGE_IN_PATH"], "true", "routes are /v1/..., not /live/v1/...");
+    let (_, url) = tagged(&template["Outputs"]["GatewayApiUrl"]["Value"]).expect("the base URL is an output");
+    assert!(url.as_str().unwrap().ends_with("/${GatewayApiStage}/"), "{url:?}");
+}

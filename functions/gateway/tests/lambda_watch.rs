@@ -460,3 +460,81 @@ async fn a_record_the_audit_group_refuses_is_kept_in_full_in_the_functions_log()
         [record.prompt_tokens + record.completion_tokens, record.cost_micro_eur]
     );
 }
+
+/// The same function behind API Gateway (the template's `GatewayApi`: a REST API whose
+/// `{proxy+}` method invokes it with InvokeWithResponseStream, `ResponseTransferMode:
+/// STREAM`): a REST proxy event for `/v1/chat/completions` on stage `live`, invoked on
+/// the emulator's invoke path. The function answers in streaming mode, the stage kept
+/// out of the path (`AWS_LAMBDA_HTTP_IGNORE_STAGE_IN_PATH`, set by the template: without
+/// it the router sees `/live/v1/chat/completions`, a 404), and the events arrive apart:
+/// streamed, not buffered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_a_chat_completion_through_an_api_gateway_rest_event() {
+    let resources = Resources::new().await;
+    let fake = FakeModel::start().await.unwrap();
+    let backend = fake.scenario_url(&Scenario { chunk_delay_ms: Some(150), ..Default::default() });
+    let config = config(&resources.table, &resources.log_group, &backend, None);
+    let function = Function::start(&config, &[("AWS_LAMBDA_HTTP_IGNORE_STAGE_IN_PATH", "true")], None).await;
+    let body = serde_json::json!({
+        "model": "chat-default",
+        "stream": true,
+        "messages": [{"role": "user", "content": "hello there"}]
+    });
+    let host = "abc123.execute-api.us-east-1.amazonaws.com";
+    let headers = serde_json::json!({
+        "authorization": format!("Bearer {KEY}"),
+        "content-type": "application/json",
+        "host": host,
+    });
+    let multi: serde_json::Map<String, serde_json::Value> =
+        headers.as_object().unwrap().iter().map(|(k, v)| (k.clone(), serde_json::json!([v]))).collect();
+    let event = serde_json::json!({
+        "resource": "/{proxy+}",
+        "path": "/v1/chat/completions",
+        "httpMethod": "POST",
+        "headers": headers,
+        "multiValueHeaders": multi,
+        "queryStringParameters": null,
+        "multiValueQueryStringParameters": null,
+        "pathParameters": {"proxy": "v1/chat/completions"},
+        "stageVariables": null,
+        "requestContext": {
+            "resourcePath": "/{proxy+}",
+            "httpMethod": "POST",
+            "path": "/live/v1/chat/completions",
+            "stage": "live",
+            "requestId": "c6af9ac6-7b61-11e6-9a41-93e8deadbeef",
+            "accountId": "123456789012",
+            "apiId": "abc123",
+            "domainName": host,
+            "protocol": "HTTP/1.1",
+            "requestTimeEpoch": 1_764_000_000_000_u64,
+            "identity": {"sourceIp": "127.0.0.1", "userAgent": "openai-python"},
+        },
+        "body": body.to_string(),
+        "isBase64Encoded": false,
+    });
+    // The emulator reads the function's streamed answer as API Gateway does (the
+    // status and headers as JSON, eight NUL bytes, then the body as written) and
+    // passes it on as an HTTP response, piece by piece.
+    let invoke = function.base.replace("/lambda-url/_", "/2015-03-31/functions/_/invocations");
+    let started = Instant::now();
+    let response = function.client.post(&invoke).json(&event).send().await.unwrap();
+    assert_eq!(response.status(), 200, "the stage kept out of the path: {}", function.logs());
+    let headers = response.headers();
+    assert_eq!(headers["lambda-runtime-function-response-mode"], "streaming", "{headers:?}");
+    assert_eq!(headers["content-type"], "text/event-stream", "{headers:?}");
+    assert_eq!(headers["flexway-backend"], "main", "{headers:?}");
+    assert!(headers.contains_key("flexway-request-id"), "{headers:?}");
+    let events = sse_events(response, started).await;
+    assert_eq!(events.last().map(|(_, d)| d.as_str()), Some("[DONE]"), "{events:?} {}", function.logs());
+    let content: String = events
+        .iter()
+        .filter(|(_, d)| d.as_str() != "[DONE]")
+        .filter_map(|(_, d)| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter_map(|chunk| chunk["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+        .collect();
+    assert!(content.contains("hello there"), "relayed content: {content}");
+    let spread = events.last().unwrap().0 - events.first().unwrap().0;
+    assert!(spread >= Duration::from_millis(450), "events arrived together ({spread:?}): buffered\n{events:?}");
+}
