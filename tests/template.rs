@@ -91,3 +91,48 @@ fn the_gateway_is_behind_a_streaming_rest_api_with_its_stage_out_of_the_path() {
     let (_, url) = tagged(&template["Outputs"]["GatewayApiUrl"]["Value"]).expect("the base URL is an output");
     assert!(url.as_str().unwrap().ends_with("/${GatewayApiStage}/"), "{url:?}");
 }
+
+/// `sam build` packages the gateway through `infra/Makefile`, which validates the
+/// bundled config first: `config/serverless.yaml` (the serverless shape's starting
+/// point) is packaged with the binary; a config that does not load stops the build
+/// with `flexway validate`'s error, and nothing is packaged.
+#[test]
+fn the_build_validates_the_bundled_config_before_packaging_it() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let workspace = tempfile::tempdir().unwrap();
+    let bootstrap = workspace.path().join("target/lambda/flexway-gateway/bootstrap");
+    std::fs::create_dir_all(bootstrap.parent().unwrap()).unwrap();
+    std::fs::write(&bootstrap, b"the function").unwrap();
+    let broken = workspace.path().join("broken.yaml");
+    std::fs::write(&broken, "version: 1\nstore: {kind: dynamodb}\n").unwrap();
+    let build = |config: &std::path::Path| {
+        let artifacts = tempfile::tempdir().unwrap();
+        let output = std::process::Command::new("make")
+            .arg("-C")
+            .arg(workspace.path())
+            .arg("-f")
+            .arg(root.join("infra/Makefile"))
+            .arg("build-GatewayFunction")
+            .arg(format!("ARTIFACTS_DIR={}", artifacts.path().display()))
+            .arg(format!("FLEXWAY_YAML={}", config.display()))
+            .arg(format!("FLEXWAY={}", env!("CARGO_BIN_EXE_flexway")))
+            .output()
+            .unwrap();
+        let packaged: Vec<String> = std::fs::read_dir(artifacts.path())
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        (output, packaged)
+    };
+
+    let (output, mut packaged) = build(&root.join("config/serverless.yaml"));
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    packaged.sort();
+    assert_eq!(packaged, ["bootstrap", "flexway.yaml"]);
+
+    let (output, packaged) = build(&broken);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "a broken config was packaged");
+    assert!(stderr.contains("broken.yaml") && stderr.contains("table"), "validate's error: {stderr}");
+    assert!(packaged.is_empty(), "{packaged:?}");
+}

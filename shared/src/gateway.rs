@@ -143,11 +143,12 @@ impl Gateway {
         }
     }
 
-    /// The serverless shape's refresh: on the request path, when `secrets.refresh`
-    /// has passed since the last one, so that no task is left running between
-    /// invocations (the environment may be frozen). One request per period waits for
-    /// it; requests meanwhile go on with the values in use.
-    pub async fn refresh_secrets_if_due(&self) {
+    /// The serverless shape's refresh: started by the first request after
+    /// `secrets.refresh` has passed, beside it, never in its way: the request (and
+    /// those meanwhile) go on with the values in use. No timer runs between
+    /// invocations; a refresh that an environment's freeze interrupts ends on thaw
+    /// (or fails on the SDK's timeouts, logged, the values in use kept).
+    pub fn refresh_secrets_if_due(self: &Arc<Self>) {
         let now = Instant::now();
         {
             let mut next = self.next_refresh.lock().unwrap_or_else(PoisonError::into_inner);
@@ -156,6 +157,7 @@ impl Gateway {
             }
             *next = now + self.config.secrets.refresh;
         }
-        self.refresh_secrets().await;
+        let gateway = self.clone();
+        tokio::spawn(async move { gateway.refresh_secrets().await });
     }
 }

@@ -57,8 +57,8 @@ async fn run(started: Instant) -> Result<(), lambda_http::Error> {
     }
     let sdk = flexway_aws::load_sdk_config().await;
     let adapters = flexway_aws::build_adapters(&loaded.config, &sdk).await?;
-    // Secrets Manager / SSM references with the function's own role; refreshed on the
-    // request path when `secrets.refresh` is due (`flexway::http::api`).
+    // Secrets Manager / SSM references with the function's own role; refreshed beside
+    // the first request that finds `secrets.refresh` due (`flexway::http::api`).
     let secrets = Arc::new(AwsSecretSource::new(sdk.clone()));
     let gateway = flexway::Gateway::new(loaded.config, secrets, adapters).await?;
     let app = flexway::http::api(Arc::new(gateway));

@@ -75,8 +75,8 @@ pub fn app(gateway: Arc<Gateway>) -> Router {
 }
 
 /// The serverless shape's surface: the API only (metrics leave as CloudWatch EMF).
-/// Secrets are refreshed on the request path when due
-/// ([`Gateway::refresh_secrets_if_due`]): no task outlives an invocation.
+/// Secrets are refreshed when a request finds them due, beside it
+/// ([`Gateway::refresh_secrets_if_due`]): no timer runs between invocations.
 pub fn api(gateway: Arc<Gateway>) -> Router {
     let routes = api_routes().route("/v1/realtime", get(realtime_unavailable));
     finish(routes.layer(middleware::from_fn_with_state(gateway.clone(), refresh_due_secrets)), gateway)
@@ -89,7 +89,7 @@ async fn realtime_unavailable() -> Response {
 }
 
 async fn refresh_due_secrets(State(gateway): State<Arc<Gateway>>, request: Request, next: Next) -> Response {
-    gateway.refresh_secrets_if_due().await;
+    gateway.refresh_secrets_if_due();
     next.run(request).await
 }
 
