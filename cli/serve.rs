@@ -132,6 +132,9 @@ async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
                     if swept.refunded > 0 {
                         tracing::info!(refunded = swept.refunded, "sweeper refunded expired reservations");
                     }
+                    if swept.leases > 0 {
+                        tracing::info!(leases = swept.leases, "sweeper closed the expired leases of other processes");
+                    }
                     if swept.charged > 0 {
                         tracing::warn!(
                             charged = swept.charged,

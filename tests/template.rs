@@ -136,3 +136,150 @@ fn the_build_validates_the_bundled_config_before_packaging_it() {
     assert!(stderr.contains("broken.yaml") && stderr.contains("table"), "validate's error: {stderr}");
     assert!(packaged.is_empty(), "{packaged:?}");
 }
+
+// ----- metric filters against the log lines they read ------------------------------
+
+/// A CloudWatch Logs JSON filter pattern, as far as the template uses it: one `{ }`
+/// of comparisons (`=` on a string, `*` a trailing wildcard; `>` `<` `>=` `<=` `=`
+/// on a number) joined by all `&&` or all `||`. Anything else is refused, so that a
+/// pattern this cannot read fails the test instead of passing it.
+fn matches(pattern: &str, line: &str) -> bool {
+    let event: serde_json::Value = match serde_json::from_str(line) {
+        Ok(event) => event,
+        Err(_) => return false,
+    };
+    let body = pattern.trim().strip_prefix('{').and_then(|p| p.strip_suffix('}')).expect("a JSON pattern");
+    let (terms, all): (Vec<&str>, bool) = match (body.contains("&&"), body.contains("||")) {
+        (true, true) => panic!("&& and || mixed without parentheses: {pattern}"),
+        (true, false) => (body.split("&&").collect(), true),
+        (false, _) => (body.split("||").collect(), false),
+    };
+    let holds = |term: &str| {
+        let term = term.trim();
+        let op = ["<=", ">=", "!=", "=", ">", "<"].into_iter().find(|op| term.contains(op)).expect("an operator");
+        let (selector, value) = term.split_once(op).unwrap();
+        let path = selector.trim().strip_prefix("$.").expect("a $. selector");
+        let found = path.split('.').fold(&event, |v, key| &v[key]);
+        let value = value.trim();
+        if let Some(text) = value.strip_prefix('"').and_then(|v| v.strip_suffix('"')) {
+            let Some(found) = found.as_str() else { return false };
+            let equal = match text.strip_suffix('*') {
+                Some(prefix) => found.starts_with(prefix),
+                None => found == text,
+            };
+            return if op == "!=" {
+                !equal
+            } else {
+                assert_eq!(op, "=", "{term}");
+                equal
+            };
+        }
+        let wanted: f64 = value.parse().expect("a number");
+        let Some(found) = found.as_f64() else { return false };
+        match op {
+            "=" => found == wanted,
+            "!=" => found != wanted,
+            ">" => found > wanted,
+            "<" => found < wanted,
+            ">=" => found >= wanted,
+            _ => found <= wanted,
+        }
+    };
+    if all { terms.into_iter().all(holds) } else { terms.into_iter().any(holds) }
+}
+
+fn filter_pattern(template: &Value, filter: &str) -> String {
+    template["Resources"][filter]["Properties"]["FilterPattern"].as_str().unwrap().to_owned()
+}
+
+/// The JSON log lines `run` prints, as the functions print them (tracing-subscriber's
+/// JSON format, the message under `fields.message`).
+fn logged(run: impl std::future::Future<Output = ()>) -> Vec<String> {
+    #[derive(Clone, Default)]
+    struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Lines {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let lines = Lines::default();
+    let writer = lines.clone();
+    let subscriber = tracing_subscriber::fmt().json().with_writer(move || writer.clone()).finish();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    tracing::subscriber::with_default(subscriber, || runtime.block_on(run));
+    let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+    text.lines().map(str::to_owned).collect()
+}
+
+/// `SettleFailuresFilter` counts the settlements the gateway could not write (a call
+/// charged late, or not at all), and never the end of a lease reclaimed while its
+/// owner was away (frozen, then thawed): that is a lease's normal end, logged at info.
+#[test]
+fn settle_failures_count_failed_settlements_never_a_reclaimed_lease() {
+    use flexway::budget::{BudgetStore, LeasePolicy, LeasedBudgetStore, Line, MemoryBudgetStore, ReserveRequest};
+    let pattern = filter_pattern(&template(), "SettleFailuresFilter");
+    let failed = logged(async {
+        let store = std::sync::Arc::new(MemoryBudgetStore::new());
+        flexway::budget::conformance::a_ticket_whose_settle_cannot_be_written_is_charged_by_the_sweeper(store)
+            .await
+            .unwrap();
+    });
+    let counted: Vec<&String> = failed.iter().filter(|line| matches(&pattern, line)).collect();
+    assert!(!counted.is_empty(), "a settle intent recorded is not counted: {failed:#?}");
+
+    const NOW: u64 = flexway::budget::conformance::NOW;
+    let thawed = logged(async {
+        for intent_every in [std::time::Duration::ZERO, std::time::Duration::from_secs(3600)] {
+            let inner = std::sync::Arc::new(MemoryBudgetStore::new());
+            let policy = LeasePolicy { intent_every, ..LeasePolicy::default() };
+            let leased = LeasedBudgetStore::new(inner.clone(), policy.clone()).with_clock(|| NOW);
+            let key = flexway::budget::CounterKey("acme/*/tokens/day/2026-11-29".into());
+            let call = ReserveRequest {
+                request_id: "call".into(),
+                lines: vec![Line { key: key.clone(), amount: 100, limit: Some(100_000) }],
+                expires_at: NOW + 60,
+            };
+            leased.reserve(&call).await.unwrap();
+            leased.settle(&call.reservation(), &[(key.clone(), 40)]).await.unwrap();
+            // Frozen past its lease's life: the sweeper closes it; thawed, it settles.
+            inner.sweep(NOW + policy.lease_secs + 1).await.unwrap();
+            leased.flush().await;
+            assert_eq!(inner.used(&[key]).await.unwrap(), [40], "charged once, intent every {intent_every:?}");
+        }
+    });
+    assert!(thawed.iter().any(|line| line.contains("lease")), "the thaw is logged: {thawed:#?}");
+    let counted: Vec<&String> = thawed.iter().filter(|line| matches(&pattern, line)).collect();
+    assert!(counted.is_empty(), "a lease's normal end counted as a failed settlement: {counted:#?}");
+}
+
+/// The sweeper's line (`functions/sweeper/src/main.rs`; its test holds the fields):
+/// `SweeperChargesFilter` counts settlements charged late, never leases closed, and
+/// `SweeperLagFilter` reads the lag of every run.
+#[test]
+fn sweeper_charges_count_failed_settlements_and_the_lag_is_read_from_every_run() {
+    let template = template();
+    let charges = filter_pattern(&template, "SweeperChargesFilter");
+    let lag = filter_pattern(&template, "SweeperLagFilter");
+    let lines = logged(async {
+        tracing::info!(refunded = 0, charged = 0, leases = 3, lag_secs = 12, "swept expired reservations");
+        tracing::info!(refunded = 1, charged = 2, leases = 0, lag_secs = 0, "swept expired reservations");
+    });
+    let [leases_only, charged] = lines.as_slice() else { panic!("{lines:#?}") };
+    assert!(!matches(&charges, leases_only), "leases closed are not failed settlements: {leases_only}");
+    assert!(matches(&charges, charged), "{charged}");
+    assert!(matches(&lag, leases_only) && matches(&lag, charged), "every run gives the lag");
+    let value = template["Resources"]["SweeperLagFilter"]["Properties"]["MetricTransformations"][0]["MetricValue"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(value, "$.fields.lag_secs");
+    let event: serde_json::Value = serde_json::from_str(leases_only).unwrap();
+    assert_eq!(event["fields"]["lag_secs"], 12);
+    let alarm = &template["Resources"]["SweeperLagAlarm"]["Properties"];
+    assert_eq!(alarm["TreatMissingData"], "breaching", "a sweeper that does not run at all alarms");
+    assert!(template["Resources"]["AuditFailuresAlarm"].is_null(), "printed records cannot fail to be written");
+}

@@ -216,8 +216,8 @@ async fn a_vanished_instance_lease_is_charged_by_the_sweeper_seconds_later() {
         let life = LeasePolicy::default().lease_secs;
         assert_eq!(inner.sweep(NOW + life - 1).await.unwrap(), Swept::default(), "the lease is still live");
         let swept = inner.sweep(NOW + life + 1).await.unwrap();
-        let expected = if charged > 0 { Swept { refunded: 0, charged: 1 } } else { Swept { refunded: 1, charged: 0 } };
-        assert_eq!(swept, expected, "intent every {intent_every:?}");
+        // Either way a lease's end, counted apart from failed settlements.
+        assert_eq!(swept, Swept { leases: 1, ..Swept::default() }, "intent every {intent_every:?}");
         assert_eq!(inner.used(&[key("day")]).await.unwrap(), [charged], "intent every {intent_every:?}");
         assert_eq!(inner.live_reservations().await.unwrap(), 0);
     }

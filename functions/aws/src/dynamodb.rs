@@ -552,6 +552,7 @@ impl BudgetStore for DynamoDbBudgetStore {
                     match self.sweep_item(item, now).await {
                         Ok(Closed::Charged) => swept.charged += 1,
                         Ok(Closed::Refunded) => swept.refunded += 1,
+                        Ok(Closed::Lease) => swept.leases += 1,
                         Ok(Closed::Nothing) => {}
                         Err(e) => {
                             let pk = string_attr(item, "pk").unwrap_or_default();
@@ -648,14 +649,43 @@ impl DynamoDbBudgetStore {
     async fn sweep_item(&self, item: &HashMap<String, AttributeValue>, now: u64) -> Result<Closed, StoreError> {
         let pk = string_attr(item, "pk")?;
         let reservation = parse_reservation(&pk, item)?;
+        let lease = pk.strip_prefix(RESERVATION_PREFIX).is_some_and(flexway::budget::is_lease);
         if reservation.intent.is_some() {
             if self.charge_intent(&pk, &reservation, now).await? {
-                return Ok(Closed::Charged);
+                return Ok(if lease { Closed::Lease } else { Closed::Charged });
             }
         } else if !reservation.swept && self.refund_expired(&pk, &reservation, now).await? {
-            return Ok(Closed::Refunded);
+            return Ok(if lease { Closed::Lease } else { Closed::Refunded });
         }
         Ok(Closed::Nothing)
+    }
+
+    /// The expiry of the oldest reservation past `now` still in the expiry index (live,
+    /// or carrying an intent to charge), if any: `now` minus it is how far the sweeper
+    /// lags. One `Query` of one item per shard, oldest first.
+    pub async fn oldest_expired(&self, now: u64) -> Result<Option<u64>, StoreError> {
+        let mut oldest: Option<u64> = None;
+        for shard in 0..EXPIRY_SHARDS {
+            let page = self
+                .client
+                .query()
+                .table_name(&self.table)
+                .index_name(EXPIRY_INDEX)
+                .key_condition_expression("#shard = :shard AND expires_at < :now")
+                .expression_attribute_names("#shard", EXPIRY_SHARD)
+                .expression_attribute_values(":shard", s(shard_name(shard)))
+                .expression_attribute_values(":now", n(now))
+                .scan_index_forward(true)
+                .limit(1)
+                .send()
+                .await
+                .map_err(|e| backend("Query", &e))?;
+            let first = page.items().first().and_then(|item| number_attr(item, "expires_at", "").ok().flatten());
+            if let Some(expires_at) = first.and_then(|v| u64::try_from(v).ok()) {
+                oldest = Some(oldest.map_or(expires_at, |o| o.min(expires_at)));
+            }
+        }
+        Ok(oldest)
     }
 
     /// Refunds one expired reservation; false when a settle, an intent or another
@@ -724,6 +754,7 @@ impl DynamoDbBudgetStore {
 enum Closed {
     Charged,
     Refunded,
+    Lease,
     Nothing,
 }
 

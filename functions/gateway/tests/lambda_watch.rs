@@ -435,8 +435,8 @@ async fn a_stream_open_at_the_invocations_deadline_ends_with_the_deadline_error_
 }
 
 /// An audit group the function cannot write (here: it does not exist): the call is
-/// answered, and its record goes to the function's log in full, on the line the
-/// template's `AuditFailuresFilter` counts.
+/// answered, and its record goes to the function's log in full, at error (a function
+/// that writes another group than its own log's, with PutLogEvents).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_the_audit_group_refuses_is_kept_in_full_in_the_functions_log() {
     let resources = Resources::new().await;

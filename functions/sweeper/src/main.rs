@@ -44,9 +44,22 @@ async fn run() -> Result<(), Error> {
 
 /// The scheduled event's own `time` is not used: the sweeper refunds what is expired
 /// now, so a late or repeated schedule tick is harmless.
+///
+/// Each run logs one line, even when nothing was expired: `refunded` (calls that
+/// vanished), `charged` (settlements the gateway could not write), `leases` (budget
+/// leases whose owner stopped renewing them: their normal end, never an alarm) and
+/// `lag_secs`, how long the oldest expired reservation waited for this sweep. The
+/// template's metric filters and alarms read that line.
 async fn sweep(store: &DynamoDbBudgetStore, _event: LambdaEvent<Value>) -> Result<Value, Error> {
     let now = flexway::budget::period::unix_now();
+    let lag_secs = store.oldest_expired(now).await?.map_or(0, |oldest| now.saturating_sub(oldest));
     let swept = store.sweep(now).await?;
-    tracing::info!(refunded = swept.refunded, charged = swept.charged, "swept expired reservations");
-    Ok(json!({ "refunded": swept.refunded, "charged": swept.charged }))
+    tracing::info!(
+        refunded = swept.refunded,
+        charged = swept.charged,
+        leases = swept.leases,
+        lag_secs,
+        "swept expired reservations"
+    );
+    Ok(json!({ "refunded": swept.refunded, "charged": swept.charged, "leases": swept.leases, "lag_secs": lag_secs }))
 }

@@ -26,14 +26,27 @@ fn cargo_lambda() -> PathBuf {
     if venv.exists() { venv } else { PathBuf::from("cargo-lambda") }
 }
 
-/// Killed with its process group on drop.
-struct Process(Child);
+/// Killed with its process group on drop; its stderr (the function's log) kept.
+struct Process(Child, std::sync::Arc<std::sync::Mutex<Vec<String>>>);
 
 impl Process {
     fn spawn(mut command: Command) -> Process {
+        use std::io::BufRead;
         use std::os::unix::process::CommandExt;
-        command.process_group(0).stdout(Stdio::null()).stderr(Stdio::null());
-        Process(command.spawn().unwrap_or_else(|e| panic!("cannot start {command:?}: {e}")))
+        command.process_group(0).stdout(Stdio::null()).stderr(Stdio::piped());
+        let mut child = command.spawn().unwrap_or_else(|e| panic!("cannot start {command:?}: {e}"));
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (stderr, kept) = (child.stderr.take().unwrap(), lines.clone());
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                kept.lock().unwrap().push(line);
+            }
+        });
+        Process(child, lines)
+    }
+
+    fn log(&self) -> Vec<String> {
+        self.1.lock().unwrap().clone()
     }
 }
 
@@ -66,6 +79,11 @@ async fn a_scheduled_event_refunds_expired_reservations_and_charges_settle_inten
     assert_eq!(store.reserve(&reservation("unwritten", 100, now - 5)).await.unwrap(), ReserveOutcome::Reserved);
     let actual = [(CounterKey("acme/*/tokens/day/2026-11-29".into()), 40)];
     assert_eq!(store.record_intent("unwritten", &actual).await.unwrap(), IntentOutcome::Recorded);
+    // The lease of an environment that stopped renewing it 30 s ago, 25 tokens used.
+    let lease = "lease#frozen#1";
+    assert_eq!(store.reserve(&reservation(lease, 250, now - 30)).await.unwrap(), ReserveOutcome::Reserved);
+    let used_on_lease = [(CounterKey("acme/*/tokens/day/2026-11-29".into()), 25)];
+    assert_eq!(store.record_intent(lease, &used_on_lease).await.unwrap(), IntentOutcome::Recorded);
 
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut watch = Command::new(cargo_lambda());
@@ -90,7 +108,7 @@ async fn a_scheduled_event_refunds_expired_reservations_and_charges_settle_inten
         .env("AWS_REGION", "us-east-1")
         .env("AWS_ACCESS_KEY_ID", std::env::var("AWS_ACCESS_KEY_ID").unwrap_or_else(|_| "test".into()))
         .env("AWS_SECRET_ACCESS_KEY", std::env::var("AWS_SECRET_ACCESS_KEY").unwrap_or_else(|_| "test".into()));
-    let _function = Process::spawn(function);
+    let function = Process::spawn(function);
 
     // What EventBridge sends on `rate(1 minute)`.
     let event = serde_json::json!({
@@ -108,8 +126,20 @@ async fn a_scheduled_event_refunds_expired_reservations_and_charges_settle_inten
         .unwrap();
     assert_eq!(response.status(), 200);
     let body: serde_json::Value = response.json().await.unwrap();
-    assert_eq!(body, serde_json::json!({"refunded": 1, "charged": 1}));
+    let lag = body["lag_secs"].as_u64().unwrap();
+    assert!((30..60).contains(&lag), "the oldest expired reservation waited ~30 s: {body}");
+    assert_eq!(body, serde_json::json!({"refunded": 1, "charged": 1, "leases": 1, "lag_secs": lag}));
     let used = store.used(&[CounterKey("acme/*/tokens/day/2026-11-29".into())]).await.unwrap();
-    assert_eq!(used, [200 + 40], "the vanished call refunded, the unwritten settlement charged, the running one held");
+    assert_eq!(
+        used,
+        [200 + 40 + 25],
+        "the vanished call refunded, the unwritten settlement charged, the lease charged its usage, the running one held"
+    );
+    // The line the template's metric filters read (tests/template.rs holds them to it).
+    let line = function.log().into_iter().find(|l| l.contains("swept expired reservations")).expect("the sweep's line");
+    let line: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let fields = &line["fields"];
+    assert_eq!((fields["refunded"].as_u64(), fields["charged"].as_u64()), (Some(1), Some(1)), "{line}");
+    assert_eq!((fields["leases"].as_u64(), fields["lag_secs"].as_u64()), (Some(1), Some(lag)), "{line}");
     assert_eq!(store.live_reservations().await.unwrap(), 1);
 }

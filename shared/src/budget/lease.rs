@@ -64,6 +64,15 @@ use super::{
     StoreError, Swept, ticket,
 };
 
+/// The request ids of leases on the inner store start with this.
+const LEASE_PREFIX: &str = "lease#";
+
+/// Whether a reservation on a store is a budget lease (not a call): sweeps count
+/// leases apart, as their normal end.
+pub fn is_lease(request_id: &str) -> bool {
+    request_id.starts_with(LEASE_PREFIX)
+}
+
 /// How big slices are and how long leases live.
 #[derive(Debug, Clone)]
 pub struct LeasePolicy {
@@ -487,7 +496,7 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
             })
             .collect();
         let lease = ReserveRequest {
-            request_id: format!("lease#{}#{number}", self.instance),
+            request_id: format!("{LEASE_PREFIX}{}#{number}", self.instance),
             lines,
             expires_at: (self.clock)().saturating_add(self.policy.lease_secs),
         };
@@ -851,6 +860,7 @@ impl<S: BudgetStore + 'static> BudgetStore for LeasedBudgetStore<S> {
         let inner = self.inner.sweep(now).await?;
         swept.refunded += inner.refunded;
         swept.charged += inner.charged;
+        swept.leases += inner.leases;
         Ok(swept)
     }
 

@@ -136,9 +136,14 @@ pub fn sweep(state: &mut impl LedgerState, now: u64) -> Result<Swept, StoreError
         }
         // A settlement that could not be written: charged as that settlement would
         // have (whether or not the reservation was refunded before), never refunded.
+        let lease = super::is_lease(&request_id);
         if let Some(actual) = &reservation.intent {
             settle(state, &request_id, actual)?;
-            swept.charged += 1;
+            if lease {
+                swept.leases += 1
+            } else {
+                swept.charged += 1
+            }
             continue;
         }
         if reservation.swept {
@@ -153,7 +158,7 @@ pub fn sweep(state: &mut impl LedgerState, now: u64) -> Result<Swept, StoreError
         }
         reservation.swept = true;
         state.put_reservation(&request_id, &reservation)?;
-        swept.refunded += 1;
+        if lease { swept.leases += 1 } else { swept.refunded += 1 }
     }
     Ok(swept)
 }

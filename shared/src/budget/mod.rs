@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 
 pub use embedded::EmbeddedBudgetStore;
 pub use hints::{SOFT_HINT_TTL, SoftHints};
-pub use lease::{LeasePolicy, LeasedBudgetStore};
+pub use lease::{LeasePolicy, LeasedBudgetStore, is_lease};
 pub use ledger::{LedgerState, StoredReservation};
 pub use memory::MemoryBudgetStore;
 pub use period::Period;
@@ -147,8 +147,13 @@ pub enum IntentOutcome {
 pub struct Swept {
     /// Expired reservations refunded in full.
     pub refunded: usize,
-    /// Expired reservations that carried a settle intent, charged its amounts.
+    /// Expired reservations that carried a settle intent, charged its amounts: calls
+    /// whose settlement could not be written.
     pub charged: usize,
+    /// Expired budget leases closed (charged the usage last recorded on them, their
+    /// unused slices returned): the normal end of a lease whose owner stopped
+    /// renewing it (gone, frozen), counted apart from failed settlements.
+    pub leases: usize,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -294,8 +294,9 @@ fn lost(record: &AuditRecord, why: &str) {
     tracing::error!(request_id = %record.request_id, audit_record = %line, "{AUDIT_NOT_WRITTEN}: {why}");
 }
 
-/// The start of the log message of a record the audit sink did not take: the
-/// serverless template's `AuditFailuresFilter` counts it for its alarm.
+/// The start of the log message of a record the audit sink did not take (a sink that
+/// writes over the network: CloudWatch with PutLogEvents, the fleet shape). The
+/// serverless template's gateway prints its records instead, which cannot fail.
 pub const AUDIT_NOT_WRITTEN: &str = "audit record not written";
 
 impl Drop for Draft {
