@@ -213,6 +213,21 @@ async fn the_report_totals_equal_the_ledger() {
     let completion = find_u64(&report, "local_total", "completion_tokens").unwrap();
     assert_eq!(total_cost, ledger[2], "report euros = ledger euros");
     assert_eq!(prompt + completion, ledger[0], "report tokens = ledger tokens");
+
+    // Each record carries the date its reservation counted on: the day counter of
+    // that date holds exactly the records of that period (one rule for both).
+    let text = std::fs::read_to_string(&audit_path).unwrap();
+    let records: Vec<flexway::audit::AuditRecord> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let mut per_period: std::collections::BTreeMap<String, u64> = std::collections::BTreeMap::new();
+    for record in &records {
+        let period = record.period.clone().unwrap_or_else(|| panic!("no period: {record:?}"));
+        *per_period.entry(period).or_default() += record.prompt_tokens + record.completion_tokens;
+    }
+    for (period, tokens) in per_period {
+        use flexway::budget::{CounterKey, Period, Unit};
+        let day = CounterKey::stamped("acme", None, Unit::Tokens, Period::Day, &period);
+        assert_eq!(gw.gateway.budgets.used(&[day]).await.unwrap(), [tokens], "the day {period} in the ledger");
+    }
 }
 
 /// `report[section][field]`, looking one level down too.

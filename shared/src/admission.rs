@@ -163,7 +163,7 @@ async fn decide(
     match gateway.budgets.reserve(&request).await? {
         ReserveOutcome::Reserved => Ok(Decided::Admitted(Admission {
             route,
-            ticket: Ticket::new(gateway.budgets.clone(), request.reservation(), budgets.to_vec()),
+            ticket: Ticket::new(gateway.budgets.clone(), request.reservation(), budgets.to_vec(), now),
             soft: decision.soft,
             allowance: planned.per_choice,
         })),
@@ -201,7 +201,7 @@ pub async fn reserve_turn(
         let request = ReserveRequest { request_id: request_id.to_owned(), lines: planned.lines, expires_at };
         match gateway.budgets.reserve(&request).await? {
             ReserveOutcome::Reserved => {
-                let ticket = Ticket::new(gateway.budgets.clone(), request.reservation(), budgets);
+                let ticket = Ticket::new(gateway.budgets.clone(), request.reservation(), budgets, now);
                 return Ok((ticket, planned.per_choice));
             }
             ReserveOutcome::Refused { line } if read => return Err(exceeded(&budgets[line], now)),
@@ -246,7 +246,7 @@ pub async fn reserve_eur(
         .collect();
     let request = ReserveRequest { request_id: request_id.to_owned(), lines, expires_at: now + life_secs };
     match gateway.budgets.reserve(&request).await? {
-        ReserveOutcome::Reserved => Ok(Ticket::new(gateway.budgets.clone(), request.reservation(), budgets)),
+        ReserveOutcome::Reserved => Ok(Ticket::new(gateway.budgets.clone(), request.reservation(), budgets, now)),
         ReserveOutcome::Refused { line } => Err(exceeded(&budgets[line], now)),
     }
 }

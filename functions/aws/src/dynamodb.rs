@@ -5,7 +5,7 @@
 //! | item | `pk` (S, hash key) | attributes |
 //! | --- | --- | --- |
 //! | counter | `counter#<key>` (`counter#acme/*/tokens/day/2026-11-29`) | `used` (N), `ttl` (N: period end + 35 days) |
-//! | reservation | `reservation#<request_id>` | `lines` (S, JSON `[[key, amount], ...]`), `expires_at` (N), `swept` (BOOL), `ttl` (N: `expires_at` + 1 day), `gsi_expiry_pk` (S, `live#00`..`live#15`) while the sweeper has work on it; `actual` (S, JSON like `lines`) only when a settlement could not be written, its `ttl` then pushed 35 days ahead |
+//! | reservation | `reservation#<request_id>` | `lines` (S, JSON `[[key, amount], ...]`), `expires_at` (N), `swept` (BOOL), `ttl` (N: `expires_at` + 1 day, and never before its counters' `ttl`: a sweeper down for days leaves live reservations to refund), `gsi_expiry_pk` (S, `live#00`..`live#15`) while the sweeper has work on it; `actual` (S, JSON like `lines`) only when a settlement could not be written, its `ttl` then pushed 35 days ahead |
 //!
 //! No sort key. One global secondary index, `expiry` ([`EXPIRY_INDEX`]): hash key
 //! `gsi_expiry_pk` (S), range key `expires_at` (N), projection `ALL`. It is sparse:
@@ -387,7 +387,7 @@ impl BudgetStore for DynamoDbBudgetStore {
             .item("lines", s(lines))
             .item("expires_at", n(request.expires_at))
             .item("swept", AttributeValue::Bool(false))
-            .item("ttl", n(request.expires_at.saturating_add(SWEPT_RETENTION_SECS)))
+            .item("ttl", n(reservation_ttl(request)))
             .item(EXPIRY_SHARD, s(expiry_shard(&request.request_id)))
             .condition_expression("attribute_not_exists(pk)")
             .build()
@@ -788,6 +788,14 @@ fn merge(lines: &[Line]) -> Vec<Merged<'_>> {
 
 /// Counters expire 35 days after the end of their period; the period is read from
 /// the key (`.../day/...`, `.../month/...`), a key without one keeps a year.
+/// When DynamoDB may delete a reservation: a day after its expiry, and never before
+/// its counters (a live reservation deleted while its counters remain would hold
+/// their budget for good, should the sweeper be down past the day).
+fn reservation_ttl(request: &ReserveRequest) -> u64 {
+    let counters = request.lines.iter().map(|line| counter_ttl(&line.key)).max().unwrap_or(0);
+    request.expires_at.saturating_add(SWEPT_RETENTION_SECS).max(counters)
+}
+
 fn counter_ttl(key: &CounterKey) -> u64 {
     let now = flexway::budget::period::unix_now();
     let period = key.as_str().split('/').find_map(|part| match part {

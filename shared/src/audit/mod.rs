@@ -79,6 +79,14 @@ pub struct AuditRecord {
     /// as absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub feature: Option<String>,
+    /// The UTC date (`YYYY-MM-DD`) the call was reserved on: its day and month
+    /// budgets are that date's and that month's, and `flexway report` counts it on
+    /// that date, so that a call reserved before midnight and ended after it is in
+    /// one period in the ledger and in the report. Absent for a call refused before
+    /// any reservation, and in records written before it existed (the report then
+    /// uses the date of `ts`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub period: Option<String>,
 }
 
 /// How a realtime session ended.
@@ -297,6 +305,7 @@ mod tests {
             user_hash: None,
             close_reason: None,
             feature: None,
+            period: None,
         }
     }
 

@@ -60,6 +60,9 @@ pub fn parse_record(line: &str) -> Result<AuditRecord, String> {
             record.schema_version
         ));
     }
+    if let Some(period) = record.period.as_deref().filter(|p| parse_date(p).is_none()) {
+        return Err(format!("period {period:?} is not a date YYYY-MM-DD"));
+    }
     Ok(record)
 }
 
@@ -139,12 +142,17 @@ impl Filter {
         (from, to)
     }
 
-    /// Whether the record's `ts` falls on a UTC date of the period.
+    /// Whether the record counts on a UTC date of the period: its reservation's date
+    /// (`period`, the ledger's rule), else the date of its `ts`.
     pub fn matches(&self, record: &AuditRecord) -> bool {
         if self.from.is_none() && self.to.is_none() {
             return true;
         }
-        let date = Offset::UTC.to_datetime(record.ts.instant()).date();
+        let date = record
+            .period
+            .as_deref()
+            .and_then(parse_date)
+            .unwrap_or_else(|| Offset::UTC.to_datetime(record.ts.instant()).date());
         self.from.is_none_or(|from| date >= from) && self.to.is_none_or(|to| date <= to)
     }
 }
@@ -512,6 +520,7 @@ mod tests {
             user_hash: None,
             close_reason: None,
             feature: None,
+            period: None,
         }
     }
 
@@ -624,6 +633,23 @@ mod tests {
         assert_eq!(leap.unix_millis(), (None, Some(1_709_251_199_999)));
         let before_the_epoch = Filter::new(Some("1969-12-31".into()), None).unwrap();
         assert_eq!(before_the_epoch.unix_millis(), (Some(-86_400_000), None));
+    }
+
+    /// A call reserved at 23:59:58 on the last day of a month and ended on the first
+    /// of the next counts where the ledger counted it: on its reservation's date.
+    #[test]
+    fn a_record_counts_on_its_reservations_date_at_a_months_edge() {
+        let mut late = record("2025-04-01T00:00:03Z", "acme", None, "b", Metering::Local, 7);
+        late.period = Some("2025-03-31".into());
+        let march = Filter::new(Some("2025-03-01".into()), Some("2025-03-31".into())).unwrap();
+        let april = Filter::new(Some("2025-04-01".into()), Some("2025-04-30".into())).unwrap();
+        assert_eq!(chargeback(std::slice::from_ref(&late), &march).local_total.calls, 1);
+        assert_eq!(chargeback(std::slice::from_ref(&late), &april).local_total.calls, 0);
+        let line = serde_json::to_string(&late).unwrap();
+        assert!(line.contains(r#""period":"2025-03-31""#), "{line}");
+        let bad = line.replace("2025-03-31", "March");
+        let read = read_jsonl(bad.as_bytes()).unwrap();
+        assert!(read.unreadable[0].why.contains("is not a date"), "{:?}", read.unreadable);
     }
 
     #[test]

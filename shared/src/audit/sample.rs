@@ -34,5 +34,6 @@ pub fn record(tenant: &str, backend: Option<&str>, metered_by: Metering, cost: u
         user_hash: Some("cd".repeat(32)),
         close_reason: None,
         feature: None,
+        period: None,
     }
 }

@@ -85,6 +85,10 @@ fn line(record: &AuditRecord, out: &mut Vec<u8>) {
         json::next(out, "feature");
         json::string(out, feature);
     }
+    if let Some(period) = &record.period {
+        json::next(out, "period");
+        json::string(out, period);
+    }
     out.extend_from_slice(b"}\n");
 }
 
@@ -216,6 +220,7 @@ mod tests {
             user_hash: None,
             close_reason: None,
             feature: None,
+            period: None,
         }
     }
 
@@ -254,6 +259,7 @@ mod tests {
             r.budget_state = [BudgetState::Ok, BudgetState::Soft, BudgetState::Exceeded][i % 3];
             r.close_reason = Some(reasons[i]);
             r.feature = Some(format!("feature-{i}"));
+            r.period = Some(format!("2026-11-{:02}", 20 + i));
             r.cost_eur = costs[i];
             r.error_code = Some(ErrorCode::UpstreamError);
             r.user_hash = Some("cd".repeat(32));

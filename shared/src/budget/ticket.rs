@@ -41,14 +41,29 @@ pub struct Ticket {
     store: Arc<dyn BudgetStore>,
     reservation: Reservation,
     budgets: Vec<Budget>,
+    /// Unix seconds the budgets' periods were taken at.
+    reserved_at: u64,
     open: bool,
 }
 
 impl Ticket {
     /// `reservation` is what was reserved (`ReserveRequest::reservation`); `budgets`
-    /// price the settlement.
-    pub(crate) fn new(store: Arc<dyn BudgetStore>, reservation: Reservation, budgets: Vec<Budget>) -> Self {
-        Ticket { store, reservation, budgets, open: true }
+    /// price the settlement; `reserved_at` is the time their periods were taken at.
+    pub(crate) fn new(
+        store: Arc<dyn BudgetStore>,
+        reservation: Reservation,
+        budgets: Vec<Budget>,
+        reserved_at: u64,
+    ) -> Self {
+        Ticket { store, reservation, budgets, reserved_at, open: true }
+    }
+
+    /// The UTC date (`YYYY-MM-DD`) the call counts on: its day and month budgets are
+    /// that date's and its month's, and the audit record carries it (`period`) for
+    /// the report, so that a call reserved before midnight and ended after it counts
+    /// in one period everywhere.
+    pub fn period(&self) -> String {
+        super::Period::Day.stamp(self.reserved_at)
     }
 
     /// Replaces the reservation by `usage` at the serving backend's `price`.

@@ -479,6 +479,8 @@ struct Meter {
 #[derive(Default)]
 struct Held {
     tickets: Vec<(Ticket, MicroEur)>,
+    /// The first reservation's date: the call counts on it.
+    period: Option<String>,
     /// Bytes the reservations cover, and bytes admitted (declared by prefixes).
     covered: u64,
     admitted: u64,
@@ -529,6 +531,7 @@ impl Meter {
             n => format!("{}/{}", self.request_id, n + 1),
         };
         let ticket = reserve_eur(&self.gateway, &self.caller, &id, amount, self.life_secs).await?;
+        held.period.get_or_insert_with(|| ticket.period());
         held.tickets.push((ticket, amount));
         held.covered += units;
         Ok(())
@@ -707,6 +710,9 @@ struct Ending {
 impl Ending {
     async fn end(&mut self, status: u16, error_code: Option<ErrorCode>) -> MicroEur {
         let Some(mut draft) = self.draft.take() else { return MicroEur(0) };
+        if let Some(period) = self.meter.held.lock().await.period.clone() {
+            draft.reserved_on(period);
+        }
         let cost = self.meter.close(true, status).await;
         draft.usage(Usage::default(), UsageSource::Reported, cost);
         if status == Code::ResourceExhausted.number() && error_code == Some(ErrorCode::BudgetExceeded) {

@@ -280,6 +280,7 @@ async fn chat(
         affinity: crate::routing::affinity_key(headers, gateway.config.ai.affinity.as_ref()),
     };
     let Admission { route, ticket, soft, allowance } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
+    draft.reserved_on(ticket.period());
     draft.soft(soft);
     draft.allowance(allowance);
     let prompt_typical = plan::prompt_typical(request.prompt_text_bytes, request.message_count, images);
@@ -343,6 +344,7 @@ async fn embed(
         affinity: crate::routing::affinity_key(headers, gateway.config.ai.affinity.as_ref()),
     };
     let Admission { route, ticket, soft, .. } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
+    draft.reserved_on(ticket.period());
     draft.soft(soft);
     let body_for = |model: &str, wire: Wire| match wire {
         Wire::OpenAi => Ok(request.upstream_body(model)),

@@ -185,6 +185,7 @@ async fn open(
         affinity: None,
     };
     let Admission { route, ticket, soft, allowance } = admit(gateway, caller, &request_id.0, &demand).await?;
+    draft.reserved_on(ticket.period());
     draft.soft(soft);
     draft.allowance(allowance);
     let limit = usize::try_from(gateway.config.ai.limits.max_event_bytes).unwrap_or(usize::MAX);

@@ -90,6 +90,7 @@ impl Draft {
             user_hash: None,
             close_reason: None,
             feature: None,
+            period: None,
         };
         Draft {
             gateway: gateway.clone(),
@@ -161,6 +162,13 @@ impl Draft {
         self.record.capability = capability;
         self.record.model_requested = Some(model.to_owned());
         self.record.user_hash = user.map(|u| self.gateway.hasher.hash(u.as_bytes()));
+    }
+
+    /// The date the call's reservation counts on (`Ticket::period`, the record's
+    /// `period`). A call with several (a realtime session's turns, a gRPC call's
+    /// steps) counts on its first.
+    pub fn reserved_on(&mut self, period: String) {
+        self.record.period.get_or_insert(period);
     }
 
     pub fn soft(&mut self, soft: bool) {
