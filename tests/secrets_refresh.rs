@@ -63,6 +63,18 @@ async fn chat(url: &str) -> u16 {
     response.send().await.unwrap().status().as_u16()
 }
 
+/// A key file holding `sk-one`, and a config whose one backend sends it (refreshed
+/// every second).
+fn keyed_backend(model: &FakeModel, dir: &std::path::Path) -> (std::path::PathBuf, String) {
+    let key = dir.join("backend-key");
+    std::fs::write(&key, "sk-one\n").unwrap();
+    let yaml = one_backend(&model.url()).replace(
+        "      url:",
+        &format!("      auth: {{type: bearer, secret: \"file:{}\"}}\n      url:", key.display()),
+    );
+    (key, yaml.replace("ai:\n", "secrets: {refresh: 1s}\nai:\n"))
+}
+
 fn last_bearer(model: &FakeModel) -> Option<String> {
     model.requests().last().and_then(|r| r.header("authorization").map(str::to_owned))
 }
@@ -71,13 +83,8 @@ fn last_bearer(model: &FakeModel) -> Option<String> {
 async fn the_serverless_router_refreshes_when_due_and_keeps_the_last_value_on_failure() {
     let model = FakeModel::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let key = dir.path().join("backend-key");
-    std::fs::write(&key, "sk-one\n").unwrap();
-    let yaml = one_backend(&model.url()).replace(
-        "      url:",
-        &format!("      auth: {{type: bearer, secret: \"file:{}\"}}\n      url:", key.display()),
-    );
-    let url = serverless(&yaml.replace("ai:\n", "secrets: {refresh: 1s}\nai:\n")).await;
+    let (key, yaml) = keyed_backend(&model, dir.path());
+    let url = serverless(&yaml).await;
 
     assert_eq!(chat(&url).await, 200);
     assert_eq!(last_bearer(&model).as_deref(), Some("Bearer sk-one"));
@@ -124,15 +131,10 @@ where
 async fn a_refresh_that_hangs_holds_no_call() {
     let model = FakeModel::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let key = dir.path().join("backend-key");
-    std::fs::write(&key, "sk-one\n").unwrap();
-    let yaml = one_backend(&model.url()).replace(
-        "      url:",
-        &format!("      auth: {{type: bearer, secret: \"file:{}\"}}\n      url:", key.display()),
-    );
+    let (key, yaml) = keyed_backend(&model, dir.path());
     let secrets = Arc::new(Gated::open());
     let closed = secrets.gate.clone().acquire_owned().await.unwrap();
-    let url = serverless_with(&yaml.replace("ai:\n", "secrets: {refresh: 1s}\nai:\n"), secrets.clone()).await;
+    let url = serverless_with(&yaml, secrets.clone()).await;
     std::fs::write(&key, "sk-two\n").unwrap();
     tokio::time::sleep(Duration::from_millis(1100)).await;
     for _ in 0..3 {

@@ -463,65 +463,16 @@ impl BudgetStore for DynamoDbBudgetStore {
     }
 
     async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
-        let encoded = serde_json::to_string(actual).map_err(|e| StoreError::Backend(e.to_string()))?;
-        // The item is now a bill: it outlives its usual day, as long as its counters.
-        let ttl = flexway::budget::period::unix_now().saturating_add(COUNTER_RETENTION_SECS);
-        let result = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key("pk", Self::reservation_key(request_id))
-            // Back in the expiry index if it was swept: the sweeper charges it.
-            .update_expression("SET actual = :actual, #ttl = :ttl, #shard = :shard")
-            .condition_expression("attribute_exists(pk)")
-            .expression_attribute_names("#ttl", "ttl")
-            .expression_attribute_names("#shard", EXPIRY_SHARD)
-            .expression_attribute_values(":actual", s(encoded))
-            .expression_attribute_values(":ttl", n(ttl))
-            .expression_attribute_values(":shard", s(expiry_shard(request_id)))
-            .send()
-            .await;
-        match result {
-            Ok(_) => Ok(IntentOutcome::Recorded),
-            Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => {
-                Ok(IntentOutcome::Unknown)
-            }
-            Err(e) => Err(backend("UpdateItem", &e)),
-        }
+        self.write_actual(request_id, actual, None).await
     }
 
-    /// One `UpdateItem` of the lease's own item, conditioned on it being live: the
-    /// usage so far as its `actual` (the sweeper charges it, never refunds it) and the
-    /// new expiry, which is the index's range key.
     async fn renew(
         &self,
         request_id: &str,
         actual: &[(CounterKey, u64)],
         expires_at: u64,
     ) -> Result<IntentOutcome, StoreError> {
-        let encoded = serde_json::to_string(actual).map_err(|e| StoreError::Backend(e.to_string()))?;
-        let ttl = flexway::budget::period::unix_now().saturating_add(COUNTER_RETENTION_SECS);
-        let result = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key("pk", Self::reservation_key(request_id))
-            .update_expression("SET actual = :actual, expires_at = :expires_at, #ttl = :ttl")
-            .condition_expression("attribute_exists(pk) AND swept = :live")
-            .expression_attribute_names("#ttl", "ttl")
-            .expression_attribute_values(":actual", s(encoded))
-            .expression_attribute_values(":expires_at", n(expires_at))
-            .expression_attribute_values(":ttl", n(ttl))
-            .expression_attribute_values(":live", AttributeValue::Bool(false))
-            .send()
-            .await;
-        match result {
-            Ok(_) => Ok(IntentOutcome::Recorded),
-            Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => {
-                Ok(IntentOutcome::Unknown)
-            }
-            Err(e) => Err(backend("UpdateItem", &e)),
-        }
+        self.write_actual(request_id, actual, Some(expires_at)).await
     }
 
     /// Queries each shard of the expiry index for `expires_at < now`: it holds the
@@ -658,6 +609,49 @@ impl DynamoDbBudgetStore {
             return Ok(if lease { Closed::Lease } else { Closed::Refunded });
         }
         Ok(Closed::Nothing)
+    }
+
+    /// One `UpdateItem` of a reservation's own item (never a counter, no transaction):
+    /// `actual` for the sweeper to charge, never refund, and the item kept as long as
+    /// its counters (it is now a bill). A settle intent (`renew_until` none) is
+    /// conditioned on the item existing, and puts a swept one back in the expiry index;
+    /// a lease's renewal, on the item being live, and moves its expiry (the index's
+    /// range key). `Unknown` when the condition fails.
+    async fn write_actual(
+        &self,
+        request_id: &str,
+        actual: &[(CounterKey, u64)],
+        renew_until: Option<u64>,
+    ) -> Result<IntentOutcome, StoreError> {
+        let encoded = serde_json::to_string(actual).map_err(|e| StoreError::Backend(e.to_string()))?;
+        let ttl = flexway::budget::period::unix_now().saturating_add(COUNTER_RETENTION_SECS);
+        let update = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("pk", Self::reservation_key(request_id))
+            .expression_attribute_names("#ttl", "ttl")
+            .expression_attribute_values(":actual", s(encoded))
+            .expression_attribute_values(":ttl", n(ttl));
+        let update = match renew_until {
+            Some(expires_at) => update
+                .update_expression("SET actual = :actual, expires_at = :expires_at, #ttl = :ttl")
+                .condition_expression("attribute_exists(pk) AND swept = :live")
+                .expression_attribute_values(":expires_at", n(expires_at))
+                .expression_attribute_values(":live", AttributeValue::Bool(false)),
+            None => update
+                .update_expression("SET actual = :actual, #ttl = :ttl, #shard = :shard")
+                .condition_expression("attribute_exists(pk)")
+                .expression_attribute_names("#shard", EXPIRY_SHARD)
+                .expression_attribute_values(":shard", s(expiry_shard(request_id))),
+        };
+        match update.send().await {
+            Ok(_) => Ok(IntentOutcome::Recorded),
+            Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => {
+                Ok(IntentOutcome::Unknown)
+            }
+            Err(e) => Err(backend("UpdateItem", &e)),
+        }
     }
 
     /// The expiry of the oldest reservation past `now` still in the expiry index (live,

@@ -21,12 +21,28 @@ impl Period {
     }
 
     /// The period's stamp at `now` (Unix seconds): `2026-11-29` or `2026-11`.
+    ///
+    /// A call stamps each of its budgets and its audit record: the two stamps of the
+    /// day are kept per thread (a Unix day is 86,400 seconds, leap seconds aside), so
+    /// the calendar is worked out once a day, not several times a call.
     pub fn stamp(self, now: u64) -> String {
-        let date = utc_date(now);
-        match self {
-            Period::Day => date.to_string(),
-            Period::Month => format!("{:04}-{:02}", date.year(), date.month()),
+        thread_local! {
+            static STAMPS: std::cell::RefCell<(u64, String, String)> =
+                const { std::cell::RefCell::new((u64::MAX, String::new(), String::new())) };
         }
+        let day = now / 86_400;
+        STAMPS.with_borrow_mut(|(cached_day, day_stamp, month_stamp)| {
+            if *cached_day != day {
+                let date = utc_date(now);
+                *day_stamp = date.to_string();
+                *month_stamp = format!("{:04}-{:02}", date.year(), date.month());
+                *cached_day = day;
+            }
+            match self {
+                Period::Day => day_stamp.clone(),
+                Period::Month => month_stamp.clone(),
+            }
+        })
     }
 
     /// Unix seconds at which the period containing `now` ends.
@@ -77,6 +93,17 @@ mod tests {
         assert_eq!(Period::Day.stamp(0), "1970-01-01");
         // 2024-02-29T23:59:59Z, a leap day.
         assert_eq!(Period::Day.stamp(1_709_251_199), "2024-02-29");
+    }
+
+    #[test]
+    fn the_days_stamps_kept_change_at_midnight_whichever_way_time_goes() {
+        // 2026-11-30T23:59:59Z, then a second later, then back (clocks step back).
+        let last = 1_796_083_199;
+        let stamps = |now| (Period::Day.stamp(now), Period::Month.stamp(now));
+        assert_eq!(stamps(last), ("2026-11-30".into(), "2026-11".into()));
+        assert_eq!(stamps(last + 1), ("2026-12-01".into(), "2026-12".into()));
+        assert_eq!(stamps(last), ("2026-11-30".into(), "2026-11".into()));
+        assert_eq!(stamps(last - 86_399), ("2026-11-30".into(), "2026-11".into()), "the day's first second");
     }
 
     #[test]
