@@ -132,8 +132,9 @@ async fn a_tenant_is_never_refused_while_its_day_has_room_whichever_process_serv
         assert_eq!(response.status(), 200, "process {n}'s first call, the day nearly unspent");
         answered += tokens(response.json().await.unwrap());
     }
-    // Past `intent_every`, the killed process's usage is on its lease.
-    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    // The killed process's usage is on its lease once the tender, every second,
+    // found it unwritten for `intent_every` (1 s): within 2 s of the call.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     let killed = fleet[1].pid().to_string();
     assert!(std::process::Command::new("kill").args(["-KILL", &killed]).status().unwrap().success());
 
