@@ -25,7 +25,8 @@
 //! seconds, independent of any call's expiry) and is renewed while it serves: each
 //! renewal is one write of the lease's own item (`BudgetStore::renew`), which also
 //! records the usage served so far. Its owner returns it after `idle` without a call
-//! (the tender, [`LeasedBudgetStore::start`], runs every fraction of a second). An owner
+//! (the tender, [`LeasedBudgetStore::start`], looks every [`LeasePolicy::tend_every`]:
+//! a second by default, half an idle period and a quarter of a life at most). An owner
 //! that cannot (a process killed, a Lambda environment frozen after its response)
 //! stops renewing it: within `lease_secs` it is expired, and any sweep closes it,
 //! charging the usage last recorded and giving the unused slice back. Every instance
