@@ -210,12 +210,30 @@ struct State {
 }
 
 impl State {
-    /// Takes a lease out to be closed, remembering its rate for the next one.
-    fn end(&mut self, number: u64, policy: &LeasePolicy) -> Option<Write> {
+    /// Takes a lease out of the state: no new call is served from it.
+    fn take(&mut self, number: u64) -> Option<Lease> {
         let lease = self.leases.remove(&number)?;
         if self.open.get(&lease.keyset) == Some(&number) {
             self.open.remove(&lease.keyset);
         }
+        Some(lease)
+    }
+
+    /// The renewals due at `now`: every lease not being renewed whose life is half
+    /// gone, or of which `also` says so; each marked renewing.
+    fn renewals(&mut self, now: u64, policy: &LeasePolicy, also: impl Fn(&Lease) -> bool) -> Vec<Write> {
+        let due: Vec<u64> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| !l.renewing && (l.expires_at.saturating_sub(now) <= policy.lease_secs / 2 || also(l)))
+            .map(|(n, _)| *n)
+            .collect();
+        due.into_iter().filter_map(|n| renewal(self, n, now + policy.lease_secs)).collect()
+    }
+
+    /// Takes a lease out to be closed, remembering its rate for the next one.
+    fn end(&mut self, number: u64, policy: &LeasePolicy) -> Option<Write> {
+        let lease = self.take(number)?;
         let age_ms = lease.taken_at.elapsed().as_millis().max(1);
         let life_ms = u128::from(policy.lease_secs).saturating_mul(1000);
         let at_rate = u128::from(lease.served).saturating_mul(life_ms) / age_ms;
@@ -358,17 +376,9 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
             let mut writes: Vec<Write> = idle.iter().filter_map(|n| state.end(*n, policy)).collect();
             // Renewed at half its life, or sooner when it has usage the inner store
             // does not hold yet: what a crash loses is bounded by `intent_every`.
-            let due: Vec<u64> = state
-                .leases
-                .iter()
-                .filter(|(_, l)| {
-                    let unwritten =
-                        l.written_at.elapsed() >= policy.intent_every && lines_of(&l.settled) != lines_of(&l.recorded);
-                    !l.renewing && (unwritten || l.expires_at.saturating_sub(now) <= policy.lease_secs / 2)
-                })
-                .map(|(n, _)| *n)
-                .collect();
-            writes.extend(due.into_iter().filter_map(|n| renewal(&mut state, n, now + policy.lease_secs)));
+            writes.extend(state.renewals(now, policy, |l| {
+                l.written_at.elapsed() >= policy.intent_every && lines_of(&l.settled) != lines_of(&l.recorded)
+            }));
             writes
         };
         self.apply(writes).await;
@@ -618,21 +628,9 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
                 lease.written_at = Instant::now();
             }
             Ok(IntentOutcome::Unknown) => {
-                let Some(lease) = state.leases.remove(&number) else { return Vec::new() };
-                if state.open.get(&lease.keyset) == Some(&number) {
-                    state.open.remove(&lease.keyset);
-                }
-                let rest = beyond(&lines_of(&lease.settled), &lines_of(&lease.recorded));
-                let lease_id = lease.reservation.request_id;
-                tracing::info!(lease_id, "lease reclaimed while its owner was away: it takes a new one");
-                if rest.is_empty() {
-                    return Vec::new();
-                }
-                return vec![Write::Charge {
-                    request_id: lease_id,
-                    actual: rest,
-                    expires_at: (self.clock)() + self.policy.lease_secs,
-                }];
+                let Some(lease) = state.take(number) else { return Vec::new() };
+                let (settled, recorded) = (lines_of(&lease.settled), lines_of(&lease.recorded));
+                return self.reclaimed(lease.reservation.request_id, &settled, &recorded).into_iter().collect();
             }
             Err(e) => {
                 let lease_id = &lease.reservation.request_id;
@@ -643,6 +641,21 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
         if closable { state.end(number, &self.policy).into_iter().collect() } else { Vec::new() }
     }
 
+    /// A lease its owner finds closed (a renewal or its settlement answered
+    /// `Unknown`): the sweep that reclaimed it charged the usage `recorded` on it; the
+    /// rest of what it `settled` is charged on its own.
+    fn reclaimed(
+        &self,
+        lease_id: String,
+        settled: &[(CounterKey, u64)],
+        recorded: &[(CounterKey, u64)],
+    ) -> Option<Write> {
+        tracing::info!(lease_id, "lease reclaimed while its owner was away: what it served since is charged now");
+        let rest = beyond(settled, recorded);
+        let expires_at = (self.clock)() + self.policy.lease_secs;
+        (!rest.is_empty()).then_some(Write::Charge { request_id: lease_id, actual: rest, expires_at })
+    }
+
     async fn apply(&self, writes: Vec<Write>) {
         let inner: &dyn BudgetStore = self.inner.as_ref();
         let mut queue = VecDeque::from(writes);
@@ -650,18 +663,7 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
             match write {
                 Write::Close { lease, actual, recorded } => match ticket::settle(inner, &lease, &actual).await {
                     // Reclaimed meanwhile: the sweep charged what was recorded.
-                    Some(SettleOutcome::Unknown) => {
-                        let lease_id = lease.request_id;
-                        tracing::info!(
-                            lease_id,
-                            "lease reclaimed while its owner was away; its last usage charged now"
-                        );
-                        let rest = beyond(&actual, &recorded);
-                        if !rest.is_empty() {
-                            let expires_at = (self.clock)() + self.policy.lease_secs;
-                            queue.push_back(Write::Charge { request_id: lease_id, actual: rest, expires_at });
-                        }
-                    }
+                    Some(SettleOutcome::Unknown) => queue.extend(self.reclaimed(lease.request_id, &actual, &recorded)),
                     Some(SettleOutcome::ChargedAfterSweep) => {
                         let lease_id = lease.request_id;
                         tracing::info!(
@@ -847,14 +849,7 @@ impl<S: BudgetStore + 'static> BudgetStore for LeasedBudgetStore<S> {
             writes.extend(ended.iter().filter_map(|n| state.end(*n, &self.policy)));
             // A lease still serving is renewed past this sweep's `now` first: the
             // inner sweep closes only the leases of instances gone or frozen.
-            let lease_secs = self.policy.lease_secs;
-            let due: Vec<u64> = state
-                .leases
-                .iter()
-                .filter(|(_, l)| !l.renewing && l.expires_at.saturating_sub(now) <= lease_secs / 2)
-                .map(|(n, _)| *n)
-                .collect();
-            writes.extend(due.into_iter().filter_map(|n| renewal(&mut state, n, now + lease_secs)));
+            writes.extend(state.renewals(now, &self.policy, |_| false));
             writes
         };
         self.apply(writes).await;
