@@ -475,49 +475,9 @@ impl BudgetStore for DynamoDbBudgetStore {
         self.write_actual(request_id, actual, Some(expires_at)).await
     }
 
-    /// Queries each shard of the expiry index for `expires_at < now`: it holds the
-    /// live reservations and the swept ones that carry an intent, nothing else. The
-    /// index is eventually consistent; every write below is conditioned on the item
-    /// itself, so a stale entry only loses its race.
+    /// [`DynamoDbBudgetStore::sweep_reporting_oldest`], the oldest expiry unused.
     async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
-        let mut swept = Swept::default();
-        for shard in 0..EXPIRY_SHARDS {
-            let mut start = None;
-            loop {
-                let page = self
-                    .client
-                    .query()
-                    .table_name(&self.table)
-                    .index_name(EXPIRY_INDEX)
-                    .key_condition_expression("#shard = :shard AND expires_at < :now")
-                    .expression_attribute_names("#shard", EXPIRY_SHARD)
-                    .expression_attribute_values(":shard", s(shard_name(shard)))
-                    .expression_attribute_values(":now", n(now))
-                    .set_exclusive_start_key(start)
-                    .send()
-                    .await
-                    .map_err(|e| backend("Query", &e))?;
-                for item in page.items() {
-                    // One item that cannot be read or written is left for the next
-                    // sweep; the others are still closed.
-                    match self.sweep_item(item, now).await {
-                        Ok(Closed::Charged) => swept.charged += 1,
-                        Ok(Closed::Refunded) => swept.refunded += 1,
-                        Ok(Closed::Lease) => swept.leases += 1,
-                        Ok(Closed::Nothing) => {}
-                        Err(e) => {
-                            let pk = string_attr(item, "pk").unwrap_or_default();
-                            tracing::error!(pk, error = %e, "sweeper: reservation left for the next sweep");
-                        }
-                    }
-                }
-                match page.last_evaluated_key() {
-                    Some(key) if !key.is_empty() => start = Some(key.clone()),
-                    _ => break,
-                }
-            }
-        }
-        Ok(swept)
+        Ok(self.sweep_reporting_oldest(now).await?.0)
     }
 
     async fn used(&self, keys: &[CounterKey]) -> Result<Vec<u64>, StoreError> {
@@ -654,32 +614,59 @@ impl DynamoDbBudgetStore {
         }
     }
 
-    /// The expiry of the oldest reservation past `now` still in the expiry index (live,
-    /// or carrying an intent to charge), if any: `now` minus it is how far the sweeper
-    /// lags. One `Query` of one item per shard, oldest first.
-    pub async fn oldest_expired(&self, now: u64) -> Result<Option<u64>, StoreError> {
+    /// The sweep: queries each shard of the expiry index for `expires_at < now`,
+    /// oldest first: it holds the live reservations and the swept ones that carry an
+    /// intent, nothing else. The index is eventually consistent; every write below is
+    /// conditioned on the item itself, so a stale entry only loses its race. Also
+    /// returns the expiry of the oldest reservation found (`now` minus it is how far
+    /// the sweeper lags), read from each shard's first item: no request more.
+    pub async fn sweep_reporting_oldest(&self, now: u64) -> Result<(Swept, Option<u64>), StoreError> {
+        let mut swept = Swept::default();
         let mut oldest: Option<u64> = None;
         for shard in 0..EXPIRY_SHARDS {
-            let page = self
-                .client
-                .query()
-                .table_name(&self.table)
-                .index_name(EXPIRY_INDEX)
-                .key_condition_expression("#shard = :shard AND expires_at < :now")
-                .expression_attribute_names("#shard", EXPIRY_SHARD)
-                .expression_attribute_values(":shard", s(shard_name(shard)))
-                .expression_attribute_values(":now", n(now))
-                .scan_index_forward(true)
-                .limit(1)
-                .send()
-                .await
-                .map_err(|e| backend("Query", &e))?;
-            let first = page.items().first().and_then(|item| number_attr(item, "expires_at", "").ok().flatten());
-            if let Some(expires_at) = first.and_then(|v| u64::try_from(v).ok()) {
-                oldest = Some(oldest.map_or(expires_at, |o| o.min(expires_at)));
+            let mut start = None;
+            loop {
+                let first_page = start.is_none();
+                let page = self
+                    .client
+                    .query()
+                    .table_name(&self.table)
+                    .index_name(EXPIRY_INDEX)
+                    .key_condition_expression("#shard = :shard AND expires_at < :now")
+                    .expression_attribute_names("#shard", EXPIRY_SHARD)
+                    .expression_attribute_values(":shard", s(shard_name(shard)))
+                    .expression_attribute_values(":now", n(now))
+                    .scan_index_forward(true)
+                    .set_exclusive_start_key(start)
+                    .send()
+                    .await
+                    .map_err(|e| backend("Query", &e))?;
+                let first = page.items().first().filter(|_| first_page);
+                if let Some(expires_at) = first.and_then(|item| number_attr(item, "expires_at", "").ok().flatten()) {
+                    let expires_at = u64::try_from(expires_at).unwrap_or(0);
+                    oldest = Some(oldest.map_or(expires_at, |o| o.min(expires_at)));
+                }
+                for item in page.items() {
+                    // One item that cannot be read or written is left for the next
+                    // sweep; the others are still closed.
+                    match self.sweep_item(item, now).await {
+                        Ok(Closed::Charged) => swept.charged += 1,
+                        Ok(Closed::Refunded) => swept.refunded += 1,
+                        Ok(Closed::Lease) => swept.leases += 1,
+                        Ok(Closed::Nothing) => {}
+                        Err(e) => {
+                            let pk = string_attr(item, "pk").unwrap_or_default();
+                            tracing::error!(pk, error = %e, "sweeper: reservation left for the next sweep");
+                        }
+                    }
+                }
+                match page.last_evaluated_key() {
+                    Some(key) if !key.is_empty() => start = Some(key.clone()),
+                    _ => break,
+                }
             }
         }
-        Ok(oldest)
+        Ok((swept, oldest))
     }
 
     /// Refunds one expired reservation; false when a settle, an intent or another

@@ -7,7 +7,6 @@
 
 use std::process::ExitCode;
 
-use flexway::budget::BudgetStore;
 use flexway_aws::DynamoDbBudgetStore;
 use lambda_runtime::{Error, LambdaEvent, service_fn};
 use serde_json::{Value, json};
@@ -52,8 +51,8 @@ async fn run() -> Result<(), Error> {
 /// template's metric filters and alarms read that line.
 async fn sweep(store: &DynamoDbBudgetStore, _event: LambdaEvent<Value>) -> Result<Value, Error> {
     let now = flexway::budget::period::unix_now();
-    let lag_secs = store.oldest_expired(now).await?.map_or(0, |oldest| now.saturating_sub(oldest));
-    let swept = store.sweep(now).await?;
+    let (swept, oldest) = store.sweep_reporting_oldest(now).await?;
+    let lag_secs = oldest.map_or(0, |oldest| now.saturating_sub(oldest));
     tracing::info!(
         refunded = swept.refunded,
         charged = swept.charged,
