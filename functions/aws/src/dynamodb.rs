@@ -301,11 +301,10 @@ impl DynamoDbBudgetStore {
     }
 
     async fn transact(&self, items: Vec<TransactWriteItem>) -> Result<Option<Cancelled>, StoreError> {
-        // One token for the SDK's attempts at this request: an attempt that timed out
+        // The SDK gives each request a client request token of its own (an idempotency
+        // token in the API's model), kept across its retries: an attempt that timed out
         // after DynamoDB applied it is answered as applied when retried, not refused.
-        let token = format!("{:032x}", rand::random::<u128>());
-        let result =
-            self.client.transact_write_items().set_transact_items(Some(items)).client_request_token(token).send().await;
+        let result = self.client.transact_write_items().set_transact_items(Some(items)).send().await;
         let error = match result {
             Ok(_) => return Ok(None),
             Err(error) => error,

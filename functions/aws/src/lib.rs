@@ -42,7 +42,7 @@ pub enum AdapterError {
 ///
 /// With timeouts ([`sdk_timeouts`]): without them a write that hangs holds a call for
 /// as long as the function may run. Retrying a write is safe: a reservation is
-/// idempotent on its `Put` condition, and each transaction carries a client request
+/// idempotent on its `Put` condition, and the SDK gives each transaction a client request
 /// token, so an attempt that was applied and then timed out is answered as applied.
 pub fn sdk_loader() -> aws_config::ConfigLoader {
     static CLIENT: std::sync::OnceLock<aws_sdk_dynamodb::config::SharedHttpClient> = std::sync::OnceLock::new();

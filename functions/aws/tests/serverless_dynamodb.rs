@@ -365,3 +365,51 @@ async fn a_write_to_a_ledger_that_never_answers_gives_up_with_an_error() {
     assert!(error.to_string().contains("TransactWriteItems"), "{error}");
     held.abort();
 }
+
+/// The client request token of each TransactWriteItems request sent.
+#[derive(Clone, Default, Debug)]
+struct Tokens(Arc<Mutex<Vec<Option<String>>>>);
+
+impl Intercept for Tokens {
+    fn name(&self) -> &'static str {
+        "RecordTransactionTokens"
+    }
+
+    fn read_before_transmit(
+        &self,
+        context: &BeforeTransmitInterceptorContextRef<'_>,
+        _runtime_components: &RuntimeComponents,
+        _cfg: &mut ConfigBag,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let request = context.request();
+        if request.headers().get("x-amz-target").is_some_and(|t| t.ends_with("TransactWriteItems")) {
+            let body: serde_json::Value = serde_json::from_slice(request.body().bytes().unwrap_or_default())?;
+            let token = body["ClientRequestToken"].as_str().map(str::to_owned);
+            self.0.lock().unwrap().push(token);
+        }
+        Ok(())
+    }
+}
+
+/// Each transaction carries a client request token of its own, which the SDK fills
+/// in (the API marks it an idempotency token) and keeps across its retries: the SDK
+/// timeouts (`flexway_aws::sdk_timeouts`) rely on it, so that a retried attempt that
+/// was applied (its answer lost to a timeout) is answered as applied, not refused.
+#[tokio::test]
+async fn each_transaction_carries_a_token_of_its_own() {
+    let sdk = emulator::sdk().await;
+    let plain = aws_sdk_dynamodb::Client::new(&sdk);
+    let table = emulator::unique("flexway-ledger-tokens");
+    DynamoDbBudgetStore::create_table(&plain, &table).await.unwrap();
+    let tokens = Tokens::default();
+    let config = aws_sdk_dynamodb::config::Builder::from(&sdk).interceptor(tokens.clone()).build();
+    let store = DynamoDbBudgetStore::new(aws_sdk_dynamodb::Client::from_conf(config), &table);
+    let call = request("tokened", &[("t/a", 5, Some(100))]);
+    assert_eq!(store.reserve(&call).await.unwrap(), ReserveOutcome::Reserved);
+    store.settle(&call.reservation(), &[(CounterKey("t/a".into()), 3)]).await.unwrap();
+    let sent = tokens.0.lock().unwrap().clone();
+    assert_eq!(sent.len(), 2, "the reservation and the settlement: {sent:?}");
+    let sent: Vec<String> = sent.into_iter().map(|t| t.expect("a ClientRequestToken")).collect();
+    assert!(sent.iter().all(|t| (1..=36).contains(&t.len())), "DynamoDB takes 1 to 36 characters: {sent:?}");
+    assert_ne!(sent[0], sent[1], "a token per transaction");
+}
