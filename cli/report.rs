@@ -6,18 +6,26 @@
 //! Exit codes: 0 with the report on stdout; 3 with the report of every readable record
 //! on stdout and, on stderr, each line that is not one (the file's line, or the log
 //! group's event and stream, and why: cut, damaged, of a newer schema), so that a
-//! pipeline notices (SPEC §2); 1 when the audit cannot be read at all; 2 for a usage
-//! error (bad dates, not exactly one source).
+//! pipeline notices (SPEC §2); 4 with `--verify` when the HMAC chain breaks, each
+//! break listed on stderr (and the report still out); 1 when the audit cannot be read
+//! at all or the chain key cannot be resolved; 2 for a usage error (bad dates, not
+//! exactly one source).
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use flexway::audit::chain::{Verdict, Verifier};
 use flexway::audit::report::{self, Filter, Read};
+use flexway::config::SecretRef;
 
 const USAGE: u8 = 2;
 /// The report is out, without the lines listed on stderr.
 const UNREADABLE_LINES: u8 = 3;
+/// The report is out, and the audit's chain breaks where stderr says.
+const CHAIN_BROKEN: u8 = 4;
+/// Where `--verify` finds the chain key without `--chain-key`.
+const CHAIN_KEY_DEFAULT: &str = "env:FLEXWAY_AUDIT_CHAIN_KEY";
 
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["audit", "log_group"])))]
@@ -39,6 +47,14 @@ pub struct ReportArgs {
     /// Output format: Markdown tables for people, CSV or JSON for finance tooling.
     #[arg(long, value_enum, default_value_t = Format::Md)]
     format: Format,
+    /// Check the audit's HMAC chain (the gateway's `audit.chain_key`): every line
+    /// altered, forged, removed or moved is listed on stderr, and the exit code is 4.
+    #[arg(long)]
+    verify: bool,
+    /// The chain key's secret reference (env:NAME, file:PATH, an AWS ARN), as the
+    /// gateway's `audit.chain_key` [default: env:FLEXWAY_AUDIT_CHAIN_KEY].
+    #[arg(long, value_name = "REF", requires = "verify")]
+    chain_key: Option<String>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -57,9 +73,21 @@ pub fn run(args: ReportArgs) -> ExitCode {
             return ExitCode::from(USAGE);
         }
     };
+    let mut verifier = None;
+    if args.verify {
+        let reference = args.chain_key.as_deref().unwrap_or(CHAIN_KEY_DEFAULT);
+        match chain_key(reference) {
+            // A read from a date on starts inside chains: their heads are not missing.
+            Ok(key) => verifier = Some(Verifier::new(&key, args.audit.is_some() || filter.from().is_none())),
+            Err(error) => {
+                eprintln!("error: --chain-key {reference}: {error}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     let read = match (&args.audit, &args.log_group) {
-        (Some(path), None) => read_file(path),
-        (None, Some(group)) => read_log_group(group, &filter),
+        (Some(path), None) => read_file(path, verifier.as_mut()),
+        (None, Some(group)) => read_log_group(group, &filter, verifier.as_mut()),
         // clap's `source` group already lets exactly one through.
         _ => {
             eprintln!("error: give exactly one of --audit and --log-group");
@@ -88,7 +116,23 @@ pub fn run(args: ReportArgs) -> ExitCode {
     if !unreadable.is_empty() {
         eprintln!("error: {} unreadable line(s) left out of the report", unreadable.len());
     }
-    let done = if unreadable.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(UNREADABLE_LINES) };
+    let verdict = verifier.map(Verifier::finish);
+    if let Some(verdict) = &verdict {
+        tell(
+            verdict,
+            &args.audit.as_ref().map_or_else(
+                || format!("log group {}", args.log_group.as_deref().unwrap_or_default()),
+                |p| p.display().to_string(),
+            ),
+        );
+    }
+    let done = if verdict.is_some_and(|v| !v.breaks.is_empty()) {
+        ExitCode::from(CHAIN_BROKEN)
+    } else if unreadable.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(UNREADABLE_LINES)
+    };
     match written {
         Ok(()) => done,
         // A closed pipe (`| head`) is the reader's choice, not a failure worth a message.
@@ -100,9 +144,37 @@ pub fn run(args: ReportArgs) -> ExitCode {
     }
 }
 
-fn read_file(path: &Path) -> Result<Read, String> {
+/// The verifier's findings on stderr: each break, then one line of totals.
+fn tell(verdict: &Verdict, source: &str) {
+    for line in &verdict.breaks {
+        eprintln!("chain broken: {source}: {line}");
+    }
+    let Verdict { verified, chains, breaks } = verdict;
+    match breaks.len() {
+        0 => eprintln!("verified: {verified} record(s) in {chains} chain(s), unbroken"),
+        n => eprintln!("error: {n} break(s) in the audit's chain; {verified} record(s) verified in {chains} chain(s)"),
+    }
+}
+
+/// The chain key, resolved as the gateway resolves `audit.chain_key`.
+fn chain_key(reference: &str) -> Result<Vec<u8>, String> {
+    let reference: SecretRef = reference.parse()?;
+    let runtime = runtime()?;
+    let secret = runtime.block_on(crate::aws::secret_source().resolve(&reference)).map_err(|e| e.to_string())?;
+    Ok(secret.expose().as_bytes().to_vec())
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {e}"))
+}
+
+fn read_file(path: &Path, verifier: Option<&mut Verifier>) -> Result<Read, String> {
     let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut read = report::read_jsonl(std::io::BufReader::new(file)).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut read = report::read_jsonl_verifying(std::io::BufReader::new(file), verifier)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     for line in &mut read.unreadable {
         line.at = format!("{}: {}", path.display(), line.at);
     }
@@ -112,16 +184,13 @@ fn read_file(path: &Path) -> Result<Read, String> {
 /// Reads the events of the period from the log group. An event is timestamped when
 /// the sink wrote it, a little after its record's `ts`: the query window is the
 /// period widened by that delay, and the `ts` filter (in `chargeback`) decides.
-fn read_log_group(group: &str, filter: &Filter) -> Result<Read, String> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
+fn read_log_group(group: &str, filter: &Filter, verifier: Option<&mut Verifier>) -> Result<Read, String> {
+    let runtime = runtime()?;
     // CloudWatch refuses times before the epoch (`--from 1969-12-31`); no event is older.
     let margin = crate::aws::WRITE_DELAY_MARGIN_MS;
     let (from, to) = filter.unix_millis();
     let (from, to) = (from.map(|ms| (ms - margin).max(0)), to.map(|ms| (ms + margin).max(0)));
-    let mut read = runtime.block_on(crate::aws::read_log_group(group, from, to))?;
+    let mut read = runtime.block_on(crate::aws::read_log_group(group, from, to, verifier))?;
     for line in &mut read.unreadable {
         line.at = format!("log group {group}, {}", line.at);
     }

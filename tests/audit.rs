@@ -317,3 +317,106 @@ async fn a_record_the_sink_refuses_goes_to_the_log_in_full() {
     assert_eq!((record.request_id.as_str(), record.status), (id.as_str(), 200));
     assert!(record.prompt_tokens > 0 && record.completion_tokens > 0);
 }
+
+/// `flexway report` with `args`: its exit code and stderr.
+fn report(args: &[&str]) -> (i32, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flexway")).arg("report").args(args).output().unwrap();
+    (out.status.code().unwrap(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// `audit.chain_key`: a real gateway, restarted once (two writers), writes a chain
+/// that `flexway report --verify` holds whole; a line altered, removed, moved or
+/// forged in the file is named by its line number, exit 4.
+#[tokio::test]
+async fn the_audit_chain_verifies_whole_and_names_each_tampered_line() {
+    let model = FakeModel::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let key_file = dir.path().join("chain.key");
+    std::fs::write(&key_file, "a chain key of thirty-two bytes!\n").unwrap();
+    let audit = dir.path().join("audit.jsonl");
+    let yaml = audit_config(&model).replace(
+        "audit: {sink: file, path: audit.jsonl, hash_salt: \"env:AUDIT_SALT\"}",
+        &format!("audit: {{sink: file, path: {}, chain_key: \"file:{}\"}}", audit.display(), key_file.display()),
+    );
+    for run in 0..2 {
+        let gw = Flexway::start(&yaml);
+        for _ in 0..3 {
+            assert_eq!(gw.chat(CANARY_KEY, prompt(run == 1)).await.status(), 200);
+        }
+        // A failed call is chained like a served one.
+        assert_eq!(gw.chat("sk-fail", prompt(false)).await.status(), 503);
+        let written = 4 * (run + 1);
+        for _ in 0..200 {
+            if std::fs::read_to_string(&audit).unwrap_or_default().lines().count() >= written {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+    let text = std::fs::read_to_string(&audit).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 8, "{text}");
+    let (path, key) = (audit.to_str().unwrap(), format!("file:{}", key_file.display()));
+    let verify = |file: &str| report(&["--audit", file, "--verify", "--chain-key", &key, "--format", "json"]);
+
+    let (code, stderr) = verify(path);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stderr.contains("verified: 8 record(s) in 2 chain(s), unbroken"), "{stderr}");
+
+    let tampered = |edit: &dyn Fn(&mut Vec<String>)| {
+        let mut lines: Vec<String> = lines.iter().map(|l| (*l).to_owned()).collect();
+        edit(&mut lines);
+        let file = dir.path().join("tampered.jsonl");
+        std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+        verify(file.to_str().unwrap())
+    };
+    // A cost lowered by hand.
+    let (code, stderr) = tampered(&|l| l[1] = l[1].replacen("\"cost_micro_eur\":", "\"cost_micro_eur\":0", 1));
+    assert_eq!(code, 4, "{stderr}");
+    assert!(stderr.contains("line 2: chain ") && stderr.contains("seq 1 does not match its MAC"), "{stderr}");
+    assert!(stderr.contains("error: 1 break(s)"), "{stderr}");
+    // A line removed, then two swapped.
+    let (code, stderr) = tampered(&|l| drop(l.remove(5)));
+    assert_eq!(code, 4);
+    assert!(stderr.contains("line 6: chain ") && stderr.contains("seq 1..=1 missing"), "{stderr}");
+    let (code, stderr) = tampered(&|l| l.swap(2, 3));
+    assert_eq!(code, 4);
+    assert!(stderr.contains("seq 3 after seq 2") || stderr.contains("seq 2 after seq 3"), "{stderr}");
+    // A record added by someone without the key: whether unchained or with a copied chain.
+    let (code, stderr) = tampered(&|l| {
+        let forged = l[0].replace("\"tenant\":\"acme\"", "\"tenant\":\"globex\"");
+        l.push(forged.rsplit_once(",\"chain\":").unwrap().0.to_owned() + "}");
+    });
+    assert_eq!(code, 4);
+    assert!(stderr.contains("line 9: no chain"), "{stderr}");
+
+    // The wrong key: nothing verifies; an unset one is an error before any read.
+    std::fs::write(&key_file, "not the key the gateway chained with").unwrap();
+    let (code, stderr) = verify(path);
+    assert_eq!(code, 4);
+    assert!(stderr.contains("error: 8 break(s)"), "{stderr}");
+    let (code, stderr) = report(&["--audit", path, "--verify", "--chain-key", "env:FLEXWAY_TEST_UNSET_KEY"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("FLEXWAY_TEST_UNSET_KEY"), "{stderr}");
+}
+
+/// A chain key anyone could guess is refused at start, named.
+#[tokio::test]
+async fn a_short_chain_key_stops_the_start() {
+    let model = FakeModel::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = audit_config(&model).replace(
+        "audit: {sink: file, path: audit.jsonl, hash_salt: \"env:AUDIT_SALT\"}",
+        "audit: {sink: file, path: audit.jsonl, chain_key: \"env:SHORT_KEY\"}",
+    );
+    std::fs::write(dir.path().join("flexway.yaml"), yaml).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flexway"))
+        .args(["serve", "--config", "flexway.yaml", "--listen", "127.0.0.1:0"])
+        .current_dir(dir.path())
+        .env("SHORT_KEY", "tiny")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("audit.chain_key: the key is 4 bytes; a chain key is at least 16"), "{stderr}");
+}

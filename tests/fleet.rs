@@ -82,7 +82,7 @@ async fn two_processes_on_one_table_never_pass_the_cap_and_their_audits_equal_th
 
     // Every call of both processes is in the group, and the served ones sum to the ledger.
     let records = loop {
-        let records = flexway_aws::read_audit_log_group(&logs, &group, None, None).await.unwrap().records;
+        let records = flexway_aws::read_audit_log_group(&logs, &group, None, None, None).await.unwrap().records;
         if records.len() >= 30 {
             break records;
         }

@@ -221,3 +221,44 @@ async fn a_missing_log_group_exits_1_naming_it() {
     assert!(run.stderr.contains(&group) && run.stderr.contains("does not exist"), "{}", run.stderr);
     assert!(run.stdout.is_empty());
 }
+
+/// `--verify` on a log group: the records of a fleet process chaining into
+/// CloudWatch with concurrent PutLogEvents (which may land out of order) verify
+/// whole; a record put again by someone else, or put with no chain, is a break.
+#[tokio::test]
+async fn a_chained_audit_in_a_log_group_verifies_and_a_replayed_event_breaks_it() {
+    use flexway::audit::chain::ChainedAuditSink;
+    let client = client().await;
+    let group = fresh_group(&client).await;
+    let dir = tempfile::tempdir().unwrap();
+    let key_file = dir.path().join("chain.key");
+    std::fs::write(&key_file, "0123456789abcdef0123456789abcdef").unwrap();
+    let key = format!("file:{}", key_file.display());
+    let today = date(0);
+    let sink = std::sync::Arc::new(CloudWatchAuditSink::new(client.clone(), &group, "fleet-1"));
+    let chained = ChainedAuditSink::new(sink, b"0123456789abcdef0123456789abcdef");
+    let writes = (0..12).map(|i| {
+        let record = record(&today, &format!("req-{i}"), "acme", "ptu-west", Metering::Local, 10);
+        let chained = &chained;
+        async move { chained.write(&[record]).await.unwrap() }
+    });
+    futures_util::future::join_all(writes).await;
+
+    let run = flexway(&["report", "--log-group", &group, "--verify", "--chain-key", &key, "--format", "json"]);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert!(run.stderr.contains("verified: 12 record(s) in 1 chain(s), unbroken"), "{}", run.stderr);
+    let report: Value = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(cost(&report["local_total"]), 120);
+
+    // One of the events put again in another stream, and a record with no chain.
+    let events = client.filter_log_events().log_group_name(&group).send().await.unwrap();
+    let replayed = events.events()[3].message().unwrap().to_owned();
+    let unchained = serde_json::to_string(&record(&today, "req-x", "acme", "ptu-west", Metering::Local, 10)).unwrap();
+    let now_ms = i64::try_from(flexway::budget::period::unix_now_millis()).unwrap();
+    put_raw(&client, &group, "intruder", now_ms, &[&replayed, &unchained]).await;
+    let run = flexway(&["report", "--log-group", &group, "--verify", "--chain-key", &key]);
+    assert_eq!(run.code, 4, "{}", run.stderr);
+    assert!(run.stderr.contains("(stream intruder): no chain"), "{}", run.stderr);
+    assert!(run.stderr.contains("a line moved or repeated"), "{}", run.stderr);
+    assert!(run.stderr.contains("error: 2 break(s) in the audit's chain; 12 record(s) verified"), "{}", run.stderr);
+}

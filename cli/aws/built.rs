@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use flexway::audit::AuditSink;
+use flexway::audit::chain::Verifier;
 use flexway::audit::report::Read;
 use flexway::budget::{BudgetStore, LeasePolicy, LeasedBudgetStore};
 use flexway::secret::SecretSource;
@@ -40,10 +41,15 @@ pub fn secret_source() -> Arc<dyn SecretSource> {
 }
 
 /// The audit records in `group` whose events are timestamped in `from..=to` (Unix ms).
-pub async fn read_log_group(group: &str, from: Option<i64>, to: Option<i64>) -> Result<Read, String> {
+pub async fn read_log_group(
+    group: &str,
+    from: Option<i64>,
+    to: Option<i64>,
+    verifier: Option<&mut Verifier>,
+) -> Result<Read, String> {
     let sdk = flexway_aws::load_sdk_config().await;
     let client = aws_sdk_cloudwatchlogs::Client::new(&sdk);
-    flexway_aws::read_audit_log_group(&client, group, from, to).await.map_err(|e| match e {
+    flexway_aws::read_audit_log_group(&client, group, from, to, verifier).await.map_err(|e| match e {
         flexway_aws::AuditReadError::Query { .. } => {
             format!("{e}\nhint: it is read with the AWS environment: AWS_REGION, credentials, AWS_ENDPOINT_URL")
         }

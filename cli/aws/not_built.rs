@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use flexway::audit::AuditSink;
+use flexway::audit::chain::Verifier;
 use flexway::audit::report::Read;
 use flexway::budget::BudgetStore;
 use flexway::config::ProcessEnv;
@@ -35,7 +36,12 @@ pub fn secret_source() -> Arc<dyn SecretSource> {
     Arc::new(LocalSecrets::<ProcessEnv>::default())
 }
 
-pub async fn read_log_group(group: &str, _from: Option<i64>, _to: Option<i64>) -> Result<Read, String> {
+pub async fn read_log_group(
+    group: &str,
+    _from: Option<i64>,
+    _to: Option<i64>,
+    _verifier: Option<&mut Verifier>,
+) -> Result<Read, String> {
     Err(format!("--log-group {group}: {NOT_BUILT}"))
 }
 

@@ -9,6 +9,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use crate::audit::chain::ChainedAuditSink;
 use crate::audit::{AuditSink, Hasher};
 use crate::budget::BudgetStore;
 use crate::budget::SoftHints;
@@ -80,6 +81,17 @@ impl Gateway {
             Some(reference) => resolved.get(reference).map(|s| s.expose().as_bytes().to_vec()).unwrap_or_default(),
             None => Vec::new(),
         };
+        // Every door writes through `audit`: chained here, every record is.
+        let audit = match &config.audit.chain_key {
+            Some(reference) => {
+                let key = resolved.get(reference).map(|s| s.expose().as_bytes().to_vec()).unwrap_or_default();
+                if key.len() < 16 {
+                    return Err(SetupError::ShortChainKey { len: key.len() });
+                }
+                Arc::new(ChainedAuditSink::new(adapters.audit, &key)) as Arc<dyn AuditSink>
+            }
+            None => adapters.audit,
+        };
         let telemetry = Telemetry::start(config.telemetry.as_ref(), adapters.export)?;
         let upstreams = Upstreams::new(&config, &resolved)?;
         let next_refresh = Mutex::new(Instant::now() + config.secrets.refresh);
@@ -95,7 +107,7 @@ impl Gateway {
             grpc: GrpcClient::new(),
             budgets: adapters.budgets,
             soft_hints: SoftHints::default(),
-            audit: adapters.audit,
+            audit,
             metrics: Registry::new(),
             breakers: Breakers::new(config.ai.backends.iter().map(|(n, b)| (n.clone(), b.circuit_breaker.clone()))),
             config,

@@ -63,6 +63,8 @@ fn schema_lists_every_spec_field() {
         "feature",
         // The date the call was reserved on: the report counts it where the ledger did.
         "period",
+        // With audit.chain_key: the record's place in its writer's HMAC chain.
+        "chain",
     ];
     for field in spec_fields {
         assert!(properties.contains_key(field), "missing {field}");

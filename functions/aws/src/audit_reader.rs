@@ -9,6 +9,7 @@
 
 use aws_sdk_cloudwatchlogs::Client;
 use flexway::audit::AuditRecord;
+use flexway::audit::chain::{Verifier, position};
 use flexway::audit::report::{Read, Unreadable, parse_record};
 
 /// How much later than its `ts` a record's event can be timestamped: the audit is
@@ -39,13 +40,20 @@ pub const RECORD_FILTER_PATTERN: &str = "\"schema_version\"";
 /// also its log group) are skipped; an event that claims to be a record and is not
 /// one (cut, damaged, of a newer schema) is listed in `unreadable` by its event id and
 /// stream, and the read goes on, so that nothing is silently left out of a bill.
+///
+/// With a `verifier`, every event that claims to be a record is handed to it, each
+/// writer's records in the order of their `chain` sequence: a fleet process's
+/// PutLogEvents may land out of order (Lambda's own delivery does not), and events
+/// cannot be moved once in CloudWatch, so only a gap, a repeat or a bad MAC is a break.
 pub async fn read_audit_log_group(
     client: &Client,
     log_group: &str,
     from_ms: Option<i64>,
     to_ms: Option<i64>,
+    verifier: Option<&mut Verifier>,
 ) -> Result<Read, AuditReadError> {
     let mut events: Vec<(i64, AuditRecord)> = Vec::new();
+    let mut claims: Vec<(i64, String, String)> = Vec::new();
     let mut unreadable = Vec::new();
     let mut next_token: Option<String> = None;
     loop {
@@ -66,6 +74,10 @@ pub async fn read_audit_log_group(
                 }
             })?;
         for event in page.events() {
+            if verifier.is_some() && claims_to_be_a_record(event.message().unwrap_or_default()) {
+                let message = event.message().unwrap_or_default().to_owned();
+                claims.push((event.timestamp().unwrap_or_default(), event_name(event), message));
+            }
             match parse_event(event) {
                 Ok(Some(record)) => events.push((event.timestamp().unwrap_or_default(), record)),
                 Ok(None) => {}
@@ -81,6 +93,13 @@ pub async fn read_audit_log_group(
     }
     // A stable sort: equal timestamps keep the order received.
     events.sort_by_key(|(timestamp, _)| *timestamp);
+    if let Some(verifier) = verifier {
+        // Lines with no chain (each one a break) first, then writer by writer.
+        claims.sort_by(|a, b| position(&a.2).cmp(&position(&b.2)));
+        for (_, at, message) in claims {
+            verifier.line(|| at, &message);
+        }
+    }
     Ok(Read { records: events.into_iter().map(|(_, record)| record).collect(), unreadable })
 }
 
@@ -95,15 +114,13 @@ fn parse_event(event: &aws_sdk_cloudwatchlogs::types::FilteredLogEvent) -> Resul
     match parse_record(message) {
         Ok(record) => Ok(Some(record)),
         Err(_) if !claims_to_be_a_record(message) => Ok(None),
-        Err(why) => Err(Unreadable {
-            at: format!(
-                "event {} (stream {})",
-                event.event_id().unwrap_or("?"),
-                event.log_stream_name().unwrap_or("?")
-            ),
-            why,
-        }),
+        Err(why) => Err(Unreadable { at: event_name(event), why }),
     }
+}
+
+/// An event as a reader finds it again: its id and its stream.
+fn event_name(event: &aws_sdk_cloudwatchlogs::types::FilteredLogEvent) -> String {
+    format!("event {} (stream {})", event.event_id().unwrap_or("?"), event.log_stream_name().unwrap_or("?"))
 }
 
 /// The error and its sources, `: `-separated (the SDK's own errors say little at

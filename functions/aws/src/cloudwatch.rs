@@ -129,6 +129,11 @@ impl CloudWatchAuditSink {
 
 #[async_trait::async_trait]
 impl AuditSink for CloudWatchAuditSink {
+    /// Concurrent writes are concurrent PutLogEvents: either may land first.
+    fn ordered(&self) -> bool {
+        false
+    }
+
     async fn write(&self, records: &[AuditRecord]) -> Result<(), AuditError> {
         if records.is_empty() {
             return Ok(());

@@ -31,6 +31,10 @@ impl<S> EmfAuditSink<S> {
 
 #[async_trait::async_trait]
 impl<S: AuditSink> AuditSink for EmfAuditSink<S> {
+    fn ordered(&self) -> bool {
+        self.inner.ordered()
+    }
+
     async fn write(&self, records: &[AuditRecord]) -> Result<(), AuditError> {
         if !records.is_empty() {
             let mut lines = String::new();

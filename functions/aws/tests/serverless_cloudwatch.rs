@@ -128,15 +128,15 @@ async fn the_reader_reads_every_page_of_every_stream_in_time_order() {
     put_raw(&client, &group, "gateway-earlier", start, &lines).await;
     later.write(&many).await.unwrap();
 
-    let read = flexway_aws::read_audit_log_group(&client, &group, None, None).await.unwrap().records;
+    let read = flexway_aws::read_audit_log_group(&client, &group, None, None, None).await.unwrap().records;
     assert_eq!(read.len(), 10_003);
     assert_eq!(read[..2], earlier[..], "the earlier stream first, by event time");
     assert_eq!(read[2..], many[..], "all pages, in the order written");
 
     // Bounds are on event timestamps, both inclusive.
-    let first_only = flexway_aws::read_audit_log_group(&client, &group, None, Some(start)).await.unwrap();
+    let first_only = flexway_aws::read_audit_log_group(&client, &group, None, Some(start), None).await.unwrap();
     assert_eq!(first_only.records, earlier);
-    let rest = flexway_aws::read_audit_log_group(&client, &group, Some(start + 1), None).await.unwrap();
+    let rest = flexway_aws::read_audit_log_group(&client, &group, Some(start + 1), None, None).await.unwrap();
     assert_eq!(rest.records.len(), 10_001);
 }
 
@@ -150,7 +150,7 @@ async fn the_reader_skips_the_functions_own_lines_and_lists_a_damaged_record() {
     let emf = r#"{"_aws":{"Timestamp":1,"CloudWatchMetrics":[]},"tenant":"acme","calls":1}"#.to_owned();
     let log = r#"{"level":"info","fields":{"message":"hello"}}"#.to_owned();
     put_raw(&client, &group, "ok", now, &[good, emf, "END RequestId: 7a52".to_owned(), log]).await;
-    let read = flexway_aws::read_audit_log_group(&client, &group, None, None).await.unwrap();
+    let read = flexway_aws::read_audit_log_group(&client, &group, None, None, None).await.unwrap();
     assert_eq!(read.records.iter().map(|r| r.request_id.as_str()).collect::<Vec<_>>(), ["req-1"]);
     assert!(read.unreadable.is_empty(), "{:?}", read.unreadable);
 
@@ -161,7 +161,7 @@ async fn the_reader_skips_the_functions_own_lines_and_lists_a_damaged_record() {
     put_raw(&client, &group, "newer", now + 1, &[newer.to_string()]).await;
     put_raw(&client, &group, "other", now + 2, &[damaged.to_string()]).await;
     put_raw(&client, &group, "after", now + 3, &[serde_json::to_string(&record("req-4", "acme")).unwrap()]).await;
-    let read = flexway_aws::read_audit_log_group(&client, &group, None, None).await.unwrap();
+    let read = flexway_aws::read_audit_log_group(&client, &group, None, None, None).await.unwrap();
     let served: Vec<&str> = read.records.iter().map(|r| r.request_id.as_str()).collect();
     assert_eq!(served, ["req-1", "req-4"], "the read goes past unreadable events");
     let [newer, damaged] = read.unreadable.as_slice() else { panic!("{:?}", read.unreadable) };
@@ -173,7 +173,7 @@ async fn the_reader_skips_the_functions_own_lines_and_lists_a_damaged_record() {
     assert!(damaged.why.starts_with("not an audit record"), "{damaged}");
 
     let missing = emulator::unique("/flexway/no-such-group");
-    let error = flexway_aws::read_audit_log_group(&client, &missing, None, None).await.unwrap_err();
+    let error = flexway_aws::read_audit_log_group(&client, &missing, None, None, None).await.unwrap_err();
     assert!(matches!(error, flexway_aws::AuditReadError::GroupNotFound { .. }), "{error}");
 }
 

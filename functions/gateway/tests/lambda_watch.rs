@@ -369,14 +369,22 @@ async fn deliver(logs: &aws_sdk_cloudwatchlogs::Client, group: &str, lines: &[St
 /// The template's shape: the function's own log group is the audit group. The
 /// gateway prints each record (no PutLogEvents between the answer and the client),
 /// Lambda delivers its output to the group, and `flexway report`'s reader finds
-/// exactly the calls among the function's other lines.
+/// exactly the calls among the function's other lines, chained (`audit.chain_key`)
+/// through the EMF lines printed between them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_audit_goes_through_the_functions_own_log_when_that_is_the_audit_group() {
     let resources = Resources::new().await;
     let Resources { logs, table, log_group, .. } = &resources;
     let fake = FakeModel::start().await.unwrap();
-    let own = [("AWS_LAMBDA_LOG_GROUP_NAME", log_group.as_str()), ("AWS_LAMBDA_LOG_STREAM_NAME", "env-1")];
-    let function = Function::start(&config(table, log_group, &fake.url(), None), &own, None).await;
+    let chain_key = "a chain key for the lambda test";
+    let own = [
+        ("AWS_LAMBDA_LOG_GROUP_NAME", log_group.as_str()),
+        ("AWS_LAMBDA_LOG_STREAM_NAME", "env-1"),
+        ("FLEXWAY_CHAIN_KEY", chain_key),
+    ];
+    let config = config(table, log_group, &fake.url(), None)
+        .replace("log_stream: gateway-test}", "log_stream: gateway-test, chain_key: \"env:FLEXWAY_CHAIN_KEY\"}");
+    let function = Function::start(&config, &own, None).await;
 
     let mut request_ids = Vec::new();
     for stream in [false, true] {
@@ -393,9 +401,14 @@ async fn the_audit_goes_through_the_functions_own_log_when_that_is_the_audit_gro
     assert!(streams.log_streams().is_empty(), "the function called the Logs API: {streams:?}");
 
     deliver(logs, log_group, &function.output()).await;
-    let records = flexway_aws::read_audit_log_group(logs, log_group, None, None).await.unwrap().records;
+    let mut verifier = flexway::audit::chain::Verifier::new(chain_key.as_bytes(), true);
+    let read = flexway_aws::read_audit_log_group(logs, log_group, None, None, Some(&mut verifier)).await.unwrap();
+    let records = read.records;
     let read: Vec<&str> = records.iter().map(|r| r.request_id.as_str()).collect();
     assert_eq!(read, request_ids, "one record per call, in order, among {:?}", function.output());
+    let verdict = verifier.finish();
+    assert_eq!((verdict.verified, verdict.chains), (2, 1), "{:?}", verdict.breaks);
+    assert!(verdict.breaks.is_empty(), "{:?}", verdict.breaks);
     let used = resources.used_once_leases_are_swept().await;
     let tokens: u64 = records.iter().map(|r| r.prompt_tokens + r.completion_tokens).sum();
     let cost: u64 = records.iter().map(|r| r.cost_micro_eur).sum();

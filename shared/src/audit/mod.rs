@@ -13,6 +13,7 @@ use sha2::{Digest, Sha256};
 use crate::config::{Capability, Metering};
 use crate::money::MicroEur;
 
+pub mod chain;
 pub mod report;
 #[cfg(any(test, feature = "test-support"))]
 pub mod sample;
@@ -87,6 +88,11 @@ pub struct AuditRecord {
     /// uses the date of `ts`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub period: Option<String>,
+    /// With `audit.chain_key`: `{writer}:{seq}:{mac}`, the record's place in its
+    /// writer's sequence and its HMAC-SHA256 over the record before (see
+    /// `flexway report --verify`). Always the last field. Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chain: Option<String>,
 }
 
 /// How a realtime session ended.
@@ -259,6 +265,14 @@ pub enum AuditError {
 #[async_trait::async_trait]
 pub trait AuditSink: Send + Sync {
     async fn write(&self, records: &[AuditRecord]) -> Result<(), AuditError>;
+
+    /// Whether records land in the order `write` is called, so that a reader finds
+    /// them in that order (a file, stdout). A sink whose concurrent writes may land in
+    /// either order (a network put) says no: the chain then does not hold writes one
+    /// at a time for it, and its reader orders each writer's records by `chain`.
+    fn ordered(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]
@@ -306,6 +320,7 @@ mod tests {
             close_reason: None,
             feature: None,
             period: None,
+            chain: None,
         }
     }
 

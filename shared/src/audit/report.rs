@@ -16,6 +16,7 @@ use jiff::civil::Date;
 use jiff::tz::Offset;
 use serde_json::json;
 
+use super::chain::Verifier;
 use super::{AuditRecord, SCHEMA_VERSION};
 use crate::config::Metering;
 use crate::money::MicroEur;
@@ -69,7 +70,16 @@ pub fn parse_record(line: &str) -> Result<AuditRecord, String> {
 /// Reads a JSONL audit: one record per line, blank lines skipped. A line that is not
 /// a record (cut, damaged, not UTF-8, of a newer schema) is listed by its number
 /// (1-based) and the read goes on; only a file that cannot be read at all is an error.
-pub fn read_jsonl(mut reader: impl BufRead) -> Result<Read, ReportError> {
+pub fn read_jsonl(reader: impl BufRead) -> Result<Read, ReportError> {
+    read_jsonl_verifying(reader, None)
+}
+
+/// [`read_jsonl`], each line that is text also handed to `verifier`, which checks the
+/// audit's HMAC chain (`flexway report --verify`).
+pub fn read_jsonl_verifying(
+    mut reader: impl BufRead,
+    mut verifier: Option<&mut Verifier>,
+) -> Result<Read, ReportError> {
     let mut read = Read::default();
     let mut bytes = Vec::new();
     for line_no in 1.. {
@@ -86,6 +96,9 @@ pub fn read_jsonl(mut reader: impl BufRead) -> Result<Read, ReportError> {
         };
         if line.trim().is_empty() {
             continue;
+        }
+        if let Some(verifier) = verifier.as_deref_mut() {
+            verifier.line(at, line);
         }
         match parse_record(line.trim_end_matches(['\n', '\r'])) {
             Ok(record) => read.records.push(record),
@@ -521,6 +534,7 @@ mod tests {
             close_reason: None,
             feature: None,
             period: None,
+            chain: None,
         }
     }
 

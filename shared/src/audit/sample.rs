@@ -35,5 +35,6 @@ pub fn record(tenant: &str, backend: Option<&str>, metered_by: Metering, cost: u
         close_reason: None,
         feature: None,
         period: None,
+        chain: None,
     }
 }

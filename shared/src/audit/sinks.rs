@@ -23,7 +23,7 @@ fn jsonl(records: &[AuditRecord]) -> Vec<u8> {
 /// A record's line: the bytes serde_json makes of it (a test holds them equal; readers
 /// parse it with serde), written by hand ([`crate::json`]): serde_json's escaping of
 /// each name and value was ~5,500 instructions a call.
-fn line(record: &AuditRecord, out: &mut Vec<u8>) {
+pub(super) fn line(record: &AuditRecord, out: &mut Vec<u8>) {
     out.push(b'{');
     json::key(out, "schema_version");
     json::number(out, record.schema_version.into());
@@ -88,6 +88,10 @@ fn line(record: &AuditRecord, out: &mut Vec<u8>) {
     if let Some(period) = &record.period {
         json::next(out, "period");
         json::string(out, period);
+    }
+    if let Some(chain) = &record.chain {
+        json::next(out, "chain");
+        json::string(out, chain);
     }
     out.extend_from_slice(b"}\n");
 }
@@ -221,6 +225,7 @@ mod tests {
             close_reason: None,
             feature: None,
             period: None,
+            chain: None,
         }
     }
 
@@ -260,6 +265,7 @@ mod tests {
             r.close_reason = Some(reasons[i]);
             r.feature = Some(format!("feature-{i}"));
             r.period = Some(format!("2026-11-{:02}", 20 + i));
+            r.chain = (i % 2 == 0).then(|| format!("0123456789abcdef:{i}:{}", "ef".repeat(32)));
             r.cost_eur = costs[i];
             r.error_code = Some(ErrorCode::UpstreamError);
             r.user_hash = Some("cd".repeat(32));

@@ -84,7 +84,8 @@ impl Config {
     /// before it starts, and `flexway validate --resolve-secrets` checks.
     pub fn secret_references(&self) -> Vec<(String, &SecretRef)> {
         let salt = self.audit.hash_salt.iter().map(|salt| ("audit.hash_salt".to_owned(), salt));
-        salt.chain(self.ai.secret_references()).collect()
+        let chain = self.audit.chain_key.iter().map(|key| ("audit.chain_key".to_owned(), key));
+        salt.chain(chain).chain(self.ai.secret_references()).collect()
     }
 }
 
@@ -130,6 +131,8 @@ pub struct AuditConfig {
     pub sink: AuditSinkConfig,
     /// Salt for hashed identifiers; `None` means "no salt declared" (hashes still taken).
     pub hash_salt: Option<SecretRef>,
+    /// Key of the audit's HMAC chain; `None`: records are not chained.
+    pub chain_key: Option<SecretRef>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

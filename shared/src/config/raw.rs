@@ -85,6 +85,11 @@ pub struct RawAudit {
     pub log_stream: Option<String>,
     /// Salt for hashed identifiers (keys, end users): a secret reference.
     pub hash_salt: Option<RawSecret>,
+    /// Key of the audit's HMAC chain, a secret reference: each record then carries
+    /// `chain` (its writer, its number in the writer's sequence, and an HMAC-SHA256
+    /// over it and the previous record's), so that `flexway report --verify` finds a
+    /// line altered, forged, removed or moved. Resolved once, at start.
+    pub chain_key: Option<RawSecret>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]

@@ -479,9 +479,9 @@ impl Checker<'_> {
     }
 
     fn audit(&mut self, raw: Option<RawAudit>) -> Option<AuditConfig> {
-        let Some(RawAudit { sink, path, log_group, log_stream, hash_salt }) = raw else {
+        let Some(RawAudit { sink, path, log_group, log_stream, hash_salt, chain_key }) = raw else {
             self.unsalted_audit();
-            return Some(AuditConfig { sink: AuditSinkConfig::Stdout, hash_salt: None });
+            return Some(AuditConfig { sink: AuditSinkConfig::Stdout, hash_salt: None, chain_key: None });
         };
         let here = |sink: &str| format!("audit sink {sink}");
         let (has_path, has_group, has_stream) = (path.is_some(), log_group.is_some(), log_stream.is_some());
@@ -511,7 +511,11 @@ impl Checker<'_> {
                 None
             }
         };
-        Some(AuditConfig { sink: sink?, hash_salt })
+        let chain_key = match &chain_key {
+            Some(key) => Some(self.secret("audit.chain_key", key)?),
+            None => None,
+        };
+        Some(AuditConfig { sink: sink?, hash_salt, chain_key })
     }
 
     fn telemetry(&mut self, raw: RawTelemetry) -> Option<TelemetryConfig> {

@@ -124,6 +124,16 @@ fn has_valid_port(authority: &str) -> bool {
     }
 }
 
+/// A reference as the configuration writes it (`env:NAME`, `file:PATH`, an AWS ARN),
+/// for the commands that take one on their command line.
+impl std::str::FromStr for SecretRef {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        secret_ref(text)
+    }
+}
+
 /// A secret reference, checked for its form only: whether it can be resolved here
 /// and now is [`unresolvable`]'s question.
 pub(super) fn secret_ref(text: &str) -> Result<SecretRef, String> {

@@ -91,6 +91,7 @@ impl Draft {
             close_reason: None,
             feature: None,
             period: None,
+            chain: None,
         };
         Draft {
             gateway: gateway.clone(),
