@@ -407,3 +407,67 @@ async fn a_key_that_is_not_a_private_key_stops_the_start_without_showing_it() {
     );
     assert!(!stderr.contains(pki.client.cert.lines().nth(1).unwrap()), "{stderr}");
 }
+
+/// Lambda's init opens the backends' connections (`Upstreams::preconnect`): the
+/// first call then finds its connection made, whether the backend's TLS chose
+/// HTTP/1.1 or HTTP/2 (a HEAD on each client a call uses), and a plain backend's
+/// TCP connection is pooled with nothing sent on it.
+#[tokio::test]
+async fn backends_connected_ahead_serve_the_first_call_on_that_connection() {
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    for alpn in [&[][..], &[&b"h2"[..], b"http/1.1"][..]] {
+        let backend = tls_backend_offering(&pki.server, &pki.ca, alpn, 200).await;
+        let yaml = mtls_config(backend.addr, Some(right_client_tls(dir.path(), &pki)));
+        let gw = in_process_with_env(&yaml, &[("CLIENT_KEY", &pki.client.key)]).await;
+        gw.gateway.upstreams.preconnect(Duration::from_secs(5)).await;
+        let opened = backend.connections.load(Ordering::Relaxed);
+        // Offered `h2`, the first handshake (ALPN's choice) learns it, and the HTTP/2
+        // client the calls then use makes its own.
+        assert_eq!(opened, if alpn.is_empty() { 1 } else { 2 }, "connections opened ahead ({alpn:?})");
+        for _ in 0..2 {
+            assert_eq!(gw.chat(KEY, hello("m")).await.status(), 200);
+        }
+        assert_eq!(backend.connections.load(Ordering::Relaxed), opened, "the calls reuse it ({alpn:?})");
+    }
+
+    // A plain backend, behind a counting TCP relay: a connection, no request, then the
+    // call on it.
+    let model = FakeModel::start().await.unwrap();
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let relay_addr = relay.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counted = accepted.clone();
+    let target = model.addr();
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = relay.accept().await {
+            counted.fetch_add(1, Ordering::Relaxed);
+            tokio::spawn(async move {
+                let mut outbound = tokio::net::TcpStream::connect(target).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            });
+        }
+    });
+    let yaml = one_backend(&format!("http://{relay_addr}/v1"));
+    let gw = in_process_with_env(&yaml, &[]).await;
+    gw.gateway.upstreams.preconnect(Duration::from_secs(5)).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!((accepted.load(Ordering::Relaxed), model.request_count()), (1, 0));
+    assert_eq!(gw.chat(KEY, hello("m")).await.status(), 200);
+    assert_eq!((accepted.load(Ordering::Relaxed), model.request_count()), (1, 1));
+}
+
+/// A gateway served in this process, its secrets read from `env`.
+async fn in_process_with_env(yaml: &str, env: &[(&str, &str)]) -> InProcess {
+    let env: std::collections::HashMap<String, String> =
+        env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+    let loaded = flexway::config::load_str(yaml, &env).unwrap_or_else(|e| panic!("{e}"));
+    let secrets = Arc::new(flexway::secret::LocalSecrets { env });
+    let (adapters, _) = memory_adapters();
+    let gateway = Arc::new(flexway::Gateway::new(loaded.config, secrets, adapters).await.unwrap());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let app = flexway::http::app(gateway.clone());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    InProcess { url, gateway }
+}

@@ -5,7 +5,8 @@
 //!
 //! Everything is built once, at init: config (bundled with the function, path in
 //! `FLEXWAY_CONFIG`), SDK clients with their connections warmed, every secret
-//! reference resolved (Secrets Manager and SSM with the function's own role). Handlers
+//! reference resolved (Secrets Manager and SSM with the function's own role), the
+//! backends' connections opened in the background. Handlers
 //! settle budgets and write the audit before the response ends, never in a task
 //! left behind: Lambda may freeze the environment as soon as the stream closes. Each
 //! request carries its invocation's deadline ([`Deadline`]): a stream still open just
@@ -21,6 +22,9 @@ use flexway::http::Deadline;
 use flexway_aws::AwsSecretSource;
 use lambda_http::RequestExt;
 use lambda_http::tower::ServiceBuilder;
+
+/// How long init's connection to a backend may take before its first call makes it.
+const PRECONNECT_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// As `flexway serve`: many small, short-lived allocations across threads.
 #[global_allocator]
@@ -60,8 +64,12 @@ async fn run(started: Instant) -> Result<(), lambda_http::Error> {
     // Secrets Manager / SSM references with the function's own role; refreshed beside
     // the first request that finds `secrets.refresh` due (`flexway::http::api`).
     let secrets = Arc::new(AwsSecretSource::new(sdk.clone()));
-    let gateway = flexway::Gateway::new(loaded.config, secrets, adapters).await?;
-    let app = flexway::http::api(Arc::new(gateway));
+    let gateway = Arc::new(flexway::Gateway::new(loaded.config, secrets, adapters).await?);
+    // The backends' handshakes, begun now and not waited for: on a cold start they
+    // overlap the first call's own work (its ledger write) instead of following it.
+    let connecting = gateway.clone();
+    tokio::spawn(async move { connecting.upstreams.preconnect(PRECONNECT_WITHIN).await });
+    let app = flexway::http::api(gateway);
     // Each invocation's deadline, for streams to end (settled, recorded) before it.
     let app = ServiceBuilder::new().map_request(with_deadline).service(app);
     tracing::info!(init_ms = started.elapsed().as_millis() as u64, "flexway gateway ready; polling for invocations");

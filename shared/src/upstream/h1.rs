@@ -171,6 +171,14 @@ impl Pool {
         Ok(http::Response::from_parts(head, body))
     }
 
+    /// Opens a connection to `target` and pools it, sending nothing: the next call
+    /// to it finds the TCP handshake made.
+    pub async fn warm(self: &Arc<Self>, target: &Target) -> Result<(), Error> {
+        let stream = connect(target).await?;
+        self.put(&target.authority, stream);
+        Ok(())
+    }
+
     /// The most recently used of `authority`'s idle connections that is still open.
     fn take(&self, authority: &str) -> Option<TcpStream> {
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);

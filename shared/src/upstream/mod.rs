@@ -359,6 +359,41 @@ impl UpstreamClient {
         }
     }
 
+    /// Opens a connection to the backend ahead of its first call (Lambda's init, where
+    /// the first call would otherwise wait for the handshakes). A plain backend's TCP
+    /// connection goes into this thread's pool with nothing sent. An `https://` one's
+    /// is made by a `HEAD` of the base URL, without the credential or any caller's
+    /// header, by the client a call would use (and, when the handshake chose HTTP/2, by
+    /// the HTTP/2 one the next calls use); its answer, whatever the status, is read and
+    /// dropped, and the connection stays pooled.
+    pub async fn preconnect(&self) -> Result<(), CallError> {
+        if let Some(plain) = &self.plain {
+            let pool = &plain.pools[SERVING_THREAD.with(Cell::get) % plain.pools.len()];
+            return pool.warm(&plain.target).await.map_err(|e| CallError::Connect(describe(&e)));
+        }
+        let uri: Uri = self.base.parse().map_err(|e| CallError::Connect(format!("{}: {e}", self.base)))?;
+        let live = self.live.load();
+        let lanes = &live.http[SERVING_THREAD.with(Cell::get) % live.http.len()];
+        let head = || {
+            let mut request = http::Request::new(Full::new(Bytes::new()));
+            *request.method_mut() = Method::HEAD;
+            *request.uri_mut() = uri.clone();
+            request
+        };
+        loop {
+            let (lane, _seat) = lanes.seat();
+            let h2 = self.speaks_h2.load(Ordering::Relaxed);
+            let client = if h2 { &lane.client.h2 } else { &lane.client.auto };
+            let answer = client.request(head()).await.map_err(|e| send_error(&e))?;
+            // The answer's end hands the connection back to its pool.
+            let _ = http_body_util::BodyExt::collect(answer.into_body()).await;
+            // At most twice: the handshake of the first chose HTTP/2.
+            if h2 || !self.speaks_h2.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+        }
+    }
+
     /// The caller's headers this backend names in `forward_headers`, every value of each.
     fn forward_to(&self, headers: &mut http::HeaderMap, caller: &CallerIdentity) {
         for (name, value) in &caller.forwarded {
@@ -506,6 +541,19 @@ impl Upstreams {
             clients.insert(name.clone(), client);
         }
         Ok(Upstreams { clients, forwardable, negotiated })
+    }
+
+    /// Opens a connection to every endpoint backend at once, each given at most
+    /// `within`; one that fails or takes longer is logged and left to its first call.
+    pub async fn preconnect(&self, within: Duration) {
+        let each = self.clients.iter().map(|(name, client)| async move {
+            match tokio::time::timeout(within, client.preconnect()).await {
+                Ok(Ok(())) => tracing::debug!(backend = %name, "connected ahead of the first call"),
+                Ok(Err(e)) => tracing::info!(backend = %name, "not connected ahead of the first call: {e}"),
+                Err(_) => tracing::info!(backend = %name, "not connected ahead of the first call within {within:?}"),
+            }
+        });
+        futures_util::future::join_all(each).await;
     }
 
     /// The caller's headers some backend forwards, each value of each: what a call
