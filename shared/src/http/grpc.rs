@@ -27,7 +27,7 @@
 //! server-streaming methods only; client and bidirectional streaming are refused.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -40,12 +40,11 @@ use hyper::body::Frame;
 
 use super::RequestId;
 use super::chain::{self, Answered, Failure};
+use super::meter::{Frames, Meter, Slot, Stop};
 use super::record::{Draft, UsageSource};
-use crate::admission::{STREAM_RESERVATION_SECS, reserve_eur};
-use crate::budget::Ticket;
 use crate::call::headers::{BACKEND as BACKEND_HEADER, CREDENTIALS, DEGRADED as DEGRADED_HEADER};
 use crate::call::{ErrorCode, Operation};
-use crate::config::{AiOperation, BackendId, BackendKind, Capability, GrpcMetering, GrpcMethod};
+use crate::config::{BackendId, BackendKind, Capability, GrpcMetering, GrpcMethod};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
@@ -58,12 +57,7 @@ use crate::upstream::CallError;
 use crate::upstream::body::Fault;
 use crate::upstream::grpc::{BoxError, UpstreamBody};
 
-/// The response allowance a per-byte call reserves before it starts, and the least it
-/// reserves at each step after.
-pub const RESPONSE_ALLOWANCE_BYTES: u64 = 4096;
-/// The largest message a metered call passes (gRPC's usual default): a larger
-/// declared length ends the call with `RESOURCE_EXHAUSTED`.
-pub const MAX_MESSAGE_BYTES: u64 = 4 * 1024 * 1024;
+pub use super::meter::{MAX_MESSAGE_BYTES, RESPONSE_ALLOWANCE_BYTES};
 /// The settled cost, in the trailers (euros, `0.002500`).
 pub const COST_TRAILER: &str = "flexway-cost-eur";
 
@@ -123,6 +117,15 @@ impl Refusal {
     }
 }
 
+impl From<Stop> for Refusal {
+    fn from(stop: Stop) -> Self {
+        match stop {
+            Stop::Budget(error) => Refusal::from(error),
+            Stop::TooLarge(declared) => too_large(declared),
+        }
+    }
+}
+
 impl From<GatewayError> for Refusal {
     fn from(error: GatewayError) -> Self {
         let message = match &error {
@@ -173,7 +176,7 @@ pub(super) async fn handle(gateway: Arc<Gateway>, request_id: RequestId, request
         Ok(Proxied { response, relay }) => relay.respond(response, draft),
         Err(Failed { refusal, meter }) => {
             if let Some(meter) = meter {
-                meter.close(false, refusal.code.number()).await;
+                meter.close(false, false).await;
             }
             if refusal.code == Code::ResourceExhausted {
                 draft.exceeded();
@@ -268,7 +271,7 @@ async fn call(
         Ok(served) => served,
         Err(e) => {
             // A budget step refused while the request went out is why the call ended.
-            let refusal = meter.refusal().unwrap_or_else(|| Refusal::from(e));
+            let refusal = meter.stop().map_or_else(|| Refusal::from(e), Refusal::from);
             return Err(Failed { refusal, meter: Some(meter) });
         }
     };
@@ -285,7 +288,7 @@ struct SendCall<'a> {
     headers: &'a HeaderMap,
     sensitive_header: &'a str,
     flavor: Flavor,
-    slot: Slot,
+    slot: Slot<RequestBody>,
 }
 
 impl<'a> chain::Attempt for SendCall<'a> {
@@ -462,189 +465,9 @@ fn forwarded(name: &HeaderName) -> bool {
         && !name.starts_with("proxy-")
 }
 
-// ----- metering -------------------------------------------------------------------
-
-/// A call's budget: its reservations, what they cover, and what passed.
-struct Meter {
-    gateway: Arc<Gateway>,
-    caller: Caller,
-    request_id: String,
-    operation: Option<AiOperation>,
-    life_secs: u64,
-    held: tokio::sync::Mutex<Held>,
-    /// A step refused at the cap, or a message too large: how the call ends.
-    refusal: Mutex<Option<Refusal>>,
-}
-
-#[derive(Default)]
-struct Held {
-    tickets: Vec<(Ticket, MicroEur)>,
-    /// The first reservation's date: the call counts on it.
-    period: Option<String>,
-    /// Bytes the reservations cover, and bytes admitted (declared by prefixes).
-    covered: u64,
-    admitted: u64,
-    /// Payload bytes that passed, both directions.
-    passed: u64,
-    closed: bool,
-}
-
-impl Meter {
-    fn new(
-        gateway: Arc<Gateway>,
-        caller: Caller,
-        request_id: &RequestId,
-        operation: Option<AiOperation>,
-        timeout: Duration,
-    ) -> Self {
-        Meter {
-            gateway,
-            caller,
-            request_id: request_id.0.clone(),
-            operation,
-            life_secs: timeout.as_secs() + STREAM_RESERVATION_SECS,
-            held: tokio::sync::Mutex::new(Held::default()),
-            refusal: Mutex::new(None),
-        }
-    }
-
-    fn per_byte(&self) -> Option<&AiOperation> {
-        self.operation.as_ref().filter(|op| op.metering == GrpcMetering::PerByte)
-    }
-
-    /// The reservation made before the call: one call's price, or the first
-    /// request message's bytes plus the response allowance.
-    async fn reserve_first(&self, first_message: u64) -> Result<(), GatewayError> {
-        let Some(operation) = &self.operation else { return Ok(()) };
-        let units = match operation.metering {
-            GrpcMetering::PerCall => 1,
-            GrpcMetering::PerByte => first_message + RESPONSE_ALLOWANCE_BYTES,
-        };
-        let mut held = self.held.lock().await;
-        self.step(&mut held, operation, units).await
-    }
-
-    async fn step(&self, held: &mut Held, operation: &AiOperation, units: u64) -> Result<(), GatewayError> {
-        let amount = operation.cost(units);
-        let id = match held.tickets.len() {
-            0 => self.request_id.clone(),
-            n => format!("{}/{}", self.request_id, n + 1),
-        };
-        let ticket = reserve_eur(&self.gateway, &self.caller, &id, amount, self.life_secs).await?;
-        held.period.get_or_insert_with(|| ticket.period());
-        held.tickets.push((ticket, amount));
-        held.covered += units;
-        Ok(())
-    }
-
-    /// Before a message of `declared` payload bytes passes (per-byte calls): reserves
-    /// a step if the reservations do not cover it. `false`: the call must end.
-    async fn admit(&self, declared: u64) -> bool {
-        let Some(operation) = self.per_byte() else { return true };
-        if declared > MAX_MESSAGE_BYTES {
-            self.refuse(too_large(declared));
-            return false;
-        }
-        let mut held = self.held.lock().await;
-        if held.closed {
-            return false;
-        }
-        if held.admitted + declared > held.covered {
-            let missing = held.admitted + declared - held.covered;
-            if let Err(e) = self.step(&mut held, operation, missing.max(RESPONSE_ALLOWANCE_BYTES)).await {
-                drop(held);
-                self.refuse(Refusal::from(e));
-                return false;
-            }
-        }
-        held.admitted += declared;
-        true
-    }
-
-    async fn passed(&self, payload: u64) {
-        if payload > 0 && self.per_byte().is_some() {
-            let mut held = self.held.lock().await;
-            if !held.closed {
-                held.passed += payload;
-            }
-        }
-    }
-
-    fn refuse(&self, refusal: Refusal) {
-        let mut slot = self.refusal.lock().unwrap_or_else(PoisonError::into_inner);
-        slot.get_or_insert(refusal);
-    }
-
-    fn refusal(&self) -> Option<Refusal> {
-        self.refusal.lock().unwrap_or_else(PoisonError::into_inner).take()
-    }
-
-    /// Settles every reservation on the call's cost and returns it: per call when the
-    /// upstream served it with status OK, per byte on what passed once the upstream
-    /// answered; a refund otherwise. Once: later calls cost nothing.
-    async fn close(&self, answered: bool, status: u16) -> MicroEur {
-        let mut held = self.held.lock().await;
-        if held.closed {
-            return MicroEur(0);
-        }
-        held.closed = true;
-        let cost = match &self.operation {
-            None => MicroEur(0),
-            Some(op) if !answered => op.cost(0),
-            Some(op) => match op.metering {
-                GrpcMetering::PerCall if status == Code::Ok.number() => op.cost(1),
-                GrpcMetering::PerCall => MicroEur(0),
-                GrpcMetering::PerByte => op.cost(held.passed),
-            },
-        };
-        // The cost is within what was reserved (each step was reserved before its
-        // bytes passed): spread it over the reservations in order.
-        let mut left = cost.0;
-        for (ticket, amount) in std::mem::take(&mut held.tickets) {
-            let part = left.min(amount.0);
-            left -= part;
-            if part == 0 {
-                ticket.refund().await;
-            } else {
-                ticket.settle_eur(MicroEur(part)).await;
-            }
-        }
-        if left > 0 {
-            tracing::error!(request_id = %self.request_id, left, "gRPC cost beyond its reservations: not charged");
-        }
-        MicroEur(cost.0 - left)
-    }
-}
-
 // ----- the two directions -------------------------------------------------------------
 
 /// The caller's request body on its way upstream: frames as they come, metered.
-/// The request's body until a backend takes it: a send that fails before polling it
-/// leaves it here for the next backend; once polled, the call is that backend's.
-struct Slot(Arc<Mutex<Option<RequestBody>>>);
-
-impl Slot {
-    fn new(body: RequestBody) -> Self {
-        Slot(Arc::new(Mutex::new(Some(body))))
-    }
-
-    /// Whether no backend has taken the body yet.
-    fn untouched(&self) -> bool {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).is_some()
-    }
-
-    /// The body for one send: taken from the slot when first polled.
-    fn body(&self) -> UpstreamBody {
-        let slot = self.0.clone();
-        let taken =
-            futures_util::stream::once(async move { slot.lock().unwrap_or_else(PoisonError::into_inner).take() });
-        let bodies =
-            futures_util::StreamExt::map(taken, |body| futures_util::stream::iter(body.map(RequestBody::frames)));
-        let frames = futures_util::StreamExt::flatten(futures_util::StreamExt::flatten(bodies));
-        http_body_util::BodyExt::boxed_unsync(StreamBody::new(frames))
-    }
-}
-
 struct RequestBody {
     body: Body,
     pending: VecDeque<Frame<Bytes>>,
@@ -656,9 +479,11 @@ impl RequestBody {
     fn new(body: Body, pending: VecDeque<Frame<Bytes>>, meter: Arc<Meter>) -> Self {
         RequestBody { body, pending, meter, counter: MessageCounter::default() }
     }
+}
 
+impl Frames for RequestBody {
     /// The frames sent upstream, metered on the way.
-    fn frames(self) -> impl futures_util::Stream<Item = Result<Frame<Bytes>, BoxError>> {
+    fn frames(self) -> impl futures_util::Stream<Item = Result<Frame<Bytes>, BoxError>> + Send + 'static {
         futures_util::stream::try_unfold(self, |mut this| async move {
             let frame = loop {
                 let frame = match this.pending.pop_front() {
@@ -710,10 +535,10 @@ struct Ending {
 impl Ending {
     async fn end(&mut self, status: u16, error_code: Option<ErrorCode>) -> MicroEur {
         let Some(mut draft) = self.draft.take() else { return MicroEur(0) };
-        if let Some(period) = self.meter.held.lock().await.period.clone() {
+        if let Some(period) = self.meter.period().await {
             draft.reserved_on(period);
         }
-        let cost = self.meter.close(true, status).await;
+        let cost = self.meter.close(true, status == Code::Ok.number()).await;
         draft.usage(Usage::default(), UsageSource::Reported, cost);
         if status == Code::ResourceExhausted.number() && error_code == Some(ErrorCode::BudgetExceeded) {
             draft.exceeded();
@@ -799,7 +624,7 @@ impl Relaying {
             Some(Err(e)) => {
                 tracing::warn!("gRPC upstream stream: {e}");
                 self.pass.record(&self.ending.meter.gateway.breakers, Outcome::ConnectionError);
-                let refusal = self.ending.meter.refusal().unwrap_or_else(|| {
+                let refusal = self.ending.meter.stop().map(Refusal::from).unwrap_or_else(|| {
                     Refusal::new(Code::Unavailable, ErrorCode::UpstreamError, format!("the upstream stream broke: {e}"))
                 });
                 return self.finish(Some(refusal)).await;
@@ -815,7 +640,7 @@ impl Relaying {
                 let seen = self.counter.feed(data);
                 for declared in seen.declared {
                     if !self.ending.meter.admit(declared).await {
-                        let refusal = self.ending.meter.refusal();
+                        let refusal = self.ending.meter.stop().map(Refusal::from);
                         return self.finish(refusal).await;
                     }
                 }
@@ -826,7 +651,7 @@ impl Relaying {
         match frame.into_trailers() {
             Ok(trailers) => {
                 // A step refused on the request side ends the call with its refusal.
-                if let Some(refusal) = self.ending.meter.refusal() {
+                if let Some(refusal) = self.ending.meter.stop().map(Refusal::from) {
                     return self.finish(Some(refusal)).await;
                 }
                 let status = status_of(&trailers).unwrap_or(Code::Unknown.number());
@@ -838,7 +663,7 @@ impl Relaying {
 
     /// The stream ended without trailers (or the gateway ends it with `refusal`).
     async fn finish(&mut self, refusal: Option<Refusal>) -> Option<Frame<Bytes>> {
-        if let Some(refusal) = refusal.or_else(|| self.ending.meter.refusal()) {
+        if let Some(refusal) = refusal.or_else(|| self.ending.meter.stop().map(Refusal::from)) {
             let mut trailers = HeaderMap::new();
             trailers.insert("grpc-status", HeaderValue::from(refusal.code.number()));
             if let Ok(message) = HeaderValue::from_str(&encode_message(&refusal.text())) {

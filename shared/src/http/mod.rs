@@ -6,6 +6,7 @@ mod dispatch;
 mod door;
 mod error;
 pub mod grpc;
+mod meter;
 mod proxy;
 mod realtime;
 mod record;

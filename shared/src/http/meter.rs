@@ -1,0 +1,234 @@
+//! Metering of specialised models' operations (SPEC §10), one implementation for the
+//! gRPC methods that carry `(flexway.v1.operation).ai` and the REST operations that
+//! carry `x-flexway-ai`:
+//! - per call: one call's price reserved before the call, charged when the upstream
+//!   served it, refunded otherwise; the body is never read;
+//! - per byte: the bytes the call is expected to move reserved before it starts, and
+//!   another step reserved whenever more are about to pass than are covered; a step
+//!   refused at the cap ends the call, so the cap is never passed; settled on the
+//!   bytes that passed.
+//!
+//! Also the request body's slot: it stays with the gateway until a backend polls it,
+//! so that a backend that fails before taking a byte hands the call to the next one.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::StreamBody;
+use hyper::body::Frame;
+
+use super::RequestId;
+use crate::admission::{STREAM_RESERVATION_SECS, reserve_eur};
+use crate::budget::Ticket;
+use crate::config::{AiOperation, GrpcMetering};
+use crate::error::GatewayError;
+use crate::gateway::Gateway;
+use crate::identity::Caller;
+use crate::money::MicroEur;
+use crate::upstream::grpc::{BoxError, UpstreamBody};
+
+/// The response allowance a per-byte call reserves before it starts, and the least it
+/// reserves at each step after.
+pub const RESPONSE_ALLOWANCE_BYTES: u64 = 4096;
+/// The largest message (gRPC) or chunk (REST) a metered call passes at once: more
+/// declared at once ends the call.
+pub const MAX_MESSAGE_BYTES: u64 = 4 * 1024 * 1024;
+
+/// Why a metered call must end before its bytes pass.
+#[derive(Debug)]
+pub(super) enum Stop {
+    /// A step refused (the cap, or the ledger).
+    Budget(GatewayError),
+    /// A message declared larger than [`MAX_MESSAGE_BYTES`].
+    TooLarge(u64),
+}
+
+/// A call's budget: its reservations, what they cover, and what passed.
+pub(super) struct Meter {
+    pub gateway: Arc<Gateway>,
+    caller: Caller,
+    request_id: String,
+    operation: Option<AiOperation>,
+    life_secs: u64,
+    held: tokio::sync::Mutex<Held>,
+    /// A step refused at the cap, or a message too large: how the call ends.
+    stop: Mutex<Option<Stop>>,
+}
+
+#[derive(Default)]
+struct Held {
+    tickets: Vec<(Ticket, MicroEur)>,
+    /// The first reservation's date: the call counts on it.
+    period: Option<String>,
+    /// Bytes the reservations cover, and bytes admitted.
+    covered: u64,
+    admitted: u64,
+    /// Payload bytes that passed, both directions.
+    passed: u64,
+    closed: bool,
+}
+
+impl Meter {
+    pub fn new(
+        gateway: Arc<Gateway>,
+        caller: Caller,
+        request_id: &RequestId,
+        operation: Option<AiOperation>,
+        timeout: Duration,
+    ) -> Self {
+        Meter {
+            gateway,
+            caller,
+            request_id: request_id.0.clone(),
+            operation,
+            life_secs: timeout.as_secs() + STREAM_RESERVATION_SECS,
+            held: tokio::sync::Mutex::new(Held::default()),
+            stop: Mutex::new(None),
+        }
+    }
+
+    pub fn per_byte(&self) -> Option<&AiOperation> {
+        self.operation.as_ref().filter(|op| op.metering == GrpcMetering::PerByte)
+    }
+
+    /// The date the call counts on (its first reservation's), once reserved.
+    pub async fn period(&self) -> Option<String> {
+        self.held.lock().await.period.clone()
+    }
+
+    /// The reservation made before the call: one call's price, or `first_bytes` (what
+    /// the request is known to carry) plus the response allowance.
+    pub async fn reserve_first(&self, first_bytes: u64) -> Result<(), GatewayError> {
+        let Some(operation) = &self.operation else { return Ok(()) };
+        let units = match operation.metering {
+            GrpcMetering::PerCall => 1,
+            GrpcMetering::PerByte => first_bytes + RESPONSE_ALLOWANCE_BYTES,
+        };
+        let mut held = self.held.lock().await;
+        self.step(&mut held, operation, units).await
+    }
+
+    async fn step(&self, held: &mut Held, operation: &AiOperation, units: u64) -> Result<(), GatewayError> {
+        let amount = operation.cost(units);
+        let id = match held.tickets.len() {
+            0 => self.request_id.clone(),
+            n => format!("{}/{}", self.request_id, n + 1),
+        };
+        let ticket = reserve_eur(&self.gateway, &self.caller, &id, amount, self.life_secs).await?;
+        held.period.get_or_insert_with(|| ticket.period());
+        held.tickets.push((ticket, amount));
+        held.covered += units;
+        Ok(())
+    }
+
+    /// Before `declared` bytes pass (per-byte calls): reserves a step if the
+    /// reservations do not cover them. `false`: the call must end ([`Meter::stop`]).
+    pub async fn admit(&self, declared: u64) -> bool {
+        let Some(operation) = self.per_byte() else { return true };
+        if declared > MAX_MESSAGE_BYTES {
+            self.stop_with(Stop::TooLarge(declared));
+            return false;
+        }
+        let mut held = self.held.lock().await;
+        if held.closed {
+            return false;
+        }
+        if held.admitted + declared > held.covered {
+            let missing = held.admitted + declared - held.covered;
+            if let Err(e) = self.step(&mut held, operation, missing.max(RESPONSE_ALLOWANCE_BYTES)).await {
+                drop(held);
+                self.stop_with(Stop::Budget(e));
+                return false;
+            }
+        }
+        held.admitted += declared;
+        true
+    }
+
+    /// `payload` bytes passed (per-byte calls).
+    pub async fn passed(&self, payload: u64) {
+        if payload > 0 && self.per_byte().is_some() {
+            let mut held = self.held.lock().await;
+            if !held.closed {
+                held.passed += payload;
+            }
+        }
+    }
+
+    fn stop_with(&self, stop: Stop) {
+        let mut slot = self.stop.lock().unwrap_or_else(PoisonError::into_inner);
+        slot.get_or_insert(stop);
+    }
+
+    /// Why the call had to end, if it had to (taken once).
+    pub fn stop(&self) -> Option<Stop> {
+        self.stop.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+
+    /// Settles every reservation on the call's cost and returns it: per call when
+    /// `served`, per byte on what passed once the upstream `answered`; a refund
+    /// otherwise. Once: later calls cost nothing.
+    pub async fn close(&self, answered: bool, served: bool) -> MicroEur {
+        let mut held = self.held.lock().await;
+        if held.closed {
+            return MicroEur(0);
+        }
+        held.closed = true;
+        let cost = match &self.operation {
+            None => MicroEur(0),
+            Some(op) if !answered => op.cost(0),
+            Some(op) => match op.metering {
+                GrpcMetering::PerCall if served => op.cost(1),
+                GrpcMetering::PerCall => MicroEur(0),
+                GrpcMetering::PerByte => op.cost(held.passed),
+            },
+        };
+        // The cost is within what was reserved (each step was reserved before its
+        // bytes passed): spread it over the reservations in order.
+        let mut left = cost.0;
+        for (ticket, amount) in std::mem::take(&mut held.tickets) {
+            let part = left.min(amount.0);
+            left -= part;
+            if part == 0 {
+                ticket.refund().await;
+            } else {
+                ticket.settle_eur(MicroEur(part)).await;
+            }
+        }
+        if left > 0 {
+            tracing::error!(request_id = %self.request_id, left, "metered cost beyond its reservations: not charged");
+        }
+        MicroEur(cost.0 - left)
+    }
+}
+
+/// A request body that can be sent upstream as frames, metered on the way.
+pub(super) trait Frames: Send + 'static {
+    fn frames(self) -> impl futures_util::Stream<Item = Result<Frame<Bytes>, BoxError>> + Send + 'static;
+}
+
+/// The request's body until a backend takes it: a send that fails before polling it
+/// leaves it here for the next backend; once polled, the call is that backend's.
+pub(super) struct Slot<B>(Arc<Mutex<Option<B>>>);
+
+impl<B: Frames> Slot<B> {
+    pub fn new(body: B) -> Self {
+        Slot(Arc::new(Mutex::new(Some(body))))
+    }
+
+    /// Whether no backend has taken the body yet.
+    pub fn untouched(&self) -> bool {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).is_some()
+    }
+
+    /// The body for one send: taken from the slot when first polled.
+    pub fn body(&self) -> UpstreamBody {
+        let slot = self.0.clone();
+        let taken =
+            futures_util::stream::once(async move { slot.lock().unwrap_or_else(PoisonError::into_inner).take() });
+        let bodies = futures_util::StreamExt::map(taken, |body| futures_util::stream::iter(body.map(B::frames)));
+        let frames = futures_util::StreamExt::flatten(futures_util::StreamExt::flatten(bodies));
+        http_body_util::BodyExt::boxed_unsync(StreamBody::new(frames))
+    }
+}
