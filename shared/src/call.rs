@@ -102,6 +102,8 @@ pub enum Operation {
     // Messages API (§2.2). Plain comments: doc comments would split the schema's enum.
     Responses,
     Messages,
+    // A REST operation of a `kind: http` backend's contract (SPEC §10).
+    Http,
 }
 
 impl Operation {
@@ -113,6 +115,7 @@ impl Operation {
             Operation::Realtime => "realtime",
             Operation::Responses => "responses",
             Operation::Messages => "messages",
+            Operation::Http => "http",
         }
     }
 }
@@ -133,6 +136,8 @@ pub enum ErrorCode {
     UnknownTenant,
     SensitiveNoInternalBackend,
     NotFound,
+    // A path under a REST mount that its contract does not declare.
+    OperationNotFound,
     MethodNotAllowed,
     BodyTooLarge,
     ImageTooLarge,
@@ -157,7 +162,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order of SPEC §2's table and then the others.
-    pub const ALL: [ErrorCode; 24] = [
+    pub const ALL: [ErrorCode; 25] = [
         ErrorCode::InvalidRequest,
         ErrorCode::CapabilityUnavailable,
         ErrorCode::ImageOriginNotAllowed,
@@ -166,6 +171,7 @@ impl ErrorCode {
         ErrorCode::UnknownTenant,
         ErrorCode::SensitiveNoInternalBackend,
         ErrorCode::NotFound,
+        ErrorCode::OperationNotFound,
         ErrorCode::MethodNotAllowed,
         ErrorCode::BodyTooLarge,
         ErrorCode::ImageTooLarge,
@@ -194,6 +200,7 @@ impl ErrorCode {
             ErrorCode::UnknownTenant => "unknown_tenant",
             ErrorCode::SensitiveNoInternalBackend => "sensitive_no_internal_backend",
             ErrorCode::NotFound => "not_found",
+            ErrorCode::OperationNotFound => "operation_not_found",
             ErrorCode::MethodNotAllowed => "method_not_allowed",
             ErrorCode::BodyTooLarge => "body_too_large",
             ErrorCode::ImageTooLarge => "image_too_large",
@@ -225,7 +232,7 @@ impl ErrorCode {
             ErrorCode::UnknownAgent | ErrorCode::UnknownTenant | ErrorCode::SensitiveNoInternalBackend => {
                 StatusCode::FORBIDDEN
             }
-            ErrorCode::NotFound => StatusCode::NOT_FOUND,
+            ErrorCode::NotFound | ErrorCode::OperationNotFound => StatusCode::NOT_FOUND,
             ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorCode::BodyTooLarge | ErrorCode::ImageTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorCode::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,

@@ -98,6 +98,12 @@ pub enum GatewayError {
     NotFound { method: String, path: String },
     #[error("method {method} is not allowed on {path}")]
     MethodNotAllowed { method: String, path: String },
+    /// A path under a REST mount that its contract does not declare (SPEC §10).
+    #[error("{method} {path}: the contract of backend `{backend}` declares no such operation")]
+    OperationNotFound { method: String, path: String, backend: BackendId },
+    /// A path the contract declares, with a method it does not: `Allow` lists those it does.
+    #[error("{method} {path}: the contract of backend `{backend}` declares this path for {allow} only")]
+    OperationMethodNotAllowed { method: String, path: String, backend: BackendId, allow: String },
     /// `GET /v1/realtime` in the serverless shape: a function URL holds no WebSocket.
     #[error(
         "realtime sessions (WebSocket, GET /v1/realtime) are not served by the serverless shape: a Lambda function \
@@ -168,7 +174,10 @@ impl GatewayError {
             GatewayError::UpstreamTimeout { .. } => ErrorCode::UpstreamTimeout,
             GatewayError::NotFound { .. } => ErrorCode::NotFound,
             GatewayError::RealtimeUnavailable => ErrorCode::RealtimeUnavailable,
-            GatewayError::MethodNotAllowed { .. } => ErrorCode::MethodNotAllowed,
+            GatewayError::MethodNotAllowed { .. } | GatewayError::OperationMethodNotAllowed { .. } => {
+                ErrorCode::MethodNotAllowed
+            }
+            GatewayError::OperationNotFound { .. } => ErrorCode::OperationNotFound,
             GatewayError::LedgerBusy => ErrorCode::LedgerBusy,
             GatewayError::Internal(_) => ErrorCode::InternalError,
         }
@@ -188,6 +197,7 @@ impl GatewayError {
                 vec![("retry-after", retry_after_secs.to_string())]
             }
             GatewayError::LedgerBusy => vec![("retry-after", "1".to_owned())],
+            GatewayError::OperationMethodNotAllowed { allow, .. } => vec![("allow", allow.clone())],
             GatewayError::UpstreamUnavailable { cause, attempts, .. } => {
                 let mut h = vec![("flexway-error-cause", cause.as_str().to_owned())];
                 attempts.headers(&mut h);

@@ -58,6 +58,7 @@ fn one_of_each() -> Vec<GatewayError> {
         GatewayError::UpstreamTimeout { backend: BackendId::new("a"), attempts },
         GatewayError::NotFound { method: "GET".into(), path: "/".into() },
         GatewayError::MethodNotAllowed { method: "GET".into(), path: "/".into() },
+        GatewayError::OperationNotFound { method: "GET".into(), path: "/a".into(), backend: BackendId::new("a") },
         GatewayError::LedgerBusy,
         GatewayError::RealtimeUnavailable,
         GatewayError::Internal("i".into()),
@@ -158,7 +159,9 @@ fn configuration_doc(schema: &Value) -> String {
          (docs/backends.md); a `kind: relay` backend is another Flexway (docs/http.md, \"Relay\"). \
          A `kind: grpc` backend is a specialised model's gRPC upstream over HTTP/2 cleartext: its \
          `descriptor_set` (relative to the working directory too) is read at load and says which \
-         services it serves and how each method is metered (docs/grpc.md).\n",
+         services it serves and how each method is metered (docs/grpc.md). A `kind: http` backend is a \
+         REST upstream: its `contract` (an OpenAPI 3.0 or 3.1 file, relative to the working directory \
+         too) is read at load, and its operations are served under its `mount` (docs/rest.md).\n",
     );
     let mut sections = vec![(String::new(), schema.clone())];
     while !sections.is_empty() {

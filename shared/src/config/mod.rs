@@ -17,6 +17,7 @@
 //! given where a secret reference was expected.
 
 pub mod bounds;
+pub mod contract;
 pub mod model;
 
 mod descriptor;

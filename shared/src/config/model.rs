@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use super::contract::Contract;
 use crate::money::MicroEur;
 
 macro_rules! name_type {
@@ -251,6 +252,8 @@ pub enum Capability {
     // descriptor set says what it serves, and no HTTP call asks for it. (A plain
     // comment: a doc comment would turn the published enum into a `oneOf`.)
     Grpc,
+    // A REST operation of a `kind: http` backend (SPEC §10), likewise never declared.
+    Http,
 }
 
 impl Capability {
@@ -261,6 +264,7 @@ impl Capability {
             Capability::Embeddings => "embeddings",
             Capability::Realtime => "realtime",
             Capability::Grpc => "grpc",
+            Capability::Http => "http",
         }
     }
 }
@@ -294,6 +298,13 @@ pub enum BackendKind {
         url: String,
         descriptor_set: PathBuf,
     },
+    /// A REST upstream described by an OpenAPI contract (SPEC §10): its operations are
+    /// served under `mount`, those with `x-flexway-ai` metered.
+    Http {
+        endpoint: Endpoint,
+        mount: String,
+        contract: Arc<Contract>,
+    },
     Pool {
         members: Vec<PoolMember>,
     },
@@ -306,15 +317,16 @@ impl BackendKind {
             BackendKind::Anthropic(_) => "anthropic",
             BackendKind::Relay { .. } => "relay",
             BackendKind::Grpc { .. } => "grpc",
+            BackendKind::Http { .. } => "http",
             BackendKind::Pool { .. } => "pool",
         }
     }
 
-    /// The HTTP endpoint of an `openai`, `anthropic` or `relay` backend.
+    /// The HTTP endpoint of an `openai`, `anthropic`, `relay` or `http` backend.
     pub fn endpoint(&self) -> Option<&Endpoint> {
         match self {
             BackendKind::OpenAi(e) | BackendKind::Anthropic(e) => Some(e),
-            BackendKind::Relay { endpoint, .. } => Some(endpoint),
+            BackendKind::Relay { endpoint, .. } | BackendKind::Http { endpoint, .. } => Some(endpoint),
             BackendKind::Grpc { .. } | BackendKind::Pool { .. } => None,
         }
     }

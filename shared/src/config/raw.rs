@@ -330,6 +330,13 @@ pub struct RawBackend {
     /// `grpc`: path of the serialized FileDescriptorSet naming the services served
     /// and the metered methods.
     pub descriptor_set: Option<String>,
+    /// `http`: path of the OpenAPI 3.0 or 3.1 contract (YAML or JSON) whose operations
+    /// are forwarded, those with `x-flexway-ai` metered; nothing else is.
+    pub contract: Option<String>,
+    /// `http`: where callers reach the contract's operations (`/apis/ocr`): an
+    /// absolute path, apart from `/v1`, `/metrics`, `/healthz`, `/console` and the other
+    /// mounts.
+    pub mount: Option<String>,
     /// `openai`, `anthropic`, `relay`: the caller's request headers passed on to the
     /// backend, by name (e.g. `[anthropic-beta]`, `[openai-beta]`); nothing else of the
     /// caller's headers ever reaches a backend. Never a credential, a hop-by-hop
@@ -344,6 +351,7 @@ pub enum RawBackendKind {
     Anthropic,
     Relay,
     Grpc,
+    Http,
     Pool,
 }
 
@@ -354,6 +362,7 @@ impl RawBackendKind {
             RawBackendKind::Anthropic => "anthropic",
             RawBackendKind::Relay => "relay",
             RawBackendKind::Grpc => "grpc",
+            RawBackendKind::Http => "http",
             RawBackendKind::Pool => "pool",
         }
     }
@@ -362,7 +371,7 @@ impl RawBackendKind {
     pub fn a_backend(self) -> String {
         let article = match self {
             RawBackendKind::Openai | RawBackendKind::Anthropic => "an",
-            RawBackendKind::Relay | RawBackendKind::Grpc | RawBackendKind::Pool => "a",
+            RawBackendKind::Relay | RawBackendKind::Grpc | RawBackendKind::Http | RawBackendKind::Pool => "a",
         };
         format!("{article} {} backend", self.name())
     }

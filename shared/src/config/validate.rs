@@ -28,6 +28,9 @@ use super::values::{base_url, fraction_ppm, header_name, https_origin, key_hash,
 use super::*;
 
 const DEFAULT_LEDGER_PATH: &str = "./flexway-ledger";
+/// The paths the gateway serves itself: no REST mount may overlap them.
+const GATEWAY_PATHS: [&str; 4] = ["/v1", "/metrics", "/healthz", "/console"];
+
 const DEFAULT_SECRETS_REFRESH: Duration = Duration::from_secs(5 * 60);
 const DEFAULT_SENSITIVE_HEADER: &str = "Flexway-Sensitive";
 const DEFAULT_MAX_TOKENS: u32 = 4096;
@@ -71,6 +74,7 @@ pub(super) fn validate(
         .filter_map(|(name, raw)| check.backend(&name, raw, &catalog))
         .map(|backend| (backend.name.clone(), backend))
         .collect();
+    check.mounts(&backends);
     let ai = check.ai(ai, &catalog, backends);
     let tenants = check.tenants(tenants.unwrap_or_default(), &catalog);
     if let (Some(store), Some(audit), Some(ai)) = (&store, &audit, &ai) {
@@ -205,7 +209,7 @@ impl Catalog {
         for (name, raw) in backends {
             let kind = raw.kind.unwrap_or(RawBackendKind::Openai);
             let capabilities = match (kind, &raw.capabilities) {
-                (RawBackendKind::Grpc, _) => BTreeSet::new(),
+                (RawBackendKind::Grpc | RawBackendKind::Http, _) => BTreeSet::new(),
                 (_, Some(declared)) => declared.iter().map(|&c| capability(c)).collect(),
                 (RawBackendKind::Pool, None) => BTreeSet::new(), // the members', below
                 (_, None) => BTreeSet::from([Capability::Chat]),
@@ -448,7 +452,43 @@ impl Checker<'_> {
             );
             return None;
         }
+        if summary.kind == RawBackendKind::Http {
+            self.error(
+                path,
+                format!(
+                    "backend `{name}` is kind http: a REST upstream only serves its contract's operations under \
+                     its mount and cannot be {role}"
+                ),
+            );
+            return None;
+        }
         Some((BackendId::new(name), summary))
+    }
+
+    /// REST mounts (SPEC §10): none over the gateway's own paths, none over another
+    /// (one mount a prefix of the other, by whole segments).
+    fn mounts(&mut self, backends: &BTreeMap<BackendId, Backend>) {
+        let within = |inner: &str, outer: &str| {
+            inner == outer || inner.strip_prefix(outer).is_some_and(|rest| rest.starts_with('/'))
+        };
+        let mounts: Vec<(&BackendId, &str)> = backends
+            .iter()
+            .filter_map(|(name, b)| match &b.kind {
+                BackendKind::Http { mount, .. } => Some((name, mount.as_str())),
+                _ => None,
+            })
+            .collect();
+        for (i, (name, mount)) in mounts.iter().enumerate() {
+            let path = format!("ai.backends.{name}.mount");
+            if let Some(own) = GATEWAY_PATHS.iter().find(|own| within(mount, own) || within(own, mount)) {
+                self.error(&path, format!("`{mount}` overlaps the gateway's own {own}"));
+            }
+            for (other, other_mount) in &mounts[..i] {
+                if within(mount, other_mount) || within(other_mount, mount) {
+                    self.error(&path, format!("`{mount}` overlaps `{other_mount}`, the mount of backend `{other}`"));
+                }
+            }
+        }
     }
 
     // ----- store, audit -------------------------------------------------------------
@@ -653,9 +693,12 @@ impl Checker<'_> {
             backends: _,
         } = raw;
 
-        // A configuration of gRPC backends only serves no HTTP call (SPEC §10).
+        // A configuration of gRPC and REST backends only serves no model call (SPEC §10).
         let grpc_only = !catalog.backends.is_empty()
-            && catalog.backends.values().all(|summary| summary.kind == RawBackendKind::Grpc);
+            && catalog
+                .backends
+                .values()
+                .all(|summary| matches!(summary.kind, RawBackendKind::Grpc | RawBackendKind::Http));
         let default_backend = match default_backend {
             None if grpc_only => Some(BackendId::new("")),
             default_backend => self

@@ -11,6 +11,7 @@ mod proxy;
 mod realtime;
 mod record;
 mod relay;
+mod rest;
 
 use std::sync::Arc;
 
@@ -189,12 +190,16 @@ fn envelope_for(uri: &Uri) -> Envelope {
     }
 }
 
-/// gRPC calls (`/package.Service/Method`, `application/grpc*`) go to the gRPC proxy;
-/// anything else unrouted is a 404.
+/// gRPC calls (`/package.Service/Method`, `application/grpc*`) go to the gRPC proxy,
+/// paths under a REST mount to its backend's contract; anything else unrouted is a 404.
 async fn fallback(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
+    let request_id = request.extensions().get::<RequestId>().cloned().unwrap_or_else(RequestId::generate);
     if grpc::is_grpc(request.headers()) {
-        let request_id = request.extensions().get::<RequestId>().cloned().unwrap_or_else(RequestId::generate);
         return grpc::handle(gateway, request_id, request).await;
+    }
+    if let Some((owner, below)) = rest::mounted(&gateway, request.uri().path()) {
+        let below = below.to_owned();
+        return rest::handle(gateway.clone(), request_id, request, owner, below).await;
     }
     not_found(request.method().clone(), request.uri().clone()).await
 }

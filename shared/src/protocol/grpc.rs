@@ -48,7 +48,10 @@ impl Code {
             | ErrorCode::BodyTooLarge
             | ErrorCode::ImageTooLarge
             | ErrorCode::HeadersTooLarge => Code::InvalidArgument,
-            ErrorCode::NotFound | ErrorCode::MethodNotAllowed | ErrorCode::UnknownService => Code::Unimplemented,
+            ErrorCode::NotFound
+            | ErrorCode::OperationNotFound
+            | ErrorCode::MethodNotAllowed
+            | ErrorCode::UnknownService => Code::Unimplemented,
             ErrorCode::UpstreamError | ErrorCode::UpstreamUnavailable | ErrorCode::LedgerBusy => Code::Unavailable,
             ErrorCode::UpstreamTimeout | ErrorCode::Deadline => Code::DeadlineExceeded,
             ErrorCode::ClientClosedRequest | ErrorCode::Cancelled => Code::Cancelled,

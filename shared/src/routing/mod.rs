@@ -116,7 +116,7 @@ impl Router {
             }
         }
         let override_for = match capability {
-            Capability::Chat | Capability::Grpc => None,
+            Capability::Chat | Capability::Grpc | Capability::Http => None,
             Capability::Vision => ai.capabilities.vision.as_ref(),
             Capability::Embeddings => ai.capabilities.embeddings.as_ref(),
             Capability::Realtime => ai.capabilities.realtime.as_ref(),

@@ -164,12 +164,17 @@ impl Credential {
 /// A backend's HTTP client (cheap to clone: its pool is shared).
 type Http = Client<Noting<HttpsConnector<HttpConnector>>, Full<Bytes>>;
 
-/// A lane's two clients, over one connector (see the module docs).
+/// A backend's client for requests whose bodies stream (REST operations).
+type Streaming = Client<Noting<HttpsConnector<HttpConnector>>, grpc::UpstreamBody>;
+
+/// A lane's clients, over one connector (see the module docs).
 struct Clients {
     /// TLS chooses the version (ALPN); HTTP/1.1 over plain TCP.
     auto: Http,
     /// HTTP/2 only, for a backend whose server chose `h2` at the last handshake.
     h2: Http,
+    /// As `auto`, for a body that streams (a `kind: http` backend's operations).
+    streaming: Streaming,
 }
 
 /// A backend's answer, its head read; `body.rs` reads the rest.
@@ -353,6 +358,36 @@ impl UpstreamClient {
             tokio::time::timeout_at(deadline, lane.client.auto.request(request)).await
         };
         match sent {
+            Err(_) => Err(CallError::Timeout(self.timeout)),
+            Ok(Err(e)) => Err(send_error(&e)),
+            Ok(Ok(response)) => Ok(response.map(|body| AnswerBody::new(body, seat))),
+        }
+    }
+
+    /// Sends a REST operation's request (`kind: http`): `path_and_query` below the
+    /// backend's `url`, the headers given plus the backend's credential, the body as
+    /// it streams. The answer's head is awaited within the backend's `timeout`; its
+    /// body is the upstream's, unread.
+    pub async fn send_streaming(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        mut headers: http::HeaderMap,
+        body: grpc::UpstreamBody,
+    ) -> Result<Answer, CallError> {
+        let uri: Uri = format!("{}{path_and_query}", self.base)
+            .parse()
+            .map_err(|e| CallError::Connect(format!("{}{path_and_query}: {e}", self.base)))?;
+        let live = self.live.load();
+        if let Some((name, value)) = live.credential.header()? {
+            headers.insert(name, value);
+        }
+        let mut request = http::Request::new(body);
+        *request.method_mut() = method;
+        *request.uri_mut() = uri;
+        *request.headers_mut() = headers;
+        let (lane, seat) = live.http[SERVING_THREAD.with(Cell::get) % live.http.len()].seat();
+        match tokio::time::timeout(self.timeout, lane.client.streaming.request(request)).await {
             Err(_) => Err(CallError::Timeout(self.timeout)),
             Ok(Err(e)) => Err(send_error(&e)),
             Ok(Ok(response)) => Ok(response.map(|body| AnswerBody::new(body, seat))),
@@ -664,15 +699,21 @@ fn http_clients(tls: rustls::ClientConfig, negotiated: &Arc<Negotiated>) -> Clie
         .https_or_http()
         .enable_all_versions()
         .wrap_connector(tcp);
-    let client = |h2_only| {
-        Client::builder(TokioExecutor::new())
+    let builder = |h2_only| {
+        let mut builder = Client::builder(TokioExecutor::new());
+        builder
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .pool_max_idle_per_host(1024)
-            .http2_only(h2_only)
-            .build(Noting { inner: https.clone(), negotiated: negotiated.clone(), h2_only })
+            .http2_only(h2_only);
+        builder
     };
-    Clients { auto: client(false), h2: client(true) }
+    let connector = |h2_only| Noting { inner: https.clone(), negotiated: negotiated.clone(), h2_only };
+    Clients {
+        auto: builder(false).build(connector(false)),
+        h2: builder(true).build(connector(true)),
+        streaming: builder(false).build(connector(false)),
+    }
 }
 
 /// Lanes of clients over `tls`.

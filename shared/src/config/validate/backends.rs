@@ -24,10 +24,20 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 const MAX_DESCRIPTOR_SET_BYTES: u64 = 16 * 1024 * 1024;
 
 const HTTP_KINDS: &[RawBackendKind] = &[RawBackendKind::Openai, RawBackendKind::Anthropic, RawBackendKind::Relay];
+/// The kinds with credentials and TLS towards an HTTP endpoint.
+const AUTH_KINDS: &[RawBackendKind] =
+    &[RawBackendKind::Openai, RawBackendKind::Anthropic, RawBackendKind::Relay, RawBackendKind::Http];
 const ROUTABLE_KINDS: &[RawBackendKind] =
     &[RawBackendKind::Openai, RawBackendKind::Anthropic, RawBackendKind::Relay, RawBackendKind::Pool];
-const ENDPOINT_KINDS: &[RawBackendKind] =
-    &[RawBackendKind::Openai, RawBackendKind::Anthropic, RawBackendKind::Relay, RawBackendKind::Grpc];
+const ENDPOINT_KINDS: &[RawBackendKind] = &[
+    RawBackendKind::Openai,
+    RawBackendKind::Anthropic,
+    RawBackendKind::Relay,
+    RawBackendKind::Grpc,
+    RawBackendKind::Http,
+];
+/// An OpenAPI contract larger than this is not one an operator meant.
+const MAX_CONTRACT_BYTES: u64 = 16 * 1024 * 1024;
 
 fn kind_list(kinds: &[RawBackendKind]) -> String {
     kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")
@@ -59,6 +69,8 @@ impl Checker<'_> {
             metering,
             identity_headers,
             descriptor_set,
+            contract,
+            mount,
             forward_headers,
         } = raw;
 
@@ -74,6 +86,21 @@ impl Checker<'_> {
                 let (descriptor_set, services) = read?;
                 self.grpc.insert(BackendId::new(name), Arc::new(services));
                 Some(BackendKind::Grpc { url: url?, descriptor_set })
+            }
+            RawBackendKind::Http => {
+                let keys = EndpointKeys {
+                    url,
+                    auth,
+                    tls,
+                    models: None,
+                    aliases: None,
+                    default_model: None,
+                    forward_headers: None,
+                };
+                let endpoint = self.endpoint(&path, kind, keys);
+                let mount = self.mount(&path, mount);
+                let contract = self.contract(&path, contract);
+                Some(BackendKind::Http { endpoint: endpoint?, mount: mount?, contract: Arc::new(contract?) })
             }
             RawBackendKind::Pool => {
                 let members = self.members(&path, name, members, catalog);
@@ -190,8 +217,12 @@ impl Checker<'_> {
                 );
                 Price::default()
             }
+            (RawBackendKind::Http, Some(_)) => {
+                self.warn(price_path, "not used: REST operations are priced by their x-flexway-ai in the contract");
+                Price::default()
+            }
             (_, Some(price)) => self.price(&price_path, price),
-            (RawBackendKind::Pool | RawBackendKind::Grpc, None) => Price::default(),
+            (RawBackendKind::Pool | RawBackendKind::Grpc | RawBackendKind::Http, None) => Price::default(),
             (_, None) => {
                 self.warn(
                     path,
@@ -207,10 +238,10 @@ impl Checker<'_> {
 
     /// Keys that belong to other kinds of backend are refused, naming the kind.
     fn refuse_foreign_keys(&mut self, path: &str, kind: RawBackendKind, raw: &RawBackend) {
-        let keys: [(&str, bool, &[RawBackendKind]); 13] = [
+        let keys: [(&str, bool, &[RawBackendKind]); 15] = [
             ("url", raw.url.is_some(), ENDPOINT_KINDS),
-            ("auth", raw.auth.is_some(), HTTP_KINDS),
-            ("tls", raw.tls.is_some(), HTTP_KINDS),
+            ("auth", raw.auth.is_some(), AUTH_KINDS),
+            ("tls", raw.tls.is_some(), AUTH_KINDS),
             ("models", raw.models.is_some(), HTTP_KINDS),
             ("aliases", raw.aliases.is_some(), HTTP_KINDS),
             ("default_model", raw.default_model.is_some(), HTTP_KINDS),
@@ -220,6 +251,8 @@ impl Checker<'_> {
             ("metering", raw.metering.is_some(), &[RawBackendKind::Relay]),
             ("identity_headers", raw.identity_headers.is_some(), &[RawBackendKind::Relay]),
             ("descriptor_set", raw.descriptor_set.is_some(), &[RawBackendKind::Grpc]),
+            ("contract", raw.contract.is_some(), &[RawBackendKind::Http]),
+            ("mount", raw.mount.is_some(), &[RawBackendKind::Http]),
             ("forward_headers", raw.forward_headers.is_some(), HTTP_KINDS),
         ];
         let here = kind.a_backend();
@@ -503,6 +536,57 @@ impl Checker<'_> {
             }
         }
         ok.then_some(headers)
+    }
+
+    /// `mount`: an absolute path of segments, without a trailing `/` (overlaps with
+    /// the gateway's own paths and other mounts are checked once all are read).
+    fn mount(&mut self, path: &str, raw: Option<String>) -> Option<String> {
+        let key_path = format!("{path}.mount");
+        let mount =
+            self.non_empty(&key_path, raw, "for an http backend (where its operations are served, e.g. /apis/ocr)")?;
+        let segments_ok = mount.starts_with('/')
+            && mount.len() > 1
+            && !mount.ends_with('/')
+            && mount[1..]
+                .split('/')
+                .all(|s| !s.is_empty() && s != "." && s != ".." && !s.contains(['{', '}', '?', '#']));
+        if !segments_ok {
+            self.error(key_path, format!("`{mount}` is not an absolute path of segments (e.g. /apis/ocr)"));
+            return None;
+        }
+        Some(mount)
+    }
+
+    /// The contract, read now: the operations served and how each is metered. Every
+    /// refusal names the file and the operation.
+    fn contract(&mut self, path: &str, raw: Option<String>) -> Option<Contract> {
+        let key_path = format!("{path}.contract");
+        let file = self.non_empty(&key_path, raw, "for an http backend (its OpenAPI 3.0 or 3.1 contract)")?;
+        let text = match std::fs::metadata(&file) {
+            Ok(meta) if meta.len() > MAX_CONTRACT_BYTES => {
+                self.error(
+                    key_path,
+                    format!("{file} is {} bytes, more than a contract needs ({MAX_CONTRACT_BYTES})", meta.len()),
+                );
+                return None;
+            }
+            _ => match std::fs::read_to_string(&file) {
+                Ok(text) => text,
+                Err(e) => {
+                    self.error(key_path, format!("cannot read {file}: {e}"));
+                    return None;
+                }
+            },
+        };
+        match super::super::contract::read(&text) {
+            Ok(contract) => Some(contract),
+            Err(reasons) => {
+                for reason in reasons {
+                    self.error(&key_path, format!("{file} {reason}"));
+                }
+                None
+            }
+        }
     }
 
     /// The descriptor set, read now: what the backend serves and how each method is

@@ -1,0 +1,286 @@
+//! A `kind: http` backend's OpenAPI contract (SPEC §10, REST operations), read at
+//! load: its operations (method and path template), and the metering each declares
+//! in `x-flexway-ai`. The contract is the allow-list: what it does not declare is
+//! never forwarded.
+//!
+//! Read with the maintained crates of each version: `openapiv3` for 3.0.x and
+//! `oas3` for 3.1.x (3.1 is not a superset of 3.0), from YAML or JSON turned into a
+//! JSON value first (the YAML reader is the configuration's own). The contract's
+//! `servers` are ignored: the backend's `url` says where it is.
+//!
+//! Matching: a path is split on `/`; `{name}` matches one non-empty segment (with a
+//! literal prefix or suffix in the segment, those must match too); of the templates
+//! that match, one with a literal segment wins over one with a template there, from
+//! the left. The method is then that template's: another method is 405 with `Allow`.
+
+use http::Method;
+use serde_json::Value;
+
+use super::descriptor::decimal_eur;
+use super::model::{AiOperation, GrpcMetering};
+
+/// The extension a metered operation carries.
+pub const EXTENSION: &str = "x-flexway-ai";
+
+/// The operations of a contract, in the order declared.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Contract {
+    pub operations: Vec<RestOperation>,
+}
+
+/// One operation: `POST /documents/{id}/ocr`, and its metering if any.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RestOperation {
+    pub method: Method,
+    /// The path template as the contract writes it.
+    pub path: String,
+    segments: Vec<Segment>,
+    /// `None`: proxied unmetered.
+    pub ai: Option<AiOperation>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Segment {
+    Literal(String),
+    /// `{name}`, or `prefix{name}suffix` within one segment.
+    Template {
+        prefix: String,
+        suffix: String,
+    },
+}
+
+impl Segment {
+    fn parse(text: &str) -> Segment {
+        match (text.find('{'), text.rfind('}')) {
+            (Some(open), Some(close)) if open < close => {
+                Segment::Template { prefix: text[..open].to_owned(), suffix: text[close + 1..].to_owned() }
+            }
+            _ => Segment::Literal(text.to_owned()),
+        }
+    }
+
+    fn matches(&self, segment: &str) -> bool {
+        match self {
+            Segment::Literal(literal) => literal == segment,
+            Segment::Template { prefix, suffix } => {
+                segment.len() > prefix.len() + suffix.len() && segment.starts_with(prefix) && segment.ends_with(suffix)
+            }
+        }
+    }
+}
+
+/// What a call's method and path find in a contract.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Matched<'a> {
+    Operation(&'a RestOperation),
+    /// The path is declared, not with this method: the methods it has.
+    MethodNotAllowed(Vec<Method>),
+    NotFound,
+}
+
+impl Contract {
+    /// The operation `method path` calls (`path` below the mount, starting with `/`).
+    pub fn find(&self, method: &Method, path: &str) -> Matched<'_> {
+        let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+        let matching = |op: &&RestOperation| {
+            op.segments.len() == segments.len() && op.segments.iter().zip(&segments).all(|(s, p)| s.matches(p))
+        };
+        // The most literal template first: `false` (a literal) sorts before `true`.
+        let specificity =
+            |op: &RestOperation| op.segments.iter().map(|s| matches!(s, Segment::Template { .. })).collect::<Vec<_>>();
+        let Some(best) = self.operations.iter().filter(matching).min_by_key(|op| specificity(op)) else {
+            return Matched::NotFound;
+        };
+        let same_path = self.operations.iter().filter(|op| op.path == best.path);
+        let mut allowed = Vec::new();
+        for op in same_path {
+            if op.method == *method {
+                return Matched::Operation(op);
+            }
+            allowed.push(op.method.clone());
+        }
+        Matched::MethodNotAllowed(allowed)
+    }
+
+    /// The operation declared as `method path` (the template), if any.
+    pub fn declared(&self, method: &Method, path: &str) -> Option<&RestOperation> {
+        self.operations.iter().find(|op| op.method == *method && op.path == path)
+    }
+}
+
+/// The contract in `text` (YAML or JSON), or every reason it cannot be used.
+pub(super) fn read(text: &str) -> Result<Contract, Vec<String>> {
+    let document: Value = match serde_json::from_str(text) {
+        Ok(value) => value,
+        Err(_) => serde_norway::from_str(text).map_err(|e| vec![format!("neither JSON nor YAML: {e}")])?,
+    };
+    let version = document.get("openapi").and_then(Value::as_str).unwrap_or_default().to_owned();
+    let mut declared: Vec<(Method, String, Option<Value>)> = Vec::new();
+    if version.starts_with("3.0.") {
+        let spec: openapiv3::OpenAPI =
+            serde_json::from_value(document).map_err(|e| vec![format!("not an OpenAPI 3.0 document: {e}")])?;
+        for (path, method, operation) in spec.operations() {
+            declared.push((method_of(method)?, path.to_owned(), operation.extensions.get(EXTENSION).cloned()));
+        }
+    } else if version.starts_with("3.1.") {
+        let spec: oas3::Spec =
+            serde_json::from_value(document).map_err(|e| vec![format!("not an OpenAPI 3.1 document: {e}")])?;
+        for (path, item) in spec.paths.iter().flatten() {
+            for (method, operation) in item.methods() {
+                // oas3 keeps extensions without their `x-`.
+                let ai = operation.extensions.get(&EXTENSION[2..]).cloned();
+                declared.push((method, path.clone(), ai));
+            }
+        }
+    } else if version.is_empty() {
+        return Err(vec!["has no `openapi` version: an OpenAPI 3.0 or 3.1 contract is required".to_owned()]);
+    } else {
+        return Err(vec![format!("is OpenAPI `{version}`: only 3.0.x and 3.1.x contracts are read")]);
+    }
+    let mut errors = Vec::new();
+    let mut operations = Vec::new();
+    for (method, path, ai) in declared {
+        if !path.starts_with('/') {
+            errors.push(format!("{method} {path}: a path starts with `/`"));
+            continue;
+        }
+        let ai = match ai.map(|value| operation(&value)).transpose() {
+            Ok(ai) => ai,
+            Err(why) => {
+                errors.push(format!("{method} {path}: {EXTENSION} {why}"));
+                continue;
+            }
+        };
+        let segments = path.trim_start_matches('/').split('/').map(Segment::parse).collect();
+        operations.push(RestOperation { method, path, segments, ai });
+    }
+    if operations.is_empty() && errors.is_empty() {
+        errors.push("declares no operation: the contract is what the backend may be called for".to_owned());
+    }
+    if errors.is_empty() { Ok(Contract { operations }) } else { Err(errors) }
+}
+
+fn method_of(name: &str) -> Result<Method, Vec<String>> {
+    Method::from_bytes(name.to_ascii_uppercase().as_bytes()).map_err(|_| vec![format!("`{name}` is not a method")])
+}
+
+/// `x-flexway-ai: {metering, price_per_thousand_eur, feature}`, validated as the gRPC
+/// option is.
+fn operation(value: &Value) -> Result<AiOperation, String> {
+    let Some(fields) = value.as_object() else {
+        return Err("is not a mapping {metering, price_per_thousand_eur, feature}".to_owned());
+    };
+    if let Some(unknown) =
+        fields.keys().find(|k| !["metering", "price_per_thousand_eur", "feature"].contains(&k.as_str()))
+    {
+        return Err(format!("has an unknown key `{unknown}` (metering, price_per_thousand_eur, feature)"));
+    }
+    let metering = match fields.get("metering").and_then(Value::as_str) {
+        Some("per_call") => GrpcMetering::PerCall,
+        Some("per_byte") => GrpcMetering::PerByte,
+        Some(other) => return Err(format!("metering `{other}` is not per_call or per_byte")),
+        None => return Err("has no metering: per_call or per_byte".to_owned()),
+    };
+    let price = match fields.get("price_per_thousand_eur") {
+        Some(Value::String(text)) => text.clone(),
+        Some(Value::Number(number)) => {
+            return Err(format!(
+                "price_per_thousand_eur {number} is a number: write it as a decimal string (\"{number}\"), read \
+                 exactly"
+            ));
+        }
+        _ => return Err("has no price_per_thousand_eur (a decimal string of euros, e.g. \"0.25\")".to_owned()),
+    };
+    let price_per_thousand = decimal_eur(&price).map_err(|why| format!("price_per_thousand_eur {why}"))?;
+    let feature = fields.get("feature").and_then(Value::as_str).unwrap_or_default().trim().to_owned();
+    if feature.is_empty() {
+        return Err("has no feature name (a metrics dimension, e.g. \"ocr\")".to_owned());
+    }
+    Ok(AiOperation { metering, price_per_thousand, feature })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OCR_31: &str = r#"
+openapi: 3.1.0
+info: {title: OCR, version: "1"}
+servers: [{url: "https://ignored.example"}]
+paths:
+  /documents:
+    post:
+      x-flexway-ai: {metering: per_byte, price_per_thousand_eur: "0.002", feature: ocr}
+      responses: {"200": {description: ok}}
+  /documents/{id}:
+    get: {responses: {"200": {description: ok}}}
+    delete: {responses: {"204": {description: gone}}}
+  /documents/latest:
+    get:
+      x-flexway-ai: {metering: per_call, price_per_thousand_eur: "0.5", feature: ocr-latest}
+      responses: {"200": {description: ok}}
+  /files/{name}.pdf:
+    get: {responses: {"200": {description: ok}}}
+"#;
+
+    #[test]
+    fn a_31_contract_is_read_with_its_metering() {
+        let contract = read(OCR_31).unwrap();
+        assert_eq!(contract.operations.len(), 5);
+        let post = contract.declared(&Method::POST, "/documents").unwrap();
+        let ai = post.ai.as_ref().unwrap();
+        assert_eq!((ai.metering, ai.price_per_thousand.0, ai.feature.as_str()), (GrpcMetering::PerByte, 2_000, "ocr"));
+        assert_eq!(contract.declared(&Method::GET, "/documents/{id}").unwrap().ai, None);
+    }
+
+    #[test]
+    fn a_30_contract_in_json_is_read_too() {
+        let json = r#"{"openapi": "3.0.3", "info": {"title": "t", "version": "1"}, "paths": {"/translate": {"post":
+            {"x-flexway-ai": {"metering": "per_call", "price_per_thousand_eur": "1", "feature": "mt"},
+             "responses": {"200": {"description": "ok"}}}}}}"#;
+        let contract = read(json).unwrap();
+        let op = contract.declared(&Method::POST, "/translate").unwrap();
+        assert_eq!(op.ai.as_ref().unwrap().price_per_thousand.0, 1_000_000);
+    }
+
+    #[test]
+    fn a_literal_segment_wins_and_another_method_is_405_with_the_declared_ones() {
+        let contract = read(OCR_31).unwrap();
+        let found = |method: Method, path: &str| match contract.find(&method, path) {
+            Matched::Operation(op) => format!("{} {}", op.method, op.path),
+            Matched::MethodNotAllowed(allow) => format!("405 {allow:?}"),
+            Matched::NotFound => "404".to_owned(),
+        };
+        assert_eq!(found(Method::GET, "/documents/latest"), "GET /documents/latest");
+        assert_eq!(found(Method::GET, "/documents/42"), "GET /documents/{id}");
+        assert_eq!(found(Method::DELETE, "/documents/42"), "DELETE /documents/{id}");
+        assert_eq!(found(Method::DELETE, "/documents/latest"), "405 [GET]");
+        assert_eq!(found(Method::PUT, "/documents/42"), "405 [GET, DELETE]");
+        assert_eq!(found(Method::GET, "/files/report.pdf"), "GET /files/{name}.pdf");
+        for path in ["/files/.pdf", "/files/report.txt", "/documents/42/more", "/documents/", "/", "/nothing"] {
+            assert_eq!(found(Method::GET, path), "404", "{path}");
+        }
+    }
+
+    #[test]
+    fn what_cannot_be_used_is_refused_with_the_operation() {
+        let errors = |text: &str| read(text).unwrap_err().join("; ");
+        assert!(errors("swagger: '2.0'\npaths: {}").contains("no `openapi` version"));
+        assert!(errors("openapi: 2.0.0\npaths: {}").contains("only 3.0.x and 3.1.x"));
+        assert!(errors("openapi: 3.1.0\ninfo: {title: t, version: '1'}\npaths: {}").contains("declares no operation"));
+        let op = |ai: &str| {
+            format!(
+                "openapi: 3.1.0\ninfo: {{title: t, version: '1'}}\npaths:\n  /ocr:\n    post:\n      x-flexway-ai: {ai}\n"
+            )
+        };
+        let missing = errors(&op("{price_per_thousand_eur: '1', feature: ocr}"));
+        assert!(missing.contains("POST /ocr: x-flexway-ai has no metering"), "{missing}");
+        let no_feature = errors(&op("{metering: per_call, price_per_thousand_eur: '1'}"));
+        assert!(no_feature.contains("has no feature"), "{no_feature}");
+        let precise = errors(&op("{metering: per_call, price_per_thousand_eur: '0.0000001', feature: f}"));
+        assert!(precise.contains("more than 6 decimal places"), "{precise}");
+        let float = errors(&op("{metering: per_call, price_per_thousand_eur: 0.25, feature: f}"));
+        assert!(float.contains("write it as a decimal string"), "{float}");
+        assert!(errors("{not yaml").contains("neither JSON nor YAML"));
+    }
+}

@@ -1,0 +1,503 @@
+//! REST operations through the gateway (SPEC §10): a `kind: http` backend's contract
+//! served under its mount. The phases are those of every call: authenticate → match
+//! the operation (the contract is the allow-list: 404 `operation_not_found`, 405
+//! `method_not_allowed` with `Allow`) → route (the mount's backend, then the other
+//! `http` backends that declare the same operation metered the same way; internal
+//! ones only for a sensitive call) → reserve → forward, bodies streaming both ways →
+//! settle → record (`operation: http`).
+//!
+//! Metering is the gRPC methods' ([`super::meter`]): per call, charged when the
+//! upstream answered 2xx or 3xx; per byte, the request's and the response's body
+//! bytes, the request's `Content-Length` (when sent) and an allowance reserved ahead
+//! and a step reserved before any chunk that would pass the reservations, so the cap
+//! is never passed (a step refused ends the call: the request is cut, or the response
+//! ends short). A 4xx is relayed as it came, and nothing is charged; a 5xx or a
+//! connection error before the answer goes to the next backend when the request body
+//! was not taken yet (always for a request without a body), and is refunded.
+//!
+//! Invariants: one audit record per identified call, written when the answer ends or
+//! is dropped; nothing is buffered beyond one chunk; nothing the contract does not
+//! declare is forwarded; the caller's credentials and Flexway's own headers never
+//! reach the upstream.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::response::Response;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, header};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+
+use super::RequestId;
+use super::chain::{self, Answered, Failure};
+use super::meter::{Frames, Meter, Slot, Stop};
+use super::record::{Draft, UsageSource};
+use super::render;
+use crate::call::headers::{BACKEND as BACKEND_HEADER, CREDENTIALS, DEGRADED as DEGRADED_HEADER};
+use crate::call::{ErrorCode, Operation};
+use crate::config::contract::{Matched, RestOperation};
+use crate::config::{BackendId, BackendKind, Capability};
+use crate::error::GatewayError;
+use crate::gateway::Gateway;
+use crate::identity::Caller;
+use crate::protocol::openai::Usage;
+use crate::routing::breaker::{Outcome, Pass};
+use crate::routing::{Candidate, Route};
+use crate::upstream::grpc::{BoxError, UpstreamBody};
+
+/// The `kind: http` backend whose mount holds `path`, and the path below the mount.
+pub(super) fn mounted<'a>(gateway: &'a Gateway, path: &'a str) -> Option<(BackendId, &'a str)> {
+    gateway.config.ai.backends.iter().find_map(|(name, backend)| match &backend.kind {
+        BackendKind::Http { mount, .. } => {
+            let below = path.strip_prefix(mount.as_str())?;
+            (below.is_empty() || below.starts_with('/')).then(|| (name.clone(), below))
+        }
+        _ => None,
+    })
+}
+
+pub(super) async fn handle(
+    gateway: Arc<Gateway>,
+    request_id: RequestId,
+    request: Request,
+    owner: BackendId,
+    below: String,
+) -> Response {
+    let caller = match gateway.keys.authenticate(request.headers()) {
+        Ok(caller) => caller,
+        // Refused before identification: no audit record (SPEC §9).
+        Err(e) => return render(&GatewayError::from(e), false),
+    };
+    let mut draft = Draft::begin(&gateway, &request_id, &caller, Operation::Http, request.headers());
+    draft.abandoned_as(499, ErrorCode::ClientClosedRequest);
+    match call(&gateway, &caller, &request_id, &mut draft, &owner, &below, request).await {
+        Ok(Proxied { response, relay }) => relay.respond(response, draft),
+        Err(Failed { error, meter }) => {
+            if let Some(meter) = meter {
+                meter.close(false, false).await;
+            }
+            draft.fail(&error).await;
+            render(&error, false)
+        }
+    }
+}
+
+/// An answered call, and what relays its body.
+struct Proxied {
+    response: crate::upstream::Answer,
+    relay: Relay,
+}
+
+/// A call that ends before a body is relayed; its reservations, if any, to return.
+struct Failed {
+    error: GatewayError,
+    meter: Option<Arc<Meter>>,
+}
+
+impl From<GatewayError> for Failed {
+    fn from(error: GatewayError) -> Self {
+        Failed { error, meter: None }
+    }
+}
+
+fn stopped(stop: Stop) -> GatewayError {
+    match stop {
+        Stop::Budget(error) => error,
+        Stop::TooLarge(bytes) => GatewayError::Internal(format!("a chunk of {bytes} bytes passed the chunk bound")),
+    }
+}
+
+async fn call(
+    gateway: &Arc<Gateway>,
+    caller: &Caller,
+    request_id: &RequestId,
+    draft: &mut Draft,
+    owner: &BackendId,
+    below: &str,
+    request: Request,
+) -> Result<Proxied, Failed> {
+    let (parts, body) = request.into_parts();
+    let operation = operation(gateway, owner, &parts.method, below)?;
+    draft.request(Capability::Http, &format!("{} {}", operation.method, operation.path), None);
+    if let Some(ai) = &operation.ai {
+        draft.feature(&ai.feature);
+    }
+    let sensitive = crate::identity::sensitivity(&parts.headers, &gateway.config.ai.sensitive_header)
+        .map_err(GatewayError::from)?;
+    draft.sensitive(sensitive);
+    let route = route(gateway, owner, &operation, sensitive)?;
+
+    // Reserve: a per-byte call's request is as long as it says, when it says.
+    let timeouts = route.candidates.iter().map(|c| gateway.timeout(&c.backend)).sum();
+    let meter = Arc::new(Meter::new(gateway.clone(), caller.clone(), request_id, operation.ai.clone(), timeouts));
+    let declared = content_length(&parts.headers).unwrap_or(0);
+    meter.reserve_first(declared).await?;
+    if let Some(period) = meter.period().await {
+        draft.reserved_on(period);
+    }
+
+    let bodyless = !has_body(&parts.headers);
+    let slot = Slot::new(RequestBody { body, meter: meter.clone() });
+    let path_and_query = match parts.uri.query() {
+        Some(query) => format!("{below}?{query}"),
+        None => below.to_owned(),
+    };
+    let headers = upstream_headers(&parts.headers, &gateway.config.ai.sensitive_header);
+    let door = SendOperation {
+        gateway,
+        method: &parts.method,
+        path_and_query: &path_and_query,
+        headers: &headers,
+        slot,
+        bodyless,
+        model: format!("{} {}", operation.method, operation.path),
+    };
+    let served = match chain::attempt_chain(gateway, draft, &route, &door).await {
+        Ok(served) => served,
+        Err(e) => {
+            // A budget step refused while the request went out is why the call ended.
+            let error = meter.stop().map_or(e, stopped);
+            return Err(Failed { error, meter: Some(meter) });
+        }
+    };
+    draft.first_byte();
+    let relay = Relay { candidate: served.candidate, pass: served.pass, meter };
+    Ok(Proxied { response: served.value, relay })
+}
+
+/// The operation `method below` calls in the owner's contract, or the refusal.
+fn operation(
+    gateway: &Gateway,
+    owner: &BackendId,
+    method: &Method,
+    below: &str,
+) -> Result<RestOperation, GatewayError> {
+    let Some(BackendKind::Http { contract, mount, .. }) = gateway.config.ai.backends.get(owner).map(|b| &b.kind) else {
+        return Err(GatewayError::Internal(format!("backend {owner} is not a kind http backend")));
+    };
+    let path = format!("{mount}{below}");
+    match contract.find(method, below) {
+        Matched::Operation(operation) => Ok(operation.clone()),
+        Matched::NotFound => {
+            Err(GatewayError::OperationNotFound { method: method.to_string(), path, backend: owner.clone() })
+        }
+        Matched::MethodNotAllowed(allow) => Err(GatewayError::OperationMethodNotAllowed {
+            method: method.to_string(),
+            path,
+            backend: owner.clone(),
+            allow: allow.iter().map(Method::as_str).collect::<Vec<_>>().join(", "),
+        }),
+    }
+}
+
+/// The mount's backend, then every other `kind: http` backend whose contract declares
+/// the same operation metered the same way (its fallbacks, SPEC §10); internal ones
+/// only for a sensitive call.
+fn route(
+    gateway: &Gateway,
+    owner: &BackendId,
+    operation: &RestOperation,
+    sensitive: bool,
+) -> Result<Route, GatewayError> {
+    let backends = &gateway.config.ai.backends;
+    let declares = |name: &BackendId| match backends.get(name).map(|b| &b.kind) {
+        Some(BackendKind::Http { contract, .. }) => {
+            contract.declared(&operation.method, &operation.path).is_some_and(|declared| declared.ai == operation.ai)
+        }
+        _ => false,
+    };
+    let others = backends.keys().filter(|name| *name != owner);
+    let allowed: Vec<&BackendId> = std::iter::once(owner)
+        .chain(others)
+        .filter(|name| declares(name))
+        .filter(|name| !sensitive || backends.get(*name).is_some_and(|b| !b.external))
+        .collect();
+    if allowed.is_empty() {
+        return Err(GatewayError::SensitiveNoInternalBackend);
+    }
+    let candidates =
+        allowed.into_iter().map(|name| Candidate { backend: name.clone(), degraded: name != owner }).collect();
+    Ok(Route { candidates, via_pool: false })
+}
+
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
+}
+
+/// Whether the request carries a body: a length over 0, or chunked.
+fn has_body(headers: &HeaderMap) -> bool {
+    content_length(headers).is_some_and(|n| n > 0) || headers.contains_key(header::TRANSFER_ENCODING)
+}
+
+/// The caller's headers that go upstream: not its credentials, not Flexway's own (the
+/// sensitivity header included), not the connection's (RFC 9110 §7.6.1); the body's
+/// length stays, so that the upstream reads it as sent.
+fn upstream_headers(headers: &HeaderMap, sensitive_header: &str) -> HeaderMap {
+    let mut out = HeaderMap::new();
+    for (name, value) in headers {
+        if forwarded(name) && name.as_str() != sensitive_header {
+            out.append(name.clone(), value.clone());
+        }
+    }
+    out
+}
+
+fn forwarded(name: &HeaderName) -> bool {
+    let name = name.as_str();
+    !CREDENTIALS.contains(&name) && !hop_by_hop(name) && name != "host" && !name.starts_with("flexway-")
+}
+
+fn hop_by_hop(name: &str) -> bool {
+    matches!(name, "connection" | "keep-alive" | "transfer-encoding" | "upgrade" | "te" | "trailer")
+        || name.starts_with("proxy-")
+}
+
+/// The REST door's attempt: the operation sent to one upstream.
+struct SendOperation<'a> {
+    gateway: &'a Gateway,
+    method: &'a Method,
+    path_and_query: &'a str,
+    headers: &'a HeaderMap,
+    slot: Slot<RequestBody>,
+    /// A request without a body goes again to a fallback whatever the first did.
+    bodyless: bool,
+    model: String,
+}
+
+impl chain::Attempt for SendOperation<'_> {
+    type Target = BackendId;
+    type Prepared = ();
+    type Answer = crate::upstream::Answer;
+
+    fn reach(&self, backend: &BackendId) -> Option<(BackendId, Duration)> {
+        let http =
+            matches!(self.gateway.config.ai.backends.get(backend).map(|b| &b.kind), Some(BackendKind::Http { .. }));
+        http.then(|| (backend.clone(), self.gateway.timeout(backend)))
+    }
+
+    fn prepare(&self, _: &BackendId) -> Result<(String, ()), GatewayError> {
+        Ok((self.model.clone(), ()))
+    }
+
+    async fn attempt(&self, backend: &BackendId, (): (), _: &Draft) -> Result<Answered<Self::Answer>, Failure> {
+        let Some(client) = self.gateway.upstreams.get(backend) else {
+            let detail = format!("backend {backend} has no client");
+            return Err(Failure::Head(crate::upstream::CallError::Connect(detail)));
+        };
+        // Once the upstream took part of the body, the call cannot go elsewhere.
+        let failed = |failure: Failure| {
+            if self.bodyless || self.slot.untouched() { failure } else { Failure::AfterSend(Box::new(failure)) }
+        };
+        let body: UpstreamBody = if self.bodyless {
+            http_body_util::Empty::new().map_err(|never| match never {}).boxed_unsync()
+        } else {
+            self.slot.body()
+        };
+        let sent = client.send_streaming(self.method.clone(), self.path_and_query, self.headers.clone(), body).await;
+        match sent {
+            Err(e) => Err(failed(Failure::Head(e))),
+            Ok(answer) if answer.status().is_server_error() => {
+                Err(failed(Failure::Status { status: answer.status().as_u16(), retry_after: None }))
+            }
+            // The breaker hears of it when the answer ends (`Relaying`).
+            Ok(answer) => Ok(Answered { value: answer, outcome: None }),
+        }
+    }
+}
+
+/// The caller's request body on its way upstream, chunk by chunk, metered per byte.
+struct RequestBody {
+    body: Body,
+    meter: Arc<Meter>,
+}
+
+impl Frames for RequestBody {
+    fn frames(self) -> impl futures_util::Stream<Item = Result<Frame<Bytes>, BoxError>> + Send + 'static {
+        futures_util::stream::try_unfold(self, |mut this| async move {
+            let Some(frame) = this.body.frame().await else { return Ok(None) };
+            let frame = frame.map_err(|e| Box::new(e) as BoxError)?;
+            if let Some(data) = frame.data_ref() {
+                let bytes = data.len() as u64;
+                if !this.meter.admit(bytes).await {
+                    return Err(BoxError::from("the call was refused a budget step"));
+                }
+                this.meter.passed(bytes).await;
+            }
+            Ok(Some((frame, this)))
+        })
+    }
+}
+
+/// What relays the answer's body: metering, the breaker's outcome, the record.
+struct Relay {
+    candidate: Candidate,
+    pass: Pass,
+    meter: Arc<Meter>,
+}
+
+impl Relay {
+    fn respond(self, upstream: crate::upstream::Answer, draft: Draft) -> Response {
+        let (parts, body) = upstream.into_parts();
+        let mut response = Response::new(Body::empty());
+        *response.status_mut() = parts.status;
+        for (name, value) in &parts.headers {
+            if !hop_by_hop(name.as_str()) {
+                response.headers_mut().append(name.clone(), value.clone());
+            }
+        }
+        if let Ok(value) = HeaderValue::from_str(self.candidate.backend.as_str()) {
+            response.headers_mut().insert(BACKEND_HEADER, value);
+        }
+        if self.candidate.degraded {
+            response.headers_mut().insert(DEGRADED_HEADER, HeaderValue::from_static("backend-fallback"));
+        }
+        let status = parts.status.as_u16();
+        let state = Relaying {
+            body: Some(body),
+            status,
+            served: (200..400).contains(&status),
+            ending: Ending { draft: Some(draft), meter: self.meter, status },
+            pass: Some(self.pass),
+        };
+        let frames = futures_util::stream::unfold(state, |mut state| async move {
+            let frame = state.next().await?;
+            Some((frame, state))
+        });
+        *response.body_mut() = Body::new(StreamBody::new(frames));
+        response
+    }
+}
+
+/// The end of a call, written once: when its body ends, or when the response is
+/// dropped (the client went away: 499 `client_closed_request`).
+struct Ending {
+    draft: Option<Draft>,
+    meter: Arc<Meter>,
+    status: u16,
+}
+
+impl Ending {
+    async fn end(&mut self, served: bool, error_code: Option<ErrorCode>) {
+        let Some(mut draft) = self.draft.take() else { return };
+        let cost = self.meter.close(served, served).await;
+        draft.usage(Usage::default(), UsageSource::Reported, cost);
+        if error_code == Some(ErrorCode::BudgetExceeded) {
+            draft.exceeded();
+        }
+        let status = if error_code == Some(ErrorCode::ClientClosedRequest) { 499 } else { self.status };
+        draft.finish(status, error_code).await;
+    }
+}
+
+impl Drop for Ending {
+    fn drop(&mut self) {
+        let Some(draft) = self.draft.take() else { return };
+        let (meter, status) = (self.meter.clone(), self.status);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let mut ending = Ending { draft: Some(draft), meter, status };
+                // What passed before the client left is charged, as it was served.
+                ending.end((200..400).contains(&status), Some(ErrorCode::ClientClosedRequest)).await;
+            });
+        }
+    }
+}
+
+struct Relaying {
+    /// The upstream's answer; dropped as soon as the call ends.
+    body: Option<crate::upstream::AnswerBody>,
+    status: u16,
+    /// 2xx or 3xx: what is charged.
+    served: bool,
+    ending: Ending,
+    pass: Option<Pass>,
+}
+
+impl Relaying {
+    /// The next chunk for the client; `None` once the call has ended (settled and
+    /// recorded first).
+    async fn next(&mut self) -> Option<Result<Frame<Bytes>, BoxError>> {
+        let body = self.body.as_mut()?;
+        if hyper::body::Body::is_end_stream(body) {
+            self.finish(Outcome::Status { status: self.status, retry_after: None }, None).await;
+            return None;
+        }
+        match body.frame().await {
+            None => {
+                self.finish(Outcome::Status { status: self.status, retry_after: None }, None).await;
+                None
+            }
+            Some(Err(e)) => {
+                tracing::warn!("REST upstream answer broke: {e}");
+                self.finish(Outcome::ConnectionError, Some(ErrorCode::UpstreamError)).await;
+                Some(Err(BoxError::from(format!("the upstream's answer broke: {e}"))))
+            }
+            Some(Ok(frame)) => {
+                if let Some(data) = frame.data_ref() {
+                    let bytes = data.len() as u64;
+                    let meter = &self.ending.meter;
+                    if self.served && meter.per_byte().is_some() {
+                        if !meter.admit(bytes).await {
+                            // The cap: the answer ends short (the client sees it cut).
+                            let code = match meter.stop() {
+                                Some(Stop::Budget(e)) => e.code(),
+                                _ => ErrorCode::MessageTooLarge,
+                            };
+                            self.finish(Outcome::Success, Some(code)).await;
+                            return Some(Err(BoxError::from("the call's budget step was refused")));
+                        }
+                        meter.passed(bytes).await;
+                    }
+                }
+                // The last chunk: the call is settled and recorded before the client
+                // has it all (a client that stops reading at its length leaves then).
+                if self.body.as_ref().is_some_and(hyper::body::Body::is_end_stream) {
+                    self.finish(Outcome::Status { status: self.status, retry_after: None }, None).await;
+                }
+                Some(Ok(frame))
+            }
+        }
+    }
+
+    async fn finish(&mut self, outcome: Outcome, error_code: Option<ErrorCode>) {
+        self.body = None;
+        if let Some(pass) = self.pass.take() {
+            let outcome =
+                if self.served && matches!(outcome, Outcome::Status { .. }) { Outcome::Success } else { outcome };
+            pass.record(&self.ending.meter.gateway.breakers, outcome);
+        }
+        self.ending.end(self.served, error_code).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_flexway_and_hop_by_hop_headers_never_go_upstream() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("authorization", "Bearer sk-caller"),
+            ("x-api-key", "k"),
+            ("cookie", "c"),
+            ("proxy-authorization", "p"),
+            ("connection", "keep-alive"),
+            ("transfer-encoding", "chunked"),
+            ("host", "gateway"),
+            ("flexway-agent", "bot"),
+            ("x-sensitive", "true"),
+            ("content-type", "application/pdf"),
+            ("content-length", "12"),
+            ("x-request-lang", "fr"),
+        ] {
+            headers.append(HeaderName::from_static(name), HeaderValue::from_static(value));
+        }
+        let out = upstream_headers(&headers, "x-sensitive");
+        let names: Vec<&str> = out.keys().map(HeaderName::as_str).collect();
+        assert_eq!(names, ["content-type", "content-length", "x-request-lang"]);
+    }
+}

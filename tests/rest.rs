@@ -1,0 +1,392 @@
+//! REST operations (SPEC §10): the real binary in front of a fake REST upstream on
+//! loopback, built from the contract the gateway reads. Per call and per byte metered
+//! to the micro-euro, unmetered operations proxied, the contract as the allow-list,
+//! refunds, a relayed 4xx, sensitivity, a burst on a small euro cap, fallback, and the
+//! refusals at load.
+#![cfg(test)]
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use axum::extract::{Path, Request};
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use common::*;
+use flexway::audit::AuditRecord;
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+
+/// The contract both the gateway and the fake are built from: `/documents` per byte
+/// at 0.001 €/thousand bytes (1 µ€ a byte), `/documents/latest` per call at 0.5 €/thousand
+/// calls (500 µ€ a call), `/documents/{id}` and `/missing` unmetered, `/fail` per call.
+const CONTRACT: &str = r#"
+openapi: 3.1.0
+info: {title: OCR, version: "1"}
+paths:
+  /documents:
+    post:
+      x-flexway-ai: {metering: per_byte, price_per_thousand_eur: "0.001", feature: ocr}
+      responses: {"200": {description: ok}}
+  /documents/latest:
+    get:
+      x-flexway-ai: {metering: per_call, price_per_thousand_eur: "0.5", feature: ocr-latest}
+      responses: {"200": {description: ok}}
+  /documents/{id}:
+    get: {responses: {"200": {description: ok}}}
+    delete: {responses: {"204": {description: gone}}}
+  /missing:
+    get: {responses: {"404": {description: never there}}}
+  /fail:
+    post:
+      x-flexway-ai: {metering: per_call, price_per_thousand_eur: "0.5", feature: ocr-latest}
+      responses: {"200": {description: ok}}
+"#;
+
+/// What the fake upstream saw: method, path and query, and the headers it got.
+#[derive(Clone, Default)]
+struct Seen(Arc<Mutex<Vec<(String, String, axum::http::HeaderMap)>>>);
+
+impl Seen {
+    fn all(&self) -> Vec<(String, String, axum::http::HeaderMap)> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// The fake: `POST /documents` answers `{"bytes": N}` (what it read), padded to
+/// exactly 64 bytes; `GET /documents/latest` and `GET /documents/{id}` answer JSON;
+/// `/missing` is 404, `/fail` 500.
+async fn upstream(seen: Seen, fail_all: bool) -> String {
+    let log = move |request: &Request| {
+        let uri = request.uri();
+        let target = uri.path_and_query().map(|p| p.to_string()).unwrap_or_default();
+        seen.0.lock().unwrap().push((request.method().to_string(), target, request.headers().clone()));
+    };
+    let router = axum::Router::new()
+        .route(
+            "/documents",
+            post(|request: Request| async move {
+                let mut body = request.into_body().into_data_stream();
+                let mut bytes = 0u64;
+                while let Some(chunk) = body.next().await {
+                    bytes += chunk.unwrap().len() as u64;
+                }
+                format!("{:<64}", format!("{{\"bytes\": {bytes}}}"))
+            }),
+        )
+        .route("/documents/latest", get(|| async { axum::Json(json!({"latest": true})) }))
+        .route("/documents/{id}", get(|Path(id): Path<String>| async move { axum::Json(json!({"id": id})) }))
+        .route("/missing", get(|| async { (axum::http::StatusCode::NOT_FOUND, "no such document") }))
+        .route("/fail", post(|| async { (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "upstream broke") }))
+        .layer(axum::middleware::from_fn(move |request: Request, next: axum::middleware::Next| {
+            log(&request);
+            async move {
+                if fail_all {
+                    return (axum::http::StatusCode::SERVICE_UNAVAILABLE, "down").into_response();
+                }
+                next.run(request).await
+            }
+        }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    url
+}
+
+/// A config: acme with `budgets`, and `http` backends as `(name, url, extra keys)`.
+fn rest_config(dir: &std::path::Path, budgets: &str, backends: &[(&str, &str, &str)]) -> String {
+    let contract = dir.join("ocr.yaml");
+    std::fs::write(&contract, CONTRACT).unwrap();
+    let mut ai = String::from("  backends:\n");
+    for (name, url, extra) in backends {
+        ai.push_str(&format!(
+            "    {name}: {{kind: http, url: \"{url}\", contract: \"{}\", auth: {{type: bearer, secret: \"env:OCR_KEY\"}}{extra}}}\n",
+            contract.display()
+        ));
+    }
+    acme_config(budgets, &ai)
+}
+
+fn start(yaml: &str) -> Flexway {
+    Flexway::start_with_env(yaml, &[("OCR_KEY", "sk-upstream-ocr")])
+}
+
+fn records(gw: &Flexway) -> Vec<AuditRecord> {
+    gw.stdout().iter().filter_map(|line| serde_json::from_str(line).ok()).collect()
+}
+
+async fn wait_records(gw: &Flexway, n: usize) -> Vec<AuditRecord> {
+    for _ in 0..300 {
+        let got = records(gw);
+        if got.len() >= n {
+            return got;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("{} audit records, wanted {n}\n{}", records(gw).len(), gw.logs());
+}
+
+fn call(gw: &Flexway, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+    client().request(method, format!("{}{path}", gw.url)).bearer_auth(KEY)
+}
+
+#[tokio::test]
+async fn metered_operations_cost_to_the_micro_euro_and_unmetered_ones_pass_as_they_are() {
+    let seen = Seen::default();
+    let url = upstream(seen.clone(), false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(&rest_config(dir.path(), "{eur_per_month: 10}", &[("ocr", &url, ", mount: /apis/ocr")]));
+
+    // Per call: 500 µ€, whatever the body.
+    let latest = call(&gw, reqwest::Method::GET, "/apis/ocr/documents/latest").send().await.unwrap();
+    assert_eq!(latest.status(), 200);
+    assert_eq!(latest.headers()["flexway-backend"], "ocr");
+    assert_eq!(latest.json::<Value>().await.unwrap(), json!({"latest": true}));
+
+    // Per byte: 10,000 bytes up, 64 down, at 1 µ€ a byte.
+    let upload = vec![b'x'; 10_000];
+    let ocr = call(&gw, reqwest::Method::POST, "/apis/ocr/documents").body(upload).send().await.unwrap();
+    assert_eq!(ocr.status(), 200);
+    let text = ocr.text().await.unwrap();
+    assert_eq!((text.len(), text.trim()), (64, "{\"bytes\": 10000}"));
+
+    // Unmetered: the path, the query, the backend's key, never the caller's.
+    let doc = call(&gw, reqwest::Method::GET, "/apis/ocr/documents/42?lang=fr&x=1")
+        .header("x-trace-me", "yes")
+        .header("flexway-sensitive", "false")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(doc.json::<Value>().await.unwrap(), json!({"id": "42"}));
+
+    let records = wait_records(&gw, 3).await;
+    let by_model = |model: &str| records.iter().find(|r| r.model_requested.as_deref() == Some(model)).unwrap().clone();
+    let latest = by_model("GET /documents/latest");
+    assert_eq!((latest.cost_micro_eur, latest.feature.as_deref(), latest.status), (500, Some("ocr-latest"), 200));
+    assert_eq!(latest.operation.as_str(), "http");
+    let ocr = by_model("POST /documents");
+    assert_eq!((ocr.cost_micro_eur, ocr.feature.as_deref()), (10_064, Some("ocr")));
+    let doc = by_model("GET /documents/{id}");
+    assert_eq!((doc.cost_micro_eur, doc.feature.as_deref(), doc.backend.as_deref()), (0, None, Some("ocr")));
+
+    let seen = seen.all();
+    let (_, target, headers) = seen.iter().find(|(_, target, _)| target.starts_with("/documents/42")).unwrap();
+    assert_eq!(target, "/documents/42?lang=fr&x=1");
+    assert_eq!(headers["authorization"], "Bearer sk-upstream-ocr");
+    assert_eq!(headers["x-trace-me"], "yes");
+    assert!(!headers.contains_key("flexway-sensitive"));
+    assert!(seen.iter().all(|(_, _, h)| h["authorization"] != format!("Bearer {KEY}").as_str()));
+}
+
+#[tokio::test]
+async fn the_contract_is_the_allow_list_and_refusals_are_problem_documents() {
+    let seen = Seen::default();
+    let url = upstream(seen.clone(), false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(&rest_config(dir.path(), "{eur_per_month: 10}", &[("ocr", &url, ", mount: /apis/ocr")]));
+
+    let unknown = call(&gw, reqwest::Method::GET, "/apis/ocr/admin/users").send().await.unwrap();
+    assert_eq!(unknown.status(), 404);
+    assert_eq!(unknown.headers()["content-type"], "application/problem+json");
+    let problem: Value = unknown.json().await.unwrap();
+    assert_eq!(problem["code"], "operation_not_found", "{problem}");
+
+    let wrong = call(&gw, reqwest::Method::PUT, "/apis/ocr/documents/42").send().await.unwrap();
+    assert_eq!(wrong.status(), 405);
+    assert_eq!(wrong.headers()["allow"], "GET, DELETE");
+    assert_eq!(wrong.json::<Value>().await.unwrap()["code"], "method_not_allowed");
+
+    // No key: 401, and no record; a wrong key likewise.
+    let anonymous = client().get(format!("{}/apis/ocr/documents/42", gw.url)).send().await.unwrap();
+    assert_eq!(anonymous.status(), 401);
+
+    // A relayed 4xx is the upstream's, and costs nothing.
+    let missing = call(&gw, reqwest::Method::GET, "/apis/ocr/missing").send().await.unwrap();
+    assert_eq!(missing.status(), 404);
+    assert_eq!(missing.text().await.unwrap(), "no such document");
+
+    let records = wait_records(&gw, 3).await;
+    let codes: Vec<(u16, Option<&str>)> =
+        records.iter().map(|r| (r.status, r.error_code.map(|c| c.as_str()))).collect();
+    assert_eq!(codes, [(404, Some("operation_not_found")), (405, Some("method_not_allowed")), (404, None)]);
+    assert!(records.iter().all(|r| r.cost_micro_eur == 0));
+    // Nothing the contract does not declare reached the upstream.
+    let targets: Vec<String> = seen.all().into_iter().map(|(m, t, _)| format!("{m} {t}")).collect();
+    assert_eq!(targets, ["GET /missing"]);
+}
+
+#[tokio::test]
+async fn a_failed_upstream_is_refunded_falls_back_and_a_sensitive_call_stays_internal() {
+    let (broken, healthy) = (Seen::default(), Seen::default());
+    let broken_url = upstream(broken.clone(), true).await;
+    let healthy_url = upstream(healthy.clone(), false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = rest_config(
+        dir.path(),
+        "{eur_per_month: 10}",
+        &[("ocr", &broken_url, ", mount: /apis/ocr"), ("spare", &healthy_url, ", mount: /apis/spare, external: false")],
+    );
+    let gw = start(&yaml);
+
+    // The mount's backend answers 503: the call goes to the other backend that
+    // declares the operation, degraded; it costs one call.
+    let served = call(&gw, reqwest::Method::GET, "/apis/ocr/documents/latest").send().await.unwrap();
+    assert_eq!(served.status(), 200);
+    assert_eq!(served.headers()["flexway-backend"], "spare");
+    assert_eq!(served.headers()["flexway-degraded"], "backend-fallback");
+
+    // Sensitive: the external mount's backend is never called.
+    let before = broken.all().len();
+    let sensitive = call(&gw, reqwest::Method::GET, "/apis/ocr/documents/7").header("flexway-sensitive", "true");
+    assert_eq!(sensitive.send().await.unwrap().status(), 200);
+    assert_eq!(broken.all().len(), before, "a sensitive call reached an external backend");
+
+    // With the only internal backend unable to serve, a sensitive call is refused.
+    let dir2 = tempfile::tempdir().unwrap();
+    let only_external =
+        start(&rest_config(dir2.path(), "{eur_per_month: 10}", &[("ocr", &healthy_url, ", mount: /apis/ocr")]));
+    let refused = call(&only_external, reqwest::Method::GET, "/apis/ocr/documents/7")
+        .header("flexway-sensitive", "true")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 403);
+    assert_eq!(refused.json::<Value>().await.unwrap()["code"], "sensitive_no_internal_backend");
+
+    // A 5xx everywhere: 503, refunded.
+    let dir3 = tempfile::tempdir().unwrap();
+    let down = start(&rest_config(dir3.path(), "{eur_per_month: 10}", &[("ocr", &broken_url, ", mount: /apis/ocr")]));
+    let failed = call(&down, reqwest::Method::POST, "/apis/ocr/fail").send().await.unwrap();
+    assert_eq!(failed.status(), 503);
+    let records = wait_records(&down, 1).await;
+    assert_eq!(
+        (records[0].cost_micro_eur, records[0].error_code.map(|c| c.as_str())),
+        (0, Some("upstream_unavailable"))
+    );
+
+    let records = wait_records(&gw, 2).await;
+    assert_eq!(records[0].cost_micro_eur, 500);
+    assert!(records[0].degraded);
+}
+
+/// 32 per-call calls at once on a cap of 10 calls' worth: exactly 10 served, the
+/// others refused with 429, and the audit's euros equal the cap.
+#[tokio::test]
+async fn a_burst_on_a_small_euro_cap_never_passes_it() {
+    let url = upstream(Seen::default(), false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(&rest_config(dir.path(), "{eur_per_month: 0.005}", &[("ocr", &url, ", mount: /apis/ocr")]));
+    let calls = (0..32).map(|_| call(&gw, reqwest::Method::GET, "/apis/ocr/documents/latest").send());
+    let statuses: Vec<u16> =
+        futures_util::future::join_all(calls).await.into_iter().map(|r| r.unwrap().status().as_u16()).collect();
+    let served = statuses.iter().filter(|s| **s == 200).count();
+    assert_eq!(served, 10, "{statuses:?}");
+    assert!(statuses.iter().all(|s| *s == 200 || *s == 429), "{statuses:?}");
+    let records = wait_records(&gw, 32).await;
+    let charged: u64 = records.iter().map(|r| r.cost_micro_eur).sum();
+    assert_eq!(charged, 5_000);
+    assert_eq!(records.iter().filter(|r| r.error_code.map(|c| c.as_str()) == Some("budget_exceeded")).count(), 22);
+}
+
+/// `flexway validate` refuses what a REST backend cannot be, naming the file and the
+/// operation.
+#[test]
+fn load_refuses_bad_mounts_and_contracts() {
+    let dir = tempfile::tempdir().unwrap();
+    let validate = |yaml: &str| {
+        let path = dir.path().join("flexway.yaml");
+        std::fs::write(&path, yaml).unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_flexway"))
+            .args(["validate", "--config"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout),
+        )
+    };
+    let url = "http://127.0.0.1:9";
+    for (mount, why) in [
+        ("/v1/ocr", "overlaps the gateway's own /v1"),
+        ("/metrics", "overlaps the gateway's own /metrics"),
+        ("apis/ocr", "not an absolute path"),
+        ("/apis/", "not an absolute path"),
+    ] {
+        let (ok, out) = validate(&rest_config(dir.path(), "{}", &[("ocr", url, &format!(", mount: \"{mount}\""))]));
+        assert!(!ok && out.contains(why), "{mount}: {out}");
+    }
+    let (ok, out) =
+        validate(&rest_config(dir.path(), "{}", &[("a", url, ", mount: /apis"), ("b", url, ", mount: /apis/ocr")]));
+    assert!(!ok && out.contains("overlaps `/apis`, the mount of backend `a`"), "{out}");
+
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "openapi: 3.1.0\ninfo: {title: t, version: '1'}\npaths:\n  /ocr:\n    post:\n      x-flexway-ai: {metering: per_call, feature: ocr}\n",
+    )
+    .unwrap();
+    let yaml = rest_config(dir.path(), "{}", &[("ocr", url, ", mount: /apis/ocr")]).replace("ocr.yaml", "bad.yaml");
+    let (ok, out) = validate(&yaml);
+    assert!(!ok && out.contains("bad.yaml POST /ocr: x-flexway-ai has no price_per_thousand_eur"), "{out}");
+    std::fs::write(&bad, "swagger: '2.0'\n").unwrap();
+    let (ok, out) = validate(&yaml);
+    assert!(!ok && out.contains("no `openapi` version"), "{out}");
+    let (ok, out) = validate(&yaml.replace("bad.yaml", "absent.yaml"));
+    assert!(!ok && out.contains("cannot read"), "{out}");
+    // Keys of other kinds are refused on an http backend.
+    let (ok, out) = validate(&rest_config(dir.path(), "{}", &[("ocr", url, ", mount: /apis/ocr, models: [m]")]));
+    assert!(!ok && out.contains("models"), "{out}");
+}
+
+/// A large upload streams through in bounded memory: 1 GiB, per byte metered, the
+/// gateway's peak RSS far below it.
+#[tokio::test]
+async fn a_large_upload_streams_in_bounded_memory() {
+    let url = upstream(Seen::default(), false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(&rest_config(dir.path(), "{eur_per_month: 5000}", &[("ocr", &url, ", mount: /apis/ocr")]));
+    const CHUNK: usize = 1 << 20;
+    const CHUNKS: usize = 1024;
+    let chunks =
+        futures_util::stream::iter((0..CHUNKS).map(|_| Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b'p'; CHUNK]))));
+    let response = reqwest::Client::new()
+        .post(format!("{}/apis/ocr/documents", gw.url))
+        .bearer_auth(KEY)
+        .body(reqwest::Body::wrap_stream(chunks))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200, "{}", gw.logs());
+    assert_eq!(response.text().await.unwrap().trim(), format!("{{\"bytes\": {}}}", CHUNK * CHUNKS));
+    let records = wait_records(&gw, 1).await;
+    assert_eq!(records[0].cost_micro_eur, (CHUNK * CHUNKS) as u64 + 64);
+    let rss = gw.peak_rss();
+    eprintln!("peak RSS after a 1 GiB upload: {} MiB", rss >> 20);
+    assert!(rss < 200 << 20, "peak RSS {} MiB", rss >> 20);
+}
+
+/// A per-byte upload of unknown length that would pass the cap is cut at the step
+/// that is refused: 429, nothing charged (the upstream never answered), and an
+/// upload that fits is charged what passed.
+#[tokio::test]
+async fn a_streamed_upload_is_cut_at_the_cap() {
+    let url = upstream(Seen::default(), false).await;
+    let dir = tempfile::tempdir().unwrap();
+    // 0.02 € = 20,000 µ€ = 20,000 bytes at 1 µ€ a byte.
+    let gw = start(&rest_config(dir.path(), "{eur_per_month: 0.02}", &[("ocr", &url, ", mount: /apis/ocr")]));
+    let upload = |chunks: usize| {
+        let chunks = futures_util::stream::iter(
+            (0..chunks).map(|_| Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b'u'; 1000]))),
+        );
+        call(&gw, reqwest::Method::POST, "/apis/ocr/documents").body(reqwest::Body::wrap_stream(chunks)).send()
+    };
+    let cut = upload(50).await.unwrap();
+    assert_eq!(cut.status(), 429);
+    assert_eq!(cut.json::<Value>().await.unwrap()["code"], "budget_exceeded");
+    let fits = upload(10).await.unwrap();
+    assert_eq!(fits.status(), 200);
+    let records = wait_records(&gw, 2).await;
+    let costs: Vec<(u16, u64)> = records.iter().map(|r| (r.status, r.cost_micro_eur)).collect();
+    assert_eq!(costs, [(429, 0), (200, 10_064)]);
+}
