@@ -551,3 +551,90 @@ async fn streams_a_chat_completion_through_an_api_gateway_rest_event() {
     let spread = events.last().unwrap().0 - events.first().unwrap().0;
     assert!(spread >= Duration::from_millis(450), "events arrived together ({spread:?}): buffered\n{events:?}");
 }
+
+/// REST operations (SPEC §10) in the serverless shape: the function serves a `kind:
+/// http` backend's mount through the function URL and through an API Gateway REST
+/// event, metered on the emulated ledger, and refuses what its contract does not
+/// declare with a problem document.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_rest_operations_through_the_function_url_and_api_gateway() {
+    let resources = Resources::new().await;
+    let router = axum::Router::new()
+        .route("/documents/latest", axum::routing::get(|| async { r#"{"latest":true}"# }))
+        .route("/documents", axum::routing::post(|body: String| async move { format!("{:<16}", body.len()) }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let dir = tempfile::tempdir().unwrap();
+    let contract = dir.path().join("ocr.yaml");
+    std::fs::write(
+        &contract,
+        "openapi: 3.0.3\ninfo: {title: OCR, version: '1'}\npaths:\n  /documents/latest:\n    get:\n      \
+         x-flexway-ai: {metering: per_call, price_per_thousand_eur: '0.5', feature: ocr}\n      responses: \
+         {'200': {description: ok}}\n  /documents:\n    post:\n      x-flexway-ai: {metering: per_byte, \
+         price_per_thousand_eur: '0.001', feature: ocr}\n      responses: {'200': {description: ok}}\n",
+    )
+    .unwrap();
+    let config = format!(
+        "version: 1\nstore: {{kind: dynamodb, table: {}}}\naudit: {{sink: cloudwatch, log_group: \"{}\", log_stream: rest}}\n\
+         tenants:\n  acme:\n    keys:\n      - sha256: {}\n    budgets: {{eur_per_month: 5}}\nai:\n  backends:\n    \
+         ocr: {{kind: http, url: \"{upstream}\", contract: \"{}\", mount: /apis/ocr}}\n",
+        resources.table,
+        resources.log_group,
+        hex::encode(Sha256::digest(KEY.as_bytes())),
+        contract.display()
+    );
+    let function = Function::start(&config, &[("AWS_LAMBDA_HTTP_IGNORE_STAGE_IN_PATH", "true")], None).await;
+
+    // The function URL: a per-call operation, then one the contract does not declare.
+    let latest = function.client.get(format!("{}/apis/ocr/documents/latest", function.base)).bearer_auth(KEY);
+    let latest = latest.send().await.unwrap();
+    assert_eq!(latest.status(), 200, "{}", function.logs());
+    assert_eq!(latest.headers()["flexway-backend"], "ocr");
+    assert_eq!(latest.text().await.unwrap(), r#"{"latest":true}"#);
+    let unknown = function.client.get(format!("{}/apis/ocr/admin", function.base)).bearer_auth(KEY);
+    let unknown = unknown.send().await.unwrap();
+    assert_eq!(unknown.status(), 404);
+    assert_eq!(unknown.headers()["content-type"], "application/problem+json");
+
+    // API Gateway REST: a per-byte upload of 1,000 bytes, answered with 16.
+    let host = "abc123.execute-api.us-east-1.amazonaws.com";
+    let headers =
+        serde_json::json!({"authorization": format!("Bearer {KEY}"), "content-type": "text/plain", "host": host});
+    let multi: serde_json::Map<String, serde_json::Value> =
+        headers.as_object().unwrap().iter().map(|(k, v)| (k.clone(), serde_json::json!([v]))).collect();
+    let event = serde_json::json!({
+        "resource": "/{proxy+}",
+        "path": "/apis/ocr/documents",
+        "httpMethod": "POST",
+        "headers": headers,
+        "multiValueHeaders": multi,
+        "queryStringParameters": null,
+        "multiValueQueryStringParameters": null,
+        "pathParameters": {"proxy": "apis/ocr/documents"},
+        "stageVariables": null,
+        "requestContext": {
+            "resourcePath": "/{proxy+}",
+            "httpMethod": "POST",
+            "path": "/live/apis/ocr/documents",
+            "stage": "live",
+            "requestId": "c6af9ac6-7b61-11e6-9a41-93e8deadbee1",
+            "accountId": "123456789012",
+            "apiId": "abc123",
+            "domainName": host,
+            "protocol": "HTTP/1.1",
+            "requestTimeEpoch": 1_764_000_000_000_u64,
+            "identity": {"sourceIp": "127.0.0.1", "userAgent": "curl"},
+        },
+        "body": "d".repeat(1000),
+        "isBase64Encoded": false,
+    });
+    let invoke = function.base.replace("/lambda-url/_", "/2015-03-31/functions/_/invocations");
+    let uploaded = function.client.post(&invoke).json(&event).send().await.unwrap();
+    assert_eq!(uploaded.status(), 200, "{}", function.logs());
+    assert_eq!(uploaded.text().await.unwrap().trim(), "1000");
+
+    // 500 µ€ for the call, 1,016 µ€ for the bytes; nothing for the refusal.
+    let used = resources.used_once_leases_are_swept().await;
+    assert_eq!(used[1], 1_516, "{}", function.logs());
+}

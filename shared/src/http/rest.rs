@@ -133,13 +133,15 @@ async fn call(
     // Reserve: a per-byte call's request is as long as it says, when it says.
     let timeouts = route.candidates.iter().map(|c| gateway.timeout(&c.backend)).sum();
     let meter = Arc::new(Meter::new(gateway.clone(), caller.clone(), request_id, operation.ai.clone(), timeouts));
-    let declared = content_length(&parts.headers).unwrap_or(0);
-    meter.reserve_first(declared).await?;
+    // A body's length: its header, or what the body itself knows (a Lambda event's
+    // body is whole, and comes without the header).
+    let length = content_length(&parts.headers).or_else(|| hyper::body::Body::size_hint(&body).exact());
+    meter.reserve_first(length.unwrap_or(0)).await?;
     if let Some(period) = meter.period().await {
         draft.reserved_on(period);
     }
 
-    let bodyless = !has_body(&parts.headers);
+    let bodyless = length == Some(0) || hyper::body::Body::is_end_stream(&body);
     let slot = Slot::new(RequestBody { body, meter: meter.clone() });
     let path_and_query = match parts.uri.query() {
         Some(query) => format!("{below}?{query}"),
@@ -225,11 +227,6 @@ fn route(
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {
     headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
-}
-
-/// Whether the request carries a body: a length over 0, or chunked.
-fn has_body(headers: &HeaderMap) -> bool {
-    content_length(headers).is_some_and(|n| n > 0) || headers.contains_key(header::TRANSFER_ENCODING)
 }
 
 /// The caller's headers that go upstream: not its credentials, not Flexway's own (the
