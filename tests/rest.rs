@@ -169,6 +169,21 @@ async fn metered_operations_cost_to_the_micro_euro_and_unmetered_ones_pass_as_th
     let doc = by_model("GET /documents/{id}");
     assert_eq!((doc.cost_micro_eur, doc.feature.as_deref(), doc.backend.as_deref()), (0, None, Some("ocr")));
 
+    // Metrics carry the feature; the report splits the rows by it.
+    let metrics = client().get(format!("{}/metrics", gw.url)).send().await.unwrap().text().await.unwrap();
+    let ocr_cost = r#"flexway_inference_cost_eur_total{tenant="acme",backend="ocr",metered_by="local",capability="http",feature="ocr"} 0.010064"#;
+    assert!(metrics.contains(ocr_cost), "{metrics}");
+    let audit = dir.path().join("audit.jsonl");
+    std::fs::write(&audit, gw.stdout().join("\n") + "\n").unwrap();
+    let report = std::process::Command::new(env!("CARGO_BIN_EXE_flexway"))
+        .args(["report", "--format", "csv", "--audit"])
+        .arg(&audit)
+        .output()
+        .unwrap();
+    let csv = String::from_utf8_lossy(&report.stdout);
+    assert!(csv.contains("acme,-,ocr,local,1,0,0,0.010064,ocr\n"), "{csv}");
+    assert!(csv.contains("acme,-,ocr,local,1,0,0,0.000500,ocr-latest\n"), "{csv}");
+
     let seen = seen.all();
     let (_, target, headers) = seen.iter().find(|(_, target, _)| target.starts_with("/documents/42")).unwrap();
     assert_eq!(target, "/documents/42?lang=fr&x=1");

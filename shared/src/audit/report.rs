@@ -217,7 +217,8 @@ pub struct Row {
     pub tenant: String,
     pub agent: Option<String>,
     pub backend: Option<String>,
-    /// A metered gRPC call's feature (SPEC §10): gRPC rows are split by feature.
+    /// A metered gRPC method's or REST operation's feature (SPEC §10): their rows are
+    /// split by feature.
     pub feature: Option<String>,
     pub metered_by: Metering,
     pub totals: Totals,
@@ -248,7 +249,7 @@ pub struct Report {
 }
 
 /// Sums the records that pass `filter` per (tenant, agent, backend, feature,
-/// metered_by); only gRPC calls have a feature.
+/// metered_by); only metered gRPC methods and REST operations have a feature.
 pub fn chargeback(records: &[AuditRecord], filter: &Filter) -> Report {
     type Key<'a> = (&'a str, Option<&'a str>, Option<&'a str>, Option<&'a str>, Metering);
     let mut sums: BTreeMap<Key<'_>, Totals> = BTreeMap::new();
@@ -303,7 +304,8 @@ const NONE: &str = "-";
 
 /// One row per line, locally billed rows first, then the upstream-metered ones; no
 /// totals rows, so that summing the cost column of the `local` rows gives the bill.
-/// When gRPC rows are present, a last column says their feature (`-` for others).
+/// When metered gRPC or REST rows are present, a last column says their feature (`-`
+/// for others).
 pub fn to_csv(report: &Report) -> String {
     let rows = || report.tenants.iter().flat_map(|t| &t.local).chain(report.tenants.iter().flat_map(|t| &t.upstream));
     let features = rows().any(|row| row.feature.is_some());

@@ -131,7 +131,7 @@ impl Registry {
             sums.cost_micro_eur = sums.cost_micro_eur.saturating_add(record.cost_micro_eur);
         };
         match record.feature.as_deref() {
-            // A metered gRPC call adds its feature as a fifth label (SPEC §10).
+            // A metered gRPC or REST call adds its feature as a fifth label (SPEC §10).
             Some(feature) => {
                 let [tenant, backend, metered_by, capability] = labels;
                 self.calls.with(
