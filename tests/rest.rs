@@ -228,6 +228,18 @@ async fn the_contract_is_the_allow_list_and_refusals_are_problem_documents() {
     // Nothing the contract does not declare reached the upstream.
     let targets: Vec<String> = seen.all().into_iter().map(|(m, t, _)| format!("{m} {t}")).collect();
     assert_eq!(targets, ["GET /missing"]);
+
+    // Matched as the upstream reads it: an encoded literal is that literal (metered),
+    // and a path that would move (`..`, `//`, an encoded `/`) is no operation.
+    for path in ["/apis/ocr/documents/%2e%2e", "/apis/ocr/documents/..%2Fadmin", "/apis/ocr//documents/42"] {
+        let moved = call(&gw, reqwest::Method::DELETE, path).send().await.unwrap();
+        assert_eq!(moved.status(), 404, "{path}");
+    }
+    let encoded = call(&gw, reqwest::Method::GET, "/apis/ocr/documents/lat%65st").send().await.unwrap();
+    assert_eq!(encoded.status(), 200);
+    let records = wait_records(&gw, 7).await;
+    assert_eq!(records[6].cost_micro_eur, 500, "{:?}", records[6]);
+    assert_eq!(seen.all().len(), 2, "only the two declared operations reached the upstream");
 }
 
 #[tokio::test]

@@ -8,10 +8,15 @@
 //! JSON value first (the YAML reader is the configuration's own). The contract's
 //! `servers` are ignored: the backend's `url` says where it is.
 //!
-//! Matching: a path is split on `/`; `{name}` matches one non-empty segment (with a
-//! literal prefix or suffix in the segment, those must match too); of the templates
-//! that match, one with a literal segment wins over one with a template there, from
-//! the left. The method is then that template's: another method is 405 with `Allow`.
+//! Matching: a path is split on `/` and each segment percent-decoded (as the upstream
+//! will read it); a path with an empty segment (`//`, a trailing `/`), a `.` or `..`
+//! segment, or a segment that decodes to hold a `/` or is not UTF-8 matches nothing,
+//! so that what is matched is what the upstream serves. `{name}` matches one segment
+//! (with a literal prefix or suffix in the segment, those must match too); of the
+//! templates that match, one with a literal segment wins over one with a template
+//! there, and a template with a literal prefix or suffix over a bare one, from the
+//! left. The method is then that template's (parameter names aside): another method
+//! is 405 with `Allow`.
 
 use http::Method;
 use serde_json::Value;
@@ -79,19 +84,27 @@ pub enum Matched<'a> {
 }
 
 impl Contract {
-    /// The operation `method path` calls (`path` below the mount, starting with `/`).
+    /// The operation `method path` calls (`path` below the mount, starting with `/`,
+    /// as the caller sent it: percent-encoded).
     pub fn find(&self, method: &Method, path: &str) -> Matched<'_> {
-        let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+        let Some(segments) = decoded_segments(path) else { return Matched::NotFound };
         let matching = |op: &&RestOperation| {
             op.segments.len() == segments.len() && op.segments.iter().zip(&segments).all(|(s, p)| s.matches(p))
         };
-        // The most literal template first: `false` (a literal) sorts before `true`.
-        let specificity =
-            |op: &RestOperation| op.segments.iter().map(|s| matches!(s, Segment::Template { .. })).collect::<Vec<_>>();
+        // The most literal template first, segment by segment from the left.
+        let specificity = |op: &RestOperation| {
+            let rank = |s: &Segment| match s {
+                Segment::Literal(_) => 0,
+                Segment::Template { prefix, suffix } if !prefix.is_empty() || !suffix.is_empty() => 1,
+                Segment::Template { .. } => 2,
+            };
+            op.segments.iter().map(rank).collect::<Vec<_>>()
+        };
         let Some(best) = self.operations.iter().filter(matching).min_by_key(|op| specificity(op)) else {
             return Matched::NotFound;
         };
-        let same_path = self.operations.iter().filter(|op| op.path == best.path);
+        // The same template whatever its parameters are named (`/a/{id}`, `/a/{key}`).
+        let same_path = self.operations.iter().filter(|op| op.segments == best.segments);
         let mut allowed = Vec::new();
         for op in same_path {
             if op.method == *method {
@@ -106,6 +119,20 @@ impl Contract {
     pub fn declared(&self, method: &Method, path: &str) -> Option<&RestOperation> {
         self.operations.iter().find(|op| op.method == *method && op.path == path)
     }
+}
+
+/// The path's segments, percent-decoded; `None` when it can name nothing the contract
+/// declares (see the module's docs).
+fn decoded_segments(path: &str) -> Option<Vec<String>> {
+    let mut segments = Vec::new();
+    for raw in path.strip_prefix('/')?.split('/') {
+        let segment = percent_encoding::percent_decode_str(raw).decode_utf8().ok()?;
+        if segment.is_empty() || segment == "." || segment == ".." || segment.contains('/') {
+            return None;
+        }
+        segments.push(segment.into_owned());
+    }
+    Some(segments)
 }
 
 /// The contract in `text` (YAML or JSON), or every reason it cannot be used.
@@ -260,6 +287,36 @@ paths:
         for path in ["/files/.pdf", "/files/report.txt", "/documents/42/more", "/documents/", "/", "/nothing"] {
             assert_eq!(found(Method::GET, path), "404", "{path}");
         }
+        // Matched as the upstream will read it: decoded, and never a path that moves.
+        assert_eq!(found(Method::GET, "/documents/lat%65st"), "GET /documents/latest");
+        assert_eq!(found(Method::GET, "/documents/a%20b"), "GET /documents/{id}");
+        for path in [
+            "/documents/..",
+            "/documents/.",
+            "/documents/%2e%2e",
+            "/documents/a%2Fb",
+            "//documents/latest",
+            "/documents/%ff",
+        ] {
+            assert_eq!(found(Method::DELETE, path), "404", "{path}");
+        }
+    }
+
+    #[test]
+    fn templates_rank_by_shape_not_by_name_or_order() {
+        let contract = read(
+            "openapi: 3.1.0\ninfo: {title: t, version: '1'}\npaths:\n  /a/{id}:\n    get: {}\n  /a/{key}:\n    \
+             delete: {}\n  /files/{id}:\n    get: {}\n  /files/{name}.pdf:\n    get: {}\n",
+        )
+        .unwrap();
+        let path = |method: Method, path: &str| match contract.find(&method, path) {
+            Matched::Operation(op) => op.path.clone(),
+            other => format!("{other:?}"),
+        };
+        assert_eq!(path(Method::DELETE, "/a/1"), "/a/{key}");
+        assert_eq!(path(Method::GET, "/a/1"), "/a/{id}");
+        assert_eq!(path(Method::GET, "/files/x.pdf"), "/files/{name}.pdf");
+        assert_eq!(path(Method::GET, "/files/x.txt"), "/files/{id}");
     }
 
     #[test]

@@ -319,7 +319,7 @@ impl<'a> chain::Attempt for SendCall<'a> {
     ) -> Result<Answered<Self::Answer>, Failure> {
         // Once the upstream took part of the body, the call cannot go elsewhere.
         let failed = |failure: Failure| {
-            if self.slot.untouched() { failure } else { Failure::AfterSend(Box::new(failure)) }
+            if self.slot.reclaim() { failure } else { Failure::AfterSend(Box::new(failure)) }
         };
         let upstream =
             upstream_request(url, self.rpc, self.headers, self.sensitive_header, self.flavor, self.slot.body())

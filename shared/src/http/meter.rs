@@ -210,21 +210,31 @@ pub(super) trait Frames: Send + 'static {
 
 /// The request's body until a backend takes it: a send that fails before polling it
 /// leaves it here for the next backend; once polled, the call is that backend's.
-pub(super) struct Slot<B>(Arc<Mutex<Option<B>>>);
+pub(super) struct Slot<B> {
+    /// Where the next send's stream takes the body from. Replaced when a failed send
+    /// left the body untaken, so that the failed send's stream, polled late by its
+    /// connection, finds nothing rather than the next backend's body.
+    current: Mutex<Arc<Mutex<Option<B>>>>,
+}
 
 impl<B: Frames> Slot<B> {
     pub fn new(body: B) -> Self {
-        Slot(Arc::new(Mutex::new(Some(body))))
+        Slot { current: Mutex::new(Arc::new(Mutex::new(Some(body)))) }
     }
 
-    /// Whether no backend has taken the body yet.
-    pub fn untouched(&self) -> bool {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).is_some()
+    /// After a failed send: whether no backend took the body, which is then kept for
+    /// the next send only.
+    pub fn reclaim(&self) -> bool {
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        let body = current.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let untaken = body.is_some();
+        *current = Arc::new(Mutex::new(body));
+        untaken
     }
 
     /// The body for one send: taken from the slot when first polled.
     pub fn body(&self) -> UpstreamBody {
-        let slot = self.0.clone();
+        let slot = self.current.lock().unwrap_or_else(PoisonError::into_inner).clone();
         let taken =
             futures_util::stream::once(async move { slot.lock().unwrap_or_else(PoisonError::into_inner).take() });
         let bodies = futures_util::StreamExt::map(taken, |body| futures_util::stream::iter(body.map(B::frames)));

@@ -33,7 +33,7 @@ use hyper::body::Frame;
 
 use super::RequestId;
 use super::chain::{self, Answered, Failure};
-use super::meter::{Frames, Meter, Slot, Stop};
+use super::meter::{Frames, MAX_MESSAGE_BYTES, Meter, Slot, Stop};
 use super::record::{Draft, UsageSource};
 use super::render;
 use crate::call::headers::{BACKEND as BACKEND_HEADER, CREDENTIALS, DEGRADED as DEGRADED_HEADER};
@@ -233,13 +233,26 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
 /// sensitivity header included), not the connection's (RFC 9110 §7.6.1); the body's
 /// length stays, so that the upstream reads it as sent.
 fn upstream_headers(headers: &HeaderMap, sensitive_header: &str) -> HeaderMap {
+    let named = connection_named(headers);
     let mut out = HeaderMap::new();
     for (name, value) in headers {
-        if forwarded(name) && name.as_str() != sensitive_header {
+        if forwarded(name) && name.as_str() != sensitive_header && !named.contains(&name.as_str().to_owned()) {
             out.append(name.clone(), value.clone());
         }
     }
     out
+}
+
+/// The headers `Connection` names: hop-by-hop too (RFC 9110 §7.6.1).
+fn connection_named(headers: &HeaderMap) -> Vec<String> {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|name| name.trim().to_ascii_lowercase())
+        .filter(|name| !name.is_empty())
+        .collect()
 }
 
 fn forwarded(name: &HeaderName) -> bool {
@@ -286,7 +299,7 @@ impl chain::Attempt for SendOperation<'_> {
         };
         // Once the upstream took part of the body, the call cannot go elsewhere.
         let failed = |failure: Failure| {
-            if self.bodyless || self.slot.untouched() { failure } else { Failure::AfterSend(Box::new(failure)) }
+            if self.bodyless || self.slot.reclaim() { failure } else { Failure::AfterSend(Box::new(failure)) }
         };
         let body: UpstreamBody = if self.bodyless {
             http_body_util::Empty::new().map_err(|never| match never {}).boxed_unsync()
@@ -318,8 +331,15 @@ impl Frames for RequestBody {
             let frame = frame.map_err(|e| Box::new(e) as BoxError)?;
             if let Some(data) = frame.data_ref() {
                 let bytes = data.len() as u64;
-                if !this.meter.admit(bytes).await {
-                    return Err(BoxError::from("the call was refused a budget step"));
+                // A body that came whole (a Lambda event's) is admitted a bounded
+                // piece at a time.
+                let mut left = bytes;
+                while left > 0 {
+                    let piece = left.min(MAX_MESSAGE_BYTES);
+                    if !this.meter.admit(piece).await {
+                        return Err(BoxError::from("the call was refused a budget step"));
+                    }
+                    left -= piece;
                 }
                 this.meter.passed(bytes).await;
             }
@@ -340,8 +360,11 @@ impl Relay {
         let (parts, body) = upstream.into_parts();
         let mut response = Response::new(Body::empty());
         *response.status_mut() = parts.status;
+        let named = connection_named(&parts.headers);
         for (name, value) in &parts.headers {
-            if !hop_by_hop(name.as_str()) {
+            let name_str = name.as_str();
+            // Flexway's own headers are the gateway's to write, never an upstream's.
+            if !hop_by_hop(name_str) && !name_str.starts_with("flexway-") && !named.contains(&name_str.to_owned()) {
                 response.headers_mut().append(name.clone(), value.clone());
             }
         }
@@ -482,7 +505,7 @@ mod tests {
             ("x-api-key", "k"),
             ("cookie", "c"),
             ("proxy-authorization", "p"),
-            ("connection", "keep-alive"),
+            ("connection", "keep-alive, X-Hop"),
             ("transfer-encoding", "chunked"),
             ("host", "gateway"),
             ("flexway-agent", "bot"),
@@ -490,6 +513,7 @@ mod tests {
             ("content-type", "application/pdf"),
             ("content-length", "12"),
             ("x-request-lang", "fr"),
+            ("x-hop", "h"),
         ] {
             headers.append(HeaderName::from_static(name), HeaderValue::from_static(value));
         }
