@@ -638,3 +638,70 @@ async fn serves_rest_operations_through_the_function_url_and_api_gateway() {
     let used = resources.used_once_leases_are_swept().await;
     assert_eq!(used[1], 1_516, "{}", function.logs());
 }
+
+/// SPEC §11 for a REST operation: an answer still streaming near the invocation's
+/// deadline is ended by the gateway before the platform would cut it, charged on the
+/// bytes that passed and recorded with `deadline`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rest_answer_open_at_the_invocations_deadline_is_ended_settled_and_recorded() {
+    let resources = Resources::new().await;
+    // 40 chunks of 100 bytes, 250 ms apart: 10 s, far past a 4 s deadline.
+    let slow = || async {
+        let chunks = futures_util::stream::iter(0..40).then(|_| async {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            Ok::<_, std::io::Error>(vec![b's'; 100])
+        });
+        axum::body::Body::from_stream(chunks)
+    };
+    let router = axum::Router::new().route("/pages", axum::routing::get(slow));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let dir = tempfile::tempdir().unwrap();
+    let contract = dir.path().join("pages.yaml");
+    std::fs::write(
+        &contract,
+        "openapi: 3.1.0\ninfo: {title: pages, version: '1'}\npaths:\n  /pages:\n    get:\n      x-flexway-ai: \
+         {metering: per_byte, price_per_thousand_eur: '0.001', feature: pages}\n",
+    )
+    .unwrap();
+    let config = format!(
+        "version: 1\nstore: {{kind: dynamodb, table: {}}}\naudit: {{sink: cloudwatch, log_group: \"{}\", log_stream: rest}}\n\
+         tenants:\n  acme:\n    keys:\n      - sha256: {}\n    budgets: {{eur_per_month: 5}}\nai:\n  backends:\n    \
+         pages: {{kind: http, url: \"{upstream}\", contract: \"{}\", mount: /apis/pages}}\n",
+        resources.table,
+        resources.log_group,
+        hex::encode(Sha256::digest(KEY.as_bytes())),
+        contract.display()
+    );
+    let function = Function::start(&config, &[], Some(Duration::from_secs(4))).await;
+    let started = Instant::now();
+    let response = function.client.get(format!("{}/apis/pages/pages", function.base)).bearer_auth(KEY);
+    let response = response.send().await.unwrap();
+    assert_eq!(response.status(), 200, "{}", function.logs());
+    let mut body = response.bytes_stream();
+    let mut relayed = 0u64;
+    while let Some(Ok(chunk)) = body.next().await {
+        relayed += chunk.len() as u64;
+    }
+    let ended = started.elapsed();
+    assert!(ended < Duration::from_secs(4), "ended at {ended:?}, not before the deadline");
+    assert!(relayed > 0 && relayed < 4_000, "{relayed} bytes read");
+
+    let mut records = Vec::new();
+    for _ in 0..50 {
+        let read = flexway_aws::read_audit_log_group(&resources.logs, &resources.log_group, None, None, None).await;
+        records = read.unwrap().records;
+        if !records.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let record = records.first().unwrap_or_else(|| panic!("no record\n{}", function.logs()));
+    assert_eq!(record.error_code.map(|c| c.as_str()), Some("deadline"), "{record:?}");
+    // Per byte at 1 µ€ a byte: the whole chunks that passed (the emulator appends the
+    // function's error to what the client reads), as the ledger holds them.
+    let cost = record.cost_micro_eur;
+    assert!(cost > 0 && cost % 100 == 0 && cost <= relayed, "{cost} µ€ for {relayed} bytes read: {record:?}");
+    assert_eq!(resources.used_once_leases_are_swept().await[1], cost);
+}

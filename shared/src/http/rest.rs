@@ -31,11 +31,11 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, header};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 
-use super::RequestId;
 use super::chain::{self, Answered, Failure};
 use super::meter::{Frames, MAX_MESSAGE_BYTES, Meter, Slot, Stop};
 use super::record::{Draft, UsageSource};
 use super::render;
+use super::{Deadline, RequestId};
 use crate::call::headers::{BACKEND as BACKEND_HEADER, CREDENTIALS, DEGRADED as DEGRADED_HEADER};
 use crate::call::{ErrorCode, Operation};
 use crate::config::contract::{Matched, RestOperation};
@@ -73,8 +73,11 @@ pub(super) async fn handle(
     };
     let mut draft = Draft::begin(&gateway, &request_id, &caller, Operation::Http, request.headers());
     draft.abandoned_as(499, ErrorCode::ClientClosedRequest);
+    // The serverless shape's invocation deadline: an answer still open just before it
+    // is ended by the gateway, settled and recorded (SPEC §11).
+    let cutoff = request.extensions().get::<Deadline>().map(|d| d.cutoff());
     match call(&gateway, &caller, &request_id, &mut draft, &owner, &below, request).await {
-        Ok(Proxied { response, relay }) => relay.respond(response, draft),
+        Ok(Proxied { response, relay }) => relay.respond(response, draft, cutoff),
         Err(Failed { error, meter }) => {
             if let Some(meter) = meter {
                 meter.close(false, false).await;
@@ -356,7 +359,12 @@ struct Relay {
 }
 
 impl Relay {
-    fn respond(self, upstream: crate::upstream::Answer, draft: Draft) -> Response {
+    fn respond(
+        self,
+        upstream: crate::upstream::Answer,
+        draft: Draft,
+        cutoff: Option<tokio::time::Instant>,
+    ) -> Response {
         let (parts, body) = upstream.into_parts();
         let mut response = Response::new(Body::empty());
         *response.status_mut() = parts.status;
@@ -381,6 +389,7 @@ impl Relay {
             served: (200..400).contains(&status),
             ending: Ending { draft: Some(draft), meter: self.meter, status },
             pass: Some(self.pass),
+            cutoff,
         };
         let frames = futures_util::stream::unfold(state, |mut state| async move {
             let frame = state.next().await?;
@@ -434,6 +443,8 @@ struct Relaying {
     served: bool,
     ending: Ending,
     pass: Option<Pass>,
+    /// Just before the invocation's deadline (serverless shape).
+    cutoff: Option<tokio::time::Instant>,
 }
 
 impl Relaying {
@@ -445,7 +456,18 @@ impl Relaying {
             self.finish(Outcome::Status { status: self.status, retry_after: None }, None).await;
             return None;
         }
-        match body.frame().await {
+        let frame = match self.cutoff {
+            None => body.frame().await,
+            Some(at) => match tokio::time::timeout_at(at, body.frame()).await {
+                Ok(frame) => frame,
+                Err(_) => {
+                    tracing::warn!("REST answer still open at the invocation's deadline: ended");
+                    self.finish(Outcome::Success, Some(ErrorCode::Deadline)).await;
+                    return Some(Err(BoxError::from("the invocation's deadline")));
+                }
+            },
+        };
+        match frame {
             None => {
                 self.finish(Outcome::Status { status: self.status, retry_after: None }, None).await;
                 None
