@@ -533,18 +533,24 @@ struct Ending {
 }
 
 impl Ending {
+    /// Settles and records the call in a task of its own, awaited: a client that
+    /// leaves meanwhile drops this future, never the settlement or the record.
     async fn end(&mut self, status: u16, error_code: Option<ErrorCode>) -> MicroEur {
         let Some(mut draft) = self.draft.take() else { return MicroEur(0) };
-        if let Some(period) = self.meter.period().await {
-            draft.reserved_on(period);
-        }
-        let cost = self.meter.close(true, status == Code::Ok.number()).await;
-        draft.usage(Usage::default(), UsageSource::Reported, cost);
-        if status == Code::ResourceExhausted.number() && error_code == Some(ErrorCode::BudgetExceeded) {
-            draft.exceeded();
-        }
-        draft.finish(status, error_code).await;
-        cost
+        let meter = self.meter.clone();
+        let ended = tokio::spawn(async move {
+            if let Some(period) = meter.period().await {
+                draft.reserved_on(period);
+            }
+            let cost = meter.close(true, status == Code::Ok.number()).await;
+            draft.usage(Usage::default(), UsageSource::Reported, cost);
+            if status == Code::ResourceExhausted.number() && error_code == Some(ErrorCode::BudgetExceeded) {
+                draft.exceeded();
+            }
+            draft.finish(status, error_code).await;
+            cost
+        });
+        ended.await.unwrap_or(MicroEur(0))
     }
 }
 
