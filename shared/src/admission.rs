@@ -20,6 +20,7 @@ use std::time::Instant;
 
 use crate::budget::plan::{self, Allowance, Budget};
 use crate::budget::{ReserveOutcome, ReserveRequest, Ticket, period::unix_now};
+use crate::call::Criticality;
 use crate::config::Capability;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
@@ -49,6 +50,11 @@ pub struct Demand {
     pub sensitive: bool,
     /// The session's affinity key (`routing::affinity_key`), if any.
     pub affinity: Option<u64>,
+    /// The prompt's prefix key (`routing::prefix_key`), when a pool has
+    /// `cache_affinity`.
+    pub prefix: Option<u64>,
+    /// The call's class ([`criticality`]).
+    pub criticality: Criticality,
 }
 
 pub struct Admission {
@@ -135,8 +141,14 @@ async fn decide(
             sensitive: demand.sensitive,
             soft: decision.soft,
             affinity: demand.affinity,
+            prefix: demand.prefix,
+            criticality: demand.criticality,
         },
-    )?;
+    );
+    if let Err(GatewayError::Overloaded { pool }) = &route {
+        gateway.metrics.shed(caller.tenant.as_str(), pool.as_str());
+    }
+    let route = route?;
     let price = plan::highest_price(route.candidates.iter().map(|c| gateway.price(&c.backend)));
     let allowance = if demand.completes {
         let default = u64::from(config.ai.budget.default_max_tokens);
@@ -213,6 +225,21 @@ pub async fn reserve_turn(
             }
         }
     }
+}
+
+/// A call's class (SPEC §5): the one its `Flexway-Criticality` asks for (default
+/// `standard`), lowered to the lower of its tenant's and its agent's
+/// `max_criticality`. An unreadable header is refused, never read as a class.
+pub fn criticality(
+    config: &crate::config::Config,
+    caller: &Caller,
+    headers: &http::HeaderMap,
+) -> Result<Criticality, crate::call::InvalidRequest> {
+    let asked = Criticality::asked(headers)?;
+    let tenant = config.tenants.get(&caller.tenant);
+    let agent = caller.agent.as_ref().and_then(|a| tenant.and_then(|t| t.agents.get(a)));
+    let of_tenant = tenant.map_or(Criticality::Critical, |t| t.max_criticality);
+    Ok(asked.min(of_tenant).min(agent.map_or(Criticality::Critical, |a| a.max_criticality)))
 }
 
 /// The limit a line reserved under the assumption "not soft" must stay under: the

@@ -120,6 +120,97 @@ impl Operation {
     }
 }
 
+/// A call's class when the model servers of a pool are saturated (SPEC §5), from
+/// `Flexway-Criticality`, lowered to its tenant's and agent's `max_criticality`.
+/// Ordered: `Sheddable` < `Standard` < `Critical`.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+#[schemars(inline)]
+pub enum Criticality {
+    Sheddable,
+    #[default]
+    Standard,
+    Critical,
+}
+
+impl Criticality {
+    /// The request header that asks for a class.
+    pub const HEADER: &str = "flexway-criticality";
+    pub const ALL: [Criticality; 3] = [Criticality::Sheddable, Criticality::Standard, Criticality::Critical];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Criticality::Sheddable => "sheddable",
+            Criticality::Standard => "standard",
+            Criticality::Critical => "critical",
+        }
+    }
+
+    /// The class the call asks for: `standard` without the header; a value that is
+    /// not one of the three (any case), or two values that differ, is refused.
+    pub fn asked(headers: &http::HeaderMap) -> Result<Criticality, InvalidRequest> {
+        let mut asked = None;
+        for value in headers.get_all(Self::HEADER) {
+            let text = value.to_str().unwrap_or_default().trim().to_ascii_lowercase();
+            let class = match text.as_str() {
+                "critical" => Criticality::Critical,
+                "standard" => Criticality::Standard,
+                "sheddable" => Criticality::Sheddable,
+                _ => {
+                    return Err(InvalidRequest {
+                        message: "Flexway-Criticality must be one of critical, standard, sheddable".into(),
+                        param: None,
+                    });
+                }
+            };
+            if asked.is_some_and(|a| a != class) {
+                return Err(InvalidRequest {
+                    message: "Flexway-Criticality is sent twice with different classes".into(),
+                    param: None,
+                });
+            }
+            asked = Some(class);
+        }
+        Ok(asked.unwrap_or_default())
+    }
+}
+
+/// Why the backend that served was chosen (SPEC §5, the audit's `pick_reason`): the
+/// pick of its pool, or `fallback` when it served after the one picked first did not.
+/// Absent for a call to a backend that is not in a pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+#[schemars(inline)]
+pub enum PickReason {
+    Weighted,
+    LeastLoaded,
+    Latency,
+    CacheAffinity,
+    Fallback,
+}
+
+impl PickReason {
+    pub const ALL: [PickReason; 5] = [
+        PickReason::Weighted,
+        PickReason::LeastLoaded,
+        PickReason::Latency,
+        PickReason::CacheAffinity,
+        PickReason::Fallback,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PickReason::Weighted => "weighted",
+            PickReason::LeastLoaded => "least_loaded",
+            PickReason::Latency => "latency",
+            PickReason::CacheAffinity => "cache_affinity",
+            PickReason::Fallback => "fallback",
+        }
+    }
+}
+
 /// Every code the gateway writes (SPEC §2's table, and the codes of a call that
 /// ended after its answer began). Plain comments on the variants: doc comments would
 /// split the schema's enum.
@@ -148,6 +239,7 @@ pub enum ErrorCode {
     InternalError,
     UpstreamError,
     UpstreamUnavailable,
+    Overloaded,
     UpstreamTimeout,
     // gRPC: no backend declares the service or method.
     UnknownService,
@@ -162,7 +254,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order of SPEC §2's table and then the others.
-    pub const ALL: [ErrorCode; 25] = [
+    pub const ALL: [ErrorCode; 26] = [
         ErrorCode::InvalidRequest,
         ErrorCode::CapabilityUnavailable,
         ErrorCode::ImageOriginNotAllowed,
@@ -182,6 +274,7 @@ impl ErrorCode {
         ErrorCode::InternalError,
         ErrorCode::UpstreamError,
         ErrorCode::UpstreamUnavailable,
+        ErrorCode::Overloaded,
         ErrorCode::UpstreamTimeout,
         ErrorCode::UnknownService,
         ErrorCode::Deadline,
@@ -211,6 +304,7 @@ impl ErrorCode {
             ErrorCode::InternalError => "internal_error",
             ErrorCode::UpstreamError => "upstream_error",
             ErrorCode::UpstreamUnavailable => "upstream_unavailable",
+            ErrorCode::Overloaded => "overloaded",
             ErrorCode::UpstreamTimeout => "upstream_timeout",
             ErrorCode::UnknownService => "unknown_service",
             ErrorCode::Deadline => "deadline",
@@ -238,7 +332,9 @@ impl ErrorCode {
             ErrorCode::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ErrorCode::BudgetExceeded => StatusCode::TOO_MANY_REQUESTS,
             ErrorCode::RealtimeUnavailable => StatusCode::NOT_IMPLEMENTED,
-            ErrorCode::LedgerBusy | ErrorCode::UpstreamUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::LedgerBusy | ErrorCode::UpstreamUnavailable | ErrorCode::Overloaded => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ErrorCode::InternalError => StatusCode::INTERNAL_SERVER_ERROR,
             ErrorCode::UpstreamError => StatusCode::BAD_GATEWAY,
             ErrorCode::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,

@@ -92,6 +92,10 @@ pub enum GatewayError {
         /// (a TLS failure: the certificate refused and why).
         last_failure: Option<String>,
     },
+    /// A `sheddable` call while every member of the pool that would serve it is
+    /// saturated (SPEC §5): refused before anything is sent or reserved.
+    #[error("every model server of pool `{pool}` is saturated and this call is sheddable; retry in a second")]
+    Overloaded { pool: BackendId },
     #[error("backend `{backend}` timed out; {attempts}")]
     UpstreamTimeout { backend: BackendId, attempts: Attempts },
     #[error("no route for {method} {path}")]
@@ -172,6 +176,7 @@ impl GatewayError {
             GatewayError::UpstreamError { .. } => ErrorCode::UpstreamError,
             GatewayError::UpstreamUnavailable { .. } => ErrorCode::UpstreamUnavailable,
             GatewayError::UpstreamTimeout { .. } => ErrorCode::UpstreamTimeout,
+            GatewayError::Overloaded { .. } => ErrorCode::Overloaded,
             GatewayError::NotFound { .. } => ErrorCode::NotFound,
             GatewayError::RealtimeUnavailable => ErrorCode::RealtimeUnavailable,
             GatewayError::MethodNotAllowed { .. } | GatewayError::OperationMethodNotAllowed { .. } => {
@@ -197,6 +202,9 @@ impl GatewayError {
                 vec![("retry-after", retry_after_secs.to_string())]
             }
             GatewayError::LedgerBusy => vec![("retry-after", "1".to_owned())],
+            GatewayError::Overloaded { .. } => {
+                vec![("flexway-error-cause", "saturated".to_owned()), ("retry-after", "1".to_owned())]
+            }
             GatewayError::OperationMethodNotAllowed { allow, .. } => vec![("allow", allow.clone())],
             GatewayError::UpstreamUnavailable { cause, attempts, .. } => {
                 let mut h = vec![("flexway-error-cause", cause.as_str().to_owned())];

@@ -97,12 +97,14 @@ impl Gateway {
         let next_refresh = Mutex::new(Instant::now() + config.secrets.refresh);
         let config = Arc::new(config);
         let keys = KeyRing::new(&config);
+        let router = Router::new(config.clone());
+        router.loads.start_polling(&config);
         Ok(Gateway {
             telemetry,
             sessions: Sessions::default(),
             hasher: Hasher::with_keys(&salt, keys.digests()),
             keys,
-            router: Router::new(config.clone()),
+            router,
             upstreams,
             grpc: GrpcClient::new(),
             budgets: adapters.budgets,

@@ -65,6 +65,9 @@ fn schema_lists_every_spec_field() {
         "period",
         // With audit.chain_key: the record's place in its writer's HMAC chain.
         "chain",
+        // SPEC §5: which pool member served and why, and the call's class.
+        "pick_reason",
+        "criticality",
     ];
     for field in spec_fields {
         assert!(properties.contains_key(field), "missing {field}");

@@ -44,7 +44,7 @@ fn spec_example_loads_with_its_environment() {
 fn spec_example_pool_lists_its_members_in_order() {
     let config = load_example().config;
     let pool = &config.ai.backends["chat-pool"];
-    let BackendKind::Pool { members } = &pool.kind else { panic!("chat-pool is a pool") };
+    let BackendKind::Pool { members, .. } = &pool.kind else { panic!("chat-pool is a pool") };
     let member =
         |name: &str, priority, weight| PoolMember { backend: flexway::config::BackendId::new(name), priority, weight };
     assert_eq!(members, &vec![member("ptu-west", 1, 1), member("payg-west", 2, 3), member("payg-north", 2, 1)]);

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use flexway::config::{
-    AuditSinkConfig, Auth, BackendKind, BreakerTrigger, Capability, Diagnostic, Loaded, Metering, SecretRef, Secrets,
-    StoreConfig, load_str, load_str_with, parse_duration,
+    AuditSinkConfig, Auth, BackendKind, BreakerTrigger, Capability, Criticality, Diagnostic, Loaded, Metering, Pick,
+    Saturation, SecretRef, Secrets, StoreConfig, load_str, load_str_with, parse_duration,
 };
 use flexway::money::MicroEur;
 use serde_norway::Value;
@@ -975,7 +975,7 @@ fn reads_pool_with_defaults_and_members_capabilities() {
         .set("ai.capabilities", "{vision: pool}")
         .loads();
     let pool = &loaded.config.ai.backends["pool"];
-    let BackendKind::Pool { members } = &pool.kind else { panic!("a pool") };
+    let BackendKind::Pool { members, .. } = &pool.kind else { panic!("a pool") };
     assert_eq!((members[0].priority, members[0].weight), (1, 1));
     assert_eq!((members[1].priority, members[1].weight), (2, 3));
     assert_eq!(pool.capabilities.iter().copied().collect::<Vec<_>>(), vec![Capability::Chat, Capability::Vision]);
@@ -1006,6 +1006,107 @@ fn refuses_endpoint_keys_on_a_pool() {
     for key in keys {
         assert_error(&errors, &format!("ai.backends.pool.{key}"), "does not apply to a pool backend");
     }
+}
+
+/// A pool of `main` and `internal` that picks by `pick` and `extra`, each member
+/// reading its load.
+fn picking_pool(pick: &str, extra: &str) -> Doc {
+    doc()
+        .set("ai.backends.main.load", "{metrics_url: 'http://10.0.0.4:8000/metrics', every: 250ms}")
+        .set("ai.backends.internal.load", "{metrics_url: 'http://10.0.0.5:8000/metrics'}")
+        .set(
+            "ai.backends.pool",
+            &format!("{{kind: pool, pick: {pick}, members: [{{backend: main}}, {{backend: internal}}]{extra}}}"),
+        )
+        .set("ai.default_backend", "pool")
+}
+
+#[test]
+fn reads_inference_aware_picking() {
+    let loaded =
+        picking_pool("least_loaded", ", cache_affinity: {prefix_bytes: 2048}, saturation: {queue: 8, kv_cache: 0.9}")
+            .set("tenants.acme.max_criticality", "standard")
+            .set("tenants.acme.agents.bot.max_criticality", "sheddable")
+            .loads();
+    let ai = &loaded.config.ai;
+    let BackendKind::Pool { picking, .. } = &ai.backends["pool"].kind else { panic!("a pool") };
+    assert_eq!(picking.pick, Pick::LeastLoaded);
+    assert_eq!(picking.prefix_bytes, Some(2048));
+    assert_eq!(picking.saturation, Some(Saturation { queue: Some(8), kv_cache_ppm: Some(900_000) }));
+    let main = ai.backends["main"].load.as_ref().unwrap();
+    assert_eq!((main.metrics_url.as_str(), main.every), ("http://10.0.0.4:8000/metrics", Duration::from_millis(250)));
+    assert_eq!(ai.backends["internal"].load.as_ref().unwrap().every, Duration::from_secs(1), "the default poll");
+    let acme = &loaded.config.tenants["acme"];
+    assert_eq!(acme.max_criticality, Criticality::Standard);
+    assert_eq!(acme.agents.values().next().unwrap().max_criticality, Criticality::Sheddable);
+    assert!(other_warnings(&loaded).is_empty(), "{:?}", loaded.warnings);
+
+    let plain = picking_pool("latency", ", cache_affinity: {}").remove("ai.backends.main.load");
+    let plain = plain.remove("ai.backends.internal.load").loads();
+    let BackendKind::Pool { picking, .. } = &plain.config.ai.backends["pool"].kind else { panic!("a pool") };
+    assert_eq!((picking.pick, picking.prefix_bytes, picking.saturation), (Pick::Latency, Some(4096), None));
+    assert_eq!(plain.config.tenants["acme"].max_criticality, Criticality::Critical, "no limit by default");
+}
+
+#[test]
+fn refuses_picking_keys_outside_a_pool_and_load_on_a_pool() {
+    let errors = doc()
+        .set("ai.backends.main.pick", "least_loaded")
+        .set("ai.backends.main.cache_affinity", "{}")
+        .set("ai.backends.main.saturation", "{queue: 2}")
+        .set("ai.backends.pool", "{kind: pool, members: [{backend: main}], load: {metrics_url: 'http://x/m'}}")
+        .errors();
+    assert_eq!(errors.len(), 4, "{errors:#?}");
+    for key in ["pick", "cache_affinity", "saturation"] {
+        assert_error(&errors, &format!("ai.backends.main.{key}"), "it belongs to kind pool");
+    }
+    assert_error(&errors, "ai.backends.pool.load", "does not apply to a pool backend");
+}
+
+#[test]
+fn refuses_a_load_no_pool_reads() {
+    let errors = picking_pool("weighted", "").errors();
+    assert_eq!(errors.len(), 2, "{errors:#?}");
+    for member in ["main", "internal"] {
+        assert_error(&errors, &format!("ai.backends.{member}.load"), "no pool reads this load");
+    }
+    let latency = picking_pool("latency", "").remove("ai.backends.main.load");
+    latency.refused("ai.backends.internal.load", "no pool reads this load");
+}
+
+#[test]
+fn warns_about_a_member_ranked_without_its_load() {
+    let loaded = picking_pool("weighted", ", saturation: {queue: 4}").remove("ai.backends.internal.load").loads();
+    let warnings = other_warnings(&loaded);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert_eq!(warnings[0].path, "ai.backends.internal");
+    assert!(warnings[0].message.contains("ranked by the gateway's own calls in flight"), "{}", warnings[0].message);
+}
+
+#[test]
+fn refuses_bad_picking_values() {
+    let errors =
+        picking_pool("least_loaded", ", cache_affinity: {prefix_bytes: 0}, saturation: {queue: 0, kv_cache: 1.5}")
+            .set("ai.backends.main.load.every", "10ms")
+            .set("ai.backends.internal.load.metrics_url", "ftp://x/metrics")
+            .errors();
+    assert_eq!(errors.len(), 5, "{errors:#?}");
+    assert_error(&errors, "ai.backends.pool.cache_affinity.prefix_bytes", "between 1 and 1048576");
+    assert_error(&errors, "ai.backends.pool.saturation.queue", "at least 1");
+    assert_error(&errors, "ai.backends.pool.saturation.kv_cache", "");
+    assert_error(&errors, "ai.backends.main.load.every", "at least 100ms");
+    assert_error(&errors, "ai.backends.internal.load.metrics_url", "not an http:// or https:// URL");
+    picking_pool("least_loaded", ", saturation: {}").refused("ai.backends.pool.saturation", "declare `queue`");
+    let errors = picking_pool("fastest", "").errors();
+    assert_error(&errors, "ai.backends.pool.pick", "unknown variant `fastest`");
+    doc().set("tenants.acme.max_criticality", "urgent").refused("tenants.acme.max_criticality", "");
+}
+
+#[test]
+fn refuses_two_prefix_lengths() {
+    picking_pool("least_loaded", ", cache_affinity: {prefix_bytes: 1024}")
+        .set("ai.backends.other", "{kind: pool, members: [{backend: main}], cache_affinity: {prefix_bytes: 2048}}")
+        .refused("ai.backends.pool.cache_affinity.prefix_bytes", "one prefix length");
 }
 
 #[test]

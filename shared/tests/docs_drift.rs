@@ -60,6 +60,7 @@ fn one_of_each() -> Vec<GatewayError> {
         GatewayError::MethodNotAllowed { method: "GET".into(), path: "/".into() },
         GatewayError::OperationNotFound { method: "GET".into(), path: "/a".into(), backend: BackendId::new("a") },
         GatewayError::LedgerBusy,
+        GatewayError::Overloaded { pool: BackendId::new("gpus") },
         GatewayError::RealtimeUnavailable,
         GatewayError::Internal("i".into()),
     ]

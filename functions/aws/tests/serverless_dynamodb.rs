@@ -232,6 +232,8 @@ const CHAT: Demand = Demand {
     stream: false,
     sensitive: false,
     affinity: None,
+    prefix: None,
+    criticality: flexway::call::Criticality::Standard,
 };
 
 /// One served call through the real admission and ticket: what it sends to DynamoDB.

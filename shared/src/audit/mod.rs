@@ -80,6 +80,17 @@ pub struct AuditRecord {
     /// as absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub feature: Option<String>,
+    /// Why the backend that served (or was tried last) was chosen (SPEC §5): its
+    /// pool's pick (`weighted`, `least_loaded`, `latency`, `cache_affinity`), or
+    /// `fallback` after the one chosen first did not serve. Absent for
+    /// a backend outside any pool chosen first, and before any backend was tried.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pick_reason: Option<PickReason>,
+    /// The call's class (`Flexway-Criticality`, lowered to its caller's
+    /// `max_criticality`); absent for calls refused before it was read, gRPC and REST
+    /// calls.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub criticality: Option<Criticality>,
     /// The UTC date (`YYYY-MM-DD`) the call was reserved on: its day and month
     /// budgets are that date's and that month's, and `flexway report` counts it on
     /// that date, so that a call reserved before midnight and ended after it is in
@@ -145,7 +156,7 @@ impl CloseReason {
     }
 }
 
-pub use crate::call::{ErrorCode, Operation};
+pub use crate::call::{Criticality, ErrorCode, Operation, PickReason};
 
 /// Whether the usage settled came from the backend or from Flexway's estimate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, schemars::JsonSchema)]
@@ -319,6 +330,8 @@ mod tests {
             user_hash: None,
             close_reason: None,
             feature: None,
+            pick_reason: None,
+            criticality: None,
             period: None,
             chain: None,
         }

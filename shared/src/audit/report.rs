@@ -535,6 +535,8 @@ mod tests {
             user_hash: None,
             close_reason: None,
             feature: None,
+            pick_reason: None,
+            criticality: None,
             period: None,
             chain: None,
         }

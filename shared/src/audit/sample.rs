@@ -34,6 +34,8 @@ pub fn record(tenant: &str, backend: Option<&str>, metered_by: Metering, cost: u
         user_hash: Some("cd".repeat(32)),
         close_reason: None,
         feature: None,
+        pick_reason: None,
+        criticality: None,
         period: None,
         chain: None,
     }

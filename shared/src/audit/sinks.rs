@@ -85,6 +85,14 @@ pub(super) fn line(record: &AuditRecord, out: &mut Vec<u8>) {
         json::next(out, "feature");
         json::string(out, feature);
     }
+    if let Some(reason) = record.pick_reason {
+        json::next(out, "pick_reason");
+        json::string(out, reason.as_str());
+    }
+    if let Some(class) = record.criticality {
+        json::next(out, "criticality");
+        json::string(out, class.as_str());
+    }
     if let Some(period) = &record.period {
         json::next(out, "period");
         json::string(out, period);
@@ -224,6 +232,8 @@ mod tests {
             user_hash: None,
             close_reason: None,
             feature: None,
+            pick_reason: None,
+            criticality: None,
             period: None,
             chain: None,
         }
@@ -234,6 +244,7 @@ mod tests {
     #[test]
     fn a_line_is_what_serde_json_writes() {
         use crate::audit::CloseReason;
+        use crate::call::{Criticality, PickReason};
         let mut records = vec![record(1), record(2)];
         let operations = [
             Operation::Chat,
@@ -264,6 +275,8 @@ mod tests {
             r.budget_state = [BudgetState::Ok, BudgetState::Soft, BudgetState::Exceeded][i % 3];
             r.close_reason = Some(reasons[i]);
             r.feature = Some(format!("feature-{i}"));
+            r.pick_reason = Some(PickReason::ALL[i % PickReason::ALL.len()]);
+            r.criticality = Some(Criticality::ALL[i % Criticality::ALL.len()]);
             r.period = Some(format!("2026-11-{:02}", 20 + i));
             r.chain = (i % 2 == 0).then(|| format!("0123456789abcdef:{i}:{}", "ef".repeat(32)));
             r.cost_eur = costs[i];

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use super::contract::Contract;
+pub use crate::call::Criticality;
 use crate::money::MicroEur;
 
 macro_rules! name_type {
@@ -150,6 +151,8 @@ pub struct Tenant {
     pub budgets: Budgets,
     pub backend: Option<BackendId>,
     pub agents: BTreeMap<AgentId, Agent>,
+    /// The highest class its calls may claim (`Critical`: no limit).
+    pub max_criticality: Criticality,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -172,6 +175,8 @@ pub struct Budgets {
 pub struct Agent {
     pub backend: Option<BackendId>,
     pub budgets: Budgets,
+    /// The highest class its calls may claim (`Critical`: no limit).
+    pub max_criticality: Criticality,
 }
 
 #[derive(Debug, Clone)]
@@ -192,6 +197,20 @@ pub struct Ai {
     /// What each `kind: grpc` backend's descriptor set declares, read at load (empty
     /// for a backend whose set is missing under [`Secrets::Check`](super::Secrets)).
     pub grpc: BTreeMap<BackendId, Arc<GrpcServices>>,
+}
+
+impl Ai {
+    /// The longest `cache_affinity.prefix_bytes` of any pool: how much of a prompt
+    /// makes its prefix key. `None` when no pool has cache affinity.
+    pub fn prefix_bytes(&self) -> Option<u32> {
+        self.backends
+            .values()
+            .filter_map(|b| match &b.kind {
+                BackendKind::Pool { picking, .. } => picking.prefix_bytes,
+                _ => None,
+            })
+            .max()
+    }
 }
 
 /// `ai.affinity`: the header whose value pins a session to a pool member.
@@ -281,6 +300,40 @@ pub struct Backend {
     pub fallback: Vec<BackendId>,
     pub timeout: Duration,
     pub circuit_breaker: BreakerPolicy,
+    /// The model server's metrics, for the pools that read its load.
+    pub load: Option<LoadSource>,
+}
+
+/// `load`: a model server's Prometheus endpoint and how often it is read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadSource {
+    pub metrics_url: String,
+    pub every: Duration,
+}
+
+/// How a pool chooses among the members of the priority group that serves (SPEC §5).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Picking {
+    pub pick: Pick,
+    /// `cache_affinity.prefix_bytes`, when on.
+    pub prefix_bytes: Option<u32>,
+    pub saturation: Option<Saturation>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Pick {
+    #[default]
+    Weighted,
+    LeastLoaded,
+    Latency,
+}
+
+/// A member is saturated when its queue or its KV-cache use reaches these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Saturation {
+    pub queue: Option<u32>,
+    /// KV-cache use in parts per million of the cache.
+    pub kv_cache_ppm: Option<u32>,
 }
 
 #[derive(Debug, Clone)]
@@ -307,6 +360,7 @@ pub enum BackendKind {
     },
     Pool {
         members: Vec<PoolMember>,
+        picking: Picking,
     },
 }
 

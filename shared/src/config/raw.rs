@@ -139,6 +139,19 @@ pub struct RawTenant {
     pub backend: Option<String>,
     /// Agents of this tenant by name, each with optional overrides.
     pub agents: Option<BTreeMap<String, RawAgent>>,
+    /// The highest `Flexway-Criticality` class this tenant's calls may claim; a
+    /// higher one asked is lowered to it. Default `critical` (no limit).
+    pub max_criticality: Option<RawCriticality>,
+}
+
+/// A call's class when every member of a pool is saturated (SPEC §5): `sheddable`
+/// calls are refused, `standard` and `critical` ones go to the least loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase", rename = "Criticality")]
+pub enum RawCriticality {
+    Critical,
+    Standard,
+    Sheddable,
 }
 
 /// One API key of a tenant.
@@ -180,6 +193,9 @@ pub struct RawAgent {
     pub backend: Option<String>,
     /// The agent's own budgets, on top of its tenant's.
     pub budgets: Option<RawBudgets>,
+    /// The highest `Flexway-Criticality` class this agent's calls may claim (never
+    /// above its tenant's).
+    pub max_criticality: Option<RawCriticality>,
 }
 
 /// Routing and policy.
@@ -319,6 +335,19 @@ pub struct RawBackend {
     pub circuit_breaker: Option<RawBreaker>,
     /// Members of a `pool`.
     pub members: Option<Vec<RawPoolMember>>,
+    /// `pool`: how a member is chosen inside the priority group that serves:
+    /// `weighted` (default), `least_loaded` (the members' model-server `load`) or
+    /// `latency` (peak-EWMA time to first byte, power of two choices).
+    pub pick: Option<RawPick>,
+    /// `pool`: calls whose prompts begin alike go to the member that served that
+    /// beginning last, so its prefix cache is hit.
+    pub cache_affinity: Option<RawCacheAffinity>,
+    /// `pool`: when a member counts as saturated; when all are, `sheddable` calls are
+    /// refused (503 `overloaded`).
+    pub saturation: Option<RawSaturation>,
+    /// `openai`, `anthropic`, `relay`: the model server's Prometheus metrics, polled
+    /// off the request path, for the pools that pick by load or declare saturation.
+    pub load: Option<RawLoad>,
     /// `relay`: `local` (default; counts here) or `upstream` (the receiving Flexway
     /// meters, so a call is billed once).
     pub metering: Option<RawMetering>,
@@ -491,6 +520,53 @@ pub struct RawBreaker {
 pub enum RawStatus {
     Code(#[schemars(range(min = 100, max = 599))] u16),
     Text(#[schemars(regex(pattern = r"^[1-5][0-9]{2}(-[1-5][0-9]{2})?$"))] String),
+}
+
+/// How a pool picks among the members of its serving priority group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case", rename = "Pick")]
+pub enum RawPick {
+    Weighted,
+    LeastLoaded,
+    Latency,
+}
+
+/// Prefix-cache affinity of a pool.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(
+    deny_unknown_fields,
+    rename = "CacheAffinity",
+    expecting = "a cache affinity ({prefix_bytes: 4096}) (a mapping)"
+)]
+pub struct RawCacheAffinity {
+    /// How many bytes of the prompt (system prompt and first messages, as sent) make
+    /// the prefix. Default 4096.
+    #[schemars(range(min = 1, max = 1048576))]
+    pub prefix_bytes: Option<u32>,
+}
+
+/// When a pool's member is saturated: either bound reached.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Saturation", expecting = "a saturation ({queue: 8, kv_cache: 0.9}) (a mapping)")]
+pub struct RawSaturation {
+    /// Requests waiting in the model server's queue (without metrics: the gateway's
+    /// own calls in flight to it).
+    #[schemars(range(min = 1))]
+    pub queue: Option<u32>,
+    /// KV-cache use, a fraction in (0, 1].
+    #[schemars(range(min = 0, max = 1))]
+    pub kv_cache: Option<f64>,
+}
+
+/// A model server's Prometheus endpoint (vLLM, SGLang or TGI series).
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Load", expecting = "a load source ({metrics_url: ...}) (a mapping)")]
+pub struct RawLoad {
+    /// The `/metrics` URL, http or https.
+    #[schemars(required)]
+    pub metrics_url: Option<String>,
+    /// How often it is read, e.g. `1s` (the default); at least 100ms.
+    pub every: Option<RawDuration>,
 }
 
 /// A member of a pool.

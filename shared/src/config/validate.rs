@@ -21,8 +21,8 @@ mod backends;
 
 use super::raw::{
     Parsed, RawAgent, RawAi, RawAudit, RawBackend, RawBackendKind, RawBudgetPolicy, RawBudgets, RawCapability,
-    RawConfig, RawDuration, RawKey, RawLimits, RawSecret, RawSinkKind, RawStore, RawStoreKind, RawTelemetry, RawTenant,
-    RawVision,
+    RawConfig, RawCriticality, RawDuration, RawKey, RawLimits, RawSecret, RawSinkKind, RawStore, RawStoreKind,
+    RawTelemetry, RawTenant, RawVision,
 };
 use super::values::{base_url, fraction_ppm, header_name, https_origin, key_hash, micro_eur, secret_ref, unresolvable};
 use super::*;
@@ -75,6 +75,7 @@ pub(super) fn validate(
         .map(|backend| (backend.name.clone(), backend))
         .collect();
     check.mounts(&backends);
+    check.loads(&backends);
     let ai = check.ai(ai, &catalog, backends);
     let tenants = check.tenants(tenants.unwrap_or_default(), &catalog);
     if let (Some(store), Some(audit), Some(ai)) = (&store, &audit, &ai) {
@@ -598,7 +599,7 @@ impl Checker<'_> {
         let mut tenants = BTreeMap::new();
         for (name, tenant) in raw {
             let path = format!("tenants.{name}");
-            let RawTenant { keys, budgets, backend, agents } = tenant;
+            let RawTenant { keys, budgets, backend, agents, max_criticality } = tenant;
 
             let agents: BTreeMap<AgentId, Agent> = agents
                 .unwrap_or_default()
@@ -627,7 +628,8 @@ impl Checker<'_> {
                 self.route_target(&format!("{path}.backend"), &b, catalog, "a tenant's backend").map(|(id, _)| id)
             });
             let id = TenantId::new(&name);
-            tenants.insert(id.clone(), Tenant { name: id, keys, budgets, backend, agents });
+            let max_criticality = criticality(max_criticality);
+            tenants.insert(id.clone(), Tenant { name: id, keys, budgets, backend, agents, max_criticality });
         }
         tenants
     }
@@ -665,7 +667,8 @@ impl Checker<'_> {
         let backend = raw.backend.and_then(|b| {
             self.route_target(&format!("{path}.backend"), &b, catalog, "an agent's backend").map(|(id, _)| id)
         });
-        Agent { backend, budgets: self.budgets(&format!("{path}.budgets"), raw.budgets) }
+        let max_criticality = criticality(raw.max_criticality);
+        Agent { backend, budgets: self.budgets(&format!("{path}.budgets"), raw.budgets), max_criticality }
     }
 
     fn budgets(&mut self, path: &str, raw: Option<RawBudgets>) -> Budgets {
@@ -866,5 +869,14 @@ impl Checker<'_> {
             }
         }
         Some(VisionPolicy { max_image_bytes, max_body_bytes, allowed_origins })
+    }
+}
+
+/// A declared `max_criticality`; none is no limit.
+fn criticality(raw: Option<RawCriticality>) -> Criticality {
+    match raw {
+        None | Some(RawCriticality::Critical) => Criticality::Critical,
+        Some(RawCriticality::Standard) => Criticality::Standard,
+        Some(RawCriticality::Sheddable) => Criticality::Sheddable,
     }
 }

@@ -163,25 +163,33 @@ pub(super) async fn attempt_chain<A: Attempt>(
         let Some((target, timeout)) = door.reach(backend) else {
             continue;
         };
-        let Some(pass) = gateway.breakers.pass(backend, Instant::now()) else {
+        let Some(mut pass) = gateway.breakers.pass(backend, Instant::now()) else {
             attempts.skipped.push(backend.clone());
             continue;
         };
         let (model, prepared) = door.prepare(&target)?;
+        let loads = &gateway.router.loads;
+        pass.hold(loads.start(backend));
         attempts.tried.push(backend.clone());
         draft.trying(candidate, &model);
         let sent = Instant::now();
         let result = door.attempt(&target, prepared, draft).await;
-        draft.waited(sent.elapsed());
+        let waited = sent.elapsed();
+        draft.waited(waited);
         match result {
             Ok(Answered { value, outcome }) => {
                 if let Some(outcome) = outcome {
                     pass.record(&gateway.breakers, outcome);
                 }
+                loads.observe_latency(backend, waited);
+                gateway.router.served(route, candidate);
                 return Ok(Served { candidate: candidate.clone(), value, pass, timeout });
             }
             Err(failure) => {
                 failure.log(backend);
+                if failure.is_timeout() {
+                    loads.observe_latency(backend, waited);
+                }
                 if let Some(outcome) = failure.breaker_outcome() {
                     pass.record(&gateway.breakers, outcome);
                 }
@@ -318,9 +326,9 @@ mod tests {
         let candidates = names
             .iter()
             .enumerate()
-            .map(|(i, name)| Candidate { backend: BackendId::new(name), degraded: i > 0 })
+            .map(|(i, name)| Candidate { backend: BackendId::new(name), degraded: i > 0, reason: None, pool: None })
             .collect();
-        Route { candidates, via_pool: false }
+        Route { candidates, via_pool: false, prefix: None }
     }
 
     fn status(status: u16) -> Failure {
@@ -404,7 +412,7 @@ mod tests {
 
     #[test]
     fn the_last_failure_says_which_error_the_caller_gets() {
-        let route = |via_pool| Route { candidates: Vec::new(), via_pool };
+        let route = |via_pool| Route { candidates: Vec::new(), via_pool, prefix: None };
         let tried =
             |names: &[&str]| Attempts { tried: names.iter().copied().map(BackendId::new).collect(), skipped: vec![] };
         let b = || BackendId::new("b");

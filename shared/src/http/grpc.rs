@@ -376,9 +376,9 @@ fn route(gateway: &Gateway, rpc: &str, sensitive: bool) -> Result<(Route, GrpcMe
         .iter()
         .filter(|(_, services)| services.method(service, name).is_some_and(|m| m.operation == method.operation))
         .enumerate()
-        .map(|(i, (backend, _))| Candidate { backend: backend.name.clone(), degraded: i > 0 })
+        .map(|(i, (backend, _))| Candidate::fallback_unless(backend.name.clone(), i == 0))
         .collect();
-    Ok((Route { candidates, via_pool: false }, method))
+    Ok((Route { candidates, via_pool: false, prefix: None }, method))
 }
 
 fn too_large(declared: u64) -> Refusal {

@@ -120,6 +120,10 @@ async fn metrics(State(gateway): State<Arc<Gateway>>) -> Response {
         gateway.metrics.set_breaker_state(backend.as_str(), state);
     }
     gateway.metrics.set_realtime_open(gateway.sessions.count());
+    for (backend, seen) in gateway.router.loads.snapshot() {
+        let sample = seen.sample.map(|s| (s.waiting, f64::from(s.kv_ppm) / 1e6));
+        gateway.metrics.set_member_load(backend.as_str(), sample, seen.in_flight);
+    }
     let mut text = gateway.metrics.render_prometheus();
     gateway.telemetry.render_prometheus(&mut text);
     let mut response = text.into_response();

@@ -261,6 +261,7 @@ async fn chat(
 ) -> Result<Reply, GatewayError> {
     let bytes = read_body(body, headers, gateway.config.ai.vision.max_body_bytes).await?;
     let inbound = Inbound::parse(op, &bytes)?;
+    let prefix = gateway.config.ai.prefix_bytes().map(|n| prompt_prefix(op, &bytes, n));
     drop(bytes);
     let request = inbound.view();
     let capability = if request.images.is_empty() { Capability::Chat } else { Capability::Vision };
@@ -269,6 +270,8 @@ async fn chat(
     let images = request.images.len() as u64;
     let sensitive = crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?;
     draft.sensitive(sensitive);
+    let criticality = crate::admission::criticality(&gateway.config, call.caller, headers)?;
+    draft.criticality(criticality);
     let demand = Demand {
         capability,
         prompt_tokens: plan::prompt_upper_bound(request.prompt_text_bytes, request.message_count, images),
@@ -278,6 +281,8 @@ async fn chat(
         stream: request.stream,
         sensitive,
         affinity: crate::routing::affinity_key(headers, gateway.config.ai.affinity.as_ref()),
+        prefix,
+        criticality,
     };
     let Admission { route, ticket, soft, allowance } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.reserved_on(ticket.period());
@@ -333,6 +338,8 @@ async fn embed(
     draft.request(Capability::Embeddings, &request.model, request.user.as_deref());
     let sensitive = crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?;
     draft.sensitive(sensitive);
+    let criticality = crate::admission::criticality(&gateway.config, call.caller, headers)?;
+    draft.criticality(criticality);
     let demand = Demand {
         capability: Capability::Embeddings,
         prompt_tokens: request.input_units,
@@ -342,6 +349,8 @@ async fn embed(
         stream: false,
         sensitive,
         affinity: crate::routing::affinity_key(headers, gateway.config.ai.affinity.as_ref()),
+        prefix: None,
+        criticality,
     };
     let Admission { route, ticket, soft, .. } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.reserved_on(ticket.period());
@@ -368,6 +377,40 @@ async fn embed(
         allowance: None,
     };
     complete(gateway, draft, served, settle, soft).await
+}
+
+/// The `cache_affinity` key of a chat request: the first `n` bytes of its prompt as
+/// sent (the system prompt and the messages, in the order of the door's format),
+/// read from the body's own text.
+fn prompt_prefix(op: Operation, body: &[u8], n: u32) -> u64 {
+    #[derive(serde::Deserialize)]
+    struct Prompt<'a> {
+        #[serde(borrow)]
+        system: Option<&'a serde_json::value::RawValue>,
+        #[serde(borrow)]
+        instructions: Option<&'a serde_json::value::RawValue>,
+        #[serde(borrow)]
+        messages: Option<&'a serde_json::value::RawValue>,
+        #[serde(borrow)]
+        input: Option<&'a serde_json::value::RawValue>,
+    }
+    let prompt: Prompt = serde_json::from_slice(body).unwrap_or(Prompt {
+        system: None,
+        instructions: None,
+        messages: None,
+        input: None,
+    });
+    let parts = match op {
+        Operation::Messages => [prompt.system, prompt.messages],
+        Operation::Responses => [prompt.instructions, prompt.input],
+        _ => [prompt.messages, None],
+    };
+    let mut prefix = Vec::with_capacity(n as usize);
+    for part in parts.into_iter().flatten() {
+        let left = (n as usize).saturating_sub(prefix.len());
+        prefix.extend_from_slice(&part.get().as_bytes()[..left.min(part.get().len())]);
+    }
+    crate::routing::prefix_key(&prefix)
 }
 
 /// Refunds the reservation of a call that failed before its first byte.

@@ -174,6 +174,8 @@ async fn open(
     draft.request(Capability::Realtime, model, None);
     let sensitive = crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?;
     draft.sensitive(sensitive);
+    let criticality = crate::admission::criticality(&gateway.config, caller, headers)?;
+    draft.criticality(criticality);
     let demand = Demand {
         capability: Capability::Realtime,
         prompt_tokens: 0,
@@ -183,6 +185,8 @@ async fn open(
         stream: true,
         sensitive,
         affinity: None,
+        prefix: None,
+        criticality,
     };
     let Admission { route, ticket, soft, allowance } = admit(gateway, caller, &request_id.0, &demand).await?;
     draft.reserved_on(ticket.period());

@@ -90,6 +90,8 @@ impl Draft {
             user_hash: None,
             close_reason: None,
             feature: None,
+            pick_reason: None,
+            criticality: None,
             period: None,
             chain: None,
         };
@@ -144,6 +146,11 @@ impl Draft {
         self.caller.sensitive = sensitive;
     }
 
+    /// The call's class, as routing reads it.
+    pub fn criticality(&mut self, class: crate::call::Criticality) {
+        self.record.criticality = Some(class);
+    }
+
     /// The call's trace context, sent to each backend tried.
     pub fn trace(&self) -> &TraceContext {
         &self.span.trace
@@ -186,6 +193,7 @@ impl Draft {
         self.record.backend = Some(candidate.backend.to_string());
         self.record.model_served = Some(model.to_owned());
         self.record.degraded = candidate.degraded;
+        self.record.pick_reason = candidate.reason;
         self.record.metered_by = if upstream_metered { Metering::Upstream } else { Metering::Local };
         self.span.provider = backend.map(|b| b.kind.name());
     }

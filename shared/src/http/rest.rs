@@ -223,9 +223,8 @@ fn route(
     if allowed.is_empty() {
         return Err(GatewayError::SensitiveNoInternalBackend);
     }
-    let candidates =
-        allowed.into_iter().map(|name| Candidate { backend: name.clone(), degraded: name != owner }).collect();
-    Ok(Route { candidates, via_pool: false })
+    let candidates = allowed.into_iter().map(|name| Candidate::fallback_unless(name.clone(), name == owner)).collect();
+    Ok(Route { candidates, via_pool: false, prefix: None })
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {

@@ -283,6 +283,7 @@ mod tests {
             budgets: Default::default(),
             backend: None,
             agents,
+            max_criticality: Default::default(),
         };
         let mut edge_agents = BTreeMap::new();
         edge_agents.insert(AgentId::new("relayer"), Agent::default());
@@ -295,6 +296,7 @@ mod tests {
             budgets: Default::default(),
             backend: None,
             agents: edge_agents,
+            max_criticality: Default::default(),
         };
         KeyRing::from_tenants([&tenant, &edge])
     }

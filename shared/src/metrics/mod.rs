@@ -79,6 +79,11 @@ pub struct Registry {
     usage_drift: Family<Histogram>,
     budget_remaining: Family<f64>,
     breaker_state: Family<f64>,
+    /// A pool member's last seen load: (queue, KV-cache use, calls in flight); the
+    /// first two are absent (NaN) without a fresh sample.
+    member_load: Family<(f64, f64, f64)>,
+    /// Sheddable calls refused for saturation, per [tenant, pool].
+    shed: Family<u64>,
     /// Realtime sessions ended, per [backend, close_reason].
     realtime_sessions: Family<u64>,
     /// Realtime responses charged, per [tenant, backend].
@@ -115,6 +120,8 @@ impl Registry {
             usage_drift: Family::new(),
             budget_remaining: Family::new(),
             breaker_state: Family::new(),
+            member_load: Family::new(),
+            shed: Family::new(),
             realtime_sessions: Family::new(),
             realtime_responses: Family::new(),
             realtime_open: AtomicU64::new(0),
@@ -196,6 +203,19 @@ impl Registry {
 
     pub fn set_breaker_state(&self, backend: &str, state: BreakerState) {
         self.breaker_state.with(&[label(Some(backend))], f64::default, |v| *v = f64::from(state.gauge_value()));
+    }
+
+    /// A pool member's load as routing sees it now: the model server's queue and
+    /// KV-cache use from a fresh sample (`None` without one), and the gateway's own
+    /// calls in flight to it.
+    pub fn set_member_load(&self, backend: &str, sample: Option<(u32, f64)>, in_flight: u32) {
+        let (queue, kv) = sample.map_or((f64::NAN, f64::NAN), |(q, kv)| (f64::from(q), kv));
+        self.member_load.with(&[label(Some(backend))], Default::default, |v| *v = (queue, kv, f64::from(in_flight)));
+    }
+
+    /// A sheddable call refused because every member of `pool` was saturated.
+    pub fn shed(&self, tenant: &str, pool: &str) {
+        self.shed.with(&[label(Some(tenant)), label(Some(pool))], u64::default, |n| *n = n.saturating_add(1));
     }
 
     /// The Prometheus text exposition format, version 0.0.4.
@@ -316,6 +336,31 @@ impl Registry {
         );
         for (values, value) in self.breaker_state.snapshot(|v| *v) {
             sample(&mut out, "flexway_breaker_state", &["backend"], &values, None, &float(value));
+        }
+
+        let members = self.member_load.snapshot(|v| *v);
+        let gauges = [
+            ("flexway_member_queue", "A pool member's model server queue, as last read (absent when stale).", 0),
+            ("flexway_member_kv_cache_ratio", "A pool member's KV-cache use, as last read (absent when stale).", 1),
+            ("flexway_member_in_flight", "The gateway's own calls in flight to a pool member.", 2),
+        ];
+        for (name, help, field) in gauges {
+            header(&mut out, name, "gauge", help);
+            for (values, load) in &members {
+                let value = [load.0, load.1, load.2][field];
+                if !value.is_nan() {
+                    sample(&mut out, name, &["backend"], values, None, &float(value));
+                }
+            }
+        }
+        header(
+            &mut out,
+            "flexway_calls_shed_total",
+            "counter",
+            "Sheddable calls refused (503 overloaded) because every member of the pool was saturated.",
+        );
+        for (values, count) in self.shed.snapshot(|c| *c) {
+            sample(&mut out, "flexway_calls_shed_total", &["tenant", "pool"], &values, None, &count.to_string());
         }
 
         header(&mut out, "flexway_realtime_sessions_open", "gauge", "Realtime sessions open now.");
@@ -702,6 +747,9 @@ mod tests {
         registry.realtime_response("acme", "rt");
         registry.realtime_response("acme", "rt");
         registry.set_realtime_open(3);
+        registry.set_member_load("gpu-a", Some((7, 0.5)), 2);
+        registry.set_member_load("gpu-b", None, 4);
+        registry.shed("acme", "gpus");
         let text = registry.render_prometheus();
         assert!(text.ends_with('\n'));
         for line in text.lines() {
@@ -714,7 +762,11 @@ mod tests {
             assert!(value == "+Inf" || value.parse::<f64>().is_ok(), "{line}");
         }
         let types = lines(&text, "# TYPE");
-        assert_eq!(types.len(), 13, "{types:?}");
+        assert_eq!(types.len(), 17, "{types:?}");
+        assert!(text.contains("flexway_member_queue{backend=\"gpu-a\"} 7\n"), "{text}");
+        assert!(!text.contains("flexway_member_queue{backend=\"gpu-b\"}"), "a stale member shows no queue: {text}");
+        assert!(text.contains("flexway_member_in_flight{backend=\"gpu-b\"} 4\n"), "{text}");
+        assert!(text.contains("flexway_calls_shed_total{tenant=\"acme\",pool=\"gpus\"} 1\n"), "{text}");
         assert!(text.contains("flexway_allowance_overshoot_tokens_total{backend=\"ptu-west\"} 12\n"), "{text}");
         assert!(text.contains("flexway_realtime_sessions_open 3\n"), "{text}");
         let ended = "flexway_realtime_sessions_total{backend=\"rt\",close_reason=\"budget_exceeded\"} 1\n";

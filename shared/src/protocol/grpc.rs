@@ -52,7 +52,10 @@ impl Code {
             | ErrorCode::OperationNotFound
             | ErrorCode::MethodNotAllowed
             | ErrorCode::UnknownService => Code::Unimplemented,
-            ErrorCode::UpstreamError | ErrorCode::UpstreamUnavailable | ErrorCode::LedgerBusy => Code::Unavailable,
+            ErrorCode::UpstreamError
+            | ErrorCode::UpstreamUnavailable
+            | ErrorCode::Overloaded
+            | ErrorCode::LedgerBusy => Code::Unavailable,
             ErrorCode::UpstreamTimeout | ErrorCode::Deadline => Code::DeadlineExceeded,
             ErrorCode::ClientClosedRequest | ErrorCode::Cancelled => Code::Cancelled,
             ErrorCode::RealtimeUnavailable | ErrorCode::InternalError => Code::Internal,

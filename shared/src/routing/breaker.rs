@@ -99,12 +99,20 @@ pub enum Admit {
 /// outcome is reported through, once its answer is in or, for a stream or a session,
 /// once it ends. A half-open breaker's pass is its one probe; a pass never reported
 /// (its call dropped) does not wedge it.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Pass {
     backend: BackendId,
+    /// The call counted in flight to a pool member for as long as the pass lives
+    /// (the whole call, a stream's included).
+    in_flight: Option<super::pick::InFlight>,
 }
 
 impl Pass {
+    /// Counts the call in flight to its backend until the pass drops.
+    pub fn hold(&mut self, in_flight: Option<super::pick::InFlight>) {
+        self.in_flight = in_flight;
+    }
+
     pub fn backend(&self) -> &BackendId {
         &self.backend
     }
@@ -129,7 +137,7 @@ impl Breakers {
     /// A pass for a call to `backend`, unless its breaker is open (or its one
     /// half-open probe is out): the only way in, and its outcome goes back through it.
     pub fn pass(&self, backend: &BackendId, now: Instant) -> Option<Pass> {
-        (self.admit(backend, now) != Admit::No).then(|| Pass { backend: backend.clone() })
+        (self.admit(backend, now) != Admit::No).then(|| Pass { backend: backend.clone(), in_flight: None })
     }
 
     /// Whether a call may go to `backend`. A `Probe` answer reserves the half-open

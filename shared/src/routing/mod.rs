@@ -16,15 +16,18 @@
 //! member moves only the sessions that now rank it first (about 1/n of them).
 
 pub mod breaker;
+pub mod pick;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use rand::Rng;
 
+use crate::call::{Criticality, PickReason};
 use crate::config::{Backend, BackendId, BackendKind, Capability, Config, PoolMember};
 use crate::error::GatewayError;
 use crate::identity::Caller;
+use pick::Loads;
 
 /// What routing needs to know about a call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +40,17 @@ pub struct RouteRequest {
     /// The session's affinity key ([`affinity_key`]), when `ai.affinity` is on and the
     /// call carries its header: pools order their members by it.
     pub affinity: Option<u64>,
+    /// The hash of the prompt's first bytes ([`prefix_key`]), when a pool has
+    /// `cache_affinity`.
+    pub prefix: Option<u64>,
+    /// The call's class, already lowered to its caller's `max_criticality`.
+    pub criticality: Criticality,
+}
+
+/// The key of a prompt's beginning for `cache_affinity`: a stable hash of its first
+/// `prefix_bytes` bytes, or of the whole prompt if shorter.
+pub fn prefix_key(prompt: &[u8]) -> u64 {
+    mix(fnv1a(prompt))
 }
 
 /// The affinity key of a call: a stable 64-bit hash of the value of the affinity
@@ -77,6 +91,9 @@ pub struct Route {
     pub candidates: Vec<Candidate>,
     /// The entry was a pool (an exhausted route is `pool_exhausted`).
     pub via_pool: bool,
+    /// The prompt's prefix key, remembered for the pool a member serves from
+    /// ([`Router::served`]).
+    pub prefix: Option<u64>,
 }
 
 /// One backend the dispatcher may try.
@@ -85,15 +102,36 @@ pub struct Candidate {
     pub backend: BackendId,
     /// Served by a fallback or a lower-priority pool member: `Flexway-Degraded`.
     pub degraded: bool,
+    /// Why it would serve (the audit's `pick_reason`); `None` for a backend outside
+    /// any pool that is not a fallback.
+    pub reason: Option<PickReason>,
+    /// The pool it is a member of, in this route.
+    pub pool: Option<BackendId>,
+}
+
+impl Candidate {
+    /// A backend outside any pool: the first one chosen, or a fallback.
+    pub fn fallback_unless(backend: BackendId, first: bool) -> Self {
+        Candidate { backend, degraded: !first, reason: (!first).then_some(PickReason::Fallback), pool: None }
+    }
 }
 
 pub struct Router {
     config: Arc<Config>,
+    /// The pool members' load, read by `pick` and `saturation`.
+    pub loads: Loads,
 }
 
 impl Router {
     pub fn new(config: Arc<Config>) -> Self {
-        Router { config }
+        Router { loads: Loads::new(&config), config }
+    }
+
+    /// A candidate of `route` served: its pool remembers the prompt's prefix for it.
+    pub fn served(&self, route: &Route, candidate: &Candidate) {
+        if let (Some(prefix), Some(pool)) = (route.prefix, &candidate.pool) {
+            self.loads.served_prefix(pool, prefix, &candidate.backend);
+        }
     }
 
     /// The backend this caller's routing starts from, before expansion: default,
@@ -136,7 +174,7 @@ impl Router {
         let entry = self.entry_backend(caller, request);
         let via_pool = self.backend(entry).is_some_and(|b| matches!(b.kind, BackendKind::Pool { .. }));
         let mut candidates = Vec::new();
-        let order = Order { affinity: request.affinity };
+        let order = Order { affinity: request.affinity, prefix: request.prefix };
         self.expand(entry, false, &mut candidates, &mut BTreeSet::new(), &mut rand::rng(), order);
         candidates.retain(|c| self.backend(&c.backend).is_some_and(|b| b.capabilities.contains(&request.capability)));
         if request.sensitive {
@@ -148,7 +186,23 @@ impl Router {
         if candidates.is_empty() {
             return Err(GatewayError::CapabilityUnavailable { capability: request.capability.as_str() });
         }
-        Ok(Route { candidates, via_pool })
+        if request.criticality == Criticality::Sheddable {
+            self.shed(entry, &candidates)?;
+        }
+        Ok(Route { candidates, via_pool, prefix: request.prefix })
+    }
+
+    /// A sheddable call is refused when the entry is a pool with `saturation` and
+    /// every member left to serve it is saturated (its fallbacks outside the pool are
+    /// for failures, not for load).
+    fn shed(&self, entry: &BackendId, candidates: &[Candidate]) -> Result<(), GatewayError> {
+        let Some(BackendKind::Pool { picking, .. }) = self.backend(entry).map(|b| &b.kind) else { return Ok(()) };
+        let Some(bound) = picking.saturation else { return Ok(()) };
+        let mut members = candidates.iter().filter(|c| c.pool.as_ref() == Some(entry)).map(|c| &c.backend).peekable();
+        if members.peek().is_some() && self.loads.all_saturated(members, &bound) {
+            return Err(GatewayError::Overloaded { pool: entry.clone() });
+        }
+        Ok(())
     }
 
     fn is_internal(&self, name: &BackendId) -> bool {
@@ -176,29 +230,33 @@ impl Router {
             return;
         };
         match &backend.kind {
-            BackendKind::Pool { members } => {
+            BackendKind::Pool { members, picking } => {
                 let best = members.iter().map(|m| m.priority).min().unwrap_or(1);
-                let order = match order.affinity {
+                let base = match order.affinity {
                     Some(key) => affinity_order(members, key),
                     None => pool_order(members, rng),
                 };
-                for member in &order {
+                let prefix = order.prefix.filter(|_| picking.prefix_bytes.is_some());
+                let (members, reason) = self.loads.order(name, picking, base, prefix, rng);
+                for (i, member) in members.iter().enumerate() {
                     if seen.insert(member.backend.clone()) {
                         chain.push(Candidate {
                             backend: member.backend.clone(),
                             degraded: degraded || member.priority > best,
+                            reason: Some(if i == 0 && !degraded { reason } else { PickReason::Fallback }),
+                            pool: Some(name.clone()),
                         });
                     }
                 }
                 // Members' own fallbacks come after every member.
-                for member in order {
+                for member in members {
                     for fallback in self.backend(&member.backend).map(|b| b.fallback.as_slice()).unwrap_or_default() {
                         self.expand(fallback, true, chain, seen, rng, Order::default());
                     }
                 }
             }
             BackendKind::Grpc { .. } => {}
-            _ => chain.push(Candidate { backend: name.clone(), degraded }),
+            _ => chain.push(Candidate::fallback_unless(name.clone(), !degraded)),
         }
         for fallback in &backend.fallback {
             self.expand(fallback, true, chain, seen, rng, order);
@@ -213,7 +271,17 @@ impl Router {
         for capability in [Capability::Chat, Capability::Vision, Capability::Embeddings, Capability::Realtime] {
             let mut chain = Vec::new();
             self.expand(
-                self.entry_backend(caller, &RouteRequest { capability, sensitive: false, soft: false, affinity: None }),
+                self.entry_backend(
+                    caller,
+                    &RouteRequest {
+                        capability,
+                        sensitive: false,
+                        soft: false,
+                        affinity: None,
+                        prefix: None,
+                        criticality: Criticality::Standard,
+                    },
+                ),
                 false,
                 &mut chain,
                 &mut BTreeSet::new(),
@@ -244,6 +312,7 @@ impl Router {
 #[derive(Debug, Clone, Copy, Default)]
 struct Order {
     affinity: Option<u64>,
+    prefix: Option<u64>,
 }
 
 /// Members by priority group (1 first); inside a group, by the session's weighted

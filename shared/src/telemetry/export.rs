@@ -219,6 +219,12 @@ fn span(call: &CallSpan) -> otlp::Span {
     attributes.push(kv("flexway.request_id", record.request_id.as_str()));
     attributes.push(kv("flexway.budget_state", record.budget_state.as_str()));
     attributes.push(kv("flexway.cost_eur", record.cost_eur));
+    if let Some(reason) = record.pick_reason {
+        attributes.push(kv("flexway.pick_reason", reason.as_str()));
+    }
+    if let Some(class) = record.criticality {
+        attributes.push(kv("flexway.criticality", class.as_str()));
+    }
     let trace = &call.trace;
     let remote = if trace.parent_span_id.is_some() { otlp::FLAGS_IS_REMOTE } else { 0 };
     otlp::Span {

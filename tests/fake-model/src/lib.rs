@@ -24,6 +24,10 @@
 //! and usage is always sent (`no_usage` does not apply). An Anthropic backend
 //! is configured with the base URL without `/v1`: [`FakeModel::anthropic_url`].
 //!
+//! With a [`Capacity`] ([`FakeModel::start_with`]) it stands for a model server
+//! under load: calls wait for one of its slots, and `GET /metrics` shows its
+//! queue as vLLM does ([`load`]).
+//!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
 //! use fake_model::{FakeModel, Scenario};
@@ -36,6 +40,7 @@
 //! ```
 
 mod anthropic;
+pub mod load;
 mod openai;
 pub mod realtime;
 mod scenario;
@@ -48,6 +53,7 @@ use std::sync::Arc;
 use axum::Router;
 use tokio::net::TcpListener;
 
+pub use load::Capacity;
 pub use scenario::{Scenario, ScenarioError};
 use server::Shared;
 
@@ -86,13 +92,19 @@ impl FakeModel {
 
     /// Serve on `addr` (port 0 picks a free port).
     pub async fn start_on(addr: SocketAddr) -> std::io::Result<FakeModel> {
+        Self::start_with(addr, None).await
+    }
+
+    /// Serve on `addr` as a model server of `capacity`: calls beyond its slots
+    /// wait in its queue, and `GET /metrics` shows it (see [`load`]).
+    pub async fn start_with(addr: SocketAddr, capacity: Option<Capacity>) -> std::io::Result<FakeModel> {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         // Small SSE frames must leave at once, not wait for Nagle.
         let listener = listener.tap_io(|tcp| {
             let _ = tcp.set_nodelay(true);
         });
-        let shared = Shared::new();
+        let shared = Shared::new(capacity);
         let app = app(Arc::clone(&shared));
         let stopping = Arc::clone(&shared);
         tokio::spawn(async move {
@@ -120,6 +132,11 @@ impl FakeModel {
             encoded if encoded.is_empty() => self.url(),
             encoded => format!("http://{}/s/{encoded}/v1", self.addr),
         }
+    }
+
+    /// Its vLLM-style load page: `http://ADDR/metrics`.
+    pub fn metrics_url(&self) -> String {
+        format!("http://{}/metrics", self.addr)
     }
 
     /// The server's base URL, without `/v1`: `http://ADDR`. An Anthropic
@@ -158,7 +175,7 @@ impl Drop for FakeModel {
 /// The fake's HTTP surface, with its own (unobservable) request record; for
 /// mounting in another server or driving with `tower::ServiceExt::oneshot`.
 pub fn router() -> Router {
-    app(Shared::new())
+    app(Shared::new(None))
 }
 
 fn app(shared: Arc<Shared>) -> Router {

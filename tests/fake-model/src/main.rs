@@ -3,9 +3,10 @@
 //! the tests: `/s/<scenario>/v1`.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use clap::Parser;
-use fake_model::FakeModel;
+use fake_model::{Capacity, FakeModel};
 
 /// An OpenAI- and Anthropic-compatible fake model server.
 #[derive(Debug, Parser)]
@@ -14,12 +15,27 @@ struct Args {
     /// The address to listen on.
     #[arg(long, default_value = "127.0.0.1:8081")]
     listen: SocketAddr,
+    /// Stand for a model server that runs this many calls at once; the others
+    /// wait in its queue, shown on `GET /metrics`.
+    #[arg(long)]
+    slots: Option<u32>,
+    /// How long a call holds its slot before its answer starts, in milliseconds.
+    #[arg(long, default_value_t = 50, requires = "slots")]
+    service_ms: u64,
+    /// The same for a prompt whose first 4 KiB it served before (a prefix-cache hit).
+    #[arg(long, default_value_t = 10, requires = "slots")]
+    cached_service_ms: u64,
 }
 
 #[tokio::main]
 async fn main() -> std::io::Result<()> {
     let args = Args::parse();
-    let server = FakeModel::start_on(args.listen).await?;
+    let capacity = args.slots.map(|slots| Capacity {
+        slots,
+        service: Duration::from_millis(args.service_ms),
+        cached_service: Duration::from_millis(args.cached_service_ms),
+    });
+    let server = FakeModel::start_with(args.listen, capacity).await?;
     eprintln!("fake-model listening on http://{}", server.addr());
     tokio::signal::ctrl_c().await
 }

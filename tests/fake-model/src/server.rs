@@ -8,7 +8,9 @@
 //! can always see what the gateway sent, even when the fake never answers.
 //! Bodies that misbehave over time are fed by a spawned task through a
 //! one-slot channel; the large ones (`huge_mb`, `endless_line`) are made frame
-//! by frame as the client reads, so the fake's memory stays small.
+//! by frame as the client reads, so the fake's memory stays small. A call first
+//! waits for a slot when the server has a [`Capacity`] (see [`crate::load`]);
+//! `GET /metrics`, its load page, is the one request not recorded.
 
 use std::future::Future;
 use std::io;
@@ -31,6 +33,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::RecordedRequest;
 use crate::anthropic::{self, MessagesRequest};
+use crate::load::{Capacity, Load};
 use crate::openai::{self, ChatRequest, HUGE_MARK, MAX_CHOICES, Meta, Reply};
 use crate::scenario::{Scenario, ScenarioError};
 
@@ -70,11 +73,14 @@ pub(crate) struct Shared {
     flaps: AtomicU64,
     /// Flipped to `true` once, when the owning `FakeModel` is dropped.
     shutdown: watch::Sender<bool>,
+    /// Its slots and queue, and what `/metrics` reads.
+    load: Load,
 }
 
 impl Shared {
-    pub(crate) fn new() -> Arc<Shared> {
+    pub(crate) fn new(capacity: Option<Capacity>) -> Arc<Shared> {
         Arc::new(Shared {
+            load: Load::new(capacity),
             recorded: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
             flaps: AtomicU64::new(0),
@@ -119,6 +125,10 @@ pub(crate) async fn handle(
     upgrade: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
     body: Bytes,
 ) -> Response {
+    // A load poll is not a call: answered, never recorded.
+    if method == Method::GET && uri.path() == "/metrics" {
+        return ([(CONTENT_TYPE, "text/plain; version=0.0.4")], shared.load.metrics()).into_response();
+    }
     let (scenario, path) = split_scenario(uri.path());
     // A realtime session records its model (the query's) as its body.
     let model = (path == "/v1/realtime").then(|| realtime_model(&uri));
@@ -148,6 +158,14 @@ pub(crate) async fn handle(
     };
     if let Some(model) = model {
         return crate::realtime::respond(scenario, upgrade.ok(), model).await;
+    }
+    let mut scenario = scenario;
+    if method == Method::POST && matches!(path, "/v1/chat/completions" | "/v1/messages" | "/v1/embeddings") {
+        // On a server with slots, `delay_ms` is spent in the slot: a long call.
+        let held = shared.load.serve(json.as_ref(), scenario.delay_ms.map(Duration::from_millis)).await;
+        if held {
+            scenario.delay_ms = None;
+        }
     }
     let mut response = respond(&shared, &scenario, &method, path, &headers, json).await;
     if let Some(seconds) = scenario.retry_after {

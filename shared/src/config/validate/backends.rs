@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use super::super::descriptor;
 use super::super::raw::{
-    RawAuth, RawAuthKind, RawBackend, RawBackendKind, RawBreaker, RawCapability, RawIdentityHeaders, RawMetering,
-    RawPoolMember, RawPrice, RawSecret, RawTls,
+    RawAuth, RawAuthKind, RawBackend, RawBackendKind, RawBreaker, RawCacheAffinity, RawCapability, RawIdentityHeaders,
+    RawLoad, RawMetering, RawPick, RawPoolMember, RawPrice, RawSaturation, RawSecret, RawTls,
 };
 use super::super::values::{base_url, fraction_ppm, micro_eur, status_range};
 use super::super::*;
@@ -20,6 +20,10 @@ use super::{Catalog, Checker, DEFAULT_SENSITIVE_HEADER, GATEWAY_HEADERS, RESERVE
 use crate::call::headers::CREDENTIALS;
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often a model server's metrics are read by default, and at the most.
+const DEFAULT_LOAD_EVERY: Duration = Duration::from_secs(1);
+const MIN_LOAD_EVERY: Duration = Duration::from_millis(100);
+const DEFAULT_PREFIX_BYTES: u32 = 4096;
 /// A descriptor set larger than this is not one an operator meant.
 const MAX_DESCRIPTOR_SET_BYTES: u64 = 16 * 1024 * 1024;
 
@@ -72,6 +76,10 @@ impl Checker<'_> {
             contract,
             mount,
             forward_headers,
+            pick,
+            cache_affinity,
+            saturation,
+            load,
         } = raw;
 
         // In the order keys are usually written, so errors read top to bottom.
@@ -106,7 +114,8 @@ impl Checker<'_> {
                 let members = self.members(&path, name, members, catalog);
                 let declared = capabilities.as_deref();
                 self.check_pool(&path, external, declared, members.as_deref(), catalog);
-                members.map(|members| BackendKind::Pool { members })
+                let picking = self.picking(&path, pick, cache_affinity, saturation);
+                members.map(|members| BackendKind::Pool { members, picking })
             }
         };
         let price = self.backend_price(&path, name, kind, price);
@@ -144,6 +153,7 @@ impl Checker<'_> {
         let fallback = self.fallback(&format!("{path}.fallback"), name, fallback, catalog);
         let timeout = self.duration(&format!("{path}.timeout"), timeout.as_ref(), DEFAULT_TIMEOUT);
         let circuit_breaker = self.breaker(&format!("{path}.circuit_breaker"), circuit_breaker);
+        let load = load.and_then(|raw| self.load(&format!("{path}.load"), raw));
 
         Some(Backend {
             name: BackendId::new(name),
@@ -154,7 +164,113 @@ impl Checker<'_> {
             fallback,
             timeout,
             circuit_breaker,
+            load,
         })
+    }
+
+    /// A pool's `pick`, `cache_affinity` and `saturation`.
+    fn picking(
+        &mut self,
+        path: &str,
+        pick: Option<RawPick>,
+        cache_affinity: Option<RawCacheAffinity>,
+        saturation: Option<RawSaturation>,
+    ) -> Picking {
+        let pick = match pick.unwrap_or(RawPick::Weighted) {
+            RawPick::Weighted => Pick::Weighted,
+            RawPick::LeastLoaded => Pick::LeastLoaded,
+            RawPick::Latency => Pick::Latency,
+        };
+        let prefix_bytes = cache_affinity.map(|raw| match raw.prefix_bytes {
+            Some(n) if !(1..=1 << 20).contains(&n) => {
+                self.error(format!("{path}.cache_affinity.prefix_bytes"), "must be between 1 and 1048576");
+                DEFAULT_PREFIX_BYTES
+            }
+            n => n.unwrap_or(DEFAULT_PREFIX_BYTES),
+        });
+        let saturation = saturation.and_then(|raw| {
+            if raw.queue.is_none() && raw.kv_cache.is_none() {
+                self.error(format!("{path}.saturation"), "declare `queue`, `kv_cache` or both");
+                return None;
+            }
+            if raw.queue == Some(0) {
+                self.error(format!("{path}.saturation.queue"), "must be at least 1");
+            }
+            let kv_cache_ppm = raw
+                .kv_cache
+                .and_then(|f| fraction_ppm(f).map_err(|m| self.error(format!("{path}.saturation.kv_cache"), m)).ok());
+            Some(Saturation { queue: raw.queue.filter(|q| *q > 0), kv_cache_ppm })
+        });
+        Picking { pick, prefix_bytes, saturation }
+    }
+
+    /// A member's `load`: its metrics URL and how often it is read.
+    fn load(&mut self, path: &str, raw: RawLoad) -> Option<LoadSource> {
+        let url_path = format!("{path}.metrics_url");
+        let url = self.required(&url_path, raw.metrics_url, "(the model server's Prometheus endpoint)")?;
+        let every = self.duration(&format!("{path}.every"), raw.every.as_ref(), DEFAULT_LOAD_EVERY);
+        if every < MIN_LOAD_EVERY {
+            self.error(format!("{path}.every"), "must be at least 100ms");
+        }
+        match url.parse::<http::Uri>() {
+            Ok(parsed) if matches!(parsed.scheme_str(), Some("http" | "https")) && parsed.host().is_some() => {
+                Some(LoadSource { metrics_url: url, every })
+            }
+            _ => {
+                self.error(url_path, format!("`{url}` is not an http:// or https:// URL"));
+                None
+            }
+        }
+    }
+
+    /// Every `load` is read by a pool that picks by load or declares saturation, and
+    /// every member such a pool ranks by load says where its load is read (else it
+    /// is ranked by the gateway's own calls in flight, which is worth a warning).
+    pub(super) fn loads(&mut self, backends: &BTreeMap<BackendId, Backend>) {
+        // One prefix key a call: one length for every pool with cache affinity.
+        let mut lengths = backends.iter().filter_map(|(name, b)| match &b.kind {
+            BackendKind::Pool { picking, .. } => picking.prefix_bytes.map(|n| (name, n)),
+            _ => None,
+        });
+        if let Some((first, n)) = lengths.next()
+            && let Some((other, m)) = lengths.find(|(_, m)| *m != n)
+        {
+            self.error(
+                format!("ai.backends.{other}.cache_affinity.prefix_bytes"),
+                format!("{m} differs from pool {first}'s {n}: every pool with cache_affinity takes one prefix length"),
+            );
+        }
+        let mut read = BTreeSet::new();
+        for (pool, backend) in backends {
+            let BackendKind::Pool { members, picking } = &backend.kind else { continue };
+            if picking.pick != Pick::LeastLoaded && picking.saturation.is_none() {
+                continue;
+            }
+            for member in members {
+                read.insert(member.backend.clone());
+                if backends.get(&member.backend).is_some_and(|b| b.load.is_none()) {
+                    self.warn(
+                        format!("ai.backends.{}", member.backend),
+                        format!(
+                            "pool {pool} reads its members' load, and {} declares no `load`: it is ranked by the \
+                             gateway's own calls in flight to it",
+                            member.backend
+                        ),
+                    );
+                }
+            }
+        }
+        for (name, backend) in backends {
+            // On a pool, `load` is already refused as a key of another kind.
+            let pool = matches!(backend.kind, BackendKind::Pool { .. });
+            if backend.load.is_some() && !read.contains(name) && !pool {
+                self.error(
+                    format!("ai.backends.{name}.load"),
+                    "no pool reads this load: it is read for the members of a pool with `pick: least_loaded` or \
+                     `saturation`",
+                );
+            }
+        }
     }
 
     /// An `openai`, `anthropic` or `relay` backend.
@@ -238,7 +354,7 @@ impl Checker<'_> {
 
     /// Keys that belong to other kinds of backend are refused, naming the kind.
     fn refuse_foreign_keys(&mut self, path: &str, kind: RawBackendKind, raw: &RawBackend) {
-        let keys: [(&str, bool, &[RawBackendKind]); 15] = [
+        let keys: [(&str, bool, &[RawBackendKind]); 19] = [
             ("url", raw.url.is_some(), ENDPOINT_KINDS),
             ("auth", raw.auth.is_some(), AUTH_KINDS),
             ("tls", raw.tls.is_some(), AUTH_KINDS),
@@ -254,6 +370,10 @@ impl Checker<'_> {
             ("contract", raw.contract.is_some(), &[RawBackendKind::Http]),
             ("mount", raw.mount.is_some(), &[RawBackendKind::Http]),
             ("forward_headers", raw.forward_headers.is_some(), HTTP_KINDS),
+            ("pick", raw.pick.is_some(), &[RawBackendKind::Pool]),
+            ("cache_affinity", raw.cache_affinity.is_some(), &[RawBackendKind::Pool]),
+            ("saturation", raw.saturation.is_some(), &[RawBackendKind::Pool]),
+            ("load", raw.load.is_some(), HTTP_KINDS),
         ];
         let here = kind.a_backend();
         for (key, present, kinds) in keys {
