@@ -18,7 +18,12 @@ use tokio::task::JoinHandle;
 
 /// A model server that runs `slots` calls at once, each in a millisecond.
 async fn server(slots: u32) -> FakeModel {
-    let capacity = Capacity { slots, service: Duration::from_millis(1), cached_service: Duration::from_millis(1) };
+    let capacity = Capacity {
+        slots,
+        service: Duration::from_millis(1),
+        cached_service: Duration::from_millis(1),
+        cached_prefixes: 0,
+    };
     FakeModel::start_with(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), Some(capacity)).await.unwrap()
 }
 

@@ -296,6 +296,34 @@ async fn a_failed_upstream_is_refunded_falls_back_and_a_sensitive_call_stays_int
     assert!(records[0].degraded);
 }
 
+#[tokio::test]
+async fn residency_holds_through_the_rest_door() {
+    let (us, eu) = (Seen::default(), Seen::default());
+    let us_url = upstream(us.clone(), false).await;
+    let eu_url = upstream(eu.clone(), false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = rest_config(
+        dir.path(),
+        "{eur_per_month: 10}",
+        &[
+            ("ocr", &us_url, ", mount: /apis/ocr, jurisdiction: us"),
+            ("spare", &eu_url, ", mount: /apis/spare, jurisdiction: eu"),
+        ],
+    );
+    let gw = start(&yaml);
+    // Through the us mount, a call bound to the eu goes to the eu backend that
+    // declares the operation; one bound to ch is refused; none reaches the us.
+    let served = call(&gw, reqwest::Method::GET, "/apis/ocr/documents/7").header("flexway-jurisdiction", "eu").send();
+    let served = served.await.unwrap();
+    assert_eq!((served.status().as_u16(), served.headers()["flexway-backend"].to_str().unwrap()), (200, "spare"));
+    let refused = call(&gw, reqwest::Method::GET, "/apis/ocr/documents/7").header("flexway-jurisdiction", "ch").send();
+    let refused = refused.await.unwrap();
+    assert_eq!(refused.status(), 403);
+    assert_eq!(refused.json::<Value>().await.unwrap()["code"], "residency_unavailable");
+    assert!(us.all().is_empty(), "a residency-bound call reached the us");
+    assert_eq!(eu.all().len(), 1);
+}
+
 /// 32 per-call calls at once on a cap of 10 calls' worth: exactly 10 served, the
 /// others refused with 429, and the audit's euros equal the cap.
 #[tokio::test]

@@ -182,6 +182,7 @@ async fn each_call_is_one_span_with_the_genai_attributes_and_its_trace_continued
         "flexway.request_id": request_id,
         "flexway.budget_state": "ok",
         "flexway.cost_eur": record.cost_eur,
+        "flexway.criticality": "standard",
     });
     assert_eq!(serde_json::Value::Object(attributes(&span.attributes)), expected);
     assert!(record.prompt_tokens > 0 && record.completion_tokens > 0 && record.cost_eur > 0.0);

@@ -25,7 +25,7 @@ use crate::config::Capability;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
-use crate::routing::{Route, RouteRequest};
+use crate::routing::{Residency, Route, RouteRequest};
 
 /// Extra life of a reservation beyond the chain's timeouts, before the sweeper may
 /// refund it.
@@ -55,6 +55,8 @@ pub struct Demand {
     pub prefix: Option<u64>,
     /// The call's class ([`criticality`]).
     pub criticality: Criticality,
+    /// Where it may be processed ([`residency`]).
+    pub residency: Residency,
 }
 
 pub struct Admission {
@@ -143,6 +145,7 @@ async fn decide(
             affinity: demand.affinity,
             prefix: demand.prefix,
             criticality: demand.criticality,
+            residency: demand.residency.clone(),
         },
     );
     if let Err(GatewayError::Overloaded { pool }) = &route {
@@ -240,6 +243,19 @@ pub fn criticality(
     let agent = caller.agent.as_ref().and_then(|a| tenant.and_then(|t| t.agents.get(a)));
     let of_tenant = tenant.map_or(Criticality::Critical, |t| t.max_criticality);
     Ok(asked.min(of_tenant).min(agent.map_or(Criticality::Critical, |a| a.max_criticality)))
+}
+
+/// Where a call may be processed: its tenant's and agent's `residency`, narrowed by
+/// its `Flexway-Jurisdiction` header (400 when that header is not a list of
+/// jurisdictions).
+pub fn residency(
+    config: &crate::config::Config,
+    caller: &Caller,
+    headers: &http::HeaderMap,
+) -> Result<Residency, crate::call::InvalidRequest> {
+    let tenant = config.tenants.get(&caller.tenant);
+    let agent = caller.agent.as_ref().and_then(|a| tenant.and_then(|t| t.agents.get(a)));
+    Residency::of_call(tenant.and_then(|t| t.residency.as_ref()), agent.and_then(|a| a.residency.as_ref()), headers)
 }
 
 /// The limit a line reserved under the assumption "not soft" must stay under: the

@@ -226,6 +226,7 @@ pub enum ErrorCode {
     UnknownAgent,
     UnknownTenant,
     SensitiveNoInternalBackend,
+    ResidencyUnavailable,
     NotFound,
     // A path under a REST mount that its contract does not declare.
     OperationNotFound,
@@ -254,7 +255,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order of SPEC §2's table and then the others.
-    pub const ALL: [ErrorCode; 26] = [
+    pub const ALL: [ErrorCode; 27] = [
         ErrorCode::InvalidRequest,
         ErrorCode::CapabilityUnavailable,
         ErrorCode::ImageOriginNotAllowed,
@@ -262,6 +263,7 @@ impl ErrorCode {
         ErrorCode::UnknownAgent,
         ErrorCode::UnknownTenant,
         ErrorCode::SensitiveNoInternalBackend,
+        ErrorCode::ResidencyUnavailable,
         ErrorCode::NotFound,
         ErrorCode::OperationNotFound,
         ErrorCode::MethodNotAllowed,
@@ -292,6 +294,7 @@ impl ErrorCode {
             ErrorCode::UnknownAgent => "unknown_agent",
             ErrorCode::UnknownTenant => "unknown_tenant",
             ErrorCode::SensitiveNoInternalBackend => "sensitive_no_internal_backend",
+            ErrorCode::ResidencyUnavailable => "residency_unavailable",
             ErrorCode::NotFound => "not_found",
             ErrorCode::OperationNotFound => "operation_not_found",
             ErrorCode::MethodNotAllowed => "method_not_allowed",
@@ -323,9 +326,10 @@ impl ErrorCode {
                 StatusCode::BAD_REQUEST
             }
             ErrorCode::InvalidApiKey => StatusCode::UNAUTHORIZED,
-            ErrorCode::UnknownAgent | ErrorCode::UnknownTenant | ErrorCode::SensitiveNoInternalBackend => {
-                StatusCode::FORBIDDEN
-            }
+            ErrorCode::UnknownAgent
+            | ErrorCode::UnknownTenant
+            | ErrorCode::SensitiveNoInternalBackend
+            | ErrorCode::ResidencyUnavailable => StatusCode::FORBIDDEN,
             ErrorCode::NotFound | ErrorCode::OperationNotFound => StatusCode::NOT_FOUND,
             ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorCode::BodyTooLarge | ErrorCode::ImageTooLarge => StatusCode::PAYLOAD_TOO_LARGE,

@@ -68,6 +68,8 @@ pub enum GatewayError {
     ImageOriginNotAllowed { origin: String },
     #[error("this request is marked sensitive and no internal backend can serve it")]
     SensitiveNoInternalBackend,
+    #[error("no backend in the jurisdictions this call may be processed in ({allowed}) can serve it")]
+    ResidencyUnavailable { allowed: String },
     #[error("request body is larger than {limit} bytes (ai.vision.max_body_bytes)")]
     BodyTooLarge { limit: u64 },
     #[error("an image is larger than {limit} bytes (ai.vision.max_image_bytes)")]
@@ -169,6 +171,7 @@ impl GatewayError {
             GatewayError::CapabilityUnavailable { .. } => ErrorCode::CapabilityUnavailable,
             GatewayError::ImageOriginNotAllowed { .. } => ErrorCode::ImageOriginNotAllowed,
             GatewayError::SensitiveNoInternalBackend => ErrorCode::SensitiveNoInternalBackend,
+            GatewayError::ResidencyUnavailable { .. } => ErrorCode::ResidencyUnavailable,
             GatewayError::BodyTooLarge { .. } => ErrorCode::BodyTooLarge,
             GatewayError::ImageTooLarge { .. } => ErrorCode::ImageTooLarge,
             GatewayError::HeadersTooLarge { .. } => ErrorCode::HeadersTooLarge,

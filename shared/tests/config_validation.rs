@@ -1110,6 +1110,66 @@ fn refuses_two_prefix_lengths() {
 }
 
 #[test]
+fn reads_jurisdictions_and_residency() {
+    let loaded = doc()
+        .set("ai.backends.main.jurisdiction", "EU")
+        .set("ai.backends.internal.jurisdiction", "ch")
+        .set("tenants.acme.residency", "[eu, CH]")
+        .set("tenants.acme.agents.bot", "{backend: internal, residency: [ch]}")
+        .loads();
+    let ai = &loaded.config.ai;
+    assert_eq!(ai.backends["main"].jurisdiction.as_deref(), Some("eu"), "compared in lower case");
+    let acme = &loaded.config.tenants["acme"];
+    let listed = |labels: &[&str]| Some(labels.iter().map(|l| l.to_string()).collect());
+    assert_eq!(acme.residency, listed(&["ch", "eu"]));
+    assert_eq!(acme.agents.values().next().unwrap().residency, listed(&["ch"]));
+    assert!(other_warnings(&loaded).is_empty(), "{:?}", loaded.warnings);
+}
+
+#[test]
+fn refuses_bad_jurisdictions() {
+    let errors = doc()
+        .set("ai.backends.main.jurisdiction", "'eu west'")
+        .set("ai.backends.pool", "{kind: pool, members: [{backend: internal}], jurisdiction: eu}")
+        .set("tenants.acme.residency", "[]")
+        .set("tenants.acme.agents.bot.residency", "[eu, 'a/b']")
+        .errors();
+    assert_eq!(errors.len(), 4, "{errors:#?}");
+    assert_error(&errors, "ai.backends.main.jurisdiction", "not a jurisdiction");
+    assert_error(&errors, "ai.backends.pool.jurisdiction", "does not apply to a pool backend");
+    assert_error(&errors, "tenants.acme.residency", "at least one jurisdiction");
+    assert_error(&errors, "tenants.acme.agents.bot.residency[1]", "not a jurisdiction");
+}
+
+#[test]
+fn warns_about_a_residency_bound_caller_without_a_compliant_default_chain() {
+    let loaded = doc()
+        .set("ai.backends.main.jurisdiction", "us")
+        .set("ai.backends.main.fallback", "[internal]")
+        .set("ai.backends.internal.jurisdiction", "eu")
+        .set(
+            "ai.backends.outside",
+            "{url: 'https://x/v1', jurisdiction: us, price: {input_per_mtok_eur: 1, output_per_mtok_eur: 1}}",
+        )
+        .set("tenants.acme.residency", "[eu]")
+        .set("tenants.acme.agents.bot", "{backend: outside}")
+        .loads();
+    let warnings = other_warnings(&loaded);
+    assert_eq!(
+        warnings.len(),
+        1,
+        "the tenant's chain reaches eu through a fallback; its agent's does not: {warnings:?}"
+    );
+    assert_eq!(warnings[0].path, "tenants.acme.agents.bot.residency");
+    assert!(warnings[0].message.contains("residency_unavailable"), "{}", warnings[0].message);
+
+    let nowhere = doc().set("tenants.acme.residency", "[eu]").loads();
+    let warnings = other_warnings(&nowhere);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert_eq!(warnings[0].path, "tenants.acme.residency");
+}
+
+#[test]
 fn refuses_undeclared_pool_member() {
     doc()
         .set("ai.backends.pool", "{kind: pool, members: [{backend: ghost}]}")

@@ -45,6 +45,7 @@ fn one_of_each() -> Vec<GatewayError> {
         GatewayError::CapabilityUnavailable { capability: "chat" },
         GatewayError::ImageOriginNotAllowed { origin: "o".into() },
         GatewayError::SensitiveNoInternalBackend,
+        GatewayError::ResidencyUnavailable { allowed: "eu".into() },
         GatewayError::BodyTooLarge { limit: 1 },
         GatewayError::ImageTooLarge { limit: 1 },
         GatewayError::HeadersTooLarge { max_headers: 1, max_bytes: 1 },

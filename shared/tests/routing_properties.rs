@@ -140,7 +140,7 @@ proptest! {
         let config = Arc::new(loaded.config);
         let router = Router::new(config.clone());
         for _ in 0..4 {
-            match router.route(&caller(), &RouteRequest { capability, sensitive, soft, affinity: None, prefix: None, criticality: Default::default() }) {
+            match router.route(&caller(), &RouteRequest { capability, sensitive, soft, affinity: None, prefix: None, criticality: Default::default(), residency: Default::default() }) {
                 Ok(route) => {
                     prop_assert!(!route.candidates.is_empty());
                     let mut seen = BTreeSet::new();

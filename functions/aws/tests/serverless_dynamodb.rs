@@ -234,6 +234,7 @@ const CHAT: Demand = Demand {
     affinity: None,
     prefix: None,
     criticality: flexway::call::Criticality::Standard,
+    residency: flexway::routing::Residency::ANY,
 };
 
 /// One served call through the real admission and ticket: what it sends to DynamoDB.

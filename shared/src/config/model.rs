@@ -153,6 +153,8 @@ pub struct Tenant {
     pub agents: BTreeMap<AgentId, Agent>,
     /// The highest class its calls may claim (`Critical`: no limit).
     pub max_criticality: Criticality,
+    /// The jurisdictions its calls may be processed in, lower-cased (`None`: any).
+    pub residency: Option<BTreeSet<String>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -177,6 +179,8 @@ pub struct Agent {
     pub budgets: Budgets,
     /// The highest class its calls may claim (`Critical`: no limit).
     pub max_criticality: Criticality,
+    /// The jurisdictions its calls may be processed in, within its tenant's.
+    pub residency: Option<BTreeSet<String>>,
 }
 
 #[derive(Debug, Clone)]
@@ -302,6 +306,9 @@ pub struct Backend {
     pub circuit_breaker: BreakerPolicy,
     /// The model server's metrics, for the pools that read its load.
     pub load: Option<LoadSource>,
+    /// Where it processes data, lower-cased; `None` never serves a residency-bound
+    /// call.
+    pub jurisdiction: Option<String>,
 }
 
 /// `load`: a model server's Prometheus endpoint and how often it is read.

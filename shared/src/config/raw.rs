@@ -142,6 +142,10 @@ pub struct RawTenant {
     /// The highest `Flexway-Criticality` class this tenant's calls may claim; a
     /// higher one asked is lowered to it. Default `critical` (no limit).
     pub max_criticality: Option<RawCriticality>,
+    /// The jurisdictions this tenant's calls may be processed in: only backends
+    /// whose `jurisdiction` is listed serve them, at every routing step. Absent: no
+    /// restriction.
+    pub residency: Option<Vec<String>>,
 }
 
 /// A call's class when every member of a pool is saturated (SPEC §5): `sheddable`
@@ -196,6 +200,9 @@ pub struct RawAgent {
     /// The highest `Flexway-Criticality` class this agent's calls may claim (never
     /// above its tenant's).
     pub max_criticality: Option<RawCriticality>,
+    /// The jurisdictions this agent's calls may be processed in, within its
+    /// tenant's `residency` (both apply).
+    pub residency: Option<Vec<String>>,
 }
 
 /// Routing and policy.
@@ -348,6 +355,11 @@ pub struct RawBackend {
     /// `openai`, `anthropic`, `relay`: the model server's Prometheus metrics, polled
     /// off the request path, for the pools that pick by load or declare saturation.
     pub load: Option<RawLoad>,
+    /// Every kind but `pool`: where the backend processes data, a free label (`eu`,
+    /// `ch`, `us-east`; letters, digits, `.`, `_`, `-`, any case). Only backends
+    /// whose jurisdiction is listed serve a caller with `residency`; a backend
+    /// without one never does.
+    pub jurisdiction: Option<String>,
     /// `relay`: `local` (default; counts here) or `upstream` (the receiving Flexway
     /// meters, so a call is billed once).
     pub metering: Option<RawMetering>,

@@ -78,6 +78,9 @@ pub(super) fn validate(
     check.loads(&backends);
     let ai = check.ai(ai, &catalog, backends);
     let tenants = check.tenants(tenants.unwrap_or_default(), &catalog);
+    if let Some(ai) = &ai {
+        check.residency_chains(&tenants, ai);
+    }
     if let (Some(store), Some(audit), Some(ai)) = (&store, &audit, &ai) {
         check.platform_limits(store, audit, ai);
     }
@@ -599,7 +602,7 @@ impl Checker<'_> {
         let mut tenants = BTreeMap::new();
         for (name, tenant) in raw {
             let path = format!("tenants.{name}");
-            let RawTenant { keys, budgets, backend, agents, max_criticality } = tenant;
+            let RawTenant { keys, budgets, backend, agents, max_criticality, residency } = tenant;
 
             let agents: BTreeMap<AgentId, Agent> = agents
                 .unwrap_or_default()
@@ -629,7 +632,9 @@ impl Checker<'_> {
             });
             let id = TenantId::new(&name);
             let max_criticality = criticality(max_criticality);
-            tenants.insert(id.clone(), Tenant { name: id, keys, budgets, backend, agents, max_criticality });
+            let residency = residency.and_then(|list| self.residency(&format!("{path}.residency"), list));
+            let tenant = Tenant { name: id.clone(), keys, budgets, backend, agents, max_criticality, residency };
+            tenants.insert(id, tenant);
         }
         tenants
     }
@@ -668,7 +673,60 @@ impl Checker<'_> {
             self.route_target(&format!("{path}.backend"), &b, catalog, "an agent's backend").map(|(id, _)| id)
         });
         let max_criticality = criticality(raw.max_criticality);
-        Agent { backend, budgets: self.budgets(&format!("{path}.budgets"), raw.budgets), max_criticality }
+        let residency = raw.residency.and_then(|list| self.residency(&format!("{path}.residency"), list));
+        Agent { backend, budgets: self.budgets(&format!("{path}.budgets"), raw.budgets), max_criticality, residency }
+    }
+
+    /// A warning for each residency-bound tenant or agent whose default chain (its
+    /// backend, its pools' members, their fallbacks) holds no backend in its
+    /// jurisdictions: its calls would all be refused with `residency_unavailable`.
+    fn residency_chains(&mut self, tenants: &BTreeMap<TenantId, Tenant>, ai: &Ai) {
+        for (name, tenant) in tenants {
+            let entry = tenant.backend.as_ref().unwrap_or(&ai.default_backend);
+            let mut callers = vec![(format!("tenants.{name}"), tenant.residency.clone(), entry)];
+            for (agent_name, agent) in &tenant.agents {
+                let residency = match (&tenant.residency, &agent.residency) {
+                    (None, None) => continue,
+                    // The tenant's own warning covers an agent routed as the tenant.
+                    (Some(_), None) if agent.backend.is_none() => continue,
+                    (Some(of_tenant), None) => of_tenant.clone(),
+                    (None, Some(of_agent)) => of_agent.clone(),
+                    (Some(of_tenant), Some(of_agent)) => of_tenant.intersection(of_agent).cloned().collect(),
+                };
+                let entry = agent.backend.as_ref().unwrap_or(entry);
+                callers.push((format!("tenants.{name}.agents.{agent_name}"), Some(residency), entry));
+            }
+            for (path, residency, entry) in callers {
+                let Some(allowed) = residency else { continue };
+                let mut chain = BTreeSet::new();
+                chain_of(ai, entry, &mut chain);
+                let in_allowed = |b: &&BackendId| {
+                    ai.backends.get(*b).and_then(|b| b.jurisdiction.as_ref()).is_some_and(|j| allowed.contains(j))
+                };
+                let compliant = chain.iter().any(in_allowed);
+                if !compliant {
+                    let list = allowed.iter().cloned().collect::<Vec<_>>().join(", ");
+                    self.warn(
+                        format!("{path}.residency"),
+                        format!(
+                            "no backend of its default chain (from {entry}) is in [{list}]: its calls will be refused \
+                             with residency_unavailable"
+                        ),
+                    );
+                }
+            }
+        }
+    }
+
+    /// A `residency` list: at least one jurisdiction, each a label.
+    fn residency(&mut self, path: &str, list: Vec<String>) -> Option<BTreeSet<String>> {
+        if list.is_empty() {
+            self.error(path, "list at least one jurisdiction (or leave it out: no restriction)");
+            return None;
+        }
+        let labels: Vec<_> =
+            list.iter().enumerate().map(|(i, label)| jurisdiction(self, &format!("{path}[{i}]"), label)).collect();
+        labels.into_iter().collect()
     }
 
     fn budgets(&mut self, path: &str, raw: Option<RawBudgets>) -> Budgets {
@@ -869,6 +927,33 @@ impl Checker<'_> {
             }
         }
         Some(VisionPolicy { max_image_bytes, max_body_bytes, allowed_origins })
+    }
+}
+
+/// Every backend a call entering at `entry` may reach: pool members and fallbacks,
+/// recursively.
+fn chain_of<'a>(ai: &'a Ai, entry: &'a BackendId, seen: &mut BTreeSet<&'a BackendId>) {
+    if !seen.insert(entry) {
+        return;
+    }
+    let Some(backend) = ai.backends.get(entry) else { return };
+    if let BackendKind::Pool { members, .. } = &backend.kind {
+        for member in members {
+            chain_of(ai, &member.backend, seen);
+        }
+    }
+    for fallback in &backend.fallback {
+        chain_of(ai, fallback, seen);
+    }
+}
+
+/// A jurisdiction label, lower-cased: 1 to 64 letters, digits, `.`, `_` or `-`.
+fn jurisdiction(check: &mut Checker<'_>, path: &str, label: &str) -> Option<String> {
+    if crate::routing::Residency::is_label(label) {
+        Some(label.to_ascii_lowercase())
+    } else {
+        check.error(path, format!("`{label}` is not a jurisdiction: 1 to 64 letters, digits, `.`, `_` or `-`"));
+        None
     }
 }
 

@@ -52,7 +52,7 @@ use crate::money::MicroEur;
 use crate::protocol::grpc::{Code, MessageCounter, encode_message, status_of, web_trailers_frame};
 use crate::protocol::openai::Usage;
 use crate::routing::breaker::{Outcome, Pass};
-use crate::routing::{Candidate, Route};
+use crate::routing::{Candidate, Residency, Route};
 use crate::upstream::CallError;
 use crate::upstream::body::Fault;
 use crate::upstream::grpc::{BoxError, UpstreamBody};
@@ -224,7 +224,8 @@ async fn call(
     let sensitive = crate::identity::sensitivity(&parts.headers, &gateway.config.ai.sensitive_header)
         .map_err(GatewayError::from)?;
     draft.sensitive(sensitive);
-    let (route, method) = route(gateway, rpc, sensitive)?;
+    let residency = crate::admission::residency(&gateway.config, caller, &parts.headers).map_err(GatewayError::from)?;
+    let (route, method) = route(gateway, rpc, sensitive, &residency)?;
     if let Some(first) = route.candidates.first() {
         draft.trying(first, rpc);
     }
@@ -342,7 +343,7 @@ impl<'a> chain::Attempt for SendCall<'a> {
 /// others that declare it metered the same way are its fallbacks, tried while no byte
 /// of the request has gone upstream (a fallback that meters it otherwise is left out:
 /// a call is metered as it was reserved).
-fn route(gateway: &Gateway, rpc: &str, sensitive: bool) -> Result<(Route, GrpcMethod), Refusal> {
+fn route(gateway: &Gateway, rpc: &str, sensitive: bool, residency: &Residency) -> Result<(Route, GrpcMethod), Refusal> {
     let (service, name) = rpc.split_once('/').filter(|(s, m)| !s.is_empty() && !m.is_empty()).ok_or_else(|| {
         Refusal::new(Code::Unimplemented, ErrorCode::InvalidRequest, format!("`/{rpc}` is not a gRPC method path"))
     })?;
@@ -362,8 +363,12 @@ fn route(gateway: &Gateway, rpc: &str, sensitive: bool) -> Result<(Route, GrpcMe
         ));
     }
     let allowed: Vec<_> = serving.into_iter().filter(|(backend, _)| !sensitive || !backend.external).collect();
-    let Some((_, services)) = allowed.first() else {
+    if allowed.is_empty() {
         return Err(Refusal::from(GatewayError::SensitiveNoInternalBackend));
+    }
+    let allowed: Vec<_> = allowed.into_iter().filter(|(backend, _)| residency.allows(backend)).collect();
+    let Some((_, services)) = allowed.first() else {
+        return Err(Refusal::from(residency.unavailable()));
     };
     let method = services.method(service, name).cloned().ok_or_else(|| {
         Refusal::new(

@@ -272,6 +272,7 @@ async fn chat(
     draft.sensitive(sensitive);
     let criticality = crate::admission::criticality(&gateway.config, call.caller, headers)?;
     draft.criticality(criticality);
+    let residency = crate::admission::residency(&gateway.config, call.caller, headers)?;
     let demand = Demand {
         capability,
         prompt_tokens: plan::prompt_upper_bound(request.prompt_text_bytes, request.message_count, images),
@@ -283,6 +284,7 @@ async fn chat(
         affinity: crate::routing::affinity_key(headers, gateway.config.ai.affinity.as_ref()),
         prefix,
         criticality,
+        residency,
     };
     let Admission { route, ticket, soft, allowance } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.reserved_on(ticket.period());
@@ -340,6 +342,7 @@ async fn embed(
     draft.sensitive(sensitive);
     let criticality = crate::admission::criticality(&gateway.config, call.caller, headers)?;
     draft.criticality(criticality);
+    let residency = crate::admission::residency(&gateway.config, call.caller, headers)?;
     let demand = Demand {
         capability: Capability::Embeddings,
         prompt_tokens: request.input_units,
@@ -351,6 +354,7 @@ async fn embed(
         affinity: crate::routing::affinity_key(headers, gateway.config.ai.affinity.as_ref()),
         prefix: None,
         criticality,
+        residency,
     };
     let Admission { route, ticket, soft, .. } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
     draft.reserved_on(ticket.period());

@@ -176,6 +176,7 @@ async fn open(
     draft.sensitive(sensitive);
     let criticality = crate::admission::criticality(&gateway.config, caller, headers)?;
     draft.criticality(criticality);
+    let residency = crate::admission::residency(&gateway.config, caller, headers)?;
     let demand = Demand {
         capability: Capability::Realtime,
         prompt_tokens: 0,
@@ -187,6 +188,7 @@ async fn open(
         affinity: None,
         prefix: None,
         criticality,
+        residency,
     };
     let Admission { route, ticket, soft, allowance } = admit(gateway, caller, &request_id.0, &demand).await?;
     draft.reserved_on(ticket.period());

@@ -45,7 +45,7 @@ use crate::gateway::Gateway;
 use crate::identity::Caller;
 use crate::protocol::openai::Usage;
 use crate::routing::breaker::{Outcome, Pass};
-use crate::routing::{Candidate, Route};
+use crate::routing::{Candidate, Residency, Route};
 use crate::upstream::grpc::{BoxError, UpstreamBody};
 
 /// The `kind: http` backend whose mount holds `path`, and the path below the mount.
@@ -131,7 +131,8 @@ async fn call(
     let sensitive = crate::identity::sensitivity(&parts.headers, &gateway.config.ai.sensitive_header)
         .map_err(GatewayError::from)?;
     draft.sensitive(sensitive);
-    let route = route(gateway, owner, &operation, sensitive)?;
+    let residency = crate::admission::residency(&gateway.config, caller, &parts.headers).map_err(GatewayError::from)?;
+    let route = route(gateway, owner, &operation, sensitive, &residency)?;
 
     // Reserve: a per-byte call's request is as long as it says, when it says.
     let timeouts = route.candidates.iter().map(|c| gateway.timeout(&c.backend)).sum();
@@ -206,6 +207,7 @@ fn route(
     owner: &BackendId,
     operation: &RestOperation,
     sensitive: bool,
+    residency: &Residency,
 ) -> Result<Route, GatewayError> {
     let backends = &gateway.config.ai.backends;
     let declares = |name: &BackendId| match backends.get(name).map(|b| &b.kind) {
@@ -222,6 +224,11 @@ fn route(
         .collect();
     if allowed.is_empty() {
         return Err(GatewayError::SensitiveNoInternalBackend);
+    }
+    let allowed: Vec<&BackendId> =
+        allowed.into_iter().filter(|name| backends.get(*name).is_some_and(|b| residency.allows(b))).collect();
+    if allowed.is_empty() {
+        return Err(residency.unavailable());
     }
     let candidates = allowed.into_iter().map(|name| Candidate::fallback_unless(name.clone(), name == owner)).collect();
     Ok(Route { candidates, via_pool: false, prefix: None })

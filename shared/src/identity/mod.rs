@@ -284,6 +284,7 @@ mod tests {
             backend: None,
             agents,
             max_criticality: Default::default(),
+            residency: None,
         };
         let mut edge_agents = BTreeMap::new();
         edge_agents.insert(AgentId::new("relayer"), Agent::default());
@@ -297,6 +298,7 @@ mod tests {
             backend: None,
             agents: edge_agents,
             max_criticality: Default::default(),
+            residency: None,
         };
         KeyRing::from_tenants([&tenant, &edge])
     }

@@ -38,9 +38,10 @@ impl Code {
     pub fn of(code: ErrorCode) -> Code {
         match code {
             ErrorCode::InvalidApiKey => Code::Unauthenticated,
-            ErrorCode::UnknownAgent | ErrorCode::UnknownTenant | ErrorCode::SensitiveNoInternalBackend => {
-                Code::PermissionDenied
-            }
+            ErrorCode::UnknownAgent
+            | ErrorCode::UnknownTenant
+            | ErrorCode::SensitiveNoInternalBackend
+            | ErrorCode::ResidencyUnavailable => Code::PermissionDenied,
             ErrorCode::BudgetExceeded | ErrorCode::MessageTooLarge => Code::ResourceExhausted,
             ErrorCode::InvalidRequest
             | ErrorCode::CapabilityUnavailable

@@ -30,7 +30,7 @@ use crate::identity::Caller;
 use pick::Loads;
 
 /// What routing needs to know about a call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RouteRequest {
     pub capability: Capability,
     /// The sensitivity header was true: internal backends only.
@@ -45,6 +45,89 @@ pub struct RouteRequest {
     pub prefix: Option<u64>,
     /// The call's class, already lowered to its caller's `max_criticality`.
     pub criticality: Criticality,
+    /// Where it may be processed.
+    pub residency: Residency,
+}
+
+/// The jurisdictions a call may be processed in (SPEC §4): its tenant's and agent's
+/// `residency`, narrowed by its `Flexway-Jurisdiction` header. A filter on every
+/// routing step, like sensitivity.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Residency(Option<BTreeSet<String>>);
+
+impl Residency {
+    /// The request header that narrows a call's jurisdictions.
+    pub const HEADER: &str = "flexway-jurisdiction";
+    /// No restriction.
+    pub const ANY: Residency = Residency(None);
+
+    /// Whether `label` is a jurisdiction: 1 to 64 ASCII letters, digits, `.`, `_`, `-`.
+    pub fn is_label(label: &str) -> bool {
+        (1..=64).contains(&label.len())
+            && label.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    }
+
+    /// The caller's residency (`tenant`'s and `agent`'s, both applying), narrowed by
+    /// the header: a comma-separated list, its lines read as one list. A value that
+    /// is not such a list is refused, never read as no restriction.
+    pub fn of_call(
+        tenant: Option<&BTreeSet<String>>,
+        agent: Option<&BTreeSet<String>>,
+        headers: &http::HeaderMap,
+    ) -> Result<Residency, crate::call::InvalidRequest> {
+        let mut allowed: Option<BTreeSet<String>> = tenant.cloned();
+        let mut narrow = |with: BTreeSet<String>| {
+            allowed = Some(match allowed.take() {
+                Some(set) => set.intersection(&with).cloned().collect(),
+                None => with,
+            });
+        };
+        if let Some(agent) = agent {
+            narrow(agent.clone());
+        }
+        let mut asked = BTreeSet::new();
+        let mut present = false;
+        for value in headers.get_all(Self::HEADER) {
+            present = true;
+            for label in value.to_str().unwrap_or("\u{0}").split(',').map(str::trim) {
+                if !Self::is_label(label) {
+                    return Err(crate::call::InvalidRequest {
+                        message: "Flexway-Jurisdiction must be a comma-separated list of jurisdictions (letters, \
+                                  digits, `.`, `_`, `-`)"
+                            .into(),
+                        param: None,
+                    });
+                }
+                asked.insert(label.to_ascii_lowercase());
+            }
+        }
+        if present {
+            narrow(asked);
+        }
+        Ok(Residency(allowed))
+    }
+
+    /// Whether `backend` may serve: any backend without a restriction; otherwise one
+    /// whose jurisdiction is allowed.
+    pub fn allows(&self, backend: &Backend) -> bool {
+        match &self.0 {
+            None => true,
+            Some(allowed) => backend.jurisdiction.as_ref().is_some_and(|j| allowed.contains(j)),
+        }
+    }
+
+    pub fn is_any(&self) -> bool {
+        self.0.is_none()
+    }
+
+    /// The refusal when nothing allowed can serve.
+    pub fn unavailable(&self) -> GatewayError {
+        let allowed = match &self.0 {
+            Some(set) if !set.is_empty() => set.iter().cloned().collect::<Vec<_>>().join(", "),
+            _ => "none: the caller's residency and Flexway-Jurisdiction share no jurisdiction".into(),
+        };
+        GatewayError::ResidencyUnavailable { allowed }
+    }
 }
 
 /// The key of a prompt's beginning for `cache_affinity`: a stable hash of its first
@@ -148,7 +231,11 @@ impl Router {
         if request.soft {
             let switch = ai.budget.soft.as_ref().map(|s| &s.backend);
             // Never to an external backend for a sensitive request.
-            let allowed = |b: &&BackendId| serves(b) && (!request.sensitive || self.is_internal(b));
+            let allowed = |b: &&BackendId| {
+                serves(b)
+                    && (!request.sensitive || self.is_internal(b))
+                    && self.backend(b).is_some_and(|b| request.residency.allows(b))
+            };
             if let Some(backend) = switch.filter(allowed) {
                 return backend;
             }
@@ -185,6 +272,12 @@ impl Router {
         }
         if candidates.is_empty() {
             return Err(GatewayError::CapabilityUnavailable { capability: request.capability.as_str() });
+        }
+        if !request.residency.is_any() {
+            candidates.retain(|c| self.backend(&c.backend).is_some_and(|b| request.residency.allows(b)));
+            if candidates.is_empty() {
+                return Err(request.residency.unavailable());
+            }
         }
         if request.criticality == Criticality::Sheddable {
             self.shed(entry, &candidates)?;
@@ -268,6 +361,14 @@ impl Router {
         let mut names = Vec::new();
         let mut seen_backends = BTreeSet::new();
         let mut backends = Vec::new();
+        let tenant = self.config.tenants.get(&caller.tenant);
+        let agent = caller.agent.as_ref().and_then(|a| tenant.and_then(|t| t.agents.get(a)));
+        let residency = Residency::of_call(
+            tenant.and_then(|t| t.residency.as_ref()),
+            agent.and_then(|a| a.residency.as_ref()),
+            &http::HeaderMap::new(),
+        )
+        .unwrap_or_default();
         for capability in [Capability::Chat, Capability::Vision, Capability::Embeddings, Capability::Realtime] {
             let mut chain = Vec::new();
             self.expand(
@@ -280,6 +381,7 @@ impl Router {
                         affinity: None,
                         prefix: None,
                         criticality: Criticality::Standard,
+                        residency: residency.clone(),
                     },
                 ),
                 false,
@@ -289,6 +391,9 @@ impl Router {
                 Order::default(),
             );
             for candidate in chain {
+                if !self.backend(&candidate.backend).is_some_and(|b| residency.allows(b)) {
+                    continue;
+                }
                 if seen_backends.insert(candidate.backend.clone()) {
                     backends.push(candidate.backend);
                 }
@@ -445,5 +550,52 @@ mod tests {
         let firsts = (0..1000).filter(|_| pool_order(&members, &mut rng)[0].backend.as_str() == "b").count();
         // Expected 750 of a thousand picks; within 10%.
         assert!((675..=825).contains(&firsts), "b first {firsts} times");
+    }
+
+    fn set(labels: &[&str]) -> BTreeSet<String> {
+        labels.iter().map(|l| l.to_string()).collect()
+    }
+
+    fn headers(values: &[&str]) -> http::HeaderMap {
+        let mut headers = http::HeaderMap::new();
+        for value in values {
+            headers.append(Residency::HEADER, value.parse().unwrap());
+        }
+        headers
+    }
+
+    #[test]
+    fn residency_is_the_tenants_and_the_agents_narrowed_by_the_header() {
+        let of = |tenant: Option<&[&str]>, agent: Option<&[&str]>, values: &[&str]| {
+            let (tenant, agent) = (tenant.map(set), agent.map(set));
+            Residency::of_call(tenant.as_ref(), agent.as_ref(), &headers(values)).map(|r| r.0)
+        };
+        assert_eq!(of(None, None, &[]), Ok(None), "no restriction");
+        assert_eq!(of(Some(&["eu", "ch"]), None, &[]), Ok(Some(set(&["eu", "ch"]))));
+        assert_eq!(of(Some(&["eu", "ch"]), Some(&["ch", "us"]), &[]), Ok(Some(set(&["ch"]))), "both apply");
+        assert_eq!(of(None, None, &["EU, ch"]), Ok(Some(set(&["eu", "ch"]))), "the header alone restricts");
+        assert_eq!(of(None, None, &["eu", "ch"]), Ok(Some(set(&["eu", "ch"]))), "its lines are one list");
+        assert_eq!(of(Some(&["eu"]), None, &["eu, us"]), Ok(Some(set(&["eu"]))), "it never widens");
+        assert_eq!(of(Some(&["eu"]), None, &["us"]), Ok(Some(set(&[]))), "nothing left: nothing serves");
+        for bad in ["", "eu,", "e u", "eu;ch", &"x".repeat(65)] {
+            assert!(of(None, None, &[bad]).is_err(), "`{bad}` is refused, never read as no restriction");
+        }
+    }
+
+    #[test]
+    fn only_a_listed_jurisdiction_serves_a_bound_call() {
+        let config = crate::config::load_str(
+            "version: 1\nai:\n  default_backend: eu\n  backends:\n    eu: {url: 'http://e/v1', jurisdiction: EU}\n    \
+             anywhere: {url: 'http://a/v1'}\n",
+            &std::collections::HashMap::<String, String>::new(),
+        )
+        .unwrap()
+        .config;
+        let (eu, anywhere) = (&config.ai.backends["eu"], &config.ai.backends["anywhere"]);
+        let bound = Residency(Some(set(&["eu"])));
+        assert!(bound.allows(eu) && !bound.allows(anywhere), "a backend without a jurisdiction never serves it");
+        assert!(Residency::ANY.allows(eu) && Residency::ANY.allows(anywhere));
+        let refusal = Residency(Some(set(&[]))).unavailable().to_string();
+        assert!(refusal.contains("share no jurisdiction"), "{refusal}");
     }
 }

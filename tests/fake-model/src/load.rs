@@ -9,7 +9,7 @@
 //! `vllm:kv_cache_usage_perc` (the share of slots in use) as they change. Without
 //! a [`Capacity`] every call runs at once and the page shows the calls running.
 
-use std::collections::HashSet;
+use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -20,8 +20,6 @@ use tokio::sync::Semaphore;
 
 /// The prompt bytes the fake's prefix cache keys on.
 pub const PREFIX_BYTES: usize = 4096;
-/// How many prefixes it remembers before it forgets them all.
-const PREFIX_ENTRIES: usize = 4096;
 
 /// How much a fake model server serves at once, and how fast.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,8 +28,10 @@ pub struct Capacity {
     pub slots: u32,
     /// How long a call holds its slot before its answer starts.
     pub service: Duration,
-    /// The same for a prompt whose first bytes it served before.
+    /// The same for a prompt whose first bytes it served lately.
     pub cached_service: Duration,
+    /// How many prompt prefixes its cache holds; the least recently used goes.
+    pub cached_prefixes: usize,
 }
 
 /// The server's load: its slots, who waits, who runs, what prompts it has seen.
@@ -40,7 +40,8 @@ pub(crate) struct Load {
     slots: Option<Semaphore>,
     waiting: AtomicU32,
     running: AtomicU32,
-    prefixes: Mutex<HashSet<u64>>,
+    /// The cached prefixes, the most recently used last.
+    prefixes: Mutex<VecDeque<u64>>,
 }
 
 /// Counts one up while it lives.
@@ -66,7 +67,7 @@ impl Load {
             slots: capacity.map(|c| Semaphore::new(c.slots.max(1) as usize)),
             waiting: AtomicU32::new(0),
             running: AtomicU32::new(0),
-            prefixes: Mutex::new(HashSet::new()),
+            prefixes: Mutex::new(VecDeque::new()),
         }
     }
 
@@ -76,7 +77,7 @@ impl Load {
     /// the queue, and one dropped in its slot frees it.
     pub(crate) async fn serve(&self, body: Option<&Value>, hold: Option<Duration>) -> bool {
         let (Some(capacity), Some(slots)) = (self.capacity, &self.slots) else { return false };
-        let cached = body.and_then(prefix_key).is_some_and(|key| self.remember(key));
+        let cached = body.and_then(prefix_key).is_some_and(|key| self.remember(key, capacity.cached_prefixes));
         let permit = {
             let _waiting = Counted::new(&self.waiting);
             slots.acquire().await
@@ -88,13 +89,15 @@ impl Load {
         true
     }
 
-    /// Whether the prefix was seen before; remembers it.
-    fn remember(&self, key: u64) -> bool {
-        let mut seen = self.prefixes.lock().unwrap_or_else(PoisonError::into_inner);
-        if seen.len() >= PREFIX_ENTRIES {
-            seen.clear();
+    /// Whether the prefix is in the cache; makes it the most recently used.
+    fn remember(&self, key: u64, room: usize) -> bool {
+        let mut cached = self.prefixes.lock().unwrap_or_else(PoisonError::into_inner);
+        let hit = cached.iter().position(|k| *k == key).and_then(|at| cached.remove(at)).is_some();
+        cached.push_back(key);
+        while cached.len() > room {
+            cached.pop_front();
         }
-        !seen.insert(key)
+        hit
     }
 
     /// The Prometheus page a vLLM server would show.
@@ -144,7 +147,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn calls_beyond_the_slots_wait_and_the_page_says_so() {
         let service = Duration::from_millis(100);
-        let capacity = Capacity { slots: 2, service, cached_service: Duration::from_millis(10) };
+        let capacity = Capacity { slots: 2, service, cached_service: Duration::from_millis(10), cached_prefixes: 2 };
         let load = Arc::new(Load::new(Some(capacity)));
         let body = |n: u32| json!({ "messages": [{ "role": "user", "content": format!("call {n}") }] });
         let calls: Vec<_> = (0..5)
@@ -165,8 +168,11 @@ mod tests {
         assert_eq!(started.elapsed().as_millis(), 299, "three rounds of two slots");
         assert_eq!(parse(&load.metrics(), "vllm:num_requests_waiting"), 0.0);
         let again = tokio::time::Instant::now();
-        assert!(load.serve(Some(&body(0)), None).await);
-        assert_eq!(again.elapsed(), Duration::from_millis(10), "a prefix seen before is served from cache");
+        assert!(load.serve(Some(&body(4)), None).await);
+        assert_eq!(again.elapsed(), Duration::from_millis(10), "a prefix seen lately is served from cache");
+        let forgotten = tokio::time::Instant::now();
+        load.serve(Some(&body(2)), None).await;
+        assert_eq!(forgotten.elapsed(), service, "call 2 was pushed out by 3 and 4 (two prefixes fit)");
         let held = tokio::time::Instant::now();
         load.serve(None, Some(Duration::from_secs(3))).await;
         assert_eq!(held.elapsed(), Duration::from_secs(3), "a long call holds its slot as long as asked");

@@ -25,6 +25,9 @@ struct Args {
     /// The same for a prompt whose first 4 KiB it served before (a prefix-cache hit).
     #[arg(long, default_value_t = 10, requires = "slots")]
     cached_service_ms: u64,
+    /// How many prompt prefixes its cache holds.
+    #[arg(long, default_value_t = 256, requires = "slots")]
+    cached_prefixes: usize,
 }
 
 #[tokio::main]
@@ -34,6 +37,7 @@ async fn main() -> std::io::Result<()> {
         slots,
         service: Duration::from_millis(args.service_ms),
         cached_service: Duration::from_millis(args.cached_service_ms),
+        cached_prefixes: args.cached_prefixes,
     });
     let server = FakeModel::start_with(args.listen, capacity).await?;
     eprintln!("fake-model listening on http://{}", server.addr());

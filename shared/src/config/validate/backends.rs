@@ -80,6 +80,7 @@ impl Checker<'_> {
             cache_affinity,
             saturation,
             load,
+            jurisdiction,
         } = raw;
 
         // In the order keys are usually written, so errors read top to bottom.
@@ -154,6 +155,8 @@ impl Checker<'_> {
         let timeout = self.duration(&format!("{path}.timeout"), timeout.as_ref(), DEFAULT_TIMEOUT);
         let circuit_breaker = self.breaker(&format!("{path}.circuit_breaker"), circuit_breaker);
         let load = load.and_then(|raw| self.load(&format!("{path}.load"), raw));
+        let jurisdiction =
+            jurisdiction.and_then(|label| super::jurisdiction(self, &format!("{path}.jurisdiction"), &label));
 
         Some(Backend {
             name: BackendId::new(name),
@@ -165,6 +168,7 @@ impl Checker<'_> {
             timeout,
             circuit_breaker,
             load,
+            jurisdiction,
         })
     }
 
@@ -354,7 +358,7 @@ impl Checker<'_> {
 
     /// Keys that belong to other kinds of backend are refused, naming the kind.
     fn refuse_foreign_keys(&mut self, path: &str, kind: RawBackendKind, raw: &RawBackend) {
-        let keys: [(&str, bool, &[RawBackendKind]); 19] = [
+        let keys: [(&str, bool, &[RawBackendKind]); 20] = [
             ("url", raw.url.is_some(), ENDPOINT_KINDS),
             ("auth", raw.auth.is_some(), AUTH_KINDS),
             ("tls", raw.tls.is_some(), AUTH_KINDS),
@@ -374,6 +378,7 @@ impl Checker<'_> {
             ("cache_affinity", raw.cache_affinity.is_some(), &[RawBackendKind::Pool]),
             ("saturation", raw.saturation.is_some(), &[RawBackendKind::Pool]),
             ("load", raw.load.is_some(), HTTP_KINDS),
+            ("jurisdiction", raw.jurisdiction.is_some(), ENDPOINT_KINDS),
         ];
         let here = kind.a_backend();
         for (key, present, kinds) in keys {
