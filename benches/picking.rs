@@ -5,13 +5,15 @@
 //! a quarter of that when the server's prefix cache, 16 prompts, holds its prompt),
 //! behind the real `flexway serve` (release, memory ledger, file audit) as its own
 //! process, one pool of the four, equal weights. The same open-loop load for each
-//! pick: `BENCH_RATE` calls a second (default 240) for `BENCH_SECS` (default 20),
-//! each a conversation drawn from 64 with a 5 KB system prompt of its own. The
-//! slowest server can take 50 calls a second: a weighted quarter of 240 saturates it
-//! while the pool has room for 550. Printed for `weighted`, `least_loaded` (metrics
-//! read every 100 ms) and `least_loaded` + `cache_affinity`, side by side: time to
-//! first byte p50/p99 of the calls started after the first second, the throughput
-//! served, the calls that failed, and each server's share.
+//! pick: `BENCH_RATE` calls a second (default 280) for `BENCH_SECS` (default 20),
+//! each a conversation drawn at random from 64 with a 5 KB system prompt of its own.
+//! With a quarter of its calls found in its cache, the slowest server takes about 60
+//! calls a second: a weighted quarter of 280 saturates it while the pool has room for
+//! about 670. Printed for `weighted`, `least_loaded` (metrics read every 100 ms) and
+//! `least_loaded` + `cache_affinity`, side by side: time to first byte p50/p99 of
+//! the calls started after the first second, the throughput served (over the run and
+//! the drain of what it left queued), the calls that failed, the share of calls the
+//! serving server's prefix cache held, and each server's share of the calls.
 //!
 //! Figures are printed, never asserted: the machine's load decides them.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
@@ -45,16 +47,18 @@ struct Outcome {
     served_per_sec: f64,
     failed: usize,
     share: BTreeMap<String, usize>,
+    /// The share of calls whose prompt the serving server's prefix cache held.
+    cache_hits: f64,
 }
 
 async fn run() {
-    let rate = env_or("BENCH_RATE", 240);
+    let rate = env_or("BENCH_RATE", 280);
     let secs = env_or("BENCH_SECS", 20);
     println!(
         "4 servers x 4 slots, {SERVICE_MS:?} ms a call (a quarter on a prefix-cache hit), \
          {rate} calls/s for {secs} s, {CONVERSATIONS} conversations"
     );
-    println!("  pick                         ttfb p50   ttfb p99   served/s  failed  share a/b/c/d");
+    println!("  pick                         ttfb p50   ttfb p99   served/s  failed  cache hits  share a/b/c/d");
     let picks = [
         ("weighted", "      pick: weighted\n"),
         ("least_loaded", "      pick: least_loaded\n"),
@@ -72,14 +76,24 @@ async fn run() {
             })
             .collect();
         println!(
-            "  {name:<26} {:>7.1} ms {:>7.1} ms {:>10.1} {:>7}  {}",
+            "  {name:<26} {:>7.1} ms {:>7.1} ms {:>10.1} {:>7} {:>10.0}%  {}",
             pct(&outcome.ttfb, 50.0) * 1e3,
             pct(&outcome.ttfb, 99.0) * 1e3,
             outcome.served_per_sec,
             outcome.failed,
+            outcome.cache_hits * 100.0,
             share.join("/")
         );
     }
+}
+
+/// A conversation drawn at random, the same in every run (SplitMix64): a cyclic
+/// draw would defeat any LRU cache.
+fn splitmix64(i: u64) -> u64 {
+    let mut z = i.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 async fn one_pick(pick: &str, rate: u64, secs: u64) -> Outcome {
@@ -124,7 +138,7 @@ async fn one_pick(pick: &str, rate: u64, secs: u64) -> Outcome {
     let mut calls = Vec::with_capacity(total as usize);
     for i in 0..total {
         tokio::time::sleep_until((started + every * i as u32).into()).await;
-        let conversation = (i as usize * 7919) % CONVERSATIONS;
+        let conversation = (splitmix64(i) % CONVERSATIONS as u64) as usize;
         let body = serde_json::json!({
             "model": "m",
             "messages": [
@@ -143,7 +157,8 @@ async fn one_pick(pick: &str, rate: u64, secs: u64) -> Outcome {
             ok.then_some((sent, ttfb, backend))
         }));
     }
-    let mut outcome = Outcome { ttfb: Vec::new(), served_per_sec: 0.0, failed: 0, share: BTreeMap::new() };
+    let mut outcome =
+        Outcome { ttfb: Vec::new(), served_per_sec: 0.0, failed: 0, share: BTreeMap::new(), cache_hits: 0.0 };
     let warm = started + Duration::from_secs(1);
     let mut served = 0;
     for call in calls {
@@ -160,6 +175,18 @@ async fn one_pick(pick: &str, rate: u64, secs: u64) -> Outcome {
     }
     outcome.served_per_sec = served as f64 / started.elapsed().as_secs_f64();
     outcome.ttfb.sort_by(f64::total_cmp);
+    let (mut queries, mut hits) = (0.0, 0.0);
+    for server in &servers {
+        let page = client.get(server.metrics_url()).send().await.unwrap().text().await.unwrap();
+        let read = |name: &str| -> f64 {
+            let line = page.lines().find(|l| l.starts_with(name)).unwrap();
+            line.rsplit_once(' ').unwrap().1.parse().unwrap()
+        };
+        queries += read("vllm:prefix_cache_queries_total");
+        hits += read("vllm:prefix_cache_hits_total");
+    }
+    outcome.cache_hits = hits / queries.max(1.0);
+
     drop(gateway);
     outcome
 }

@@ -11,7 +11,7 @@
 
 use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
@@ -42,6 +42,9 @@ pub(crate) struct Load {
     running: AtomicU32,
     /// The cached prefixes, the most recently used last.
     prefixes: Mutex<VecDeque<u64>>,
+    /// Calls whose prompt was looked up in the prefix cache, and those found.
+    queries: AtomicU64,
+    hits: AtomicU64,
 }
 
 /// Counts one up while it lives.
@@ -68,6 +71,8 @@ impl Load {
             waiting: AtomicU32::new(0),
             running: AtomicU32::new(0),
             prefixes: Mutex::new(VecDeque::new()),
+            queries: AtomicU64::new(0),
+            hits: AtomicU64::new(0),
         }
     }
 
@@ -93,6 +98,10 @@ impl Load {
     fn remember(&self, key: u64, room: usize) -> bool {
         let mut cached = self.prefixes.lock().unwrap_or_else(PoisonError::into_inner);
         let hit = cached.iter().position(|k| *k == key).and_then(|at| cached.remove(at)).is_some();
+        self.queries.fetch_add(1, Ordering::Relaxed);
+        if hit {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+        }
         cached.push_back(key);
         while cached.len() > room {
             cached.pop_front();
@@ -105,6 +114,7 @@ impl Load {
         let waiting = self.waiting.load(Ordering::Relaxed);
         let running = self.running.load(Ordering::Relaxed);
         let used = self.capacity.map_or(0.0, |c| f64::from(running) / f64::from(c.slots.max(1)));
+        let (queries, hits) = (self.queries.load(Ordering::Relaxed), self.hits.load(Ordering::Relaxed));
         format!(
             "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
              # TYPE vllm:num_requests_waiting gauge\n\
@@ -114,7 +124,13 @@ impl Load {
              vllm:num_requests_running{{model_name=\"fake\"}} {running}\n\
              # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
              # TYPE vllm:kv_cache_usage_perc gauge\n\
-             vllm:kv_cache_usage_perc{{model_name=\"fake\"}} {used}\n"
+             vllm:kv_cache_usage_perc{{model_name=\"fake\"}} {used}\n\
+             # HELP vllm:prefix_cache_queries_total Prompts looked up in the prefix cache (calls, not tokens).\n\
+             # TYPE vllm:prefix_cache_queries_total counter\n\
+             vllm:prefix_cache_queries_total{{model_name=\"fake\"}} {queries}\n\
+             # HELP vllm:prefix_cache_hits_total Prompts found in the prefix cache (calls, not tokens).\n\
+             # TYPE vllm:prefix_cache_hits_total counter\n\
+             vllm:prefix_cache_hits_total{{model_name=\"fake\"}} {hits}\n"
         )
     }
 }
@@ -173,6 +189,9 @@ mod tests {
         let forgotten = tokio::time::Instant::now();
         load.serve(Some(&body(2)), None).await;
         assert_eq!(forgotten.elapsed(), service, "call 2 was pushed out by 3 and 4 (two prefixes fit)");
+        let page = load.metrics();
+        assert_eq!(parse(&page, "vllm:prefix_cache_queries_total"), 7.0);
+        assert_eq!(parse(&page, "vllm:prefix_cache_hits_total"), 1.0);
         let held = tokio::time::Instant::now();
         load.serve(None, Some(Duration::from_secs(3))).await;
         assert_eq!(held.elapsed(), Duration::from_secs(3), "a long call holds its slot as long as asked");
