@@ -226,6 +226,29 @@ async fn a_sensitive_call_needs_an_internal_backend() {
 }
 
 #[tokio::test]
+async fn residency_holds_through_the_grpc_door() {
+    let upstream = FakeOcr::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let set = descriptor_file(dir.path());
+    let yaml = grpc_config(&set, &upstream.url(), "{}", false, "{sink: stdout}")
+        .replace("      external: true\n", "      external: true\n      jurisdiction: eu\n");
+    let flexway = Flexway::start(&yaml);
+    let mut ocr = client(&flexway.url).await;
+    let mut request = authed(image(2, 0), KEY);
+    request.metadata_mut().insert("flexway-jurisdiction", "EU".parse().unwrap());
+    assert_eq!(ocr.recognize(request).await.unwrap().get_ref().text, "2");
+
+    let mut request = authed(image(1, 0), KEY);
+    request.metadata_mut().insert("flexway-jurisdiction", "ch".parse().unwrap());
+    let status = ocr.recognize(request).await.unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied);
+    assert!(status.message().contains("residency_unavailable"), "{}", status.message());
+    assert_eq!(upstream.calls(), 1, "the ch-bound call was never sent");
+    let records = audit(&flexway, 2).await;
+    assert_eq!(records[1]["error_code"], "residency_unavailable");
+}
+
+#[tokio::test]
 async fn refuses_at_the_euro_cap_with_resource_exhausted() {
     let upstream = FakeOcr::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
