@@ -25,6 +25,7 @@ use crate::config::Capability;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
+use crate::routing::breaker::State as BreakerState;
 use crate::routing::{Residency, Route, RouteRequest};
 
 /// Extra life of a reservation beyond the chain's timeouts, before the sweeper may
@@ -148,10 +149,17 @@ async fn decide(
             residency: demand.residency.clone(),
         },
     );
-    if let Err(GatewayError::Overloaded { pool }) = &route {
-        gateway.metrics.shed(caller.tenant.as_str(), pool.as_str());
-    }
     let route = route?;
+    if demand.criticality == Criticality::Sheddable {
+        let now = std::time::Instant::now();
+        let available = |b: &crate::config::BackendId| gateway.breakers.state(b, now) != BreakerState::Open;
+        if let Err(refused) = gateway.router.shed(&route, available) {
+            if let GatewayError::Overloaded { pool } = &refused {
+                gateway.metrics.shed(caller.tenant.as_str(), pool.as_str());
+            }
+            return Err(refused);
+        }
+    }
     let price = plan::highest_price(route.candidates.iter().map(|c| gateway.price(&c.backend)));
     let allowance = if demand.completes {
         let default = u64::from(config.ai.budget.default_max_tokens);

@@ -1043,6 +1043,10 @@ fn reads_inference_aware_picking() {
 
     let plain = picking_pool("latency", ", cache_affinity: {}").remove("ai.backends.main.load");
     let plain = plain.remove("ai.backends.internal.load").loads();
+    let warnings = other_warnings(&plain);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert_eq!(warnings[0].path, "ai.backends.pool.cache_affinity");
+    assert!(warnings[0].message.contains("declare `saturation`"), "{}", warnings[0].message);
     let BackendKind::Pool { picking, .. } = &plain.config.ai.backends["pool"].kind else { panic!("a pool") };
     assert_eq!((picking.pick, picking.prefix_bytes, picking.saturation), (Pick::Latency, Some(4096), None));
     assert_eq!(plain.config.tenants["acme"].max_criticality, Criticality::Critical, "no limit by default");

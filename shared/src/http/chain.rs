@@ -178,18 +178,30 @@ pub(super) async fn attempt_chain<A: Attempt>(
         draft.waited(waited);
         match result {
             Ok(Answered { value, outcome }) => {
+                // A stream is told a success at its end; a relayed 4xx (a 429) is no
+                // answer: it counts for `latency` as a timeout would, and remembers
+                // no prefix.
+                let answered = match outcome {
+                    None | Some(Outcome::Success) => true,
+                    Some(Outcome::Status { status, .. }) => (200..300).contains(&status),
+                    Some(Outcome::ConnectionError | Outcome::Timeout) => false,
+                };
                 if let Some(outcome) = outcome {
                     pass.record(&gateway.breakers, outcome);
                 }
-                loads.observe_latency(backend, waited);
-                gateway.router.served(route, candidate);
+                if answered {
+                    loads.observe_latency(backend, waited);
+                    gateway.router.served(route, candidate);
+                } else {
+                    loads.observe_latency(backend, timeout.max(waited));
+                }
                 return Ok(Served { candidate: candidate.clone(), value, pass, timeout });
             }
             Err(failure) => {
                 failure.log(backend);
-                if failure.is_timeout() {
-                    loads.observe_latency(backend, waited);
-                }
+                // A failure is as slow as the timeout, whenever it came: a member
+                // that fails fast never wins `latency`.
+                loads.observe_latency(backend, timeout.max(waited));
                 if let Some(outcome) = failure.breaker_outcome() {
                     pass.record(&gateway.breakers, outcome);
                 }

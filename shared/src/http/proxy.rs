@@ -409,7 +409,7 @@ fn prompt_prefix(op: Operation, body: &[u8], n: u32) -> u64 {
         Operation::Responses => [prompt.instructions, prompt.input],
         _ => [prompt.messages, None],
     };
-    let mut prefix = Vec::with_capacity(n as usize);
+    let mut prefix = Vec::with_capacity((n as usize).min(body.len()));
     for part in parts.into_iter().flatten() {
         let left = (n as usize).saturating_sub(prefix.len());
         prefix.extend_from_slice(&part.get().as_bytes()[..left.min(part.get().len())]);

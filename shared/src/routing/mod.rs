@@ -232,9 +232,7 @@ impl Router {
             let switch = ai.budget.soft.as_ref().map(|s| &s.backend);
             // Never to an external backend for a sensitive request.
             let allowed = |b: &&BackendId| {
-                serves(b)
-                    && (!request.sensitive || self.is_internal(b))
-                    && self.backend(b).is_some_and(|b| request.residency.allows(b))
+                serves(b) && (!request.sensitive || self.is_internal(b)) && self.reaches(b, &request.residency)
             };
             if let Some(backend) = switch.filter(allowed) {
                 return backend;
@@ -263,6 +261,7 @@ impl Router {
         let mut candidates = Vec::new();
         let order = Order { affinity: request.affinity, prefix: request.prefix };
         self.expand(entry, false, &mut candidates, &mut BTreeSet::new(), &mut rand::rng(), order);
+        let picked = candidates.first().map(|c| (c.pool.clone(), c.reason));
         candidates.retain(|c| self.backend(&c.backend).is_some_and(|b| b.capabilities.contains(&request.capability)));
         if request.sensitive {
             candidates.retain(|c| self.is_internal(&c.backend));
@@ -279,23 +278,47 @@ impl Router {
                 return Err(request.residency.unavailable());
             }
         }
-        if request.criticality == Criticality::Sheddable {
-            self.shed(entry, &candidates)?;
+        // The pool's pick ordered members a filter may have removed: the first left
+        // of its group is the pick, not a fallback.
+        if let (Some(first), Some((pool, reason))) = (candidates.first_mut(), picked)
+            && first.pool.is_some()
+            && first.pool == pool
+            && !first.degraded
+        {
+            first.reason = reason;
         }
         Ok(Route { candidates, via_pool, prefix: request.prefix })
     }
 
-    /// A sheddable call is refused when the entry is a pool with `saturation` and
-    /// every member left to serve it is saturated (its fallbacks outside the pool are
-    /// for failures, not for load).
-    fn shed(&self, entry: &BackendId, candidates: &[Candidate]) -> Result<(), GatewayError> {
-        let Some(BackendKind::Pool { picking, .. }) = self.backend(entry).map(|b| &b.kind) else { return Ok(()) };
+    /// A sheddable call is refused when its route enters a pool with `saturation`
+    /// and every member of it left to serve, `available` (its breaker not open), is
+    /// saturated. The pool's fallbacks outside it are for failures, not for load.
+    pub fn shed(&self, route: &Route, available: impl Fn(&BackendId) -> bool) -> Result<(), GatewayError> {
+        let Some(pool) = route.candidates.first().and_then(|c| c.pool.clone()).filter(|_| route.via_pool) else {
+            return Ok(());
+        };
+        let Some(BackendKind::Pool { picking, .. }) = self.backend(&pool).map(|b| &b.kind) else { return Ok(()) };
         let Some(bound) = picking.saturation else { return Ok(()) };
-        let mut members = candidates.iter().filter(|c| c.pool.as_ref() == Some(entry)).map(|c| &c.backend).peekable();
+        let mut members = route
+            .candidates
+            .iter()
+            .filter(|c| c.pool.as_ref() == Some(&pool) && available(&c.backend))
+            .map(|c| &c.backend)
+            .peekable();
         if members.peek().is_some() && self.loads.all_saturated(members, &bound) {
-            return Err(GatewayError::Overloaded { pool: entry.clone() });
+            return Err(GatewayError::Overloaded { pool });
         }
         Ok(())
+    }
+
+    /// Whether `name`, or a member of it when it is a pool, may serve a call bound
+    /// by `residency`.
+    fn reaches(&self, name: &BackendId, residency: &Residency) -> bool {
+        match self.backend(name).map(|b| (b, &b.kind)) {
+            Some((_, BackendKind::Pool { members, .. })) => members.iter().any(|m| self.reaches(&m.backend, residency)),
+            Some((backend, _)) => residency.allows(backend),
+            None => false,
+        }
     }
 
     fn is_internal(&self, name: &BackendId) -> bool {
@@ -597,5 +620,57 @@ mod tests {
         assert!(Residency::ANY.allows(eu) && Residency::ANY.allows(anywhere));
         let refusal = Residency(Some(set(&[]))).unavailable().to_string();
         assert!(refusal.contains("share no jurisdiction"), "{refusal}");
+    }
+
+    fn router(yaml_backends: &str) -> Router {
+        let yaml =
+            format!("version: 1\ntenants:\n  acme: {{}}\nai:\n  default_backend: pool\n  backends:\n{yaml_backends}");
+        let config =
+            crate::config::load_str(&yaml, &std::collections::HashMap::<String, String>::new()).unwrap().config;
+        Router::new(Arc::new(config))
+    }
+
+    fn request(criticality: Criticality, residency: Residency) -> RouteRequest {
+        RouteRequest {
+            capability: Capability::Chat,
+            sensitive: false,
+            soft: false,
+            affinity: None,
+            prefix: None,
+            criticality,
+            residency,
+        }
+    }
+
+    fn acme() -> Caller {
+        Caller { tenant: crate::config::TenantId::new("acme"), agent: None, key_sha256: [0; 32], relay_peer: false }
+    }
+
+    #[test]
+    fn a_member_whose_breaker_is_open_does_not_keep_a_pool_from_shedding() {
+        let router = router(
+            "    pool: {kind: pool, saturation: {queue: 1}, members: [{backend: a}, {backend: b}]}\n    \
+             a: {url: 'http://a/v1'}\n    b: {url: 'http://b/v1'}\n",
+        );
+        let _busy = router.loads.start(&BackendId::new("b"));
+        let route = router.route(&acme(), &request(Criticality::Sheddable, Residency::ANY)).unwrap();
+        assert!(router.shed(&route, |_| true).is_ok(), "a is idle");
+        let shed = router.shed(&route, |b| b.as_str() != "a").unwrap_err();
+        assert_eq!(shed.code(), crate::call::ErrorCode::Overloaded, "a is down, b saturated");
+        assert!(router.shed(&route, |_| false).is_ok(), "none available: the chain says why, not shedding");
+    }
+
+    #[test]
+    fn the_first_member_a_filter_leaves_is_the_pick_not_a_fallback() {
+        let router = router(
+            "    pool: {kind: pool, pick: least_loaded, members: [{backend: a}, {backend: b}]}\n    \
+             a: {url: 'http://a/v1', jurisdiction: us}\n    b: {url: 'http://b/v1', jurisdiction: eu}\n",
+        );
+        let _busy = router.loads.start(&BackendId::new("b"));
+        let eu = Residency(Some(set(&["eu"])));
+        let route = router.route(&acme(), &request(Criticality::Standard, eu)).unwrap();
+        let first = &route.candidates[0];
+        assert_eq!((first.backend.as_str(), first.reason), ("b", Some(PickReason::LeastLoaded)));
+        assert!(!first.degraded);
     }
 }

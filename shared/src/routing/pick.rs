@@ -206,7 +206,9 @@ impl Loads {
             match picking.pick {
                 Pick::Weighted => {}
                 // Stable: members that rank alike keep their weighted order.
-                Pick::LeastLoaded => members.sort_by_key(|m| self.seen(&m.backend).rank()),
+                // Ranked once each: a load read anew at each comparison could change
+                // mid-sort, and an inconsistent order may panic the sort.
+                Pick::LeastLoaded => members.sort_by_cached_key(|m| self.seen(&m.backend).rank()),
                 Pick::Latency => self.power_of_two(members, now, rng),
             }
         }

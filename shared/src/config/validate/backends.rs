@@ -247,6 +247,13 @@ impl Checker<'_> {
         let mut read = BTreeSet::new();
         for (pool, backend) in backends {
             let BackendKind::Pool { members, picking } = &backend.kind else { continue };
+            if picking.prefix_bytes.is_some() && picking.saturation.is_none() {
+                self.warn(
+                    format!("ai.backends.{pool}.cache_affinity"),
+                    "without `saturation`, every call that shares a prefix (one system prompt for all) goes to the \
+                     member that served it last however loaded it is; declare `saturation` to bound it",
+                );
+            }
             if picking.pick != Pick::LeastLoaded && picking.saturation.is_none() {
                 continue;
             }
