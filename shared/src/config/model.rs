@@ -311,6 +311,12 @@ pub struct Backend {
     pub jurisdiction: Option<String>,
 }
 
+/// Whether `label` is a jurisdiction: 1 to 64 ASCII letters, digits, `.`, `_`, `-`.
+pub fn is_jurisdiction(label: &str) -> bool {
+    (1..=64).contains(&label.len())
+        && label.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
 /// `load`: a model server's Prometheus endpoint and how often it is read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoadSource {

@@ -949,7 +949,7 @@ fn chain_of<'a>(ai: &'a Ai, entry: &'a BackendId, seen: &mut BTreeSet<&'a Backen
 
 /// A jurisdiction label, lower-cased: 1 to 64 letters, digits, `.`, `_` or `-`.
 fn jurisdiction(check: &mut Checker<'_>, path: &str, label: &str) -> Option<String> {
-    if crate::routing::Residency::is_label(label) {
+    if is_jurisdiction(label) {
         Some(label.to_ascii_lowercase())
     } else {
         check.error(path, format!("`{label}` is not a jurisdiction: 1 to 64 letters, digits, `.`, `_` or `-`"));

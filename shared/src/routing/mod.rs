@@ -61,12 +61,6 @@ impl Residency {
     /// No restriction.
     pub const ANY: Residency = Residency(None);
 
-    /// Whether `label` is a jurisdiction: 1 to 64 ASCII letters, digits, `.`, `_`, `-`.
-    pub fn is_label(label: &str) -> bool {
-        (1..=64).contains(&label.len())
-            && label.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-    }
-
     /// The caller's residency (`tenant`'s and `agent`'s, both applying), narrowed by
     /// the header: a comma-separated list, its lines read as one list. A value that
     /// is not such a list is refused, never read as no restriction.
@@ -90,7 +84,7 @@ impl Residency {
         for value in headers.get_all(Self::HEADER) {
             present = true;
             for label in value.to_str().unwrap_or("\u{0}").split(',').map(str::trim) {
-                if !Self::is_label(label) {
+                if !crate::config::is_jurisdiction(label) {
                     return Err(crate::call::InvalidRequest {
                         message: "Flexway-Jurisdiction must be a comma-separated list of jurisdictions (letters, \
                                   digits, `.`, `_`, `-`)"
