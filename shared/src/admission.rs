@@ -160,6 +160,9 @@ async fn decide(
             return Err(refused);
         }
     }
+    // Seen by the calls routed while this one reserves (after the shedding, which
+    // must not count the call against itself).
+    route.hold_first(&gateway.router.loads);
     let price = plan::highest_price(route.candidates.iter().map(|c| gateway.price(&c.backend)));
     let allowance = if demand.completes {
         let default = u64::from(config.ai.budget.default_max_tokens);

@@ -158,7 +158,10 @@ pub(super) async fn attempt_chain<A: Attempt>(
 ) -> Result<Served<A::Answer>, GatewayError> {
     let mut attempts = Attempts::default();
     let mut last: Option<(BackendId, Failure)> = None;
-    for candidate in &route.candidates {
+    // Counted in flight since its admission: the first candidate's, if tried first.
+    let mut held = route.held.take();
+    for (i, candidate) in route.candidates.iter().enumerate() {
+        let held = held.take().filter(|_| i == 0);
         let backend = &candidate.backend;
         let Some((target, timeout)) = door.reach(backend) else {
             continue;
@@ -169,7 +172,7 @@ pub(super) async fn attempt_chain<A: Attempt>(
         };
         let (model, prepared) = door.prepare(&target)?;
         let loads = &gateway.router.loads;
-        pass.hold(loads.start(backend));
+        pass.hold(held.or_else(|| loads.start(backend)));
         attempts.tried.push(backend.clone());
         draft.trying(candidate, &model);
         let sent = Instant::now();
@@ -340,7 +343,7 @@ mod tests {
             .enumerate()
             .map(|(i, name)| Candidate { backend: BackendId::new(name), degraded: i > 0, reason: None, pool: None })
             .collect();
-        Route { candidates, via_pool: false, prefix: None }
+        Route { candidates, via_pool: false, prefix: None, held: Default::default() }
     }
 
     fn status(status: u16) -> Failure {
@@ -424,7 +427,7 @@ mod tests {
 
     #[test]
     fn the_last_failure_says_which_error_the_caller_gets() {
-        let route = |via_pool| Route { candidates: Vec::new(), via_pool, prefix: None };
+        let route = |via_pool| Route { candidates: Vec::new(), via_pool, prefix: None, held: Default::default() };
         let tried =
             |names: &[&str]| Attempts { tried: names.iter().copied().map(BackendId::new).collect(), skipped: vec![] };
         let b = || BackendId::new("b");

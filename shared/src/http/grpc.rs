@@ -383,7 +383,7 @@ fn route(gateway: &Gateway, rpc: &str, sensitive: bool, residency: &Residency) -
         .enumerate()
         .map(|(i, (backend, _))| Candidate::fallback_unless(backend.name.clone(), i == 0))
         .collect();
-    Ok((Route { candidates, via_pool: false, prefix: None }, method))
+    Ok((Route { candidates, via_pool: false, prefix: None, held: Default::default() }, method))
 }
 
 fn too_large(declared: u64) -> Refusal {

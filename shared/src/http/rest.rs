@@ -231,7 +231,7 @@ fn route(
         return Err(residency.unavailable());
     }
     let candidates = allowed.into_iter().map(|name| Candidate::fallback_unless(name.clone(), name == owner)).collect();
-    Ok(Route { candidates, via_pool: false, prefix: None })
+    Ok(Route { candidates, via_pool: false, prefix: None, held: Default::default() })
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {

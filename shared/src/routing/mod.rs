@@ -163,7 +163,7 @@ fn rendezvous_score(key: u64, member: &PoolMember) -> f64 {
 }
 
 /// The candidates for a call, in order.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Route {
     pub candidates: Vec<Candidate>,
     /// The entry was a pool (an exhausted route is `pool_exhausted`).
@@ -171,6 +171,30 @@ pub struct Route {
     /// The prompt's prefix key, remembered for the pool a member serves from
     /// ([`Router::served`]).
     pub prefix: Option<u64>,
+    /// The call counted in flight to its first candidate from its admission on
+    /// ([`Route::hold_first`]), until the dispatch takes it over.
+    pub held: Held,
+}
+
+/// A call in flight to a pool member before it is sent: the calls routed while it
+/// reserves its budget (a DynamoDB write) see it, instead of all picking the member
+/// it picked.
+#[derive(Debug, Clone, Default)]
+pub struct Held(Arc<std::sync::Mutex<Option<pick::InFlight>>>);
+
+impl Held {
+    /// The guard, once: the dispatch holds it for the first candidate it tries.
+    pub fn take(&self) -> Option<pick::InFlight> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take()
+    }
+}
+
+impl Route {
+    /// Counts the call in flight to its first candidate, if a pool member, from now.
+    pub fn hold_first(&self, loads: &Loads) {
+        let guard = self.candidates.first().and_then(|c| loads.start(&c.backend));
+        *self.held.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = guard;
+    }
 }
 
 /// One backend the dispatcher may try.
@@ -281,7 +305,7 @@ impl Router {
         {
             first.reason = reason;
         }
-        Ok(Route { candidates, via_pool, prefix: request.prefix })
+        Ok(Route { candidates, via_pool, prefix: request.prefix, held: Held::default() })
     }
 
     /// A sheddable call is refused when its route enters a pool with `saturation`
@@ -666,5 +690,22 @@ mod tests {
         let first = &route.candidates[0];
         assert_eq!((first.backend.as_str(), first.reason), ("b", Some(PickReason::LeastLoaded)));
         assert!(!first.degraded);
+    }
+
+    #[test]
+    fn a_routed_call_counts_before_it_is_sent_so_the_next_one_goes_elsewhere() {
+        let router = router(
+            "    pool: {kind: pool, pick: least_loaded, members: [{backend: a}, {backend: b}]}\n    \
+             a: {url: 'http://a/v1'}\n    b: {url: 'http://b/v1'}\n",
+        );
+        let first = router.route(&acme(), &request(Criticality::Standard, Residency::ANY)).unwrap();
+        first.hold_first(&router.loads);
+        let picked = first.candidates[0].backend.clone();
+        let second = router.route(&acme(), &request(Criticality::Standard, Residency::ANY)).unwrap();
+        assert_ne!(second.candidates[0].backend, picked, "the first call, still reserving, counts");
+        let taken = first.held.take();
+        assert!(taken.is_some() && first.held.take().is_none(), "the dispatch takes it once");
+        drop((taken, first));
+        assert_eq!(router.loads.seen(&picked).in_flight, 0);
     }
 }
