@@ -17,6 +17,7 @@
 
 pub mod breaker;
 pub mod pick;
+pub mod picker;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;

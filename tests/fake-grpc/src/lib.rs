@@ -20,6 +20,8 @@ use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
+pub mod picker;
+
 pub mod pb {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("ocr.v1");
