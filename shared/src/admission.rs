@@ -148,8 +148,7 @@ async fn decide(
             criticality: demand.criticality,
             residency: demand.residency.clone(),
         },
-    );
-    let route = route?;
+    )?;
     if demand.criticality == Criticality::Sheddable {
         let now = std::time::Instant::now();
         let available = |b: &crate::config::BackendId| gateway.breakers.state(b, now) != BreakerState::Open;
@@ -241,32 +240,26 @@ pub async fn reserve_turn(
     }
 }
 
-/// A call's class (SPEC §5): the one its `Flexway-Criticality` asks for (default
-/// `standard`), lowered to the lower of its tenant's and its agent's
-/// `max_criticality`. An unreadable header is refused, never read as a class.
-pub fn criticality(
+/// A call's class and where it may be processed (SPEC §5, §4): the class its
+/// `Flexway-Criticality` asks for (default `standard`) lowered to its caller's
+/// `max_criticality`, and its caller's `residency` narrowed by its
+/// `Flexway-Jurisdiction`. An unreadable header is refused, never read as no limit.
+pub fn limits(
     config: &crate::config::Config,
     caller: &Caller,
     headers: &http::HeaderMap,
-) -> Result<Criticality, crate::call::InvalidRequest> {
-    let asked = Criticality::asked(headers)?;
-    let tenant = config.tenants.get(&caller.tenant);
-    let agent = caller.agent.as_ref().and_then(|a| tenant.and_then(|t| t.agents.get(a)));
-    let of_tenant = tenant.map_or(Criticality::Critical, |t| t.max_criticality);
-    Ok(asked.min(of_tenant).min(agent.map_or(Criticality::Critical, |a| a.max_criticality)))
+) -> Result<(Criticality, Residency), crate::call::InvalidRequest> {
+    let (max_criticality, bound) = config.limits(&caller.tenant, caller.agent.as_ref());
+    Ok((Criticality::asked(headers)?.min(max_criticality), Residency::of_call(bound, headers)?))
 }
 
-/// Where a call may be processed: its tenant's and agent's `residency`, narrowed by
-/// its `Flexway-Jurisdiction` header (400 when that header is not a list of
-/// jurisdictions).
+/// Where a call that has no class (gRPC, REST) may be processed: as [`limits`].
 pub fn residency(
     config: &crate::config::Config,
     caller: &Caller,
     headers: &http::HeaderMap,
 ) -> Result<Residency, crate::call::InvalidRequest> {
-    let tenant = config.tenants.get(&caller.tenant);
-    let agent = caller.agent.as_ref().and_then(|a| tenant.and_then(|t| t.agents.get(a)));
-    Residency::of_call(tenant.and_then(|t| t.residency.as_ref()), agent.and_then(|a| a.residency.as_ref()), headers)
+    Residency::of_call(config.limits(&caller.tenant, caller.agent.as_ref()).1, headers)
 }
 
 /// The limit a line reserved under the assumption "not soft" must stay under: the

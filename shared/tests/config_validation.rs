@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use flexway::config::{
-    AuditSinkConfig, Auth, BackendKind, BreakerTrigger, Capability, Criticality, Diagnostic, Loaded, Metering, Pick,
-    Saturation, SecretRef, Secrets, StoreConfig, load_str, load_str_with, parse_duration,
+    AgentId, AuditSinkConfig, Auth, BackendKind, BreakerTrigger, Capability, Criticality, Diagnostic, Loaded, Metering,
+    Pick, Saturation, SecretRef, Secrets, StoreConfig, load_str, load_str_with, parse_duration,
 };
 use flexway::money::MicroEur;
 use serde_norway::Value;
@@ -1127,6 +1127,18 @@ fn reads_jurisdictions_and_residency() {
     let listed = |labels: &[&str]| Some(labels.iter().map(|l| l.to_string()).collect());
     assert_eq!(acme.residency, listed(&["ch", "eu"]));
     assert_eq!(acme.agents.values().next().unwrap().residency, listed(&["ch"]));
+    // An agent is held to its tenant's limits too: both apply, read as one.
+    let narrowed = doc()
+        .set("ai.backends.internal.jurisdiction", "ch")
+        .set("tenants.acme.residency", "[eu, ch]")
+        .set("tenants.acme.max_criticality", "standard")
+        .set("tenants.acme.agents.bot", "{backend: internal, residency: [ch, us], max_criticality: critical}")
+        .set("tenants.acme.agents.helper", "{}")
+        .loads();
+    let agents = &narrowed.config.tenants["acme"].agents;
+    let (bot, helper) = (&agents[&AgentId::new("bot")], &agents[&AgentId::new("helper")]);
+    assert_eq!((bot.residency.clone(), bot.max_criticality), (listed(&["ch"]), Criticality::Standard));
+    assert_eq!((helper.residency.clone(), helper.max_criticality), (listed(&["ch", "eu"]), Criticality::Standard));
     assert!(other_warnings(&loaded).is_empty(), "{:?}", loaded.warnings);
 }
 

@@ -177,10 +177,25 @@ pub struct Budgets {
 pub struct Agent {
     pub backend: Option<BackendId>,
     pub budgets: Budgets,
-    /// The highest class its calls may claim (`Critical`: no limit).
+    /// The highest class its calls may claim: its own, never above its tenant's
+    /// (narrowed at load).
     pub max_criticality: Criticality,
-    /// The jurisdictions its calls may be processed in, within its tenant's.
+    /// The jurisdictions its calls may be processed in: its tenant's narrowed by its
+    /// own (at load), lower-cased (`None`: any).
     pub residency: Option<BTreeSet<String>>,
+}
+
+impl Config {
+    /// The limits a caller's calls are held to, its class and its jurisdictions:
+    /// its agent's (which hold its tenant's), or its tenant's.
+    pub fn limits(&self, tenant: &TenantId, agent: Option<&AgentId>) -> (Criticality, Option<&BTreeSet<String>>) {
+        let tenant = self.tenants.get(tenant);
+        match (tenant, agent.and_then(|a| tenant.and_then(|t| t.agents.get(a)))) {
+            (_, Some(agent)) => (agent.max_criticality, agent.residency.as_ref()),
+            (Some(tenant), None) => (tenant.max_criticality, tenant.residency.as_ref()),
+            (None, None) => (Criticality::Critical, None),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]

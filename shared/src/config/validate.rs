@@ -633,6 +633,16 @@ impl Checker<'_> {
             let id = TenantId::new(&name);
             let max_criticality = criticality(max_criticality);
             let residency = residency.and_then(|list| self.residency(&format!("{path}.residency"), list));
+            // An agent is held to its tenant's limits too: its own are narrowed here,
+            // once, so that a call reads one set.
+            let mut agents = agents;
+            for agent in agents.values_mut() {
+                agent.max_criticality = agent.max_criticality.min(max_criticality);
+                agent.residency = match (&residency, agent.residency.take()) {
+                    (Some(of_tenant), Some(own)) => Some(of_tenant.intersection(&own).cloned().collect()),
+                    (of_tenant, own) => own.or_else(|| of_tenant.clone()),
+                };
+            }
             let tenant = Tenant { name: id.clone(), keys, budgets, backend, agents, max_criticality, residency };
             tenants.insert(id, tenant);
         }
@@ -683,18 +693,14 @@ impl Checker<'_> {
     fn residency_chains(&mut self, tenants: &BTreeMap<TenantId, Tenant>, ai: &Ai) {
         for (name, tenant) in tenants {
             let entry = tenant.backend.as_ref().unwrap_or(&ai.default_backend);
-            let mut callers = vec![(format!("tenants.{name}"), tenant.residency.clone(), entry)];
+            let mut callers = vec![(format!("tenants.{name}"), tenant.residency.as_ref(), entry)];
             for (agent_name, agent) in &tenant.agents {
-                let residency = match (&tenant.residency, &agent.residency) {
-                    (None, None) => continue,
-                    // The tenant's own warning covers an agent routed as the tenant.
-                    (Some(_), None) if agent.backend.is_none() => continue,
-                    (Some(of_tenant), None) => of_tenant.clone(),
-                    (None, Some(of_agent)) => of_agent.clone(),
-                    (Some(of_tenant), Some(of_agent)) => of_tenant.intersection(of_agent).cloned().collect(),
-                };
+                // The tenant's own warning covers an agent bound and routed as it is.
+                if agent.residency == tenant.residency && agent.backend.is_none() {
+                    continue;
+                }
                 let entry = agent.backend.as_ref().unwrap_or(entry);
-                callers.push((format!("tenants.{name}.agents.{agent_name}"), Some(residency), entry));
+                callers.push((format!("tenants.{name}.agents.{agent_name}"), agent.residency.as_ref(), entry));
             }
             for (path, residency, entry) in callers {
                 let Some(allowed) = residency else { continue };

@@ -158,10 +158,9 @@ pub(super) async fn attempt_chain<A: Attempt>(
 ) -> Result<Served<A::Answer>, GatewayError> {
     let mut attempts = Attempts::default();
     let mut last: Option<(BackendId, Failure)> = None;
-    // Counted in flight since its admission: the first candidate's, if tried first.
-    let mut held = route.held.take();
     for (i, candidate) in route.candidates.iter().enumerate() {
-        let held = held.take().filter(|_| i == 0);
+        // Counted in flight since its admission: the first candidate, if tried.
+        let held = if i == 0 { route.held.take() } else { None };
         let backend = &candidate.backend;
         let Some((target, timeout)) = door.reach(backend) else {
             continue;

@@ -270,9 +270,8 @@ async fn chat(
     let images = request.images.len() as u64;
     let sensitive = crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?;
     draft.sensitive(sensitive);
-    let criticality = crate::admission::criticality(&gateway.config, call.caller, headers)?;
+    let (criticality, residency) = crate::admission::limits(&gateway.config, call.caller, headers)?;
     draft.criticality(criticality);
-    let residency = crate::admission::residency(&gateway.config, call.caller, headers)?;
     let demand = Demand {
         capability,
         prompt_tokens: plan::prompt_upper_bound(request.prompt_text_bytes, request.message_count, images),
@@ -340,9 +339,8 @@ async fn embed(
     draft.request(Capability::Embeddings, &request.model, request.user.as_deref());
     let sensitive = crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?;
     draft.sensitive(sensitive);
-    let criticality = crate::admission::criticality(&gateway.config, call.caller, headers)?;
+    let (criticality, residency) = crate::admission::limits(&gateway.config, call.caller, headers)?;
     draft.criticality(criticality);
-    let residency = crate::admission::residency(&gateway.config, call.caller, headers)?;
     let demand = Demand {
         capability: Capability::Embeddings,
         prompt_tokens: request.input_units,

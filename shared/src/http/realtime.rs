@@ -174,9 +174,8 @@ async fn open(
     draft.request(Capability::Realtime, model, None);
     let sensitive = crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?;
     draft.sensitive(sensitive);
-    let criticality = crate::admission::criticality(&gateway.config, caller, headers)?;
+    let (criticality, residency) = crate::admission::limits(&gateway.config, caller, headers)?;
     draft.criticality(criticality);
-    let residency = crate::admission::residency(&gateway.config, caller, headers)?;
     let demand = Demand {
         capability: Capability::Realtime,
         prompt_tokens: 0,

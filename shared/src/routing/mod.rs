@@ -62,24 +62,13 @@ impl Residency {
     /// No restriction.
     pub const ANY: Residency = Residency(None);
 
-    /// The caller's residency (`tenant`'s and `agent`'s, both applying), narrowed by
-    /// the header: a comma-separated list, its lines read as one list. A value that
-    /// is not such a list is refused, never read as no restriction.
+    /// The caller's residency (`Config::limits`), narrowed by the header: a
+    /// comma-separated list, its lines read as one list. A value that is not such a
+    /// list is refused, never read as no restriction.
     pub fn of_call(
-        tenant: Option<&BTreeSet<String>>,
-        agent: Option<&BTreeSet<String>>,
+        caller: Option<&BTreeSet<String>>,
         headers: &http::HeaderMap,
     ) -> Result<Residency, crate::call::InvalidRequest> {
-        let mut allowed: Option<BTreeSet<String>> = tenant.cloned();
-        let mut narrow = |with: BTreeSet<String>| {
-            allowed = Some(match allowed.take() {
-                Some(set) => set.intersection(&with).cloned().collect(),
-                None => with,
-            });
-        };
-        if let Some(agent) = agent {
-            narrow(agent.clone());
-        }
         let mut asked = BTreeSet::new();
         let mut present = false;
         for value in headers.get_all(Self::HEADER) {
@@ -96,10 +85,11 @@ impl Residency {
                 asked.insert(label.to_ascii_lowercase());
             }
         }
-        if present {
-            narrow(asked);
-        }
-        Ok(Residency(allowed))
+        Ok(Residency(match (caller, present) {
+            (Some(bound), true) => Some(bound.intersection(&asked).cloned().collect()),
+            (None, true) => Some(asked),
+            (bound, false) => bound.cloned(),
+        }))
     }
 
     /// Whether `backend` may serve: any backend without a restriction; otherwise one
@@ -403,14 +393,7 @@ impl Router {
         let mut names = Vec::new();
         let mut seen_backends = BTreeSet::new();
         let mut backends = Vec::new();
-        let tenant = self.config.tenants.get(&caller.tenant);
-        let agent = caller.agent.as_ref().and_then(|a| tenant.and_then(|t| t.agents.get(a)));
-        let residency = Residency::of_call(
-            tenant.and_then(|t| t.residency.as_ref()),
-            agent.and_then(|a| a.residency.as_ref()),
-            &http::HeaderMap::new(),
-        )
-        .unwrap_or_default();
+        let residency = Residency(self.config.limits(&caller.tenant, caller.agent.as_ref()).1.cloned());
         for capability in [Capability::Chat, Capability::Vision, Capability::Embeddings, Capability::Realtime] {
             let mut chain = Vec::new();
             self.expand(
@@ -607,20 +590,19 @@ mod tests {
     }
 
     #[test]
-    fn residency_is_the_tenants_and_the_agents_narrowed_by_the_header() {
-        let of = |tenant: Option<&[&str]>, agent: Option<&[&str]>, values: &[&str]| {
-            let (tenant, agent) = (tenant.map(set), agent.map(set));
-            Residency::of_call(tenant.as_ref(), agent.as_ref(), &headers(values)).map(|r| r.0)
+    fn residency_is_the_callers_narrowed_by_the_header() {
+        let of = |caller: Option<&[&str]>, values: &[&str]| {
+            let caller = caller.map(set);
+            Residency::of_call(caller.as_ref(), &headers(values)).map(|r| r.0)
         };
-        assert_eq!(of(None, None, &[]), Ok(None), "no restriction");
-        assert_eq!(of(Some(&["eu", "ch"]), None, &[]), Ok(Some(set(&["eu", "ch"]))));
-        assert_eq!(of(Some(&["eu", "ch"]), Some(&["ch", "us"]), &[]), Ok(Some(set(&["ch"]))), "both apply");
-        assert_eq!(of(None, None, &["EU, ch"]), Ok(Some(set(&["eu", "ch"]))), "the header alone restricts");
-        assert_eq!(of(None, None, &["eu", "ch"]), Ok(Some(set(&["eu", "ch"]))), "its lines are one list");
-        assert_eq!(of(Some(&["eu"]), None, &["eu, us"]), Ok(Some(set(&["eu"]))), "it never widens");
-        assert_eq!(of(Some(&["eu"]), None, &["us"]), Ok(Some(set(&[]))), "nothing left: nothing serves");
+        assert_eq!(of(None, &[]), Ok(None), "no restriction");
+        assert_eq!(of(Some(&["eu", "ch"]), &[]), Ok(Some(set(&["eu", "ch"]))));
+        assert_eq!(of(None, &["EU, ch"]), Ok(Some(set(&["eu", "ch"]))), "the header alone restricts");
+        assert_eq!(of(None, &["eu", "ch"]), Ok(Some(set(&["eu", "ch"]))), "its lines are one list");
+        assert_eq!(of(Some(&["eu"]), &["eu, us"]), Ok(Some(set(&["eu"]))), "it never widens");
+        assert_eq!(of(Some(&["eu"]), &["us"]), Ok(Some(set(&[]))), "nothing left: nothing serves");
         for bad in ["", "eu,", "e u", "eu;ch", &"x".repeat(65)] {
-            assert!(of(None, None, &[bad]).is_err(), "`{bad}` is refused, never read as no restriction");
+            assert!(of(None, &[bad]).is_err(), "`{bad}` is refused, never read as no restriction");
         }
     }
 

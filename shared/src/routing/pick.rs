@@ -201,8 +201,7 @@ impl Loads {
             Pick::Latency => PickReason::Latency,
         };
         let now = Instant::now();
-        for group in groups(&base) {
-            let members = &mut base[group];
+        for members in base.chunk_by_mut(|a, b| a.priority == b.priority) {
             match picking.pick {
                 Pick::Weighted => {}
                 // Stable: members that rank alike keep their weighted order.
@@ -250,19 +249,6 @@ impl Loads {
     pub fn all_saturated<'a>(&self, mut members: impl Iterator<Item = &'a BackendId>, bound: &Saturation) -> bool {
         members.all(|m| self.seen(m).saturated(bound))
     }
-}
-
-/// The ranges of `members` (ordered by priority) that share a priority.
-fn groups(members: &[&PoolMember]) -> Vec<std::ops::Range<usize>> {
-    let mut groups = Vec::new();
-    let mut start = 0;
-    for i in 1..=members.len() {
-        if i == members.len() || members[i].priority != members[start].priority {
-            groups.push(start..i);
-            start = i;
-        }
-    }
-    groups
 }
 
 impl Member {
