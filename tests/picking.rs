@@ -276,3 +276,26 @@ async fn latency_prefers_the_fast_member() {
     assert!(slow.request_count() >= 1, "the slow member was measured too");
     assert!(records_until(&gw, 40).await.iter().all(|r| r["pick_reason"] == "latency"));
 }
+
+#[tokio::test]
+async fn latency_counts_a_fast_refusal_as_slow() {
+    let refusing = FakeModel::start().await.unwrap();
+    let slow = FakeModel::start().await.unwrap();
+    let yaml = pool_config(&[("refusing", &refusing), ("slow", &slow)], "      pick: latency\n", false, ["", ""]);
+    let yaml = yaml
+        .replace(&refusing.url(), &scenario(&refusing, "status=429"))
+        .replace(&slow.url(), &scenario(&slow, "delay_ms=50"));
+    let gw = Flexway::start(&yaml);
+    let mut refused = 0;
+    for _ in 0..20 {
+        let response = gw.chat(KEY, hello("m")).await;
+        match response.status().as_u16() {
+            429 => refused += 1,
+            200 => assert_eq!(response.headers()["flexway-backend"], "slow"),
+            other => panic!("status {other}"),
+        }
+    }
+    // A 429 answers at once: timed as an answer, the refusing member would win every
+    // draw. Counted as slow as the timeout, it loses them after its first.
+    assert!(refused <= 1, "{refused} of 20 calls went to the member that refuses");
+}
