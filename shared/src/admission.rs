@@ -182,7 +182,7 @@ async fn decide(
             line.limit = line.limit.map(|limit| under_soft(limit, line.amount, threshold_ppm));
         }
     }
-    let mut life: u64 = route.candidates.iter().map(|c| gateway.timeout(&c.backend).as_secs() + 1).sum();
+    let mut life: u64 = route.candidates.iter().map(|c| gateway.attempt_time(&c.backend).as_secs() + 1).sum();
     life += if demand.stream { STREAM_RESERVATION_SECS } else { RESERVATION_GRACE_SECS };
     let request = ReserveRequest { request_id: request_id.to_owned(), lines, expires_at: now + life };
     match gateway.budgets.reserve(&request).await? {

@@ -178,8 +178,9 @@ impl Criticality {
 }
 
 /// Why the backend that served was chosen (SPEC §5, the audit's `pick_reason`): the
-/// pick of its pool, or `fallback` when it served after the one picked first did not.
-/// Absent for a call to a backend that is not in a pool.
+/// pick of its pool (`picker`: the first endpoint an inference pool's picker named),
+/// or `fallback` when it served after the one picked first did not. Absent for a call
+/// to a backend that is not in a pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 #[schemars(inline)]
@@ -188,15 +189,17 @@ pub enum PickReason {
     LeastLoaded,
     Latency,
     CacheAffinity,
+    Picker,
     Fallback,
 }
 
 impl PickReason {
-    pub const ALL: [PickReason; 5] = [
+    pub const ALL: [PickReason; 6] = [
         PickReason::Weighted,
         PickReason::LeastLoaded,
         PickReason::Latency,
         PickReason::CacheAffinity,
+        PickReason::Picker,
         PickReason::Fallback,
     ];
 
@@ -206,6 +209,7 @@ impl PickReason {
             PickReason::LeastLoaded => "least_loaded",
             PickReason::Latency => "latency",
             PickReason::CacheAffinity => "cache_affinity",
+            PickReason::Picker => "picker",
             PickReason::Fallback => "fallback",
         }
     }

@@ -17,6 +17,8 @@ pub enum UnavailableCause {
     CircuitOpen,
     PoolExhausted,
     UpstreamFailed,
+    /// An inference pool's endpoint picker could not answer (`fail_close`).
+    PickerUnavailable,
 }
 
 impl UnavailableCause {
@@ -25,6 +27,7 @@ impl UnavailableCause {
             UnavailableCause::CircuitOpen => "circuit_open",
             UnavailableCause::PoolExhausted => "pool_exhausted",
             UnavailableCause::UpstreamFailed => "upstream_failed",
+            UnavailableCause::PickerUnavailable => "picker_unavailable",
         }
     }
 }

@@ -97,7 +97,7 @@ impl Gateway {
         let next_refresh = Mutex::new(Instant::now() + config.secrets.refresh);
         let config = Arc::new(config);
         let keys = KeyRing::new(&config);
-        let router = Router::new(config.clone());
+        let router = Router::new(config.clone()).map_err(|e| SetupError::Client(e.to_string()))?;
         router.loads.start_polling(&config);
         Ok(Gateway {
             telemetry,
@@ -124,6 +124,13 @@ impl Gateway {
 
     pub fn timeout(&self, backend: &BackendId) -> Duration {
         self.config.ai.backends.get(backend).map(|b| b.timeout).unwrap_or_default()
+    }
+
+    /// The longest a call may spend at `backend`: its `timeout`, once for each
+    /// endpoint an inference pool's picker may have it try.
+    pub fn attempt_time(&self, backend: &BackendId) -> Duration {
+        let tries = if self.router.picker(backend).is_some() { crate::routing::picker::MAX_TRIED } else { 1 };
+        self.timeout(backend) * u32::try_from(tries).unwrap_or(1)
     }
 
     /// Resolves the backends' secret references again and puts new values in use. A

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use flexway::config::{
-    AgentId, AuditSinkConfig, Auth, BackendKind, BreakerTrigger, Capability, Criticality, Diagnostic, Loaded, Metering,
-    Pick, Saturation, SecretRef, Secrets, StoreConfig, load_str, load_str_with, parse_duration,
+    AgentId, AuditSinkConfig, Auth, BackendKind, BreakerTrigger, Capability, Criticality, Diagnostic, FailureMode,
+    Loaded, Metering, Pick, Saturation, SecretRef, Secrets, StoreConfig, load_str, load_str_with, parse_duration,
 };
 use flexway::money::MicroEur;
 use serde_norway::Value;
@@ -1609,4 +1609,92 @@ fn forward_headers_belong_to_http_backends_only() {
     doc()
         .set("ai.backends.pool", "{kind: pool, members: [{backend: main}], forward_headers: [anthropic-beta]}")
         .refused("ai.backends.pool.forward_headers", "does not apply to a pool backend");
+}
+
+// ----- inference pools ------------------------------------------------------------
+
+/// An inference pool `epp`, the default backend, with `extra` keys.
+fn inference_pool(extra: &str) -> Doc {
+    doc()
+        .set(
+            "ai.backends.epp",
+            &format!(
+                "{{kind: inference_pool, endpoint_picker: {{url: 'http://epp.llm.svc:9002'}}, target: {{port: 8000}}, \
+                 models: [llama], price: {{input_per_mtok_eur: 0.2, output_per_mtok_eur: 0.4}}{extra}}}"
+            ),
+        )
+        .set("ai.default_backend", "epp")
+}
+
+#[test]
+fn reads_an_inference_pool_with_defaults() {
+    let loaded = inference_pool(", jurisdiction: EU, capabilities: [chat, embeddings]")
+        .set("ai.backends.epp.auth", "{type: token_file, path: /var/run/secrets/token}")
+        .loads();
+    let pool = &loaded.config.ai.backends["epp"];
+    let BackendKind::InferencePool { endpoint, picker, members } = &pool.kind else { panic!("an inference pool") };
+    assert_eq!(endpoint.url, "/v1", "the default target path");
+    assert_eq!(endpoint.models, ["llama"]);
+    assert!(matches!(endpoint.auth, Auth::TokenFile { .. }));
+    assert_eq!((picker.url.as_str(), picker.port), ("http://epp.llm.svc:9002", 8000));
+    assert_eq!(picker.failure_mode, FailureMode::FailClose);
+    assert!(members.is_empty());
+    assert_eq!(pool.jurisdiction.as_deref(), Some("eu"));
+    assert_eq!(pool.price.input_per_mtok, MicroEur(200_000));
+    assert!(pool.capabilities.contains(&Capability::Embeddings));
+
+    let open = inference_pool(", members: [{backend: internal}]")
+        .set("ai.backends.epp.endpoint_picker", "{url: 'http://10.0.0.9:9002', failure_mode: fail_open}")
+        .set("ai.backends.epp.target", "{port: 8000, path: /openai/v1/}")
+        .loads();
+    let BackendKind::InferencePool { endpoint, picker, members } = &open.config.ai.backends["epp"].kind else {
+        panic!("an inference pool")
+    };
+    assert_eq!(endpoint.url, "/openai/v1");
+    assert_eq!(picker.failure_mode, FailureMode::FailOpen);
+    assert_eq!(members.len(), 1);
+}
+
+#[test]
+fn refuses_an_inference_pool_without_its_picker_or_target() {
+    let errors = doc().set("ai.backends.epp", "{kind: inference_pool}").errors();
+    assert_error(&errors, "ai.backends.epp.endpoint_picker", "required");
+    assert_error(&errors, "ai.backends.epp.target", "required");
+    let https = inference_pool("").set("ai.backends.epp.endpoint_picker", "{url: 'https://epp:9002'}");
+    https.refused("ai.backends.epp.endpoint_picker.url", "not an http://host:port address");
+    let port = inference_pool("").set("ai.backends.epp.target", "{port: 70000}");
+    port.refused("ai.backends.epp.target.port", "1 to 65535");
+    let path = inference_pool("").set("ai.backends.epp.target", "{port: 8000, path: 'v1'}");
+    path.refused("ai.backends.epp.target.path", "not an absolute path");
+}
+
+#[test]
+fn refuses_what_an_inference_pool_would_not_use() {
+    let errors = inference_pool(
+        ", url: 'http://x/v1', tls: {cert: 'env:C', key: 'env:K'}, pick: least_loaded, capabilities: [realtime]",
+    )
+    .errors();
+    for key in ["url", "tls", "pick"] {
+        assert_error(&errors, &format!("ai.backends.epp.{key}"), "does not apply to an inference_pool backend");
+    }
+    assert_error(&errors, "ai.backends.epp.capabilities", "does not serve them");
+    // Members serve only when the picker fails open.
+    inference_pool(", members: [{backend: internal}]")
+        .refused("ai.backends.epp.members", "with fail_close they would never serve");
+    // Pools do not nest, either way.
+    let nested = inference_pool("").set("ai.backends.pool", "{kind: pool, members: [{backend: epp}]}");
+    nested.refused("ai.backends.pool.members[0].backend", "is itself an inference_pool backend");
+    doc()
+        .set("ai.backends.main.endpoint_picker", "{url: 'http://e:1'}")
+        .refused("ai.backends.main.endpoint_picker", "it belongs to kind inference_pool");
+}
+
+#[test]
+fn warns_about_an_inference_pool_failing_open_to_nothing() {
+    let loaded = inference_pool("")
+        .set("ai.backends.epp.endpoint_picker", "{url: 'http://epp:9002', failure_mode: fail_open}")
+        .loads();
+    let warnings = other_warnings(&loaded);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert_eq!(warnings[0].path, "ai.backends.epp.endpoint_picker.failure_mode");
 }

@@ -138,7 +138,7 @@ proptest! {
             Err(e) => return Err(TestCaseError::fail(format!("generated config does not load: {e}\n{text}"))),
         };
         let config = Arc::new(loaded.config);
-        let router = Router::new(config.clone());
+        let router = Router::new(config.clone()).unwrap();
         for _ in 0..4 {
             match router.route(&caller(), &RouteRequest { capability, sensitive, soft, affinity: None, prefix: None, criticality: Default::default(), residency: Default::default() }) {
                 Ok(route) => {

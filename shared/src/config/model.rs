@@ -390,6 +390,37 @@ pub enum BackendKind {
         members: Vec<PoolMember>,
         picking: Picking,
     },
+    /// Model servers of the Gateway API Inference Extension (SPEC §5): an endpoint
+    /// picker names, per call, the ones to call as an `openai` backend. `endpoint`
+    /// holds the pool's auth, models and forwarded headers; its `url` is the target's
+    /// path (`/v1`), each picked endpoint's base being `http://{endpoint}{path}`.
+    InferencePool {
+        endpoint: Endpoint,
+        picker: PickerSettings,
+        /// Used as a plain (weighted) pool when the picker cannot answer and
+        /// `failure_mode` is `fail_open`; may be empty.
+        members: Vec<PoolMember>,
+    },
+}
+
+/// An inference pool's endpoint picker and its target.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PickerSettings {
+    /// `http://host:port`, spoken to over HTTP/2 cleartext.
+    pub url: String,
+    pub failure_mode: FailureMode,
+    /// The port of an endpoint named without one.
+    pub port: u16,
+}
+
+/// What a call does when its inference pool's picker cannot answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum FailureMode {
+    /// The pool fails (503 `picker_unavailable` when nothing after it serves).
+    #[default]
+    FailClose,
+    /// The pool's `members` serve as a plain pool.
+    FailOpen,
 }
 
 impl BackendKind {
@@ -400,15 +431,19 @@ impl BackendKind {
             BackendKind::Relay { .. } => "relay",
             BackendKind::Grpc { .. } => "grpc",
             BackendKind::Http { .. } => "http",
+            BackendKind::InferencePool { .. } => "inference_pool",
             BackendKind::Pool { .. } => "pool",
         }
     }
 
-    /// The HTTP endpoint of an `openai`, `anthropic`, `relay` or `http` backend.
+    /// The HTTP endpoint of an `openai`, `anthropic`, `relay`, `http` or
+    /// `inference_pool` backend (the last one's `url` is only its target's path).
     pub fn endpoint(&self) -> Option<&Endpoint> {
         match self {
             BackendKind::OpenAi(e) | BackendKind::Anthropic(e) => Some(e),
-            BackendKind::Relay { endpoint, .. } | BackendKind::Http { endpoint, .. } => Some(endpoint),
+            BackendKind::Relay { endpoint, .. }
+            | BackendKind::Http { endpoint, .. }
+            | BackendKind::InferencePool { endpoint, .. } => Some(endpoint),
             BackendKind::Grpc { .. } | BackendKind::Pool { .. } => None,
         }
     }

@@ -312,9 +312,10 @@ pub struct RawLimits {
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename = "Backend", expecting = "a backend (a mapping)")]
 pub struct RawBackend {
-    /// `openai` (default), `anthropic`, `relay` (another Flexway), `grpc` or `pool`.
+    /// `openai` (default), `anthropic`, `relay` (another Flexway), `grpc`, `http`,
+    /// `inference_pool` (model servers an endpoint picker chooses per call) or `pool`.
     pub kind: Option<RawBackendKind>,
-    /// Base URL, http or https (not for `pool`).
+    /// Base URL, http or https (not for `pool` or `inference_pool`).
     pub url: Option<String>,
     /// How the gateway authenticates to the backend. Default `{type: none}`.
     pub auth: Option<RawAuth>,
@@ -340,8 +341,15 @@ pub struct RawBackend {
     pub timeout: Option<RawDuration>,
     /// When to stop sending to this backend for a while.
     pub circuit_breaker: Option<RawBreaker>,
-    /// Members of a `pool`.
+    /// Members of a `pool`; of an `inference_pool`, the backends used as a plain pool
+    /// when its picker cannot answer and `failure_mode` is `fail_open`.
     pub members: Option<Vec<RawPoolMember>>,
+    /// `inference_pool`: the Gateway API Inference Extension's endpoint picker, asked
+    /// over Envoy's `ext_proc` v3 which model server serves each call.
+    pub endpoint_picker: Option<RawEndpointPicker>,
+    /// `inference_pool`: where a picked endpoint is called: `http://{endpoint}{path}`,
+    /// its port when the picker names an address alone.
+    pub target: Option<RawTarget>,
     /// `pool`: how a member is chosen inside the priority group that serves:
     /// `weighted` (default), `least_loaded` (the members' model-server `load`) or
     /// `latency` (peak-EWMA time to first byte, power of two choices).
@@ -378,8 +386,8 @@ pub struct RawBackend {
     /// absolute path, apart from `/v1`, `/metrics`, `/healthz`, `/console` and the other
     /// mounts.
     pub mount: Option<String>,
-    /// `openai`, `anthropic`, `relay`: the caller's request headers passed on to the
-    /// backend, by name (e.g. `[anthropic-beta]`, `[openai-beta]`); nothing else of the
+    /// `openai`, `anthropic`, `relay`, `inference_pool`: the caller's request headers
+    /// passed on to the backend, by name (e.g. `[anthropic-beta]`, `[openai-beta]`); nothing else of the
     /// caller's headers ever reaches a backend. Never a credential, a hop-by-hop
     /// header, one the gateway writes itself or one of Flexway's own.
     pub forward_headers: Option<Vec<String>>,
@@ -393,6 +401,8 @@ pub enum RawBackendKind {
     Relay,
     Grpc,
     Http,
+    #[serde(rename = "inference_pool")]
+    InferencePool,
     Pool,
 }
 
@@ -404,6 +414,7 @@ impl RawBackendKind {
             RawBackendKind::Relay => "relay",
             RawBackendKind::Grpc => "grpc",
             RawBackendKind::Http => "http",
+            RawBackendKind::InferencePool => "inference_pool",
             RawBackendKind::Pool => "pool",
         }
     }
@@ -411,7 +422,7 @@ impl RawBackendKind {
     /// "an openai backend", "a pool backend": for messages.
     pub fn a_backend(self) -> String {
         let article = match self {
-            RawBackendKind::Openai | RawBackendKind::Anthropic => "an",
+            RawBackendKind::Openai | RawBackendKind::Anthropic | RawBackendKind::InferencePool => "an",
             RawBackendKind::Relay | RawBackendKind::Grpc | RawBackendKind::Http | RawBackendKind::Pool => "a",
         };
         format!("{article} {} backend", self.name())
@@ -579,6 +590,42 @@ pub struct RawLoad {
     pub metrics_url: Option<String>,
     /// How often it is read, e.g. `1s` (the default); at least 100ms.
     pub every: Option<RawDuration>,
+}
+
+/// An inference pool's endpoint picker.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(
+    deny_unknown_fields,
+    rename = "EndpointPicker",
+    expecting = "an endpoint picker ({url: http://epp.ns.svc:9002}) (a mapping)"
+)]
+pub struct RawEndpointPicker {
+    /// The picker's gRPC address, `http://host:port` (HTTP/2 cleartext, as the
+    /// Inference Extension's pickers serve).
+    #[schemars(required)]
+    pub url: Option<String>,
+    /// When the picker cannot answer: `fail_close` (the default: the pool fails, 503
+    /// `picker_unavailable` if nothing else serves) or `fail_open` (the pool's
+    /// `members` serve as a plain pool).
+    pub failure_mode: Option<RawFailureMode>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case", rename = "FailureMode")]
+pub enum RawFailureMode {
+    FailClose,
+    FailOpen,
+}
+
+/// Where an inference pool's picked endpoints are called.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Target", expecting = "a target ({port: 8000, path: /v1}) (a mapping)")]
+pub struct RawTarget {
+    /// The model servers' port, for an endpoint the picker names without one.
+    #[schemars(required, range(min = 1, max = 65535))]
+    pub port: Option<u32>,
+    /// The OpenAI API's base path on each model server. Default `/v1`.
+    pub path: Option<String>,
 }
 
 /// A member of a pool.

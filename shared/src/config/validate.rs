@@ -222,8 +222,9 @@ impl Catalog {
             catalog.insert(name.clone(), Summary { kind, external, capabilities });
         }
         // Members are never pools (refused below), so one pass resolves every pool.
+        // An inference pool's members (its fail-open pool) make it external too.
         for (name, raw) in backends {
-            if raw.kind != Some(RawBackendKind::Pool) {
+            if !matches!(raw.kind, Some(RawBackendKind::Pool | RawBackendKind::InferencePool)) {
                 continue;
             }
             let members: Vec<&Summary> = raw
@@ -232,13 +233,13 @@ impl Catalog {
                 .flatten()
                 .filter_map(|m| m.backend.as_deref())
                 .filter_map(|m| catalog.get(m))
-                .filter(|s: &&Summary| s.kind != RawBackendKind::Pool)
+                .filter(|s: &&Summary| !matches!(s.kind, RawBackendKind::Pool | RawBackendKind::InferencePool))
                 .collect();
             let any_external = members.iter().any(|m| m.external);
             let union: BTreeSet<Capability> = members.iter().flat_map(|m| m.capabilities.iter().copied()).collect();
             if let Some(pool) = catalog.get_mut(name) {
                 pool.external |= any_external;
-                if raw.capabilities.is_none() {
+                if raw.capabilities.is_none() && raw.kind == Some(RawBackendKind::Pool) {
                     pool.capabilities = union;
                 }
             }
@@ -943,7 +944,7 @@ fn chain_of<'a>(ai: &'a Ai, entry: &'a BackendId, seen: &mut BTreeSet<&'a Backen
         return;
     }
     let Some(backend) = ai.backends.get(entry) else { return };
-    if let BackendKind::Pool { members, .. } = &backend.kind {
+    if let BackendKind::Pool { members, .. } | BackendKind::InferencePool { members, .. } = &backend.kind {
         for member in members {
             chain_of(ai, &member.backend, seen);
         }

@@ -17,10 +17,12 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use super::record::Draft;
-use crate::config::{BackendId, Endpoint};
+use crate::call::PickReason;
+use crate::config::{BackendId, Endpoint, FailureMode};
 use crate::error::{Attempts, GatewayError, UnavailableCause};
 use crate::gateway::Gateway;
 use crate::routing::breaker::{Outcome, Pass};
+use crate::routing::picker::{self, EndpointPicker, PickerError};
 use crate::routing::{Candidate, Route};
 use crate::upstream::body::Fault;
 use crate::upstream::{CallError, UpstreamClient};
@@ -38,6 +40,8 @@ pub(super) enum Failure {
     /// A failure after the backend took part of a request that cannot be sent twice
     /// (a gRPC call's streamed body): no other backend can take the call.
     AfterSend(Box<Failure>),
+    /// An inference pool's endpoint picker could not answer: nothing was sent.
+    Picker(PickerError),
 }
 
 impl Failure {
@@ -66,7 +70,7 @@ impl Failure {
             Failure::Head(CallError::Connect(_) | CallError::Tls(_)) => Some(Outcome::ConnectionError),
             Failure::Head(CallError::Credential(_)) => None,
             Failure::Body(fault) => Some(fault_outcome(fault)),
-            Failure::AfterSend(_) => None,
+            Failure::AfterSend(_) | Failure::Picker(_) => None,
         }
     }
 
@@ -88,6 +92,7 @@ impl Failure {
                 tracing::warn!(backend = %backend, "backend answer failed before the first byte: {fault}");
             }
             Failure::AfterSend(_) => {}
+            Failure::Picker(e) => tracing::warn!(backend = %backend, "{e}"),
         }
     }
 }
@@ -138,6 +143,22 @@ pub(super) trait Attempt {
     /// (a request this backend's format cannot carry): the call ends with it.
     fn prepare(&self, target: &Self::Target) -> Result<(String, Self::Prepared), GatewayError>;
 
+    /// The target that calls `endpoint` (`ip:port`), named by the picker of the
+    /// inference pool `pool`, as `target` (the pool reached) would be called. `None`:
+    /// this door cannot call a picked endpoint.
+    fn at(&self, pool: &BackendId, target: &Self::Target, endpoint: &str) -> Option<Self::Target> {
+        let _ = (pool, target, endpoint);
+        None
+    }
+
+    /// What an endpoint picker is asked about a call prepared so: the path the call
+    /// takes at the backend, and the body it sends. `None`: this door's calls do not
+    /// go through a picker.
+    fn question<'p>(&'p self, prepared: &'p Self::Prepared) -> Option<(&'p str, &'p [u8])> {
+        let _ = prepared;
+        None
+    }
+
     /// Sends it, up to the answer being in (or failing).
     fn attempt(
         &self,
@@ -149,7 +170,8 @@ pub(super) trait Attempt {
 
 /// Tries `route` in order until a backend's answer is in. A candidate the door
 /// reaches is tried if its breaker admits it: prepared, named in the call's draft,
-/// attempted, its wait timed.
+/// attempted, its wait timed. An inference pool is tried endpoint by endpoint, as
+/// its picker names them ([`pick`]).
 pub(super) async fn attempt_chain<A: Attempt>(
     gateway: &Gateway,
     draft: &mut Draft,
@@ -158,7 +180,12 @@ pub(super) async fn attempt_chain<A: Attempt>(
 ) -> Result<Served<A::Answer>, GatewayError> {
     let mut attempts = Attempts::default();
     let mut last: Option<(BackendId, Failure)> = None;
+    // The inference pools whose picker could not answer, under `fail_open`.
+    let mut opened: Vec<&BackendId> = Vec::new();
     for (i, candidate) in route.candidates.iter().enumerate() {
+        if candidate.fail_open_of.as_ref().is_some_and(|pool| !opened.contains(&pool)) {
+            continue;
+        }
         // Counted in flight since its admission: the first candidate, if tried.
         let held = if i == 0 { route.held.take() } else { None };
         let backend = &candidate.backend;
@@ -170,62 +197,186 @@ pub(super) async fn attempt_chain<A: Attempt>(
             continue;
         };
         let (model, prepared) = door.prepare(&target)?;
-        let loads = &gateway.router.loads;
-        pass.hold(held.or_else(|| loads.start(backend)));
-        attempts.tried.push(backend.clone());
-        draft.trying(candidate, &model);
-        let sent = Instant::now();
-        let result = door.attempt(&target, prepared, draft).await;
-        let waited = sent.elapsed();
-        draft.waited(waited);
-        match result {
-            Ok(Answered { value, outcome }) => {
-                // A stream is told a success at its end; a relayed 4xx (a 429) is no
-                // answer: it counts for `latency` as a timeout would, and remembers
-                // no prefix.
-                let answered = match outcome {
-                    None | Some(Outcome::Success) => true,
-                    Some(Outcome::Status { status, .. }) => (200..300).contains(&status),
-                    Some(Outcome::ConnectionError | Outcome::Timeout) => false,
-                };
-                if let Some(outcome) = outcome {
-                    pass.record(&gateway.breakers, outcome);
+        pass.hold(held.or_else(|| gateway.router.loads.start(backend)));
+        let Some((picker, mode)) = gateway.router.picker(backend) else {
+            let one = One { candidate: candidate.clone(), target, model, prepared, timeout };
+            match try_one(gateway, draft, route, door, one, &pass, &mut attempts).await {
+                Ok(value) => return Ok(Served { candidate: candidate.clone(), value, pass, timeout }),
+                Err(failure) => {
+                    if let Some(outcome) = failure.breaker_outcome() {
+                        pass.record(&gateway.breakers, outcome);
+                    }
+                    let retryable = failure.retryable();
+                    last = Some((backend.clone(), failure));
+                    if !retryable {
+                        break;
+                    }
                 }
-                if answered {
-                    loads.observe_latency(backend, waited);
-                    gateway.router.served(route, candidate);
-                } else {
-                    loads.observe_latency(backend, timeout.max(waited));
-                }
-                return Ok(Served { candidate: candidate.clone(), value, pass, timeout });
             }
-            Err(failure) => {
-                failure.log(backend);
-                // A failure is as slow as the timeout, whenever it came: a member
-                // that fails fast never wins `latency`.
-                loads.observe_latency(backend, timeout.max(waited));
-                if let Some(outcome) = failure.breaker_outcome() {
-                    pass.record(&gateway.breakers, outcome);
+            continue;
+        };
+        let endpoints = match pick(picker, door, draft, &prepared).await {
+            Ok(endpoints) => endpoints,
+            Err(e) => {
+                tracing::warn!(backend = %backend, failure_mode = ?mode, "{e}");
+                if *mode == FailureMode::FailOpen {
+                    opened.push(backend);
                 }
-                let retryable = failure.retryable();
-                last = Some((backend.clone(), failure));
-                if !retryable {
-                    break;
+                last = Some((backend.clone(), Failure::Picker(e)));
+                continue;
+            }
+        };
+        // Only the pool's failure as a whole counts for its breaker: one model
+        // server's is the picker's to route around.
+        let mut failed = None;
+        let mut first = Some((model, prepared));
+        for (j, endpoint) in endpoints.iter().take(picker::MAX_TRIED).enumerate() {
+            let Some(target) = door.at(backend, &target, endpoint) else { continue };
+            // What is sent does not depend on the endpoint: prepared once, but for
+            // the body a failed attempt took.
+            let (model, prepared) = match first.take() {
+                Some(prepared) => prepared,
+                None => door.prepare(&target)?,
+            };
+            let mut served_by = candidate.clone();
+            if j > 0 {
+                served_by.degraded = true;
+                served_by.reason = Some(PickReason::Fallback);
+            }
+            let one = One { candidate: served_by.clone(), target, model, prepared, timeout };
+            match try_one(gateway, draft, route, door, one, &pass, &mut attempts).await {
+                Ok(value) => return Ok(Served { candidate: served_by, value, pass, timeout }),
+                Err(failure) => {
+                    tracing::warn!(backend = %backend, endpoint, "the picked endpoint failed");
+                    let retryable = failure.retryable();
+                    failed = Some(failure);
+                    if !retryable {
+                        break;
+                    }
                 }
+            }
+        }
+        if let Some(failure) = failed {
+            if let Some(outcome) = failure.breaker_outcome() {
+                pass.record(&gateway.breakers, outcome);
+            }
+            let retryable = failure.retryable();
+            last = Some((backend.clone(), failure));
+            if !retryable {
+                break;
             }
         }
     }
     Err(unserved(route, attempts, last))
 }
 
+/// One attempt at one target: what it is sent and as which candidate.
+struct One<A: Attempt> {
+    candidate: Candidate,
+    target: A::Target,
+    model: String,
+    prepared: A::Prepared,
+    timeout: Duration,
+}
+
+/// Attempts `one`, up to its answer being in: named in the draft, its wait timed and
+/// told to `latency` picking; an answer's outcome told to its breaker now when the
+/// door gives one (a failure's is the caller's to tell).
+async fn try_one<A: Attempt>(
+    gateway: &Gateway,
+    draft: &mut Draft,
+    route: &Route,
+    door: &A,
+    one: One<A>,
+    pass: &Pass,
+    attempts: &mut Attempts,
+) -> Result<A::Answer, Failure> {
+    let One { candidate, target, model, prepared, timeout } = one;
+    let backend = &candidate.backend;
+    let loads = &gateway.router.loads;
+    attempts.tried.push(backend.clone());
+    draft.trying(&candidate, &model);
+    let sent = Instant::now();
+    let result = door.attempt(&target, prepared, draft).await;
+    let waited = sent.elapsed();
+    draft.waited(waited);
+    match result {
+        Ok(Answered { value, outcome }) => {
+            // A stream is told a success at its end; a relayed 4xx (a 429) is no
+            // answer: it counts for `latency` as a timeout would, and remembers no
+            // prefix.
+            let answered = match outcome {
+                None | Some(Outcome::Success) => true,
+                Some(Outcome::Status { status, .. }) => (200..300).contains(&status),
+                Some(Outcome::ConnectionError | Outcome::Timeout) => false,
+            };
+            if let Some(outcome) = outcome {
+                pass.record(&gateway.breakers, outcome);
+            }
+            if answered {
+                loads.observe_latency(backend, waited);
+                gateway.router.served(route, &candidate);
+            } else {
+                loads.observe_latency(backend, timeout.max(waited));
+            }
+            Ok(value)
+        }
+        Err(failure) => {
+            failure.log(backend);
+            // A failure is as slow as the timeout, whenever it came: a member that
+            // fails fast never wins `latency`.
+            loads.observe_latency(backend, timeout.max(waited));
+            Err(failure)
+        }
+    }
+}
+
+/// Asks an inference pool's picker which endpoints serve the call: the request's
+/// body as the pool would be sent it, with the headers Envoy would send (method,
+/// path, content type) and the call's request id.
+async fn pick<A: Attempt>(
+    picker: &EndpointPicker,
+    door: &A,
+    draft: &Draft,
+    prepared: &A::Prepared,
+) -> Result<Vec<String>, PickerError> {
+    let Some((path, body)) = door.question(prepared) else {
+        return Err(PickerError::Failed("this door cannot ask an endpoint picker".into()));
+    };
+    let mut headers = http::HeaderMap::with_capacity(2);
+    headers.insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+    if let Ok(id) = http::HeaderValue::from_str(draft.request_id()) {
+        headers.insert("x-request-id", id);
+    }
+    picker.pick(path, &headers, body).await
+}
+
 /// How an HTTP door reaches an endpoint backend: its settings and its client.
 pub(super) fn endpoint<'g>(
     gateway: &'g Gateway,
     backend: &BackendId,
-) -> Option<((&'g Endpoint, &'g UpstreamClient), Duration)> {
+) -> Option<((&'g Endpoint, Reached<'g>), Duration)> {
     let endpoint = gateway.config.ai.backends.get(backend).and_then(|b| b.kind.endpoint())?;
     let client = gateway.upstreams.get(backend)?;
-    Some(((endpoint, client), client.timeout))
+    Some(((endpoint, Reached::Configured(client)), client.timeout))
+}
+
+/// The client an HTTP door calls: a configured backend's, or one made for an
+/// endpoint an inference pool's picker named.
+pub(super) enum Reached<'g> {
+    Configured(&'g UpstreamClient),
+    Picked(Box<UpstreamClient>),
+}
+
+impl std::ops::Deref for Reached<'_> {
+    type Target = UpstreamClient;
+
+    fn deref(&self) -> &UpstreamClient {
+        match self {
+            Reached::Configured(client) => client,
+            Reached::Picked(client) => client,
+        }
+    }
 }
 
 /// The error of a call no candidate served: 504 when the last backend tried timed out,
@@ -242,6 +393,11 @@ fn unserved(route: &Route, attempts: Attempts, last: Option<(BackendId, Failure)
         Some((backend, Failure::Body(Fault::Invalid(detail)))) => {
             GatewayError::UpstreamError { backend, detail, attempts }
         }
+        Some((backend, Failure::Picker(_))) => GatewayError::UpstreamUnavailable {
+            cause: UnavailableCause::PickerUnavailable,
+            attempts,
+            last_failure: Some(format!("backend `{backend}`: its endpoint picker could not answer")),
+        },
         last => {
             let cause = if attempts.tried.is_empty() && !attempts.skipped.is_empty() {
                 UnavailableCause::CircuitOpen
@@ -340,7 +496,7 @@ mod tests {
         let candidates = names
             .iter()
             .enumerate()
-            .map(|(i, name)| Candidate { backend: BackendId::new(name), degraded: i > 0, reason: None, pool: None })
+            .map(|(i, name)| Candidate::fallback_unless(BackendId::new(name), i == 0))
             .collect();
         Route { candidates, via_pool: false, prefix: None, held: Default::default() }
     }

@@ -86,12 +86,21 @@ impl<'a, B> chain::Attempt for Http<'a, B>
 where
     B: Fn(&str, Wire) -> Result<Vec<u8>, InvalidRequest> + Sync,
 {
-    type Target = (&'a Endpoint, &'a UpstreamClient);
+    type Target = (&'a Endpoint, chain::Reached<'a>);
     type Prepared = Vec<u8>;
     type Answer = Answered;
 
     fn reach(&self, backend: &BackendId) -> Option<(Self::Target, Duration)> {
         chain::endpoint(self.gateway, backend)
+    }
+
+    fn at(&self, pool: &BackendId, (endpoint, _): &Self::Target, picked: &str) -> Option<Self::Target> {
+        let client = self.gateway.upstreams.at(pool, picked)?;
+        Some((*endpoint, chain::Reached::Picked(Box::new(client))))
+    }
+
+    fn question<'p>(&'p self, body: &'p Vec<u8>) -> Option<(&'p str, &'p [u8])> {
+        Some((self.path, body))
     }
 
     fn prepare(&self, (endpoint, client): &Self::Target) -> Result<(String, Vec<u8>), GatewayError> {
@@ -106,7 +115,8 @@ where
         body: Vec<u8>,
         draft: &Draft,
     ) -> impl Future<Output = Result<chain::Answered<Answered>, Failure>> + Send {
-        let (gateway, client, path, expect) = (self.gateway, *client, self.path, self.expect);
+        let (gateway, client, path, expect): (_, &UpstreamClient, _, _) =
+            (self.gateway, client, self.path, self.expect);
         let (trace, caller) = (draft.trace(), draft.caller());
         async move {
             let answered = attempt(gateway, client, path, body, trace, caller, expect).await?;

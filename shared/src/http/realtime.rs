@@ -236,7 +236,7 @@ struct Connect<'a> {
 }
 
 impl<'a> chain::Attempt for Connect<'a> {
-    type Target = (&'a Endpoint, &'a UpstreamClient);
+    type Target = (&'a Endpoint, chain::Reached<'a>);
     /// The model served.
     type Prepared = String;
     type Answer = Connected;
@@ -256,7 +256,7 @@ impl<'a> chain::Attempt for Connect<'a> {
         served: String,
         draft: &Draft,
     ) -> impl std::future::Future<Output = Result<Answered<Connected>, Failure>> + Send {
-        let (client, limit) = (*client, self.limit);
+        let (client, limit): (&UpstreamClient, _) = (client, self.limit);
         let (trace, caller) = (draft.trace(), draft.caller());
         async move {
             match client.connect_realtime(&served, trace, caller, limit).await {

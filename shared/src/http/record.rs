@@ -136,6 +136,11 @@ impl Draft {
         self.record.budget_state = BudgetState::Exceeded;
     }
 
+    /// The call's `Flexway-Request-Id`.
+    pub fn request_id(&self) -> &str {
+        &self.record.request_id
+    }
+
     /// Who the call is for, sent to a relay.
     pub fn caller(&self) -> &CallerIdentity {
         &self.caller

@@ -19,13 +19,13 @@ pub mod breaker;
 pub mod pick;
 pub mod picker;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use rand::Rng;
 
 use crate::call::{Criticality, PickReason};
-use crate::config::{Backend, BackendId, BackendKind, Capability, Config, PoolMember};
+use crate::config::{Backend, BackendId, BackendKind, Capability, Config, FailureMode, PoolMember};
 use crate::error::GatewayError;
 use crate::identity::Caller;
 use pick::Loads;
@@ -199,12 +199,16 @@ pub struct Candidate {
     pub reason: Option<PickReason>,
     /// The pool it is a member of, in this route.
     pub pool: Option<BackendId>,
+    /// The inference pool whose `members` it is of: tried only when that pool's
+    /// picker could not answer and its `failure_mode` is `fail_open`.
+    pub fail_open_of: Option<BackendId>,
 }
 
 impl Candidate {
     /// A backend outside any pool: the first one chosen, or a fallback.
     pub fn fallback_unless(backend: BackendId, first: bool) -> Self {
-        Candidate { backend, degraded: !first, reason: (!first).then_some(PickReason::Fallback), pool: None }
+        let reason = (!first).then_some(PickReason::Fallback);
+        Candidate { backend, degraded: !first, reason, pool: None, fail_open_of: None }
     }
 }
 
@@ -212,11 +216,28 @@ pub struct Router {
     config: Arc<Config>,
     /// The pool members' load, read by `pick` and `saturation`.
     pub loads: Loads,
+    /// Each inference pool's endpoint picker.
+    pickers: BTreeMap<BackendId, (picker::EndpointPicker, FailureMode)>,
 }
 
 impl Router {
-    pub fn new(config: Arc<Config>) -> Self {
-        Router { loads: Loads::new(&config), config }
+    /// The router of `config`; its endpoint pickers' channels are made now and
+    /// connected at their first call (within a Tokio runtime, as they run on it).
+    pub fn new(config: Arc<Config>) -> Result<Self, picker::PickerError> {
+        let mut pickers = BTreeMap::new();
+        for (name, backend) in &config.ai.backends {
+            if let BackendKind::InferencePool { picker: settings, .. } = &backend.kind {
+                let picker = picker::EndpointPicker::new(&settings.url, picker::TIMEOUT, settings.port)?;
+                pickers.insert(name.clone(), (picker, settings.failure_mode));
+            }
+        }
+        Ok(Router { loads: Loads::new(&config), config, pickers })
+    }
+
+    /// The endpoint picker of `backend` when it is an inference pool, and what a call
+    /// does when it cannot answer.
+    pub fn picker(&self, backend: &BackendId) -> Option<&(picker::EndpointPicker, FailureMode)> {
+        self.pickers.get(backend)
     }
 
     /// A candidate of `route` served: its pool remembers the prompt's prefix for it.
@@ -266,7 +287,9 @@ impl Router {
     /// capability and, for a sensitive call, only internal ones.
     pub fn route(&self, caller: &Caller, request: &RouteRequest) -> Result<Route, GatewayError> {
         let entry = self.entry_backend(caller, request);
-        let via_pool = self.backend(entry).is_some_and(|b| matches!(b.kind, BackendKind::Pool { .. }));
+        let via_pool = self
+            .backend(entry)
+            .is_some_and(|b| matches!(b.kind, BackendKind::Pool { .. } | BackendKind::InferencePool { .. }));
         let mut candidates = Vec::new();
         let order = Order { affinity: request.affinity, prefix: request.prefix };
         self.expand(entry, false, &mut candidates, &mut BTreeSet::new(), &mut rand::rng(), order);
@@ -287,6 +310,9 @@ impl Router {
                 return Err(request.residency.unavailable());
             }
         }
+        // A fail-open member serves only when its inference pool was asked first.
+        let kept: BTreeSet<BackendId> = candidates.iter().map(|c| c.backend.clone()).collect();
+        candidates.retain(|c| c.fail_open_of.as_ref().is_none_or(|pool| kept.contains(pool)));
         // The pool's pick ordered members a filter may have removed: the first left
         // of its group is the pick, not a fallback.
         if let (Some(first), Some((pool, reason))) = (candidates.first_mut(), picked)
@@ -325,6 +351,9 @@ impl Router {
     fn reaches(&self, name: &BackendId, residency: &Residency) -> bool {
         match self.backend(name).map(|b| (b, &b.kind)) {
             Some((_, BackendKind::Pool { members, .. })) => members.iter().any(|m| self.reaches(&m.backend, residency)),
+            Some((pool, BackendKind::InferencePool { members, .. })) => {
+                residency.allows(pool) || members.iter().any(|m| self.reaches(&m.backend, residency))
+            }
             Some((backend, _)) => residency.allows(backend),
             None => false,
         }
@@ -370,6 +399,7 @@ impl Router {
                             degraded: degraded || member.priority > best,
                             reason: Some(if i == 0 && !degraded { reason } else { PickReason::Fallback }),
                             pool: Some(name.clone()),
+                            fail_open_of: None,
                         });
                     }
                 }
@@ -377,6 +407,30 @@ impl Router {
                 for member in members {
                     for fallback in self.backend(&member.backend).map(|b| b.fallback.as_slice()).unwrap_or_default() {
                         self.expand(fallback, true, chain, seen, rng, Order::default());
+                    }
+                }
+            }
+            BackendKind::InferencePool { picker, members, .. } => {
+                let reason = if degraded { PickReason::Fallback } else { PickReason::Picker };
+                let pool = Candidate { reason: Some(reason), ..Candidate::fallback_unless(name.clone(), !degraded) };
+                chain.push(pool);
+                // Its members, as a plain weighted pool, for when its picker cannot answer.
+                if picker.failure_mode == FailureMode::FailOpen {
+                    let best = members.iter().map(|m| m.priority).min().unwrap_or(1);
+                    for (i, member) in pool_order(members, rng).into_iter().enumerate() {
+                        if seen.insert(member.backend.clone()) {
+                            chain.push(Candidate {
+                                backend: member.backend.clone(),
+                                degraded: degraded || member.priority > best,
+                                reason: Some(if i == 0 && !degraded {
+                                    PickReason::Weighted
+                                } else {
+                                    PickReason::Fallback
+                                }),
+                                pool: None,
+                                fail_open_of: Some(name.clone()),
+                            });
+                        }
                     }
                 }
             }
@@ -628,7 +682,7 @@ mod tests {
             format!("version: 1\ntenants:\n  acme: {{}}\nai:\n  default_backend: pool\n  backends:\n{yaml_backends}");
         let config =
             crate::config::load_str(&yaml, &std::collections::HashMap::<String, String>::new()).unwrap().config;
-        Router::new(Arc::new(config))
+        Router::new(Arc::new(config)).unwrap()
     }
 
     fn request(criticality: Criticality, residency: Residency) -> RouteRequest {
@@ -673,6 +727,30 @@ mod tests {
         let first = &route.candidates[0];
         assert_eq!((first.backend.as_str(), first.reason), ("b", Some(PickReason::LeastLoaded)));
         assert!(!first.degraded);
+    }
+
+    #[tokio::test]
+    async fn an_inference_pool_is_one_candidate_then_its_open_members_each_filtered() {
+        let router = router(
+            "    pool:\n      kind: inference_pool\n      endpoint_picker: {url: 'http://127.0.0.1:9', failure_mode: \
+             fail_open}\n      target: {port: 8000}\n      jurisdiction: eu\n      members: [{backend: a}, {backend: \
+             b}]\n      fallback: [c]\n    a: {url: 'http://a/v1', jurisdiction: us}\n    \
+             b: {url: 'http://b/v1', jurisdiction: eu}\n    c: {url: 'http://c/v1', jurisdiction: us}\n",
+        );
+        let names = |route: &Route| route.candidates.iter().map(|c| c.backend.to_string()).collect::<Vec<_>>();
+        let route = router.route(&acme(), &request(Criticality::Standard, Residency::ANY)).unwrap();
+        assert_eq!(names(&route)[0], "pool");
+        assert_eq!(route.candidates[0].reason, Some(PickReason::Picker));
+        assert_eq!(names(&route)[3], "c", "the members, then the pool's fallbacks");
+        let pool = Some(BackendId::new("pool"));
+        assert!(route.candidates[1..3].iter().all(|c| c.fail_open_of == pool && c.pool.is_none()));
+        assert!(route.via_pool);
+
+        let eu = router.route(&acme(), &request(Criticality::Standard, Residency(Some(set(&["eu"]))))).unwrap();
+        assert_eq!(names(&eu), ["pool", "b"], "residency filters the pool, its members and fallbacks alike");
+        // Without the pool, its members have nothing to fail open from.
+        let us = router.route(&acme(), &request(Criticality::Standard, Residency(Some(set(&["us"]))))).unwrap();
+        assert_eq!(names(&us), ["c"]);
     }
 
     #[test]

@@ -6,8 +6,8 @@
 //! until one names the endpoints, in the `x-gateway-destination-endpoint` header
 //! mutation or in the `envoy.lb` dynamic metadata under the same key: a
 //! comma-separated `ip:port` list, the first preferred. An endpoint given without a
-//! port takes the pool's target port. Not yet reachable from the configuration:
-//! `kind: inference_pool` is issue 35's point 4, still open.
+//! port takes the pool's target port. A `kind: inference_pool` backend has one
+//! (`Router::picker`); the attempt phase asks it (`http::chain`).
 
 use std::time::Duration;
 
@@ -26,6 +26,14 @@ use tonic::transport::{Channel, Endpoint};
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 /// The dynamic metadata namespace a picker may answer in.
 const LB_NAMESPACE: &str = "envoy.lb";
+/// How long a call waits for the picker's answer (and for a connection to it): past
+/// this, the picker has failed (Envoy waits 200 ms by default for an `ext_proc`
+/// message; the pickers answer in a few).
+pub const TIMEOUT: Duration = Duration::from_secs(1);
+/// How many of the endpoints a picker names a call tries: the first and two
+/// fallbacks. Each may take the pool's whole `timeout`, which the call's budget
+/// reservation outlives (`Gateway::attempt_time`).
+pub const MAX_TRIED: usize = 3;
 /// A picker's answer longer than this is not a list of endpoints.
 const MAX_ENDPOINTS: usize = 64;
 
@@ -62,22 +70,25 @@ impl EndpointPicker {
         Ok(EndpointPicker { client: ExternalProcessorClient::new(channel), timeout, target_port })
     }
 
-    /// The endpoints for a call, as `host:port`, the first preferred.
-    pub async fn pick(&self, headers: &http::HeaderMap, body: &[u8]) -> Result<Vec<String>, PickerError> {
-        let asked = tokio::time::timeout(self.timeout, self.ask(headers, body)).await;
+    /// The endpoints for a call, as `host:port`, the first preferred: a `POST` of
+    /// `body` to `path`, with `headers` (Envoy's `:method` and `:path` first).
+    pub async fn pick(&self, path: &str, headers: &http::HeaderMap, body: &[u8]) -> Result<Vec<String>, PickerError> {
+        let asked = tokio::time::timeout(self.timeout, self.ask(path, headers, body)).await;
         let list = asked.map_err(|_| PickerError::Timeout(self.timeout))??;
         endpoints(&list, self.target_port)
     }
 
-    async fn ask(&self, headers: &http::HeaderMap, body: &[u8]) -> Result<String, PickerError> {
+    async fn ask(&self, path: &str, headers: &http::HeaderMap, body: &[u8]) -> Result<String, PickerError> {
+        let header = |key: &str, value: &[u8]| HeaderValue {
+            key: key.to_owned(),
+            raw_value: value.to_vec(),
+            ..Default::default()
+        };
+        let pseudo = [header(":method", b"POST"), header(":path", path.as_bytes())];
         let headers = HeaderMap {
-            headers: headers
-                .iter()
-                .map(|(name, value)| HeaderValue {
-                    key: name.as_str().to_owned(),
-                    raw_value: value.as_bytes().to_vec(),
-                    ..Default::default()
-                })
+            headers: pseudo
+                .into_iter()
+                .chain(headers.iter().map(|(name, value)| header(name.as_str(), value.as_bytes())))
                 .collect(),
         };
         let messages = [

@@ -196,6 +196,9 @@ pub struct UpstreamClient {
     speaks_h2: Arc<AtomicBool>,
     /// A plain `http://` backend: called through the gateway's own HTTP/1.1 client.
     plain: Option<Plain>,
+    /// An inference pool's: `base` is only its target's path, and each call goes to an
+    /// endpoint its picker names ([`Upstreams::at`]).
+    template: bool,
 }
 
 /// Where a plain backend is, and each serving thread's pool of connections.
@@ -402,6 +405,9 @@ impl UpstreamClient {
     /// the HTTP/2 one the next calls use); its answer, whatever the status, is read and
     /// dropped, and the connection stays pooled.
     pub async fn preconnect(&self) -> Result<(), CallError> {
+        if self.template {
+            return Ok(());
+        }
         if let Some(plain) = &self.plain {
             let pool = &plain.pools[SERVING_THREAD.with(Cell::get) % plain.pools.len()];
             return pool.warm(&plain.target).await.map_err(|e| CallError::Connect(describe(&e)));
@@ -514,6 +520,9 @@ pub(crate) fn describe(e: &(dyn std::error::Error + 'static)) -> String {
 /// Every endpoint backend's client.
 pub struct Upstreams {
     clients: HashMap<BackendId, UpstreamClient>,
+    /// Each serving thread's pool of plain HTTP/1.1 connections, shared by every plain
+    /// backend and every endpoint a picker names.
+    pools: Vec<Arc<h1::Pool>>,
     /// Every name some backend's `forward_headers` lists.
     forwardable: Vec<HeaderName>,
     /// What the backends' servers chose at their TLS handshakes.
@@ -557,6 +566,7 @@ impl Upstreams {
             let authority = tls.and_then(Uri::authority).map(|a| a.as_str().to_owned());
             let speaks_h2 = authority.map_or_else(Arc::default, |authority| negotiated.speaks_h2(&authority));
             let timeout = backend.timeout;
+            let template = matches!(backend.kind, BackendKind::InferencePool { .. });
             let plain = uri.as_ref().and_then(h1::Target::of).map(|target| Plain { target, pools: pools.clone() });
             let forward: Vec<HeaderName> = endpoint
                 .forward_headers
@@ -571,11 +581,46 @@ impl Upstreams {
                     forwardable.push(header.clone());
                 }
             }
-            let client =
-                UpstreamClient { base, urls, wire, live, timeout, identity_headers, forward, speaks_h2, plain };
+            let client = UpstreamClient {
+                base,
+                urls,
+                wire,
+                live,
+                timeout,
+                identity_headers,
+                forward,
+                speaks_h2,
+                plain,
+                template,
+            };
             clients.insert(name.clone(), client);
         }
-        Ok(Upstreams { clients, forwardable, negotiated })
+        Ok(Upstreams { clients, pools, forwardable, negotiated })
+    }
+
+    /// The client of `endpoint` (`ip:port`), named by the picker of the inference pool
+    /// `pool`: called at `http://{endpoint}{path}` with the pool's credential,
+    /// forwarded headers and timeout, over the plain connections every thread pools
+    /// (a connection to it is reused by the next call it is named for). `None` when
+    /// `pool` is not an inference pool or `endpoint` makes no URL.
+    pub fn at(&self, pool: &BackendId, endpoint: &str) -> Option<UpstreamClient> {
+        let template = self.clients.get(pool).filter(|c| c.template)?;
+        let base = format!("http://{endpoint}{}", template.base);
+        let uri = base.parse::<Uri>().ok()?;
+        let target = h1::Target::of(&uri)?;
+        let urls = PATHS.iter().filter_map(|path| Some((*path, format!("{base}{path}").parse().ok()?))).collect();
+        Some(UpstreamClient {
+            base,
+            urls,
+            wire: Wire::OpenAi,
+            live: ArcSwap::new(template.live.load_full()),
+            timeout: template.timeout,
+            identity_headers: None,
+            forward: template.forward.clone(),
+            speaks_h2: Arc::default(),
+            plain: Some(Plain { target, pools: self.pools.clone() }),
+            template: false,
+        })
     }
 
     /// Opens a connection to every endpoint backend at once, each given at most

@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use super::super::descriptor;
 use super::super::raw::{
-    RawAuth, RawAuthKind, RawBackend, RawBackendKind, RawBreaker, RawCacheAffinity, RawCapability, RawIdentityHeaders,
-    RawLoad, RawMetering, RawPick, RawPoolMember, RawPrice, RawSaturation, RawSecret, RawTls,
+    RawAuth, RawAuthKind, RawBackend, RawBackendKind, RawBreaker, RawCacheAffinity, RawCapability, RawEndpointPicker,
+    RawFailureMode, RawIdentityHeaders, RawLoad, RawMetering, RawPick, RawPoolMember, RawPrice, RawSaturation,
+    RawSecret, RawTarget, RawTls,
 };
 use super::super::values::{base_url, fraction_ppm, micro_eur, status_range};
 use super::super::*;
@@ -28,11 +29,27 @@ const DEFAULT_PREFIX_BYTES: u32 = 4096;
 const MAX_DESCRIPTOR_SET_BYTES: u64 = 16 * 1024 * 1024;
 
 const HTTP_KINDS: &[RawBackendKind] = &[RawBackendKind::Openai, RawBackendKind::Anthropic, RawBackendKind::Relay];
-/// The kinds with credentials and TLS towards an HTTP endpoint.
-const AUTH_KINDS: &[RawBackendKind] =
+/// The kinds that serve model calls themselves: models, aliases, forwarded headers.
+const CHAT_KINDS: &[RawBackendKind] =
+    &[RawBackendKind::Openai, RawBackendKind::Anthropic, RawBackendKind::Relay, RawBackendKind::InferencePool];
+/// The kinds with TLS towards an HTTP endpoint.
+const TLS_KINDS: &[RawBackendKind] =
     &[RawBackendKind::Openai, RawBackendKind::Anthropic, RawBackendKind::Relay, RawBackendKind::Http];
-const ROUTABLE_KINDS: &[RawBackendKind] =
-    &[RawBackendKind::Openai, RawBackendKind::Anthropic, RawBackendKind::Relay, RawBackendKind::Pool];
+/// The kinds with credentials towards an HTTP endpoint.
+const AUTH_KINDS: &[RawBackendKind] = &[
+    RawBackendKind::Openai,
+    RawBackendKind::Anthropic,
+    RawBackendKind::Relay,
+    RawBackendKind::Http,
+    RawBackendKind::InferencePool,
+];
+const ROUTABLE_KINDS: &[RawBackendKind] = &[
+    RawBackendKind::Openai,
+    RawBackendKind::Anthropic,
+    RawBackendKind::Relay,
+    RawBackendKind::InferencePool,
+    RawBackendKind::Pool,
+];
 const ENDPOINT_KINDS: &[RawBackendKind] = &[
     RawBackendKind::Openai,
     RawBackendKind::Anthropic,
@@ -40,6 +57,18 @@ const ENDPOINT_KINDS: &[RawBackendKind] = &[
     RawBackendKind::Grpc,
     RawBackendKind::Http,
 ];
+/// The kinds that process data somewhere: every one but `pool`.
+const JURISDICTION_KINDS: &[RawBackendKind] = &[
+    RawBackendKind::Openai,
+    RawBackendKind::Anthropic,
+    RawBackendKind::Relay,
+    RawBackendKind::Grpc,
+    RawBackendKind::Http,
+    RawBackendKind::InferencePool,
+];
+const POOL_KINDS: &[RawBackendKind] = &[RawBackendKind::Pool, RawBackendKind::InferencePool];
+/// An inference pool's target path when none is given.
+const DEFAULT_TARGET_PATH: &str = "/v1";
 /// An OpenAPI contract larger than this is not one an operator meant.
 const MAX_CONTRACT_BYTES: u64 = 16 * 1024 * 1024;
 
@@ -81,6 +110,8 @@ impl Checker<'_> {
             saturation,
             load,
             jurisdiction,
+            endpoint_picker,
+            target,
         } = raw;
 
         // In the order keys are usually written, so errors read top to bottom.
@@ -118,6 +149,40 @@ impl Checker<'_> {
                 let picking = self.picking(&path, pick, cache_affinity, saturation);
                 members.map(|members| BackendKind::Pool { members, picking })
             }
+            RawBackendKind::InferencePool => {
+                let auth = self.auth(&format!("{path}.auth"), auth);
+                let forward_headers =
+                    self.forward_headers(&format!("{path}.forward_headers"), forward_headers, auth.as_ref());
+                let (picker, target_path) = self.inference_pool(&path, endpoint_picker, target)?;
+                let members = match members {
+                    None => Some(Vec::new()),
+                    Some(_) if picker.failure_mode == FailureMode::FailClose => {
+                        self.error(
+                            format!("{path}.members"),
+                            "used only when the picker cannot answer and `endpoint_picker.failure_mode` is                              fail_open; with fail_close they would never serve",
+                        );
+                        None
+                    }
+                    raw => self.members(&path, name, raw, catalog),
+                };
+                if picker.failure_mode == FailureMode::FailOpen && members.as_ref().is_some_and(Vec::is_empty) {
+                    self.warn(
+                        format!("{path}.endpoint_picker.failure_mode"),
+                        "fail_open without `members`: a call the picker cannot answer goes to the pool's                          fallbacks, or is refused (503 picker_unavailable)",
+                    );
+                }
+                self.check_pool(&path, external, None, members.as_deref(), catalog);
+                let endpoint = Endpoint {
+                    url: target_path,
+                    auth: auth?,
+                    tls: None,
+                    models: models.unwrap_or_default(),
+                    aliases: aliases.unwrap_or_default(),
+                    default_model,
+                    forward_headers: forward_headers?,
+                };
+                Some(BackendKind::InferencePool { endpoint, picker, members: members? })
+            }
         };
         let price = self.backend_price(&path, name, kind, price);
         if capabilities.as_ref().is_some_and(Vec::is_empty) {
@@ -127,7 +192,8 @@ impl Checker<'_> {
             );
         }
         let realtime = capabilities.as_ref().is_some_and(|c| c.contains(&RawCapability::Realtime));
-        if realtime && matches!(kind, RawBackendKind::Anthropic | RawBackendKind::Relay) {
+        if realtime && matches!(kind, RawBackendKind::Anthropic | RawBackendKind::Relay | RawBackendKind::InferencePool)
+        {
             self.error(
                 format!("{path}.capabilities"),
                 format!(
@@ -170,6 +236,55 @@ impl Checker<'_> {
             load,
             jurisdiction,
         })
+    }
+
+    /// An inference pool's `endpoint_picker` and `target`: the picker's settings and
+    /// the target's path (`/v1`, no trailing slash).
+    fn inference_pool(
+        &mut self,
+        path: &str,
+        picker: Option<RawEndpointPicker>,
+        target: Option<RawTarget>,
+    ) -> Option<(PickerSettings, String)> {
+        let picker = self.required(&format!("{path}.endpoint_picker"), picker, "(where the endpoint picker listens)");
+        let target = self.required(&format!("{path}.target"), target, "(the model servers' port and path)");
+        let (picker, target) = (picker?, target?);
+        let url_path = format!("{path}.endpoint_picker.url");
+        let url = self.required(&url_path, picker.url, "(the picker's gRPC address, http://host:port)")?;
+        let url = match url.parse::<http::Uri>() {
+            Ok(uri) if uri.scheme_str() == Some("http") && uri.host().is_some() && uri.path() == "/" => {
+                url.trim_end_matches('/').to_owned()
+            }
+            _ => {
+                self.error(
+                    url_path,
+                    format!(
+                        "`{url}` is not an http://host:port address: the picker is spoken to over HTTP/2                          cleartext, as the Inference Extension's pickers serve"
+                    ),
+                );
+                return None;
+            }
+        };
+        let failure_mode = match picker.failure_mode {
+            None | Some(RawFailureMode::FailClose) => FailureMode::FailClose,
+            Some(RawFailureMode::FailOpen) => FailureMode::FailOpen,
+        };
+        let port_path = format!("{path}.target.port");
+        let port = self.required(&port_path, target.port, "(the model servers' port)")?;
+        let Some(port) = u16::try_from(port).ok().filter(|p| *p > 0) else {
+            self.error(port_path, "must be a port, 1 to 65535");
+            return None;
+        };
+        let target_path = target.path.unwrap_or_else(|| DEFAULT_TARGET_PATH.to_owned());
+        let segments_ok = target_path.starts_with('/')
+            && !target_path.contains(['?', '#', ' '])
+            && target_path.parse::<http::uri::PathAndQuery>().is_ok();
+        if !segments_ok {
+            self.error(format!("{path}.target.path"), format!("`{target_path}` is not an absolute path (e.g. /v1)"));
+            return None;
+        }
+        let target_path = target_path.trim_end_matches('/').to_owned();
+        Some((PickerSettings { url, failure_mode, port }, target_path))
     }
 
     /// A pool's `pick`, `cache_affinity` and `saturation`.
@@ -365,27 +480,29 @@ impl Checker<'_> {
 
     /// Keys that belong to other kinds of backend are refused, naming the kind.
     fn refuse_foreign_keys(&mut self, path: &str, kind: RawBackendKind, raw: &RawBackend) {
-        let keys: [(&str, bool, &[RawBackendKind]); 20] = [
+        let keys: [(&str, bool, &[RawBackendKind]); 22] = [
             ("url", raw.url.is_some(), ENDPOINT_KINDS),
             ("auth", raw.auth.is_some(), AUTH_KINDS),
-            ("tls", raw.tls.is_some(), AUTH_KINDS),
-            ("models", raw.models.is_some(), HTTP_KINDS),
-            ("aliases", raw.aliases.is_some(), HTTP_KINDS),
-            ("default_model", raw.default_model.is_some(), HTTP_KINDS),
+            ("tls", raw.tls.is_some(), TLS_KINDS),
+            ("models", raw.models.is_some(), CHAT_KINDS),
+            ("aliases", raw.aliases.is_some(), CHAT_KINDS),
+            ("default_model", raw.default_model.is_some(), CHAT_KINDS),
             ("capabilities", raw.capabilities.is_some(), ROUTABLE_KINDS),
             ("fallback", raw.fallback.is_some(), ROUTABLE_KINDS),
-            ("members", raw.members.is_some(), &[RawBackendKind::Pool]),
+            ("members", raw.members.is_some(), POOL_KINDS),
+            ("endpoint_picker", raw.endpoint_picker.is_some(), &[RawBackendKind::InferencePool]),
+            ("target", raw.target.is_some(), &[RawBackendKind::InferencePool]),
             ("metering", raw.metering.is_some(), &[RawBackendKind::Relay]),
             ("identity_headers", raw.identity_headers.is_some(), &[RawBackendKind::Relay]),
             ("descriptor_set", raw.descriptor_set.is_some(), &[RawBackendKind::Grpc]),
             ("contract", raw.contract.is_some(), &[RawBackendKind::Http]),
             ("mount", raw.mount.is_some(), &[RawBackendKind::Http]),
-            ("forward_headers", raw.forward_headers.is_some(), HTTP_KINDS),
+            ("forward_headers", raw.forward_headers.is_some(), CHAT_KINDS),
             ("pick", raw.pick.is_some(), &[RawBackendKind::Pool]),
             ("cache_affinity", raw.cache_affinity.is_some(), &[RawBackendKind::Pool]),
             ("saturation", raw.saturation.is_some(), &[RawBackendKind::Pool]),
             ("load", raw.load.is_some(), HTTP_KINDS),
-            ("jurisdiction", raw.jurisdiction.is_some(), ENDPOINT_KINDS),
+            ("jurisdiction", raw.jurisdiction.is_some(), JURISDICTION_KINDS),
         ];
         let here = kind.a_backend();
         for (key, present, kinds) in keys {
@@ -836,8 +953,8 @@ impl Checker<'_> {
             return None;
         }
         let (id, summary) = self.route_target(path, name, catalog, "a pool member")?;
-        if summary.kind == RawBackendKind::Pool {
-            self.error(path, format!("pools do not nest: `{name}` is itself a pool"));
+        if matches!(summary.kind, RawBackendKind::Pool | RawBackendKind::InferencePool) {
+            self.error(path, format!("pools do not nest: `{name}` is itself {}", summary.kind.a_backend()));
             return None;
         }
         Some(id)
