@@ -7,6 +7,7 @@ pub mod audit;
 pub mod budget;
 pub mod call;
 pub mod config;
+pub mod console;
 pub mod error;
 pub mod gateway;
 pub mod http;

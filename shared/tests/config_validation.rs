@@ -1698,3 +1698,22 @@ fn warns_about_an_inference_pool_failing_open_to_nothing() {
     assert_eq!(warnings.len(), 1, "{warnings:?}");
     assert_eq!(warnings[0].path, "ai.backends.epp.endpoint_picker.failure_mode");
 }
+
+// ----- the console ----------------------------------------------------------------
+
+#[test]
+fn reads_the_console_keys_and_refuses_a_tenant_s() {
+    let loaded = doc().set("console", &format!("{{keys: [{{sha256: {KEY_B}}}]}}")).loads();
+    let console = loaded.config.console.expect("a console");
+    assert_eq!(console.keys.len(), 1);
+    assert!(doc().loads().config.console.is_none(), "no console unless declared");
+
+    doc()
+        .set("console", &format!("{{keys: [{{sha256: {KEY_A}}}]}}"))
+        .refused("console.keys[0].sha256", "a tenant's key never opens the console");
+    doc().set("console", "{keys: []}").refused("console.keys", "at least one key");
+    doc()
+        .set("console", &format!("{{keys: [{{sha256: {KEY_B}}}, {{sha256: {KEY_B}}}]}}"))
+        .refused("console.keys[1].sha256", "listed twice");
+    doc().set("console", "{keys: [{sha256: nothex}]}").refused("console.keys[0].sha256", "");
+}

@@ -68,6 +68,14 @@ pub struct Config {
     pub ai: Ai,
     /// OpenTelemetry export; `None`: nothing is exported.
     pub telemetry: Option<TelemetryConfig>,
+    /// The operator's console; `None`: `/console` answers 404.
+    pub console: Option<ConsoleConfig>,
+}
+
+/// Who may open the console: the SHA-256 of each console key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsoleConfig {
+    pub keys: Vec<[u8; 32]>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -46,6 +46,27 @@ pub struct RawConfig {
     /// OpenTelemetry: one span per call and the GenAI client metrics, sent to a
     /// collector over OTLP/HTTP. Absent: nothing is exported.
     pub telemetry: Option<RawTelemetry>,
+    /// The operator's console at `/console` (`flexway serve` only): who may open it.
+    /// Absent: `/console` answers 404.
+    pub console: Option<RawConsole>,
+}
+
+/// The console: read-only, opened by a console key (never a tenant's).
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Console", expecting = "a console ({keys: [...]}) (a mapping)")]
+pub struct RawConsole {
+    /// The keys that open it, by SHA-256, as a tenant's are declared.
+    #[schemars(required)]
+    pub keys: Option<Vec<RawConsoleKey>>,
+}
+
+/// A console key.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "ConsoleKey", expecting = "a console key ({sha256: HEX}) (a mapping)")]
+pub struct RawConsoleKey {
+    /// SHA-256 of the key, 64 hex digits (`flexway key new` prints it).
+    #[schemars(required, regex(pattern = r"^[0-9a-fA-F]{64}$"))]
+    pub sha256: Option<String>,
 }
 
 /// The budget ledger.

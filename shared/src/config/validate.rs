@@ -21,8 +21,8 @@ mod backends;
 
 use super::raw::{
     Parsed, RawAgent, RawAi, RawAudit, RawBackend, RawBackendKind, RawBudgetPolicy, RawBudgets, RawCapability,
-    RawConfig, RawCriticality, RawDuration, RawKey, RawLimits, RawSecret, RawSinkKind, RawStore, RawStoreKind,
-    RawTelemetry, RawTenant, RawVision,
+    RawConfig, RawConsole, RawCriticality, RawDuration, RawKey, RawLimits, RawSecret, RawSinkKind, RawStore,
+    RawStoreKind, RawTelemetry, RawTenant, RawVision,
 };
 use super::values::{base_url, fraction_ppm, header_name, https_origin, key_hash, micro_eur, secret_ref, unresolvable};
 use super::*;
@@ -51,7 +51,7 @@ pub(super) fn validate(
 ) -> Result<Loaded, (Vec<Diagnostic>, usize)> {
     let Parsed { raw, errors: shape_errors } = parsed;
     let unparsed = Unparsed::new(&shape_errors.lost_values);
-    let RawConfig { version, store, audit, secrets: secret_policy, tenants, ai, telemetry } = raw;
+    let RawConfig { version, store, audit, secrets: secret_policy, tenants, ai, telemetry, console } = raw;
     let mut check = Checker { env, secrets, errors: Vec::new(), warnings: Vec::new(), grpc: BTreeMap::new() };
 
     match version {
@@ -81,6 +81,7 @@ pub(super) fn validate(
     if let Some(ai) = &ai {
         check.residency_chains(&tenants, ai);
     }
+    let console = console.and_then(|raw| check.console(raw, &tenants));
     if let (Some(store), Some(audit), Some(ai)) = (&store, &audit, &ai) {
         check.platform_limits(store, audit, ai);
     }
@@ -93,7 +94,7 @@ pub(super) fn validate(
 
     match (store, audit, ai) {
         (Some(store), Some(audit), Some(ai)) if errors.is_empty() && shape_errors.unlisted == 0 => Ok(Loaded {
-            config: Config { store, audit, secrets: secret_policy, tenants, ai, telemetry },
+            config: Config { store, audit, secrets: secret_policy, tenants, ai, telemetry, console },
             warnings: check.warnings,
         }),
         _ if errors.is_empty() && shape_errors.unlisted == 0 => {
@@ -186,7 +187,7 @@ fn section_rank(path: &str) -> u8 {
         "ai" if path.starts_with("ai.backends") => 6,
         "ai" => 5,
         "telemetry" => 7,
-        _ => 7,
+        _ => 8,
     }
 }
 
@@ -677,6 +678,31 @@ impl Checker<'_> {
             other => other.map(AgentId::new),
         };
         Some(KeyEntry { sha256: hash, agent, relay_peer: raw.relay_peer.unwrap_or(false) })
+    }
+
+    /// The console's keys: at least one, each once, none a tenant's (a tenant's key
+    /// never opens the console).
+    fn console(&mut self, raw: RawConsole, tenants: &BTreeMap<TenantId, Tenant>) -> Option<ConsoleConfig> {
+        let raw = raw.keys.unwrap_or_default();
+        if raw.is_empty() {
+            self.error("console.keys", "list at least one key (or leave `console` out: no console)");
+            return None;
+        }
+        let mut keys: Vec<[u8; 32]> = Vec::new();
+        for (i, key) in raw.into_iter().enumerate() {
+            let path = format!("console.keys[{i}].sha256");
+            let Some(hex) = self.required(&path, key.sha256, "(the key's SHA-256)") else { continue };
+            let Ok(hash) = key_hash(&hex).map_err(|m| self.error(&path, m)) else { continue };
+            if keys.contains(&hash) {
+                self.error(path, "listed twice");
+            } else if let Some(tenant) = tenants.values().find(|t| t.keys.iter().any(|k| k.sha256 == hash)) {
+                let message = format!("is a key of tenant {}: a tenant's key never opens the console", tenant.name);
+                self.error(path, message);
+            } else {
+                keys.push(hash);
+            }
+        }
+        Some(ConsoleConfig { keys })
     }
 
     fn agent(&mut self, path: &str, raw: RawAgent, catalog: &Catalog) -> Agent {

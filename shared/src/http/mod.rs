@@ -2,6 +2,7 @@
 //! with `axum::serve`, the Lambda function with `lambda_http`'s streaming runner.
 
 mod chain;
+mod console;
 mod dispatch;
 mod door;
 mod error;
@@ -73,7 +74,7 @@ impl Deadline {
 /// The local shape's surface: the API plus `GET /metrics` (Prometheus).
 pub fn app(gateway: Arc<Gateway>) -> Router {
     let routes = api_routes().route("/v1/realtime", get(realtime::session)).route("/metrics", get(metrics));
-    finish(routes, gateway)
+    finish(routes.merge(console::routes()), gateway)
 }
 
 /// The serverless shape's surface: the API only (metrics leave as CloudWatch EMF).

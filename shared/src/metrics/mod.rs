@@ -89,6 +89,9 @@ pub struct Registry {
     /// Realtime responses charged, per [tenant, backend].
     realtime_responses: Family<u64>,
     realtime_open: AtomicU64,
+    /// Calls recorded in each of the last 60 minutes: (Unix minute, calls), at the
+    /// minute's index modulo 60.
+    per_minute: Mutex<[(u64, u64); 60]>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -107,6 +110,17 @@ impl Default for Registry {
 struct CallSums {
     calls: u64,
     cost_micro_eur: u64,
+    /// Calls that ended with a 5xx: the backend's failure, or the gateway's.
+    errors: u64,
+}
+
+/// One backend's calls since the process started, as the console shows them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendTotals {
+    pub backend: String,
+    pub calls: u64,
+    pub cost: MicroEur,
+    pub errors: u64,
 }
 
 impl Registry {
@@ -125,7 +139,46 @@ impl Registry {
             realtime_sessions: Family::new(),
             realtime_responses: Family::new(),
             realtime_open: AtomicU64::new(0),
+            per_minute: Mutex::new([(0, 0); 60]),
         }
+    }
+
+    /// Calls, cost and 5xx per backend (refused calls, before any backend, under
+    /// [`NONE`]), by name.
+    pub fn backend_totals(&self) -> Vec<BackendTotals> {
+        let mut totals: Vec<BackendTotals> = Vec::new();
+        for (values, sums) in self.calls.snapshot(|sums| *sums) {
+            let backend = values.get(1).map_or(NONE, String::as_str);
+            let index = match totals.iter().position(|t| t.backend == backend) {
+                Some(index) => index,
+                None => {
+                    let zero = BackendTotals { backend: backend.to_owned(), calls: 0, cost: MicroEur(0), errors: 0 };
+                    totals.push(zero);
+                    totals.len() - 1
+                }
+            };
+            let total = &mut totals[index];
+            total.calls += sums.calls;
+            total.cost = MicroEur(total.cost.0 + sums.cost_micro_eur);
+            total.errors += sums.errors;
+        }
+        totals.sort_by(|a, b| a.backend.cmp(&b.backend));
+        totals
+    }
+
+    /// Calls recorded in each of the 60 minutes up to `now` (Unix seconds), the
+    /// oldest first.
+    pub fn calls_per_minute(&self, now: u64) -> Vec<u64> {
+        let minute = now / 60;
+        let ring = self.per_minute.lock().unwrap_or_else(PoisonError::into_inner);
+        (0..60)
+            .rev()
+            .map(|ago| {
+                let at = minute.saturating_sub(ago);
+                let (stamp, calls) = ring[(at % 60) as usize];
+                if stamp == at && at + ago == minute { calls } else { 0 }
+            })
+            .collect()
     }
 
     /// Counts one call and its cost from its audit record, and, when its usage was
@@ -133,10 +186,18 @@ impl Registry {
     /// too. Call it once per record written, refused calls included.
     pub fn record_call(&self, record: &AuditRecord) {
         let labels = call_labels(record);
+        let failed = u64::from(record.status >= 500);
         let count = |sums: &mut CallSums| {
             sums.calls = sums.calls.saturating_add(1);
             sums.cost_micro_eur = sums.cost_micro_eur.saturating_add(record.cost_micro_eur);
+            sums.errors = sums.errors.saturating_add(failed);
         };
+        let minute = u64::try_from(record.ts.unix_millis() / 60_000).unwrap_or(0);
+        {
+            let mut ring = self.per_minute.lock().unwrap_or_else(PoisonError::into_inner);
+            let slot = &mut ring[(minute % 60) as usize];
+            *slot = if slot.0 == minute { (minute, slot.1 + 1) } else { (minute, 1) };
+        }
         match record.feature.as_deref() {
             // A metered gRPC or REST call adds its feature as a fifth label (SPEC §10).
             Some(feature) => {
@@ -243,6 +304,17 @@ impl Registry {
         for (values, sums) in &calls {
             let euros = MicroEur(sums.cost_micro_eur).to_eur_string();
             sample(&mut out, "flexway_inference_cost_eur_total", &GRPC_CALL_LABELS, values, None, &euros);
+        }
+
+        header(
+            &mut out,
+            "flexway_inference_errors_total",
+            "counter",
+            "Inference calls that ended with a 5xx (the backends' failures and the gateway's).",
+        );
+        for (values, sums) in &calls {
+            let errors = sums.errors.to_string();
+            sample(&mut out, "flexway_inference_errors_total", &GRPC_CALL_LABELS, values, None, &errors);
         }
 
         header(

@@ -1,0 +1,279 @@
+//! What the operator's console shows (SPEC §9): per tenant and agent, the spend and
+//! tokens counted in the ledger against each budget; per backend, this process's
+//! calls, cost, errors, breaker state and, for pools that pick by load, each member's
+//! live load; and the calls of the last hour, minute by minute. Read from the ledger
+//! (the figures admission reads: in the fleet shape, the shared DynamoDB table) and
+//! from the process's own metrics; nothing else. `http::console` renders it.
+
+use serde::Serialize;
+
+use crate::budget::period::unix_now;
+use crate::budget::plan::{self, Budget};
+use crate::budget::{StoreError, Unit};
+use crate::config::{BackendKind, Pick};
+use crate::gateway::Gateway;
+use crate::money::MicroEur;
+
+/// Tenants (with their agents) shown on one page.
+pub const PAGE: usize = 50;
+
+/// The console's figures at one instant.
+#[derive(Debug, Clone, Serialize)]
+pub struct Overview {
+    /// Unix seconds.
+    pub at: u64,
+    /// The tenants of this page (those whose name contains the filter), the closest
+    /// to a cap first, each followed by its agents with budgets of their own.
+    pub scopes: Vec<Scope>,
+    /// Tenants matching the filter, on every page.
+    pub tenants: usize,
+    /// This page, from 1, and how many there are.
+    pub page: usize,
+    pub pages: usize,
+    pub backends: Vec<BackendRow>,
+    /// Calls recorded by this process in each of the last 60 minutes, oldest first.
+    pub calls_per_minute: Vec<u64>,
+    /// Every budget past its soft threshold or at its cap, on any page.
+    pub alerts: Vec<Alert>,
+}
+
+/// A tenant, or one of its agents with budgets of its own.
+#[derive(Debug, Clone, Serialize)]
+pub struct Scope {
+    pub tenant: String,
+    pub agent: Option<String>,
+    pub budgets: Vec<BudgetRow>,
+}
+
+impl Scope {
+    /// The largest share of a limit used, in parts per million (0 with no limit).
+    fn pressure(&self) -> u64 {
+        self.budgets.iter().map(BudgetRow::used_ppm).max().unwrap_or(0)
+    }
+}
+
+/// One counter: what was used in its period, against its limit.
+#[derive(Debug, Clone, Serialize)]
+pub struct BudgetRow {
+    /// `tokens_per_day`, `tokens_per_month` or `eur_per_month`.
+    pub budget: &'static str,
+    /// Tokens, or micro-euros for `eur_per_month`.
+    pub used: u64,
+    pub limit: Option<u64>,
+    pub state: CapState,
+    /// Whole seconds until the period resets.
+    pub resets_in_secs: u64,
+}
+
+impl BudgetRow {
+    fn used_ppm(&self) -> u64 {
+        match self.limit {
+            Some(limit) if limit > 0 => {
+                u64::try_from(u128::from(self.used) * 1_000_000 / u128::from(limit)).unwrap_or(u64::MAX)
+            }
+            Some(_) => 1_000_000,
+            None => 0,
+        }
+    }
+
+    /// The share of the limit used, as a percentage (for the bar), at most 100.
+    pub fn percent(&self) -> u64 {
+        (self.used_ppm() / 10_000).min(100)
+    }
+
+    pub fn is_money(&self) -> bool {
+        self.budget == "eur_per_month"
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CapState {
+    Ok,
+    /// Past `ai.budget.soft.threshold`: calls go to the soft backend.
+    Soft,
+    /// At the limit: calls are refused.
+    Exceeded,
+}
+
+impl CapState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CapState::Ok => "ok",
+            CapState::Soft => "soft",
+            CapState::Exceeded => "exceeded",
+        }
+    }
+}
+
+/// A budget at its soft threshold or its cap.
+#[derive(Debug, Clone, Serialize)]
+pub struct Alert {
+    pub tenant: String,
+    pub agent: Option<String>,
+    pub budget: &'static str,
+    pub state: CapState,
+}
+
+/// One backend, as this process saw it since it started.
+#[derive(Debug, Clone, Serialize)]
+pub struct BackendRow {
+    pub backend: String,
+    pub kind: &'static str,
+    pub calls: u64,
+    pub cost_micro_eur: u64,
+    /// Calls that ended with a 5xx.
+    pub errors: u64,
+    /// `closed`, `open` or `half_open`.
+    pub breaker: &'static str,
+    /// For a pool that picks by load: each member's last seen load.
+    pub members: Vec<MemberLoad>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct MemberLoad {
+    pub backend: String,
+    /// From its metrics, when fresh.
+    pub queue: Option<u32>,
+    pub kv_cache_ppm: Option<u32>,
+    /// The gateway's own calls in flight to it.
+    pub in_flight: u32,
+}
+
+/// The console's figures for the tenants whose name contains `filter` (any case),
+/// page `page` (from 1) of them.
+pub async fn overview(gateway: &Gateway, filter: &str, page: usize) -> Result<Overview, StoreError> {
+    let now = unix_now();
+    let config = &gateway.config;
+    // Every budget of every tenant and agent: one read of the ledger for all, so the
+    // alerts cover every page.
+    let mut scopes: Vec<(String, Option<String>, Vec<Budget>)> = Vec::new();
+    for (name, tenant) in &config.tenants {
+        scopes.push((name.to_string(), None, plan::budgets_for(config, name, None, now)));
+        for (agent, settings) in &tenant.agents {
+            if settings.budgets != Default::default() {
+                let own: Vec<Budget> = plan::budgets_for(config, name, Some(agent.as_str()), now)
+                    .into_iter()
+                    .filter(|b| b.key.as_str().split('/').nth(1) == Some(agent.as_str()))
+                    .collect();
+                scopes.push((name.to_string(), Some(agent.to_string()), own));
+            }
+        }
+    }
+    let keys: Vec<_> = scopes.iter().flat_map(|(_, _, budgets)| budgets.iter().map(|b| b.key.clone())).collect();
+    let mut used = gateway.budgets.used(&keys).await?.into_iter();
+    let threshold = config.ai.budget.soft.as_ref().map(|s| s.threshold_ppm);
+    let mut all: Vec<Scope> = scopes
+        .into_iter()
+        .map(|(tenant, agent, budgets)| Scope {
+            tenant,
+            agent,
+            budgets: budgets.iter().map(|b| row(b, used.next().unwrap_or(0), threshold, now)).collect(),
+        })
+        .collect();
+    let alerts = all
+        .iter()
+        .flat_map(|scope| {
+            scope.budgets.iter().filter(|b| b.state != CapState::Ok).map(|b| Alert {
+                tenant: scope.tenant.clone(),
+                agent: scope.agent.clone(),
+                budget: b.budget,
+                state: b.state,
+            })
+        })
+        .collect();
+
+    // Tenants that match, the closest to a cap first, each with its agents.
+    let filter = filter.trim().to_lowercase();
+    all.retain(|s| s.tenant.to_lowercase().contains(&filter));
+    let mut tenants: Vec<(u64, String)> = Vec::new();
+    for scope in &all {
+        match tenants.iter_mut().find(|(_, name)| *name == scope.tenant) {
+            Some((pressure, _)) => *pressure = (*pressure).max(scope.pressure()),
+            None => tenants.push((scope.pressure(), scope.tenant.clone())),
+        }
+    }
+    tenants.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    let pages = tenants.len().div_ceil(PAGE).max(1);
+    let page = page.clamp(1, pages);
+    let shown: Vec<&String> = tenants.iter().skip((page - 1) * PAGE).take(PAGE).map(|(_, name)| name).collect();
+    let mut scopes = Vec::new();
+    for name in shown {
+        scopes.extend(all.iter().filter(|s| &s.tenant == name).cloned());
+    }
+
+    Ok(Overview {
+        at: now,
+        scopes,
+        tenants: tenants.len(),
+        page,
+        pages,
+        backends: backends(gateway),
+        calls_per_minute: gateway.metrics.calls_per_minute(now),
+        alerts,
+    })
+}
+
+fn row(budget: &Budget, used: u64, threshold: Option<u32>, now: u64) -> BudgetRow {
+    let name = budget.name.rsplit(' ').next().unwrap_or_default();
+    let budget_name = match (budget.unit, name) {
+        (Unit::MicroEur, _) => "eur_per_month",
+        (Unit::Tokens, "tokens_per_day") => "tokens_per_day",
+        (Unit::Tokens, _) => "tokens_per_month",
+    };
+    let state = match budget.limit {
+        Some(limit) if used >= limit => CapState::Exceeded,
+        Some(limit) if threshold.is_some_and(|t| u128::from(used) * 1_000_000 >= u128::from(limit) * u128::from(t)) => {
+            CapState::Soft
+        }
+        _ => CapState::Ok,
+    };
+    BudgetRow {
+        budget: budget_name,
+        used,
+        limit: budget.limit,
+        state,
+        resets_in_secs: budget.resets_at.saturating_sub(now),
+    }
+}
+
+/// Every declared backend, with what this process saw of it.
+fn backends(gateway: &Gateway) -> Vec<BackendRow> {
+    let totals = gateway.metrics.backend_totals();
+    let breakers = gateway.breakers.states(std::time::Instant::now());
+    let loads = gateway.router.loads.snapshot();
+    gateway
+        .config
+        .ai
+        .backends
+        .iter()
+        .map(|(name, backend)| {
+            let seen = totals.iter().find(|t| t.backend == name.as_str());
+            let members = match &backend.kind {
+                BackendKind::Pool { members, picking } if picking.pick == Pick::LeastLoaded => members
+                    .iter()
+                    .map(|member| {
+                        let load = loads.iter().find(|(b, _)| *b == member.backend).map(|(_, seen)| seen);
+                        let sample = load.and_then(|l| l.sample);
+                        MemberLoad {
+                            backend: member.backend.to_string(),
+                            queue: sample.map(|s| s.waiting),
+                            kv_cache_ppm: sample.map(|s| s.kv_ppm),
+                            in_flight: load.map_or(0, |l| l.in_flight),
+                        }
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            };
+            BackendRow {
+                backend: name.to_string(),
+                kind: backend.kind.name(),
+                calls: seen.map_or(0, |t| t.calls),
+                cost_micro_eur: seen.map_or(MicroEur(0), |t| t.cost).0,
+                errors: seen.map_or(0, |t| t.errors),
+                breaker: breakers.iter().find(|(b, _)| b == name).map_or("closed", |(_, state)| state.as_str()),
+                members,
+            }
+        })
+        .collect()
+}

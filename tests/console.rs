@@ -1,0 +1,236 @@
+//! The operator's console (SPEC §9), end to end: the real binary, and a real headless
+//! Chromium driven over WebDriver (Debian's `chromium` and `chromium-driver`, which
+//! the test command installs), signing in and reading the page.
+#![cfg(test)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{Value, json};
+
+const CONSOLE_KEY: &str = "sk-console-operator";
+
+/// Tenants `acme` (KEY; 100,000 tokens a day, 5 € a month) and `globex` (OTHER_KEY),
+/// served by `main` at `url`, and a console unless `console` is false.
+fn console_config(url: &str, console: bool) -> String {
+    let console =
+        if console { format!("console:\n  keys:\n    - sha256: {}\n", sha(CONSOLE_KEY)) } else { String::new() };
+    format!(
+        "version: 1\nstore: {{kind: memory}}\naudit: {{sink: stdout}}\n{console}tenants:\n  acme:\n    keys:\n      \
+         - sha256: {}\n    budgets: {{tokens_per_day: 100000, eur_per_month: 5}}\n  globex:\n    keys:\n      \
+         - sha256: {}\nai:\n  default_backend: main\n  backends:\n    main:\n      url: \"{url}\"\n      \
+         price: {{input_per_mtok_eur: 1000, output_per_mtok_eur: 2000}}\n",
+        sha(KEY),
+        sha(OTHER_KEY)
+    )
+}
+
+#[tokio::test]
+async fn the_console_is_not_found_unless_configured() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&console_config(&model.url(), false));
+    for (method, path) in [("GET", "/console"), ("GET", "/console/data.json"), ("POST", "/console/session")] {
+        let request = client().request(method.parse().unwrap(), format!("{}{path}", gw.url));
+        let response = request.bearer_auth(CONSOLE_KEY).send().await.unwrap();
+        assert_eq!(response.status(), 404, "{method} {path}");
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "not_found");
+    }
+}
+
+#[tokio::test]
+async fn a_script_reads_it_with_a_console_key_never_a_tenant_s() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&console_config(&model.url(), true));
+    let data = |key: &str| client().get(format!("{}/console/data.json", gw.url)).bearer_auth(key).send();
+    let refused = data(KEY).await.unwrap();
+    assert_eq!(refused.status(), 401);
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "invalid_api_key");
+    let unsigned = client().get(format!("{}/console/data.json", gw.url)).send().await.unwrap();
+    assert_eq!(unsigned.status(), 401);
+
+    assert_eq!(gw.chat(KEY, hello("m")).await.status(), 200);
+    let overview: Value = data(CONSOLE_KEY).await.unwrap().json().await.unwrap();
+    let acme = overview["scopes"].as_array().unwrap().iter().find(|s| s["tenant"] == "acme").unwrap();
+    let eur = acme["budgets"].as_array().unwrap().iter().find(|b| b["budget"] == "eur_per_month").unwrap();
+    assert!(eur["used"].as_u64().unwrap() > 0);
+    assert_eq!(eur["limit"], 5_000_000);
+    let main = overview["backends"].as_array().unwrap().iter().find(|b| b["backend"] == "main").unwrap();
+    assert_eq!((main["calls"].as_u64(), main["breaker"].as_str()), (Some(1), Some("closed")));
+    assert_eq!(overview["calls_per_minute"].as_array().unwrap().len(), 60);
+    assert_eq!(overview["calls_per_minute"][59], 1, "this minute's call");
+}
+
+#[tokio::test]
+async fn a_browser_signs_in_and_reads_the_spend_the_ledger_holds() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&console_config(&model.url(), true));
+    for _ in 0..3 {
+        assert_eq!(gw.chat(KEY, hello("m")).await.status(), 200);
+    }
+    assert_eq!(gw.chat(OTHER_KEY, hello("m")).await.status(), 200);
+    // What the audit (and `flexway report`) says acme spent.
+    let records = records_until(&gw, 4).await;
+    let acme: Vec<&Value> = records.iter().filter(|r| r["tenant"] == "acme").collect();
+    let cost: u64 = acme.iter().map(|r| r["cost_micro_eur"].as_u64().unwrap()).sum();
+    let tokens: u64 =
+        acme.iter().map(|r| r["prompt_tokens"].as_u64().unwrap() + r["completion_tokens"].as_u64().unwrap()).sum();
+    assert!(cost > 0 && tokens > 0);
+
+    let browser = Browser::start().await;
+    browser.go(&format!("{}/console", gw.url)).await;
+    assert!(browser.source().await.contains("Sign in"), "the sign-in form first");
+
+    // A tenant's key does not open it.
+    browser.type_into("#key", KEY).await;
+    browser.click("#sign-in").await;
+    let refused = browser.source().await;
+    assert!(refused.contains("does not open the console") && !refused.contains("id=\"tenants\""), "{refused}");
+
+    browser.type_into("#key", CONSOLE_KEY).await;
+    browser.click("#sign-in").await;
+    let page = browser.source().await;
+    assert!(page.contains("id=\"tenants\"") && page.contains("id=\"backends\""), "{page}");
+    let used = |budget: &str| {
+        let row = format!("data-tenant=\"acme\" data-agent=\"\" data-budget=\"{budget}\" data-used=\"");
+        let at = page.find(&row).unwrap_or_else(|| panic!("no {budget} row for acme: {page}")) + row.len();
+        page[at..].split('"').next().unwrap().parse::<u64>().unwrap()
+    };
+    assert_eq!(used("eur_per_month"), cost, "the month's spend is the ledger's, the audit's sum");
+    assert_eq!(used("tokens_per_day"), tokens);
+    assert!(page.contains("data-tenant=\"globex\""));
+    assert!(page.contains("data-backend=\"main\" data-calls=\"4\""), "{page}");
+    assert!(!page.contains(KEY) && !page.contains(CONSOLE_KEY) && !page.contains("hello there"), "no key, no prompt");
+    // Nothing from another origin: no script at all, no remote style or image.
+    assert!(!page.contains("<script") && !page.contains("src=\"http") && !page.contains("href=\"http"), "{page}");
+
+    let cookies = browser.cookies().await;
+    let session = cookies.iter().find(|c| c["name"] == "flexway_console").expect("a session cookie");
+    assert_eq!(session["httpOnly"], true);
+    assert_eq!(session["sameSite"], "Strict");
+    let expiry = session["expiry"].as_u64().unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    assert!(expiry <= now + 8 * 3600 + 5, "at most 8 hours");
+
+    if std::env::var_os("FLEXWAY_BLESS").is_some() {
+        let shot = browser.screenshot().await;
+        std::fs::write(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/console.png"), shot).unwrap();
+    }
+
+    let headers = client().get(format!("{}/console", gw.url)).bearer_auth(CONSOLE_KEY).send().await.unwrap();
+    let csp = headers.headers()["content-security-policy"].to_str().unwrap();
+    assert!(csp.starts_with("default-src 'none'"), "{csp}");
+    browser.quit().await;
+}
+
+/// The audit records written so far, once there are at least `n`.
+async fn records_until(gw: &Flexway, n: usize) -> Vec<Value> {
+    for _ in 0..500 {
+        let records: Vec<Value> = gw.stdout().iter().filter_map(|line| serde_json::from_str(line).ok()).collect();
+        if records.len() >= n {
+            return records;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("fewer than {n} audit records: {:?}", gw.stdout());
+}
+
+/// A headless Chromium driven over the W3C WebDriver protocol (a few of its
+/// commands, spoken directly), through a `chromedriver` child process.
+struct Browser {
+    driver: Child,
+    session: String,
+    http: reqwest::Client,
+}
+
+impl Browser {
+    async fn start() -> Browser {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let driver = Command::new(std::env::var("CHROMEDRIVER").unwrap_or_else(|_| "chromedriver".into()))
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("chromedriver (Debian's chromium-driver; scripts/test installs it)");
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+        let base = format!("http://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while http.get(format!("{base}/status")).send().await.is_err() {
+            assert!(Instant::now() < deadline, "chromedriver did not start");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let binary = std::env::var("CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
+        let capabilities = json!({"capabilities": {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": {
+            "binary": binary,
+            "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                     "--window-size=1280,1100"]}}}});
+        let created: Value =
+            http.post(format!("{base}/session")).json(&capabilities).send().await.unwrap().json().await.unwrap();
+        let session = created["value"]["sessionId"].as_str().unwrap_or_else(|| panic!("no session: {created}"));
+        Browser { driver, session: format!("{base}/session/{session}"), http }
+    }
+
+    async fn command(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
+        let request = self.http.request(method, format!("{}{path}", self.session));
+        let request = match body {
+            Some(body) => request.json(&body),
+            None => request,
+        };
+        let answer: Value = request.send().await.unwrap().json().await.unwrap();
+        assert!(answer["value"].get("error").is_none(), "WebDriver {path}: {answer}");
+        answer["value"].clone()
+    }
+
+    async fn go(&self, url: &str) {
+        self.command(reqwest::Method::POST, "/url", Some(json!({"url": url}))).await;
+    }
+
+    async fn element(&self, css: &str) -> String {
+        let found =
+            self.command(reqwest::Method::POST, "/element", Some(json!({"using": "css selector", "value": css})));
+        let found = found.await;
+        found.as_object().and_then(|o| o.values().next()).and_then(Value::as_str).unwrap().to_owned()
+    }
+
+    async fn type_into(&self, css: &str, text: &str) {
+        let element = self.element(css).await;
+        self.command(reqwest::Method::POST, &format!("/element/{element}/clear"), Some(json!({}))).await;
+        self.command(reqwest::Method::POST, &format!("/element/{element}/value"), Some(json!({"text": text}))).await;
+    }
+
+    async fn click(&self, css: &str) {
+        let element = self.element(css).await;
+        self.command(reqwest::Method::POST, &format!("/element/{element}/click"), Some(json!({}))).await;
+    }
+
+    async fn source(&self) -> String {
+        self.command(reqwest::Method::GET, "/source", None).await.as_str().unwrap().to_owned()
+    }
+
+    async fn cookies(&self) -> Vec<Value> {
+        self.command(reqwest::Method::GET, "/cookie", None).await.as_array().unwrap().clone()
+    }
+
+    async fn screenshot(&self) -> Vec<u8> {
+        use base64::Engine as _;
+        let png = self.command(reqwest::Method::GET, "/screenshot", None).await;
+        base64::engine::general_purpose::STANDARD.decode(png.as_str().unwrap()).unwrap()
+    }
+
+    async fn quit(mut self) {
+        let _ = self.http.delete(&self.session).send().await;
+        let _ = self.driver.kill();
+        let _ = self.driver.wait();
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = self.driver.kill();
+    }
+}
