@@ -1,8 +1,10 @@
 //! `EmfAuditSink`: in the serverless shape, metrics are CloudWatch Embedded Metric
 //! Format lines in the function's own log (stdout), one per call, taken from the very
 //! record the audit gets ([`emf_line`]), so metrics and audit never disagree.
-//! CloudWatch turns them into `flexway.inference.cost` and `flexway.inference.calls`
-//! (namespace `Flexway`), which the dashboard in `infra/template.yaml` shows. The
+//! CloudWatch turns them into `flexway.inference.cost`, `flexway.inference.calls` and
+//! `flexway.inference.errors` in the stack's namespace (`Flexway/<stack>`, see
+//! [`namespace`]: two stacks in one region never mix), which the dashboard in
+//! `infra/template.yaml` shows. The
 //! format is CloudWatch's, so it lives here: the core only gives the call's labels
 //! (`flexway::metrics::call_labels`, the same as its Prometheus counters').
 
@@ -13,15 +15,30 @@ use flexway::metrics::{CALL_LABELS, GRPC_CALL_LABELS, call_labels};
 use flexway::money::MicroEur;
 use serde_json::json;
 
+/// The metrics' namespace: `FLEXWAY_METRICS_NAMESPACE` when set (the stack sets
+/// `Flexway/<stack>`), else `Flexway/<stack>` read from the audit group the stack
+/// names `/<stack>/audit` (a gateway deployed with `cargo lambda deploy` on the
+/// stack's group), else `Flexway`.
+pub fn namespace(declared: Option<String>, audit_log_group: &str) -> String {
+    if let Some(declared) = declared.filter(|n| !n.trim().is_empty()) {
+        return declared;
+    }
+    match audit_log_group.strip_prefix('/').and_then(|g| g.strip_suffix("/audit")) {
+        Some(stack) if !stack.is_empty() && !stack.contains('/') => format!("Flexway/{stack}"),
+        _ => "Flexway".to_owned(),
+    }
+}
+
 /// Prints one EMF line per record to stdout, then hands the records to `inner`.
 #[derive(Debug)]
 pub struct EmfAuditSink<S> {
     inner: S,
+    namespace: String,
 }
 
 impl<S> EmfAuditSink<S> {
-    pub fn new(inner: S) -> Self {
-        EmfAuditSink { inner }
+    pub fn new(inner: S, namespace: String) -> Self {
+        EmfAuditSink { inner, namespace }
     }
 
     pub fn inner(&self) -> &S {
@@ -39,7 +56,7 @@ impl<S: AuditSink> AuditSink for EmfAuditSink<S> {
         if !records.is_empty() {
             let mut lines = String::new();
             for record in records {
-                lines.push_str(&emf_line(record));
+                lines.push_str(&emf_line(record, &self.namespace));
                 lines.push('\n');
             }
             // Metrics are best effort (a lost line is a gap on a graph); the audit
@@ -54,10 +71,11 @@ impl<S: AuditSink> AuditSink for EmfAuditSink<S> {
 }
 
 /// The CloudWatch Embedded Metric Format line (JSON, no trailing newline) for one call:
-/// `flexway.inference.cost` (euros) and `flexway.inference.calls`, with the dimensions
-/// of SPEC §9, at the record's `ts`. Only dimension values and numbers: nothing else
-/// of the record.
-fn emf_line(record: &AuditRecord) -> String {
+/// `flexway.inference.cost` (euros), `flexway.inference.calls` and
+/// `flexway.inference.errors` (1 for a call that ended with a 5xx), with the
+/// dimensions of SPEC §9, at the record's `ts`, in `namespace`. Only dimension values
+/// and numbers: nothing else of the record.
+fn emf_line(record: &AuditRecord, namespace: &str) -> String {
     let [tenant, backend, metered_by, capability] = call_labels(record);
     let cost_eur = record.cost_micro_eur as f64 / MicroEur::PER_EUR as f64;
     // A metered gRPC call: the feature is a dimension too (SPEC §10).
@@ -69,11 +87,12 @@ fn emf_line(record: &AuditRecord) -> String {
         "_aws": {
             "Timestamp": record.ts.unix_millis(),
             "CloudWatchMetrics": [{
-                "Namespace": "Flexway",
+                "Namespace": namespace,
                 "Dimensions": dimensions,
                 "Metrics": [
                     {"Name": "flexway.inference.cost", "Unit": "None"},
                     {"Name": "flexway.inference.calls", "Unit": "Count"},
+                    {"Name": "flexway.inference.errors", "Unit": "Count"},
                 ],
             }],
         },
@@ -83,6 +102,7 @@ fn emf_line(record: &AuditRecord) -> String {
         "capability": capability,
         "flexway.inference.cost": cost_eur,
         "flexway.inference.calls": 1,
+        "flexway.inference.errors": u8::from(record.status >= 500),
     });
     if let (Some(feature), Some(fields)) = (&record.feature, line.as_object_mut()) {
         fields.insert("feature".to_owned(), json!(feature));
@@ -99,13 +119,13 @@ mod tests {
 
     #[test]
     fn emf_line_has_the_cloudwatch_structure() {
-        let line = emf_line(&record("acme", Some("ptu-west"), Metering::Local, 1_500_020));
+        let line = emf_line(&record("acme", Some("ptu-west"), Metering::Local, 1_500_020), "Flexway/prod");
         assert!(!line.contains('\n'));
         let value: serde_json::Value = serde_json::from_str(&line).unwrap();
         let aws = &value["_aws"];
         assert_eq!(aws["Timestamp"], 1_740_823_200_250_i64);
         let directive = &aws["CloudWatchMetrics"][0];
-        assert_eq!(directive["Namespace"], "Flexway");
+        assert_eq!(directive["Namespace"], "Flexway/prod");
         assert_eq!(
             directive["Dimensions"],
             json!([["tenant", "backend", "metered_by", "capability"], ["tenant"], ["backend"]])
@@ -115,6 +135,7 @@ mod tests {
             json!([
                 {"Name": "flexway.inference.cost", "Unit": "None"},
                 {"Name": "flexway.inference.calls", "Unit": "Count"},
+                {"Name": "flexway.inference.errors", "Unit": "Count"},
             ])
         );
         assert_eq!(value["tenant"], "acme");
@@ -123,6 +144,7 @@ mod tests {
         assert_eq!(value["capability"], "chat");
         assert_eq!(value["flexway.inference.cost"], 1.500_02);
         assert_eq!(value["flexway.inference.calls"], 1);
+        assert_eq!(value["flexway.inference.errors"], 0);
         let mut keys: Vec<&str> = value.as_object().unwrap().keys().map(String::as_str).collect();
         keys.sort_unstable();
         assert_eq!(
@@ -133,6 +155,7 @@ mod tests {
                 "capability",
                 "flexway.inference.calls",
                 "flexway.inference.cost",
+                "flexway.inference.errors",
                 "metered_by",
                 "tenant",
             ],
@@ -143,8 +166,17 @@ mod tests {
     #[test]
     fn emf_line_names_a_missing_backend() {
         let value: serde_json::Value =
-            serde_json::from_str(&emf_line(&record("acme", None, Metering::Upstream, 0))).unwrap();
+            serde_json::from_str(&emf_line(&record("acme", None, Metering::Upstream, 0), "Flexway")).unwrap();
         assert_eq!(value["backend"], flexway::metrics::NONE);
         assert_eq!(value["metered_by"], "upstream");
+    }
+
+    #[test]
+    fn the_namespace_is_the_stack_s() {
+        assert_eq!(namespace(Some("Flexway/prod".into()), "/other/audit"), "Flexway/prod", "declared wins");
+        assert_eq!(namespace(None, "/prod/audit"), "Flexway/prod", "the stack's audit group names it");
+        assert_eq!(namespace(Some(" ".into()), "/prod/audit"), "Flexway/prod");
+        assert_eq!(namespace(None, "/var/log/audit/x"), "Flexway");
+        assert_eq!(namespace(None, "audit"), "Flexway");
     }
 }

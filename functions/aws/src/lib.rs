@@ -138,7 +138,7 @@ pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Res
                 "{log_group} is this function's own log group: audit records are printed and Lambda delivers \
                  them (no PutLogEvents on the request path)"
             );
-            Arc::new(EmfAuditSink::new(StdoutAuditSink))
+            Arc::new(EmfAuditSink::new(StdoutAuditSink, metrics_namespace(log_group)))
         }
         AuditSinkConfig::CloudWatch { log_group, log_stream } => {
             let stream = log_stream.clone().unwrap_or_else(default_audit_stream);
@@ -146,12 +146,17 @@ pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Res
             if let Err(e) = sink.ensure_stream().await {
                 tracing::warn!("{e}; starting anyway: the first audit write creates the stream");
             }
-            Arc::new(EmfAuditSink::new(sink))
+            Arc::new(EmfAuditSink::new(sink, metrics_namespace(log_group)))
         }
         AuditSinkConfig::Stdout => Arc::new(StdoutAuditSink),
         AuditSinkConfig::File { path } => Arc::new(FileAuditSink::open(path)?),
     };
     Ok(Adapters { budgets, audit, export: Export::EachCall })
+}
+
+/// The EMF metrics' namespace ([`emf::namespace`]).
+fn metrics_namespace(audit_log_group: &str) -> String {
+    emf::namespace(std::env::var("FLEXWAY_METRICS_NAMESPACE").ok(), audit_log_group)
 }
 
 /// The DynamoDB ledger on `table`, its connection warmed.

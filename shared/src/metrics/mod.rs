@@ -806,6 +806,31 @@ mod tests {
     }
 
     #[test]
+    fn totals_per_backend_and_the_last_hour_by_minute() {
+        let registry = Registry::new();
+        let mut failed = record("acme", Some("b"), Metering::Local, 0);
+        failed.status = 503;
+        registry.record_call(&failed);
+        registry.record_call(&record("acme", Some("a"), Metering::Local, 150));
+        registry.record_call(&record("globex", Some("a"), Metering::Local, 50));
+        let totals = registry.backend_totals();
+        let a = BackendTotals { backend: "a".into(), calls: 2, cost: MicroEur(200), errors: 0 };
+        let b = BackendTotals { backend: "b".into(), calls: 1, cost: MicroEur(0), errors: 1 };
+        assert_eq!(totals, [a, b]);
+        let text = registry.render_prometheus();
+        let errors =
+            "flexway_inference_errors_total{tenant=\"acme\",backend=\"b\",metered_by=\"local\",capability=\"chat\"} 1";
+        assert!(text.contains(errors), "{text}");
+
+        // The sample records' minute, then an hour and more later.
+        let at = u64::try_from(failed.ts.unix_millis() / 1000).unwrap();
+        let minutes = registry.calls_per_minute(at);
+        assert_eq!((minutes.len(), minutes[59], minutes.iter().sum::<u64>()), (60, 3, 3));
+        assert_eq!(registry.calls_per_minute(at + 120)[57], 3, "two minutes later");
+        assert_eq!(registry.calls_per_minute(at + 3600).iter().sum::<u64>(), 0, "out of the hour");
+    }
+
+    #[test]
     fn every_non_comment_line_is_a_well_formed_sample() {
         let registry = Registry::new();
         registry.record_call(&record("acme", Some("ptu-west"), Metering::Local, 150));
@@ -834,7 +859,7 @@ mod tests {
             assert!(value == "+Inf" || value.parse::<f64>().is_ok(), "{line}");
         }
         let types = lines(&text, "# TYPE");
-        assert_eq!(types.len(), 17, "{types:?}");
+        assert_eq!(types.len(), 18, "{types:?}");
         assert!(text.contains("flexway_member_queue{backend=\"gpu-a\"} 7\n"), "{text}");
         assert!(!text.contains("flexway_member_queue{backend=\"gpu-b\"}"), "a stale member shows no queue: {text}");
         assert!(text.contains("flexway_member_in_flight{backend=\"gpu-b\"} 4\n"), "{text}");
