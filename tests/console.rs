@@ -6,11 +6,11 @@
 
 mod common;
 
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use common::browser::Browser;
 use common::*;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 const CONSOLE_KEY: &str = "sk-console-operator";
 
@@ -89,12 +89,12 @@ async fn a_browser_signs_in_and_reads_the_spend_the_ledger_holds() {
     // A tenant's key does not open it.
     browser.type_into("#key", KEY).await;
     browser.click("#sign-in").await;
-    let refused = browser.source().await;
+    let refused = browser.source_with("does not open the console").await;
     assert!(refused.contains("does not open the console") && !refused.contains("id=\"tenants\""), "{refused}");
 
     browser.type_into("#key", CONSOLE_KEY).await;
     browser.click("#sign-in").await;
-    let page = browser.source().await;
+    let page = browser.source_with("id=\"backends\"").await;
     assert!(page.contains("id=\"tenants\"") && page.contains("id=\"backends\""), "{page}");
     let used = |budget: &str| {
         let row = format!("data-tenant=\"acme\" data-agent=\"\" data-budget=\"{budget}\" data-used=\"");
@@ -138,99 +138,4 @@ async fn records_until(gw: &Flexway, n: usize) -> Vec<Value> {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("fewer than {n} audit records: {:?}", gw.stdout());
-}
-
-/// A headless Chromium driven over the W3C WebDriver protocol (a few of its
-/// commands, spoken directly), through a `chromedriver` child process.
-struct Browser {
-    driver: Child,
-    session: String,
-    http: reqwest::Client,
-}
-
-impl Browser {
-    async fn start() -> Browser {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let driver = Command::new(std::env::var("CHROMEDRIVER").unwrap_or_else(|_| "chromedriver".into()))
-            .arg(format!("--port={port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("chromedriver (Debian's chromium-driver; scripts/test installs it)");
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
-        let base = format!("http://127.0.0.1:{port}");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while http.get(format!("{base}/status")).send().await.is_err() {
-            assert!(Instant::now() < deadline, "chromedriver did not start");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let binary = std::env::var("CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
-        let capabilities = json!({"capabilities": {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": {
-            "binary": binary,
-            "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                     "--window-size=1280,1100"]}}}});
-        let created: Value =
-            http.post(format!("{base}/session")).json(&capabilities).send().await.unwrap().json().await.unwrap();
-        let session = created["value"]["sessionId"].as_str().unwrap_or_else(|| panic!("no session: {created}"));
-        Browser { driver, session: format!("{base}/session/{session}"), http }
-    }
-
-    async fn command(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
-        let request = self.http.request(method, format!("{}{path}", self.session));
-        let request = match body {
-            Some(body) => request.json(&body),
-            None => request,
-        };
-        let answer: Value = request.send().await.unwrap().json().await.unwrap();
-        assert!(answer["value"].get("error").is_none(), "WebDriver {path}: {answer}");
-        answer["value"].clone()
-    }
-
-    async fn go(&self, url: &str) {
-        self.command(reqwest::Method::POST, "/url", Some(json!({"url": url}))).await;
-    }
-
-    async fn element(&self, css: &str) -> String {
-        let found =
-            self.command(reqwest::Method::POST, "/element", Some(json!({"using": "css selector", "value": css})));
-        let found = found.await;
-        found.as_object().and_then(|o| o.values().next()).and_then(Value::as_str).unwrap().to_owned()
-    }
-
-    async fn type_into(&self, css: &str, text: &str) {
-        let element = self.element(css).await;
-        self.command(reqwest::Method::POST, &format!("/element/{element}/clear"), Some(json!({}))).await;
-        self.command(reqwest::Method::POST, &format!("/element/{element}/value"), Some(json!({"text": text}))).await;
-    }
-
-    async fn click(&self, css: &str) {
-        let element = self.element(css).await;
-        self.command(reqwest::Method::POST, &format!("/element/{element}/click"), Some(json!({}))).await;
-    }
-
-    async fn source(&self) -> String {
-        self.command(reqwest::Method::GET, "/source", None).await.as_str().unwrap().to_owned()
-    }
-
-    async fn cookies(&self) -> Vec<Value> {
-        self.command(reqwest::Method::GET, "/cookie", None).await.as_array().unwrap().clone()
-    }
-
-    async fn screenshot(&self) -> Vec<u8> {
-        use base64::Engine as _;
-        let png = self.command(reqwest::Method::GET, "/screenshot", None).await;
-        base64::engine::general_purpose::STANDARD.decode(png.as_str().unwrap()).unwrap()
-    }
-
-    async fn quit(mut self) {
-        let _ = self.http.delete(&self.session).send().await;
-        let _ = self.driver.kill();
-        let _ = self.driver.wait();
-    }
-}
-
-impl Drop for Browser {
-    fn drop(&mut self) {
-        let _ = self.driver.kill();
-    }
 }

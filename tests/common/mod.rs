@@ -3,6 +3,8 @@
 // Each test file uses part of it; its helpers (not #[test] fns) fail a test by panicking.
 #![allow(dead_code, unused_imports, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod browser;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
