@@ -14,9 +14,9 @@
 
 use std::time::{Duration, Instant};
 
-mod common;
 #[path = "../tests/common/browser.rs"]
 mod browser;
+mod common;
 
 use common::pct;
 use fake_model::FakeModel;

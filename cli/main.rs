@@ -37,6 +37,11 @@ enum Command {
         /// Address to listen on; port 0 picks a free port (printed on start).
         #[arg(long, default_value = "127.0.0.1:8080")]
         listen: String,
+        /// Reload the configuration when the file changes, checked this often
+        /// (`--watch` alone: every 2s). SIGHUP reloads it in any case.
+        #[arg(long, value_name = "INTERVAL", num_args = 0..=1, default_missing_value = "2s",
+              value_parser = flexway::config::parse_duration)]
+        watch: Option<std::time::Duration>,
     },
     /// Check a configuration: every error listed, warnings printed.
     ///
@@ -75,7 +80,7 @@ enum KeyCommand {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Serve { config, listen } => serve::run(&config, &listen),
+        Command::Serve { config, listen, watch } => serve::run(&config, &listen, watch),
         Command::Validate { config, resolve_secrets } => {
             validate(&config, if resolve_secrets { Secrets::Resolve } else { Secrets::Check })
         }

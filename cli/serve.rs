@@ -1,8 +1,8 @@
-//! `flexway serve`: load, resolve the secrets, build the adapters once, run the sweeper
-//! and the secrets refresh, listen.
+//! `flexway serve`: load, resolve the secrets, build the adapters once, run the sweeper,
+//! the secrets refresh and the reloads (SIGHUP, `--watch`), listen.
 
 use std::io::IsTerminal;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +16,9 @@ use flexway::audit::{AuditSink, FileAuditSink, StdoutAuditSink};
 use flexway::budget::{BudgetStore, EmbeddedBudgetStore, MemoryBudgetStore, period::unix_now};
 use flexway::config::{self, AuditSinkConfig, Config, ProcessEnv, Secrets, StoreConfig};
 use flexway::gateway::Adapters;
+use flexway::http::Reloadable;
 use flexway::telemetry::Export;
+use sha2::{Digest, Sha256};
 
 use crate::aws;
 use crate::workers::Workers;
@@ -40,7 +42,7 @@ const SWEEP_EVERY: Duration = Duration::from_secs(5);
 /// default), so a 2 MiB ceiling on headers adds no new way to use memory.
 const MAX_HEADER_SECTION: usize = 2 * 1024 * 1024;
 
-pub fn run(config_path: &Path, listen: &str) -> ExitCode {
+pub fn run(config_path: &Path, listen: &str, watch: Option<Duration>) -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FLEXWAY_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
@@ -74,7 +76,7 @@ pub fn run(config_path: &Path, listen: &str) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(serve(loaded.config, listen)) {
+    match runtime.block_on(serve(loaded.config, listen, config_path, watch)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
@@ -114,15 +116,18 @@ async fn adapters(config: &Config) -> anyhow::Result<(Adapters, Option<Arc<aws::
     Ok((Adapters { budgets, audit, export: Export::Batched }, leases))
 }
 
-async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
+async fn serve(config: Config, listen: &str, path: &Path, watch: Option<Duration>) -> anyhow::Result<()> {
     let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     // Each serving thread calls the backends through connection pools of its own.
     flexway::upstream::set_serving_threads(threads);
     let (adapters, leases) = adapters(&config).await?;
     let budgets = adapters.budgets.clone();
     let gateway = Arc::new(flexway::Gateway::new(config, aws::secret_source(), adapters).await?);
-    let refreshing = gateway.clone();
-    tokio::spawn(async move { refreshing.refresh_secrets_forever().await });
+    let current = Reloadable::new(gateway.clone());
+    drop(gateway);
+    let refreshing = current.clone();
+    tokio::spawn(async move { refresh_secrets(&refreshing).await });
+    tokio::spawn(reloads(path.to_owned(), watch, current.clone()));
     // The sweeper refunds reservations whose call vanished (a killed process), and
     // charges those that carry a settlement that could not be written.
     tokio::spawn(async move {
@@ -159,8 +164,9 @@ async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
         }
     });
     let builder = transport();
-    let workers = Workers::start(threads, &flexway::http::app(gateway.clone()), &builder)?;
+    let workers = Workers::start(threads, &current.service(), &builder)?;
     let workers = serve_http(listener, workers, stop_signal()).await;
+    let gateway = current.gateway();
     // Upgraded connections are no longer the transport's: realtime sessions are closed
     // (1001) and waited for here, so each settles and writes its record.
     gateway.sessions.close_all(SESSIONS_CLOSE_AT_EXIT).await;
@@ -172,6 +178,96 @@ async fn serve(config: Config, listen: &str) -> anyhow::Result<()> {
     gateway.telemetry.flush(TELEMETRY_FLUSH_AT_EXIT).await;
     workers.stop();
     Ok(())
+}
+
+/// The backends' secrets resolved again every `secrets.refresh`, for the gateway in
+/// use.
+async fn refresh_secrets(current: &Reloadable) {
+    let mut every = tokio::time::interval(current.gateway().config.secrets.refresh);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    every.tick().await; // the first tick is now: the start has just resolved them
+    loop {
+        every.tick().await;
+        current.gateway().refresh_secrets().await;
+    }
+}
+
+/// Reloads the configuration on SIGHUP, and with `--watch` when the file's content
+/// changes (SPEC §12): read and validated off the request path, put in use if
+/// valid (new calls take it, calls in flight finish on theirs); otherwise every
+/// error is logged and the running one serves on.
+async fn reloads(path: PathBuf, watch: Option<Duration>, current: Arc<Reloadable>) {
+    let mut hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(hangup) => Some(hangup),
+        Err(e) => {
+            tracing::warn!("cannot listen for SIGHUP ({e}): reloads only with --watch");
+            None
+        }
+    };
+    let mut seen = current.gateway().config.sha256.clone();
+    loop {
+        let asked = tokio::select! {
+            Some(()) = async { hangup.as_mut()?.recv().await } => true,
+            () = async {
+                match watch {
+                    Some(every) => tokio::time::sleep(every).await,
+                    None => std::future::pending().await,
+                }
+            } => false,
+        };
+        if !asked {
+            // Watching: only a change of content reloads (an editor's save that
+            // rewrites the same bytes does not).
+            let Ok(text) = tokio::fs::read(&path).await else { continue };
+            if hex::encode(Sha256::digest(&text)) == seen {
+                continue;
+            }
+        }
+        let gateway = current.gateway();
+        let loaded = {
+            let path = path.clone();
+            tokio::task::spawn_blocking(move || config::load_file_with(&path, &ProcessEnv, Secrets::Resolve)).await
+        };
+        let loaded = match loaded {
+            Ok(Ok(loaded)) => loaded,
+            Ok(Err(error)) => {
+                for diagnostic in &error.errors {
+                    tracing::error!(
+                        "reload refused, the running configuration serves on: {}: {diagnostic}",
+                        path.display()
+                    );
+                }
+                if let Some(line) = error.unlisted_line() {
+                    tracing::error!("reload refused: {}: {line}", path.display());
+                }
+                gateway.metrics.reloaded(false);
+                if let Ok(text) = tokio::fs::read(&path).await {
+                    seen = hex::encode(Sha256::digest(&text));
+                }
+                continue;
+            }
+            Err(e) => {
+                tracing::error!("reload: {e}");
+                continue;
+            }
+        };
+        for warning in &loaded.warnings {
+            tracing::warn!("{}: {warning}", path.display());
+        }
+        let sha256 = loaded.config.sha256.clone();
+        seen = sha256.clone();
+        match gateway.reload(loaded.config).await {
+            Ok(next) => {
+                current.swap(Arc::new(next));
+                gateway.metrics.reloaded(true);
+                tracing::info!(config_sha256 = %sha256, "configuration reloaded: new calls use it");
+            }
+            Err(e) => {
+                gateway.metrics.reloaded(false);
+                tracing::error!("reload refused, the running configuration serves on: {}: {e}", path.display());
+            }
+        }
+    }
 }
 
 /// Ctrl-C, or the SIGTERM a container platform (ECS, Kubernetes) stops a task with.

@@ -31,7 +31,11 @@ pub struct Workers {
 
 impl Workers {
     /// Starts `count` serving threads, each with its runtime and a clone of `app`.
-    pub fn start(count: usize, app: &axum::Router, builder: &auto::Builder<TokioExecutor>) -> std::io::Result<Self> {
+    pub fn start(
+        count: usize,
+        app: &flexway::http::Current,
+        builder: &auto::Builder<TokioExecutor>,
+    ) -> std::io::Result<Self> {
         let mut queues = Vec::with_capacity(count);
         let mut threads = Vec::with_capacity(count);
         for index in 0..count {
@@ -96,7 +100,7 @@ async fn keep_timers_near() {
 fn serve_connection(
     stream: std::net::TcpStream,
     watcher: Watcher,
-    app: &axum::Router,
+    app: &flexway::http::Current,
     builder: &auto::Builder<TokioExecutor>,
 ) {
     let stream = match tokio::net::TcpStream::from_std(stream) {

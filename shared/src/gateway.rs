@@ -24,6 +24,15 @@ use crate::telemetry::{Export, Telemetry};
 use crate::upstream::grpc::GrpcClient;
 use crate::upstream::{SetupError, Upstreams};
 
+/// Why a new configuration was not put in use: the running one serves on.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error("`{0}` changed: it takes a restart (the ledger, the audit and the telemetry stay as they started)")]
+    NeedsRestart(&'static str),
+    #[error(transparent)]
+    Setup(#[from] SetupError),
+}
+
 /// The adapters a shape plugs into the core: built by each binary from the config's
 /// tagged enums (memory/embedded/DynamoDB ledger; file/stdout/CloudWatch audit).
 pub struct Adapters {
@@ -49,8 +58,9 @@ pub struct Gateway {
     /// Salted hashing of identifiers for the audit.
     pub hasher: Hasher,
     pub breakers: Breakers,
-    pub metrics: Registry,
-    pub telemetry: Telemetry,
+    /// Kept across reloads, as the telemetry is: counters never go back.
+    pub metrics: Arc<Registry>,
+    pub telemetry: Arc<Telemetry>,
     /// Open realtime sessions (local shape), closed and waited for when it stops.
     pub sessions: Sessions,
     secrets: Arc<dyn SecretSource>,
@@ -63,16 +73,7 @@ impl Gateway {
     /// then builds the gateway; `secrets` is kept for the refreshes. A grpc backend
     /// whose descriptor set is missing (loading only warns) stops the start.
     pub async fn new(config: Config, secrets: Arc<dyn SecretSource>, adapters: Adapters) -> Result<Self, SetupError> {
-        for (backend, settings) in &config.ai.backends {
-            if let crate::config::BackendKind::Grpc { descriptor_set, .. } = &settings.kind
-                && !descriptor_set.exists()
-            {
-                return Err(SetupError::MissingDescriptorSet {
-                    backend: backend.clone(),
-                    path: descriptor_set.clone(),
-                });
-            }
-        }
+        descriptor_sets(&config)?;
         let (resolved, failures) = resolve_all(&config.secret_references(), secrets.as_ref()).await;
         if let Some((path, source)) = failures.into_iter().next() {
             return Err(SetupError::Secret { path, source });
@@ -92,7 +93,7 @@ impl Gateway {
             }
             None => adapters.audit,
         };
-        let telemetry = Telemetry::start(config.telemetry.as_ref(), adapters.export)?;
+        let telemetry = Arc::new(Telemetry::start(config.telemetry.as_ref(), adapters.export)?);
         let upstreams = Upstreams::new(&config, &resolved)?;
         let next_refresh = Mutex::new(Instant::now() + config.secrets.refresh);
         let config = Arc::new(config);
@@ -110,11 +111,62 @@ impl Gateway {
             budgets: adapters.budgets,
             soft_hints: SoftHints::default(),
             audit,
-            metrics: Registry::new(),
+            metrics: Arc::new(Registry::new()),
             breakers: Breakers::new(config.ai.backends.iter().map(|(n, b)| (n.clone(), b.circuit_breaker.clone()))),
             config,
             secrets,
             next_refresh,
+        })
+    }
+
+    /// The gateway of `config`, a configuration that replaces this one's (SPEC §12):
+    /// its own keys, routes, backends' clients and secrets (resolved now), with this
+    /// one's ledger, audit (its chain goes on), metrics and telemetry, and the state
+    /// of every breaker whose policy is unchanged. Calls in flight finish on this
+    /// one. Refused, this one serving on, when `config` changes what only a restart
+    /// can (the ledger, the audit's sink, salt or chain key, the telemetry), or a
+    /// secret of it does not resolve.
+    pub async fn reload(&self, config: Config) -> Result<Gateway, ReloadError> {
+        let running = &self.config;
+        for (what, same) in [
+            ("store", config.store == running.store),
+            ("audit.sink", config.audit.sink == running.audit.sink),
+            ("audit.hash_salt", config.audit.hash_salt == running.audit.hash_salt),
+            ("audit.chain_key", config.audit.chain_key == running.audit.chain_key),
+            ("telemetry", config.telemetry == running.telemetry),
+        ] {
+            if !same {
+                return Err(ReloadError::NeedsRestart(what));
+            }
+        }
+        descriptor_sets(&config)?;
+        let (resolved, failures) = resolve_all(&config.ai.secret_references(), self.secrets.as_ref()).await;
+        if let Some((path, source)) = failures.into_iter().next() {
+            return Err(ReloadError::Setup(SetupError::Secret { path, source }));
+        }
+        let upstreams = Upstreams::new(&config, &resolved)?;
+        let config = Arc::new(config);
+        let keys = KeyRing::new(&config);
+        let router = Router::new(config.clone()).map_err(|e| SetupError::Client(e.to_string()))?;
+        router.loads.start_polling(&config);
+        let breakers = Breakers::new(config.ai.backends.iter().map(|(n, b)| (n.clone(), b.circuit_breaker.clone())));
+        breakers.carry_from(&self.breakers);
+        Ok(Gateway {
+            telemetry: self.telemetry.clone(),
+            sessions: Sessions::default(),
+            hasher: self.hasher.rekeyed(keys.digests()),
+            keys,
+            router,
+            upstreams,
+            grpc: GrpcClient::new(),
+            budgets: self.budgets.clone(),
+            soft_hints: SoftHints::default(),
+            audit: self.audit.clone(),
+            metrics: self.metrics.clone(),
+            breakers,
+            next_refresh: Mutex::new(Instant::now() + config.secrets.refresh),
+            config,
+            secrets: self.secrets.clone(),
         })
     }
 
@@ -152,18 +204,6 @@ impl Gateway {
         }
     }
 
-    /// The local shape's refresh: every `secrets.refresh`, for as long as the process
-    /// runs (spawn it once).
-    pub async fn refresh_secrets_forever(&self) {
-        let mut every = tokio::time::interval(self.config.secrets.refresh);
-        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        every.tick().await; // the first tick is now: the start has just resolved them
-        loop {
-            every.tick().await;
-            self.refresh_secrets().await;
-        }
-    }
-
     /// The serverless shape's refresh: started by the first request after
     /// `secrets.refresh` has passed, beside it, never in its way: the request (and
     /// those meanwhile) go on with the values in use. No timer runs between
@@ -181,4 +221,17 @@ impl Gateway {
         let gateway = self.clone();
         tokio::spawn(async move { gateway.refresh_secrets().await });
     }
+}
+
+/// Every grpc backend's descriptor set is there (loading only warns when one is not:
+/// it may be shipped apart from the config); a gateway does not start without it.
+fn descriptor_sets(config: &Config) -> Result<(), SetupError> {
+    for (backend, settings) in &config.ai.backends {
+        if let crate::config::BackendKind::Grpc { descriptor_set, .. } = &settings.kind
+            && !descriptor_set.exists()
+        {
+            return Err(SetupError::MissingDescriptorSet { backend: backend.clone(), path: descriptor_set.clone() });
+        }
+    }
+    Ok(())
 }

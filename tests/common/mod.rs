@@ -34,6 +34,15 @@ pub struct Flexway {
 impl Flexway {
     /// Starts the gateway with `yaml` (written to a temp dir) and extra env vars.
     pub fn start_with_env(yaml: &str, env: &[(&str, &str)]) -> Flexway {
+        Self::launch(yaml, env, &[])
+    }
+
+    /// Starts the gateway with `yaml` and extra arguments to `flexway serve`.
+    pub fn start_with_args(yaml: &str, args: &[&str]) -> Flexway {
+        Self::launch(yaml, &[], args)
+    }
+
+    fn launch(yaml: &str, env: &[(&str, &str)], args: &[&str]) -> Flexway {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("flexway.yaml");
         std::fs::write(&config, yaml).unwrap();
@@ -42,6 +51,7 @@ impl Flexway {
             .args(["serve", "--config"])
             .arg(&config)
             .args(["--listen", "127.0.0.1:0"])
+            .args(args)
             .current_dir(dir.path())
             .env("FLEXWAY_LOG", "info")
             .stdout(Stdio::piped())
@@ -99,6 +109,17 @@ impl Flexway {
         let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
         let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
         kib * 1024
+    }
+
+    /// The configuration file it serves.
+    pub fn config_path(&self) -> std::path::PathBuf {
+        self.dir.path().join("flexway.yaml")
+    }
+
+    /// Sends SIGHUP: reload the configuration.
+    pub fn hangup(&self) {
+        let status = Command::new("kill").args(["-HUP", &self.child.id().to_string()]).status().unwrap();
+        assert!(status.success());
     }
 
     /// Sends SIGINT, as Ctrl-C in a terminal would.

@@ -251,6 +251,11 @@ impl Hasher {
         hasher
     }
 
+    /// The same salt, with `keys`' hashes computed ahead (a reloaded configuration's).
+    pub fn rekeyed<'a>(&self, keys: impl IntoIterator<Item = &'a [u8; 32]>) -> Hasher {
+        Hasher::with_keys(&self.salt, keys)
+    }
+
     /// The hash of a key, from its SHA-256: `hash(key_sha256)`, computed ahead for the
     /// configured keys.
     pub fn hash_key(&self, key_sha256: &[u8; 32]) -> String {

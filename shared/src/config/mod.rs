@@ -205,7 +205,10 @@ pub fn load_str(text: &str, env: &dyn EnvSource) -> Result<Loaded, ConfigError> 
 /// [`load_str`], with secret references checked as `secrets` says.
 pub fn load_str_with(text: &str, env: &dyn EnvSource, secrets: Secrets) -> Result<Loaded, ConfigError> {
     let parsed = raw::parse(text, MAX_LISTED_ERRORS).map_err(|refused| ConfigError::new(vec![refused], 0))?;
-    validate::validate(parsed, env, secrets).map_err(|(errors, unlisted)| ConfigError::new(errors, unlisted))
+    let mut loaded =
+        validate::validate(parsed, env, secrets).map_err(|(errors, unlisted)| ConfigError::new(errors, unlisted))?;
+    loaded.config.sha256 = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(text.as_bytes()));
+    Ok(loaded)
 }
 
 /// The JSON Schema of `flexway.yaml`, generated from the raw types (the document's

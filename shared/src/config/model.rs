@@ -70,6 +70,8 @@ pub struct Config {
     pub telemetry: Option<TelemetryConfig>,
     /// The operator's console; `None`: `/console` answers 404.
     pub console: Option<ConsoleConfig>,
+    /// The SHA-256 of the text it was loaded from, hex (`GET /healthz`).
+    pub sha256: String,
 }
 
 /// Who may open the console: the SHA-256 of each console key.

@@ -94,7 +94,16 @@ pub(super) fn validate(
 
     match (store, audit, ai) {
         (Some(store), Some(audit), Some(ai)) if errors.is_empty() && shape_errors.unlisted == 0 => Ok(Loaded {
-            config: Config { store, audit, secrets: secret_policy, tenants, ai, telemetry, console },
+            config: Config {
+                store,
+                audit,
+                secrets: secret_policy,
+                tenants,
+                ai,
+                telemetry,
+                console,
+                sha256: String::new(),
+            },
             warnings: check.warnings,
         }),
         _ if errors.is_empty() && shape_errors.unlisted == 0 => {

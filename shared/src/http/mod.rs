@@ -12,6 +12,7 @@ mod proxy;
 mod realtime;
 mod record;
 mod relay;
+mod reload;
 mod rest;
 
 use std::sync::Arc;
@@ -70,6 +71,8 @@ impl Deadline {
         tokio::time::Instant::from_std(self.at.checked_sub(self.margin).unwrap_or(self.at))
     }
 }
+
+pub use reload::{Current, Reloadable};
 
 /// The local shape's surface: the API plus `GET /metrics` (Prometheus).
 pub fn app(gateway: Arc<Gateway>) -> Router {
@@ -172,6 +175,7 @@ async fn healthz(State(gateway): State<Arc<Gateway>>) -> Response {
         "version": env!("CARGO_PKG_VERSION"),
         "backends": gateway.config.ai.backends.len(),
         "tenants": gateway.config.tenants.len(),
+        "config_sha256": gateway.config.sha256,
     });
     Json(body).into_response()
 }

@@ -92,6 +92,8 @@ pub struct Registry {
     /// Calls recorded in each of the last 60 minutes: (Unix minute, calls), at the
     /// minute's index modulo 60.
     per_minute: Mutex<[(u64, u64); 60]>,
+    /// Configuration reloads put in use, and refused.
+    reloads: [AtomicU64; 2],
 }
 
 impl std::fmt::Debug for Registry {
@@ -140,7 +142,13 @@ impl Registry {
             realtime_responses: Family::new(),
             realtime_open: AtomicU64::new(0),
             per_minute: Mutex::new([(0, 0); 60]),
+            reloads: [AtomicU64::new(0), AtomicU64::new(0)],
         }
+    }
+
+    /// A configuration reload: put in use (`true`), or refused.
+    pub fn reloaded(&self, ok: bool) {
+        self.reloads[usize::from(!ok)].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Calls, cost and 5xx per backend (refused calls, before any backend, under
@@ -456,6 +464,16 @@ impl Registry {
         );
         for (values, n) in self.realtime_responses.snapshot(|v| *v) {
             sample(&mut out, "flexway_realtime_responses_total", &["tenant", "backend"], &values, None, &n.to_string());
+        }
+        header(
+            &mut out,
+            "flexway_config_reloads_total",
+            "counter",
+            "Configuration reloads (SIGHUP, --watch): put in use, or refused and the running one kept.",
+        );
+        for (outcome, count) in ["ok", "failed"].iter().zip(&self.reloads) {
+            let count = count.load(Ordering::Relaxed).to_string();
+            sample(&mut out, "flexway_config_reloads_total", &["outcome"], &[(*outcome).to_owned()], None, &count);
         }
         out
     }
@@ -859,7 +877,7 @@ mod tests {
             assert!(value == "+Inf" || value.parse::<f64>().is_ok(), "{line}");
         }
         let types = lines(&text, "# TYPE");
-        assert_eq!(types.len(), 18, "{types:?}");
+        assert_eq!(types.len(), 19, "{types:?}");
         assert!(text.contains("flexway_member_queue{backend=\"gpu-a\"} 7\n"), "{text}");
         assert!(!text.contains("flexway_member_queue{backend=\"gpu-b\"}"), "a stale member shows no queue: {text}");
         assert!(text.contains("flexway_member_in_flight{backend=\"gpu-b\"} 4\n"), "{text}");

@@ -169,6 +169,19 @@ impl Breakers {
         self.lock().get_mut(backend).map(f)
     }
 
+    /// Takes over, from the breakers of a configuration being replaced, the state of
+    /// every backend whose policy is unchanged: a reload neither closes an open
+    /// breaker nor forgets the failures counted towards one.
+    pub fn carry_from(&self, previous: &Breakers) {
+        let previous = previous.lock();
+        let mut breakers = self.lock();
+        for (backend, breaker) in breakers.iter_mut() {
+            if let Some(old) = previous.get(backend).filter(|old| old.policy == breaker.policy) {
+                *breaker = old.clone();
+            }
+        }
+    }
+
     /// A poisoned lock still holds consistent breakers: nothing here panics while
     /// holding it, and a breaker is only ever a protection, so keep going.
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<BackendId, Breaker>> {
@@ -176,6 +189,7 @@ impl Breakers {
     }
 }
 
+#[derive(Clone)]
 struct Breaker {
     policy: BreakerPolicy,
     phase: Phase,
@@ -287,6 +301,7 @@ fn later(now: Instant, wait: Duration) -> Instant {
 }
 
 /// The recent outcomes a trigger looks at, pruned to the last `interval`.
+#[derive(Clone)]
 enum Window {
     /// Instants of the most recent failures (at most `n` of them: older ones cannot
     /// change the verdict).
@@ -295,6 +310,7 @@ enum Window {
     Ratio(VecDeque<Bucket>),
 }
 
+#[derive(Clone)]
 struct Bucket {
     start: Instant,
     failures: u64,
