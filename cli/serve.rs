@@ -50,23 +50,6 @@ pub fn run(config_path: &Path, listen: &str, watch: Option<Duration>) -> ExitCod
         // `request_id=req_...` and defeat a grep for a call's lines.
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    // Every secret resolved now, or no start: a gateway that starts can authenticate
-    // to its backends (`validate` alone may only check the references' form).
-    let loaded = match config::load_file_with(config_path, &ProcessEnv, Secrets::Resolve) {
-        Ok(loaded) => loaded,
-        Err(error) => {
-            for diagnostic in &error.errors {
-                eprintln!("error: {}: {diagnostic}", config_path.display());
-            }
-            if let Some(line) = error.unlisted_line() {
-                eprintln!("error: {}: {line}", config_path.display());
-            }
-            return ExitCode::FAILURE;
-        }
-    };
-    for warning in &loaded.warnings {
-        tracing::warn!("{}: {warning}", config_path.display());
-    }
     // The main runtime accepts and runs the background tasks; the calls are served on
     // one thread per core (`workers.rs`).
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
@@ -76,11 +59,88 @@ pub fn run(config_path: &Path, listen: &str, watch: Option<Duration>) -> ExitCod
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(serve(loaded.config, listen, config_path, watch)) {
+    let source = Source::of(config_path);
+    // Every secret resolved now, or no start: a gateway that starts can authenticate
+    // to its backends (`validate` alone may only check the references' form).
+    let (loaded, etag) = match runtime.block_on(source.load(None)) {
+        Ok(Some(loaded)) => loaded,
+        Ok(None) => unreachable!("an unconditional read always reads"),
+        Err(lines) => {
+            for line in lines {
+                eprintln!("error: {line}");
+            }
+            return ExitCode::FAILURE;
+        }
+    };
+    for warning in &loaded.warnings {
+        tracing::warn!("{}: {warning}", source.name());
+    }
+    match runtime.block_on(serve(loaded.config, listen, source, etag, watch)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// Where the configuration is read from: a file, or with the `aws` feature an S3
+/// object (`--config s3://bucket/key`: one upload reaches a whole fleet).
+enum Source {
+    File(PathBuf),
+    S3 { bucket: String, key: String },
+}
+
+impl Source {
+    fn of(path: &Path) -> Source {
+        match path.to_str().and_then(|p| p.strip_prefix("s3://")).and_then(|p| p.split_once('/')) {
+            Some((bucket, key)) => Source::S3 { bucket: bucket.to_owned(), key: key.to_owned() },
+            None => Source::File(path.to_owned()),
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            Source::File(path) => path.display().to_string(),
+            Source::S3 { bucket, key } => format!("s3://{bucket}/{key}"),
+        }
+    }
+
+    /// The text now and its S3 ETag; `None` when the object's ETag is still `known`.
+    async fn read(&self, known: Option<&str>) -> anyhow::Result<Option<(Vec<u8>, Option<String>)>> {
+        match self {
+            Source::File(path) => Ok(Some((tokio::fs::read(path).await?, None))),
+            Source::S3 { bucket, key } => {
+                Ok(aws::read_s3(bucket, key, known).await?.map(|(text, etag)| (text.into_bytes(), Some(etag))))
+            }
+        }
+    }
+
+    /// The configuration loaded, every secret resolved, and its S3 ETag; `None` when
+    /// unchanged since `known`. Refused with every error, each a line naming it.
+    async fn load(&self, known: Option<&str>) -> Result<Option<(config::Loaded, Option<String>)>, Vec<String>> {
+        let loaded = match self {
+            Source::File(path) => {
+                let path = path.clone();
+                let loading =
+                    tokio::task::spawn_blocking(move || config::load_file_with(&path, &ProcessEnv, Secrets::Resolve));
+                (loading.await.map_err(|e| vec![e.to_string()])?, None)
+            }
+            Source::S3 { .. } => match self.read(known).await.map_err(|e| vec![e.to_string()])? {
+                None => return Ok(None),
+                Some((text, etag)) => {
+                    let text = String::from_utf8(text).map_err(|_| vec![format!("{}: not UTF-8", self.name())])?;
+                    (config::load_str_with(&text, &ProcessEnv, Secrets::Resolve), etag)
+                }
+            },
+        };
+        match loaded {
+            (Ok(loaded), etag) => Ok(Some((loaded, etag))),
+            (Err(error), _) => {
+                let mut lines: Vec<String> = error.errors.iter().map(|d| format!("{}: {d}", self.name())).collect();
+                lines.extend(error.unlisted_line().map(|l| format!("{}: {l}", self.name())));
+                Err(lines)
+            }
         }
     }
 }
@@ -116,7 +176,13 @@ async fn adapters(config: &Config) -> anyhow::Result<(Adapters, Option<Arc<aws::
     Ok((Adapters { budgets, audit, export: Export::Batched }, leases))
 }
 
-async fn serve(config: Config, listen: &str, path: &Path, watch: Option<Duration>) -> anyhow::Result<()> {
+async fn serve(
+    config: Config,
+    listen: &str,
+    source: Source,
+    etag: Option<String>,
+    watch: Option<Duration>,
+) -> anyhow::Result<()> {
     let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     // Each serving thread calls the backends through connection pools of its own.
     flexway::upstream::set_serving_threads(threads);
@@ -127,7 +193,7 @@ async fn serve(config: Config, listen: &str, path: &Path, watch: Option<Duration
     drop(gateway);
     let refreshing = current.clone();
     tokio::spawn(async move { refresh_secrets(&refreshing).await });
-    tokio::spawn(reloads(path.to_owned(), watch, current.clone()));
+    tokio::spawn(reloads(source, etag, watch, current.clone()));
     // The sweeper refunds reservations whose call vanished (a killed process), and
     // charges those that carry a settlement that could not be written.
     tokio::spawn(async move {
@@ -192,11 +258,12 @@ async fn refresh_secrets(current: &Reloadable) {
     }
 }
 
-/// Reloads the configuration on SIGHUP, and with `--watch` when the file's content
-/// changes (SPEC §12): read and validated off the request path, put in use if
-/// valid (new calls take it, calls in flight finish on theirs); otherwise every
-/// error is logged and the running one serves on.
-async fn reloads(path: PathBuf, watch: Option<Duration>, current: Arc<Reloadable>) {
+/// Reloads the configuration on SIGHUP, and with `--watch` when its content changes
+/// (a file's bytes; an S3 object's ETag, read conditionally) (SPEC §12): read and
+/// validated off the request path, put in use if valid (new calls take it, calls in
+/// flight finish on theirs); otherwise every error is logged and the running one
+/// serves on.
+async fn reloads(source: Source, mut etag: Option<String>, watch: Option<Duration>, current: Arc<Reloadable>) {
     let mut hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
         Ok(hangup) => Some(hangup),
         Err(e) => {
@@ -218,41 +285,36 @@ async fn reloads(path: PathBuf, watch: Option<Duration>, current: Arc<Reloadable
         if !asked {
             // Watching: only a change of content reloads (an editor's save that
             // rewrites the same bytes does not).
-            let Ok(text) = tokio::fs::read(&path).await else { continue };
-            if hex::encode(Sha256::digest(&text)) == seen {
-                continue;
+            match source.read(etag.as_deref()).await {
+                Ok(Some((text, _))) if hex::encode(Sha256::digest(&text)) != seen => {}
+                Ok(_) => continue,
+                Err(e) => {
+                    tracing::warn!("watching {}: {e}", source.name());
+                    continue;
+                }
             }
         }
         let gateway = current.gateway();
-        let loaded = {
-            let path = path.clone();
-            tokio::task::spawn_blocking(move || config::load_file_with(&path, &ProcessEnv, Secrets::Resolve)).await
-        };
-        let loaded = match loaded {
-            Ok(Ok(loaded)) => loaded,
-            Ok(Err(error)) => {
-                for diagnostic in &error.errors {
-                    tracing::error!(
-                        "reload refused, the running configuration serves on: {}: {diagnostic}",
-                        path.display()
-                    );
-                }
-                if let Some(line) = error.unlisted_line() {
-                    tracing::error!("reload refused: {}: {line}", path.display());
+        let loaded = match source.load(if asked { None } else { etag.as_deref() }).await {
+            Ok(Some((loaded, new_etag))) => {
+                etag = new_etag;
+                loaded
+            }
+            Ok(None) => continue,
+            Err(lines) => {
+                for line in lines {
+                    tracing::error!("reload refused, the running configuration serves on: {line}");
                 }
                 gateway.metrics.reloaded(false);
-                if let Ok(text) = tokio::fs::read(&path).await {
+                if let Ok(Some((text, new_etag))) = source.read(None).await {
                     seen = hex::encode(Sha256::digest(&text));
+                    etag = new_etag;
                 }
-                continue;
-            }
-            Err(e) => {
-                tracing::error!("reload: {e}");
                 continue;
             }
         };
         for warning in &loaded.warnings {
-            tracing::warn!("{}: {warning}", path.display());
+            tracing::warn!("{}: {warning}", source.name());
         }
         let sha256 = loaded.config.sha256.clone();
         seen = sha256.clone();
@@ -264,7 +326,7 @@ async fn reloads(path: PathBuf, watch: Option<Duration>, current: Arc<Reloadable
             }
             Err(e) => {
                 gateway.metrics.reloaded(false);
-                tracing::error!("reload refused, the running configuration serves on: {}: {e}", path.display());
+                tracing::error!("reload refused, the running configuration serves on: {}: {e}", source.name());
             }
         }
     }

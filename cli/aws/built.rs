@@ -59,3 +59,39 @@ pub async fn read_log_group(
 
 /// How much later than its `ts` a record's event can be timestamped.
 pub const WRITE_DELAY_MARGIN_MS: i64 = flexway_aws::WRITE_DELAY_MARGIN_MS;
+
+/// The object at `s3://{bucket}/{key}`: its text and ETag; `None` when its ETag is
+/// still `known` (a conditional read: nothing is downloaded). Read with the AWS
+/// environment, path-style when `AWS_ENDPOINT_URL` names an emulator.
+pub async fn read_s3(bucket: &str, key: &str, known: Option<&str>) -> anyhow::Result<Option<(String, String)>> {
+    static CLIENT: tokio::sync::OnceCell<aws_sdk_s3::Client> = tokio::sync::OnceCell::const_new();
+    let client = CLIENT
+        .get_or_init(|| async {
+            let sdk = flexway_aws::load_sdk_config().await;
+            let emulated = std::env::var_os("AWS_ENDPOINT_URL").is_some();
+            aws_sdk_s3::Client::from_conf(aws_sdk_s3::config::Builder::from(&sdk).force_path_style(emulated).build())
+        })
+        .await;
+    let mut get = client.get_object().bucket(bucket).key(key);
+    if let Some(etag) = known {
+        get = get.if_none_match(etag);
+    }
+    let object = match get.send().await {
+        Ok(object) => object,
+        Err(e) if e.raw_response().is_some_and(|r| r.status().as_u16() == 304) => return Ok(None),
+        Err(e) => {
+            let detail = aws_sdk_s3::error::DisplayErrorContext(&e);
+            anyhow::bail!("s3://{bucket}/{key}: {detail}")
+        }
+    };
+    let etag = object.e_tag().unwrap_or_default().to_owned();
+    if object.content_length().is_some_and(|n| n > flexway::config::bounds::MAX_BYTES as i64) {
+        anyhow::bail!(
+            "s3://{bucket}/{key}: larger than a configuration ({} bytes)",
+            flexway::config::bounds::MAX_BYTES
+        );
+    }
+    let bytes = object.body.collect().await.map_err(|e| anyhow::anyhow!("s3://{bucket}/{key}: {e}"))?.into_bytes();
+    let text = String::from_utf8(bytes.to_vec()).map_err(|_| anyhow::anyhow!("s3://{bucket}/{key}: not UTF-8 text"))?;
+    Ok(Some((text, etag)))
+}

@@ -46,3 +46,7 @@ pub async fn read_log_group(
 }
 
 pub const WRITE_DELAY_MARGIN_MS: i64 = 0;
+
+pub async fn read_s3(bucket: &str, key: &str, _known: Option<&str>) -> anyhow::Result<Option<(String, String)>> {
+    anyhow::bail!("--config s3://{bucket}/{key}: {NOT_BUILT}")
+}

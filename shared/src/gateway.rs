@@ -144,7 +144,7 @@ impl Gateway {
         if let Some((path, source)) = failures.into_iter().next() {
             return Err(ReloadError::Setup(SetupError::Secret { path, source }));
         }
-        let upstreams = Upstreams::new(&config, &resolved)?;
+        let upstreams = Upstreams::reloaded(&config, &resolved, &self.upstreams)?;
         let config = Arc::new(config);
         let keys = KeyRing::new(&config);
         let router = Router::new(config.clone()).map_err(|e| SetupError::Client(e.to_string()))?;

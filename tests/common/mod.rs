@@ -42,14 +42,23 @@ impl Flexway {
         Self::launch(yaml, &[], args)
     }
 
+    /// Both: extra env vars and extra arguments (a `--config` among them replaces
+    /// the file written from `yaml`).
+    pub fn start_with_env_and_args(yaml: &str, env: &[(&str, &str)], args: &[&str]) -> Flexway {
+        Self::launch(yaml, env, args)
+    }
+
     fn launch(yaml: &str, env: &[(&str, &str)], args: &[&str]) -> Flexway {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("flexway.yaml");
         std::fs::write(&config, yaml).unwrap();
         let mut command = Command::new(env!("CARGO_BIN_EXE_flexway"));
+        command.arg("serve");
+        // A `--config` among `args` names another source (an S3 object).
+        if !args.contains(&"--config") {
+            command.arg("--config").arg(&config);
+        }
         command
-            .args(["serve", "--config"])
-            .arg(&config)
             .args(["--listen", "127.0.0.1:0"])
             .args(args)
             .current_dir(dir.path())

@@ -520,6 +520,9 @@ pub(crate) fn describe(e: &(dyn std::error::Error + 'static)) -> String {
 /// Every endpoint backend's client.
 pub struct Upstreams {
     clients: HashMap<BackendId, UpstreamClient>,
+    /// Each serving thread's lanes of clients over the public roots, shared by every
+    /// backend without a `tls` of its own.
+    shared: Vec<Arc<Lanes<Clients>>>,
     /// Each serving thread's pool of plain HTTP/1.1 connections, shared by every plain
     /// backend and every endpoint a picker names.
     pools: Vec<Arc<h1::Pool>>,
@@ -532,11 +535,29 @@ pub struct Upstreams {
 impl Upstreams {
     /// Every endpoint backend's client, from its secrets resolved in `secrets`.
     pub fn new(config: &Config, secrets: &Resolved) -> Result<Self, SetupError> {
+        Self::build(config, secrets, None)
+    }
+
+    /// The clients of a reloaded configuration (SPEC §12), over `previous`'s
+    /// connection pools: a backend the reload leaves where it was keeps its pooled
+    /// connections (and, with unchanged `tls`, its own client); one it removes is
+    /// drained by the pools' idle timeout.
+    pub fn reloaded(config: &Config, secrets: &Resolved, previous: &Upstreams) -> Result<Self, SetupError> {
+        Self::build(config, secrets, Some(previous))
+    }
+
+    fn build(config: &Config, secrets: &Resolved, previous: Option<&Upstreams>) -> Result<Self, SetupError> {
         let threads = SERVING_THREADS.load(Ordering::Relaxed);
-        let tls = tls_config(public_roots(), None).map_err(|e| SetupError::Client(e.to_string()))?;
-        let negotiated = Arc::new(Negotiated::default());
-        let shared: Vec<_> = (0..threads).map(|_| lanes(tls.clone(), &negotiated)).collect();
-        let pools: Vec<_> = (0..threads).map(|_| Arc::new(h1::Pool::default())).collect();
+        let (shared, pools, negotiated) = match previous {
+            Some(previous) => (previous.shared.clone(), previous.pools.clone(), previous.negotiated.clone()),
+            None => {
+                let tls = tls_config(public_roots(), None).map_err(|e| SetupError::Client(e.to_string()))?;
+                let negotiated = Arc::new(Negotiated::default());
+                let shared: Vec<_> = (0..threads).map(|_| lanes(tls.clone(), &negotiated)).collect();
+                let pools: Vec<_> = (0..threads).map(|_| Arc::new(h1::Pool::default())).collect();
+                (shared, pools, negotiated)
+            }
+        };
         let mut clients = HashMap::default();
         let mut forwardable: Vec<HeaderName> = Vec::new();
         for (name, backend) in &config.ai.backends {
@@ -544,7 +565,14 @@ impl Upstreams {
                 continue;
             };
             let material = material(name, endpoint, secrets)?;
-            let live = Live::build(name, endpoint, material, None, &shared, &negotiated)?;
+            // A backend with its own TLS client keeps it when its material is the same.
+            let before = previous.and_then(|p| p.clients.get(name)).map(|c| c.live.load_full());
+            let live = match &before {
+                Some(before) if before.material == material => {
+                    Live::build(name, endpoint, material, Some(before), &before.http, &negotiated)?
+                }
+                _ => Live::build(name, endpoint, material, None, &shared, &negotiated)?,
+            };
             let base = endpoint.url.trim_end_matches('/');
             // A relay's url is the other Flexway's base: its API is under `/v1`.
             let (base, identity_headers) = match &backend.kind {
@@ -595,7 +623,7 @@ impl Upstreams {
             };
             clients.insert(name.clone(), client);
         }
-        Ok(Upstreams { clients, pools, forwardable, negotiated })
+        Ok(Upstreams { clients, shared, pools, forwardable, negotiated })
     }
 
     /// The client of `endpoint` (`ip:port`), named by the picker of the inference pool
@@ -856,4 +884,27 @@ fn credential(name: &BackendId, auth: &Auth, secret: Option<&Secret>) -> Result<
             return Err(SetupError::BadCredential { backend: name.clone() });
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(backends: &str) -> Config {
+        let yaml = format!("version: 1\nai:\n  default_backend: a\n  backends:\n{backends}");
+        crate::config::load_str(&yaml, &std::collections::HashMap::<String, String>::new()).unwrap().config
+    }
+
+    #[tokio::test]
+    async fn a_reload_keeps_the_connection_pools() {
+        let before = config("    a: {url: 'http://127.0.0.1:9/v1'}\n    b: {url: 'https://b.example/v1'}\n");
+        let old = Upstreams::new(&before, &Resolved::default()).unwrap();
+        let after = config("    a: {url: 'http://127.0.0.1:9/v1'}\n    c: {url: 'http://127.0.0.1:10/v1'}\n");
+        let new = Upstreams::reloaded(&after, &Resolved::default(), &old).unwrap();
+        assert!(new.pools.iter().zip(&old.pools).all(|(n, o)| Arc::ptr_eq(n, o)), "plain connections kept");
+        assert!(new.shared.iter().zip(&old.shared).all(|(n, o)| Arc::ptr_eq(n, o)), "TLS connections kept");
+        assert!(new.get(&BackendId::new("c")).is_some() && new.get(&BackendId::new("b")).is_none());
+        let fresh = Upstreams::new(&after, &Resolved::default()).unwrap();
+        assert!(!Arc::ptr_eq(&fresh.pools[0], &old.pools[0]), "a start makes its own");
+    }
 }

@@ -1,0 +1,89 @@
+//! The fleet's configuration in S3 (SPEC §12): `flexway serve --config s3://bucket/key
+//! --watch` reads it at start and polls it by ETag, so one upload reaches every
+//! process; on the AWS emulator (`AWS_ENDPOINT_URL`; `scripts/test` starts one).
+// The binary reaches AWS only when built with the `aws` feature (scripts/test builds it).
+#![cfg(test)]
+#![cfg(feature = "aws")]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+#[path = "../functions/aws/tests/emulator/mod.rs"]
+mod emulator;
+
+use std::time::{Duration, Instant};
+
+use aws_sdk_s3::primitives::ByteStream;
+use common::*;
+use serde_json::Value;
+
+fn config_with(key: &str, url: &str) -> String {
+    format!(
+        "version: 1\nstore: {{kind: memory}}\naudit: {{sink: stdout}}\ntenants:\n  acme:\n    keys:\n      \
+         - sha256: {}\nai:\n  default_backend: main\n  backends:\n    main:\n      url: \"{url}\"\n      \
+         price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}}\n",
+        sha(key)
+    )
+}
+
+async fn served_sha(gw: &Flexway) -> String {
+    let health: Value = client().get(format!("{}/healthz", gw.url)).send().await.unwrap().json().await.unwrap();
+    health["config_sha256"].as_str().unwrap().to_owned()
+}
+
+fn sha_of(text: &str) -> String {
+    use sha2::Digest as _;
+    hex::encode(sha2::Sha256::digest(text.as_bytes()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_follow_one_object_in_s3() {
+    let sdk = emulator::sdk().await;
+    let s3 = aws_sdk_s3::Client::from_conf(aws_sdk_s3::config::Builder::from(&sdk).force_path_style(true).build());
+    let bucket = emulator::unique("flexway-config");
+    s3.create_bucket().bucket(&bucket).send().await.unwrap();
+    let upload = |text: String| {
+        s3.put_object().bucket(&bucket).key("gateway/flexway.yaml").body(ByteStream::from(text.into_bytes())).send()
+    };
+    let model = FakeModel::start().await.unwrap();
+    let first = config_with(KEY, &model.url());
+    upload(first.clone()).await.unwrap();
+
+    let env = emulator::process_env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let url = format!("s3://{bucket}/gateway/flexway.yaml");
+    // The harness writes a local file too; `--config` given again names the object.
+    let start = || Flexway::start_with_env_and_args(&first, &env, &["--config", &url, "--watch", "200ms"]);
+    let fleet = [start(), start()];
+    for gw in &fleet {
+        assert_eq!(served_sha(gw).await, sha_of(&first), "{}", gw.logs());
+        assert_eq!(gw.chat(KEY, hello("m")).await.status(), 200);
+    }
+
+    let second = config_with("sk-test-acme-rotated", &model.url());
+    upload(second.clone()).await.unwrap();
+    for gw in &fleet {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while served_sha(gw).await != sha_of(&second) {
+            assert!(Instant::now() < deadline, "never reloaded from S3: {}", gw.logs());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(gw.chat(KEY, hello("m")).await.status(), 401, "the revoked key, on every process");
+        assert_eq!(gw.chat("sk-test-acme-rotated", hello("m")).await.status(), 200);
+    }
+    // Polled by ETag: an unchanged object is not loaded again.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    for gw in &fleet {
+        assert_eq!(gw.logs().matches("configuration reloaded").count(), 1, "{}", gw.logs());
+    }
+
+    // An invalid upload is refused by each, which serves on.
+    upload("version: 1\nai: {}\n".to_owned()).await.unwrap();
+    for gw in &fleet {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !gw.logs().contains("reload refused") {
+            assert!(Instant::now() < deadline, "{}", gw.logs());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(served_sha(gw).await, sha_of(&second));
+    }
+}
