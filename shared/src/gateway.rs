@@ -61,8 +61,9 @@ pub struct Gateway {
     /// Kept across reloads, as the telemetry is: counters never go back.
     pub metrics: Arc<Registry>,
     pub telemetry: Arc<Telemetry>,
-    /// Open realtime sessions (local shape), closed and waited for when it stops.
-    pub sessions: Sessions,
+    /// Open realtime sessions (local shape), closed and waited for when it stops;
+    /// one registry across reloads, so a session opened before one is closed too.
+    pub sessions: Arc<Sessions>,
     secrets: Arc<dyn SecretSource>,
     /// When the backends' secrets are next due for a refresh.
     next_refresh: Mutex<Instant>,
@@ -102,7 +103,7 @@ impl Gateway {
         router.loads.start_polling(&config);
         Ok(Gateway {
             telemetry,
-            sessions: Sessions::default(),
+            sessions: Arc::default(),
             hasher: Hasher::with_keys(&salt, keys.digests()),
             keys,
             router,
@@ -153,7 +154,7 @@ impl Gateway {
         breakers.carry_from(&self.breakers);
         Ok(Gateway {
             telemetry: self.telemetry.clone(),
-            sessions: Sessions::default(),
+            sessions: self.sessions.clone(),
             hasher: self.hasher.rekeyed(keys.digests()),
             keys,
             router,
