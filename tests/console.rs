@@ -1,6 +1,7 @@
-//! The operator's console (SPEC §9), end to end: the real binary, and a real headless
-//! Chromium driven over WebDriver (Debian's `chromium` and `chromium-driver`, which
-//! the test command installs), signing in and reading the page.
+//! The operator's console (SPEC §9), end to end: the real binary, and real headless
+//! browsers signing in and reading the page: Chromium over WebDriver (Debian's
+//! `chromium` and `chromium-driver`) and Firefox over Marionette (`firefox-esr`),
+//! which the test command installs.
 #![cfg(test)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -8,7 +9,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::browser::Browser;
+use common::browser::{Browser, Firefox};
 use common::*;
 use serde_json::Value;
 
@@ -126,6 +127,28 @@ async fn a_browser_signs_in_and_reads_the_spend_the_ledger_holds() {
     let csp = headers.headers()["content-security-policy"].to_str().unwrap();
     assert!(csp.starts_with("default-src 'none'"), "{csp}");
     browser.quit().await;
+}
+
+#[tokio::test]
+async fn firefox_signs_in_and_reads_the_same_page() {
+    let model = FakeModel::start().await.unwrap();
+    let gw = Flexway::start(&console_config(&model.url(), true));
+    assert_eq!(gw.chat(KEY, hello("m")).await.status(), 200);
+    let mut firefox = Firefox::start().await;
+    firefox.go(&format!("{}/console", gw.url)).await;
+    assert!(firefox.source_with("Sign in").await.contains("id=\"key\""));
+    firefox.type_into("#key", KEY).await;
+    firefox.click("#sign-in").await;
+    assert!(firefox.source_with("does not open the console").await.contains("does not open the console"));
+    firefox.type_into("#key", CONSOLE_KEY).await;
+    firefox.click("#sign-in").await;
+    let page = firefox.source_with("id=\"backends\"").await;
+    assert!(page.contains("data-tenant=\"acme\" data-agent=\"\" data-budget=\"eur_per_month\""), "{page}");
+    assert!(page.contains("data-backend=\"main\" data-calls=\"1\""), "{page}");
+    let cookies = firefox.cookies().await;
+    let session = cookies.iter().find(|c| c["name"] == "flexway_console").expect("a session cookie");
+    assert_eq!((session["httpOnly"].as_bool(), session["sameSite"].as_str()), (Some(true), Some("Strict")));
+    firefox.quit().await;
 }
 
 /// The audit records written so far, once there are at least `n`.
