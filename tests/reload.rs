@@ -75,7 +75,7 @@ async fn a_revoked_key_is_refused_from_the_next_call_on_the_same_connection() {
 #[tokio::test]
 async fn a_stream_in_flight_across_a_reload_ends_and_is_recorded() {
     let model = FakeModel::start().await.unwrap();
-    let url = scenario(&model, "words=60,chunk_delay_ms=80");
+    let url = scenario(&model, "words=60,chunk_delay_ms=200");
     let first = config_with(KEY, &url);
     let gw = Flexway::start(&first);
     let mut body = hello("m");
