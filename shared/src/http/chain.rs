@@ -203,12 +203,7 @@ pub(super) async fn attempt_chain<A: Attempt>(
             match try_one(gateway, draft, route, door, one, &pass, &mut attempts).await {
                 Ok(value) => return Ok(Served { candidate: candidate.clone(), value, pass, timeout }),
                 Err(failure) => {
-                    if let Some(outcome) = failure.breaker_outcome() {
-                        pass.record(&gateway.breakers, outcome);
-                    }
-                    let retryable = failure.retryable();
-                    last = Some((backend.clone(), failure));
-                    if !retryable {
+                    if !failed(gateway, &pass, backend, failure, &mut last) {
                         break;
                     }
                 }
@@ -228,7 +223,7 @@ pub(super) async fn attempt_chain<A: Attempt>(
         };
         // Only the pool's failure as a whole counts for its breaker: one model
         // server's is the picker's to route around.
-        let mut failed = None;
+        let mut endpoint_failure = None;
         let mut first = Some((model, prepared));
         for (j, endpoint) in endpoints.iter().take(picker::MAX_TRIED).enumerate() {
             let Some(target) = door.at(backend, &target, endpoint) else { continue };
@@ -249,25 +244,37 @@ pub(super) async fn attempt_chain<A: Attempt>(
                 Err(failure) => {
                     tracing::warn!(backend = %backend, endpoint, "the picked endpoint failed");
                     let retryable = failure.retryable();
-                    failed = Some(failure);
+                    endpoint_failure = Some(failure);
                     if !retryable {
                         break;
                     }
                 }
             }
         }
-        if let Some(failure) = failed {
-            if let Some(outcome) = failure.breaker_outcome() {
-                pass.record(&gateway.breakers, outcome);
-            }
-            let retryable = failure.retryable();
-            last = Some((backend.clone(), failure));
-            if !retryable {
-                break;
-            }
+        if let Some(failure) = endpoint_failure
+            && !failed(gateway, &pass, backend, failure, &mut last)
+        {
+            break;
         }
     }
     Err(unserved(route, attempts, last))
+}
+
+/// A candidate that failed: its breaker told, the failure kept as the last one;
+/// whether the chain may go on to the next candidate.
+fn failed(
+    gateway: &Gateway,
+    pass: &Pass,
+    backend: &BackendId,
+    failure: Failure,
+    last: &mut Option<(BackendId, Failure)>,
+) -> bool {
+    if let Some(outcome) = failure.breaker_outcome() {
+        pass.record(&gateway.breakers, outcome);
+    }
+    let retryable = failure.retryable();
+    *last = Some((backend.clone(), failure));
+    retryable
 }
 
 /// One attempt at one target: what it is sent and as which candidate.
