@@ -193,7 +193,16 @@ async fn serve(
     drop(gateway);
     let refreshing = current.clone();
     tokio::spawn(async move { refresh_secrets(&refreshing).await });
-    tokio::spawn(reloads(source, etag, watch, current.clone()));
+    // SIGHUP's handler is in place before the port is announced: a hangup that came
+    // before it would end the process (the signal's default action).
+    let hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(hangup) => Some(hangup),
+        Err(e) => {
+            tracing::warn!("cannot listen for SIGHUP ({e}): reloads only with --watch");
+            None
+        }
+    };
+    tokio::spawn(reloads(source, etag, watch, hangup, current.clone()));
     // The sweeper refunds reservations whose call vanished (a killed process), and
     // charges those that carry a settlement that could not be written.
     tokio::spawn(async move {
@@ -263,14 +272,13 @@ async fn refresh_secrets(current: &Reloadable) {
 /// validated off the request path, put in use if valid (new calls take it, calls in
 /// flight finish on theirs); otherwise every error is logged and the running one
 /// serves on.
-async fn reloads(source: Source, mut etag: Option<String>, watch: Option<Duration>, current: Arc<Reloadable>) {
-    let mut hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
-        Ok(hangup) => Some(hangup),
-        Err(e) => {
-            tracing::warn!("cannot listen for SIGHUP ({e}): reloads only with --watch");
-            None
-        }
-    };
+async fn reloads(
+    source: Source,
+    mut etag: Option<String>,
+    watch: Option<Duration>,
+    mut hangup: Option<tokio::signal::unix::Signal>,
+    current: Arc<Reloadable>,
+) {
     let mut seen = current.gateway().config.sha256.clone();
     loop {
         let asked = tokio::select! {
