@@ -6,6 +6,7 @@
 #[cfg_attr(not(feature = "aws"), path = "aws/not_built.rs")]
 mod aws;
 mod key;
+mod reconcile;
 mod report;
 mod serve;
 mod workers;
@@ -59,6 +60,10 @@ enum Command {
     /// Turn the audit (a JSONL file or a CloudWatch log group) into a chargeback table:
     /// per tenant, agent and backend.
     Report(report::ReportArgs),
+    /// Set the audit's tokens and cost against the provider's usage (an export or
+    /// its usage API): the drift per backend, model and day, and with --chargeback
+    /// the chargeback corrected to the provider's totals.
+    Reconcile(reconcile::ReconcileArgs),
     /// Manage API keys.
     Key {
         #[command(subcommand)]
@@ -85,6 +90,7 @@ fn main() -> ExitCode {
             validate(&config, if resolve_secrets { Secrets::Resolve } else { Secrets::Check })
         }
         Command::Report(args) => report::run(args),
+        Command::Reconcile(args) => reconcile::run(args),
         Command::Key { command: KeyCommand::New { tenant, agent } } => key::new(&tenant, agent.as_deref()),
     }
 }
@@ -132,6 +138,10 @@ fn validate(path: &std::path::Path, secrets: Secrets) -> ExitCode {
 fn resolve_secrets(config: &flexway::config::Config) -> std::io::Result<Vec<(String, flexway::secret::SecretError)>> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let source = aws::secret_source();
-    let (_, failures) = runtime.block_on(flexway::secret::resolve_all(&config.secret_references(), source.as_ref()));
+    // The usage APIs' admin keys too: only `reconcile --fetch` reads them, but a
+    // config repository's CI checks every reference it holds.
+    let mut references = config.secret_references();
+    references.extend(config.usage_api_references());
+    let (_, failures) = runtime.block_on(flexway::secret::resolve_all(&references, source.as_ref()));
     Ok(failures)
 }

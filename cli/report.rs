@@ -58,7 +58,7 @@ pub struct ReportArgs {
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
-enum Format {
+pub(crate) enum Format {
     Csv,
     Json,
     #[value(alias = "markdown")]
@@ -164,14 +164,14 @@ fn chain_key(reference: &str) -> Result<Vec<u8>, String> {
     Ok(secret.expose().as_bytes().to_vec())
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime, String> {
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, String> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the async runtime: {e}"))
 }
 
-fn read_file(path: &Path, verifier: Option<&mut Verifier>) -> Result<Read, String> {
+pub(crate) fn read_file(path: &Path, verifier: Option<&mut Verifier>) -> Result<Read, String> {
     let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut read = report::read_jsonl_verifying(std::io::BufReader::new(file), verifier)
         .map_err(|e| format!("{}: {e}", path.display()))?;
@@ -184,7 +184,7 @@ fn read_file(path: &Path, verifier: Option<&mut Verifier>) -> Result<Read, Strin
 /// Reads the events of the period from the log group. An event is timestamped when
 /// the sink wrote it, a little after its record's `ts`: the query window is the
 /// period widened by that delay, and the `ts` filter (in `chargeback`) decides.
-fn read_log_group(group: &str, filter: &Filter, verifier: Option<&mut Verifier>) -> Result<Read, String> {
+pub(crate) fn read_log_group(group: &str, filter: &Filter, verifier: Option<&mut Verifier>) -> Result<Read, String> {
     let runtime = runtime()?;
     // CloudWatch refuses times before the epoch (`--from 1969-12-31`); no event is older.
     let margin = crate::aws::WRITE_DELAY_MARGIN_MS;

@@ -262,3 +262,48 @@ async fn a_chained_audit_in_a_log_group_verifies_and_a_replayed_event_breaks_it(
     assert!(run.stderr.contains("a line moved or repeated"), "{}", run.stderr);
     assert!(run.stderr.contains("error: 2 break(s) in the audit's chain; 12 record(s) verified"), "{}", run.stderr);
 }
+
+/// `flexway reconcile --log-group`: the audit read back from the group, set against a
+/// provider's CSV, 5% above it.
+#[tokio::test]
+async fn reconcile_reads_the_audit_from_a_log_group() {
+    let client = client().await;
+    let group = fresh_group(&client).await;
+    let today = date(0);
+    let records = [
+        record(&today, "req-1", "acme", "ptu-west", Metering::Local, 500_000),
+        record(&today, "req-2", "globex", "ptu-west", Metering::Local, 1_500_000),
+    ];
+    CloudWatchAuditSink::new(client.clone(), &group, "gateway-1").write(&records).await.unwrap();
+    // sample's 100 prompt tokens and 20 completion tokens a call: 240; the provider 252.
+    let dir = std::env::temp_dir().join(emulator::unique("reconcile"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let usage = dir.join("usage.csv");
+    std::fs::write(
+        &usage,
+        format!("date,backend,model,input_tokens,output_tokens,cost_eur\n{today},ptu-west,gpt-4.1,210,42,2.1\n"),
+    )
+    .unwrap();
+    let run = flexway(&[
+        "reconcile",
+        "--log-group",
+        &group,
+        "--provider-usage",
+        usage.to_str().unwrap(),
+        "--from",
+        &today,
+        "--to",
+        &today,
+        "--chargeback",
+        "--format",
+        "json",
+    ]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let out: Value = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(out["rows"][0]["gateway_input_tokens"], 200, "{out:#}");
+    assert!((out["backends"][0]["drift_ratio"].as_f64().unwrap() - 12.0 / 252.0).abs() < 1e-12, "{out:#}");
+    let corrected: u64 =
+        out["chargeback"].as_array().unwrap().iter().map(|c| c["corrected_cost_micro_eur"].as_u64().unwrap()).sum();
+    assert_eq!(corrected, 2_100_000, "the provider's stated cost");
+}

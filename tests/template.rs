@@ -32,7 +32,7 @@ fn every_function_logs_as_text() {
         .iter()
         .filter(|(_, resource)| resource["Type"] == "AWS::Serverless::Function")
         .collect();
-    assert_eq!(functions.len(), 2, "the gateway and the sweeper");
+    assert_eq!(functions.len(), 3, "the gateway, the sweeper and the reconcile function");
     for (name, function) in functions {
         assert_eq!(function["Properties"]["LoggingConfig"]["LogFormat"], "Text", "{name:?}");
     }
@@ -282,4 +282,34 @@ fn sweeper_charges_count_failed_settlements_and_the_lag_is_read_from_every_run()
     let alarm = &template["Resources"]["SweeperLagAlarm"]["Properties"];
     assert_eq!(alarm["TreatMissingData"], "breaching", "a sweeper that does not run at all alarms");
     assert!(template["Resources"]["AuditFailuresAlarm"].is_null(), "printed records cannot fail to be written");
+}
+
+/// The drift alarm reads the series the reconcile function prints as EMF
+/// (`flexway_aws::drift_lines`: the dimension set `[]` carries every backend's
+/// value), in the stack's namespace, which the function is given; the function reads
+/// the audit group and, of the secrets, only the admin keys the stack names.
+#[test]
+fn the_drift_alarm_reads_what_the_reconcile_function_prints() {
+    let template = template();
+    let alarm = &template["Resources"]["ReconciliationDriftAlarm"]["Properties"];
+    assert_eq!(alarm["MetricName"], flexway_aws::DRIFT_METRIC);
+    assert!(alarm.get("Dimensions").is_none(), "the series without a dimension: every backend's drift");
+    assert_eq!(alarm["Statistic"], "Maximum");
+    assert_eq!(
+        tagged(&alarm["Threshold"]).map(|(t, v)| (t, v.clone())),
+        Some(("!Ref".into(), "ReconciliationDriftThreshold".into()))
+    );
+    let function = &template["Resources"]["ReconcileFunction"]["Properties"];
+    let variables = &function["Environment"]["Variables"];
+    assert_eq!(
+        tagged(&alarm["Namespace"]).map(|(_, v)| v.clone()),
+        tagged(&variables["FLEXWAY_METRICS_NAMESPACE"]).map(|(_, v)| v.clone())
+    );
+    assert_eq!(tagged(&variables["FLEXWAY_AUDIT_LOG_GROUP"]).map(|(_, v)| v.clone()), Some("AuditLogGroup".into()));
+    let statements =
+        &template["Resources"]["ReconcileRole"]["Properties"]["Policies"][0]["PolicyDocument"]["Statement"];
+    let read_audit = statements.as_sequence().unwrap().iter().find(|s| s["Sid"] == "ReadAudit").unwrap();
+    assert_eq!(read_audit["Action"], "logs:FilterLogEvents");
+    let gateway = serde_norway::to_string(&template["Resources"]["GatewayRole"]).unwrap();
+    assert!(!gateway.contains("UsageApiSecretArns"), "the gateway never reads an admin key");
 }

@@ -47,14 +47,23 @@ impl RequestId {
     }
 }
 
-/// Token usage as a backend reports it.
+/// Token usage as a backend reports it. `prompt_tokens` counts every prompt token;
+/// those the provider read from its prompt cache (`cached_tokens`) and wrote to it
+/// (`cache_write_tokens`) are among them, priced apart (SPEC §3 "Price").
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Usage {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
+    pub cached_tokens: u64,
+    pub cache_write_tokens: u64,
 }
 
 impl Usage {
+    /// Prompt and completion tokens, nothing from a prompt cache.
+    pub const fn new(prompt_tokens: u64, completion_tokens: u64) -> Usage {
+        Usage { prompt_tokens, completion_tokens, cached_tokens: 0, cache_write_tokens: 0 }
+    }
+
     pub fn total(&self) -> u64 {
         self.prompt_tokens.saturating_add(self.completion_tokens)
     }

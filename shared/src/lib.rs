@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod money;
 pub mod protocol;
 pub mod realtime;
+pub mod reconcile;
 pub mod routing;
 pub mod secret;
 pub mod telemetry;

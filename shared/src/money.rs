@@ -25,6 +25,26 @@ impl MicroEur {
     pub fn saturating_add(self, other: MicroEur) -> MicroEur {
         MicroEur(self.0.saturating_add(other.0))
     }
+
+    /// Euros written as a decimal (`12`, `0.15`, `3.1234567`), read without a float:
+    /// places past the sixth round half up to the micro-euro.
+    pub fn parse_eur(text: &str) -> Result<MicroEur, String> {
+        let invalid = || format!("{text:?} is not an amount of euros (digits, an optional `.` and decimals)");
+        let (whole, fraction) = text.split_once('.').unwrap_or((text, ""));
+        let digits = |part: &str| part.bytes().all(|b| b.is_ascii_digit());
+        if (whole.is_empty() && fraction.is_empty()) || !digits(whole) || !digits(fraction) {
+            return Err(invalid());
+        }
+        let whole: u64 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| invalid())? };
+        let (kept, rest) = fraction.split_at(fraction.len().min(6));
+        let micros: u64 = format!("{kept:0<6}").parse().map_err(|_| invalid())?;
+        let round_up = u64::from(rest.as_bytes().first().is_some_and(|d| *d >= b'5'));
+        whole
+            .checked_mul(Self::PER_EUR)
+            .and_then(|m| m.checked_add(micros + round_up))
+            .map(MicroEur)
+            .ok_or_else(|| format!("{text} euros is too large"))
+    }
 }
 
 #[cfg(test)]
@@ -37,6 +57,18 @@ mod tests {
         assert_eq!(MicroEur::for_tokens(7, MicroEur(150_000)), MicroEur(2));
         assert_eq!(MicroEur::for_tokens(1_000_000, MicroEur(2_000_000)), MicroEur(2_000_000));
         assert_eq!(MicroEur::for_tokens(0, MicroEur(2_000_000)), MicroEur(0));
+    }
+
+    #[test]
+    fn parses_decimal_euros_without_a_float() {
+        assert_eq!(MicroEur::parse_eur("12"), Ok(MicroEur(12_000_000)));
+        assert_eq!(MicroEur::parse_eur("0.15"), Ok(MicroEur(150_000)));
+        assert_eq!(MicroEur::parse_eur(".5"), Ok(MicroEur(500_000)));
+        assert_eq!(MicroEur::parse_eur("0.0000015"), Ok(MicroEur(2)), "half up");
+        assert_eq!(MicroEur::parse_eur("0.0000014"), Ok(MicroEur(1)));
+        for bad in ["", ".", "-1", "1e3", "1.2.3", "abc", "99999999999999999999"] {
+            assert!(MicroEur::parse_eur(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

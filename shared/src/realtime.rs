@@ -62,7 +62,7 @@ pub fn response_done_usage(text: &str) -> Option<Usage> {
         return None;
     }
     let usage = event.response?.usage?;
-    Some(Usage { prompt_tokens: usage.input_tokens, completion_tokens: usage.output_tokens })
+    Some(Usage::new(usage.input_tokens, usage.output_tokens))
 }
 
 /// A client's `session.update` or `response.create` rewritten to carry at most
@@ -165,7 +165,7 @@ mod tests {
         let done = r#"{"type":"response.done","event_id":"e1","response":{"id":"r1","status":"completed",
             "output":[{"type":"message","content":[{"type":"text","text":"response.done"}]}],
             "usage":{"total_tokens":57,"input_tokens":40,"output_tokens":17,"input_token_details":{"audio_tokens":30}}}}"#;
-        assert_eq!(response_done_usage(done), Some(Usage { prompt_tokens: 40, completion_tokens: 17 }));
+        assert_eq!(response_done_usage(done), Some(Usage::new(40, 17)));
         let delta = r#"{"type":"response.output_text.delta","delta":"the word response.done in a reply"}"#;
         assert_eq!(response_done_usage(delta), None);
         assert_eq!(response_done_usage(r#"{"type":"response.done","response":{"status":"cancelled"}}"#), None);

@@ -68,6 +68,9 @@ fn schema_lists_every_spec_field() {
         // SPEC §5: which pool member served and why, and the call's class.
         "pick_reason",
         "criticality",
+        // SPEC §3 "Price": the prompt tokens a provider's cache read and wrote.
+        "cached_tokens",
+        "cache_write_tokens",
     ];
     for field in spec_fields {
         assert!(properties.contains_key(field), "missing {field}");

@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use flexway::config::{
     AgentId, AuditSinkConfig, Auth, BackendKind, BreakerTrigger, Capability, Criticality, Diagnostic, FailureMode,
-    Loaded, Metering, Pick, Saturation, SecretRef, Secrets, StoreConfig, load_str, load_str_with, parse_duration,
+    Loaded, Metering, Pick, Saturation, SecretRef, Secrets, StoreConfig, UsageApiKind, load_str, load_str_with,
+    parse_duration,
 };
 use flexway::money::MicroEur;
 use serde_norway::Value;
@@ -1716,4 +1717,53 @@ fn reads_the_console_keys_and_refuses_a_tenant_s() {
         .set("console", &format!("{{keys: [{{sha256: {KEY_B}}}, {{sha256: {KEY_B}}}]}}"))
         .refused("console.keys[1].sha256", "listed twice");
     doc().set("console", "{keys: [{sha256: nothex}]}").refused("console.keys[0].sha256", "");
+}
+
+#[test]
+fn reads_cache_prices_defaulting_to_the_input_price() {
+    let loaded = doc()
+        .set(
+            "ai.backends.main.price",
+            "{input_per_mtok_eur: 3, output_per_mtok_eur: 15, cached_input_per_mtok_eur: 0.3, cache_write_per_mtok_eur: 3.75}",
+        )
+        .loads();
+    let price = loaded.config.ai.backends["main"].price;
+    assert_eq!(
+        (price.cached_input_per_mtok, price.cache_write_per_mtok),
+        (Some(MicroEur(300_000)), Some(MicroEur(3_750_000)))
+    );
+    assert_eq!(doc().loads().config.ai.backends["main"].price.cached_input_per_mtok, None);
+    doc()
+        .set(
+            "ai.backends.main.price",
+            "{input_per_mtok_eur: 3, output_per_mtok_eur: 15, cached_input_per_mtok_eur: -1}",
+        )
+        .refused("ai.backends.main.price.cached_input_per_mtok_eur", "");
+}
+
+#[test]
+fn reads_a_usage_api_for_reconcile_and_keeps_its_key_from_the_gateway() {
+    let loaded = doc().set("ai.backends.main.usage_api", "{kind: openai, secret: env:OPENAI_ADMIN_KEY}").loads();
+    let api = loaded.config.ai.backends["main"].usage_api.clone().unwrap();
+    assert_eq!((api.kind, api.url.as_str()), (UsageApiKind::Openai, "https://api.openai.com"));
+    let references: Vec<String> = loaded.config.usage_api_references().into_iter().map(|(p, _)| p).collect();
+    assert_eq!(references, ["ai.backends.main.usage_api.secret"]);
+    assert!(
+        !loaded.config.secret_references().iter().any(|(path, _)| path.contains("usage_api")),
+        "the gateway never resolves an admin key"
+    );
+    let custom = doc()
+        .set("ai.backends.main.usage_api", "{kind: anthropic, secret: env:K, url: \"http://127.0.0.1:9/\"}")
+        .loads();
+    assert_eq!(custom.config.ai.backends["main"].usage_api.as_ref().unwrap().url, "http://127.0.0.1:9");
+    doc().set("ai.backends.main.usage_api", "{kind: openai}").refused("ai.backends.main.usage_api.secret", "required");
+    doc()
+        .set("ai.backends.main.usage_api", "{kind: azure, secret: env:K}")
+        .refused("ai.backends.main.usage_api.kind", "unknown variant `azure`");
+    doc()
+        .set("ai.backends.main.usage_api", "{kind: openai, secret: env:K, url: ftp://x}")
+        .refused("ai.backends.main.usage_api.url", "not an http");
+    doc()
+        .set("ai.backends.pool", "{kind: pool, members: [{backend: main}], usage_api: {kind: openai, secret: env:K}}")
+        .refused("ai.backends.pool.usage_api", "");
 }

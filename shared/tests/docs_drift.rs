@@ -316,7 +316,12 @@ fn budget(name: &str, unit: Unit, limit: Option<u64>) -> Budget {
 /// Euros per million tokens as the config stores them.
 fn price(input_eur: f64, output_eur: f64) -> Price {
     let micro = |eur: f64| MicroEur((eur * 1_000_000.0).round() as u64);
-    Price { input_per_mtok: micro(input_eur), output_per_mtok: micro(output_eur) }
+    Price {
+        input_per_mtok: micro(input_eur),
+        output_per_mtok: micro(output_eur),
+        cached_input_per_mtok: None,
+        cache_write_per_mtok: None,
+    }
 }
 
 /// The figures of the worked example, as the doc states them.
@@ -349,7 +354,7 @@ fn budgets_doc_worked_example() {
     says("⌈1,015 × 2.5⌉ + 1,000 × 10 = 2,538 + 10,000 = 12,538 µ€");
 
     // Settlement: `cheap` served (after a fallback) and reported 230 + 410 tokens.
-    let usage = Usage { prompt_tokens: 230, completion_tokens: 410 };
+    let usage = Usage::new(230, 410);
     let actual: Vec<u64> = plan::actual(&budgets, usage, cheap).into_iter().map(|(_, a)| a).collect();
     assert_eq!(actual, [640, 640, 1_870]);
     says("230 × 1 + 410 × 4 = 1,870 µ€");

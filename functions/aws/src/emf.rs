@@ -110,6 +110,34 @@ fn emf_line(record: &AuditRecord, namespace: &str) -> String {
     line.to_string()
 }
 
+/// The drift metric's name, in Prometheus (`flexway reconcile --push`) and EMF alike.
+pub const DRIFT_METRIC: &str = "flexway_reconciliation_drift_ratio";
+
+/// One EMF line per backend with a drift (SPEC §9): `flexway_reconciliation_drift_ratio`
+/// with the dimension `backend`, and without (the dimension set `[]`), so that one
+/// alarm on the stack's namespace watches every backend's, by its maximum.
+pub fn drift_lines(reconciliation: &flexway::reconcile::Reconciliation, namespace: &str, now_ms: i64) -> Vec<String> {
+    let backends = reconciliation.backends.iter();
+    let drifts = backends.filter_map(|b| Some((b.backend.as_str(), b.drift_ratio?)));
+    drifts
+        .map(|(backend, ratio)| {
+            json!({
+                "_aws": {
+                    "Timestamp": now_ms,
+                    "CloudWatchMetrics": [{
+                        "Namespace": namespace,
+                        "Dimensions": [["backend"], []],
+                        "Metrics": [{"Name": DRIFT_METRIC, "Unit": "None"}],
+                    }],
+                },
+                "backend": backend,
+                DRIFT_METRIC: ratio,
+            })
+            .to_string()
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use flexway::audit::sample::record;

@@ -9,6 +9,7 @@ mod audit_reader;
 mod cloudwatch;
 mod dynamodb;
 mod emf;
+mod reconcile;
 mod secrets;
 
 use std::sync::Arc;
@@ -24,7 +25,8 @@ use flexway::telemetry::Export;
 pub use audit_reader::{AuditReadError, WRITE_DELAY_MARGIN_MS, read_audit_log_group};
 pub use cloudwatch::CloudWatchAuditSink;
 pub use dynamodb::{DynamoDbBudgetStore, EXPIRY_INDEX, EXPIRY_SHARD};
-pub use emf::EmfAuditSink;
+pub use emf::{DRIFT_METRIC, EmfAuditSink, drift_lines};
+pub use reconcile::{ReconcileJobError, Reconciled, reconcile_days};
 pub use secrets::AwsSecretSource;
 
 #[derive(Debug, thiserror::Error)]
@@ -155,7 +157,7 @@ pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Res
 }
 
 /// The EMF metrics' namespace ([`emf::namespace`]).
-fn metrics_namespace(audit_log_group: &str) -> String {
+pub fn metrics_namespace(audit_log_group: &str) -> String {
     emf::namespace(std::env::var("FLEXWAY_METRICS_NAMESPACE").ok(), audit_log_group)
 }
 

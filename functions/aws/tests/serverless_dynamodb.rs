@@ -243,8 +243,9 @@ async fn served_call(gateway: &flexway::Gateway, id: &str) -> bool {
     let price = Price {
         input_per_mtok: flexway::money::MicroEur(2_000_000),
         output_per_mtok: flexway::money::MicroEur(8_000_000),
+        ..Price::default()
     };
-    admission.ticket.settle(Usage { prompt_tokens: 40, completion_tokens: 60 }, price).await;
+    admission.ticket.settle(Usage::new(40, 60), price).await;
     admission.soft
 }
 

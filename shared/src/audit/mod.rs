@@ -50,6 +50,14 @@ pub struct AuditRecord {
     pub metered_by: Metering,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
+    /// Of `prompt_tokens`, those the provider read from its prompt cache, when it
+    /// reported some (priced at `cached_input_per_mtok_eur`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<u64>,
+    /// Of `prompt_tokens`, those it wrote to its prompt cache, when it reported some
+    /// (priced at `cache_write_per_mtok_eur`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_write_tokens: Option<u64>,
     /// Whether the tokens came from the backend's report or from Flexway's estimate.
     pub usage_source: UsageSource,
     /// Euros, as a number (from `cost_micro_eur`).
@@ -322,6 +330,8 @@ mod tests {
             metered_by: Metering::Upstream,
             prompt_tokens: 12,
             completion_tokens: 34,
+            cached_tokens: None,
+            cache_write_tokens: None,
             usage_source: UsageSource::Estimated,
             cost_eur: 0.000_296,
             cost_micro_eur: 296,

@@ -142,6 +142,17 @@ impl Filter {
         self.to.map(|date| date.to_string())
     }
 
+    /// The period in words, for a document's heading: `all records`, `from D`,
+    /// `until D`, `D1 to D2`.
+    pub fn describe(&self) -> String {
+        match (self.from(), self.to()) {
+            (None, None) => "all records".to_owned(),
+            (Some(from), None) => format!("from {from}"),
+            (None, Some(to)) => format!("until {to}"),
+            (Some(from), Some(to)) => format!("{from} to {to}"),
+        }
+    }
+
     /// The period as Unix milliseconds: the first millisecond of `from` and the last of
     /// `to` (UTC), both inclusive; `None` where the period is open. For sources that can
     /// narrow a read by time (a CloudWatch log group); [`Filter::matches`] still decides.
@@ -158,20 +169,28 @@ impl Filter {
     /// Whether the record counts on a UTC date of the period: its reservation's date
     /// (`period`, the ledger's rule), else the date of its `ts`.
     pub fn matches(&self, record: &AuditRecord) -> bool {
-        if self.from.is_none() && self.to.is_none() {
-            return true;
-        }
-        let date = record
-            .period
-            .as_deref()
-            .and_then(parse_date)
-            .unwrap_or_else(|| Offset::UTC.to_datetime(record.ts.instant()).date());
+        (self.from.is_none() && self.to.is_none()) || self.contains(record_date(record))
+    }
+
+    /// Whether `date` is in the period.
+    pub fn contains(&self, date: Date) -> bool {
         self.from.is_none_or(|from| date >= from) && self.to.is_none_or(|to| date <= to)
+    }
+
+    /// The first and last dates included, as dates.
+    pub fn dates(&self) -> (Option<Date>, Option<Date>) {
+        (self.from, self.to)
     }
 }
 
+/// The UTC date a record counts on: its reservation's (`period`, the ledger's rule),
+/// else its `ts`'s.
+pub fn record_date(record: &AuditRecord) -> Date {
+    record.period.as_deref().and_then(parse_date).unwrap_or_else(|| Offset::UTC.to_datetime(record.ts.instant()).date())
+}
+
 /// A calendar date written `YYYY-MM-DD`, and nothing else that reads as one.
-fn parse_date(text: &str) -> Option<Date> {
+pub fn parse_date(text: &str) -> Option<Date> {
     text.parse::<Date>().ok().filter(|date| date.to_string() == text)
 }
 
@@ -333,7 +352,7 @@ pub fn to_csv(report: &Report) -> String {
 }
 
 /// RFC 4180: a field with a comma, quote or line break is quoted, quotes doubled.
-fn csv_field(value: &str) -> String {
+pub fn csv_field(value: &str) -> String {
     if value.contains([',', '"', '\n', '\r']) {
         format!("\"{}\"", value.replace('"', "\"\""))
     } else {
@@ -386,13 +405,7 @@ pub fn to_json(report: &Report) -> serde_json::Value {
 /// upstream-metered rows apart), and a summary table of what is billed locally.
 pub fn to_markdown(report: &Report) -> String {
     let mut out = String::from("# Flexway chargeback\n\n");
-    let period = match (report.filter.from(), report.filter.to()) {
-        (None, None) => "all records".to_owned(),
-        (Some(from), None) => format!("from {from}"),
-        (None, Some(to)) => format!("until {to}"),
-        (Some(from), Some(to)) => format!("{from} to {to}"),
-    };
-    let _ = writeln!(out, "Period: {period} (UTC dates, inclusive). Costs in EUR.\n");
+    let _ = writeln!(out, "Period: {} (UTC dates, inclusive). Costs in EUR.\n", report.filter.describe());
     if report.tenants.is_empty() {
         out.push_str("No calls in this period.\n");
         return out;
@@ -490,7 +503,7 @@ fn md_total(out: &mut String, label: &str, t: &Totals) {
 }
 
 /// Names come from the config, but a `|` or a line break would still break the table.
-fn md_cell(value: &str) -> String {
+pub fn md_cell(value: &str) -> String {
     value.replace('\\', "\\\\").replace('|', "\\|").replace(['\n', '\r'], " ")
 }
 
@@ -522,6 +535,8 @@ mod tests {
             metered_by,
             prompt_tokens: 100,
             completion_tokens: 10,
+            cached_tokens: None,
+            cache_write_tokens: None,
             usage_source: UsageSource::Reported,
             cost_eur: cost as f64 / 1e6,
             cost_micro_eur: cost,

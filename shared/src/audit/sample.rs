@@ -21,6 +21,8 @@ pub fn record(tenant: &str, backend: Option<&str>, metered_by: Metering, cost: u
         metered_by,
         prompt_tokens: 100,
         completion_tokens: 50,
+        cached_tokens: None,
+        cache_write_tokens: None,
         usage_source: UsageSource::Reported,
         cost_eur: cost as f64 / 1e6,
         cost_micro_eur: cost,

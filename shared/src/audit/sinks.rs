@@ -51,6 +51,14 @@ pub(super) fn line(record: &AuditRecord, out: &mut Vec<u8>) {
     json::number(out, record.prompt_tokens);
     json::next(out, "completion_tokens");
     json::number(out, record.completion_tokens);
+    if let Some(cached) = record.cached_tokens {
+        json::next(out, "cached_tokens");
+        json::number(out, cached);
+    }
+    if let Some(written) = record.cache_write_tokens {
+        json::next(out, "cache_write_tokens");
+        json::number(out, written);
+    }
     json::next(out, "usage_source");
     json::string(out, record.usage_source.as_str());
     json::next(out, "cost_eur");
@@ -219,6 +227,8 @@ mod tests {
             metered_by: Metering::Local,
             prompt_tokens: 100 + n,
             completion_tokens: 50,
+            cached_tokens: None,
+            cache_write_tokens: None,
             usage_source: UsageSource::Reported,
             cost_eur: 0.000_150,
             cost_micro_eur: 150,
@@ -275,6 +285,8 @@ mod tests {
             r.budget_state = [BudgetState::Ok, BudgetState::Soft, BudgetState::Exceeded][i % 3];
             r.close_reason = Some(reasons[i]);
             r.feature = Some(format!("feature-{i}"));
+            r.cached_tokens = (i % 2 == 0).then_some(1024 + i as u64);
+            r.cache_write_tokens = (i % 3 == 0).then_some(2048);
             r.pick_reason = Some(PickReason::ALL[i % PickReason::ALL.len()]);
             r.criticality = Some(Criticality::ALL[i % Criticality::ALL.len()]);
             r.period = Some(format!("2026-11-{:02}", 20 + i));

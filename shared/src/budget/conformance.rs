@@ -413,8 +413,13 @@ async fn ticket(store: Arc<dyn BudgetStore>, id: &str) -> Result<Ticket, String>
     Ok(Ticket::new(store, reserved.reservation(), vec![budget("t", Unit::Tokens), budget("e", Unit::MicroEur)], NOW))
 }
 
-const USAGE: Usage = Usage { prompt_tokens: 30, completion_tokens: 10 };
-const PRICE: Price = Price { input_per_mtok: MicroEur(2_000_000), output_per_mtok: MicroEur(8_000_000) };
+const USAGE: Usage = Usage::new(30, 10);
+const PRICE: Price = Price {
+    input_per_mtok: MicroEur(2_000_000),
+    output_per_mtok: MicroEur(8_000_000),
+    cached_input_per_mtok: None,
+    cache_write_per_mtok: None,
+};
 
 /// The ticket carries its reserved lines so that a settlement needs no read; when the
 /// sweeper refunded the reservation while the call ran, the store's record decides:

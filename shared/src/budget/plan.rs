@@ -40,15 +40,23 @@ pub fn prompt_typical(text_bytes: u64, messages: u64, images: u64) -> u64 {
 
 /// Cost of a usage at a price, rounded up to the micro-euro.
 pub fn cost(usage: Usage, price: Price) -> MicroEur {
-    MicroEur::for_tokens(usage.prompt_tokens, price.input_per_mtok)
+    let cached = usage.cached_tokens.min(usage.prompt_tokens);
+    let written = usage.cache_write_tokens.min(usage.prompt_tokens - cached);
+    let plain = usage.prompt_tokens - cached - written;
+    let input = price.input_per_mtok;
+    MicroEur::for_tokens(plain, input)
+        .saturating_add(MicroEur::for_tokens(cached, price.cached_input_per_mtok.unwrap_or(input)))
+        .saturating_add(MicroEur::for_tokens(written, price.cache_write_per_mtok.unwrap_or(input)))
         .saturating_add(MicroEur::for_tokens(usage.completion_tokens, price.output_per_mtok))
 }
 
 /// The highest input and output prices among backends that may serve a call.
 pub fn highest_price(prices: impl IntoIterator<Item = Price>) -> Price {
+    // Cached and cache-write prices left out: a reservation is at the full input price.
     prices.into_iter().fold(Price::default(), |acc, p| Price {
         input_per_mtok: acc.input_per_mtok.max(p.input_per_mtok),
         output_per_mtok: acc.output_per_mtok.max(p.output_per_mtok),
+        ..Price::default()
     })
 }
 
@@ -197,7 +205,7 @@ pub fn plan(budgets: &[Budget], used: &[u64], prompt: u64, allowance: Allowance,
         }
     }
     let completion = per_choice.saturating_mul(choices);
-    let usage = Usage { prompt_tokens: prompt, completion_tokens: completion };
+    let usage = Usage::new(prompt, completion);
     let lines =
         budgets.iter().map(|b| Line { key: b.key.clone(), amount: b.amount(usage, price), limit: b.limit }).collect();
     Ok(Plan { lines, per_choice, completion_tokens: completion, clamped: per_choice < allowance.per_choice })
@@ -238,7 +246,31 @@ mod tests {
         Allowance { per_choice, choices: 1, min_per_choice: 16 }
     }
 
-    const PRICE: Price = Price { input_per_mtok: MicroEur(2_000_000), output_per_mtok: MicroEur(8_000_000) };
+    const PRICE: Price = Price {
+        input_per_mtok: MicroEur(2_000_000),
+        output_per_mtok: MicroEur(8_000_000),
+        cached_input_per_mtok: None,
+        cache_write_per_mtok: None,
+    };
+
+    #[test]
+    fn cache_reads_and_writes_cost_their_own_prices_defaulting_to_the_input_price() {
+        let usage = Usage { cached_tokens: 600_000, cache_write_tokens: 200_000, ..Usage::new(1_000_000, 100_000) };
+        // 200k plain at 2 €, 600k cached at 0.2 €, 200k written at 2.5 €, 100k out at 8 €.
+        let price = Price {
+            cached_input_per_mtok: Some(MicroEur(200_000)),
+            cache_write_per_mtok: Some(MicroEur(2_500_000)),
+            ..PRICE
+        };
+        assert_eq!(cost(usage, price), MicroEur(400_000 + 120_000 + 500_000 + 800_000));
+        assert_eq!(cost(usage, PRICE), cost(Usage::new(1_000_000, 100_000), PRICE), "by default, the input price");
+        let odd = Usage { cached_tokens: 9, cache_write_tokens: 9, ..Usage::new(10, 0) };
+        assert_eq!(
+            cost(odd, price),
+            MicroEur::for_tokens(9, MicroEur(200_000)).saturating_add(MicroEur::for_tokens(1, MicroEur(2_500_000))),
+            "within the prompt"
+        );
+    }
 
     #[test]
     fn a_scopes_budgets_are_named_and_keyed_by_their_period() {
@@ -353,8 +385,26 @@ mod tests {
 
     #[test]
     fn highest_price_takes_each_side_separately() {
-        let a = Price { input_per_mtok: MicroEur(3), output_per_mtok: MicroEur(1) };
-        let b = Price { input_per_mtok: MicroEur(1), output_per_mtok: MicroEur(5) };
-        assert_eq!(highest_price([a, b]), Price { input_per_mtok: MicroEur(3), output_per_mtok: MicroEur(5) });
+        let a = Price {
+            input_per_mtok: MicroEur(3),
+            output_per_mtok: MicroEur(1),
+            cached_input_per_mtok: None,
+            cache_write_per_mtok: None,
+        };
+        let b = Price {
+            input_per_mtok: MicroEur(1),
+            output_per_mtok: MicroEur(5),
+            cached_input_per_mtok: None,
+            cache_write_per_mtok: None,
+        };
+        assert_eq!(
+            highest_price([a, b]),
+            Price {
+                input_per_mtok: MicroEur(3),
+                output_per_mtok: MicroEur(5),
+                cached_input_per_mtok: None,
+                cache_write_per_mtok: None
+            }
+        );
     }
 }

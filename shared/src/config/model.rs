@@ -99,6 +99,13 @@ impl Config {
         let chain = self.audit.chain_key.iter().map(|key| ("audit.chain_key".to_owned(), key));
         salt.chain(chain).chain(self.ai.secret_references()).collect()
     }
+
+    /// The usage APIs' admin keys, with their paths: resolved by `flexway reconcile
+    /// --fetch` and `validate --resolve-secrets`, never by the gateway.
+    pub fn usage_api_references(&self) -> Vec<(String, &SecretRef)> {
+        let apis = self.ai.backends.iter().filter_map(|(name, b)| Some((name, b.usage_api.as_ref()?)));
+        apis.map(|(name, api)| (format!("ai.backends.{name}.usage_api.secret"), &api.secret)).collect()
+    }
 }
 
 impl Ai {
@@ -334,6 +341,33 @@ pub struct Backend {
     /// Where it processes data, lower-cased; `None` never serves a residency-bound
     /// call.
     pub jurisdiction: Option<String>,
+    /// The provider's usage API, for `flexway reconcile --fetch`.
+    pub usage_api: Option<UsageApi>,
+}
+
+/// `usage_api`: where `flexway reconcile --fetch` reads the provider's usage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UsageApi {
+    pub kind: UsageApiKind,
+    pub secret: SecretRef,
+    /// The API's base URL, without a trailing slash.
+    pub url: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UsageApiKind {
+    Openai,
+    Anthropic,
+}
+
+impl UsageApiKind {
+    /// The provider's own API, where `url` is left out.
+    pub fn default_url(self) -> &'static str {
+        match self {
+            UsageApiKind::Openai => "https://api.openai.com",
+            UsageApiKind::Anthropic => "https://api.anthropic.com",
+        }
+    }
 }
 
 /// Whether `label` is a jurisdiction: 1 to 64 ASCII letters, digits, `.`, `_`, `-`.
@@ -548,6 +582,10 @@ pub struct Tls {
 pub struct Price {
     pub input_per_mtok: MicroEur,
     pub output_per_mtok: MicroEur,
+    /// Prompt tokens read from the provider's prompt cache; `None`: the input price.
+    pub cached_input_per_mtok: Option<MicroEur>,
+    /// Prompt tokens written to it; `None`: the input price.
+    pub cache_write_per_mtok: Option<MicroEur>,
 }
 
 /// Where a consumption is billed: here, or by the Flexway a relay forwards to. Also

@@ -384,6 +384,9 @@ pub struct RawBackend {
     /// `openai`, `anthropic`, `relay`: the model server's Prometheus metrics, polled
     /// off the request path, for the pools that pick by load or declare saturation.
     pub load: Option<RawLoad>,
+    /// `openai`, `anthropic`: the provider's usage API, read by `flexway reconcile
+    /// --fetch` with an admin key (never by the gateway itself).
+    pub usage_api: Option<RawUsageApi>,
     /// Every kind but `pool`: where the backend processes data, a free label (`eu`,
     /// `ch`, `us-east`; letters, digits, `.`, `_`, `-`, any case). Only backends
     /// whose jurisdiction is listed serve a caller with `residency`; a backend
@@ -531,6 +534,15 @@ pub struct RawPrice {
     /// Euros per million output (completion) tokens.
     #[schemars(required, range(min = 0))]
     pub output_per_mtok_eur: Option<f64>,
+    /// Euros per million prompt tokens the provider read from its prompt cache
+    /// (OpenAI's `prompt_tokens_details.cached_tokens`, Anthropic's
+    /// `cache_read_input_tokens`). Default: the input price.
+    #[schemars(range(min = 0))]
+    pub cached_input_per_mtok_eur: Option<f64>,
+    /// Euros per million prompt tokens written to the provider's prompt cache
+    /// (Anthropic's `cache_creation_input_tokens`). Default: the input price.
+    #[schemars(range(min = 0))]
+    pub cache_write_per_mtok_eur: Option<f64>,
 }
 
 /// Circuit breaker: `failures`, or `failure_ratio` with `min_requests`, within
@@ -611,6 +623,34 @@ pub struct RawLoad {
     pub metrics_url: Option<String>,
     /// How often it is read, e.g. `1s` (the default); at least 100ms.
     pub every: Option<RawDuration>,
+}
+
+/// A provider's usage API (`flexway reconcile --fetch`).
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(
+    deny_unknown_fields,
+    rename = "UsageApi",
+    expecting = "a usage API ({kind: openai, secret: env:OPENAI_ADMIN_KEY}) (a mapping)"
+)]
+pub struct RawUsageApi {
+    /// `openai` (the organization usage API) or `anthropic` (the Admin API's usage
+    /// report).
+    #[schemars(required)]
+    pub kind: Option<RawUsageApiKind>,
+    /// The admin key's reference (env:NAME, file:PATH, an AWS ARN). Only `flexway
+    /// reconcile --fetch` and `validate --resolve-secrets` resolve it.
+    #[schemars(required)]
+    pub secret: Option<RawSecret>,
+    /// The API's base URL; by default the provider's (`https://api.openai.com`,
+    /// `https://api.anthropic.com`).
+    pub url: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case", rename = "UsageApiKind")]
+pub enum RawUsageApiKind {
+    Openai,
+    Anthropic,
 }
 
 /// An inference pool's endpoint picker.

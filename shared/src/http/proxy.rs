@@ -451,7 +451,7 @@ async fn complete(
         Some(usage) => (usage, UsageSource::Reported),
         None => {
             let completion_tokens = plan::typical_tokens(answer.completion_bytes);
-            (Usage { prompt_tokens: settle.prompt_typical, completion_tokens }, UsageSource::Estimated)
+            (Usage::new(settle.prompt_typical, completion_tokens), UsageSource::Estimated)
         }
     };
     let cost = settle.settle(gateway, usage).await;

@@ -77,6 +77,8 @@ impl Draft {
             metered_by: Metering::Local,
             prompt_tokens: 0,
             completion_tokens: 0,
+            cached_tokens: None,
+            cache_write_tokens: None,
             usage_source: UsageSource::Reported,
             cost_eur: 0.0,
             cost_micro_eur: 0,
@@ -206,6 +208,8 @@ impl Draft {
     pub fn usage(&mut self, usage: Usage, source: UsageSource, cost: MicroEur) {
         self.record.prompt_tokens = usage.prompt_tokens;
         self.record.completion_tokens = usage.completion_tokens;
+        self.record.cached_tokens = (usage.cached_tokens > 0).then_some(usage.cached_tokens);
+        self.record.cache_write_tokens = (usage.cache_write_tokens > 0).then_some(usage.cache_write_tokens);
         self.record.usage_source = source;
         self.record.cost_micro_eur = cost.0;
         self.record.cost_eur = cost.0 as f64 / MicroEur::PER_EUR as f64;

@@ -100,10 +100,7 @@ impl Settle {
     /// (a stream that broke mid-way included: its first byte reached the client), and
     /// writes the call's record.
     async fn finish(self, gateway: &Gateway, outcome: &RelayOutcome, mut draft: Draft) {
-        let estimate = Usage {
-            prompt_tokens: self.prompt_typical,
-            completion_tokens: plan::typical_tokens(outcome.content_bytes),
-        };
+        let estimate = Usage::new(self.prompt_typical, plan::typical_tokens(outcome.content_bytes));
         let (usage, source) = match outcome.usage {
             Some(reported) => {
                 // How far the estimate would have been: the streaming reconciliation delta.
@@ -390,7 +387,7 @@ impl Source {
                     }
                 }
                 Delta::Usage(tokens) => {
-                    outcome.usage = Some(Usage { prompt_tokens: tokens.input, completion_tokens: tokens.output });
+                    outcome.usage = Some(Usage::from(*tokens));
                 }
                 Delta::Done => step.done = true,
             }
@@ -711,7 +708,7 @@ mod tests {
         let mut outcome =
             RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0, finish_reasons: Vec::new() };
         assert!(!tap(Some(&usage), false, &mut outcome));
-        assert_eq!(outcome.usage, Some(Usage { prompt_tokens: 3, completion_tokens: 4 }));
+        assert_eq!(outcome.usage, Some(Usage::new(3, 4)));
         assert!(tap(Some(&usage), true, &mut outcome));
     }
 }

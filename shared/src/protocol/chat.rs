@@ -137,6 +137,17 @@ pub struct Tokens {
     pub cache_write: u64,
 }
 
+impl From<Tokens> for crate::call::Usage {
+    fn from(tokens: Tokens) -> Self {
+        crate::call::Usage {
+            prompt_tokens: tokens.input,
+            completion_tokens: tokens.output,
+            cached_tokens: tokens.cache_read.min(tokens.input),
+            cache_write_tokens: tokens.cache_write.min(tokens.input.saturating_sub(tokens.cache_read)),
+        }
+    }
+}
+
 /// A non-streamed answer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Completion {

@@ -20,7 +20,7 @@
 //! statuses included, in Anthropic's envelope with Anthropic's error types
 //! (`status=529` is `overloaded_error`). The reply is the chat's (echo or
 //! `words`, cut at `max_tokens`), cut before any of its `stop_sequences`;
-//! the scenario keys `tool_use`, `cache` and `error_after` are for it alone,
+//! the scenario keys `tool_use` and `error_after` are for it alone,
 //! and usage is always sent (`no_usage` does not apply). An Anthropic backend
 //! is configured with the base URL without `/v1`: [`FakeModel::anthropic_url`].
 //!

@@ -83,6 +83,9 @@ pub(crate) struct Reply {
     /// Under `tool_use`: the function called (name, JSON arguments) instead of
     /// content.
     pub tool_call: Option<(String, String)>,
+    /// Under `cache`: the prompt tokens read from the prompt cache (half the
+    /// prompt), reported as `prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: usize,
 }
 
 impl Reply {
@@ -90,6 +93,14 @@ impl Reply {
     /// words if the scenario asks, cut to the request's token limit if it has
     /// one and the scenario does not say to ignore it.
     pub fn for_request(request: &ChatRequest, scenario: &Scenario) -> Reply {
+        let mut reply = Self::uncached(request, scenario);
+        if scenario.cache {
+            reply.cached_tokens = reply.prompt_tokens / 2;
+        }
+        reply
+    }
+
+    fn uncached(request: &ChatRequest, scenario: &Scenario) -> Reply {
         let content = match scenario.words {
             Some(n) => (1..=n).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" "),
             None => {
@@ -120,6 +131,7 @@ impl Reply {
                 choice_tokens: limit,
                 choices,
                 tool_call: None,
+                cached_tokens: 0,
             },
             _ => Reply {
                 choice_tokens: words(&content),
@@ -128,6 +140,7 @@ impl Reply {
                 prompt_tokens,
                 choices,
                 tool_call: None,
+                cached_tokens: 0,
             },
         }
     }
@@ -152,6 +165,7 @@ impl Reply {
                 choice_tokens,
                 choices: 1,
                 tool_call: None,
+                cached_tokens: 0,
             });
         }
         let named = choice.and_then(|c| c.pointer("/function/name")).and_then(Value::as_str);
@@ -166,6 +180,7 @@ impl Reply {
             choice_tokens: words(&arguments),
             choices: 1,
             tool_call: Some((name, arguments)),
+            cached_tokens: 0,
         })
     }
 
@@ -180,16 +195,21 @@ impl Reply {
             choice_tokens: 1,
             choices: 1,
             tool_call: None,
+            cached_tokens: 0,
         }
     }
 
     fn usage(&self) -> Value {
         let completion_tokens = self.choice_tokens * self.choices;
-        json!({
+        let mut usage = json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": self.prompt_tokens + completion_tokens,
-        })
+        });
+        if self.cached_tokens > 0 {
+            usage["prompt_tokens_details"] = json!({"cached_tokens": self.cached_tokens, "audio_tokens": 0});
+        }
+        usage
     }
 }
 

@@ -12,8 +12,9 @@
 //! which wins over `error_after`; `cut_body` wins over `stall_body`.
 //!
 //! Most keys mean the same on both APIs the fake speaks (`tool_use` on each
-//! API's terms). `error_after` and `cache` are for the Anthropic Messages API
-//! only; `n`, `no_usage`, `no_done` and `huge_mb` for the OpenAI API only
+//! API's terms; `cache` too: Anthropic's cache creation and read counts, or
+//! OpenAI's `prompt_tokens_details.cached_tokens`). `error_after` is for the
+//! Anthropic Messages API only; `n`, `no_usage`, `no_done` and `huge_mb` for the OpenAI API only
 //! (Anthropic always reports usage and ends its streams with `message_stop`);
 //! `input_tokens` for realtime sessions only.
 
@@ -93,7 +94,8 @@ pub struct Scenario {
     /// is `The tool said: <result>` instead).
     pub tool_use: bool,
     /// Anthropic: report non-zero `cache_creation_input_tokens` (2048) and
-    /// `cache_read_input_tokens` (1024) instead of 0.
+    /// `cache_read_input_tokens` (1024) instead of 0. OpenAI: report half the
+    /// prompt as `prompt_tokens_details.cached_tokens`.
     pub cache: bool,
     /// Realtime: the input tokens each response reports (default 20).
     pub input_tokens: Option<u64>,

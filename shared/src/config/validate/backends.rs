@@ -13,9 +13,9 @@ use super::super::descriptor;
 use super::super::raw::{
     RawAuth, RawAuthKind, RawBackend, RawBackendKind, RawBreaker, RawCacheAffinity, RawCapability, RawEndpointPicker,
     RawFailureMode, RawIdentityHeaders, RawLoad, RawMetering, RawPick, RawPoolMember, RawPrice, RawSaturation,
-    RawSecret, RawTarget, RawTls,
+    RawSecret, RawTarget, RawTls, RawUsageApi, RawUsageApiKind,
 };
-use super::super::values::{base_url, fraction_ppm, micro_eur, status_range};
+use super::super::values::{base_url, fraction_ppm, micro_eur, secret_ref, status_range};
 use super::super::*;
 use super::{Catalog, Checker, DEFAULT_SENSITIVE_HEADER, GATEWAY_HEADERS, RESERVED_HEADERS, Summary, capability};
 use crate::call::headers::CREDENTIALS;
@@ -109,6 +109,7 @@ impl Checker<'_> {
             cache_affinity,
             saturation,
             load,
+            usage_api,
             jurisdiction,
             endpoint_picker,
             target,
@@ -221,6 +222,7 @@ impl Checker<'_> {
         let timeout = self.duration(&format!("{path}.timeout"), timeout.as_ref(), DEFAULT_TIMEOUT);
         let circuit_breaker = self.breaker(&format!("{path}.circuit_breaker"), circuit_breaker);
         let load = load.and_then(|raw| self.load(&format!("{path}.load"), raw));
+        let usage_api = usage_api.and_then(|raw| self.usage_api(&format!("{path}.usage_api"), raw));
         let jurisdiction =
             jurisdiction.and_then(|label| super::jurisdiction(self, &format!("{path}.jurisdiction"), &label));
 
@@ -235,6 +237,7 @@ impl Checker<'_> {
             circuit_breaker,
             load,
             jurisdiction,
+            usage_api,
         })
     }
 
@@ -340,6 +343,34 @@ impl Checker<'_> {
                 None
             }
         }
+    }
+
+    /// A backend's `usage_api`: its kind, admin key and base URL.
+    fn usage_api(&mut self, path: &str, raw: RawUsageApi) -> Option<UsageApi> {
+        let kind = self.required(&format!("{path}.kind"), raw.kind, "(openai or anthropic)");
+        let secret_path = format!("{path}.secret");
+        let secret = self.required(&secret_path, raw.secret, "(the admin key's reference)");
+        // Its form only: the gateway never reads an admin key, so an unset one must
+        // not stop a start; `reconcile --fetch` and `validate --resolve-secrets`
+        // resolve it.
+        let secret = secret.and_then(|raw| secret_ref(&raw.0).map_err(|m| self.error(&secret_path, m)).ok());
+        let kind = match kind? {
+            RawUsageApiKind::Openai => UsageApiKind::Openai,
+            RawUsageApiKind::Anthropic => UsageApiKind::Anthropic,
+        };
+        let url = match raw.url {
+            None => kind.default_url().to_owned(),
+            Some(url) => match url.parse::<http::Uri>() {
+                Ok(parsed) if matches!(parsed.scheme_str(), Some("http" | "https")) && parsed.host().is_some() => {
+                    url.trim_end_matches('/').to_owned()
+                }
+                _ => {
+                    self.error(format!("{path}.url"), format!("`{url}` is not an http:// or https:// URL"));
+                    return None;
+                }
+            },
+        };
+        Some(UsageApi { kind, secret: secret?, url })
     }
 
     /// Every `load` is read by a pool that picks by load or declares saturation, and
@@ -480,7 +511,7 @@ impl Checker<'_> {
 
     /// Keys that belong to other kinds of backend are refused, naming the kind.
     fn refuse_foreign_keys(&mut self, path: &str, kind: RawBackendKind, raw: &RawBackend) {
-        let keys: [(&str, bool, &[RawBackendKind]); 22] = [
+        let keys: [(&str, bool, &[RawBackendKind]); 23] = [
             ("url", raw.url.is_some(), ENDPOINT_KINDS),
             ("auth", raw.auth.is_some(), AUTH_KINDS),
             ("tls", raw.tls.is_some(), TLS_KINDS),
@@ -502,6 +533,7 @@ impl Checker<'_> {
             ("cache_affinity", raw.cache_affinity.is_some(), &[RawBackendKind::Pool]),
             ("saturation", raw.saturation.is_some(), &[RawBackendKind::Pool]),
             ("load", raw.load.is_some(), HTTP_KINDS),
+            ("usage_api", raw.usage_api.is_some(), &[RawBackendKind::Openai, RawBackendKind::Anthropic]),
             ("jurisdiction", raw.jurisdiction.is_some(), JURISDICTION_KINDS),
         ];
         let here = kind.a_backend();
@@ -521,7 +553,18 @@ impl Checker<'_> {
         };
         let input = per_mtok("input_per_mtok_eur", raw.input_per_mtok_eur);
         let output = per_mtok("output_per_mtok_eur", raw.output_per_mtok_eur);
-        Price { input_per_mtok: input.unwrap_or_default(), output_per_mtok: output.unwrap_or_default() }
+        let mut optional = |key: &str, eur: Option<f64>| {
+            let eur = eur?;
+            micro_eur(eur).map_err(|m| self.error(format!("{path}.{key}"), m)).ok()
+        };
+        let cached_input_per_mtok = optional("cached_input_per_mtok_eur", raw.cached_input_per_mtok_eur);
+        let cache_write_per_mtok = optional("cache_write_per_mtok_eur", raw.cache_write_per_mtok_eur);
+        Price {
+            input_per_mtok: input.unwrap_or_default(),
+            output_per_mtok: output.unwrap_or_default(),
+            cached_input_per_mtok,
+            cache_write_per_mtok,
+        }
     }
 
     fn fallback(&mut self, path: &str, name: &str, raw: Option<Vec<String>>, catalog: &Catalog) -> Vec<BackendId> {

@@ -36,7 +36,13 @@ impl Usage {
         let get = |k: &str| usage.get(k).and_then(Value::as_u64);
         let prompt = get("prompt_tokens")?;
         let completion = get("completion_tokens").unwrap_or(0);
-        Some(Usage { prompt_tokens: prompt, completion_tokens: completion })
+        let cached = usage
+            .get("prompt_tokens_details")
+            .and_then(|d| d.get("cached_tokens"))
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+            .min(prompt);
+        Some(Usage { cached_tokens: cached, ..Usage::new(prompt, completion) })
     }
 }
 
@@ -63,13 +69,24 @@ struct AnswerView {
 pub(crate) struct UsageView {
     prompt_tokens: Option<u64>,
     completion_tokens: Option<u64>,
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptDetailsView>,
+}
+
+/// OpenAI's `prompt_tokens_details`: the prompt tokens its prompt cache held.
+#[derive(serde::Deserialize)]
+struct PromptDetailsView {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
 }
 
 impl UsageView {
     /// As [`Usage::from_value`]: `prompt_tokens` required, `completion_tokens` 0 when
-    /// absent.
+    /// absent, `prompt_tokens_details.cached_tokens` (at most the prompt) when given.
     pub(crate) fn usage(&self) -> Option<Usage> {
-        Some(Usage { prompt_tokens: self.prompt_tokens?, completion_tokens: self.completion_tokens.unwrap_or(0) })
+        let prompt = self.prompt_tokens?;
+        let cached = self.prompt_tokens_details.as_ref().and_then(|d| d.cached_tokens).unwrap_or(0).min(prompt);
+        Some(Usage { cached_tokens: cached, ..Usage::new(prompt, self.completion_tokens.unwrap_or(0)) })
     }
 }
 
@@ -138,7 +155,7 @@ impl Answer {
         let text = completion.text.as_ref().map_or(0, String::len);
         let calls: usize = completion.tool_calls.iter().map(|c| c.name.len() + c.arguments.len()).sum();
         Answer {
-            usage: completion.usage.map(|t| Usage { prompt_tokens: t.input, completion_tokens: t.output }),
+            usage: completion.usage.map(Usage::from),
             completion_bytes: (text + calls) as u64,
             finish_reasons: completion.finish.iter().map(|f| f.as_str().to_owned()).collect(),
         }
@@ -696,12 +713,12 @@ mod tests {
         let body = json!({"id": "x", "choices": [{"message": {"role": "assistant", "content": "héllo"}, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 4}});
         let answer = Answer::read(body.to_string().as_bytes()).unwrap();
-        assert_eq!(answer.usage, Some(Usage { prompt_tokens: 3, completion_tokens: 4 }));
+        assert_eq!(answer.usage, Some(Usage::new(3, 4)));
         assert_eq!(answer.finish_reasons, vec!["stop".to_owned()]);
         assert_eq!(answer.completion_bytes, 6);
         let embeddings = json!({"data": [{"embedding": [0.1, 0.2]}], "usage": {"prompt_tokens": 2, "total_tokens": 2}});
         let answer = Answer::read(embeddings.to_string().as_bytes()).unwrap();
-        assert_eq!(answer.usage, Some(Usage { prompt_tokens: 2, completion_tokens: 0 }));
+        assert_eq!(answer.usage, Some(Usage::new(2, 0)));
         assert_eq!(Answer::read(b"[1, 2]"), None);
         assert_eq!(Answer::read(b" []"), None);
         assert_eq!(Answer::read(b"not json"), None);
@@ -718,5 +735,17 @@ mod tests {
         let u = Usage::from_value(Some(&json!({"prompt_tokens": 3, "completion_tokens": 4}))).unwrap();
         assert_eq!(u.total(), 7);
         assert_eq!(Usage::from_value(Some(&Value::Null)), None);
+        let cached =
+            json!({"prompt_tokens": 3000, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 2048}});
+        assert_eq!(Usage::from_value(Some(&cached)), Some(Usage { cached_tokens: 2048, ..Usage::new(3000, 4) }));
+        let answer = Answer::read(json!({"usage": cached, "choices": []}).to_string().as_bytes());
+        let view = answer.map(|a| a.usage);
+        assert_eq!(
+            view,
+            Some(Some(Usage { cached_tokens: 2048, ..Usage::new(3000, 4) })),
+            "the view a stream reads too"
+        );
+        let more = json!({"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 99}});
+        assert_eq!(Usage::from_value(Some(&more)).unwrap().cached_tokens, 10, "never more than the prompt");
     }
 }
