@@ -3,7 +3,8 @@
 //! test time. The right certificate passes; a certificate the backend does not accept,
 //! a wrong CA or no `tls` at all is a 503 whose message names the TLS failure, and no
 //! message or log line carries the private key. A backend whose TLS offers `h2` is
-//! called over HTTP/2, on as many connections as the calls in flight need.
+//! called over HTTP/2, on as many connections as the calls in flight need. A `grpc`
+//! backend at an `https://` url is reached over TLS, with its client certificate.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -73,14 +74,14 @@ struct Backend {
     http1_from_now: Arc<AtomicBool>,
 }
 
-/// The same, offering `alpn` in the handshake, and allowing `max_streams` streams on
-/// an HTTP/2 connection.
-async fn tls_backend_offering(server: &Leaf, clients: &Authority, alpn: &[&[u8]], max_streams: u32) -> Backend {
+/// A TLS server's configuration: `server`'s certificate, and a client certificate
+/// `clients` signed required.
+fn server_config(server: &Leaf, clients: &Authority) -> rustls::ServerConfig {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();
     roots.add(CertificateDer::from_pem_slice(clients.pem().as_bytes()).unwrap()).unwrap();
     let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone()).build().unwrap();
-    let config = rustls::ServerConfig::builder_with_provider(provider)
+    rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .unwrap()
         .with_client_cert_verifier(verifier)
@@ -88,7 +89,37 @@ async fn tls_backend_offering(server: &Leaf, clients: &Authority, alpn: &[&[u8]]
             vec![CertificateDer::from_pem_slice(server.cert.as_bytes()).unwrap()],
             PrivateKeyDer::from_pem_slice(server.key.as_bytes()).unwrap(),
         )
-        .unwrap();
+        .unwrap()
+}
+
+/// A TLS front for the gRPC server at `upstream`: the handshake offers `h2` and asks
+/// for a client certificate `clients` signed; the bytes then go through in clear.
+async fn tls_grpc_backend(server: &Leaf, clients: &Authority, upstream: SocketAddr) -> SocketAddr {
+    let mut config = server_config(server, clients);
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let mut tls = match acceptor.accept(tcp).into_fallible().await {
+                    Ok(tls) => tls,
+                    Err((_, tcp)) => return linger(tcp).await,
+                };
+                let mut plain = tokio::net::TcpStream::connect(upstream).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+            });
+        }
+    });
+    addr
+}
+
+/// The same, offering `alpn` in the handshake, and allowing `max_streams` streams on
+/// an HTTP/2 connection.
+async fn tls_backend_offering(server: &Leaf, clients: &Authority, alpn: &[&[u8]], max_streams: u32) -> Backend {
+    let config = server_config(server, clients);
     let offering = |alpn: &[&[u8]]| {
         let mut config = config.clone();
         config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
@@ -455,6 +486,56 @@ async fn backends_connected_ahead_serve_the_first_call_on_that_connection() {
     assert_eq!((accepted.load(Ordering::Relaxed), model.request_count()), (1, 0));
     assert_eq!(gw.chat(KEY, hello("m")).await.status(), 200);
     assert_eq!((accepted.load(Ordering::Relaxed), model.request_count()), (1, 1));
+}
+
+/// One `grpc` backend at `url` (the fake OCR service's descriptor set) with `tls`.
+fn grpc_tls_config(dir: &Path, url: &str, tls: &str) -> String {
+    let set = dir.join("ocr.binpb");
+    std::fs::write(&set, fake_grpc::DESCRIPTOR_SET).unwrap();
+    config(&format!(
+        "  backends:\n    ocr:\n      kind: grpc\n      url: {url}\n      descriptor_set: {}\n      tls: {tls}\n",
+        set.display()
+    ))
+}
+
+async fn recognize(gw: &Flexway, bytes: usize) -> Result<String, tonic::Status> {
+    let mut ocr = fake_grpc::pb::ocr_client::OcrClient::connect(gw.url.clone()).await.unwrap();
+    let mut request = tonic::Request::new(fake_grpc::pb::Image { data: vec![7; bytes], ..Default::default() });
+    request.metadata_mut().insert("authorization", format!("Bearer {KEY}").parse().unwrap());
+    ocr.recognize(request).await.map(|answer| answer.into_inner().text)
+}
+
+/// A gRPC upstream over TLS (`grpcs://` or `https://`) is called over HTTP/2 with the
+/// backend's client certificate, checked against its `ca`; one the upstream does not
+/// accept fails the call as UNAVAILABLE, and nothing reaches the service.
+#[tokio::test]
+async fn a_grpc_backend_over_tls_presents_its_client_certificate() {
+    let pki = pki();
+    let ocr = fake_grpc::FakeOcr::start().await.unwrap();
+    let front = tls_grpc_backend(&pki.server, &pki.ca, ocr.addr).await;
+    let dir = tempfile::tempdir().unwrap();
+    let env = [("CLIENT_KEY", pki.client.key.as_str())];
+    for scheme in ["grpcs", "https"] {
+        let url = format!("{scheme}://localhost:{}", front.port());
+        let gw = Flexway::start_with_env(&grpc_tls_config(dir.path(), &url, &right_client_tls(dir.path(), &pki)), &env);
+        assert_eq!(recognize(&gw, 12).await.unwrap(), "12", "{}", gw.logs());
+    }
+    assert_eq!(ocr.calls(), 2);
+
+    let stranger = format!(
+        "{{cert: '{}', key: 'env:CLIENT_KEY', ca: '{}'}}",
+        write(dir.path(), "stranger.pem", &pki.stranger_client.cert),
+        write(dir.path(), "ca.pem", &pki.ca.pem())
+    );
+    let url = format!("https://localhost:{}", front.port());
+    let gw = Flexway::start_with_env(
+        &grpc_tls_config(dir.path(), &url, &stranger),
+        &[("CLIENT_KEY", pki.stranger_client.key.as_str())],
+    );
+    let status = recognize(&gw, 12).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert_eq!(ocr.calls(), 2, "nothing reached the service");
+    assert!(!gw.logs().contains(&pki.stranger_client.key), "the key is never logged");
 }
 
 /// A gateway served in this process, its secrets read from `env`.

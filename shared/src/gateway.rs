@@ -21,7 +21,6 @@ use crate::routing::Router;
 use crate::routing::breaker::Breakers;
 use crate::secret::{SecretSource, resolve_all};
 use crate::telemetry::{Export, Telemetry};
-use crate::upstream::grpc::GrpcClient;
 use crate::upstream::{SetupError, Upstreams};
 
 /// Why a new configuration was not put in use: the running one serves on.
@@ -48,8 +47,6 @@ pub struct Gateway {
     pub keys: KeyRing,
     pub router: Router,
     pub upstreams: Upstreams,
-    /// The `kind: grpc` backends' client (h2c).
-    pub grpc: GrpcClient,
     pub budgets: Arc<dyn BudgetStore>,
     /// Callers last read past their soft threshold: admission routes them soft without
     /// reading their counters.
@@ -108,7 +105,6 @@ impl Gateway {
             keys,
             router,
             upstreams,
-            grpc: GrpcClient::new(),
             budgets: adapters.budgets,
             soft_hints: SoftHints::default(),
             audit,
@@ -159,7 +155,6 @@ impl Gateway {
             keys,
             router,
             upstreams,
-            grpc: GrpcClient::new(),
             budgets: self.budgets.clone(),
             soft_hints: SoftHints::default(),
             audit: self.audit.clone(),

@@ -141,12 +141,29 @@ fn refuses_a_descriptor_set_that_declares_no_service() {
 }
 
 #[test]
-fn refuses_tls_towards_a_grpc_upstream() {
+fn takes_tls_towards_a_grpc_upstream_and_refuses_a_client_certificate_over_cleartext() {
     let (_dir, set) = compile(SERVICE, true);
-    let text = config(&ocr(&set).replace("http://10.0.0.9:50051", "grpcs://ocr.example.net"));
-    let errors = errors(&text);
+    let tls = "      tls: {cert: 'env:CERT', key: 'env:KEY', ca: 'env:CA'}\n";
+    let over_tls = config(&format!("{}{tls}", ocr(&set).replace("http://10.0.0.9:50051", "grpcs://ocr.example.net")));
+    let pem: HashMap<String, String> = ["CERT", "KEY", "CA"].map(|name| (name.to_owned(), "pem".to_owned())).into();
+    let loaded = load_str(&over_tls, &pem).unwrap_or_else(|e| panic!("{e}"));
+    match &loaded.config.ai.backends[&flexway::config::BackendId::new("ocr")].kind {
+        flexway::config::BackendKind::Grpc { url, tls: Some(tls), .. } => {
+            assert_eq!((url.as_str(), tls.ca.is_some()), ("https://ocr.example.net", true));
+        }
+        other => panic!("{other:?}"),
+    }
+    let errors: Vec<String> = load_str(&config(&format!("{}{tls}", ocr(&set))), &pem)
+        .unwrap_err()
+        .errors
+        .iter()
+        .map(ToString::to_string)
+        .collect();
     assert_eq!(errors.len(), 1, "{errors:?}");
-    assert!(errors[0].starts_with("ai.backends.ocr.url: TLS towards a gRPC upstream is not built"), "{errors:?}");
+    assert!(
+        errors[0].starts_with("ai.backends.ocr.tls: a client certificate is presented over TLS only"),
+        "{errors:?}"
+    );
 }
 
 #[tokio::test]

@@ -159,7 +159,8 @@ fn configuration_doc(schema: &Value) -> String {
          (`file:` references, `store.path`, `audit.path`) resolve against the working \
          directory. A `kind: anthropic` backend is called in its own format, translated both ways \
          (docs/backends.md); a `kind: relay` backend is another Flexway (docs/http.md, \"Relay\"). \
-         A `kind: grpc` backend is a specialised model's gRPC upstream over HTTP/2 cleartext: its \
+         A `kind: grpc` backend is a specialised model's gRPC upstream over HTTP/2 (cleartext \
+         towards `http://` or `grpc://`, TLS towards `https://` or `grpcs://`): its \
          `descriptor_set` (relative to the working directory too) is read at load and says which \
          services it serves and how each method is metered (docs/grpc.md). A `kind: http` backend is a \
          REST upstream: its `contract` (an OpenAPI 3.0 or 3.1 file, relative to the working directory \

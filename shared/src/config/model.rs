@@ -114,13 +114,14 @@ impl Ai {
     pub fn secret_references(&self) -> Vec<(String, &SecretRef)> {
         let mut references = Vec::new();
         for (name, backend) in &self.backends {
-            let Some(endpoint) = backend.kind.endpoint() else { continue };
             let path = |key: &str| format!("ai.backends.{name}.{key}");
-            match &endpoint.auth {
-                Auth::Bearer { secret } | Auth::Header { secret, .. } => references.push((path("auth.secret"), secret)),
-                Auth::None | Auth::TokenFile { .. } => {}
+            match backend.kind.endpoint().map(|e| &e.auth) {
+                Some(Auth::Bearer { secret } | Auth::Header { secret, .. }) => {
+                    references.push((path("auth.secret"), secret));
+                }
+                Some(Auth::None | Auth::TokenFile { .. }) | None => {}
             }
-            if let Some(tls) = &endpoint.tls {
+            if let Some(tls) = backend.kind.tls() {
                 references.push((path("tls.cert"), &tls.cert));
                 references.push((path("tls.key"), &tls.key));
                 references.extend(tls.ca.iter().map(|ca| (path("tls.ca"), ca)));
@@ -417,11 +418,13 @@ pub enum BackendKind {
         metering: Metering,
         identity_headers: IdentityHeaders,
     },
-    /// A specialised model's gRPC upstream (h2c); what its descriptor set declares is
-    /// in [`Ai::grpc`].
+    /// A specialised model's gRPC upstream (HTTP/2: cleartext for `http://`, TLS for
+    /// `https://`, with a client certificate when `tls` is given); what its descriptor
+    /// set declares is in [`Ai::grpc`].
     Grpc {
         url: String,
         descriptor_set: PathBuf,
+        tls: Option<Tls>,
     },
     /// A REST upstream described by an OpenAPI contract (SPEC §10): its operations are
     /// served under `mount`, those with `x-flexway-ai` metered.
@@ -482,6 +485,14 @@ impl BackendKind {
 
     /// The HTTP endpoint of an `openai`, `anthropic`, `relay`, `http` or
     /// `inference_pool` backend (the last one's `url` is only its target's path).
+    /// The client certificate (and CA bundle) towards the backend, whatever its kind.
+    pub fn tls(&self) -> Option<&Tls> {
+        match self {
+            BackendKind::Grpc { tls, .. } => tls.as_ref(),
+            _ => self.endpoint()?.tls.as_ref(),
+        }
+    }
+
     pub fn endpoint(&self) -> Option<&Endpoint> {
         match self {
             BackendKind::OpenAi(e) | BackendKind::Anthropic(e) => Some(e),

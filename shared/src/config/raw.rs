@@ -336,11 +336,12 @@ pub struct RawBackend {
     /// `openai` (default), `anthropic`, `relay` (another Flexway), `grpc`, `http`,
     /// `inference_pool` (model servers an endpoint picker chooses per call) or `pool`.
     pub kind: Option<RawBackendKind>,
-    /// Base URL, http or https (not for `pool` or `inference_pool`).
+    /// Base URL, http or https (a `grpc` backend's also grpc or grpcs; not for `pool` or
+    /// `inference_pool`).
     pub url: Option<String>,
     /// How the gateway authenticates to the backend. Default `{type: none}`.
     pub auth: Option<RawAuth>,
-    /// Client certificate (mTLS) and extra CA; for an https:// url only.
+    /// Client certificate (mTLS) and extra CA; for an https:// (or grpcs://) url only.
     pub tls: Option<RawTls>,
     /// Price in euros per million tokens. Default 0.
     pub price: Option<RawPrice>,

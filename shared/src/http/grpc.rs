@@ -55,7 +55,7 @@ use crate::routing::breaker::{Outcome, Pass};
 use crate::routing::{Candidate, Residency, Route};
 use crate::upstream::CallError;
 use crate::upstream::body::Fault;
-use crate::upstream::grpc::{BoxError, UpstreamBody};
+use crate::upstream::grpc::{BoxError, GrpcClient, UpstreamBody};
 
 pub use super::meter::{MAX_MESSAGE_BYTES, RESPONSE_ALLOWANCE_BYTES};
 /// The settled cost, in the trailers (euros, `0.002500`).
@@ -293,8 +293,8 @@ struct SendCall<'a> {
 }
 
 impl<'a> chain::Attempt for SendCall<'a> {
-    /// The upstream's URL and its `timeout`.
-    type Target = (&'a str, Duration);
+    /// The upstream's URL, its `timeout` and the client it is called through.
+    type Target = (&'a str, Duration, Arc<GrpcClient>);
     type Prepared = ();
     type Answer = http::Response<crate::upstream::AnswerBody>;
 
@@ -302,7 +302,7 @@ impl<'a> chain::Attempt for SendCall<'a> {
         match self.gateway.config.ai.backends.get(backend).map(|b| &b.kind) {
             Some(BackendKind::Grpc { url, .. }) => {
                 let timeout = self.gateway.timeout(backend);
-                Some(((url.as_str(), timeout), timeout))
+                Some(((url.as_str(), timeout, self.gateway.upstreams.grpc(backend)), timeout))
             }
             _ => None,
         }
@@ -314,7 +314,7 @@ impl<'a> chain::Attempt for SendCall<'a> {
 
     async fn attempt(
         &self,
-        &(url, timeout): &Self::Target,
+        (url, timeout, client): &Self::Target,
         (): (),
         _: &Draft,
     ) -> Result<Answered<Self::Answer>, Failure> {
@@ -325,8 +325,8 @@ impl<'a> chain::Attempt for SendCall<'a> {
         let upstream =
             upstream_request(url, self.rpc, self.headers, self.sensitive_header, self.flavor, self.slot.body())
                 .map_err(|detail| Failure::Head(CallError::Connect(detail)))?;
-        match tokio::time::timeout(timeout, self.gateway.grpc.send(upstream)).await {
-            Err(_) => Err(failed(Failure::Head(CallError::Timeout(timeout)))),
+        match tokio::time::timeout(*timeout, client.send(upstream)).await {
+            Err(_) => Err(failed(Failure::Head(CallError::Timeout(*timeout)))),
             Ok(Err(e)) => Err(failed(Failure::Head(CallError::Connect(root_cause(&e))))),
             Ok(Ok(response)) if response.status() != http::StatusCode::OK => {
                 let detail = format!("answered HTTP {}, not a gRPC response", response.status());

@@ -61,6 +61,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 use self::alpn::{Negotiated, NotH2, Noting};
+use self::grpc::GrpcClient;
 use self::lanes::Lanes;
 pub use self::lanes::{AnswerBody, BodyError};
 use crate::config::{
@@ -530,6 +531,16 @@ pub struct Upstreams {
     forwardable: Vec<HeaderName>,
     /// What the backends' servers chose at their TLS handshakes.
     negotiated: Arc<Negotiated>,
+    /// The `grpc` backends' client over the public roots (h2c towards `http://`).
+    grpc_shared: Arc<GrpcClient>,
+    /// A `grpc` backend with `tls`: its own client.
+    grpc_own: HashMap<BackendId, ArcSwap<OwnGrpc>>,
+}
+
+/// A `grpc` backend's own client, and the TLS material it was made with.
+struct OwnGrpc {
+    client: Arc<GrpcClient>,
+    material: TlsMaterial,
 }
 
 impl Upstreams {
@@ -548,16 +559,32 @@ impl Upstreams {
 
     fn build(config: &Config, secrets: &Resolved, previous: Option<&Upstreams>) -> Result<Self, SetupError> {
         let threads = SERVING_THREADS.load(Ordering::Relaxed);
-        let (shared, pools, negotiated) = match previous {
-            Some(previous) => (previous.shared.clone(), previous.pools.clone(), previous.negotiated.clone()),
+        let (shared, pools, negotiated, grpc_shared) = match previous {
+            Some(previous) => (
+                previous.shared.clone(),
+                previous.pools.clone(),
+                previous.negotiated.clone(),
+                previous.grpc_shared.clone(),
+            ),
             None => {
                 let tls = tls_config(public_roots(), None).map_err(|e| SetupError::Client(e.to_string()))?;
                 let negotiated = Arc::new(Negotiated::default());
                 let shared: Vec<_> = (0..threads).map(|_| lanes(tls.clone(), &negotiated)).collect();
                 let pools: Vec<_> = (0..threads).map(|_| Arc::new(h1::Pool::default())).collect();
-                (shared, pools, negotiated)
+                (shared, pools, negotiated, Arc::new(GrpcClient::new(tls)))
             }
         };
+        let mut grpc_own = HashMap::default();
+        for (name, backend) in &config.ai.backends {
+            let BackendKind::Grpc { tls: Some(tls), .. } = &backend.kind else { continue };
+            let material = tls_material(name, tls, secrets)?;
+            let before = previous.and_then(|p| p.grpc_own.get(name)).map(ArcSwap::load_full);
+            let own = match before {
+                Some(before) if before.material == material => before,
+                _ => Arc::new(OwnGrpc::new(name, tls, material)?),
+            };
+            grpc_own.insert(name.clone(), ArcSwap::new(own));
+        }
         let mut clients = HashMap::default();
         let mut forwardable: Vec<HeaderName> = Vec::new();
         for (name, backend) in &config.ai.backends {
@@ -623,7 +650,13 @@ impl Upstreams {
             };
             clients.insert(name.clone(), client);
         }
-        Ok(Upstreams { clients, shared, pools, forwardable, negotiated })
+        Ok(Upstreams { clients, shared, pools, forwardable, negotiated, grpc_shared, grpc_own })
+    }
+
+    /// The client a `grpc` backend is called through: its own with `tls`, else the
+    /// shared one.
+    pub fn grpc(&self, name: &BackendId) -> Arc<GrpcClient> {
+        self.grpc_own.get(name).map_or_else(|| self.grpc_shared.clone(), |own| own.load().client.clone())
     }
 
     /// The client of `endpoint` (`ip:port`), named by the picker of the inference pool
@@ -706,6 +739,20 @@ impl Upstreams {
                 Err(e) => tracing::error!("secret refresh: {e}; the backend keeps its current credential"),
             }
         }
+        for (name, own) in &self.grpc_own {
+            let Some(tls) = config.ai.backends.get(name).and_then(|b| b.kind.tls()) else { continue };
+            let Ok(material) = tls_material(name, tls, secrets) else { continue };
+            if material == own.load().material {
+                continue;
+            }
+            match OwnGrpc::new(name, tls, material) {
+                Ok(new) => {
+                    own.store(Arc::new(new));
+                    updated.push(name.clone());
+                }
+                Err(e) => tracing::error!("secret refresh: {e}; the backend keeps its current client"),
+            }
+        }
         updated
     }
 }
@@ -723,15 +770,30 @@ fn material(name: &BackendId, endpoint: &Endpoint, secrets: &Resolved) -> Result
         Auth::Bearer { secret } | Auth::Header { secret, .. } => Some(get("auth.secret", secret)?),
         Auth::None | Auth::TokenFile { .. } => None,
     };
-    let tls = match &endpoint.tls {
-        None => None,
-        Some(tls) => Some(TlsMaterial {
-            cert: get("tls.cert", &tls.cert)?,
-            key: get("tls.key", &tls.key)?,
-            ca: tls.ca.as_ref().map(|ca| get("tls.ca", ca)).transpose()?,
-        }),
-    };
+    let tls = endpoint.tls.as_ref().map(|tls| tls_material(name, tls, secrets)).transpose()?;
     Ok(Material { auth, tls })
+}
+
+/// A backend's TLS material, taken from those resolved.
+fn tls_material(name: &BackendId, tls: &Tls, secrets: &Resolved) -> Result<TlsMaterial, SetupError> {
+    let get = |key: &str, reference: &SecretRef| {
+        secrets.get(reference).cloned().ok_or_else(|| SetupError::Secret {
+            path: format!("ai.backends.{name}.{key}"),
+            source: SecretError::Unavailable { reference: reference.to_string(), detail: "not resolved".into() },
+        })
+    };
+    Ok(TlsMaterial {
+        cert: get("tls.cert", &tls.cert)?,
+        key: get("tls.key", &tls.key)?,
+        ca: tls.ca.as_ref().map(|ca| get("tls.ca", ca)).transpose()?,
+    })
+}
+
+impl OwnGrpc {
+    fn new(name: &BackendId, tls: &Tls, material: TlsMaterial) -> Result<OwnGrpc, SetupError> {
+        let client = Arc::new(GrpcClient::new(client_tls(name, tls, &material)?));
+        Ok(OwnGrpc { client, material })
+    }
 }
 
 impl Live {
@@ -823,6 +885,12 @@ fn tls_client(
     pem: &TlsMaterial,
     negotiated: &Arc<Negotiated>,
 ) -> Result<Arc<Lanes<Clients>>, SetupError> {
+    client_tls(name, tls, pem).map(|tls| lanes(tls, negotiated))
+}
+
+/// The TLS configuration of a backend's `tls`: its client certificate and key, and its
+/// CA bundle in place of the system roots.
+fn client_tls(name: &BackendId, tls: &Tls, pem: &TlsMaterial) -> Result<rustls::ClientConfig, SetupError> {
     let err = |detail: String| SetupError::Tls { backend: name.clone(), detail };
     // Both read apart first, so that an error says which one is wrong.
     if !pem_holds(pem.cert.expose(), &["CERTIFICATE"]) {
@@ -850,7 +918,7 @@ fn tls_client(
         }
         _ => public_roots(),
     };
-    tls_config(roots, Some((certs, key))).map(|tls| lanes(tls, negotiated)).map_err(|e| pair(e.to_string()))
+    tls_config(roots, Some((certs, key))).map_err(|e| pair(e.to_string()))
 }
 
 /// Whether `pem` has a block of one of these labels (`-----BEGIN <label>-----`).
@@ -897,12 +965,18 @@ mod tests {
 
     #[tokio::test]
     async fn a_reload_keeps_the_connection_pools() {
-        let before = config("    a: {url: 'http://127.0.0.1:9/v1'}\n    b: {url: 'https://b.example/v1'}\n");
+        let grpc = "    g: {kind: grpc, url: 'grpcs://g.example', descriptor_set: /nonexistent/g.binpb}\n";
+        let before =
+            config(&format!("    a: {{url: 'http://127.0.0.1:9/v1'}}\n    b: {{url: 'https://b.example/v1'}}\n{grpc}"));
         let old = Upstreams::new(&before, &Resolved::default()).unwrap();
-        let after = config("    a: {url: 'http://127.0.0.1:9/v1'}\n    c: {url: 'http://127.0.0.1:10/v1'}\n");
+        let after = config(&format!(
+            "    a: {{url: 'http://127.0.0.1:9/v1'}}\n    c: {{url: 'http://127.0.0.1:10/v1'}}\n{grpc}"
+        ));
         let new = Upstreams::reloaded(&after, &Resolved::default(), &old).unwrap();
         assert!(new.pools.iter().zip(&old.pools).all(|(n, o)| Arc::ptr_eq(n, o)), "plain connections kept");
         assert!(new.shared.iter().zip(&old.shared).all(|(n, o)| Arc::ptr_eq(n, o)), "TLS connections kept");
+        let g = BackendId::new("g");
+        assert!(Arc::ptr_eq(&new.grpc(&g), &old.grpc(&g)), "gRPC connections kept");
         assert!(new.get(&BackendId::new("c")).is_some() && new.get(&BackendId::new("b")).is_none());
         let fresh = Upstreams::new(&after, &Resolved::default()).unwrap();
         assert!(!Arc::ptr_eq(&fresh.pools[0], &old.pools[0]), "a start makes its own");

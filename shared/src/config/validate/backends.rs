@@ -33,8 +33,13 @@ const HTTP_KINDS: &[RawBackendKind] = &[RawBackendKind::Openai, RawBackendKind::
 const CHAT_KINDS: &[RawBackendKind] =
     &[RawBackendKind::Openai, RawBackendKind::Anthropic, RawBackendKind::Relay, RawBackendKind::InferencePool];
 /// The kinds with TLS towards an HTTP endpoint.
-const TLS_KINDS: &[RawBackendKind] =
-    &[RawBackendKind::Openai, RawBackendKind::Anthropic, RawBackendKind::Relay, RawBackendKind::Http];
+const TLS_KINDS: &[RawBackendKind] = &[
+    RawBackendKind::Openai,
+    RawBackendKind::Anthropic,
+    RawBackendKind::Relay,
+    RawBackendKind::Http,
+    RawBackendKind::Grpc,
+];
 /// The kinds with credentials towards an HTTP endpoint.
 const AUTH_KINDS: &[RawBackendKind] = &[
     RawBackendKind::Openai,
@@ -122,11 +127,12 @@ impl Checker<'_> {
                 self.http_backend(&path, name, kind, endpoint, metering, identity_headers)
             }
             RawBackendKind::Grpc => {
-                let url = self.url(&path, kind, url.as_deref()).and_then(|url| self.h2c(&path, url));
+                let url = self.url(&path, kind, url.as_deref());
+                let tls = self.client_tls(&path, tls, url.as_deref());
                 let read = self.descriptor_set(&path, name, descriptor_set);
                 let (descriptor_set, services) = read?;
                 self.grpc.insert(BackendId::new(name), Arc::new(services));
-                Some(BackendKind::Grpc { url: url?, descriptor_set })
+                Some(BackendKind::Grpc { url: url?, descriptor_set, tls: tls? })
             }
             RawBackendKind::Http => {
                 let keys = EndpointKeys {
@@ -666,18 +672,7 @@ impl Checker<'_> {
         let url = self.url(path, kind, url.as_deref());
         let auth = self.auth(&format!("{path}.auth"), auth);
         let forward_headers = self.forward_headers(&format!("{path}.forward_headers"), forward_headers, auth.as_ref());
-        let tls = match tls {
-            Some(tls) => Some(self.tls(&format!("{path}.tls"), tls)?),
-            None => None,
-        };
-        if tls.is_some() && url.as_deref().is_some_and(|url| url.starts_with("http://")) {
-            self.error(
-                format!("{path}.tls"),
-                "a client certificate is presented over TLS only: this backend's url is http://, so it would \
-                 never be sent; write https:// or remove `tls`",
-            );
-            return None;
-        }
+        let tls = self.client_tls(path, tls, url.as_deref())?;
         Some(Endpoint {
             url: url?,
             auth: auth?,
@@ -929,16 +924,20 @@ impl Checker<'_> {
         }
     }
 
-    /// A gRPC upstream is reached over HTTP/2 cleartext: TLS towards it is not built.
-    fn h2c(&mut self, path: &str, url: String) -> Option<String> {
-        if url.starts_with("https://") {
+    /// A backend's `tls` (its client certificate), refused towards an `http://` url,
+    /// where it would never be presented. `None` on an error; `Some(None)` without.
+    fn client_tls(&mut self, path: &str, tls: Option<RawTls>, url: Option<&str>) -> Option<Option<Tls>> {
+        let Some(tls) = tls else { return Some(None) };
+        let tls = self.tls(&format!("{path}.tls"), tls)?;
+        if url.is_some_and(|url| url.starts_with("http://")) {
             self.error(
-                format!("{path}.url"),
-                "TLS towards a gRPC upstream is not built: use http:// or grpc:// (HTTP/2 cleartext)",
+                format!("{path}.tls"),
+                "a client certificate is presented over TLS only: this backend's url is http://, so it would \
+                 never be sent; write https:// or remove `tls`",
             );
             return None;
         }
-        Some(url)
+        Some(Some(tls))
     }
 
     fn members(
