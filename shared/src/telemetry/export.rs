@@ -99,6 +99,7 @@ impl Exporter {
                 // not be taken for one.
                 kv("service.instance.id", uuid::Uuid::new_v4().to_string()),
             ],
+            ..Default::default()
         };
         Exporter {
             client: client.ok(),
@@ -117,7 +118,8 @@ impl Exporter {
         let request = otlp::ExportTraceServiceRequest {
             resource_spans: vec![otlp::ResourceSpans {
                 resource: Some(self.resource.clone()),
-                scope_spans: vec![otlp::ScopeSpans { scope: Some(scope()), spans }],
+                scope_spans: vec![otlp::ScopeSpans { scope: Some(scope()), spans, ..Default::default() }],
+                ..Default::default()
             }],
         };
         let url = self.traces_url.clone();
@@ -131,7 +133,8 @@ impl Exporter {
         let request = otlp::ExportMetricsServiceRequest {
             resource_metrics: vec![otlp::ResourceMetrics {
                 resource: Some(self.resource.clone()),
-                scope_metrics: vec![otlp::ScopeMetrics { scope: Some(scope()), metrics }],
+                scope_metrics: vec![otlp::ScopeMetrics { scope: Some(scope()), metrics, ..Default::default() }],
+                ..Default::default()
             }],
         };
         let url = self.metrics_url.clone();
@@ -159,7 +162,11 @@ impl Exporter {
 }
 
 fn scope() -> otlp::InstrumentationScope {
-    otlp::InstrumentationScope { name: "flexway".to_owned(), version: env!("CARGO_PKG_VERSION").to_owned() }
+    otlp::InstrumentationScope {
+        name: "flexway".to_owned(),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        ..Default::default()
+    }
 }
 
 /// `gen_ai.operation.name`: a call through the Responses or the Anthropic Messages
@@ -226,21 +233,22 @@ fn span(call: &CallSpan) -> otlp::Span {
         attributes.push(kv("flexway.criticality", class.as_str()));
     }
     let trace = &call.trace;
-    let remote = if trace.parent_span_id.is_some() { otlp::FLAGS_IS_REMOTE } else { 0 };
+    let remote = if trace.parent_span_id.is_some() { otlp::SpanFlags::ContextIsRemoteMask as u32 } else { 0 };
     otlp::Span {
         trace_id: trace.trace_id.to_vec(),
         span_id: trace.span_id.to_vec(),
         trace_state: trace.state.as_ref().and_then(|s| s.to_str().ok()).unwrap_or_default().to_owned(),
         parent_span_id: trace.parent_span_id.map(|p| p.to_vec()).unwrap_or_default(),
         name,
-        kind: otlp::SPAN_KIND_CLIENT,
+        kind: otlp::SpanKind::Client.into(),
         start_time_unix_nano: unix_nanos(call.started),
         end_time_unix_nano: unix_nanos(call.started + call.duration),
         attributes,
         status: record
             .error_code
-            .map(|code| otlp::Status { message: code.as_str().to_owned(), code: otlp::STATUS_ERROR }),
-        flags: u32::from(trace.flags) | otlp::FLAGS_HAS_IS_REMOTE | remote,
+            .map(|code| otlp::Status { message: code.as_str().to_owned(), code: otlp::StatusCode::Error.into() }),
+        flags: u32::from(trace.flags) | otlp::SpanFlags::ContextHasIsRemoteMask as u32 | remote,
+        ..Default::default()
     }
 }
 
@@ -339,9 +347,10 @@ impl Metrics {
                     attributes: attributes.iter().map(|(k, v)| kv(k, v.as_str())).collect::<Vec<KeyValue>>(),
                     min: Some(s.min),
                     max: Some(s.max),
+                    ..Default::default()
                 })
                 .collect(),
-            aggregation_temporality: otlp::TEMPORALITY_CUMULATIVE,
+            aggregation_temporality: otlp::AggregationTemporality::Cumulative.into(),
         };
         let mut metrics = Vec::new();
         if !self.tokens.is_empty() {
@@ -349,14 +358,16 @@ impl Metrics {
                 name: "gen_ai.client.token.usage".to_owned(),
                 description: "Tokens used per call, by token type (input, output)".to_owned(),
                 unit: "{token}".to_owned(),
-                histogram: Some(histogram(&self.tokens, &TOKEN_BOUNDS)),
+                data: Some(otlp::Data::Histogram(histogram(&self.tokens, &TOKEN_BOUNDS))),
+                ..Default::default()
             });
         }
         metrics.push(otlp::Metric {
             name: "gen_ai.client.operation.duration".to_owned(),
             description: "Duration of each call through the gateway".to_owned(),
             unit: "s".to_owned(),
-            histogram: Some(histogram(&self.duration, &DURATION_BOUNDS)),
+            data: Some(otlp::Data::Histogram(histogram(&self.duration, &DURATION_BOUNDS))),
+            ..Default::default()
         });
         Some(metrics)
     }
