@@ -6,8 +6,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::*;
 use serde_json::{Value, json};
 
@@ -22,17 +20,6 @@ fn cached_config(model: &FakeModel, cache_prices: bool) -> String {
          default_model: claude-test\n      price: {{input_per_mtok_eur: 10, output_per_mtok_eur: 20{extra}}}\n",
         model.addr()
     ))
-}
-
-async fn records(gw: &Flexway, n: usize) -> Vec<Value> {
-    for _ in 0..500 {
-        let records: Vec<Value> = gw.stdout().iter().filter_map(|l| serde_json::from_str(l).ok()).collect();
-        if records.len() >= n {
-            return records;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("fewer than {n} records: {:?}", gw.stdout());
 }
 
 /// Micro-euros for `tokens` at a whole `eur` per million: one µ€ a token a euro.
@@ -52,7 +39,7 @@ async fn cache_reads_and_writes_are_priced_as_the_provider_bills_them() {
     let (events, _) = sse_data(gw.chat(KEY, stream).await).await;
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
 
-    for record in records(&gw, 2).await {
+    for record in gw.records_until::<Value>(2).await {
         let (prompt, completion) =
             (record["prompt_tokens"].as_u64().unwrap(), record["completion_tokens"].as_u64().unwrap());
         assert_eq!(
@@ -76,7 +63,7 @@ async fn without_cache_prices_cached_tokens_cost_the_input_price() {
     let model = FakeModel::start().await.unwrap();
     let gw = Flexway::start(&cached_config(&model, false));
     assert_eq!(gw.chat(KEY, hello("claude-test")).await.status(), 200);
-    let record = records(&gw, 1).await.remove(0);
+    let record = gw.records_until::<Value>(1).await.remove(0);
     let (prompt, completion) =
         (record["prompt_tokens"].as_u64().unwrap(), record["completion_tokens"].as_u64().unwrap());
     assert_eq!(record["cost_micro_eur"].as_u64(), Some(micro(prompt, 10) + micro(completion, 20)), "{record}");
@@ -100,7 +87,7 @@ async fn openai_cached_tokens_are_priced_streamed_or_not() {
     stream["stream"] = json!(true);
     let (events, _) = sse_data(gw.chat(KEY, stream).await).await;
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    for record in records(&gw, 2).await {
+    for record in gw.records_until::<Value>(2).await {
         let (prompt, completion) =
             (record["prompt_tokens"].as_u64().unwrap(), record["completion_tokens"].as_u64().unwrap());
         let cached = prompt / 2;

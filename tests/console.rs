@@ -7,8 +7,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::browser::{Browser, Firefox};
 use common::*;
 use serde_json::Value;
@@ -76,7 +74,7 @@ async fn a_browser_signs_in_and_reads_the_spend_the_ledger_holds() {
     }
     assert_eq!(gw.chat(OTHER_KEY, hello("m")).await.status(), 200);
     // What the audit (and `flexway report`) says acme spent.
-    let records = records_until(&gw, 4).await;
+    let records = gw.records_until::<Value>(4).await;
     let acme: Vec<&Value> = records.iter().filter(|r| r["tenant"] == "acme").collect();
     let cost: u64 = acme.iter().map(|r| r["cost_micro_eur"].as_u64().unwrap()).sum();
     let tokens: u64 =
@@ -149,16 +147,4 @@ async fn firefox_signs_in_and_reads_the_same_page() {
     let session = cookies.iter().find(|c| c["name"] == "flexway_console").expect("a session cookie");
     assert_eq!((session["httpOnly"].as_bool(), session["sameSite"].as_str()), (Some(true), Some("Strict")));
     firefox.quit().await;
-}
-
-/// The audit records written so far, once there are at least `n`.
-async fn records_until(gw: &Flexway, n: usize) -> Vec<Value> {
-    for _ in 0..500 {
-        let records: Vec<Value> = gw.stdout().iter().filter_map(|line| serde_json::from_str(line).ok()).collect();
-        if records.len() >= n {
-            return records;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("fewer than {n} audit records: {:?}", gw.stdout());
 }

@@ -29,18 +29,6 @@ fn pool_config(picker: &FakePicker, failure_mode: &str, port: u16, path: &str, r
     )
 }
 
-/// The audit records written so far, once there are at least `n`.
-async fn records_until(gw: &Flexway, n: usize) -> Vec<Value> {
-    for _ in 0..500 {
-        let records: Vec<Value> = gw.stdout().iter().filter_map(|line| serde_json::from_str(line).ok()).collect();
-        if records.len() >= n {
-            return records;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("fewer than {n} audit records: {:?}", gw.stdout());
-}
-
 /// A loopback port nothing listens on.
 async fn closed_port() -> u16 {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -74,7 +62,7 @@ async fn the_picker_s_choice_is_honoured_and_sent_the_call() {
     assert!(header("x-request-id").is_some());
     assert!(header("authorization").is_none(), "the caller's key never reaches the picker");
 
-    let records = records_until(&gw, 3).await;
+    let records = gw.records_until::<Value>(3).await;
     assert!(records.iter().all(|r| r["backend"] == "pool" && r["pick_reason"] == "picker"), "{records:?}");
     assert!(records.iter().all(|r| r["cost_micro_eur"].as_u64().unwrap() > 0), "billed at the pool's price");
 }
@@ -89,7 +77,7 @@ async fn the_next_endpoint_named_serves_when_the_first_fails() {
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["flexway-degraded"], "backend-fallback", "served by a fallback endpoint");
     assert_eq!(model.request_count(), 1);
-    let records = records_until(&gw, 1).await;
+    let records = gw.records_until::<Value>(1).await;
     assert_eq!(records[0]["pick_reason"], "fallback");
     assert_eq!(records[0]["degraded"], true);
     drop(gw);
@@ -118,7 +106,7 @@ async fn a_picker_that_cannot_answer_fails_the_pool_closed() {
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], "upstream_unavailable");
     assert!(body["error"]["message"].as_str().unwrap().contains("endpoint picker"), "{body}");
-    let records = records_until(&gw, 1).await;
+    let records = gw.records_until::<Value>(1).await;
     assert_eq!(records[0]["status"], 503);
     assert_eq!(records[0]["cost_micro_eur"], 0, "nothing sent, nothing billed");
     drop(gw);

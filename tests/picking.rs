@@ -100,24 +100,6 @@ async fn served(gw: &Flexway, n: usize) -> Vec<String> {
     backends
 }
 
-/// The audit records written so far (the stdout sink).
-fn records(gw: &Flexway) -> Vec<Value> {
-    gw.stdout().iter().filter_map(|line| serde_json::from_str(line).ok()).collect()
-}
-
-/// The audit records once there are at least `n`: a record is written as its call
-/// ends, just after its answer.
-async fn records_until(gw: &Flexway, n: usize) -> Vec<Value> {
-    for _ in 0..500 {
-        let records = records(gw);
-        if records.len() >= n {
-            return records;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("fewer than {n} audit records: {:?}", gw.stdout());
-}
-
 #[tokio::test]
 async fn calls_follow_the_least_loaded_member_as_queues_change() {
     let (a, b) = (server(1).await, server(1).await);
@@ -134,7 +116,7 @@ async fn calls_follow_the_least_loaded_member_as_queues_change() {
     assert_eq!(served(&gw, 8).await, vec!["a"; 8], "now b has the queue");
     release(busy_b);
 
-    let records = records_until(&gw, 16).await;
+    let records = gw.records_until::<Value>(16).await;
     let served: Vec<&Value> = records.iter().filter(|r| r["status"] == 200).collect();
     assert_eq!(served.len(), 16);
     assert!(served.iter().all(|r| r["pick_reason"] == "least_loaded" && r["criticality"] == "standard"), "{served:?}");
@@ -211,7 +193,7 @@ async fn sheddable_calls_are_refused_when_every_member_is_saturated() {
 
     until_metrics(&gw, &["flexway_calls_shed_total{tenant=\"acme\",pool=\"pool\"} 2"]).await;
     until_metrics(&gw, &["flexway_calls_shed_total{tenant=\"globex\",pool=\"pool\"} 1"]).await;
-    let records = records_until(&gw, 7).await;
+    let records = gw.records_until::<Value>(7).await;
     let shed: Vec<&Value> = records.iter().filter(|r| r["error_code"] == "overloaded").collect();
     assert_eq!(shed.len(), 3, "{records:?}");
     for record in &shed {
@@ -254,7 +236,7 @@ async fn a_conversation_stays_on_one_member_and_prefixes_spread() {
     }
     assert_eq!(per_member.len(), 3, "18 prefixes spread over the three members: {per_member:?}");
     let reasons: Vec<String> =
-        records_until(&gw, 72).await.iter().map(|r| r["pick_reason"].as_str().unwrap().to_owned()).collect();
+        gw.records_until::<Value>(72).await.iter().map(|r| r["pick_reason"].as_str().unwrap().to_owned()).collect();
     assert_eq!(reasons.len(), 72);
     assert_eq!(
         reasons.iter().filter(|r| *r == "cache_affinity").count(),
@@ -274,7 +256,7 @@ async fn latency_prefers_the_fast_member() {
     let fast_calls = served.iter().filter(|b| *b == "fast").count();
     assert!(fast_calls >= 36, "the fast member served {fast_calls} of 40: {served:?}");
     assert!(slow.request_count() >= 1, "the slow member was measured too");
-    assert!(records_until(&gw, 40).await.iter().all(|r| r["pick_reason"] == "latency"));
+    assert!(gw.records_until::<Value>(40).await.iter().all(|r| r["pick_reason"] == "latency"));
 }
 
 #[tokio::test]

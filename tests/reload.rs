@@ -13,26 +13,11 @@ use serde_json::Value;
 
 const NEW_KEY: &str = "sk-test-acme-rotated";
 
-/// One tenant, `acme`, with `key`, served by `main` at `url`.
-fn config_with(key: &str, url: &str) -> String {
-    format!(
-        "version: 1\nstore: {{kind: memory}}\naudit: {{sink: stdout}}\ntenants:\n  acme:\n    keys:\n      \
-         - sha256: {}\nai:\n  default_backend: main\n  backends:\n    main:\n      url: \"{url}\"\n      \
-         price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}}\n",
-        sha(key)
-    )
-}
-
-async fn served_sha(gw: &Flexway) -> String {
-    let health: Value = client().get(format!("{}/healthz", gw.url)).send().await.unwrap().json().await.unwrap();
-    health["config_sha256"].as_str().unwrap().to_owned()
-}
-
 /// Waits until `/healthz` reports a configuration other than `before`.
 async fn until_reloaded(gw: &Flexway, before: &str) -> String {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
-        let now = served_sha(gw).await;
+        let now = gw.served_sha().await;
         if now != before {
             return now;
         }
@@ -41,17 +26,12 @@ async fn until_reloaded(gw: &Flexway, before: &str) -> String {
     }
 }
 
-fn sha_of(text: &str) -> String {
-    use sha2::Digest as _;
-    hex::encode(sha2::Sha256::digest(text.as_bytes()))
-}
-
 #[tokio::test]
 async fn a_revoked_key_is_refused_from_the_next_call_on_the_same_connection() {
     let model = FakeModel::start().await.unwrap();
-    let first = config_with(KEY, &model.url());
+    let first = reloadable_config(KEY, &model.url());
     let gw = Flexway::start(&first);
-    assert_eq!(served_sha(&gw).await, sha_of(&first), "/healthz names the configuration served");
+    assert_eq!(gw.served_sha().await, sha(&first), "/healthz names the configuration served");
     // One client: its connection is kept alive across the reload.
     let http = client();
     let call = |key: &'static str| {
@@ -60,10 +40,10 @@ async fn a_revoked_key_is_refused_from_the_next_call_on_the_same_connection() {
     assert_eq!(call(KEY).await.unwrap().status(), 200);
     assert_eq!(call(NEW_KEY).await.unwrap().status(), 401);
 
-    let second = config_with(NEW_KEY, &model.url());
+    let second = reloadable_config(NEW_KEY, &model.url());
     std::fs::write(gw.config_path(), &second).unwrap();
     gw.hangup();
-    assert_eq!(until_reloaded(&gw, &sha_of(&first)).await, sha_of(&second));
+    assert_eq!(until_reloaded(&gw, &sha(&first)).await, sha(&second));
     assert_eq!(call(KEY).await.unwrap().status(), 401, "the revoked key, at once");
     assert_eq!(call(NEW_KEY).await.unwrap().status(), 200);
     let metrics = client().get(format!("{}/metrics", gw.url)).send().await.unwrap().text().await.unwrap();
@@ -76,7 +56,7 @@ async fn a_revoked_key_is_refused_from_the_next_call_on_the_same_connection() {
 async fn a_stream_in_flight_across_a_reload_ends_and_is_recorded() {
     let model = FakeModel::start().await.unwrap();
     let url = scenario(&model, "words=60,chunk_delay_ms=200");
-    let first = config_with(KEY, &url);
+    let first = reloadable_config(KEY, &url);
     let gw = Flexway::start(&first);
     let mut body = hello("m");
     body["stream"] = true.into();
@@ -84,9 +64,9 @@ async fn a_stream_in_flight_across_a_reload_ends_and_is_recorded() {
     assert_eq!(response.status(), 200);
     let reader = tokio::spawn(sse_data(response));
     tokio::time::sleep(Duration::from_millis(150)).await;
-    std::fs::write(gw.config_path(), config_with(NEW_KEY, &url)).unwrap();
+    std::fs::write(gw.config_path(), reloadable_config(NEW_KEY, &url)).unwrap();
     gw.hangup();
-    until_reloaded(&gw, &sha_of(&first)).await;
+    until_reloaded(&gw, &sha(&first)).await;
     assert!(!reader.is_finished(), "the stream is still going when the reload is in use");
     let (events, error) = reader.await.unwrap();
     assert_eq!((events.last().map(String::as_str), error), (Some("[DONE]"), None), "{events:?}");
@@ -106,7 +86,7 @@ async fn a_stream_in_flight_across_a_reload_ends_and_is_recorded() {
 #[tokio::test]
 async fn an_invalid_file_leaves_the_running_configuration_serving() {
     let model = FakeModel::start().await.unwrap();
-    let first = config_with(KEY, &model.url());
+    let first = reloadable_config(KEY, &model.url());
     let gw = Flexway::start(&first);
     std::fs::write(gw.config_path(), "version: 1\ntenants: {acme: {keys: [{sha256: nothex}]}}\n").unwrap();
     gw.hangup();
@@ -117,13 +97,14 @@ async fn an_invalid_file_leaves_the_running_configuration_serving() {
     }
     let logs = gw.logs();
     assert!(logs.contains("tenants.acme.keys[0].sha256") && logs.contains("ai"), "every error logged: {logs}");
-    assert_eq!(served_sha(&gw).await, sha_of(&first));
+    assert_eq!(gw.served_sha().await, sha(&first));
     assert_eq!(gw.chat(KEY, hello("m")).await.status(), 200);
     let metrics = client().get(format!("{}/metrics", gw.url)).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("flexway_config_reloads_total{outcome=\"failed\"} 1"), "{metrics}");
 
     // What only a restart can change is refused too, naming it.
-    let moved = config_with(KEY, &model.url()).replace("store: {kind: memory}", "store: {kind: embedded, path: x}");
+    let moved =
+        reloadable_config(KEY, &model.url()).replace("store: {kind: memory}", "store: {kind: embedded, path: x}");
     std::fs::write(gw.config_path(), moved).unwrap();
     gw.hangup();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -131,21 +112,21 @@ async fn an_invalid_file_leaves_the_running_configuration_serving() {
         assert!(Instant::now() < deadline, "{}", gw.logs());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(served_sha(&gw).await, sha_of(&first));
+    assert_eq!(gw.served_sha().await, sha(&first));
 }
 
 #[tokio::test]
 async fn watch_picks_up_a_change_of_the_file() {
     let model = FakeModel::start().await.unwrap();
-    let first = config_with(KEY, &model.url());
+    let first = reloadable_config(KEY, &model.url());
     let gw = Flexway::start_with_args(&first, &["--watch", "100ms"]);
     // The same bytes written again are no change.
     std::fs::write(gw.config_path(), &first).unwrap();
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert!(!gw.logs().contains("configuration reloaded"), "{}", gw.logs());
-    let second = config_with(NEW_KEY, &model.url());
+    let second = reloadable_config(NEW_KEY, &model.url());
     std::fs::write(gw.config_path(), &second).unwrap();
-    assert_eq!(until_reloaded(&gw, &sha_of(&first)).await, sha_of(&second));
+    assert_eq!(until_reloaded(&gw, &sha(&first)).await, sha(&second));
     assert_eq!(gw.chat(NEW_KEY, hello("m")).await.status(), 200);
 }
 
@@ -154,7 +135,7 @@ async fn a_thousand_reloads_under_load_lose_no_call_and_no_record() {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     let model = FakeModel::start().await.unwrap();
-    let a = config_with(KEY, &model.url());
+    let a = reloadable_config(KEY, &model.url());
     let b = a.replace("output_per_mtok_eur: 2", "output_per_mtok_eur: 3");
     let gw = Flexway::start(&a);
     let stop = Arc::new(AtomicBool::new(false));
@@ -170,7 +151,7 @@ async fn a_thousand_reloads_under_load_lose_no_call_and_no_record() {
             statuses
         })
     };
-    let mut current = sha_of(&a);
+    let mut current = sha(&a);
     let mut rss_early = 0;
     for reload in 1..=1000 {
         std::fs::write(gw.config_path(), if reload % 2 == 1 { &b } else { &a }).unwrap();

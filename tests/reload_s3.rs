@@ -14,26 +14,6 @@ use std::time::{Duration, Instant};
 
 use aws_sdk_s3::primitives::ByteStream;
 use common::*;
-use serde_json::Value;
-
-fn config_with(key: &str, url: &str) -> String {
-    format!(
-        "version: 1\nstore: {{kind: memory}}\naudit: {{sink: stdout}}\ntenants:\n  acme:\n    keys:\n      \
-         - sha256: {}\nai:\n  default_backend: main\n  backends:\n    main:\n      url: \"{url}\"\n      \
-         price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}}\n",
-        sha(key)
-    )
-}
-
-async fn served_sha(gw: &Flexway) -> String {
-    let health: Value = client().get(format!("{}/healthz", gw.url)).send().await.unwrap().json().await.unwrap();
-    health["config_sha256"].as_str().unwrap().to_owned()
-}
-
-fn sha_of(text: &str) -> String {
-    use sha2::Digest as _;
-    hex::encode(sha2::Sha256::digest(text.as_bytes()))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_processes_follow_one_object_in_s3() {
@@ -45,7 +25,7 @@ async fn two_processes_follow_one_object_in_s3() {
         s3.put_object().bucket(&bucket).key("gateway/flexway.yaml").body(ByteStream::from(text.into_bytes())).send()
     };
     let model = FakeModel::start().await.unwrap();
-    let first = config_with(KEY, &model.url());
+    let first = reloadable_config(KEY, &model.url());
     upload(first.clone()).await.unwrap();
 
     let env = emulator::process_env();
@@ -55,15 +35,15 @@ async fn two_processes_follow_one_object_in_s3() {
     let start = || Flexway::start_with_env_and_args(&first, &env, &["--config", &url, "--watch", "200ms"]);
     let fleet = [start(), start()];
     for gw in &fleet {
-        assert_eq!(served_sha(gw).await, sha_of(&first), "{}", gw.logs());
+        assert_eq!(gw.served_sha().await, sha(&first), "{}", gw.logs());
         assert_eq!(gw.chat(KEY, hello("m")).await.status(), 200);
     }
 
-    let second = config_with("sk-test-acme-rotated", &model.url());
+    let second = reloadable_config("sk-test-acme-rotated", &model.url());
     upload(second.clone()).await.unwrap();
     for gw in &fleet {
         let deadline = Instant::now() + Duration::from_secs(20);
-        while served_sha(gw).await != sha_of(&second) {
+        while gw.served_sha().await != sha(&second) {
             assert!(Instant::now() < deadline, "never reloaded from S3: {}", gw.logs());
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -84,6 +64,6 @@ async fn two_processes_follow_one_object_in_s3() {
             assert!(Instant::now() < deadline, "{}", gw.logs());
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        assert_eq!(served_sha(gw).await, sha_of(&second));
+        assert_eq!(gw.served_sha().await, sha(&second));
     }
 }

@@ -71,18 +71,6 @@ async fn call(gw: &Flexway, key: &str, jurisdiction: Option<&str>) -> reqwest::R
     request.send().await.unwrap()
 }
 
-/// The audit records (the stdout sink), once there are at least `n`.
-async fn records_until(gw: &Flexway, n: usize) -> Vec<Value> {
-    for _ in 0..500 {
-        let records: Vec<Value> = gw.stdout().iter().filter_map(|l| serde_json::from_str(l).ok()).collect();
-        if records.len() >= n {
-            return records;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    panic!("fewer than {n} audit records: {:?}", gw.stdout());
-}
-
 async fn refused(response: reqwest::Response, status: u16, code: &str) -> String {
     assert_eq!(response.status(), status);
     let body: Value = response.json().await.unwrap();
@@ -111,7 +99,7 @@ async fn a_bound_tenant_is_served_only_in_its_jurisdictions_whatever_the_step() 
     assert_eq!(b.ch1.request_count(), 0);
 
     // A record is written as its call ends, just after its answer: wait for the last.
-    let records = records_until(&gw, 8).await;
+    let records = gw.records_until::<Value>(8).await;
     let soft = records.iter().filter(|r| r["tenant"] == "acme" && r["budget_state"] == "soft").count();
     assert!(soft >= 5, "acme was past its soft threshold, so the switch was there to skip: {records:?}");
     let refusal = records.iter().find(|r| r["error_code"] == "residency_unavailable").unwrap();

@@ -111,21 +111,6 @@ fn start(yaml: &str) -> Flexway {
     Flexway::start_with_env(yaml, &[("OCR_KEY", "sk-upstream-ocr")])
 }
 
-fn records(gw: &Flexway) -> Vec<AuditRecord> {
-    gw.stdout().iter().filter_map(|line| serde_json::from_str(line).ok()).collect()
-}
-
-async fn wait_records(gw: &Flexway, n: usize) -> Vec<AuditRecord> {
-    for _ in 0..300 {
-        let got = records(gw);
-        if got.len() >= n {
-            return got;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    panic!("{} audit records, wanted {n}\n{}", records(gw).len(), gw.logs());
-}
-
 fn call(gw: &Flexway, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
     client().request(method, format!("{}{path}", gw.url)).bearer_auth(KEY)
 }
@@ -159,7 +144,7 @@ async fn metered_operations_cost_to_the_micro_euro_and_unmetered_ones_pass_as_th
         .unwrap();
     assert_eq!(doc.json::<Value>().await.unwrap(), json!({"id": "42"}));
 
-    let records = wait_records(&gw, 3).await;
+    let records = gw.records_until::<AuditRecord>(3).await;
     let by_model = |model: &str| records.iter().find(|r| r.model_requested.as_deref() == Some(model)).unwrap().clone();
     let latest = by_model("GET /documents/latest");
     assert_eq!((latest.cost_micro_eur, latest.feature.as_deref(), latest.status), (500, Some("ocr-latest"), 200));
@@ -220,7 +205,7 @@ async fn the_contract_is_the_allow_list_and_refusals_are_problem_documents() {
     assert_eq!(missing.status(), 404);
     assert_eq!(missing.text().await.unwrap(), "no such document");
 
-    let records = wait_records(&gw, 3).await;
+    let records = gw.records_until::<AuditRecord>(3).await;
     let codes: Vec<(u16, Option<&str>)> =
         records.iter().map(|r| (r.status, r.error_code.map(|c| c.as_str()))).collect();
     assert_eq!(codes, [(404, Some("operation_not_found")), (405, Some("method_not_allowed")), (404, None)]);
@@ -237,7 +222,7 @@ async fn the_contract_is_the_allow_list_and_refusals_are_problem_documents() {
     }
     let encoded = call(&gw, reqwest::Method::GET, "/apis/ocr/documents/lat%65st").send().await.unwrap();
     assert_eq!(encoded.status(), 200);
-    let records = wait_records(&gw, 7).await;
+    let records = gw.records_until::<AuditRecord>(7).await;
     assert_eq!(records[6].cost_micro_eur, 500, "{:?}", records[6]);
     assert_eq!(seen.all().len(), 2, "only the two declared operations reached the upstream");
 }
@@ -285,13 +270,13 @@ async fn a_failed_upstream_is_refunded_falls_back_and_a_sensitive_call_stays_int
     let down = start(&rest_config(dir3.path(), "{eur_per_month: 10}", &[("ocr", &broken_url, ", mount: /apis/ocr")]));
     let failed = call(&down, reqwest::Method::POST, "/apis/ocr/fail").send().await.unwrap();
     assert_eq!(failed.status(), 503);
-    let records = wait_records(&down, 1).await;
+    let records = down.records_until::<AuditRecord>(1).await;
     assert_eq!(
         (records[0].cost_micro_eur, records[0].error_code.map(|c| c.as_str())),
         (0, Some("upstream_unavailable"))
     );
 
-    let records = wait_records(&gw, 2).await;
+    let records = gw.records_until::<AuditRecord>(2).await;
     assert_eq!(records[0].cost_micro_eur, 500);
     assert!(records[0].degraded);
 }
@@ -337,7 +322,7 @@ async fn a_burst_on_a_small_euro_cap_never_passes_it() {
     let served = statuses.iter().filter(|s| **s == 200).count();
     assert_eq!(served, 10, "{statuses:?}");
     assert!(statuses.iter().all(|s| *s == 200 || *s == 429), "{statuses:?}");
-    let records = wait_records(&gw, 32).await;
+    let records = gw.records_until::<AuditRecord>(32).await;
     let charged: u64 = records.iter().map(|r| r.cost_micro_eur).sum();
     assert_eq!(charged, 5_000);
     assert_eq!(records.iter().filter(|r| r.error_code.map(|c| c.as_str()) == Some("budget_exceeded")).count(), 22);
@@ -414,7 +399,7 @@ async fn a_large_upload_streams_in_bounded_memory() {
         .unwrap();
     assert_eq!(response.status(), 200, "{}", gw.logs());
     assert_eq!(response.text().await.unwrap().trim(), format!("{{\"bytes\": {}}}", CHUNK * CHUNKS));
-    let records = wait_records(&gw, 1).await;
+    let records = gw.records_until::<AuditRecord>(1).await;
     assert_eq!(records[0].cost_micro_eur, (CHUNK * CHUNKS) as u64 + 64);
     let rss = gw.peak_rss();
     eprintln!("peak RSS after a 1 GiB upload: {} MiB", rss >> 20);
@@ -441,7 +426,7 @@ async fn a_streamed_upload_is_cut_at_the_cap() {
     assert_eq!(cut.json::<Value>().await.unwrap()["code"], "budget_exceeded");
     let fits = upload(10).await.unwrap();
     assert_eq!(fits.status(), 200);
-    let records = wait_records(&gw, 2).await;
+    let records = gw.records_until::<AuditRecord>(2).await;
     let costs: Vec<(u16, u64)> = records.iter().map(|r| (r.status, r.cost_micro_eur)).collect();
     assert_eq!(costs, [(429, 0), (200, 10_064)]);
 }

@@ -17,8 +17,21 @@ pub const KEY: &str = "sk-test-acme";
 pub const AGENT_KEY: &str = "sk-test-acme-bot";
 pub const OTHER_KEY: &str = "sk-test-globex";
 
+/// The hex sha256 of a key (what a config lists), or of a configuration's text (what
+/// `/healthz` reports).
 pub fn sha(key: &str) -> String {
     hex::encode(Sha256::digest(key.as_bytes()))
+}
+
+/// One tenant, `acme`, with `key`, served by `main` at `url`: what the reload tests
+/// write and rewrite.
+pub fn reloadable_config(key: &str, url: &str) -> String {
+    format!(
+        "version: 1\nstore: {{kind: memory}}\naudit: {{sink: stdout}}\ntenants:\n  acme:\n    keys:\n      \
+         - sha256: {}\nai:\n  default_backend: main\n  backends:\n    main:\n      url: \"{url}\"\n      \
+         price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}}\n",
+        sha(key)
+    )
 }
 
 /// A running `flexway serve`; killed on drop.
@@ -102,6 +115,31 @@ impl Flexway {
     /// The lines written on stdout so far.
     pub fn stdout(&self) -> Vec<String> {
         self.stdout.lock().unwrap().clone()
+    }
+
+    /// The audit records written so far (the `stdout` sink): its lines that read as `T`.
+    pub fn records<T: serde::de::DeserializeOwned>(&self) -> Vec<T> {
+        self.stdout().iter().filter_map(|line| serde_json::from_str(line).ok()).collect()
+    }
+
+    /// The audit records once there are at least `n` (a record is written as its call
+    /// ends, just after its answer), waiting five seconds at most.
+    pub async fn records_until<T: serde::de::DeserializeOwned>(&self, n: usize) -> Vec<T> {
+        for _ in 0..500 {
+            let records = self.records();
+            if records.len() >= n {
+                return records;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("fewer than {n} audit records: {:?}\n{}", self.stdout(), self.logs());
+    }
+
+    /// The sha256 of the configuration `/healthz` says is served.
+    pub async fn served_sha(&self) -> String {
+        let health: serde_json::Value =
+            client().get(format!("{}/healthz", self.url)).send().await.unwrap().json().await.unwrap();
+        health["config_sha256"].as_str().unwrap().to_owned()
     }
 
     pub fn start(yaml: &str) -> Flexway {
