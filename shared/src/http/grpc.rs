@@ -39,6 +39,7 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 
 use super::RequestId;
+use super::admit::sensitive_and_residency;
 use super::chain::{self, Answered, Failure};
 use super::meter::{Frames, Meter, Slot, Stop};
 use super::record::{Draft, UsageSource};
@@ -221,10 +222,7 @@ async fn call(
     request: Request,
 ) -> Result<Proxied, Failed> {
     let (parts, mut body) = request.into_parts();
-    let sensitive = crate::identity::sensitivity(&parts.headers, &gateway.config.ai.sensitive_header)
-        .map_err(GatewayError::from)?;
-    draft.sensitive(sensitive);
-    let residency = crate::admission::residency(&gateway.config, caller, &parts.headers).map_err(GatewayError::from)?;
+    let (sensitive, residency) = sensitive_and_residency(gateway, caller, &parts.headers, draft)?;
     let (route, method) = route(gateway, rpc, sensitive, &residency)?;
     if let Some(first) = route.candidates.first() {
         draft.trying(first, rpc);

@@ -1,6 +1,7 @@
 //! The HTTP surface (SPEC §2), built once for both shapes: `flexway serve` runs it
 //! with `axum::serve`, the Lambda function with `lambda_http`'s streaming runner.
 
+mod admit;
 mod chain;
 mod console;
 mod dispatch;

@@ -22,14 +22,15 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 
+use super::admit::{Asked, admitted, asked, refunded};
 use super::dispatch::{Answered, Expect, Served, Shape, dispatch};
 use super::door::Door;
 use super::error::{Envelope, render_in};
 use super::record::{Draft, UsageSource};
 use super::relay;
 use super::{Deadline, RequestId};
-use crate::admission::{Admission, Demand, admit};
-use crate::budget::{Ticket, plan};
+use crate::admission::{Admission, Demand};
+use crate::budget::plan;
 use crate::call::Operation;
 use crate::config::Capability;
 use crate::error::GatewayError;
@@ -268,10 +269,7 @@ async fn chat(
     draft.request(capability, request.model, request.user);
     vision::check_images(request.images, &gateway.config.ai.vision)?;
     let images = request.images.len() as u64;
-    let sensitive = crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?;
-    draft.sensitive(sensitive);
-    let (criticality, residency) = crate::admission::limits(&gateway.config, call.caller, headers)?;
-    draft.criticality(criticality);
+    let Asked { sensitive, criticality, residency } = asked(gateway, call.caller, headers, draft)?;
     let demand = Demand {
         capability,
         prompt_tokens: plan::prompt_upper_bound(request.prompt_text_bytes, request.message_count, images),
@@ -285,10 +283,8 @@ async fn chat(
         criticality,
         residency,
     };
-    let Admission { route, ticket, soft, allowance } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
-    draft.reserved_on(ticket.period());
-    draft.soft(soft);
-    draft.allowance(allowance);
+    let Admission { route, ticket, soft, allowance } =
+        admitted(gateway, call.caller, call.request_id, draft, &demand).await?;
     let prompt_typical = plan::prompt_typical(request.prompt_text_bytes, request.message_count, images);
     let door = inbound.door(call.request_id, gateway);
     let translated = OnceLock::new();
@@ -337,10 +333,7 @@ async fn embed(
     let bytes = read_body(body, headers, gateway.config.ai.vision.max_body_bytes).await?;
     let request = EmbeddingsRequest::parse(&bytes)?;
     draft.request(Capability::Embeddings, &request.model, request.user.as_deref());
-    let sensitive = crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?;
-    draft.sensitive(sensitive);
-    let (criticality, residency) = crate::admission::limits(&gateway.config, call.caller, headers)?;
-    draft.criticality(criticality);
+    let Asked { sensitive, criticality, residency } = asked(gateway, call.caller, headers, draft)?;
     let demand = Demand {
         capability: Capability::Embeddings,
         prompt_tokens: request.input_units,
@@ -354,9 +347,7 @@ async fn embed(
         criticality,
         residency,
     };
-    let Admission { route, ticket, soft, .. } = admit(gateway, call.caller, &call.request_id.0, &demand).await?;
-    draft.reserved_on(ticket.period());
-    draft.soft(soft);
+    let Admission { route, ticket, soft, .. } = admitted(gateway, call.caller, call.request_id, draft, &demand).await?;
     let body_for = |model: &str, wire: Wire| match wire {
         Wire::OpenAi => Ok(request.upstream_body(model)),
         // Refused at load: no embeddings capability on a backend of another format.
@@ -413,12 +404,6 @@ fn prompt_prefix(op: Operation, body: &[u8], n: u32) -> u64 {
         prefix.extend_from_slice(&part.get().as_bytes()[..left.min(part.get().len())]);
     }
     crate::routing::prefix_key(&prefix)
-}
-
-/// Refunds the reservation of a call that failed before its first byte.
-async fn refunded(ticket: Ticket, error: GatewayError) -> GatewayError {
-    ticket.refund().await;
-    error
 }
 
 /// The tail every non-streamed answer shares: a backend's own 4xx relayed as is (and

@@ -42,11 +42,12 @@ use http::{HeaderMap, HeaderValue, header};
 use tokio_tungstenite::tungstenite::{self, protocol::frame::coding::CloseCode};
 
 use super::RequestId;
+use super::admit::{Asked, admitted, asked, refunded};
 use super::chain::{self, Answered, Failure};
 use super::error::render;
 use super::proxy::model_headers;
 use super::record::{Draft, UsageSource};
-use crate::admission::{Admission, Demand, admit, reserve_turn};
+use crate::admission::{Admission, Demand, reserve_turn};
 use crate::audit::CloseReason;
 use crate::budget::Ticket;
 use crate::call::{ErrorCode, Operation};
@@ -172,10 +173,7 @@ async fn open(
     })?;
     InvalidRequest::check_bounded("model", model, crate::call::MAX_MODEL_BYTES)?;
     draft.request(Capability::Realtime, model, None);
-    let sensitive = crate::identity::sensitivity(headers, &gateway.config.ai.sensitive_header)?;
-    draft.sensitive(sensitive);
-    let (criticality, residency) = crate::admission::limits(&gateway.config, caller, headers)?;
-    draft.criticality(criticality);
+    let Asked { sensitive, criticality, residency } = asked(gateway, caller, headers, draft)?;
     let demand = Demand {
         capability: Capability::Realtime,
         prompt_tokens: 0,
@@ -189,18 +187,12 @@ async fn open(
         criticality,
         residency,
     };
-    let Admission { route, ticket, soft, allowance } = admit(gateway, caller, &request_id.0, &demand).await?;
-    draft.reserved_on(ticket.period());
-    draft.soft(soft);
-    draft.allowance(allowance);
+    let Admission { route, ticket, soft, allowance } = admitted(gateway, caller, request_id, draft, &demand).await?;
     let limit = usize::try_from(gateway.config.ai.limits.max_event_bytes).unwrap_or(usize::MAX);
     let door = Connect { gateway, model, limit };
     let served = match chain::attempt_chain(gateway, draft, &route, &door).await {
         Ok(served) => served,
-        Err(e) => {
-            ticket.refund().await;
-            return Err(e);
-        }
+        Err(e) => return Err(refunded(ticket, e).await),
     };
     match served.value {
         Connected::Refused { status, body } => {

@@ -31,6 +31,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, header};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 
+use super::admit::sensitive_and_residency;
 use super::chain::{self, Answered, Failure};
 use super::meter::{Frames, MAX_MESSAGE_BYTES, Meter, Slot, Stop};
 use super::record::{Draft, UsageSource};
@@ -128,10 +129,7 @@ async fn call(
     if let Some(ai) = &operation.ai {
         draft.feature(&ai.feature);
     }
-    let sensitive = crate::identity::sensitivity(&parts.headers, &gateway.config.ai.sensitive_header)
-        .map_err(GatewayError::from)?;
-    draft.sensitive(sensitive);
-    let residency = crate::admission::residency(&gateway.config, caller, &parts.headers).map_err(GatewayError::from)?;
+    let (sensitive, residency) = sensitive_and_residency(gateway, caller, &parts.headers, draft)?;
     let route = route(gateway, owner, &operation, sensitive, &residency)?;
 
     // Reserve: a per-byte call's request is as long as it says, when it says.
