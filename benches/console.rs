@@ -14,8 +14,7 @@
 
 use std::time::{Duration, Instant};
 
-#[path = "../tests/common/browser.rs"]
-mod browser;
+use flexway_testkit::browser;
 mod common;
 
 use common::pct;

@@ -3,11 +3,9 @@
 #![cfg(test)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
 use std::collections::{BTreeMap, BTreeSet};
 
-use common::*;
+use flexway_testkit::*;
 
 /// A pool of `members` (name, url), equal weights, one priority; `affinity` is the
 /// `ai.affinity` line or nothing.

@@ -5,10 +5,8 @@
 //! told otherwise (`words=500`).
 #![cfg(test)]
 
-mod common;
-
-use common::*;
 use flexway::audit::UsageSource;
+use flexway_testkit::*;
 use futures_util::future::join_all;
 use serde_json::{Value, json};
 

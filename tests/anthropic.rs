@@ -5,9 +5,7 @@
 #![cfg(test)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
-use common::*;
+use flexway_testkit::*;
 use serde_json::{Value, json};
 
 /// The fake's Anthropic API base (no `/v1`: the gateway appends `/v1/messages`),

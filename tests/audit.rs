@@ -2,12 +2,10 @@
 //! outcome, and a chargeback report that equals the ledger.
 #![cfg(test)]
 
-mod common;
-
 use std::sync::Arc;
 
-use common::*;
 use flexway::audit::{AuditRecord, BudgetState, Operation, UsageSource};
+use flexway_testkit::*;
 use serde_json::{Value, json};
 
 const CANARY_KEY: &str = "sk-CANARY-KEY-5b1e0c";

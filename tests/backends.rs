@@ -1,8 +1,6 @@
 //! Backends of kind `openai`: authentication modes, model selection, routing overrides.
 
-mod common;
-
-use common::*;
+use flexway_testkit::*;
 use serde_json::{Value, json};
 
 fn header<'a>(request: &'a fake_model::RecordedRequest, name: &str) -> Option<&'a str> {

@@ -2,10 +2,8 @@
 //! real ledger (memory and embedded), the fake model server as the backend.
 #![cfg(test)]
 
-mod common;
-
-use common::*;
 use flexway::audit::{BudgetState, UsageSource};
+use flexway_testkit::*;
 use futures_util::future::join_all;
 use serde_json::{Value, json};
 

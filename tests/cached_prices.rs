@@ -4,9 +4,7 @@
 #![cfg(test)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
-use common::*;
+use flexway_testkit::*;
 use serde_json::{Value, json};
 
 /// An Anthropic backend whose answers report 1024 prompt tokens read from the cache

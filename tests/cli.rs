@@ -1,13 +1,11 @@
 //! The command line: `validate`, `key new`, what `serve` says at start, and its shutdown.
 #![cfg(test)]
 
-mod common;
-#[path = "../shared/tests/support/mod.rs"]
-mod support;
+use flexway_testkit::golden as support;
 
 use std::process::{Command, Stdio};
 
-use common::*;
+use flexway_testkit::*;
 use support::laughs;
 
 fn flexway(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {

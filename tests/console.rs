@@ -5,10 +5,8 @@
 #![cfg(test)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
-use common::browser::{Browser, Firefox};
-use common::*;
+use flexway_testkit::browser::{Browser, Firefox};
+use flexway_testkit::*;
 use serde_json::Value;
 
 const CONSOLE_KEY: &str = "sk-console-operator";

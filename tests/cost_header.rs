@@ -2,10 +2,8 @@
 //! its audit record and the ledger hold.
 #![cfg(test)]
 
-mod common;
-
-use common::*;
 use flexway::audit::AuditRecord;
+use flexway_testkit::*;
 use serde_json::{Value, json};
 
 /// 1.5 € and 2.5 € per million tokens: in micro-euros per million tokens.

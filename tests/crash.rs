@@ -1,11 +1,9 @@
 //! The embedded ledger across process deaths: the real binary, killed with SIGKILL.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
 use flexway::budget::{BudgetStore, CounterKey, EmbeddedBudgetStore, Period, Unit, period::unix_now};
+use flexway_testkit::*;
 use serde_json::{Value, json};
 
 fn config(ledger: &std::path::Path, url: &str, tokens_per_day: u64) -> String {

@@ -6,13 +6,11 @@
 //! one a second away, in front of a slow stream.
 #![cfg(test)]
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
 use flexway::audit::UsageSource;
 use flexway::http::{DEADLINE_MARGIN, Deadline};
+use flexway_testkit::*;
 use serde_json::json;
 
 /// The serverless router with every request's deadline `left` from now.

@@ -5,9 +5,7 @@
 #![cfg(test)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
-use common::*;
+use flexway_testkit::*;
 use futures_util::future::join_all;
 use serde_json::{Value, json};
 

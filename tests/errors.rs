@@ -1,9 +1,7 @@
 //! Every error code reachable on the local shape, in its documented envelope.
 #![cfg(test)]
 
-mod common;
-
-use common::*;
+use flexway_testkit::*;
 use serde_json::{Value, json};
 
 async fn envelope(response: reqwest::Response, status: u16, code: &str) -> Value {

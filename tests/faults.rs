@@ -6,14 +6,12 @@
 //! nothing for an attempt that never reached the client), and one audit record.
 #![cfg(test)]
 
-mod common;
-
 use std::time::Instant;
 
-use common::*;
 use flexway::audit::UsageSource;
 use flexway::config::BackendId;
 use flexway::metrics::BreakerState;
+use flexway_testkit::*;
 use serde_json::{Value, json};
 
 /// Backend `bad` (the scenario, 300 ms timeout, a breaker that opens on one failure)

@@ -9,14 +9,12 @@
 #![cfg(test)]
 #![cfg(feature = "aws")]
 
-mod common;
-#[path = "../functions/aws/tests/emulator/mod.rs"]
-mod emulator;
+use flexway_testkit::emulator;
 
-use common::*;
 use flexway::budget::period::unix_now;
 use flexway::budget::{CounterKey, Period, Unit};
 use flexway_aws::DynamoDbBudgetStore;
+use flexway_testkit::*;
 
 /// The cap, in tokens per day: room for a handful of the burst's calls only.
 const CAP: u64 = 400;

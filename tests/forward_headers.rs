@@ -6,10 +6,8 @@
 #![cfg(test)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
-use common::*;
 use fake_model::RecordedRequest;
+use flexway_testkit::*;
 use serde_json::json;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 

@@ -9,15 +9,13 @@
 //! counters and live reservations can be read; the rest run the real binary.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::*;
 use fake_grpc::pb::ocr_client::OcrClient;
 use fake_grpc::pb::{Image, Ping, Text};
 use fake_grpc::{DESCRIPTOR_SET, FakeOcr};
+use flexway_testkit::*;
 use prost::Message;
 use tonic::transport::Channel;
 use tonic::{Code, Request};
@@ -144,7 +142,8 @@ async fn meters_per_call_and_per_byte_exactly_through_flexway_serve() {
     assert_eq!(records[2]["cost_micro_eur"], 0);
 
     // Metrics carry the feature dimension.
-    let metrics = common::client().get(format!("{}/metrics", flexway.url)).send().await.unwrap().text().await.unwrap();
+    let metrics =
+        flexway_testkit::client().get(format!("{}/metrics", flexway.url)).send().await.unwrap().text().await.unwrap();
     let ocr_calls = r#"flexway_inference_calls_total{tenant="acme",backend="ocr",metered_by="local",capability="grpc",feature="ocr"} 1"#;
     assert!(metrics.contains(ocr_calls), "{metrics}");
     let extract_cost = r#"flexway_inference_cost_eur_total{tenant="acme",backend="ocr",metered_by="local",capability="grpc",feature="extract"} 0.078000"#;
@@ -500,7 +499,7 @@ async fn serves_grpc_web_unary_and_refuses_client_streaming() {
     let upstream = FakeOcr::start().await.unwrap();
     let (gateway, audit, _dir) = in_process(&upstream.url(), "{eur_per_month: 100}").await;
     let web = |method: &str, body: Vec<u8>| {
-        common::client()
+        flexway_testkit::client()
             .post(format!("{}/ocr.v1.Ocr/{method}", gateway.url))
             .bearer_auth(KEY)
             .header("content-type", "application/grpc-web+proto")
@@ -629,5 +628,5 @@ async fn a_grpc_backend_whose_breaker_opened_is_skipped_until_its_trip_ends() {
 }
 
 async fn client_get(url: &str) -> String {
-    common::client().get(url).send().await.unwrap().text().await.unwrap()
+    flexway_testkit::client().get(url).send().await.unwrap().text().await.unwrap()
 }

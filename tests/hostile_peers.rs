@@ -3,9 +3,7 @@
 //! answer, with the gateway's peak RSS (`VmHWM`) read from /proc.
 #![cfg(test)]
 
-mod common;
-
-use common::*;
+use flexway_testkit::*;
 use serde_json::{Value, json};
 
 const MIB: u64 = 1024 * 1024;

@@ -5,12 +5,10 @@
 #![cfg(test)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
 use fake_grpc::picker::{FakePicker, Picks};
+use flexway_testkit::*;
 use serde_json::Value;
 
 /// A config whose default backend is the inference pool `pool`, asking `picker` (in

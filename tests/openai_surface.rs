@@ -1,10 +1,8 @@
 //! The OpenAI surface end to end: the real binary, a fake model server on loopback.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use flexway_testkit::*;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 

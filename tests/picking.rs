@@ -5,14 +5,12 @@
 #![cfg(test)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
-use common::*;
 use fake_model::Capacity;
+use flexway_testkit::*;
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 

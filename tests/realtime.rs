@@ -4,12 +4,10 @@
 #![cfg(test)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
 use flexway::audit::{AuditRecord, BudgetState, CloseReason, Operation};
+use flexway_testkit::*;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;

@@ -7,9 +7,7 @@
 //! as they were.
 #![cfg(test)]
 
-mod common;
-
-use common::*;
+use flexway_testkit::*;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 

@@ -4,11 +4,9 @@
 #![cfg(test)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use flexway_testkit::*;
 use serde_json::Value;
 
 const NEW_KEY: &str = "sk-test-acme-rotated";

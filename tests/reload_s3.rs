@@ -6,14 +6,12 @@
 #![cfg(feature = "aws")]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-#[path = "../functions/aws/tests/emulator/mod.rs"]
-mod emulator;
+use flexway_testkit::emulator;
 
 use std::time::{Duration, Instant};
 
 use aws_sdk_s3::primitives::ByteStream;
-use common::*;
+use flexway_testkit::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_processes_follow_one_object_in_s3() {

@@ -7,8 +7,7 @@
 #![cfg(test)]
 #![cfg(feature = "aws")]
 
-#[path = "../functions/aws/tests/emulator/mod.rs"]
-mod emulator;
+use flexway_testkit::emulator;
 
 use std::process::Command;
 

@@ -5,9 +5,7 @@
 #![cfg(test)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
-use common::*;
+use flexway_testkit::*;
 use serde_json::Value;
 
 /// The backends, each a fake of its own: `us-1` and `eu-1` in `pool` (us first),

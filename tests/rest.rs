@@ -5,15 +5,13 @@
 //! refusals at load.
 #![cfg(test)]
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 
 use axum::extract::{Path, Request};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
-use common::*;
 use flexway::audit::AuditRecord;
+use flexway_testkit::*;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 

@@ -2,11 +2,9 @@
 //! non-triggers, pools, breakers, the 503 causes, sensitivity, vision refusals.
 #![cfg(test)]
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use flexway_testkit::*;
 use serde_json::{Value, json};
 
 fn ai(body: &str) -> String {

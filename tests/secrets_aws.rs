@@ -9,13 +9,11 @@
 #![cfg(feature = "aws")]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-#[path = "../functions/aws/tests/emulator/mod.rs"]
-mod emulator;
+use flexway_testkit::emulator;
 
 use std::time::{Duration, Instant};
 
-use common::*;
+use flexway_testkit::*;
 
 fn start(yaml: &str) -> Flexway {
     let env = emulator::process_env();

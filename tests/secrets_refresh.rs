@@ -4,13 +4,11 @@
 //! rotates those, on the emulator): the refresh is the same for every reference.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
+use flexway_testkit::*;
 
 /// `file:` references, each resolution held while `gate` is closed (after the first).
 struct Gated {

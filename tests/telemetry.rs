@@ -6,8 +6,6 @@
 
 #![cfg(test)]
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -26,7 +24,7 @@ use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use prost::Message;
 use serde_json::json;
 
-use common::{AGENT_KEY, KEY, client, memory_adapters, serve_in_process};
+use flexway_testkit::{AGENT_KEY, KEY, client, memory_adapters, serve_in_process};
 
 const CANARY: &str = "CANARY-prompt-7f3a9";
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -116,7 +114,10 @@ fn yaml(fake: &FakeModel, collector: &str, interval: &str) -> String {
          price: {{input_per_mtok_eur: 1.0, output_per_mtok_eur: 2.0}}\n",
         fake.url()
     );
-    format!("{}telemetry: {{otlp_endpoint: \"{collector}\", export_interval: {interval}}}\n", common::config(&ai))
+    format!(
+        "{}telemetry: {{otlp_endpoint: \"{collector}\", export_interval: {interval}}}\n",
+        flexway_testkit::config(&ai)
+    )
 }
 
 fn value(v: &AnyValue) -> serde_json::Value {
@@ -210,7 +211,7 @@ async fn streams_failures_and_the_genai_metrics() {
     let stream = json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": CANARY}]});
     let response = gw.chat(KEY, stream).await;
     assert_eq!(response.status(), 200);
-    let (events, error) = common::sse_data(response).await;
+    let (events, error) = flexway_testkit::sse_data(response).await;
     assert_eq!(error, None);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     // A refusal after identification is a span too, marked as an error.
@@ -299,7 +300,7 @@ async fn a_failing_collector_never_fails_a_call() {
         let (adapters, audit) = memory_adapters();
         let gw = serve_in_process(&yaml(&fake, &endpoint, "50ms"), adapters).await;
         for _ in 0..5 {
-            let response = gw.chat(KEY, common::hello("m")).await;
+            let response = gw.chat(KEY, flexway_testkit::hello("m")).await;
             assert_eq!(response.status(), 200, "{endpoint}");
         }
         assert_eq!(audit.records().len(), 5);
@@ -327,7 +328,7 @@ async fn a_function_sends_each_calls_telemetry_before_the_call_ends() {
     // An interval no test waits for: only the end of each call sends.
     let gw = serve_in_process(&yaml(&fake, &collector_url, "1h"), adapters).await;
     for n in 1..=3 {
-        let response = gw.chat(KEY, common::hello("m")).await;
+        let response = gw.chat(KEY, flexway_testkit::hello("m")).await;
         assert_eq!(response.status(), 200);
         let _ = response.bytes().await.unwrap();
         assert_eq!(collector.spans().len(), n, "sent before the answer returned");
@@ -340,13 +341,13 @@ async fn a_function_sends_each_calls_telemetry_before_the_call_ends() {
 async fn without_telemetry_the_callers_trace_context_goes_upstream_unchanged() {
     let fake = FakeModel::start().await.unwrap();
     let (adapters, _audit) = memory_adapters();
-    let gw = serve_in_process(&common::one_backend(&fake.url()), adapters).await;
+    let gw = serve_in_process(&flexway_testkit::one_backend(&fake.url()), adapters).await;
     let traceparent = format!("00-{TRACE_ID}-{PARENT_ID}-01");
     let response = client()
         .post(format!("{}/v1/chat/completions", gw.url))
         .bearer_auth(KEY)
         .header("traceparent", &traceparent)
-        .json(&common::hello("m"))
+        .json(&flexway_testkit::hello("m"))
         .send()
         .await
         .unwrap();
@@ -354,6 +355,6 @@ async fn without_telemetry_the_callers_trace_context_goes_upstream_unchanged() {
     let upstream = fake.requests().into_iter().next().unwrap();
     assert_eq!(upstream.header("traceparent"), Some(traceparent.as_str()));
     // And none is invented without one.
-    let _ = gw.chat(KEY, common::hello("m")).await;
+    let _ = gw.chat(KEY, flexway_testkit::hello("m")).await;
     assert_eq!(fake.requests()[1].header("traceparent"), None);
 }

@@ -4,7 +4,7 @@
 //! Regenerate with `FLEXWAY_BLESS=1 cargo test -p flexway --test audit_schema`.
 #![cfg(test)]
 
-mod support;
+use flexway_testkit::golden as support;
 
 use std::path::PathBuf;
 

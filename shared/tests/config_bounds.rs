@@ -9,7 +9,7 @@
 //! quadratic passes (the old loader took minutes on these documents).
 #![cfg(test)]
 
-mod support;
+use flexway_testkit::golden as support;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

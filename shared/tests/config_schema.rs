@@ -3,7 +3,7 @@
 //! Regenerate with `FLEXWAY_BLESS=1 cargo test -p flexway --test config_schema`.
 #![cfg(test)]
 
-mod support;
+use flexway_testkit::golden as support;
 
 use std::path::PathBuf;
 

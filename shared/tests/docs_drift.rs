@@ -5,7 +5,7 @@
 //! - `docs/budgets.md`'s worked example is the arithmetic of `flexway::budget::plan`.
 #![cfg(test)]
 
-mod support;
+use flexway_testkit::golden as support;
 
 use std::collections::BTreeSet;
 use std::fmt::Write as _;

@@ -2,7 +2,7 @@
 //! event each and come back intact with GetLogEvents and FilterLogEvents.
 #![cfg(test)]
 
-mod emulator;
+use flexway_testkit::emulator;
 
 use flexway::audit::{AuditRecord, AuditSink, SCHEMA_VERSION, sample};
 use flexway::config::Metering;

@@ -11,7 +11,7 @@
 //! real DynamoDB or LocalStack can show.
 #![cfg(test)]
 
-mod emulator;
+use flexway_testkit::emulator;
 
 use std::sync::{Arc, Mutex};
 

@@ -4,7 +4,7 @@
 //! lines the reconcile function prints and the template's alarm reads.
 #![cfg(test)]
 
-mod emulator;
+use flexway_testkit::emulator;
 
 use aws_sdk_cloudwatchlogs::types::InputLogEvent;
 use axum::extract::Query;

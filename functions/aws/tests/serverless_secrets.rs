@@ -3,7 +3,7 @@
 //! that does not exist refused naming its ARN and never a value.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod emulator;
+use flexway_testkit::emulator;
 
 use flexway::config::SecretRef;
 use flexway::secret::{SecretError, SecretSource};

@@ -13,8 +13,7 @@
 //! to its path if it is not on PATH nor in the workspace's `.venv`.
 #![cfg(test)]
 
-#[path = "../../aws/tests/emulator/mod.rs"]
-mod emulator;
+use flexway_testkit::emulator;
 mod support;
 
 use std::path::PathBuf;

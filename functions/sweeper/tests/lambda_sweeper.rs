@@ -4,8 +4,7 @@
 //! DynamoDB, charging one that carries a settle intent, and leaving a live one alone.
 #![cfg(test)]
 
-#[path = "../../aws/tests/emulator/mod.rs"]
-mod emulator;
+use flexway_testkit::emulator;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};

@@ -3,11 +3,6 @@
 //! region us-east-1, dummy credentials unless real ones are set. An endpoint that does
 //! not answer fails the test with the way to start one: these tests never pass by
 //! skipping.
-//!
-//! Shared with `#[path]` by the tests of `functions/gateway`, `functions/sweeper` and
-//! the root package (`tests/report_cloudwatch.rs`): each has aws-config,
-//! aws-sdk-dynamodb, tokio and uuid.
-#![allow(dead_code)]
 
 use aws_config::{Region, SdkConfig};
 use aws_sdk_dynamodb::config::Credentials;

@@ -1,7 +1,5 @@
-//! Helpers shared by test files (each file includes what it uses with `mod support;`,
-//! or with `#[path]` from another crate's tests).
-// Each test file uses part of it; its helpers (not #[test] fns) fail a test by panicking.
-#![allow(dead_code, clippy::unwrap_used, clippy::panic)]
+//! Checked-in files a generator writes (schemas, docs tables), and inputs built to
+//! stress a parser.
 
 use std::path::Path;
 

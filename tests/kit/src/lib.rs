@@ -1,17 +1,38 @@
-//! Test harness: the real `flexway` binary on port 0, configured from a YAML string,
-//! in front of fake model servers on loopback.
-// Each test file uses part of it; its helpers (not #[test] fns) fail a test by panicking.
-#![allow(dead_code, unused_imports, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+//! What Flexway's tests share, in one dev-only crate: the real `flexway` binary on
+//! port 0, configured from a YAML string, in front of fake model servers on loopback
+//! ([`Flexway`]); a gateway served in the test's own process ([`serve_in_process`]);
+//! the configs and requests most tests start from; the AWS emulator's SDK
+//! configuration ([`emulator`], feature `aws`); a headless browser ([`browser`]); and
+//! checked-in generated files ([`golden`]).
+//!
+//! Its helpers fail a test by panicking, with what was seen.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod browser;
+#[cfg(feature = "aws")]
+pub mod emulator;
+pub mod golden;
 
 use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use fake_model::{FakeModel, Scenario};
 use sha2::{Digest, Sha256};
+
+/// The `flexway` binary the tests run: `FLEXWAY_BIN`, or the one cargo built beside
+/// the running test (a test runs from `target/<profile>/deps`; cargo builds a
+/// package's binaries before its integration tests).
+pub fn binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("FLEXWAY_BIN") {
+        return path.into();
+    }
+    let test = std::env::current_exe().unwrap();
+    let profile = test.parent().and_then(Path::parent).expect("a test binary in target/<profile>/deps");
+    profile.join(format!("flexway{}", std::env::consts::EXE_SUFFIX))
+}
 
 pub const KEY: &str = "sk-test-acme";
 pub const AGENT_KEY: &str = "sk-test-acme-bot";
@@ -65,7 +86,7 @@ impl Flexway {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("flexway.yaml");
         std::fs::write(&config, yaml).unwrap();
-        let mut command = Command::new(env!("CARGO_BIN_EXE_flexway"));
+        let mut command = Command::new(binary());
         command.arg("serve");
         // A `--config` among `args` names another source (an S3 object).
         if !args.contains(&"--config") {
