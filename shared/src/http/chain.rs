@@ -16,6 +16,8 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
+use tracing::Instrument as _;
+
 use super::record::Draft;
 use crate::call::PickReason;
 use crate::config::{BackendId, Endpoint, FailureMode};
@@ -239,10 +241,12 @@ pub(super) async fn attempt_chain<A: Attempt>(
                 served_by.reason = Some(PickReason::Fallback);
             }
             let one = One { candidate: served_by.clone(), target, model, prepared, timeout };
-            match try_one(gateway, draft, route, door, one, &pass, &mut attempts).await {
+            // The attempt's failure is logged once, by `try_one`, naming the endpoint.
+            let attempt = try_one(gateway, draft, route, door, one, &pass, &mut attempts)
+                .instrument(tracing::warn_span!("picked", endpoint = endpoint.as_str()));
+            match attempt.await {
                 Ok(value) => return Ok(Served { candidate: served_by, value, pass, timeout }),
                 Err(failure) => {
-                    tracing::warn!(backend = %backend, endpoint, "the picked endpoint failed");
                     let retryable = failure.retryable();
                     endpoint_failure = Some(failure);
                     if !retryable {
