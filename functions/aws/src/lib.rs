@@ -46,6 +46,36 @@ pub enum AdapterError {
 /// as long as the function may run. Retrying a write is safe: a reservation is
 /// idempotent on its `Put` condition, and the SDK gives each transaction a client request
 /// token, so an attempt that was applied and then timed out is answered as applied.
+/// A Lambda function's `main`: its log (JSON on stderr, filtered by `FLEXWAY_LOG`,
+/// `info` by default: what the template's metric filters read), a multi-thread
+/// runtime, and `run` on it. A runtime that cannot start or an error from `run` is
+/// logged, and the exit status says so.
+pub fn lambda_main<F, E>(run: impl FnOnce() -> F) -> std::process::ExitCode
+where
+    F: std::future::Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FLEXWAY_LOG").unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            tracing::error!("cannot start the runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 pub fn sdk_loader() -> aws_config::ConfigLoader {
     static CLIENT: std::sync::OnceLock<aws_sdk_dynamodb::config::SharedHttpClient> = std::sync::OnceLock::new();
     let client = CLIENT.get_or_init(|| {
