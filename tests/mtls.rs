@@ -245,6 +245,34 @@ async fn the_right_client_certificate_passes() {
     assert_eq!(*versions.lock().unwrap(), [axum::http::Version::HTTP_11], "no ALPN offered: HTTP/1.1");
 }
 
+/// A backend whose TLS chooses HTTP/1.1 is called through the same HTTP/1.1 client as
+/// a plain one (upstream/h1.rs): streams and whole answers read to their end over
+/// TLS, and the calls on one connection a serving thread, pooled after each answer.
+#[tokio::test]
+async fn calls_over_tls_and_http1_stream_and_share_one_connection() {
+    let pki = pki();
+    let backend = tls_backend_offering(&pki.server, &pki.ca, &[b"http/1.1"], 200).await;
+    let dir = tempfile::tempdir().unwrap();
+    let tls = right_client_tls(dir.path(), &pki);
+    let gw = Flexway::start_with_env(&mtls_config(backend.addr, Some(tls)), &[("CLIENT_KEY", &pki.client.key)]);
+    for _ in 0..3 {
+        let mut streamed = hello("m");
+        streamed["stream"] = Value::Bool(true);
+        let response = gw.chat(KEY, streamed).await;
+        assert_eq!(response.status(), 200);
+        let (events, _) = sse_data(response).await;
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+        assert!(events.len() > 2, "content events before the end: {events:?}");
+        let whole = gw.chat(KEY, hello("m")).await;
+        assert_eq!(whole.status(), 200);
+        assert_eq!(whole.json::<Value>().await.unwrap()["object"], "chat.completion");
+    }
+    assert_eq!(*backend.versions.lock().unwrap(), [axum::http::Version::HTTP_11; 6]);
+    // A connection a serving thread at most (each has its pool), not one a call.
+    let opened = backend.connections.load(Ordering::Relaxed);
+    assert!(opened <= serving_threads(), "{opened} connections for 6 calls: pooled after each answer");
+}
+
 /// A backend whose TLS offers HTTP/2 (ALPN `h2`) is called over HTTP/2
 /// (docs/operations.md).
 #[tokio::test]
@@ -263,8 +291,8 @@ async fn a_backend_whose_tls_offers_h2_is_called_over_http2() {
 
 /// A backend whose server stops choosing HTTP/2 (turned off behind the same address)
 /// is called on without a failure: the gateway had noted `h2` and calls over HTTP/2
-/// only; the call that meets an HTTP/1.1 handshake goes again, letting TLS choose
-/// (upstream/alpn.rs), and is served once (without the retry it was a 503).
+/// only; the call that meets an HTTP/1.1 handshake goes again over the HTTP/1.1
+/// client (upstream/alpn.rs), and is served once (without the retry it was a 503).
 #[tokio::test]
 async fn a_backend_that_turns_http2_off_is_called_on_without_a_failure() {
     let pki = pki();
@@ -310,19 +338,21 @@ async fn a_burst_of_calls_to_an_http2_backend_opens_a_connection_a_lane_not_one_
     let pki = pki();
     let Backend { addr, connections, .. } = tls_backend_offering(&pki.server, &pki.ca, &[b"h2"], 100).await;
     let (gw, _certs) = stalling_h2_gateway(&pki, addr);
-    // One call first: its handshake tells the gateway the backend speaks HTTP/2.
+    // One call first: its handshake (the HTTP/1.1 client's, which offers `h2`) tells
+    // the gateway the backend speaks HTTP/2, and the call goes on a connection of the
+    // HTTP/2 client: two handshakes, once for the backend.
     hold_streams_open(&gw, 1).await.unwrap();
-    assert_eq!(connections.load(Ordering::Relaxed), 1);
+    assert_eq!(connections.load(Ordering::Relaxed), 2);
 
     let calls = more_calls_than_one_connection_a_thread();
     if let Err(open) = hold_streams_open(&gw, calls).await {
         panic!("{open} of {calls} streams open at once");
     }
     // A connection for each lane the calls took (100 calls a lane), on each serving
-    // thread, and the first call's.
+    // thread, and the first call's two.
     let opened = connections.load(Ordering::Relaxed);
     let lanes = calls.div_ceil(100) + serving_threads();
-    assert!(opened <= 1 + lanes, "{opened} connections for {calls} streams at once ({lanes} lanes at most)");
+    assert!(opened <= 2 + lanes, "{opened} connections for {calls} streams at once ({lanes} lanes at most)");
 }
 
 /// A gateway whose backend, at `addr` over mTLS, stalls every stream after its first

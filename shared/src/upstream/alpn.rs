@@ -11,18 +11,20 @@
 //! hundred. Now a burst opens one a lane, but for the calls that come
 //! during the very first handshake with a backend, before anything is noted.
 //!
-//! So the connector notes what each TLS handshake chose, by the backend's authority
-//! ([`Noting`]), and a call to a backend whose last handshake chose `h2` goes through
-//! its lane's HTTP/2-only client. A later handshake that chooses otherwise turns the
-//! backend back to the client that lets TLS choose: the HTTP/2-only client's connector
+//! So each TLS handshake notes what it chose, by the backend's authority: the HTTP/1.1
+//! client's (`super::h1`, which offers `h2` and, when the server chooses it, closes
+//! the connection unused), and the HTTP/2-only client's connector ([`Noting`]). A call
+//! to a backend whose last handshake chose `h2` goes through its lane's HTTP/2-only
+//! client, the others through the HTTP/1.1 client. A later handshake that chooses
+//! otherwise turns the backend back to HTTP/1.1: the HTTP/2-only client's connector
 //! drops that connection before any request is sent on it ([`NotH2`]), and the call
-//! goes again through the other client (`UpstreamClient::post_json`), as do the calls
-//! that were waiting for that connection. The flags are kept by authority, for
-//! `https://` URLs only: a plain `http://` backend always goes through the client that
-//! lets TLS choose, so speaks HTTP/1.1.
+//! goes again through the HTTP/1.1 client (`UpstreamClient::post_json`), as do the
+//! calls that were waiting for that connection. The flags are kept by authority, for
+//! `https://` URLs only: a plain `http://` backend always speaks HTTP/1.1.
 //!
-//! A lane's HTTP/2-only client has a pool of its own: its first call opens a
-//! connection even when the lane's other client already holds one to the backend.
+//! A lane's HTTP/2-only client has a pool of its own: the first call to a backend that
+//! speaks `h2` makes two handshakes, the HTTP/1.1 client's that learns it and the
+//! HTTP/2 client's that carries the call.
 
 use std::collections::HashMap;
 use std::error::Error as StdError;

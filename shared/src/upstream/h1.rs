@@ -1,4 +1,4 @@
-//! HTTP/1.1 to a plain `http://` backend, spoken by the calling task itself.
+//! HTTP/1.1 to a backend, `http://` or `https://`, spoken by the calling task itself.
 //!
 //! hyper's pooled client runs each connection as a task of its own, fed through a
 //! channel: ~29 KB a connection (the channel's first block 9.5, a write buffer 8.2, a
@@ -25,8 +25,11 @@
 //! its end reads what has already arrived of it, without waiting, and closes its
 //! connection unless that was the end.
 //!
-//! HTTPS backends go through hyper's client: TLS chooses the version there
-//! (`super::alpn`), and HTTP/2 shares a connection among streams.
+//! An `https://` backend is the same HTTP/1.1 over rustls ([`Pool::tls`]): its
+//! handshake offers `h2` and `http/1.1`, and a server that chooses `h2` is noted
+//! ([`Error::SpeaksH2`], nothing sent) and called through hyper's HTTP/2 client, where
+//! streams share a connection (`super::alpn`). A TLS connection's reads go through
+//! rustls, which keeps its own buffers; the rest is as for a plain one.
 
 use std::collections::VecDeque;
 use std::io;
@@ -41,9 +44,12 @@ use foldhash::HashMap;
 use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Uri, Version};
 use hyper::body::{Frame, SizeHint};
-use tokio::io::AsyncWrite;
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::client::TlsStream;
 
 /// How long a connection may wait in its pool.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -66,6 +72,13 @@ const DROP_READ: usize = 2 * MAX_LINE;
 pub enum Error {
     #[error("tcp connect error: {0}")]
     Connect(io::Error),
+    /// The handshake failed, or the connection broke with a TLS error (an alert).
+    #[error("TLS: {0}")]
+    Tls(io::Error),
+    /// The server chose HTTP/2 at the handshake: nothing was sent, and the call goes
+    /// through the HTTP/2 client.
+    #[error("the backend's server chose h2 at the TLS handshake")]
+    SpeaksH2,
     #[error(transparent)]
     Io(#[from] io::Error),
     #[error("the backend closed the connection before the end of its answer")]
@@ -78,12 +91,20 @@ fn invalid(what: impl Into<String>) -> Error {
     Error::Invalid(what.into())
 }
 
-/// Where a plain backend is: the pools' key and the request's `host`, and what to
-/// connect to.
+/// Where a backend is: the pools' key and the request's `host`, and what to connect
+/// to.
 pub(crate) struct Target {
     authority: Arc<str>,
     host: String,
     port: u16,
+    tls: Option<TlsTarget>,
+}
+
+/// An `https://` backend's: the name its certificate is checked against, and whether
+/// its server chose `h2` at the last handshake (set at each one).
+struct TlsTarget {
+    name: ServerName<'static>,
+    speaks_h2: Arc<AtomicBool>,
 }
 
 impl Target {
@@ -92,9 +113,25 @@ impl Target {
         if uri.scheme() != Some(&http::uri::Scheme::HTTP) {
             return None;
         }
+        Self::at(uri, 80, None)
+    }
+
+    /// The target of an `https://` URL, noting in `speaks_h2` what each handshake
+    /// with it chooses; `None` for any other.
+    pub fn tls(uri: &Uri, speaks_h2: Arc<AtomicBool>) -> Option<Target> {
+        if uri.scheme() != Some(&http::uri::Scheme::HTTPS) {
+            return None;
+        }
+        let host = uri.host()?.trim_start_matches('[').trim_end_matches(']');
+        let name = ServerName::try_from(host.to_owned()).ok()?;
+        Self::at(uri, 443, Some(TlsTarget { name, speaks_h2 }))
+    }
+
+    fn at(uri: &Uri, default_port: u16, tls: Option<TlsTarget>) -> Option<Target> {
         let authority = uri.authority()?;
         let host = authority.host().trim_start_matches('[').trim_end_matches(']').to_owned();
-        Some(Target { authority: authority.as_str().into(), host, port: authority.port_u16().unwrap_or(80) })
+        let port = authority.port_u16().unwrap_or(default_port);
+        Some(Target { authority: authority.as_str().into(), host, port, tls })
     }
 }
 
@@ -119,27 +156,36 @@ pub(crate) fn request(target: &Target, uri: &Uri, headers: &HeaderMap, body: &[u
 }
 
 /// Idle connections, by backend authority. One per serving thread: a socket is driven
-/// by the runtime that opened it.
+/// by the runtime that opened it. A pool is plain ([`Pool::default`]) or holds the TLS
+/// connections of one client configuration ([`Pool::tls`]).
 #[derive(Default)]
 pub(crate) struct Pool {
     idle: Mutex<HashMap<Arc<str>, VecDeque<Idle>>>,
     /// Whether a task closes this pool's expired connections.
     reaping: AtomicBool,
+    tls: Option<TlsConnector>,
 }
 
 struct Idle {
-    stream: TcpStream,
+    stream: Conn,
     since: Instant,
 }
 
 impl Pool {
+    /// A pool of TLS connections made with `config`, whose handshakes offer `h2` and
+    /// `http/1.1`.
+    pub fn tls(mut config: rustls::ClientConfig) -> Pool {
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Pool { tls: Some(TlsConnector::from(Arc::new(config))), ..Pool::default() }
+    }
+
     /// Sends `request` to `target` and reads the answer's head.
     pub async fn post(self: &Arc<Self>, target: &Target, request: &[u8]) -> Result<http::Response<Body>, Error> {
         let mut buf = BytesMut::new();
         let (mut stream, early) = loop {
             let (mut stream, pooled) = match self.take(&target.authority) {
                 Some(stream) => (stream, true),
-                None => (connect(target).await?, false),
+                None => (connect(target, self.tls.as_ref()).await?, false),
             };
             let mut written = 0;
             match std::future::poll_fn(|cx| poll_send(&mut stream, request, &mut written, &mut buf, cx)).await {
@@ -172,26 +218,26 @@ impl Pool {
     }
 
     /// Opens a connection to `target` and pools it, sending nothing: the next call
-    /// to it finds the TCP handshake made.
+    /// to it finds the TCP (and TLS) handshake made.
     pub async fn warm(self: &Arc<Self>, target: &Target) -> Result<(), Error> {
-        let stream = connect(target).await?;
+        let stream = connect(target, self.tls.as_ref()).await?;
         self.put(&target.authority, stream);
         Ok(())
     }
 
     /// The most recently used of `authority`'s idle connections that is still open.
-    fn take(&self, authority: &str) -> Option<TcpStream> {
+    fn take(&self, authority: &str) -> Option<Conn> {
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         let waiting = idle.get_mut(authority)?;
-        while let Some(Idle { stream, since }) = waiting.pop_back() {
-            if since.elapsed() < IDLE_TIMEOUT && still_open(&stream) {
+        while let Some(Idle { mut stream, since }) = waiting.pop_back() {
+            if since.elapsed() < IDLE_TIMEOUT && stream.still_open() {
                 return Some(stream);
             }
         }
         None
     }
 
-    fn put(self: &Arc<Self>, authority: &Arc<str>, stream: TcpStream) {
+    fn put(self: &Arc<Self>, authority: &Arc<str>, stream: Conn) {
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         let waiting = idle.entry(authority.clone()).or_default();
         while waiting.front().is_some_and(|oldest| oldest.since.elapsed() >= IDLE_TIMEOUT) || waiting.len() >= MAX_IDLE
@@ -239,35 +285,96 @@ impl Drop for Reaper {
     }
 }
 
-async fn connect(target: &Target) -> Result<TcpStream, Error> {
+/// A connection to a backend, plain or over TLS.
+enum Conn {
+    Tcp(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+/// A TCP connection to `target`, with a TLS session over it when `target` is
+/// `https://` (made by the pool's `tls` connector).
+async fn connect(target: &Target, tls: Option<&TlsConnector>) -> Result<Conn, Error> {
     let stream = TcpStream::connect((target.host.as_str(), target.port)).await.map_err(Error::Connect)?;
     stream.set_nodelay(true).map_err(Error::Connect)?;
-    Ok(stream)
+    let (connector, tls_target) = match (tls, &target.tls) {
+        (None, None) => return Ok(Conn::Tcp(stream)),
+        (Some(connector), Some(tls_target)) => (connector, tls_target),
+        _ => return Err(Error::Connect(io::Error::other("a TLS backend through a plain pool, or the reverse"))),
+    };
+    let stream = connector.connect(tls_target.name.clone(), stream).await.map_err(Error::Tls)?;
+    let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+    tls_target.speaks_h2.store(h2, Ordering::Relaxed);
+    if h2 {
+        return Err(Error::SpeaksH2);
+    }
+    Ok(Conn::Tls(Box::new(stream)))
 }
 
-/// Whether an idle connection can carry a request: nothing to read on it (an
-/// end-of-file, a reset, or bytes it should not have sent all rule it out). Costs no
-/// system call unless the socket was last seen readable.
-fn still_open(stream: &TcpStream) -> bool {
-    let mut byte = [0u8; 1];
-    matches!(stream.try_read(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
-}
+impl Conn {
+    /// Whether an idle connection can carry a request: nothing to read on it (an
+    /// end-of-file, a reset, or bytes it should not have sent all rule it out). Costs
+    /// no system call unless the socket was last seen readable.
+    fn still_open(&mut self) -> bool {
+        let mut byte = BytesMut::with_capacity(1);
+        matches!(self.try_read_buf(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+    }
 
-/// Reads into `buf` once `stream` is readable; `buf` is let go while it waits empty.
-fn poll_read(stream: &TcpStream, buf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
-    loop {
-        if stream.poll_read_ready(cx)?.is_pending() {
-            if buf.is_empty() {
-                *buf = BytesMut::new();
+    /// Reads what is there into `buf`, without waiting (`WouldBlock` when nothing is).
+    fn try_read_buf(&mut self, buf: &mut BytesMut) -> io::Result<usize> {
+        match self {
+            Conn::Tcp(stream) => stream.try_read_buf(buf),
+            Conn::Tls(_) => match self.poll_read(buf, &mut Context::from_waker(std::task::Waker::noop())) {
+                Poll::Ready(read) => read,
+                Poll::Pending => Err(io::ErrorKind::WouldBlock.into()),
+            },
+        }
+    }
+
+    /// Reads into `buf` once the connection is readable. A plain connection's `buf` is
+    /// let go while it waits empty; a TLS one reads through a buffer on the stack into
+    /// `buf`, so the same holds.
+    fn poll_read(&mut self, buf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        let stream = match self {
+            Conn::Tcp(stream) => stream,
+            Conn::Tls(tls) => {
+                let mut chunk = [0u8; READ];
+                let mut read = ReadBuf::new(&mut chunk);
+                if let Err(e) = ready!(Pin::new(&mut **tls).poll_read(cx, &mut read)) {
+                    return Poll::Ready(Err(e));
+                }
+                buf.extend_from_slice(read.filled());
+                return Poll::Ready(Ok(read.filled().len()));
             }
-            return Poll::Pending;
+        };
+        loop {
+            if stream.poll_read_ready(cx)?.is_pending() {
+                if buf.is_empty() {
+                    *buf = BytesMut::new();
+                }
+                return Poll::Pending;
+            }
+            if buf.capacity() - buf.len() < READ / 4 {
+                buf.reserve(READ);
+            }
+            match stream.try_read_buf(buf) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                read => return Poll::Ready(read),
+            }
         }
-        if buf.capacity() - buf.len() < READ / 4 {
-            buf.reserve(READ);
+    }
+
+    fn poll_write(&mut self, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        match self {
+            Conn::Tcp(stream) => Pin::new(stream).poll_write(cx, data),
+            Conn::Tls(tls) => Pin::new(&mut **tls).poll_write(cx, data),
         }
-        match stream.try_read_buf(buf) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            read => return Poll::Ready(read),
+    }
+
+    /// Sends what TLS still holds of the request (nothing for a plain connection).
+    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self {
+            Conn::Tcp(_) => Poll::Ready(Ok(())),
+            Conn::Tls(tls) => Pin::new(&mut **tls).poll_flush(cx),
         }
     }
 }
@@ -277,14 +384,20 @@ fn poll_read(stream: &TcpStream, buf: &mut BytesMut, cx: &mut Context<'_>) -> Po
 /// the connection: a write that cannot go on, or fails, looks for that answer's head
 /// and ends with it (`Some`) if it came. `None`: the request was written whole.
 fn poll_send(
-    stream: &mut TcpStream,
+    stream: &mut Conn,
     request: &[u8],
     written: &mut usize,
     buf: &mut BytesMut,
     cx: &mut Context<'_>,
 ) -> Poll<Result<Option<http::response::Parts>, Error>> {
-    while *written < request.len() {
-        let refused = match Pin::new(&mut *stream).poll_write(cx, &request[*written..]) {
+    loop {
+        let sent = if *written < request.len() {
+            stream.poll_write(cx, &request[*written..])
+        } else {
+            stream.poll_flush(cx).map_ok(|()| 0)
+        };
+        let refused = match sent {
+            Poll::Ready(Ok(0)) if *written == request.len() => return Poll::Ready(Ok(None)),
             Poll::Ready(Ok(0)) => io::Error::from(io::ErrorKind::WriteZero),
             Poll::Ready(Ok(n)) => {
                 *written += n;
@@ -299,12 +412,11 @@ fn poll_send(
             _ => Poll::Ready(Err(refused.into())),
         };
     }
-    Poll::Ready(Ok(None))
 }
 
 /// The answer's head, past any `1xx` interim heads.
 fn poll_head(
-    stream: &mut TcpStream,
+    stream: &mut Conn,
     buf: &mut BytesMut,
     cx: &mut Context<'_>,
 ) -> Poll<Result<http::response::Parts, Error>> {
@@ -329,7 +441,7 @@ fn poll_head(
                 None => {}
             }
         }
-        if ready!(poll_read(stream, buf, cx))? == 0 {
+        if ready!(stream.poll_read(buf, cx))? == 0 {
             return Poll::Ready(Err(Error::Closed));
         }
     }
@@ -438,7 +550,7 @@ enum Line {
 /// An answer's body, read from its connection as the caller asks for it.
 pub struct Body {
     /// `None` once the body ended or failed.
-    stream: Option<TcpStream>,
+    stream: Option<Conn>,
     buf: BytesMut,
     framing: Framing,
     keep_alive: bool,
@@ -521,7 +633,7 @@ impl Drop for Body {
                 Ok(None) => {}
                 Err(_) => return,
             }
-            let Some(stream) = &self.stream else { return };
+            let Some(stream) = &mut self.stream else { return };
             if read >= DROP_READ {
                 return;
             }
@@ -583,8 +695,8 @@ impl hyper::body::Body for Body {
                 }
                 Ok(None) => {}
             }
-            let Some(stream) = &this.stream else { return Poll::Ready(None) };
-            match ready!(poll_read(stream, &mut this.buf, cx)) {
+            let Some(stream) = &mut this.stream else { return Poll::Ready(None) };
+            match ready!(stream.poll_read(&mut this.buf, cx)) {
                 Err(e) => return this.fail(e.into()),
                 Ok(0) if matches!(this.framing, Framing::Close) => {
                     this.stream = None;

@@ -21,19 +21,21 @@
 //! through clients of its own and no call wakes another thread. Elsewhere (the Lambda
 //! function, tests) there is one client per backend.
 //!
-//! An `https://` backend is called through hyper-util's pooled client over rustls
-//! (`ring`; the webpki roots, or a backend's own `tls.ca`), HTTP/2 when TLS negotiates
-//! it; a plain `http://` backend through the gateway's own HTTP/1.1 client ([`h1`]),
+//! HTTP/1.1 has one path, `http://` or `https://`: the gateway's own client ([`h1`]),
 //! on the caller's task, without hyper's ~29 KB a connection (10,000 streams: a 165 MB
-//! peak against 357 MB through hyper's client). Neither follows a redirect, and both
-//! retry nothing but a request that a pooled connection closed before it was sent.
+//! peak against 357 MB through hyper's client), over rustls for `https://` (`ring`;
+//! the webpki roots, or a backend's own `tls.ca`). Its TLS handshake offers `h2`: a
+//! backend whose server chooses it is called through hyper-util's HTTP/2 client from
+//! then on, where streams share a connection ([`alpn`]). Neither follows a redirect,
+//! and both retry nothing but a request that a pooled connection closed before it was
+//! sent (or whose handshake chose the other version: nothing was sent).
 //!
-//! Its pool keeps one HTTP/2 connection to a backend, whose server takes only so many
-//! streams on it: a serving thread calls through [`lanes`], one client and another
-//! with its own connections whenever each already has 100 calls in flight. A lane has
-//! two clients over one connector, one letting TLS choose the version and one speaking
-//! HTTP/2 only, for a backend whose server chose `h2` at the last handshake ([`alpn`]):
-//! calls to it then wait for the connection being opened instead of each opening one.
+//! hyper's pool keeps one HTTP/2 connection to a backend, whose server takes only so
+//! many streams on it: a serving thread calls through [`lanes`], one client and
+//! another with its own connections whenever each already has 100 calls in flight. A
+//! lane's HTTP/2 client speaks HTTP/2 only: calls to a backend wait for the connection
+//! being opened instead of each opening one. A REST operation's request, whose body
+//! streams, goes through the lane's other client, which lets TLS choose.
 
 mod alpn;
 pub mod body;
@@ -170,11 +172,10 @@ type Streaming = Client<Noting<HttpsConnector<HttpConnector>>, grpc::UpstreamBod
 
 /// A lane's clients, over one connector (see the module docs).
 struct Clients {
-    /// TLS chooses the version (ALPN); HTTP/1.1 over plain TCP.
-    auto: Http,
     /// HTTP/2 only, for a backend whose server chose `h2` at the last handshake.
     h2: Http,
-    /// As `auto`, for a body that streams (a `kind: http` backend's operations).
+    /// For a body that streams (a `kind: http` backend's operations): TLS chooses the
+    /// version (ALPN); HTTP/1.1 over plain TCP.
     streaming: Streaming,
 }
 
@@ -195,17 +196,12 @@ pub struct UpstreamClient {
     forward: Vec<HeaderName>,
     /// Whether the backend's server chose `h2` at the last TLS handshake with it.
     speaks_h2: Arc<AtomicBool>,
-    /// A plain `http://` backend: called through the gateway's own HTTP/1.1 client.
-    plain: Option<Plain>,
+    /// Where the HTTP/1.1 client connects; `None` for a URL that is neither `http://`
+    /// nor `https://` (an inference pool's template).
+    target: Option<h1::Target>,
     /// An inference pool's: `base` is only its target's path, and each call goes to an
     /// endpoint its picker names ([`Upstreams::at`]).
     template: bool,
-}
-
-/// Where a plain backend is, and each serving thread's pool of connections.
-struct Plain {
-    target: h1::Target,
-    pools: Vec<Arc<h1::Pool>>,
 }
 
 /// Who a call is for, as a relay passes it on: the caller's tenant and agent, and
@@ -266,11 +262,10 @@ impl RelayHeaders {
     }
 }
 
-/// What a backend's secrets built: the client (its own when it has `tls`) and the
+/// What a backend's secrets built: the clients (its own when it has `tls`) and the
 /// credential, replaced together by a refresh.
 struct Live {
-    /// One set of lanes per serving thread (see the module docs).
-    http: Vec<Arc<Lanes<Clients>>>,
+    transport: Transport,
     credential: Credential,
     /// The values they were built from, to tell whether a refresh brought new ones.
     material: Material,
@@ -281,6 +276,33 @@ struct Live {
 struct Material {
     auth: Option<Secret>,
     tls: Option<TlsMaterial>,
+}
+
+/// A backend's connections, each serving thread's (see the module docs): its HTTP/1.1
+/// pool (plain, or TLS with one client configuration), and its lanes of HTTP/2 and
+/// streaming clients.
+#[derive(Clone)]
+struct Transport {
+    h1: Vec<Arc<h1::Pool>>,
+    lanes: Vec<Arc<Lanes<Clients>>>,
+}
+
+impl Transport {
+    fn h1(&self) -> &Arc<h1::Pool> {
+        &self.h1[SERVING_THREAD.with(Cell::get) % self.h1.len()]
+    }
+
+    fn lanes(&self) -> &Lanes<Clients> {
+        &self.lanes[SERVING_THREAD.with(Cell::get) % self.lanes.len()]
+    }
+
+    /// Each thread's pools and lanes over `tls`.
+    fn over(tls: &rustls::ClientConfig, negotiated: &Arc<Negotiated>, threads: usize) -> Transport {
+        Transport {
+            h1: (0..threads).map(|_| Arc::new(h1::Pool::tls(tls.clone()))).collect(),
+            lanes: (0..threads).map(|_| lanes(tls.clone(), negotiated)).collect(),
+        }
+    }
 }
 
 #[derive(Clone, PartialEq, Eq)]
@@ -331,40 +353,50 @@ impl UpstreamClient {
             headers.insert(name, value);
         }
         let deadline = tokio::time::Instant::now() + self.timeout;
-        if let Some(plain) = &self.plain {
-            let pool = &plain.pools[SERVING_THREAD.with(Cell::get) % plain.pools.len()];
-            let request = h1::request(&plain.target, &uri, &headers, &body);
-            return match tokio::time::timeout_at(deadline, pool.post(&plain.target, &request)).await {
-                Err(_) => Err(CallError::Timeout(self.timeout)),
-                Ok(Err(e)) => Err(CallError::Connect(describe(&e))),
-                Ok(Ok(response)) => Ok(response.map(AnswerBody::plain)),
-            };
+        let target = self.target.as_ref().ok_or_else(|| CallError::Connect(format!("{}: not a URL", self.base)))?;
+        let request = h1::request(target, &uri, &headers, &body);
+        if !self.speaks_h2.load(Ordering::Relaxed)
+            && let Some(answer) = self.over_h1(&live, target, &request, deadline).await?
+        {
+            return Ok(answer);
         }
-        let mut request = http::Request::new(Full::new(Bytes::from(body)));
-        *request.method_mut() = Method::POST;
-        *request.uri_mut() = uri;
-        *request.headers_mut() = headers;
-        let (lane, seat) = live.http[SERVING_THREAD.with(Cell::get) % live.http.len()].seat();
-        let sent = if self.speaks_h2.load(Ordering::Relaxed) {
-            let again = copy(&request);
-            match tokio::time::timeout_at(deadline, lane.client.h2.request(request)).await {
-                // The server chose HTTP/1.1 at this call's handshake, or at the one it
-                // waited for (alpn.rs): the request was never sent, and goes again
-                // letting TLS choose.
-                Ok(Err(e))
-                    if e.is_connect() && (cause::<NotH2>(&e).is_some() || !self.speaks_h2.load(Ordering::Relaxed)) =>
-                {
-                    tokio::time::timeout_at(deadline, lane.client.auto.request(again)).await
-                }
-                sent => sent,
+        let mut h2_request = http::Request::new(Full::new(Bytes::from(body)));
+        *h2_request.method_mut() = Method::POST;
+        *h2_request.uri_mut() = uri;
+        *h2_request.headers_mut() = headers;
+        let (lane, seat) = live.transport.lanes().seat();
+        match tokio::time::timeout_at(deadline, lane.client.h2.request(h2_request)).await {
+            // The server chose HTTP/1.1 at this call's handshake, or at the one it
+            // waited for (alpn.rs): the request was never sent, and goes over HTTP/1.1.
+            Ok(Err(e))
+                if e.is_connect() && (cause::<NotH2>(&e).is_some() || !self.speaks_h2.load(Ordering::Relaxed)) =>
+            {
+                drop(seat);
+                let again = self.over_h1(&live, target, &request, deadline).await?;
+                again.ok_or_else(|| {
+                    CallError::Connect("the backend's server changes its HTTP version at each handshake".into())
+                })
             }
-        } else {
-            tokio::time::timeout_at(deadline, lane.client.auto.request(request)).await
-        };
-        match sent {
             Err(_) => Err(CallError::Timeout(self.timeout)),
             Ok(Err(e)) => Err(send_error(&e)),
             Ok(Ok(response)) => Ok(response.map(|body| AnswerBody::new(body, seat))),
+        }
+    }
+
+    /// Sends `request` over HTTP/1.1 through this thread's pool; `None` when the TLS
+    /// handshake chose HTTP/2 (nothing was sent).
+    async fn over_h1(
+        &self,
+        live: &Live,
+        target: &h1::Target,
+        request: &[u8],
+        deadline: tokio::time::Instant,
+    ) -> Result<Option<Answer>, CallError> {
+        match tokio::time::timeout_at(deadline, live.transport.h1().post(target, request)).await {
+            Err(_) => Err(CallError::Timeout(self.timeout)),
+            Ok(Err(h1::Error::SpeaksH2)) => Ok(None),
+            Ok(Err(e)) => Err(h1_error(&e)),
+            Ok(Ok(response)) => Ok(Some(response.map(AnswerBody::plain))),
         }
     }
 
@@ -390,7 +422,7 @@ impl UpstreamClient {
         *request.method_mut() = method;
         *request.uri_mut() = uri;
         *request.headers_mut() = headers;
-        let (lane, seat) = live.http[SERVING_THREAD.with(Cell::get) % live.http.len()].seat();
+        let (lane, seat) = live.transport.lanes().seat();
         match tokio::time::timeout(self.timeout, lane.client.streaming.request(request)).await {
             Err(_) => Err(CallError::Timeout(self.timeout)),
             Ok(Err(e)) => Err(send_error(&e)),
@@ -399,41 +431,32 @@ impl UpstreamClient {
     }
 
     /// Opens a connection to the backend ahead of its first call (Lambda's init, where
-    /// the first call would otherwise wait for the handshakes). A plain backend's TCP
-    /// connection goes into this thread's pool with nothing sent. An `https://` one's
-    /// is made by a `HEAD` of the base URL, without the credential or any caller's
-    /// header, by the client a call would use (and, when the handshake chose HTTP/2, by
-    /// the HTTP/2 one the next calls use); its answer, whatever the status, is read and
-    /// dropped, and the connection stays pooled.
+    /// the first call would otherwise wait for the handshakes): a TCP connection (and
+    /// its TLS session) goes into this thread's HTTP/1.1 pool with nothing sent. A
+    /// backend whose server chose HTTP/2 is connected by a `HEAD` of the base URL,
+    /// without the credential or any caller's header, through the HTTP/2 client the
+    /// calls use; its answer, whatever the status, is read and dropped, and the
+    /// connection stays pooled.
     pub async fn preconnect(&self) -> Result<(), CallError> {
-        if self.template {
+        let Some(target) = self.target.as_ref().filter(|_| !self.template) else {
             return Ok(());
-        }
-        if let Some(plain) = &self.plain {
-            let pool = &plain.pools[SERVING_THREAD.with(Cell::get) % plain.pools.len()];
-            return pool.warm(&plain.target).await.map_err(|e| CallError::Connect(describe(&e)));
-        }
-        let uri: Uri = self.base.parse().map_err(|e| CallError::Connect(format!("{}: {e}", self.base)))?;
-        let live = self.live.load();
-        let lanes = &live.http[SERVING_THREAD.with(Cell::get) % live.http.len()];
-        let head = || {
-            let mut request = http::Request::new(Full::new(Bytes::new()));
-            *request.method_mut() = Method::HEAD;
-            *request.uri_mut() = uri.clone();
-            request
         };
-        loop {
-            let (lane, _seat) = lanes.seat();
-            let h2 = self.speaks_h2.load(Ordering::Relaxed);
-            let client = if h2 { &lane.client.h2 } else { &lane.client.auto };
-            let answer = client.request(head()).await.map_err(|e| send_error(&e))?;
-            // The answer's end hands the connection back to its pool.
-            let _ = http_body_util::BodyExt::collect(answer.into_body()).await;
-            // At most twice: the handshake of the first chose HTTP/2.
-            if h2 || !self.speaks_h2.load(Ordering::Relaxed) {
-                return Ok(());
+        let live = self.live.load();
+        if !self.speaks_h2.load(Ordering::Relaxed) {
+            match live.transport.h1().warm(target).await {
+                Err(h1::Error::SpeaksH2) => {}
+                warmed => return warmed.map_err(|e| h1_error(&e)),
             }
         }
+        let uri: Uri = self.base.parse().map_err(|e| CallError::Connect(format!("{}: {e}", self.base)))?;
+        let mut head = http::Request::new(Full::new(Bytes::new()));
+        *head.method_mut() = Method::HEAD;
+        *head.uri_mut() = uri;
+        let (lane, _seat) = live.transport.lanes().seat();
+        let answer = lane.client.h2.request(head).await.map_err(|e| send_error(&e))?;
+        // The answer's end hands the connection back to its pool.
+        let _ = http_body_util::BodyExt::collect(answer.into_body()).await;
+        Ok(())
     }
 
     /// The caller's headers this backend names in `forward_headers`, every value of each.
@@ -446,16 +469,6 @@ impl UpstreamClient {
     }
 }
 
-/// A request to send again: its method, URL, headers and body (the body's bytes are
-/// shared, not copied).
-fn copy(request: &http::Request<Full<Bytes>>) -> http::Request<Full<Bytes>> {
-    let mut again = http::Request::new(request.body().clone());
-    *again.method_mut() = request.method().clone();
-    *again.uri_mut() = request.uri().clone();
-    *again.headers_mut() = request.headers().clone();
-    again
-}
-
 pub(crate) use crate::call::headers::USER_AGENT;
 
 /// A request that got no answer: a TLS failure as rustls names it, else the
@@ -464,6 +477,20 @@ fn send_error(e: &hyper_util::client::legacy::Error) -> CallError {
     match cause::<rustls::Error>(e) {
         Some(tls) => CallError::Tls(tls_failure(tls)),
         None => CallError::Connect(describe(e)),
+    }
+}
+
+/// A request the HTTP/1.1 client got no answer to: a TLS failure (the handshake, or an
+/// alert the backend sent after it) as rustls names it, else what went wrong.
+fn h1_error(e: &h1::Error) -> CallError {
+    let tls = match e {
+        h1::Error::Tls(io) | h1::Error::Io(io) => cause::<rustls::Error>(io),
+        _ => None,
+    };
+    match (tls, e) {
+        (Some(tls), _) => CallError::Tls(tls_failure(tls)),
+        (None, h1::Error::Tls(io)) => CallError::Tls(io.to_string()),
+        (None, e) => CallError::Connect(describe(e)),
     }
 }
 
@@ -521,9 +548,9 @@ pub(crate) fn describe(e: &(dyn std::error::Error + 'static)) -> String {
 /// Every endpoint backend's client.
 pub struct Upstreams {
     clients: HashMap<BackendId, UpstreamClient>,
-    /// Each serving thread's lanes of clients over the public roots, shared by every
-    /// backend without a `tls` of its own.
-    shared: Vec<Arc<Lanes<Clients>>>,
+    /// Each serving thread's connections over the public roots, shared by every
+    /// `https://` backend without a `tls` of its own.
+    shared: Transport,
     /// Each serving thread's pool of plain HTTP/1.1 connections, shared by every plain
     /// backend and every endpoint a picker names.
     pools: Vec<Arc<h1::Pool>>,
@@ -569,7 +596,7 @@ impl Upstreams {
             None => {
                 let tls = tls_config(public_roots(), None).map_err(|e| SetupError::Client(e.to_string()))?;
                 let negotiated = Arc::new(Negotiated::default());
-                let shared: Vec<_> = (0..threads).map(|_| lanes(tls.clone(), &negotiated)).collect();
+                let shared = Transport::over(&tls, &negotiated, threads);
                 let pools: Vec<_> = (0..threads).map(|_| Arc::new(h1::Pool::default())).collect();
                 (shared, pools, negotiated, Arc::new(GrpcClient::new(tls)))
             }
@@ -592,15 +619,19 @@ impl Upstreams {
                 continue;
             };
             let material = material(name, endpoint, secrets)?;
+            let base = endpoint.url.trim_end_matches('/');
+            let uri = base.parse::<Uri>().ok();
+            let https = uri.as_ref().is_some_and(|uri| uri.scheme() == Some(&http::uri::Scheme::HTTPS));
+            // HTTP/1.1 over the plain pools, or the TLS ones of the public roots.
+            let kept = Transport { h1: if https { shared.h1.clone() } else { pools.clone() }, ..shared.clone() };
             // A backend with its own TLS client keeps it when its material is the same.
             let before = previous.and_then(|p| p.clients.get(name)).map(|c| c.live.load_full());
             let live = match &before {
                 Some(before) if before.material == material => {
-                    Live::build(name, endpoint, material, Some(before), &before.http, &negotiated)?
+                    Live::build(name, endpoint, material, Some(before), &before.transport, &negotiated)?
                 }
-                _ => Live::build(name, endpoint, material, None, &shared, &negotiated)?,
+                _ => Live::build(name, endpoint, material, None, &kept, &negotiated)?,
             };
-            let base = endpoint.url.trim_end_matches('/');
             // A relay's url is the other Flexway's base: its API is under `/v1`.
             let (base, identity_headers) = match &backend.kind {
                 BackendKind::Relay { identity_headers, .. } => {
@@ -614,15 +645,17 @@ impl Upstreams {
             };
             let live = ArcSwap::from_pointee(live);
             let urls = PATHS.iter().filter_map(|path| Some((*path, format!("{base}{path}").parse().ok()?))).collect();
-            let uri = base.parse::<Uri>().ok();
             // Only TLS chooses a version: a plain `http://` backend keeps a flag of its
             // own, never set, whatever an `https://` one at the same authority chose.
-            let tls = uri.as_ref().filter(|uri| uri.scheme() == Some(&http::uri::Scheme::HTTPS));
+            let tls = uri.as_ref().filter(|_| https);
             let authority = tls.and_then(Uri::authority).map(|a| a.as_str().to_owned());
             let speaks_h2 = authority.map_or_else(Arc::default, |authority| negotiated.speaks_h2(&authority));
             let timeout = backend.timeout;
             let template = matches!(backend.kind, BackendKind::InferencePool { .. });
-            let plain = uri.as_ref().and_then(h1::Target::of).map(|target| Plain { target, pools: pools.clone() });
+            let target = uri.as_ref().and_then(|uri| match tls {
+                Some(_) => h1::Target::tls(uri, speaks_h2.clone()),
+                None => h1::Target::of(uri),
+            });
             let forward: Vec<HeaderName> = endpoint
                 .forward_headers
                 .iter()
@@ -645,7 +678,7 @@ impl Upstreams {
                 identity_headers,
                 forward,
                 speaks_h2,
-                plain,
+                target,
                 template,
             };
             clients.insert(name.clone(), client);
@@ -670,16 +703,22 @@ impl Upstreams {
         let uri = base.parse::<Uri>().ok()?;
         let target = h1::Target::of(&uri)?;
         let urls = PATHS.iter().filter_map(|path| Some((*path, format!("{base}{path}").parse().ok()?))).collect();
+        let live = template.live.load();
+        let live = Live {
+            transport: Transport { h1: self.pools.clone(), lanes: live.transport.lanes.clone() },
+            credential: live.credential.clone(),
+            material: live.material.clone(),
+        };
         Some(UpstreamClient {
             base,
             urls,
             wire: Wire::OpenAi,
-            live: ArcSwap::new(template.live.load_full()),
+            live: ArcSwap::from_pointee(live),
             timeout: template.timeout,
             identity_headers: None,
             forward: template.forward.clone(),
             speaks_h2: Arc::default(),
-            plain: Some(Plain { target, pools: self.pools.clone() }),
+            target: Some(target),
             template: false,
         })
     }
@@ -731,7 +770,7 @@ impl Upstreams {
             if material == current.material {
                 continue;
             }
-            match Live::build(name, endpoint, material, Some(&current), &current.http, &self.negotiated) {
+            match Live::build(name, endpoint, material, Some(&current), &current.transport, &self.negotiated) {
                 Ok(live) => {
                     client.live.store(Arc::new(live));
                     updated.push(name.clone());
@@ -797,26 +836,26 @@ impl OwnGrpc {
 }
 
 impl Live {
-    /// The client and credential `material` makes. A client of its own is built for
-    /// new TLS material (none in `previous`, or different); otherwise `keep` serves:
-    /// the shared client at start, the backend's current one on a refresh (its
+    /// The clients and credential `material` makes. Connections of its own are made
+    /// for new TLS material (none in `previous`, or different); otherwise `keep`
+    /// serves: the shared ones at start, the backend's current ones on a refresh (its
     /// connections stay open).
     fn build(
         name: &BackendId,
         endpoint: &Endpoint,
         material: Material,
         previous: Option<&Live>,
-        keep: &[Arc<Lanes<Clients>>],
+        keep: &Transport,
         negotiated: &Arc<Negotiated>,
     ) -> Result<Live, SetupError> {
-        let http = match (&endpoint.tls, &material.tls) {
+        let transport = match (&endpoint.tls, &material.tls) {
             (Some(tls), Some(pem)) if previous.is_none_or(|p| p.material.tls.as_ref() != Some(pem)) => {
-                keep.iter().map(|_| tls_client(name, tls, pem, negotiated)).collect::<Result<_, _>>()?
+                Transport::over(&client_tls(name, tls, pem)?, negotiated, keep.lanes.len())
             }
-            _ => keep.to_vec(),
+            _ => keep.clone(),
         };
         let credential = credential(name, &endpoint.auth, material.auth.as_ref())?;
-        Ok(Live { http, credential, material })
+        Ok(Live { transport, credential, material })
     }
 }
 
@@ -844,11 +883,7 @@ fn http_clients(tls: rustls::ClientConfig, negotiated: &Arc<Negotiated>) -> Clie
         builder
     };
     let connector = |h2_only| Noting { inner: https.clone(), negotiated: negotiated.clone(), h2_only };
-    Clients {
-        auto: builder(false).build(connector(false)),
-        h2: builder(true).build(connector(true)),
-        streaming: builder(false).build(connector(false)),
-    }
+    Clients { h2: builder(true).build(connector(true)), streaming: builder(false).build(connector(false)) }
 }
 
 /// Lanes of clients over `tls`.
@@ -876,20 +911,9 @@ fn tls_config(
     }
 }
 
-/// The backend's own client for mTLS: its client certificate and key, and its CA
-/// bundle in place of the system roots. Errors name the reference and what is wrong
-/// with its PEM, never the PEM (the key is a secret).
-fn tls_client(
-    name: &BackendId,
-    tls: &Tls,
-    pem: &TlsMaterial,
-    negotiated: &Arc<Negotiated>,
-) -> Result<Arc<Lanes<Clients>>, SetupError> {
-    client_tls(name, tls, pem).map(|tls| lanes(tls, negotiated))
-}
-
-/// The TLS configuration of a backend's `tls`: its client certificate and key, and its
-/// CA bundle in place of the system roots.
+/// The TLS configuration of a backend's `tls` (mTLS): its client certificate and key,
+/// and its CA bundle in place of the system roots. Errors name the reference and what
+/// is wrong with its PEM, never the PEM (the key is a secret).
 fn client_tls(name: &BackendId, tls: &Tls, pem: &TlsMaterial) -> Result<rustls::ClientConfig, SetupError> {
     let err = |detail: String| SetupError::Tls { backend: name.clone(), detail };
     // Both read apart first, so that an error says which one is wrong.
@@ -974,7 +998,8 @@ mod tests {
         ));
         let new = Upstreams::reloaded(&after, &Resolved::default(), &old).unwrap();
         assert!(new.pools.iter().zip(&old.pools).all(|(n, o)| Arc::ptr_eq(n, o)), "plain connections kept");
-        assert!(new.shared.iter().zip(&old.shared).all(|(n, o)| Arc::ptr_eq(n, o)), "TLS connections kept");
+        assert!(new.shared.lanes.iter().zip(&old.shared.lanes).all(|(n, o)| Arc::ptr_eq(n, o)), "TLS connections kept");
+        assert!(new.shared.h1.iter().zip(&old.shared.h1).all(|(n, o)| Arc::ptr_eq(n, o)), "TLS pools kept");
         let g = BackendId::new("g");
         assert!(Arc::ptr_eq(&new.grpc(&g), &old.grpc(&g)), "gRPC connections kept");
         assert!(new.get(&BackendId::new("c")).is_some() && new.get(&BackendId::new("b")).is_none());
