@@ -310,6 +310,15 @@ pub async fn sse_data(response: reqwest::Response) -> (Vec<String>, Option<Strin
     (events, error)
 }
 
+/// The gateway `yaml` configures, over `adapters`, served by nothing: for a test that
+/// drives its router as a tower service (`ServiceExt::oneshot`).
+pub async fn gateway(yaml: &str, adapters: flexway::gateway::Adapters) -> Arc<flexway::Gateway> {
+    let env: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    let loaded = flexway::config::load_str(yaml, &env).unwrap_or_else(|e| panic!("{e}"));
+    let secrets = Arc::new(flexway::secret::LocalSecrets { env });
+    Arc::new(flexway::Gateway::new(loaded.config, secrets, adapters).await.unwrap())
+}
+
 /// The gateway in-process (same router as `flexway serve`), on a loopback port, with
 /// the given adapters, so a test can look into the ledger and the audit afterwards.
 pub struct InProcess {
@@ -328,10 +337,7 @@ pub async fn serve_router_in_process(
     adapters: flexway::gateway::Adapters,
     router: impl FnOnce(Arc<flexway::Gateway>) -> axum::Router,
 ) -> InProcess {
-    let env: std::collections::HashMap<String, String> = std::collections::HashMap::new();
-    let loaded = flexway::config::load_str(yaml, &env).unwrap_or_else(|e| panic!("{e}"));
-    let secrets = Arc::new(flexway::secret::LocalSecrets { env });
-    let gateway = Arc::new(flexway::Gateway::new(loaded.config, secrets, adapters).await.unwrap());
+    let gateway = gateway(yaml, adapters).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let app = router(gateway.clone());
