@@ -25,7 +25,8 @@
 //!    hosted models' APIs do), allowing `BENCH_H2_MAX_STREAMS` streams a connection
 //!    (250 by default, Go's servers'), through a second `flexway serve`: the calls
 //!    share connections, more of them as the calls in flight need. `BENCH_H2=0`
-//!    skips it.
+//!    skips it; `BENCH_TLS_ALPN=http/1.1` has the backend offer HTTP/1.1 instead
+//!    (a TLS connection a stream, through the gateway's own HTTP/1.1 client).
 //!
 //! Figures are printed, never asserted.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout, clippy::panic)]
@@ -109,7 +110,8 @@ async fn run() {
         return;
     }
     let max_streams = env_or("BENCH_H2_MAX_STREAMS", 250) as u32;
-    let tls = h2_backend(max_streams).await;
+    let alpn = std::env::var("BENCH_TLS_ALPN").unwrap_or_else(|_| "h2".to_owned());
+    let tls = tls_backend(max_streams, &alpn).await;
     let scenario = Scenario { chunks: Some(20), chunk_delay_ms: Some(chunk_ms), ..Default::default() };
     let url = format!("https://localhost:{}/s/{scenario}/v1", tls.port);
     let yaml = format!(
@@ -122,9 +124,13 @@ async fn run() {
     let process = common::Gateway::start(&yaml);
     let cpu = process.cpu_seconds();
     let run = concurrently(&process.url, KEY, concurrent).await;
-    println!(
-        "{concurrent} concurrent streams, the same, to a backend over HTTP/2 (TLS, ALPN h2; it allows {max_streams} streams a connection)"
-    );
+    if alpn == "h2" {
+        println!(
+            "{concurrent} concurrent streams, the same, to a backend over HTTP/2 (TLS, ALPN h2; it allows {max_streams} streams a connection)"
+        );
+    } else {
+        println!("{concurrent} concurrent streams, the same, to a backend over TLS offering ALPN {alpn}");
+    }
     run.print(chunk_ms);
     println!("  gateway process peak memory: {}", process.peak_memory());
     println!("  gateway CPU time for them: {:.2} s", process.cpu_seconds() - cpu);
@@ -174,7 +180,7 @@ async fn concurrently(base: &str, key: &'static str, concurrent: usize) -> Run {
 }
 
 /// The fake model over TLS on loopback (a certificate for `localhost` from a CA made
-/// here), offering HTTP/2 by ALPN and allowing `max_streams` streams a connection.
+/// here), offering `alpn` (`h2`: allowing `max_streams` streams a connection).
 struct TlsBackend {
     port: u16,
     ca: std::path::PathBuf,
@@ -185,7 +191,7 @@ struct TlsBackend {
     _dir: tempfile::TempDir,
 }
 
-async fn h2_backend(max_streams: u32) -> TlsBackend {
+async fn tls_backend(max_streams: u32, alpn: &str) -> TlsBackend {
     use hyper_util::rt::{TokioExecutor, TokioIo};
     use hyper_util::server::conn::auto;
     use hyper_util::service::TowerToHyperService;
@@ -221,7 +227,7 @@ async fn h2_backend(max_streams: u32) -> TlsBackend {
             PrivateKeyDer::from_pem_slice(server_key.as_bytes()).unwrap(),
         )
         .unwrap();
-    config.alpn_protocols = vec![b"h2".to_vec()];
+    config.alpn_protocols = vec![alpn.as_bytes().to_vec()];
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();

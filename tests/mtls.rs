@@ -273,6 +273,56 @@ async fn calls_over_tls_and_http1_stream_and_share_one_connection() {
     assert!(opened <= serving_threads(), "{opened} connections for 6 calls: pooled after each answer");
 }
 
+/// A backend that closes a keep-alive connection idle for `after` (hyper's header read
+/// timeout: the socket closed without TLS's `close_notify`, as many servers do), over
+/// TLS offering HTTP/1.1 only. Counts the connections it accepted.
+async fn tls_http1_backend_closing_idle(
+    server: &Leaf,
+    clients: &Authority,
+    after: Duration,
+) -> (SocketAddr, Arc<AtomicUsize>) {
+    let mut config = server_config(server, clients);
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let accepted = connections.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            accepted.fetch_add(1, Ordering::Relaxed);
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else { return };
+                let service = TowerToHyperService::new(fake_model::router());
+                let mut builder = hyper::server::conn::http1::Builder::new();
+                builder.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(after);
+                let _ = builder.serve_connection(TokioIo::new(tls), service).await;
+            });
+        }
+    });
+    (addr, connections)
+}
+
+/// A pooled TLS connection the backend closed while it waited is not used: the next
+/// call opens another and is served (no 503 from a dead connection).
+#[tokio::test]
+async fn a_tls_connection_the_backend_closed_while_pooled_is_not_used() {
+    let pki = pki();
+    let (addr, connections) = tls_http1_backend_closing_idle(&pki.server, &pki.ca, Duration::from_millis(100)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let tls = right_client_tls(dir.path(), &pki);
+    let gw = in_process_with_env(&mtls_config(addr, Some(tls)), &[("CLIENT_KEY", &pki.client.key)]).await;
+    for call in 0..3 {
+        let response = gw.chat(KEY, hello("m")).await;
+        assert_eq!(response.status(), 200, "call {call}: {}", response.text().await.unwrap());
+        let _ = response.bytes().await;
+        // Past the backend's idle close.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(connections.load(Ordering::Relaxed), 3, "a new connection after each idle close");
+}
+
 /// A backend whose TLS offers HTTP/2 (ALPN `h2`) is called over HTTP/2
 /// (docs/operations.md).
 #[tokio::test]
