@@ -19,16 +19,18 @@ impl Gateway {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("flexway.yaml");
         std::fs::write(&config, yaml).unwrap();
-        // `BENCH_WRAP="valgrind --tool=massif"` runs the gateway under a profiler.
+        // `BENCH_WRAP="valgrind --tool=massif"` runs the gateway under a profiler;
+        // `BENCH_FLEXWAY_BIN=path` runs another build (an A/B against a commit before).
+        let binary = std::env::var("BENCH_FLEXWAY_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_flexway").to_owned());
         let wrap = std::env::var("BENCH_WRAP").unwrap_or_default();
         let mut wrap = wrap.split_whitespace();
         let mut command = match wrap.next() {
             Some(tool) => {
                 let mut command = Command::new(tool);
-                command.args(wrap).arg(env!("CARGO_BIN_EXE_flexway"));
+                command.args(wrap).arg(&binary);
                 command
             }
-            None => Command::new(env!("CARGO_BIN_EXE_flexway")),
+            None => Command::new(&binary),
         };
         let mut child = command
             .args(["serve", "--config", config.to_str().unwrap(), "--listen", "127.0.0.1:0"])

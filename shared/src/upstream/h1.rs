@@ -315,8 +315,11 @@ impl Conn {
     /// end-of-file, a reset, or bytes it should not have sent all rule it out). Costs
     /// no system call unless the socket was last seen readable.
     fn still_open(&mut self) -> bool {
-        let mut byte = BytesMut::with_capacity(1);
-        matches!(self.try_read_buf(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+        let read = match self {
+            Conn::Tcp(stream) => stream.try_read(&mut [0u8; 1]),
+            Conn::Tls(_) => self.try_read_buf(&mut BytesMut::new()),
+        };
+        matches!(read, Err(e) if e.kind() == io::ErrorKind::WouldBlock)
     }
 
     /// Reads what is there into `buf`, without waiting (`WouldBlock` when nothing is).
