@@ -405,6 +405,22 @@ async fn a_burst_of_calls_to_an_http2_backend_opens_a_connection_a_lane_not_one_
     assert!(opened <= 2 + lanes, "{opened} connections for {calls} streams at once ({lanes} lanes at most)");
 }
 
+/// A burst to an `h2` backend the gateway has never called: the calls wait for the
+/// first handshake (the HTTP/1.1 client's, which learns `h2`) instead of each making
+/// one that would be closed unused, then share each serving thread's HTTP/2
+/// connection. Without the wait, 50 calls opened about 50 connections.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_first_burst_to_an_http2_backend_makes_one_handshake_to_learn_it() {
+    let pki = pki();
+    let Backend { addr, connections, .. } = tls_backend_offering(&pki.server, &pki.ca, &[b"h2"], 100).await;
+    let (gw, _certs) = stalling_h2_gateway(&pki, addr);
+    if let Err(open) = hold_streams_open(&gw, 50).await {
+        panic!("{open} of 50 streams open at once");
+    }
+    let opened = connections.load(Ordering::Relaxed);
+    assert!(opened <= 1 + serving_threads(), "{opened} connections for a first burst of 50 streams");
+}
+
 /// A gateway whose backend, at `addr` over mTLS, stalls every stream after its first
 /// content chunk; with the directory of its client certificate.
 fn stalling_h2_gateway(pki: &Pki, addr: SocketAddr) -> (Arc<Flexway>, tempfile::TempDir) {

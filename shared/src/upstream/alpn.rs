@@ -8,8 +8,8 @@
 //! dropped once the first is pooled. A lane starts with an empty pool, so under a
 //! ramp of streams each new lane went through this: in `cargo bench --bench streams`,
 //! 10,000 streams to an HTTP/2 backend opened 10,000 TLS connections to keep about a
-//! hundred. Now a burst opens one a lane, but for the calls that come
-//! during the very first handshake with a backend, before anything is noted.
+//! hundred. Now a burst opens one a lane; a first burst to a backend waits for the
+//! first handshake (`super::h1::connect`) to learn what it speaks.
 //!
 //! So each TLS handshake notes what it chose, by the backend's authority: the HTTP/1.1
 //! client's (`super::h1`, which offers `h2` and, when the server chooses it, closes

@@ -105,6 +105,9 @@ pub(crate) struct Target {
 struct TlsTarget {
     name: ServerName<'static>,
     speaks_h2: Arc<AtomicBool>,
+    /// Whether a handshake with the backend has told what it speaks: until one has,
+    /// connections are made one at a time (see [`connect`]).
+    told: tokio::sync::Mutex<bool>,
 }
 
 impl Target {
@@ -124,7 +127,7 @@ impl Target {
         }
         let host = uri.host()?.trim_start_matches('[').trim_end_matches(']');
         let name = ServerName::try_from(host.to_owned()).ok()?;
-        Self::at(uri, 443, Some(TlsTarget { name, speaks_h2 }))
+        Self::at(uri, 443, Some(TlsTarget { name, speaks_h2, told: tokio::sync::Mutex::new(false) }))
     }
 
     fn at(uri: &Uri, default_port: u16, tls: Option<TlsTarget>) -> Option<Target> {
@@ -293,14 +296,41 @@ enum Conn {
 
 /// A TCP connection to `target`, with a TLS session over it when `target` is
 /// `https://` (made by the pool's `tls` connector).
+///
+/// Until a handshake with a TLS backend has told whether it speaks `h2`, its
+/// connections are made one at a time: the calls of a first burst wait for the first
+/// handshake instead of each making one that is closed unused when the answer is `h2`
+/// (then they go to the HTTP/2 client without connecting here).
 async fn connect(target: &Target, tls: Option<&TlsConnector>) -> Result<Conn, Error> {
-    let stream = TcpStream::connect((target.host.as_str(), target.port)).await.map_err(Error::Connect)?;
-    stream.set_nodelay(true).map_err(Error::Connect)?;
     let (connector, tls_target) = match (tls, &target.tls) {
-        (None, None) => return Ok(Conn::Tcp(stream)),
+        (None, None) => return tcp(target).await.map(Conn::Tcp),
         (Some(connector), Some(tls_target)) => (connector, tls_target),
         _ => return Err(Error::Connect(io::Error::other("a TLS backend through a plain pool, or the reverse"))),
     };
+    let mut told = tls_target.told.lock().await;
+    if *told {
+        drop(told);
+        if tls_target.speaks_h2.load(Ordering::Relaxed) {
+            return Err(Error::SpeaksH2);
+        }
+        return handshake(target, connector, tls_target).await;
+    }
+    let conn = handshake(target, connector, tls_target).await;
+    // A handshake that failed told nothing: the next call tries again.
+    *told = matches!(conn, Ok(_) | Err(Error::SpeaksH2));
+    conn
+}
+
+async fn tcp(target: &Target) -> Result<TcpStream, Error> {
+    let stream = TcpStream::connect((target.host.as_str(), target.port)).await.map_err(Error::Connect)?;
+    stream.set_nodelay(true).map_err(Error::Connect)?;
+    Ok(stream)
+}
+
+/// A TLS session to `target`, noting what its server chose; `SpeaksH2` (the
+/// connection closed unused) when it chose `h2`.
+async fn handshake(target: &Target, connector: &TlsConnector, tls_target: &TlsTarget) -> Result<Conn, Error> {
+    let stream = tcp(target).await?;
     let stream = connector.connect(tls_target.name.clone(), stream).await.map_err(Error::Tls)?;
     let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
     tls_target.speaks_h2.store(h2, Ordering::Relaxed);
