@@ -117,6 +117,18 @@ async fn tls_grpc_backend(server: &Leaf, clients: &Authority, upstream: SocketAd
 /// The same, offering `alpn` in the handshake, and allowing `max_streams` streams on
 /// an HTTP/2 connection.
 async fn tls_backend_offering(server: &Leaf, clients: &Authority, alpn: &[&[u8]], max_streams: u32) -> Backend {
+    tls_backend_closing_idle(server, clients, alpn, max_streams, None).await
+}
+
+/// As [`tls_backend_offering`], closing an HTTP/1.1 keep-alive connection that waits
+/// for its next request longer than `idle_close`.
+async fn tls_backend_closing_idle(
+    server: &Leaf,
+    clients: &Authority,
+    alpn: &[&[u8]],
+    max_streams: u32,
+    idle_close: Option<Duration>,
+) -> Backend {
     let config = server_config(server, clients);
     let offering = |alpn: &[&[u8]]| {
         let mut config = config.clone();
@@ -152,6 +164,9 @@ async fn tls_backend_offering(server: &Leaf, clients: &Authority, alpn: &[&[u8]]
                 let service = TowerToHyperService::new(router);
                 let mut builder = auto::Builder::new(TokioExecutor::new());
                 builder.http2().max_concurrent_streams(max_streams);
+                if let Some(after) = idle_close {
+                    builder.http1().timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(after);
+                }
                 let builder = if http1 { builder.http1_only() } else { builder };
                 let _ = builder.serve_connection(TokioIo::new(tls), service).await;
             });
@@ -273,43 +288,16 @@ async fn calls_over_tls_and_http1_stream_and_share_one_connection() {
     assert!(opened <= serving_threads(), "{opened} connections for 6 calls: pooled after each answer");
 }
 
-/// A backend that closes a keep-alive connection idle for `after` (hyper's header read
-/// timeout: the socket closed without TLS's `close_notify`, as many servers do), over
-/// TLS offering HTTP/1.1 only. Counts the connections it accepted.
-async fn tls_http1_backend_closing_idle(
-    server: &Leaf,
-    clients: &Authority,
-    after: Duration,
-) -> (SocketAddr, Arc<AtomicUsize>) {
-    let mut config = server_config(server, clients);
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let connections = Arc::new(AtomicUsize::new(0));
-    let accepted = connections.clone();
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = listener.accept().await {
-            accepted.fetch_add(1, Ordering::Relaxed);
-            let acceptor = acceptor.clone();
-            tokio::spawn(async move {
-                let Ok(tls) = acceptor.accept(tcp).await else { return };
-                let service = TowerToHyperService::new(fake_model::router());
-                let mut builder = hyper::server::conn::http1::Builder::new();
-                builder.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(after);
-                let _ = builder.serve_connection(TokioIo::new(tls), service).await;
-            });
-        }
-    });
-    (addr, connections)
-}
-
 /// A pooled TLS connection the backend closed while it waited is not used: the next
 /// call opens another and is served (no 503 from a dead connection).
 #[tokio::test]
 async fn a_tls_connection_the_backend_closed_while_pooled_is_not_used() {
     let pki = pki();
-    let (addr, connections) = tls_http1_backend_closing_idle(&pki.server, &pki.ca, Duration::from_millis(100)).await;
+    // It closes a keep-alive connection idle for 100 ms (hyper's header read timeout:
+    // the socket closed without TLS's `close_notify`, as many servers do).
+    let idle_close = Some(Duration::from_millis(100));
+    let Backend { addr, connections, .. } =
+        tls_backend_closing_idle(&pki.server, &pki.ca, &[b"http/1.1"], 200, idle_close).await;
     let dir = tempfile::tempdir().unwrap();
     let tls = right_client_tls(dir.path(), &pki);
     let gw = in_process_with_env(&mtls_config(addr, Some(tls)), &[("CLIENT_KEY", &pki.client.key)]).await;

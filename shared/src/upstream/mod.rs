@@ -354,15 +354,17 @@ impl UpstreamClient {
         }
         let deadline = tokio::time::Instant::now() + self.timeout;
         let target = self.target.as_ref().ok_or_else(|| CallError::Connect(format!("{}: not a URL", self.base)))?;
-        let request = h1::request(target, &uri, &headers, &body);
         if !self.speaks_h2.load(Ordering::Relaxed)
-            && let Some(answer) = self.over_h1(&live, target, &request, deadline).await?
+            && let Some(answer) =
+                self.over_h1(&live, target, &h1::request(target, &uri, &headers, &body), deadline).await?
         {
             return Ok(answer);
         }
-        let mut h2_request = http::Request::new(Full::new(Bytes::from(body)));
+        // Kept for HTTP/1.1 should the handshake choose it (the body's bytes shared).
+        let (body, again) = (Bytes::from(body), headers.clone());
+        let mut h2_request = http::Request::new(Full::new(body.clone()));
         *h2_request.method_mut() = Method::POST;
-        *h2_request.uri_mut() = uri;
+        *h2_request.uri_mut() = uri.clone();
         *h2_request.headers_mut() = headers;
         let (lane, seat) = live.transport.lanes().seat();
         match tokio::time::timeout_at(deadline, lane.client.h2.request(h2_request)).await {
@@ -372,8 +374,9 @@ impl UpstreamClient {
                 if e.is_connect() && (cause::<NotH2>(&e).is_some() || !self.speaks_h2.load(Ordering::Relaxed)) =>
             {
                 drop(seat);
-                let again = self.over_h1(&live, target, &request, deadline).await?;
-                again.ok_or_else(|| {
+                let request = h1::request(target, &uri, &again, &body);
+                let answer = self.over_h1(&live, target, &request, deadline).await?;
+                answer.ok_or_else(|| {
                     CallError::Connect("the backend's server changes its HTTP version at each handshake".into())
                 })
             }
@@ -621,9 +624,10 @@ impl Upstreams {
             let material = material(name, endpoint, secrets)?;
             let base = endpoint.url.trim_end_matches('/');
             let uri = base.parse::<Uri>().ok();
-            let https = uri.as_ref().is_some_and(|uri| uri.scheme() == Some(&http::uri::Scheme::HTTPS));
+            let https = uri.as_ref().filter(|uri| uri.scheme() == Some(&http::uri::Scheme::HTTPS));
             // HTTP/1.1 over the plain pools, or the TLS ones of the public roots.
-            let kept = Transport { h1: if https { shared.h1.clone() } else { pools.clone() }, ..shared.clone() };
+            let h1 = if https.is_some() { shared.h1.clone() } else { pools.clone() };
+            let kept = Transport { h1, ..shared.clone() };
             // A backend with its own TLS client keeps it when its material is the same.
             let before = previous.and_then(|p| p.clients.get(name)).map(|c| c.live.load_full());
             let live = match &before {
@@ -647,15 +651,14 @@ impl Upstreams {
             let urls = PATHS.iter().filter_map(|path| Some((*path, format!("{base}{path}").parse().ok()?))).collect();
             // Only TLS chooses a version: a plain `http://` backend keeps a flag of its
             // own, never set, whatever an `https://` one at the same authority chose.
-            let tls = uri.as_ref().filter(|_| https);
-            let authority = tls.and_then(Uri::authority).map(|a| a.as_str().to_owned());
+            let authority = https.and_then(Uri::authority).map(|a| a.as_str().to_owned());
             let speaks_h2 = authority.map_or_else(Arc::default, |authority| negotiated.speaks_h2(&authority));
             let timeout = backend.timeout;
             let template = matches!(backend.kind, BackendKind::InferencePool { .. });
-            let target = uri.as_ref().and_then(|uri| match tls {
-                Some(_) => h1::Target::tls(uri, speaks_h2.clone()),
-                None => h1::Target::of(uri),
-            });
+            let target = match https {
+                Some(uri) => h1::Target::tls(uri, speaks_h2.clone()),
+                None => uri.as_ref().and_then(h1::Target::of),
+            };
             let forward: Vec<HeaderName> = endpoint
                 .forward_headers
                 .iter()
@@ -703,17 +706,13 @@ impl Upstreams {
         let uri = base.parse::<Uri>().ok()?;
         let target = h1::Target::of(&uri)?;
         let urls = PATHS.iter().filter_map(|path| Some((*path, format!("{base}{path}").parse().ok()?))).collect();
-        let live = template.live.load();
-        let live = Live {
-            transport: Transport { h1: self.pools.clone(), lanes: live.transport.lanes.clone() },
-            credential: live.credential.clone(),
-            material: live.material.clone(),
-        };
         Some(UpstreamClient {
             base,
             urls,
             wire: Wire::OpenAi,
-            live: ArcSwap::from_pointee(live),
+            // An inference pool has no `tls` (the config refuses it): its HTTP/1.1 pools
+            // are the plain ones its endpoints are called over.
+            live: ArcSwap::new(template.live.load_full()),
             timeout: template.timeout,
             identity_headers: None,
             forward: template.forward.clone(),
