@@ -479,23 +479,7 @@ mod tests {
     /// A gateway with backends `a` (its breaker trips on one failure), `b`, `c` and
     /// `elsewhere`, and a call's draft.
     async fn gateway() -> (Arc<Gateway>, Draft) {
-        use sha2::Digest;
-        let yaml = format!(
-            "version: 1\ntenants:\n  acme:\n    keys: [{{sha256: {}}}]\nai:\n  default_backend: a\n  backends:\n    \
-             a: {{url: 'http://127.0.0.1:9/v1', circuit_breaker: {{failures: 1, trip: 60s}}}}\n    \
-             b: {{url: 'http://127.0.0.1:9/v1'}}\n    c: {{url: 'http://127.0.0.1:9/v1'}}\n    \
-             elsewhere: {{url: 'http://127.0.0.1:9/v1'}}\n",
-            hex::encode(sha2::Sha256::digest(b"k"))
-        );
-        let env = std::collections::HashMap::<String, String>::new();
-        let loaded = crate::config::load_str(&yaml, &env).unwrap();
-        let adapters = crate::gateway::Adapters {
-            budgets: Arc::new(crate::budget::MemoryBudgetStore::new()),
-            audit: Arc::new(crate::audit::sinks::MemoryAuditSink::new()),
-            export: crate::telemetry::Export::Batched,
-        };
-        let secrets = Arc::new(crate::secret::LocalSecrets { env });
-        let gateway = Arc::new(Gateway::new(loaded.config, secrets, adapters).await.unwrap());
+        let (gateway, _) = crate::http::testing::gateway().await;
         let mut headers = http::HeaderMap::new();
         headers.insert(http::header::AUTHORIZATION, http::HeaderValue::from_static("Bearer k"));
         let caller = gateway.keys.authenticate(&headers).unwrap();

@@ -38,9 +38,9 @@ use http::{HeaderMap, HeaderName, HeaderValue, header};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 
-use super::RequestId;
 use super::admit::sensitive_and_residency;
 use super::chain::{self, Answered, Failure};
+use super::drive::{self, Call, Reply, drive};
 use super::meter::{Frames, Meter, Slot, Stop};
 use super::record::{Draft, UsageSource};
 use crate::call::headers::{BACKEND as BACKEND_HEADER, CREDENTIALS, DEGRADED as DEGRADED_HEADER};
@@ -153,38 +153,58 @@ fn refused(flavor: Flavor, refusal: &Refusal) -> Response {
     response
 }
 
-pub(super) async fn handle(gateway: Arc<Gateway>, request_id: RequestId, request: Request) -> Response {
-    let flavor = match Flavor::of(request.headers()) {
-        Ok(flavor) => flavor,
-        Err(refusal) => return refused(Flavor::Web, &refusal),
-    };
-    let caller = match gateway.keys.authenticate(request.headers()) {
-        Ok(caller) => caller,
-        // Refused before identification: no audit record (SPEC §9).
-        Err(e) => return refused(flavor, &Refusal::from(GatewayError::from(e))),
-    };
-    let mut draft = Draft::begin(&gateway, &request_id, &caller, Operation::Grpc, request.headers());
-    draft.abandoned_as(Code::Cancelled.number(), ErrorCode::Cancelled);
-    let rpc = request.uri().path().trim_start_matches('/').to_owned();
-    // The method is the call's model in its record: bounded like a model name.
-    if let Err(e) = crate::call::InvalidRequest::check_bounded("model", &rpc, crate::call::MAX_MODEL_BYTES) {
-        let refusal = Refusal::from(GatewayError::from(e));
-        draft.finish(refusal.code.number(), Some(refusal.error_code)).await;
-        return refused(flavor, &refusal);
+pub(super) async fn handle(gateway: Arc<Gateway>, request: Request) -> Response {
+    match Flavor::of(request.headers()) {
+        Ok(flavor) => drive(gateway, Grpc { flavor }, request).await,
+        Err(refusal) => refused(Flavor::Web, &refusal),
     }
-    draft.request(Capability::Grpc, &rpc, None);
-    match call(&gateway, &caller, &request_id, &mut draft, flavor, &rpc, request).await {
-        Ok(Proxied { response, relay }) => relay.respond(response, draft),
-        Err(Failed { refusal, meter }) => {
-            if let Some(meter) = meter {
-                meter.close(false, false).await;
-            }
-            if refusal.code == Code::ResourceExhausted {
-                draft.exceeded();
-            }
-            draft.finish(refusal.code.number(), Some(refusal.error_code)).await;
-            refused(flavor, &refusal)
+}
+
+/// The gRPC door: native gRPC or gRPC-Web, answered in its flavor.
+struct Grpc {
+    flavor: Flavor,
+}
+
+impl drive::Refusal for Refusal {
+    fn noted(&self, draft: &mut Draft) -> (u16, ErrorCode) {
+        if self.code == Code::ResourceExhausted {
+            draft.exceeded();
         }
+        (self.code.number(), self.error_code)
+    }
+}
+
+impl drive::Door for Grpc {
+    type Refusal = Refusal;
+
+    fn operation(&self) -> Operation {
+        Operation::Grpc
+    }
+
+    fn identify(&self, gateway: &Gateway, headers: &HeaderMap) -> Result<Caller, Refusal> {
+        gateway.keys.authenticate(headers).map_err(|e| Refusal::from(GatewayError::from(e)))
+    }
+
+    async fn call(&mut self, call: Call<'_>, draft: &mut Draft, request: Request) -> Result<Reply, Refusal> {
+        draft.abandoned_as(Code::Cancelled.number(), ErrorCode::Cancelled);
+        let rpc = request.uri().path().trim_start_matches('/').to_owned();
+        // The method is the call's model in its record: bounded like a model name.
+        crate::call::InvalidRequest::check_bounded("model", &rpc, crate::call::MAX_MODEL_BYTES)
+            .map_err(|e| Refusal::from(GatewayError::from(e)))?;
+        draft.request(Capability::Grpc, &rpc, None);
+        match proxied(call, draft, self.flavor, &rpc, request).await {
+            Ok(proxied) => Ok(Reply::Relay(Box::new(proxied))),
+            Err(Failed { refusal, meter }) => {
+                if let Some(meter) = meter {
+                    meter.close(false, false).await;
+                }
+                Err(refusal)
+            }
+        }
+    }
+
+    fn refuse(&self, refusal: &Refusal) -> Response {
+        refused(self.flavor, refusal)
     }
 }
 
@@ -192,6 +212,13 @@ pub(super) async fn handle(gateway: Arc<Gateway>, request_id: RequestId, request
 struct Proxied {
     response: http::Response<crate::upstream::AnswerBody>,
     relay: Relay,
+}
+
+impl drive::Relay for Proxied {
+    fn respond(self: Box<Self>, _: Arc<Gateway>, draft: Draft, _: Option<super::Deadline>) -> Response {
+        let Proxied { response, relay } = *self;
+        relay.respond(response, draft)
+    }
 }
 
 /// A call that ends before a body is relayed; its reservations, if any, to return.
@@ -212,10 +239,8 @@ impl From<GatewayError> for Failed {
     }
 }
 
-async fn call(
-    gateway: &Arc<Gateway>,
-    caller: &Caller,
-    request_id: &RequestId,
+async fn proxied(
+    Call { gateway, caller, request_id }: Call<'_>,
     draft: &mut Draft,
     flavor: Flavor,
     rpc: &str,

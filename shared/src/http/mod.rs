@@ -6,6 +6,7 @@ mod chain;
 mod console;
 mod dispatch;
 mod door;
+mod drive;
 mod error;
 pub mod grpc;
 mod meter;
@@ -203,13 +204,12 @@ fn envelope_for(uri: &Uri) -> Envelope {
 /// gRPC calls (`/package.Service/Method`, `application/grpc*`) go to the gRPC proxy,
 /// paths under a REST mount to its backend's contract; anything else unrouted is a 404.
 async fn fallback(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
-    let request_id = request.extensions().get::<RequestId>().cloned().unwrap_or_else(RequestId::generate);
     if grpc::is_grpc(request.headers()) {
-        return grpc::handle(gateway, request_id, request).await;
+        return grpc::handle(gateway, request).await;
     }
     if let Some((owner, below)) = rest::mounted(&gateway, request.uri().path()) {
         let below = below.to_owned();
-        return rest::handle(gateway.clone(), request_id, request, owner, below).await;
+        return rest::handle(gateway.clone(), request, owner, below).await;
     }
     not_found(request.method().clone(), request.uri().clone()).await
 }
@@ -222,6 +222,38 @@ async fn not_found(method: Method, uri: Uri) -> Response {
 async fn method_not_allowed(method: Method, uri: Uri) -> Response {
     let error = GatewayError::MethodNotAllowed { method: method.to_string(), path: uri.path().to_owned() };
     render_in(&error, envelope_for(&uri))
+}
+
+/// What the `http` module's unit tests share.
+#[cfg(test)]
+mod testing {
+    use std::sync::Arc;
+
+    use crate::audit::sinks::MemoryAuditSink;
+    use crate::gateway::Gateway;
+
+    /// A gateway with backends `a` (its breaker trips on one failure), `b`, `c` and
+    /// `elsewhere` (none listening), the key `k` for tenant `acme`, and its audit.
+    pub async fn gateway() -> (Arc<Gateway>, Arc<MemoryAuditSink>) {
+        use sha2::Digest;
+        let yaml = format!(
+            "version: 1\ntenants:\n  acme:\n    keys: [{{sha256: {}}}]\nai:\n  default_backend: a\n  backends:\n    \
+             a: {{url: 'http://127.0.0.1:9/v1', circuit_breaker: {{failures: 1, trip: 60s}}}}\n    \
+             b: {{url: 'http://127.0.0.1:9/v1'}}\n    c: {{url: 'http://127.0.0.1:9/v1'}}\n    \
+             elsewhere: {{url: 'http://127.0.0.1:9/v1'}}\n",
+            hex::encode(sha2::Sha256::digest(b"k"))
+        );
+        let env = std::collections::HashMap::<String, String>::new();
+        let loaded = crate::config::load_str(&yaml, &env).unwrap();
+        let audit = Arc::new(MemoryAuditSink::new());
+        let adapters = crate::gateway::Adapters {
+            budgets: Arc::new(crate::budget::MemoryBudgetStore::new()),
+            audit: audit.clone(),
+            export: crate::telemetry::Export::Batched,
+        };
+        let secrets = Arc::new(crate::secret::LocalSecrets { env });
+        (Arc::new(Gateway::new(loaded.config, secrets, adapters).await.unwrap()), audit)
+    }
 }
 
 #[cfg(test)]

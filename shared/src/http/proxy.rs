@@ -1,7 +1,7 @@
-//! The inference handlers, as the phases of ARCHITECTURE.md: authenticate → parse and
-//! measure → admit (route + reserve) → dispatch (`dispatch.rs`: with fallback, before
-//! the first byte only) → relay (`relay.rs`) → settle → record (`record.rs`). The
-//! modules form a chain, each importing only those after it.
+//! The model doors, driven as every door is (`drive.rs`: identify → begin the record →
+//! the door's call → end the record): parse and measure → admit (route + reserve) →
+//! dispatch (`dispatch.rs`: with fallback, before the first byte only) → relay
+//! (`relay.rs`) → settle. The modules form a chain, each importing only those after it.
 //!
 //! Fallback happens on a connection error, a 5xx, a timeout, or an answer cut, stalled
 //! or invalid before the client's first byte (SPEC §5: a non-streamed answer counts as
@@ -22,13 +22,14 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 
+use super::RequestId;
 use super::admit::{Asked, admitted, asked, refunded};
 use super::dispatch::{Answered, Expect, Served, Shape, dispatch};
 use super::door::Door;
+use super::drive::{self, Call, Reply, drive};
 use super::error::{Envelope, render_in};
 use super::record::{Draft, UsageSource};
 use super::relay;
-use super::{Deadline, RequestId};
 use crate::admission::{Admission, Demand};
 use crate::budget::plan;
 use crate::call::Operation;
@@ -47,36 +48,51 @@ use crate::call::headers::{
     BACKEND as BACKEND_HEADER, BUDGET as BUDGET_HEADER, COST as COST_HEADER, DEGRADED as DEGRADED_HEADER,
 };
 
-/// What the call phases hand to the record phase.
-enum Reply {
-    /// A complete response (relayed 4xx included).
-    Now(Response),
-    /// A held stream to relay; it settles and records when it ends.
-    Stream(Box<relay::Stream>),
-}
+/// The model doors: chat, embeddings, Responses and Messages (the operation says
+/// which). Messages callers authenticate with `x-api-key` and are answered in
+/// Anthropic's envelope; the others with a Bearer key, in OpenAI's.
+struct Model(Operation);
 
-/// Who is calling, under which request id.
-#[derive(Clone, Copy)]
-struct Call<'a> {
-    caller: &'a Caller,
-    request_id: &'a RequestId,
+impl drive::Door for Model {
+    type Refusal = GatewayError;
+
+    fn operation(&self) -> Operation {
+        self.0
+    }
+
+    fn identify(&self, gateway: &Gateway, headers: &HeaderMap) -> Result<Caller, GatewayError> {
+        Ok(match self.0 {
+            Operation::Messages => gateway.keys.authenticate_x_api_key(headers)?,
+            _ => gateway.keys.authenticate(headers)?,
+        })
+    }
+
+    async fn call(&mut self, call: Call<'_>, draft: &mut Draft, request: Request) -> Result<Reply, GatewayError> {
+        let (parts, body) = request.into_parts();
+        match self.0 {
+            Operation::Embeddings => embed(call, draft, &parts.headers, body).await,
+            op => chat(call, draft, &parts.headers, body, op).await,
+        }
+    }
+
+    fn refuse(&self, error: &GatewayError) -> Response {
+        let envelope = if self.0 == Operation::Messages { Envelope::Anthropic } else { Envelope::OpenAi };
+        render_in(error, envelope)
+    }
 }
 
 pub(super) async fn chat_completions(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
-    let (request_id, deadline, headers, body) = taken(request);
-    handle(gateway, request_id, headers, body, Operation::Chat, deadline).await
+    drive(gateway, Model(Operation::Chat), request).await
 }
 
 /// `POST /v1/responses` (SPEC §2.1): the chat path, answered in the Responses format.
 pub(super) async fn responses(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
-    let (request_id, deadline, headers, body) = taken(request);
-    handle(gateway, request_id, headers, body, Operation::Responses, deadline).await
+    drive(gateway, Model(Operation::Responses), request).await
 }
 
 /// `POST /v1/messages` (SPEC §2.2): the chat path, answered in Anthropic's format.
 pub(super) async fn messages(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
-    let (request_id, deadline, headers, body) = taken(request);
-    handle(gateway, request_id, headers, body, Operation::Messages, deadline).await
+    drive(gateway, Model(Operation::Messages), request).await
 }
 
 /// `POST /v1/messages/count_tokens`: the gateway's own estimate of the prompt's
@@ -98,58 +114,7 @@ pub(super) async fn count_tokens(State(gateway): State<Arc<Gateway>>, headers: H
 }
 
 pub(super) async fn embeddings(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
-    let (request_id, _, headers, body) = taken(request);
-    handle(gateway, request_id, headers, body, Operation::Embeddings, None).await
-}
-
-/// A call's id (the request-id layer's), its deadline (the Lambda adapter's), headers
-/// and body, moved out of the request: axum's `HeaderMap` and `Extension` extractors
-/// would copy them.
-fn taken(request: Request) -> (RequestId, Option<Deadline>, HeaderMap, Body) {
-    let (mut parts, body) = request.into_parts();
-    let request_id = parts.extensions.remove::<RequestId>().unwrap_or_else(RequestId::generate);
-    (request_id, parts.extensions.remove::<Deadline>(), parts.headers, body)
-}
-
-/// Authenticates, runs the call, and records it whatever happened.
-async fn handle(
-    gateway: Arc<Gateway>,
-    request_id: RequestId,
-    headers: HeaderMap,
-    body: Body,
-    op: Operation,
-    deadline: Option<Deadline>,
-) -> Response {
-    let envelope = if op == Operation::Messages { Envelope::Anthropic } else { Envelope::OpenAi };
-    let caller = match op {
-        Operation::Messages => gateway.keys.authenticate_x_api_key(&headers),
-        _ => gateway.keys.authenticate(&headers),
-    };
-    let caller = match caller {
-        Ok(caller) => caller,
-        // Refused before identification: no audit record (SPEC §9), only the log.
-        Err(e) => return render_in(&GatewayError::from(e), envelope),
-    };
-    let mut draft = Draft::begin(&gateway, &request_id, &caller, op, &headers);
-    let call = Call { caller: &caller, request_id: &request_id };
-    let result = match op {
-        Operation::Embeddings => embed(&gateway, call, &mut draft, &headers, body).await,
-        _ => chat(&gateway, call, &mut draft, &headers, body, op).await,
-    };
-    match result {
-        Ok(Reply::Now(response)) => {
-            draft.finish(response.status().as_u16(), None).await;
-            response
-        }
-        Ok(Reply::Stream(mut stream)) => {
-            stream.deadline = deadline;
-            relay::stream(gateway, *stream, draft)
-        }
-        Err(e) => {
-            draft.fail(&e).await;
-            render_in(&e, envelope)
-        }
-    }
+    drive(gateway, Model(Operation::Embeddings), request).await
 }
 
 /// A chat request, by whichever door it came.
@@ -253,13 +218,13 @@ impl Inbound {
 }
 
 async fn chat(
-    gateway: &Gateway,
     call: Call<'_>,
     draft: &mut Draft,
     headers: &HeaderMap,
     body: Body,
     op: Operation,
 ) -> Result<Reply, GatewayError> {
+    let gateway = &**call.gateway;
     let bytes = read_body(body, headers, gateway.config.ai.vision.max_body_bytes).await?;
     let inbound = Inbound::parse(op, &bytes)?;
     let prefix = gateway.config.ai.prefix_bytes().map(|n| prompt_prefix(op, &bytes, n));
@@ -310,26 +275,14 @@ async fn chat(
             draft.streaming();
             let headers = model_headers(&served.candidate, soft);
             let idle_timeout = served.timeout;
-            Ok(Reply::Stream(Box::new(relay::Stream {
-                pass: served.pass,
-                held: *held,
-                idle_timeout,
-                headers,
-                settle,
-                deadline: None,
-            })))
+            Ok(Reply::Relay(Box::new(relay::Stream { pass: served.pass, held: *held, idle_timeout, headers, settle })))
         }
         Answered::Whole { .. } => complete(gateway, draft, served, settle, soft).await,
     }
 }
 
-async fn embed(
-    gateway: &Gateway,
-    call: Call<'_>,
-    draft: &mut Draft,
-    headers: &HeaderMap,
-    body: Body,
-) -> Result<Reply, GatewayError> {
+async fn embed(call: Call<'_>, draft: &mut Draft, headers: &HeaderMap, body: Body) -> Result<Reply, GatewayError> {
+    let gateway = &**call.gateway;
     let bytes = read_body(body, headers, gateway.config.ai.vision.max_body_bytes).await?;
     let request = EmbeddingsRequest::parse(&bytes)?;
     draft.request(Capability::Embeddings, &request.model, request.user.as_deref());

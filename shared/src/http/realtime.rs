@@ -32,9 +32,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use axum::Extension;
 use axum::extract::ws::{self, CloseFrame, Message, WebSocket, WebSocketUpgrade};
-use axum::extract::{Query, State};
+use axum::extract::{Query, Request, State};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
@@ -44,6 +43,7 @@ use tokio_tungstenite::tungstenite::{self, protocol::frame::coding::CloseCode};
 use super::RequestId;
 use super::admit::{Asked, admitted, asked, refunded};
 use super::chain::{self, Answered, Failure};
+use super::drive::{self, Call, Reply, drive};
 use super::error::render;
 use super::proxy::model_headers;
 use super::record::{Draft, UsageSource};
@@ -72,50 +72,73 @@ const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
 pub(super) async fn session(
     State(gateway): State<Arc<Gateway>>,
-    Extension(request_id): Extension<RequestId>,
     Query(query): Query<HashMap<String, String>>,
-    headers: HeaderMap,
     upgrade: Result<WebSocketUpgrade, ws::rejection::WebSocketUpgradeRejection>,
+    request: Request,
 ) -> Response {
-    let caller = match authenticate(&gateway, &headers) {
-        Ok(caller) => caller,
-        // Refused before identification: no audit record (SPEC §9), only the log.
-        Err(e) => return render(&e, true),
-    };
-    let mut draft = Draft::begin(&gateway, &request_id, &caller, Operation::Realtime, &headers);
-    let upgrade = match upgrade {
-        Ok(upgrade) => upgrade,
-        Err(e) => {
-            let message = format!("GET /v1/realtime opens a WebSocket session: {e}");
-            let error = GatewayError::from(InvalidRequest { message, param: None });
-            draft.fail(&error).await;
-            return render(&error, true);
-        }
-    };
-    match open(&gateway, &caller, &request_id, &mut draft, &headers, query.get("model")).await {
-        Ok(Opened::Refused(response)) => {
-            draft.finish(response.status().as_u16(), None).await;
-            response
-        }
-        Ok(Opened::Session(session)) => {
-            let limit = usize::try_from(gateway.config.ai.limits.max_event_bytes).unwrap_or(usize::MAX);
-            let headers = model_headers(&session.candidate, session.soft);
-            let mut response = upgrade
-                .protocols([SUBPROTOCOL])
-                .max_message_size(limit)
-                .max_frame_size(limit)
-                .read_buffer_size(BUFFER_BYTES)
-                .write_buffer_size(BUFFER_BYTES)
-                .on_upgrade(move |socket| session.run(socket, draft));
-            for (name, value) in headers {
-                response.headers_mut().insert(name, value);
+    drive(gateway, Realtime { upgrade: Some(upgrade), model: query.get("model").cloned() }, request).await
+}
+
+/// The realtime door: the WebSocket upgrade asked for, and the model in the query.
+struct Realtime {
+    upgrade: Option<Result<WebSocketUpgrade, ws::rejection::WebSocketUpgradeRejection>>,
+    model: Option<String>,
+}
+
+impl drive::Door for Realtime {
+    type Refusal = GatewayError;
+
+    fn operation(&self) -> Operation {
+        Operation::Realtime
+    }
+
+    fn identify(&self, gateway: &Gateway, headers: &HeaderMap) -> Result<Caller, GatewayError> {
+        authenticate(gateway, headers)
+    }
+
+    async fn call(&mut self, call: Call<'_>, draft: &mut Draft, request: Request) -> Result<Reply, GatewayError> {
+        let upgrade = match self.upgrade.take() {
+            Some(Ok(upgrade)) => upgrade,
+            Some(Err(e)) => {
+                let message = format!("GET /v1/realtime opens a WebSocket session: {e}");
+                return Err(InvalidRequest { message, param: None }.into());
             }
-            response
+            None => return Err(GatewayError::Internal("the realtime door was called twice".into())),
+        };
+        match open(call, draft, request.headers(), self.model.as_ref()).await? {
+            Opened::Refused(response) => Ok(Reply::Now(response)),
+            Opened::Session(session) => Ok(Reply::Relay(Box::new(Upgrading { upgrade, session }))),
         }
-        Err(e) => {
-            draft.fail(&e).await;
-            render(&e, true)
+    }
+
+    fn refuse(&self, error: &GatewayError) -> Response {
+        render(error, true)
+    }
+}
+
+/// A session opened at the backend, the client's upgrade still to answer.
+struct Upgrading {
+    upgrade: WebSocketUpgrade,
+    session: Box<Session>,
+}
+
+impl drive::Relay for Upgrading {
+    /// The session runs, and ends its draft, in the upgraded connection's task.
+    fn respond(self: Box<Self>, gateway: Arc<Gateway>, draft: Draft, _: Option<super::Deadline>) -> Response {
+        let Upgrading { upgrade, session } = *self;
+        let limit = usize::try_from(gateway.config.ai.limits.max_event_bytes).unwrap_or(usize::MAX);
+        let headers = model_headers(&session.candidate, session.soft);
+        let mut response = upgrade
+            .protocols([SUBPROTOCOL])
+            .max_message_size(limit)
+            .max_frame_size(limit)
+            .read_buffer_size(BUFFER_BYTES)
+            .write_buffer_size(BUFFER_BYTES)
+            .on_upgrade(move |socket| session.run(socket, draft));
+        for (name, value) in headers {
+            response.headers_mut().insert(name, value);
         }
+        response
     }
 }
 
@@ -160,9 +183,7 @@ struct Session {
 /// Everything before the upgrade: the request read, routed, the first allowance
 /// reserved, the backend's session opened (the route tried in order, `chain`).
 async fn open(
-    gateway: &Arc<Gateway>,
-    caller: &Caller,
-    request_id: &RequestId,
+    Call { gateway, caller, request_id }: Call<'_>,
     draft: &mut Draft,
     headers: &HeaderMap,
     model: Option<&String>,

@@ -261,15 +261,16 @@ impl Draft {
         write(&self.gateway, record, span).await;
     }
 
-    pub async fn fail(self, error: &GatewayError) {
-        let mut this = self;
+    /// Notes a refusal's budget state and the last backend tried; the status and code
+    /// the call ends with.
+    pub fn refused(&mut self, error: &GatewayError) -> (u16, ErrorCode) {
         if matches!(error, GatewayError::BudgetExceeded { .. }) {
-            this.record.budget_state = BudgetState::Exceeded;
+            self.record.budget_state = BudgetState::Exceeded;
         }
         if let Some(last) = error.attempts().and_then(|a| a.tried.last()) {
-            this.record.backend = Some(last.to_string());
+            self.record.backend = Some(last.to_string());
         }
-        this.finish(error.status().as_u16(), Some(error.code())).await;
+        (error.status().as_u16(), error.code())
     }
 
     /// The record as the call ends, and what its span adds if telemetry is on.

@@ -189,15 +189,19 @@ pub(super) struct Stream {
     /// The gateway's own response headers.
     pub headers: Vec<(&'static str, HeaderValue)>,
     pub settle: Settle,
-    /// The platform's, if it has one.
-    pub deadline: Option<Deadline>,
+}
+
+impl super::drive::Relay for Stream {
+    fn respond(self: Box<Self>, gateway: Arc<Gateway>, draft: Draft, deadline: Option<Deadline>) -> Response {
+        stream(gateway, *self, draft, deadline)
+    }
 }
 
 /// The streamed response, headers first. Settlement and the record run in the pump
 /// task when the stream ends, before the body completes, so they finish inside the
 /// invocation.
-pub(super) fn stream(gateway: Arc<Gateway>, stream: Stream, mut draft: Draft) -> Response {
-    let Stream { pass, mut held, idle_timeout, headers: extra, settle, deadline } = stream;
+fn stream(gateway: Arc<Gateway>, stream: Stream, mut draft: Draft, deadline: Option<Deadline>) -> Response {
+    let Stream { pass, mut held, idle_timeout, headers: extra, settle } = stream;
     let first = joined(std::mem::take(&mut held.pending));
     if first.is_some() {
         draft.first_byte();

@@ -31,12 +31,13 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, header};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 
+use super::Deadline;
 use super::admit::sensitive_and_residency;
 use super::chain::{self, Answered, Failure};
+use super::drive::{self, Call, Reply, drive};
 use super::meter::{Frames, MAX_MESSAGE_BYTES, Meter, Slot, Stop};
 use super::record::{Draft, UsageSource};
 use super::render;
-use super::{Deadline, RequestId};
 use crate::call::headers::{BACKEND as BACKEND_HEADER, CREDENTIALS, DEGRADED as DEGRADED_HEADER};
 use crate::call::{ErrorCode, Operation};
 use crate::config::contract::{Matched, RestOperation};
@@ -60,32 +61,42 @@ pub(super) fn mounted<'a>(gateway: &'a Gateway, path: &'a str) -> Option<(Backen
     })
 }
 
-pub(super) async fn handle(
-    gateway: Arc<Gateway>,
-    request_id: RequestId,
-    request: Request,
+pub(super) async fn handle(gateway: Arc<Gateway>, request: Request, owner: BackendId, below: String) -> Response {
+    drive(gateway, Rest { owner, below }, request).await
+}
+
+/// The REST door: a path under the mount of the backend that owns it.
+struct Rest {
     owner: BackendId,
+    /// The path below the mount.
     below: String,
-) -> Response {
-    let caller = match gateway.keys.authenticate(request.headers()) {
-        Ok(caller) => caller,
-        // Refused before identification: no audit record (SPEC §9).
-        Err(e) => return render(&GatewayError::from(e), false),
-    };
-    let mut draft = Draft::begin(&gateway, &request_id, &caller, Operation::Http, request.headers());
-    draft.abandoned_as(499, ErrorCode::ClientClosedRequest);
-    // The serverless shape's invocation deadline: an answer still open just before it
-    // is ended by the gateway, settled and recorded (SPEC §11).
-    let cutoff = request.extensions().get::<Deadline>().map(|d| d.cutoff());
-    match call(&gateway, &caller, &request_id, &mut draft, &owner, &below, request).await {
-        Ok(Proxied { response, relay }) => relay.respond(response, draft, cutoff),
-        Err(Failed { error, meter }) => {
-            if let Some(meter) = meter {
-                meter.close(false, false).await;
+}
+
+impl drive::Door for Rest {
+    type Refusal = GatewayError;
+
+    fn operation(&self) -> Operation {
+        Operation::Http
+    }
+
+    fn identify(&self, gateway: &Gateway, headers: &HeaderMap) -> Result<Caller, GatewayError> {
+        Ok(gateway.keys.authenticate(headers)?)
+    }
+
+    async fn call(&mut self, call: Call<'_>, draft: &mut Draft, request: Request) -> Result<Reply, GatewayError> {
+        match proxied(call, draft, &self.owner, &self.below, request).await {
+            Ok(proxied) => Ok(Reply::Relay(Box::new(proxied))),
+            Err(Failed { error, meter }) => {
+                if let Some(meter) = meter {
+                    meter.close(false, false).await;
+                }
+                Err(error)
             }
-            draft.fail(&error).await;
-            render(&error, false)
         }
+    }
+
+    fn refuse(&self, error: &GatewayError) -> Response {
+        render(error, false)
     }
 }
 
@@ -93,6 +104,13 @@ pub(super) async fn handle(
 struct Proxied {
     response: crate::upstream::Answer,
     relay: Relay,
+}
+
+impl drive::Relay for Proxied {
+    fn respond(self: Box<Self>, _: Arc<Gateway>, draft: Draft, deadline: Option<Deadline>) -> Response {
+        let Proxied { response, relay } = *self;
+        relay.respond(response, draft, deadline.map(|d| d.cutoff()))
+    }
 }
 
 /// A call that ends before a body is relayed; its reservations, if any, to return.
@@ -114,10 +132,8 @@ fn stopped(stop: Stop) -> GatewayError {
     }
 }
 
-async fn call(
-    gateway: &Arc<Gateway>,
-    caller: &Caller,
-    request_id: &RequestId,
+async fn proxied(
+    Call { gateway, caller, request_id }: Call<'_>,
     draft: &mut Draft,
     owner: &BackendId,
     below: &str,

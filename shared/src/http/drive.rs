@@ -1,0 +1,222 @@
+//! The driver: the phases every way in goes through, written once. A call is
+//! identified by its door, its draft begun, its phases run by the door (admit, the
+//! attempt chain, settle: `admit.rs`, `chain.rs`), and its record ended here, at the
+//! one place every path passes: an answer whole ends it with its status, a refusal
+//! with its status and code, a relayed body (a stream, a gRPC or REST relay, a
+//! session) ends it when the body ends, in the task that relays it.
+//!
+//! What a door is: how its caller is identified, what its call does up to the answer,
+//! how its refusals are written (an envelope: OpenAI, Anthropic, RFC 9457, a gRPC
+//! status). A door never begins or ends a draft itself.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::extract::Request;
+use axum::response::Response;
+use http::HeaderMap;
+
+use super::record::Draft;
+use super::{Deadline, RequestId};
+use crate::call::{ErrorCode, Operation};
+use crate::error::GatewayError;
+use crate::gateway::Gateway;
+use crate::identity::Caller;
+
+/// Who calls, under which request id.
+#[derive(Clone, Copy)]
+pub(super) struct Call<'a> {
+    pub gateway: &'a Arc<Gateway>,
+    pub caller: &'a Caller,
+    pub request_id: &'a RequestId,
+}
+
+/// A door's answer, once its call is past the attempt phase.
+pub(super) enum Reply {
+    /// A complete answer (a backend's own 4xx included): the call ends with its status.
+    Now(Response),
+    /// An answer whose body is still to come: its relay ends the draft when it ends.
+    Relay(Box<dyn Relay>),
+}
+
+/// What relays an answer's body, and ends the call's draft when the body ends
+/// (settled first, then recorded) or when the client leaves.
+pub(super) trait Relay: Send {
+    fn respond(self: Box<Self>, gateway: Arc<Gateway>, draft: Draft, deadline: Option<Deadline>) -> Response;
+}
+
+/// A refusal before any answer, as the call's record says it.
+pub(super) trait Refusal: From<GatewayError> + Send {
+    /// Notes on `draft` what the refusal says of the call; the status and code it
+    /// ends with.
+    fn noted(&self, draft: &mut Draft) -> (u16, ErrorCode);
+}
+
+impl Refusal for GatewayError {
+    fn noted(&self, draft: &mut Draft) -> (u16, ErrorCode) {
+        draft.refused(self)
+    }
+}
+
+/// One way in.
+pub(super) trait Door: Send {
+    /// The call's `operation` in its record.
+    fn operation(&self) -> Operation;
+
+    type Refusal: Refusal;
+
+    /// The caller. A refusal here is answered and logged, never recorded (SPEC §9).
+    fn identify(&self, gateway: &Gateway, headers: &HeaderMap) -> Result<Caller, Self::Refusal>;
+
+    /// The call's phases up to its answer, each noted on `draft`. A reservation made
+    /// is settled, or returned when the call is refused.
+    fn call(
+        &mut self,
+        call: Call<'_>,
+        draft: &mut Draft,
+        request: Request,
+    ) -> impl Future<Output = Result<Reply, Self::Refusal>> + Send;
+
+    /// A refusal in the door's envelope.
+    fn refuse(&self, refusal: &Self::Refusal) -> Response;
+}
+
+/// A call through `door`, from its caller's identity to its record.
+pub(super) async fn drive<D: Door>(gateway: Arc<Gateway>, mut door: D, mut request: Request) -> Response {
+    let extensions = request.extensions_mut();
+    let request_id = extensions.remove::<RequestId>().unwrap_or_else(RequestId::generate);
+    let deadline = extensions.remove::<Deadline>();
+    let caller = match door.identify(&gateway, request.headers()) {
+        Ok(caller) => caller,
+        Err(refusal) => return door.refuse(&refusal),
+    };
+    let mut draft = Draft::begin(&gateway, &request_id, &caller, door.operation(), request.headers());
+    let call = Call { gateway: &gateway, caller: &caller, request_id: &request_id };
+    match door.call(call, &mut draft, request).await {
+        Ok(Reply::Now(response)) => {
+            draft.finish(response.status().as_u16(), None).await;
+            response
+        }
+        Ok(Reply::Relay(relay)) => relay.respond(gateway, draft, deadline),
+        Err(refusal) => {
+            let (status, code) = refusal.noted(&mut draft);
+            draft.finish(status, Some(code)).await;
+            door.refuse(&refusal)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::body::Body;
+    use http::StatusCode;
+
+    use super::*;
+    use crate::audit::AuditRecord;
+    use crate::protocol::openai::InvalidRequest;
+
+    /// A door whose call answers as scripted.
+    enum Scripted {
+        /// An answer whole, with this status.
+        Now(StatusCode),
+        /// A refusal of the caller's request.
+        Invalid,
+        /// A relay that drops the draft it is handed, unfinished.
+        Dropped,
+    }
+
+    impl Door for Scripted {
+        type Refusal = GatewayError;
+
+        fn operation(&self) -> Operation {
+            Operation::Chat
+        }
+
+        fn identify(&self, gateway: &Gateway, headers: &HeaderMap) -> Result<Caller, GatewayError> {
+            Ok(gateway.keys.authenticate(headers)?)
+        }
+
+        async fn call(&mut self, _: Call<'_>, draft: &mut Draft, _: Request) -> Result<Reply, GatewayError> {
+            draft.feature("scripted");
+            match self {
+                Scripted::Now(status) => {
+                    let mut response = Response::new(Body::empty());
+                    *response.status_mut() = *status;
+                    Ok(Reply::Now(response))
+                }
+                Scripted::Invalid => Err(InvalidRequest { message: "no".into(), param: Some("n") }.into()),
+                Scripted::Dropped => Ok(Reply::Relay(Box::new(Dropping))),
+            }
+        }
+
+        fn refuse(&self, error: &GatewayError) -> Response {
+            super::super::render(error, false)
+        }
+    }
+
+    struct Dropping;
+
+    impl Relay for Dropping {
+        fn respond(self: Box<Self>, _: Arc<Gateway>, draft: Draft, _: Option<Deadline>) -> Response {
+            drop(draft);
+            Response::new(Body::empty())
+        }
+    }
+
+    fn request(key: &str) -> Request {
+        Request::builder().header(http::header::AUTHORIZATION, format!("Bearer {key}")).body(Body::empty()).unwrap()
+    }
+
+    /// The records written once the call's own and any dropped draft's writes are in.
+    async fn records(audit: &crate::audit::sinks::MemoryAuditSink) -> Vec<AuditRecord> {
+        for _ in 0..100 {
+            if !audit.records().is_empty() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        audit.records()
+    }
+
+    #[tokio::test]
+    async fn every_identified_call_ends_in_one_record_with_the_status_it_answered() {
+        let (gateway, audit) = crate::http::testing::gateway().await;
+        let response = drive(gateway, Scripted::Now(StatusCode::ACCEPTED), request("k")).await;
+        assert_eq!(response.status(), StatusCode::ACCEPTED);
+        let records = records(&audit).await;
+        assert_eq!(records.len(), 1);
+        assert_eq!((records[0].status, records[0].error_code), (202, None));
+        assert_eq!(records[0].feature.as_deref(), Some("scripted"), "what the door noted is on the record");
+        assert_eq!(records[0].tenant, "acme");
+    }
+
+    #[tokio::test]
+    async fn a_refusal_is_recorded_with_its_code_and_answered_in_the_doors_envelope() {
+        let (gateway, audit) = crate::http::testing::gateway().await;
+        let response = drive(gateway, Scripted::Invalid, request("k")).await;
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        let content_type = response.headers().get(http::header::CONTENT_TYPE).unwrap();
+        assert_eq!(content_type, "application/problem+json");
+        let records = records(&audit).await;
+        assert_eq!(records.len(), 1);
+        assert_eq!((records[0].status, records[0].error_code), (400, Some(ErrorCode::InvalidRequest)));
+    }
+
+    #[tokio::test]
+    async fn a_caller_refused_at_identity_is_answered_and_never_recorded() {
+        let (gateway, audit) = crate::http::testing::gateway().await;
+        let response = drive(gateway, Scripted::Now(StatusCode::OK), request("not-a-key")).await;
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+        tokio::task::yield_now().await;
+        assert!(audit.records().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_relay_that_drops_its_draft_still_leaves_one_record_as_abandoned() {
+        let (gateway, audit) = crate::http::testing::gateway().await;
+        drive(gateway, Scripted::Dropped, request("k")).await;
+        let records = records(&audit).await;
+        assert_eq!(records.len(), 1);
+        assert_eq!((records[0].status, records[0].error_code), (499, Some(ErrorCode::ClientClosedRequest)));
+    }
+}
