@@ -17,7 +17,8 @@ use serde_json::{Value, json};
 
 /// The contract both the gateway and the fake are built from: `/documents` per byte
 /// at 0.001 €/thousand bytes (1 µ€ a byte), `/documents/latest` per call at 0.5 €/thousand
-/// calls (500 µ€ a call), `/documents/{id}` and `/missing` unmetered, `/fail` per call.
+/// calls (500 µ€ a call), `/documents/{id}` and `/missing` unmetered, `/pages` per byte
+/// (a slow answer), `/fail` per call.
 const CONTRACT: &str = r#"
 openapi: 3.1.0
 info: {title: OCR, version: "1"}
@@ -35,6 +36,10 @@ paths:
     delete: {responses: {"204": {description: gone}}}
   /missing:
     get: {responses: {"404": {description: never there}}}
+  /pages:
+    get:
+      x-flexway-ai: {metering: per_byte, price_per_thousand_eur: "0.001", feature: pages}
+      responses: {"200": {description: ok}}
   /fail:
     post:
       x-flexway-ai: {metering: per_call, price_per_thousand_eur: "0.5", feature: ocr-latest}
@@ -53,7 +58,8 @@ impl Seen {
 
 /// The fake: `POST /documents` answers `{"bytes": N}` (what it read), padded to
 /// exactly 64 bytes; `GET /documents/latest` and `GET /documents/{id}` answer JSON;
-/// `/missing` is 404, `/fail` 500.
+/// `GET /pages` answers 50 chunks of 100 bytes, 50 ms apart; `/missing` is 404,
+/// `/fail` 500.
 async fn upstream(seen: Seen, fail_all: bool) -> String {
     let log = move |request: &Request| {
         let uri = request.uri();
@@ -74,6 +80,19 @@ async fn upstream(seen: Seen, fail_all: bool) -> String {
         )
         .route("/documents/latest", get(|| async { axum::Json(json!({"latest": true})) }))
         .route("/documents/{id}", get(|Path(id): Path<String>| async move { axum::Json(json!({"id": id})) }))
+        .route(
+            "/pages",
+            get(|| async {
+                let pages = futures_util::stream::unfold(0, |n| async move {
+                    if n == 50 {
+                        return None;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    Some((Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b'p'; 100])), n + 1))
+                });
+                axum::body::Body::from_stream(pages)
+            }),
+        )
         .route("/missing", get(|| async { (axum::http::StatusCode::NOT_FOUND, "no such document") }))
         .route("/fail", post(|| async { (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "upstream broke") }))
         .layer(axum::middleware::from_fn(move |request: Request, next: axum::middleware::Next| {
@@ -427,4 +446,44 @@ async fn a_streamed_upload_is_cut_at_the_cap() {
     let records = gw.records_until::<AuditRecord>(2).await;
     let costs: Vec<(u16, u64)> = records.iter().map(|r| (r.status, r.cost_micro_eur)).collect();
     assert_eq!(costs, [(429, 0), (200, 10_064)]);
+}
+
+/// A client that leaves mid-answer ends the call in its relay: one record, 499
+/// `client_closed_request`, charged for what passed before it left, and the ledger
+/// holds exactly that, with no reservation left behind.
+#[tokio::test]
+async fn a_client_that_leaves_mid_answer_is_recorded_once_and_charged_what_passed() {
+    let url = upstream(Seen::default(), false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let contract = dir.path().join("ocr.yaml");
+    std::fs::write(&contract, CONTRACT).unwrap();
+    let ai = format!(
+        "  backends:\n    ocr: {{kind: http, url: \"{url}\", contract: \"{}\", mount: /apis/ocr}}\n",
+        contract.display()
+    );
+    let (adapters, audit) = memory_adapters();
+    let gw = serve_in_process(&acme_config("{eur_per_month: 10}", &ai), adapters).await;
+    let response = client().get(format!("{}/apis/ocr/pages", gw.url)).bearer_auth(KEY).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.bytes_stream();
+    assert!(!body.next().await.unwrap().unwrap().is_empty());
+    drop(body);
+    let mut records = audit.records();
+    for _ in 0..200 {
+        if !records.is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        records = audit.records();
+    }
+    assert_eq!(records.len(), 1, "one record");
+    let record = &records[0];
+    assert_eq!((record.status, record.error_code.map(|c| c.as_str())), (499, Some("client_closed_request")));
+    assert!(record.cost_micro_eur > 0 && record.cost_micro_eur < 5_000, "{}", record.cost_micro_eur);
+    // Nothing more is written once the answer would have ended.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(audit.records().len(), 1);
+    let [_, _, eur] = gw.ledger("acme", None).await;
+    assert_eq!(eur, record.cost_micro_eur);
+    assert_eq!(gw.live_reservations().await, 0);
 }

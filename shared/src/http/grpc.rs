@@ -37,6 +37,8 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, header};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
+use tokio::sync::mpsc;
+use tracing::Instrument as _;
 
 use super::admit::sensitive_and_residency;
 use super::chain::{self, Answered, Failure};
@@ -554,44 +556,26 @@ struct Relay {
 }
 
 /// The end of a call, written once: when its last frame is relayed, or when the
-/// response is dropped (the client went away) — then with status CANCELLED.
+/// client leaves (status CANCELLED).
 struct Ending {
     draft: Option<Draft>,
     meter: Arc<Meter>,
 }
 
 impl Ending {
-    /// Settles and records the call in a task of its own, awaited: a client that
-    /// leaves meanwhile drops this future, never the settlement or the record.
+    /// Settles and records the call (a no-op once it has been); its cost.
     async fn end(&mut self, status: u16, error_code: Option<ErrorCode>) -> MicroEur {
         let Some(mut draft) = self.draft.take() else { return MicroEur(0) };
-        let meter = self.meter.clone();
-        let ended = tokio::spawn(async move {
-            if let Some(period) = meter.period().await {
-                draft.reserved_on(period);
-            }
-            let cost = meter.close(true, status == Code::Ok.number()).await;
-            draft.usage(Usage::default(), UsageSource::Reported, cost);
-            if status == Code::ResourceExhausted.number() && error_code == Some(ErrorCode::BudgetExceeded) {
-                draft.exceeded();
-            }
-            draft.finish(status, error_code).await;
-            cost
-        });
-        ended.await.unwrap_or(MicroEur(0))
-    }
-}
-
-impl Drop for Ending {
-    fn drop(&mut self) {
-        let Some(draft) = self.draft.take() else { return };
-        let meter = self.meter.clone();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                let mut ending = Ending { draft: Some(draft), meter };
-                ending.end(Code::Cancelled.number(), Some(ErrorCode::Cancelled)).await;
-            });
+        if let Some(period) = self.meter.period().await {
+            draft.reserved_on(period);
         }
+        let cost = self.meter.close(true, status == Code::Ok.number()).await;
+        draft.usage(Usage::default(), UsageSource::Reported, cost);
+        if status == Code::ResourceExhausted.number() && error_code == Some(ErrorCode::BudgetExceeded) {
+            draft.exceeded();
+        }
+        draft.finish(status, error_code).await;
+        cost
     }
 }
 
@@ -637,25 +621,59 @@ impl Relay {
             status_in_headers: status_of(&parts.headers),
             done: false,
         };
-        let frames = futures_util::stream::unfold(state, |mut state| async move {
-            if state.done {
-                return None;
-            }
-            let frame = state.next().await?;
-            Some((Ok::<_, std::convert::Infallible>(frame), state))
+        let (tx, rx) = mpsc::channel(RELAYED_FRAMES);
+        // The pump outlives the handler: it carries the call's span along.
+        tokio::spawn(state.pump(tx).instrument(tracing::Span::current()));
+        let frames = futures_util::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|frame| (Ok::<_, std::convert::Infallible>(frame), rx))
         });
         *response.body_mut() = Body::new(StreamBody::new(frames));
         response
     }
 }
 
+/// The frames a relay reads ahead of its client: what a slow client lets it hold.
+const RELAYED_FRAMES: usize = 2;
+
+/// What the relay read next: a frame, or the client gone.
+enum Read {
+    Frame(Option<Result<Frame<Bytes>, crate::upstream::BodyError>>),
+    Left,
+}
+
 impl Relaying {
-    /// The next frame for the client; `None` once the call has ended.
-    async fn next(&mut self) -> Option<Frame<Bytes>> {
+    /// Relays the answer to the client until it ends or the client leaves; either way
+    /// the call is settled and recorded here, in this task, before it ends.
+    async fn pump(mut self, tx: mpsc::Sender<Frame<Bytes>>) {
+        while !self.done {
+            let Some(frame) = self.next(&tx).await else { break };
+            if tx.send(frame).await.is_err() {
+                break;
+            }
+        }
+        // The client went away (a no-op once the call has ended): what passed before
+        // it left is charged. Its breaker is told nothing: a client leaving says
+        // nothing of the backend.
+        self.body = None;
+        self.ending.end(Code::Cancelled.number(), Some(ErrorCode::Cancelled)).await;
+    }
+
+    /// The next frame for the client; `None` once the call has ended or the client
+    /// left.
+    async fn next(&mut self, client: &mpsc::Sender<Frame<Bytes>>) -> Option<Frame<Bytes>> {
         let body = self.body.as_mut()?;
-        let frame = match body.frame().await {
-            None => return self.finish(None).await,
-            Some(Err(e)) => {
+        let read = tokio::select! {
+            biased;
+            () = client.closed() => Read::Left,
+            frame = body.frame() => Read::Frame(frame),
+        };
+        let frame = match read {
+            Read::Left => return None,
+            Read::Frame(None) => return self.finish(None).await,
+            Read::Frame(Some(frame)) => frame,
+        };
+        let frame = match frame {
+            Err(e) => {
                 tracing::warn!("gRPC upstream stream: {e}");
                 self.pass.record(&self.ending.meter.gateway.breakers, Outcome::ConnectionError);
                 let refusal = self.ending.meter.stop().map(Refusal::from).unwrap_or_else(|| {
@@ -663,12 +681,12 @@ impl Relaying {
                 });
                 return self.finish(Some(refusal)).await;
             }
-            Some(Ok(frame)) => frame,
+            Ok(frame) => frame,
         };
         if let Some(data) = frame.data_ref() {
             if data.is_empty() {
                 // Not relayed: an h2 peer counts empty DATA frames as a flood.
-                return Box::pin(self.next()).await;
+                return Box::pin(self.next(client)).await;
             }
             if self.ending.meter.per_byte().is_some() {
                 let seen = self.counter.feed(data);

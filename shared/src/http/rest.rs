@@ -30,6 +30,8 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, header};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
+use tokio::sync::mpsc;
+use tracing::Instrument as _;
 
 use super::Deadline;
 use super::admit::sensitive_and_residency;
@@ -403,7 +405,7 @@ impl Relay {
             response.headers_mut().insert(DEGRADED_HEADER, HeaderValue::from_static("backend-fallback"));
         }
         let status = parts.status.as_u16();
-        let state = Relaying {
+        let relaying = Relaying {
             body: Some(body),
             status,
             served: (200..400).contains(&status),
@@ -411,17 +413,20 @@ impl Relay {
             pass: Some(self.pass),
             cutoff,
         };
-        let frames = futures_util::stream::unfold(state, |mut state| async move {
-            let frame = state.next().await?;
-            Some((frame, state))
-        });
+        let (tx, rx) = mpsc::channel(RELAYED_FRAMES);
+        // The pump outlives the handler: it carries the call's span along.
+        tokio::spawn(relaying.pump(tx).instrument(tracing::Span::current()));
+        let frames = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|f| (f, rx)) });
         *response.body_mut() = Body::new(StreamBody::new(frames));
         response
     }
 }
 
-/// The end of a call, written once: when its body ends, or when the response is
-/// dropped (the client went away: 499 `client_closed_request`).
+/// The frames a relay reads ahead of its client: what a slow client lets it hold.
+const RELAYED_FRAMES: usize = 2;
+
+/// The end of a call, written once: when its body ends, or when the client leaves
+/// (499 `client_closed_request`).
 struct Ending {
     draft: Option<Draft>,
     meter: Arc<Meter>,
@@ -441,20 +446,6 @@ impl Ending {
     }
 }
 
-impl Drop for Ending {
-    fn drop(&mut self) {
-        let Some(draft) = self.draft.take() else { return };
-        let (meter, status) = (self.meter.clone(), self.status);
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                let mut ending = Ending { draft: Some(draft), meter, status };
-                // What passed before the client left is charged, as it was served.
-                ending.end((200..400).contains(&status), Some(ErrorCode::ClientClosedRequest)).await;
-            });
-        }
-    }
-}
-
 struct Relaying {
     /// The upstream's answer; dropped as soon as the call ends.
     body: Option<crate::upstream::AnswerBody>,
@@ -467,25 +458,63 @@ struct Relaying {
     cutoff: Option<tokio::time::Instant>,
 }
 
+/// What the relay read next: a frame (or the deadline), or the client gone.
+enum Read {
+    Frame(Result<Option<Result<Frame<Bytes>, crate::upstream::BodyError>>, tokio::time::error::Elapsed>),
+    Left,
+}
+
+type Relayed = Result<Frame<Bytes>, BoxError>;
+
 impl Relaying {
+    /// Relays the answer to the client until it ends or the client leaves; either way
+    /// the call is settled and recorded here, in this task, before it ends.
+    async fn pump(mut self, tx: mpsc::Sender<Relayed>) {
+        while let Some(frame) = self.next(&tx).await {
+            if tx.send(frame).await.is_err() {
+                break;
+            }
+        }
+        self.left().await;
+    }
+
+    /// The client went away (a no-op once the call has ended): what passed before it
+    /// left is charged, as it was served. Its breaker is told nothing: a client leaving
+    /// says nothing of the backend.
+    async fn left(&mut self) {
+        self.body = None;
+        self.pass = None;
+        self.ending.end(self.served, Some(ErrorCode::ClientClosedRequest)).await;
+    }
+
     /// The next chunk for the client; `None` once the call has ended (settled and
-    /// recorded first).
-    async fn next(&mut self) -> Option<Result<Frame<Bytes>, BoxError>> {
+    /// recorded first) or the client left.
+    async fn next(&mut self, client: &mpsc::Sender<Relayed>) -> Option<Relayed> {
         let body = self.body.as_mut()?;
         if hyper::body::Body::is_end_stream(body) {
             self.finish(Outcome::Status { status: self.status, retry_after: None }, None).await;
             return None;
         }
-        let frame = match self.cutoff {
-            None => body.frame().await,
-            Some(at) => match tokio::time::timeout_at(at, body.frame()).await {
-                Ok(frame) => frame,
-                Err(_) => {
-                    tracing::warn!("REST answer still open at the invocation's deadline: ended");
-                    self.finish(Outcome::Success, Some(ErrorCode::Deadline)).await;
-                    return Some(Err(BoxError::from("the invocation's deadline")));
-                }
-            },
+        let cutoff = self.cutoff;
+        let read = async move {
+            match cutoff {
+                None => Ok(body.frame().await),
+                Some(at) => tokio::time::timeout_at(at, body.frame()).await,
+            }
+        };
+        let read = tokio::select! {
+            biased;
+            () = client.closed() => Read::Left,
+            frame = read => Read::Frame(frame),
+        };
+        let frame = match read {
+            Read::Left => return None,
+            Read::Frame(Ok(frame)) => frame,
+            Read::Frame(Err(_)) => {
+                tracing::warn!("REST answer still open at the invocation's deadline: ended");
+                self.finish(Outcome::Success, Some(ErrorCode::Deadline)).await;
+                return Some(Err(BoxError::from("the invocation's deadline")));
+            }
         };
         match frame {
             None => {
