@@ -194,15 +194,8 @@ impl drive::Door for Grpc {
         crate::call::InvalidRequest::check_bounded("model", &rpc, crate::call::MAX_MODEL_BYTES)
             .map_err(|e| Refusal::from(GatewayError::from(e)))?;
         draft.request(Capability::Grpc, &rpc, None);
-        match proxied(call, draft, self.flavor, &rpc, request).await {
-            Ok(proxied) => Ok(Reply::Relay(Box::new(proxied))),
-            Err(Failed { refusal, meter }) => {
-                if let Some(meter) = meter {
-                    meter.close(false, false).await;
-                }
-                Err(refusal)
-            }
-        }
+        let proxied = proxied(call, draft, self.flavor, &rpc, request).await?;
+        Ok(Reply::Relay(Box::new(proxied)))
     }
 
     fn refuse(&self, refusal: &Refusal) -> Response {
@@ -223,31 +216,13 @@ impl drive::Relay for Proxied {
     }
 }
 
-/// A call that ends before a body is relayed; its reservations, if any, to return.
-struct Failed {
-    refusal: Refusal,
-    meter: Option<Arc<Meter>>,
-}
-
-impl From<Refusal> for Failed {
-    fn from(refusal: Refusal) -> Self {
-        Failed { refusal, meter: None }
-    }
-}
-
-impl From<GatewayError> for Failed {
-    fn from(error: GatewayError) -> Self {
-        Failed::from(Refusal::from(error))
-    }
-}
-
 async fn proxied(
     Call { gateway, caller, request_id }: Call<'_>,
     draft: &mut Draft,
     flavor: Flavor,
     rpc: &str,
     request: Request,
-) -> Result<Proxied, Failed> {
+) -> Result<Proxied, Refusal> {
     let (parts, mut body) = request.into_parts();
     let (sensitive, residency) = sensitive_and_residency(gateway, caller, &parts.headers, draft)?;
     let (route, method) = route(gateway, rpc, sensitive, &residency)?;
@@ -266,8 +241,7 @@ async fn proxied(
                  server-streaming calls only (a function URL buffers the request body); call it with native \
                  gRPC (flexway serve)"
             ),
-        )
-        .into());
+        ));
     }
 
     // Reserve: a per-byte call's first request message is measured first (its prefix).
@@ -277,16 +251,16 @@ async fn proxied(
     let mut pending = VecDeque::new();
     let first = match &method.operation {
         Some(op) if op.metering == GrpcMetering::PerByte && !method.client_streaming => {
-            let (frames, first) = peek_first_message(&mut body).await.map_err(Failed::from)?;
+            let (frames, first) = peek_first_message(&mut body).await?;
             pending = frames;
             first
         }
         _ => 0,
     };
     if first > MAX_MESSAGE_BYTES {
-        return Err(too_large(first).into());
+        return Err(too_large(first));
     }
-    meter.reserve_first(first).await.map_err(Failed::from)?;
+    meter.reserve_first(first).await?;
 
     // Attempt the route: a backend that fails before taking a byte of the request
     // (unreachable, timed out, not answering gRPC) gives the call to the next one.
@@ -298,7 +272,9 @@ async fn proxied(
         Err(e) => {
             // A budget step refused while the request went out is why the call ended.
             let refusal = meter.stop().map_or_else(|| Refusal::from(e), Refusal::from);
-            return Err(Failed { refusal, meter: Some(meter) });
+            // What was reserved goes back: nothing was served.
+            meter.close(false, false).await;
+            return Err(refusal);
         }
     };
     draft.first_byte();

@@ -86,15 +86,8 @@ impl drive::Door for Rest {
     }
 
     async fn call(&mut self, call: Call<'_>, draft: &mut Draft, request: Request) -> Result<Reply, GatewayError> {
-        match proxied(call, draft, &self.owner, &self.below, request).await {
-            Ok(proxied) => Ok(Reply::Relay(Box::new(proxied))),
-            Err(Failed { error, meter }) => {
-                if let Some(meter) = meter {
-                    meter.close(false, false).await;
-                }
-                Err(error)
-            }
-        }
+        let proxied = proxied(call, draft, &self.owner, &self.below, request).await?;
+        Ok(Reply::Relay(Box::new(proxied)))
     }
 
     fn refuse(&self, error: &GatewayError) -> Response {
@@ -115,18 +108,6 @@ impl drive::Relay for Proxied {
     }
 }
 
-/// A call that ends before a body is relayed; its reservations, if any, to return.
-struct Failed {
-    error: GatewayError,
-    meter: Option<Arc<Meter>>,
-}
-
-impl From<GatewayError> for Failed {
-    fn from(error: GatewayError) -> Self {
-        Failed { error, meter: None }
-    }
-}
-
 fn stopped(stop: Stop) -> GatewayError {
     match stop {
         Stop::Budget(error) => error,
@@ -140,7 +121,7 @@ async fn proxied(
     owner: &BackendId,
     below: &str,
     request: Request,
-) -> Result<Proxied, Failed> {
+) -> Result<Proxied, GatewayError> {
     let (parts, body) = request.into_parts();
     let operation = operation(gateway, owner, &parts.method, below)?;
     draft.request(Capability::Http, &format!("{} {}", operation.method, operation.path), None);
@@ -182,7 +163,9 @@ async fn proxied(
         Err(e) => {
             // A budget step refused while the request went out is why the call ended.
             let error = meter.stop().map_or(e, stopped);
-            return Err(Failed { error, meter: Some(meter) });
+            // What was reserved goes back: nothing was served.
+            meter.close(false, false).await;
+            return Err(error);
         }
     };
     draft.first_byte();
