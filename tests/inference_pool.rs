@@ -27,12 +27,6 @@ fn pool_config(picker: &FakePicker, failure_mode: &str, port: u16, path: &str, r
     )
 }
 
-/// A loopback port nothing listens on.
-async fn closed_port() -> u16 {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    listener.local_addr().unwrap().port()
-}
-
 #[tokio::test]
 async fn the_picker_s_choice_is_honoured_and_sent_the_call() {
     let (a, b) = (FakeModel::start().await.unwrap(), FakeModel::start().await.unwrap());
@@ -68,7 +62,8 @@ async fn the_picker_s_choice_is_honoured_and_sent_the_call() {
 #[tokio::test]
 async fn the_next_endpoint_named_serves_when_the_first_fails() {
     let model = FakeModel::start().await.unwrap();
-    let dead = closed_port().await;
+    let closed = ClosedPort::new();
+    let dead = closed.port();
     let picker = FakePicker::start(Picks::Header(format!("127.0.0.1:{dead}, {}", model.addr()))).await.unwrap();
     let gw = Flexway::start(&pool_config(&picker, "fail_close", 1, "/v1", ""));
     let response = gw.chat(KEY, hello("llama")).await;

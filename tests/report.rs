@@ -154,8 +154,8 @@ fn without_the_aws_feature_a_log_group_is_refused_with_how_to_build_it() {
 #[test]
 #[cfg(feature = "aws")]
 fn an_unreachable_aws_endpoint_exits_1_with_the_reason() {
-    // A port nothing listens on: bound, then released.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let closed = flexway_testkit::ClosedPort::new();
+    let port = closed.port();
     let out = Command::new(env!("CARGO_BIN_EXE_flexway"))
         .args(["report", "--log-group", "/flexway/audit"])
         .env("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}"))

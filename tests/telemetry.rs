@@ -24,7 +24,7 @@ use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use prost::Message;
 use serde_json::json;
 
-use flexway_testkit::{AGENT_KEY, KEY, client, memory_adapters, serve_in_process};
+use flexway_testkit::{AGENT_KEY, ClosedPort, KEY, client, memory_adapters, serve_in_process};
 
 const CANARY: &str = "CANARY-prompt-7f3a9";
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -292,10 +292,8 @@ async fn a_failing_collector_never_fails_a_call() {
     let fake = FakeModel::start().await.unwrap();
     // One collector that refuses everything, one address where nothing listens.
     let (refusing, refusing_url) = Collector::start(StatusCode::SERVICE_UNAVAILABLE).await;
-    let closed = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", listener.local_addr().unwrap())
-    };
+    let held = ClosedPort::new();
+    let closed = format!("http://127.0.0.1:{}", held.port());
     for endpoint in [refusing_url, closed] {
         let (adapters, audit) = memory_adapters();
         let gw = serve_in_process(&yaml(&fake, &endpoint, "50ms"), adapters).await;

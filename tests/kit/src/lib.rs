@@ -228,6 +228,29 @@ impl Drop for Flexway {
     }
 }
 
+/// A loopback port nothing listens on, held for as long as the value lives: bound but
+/// never listening, so a connection to it is refused and no other socket (a fake, a
+/// gateway, a client's own ephemeral port) can take it meanwhile.
+pub struct ClosedPort(tokio::net::TcpSocket);
+
+impl ClosedPort {
+    pub fn new() -> Self {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        Self(socket)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.0.local_addr().unwrap().port()
+    }
+}
+
+impl Default for ClosedPort {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// The fake's URL with a scenario prefix written as the fake parses it
 /// (`words=500,ignore_limit`), for scenarios a test names by their keys.
 pub fn scenario(model: &FakeModel, text: &str) -> String {
