@@ -16,6 +16,7 @@
 //! `flexway_budget_remaining` gauge is set from those reads: it moves near the soft
 //! threshold and the caps, not on every call.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::budget::plan::{self, Allowance, Budget};
@@ -73,7 +74,7 @@ pub struct Admission {
 /// One decision of admission: from counters read (`used`), or assumed at 0 with
 /// `guard` holding the reservation under the soft threshold (`threshold_ppm`).
 struct Decision<'a> {
-    budgets: &'a [Budget],
+    budgets: &'a Arc<[Budget]>,
     used: &'a [u64],
     soft: bool,
     guard: Option<u32>,
@@ -188,7 +189,7 @@ async fn decide(
     match gateway.budgets.reserve(&request).await? {
         ReserveOutcome::Reserved => Ok(Decided::Admitted(Admission {
             route,
-            ticket: Ticket::new(gateway.budgets.clone(), request.reservation(), budgets.to_vec(), now),
+            ticket: Ticket::new(gateway.budgets.clone(), request.reservation(), Arc::clone(budgets), now),
             soft: decision.soft,
             allowance: planned.per_choice,
         })),

@@ -149,12 +149,13 @@ pub async fn overview(gateway: &Gateway, filter: &str, page: usize) -> Result<Ov
     // alerts cover every page.
     let mut scopes: Vec<(String, Option<String>, Vec<Budget>)> = Vec::new();
     for (name, tenant) in &config.tenants {
-        scopes.push((name.to_string(), None, plan::budgets_for(config, name, None, now)));
+        scopes.push((name.to_string(), None, plan::budgets_for(config, name, None, now).to_vec()));
         for (agent, settings) in &tenant.agents {
             if settings.budgets != Default::default() {
                 let own: Vec<Budget> = plan::budgets_for(config, name, Some(agent.as_str()), now)
-                    .into_iter()
+                    .iter()
                     .filter(|b| b.key.as_str().split('/').nth(1) == Some(agent.as_str()))
+                    .cloned()
                     .collect();
                 scopes.push((name.to_string(), Some(agent.to_string()), own));
             }

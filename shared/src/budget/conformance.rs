@@ -410,7 +410,12 @@ async fn ticket(store: Arc<dyn BudgetStore>, id: &str) -> Result<Ticket, String>
     let reserved = request(id, &[("t", 100, Some(1000)), ("e", 500, Some(10_000))], NOW + 60);
     call!(store.reserve(&reserved));
     let budget = |name: &str, unit| Budget { name: name.to_owned(), key: key(name), unit, limit: None, resets_at: 0 };
-    Ok(Ticket::new(store, reserved.reservation(), vec![budget("t", Unit::Tokens), budget("e", Unit::MicroEur)], NOW))
+    Ok(Ticket::new(
+        store,
+        reserved.reservation(),
+        Arc::from([budget("t", Unit::Tokens), budget("e", Unit::MicroEur)]),
+        NOW,
+    ))
 }
 
 const USAGE: Usage = Usage::new(30, 10);

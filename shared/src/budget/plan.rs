@@ -9,9 +9,10 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
+use std::sync::Arc;
 
 use crate::call::Usage;
-use crate::config::{Budgets, Config, Price, TenantId};
+use crate::config::{AgentId, Budgets, Config, Price, TenantId};
 use crate::money::MicroEur;
 
 use super::{CounterKey, Line, Period, Unit};
@@ -83,19 +84,94 @@ impl Budget {
 
 /// The tenant's three counters (always counted, limited where the config says), and
 /// the agent's where the agent has budgets of its own.
-pub fn budgets_for(config: &Config, tenant: &TenantId, agent: Option<&str>, now: u64) -> Vec<Budget> {
-    let mut out = Vec::new();
+///
+/// The same for every call of one caller on one UTC day, so each thread builds them
+/// once a day a caller and shares them after ([`Plans`]).
+pub fn budgets_for(config: &Config, tenant: &TenantId, agent: Option<&str>, now: u64) -> Arc<[Budget]> {
     let Some(t) = config.tenants.get(tenant) else {
-        return out;
+        return Arc::from([]);
     };
-    let periods = Periods::at(now);
-    push_scope(&mut out, tenant.as_str(), None, &t.budgets, &periods);
-    if let Some((name, a)) = agent.and_then(|name| t.agents.get_key_value(name))
-        && a.budgets != Budgets::default()
-    {
-        push_scope(&mut out, tenant.as_str(), Some(name.as_str()), &a.budgets, &periods);
+    let agent = agent
+        .and_then(|name| t.agents.get_key_value(name))
+        .filter(|(_, a)| a.budgets != Budgets::default())
+        .map(|(name, a)| (name, &a.budgets));
+    let scope = Scope { tenant, budgets: &t.budgets, agent };
+    Plans::of(&scope, now / 86_400, || {
+        let periods = Periods::at(now);
+        let mut out = Vec::with_capacity(6);
+        push_scope(&mut out, tenant.as_str(), None, &t.budgets, &periods);
+        if let Some((name, budgets)) = agent {
+            push_scope(&mut out, tenant.as_str(), Some(name.as_str()), budgets, &periods);
+        }
+        Arc::from(out)
+    })
+}
+
+/// What a caller's budgets are made of: its names and limits (its day aside).
+struct Scope<'c> {
+    tenant: &'c TenantId,
+    budgets: &'c Budgets,
+    /// Its agent, when the agent has budgets of its own.
+    agent: Option<(&'c AgentId, &'c Budgets)>,
+}
+
+/// A thread's budgets of the callers it served today, keyed by where the caller's
+/// settings live in the config. An entry is used only while its scope is equal to the
+/// caller's (a reloaded config may reuse an address for other settings), and all go
+/// at midnight UTC; at most [`Plans::MOST`] are kept.
+struct Plans {
+    day: u64,
+    scopes: foldhash::HashMap<(usize, usize), Kept>,
+}
+
+/// A [`Scope`] held, and its budgets.
+struct Kept {
+    tenant: TenantId,
+    budgets: Budgets,
+    agent: Option<(AgentId, Budgets)>,
+    plan: Arc<[Budget]>,
+}
+
+impl Kept {
+    fn is(&self, scope: &Scope<'_>) -> bool {
+        self.tenant == *scope.tenant
+            && self.budgets == *scope.budgets
+            && self.agent.as_ref().map(|(n, b)| (n, b)) == scope.agent
     }
-    out
+}
+
+impl Plans {
+    const MOST: usize = 4096;
+
+    fn of(scope: &Scope<'_>, day: u64, build: impl FnOnce() -> Arc<[Budget]>) -> Arc<[Budget]> {
+        thread_local! {
+            static PLANS: RefCell<Plans> = RefCell::new(Plans { day: 0, scopes: Default::default() });
+        }
+        let at = (
+            std::ptr::from_ref(scope.budgets) as usize,
+            scope.agent.map_or(0, |(_, budgets)| std::ptr::from_ref(budgets) as usize),
+        );
+        PLANS.with_borrow_mut(|plans| {
+            if plans.day != day || plans.scopes.len() >= Self::MOST {
+                plans.day = day;
+                plans.scopes.clear();
+            }
+            if let Some(kept) = plans.scopes.get(&at)
+                && kept.is(scope)
+            {
+                return Arc::clone(&kept.plan);
+            }
+            let plan = build();
+            let kept = Kept {
+                tenant: scope.tenant.clone(),
+                budgets: scope.budgets.clone(),
+                agent: scope.agent.map(|(n, b)| (n.clone(), b.clone())),
+                plan: Arc::clone(&plan),
+            };
+            plans.scopes.insert(at, kept);
+            plan
+        })
+    }
 }
 
 /// Each period's stamp and end at one instant, computed once for every budget of a
@@ -319,6 +395,42 @@ mod tests {
                 assert_eq!((stamp.clone(), *end), (period.stamp(now), period.end(now)), "{period:?} at {now}");
             }
         }
+    }
+
+    fn limits(yaml_tenant: &str) -> Config {
+        let yaml = format!(
+            "version: 1\ntenants:\n  acme: {yaml_tenant}\nai:\n  default_backend: b\n  backends:\n    \
+             b: {{url: 'http://b/v1'}}\n"
+        );
+        crate::config::load_str(&yaml, &std::collections::HashMap::<String, String>::new()).unwrap().config
+    }
+
+    #[test]
+    fn a_callers_budgets_are_built_once_a_day_and_follow_its_limits() {
+        let now = 1_764_590_400; // 2025-12-01T12:00:00Z
+        let acme = TenantId::new("acme");
+        let config = limits("{budgets: {tokens_per_day: 10}, agents: {bot: {budgets: {tokens_per_day: 5}}, idle: {}}}");
+        let first = budgets_for(&config, &acme, Some("bot"), now);
+        let keys: Vec<(&str, Option<u64>)> = first.iter().map(|b| (b.key.as_str(), b.limit)).collect();
+        assert_eq!(keys[0], ("acme/*/tokens/day/2025-12-01", Some(10)));
+        assert_eq!(keys[3], ("acme/bot/tokens/day/2025-12-01", Some(5)));
+        assert_eq!(keys.len(), 6);
+        assert!(Arc::ptr_eq(&first, &budgets_for(&config, &acme, Some("bot"), now + 3_600)), "shared all day");
+        // An agent without budgets of its own, or unknown, counts on its tenant's alone.
+        let tenant = budgets_for(&config, &acme, None, now);
+        assert_eq!(&*tenant, &first[..3]);
+        assert_eq!(&*budgets_for(&config, &acme, Some("idle"), now), &*tenant);
+        assert_eq!(&*budgets_for(&config, &acme, Some("nobody"), now), &*tenant);
+        assert!(budgets_for(&config, &TenantId::new("globex"), None, now).is_empty());
+        // The next day, its own keys.
+        let next = budgets_for(&config, &acme, Some("bot"), now + 86_400);
+        assert_eq!(next[0].key.as_str(), "acme/*/tokens/day/2025-12-02");
+        // Another config (a reload) is held to its own limits, whatever was kept.
+        for limit in [20, 30] {
+            let reloaded = limits(&format!("{{budgets: {{tokens_per_day: {limit}}}}}"));
+            assert_eq!(budgets_for(&reloaded, &acme, None, now)[0].limit, Some(limit));
+        }
+        assert_eq!(budgets_for(&config, &acme, None, now)[0].limit, Some(10));
     }
 
     #[test]

@@ -40,7 +40,7 @@ const FIRST_PAUSE: Duration = Duration::from_millis(25);
 pub struct Ticket {
     store: Arc<dyn BudgetStore>,
     reservation: Reservation,
-    budgets: Vec<Budget>,
+    budgets: Arc<[Budget]>,
     /// Unix seconds the budgets' periods were taken at.
     reserved_at: u64,
     open: bool,
@@ -52,7 +52,7 @@ impl Ticket {
     pub(crate) fn new(
         store: Arc<dyn BudgetStore>,
         reservation: Reservation,
-        budgets: Vec<Budget>,
+        budgets: Arc<[Budget]>,
         reserved_at: u64,
     ) -> Self {
         Ticket { store, reservation, budgets, reserved_at, open: true }
