@@ -177,7 +177,7 @@ async fn decide(
     // Refused here only when even the counters' lowest value could not hold the call.
     let planned = plan::plan(budgets, decision.used, demand.prompt_tokens, allowance, price)
         .map_err(|index| exceeded(&budgets[index], now))?;
-    let mut lines = planned.lines.clone();
+    let mut lines = planned.lines;
     if let Some(threshold_ppm) = decision.guard {
         for line in &mut lines {
             line.limit = line.limit.map(|limit| under_soft(limit, line.amount, threshold_ppm));

@@ -25,88 +25,88 @@ fn jsonl(records: &[AuditRecord]) -> Vec<u8> {
 /// each name and value was ~5,500 instructions a call.
 pub(super) fn line(record: &AuditRecord, out: &mut Vec<u8>) {
     out.push(b'{');
-    json::key(out, "schema_version");
+    json::key!(out, "schema_version");
     json::number(out, record.schema_version.into());
-    json::next(out, "ts");
+    json::next!(out, "ts");
     json::string(out, &record.ts.to_string());
-    json::next(out, "request_id");
+    json::next!(out, "request_id");
     json::string(out, &record.request_id);
-    json::next(out, "tenant");
+    json::next!(out, "tenant");
     json::string(out, &record.tenant);
-    json::next(out, "agent");
+    json::next!(out, "agent");
     json::option(out, record.agent.as_deref());
-    json::next(out, "operation");
+    json::next!(out, "operation");
     json::string(out, record.operation.as_str());
-    json::next(out, "capability");
+    json::next!(out, "capability");
     json::string(out, record.capability.as_str());
-    json::next(out, "model_requested");
+    json::next!(out, "model_requested");
     json::option(out, record.model_requested.as_deref());
-    json::next(out, "model_served");
+    json::next!(out, "model_served");
     json::option(out, record.model_served.as_deref());
-    json::next(out, "backend");
+    json::next!(out, "backend");
     json::option(out, record.backend.as_deref());
-    json::next(out, "metered_by");
+    json::next!(out, "metered_by");
     json::string(out, record.metered_by.as_str());
-    json::next(out, "prompt_tokens");
+    json::next!(out, "prompt_tokens");
     json::number(out, record.prompt_tokens);
-    json::next(out, "completion_tokens");
+    json::next!(out, "completion_tokens");
     json::number(out, record.completion_tokens);
     if let Some(cached) = record.cached_tokens {
-        json::next(out, "cached_tokens");
+        json::next!(out, "cached_tokens");
         json::number(out, cached);
     }
     if let Some(written) = record.cache_write_tokens {
-        json::next(out, "cache_write_tokens");
+        json::next!(out, "cache_write_tokens");
         json::number(out, written);
     }
-    json::next(out, "usage_source");
+    json::next!(out, "usage_source");
     json::string(out, record.usage_source.as_str());
-    json::next(out, "cost_eur");
+    json::next!(out, "cost_eur");
     // serde_json's own float writer (and `null` for what is not finite).
     let _ = serde_json::to_writer(&mut *out, &record.cost_eur);
-    json::next(out, "cost_micro_eur");
+    json::next!(out, "cost_micro_eur");
     json::number(out, record.cost_micro_eur);
-    json::next(out, "status");
+    json::next!(out, "status");
     json::number(out, record.status.into());
-    json::next(out, "error_code");
+    json::next!(out, "error_code");
     json::option(out, record.error_code.map(ErrorCode::as_str));
-    json::next(out, "degraded");
+    json::next!(out, "degraded");
     json::boolean(out, record.degraded);
-    json::next(out, "budget_state");
+    json::next!(out, "budget_state");
     json::string(out, record.budget_state.as_str());
-    json::next(out, "latency_ms");
+    json::next!(out, "latency_ms");
     json::number(out, record.latency_ms);
-    json::next(out, "ttfb_ms");
+    json::next!(out, "ttfb_ms");
     match record.ttfb_ms {
         Some(ms) => json::number(out, ms),
         None => out.extend_from_slice(b"null"),
     }
-    json::next(out, "key_hash");
+    json::next!(out, "key_hash");
     json::string(out, &record.key_hash);
-    json::next(out, "user_hash");
+    json::next!(out, "user_hash");
     json::option(out, record.user_hash.as_deref());
     if let Some(reason) = record.close_reason {
-        json::next(out, "close_reason");
+        json::next!(out, "close_reason");
         json::string(out, reason.as_str());
     }
     if let Some(feature) = &record.feature {
-        json::next(out, "feature");
+        json::next!(out, "feature");
         json::string(out, feature);
     }
     if let Some(reason) = record.pick_reason {
-        json::next(out, "pick_reason");
+        json::next!(out, "pick_reason");
         json::string(out, reason.as_str());
     }
     if let Some(class) = record.criticality {
-        json::next(out, "criticality");
+        json::next!(out, "criticality");
         json::string(out, class.as_str());
     }
     if let Some(period) = &record.period {
-        json::next(out, "period");
+        json::next!(out, "period");
         json::string(out, period);
     }
     if let Some(chain) = &record.chain {
-        json::next(out, "chain");
+        json::next!(out, "chain");
         json::string(out, chain);
     }
     out.extend_from_slice(b"}\n");

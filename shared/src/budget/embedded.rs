@@ -991,16 +991,16 @@ impl Journal {
 /// ([`crate::json`]).
 fn encode(epoch: u64, effects: &Effects, line: &mut Vec<u8>) {
     line.push(b'{');
-    json::key(line, "e");
+    json::key!(line, "e");
     json::number(line, epoch);
     if !effects.counters.is_empty() {
         line.push(b',');
-        json::key(line, "c");
+        json::key!(line, "c");
         amounts(line, &effects.counters);
     }
     if !effects.reservations.is_empty() {
         line.push(b',');
-        json::key(line, "r");
+        json::key!(line, "r");
         line.push(b'[');
         for (i, (request_id, reservation)) in effects.reservations.iter().enumerate() {
             if i > 0 {
@@ -1013,17 +1013,17 @@ fn encode(epoch: u64, effects: &Effects, line: &mut Vec<u8>) {
                 None => line.extend_from_slice(b"null"),
                 Some(reservation) => {
                     line.push(b'{');
-                    json::key(line, "lines");
+                    json::key!(line, "lines");
                     amounts(line, &reservation.lines);
                     line.push(b',');
-                    json::key(line, "expires_at");
+                    json::key!(line, "expires_at");
                     json::number(line, reservation.expires_at);
                     line.push(b',');
-                    json::key(line, "swept");
+                    json::key!(line, "swept");
                     json::boolean(line, reservation.swept);
                     if let Some(intent) = &reservation.intent {
                         line.push(b',');
-                        json::key(line, "intent");
+                        json::key!(line, "intent");
                         amounts(line, intent);
                     }
                     line.push(b'}');
