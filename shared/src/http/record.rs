@@ -273,9 +273,25 @@ impl Draft {
         (error.status().as_u16(), error.code())
     }
 
-    /// The record as the call ends, and what its span adds if telemetry is on.
+    /// The record as the call ends, and what its span adds if telemetry is on. The
+    /// record moves out (the draft ends here, finished or dropped), leaving a husk of
+    /// its copied fields and empty strings: nothing allocated, nothing cloned.
     fn complete(&mut self, status: u16, error_code: Option<ErrorCode>) -> (AuditRecord, Option<Ended>) {
-        let mut record = self.record.clone();
+        let husk = AuditRecord {
+            request_id: String::new(),
+            tenant: String::new(),
+            agent: None,
+            model_requested: None,
+            model_served: None,
+            backend: None,
+            key_hash: String::new(),
+            user_hash: None,
+            feature: None,
+            period: None,
+            chain: None,
+            ..self.record
+        };
+        let mut record = std::mem::replace(&mut self.record, husk);
         record.ts = Timestamp::now();
         record.status = status;
         record.error_code = error_code;
