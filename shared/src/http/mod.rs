@@ -10,6 +10,7 @@ mod drive;
 mod error;
 pub mod grpc;
 mod meter;
+mod named;
 mod proxy;
 mod realtime;
 mod record;
@@ -26,7 +27,6 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use http::{HeaderMap, HeaderValue, Method, Uri};
 use serde_json::json;
-use tracing::Instrument;
 
 pub use error::{ApiError, Envelope, render, render_in};
 
@@ -116,7 +116,7 @@ fn finish(routes: Router<Arc<Gateway>>, gateway: Arc<Gateway>) -> Router {
     routes
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(middleware::from_fn(request_id))
+        .layer(named::NameRequests)
         .with_state(gateway)
 }
 
@@ -144,27 +144,6 @@ async fn metrics(State(gateway): State<Arc<Gateway>>) -> Response {
 /// ceilings sit above these (`flexway serve`), so that this check answers first.
 pub const MAX_HEADER_BYTES: usize = 32 * 1024;
 pub const MAX_HEADERS: usize = 100;
-
-/// Names the request (`Flexway-Request-Id`) and opens the span that puts its id on
-/// every log line of the call; refuses oversized headers before anything reads them.
-async fn request_id(mut request: Request, next: Next) -> Response {
-    let id = RequestId::generate();
-    // At ERROR level so that the span is enabled under any filter that lets a line
-    // through (`FLEXWAY_LOG=warn` included): a span the filter disabled would leave
-    // the warnings of the call without their request id (SPEC §9).
-    let span = tracing::error_span!("request", request_id = %id.0);
-    let mut response = if headers_too_large(request.headers()) {
-        let error = GatewayError::HeadersTooLarge { max_headers: MAX_HEADERS, max_bytes: MAX_HEADER_BYTES };
-        span.in_scope(|| render_in(&error, envelope_for(request.uri())))
-    } else {
-        request.extensions_mut().insert(id.clone());
-        next.run(request).instrument(span).await
-    };
-    if let Ok(value) = HeaderValue::from_str(&id.0) {
-        response.headers_mut().insert(REQUEST_ID_HEADER, value);
-    }
-    response
-}
 
 fn headers_too_large(headers: &HeaderMap) -> bool {
     headers.len() > MAX_HEADERS
