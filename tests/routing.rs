@@ -27,17 +27,14 @@ async fn outcome(r: reqwest::Response) -> (u16, String, Option<String>, String) 
     )
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 #[tokio::test]
 async fn falls_back_on_connection_error_and_timeout() {
     let model = FakeModel::start().await.unwrap();
     let hang = model.scenario_url(&Scenario { hang: true, ..Default::default() });
+    let refused = ClosedPort::new();
     let gw = Flexway::start(&ai(&format!(
         "  default_backend: refused\n  backends:\n    refused: {{url: \"http://127.0.0.1:{}/v1\", fallback: [slow]}}\n    slow: {{url: \"{hang}\", timeout: 300ms, fallback: [spare]}}\n    spare: {{url: \"{}\"}}\n",
-        free_port(),
+        refused.port(),
         model.url()
     )));
     let r = gw.chat(KEY, hello("m")).await;
@@ -125,7 +122,9 @@ async fn an_exhausted_pool_is_pool_exhausted_naming_its_members() {
 #[tokio::test]
 async fn a_breaker_opens_skips_probes_and_closes() {
     let spare = FakeModel::start().await.unwrap();
-    let port = free_port();
+    // Nothing listens on `port` until the test starts `main` there.
+    let closed = ClosedPort::new();
+    let port = closed.port();
     let gw = Flexway::start(&ai(&format!(
         "  default_backend: main\n  backends:\n    main:\n      url: http://127.0.0.1:{port}/v1\n      fallback: [spare]\n      circuit_breaker: {{failures: 2, interval: 1m, trip: 1s}}\n    spare: {{url: \"{}\"}}\n",
         spare.url()
@@ -134,6 +133,7 @@ async fn a_breaker_opens_skips_probes_and_closes() {
         assert_eq!(backend_of(&gw.chat(KEY, hello("m")).await), "spare");
     }
     // Open: the main backend comes back, but the breaker skips it until the trip ends.
+    drop(closed);
     let main = FakeModel::start_on(format!("127.0.0.1:{port}").parse().unwrap()).await.unwrap();
     let skipped = gw.chat(KEY, hello("m")).await;
     assert_eq!(backend_of(&skipped), "spare");
