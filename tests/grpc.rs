@@ -409,9 +409,7 @@ async fn audit_in_process(
 
 #[tokio::test]
 async fn refunds_the_reservation_when_the_upstream_is_down() {
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", closed.local_addr().unwrap());
-    drop(closed);
+    let (_closed, url) = closed_url();
     let (gateway, audit, _dir) = in_process(&url, "{eur_per_month: 100}").await;
     let mut ocr = client(&gateway.url).await;
     let status = ocr.recognize(authed(image(1, 0), KEY)).await.unwrap_err();
@@ -528,6 +526,62 @@ async fn serves_grpc_web_unary_and_refuses_client_streaming() {
     assert_eq!(upstream.calls(), 1);
 }
 
+/// The serverless shape's deadline (SPEC §11) holds for gRPC-Web as for a chat
+/// stream: a server stream still open at the cutoff ends with `DEADLINE_EXCEEDED` in
+/// its trailers, settled on the bytes that passed and recorded before the platform
+/// would cut the invocation.
+#[tokio::test]
+async fn a_grpc_web_stream_open_at_the_deadline_ends_settled_and_recorded() {
+    let upstream = FakeOcr::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config =
+        grpc_config(&descriptor_file(dir.path()), &upstream.url(), "{eur_per_month: 100}", false, "{sink: stdout}");
+    let (adapters, audit) = memory_adapters();
+    // A second left: the cutoff comes 0.9 s into a stream of 20 pages 100 ms apart.
+    let deadline = flexway::http::Deadline::within(Duration::from_secs(1));
+    let gateway =
+        serve_router_in_process(&config, adapters, |g| flexway::http::api(g).layer(axum::Extension(deadline))).await;
+    let request = Image { count: 20, delay_ms: 100, reply_bytes: 10, ..Default::default() };
+    let started = Instant::now();
+    let response = flexway_testkit::client()
+        .post(format!("{}/ocr.v1.Ocr/Pages", gateway.url))
+        .bearer_auth(KEY)
+        .header("content-type", "application/grpc-web+proto")
+        .header("x-grpc-web", "1")
+        .body(framed(&request))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let body = response.bytes().await.unwrap();
+    let elapsed = started.elapsed();
+    assert!(elapsed < Duration::from_secs(2), "the stream ran to its end: {elapsed:?}");
+
+    // Frames: messages (flag 0), then the trailers frame (flag 0x80).
+    let (mut at, mut pages, mut trailers) = (0, 0, String::new());
+    while at + 5 <= body.len() {
+        let length = u32::from_be_bytes(body[at + 1..at + 5].try_into().unwrap()) as usize;
+        let frame = &body[at + 5..at + 5 + length];
+        if body[at] == 0x80 {
+            trailers = String::from_utf8_lossy(frame).into_owned();
+        } else {
+            pages += 1;
+        }
+        at += 5 + length;
+    }
+    assert!((1..20).contains(&pages), "part of the stream passed: {pages} pages");
+    assert!(trailers.contains("grpc-status:4\r\n"), "DEADLINE_EXCEEDED: {trailers}");
+    assert!(trailers.contains("deadline"), "{trailers}");
+
+    let records = audit_in_process(&audit, 1).await;
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].status, 4);
+    assert_eq!(records[0].error_code, Some(flexway::call::ErrorCode::Deadline));
+    assert!(records[0].cost_micro_eur > 0, "what passed is charged");
+    assert_eq!(gateway.ledger("acme", None).await[2], records[0].cost_micro_eur, "the ledger equals the audit");
+    assert_eq!(gateway.live_reservations().await, 0);
+}
+
 /// A client's END_STREAM often comes as an empty DATA frame: passed on as such, an h2
 /// upstream counts them as a flood and closes the connection after about a hundred
 /// (GOAWAY ENHANCE_YOUR_CALM, `too_many_data_frames`).
@@ -561,18 +615,19 @@ fn two_backends(set: &Path, down: &str, up: &str) -> String {
     )
 }
 
-fn closed_url() -> String {
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", closed.local_addr().unwrap());
-    drop(closed);
-    url
+/// A URL where nothing listens, for as long as the port is held.
+fn closed_url() -> (ClosedPort, String) {
+    let closed = ClosedPort::new();
+    let url = format!("http://127.0.0.1:{}", closed.port());
+    (closed, url)
 }
 
 #[tokio::test]
 async fn a_call_falls_back_to_the_next_backend_declaring_the_service_and_is_charged_once() {
     let upstream = FakeOcr::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let config = two_backends(&descriptor_file(dir.path()), &closed_url(), &upstream.url());
+    let (_closed, down) = closed_url();
+    let config = two_backends(&descriptor_file(dir.path()), &down, &upstream.url());
     let (adapters, audit) = memory_adapters();
     let gateway = serve_in_process(&config, adapters).await;
     let mut ocr = client(&gateway.url).await;

@@ -210,9 +210,9 @@ struct Proxied {
 }
 
 impl drive::Relay for Proxied {
-    fn respond(self: Box<Self>, _: Arc<Gateway>, draft: Draft, _: Option<super::Deadline>) -> Response {
+    fn respond(self: Box<Self>, _: Arc<Gateway>, draft: Draft, deadline: Option<super::Deadline>) -> Response {
         let Proxied { response, relay } = *self;
-        relay.respond(response, draft)
+        relay.respond(response, draft, deadline.map(super::Deadline::cutoff))
     }
 }
 
@@ -566,10 +566,17 @@ struct Relaying {
     status_in_headers: Option<u16>,
     done: bool,
     pass: Pass,
+    /// Just before the invocation's deadline (serverless shape).
+    cutoff: Option<tokio::time::Instant>,
 }
 
 impl Relay {
-    fn respond(self, upstream: http::Response<crate::upstream::AnswerBody>, draft: Draft) -> Response {
+    fn respond(
+        self,
+        upstream: http::Response<crate::upstream::AnswerBody>,
+        draft: Draft,
+        cutoff: Option<tokio::time::Instant>,
+    ) -> Response {
         let (parts, body) = upstream.into_parts();
         let mut response = Response::new(Body::empty());
         for (name, value) in &parts.headers {
@@ -596,6 +603,7 @@ impl Relay {
             flavor: self.flavor,
             status_in_headers: status_of(&parts.headers),
             done: false,
+            cutoff,
         };
         let (tx, rx) = mpsc::channel(RELAYED_FRAMES);
         // The pump outlives the handler: it carries the call's span along.
@@ -611,10 +619,11 @@ impl Relay {
 /// The frames a relay reads ahead of its client: what a slow client lets it hold.
 const RELAYED_FRAMES: usize = 2;
 
-/// What the relay read next: a frame, or the client gone.
+/// What the relay read next: a frame, the client gone, or the invocation's deadline.
 enum Read {
     Frame(Option<Result<Frame<Bytes>, crate::upstream::BodyError>>),
     Left,
+    Deadline,
 }
 
 impl Relaying {
@@ -638,13 +647,31 @@ impl Relaying {
     /// left.
     async fn next(&mut self, client: &mpsc::Sender<Frame<Bytes>>) -> Option<Frame<Bytes>> {
         let body = self.body.as_mut()?;
+        let cutoff = self.cutoff;
+        let read = async move {
+            match cutoff {
+                None => Read::Frame(body.frame().await),
+                Some(at) => tokio::time::timeout_at(at, body.frame()).await.map_or(Read::Deadline, Read::Frame),
+            }
+        };
         let read = tokio::select! {
             biased;
             () = client.closed() => Read::Left,
-            frame = body.frame() => Read::Frame(frame),
+            read = read => read,
         };
         let frame = match read {
             Read::Left => return None,
+            Read::Deadline => {
+                // Ended as a chat stream is (SPEC §11): its status in the trailers,
+                // settled on what passed and recorded before the platform cuts it.
+                tracing::warn!("gRPC answer still open at the invocation's deadline: ended");
+                let refusal = Refusal::new(
+                    Code::DeadlineExceeded,
+                    ErrorCode::Deadline,
+                    "the invocation's deadline came before the upstream's answer ended",
+                );
+                return self.finish(Some(refusal)).await;
+            }
             Read::Frame(None) => return self.finish(None).await,
             Read::Frame(Some(frame)) => frame,
         };
