@@ -21,12 +21,12 @@ mod rest;
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
-use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use http::{HeaderMap, HeaderValue, Method, Uri};
 use serde_json::json;
+use tower::util::MapRequestLayer;
 
 pub use error::{ApiError, Envelope, render, render_in};
 
@@ -84,21 +84,23 @@ pub fn app(gateway: Arc<Gateway>) -> Router {
 
 /// The serverless shape's surface: the API only (metrics leave as CloudWatch EMF).
 /// Secrets are refreshed when a request finds them due, beside it
-/// ([`Gateway::refresh_secrets_if_due`]): no timer runs between invocations.
+/// ([`Gateway::refresh_secrets_if_due`]): no timer runs between invocations. (A
+/// `map_request` layer: `middleware::from_fn` would box the inner service and its
+/// future on every request.)
 pub fn api(gateway: Arc<Gateway>) -> Router {
     let routes = api_routes().route("/v1/realtime", get(realtime_unavailable));
-    finish(routes.layer(middleware::from_fn_with_state(gateway.clone(), refresh_due_secrets)), gateway)
+    let refreshing = gateway.clone();
+    let refresh = MapRequestLayer::new(move |request: Request| {
+        refreshing.refresh_secrets_if_due();
+        request
+    });
+    finish(routes.layer(refresh), gateway)
 }
 
 /// The serverless shape's answer to `GET /v1/realtime`: a function URL cannot hold a
 /// WebSocket, said plainly (501 `realtime_unavailable`), before anything else.
 async fn realtime_unavailable() -> Response {
     render(&GatewayError::RealtimeUnavailable, true)
-}
-
-async fn refresh_due_secrets(State(gateway): State<Arc<Gateway>>, request: Request, next: Next) -> Response {
-    gateway.refresh_secrets_if_due();
-    next.run(request).await
 }
 
 fn api_routes() -> Router<Arc<Gateway>> {
