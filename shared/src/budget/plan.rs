@@ -51,11 +51,16 @@ pub fn cost(usage: Usage, price: Price) -> MicroEur {
         .saturating_add(MicroEur::for_tokens(usage.completion_tokens, price.output_per_mtok))
 }
 
-/// The highest input and output prices among backends that may serve a call.
+/// The highest input and output prices among backends that may serve a call: what a
+/// reservation prices the call at, so never below what its settlement may charge: a
+/// prompt token at the highest of a backend's input, cached-read and cache-write
+/// prices (Anthropic's cache writes cost 1.25 times the input).
 pub fn highest_price(prices: impl IntoIterator<Item = Price>) -> Price {
-    // Cached and cache-write prices left out: a reservation is at the full input price.
     prices.into_iter().fold(Price::default(), |acc, p| Price {
-        input_per_mtok: acc.input_per_mtok.max(p.input_per_mtok),
+        input_per_mtok: [p.cached_input_per_mtok, p.cache_write_per_mtok]
+            .into_iter()
+            .flatten()
+            .fold(acc.input_per_mtok.max(p.input_per_mtok), MicroEur::max),
         output_per_mtok: acc.output_per_mtok.max(p.output_per_mtok),
         ..Price::default()
     })
@@ -518,5 +523,11 @@ mod tests {
                 cache_write_per_mtok: None
             }
         );
+        // A backend whose cache writes cost more than its input: a prompt is reserved
+        // at the write price, so settlement never charges more than was reserved.
+        let writes = Price { cached_input_per_mtok: Some(MicroEur(1)), cache_write_per_mtok: Some(MicroEur(4)), ..a };
+        assert_eq!(highest_price([writes, b]).input_per_mtok, MicroEur(4));
+        let usage = Usage { cache_write_tokens: 1_000_000, ..Usage::new(1_000_000, 0) };
+        assert!(cost(usage, writes) <= cost(Usage::new(1_000_000, 0), highest_price([writes, b])));
     }
 }
