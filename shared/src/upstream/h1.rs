@@ -139,7 +139,7 @@ impl Target {
 }
 
 /// The request's bytes: its head, then `body`.
-pub(crate) fn request(target: &Target, uri: &Uri, headers: &HeaderMap, body: &[u8]) -> Vec<u8> {
+pub(crate) fn request(target: &Target, uri: &Uri, headers: &[(HeaderName, HeaderValue)], body: &[u8]) -> Vec<u8> {
     let path = uri.path_and_query().map_or("/", |p| p.as_str());
     let mut out = Vec::with_capacity(256 + body.len());
     for part in ["POST ", path, " HTTP/1.1\r\nhost: ", &target.authority, "\r\n"] {
@@ -822,7 +822,7 @@ mod tests {
 
     async fn call(pool: &Arc<Pool>, target: &Target) -> Result<http::Response<Body>, Error> {
         let uri: Uri = format!("http://{}/v1/chat/completions", target.authority).parse().unwrap();
-        pool.post(target, &request(target, &uri, &HeaderMap::new(), b"{}")).await
+        pool.post(target, &request(target, &uri, &[], b"{}")).await
     }
 
     async fn text(answer: http::Response<Body>) -> Result<String, Error> {
@@ -841,8 +841,7 @@ mod tests {
         let target = Target::of(&"http://[::1]:8080/v1".parse().unwrap()).unwrap();
         assert_eq!((target.host.as_str(), target.port), ("::1", 8080));
         let uri = "http://[::1]:8080/v1/chat/completions?x=1".parse().unwrap();
-        let mut headers = HeaderMap::new();
-        headers.insert("authorization", HeaderValue::from_static("Bearer k"));
+        let headers = [(http::header::AUTHORIZATION, HeaderValue::from_static("Bearer k"))];
         let sent = request(&target, &uri, &headers, b"{\"m\":1}");
         assert_eq!(
             String::from_utf8(sent).unwrap(),
@@ -1066,7 +1065,7 @@ mod tests {
             let uri: Uri = format!("http://{}/v1/chat/completions", target.authority).parse().unwrap();
             // More than loopback's socket buffers hold: the write cannot end unread.
             let body = vec![b' '; 64 << 20];
-            let request = request(&target, &uri, &HeaderMap::new(), &body);
+            let request = request(&target, &uri, &[], &body);
             let answer = tokio::time::timeout(Duration::from_secs(10), pool.post(&target, &request))
                 .await
                 .expect("an answer, not a wait");

@@ -329,17 +329,17 @@ impl UpstreamClient {
                 .parse::<Uri>()
                 .map_err(|e| CallError::Connect(format!("the backend url with {path}: {e}")))?,
         };
-        let mut headers = http::HeaderMap::with_capacity(8);
+        let mut headers = Outgoing(Vec::with_capacity(8));
         headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         headers.insert(http::header::ACCEPT, HeaderValue::from_static("*/*"));
         headers.insert(http::header::USER_AGENT, HeaderValue::from_static(USER_AGENT));
         if self.wire == Wire::Anthropic {
-            headers.insert("anthropic-version", HeaderValue::from_static(anthropic::VERSION));
+            headers.insert(HeaderName::from_static("anthropic-version"), HeaderValue::from_static(anthropic::VERSION));
         }
         if let Some((traceparent, state)) = trace.upstream() {
-            headers.insert(context::TRACEPARENT, traceparent);
+            headers.insert(HeaderName::from_static(context::TRACEPARENT), traceparent);
             if let Some(state) = state {
-                headers.insert(context::TRACESTATE, state);
+                headers.insert(HeaderName::from_static(context::TRACESTATE), state);
             }
         }
         if let Some(names) = &self.identity_headers {
@@ -347,7 +347,9 @@ impl UpstreamClient {
                 headers.insert(name, value);
             }
         }
-        self.forward_to(&mut headers, caller);
+        for (name, value) in self.forwarded(caller) {
+            headers.0.push((name.clone(), value.clone()));
+        }
         let live = self.live.load();
         if let Some((name, value)) = live.credential.header()? {
             headers.insert(name, value);
@@ -356,7 +358,7 @@ impl UpstreamClient {
         let target = self.target.as_ref().ok_or_else(|| CallError::Connect(format!("{}: not a URL", self.base)))?;
         if !self.speaks_h2.load(Ordering::Relaxed)
             && let Some(answer) =
-                self.over_h1(&live, target, &h1::request(target, &uri, &headers, &body), deadline).await?
+                self.over_h1(&live, target, &h1::request(target, &uri, &headers.0, &body), deadline).await?
         {
             return Ok(answer);
         }
@@ -365,7 +367,7 @@ impl UpstreamClient {
         let mut h2_request = http::Request::new(Full::new(body.clone()));
         *h2_request.method_mut() = Method::POST;
         *h2_request.uri_mut() = uri.clone();
-        *h2_request.headers_mut() = headers;
+        *h2_request.headers_mut() = headers.into_map();
         let (lane, seat) = live.transport.lanes().seat();
         match tokio::time::timeout_at(deadline, lane.client.h2.request(h2_request)).await {
             // The server chose HTTP/1.1 at this call's handshake, or at the one it
@@ -374,7 +376,7 @@ impl UpstreamClient {
                 if e.is_connect() && (cause::<NotH2>(&e).is_some() || !self.speaks_h2.load(Ordering::Relaxed)) =>
             {
                 drop(seat);
-                let request = h1::request(target, &uri, &again, &body);
+                let request = h1::request(target, &uri, &again.0, &body);
                 let answer = self.over_h1(&live, target, &request, deadline).await?;
                 answer.ok_or_else(|| {
                     CallError::Connect("the backend's server changes its HTTP version at each handshake".into())
@@ -463,12 +465,31 @@ impl UpstreamClient {
     }
 
     /// The caller's headers this backend names in `forward_headers`, every value of each.
-    fn forward_to(&self, headers: &mut http::HeaderMap, caller: &CallerIdentity) {
-        for (name, value) in &caller.forwarded {
-            if self.forward.contains(name) {
-                headers.append(name.clone(), value.clone());
-            }
+    /// The caller's headers this backend's `forward_headers` lets through.
+    fn forwarded<'c>(&'c self, caller: &'c CallerIdentity) -> impl Iterator<Item = &'c (HeaderName, HeaderValue)> {
+        caller.forwarded.iter().filter(|(name, _)| self.forward.contains(name))
+    }
+}
+
+/// An upstream call's headers, in the order they are written: a few, so a list. A
+/// `HeaderMap`, built and dropped only for `h1::request` to write it out, was ~900
+/// instructions a call; one is made only for HTTP/2.
+#[derive(Clone)]
+struct Outgoing(Vec<(HeaderName, HeaderValue)>);
+
+impl Outgoing {
+    /// Sets `name` to `value`, replacing any value it had (as `HeaderMap::insert`).
+    fn insert(&mut self, name: HeaderName, value: HeaderValue) {
+        self.0.retain(|(held, _)| *held != name);
+        self.0.push((name, value));
+    }
+
+    fn into_map(self) -> http::HeaderMap {
+        let mut map = http::HeaderMap::with_capacity(self.0.len());
+        for (name, value) in self.0 {
+            map.append(name, value);
         }
+        map
     }
 }
 
@@ -984,6 +1005,27 @@ mod tests {
     fn config(backends: &str) -> Config {
         let yaml = format!("version: 1\nai:\n  default_backend: a\n  backends:\n{backends}");
         crate::config::load_str(&yaml, &std::collections::HashMap::<String, String>::new()).unwrap().config
+    }
+
+    #[test]
+    fn outgoing_headers_are_set_as_a_header_map_sets_them() {
+        let value = HeaderValue::from_static;
+        let mut headers = Outgoing(Vec::new());
+        headers.insert(http::header::USER_AGENT, value("flexway"));
+        headers.insert(http::header::ACCEPT, value("*/*"));
+        headers.0.push((HeaderName::from_static("anthropic-beta"), value("a")));
+        headers.0.push((HeaderName::from_static("anthropic-beta"), value("b")));
+        // A later value of a name set before replaces it (a credential, an identity
+        // header), as `HeaderMap::insert` does; repeated forwarded values stay.
+        headers.insert(http::header::USER_AGENT, value("relay"));
+        let names: Vec<(&str, &[u8])> = headers.0.iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
+        assert_eq!(
+            names,
+            [("accept", &b"*/*"[..]), ("anthropic-beta", b"a"), ("anthropic-beta", b"b"), ("user-agent", b"relay")]
+        );
+        let map = headers.into_map();
+        assert_eq!(map.get_all("anthropic-beta").iter().count(), 2);
+        assert_eq!(map["user-agent"], "relay");
     }
 
     #[tokio::test]

@@ -62,7 +62,9 @@ impl UpstreamClient {
                 headers.insert(context::TRACESTATE, state);
             }
         }
-        self.forward_to(headers, caller);
+        for (name, value) in self.forwarded(caller) {
+            headers.append(name.clone(), value.clone());
+        }
         if let Some((name, value)) = self.live.load().credential.header()? {
             headers.insert(name, value);
         }
