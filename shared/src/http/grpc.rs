@@ -647,17 +647,10 @@ impl Relaying {
     /// left.
     async fn next(&mut self, client: &mpsc::Sender<Frame<Bytes>>) -> Option<Frame<Bytes>> {
         let body = self.body.as_mut()?;
-        let cutoff = self.cutoff;
-        let read = async move {
-            match cutoff {
-                None => Read::Frame(body.frame().await),
-                Some(at) => tokio::time::timeout_at(at, body.frame()).await.map_or(Read::Deadline, Read::Frame),
-            }
-        };
         let read = tokio::select! {
             biased;
             () = client.closed() => Read::Left,
-            read = read => read,
+            frame = super::before(self.cutoff, body.frame()) => frame.map_or(Read::Deadline, Read::Frame),
         };
         let frame = match read {
             Read::Left => return None,

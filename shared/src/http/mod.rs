@@ -74,6 +74,18 @@ impl Deadline {
     }
 }
 
+/// `future`'s output, unless `cutoff` (a [`Deadline::cutoff`]) comes first: `None`
+/// then. No cutoff (the local shape), no limit.
+pub(super) async fn before<F: std::future::Future>(
+    cutoff: Option<tokio::time::Instant>,
+    future: F,
+) -> Option<F::Output> {
+    match cutoff {
+        None => Some(future.await),
+        Some(at) => tokio::time::timeout_at(at, future).await.ok(),
+    }
+}
+
 pub use reload::{Current, Reloadable};
 
 /// The local shape's surface: the API plus `GET /metrics` (Prometheus).

@@ -443,7 +443,8 @@ struct Relaying {
 
 /// What the relay read next: a frame (or the deadline), or the client gone.
 enum Read {
-    Frame(Result<Option<Result<Frame<Bytes>, crate::upstream::BodyError>>, tokio::time::error::Elapsed>),
+    /// `None`: the invocation's deadline came first.
+    Frame(Option<Option<Result<Frame<Bytes>, crate::upstream::BodyError>>>),
     Left,
 }
 
@@ -478,22 +479,15 @@ impl Relaying {
             self.finish(Outcome::Status { status: self.status, retry_after: None }, None).await;
             return None;
         }
-        let cutoff = self.cutoff;
-        let read = async move {
-            match cutoff {
-                None => Ok(body.frame().await),
-                Some(at) => tokio::time::timeout_at(at, body.frame()).await,
-            }
-        };
         let read = tokio::select! {
             biased;
             () = client.closed() => Read::Left,
-            frame = read => Read::Frame(frame),
+            frame = super::before(self.cutoff, body.frame()) => Read::Frame(frame),
         };
         let frame = match read {
             Read::Left => return None,
-            Read::Frame(Ok(frame)) => frame,
-            Read::Frame(Err(_)) => {
+            Read::Frame(Some(frame)) => frame,
+            Read::Frame(None) => {
                 tracing::warn!("REST answer still open at the invocation's deadline: ended");
                 self.finish(Outcome::Success, Some(ErrorCode::Deadline)).await;
                 return Some(Err(BoxError::from("the invocation's deadline")));
