@@ -8,7 +8,6 @@
 //! `estimated`: a bound would overcharge by about four times.
 
 use std::cell::RefCell;
-use std::rc::Rc;
 use std::sync::Arc;
 
 use crate::call::Usage;
@@ -180,7 +179,7 @@ impl Plans {
 }
 
 /// Each period's stamp and end at one instant, computed once for every budget of a
-/// call.
+/// caller.
 struct Periods {
     day: (String, u64),
     month: (String, u64),
@@ -188,21 +187,10 @@ struct Periods {
 
 impl Periods {
     /// The periods at `now`: the same for every second of a UTC day (a Unix day is
-    /// 86,400 seconds), so each thread computes them once a day, not once a call.
-    fn at(now: u64) -> Rc<Periods> {
-        thread_local! {
-            static TODAY: RefCell<Option<(u64, Rc<Periods>)>> = const { RefCell::new(None) };
-        }
-        let day = now / 86_400;
-        TODAY.with_borrow_mut(|today| match today {
-            Some((cached, periods)) if *cached == day => Rc::clone(periods),
-            _ => {
-                let of = |p: Period| (p.stamp(now), p.end(now));
-                let periods = Rc::new(Periods { day: of(Period::Day), month: of(Period::Month) });
-                *today = Some((day, Rc::clone(&periods)));
-                periods
-            }
-        })
+    /// 86,400 seconds), so [`Plans`] keeps what is built of them for the day.
+    fn at(now: u64) -> Periods {
+        let of = |p: Period| (p.stamp(now), p.end(now));
+        Periods { day: of(Period::Day), month: of(Period::Month) }
     }
 
     fn of(&self, period: Period) -> &(String, u64) {
@@ -386,7 +374,7 @@ mod tests {
         assert_eq!(stamps(midnight - 86_400), ("2025-12-01".into(), "2025-12".into(), midnight));
         assert_eq!(stamps(midnight - 1), ("2025-12-01".into(), "2025-12".into(), midnight));
         assert_eq!(stamps(midnight), ("2025-12-02".into(), "2025-12".into(), midnight + 86_400));
-        // Back to an earlier day on the same thread (a clock set back): computed again.
+        // Back to an earlier day (a clock set back): that day's.
         assert_eq!(stamps(midnight - 1).0, "2025-12-01");
         assert_eq!(stamps(0), ("1970-01-01".into(), "1970-01".into(), 86_400));
         // What is kept is what each period computes, at a month's, a leap day's and a
