@@ -54,7 +54,7 @@ pub struct Gateway {
     pub audit: Arc<dyn AuditSink>,
     /// Salted hashing of identifiers for the audit.
     pub hasher: Hasher,
-    pub breakers: Breakers,
+    pub breakers: Arc<Breakers>,
     /// Kept across reloads, as the telemetry is: counters never go back.
     pub metrics: Arc<Registry>,
     pub telemetry: Arc<Telemetry>,
@@ -109,7 +109,9 @@ impl Gateway {
             soft_hints: SoftHints::default(),
             audit,
             metrics: Arc::new(Registry::new()),
-            breakers: Breakers::new(config.ai.backends.iter().map(|(n, b)| (n.clone(), b.circuit_breaker.clone()))),
+            breakers: Arc::new(Breakers::new(
+                config.ai.backends.iter().map(|(n, b)| (n.clone(), b.circuit_breaker.clone())),
+            )),
             config,
             secrets,
             next_refresh,
@@ -159,7 +161,7 @@ impl Gateway {
             soft_hints: SoftHints::default(),
             audit: self.audit.clone(),
             metrics: self.metrics.clone(),
-            breakers,
+            breakers: Arc::new(breakers),
             next_refresh: Mutex::new(Instant::now() + config.secrets.refresh),
             config,
             secrets: self.secrets.clone(),

@@ -1,10 +1,10 @@
 //! The attempt phase, written once for every door: the route tried in order until one
 //! backend's answer is in, before a byte reached the client (SPEC §5).
 //!
-//! A candidate whose breaker is open is skipped; one that is admitted gets a
-//! [`Pass`], and its outcome reaches its breaker through that pass only: here for
-//! every failure and every answer read whole, or later, by the door, when a stream or
-//! a session ends. A failure falls back to the next candidate when another backend
+//! Each candidate is a call through the breaker layer ([`BreakerLayer`]): a candidate
+//! whose breaker is open is skipped without a call; the layer tells the breaker how
+//! every failure and every answer read whole counted ([`Classify`]), and hands back a
+//! [`Pass`] through which the door tells it how a stream or a session ended. A failure falls back to the next candidate when another backend
 //! could do better ([`Failure::retryable`]); one that no backend could (the request
 //! cannot be carried) ends the call with its own error. When no candidate served, the
 //! error names every backend tried or skipped, and why ([`unserved`]).
@@ -16,6 +16,7 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
+use tower::{Layer as _, ServiceExt as _};
 use tracing::Instrument as _;
 
 use super::record::Draft;
@@ -23,7 +24,7 @@ use crate::call::PickReason;
 use crate::config::{BackendId, Endpoint, FailureMode};
 use crate::error::{Attempts, GatewayError, UnavailableCause};
 use crate::gateway::Gateway;
-use crate::routing::breaker::{Outcome, Pass};
+use crate::routing::breaker::{BreakerLayer, Call, Classify, Outcome, Pass, Passed, Refused};
 use crate::routing::picker::{self, EndpointPicker, PickerError};
 use crate::routing::{Candidate, Route};
 use crate::upstream::body::Fault;
@@ -44,13 +45,19 @@ pub(super) enum Failure {
     AfterSend(Box<Failure>),
     /// An inference pool's endpoint picker could not answer: nothing was sent.
     Picker(PickerError),
+    /// An inference pool's picker named no endpoint this door can call: nothing was
+    /// sent.
+    Unreached,
+    /// The request cannot be carried in this backend's format: the caller's error,
+    /// which ends the call (nothing was sent).
+    Request(Box<GatewayError>),
 }
 
 impl Failure {
     /// Whether another backend could serve where this one failed: nothing reached the
     /// client yet, and the request can go again.
     pub fn retryable(&self) -> bool {
-        !matches!(self, Failure::AfterSend(_))
+        !matches!(self, Failure::AfterSend(_) | Failure::Request(_))
     }
 
     /// The failure itself, whether or not the request went out.
@@ -58,21 +65,6 @@ impl Failure {
         match self {
             Failure::AfterSend(failure) => failure.cause(),
             failure => failure,
-        }
-    }
-
-    /// How the failure counts for the backend's breaker; `None` when it says nothing
-    /// of the backend's health (our own credential file is missing).
-    pub fn breaker_outcome(&self) -> Option<Outcome> {
-        match self.cause() {
-            Failure::Status { status, retry_after } => {
-                Some(Outcome::Status { status: *status, retry_after: *retry_after })
-            }
-            Failure::Head(CallError::Timeout(_)) => Some(Outcome::Timeout),
-            Failure::Head(CallError::Connect(_) | CallError::Tls(_)) => Some(Outcome::ConnectionError),
-            Failure::Head(CallError::Credential(_)) => None,
-            Failure::Body(fault) => Some(fault_outcome(fault)),
-            Failure::AfterSend(_) | Failure::Picker(_) => None,
         }
     }
 
@@ -93,8 +85,27 @@ impl Failure {
             Failure::Body(fault) => {
                 tracing::warn!(backend = %backend, "backend answer failed before the first byte: {fault}");
             }
-            Failure::AfterSend(_) => {}
+            Failure::AfterSend(_) | Failure::Unreached | Failure::Request(_) => {}
             Failure::Picker(e) => tracing::warn!(backend = %backend, "{e}"),
+        }
+    }
+}
+
+/// The one classification: fallback reads [`Failure::retryable`], the breaker layer
+/// this, the audit the error each becomes ([`unserved`]).
+impl Classify for Failure {
+    /// How the failure counts for the backend's breaker; `None` when it says nothing
+    /// of the backend's health (our own credential file is missing, nothing was sent).
+    fn breaker_outcome(&self) -> Option<Outcome> {
+        match self.cause() {
+            Failure::Status { status, retry_after } => {
+                Some(Outcome::Status { status: *status, retry_after: *retry_after })
+            }
+            Failure::Head(CallError::Timeout(_)) => Some(Outcome::Timeout),
+            Failure::Head(CallError::Connect(_) | CallError::Tls(_)) => Some(Outcome::ConnectionError),
+            Failure::Head(CallError::Credential(_)) => None,
+            Failure::Body(fault) => fault.breaker_outcome(),
+            Failure::AfterSend(_) | Failure::Picker(_) | Failure::Unreached | Failure::Request(_) => None,
         }
     }
 }
@@ -102,10 +113,12 @@ impl Failure {
 /// How an answer's failure after its head counts for the backend's breaker: a stall
 /// is a timeout, a cut or invalid answer a broken connection. Also how a stream that
 /// breaks after its first byte counts.
-pub(super) fn fault_outcome(fault: &Fault) -> Outcome {
-    match fault {
-        Fault::Timeout => Outcome::Timeout,
-        Fault::Cut(_) | Fault::Invalid(_) => Outcome::ConnectionError,
+impl Classify for Fault {
+    fn breaker_outcome(&self) -> Option<Outcome> {
+        Some(match self {
+            Fault::Timeout => Outcome::Timeout,
+            Fault::Cut(_) | Fault::Invalid(_) => Outcome::ConnectionError,
+        })
     }
 }
 
@@ -115,6 +128,12 @@ pub(super) struct Answered<T> {
     /// What the breaker is told now; `None` when the door tells it through the pass
     /// once the answer ends (a stream, a session).
     pub outcome: Option<Outcome>,
+}
+
+impl<T> Classify for Answered<T> {
+    fn breaker_outcome(&self) -> Option<Outcome> {
+        self.outcome
+    }
 }
 
 /// The candidate that served, its answer, and its breaker's pass.
@@ -170,10 +189,10 @@ pub(super) trait Attempt {
     ) -> impl Future<Output = Result<Answered<Self::Answer>, Failure>> + Send;
 }
 
-/// Tries `route` in order until a backend's answer is in. A candidate the door
-/// reaches is tried if its breaker admits it: prepared, named in the call's draft,
-/// attempted, its wait timed. An inference pool is tried endpoint by endpoint, as
-/// its picker names them ([`pick`]).
+/// Tries `route` in order until a backend's answer is in. Each candidate the door
+/// reaches is one call through the breaker layer ([`BreakerLayer`]): skipped when its
+/// breaker is open, else taken in turn ([`take_turn`]), and its breaker told how it
+/// went by the layer alone.
 pub(super) async fn attempt_chain<A: Attempt>(
     gateway: &Gateway,
     draft: &mut Draft,
@@ -194,91 +213,97 @@ pub(super) async fn attempt_chain<A: Attempt>(
         let Some((target, timeout)) = door.reach(backend) else {
             continue;
         };
-        let Some(mut pass) = gateway.breakers.pass(backend, Instant::now()) else {
-            attempts.skipped.push(backend.clone());
-            continue;
-        };
-        let (model, prepared) = door.prepare(&target)?;
-        pass.hold(held.or_else(|| gateway.router.loads.start(backend)));
-        let Some((picker, mode)) = gateway.router.picker(backend) else {
-            let one = One { candidate: candidate.clone(), target, model, prepared, timeout };
-            match try_one(gateway, draft, route, door, one, &pass, &mut attempts).await {
-                Ok(value) => return Ok(Served { candidate: candidate.clone(), value, pass, timeout }),
-                Err(failure) => {
-                    if !failed(gateway, &pass, backend, failure, &mut last) {
-                        break;
-                    }
-                }
+        let turn =
+            Turn { gateway, route, door, candidate, target, timeout, draft: &mut *draft, attempts: &mut attempts };
+        let in_flight = held.or_else(|| gateway.router.loads.start(backend));
+        let call = Call { backend: backend.clone(), in_flight, request: turn };
+        let guarded = BreakerLayer::new(gateway.breakers.clone()).layer(tower::service_fn(take_turn::<A>));
+        let failure = match guarded.oneshot(call).await {
+            Ok(Passed { answer: Answered { value: (candidate, value), .. }, pass }) => {
+                return Ok(Served { candidate, value, pass, timeout });
             }
-            continue;
+            Err(Refused::Open) => {
+                attempts.skipped.push(backend.clone());
+                continue;
+            }
+            Err(Refused::Failed(failure)) => failure,
         };
-        let endpoints = match pick(picker, door, draft, &prepared).await {
-            Ok(endpoints) => endpoints,
-            Err(e) => {
+        match failure {
+            Failure::Request(error) => return Err(*error),
+            Failure::Unreached => {}
+            Failure::Picker(e) => {
+                let mode = gateway.router.picker(backend).map(|(_, mode)| *mode);
                 tracing::warn!(backend = %backend, failure_mode = ?mode, "{e}");
-                if *mode == FailureMode::FailOpen {
+                if mode == Some(FailureMode::FailOpen) {
                     opened.push(backend);
                 }
                 last = Some((backend.clone(), Failure::Picker(e)));
-                continue;
             }
-        };
-        // Only the pool's failure as a whole counts for its breaker: one model
-        // server's is the picker's to route around.
-        let mut endpoint_failure = None;
-        let mut first = Some((model, prepared));
-        for (j, endpoint) in endpoints.iter().take(picker::MAX_TRIED).enumerate() {
-            let Some(target) = door.at(backend, &target, endpoint) else { continue };
-            // What is sent does not depend on the endpoint: prepared once, but for
-            // the body a failed attempt took.
-            let (model, prepared) = match first.take() {
-                Some(prepared) => prepared,
-                None => door.prepare(&target)?,
-            };
-            let mut served_by = candidate.clone();
-            if j > 0 {
-                served_by.degraded = true;
-                served_by.reason = Some(PickReason::Fallback);
-            }
-            let one = One { candidate: served_by.clone(), target, model, prepared, timeout };
-            // The attempt's failure is logged once, by `try_one`, naming the endpoint.
-            let attempt = try_one(gateway, draft, route, door, one, &pass, &mut attempts)
-                .instrument(tracing::warn_span!("picked", endpoint = endpoint.as_str()));
-            match attempt.await {
-                Ok(value) => return Ok(Served { candidate: served_by, value, pass, timeout }),
-                Err(failure) => {
-                    let retryable = failure.retryable();
-                    endpoint_failure = Some(failure);
-                    if !retryable {
-                        break;
-                    }
+            failure => {
+                let retryable = failure.retryable();
+                last = Some((backend.clone(), failure));
+                if !retryable {
+                    break;
                 }
             }
-        }
-        if let Some(failure) = endpoint_failure
-            && !failed(gateway, &pass, backend, failure, &mut last)
-        {
-            break;
         }
     }
     Err(unserved(route, attempts, last))
 }
 
-/// A candidate that failed: its breaker told, the failure kept as the last one;
-/// whether the chain may go on to the next candidate.
-fn failed(
-    gateway: &Gateway,
-    pass: &Pass,
-    backend: &BackendId,
-    failure: Failure,
-    last: &mut Option<(BackendId, Failure)>,
-) -> bool {
-    if let Some(outcome) = failure.breaker_outcome() {
-        pass.record(&gateway.breakers, outcome);
+/// One candidate's turn: what the breaker layer's inner service is asked.
+struct Turn<'a, A: Attempt> {
+    gateway: &'a Gateway,
+    route: &'a Route,
+    door: &'a A,
+    candidate: &'a Candidate,
+    target: A::Target,
+    /// The backend's `timeout`.
+    timeout: Duration,
+    draft: &'a mut Draft,
+    attempts: &'a mut Attempts,
+}
+
+/// A candidate admitted by its breaker, attempted: prepared, then sent; an inference
+/// pool endpoint by endpoint, as its picker names them ([`pick`]). The answer comes
+/// with the candidate that served it (a pool's later endpoint serves degraded).
+/// Only the pool's failure as a whole is the answer: one model server's is the
+/// picker's to route around.
+async fn take_turn<A: Attempt>(turn: Turn<'_, A>) -> Result<Answered<(Candidate, A::Answer)>, Failure> {
+    let Turn { gateway, route, door, candidate, target, timeout, draft, attempts } = turn;
+    let (model, prepared) = door.prepare(&target).map_err(|e| Failure::Request(Box::new(e)))?;
+    let Some((picker, _)) = gateway.router.picker(&candidate.backend) else {
+        let one = One { candidate: candidate.clone(), target, model, prepared, timeout };
+        let Answered { value, outcome } = try_one(gateway, draft, route, door, one, attempts).await?;
+        return Ok(Answered { value: (candidate.clone(), value), outcome });
+    };
+    let endpoints = pick(picker, door, draft, &prepared).await.map_err(Failure::Picker)?;
+    let mut endpoint_failure = None;
+    let mut first = Some((model, prepared));
+    for (j, endpoint) in endpoints.iter().take(picker::MAX_TRIED).enumerate() {
+        let Some(target) = door.at(&candidate.backend, &target, endpoint) else { continue };
+        // What is sent does not depend on the endpoint: prepared once, but for the
+        // body a failed attempt took.
+        let (model, prepared) = match first.take() {
+            Some(prepared) => prepared,
+            None => door.prepare(&target).map_err(|e| Failure::Request(Box::new(e)))?,
+        };
+        let mut served_by = candidate.clone();
+        if j > 0 {
+            served_by.degraded = true;
+            served_by.reason = Some(PickReason::Fallback);
+        }
+        let one = One { candidate: served_by.clone(), target, model, prepared, timeout };
+        // The attempt's failure is logged once, by `try_one`, naming the endpoint.
+        let attempt = try_one(gateway, draft, route, door, one, attempts)
+            .instrument(tracing::warn_span!("picked", endpoint = endpoint.as_str()));
+        match attempt.await {
+            Ok(Answered { value, outcome }) => return Ok(Answered { value: (served_by, value), outcome }),
+            Err(failure) if failure.retryable() => endpoint_failure = Some(failure),
+            Err(failure) => return Err(failure),
+        }
     }
-    let retryable = failure.retryable();
-    *last = Some((backend.clone(), failure));
-    retryable
+    Err(endpoint_failure.unwrap_or(Failure::Unreached))
 }
 
 /// One attempt at one target: what it is sent and as which candidate.
@@ -291,17 +316,15 @@ struct One<A: Attempt> {
 }
 
 /// Attempts `one`, up to its answer being in: named in the draft, its wait timed and
-/// told to `latency` picking; an answer's outcome told to its breaker now when the
-/// door gives one (a failure's is the caller's to tell).
+/// told to `latency` picking.
 async fn try_one<A: Attempt>(
     gateway: &Gateway,
     draft: &mut Draft,
     route: &Route,
     door: &A,
     one: One<A>,
-    pass: &Pass,
     attempts: &mut Attempts,
-) -> Result<A::Answer, Failure> {
+) -> Result<Answered<A::Answer>, Failure> {
     let One { candidate, target, model, prepared, timeout } = one;
     let backend = &candidate.backend;
     let loads = &gateway.router.loads;
@@ -312,25 +335,22 @@ async fn try_one<A: Attempt>(
     let waited = sent.elapsed();
     draft.waited(waited);
     match result {
-        Ok(Answered { value, outcome }) => {
+        Ok(answered) => {
             // A stream is told a success at its end; a relayed 4xx (a 429) is no
             // answer: it counts for `latency` as a timeout would, and remembers no
             // prefix.
-            let answered = match outcome {
+            let ok = match answered.outcome {
                 None | Some(Outcome::Success) => true,
                 Some(Outcome::Status { status, .. }) => (200..300).contains(&status),
                 Some(Outcome::ConnectionError | Outcome::Timeout) => false,
             };
-            if let Some(outcome) = outcome {
-                pass.record(&gateway.breakers, outcome);
-            }
-            if answered {
+            if ok {
                 loads.observe_latency(backend, waited);
                 gateway.router.served(route, &candidate);
             } else {
                 loads.observe_latency(backend, timeout.max(waited));
             }
-            Ok(value)
+            Ok(answered)
         }
         Err(failure) => {
             failure.log(backend);

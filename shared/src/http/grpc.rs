@@ -671,7 +671,7 @@ impl Relaying {
         let frame = match frame {
             Err(e) => {
                 tracing::warn!("gRPC upstream stream: {e}");
-                self.pass.record(&self.ending.meter.gateway.breakers, Outcome::ConnectionError);
+                self.pass.tell(&Outcome::ConnectionError);
                 let refusal = self.ending.meter.stop().map(Refusal::from).unwrap_or_else(|| {
                     Refusal::new(Code::Unavailable, ErrorCode::UpstreamError, format!("the upstream stream broke: {e}"))
                 });

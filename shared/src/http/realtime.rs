@@ -330,7 +330,7 @@ impl Session {
             let _ = tokio::time::timeout(CLOSE_GRACE, self.upstream.close(Some(frame))).await;
         }
         if end.reason == CloseReason::UpstreamError {
-            self.pass.record(&gateway.breakers, Outcome::ConnectionError);
+            self.pass.tell(&Outcome::ConnectionError);
         }
         if let Some(ticket) = self.ticket.take() {
             ticket.refund().await;

@@ -210,13 +210,12 @@ fn stream(gateway: Arc<Gateway>, stream: Stream, mut draft: Draft, deadline: Opt
     // The pump outlives the handler: it carries the call's span (its request id) along.
     let pumping = async move {
         let outcome = pump(held, &tx, idle_timeout, &mut draft, deadline.map(Deadline::cutoff)).await;
-        let health = match &outcome.end {
-            StreamEnd::Broken(fault) => super::chain::fault_outcome(fault),
+        match &outcome.end {
+            StreamEnd::Broken(fault) => pass.tell(fault),
             // A client that leaves, or the platform's clock, says nothing of the
             // backend, which was answering.
-            StreamEnd::Done | StreamEnd::ClientGone | StreamEnd::Deadline => Outcome::Success,
-        };
-        pass.record(&gateway.breakers, health);
+            StreamEnd::Done | StreamEnd::ClientGone | StreamEnd::Deadline => pass.tell(&Outcome::Success),
+        }
         // Boxed, as the rare ends below: the task's own size is what each open stream
         // holds while it waits for the next event.
         Box::pin(settle.finish(&gateway, &outcome, draft)).await;

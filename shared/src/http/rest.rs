@@ -535,7 +535,7 @@ impl Relaying {
         if let Some(pass) = self.pass.take() {
             let outcome =
                 if self.served && matches!(outcome, Outcome::Status { .. }) { Outcome::Success } else { outcome };
-            pass.record(&self.ending.meter.gateway.breakers, outcome);
+            pass.tell(&outcome);
         }
         self.ending.end(self.served, error_code).await;
     }

@@ -2,8 +2,9 @@
 //!
 //! Each gateway instance keeps its own breakers, so across instances they are
 //! approximate: a protection for the backend and for our callers' latency, not a
-//! counter anyone reconciles. Time is always passed in (`now`), never read here, so the
-//! state machine is deterministic and testable without sleeping.
+//! counter anyone reconciles. Time is always passed in (`now`): the state machine is
+//! deterministic and testable without sleeping. Calls reach it through one `tower`
+//! layer only ([`BreakerLayer`]), which reads the clock.
 //!
 //! Invariants:
 //! - an open breaker admits nobody until its trip ends;
@@ -19,6 +20,10 @@ use std::time::{Duration, Instant};
 use foldhash::HashMap;
 
 use crate::config::{BackendId, BreakerPolicy, BreakerTrigger};
+
+mod layer;
+
+pub use layer::{BreakerLayer, Call, Classify, Pass, Passed, Refused};
 
 /// The ratio window is kept as this many buckets per `interval`: outcomes are counted,
 /// not stored, so a busy backend costs no more memory than an idle one. The price is
@@ -95,34 +100,6 @@ pub enum Admit {
     No,
 }
 
-/// A call's admission by its backend's breaker ([`Breakers::pass`]): what the call's
-/// outcome is reported through, once its answer is in or, for a stream or a session,
-/// once it ends. A half-open breaker's pass is its one probe; a pass never reported
-/// (its call dropped) does not wedge it.
-#[derive(Debug)]
-pub struct Pass {
-    backend: BackendId,
-    /// The call counted in flight to a pool member for as long as the pass lives
-    /// (the whole call, a stream's included).
-    in_flight: Option<super::pick::InFlight>,
-}
-
-impl Pass {
-    /// Counts the call in flight to its backend until the pass drops.
-    pub fn hold(&mut self, in_flight: Option<super::pick::InFlight>) {
-        self.in_flight = in_flight;
-    }
-
-    pub fn backend(&self) -> &BackendId {
-        &self.backend
-    }
-
-    /// Reports the call's outcome to the backend's breaker.
-    pub fn record(&self, breakers: &Breakers, outcome: Outcome) {
-        breakers.record(&self.backend, outcome, Instant::now());
-    }
-}
-
 /// The breakers of every declared backend.
 pub struct Breakers {
     breakers: Mutex<HashMap<BackendId, Breaker>>,
@@ -132,12 +109,6 @@ impl Breakers {
     pub fn new(policies: impl IntoIterator<Item = (BackendId, BreakerPolicy)>) -> Self {
         let breakers = policies.into_iter().map(|(backend, policy)| (backend, Breaker::new(policy))).collect();
         Breakers { breakers: Mutex::new(breakers) }
-    }
-
-    /// A pass for a call to `backend`, unless its breaker is open (or its one
-    /// half-open probe is out): the only way in, and its outcome goes back through it.
-    pub fn pass(&self, backend: &BackendId, now: Instant) -> Option<Pass> {
-        (self.admit(backend, now) != Admit::No).then(|| Pass { backend: backend.clone(), in_flight: None })
     }
 
     /// Whether a call may go to `backend`. A `Probe` answer reserves the half-open
