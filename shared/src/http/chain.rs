@@ -16,7 +16,7 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use tower::{Layer as _, ServiceExt as _};
+use tower::{Layer as _, Service as _};
 use tracing::Instrument as _;
 
 use super::record::Draft;
@@ -217,8 +217,15 @@ pub(super) async fn attempt_chain<A: Attempt>(
             Turn { gateway, route, door, candidate, target, timeout, draft: &mut *draft, attempts: &mut attempts };
         let in_flight = held.or_else(|| gateway.router.loads.start(backend));
         let call = Call { backend: backend.clone(), in_flight, request: turn };
-        let guarded = BreakerLayer::new(gateway.breakers.clone()).layer(tower::service_fn(take_turn::<A>));
-        let failure = match guarded.oneshot(call).await {
+        let mut guarded = BreakerLayer::new(gateway.breakers.clone()).layer(tower::service_fn(take_turn::<A>));
+        // Made ready, then called where it is awaited: `oneshot` would move the turn's
+        // future (the attempt's inside it, kilobytes) once more, 400 instructions a
+        // call (benches/instructions).
+        let answer = match std::future::poll_fn(|cx| guarded.poll_ready(cx)).await {
+            Ok(()) => guarded.call(call).await,
+            Err(refused) => Err(refused),
+        };
+        let failure = match answer {
             Ok(Passed { answer: Answered { value: (candidate, value), .. }, pass }) => {
                 return Ok(Served { candidate, value, pass, timeout });
             }
