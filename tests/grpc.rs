@@ -492,31 +492,48 @@ fn framed(message: &impl Message) -> Vec<u8> {
     out
 }
 
+/// A gRPC-Web call to the OCR service's `method` at `url`, `message` its one frame.
+fn grpc_web(url: &str, method: &str, message: &impl Message) -> reqwest::RequestBuilder {
+    flexway_testkit::client()
+        .post(format!("{url}/ocr.v1.Ocr/{method}"))
+        .bearer_auth(KEY)
+        .header("content-type", "application/grpc-web+proto")
+        .header("x-grpc-web", "1")
+        .body(framed(message))
+}
+
+/// A gRPC-Web answer's frames: its messages (flag 0), in order, and its trailers
+/// frame (flag 0x80) as text (empty when there is none).
+fn web_frames(body: &[u8]) -> (Vec<&[u8]>, String) {
+    let (mut at, mut messages, mut trailers) = (0, Vec::new(), String::new());
+    while at + 5 <= body.len() {
+        let length = u32::from_be_bytes(body[at + 1..at + 5].try_into().unwrap()) as usize;
+        let frame = &body[at + 5..at + 5 + length];
+        if body[at] == 0x80 {
+            trailers = String::from_utf8_lossy(frame).into_owned();
+        } else {
+            messages.push(frame);
+        }
+        at += 5 + length;
+    }
+    (messages, trailers)
+}
+
 #[tokio::test]
 async fn serves_grpc_web_unary_and_refuses_client_streaming() {
     let upstream = FakeOcr::start().await.unwrap();
     let (gateway, audit, _dir) = in_process(&upstream.url(), "{eur_per_month: 100}").await;
-    let web = |method: &str, body: Vec<u8>| {
-        flexway_testkit::client()
-            .post(format!("{}/ocr.v1.Ocr/{method}", gateway.url))
-            .bearer_auth(KEY)
-            .header("content-type", "application/grpc-web+proto")
-            .header("x-grpc-web", "1")
-            .body(body)
-    };
-    let response = web("Recognize", framed(&image(42, 0))).send().await.unwrap();
+    let response = grpc_web(&gateway.url, "Recognize", &image(42, 0)).send().await.unwrap();
     assert_eq!(response.status(), 200);
     assert!(response.headers()["content-type"].to_str().unwrap().starts_with("application/grpc-web"));
     let body = response.bytes().await.unwrap();
-    let length = u32::from_be_bytes(body[1..5].try_into().unwrap()) as usize;
-    let text = Text::decode(&body[5..5 + length]).unwrap();
-    assert_eq!(text.text, "42");
-    let trailers = String::from_utf8_lossy(&body[5 + length + 5..]).to_string();
-    assert_eq!(body[5 + length], 0x80, "the trailers frame");
+    let (messages, trailers) = web_frames(&body);
+    assert_eq!(messages.len(), 1, "one message, then the trailers frame");
+    assert_eq!(Text::decode(messages[0]).unwrap().text, "42");
     assert!(trailers.contains("grpc-status:0\r\n"), "{trailers}");
     assert!(trailers.contains("flexway-cost-eur:0.002500\r\n"), "{trailers}");
 
-    let response = web("Upload", framed(&image(1, 0))).send().await.unwrap();
+    let response = grpc_web(&gateway.url, "Upload", &image(1, 0)).send().await.unwrap();
     assert_eq!(response.headers()["grpc-status"], "12");
     let message = response.headers()["grpc-message"].to_str().unwrap().to_owned();
     assert!(message.contains("gRPC-Web carries unary and server-streaming calls only"), "{message}");
@@ -543,32 +560,14 @@ async fn a_grpc_web_stream_open_at_the_deadline_ends_settled_and_recorded() {
         serve_router_in_process(&config, adapters, |g| flexway::http::api(g).layer(axum::Extension(deadline))).await;
     let request = Image { count: 20, delay_ms: 100, reply_bytes: 10, ..Default::default() };
     let started = Instant::now();
-    let response = flexway_testkit::client()
-        .post(format!("{}/ocr.v1.Ocr/Pages", gateway.url))
-        .bearer_auth(KEY)
-        .header("content-type", "application/grpc-web+proto")
-        .header("x-grpc-web", "1")
-        .body(framed(&request))
-        .send()
-        .await
-        .unwrap();
+    let response = grpc_web(&gateway.url, "Pages", &request).send().await.unwrap();
     assert_eq!(response.status(), 200);
     let body = response.bytes().await.unwrap();
     let elapsed = started.elapsed();
     assert!(elapsed < Duration::from_secs(2), "the stream ran to its end: {elapsed:?}");
 
-    // Frames: messages (flag 0), then the trailers frame (flag 0x80).
-    let (mut at, mut pages, mut trailers) = (0, 0, String::new());
-    while at + 5 <= body.len() {
-        let length = u32::from_be_bytes(body[at + 1..at + 5].try_into().unwrap()) as usize;
-        let frame = &body[at + 5..at + 5 + length];
-        if body[at] == 0x80 {
-            trailers = String::from_utf8_lossy(frame).into_owned();
-        } else {
-            pages += 1;
-        }
-        at += 5 + length;
-    }
+    let (pages, trailers) = web_frames(&body);
+    let pages = pages.len();
     assert!((1..20).contains(&pages), "part of the stream passed: {pages} pages");
     assert!(trailers.contains("grpc-status:4\r\n"), "DEADLINE_EXCEEDED: {trailers}");
     assert!(trailers.contains("deadline"), "{trailers}");
