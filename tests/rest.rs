@@ -1,8 +1,8 @@
 //! REST operations (SPEC §10): the real binary in front of a fake REST upstream on
 //! loopback, built from the contract the gateway reads. Per call and per byte metered
 //! to the micro-euro, unmetered operations proxied, the contract as the allow-list,
-//! refunds, a relayed 4xx, sensitivity, a burst on a small euro cap, fallback, and the
-//! refusals at load.
+//! refunds, a relayed 4xx, sensitivity, a burst on a small euro cap, fallback, a
+//! breaker's probe whose client leaves, and the refusals at load.
 #![cfg(test)]
 
 use std::sync::{Arc, Mutex};
@@ -486,4 +486,48 @@ async fn a_client_that_leaves_mid_answer_is_recorded_once_and_charged_what_passe
     let [_, _, eur] = gw.ledger("acme", None).await;
     assert_eq!(eur, record.cost_micro_eur);
     assert_eq!(gw.live_reservations().await, 0);
+}
+
+/// A client that leaves mid-answer says nothing against the backend, which was
+/// answering: when that call was a half-open breaker's one probe, the breaker hears
+/// the answer's head (a success) and closes, rather than holding every other call off
+/// until the lost probe's `trip` has passed again.
+#[tokio::test]
+async fn a_probe_whose_client_leaves_mid_answer_still_closes_the_breaker() {
+    let url = upstream(Seen::default(), false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let contract = dir.path().join("ocr.yaml");
+    std::fs::write(&contract, CONTRACT).unwrap();
+    let ai = format!(
+        "  backends:\n    ocr: {{kind: http, url: \"{url}\", contract: \"{}\", mount: /apis/ocr, \
+         circuit_breaker: {{failures: 1, trip: 1s}}}}\n",
+        contract.display()
+    );
+    let (adapters, audit) = memory_adapters();
+    let gw = serve_in_process(&acme_config("{eur_per_month: 10}", &ai), adapters).await;
+    let get = |path: &str| client().get(format!("{}/apis/ocr{path}", gw.url)).bearer_auth(KEY).send();
+
+    // One 500 opens the breaker; while it is open, nothing is sent.
+    let failed = client().post(format!("{}/apis/ocr/fail", gw.url)).bearer_auth(KEY).send().await.unwrap();
+    assert!(failed.status().is_server_error(), "{}", failed.status());
+    assert_eq!(get("/documents/latest").await.unwrap().status(), 503, "open");
+
+    // Its trip over, the next call is the probe: its client leaves after a chunk.
+    tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
+    let probe = get("/pages").await.unwrap();
+    assert_eq!(probe.status(), 200);
+    let mut body = probe.bytes_stream();
+    assert!(!body.next().await.unwrap().unwrap().is_empty());
+    drop(body);
+    for _ in 0..200 {
+        if audit.records().iter().any(|r| r.status == 499) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(audit.records().iter().any(|r| r.status == 499), "the probe ended, its client gone");
+
+    // Well within another trip: the breaker closed on the probe.
+    let after = get("/documents/latest").await.unwrap();
+    assert_eq!(after.status(), 200, "{}", after.text().await.unwrap());
 }

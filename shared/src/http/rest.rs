@@ -463,12 +463,23 @@ impl Relaying {
     }
 
     /// The client went away (a no-op once the call has ended): what passed before it
-    /// left is charged, as it was served. Its breaker is told nothing: a client leaving
-    /// says nothing of the backend.
+    /// left is charged, as it was served. Its breaker hears how the answer's head
+    /// counted, as a chat stream's does: a client leaving says nothing against a
+    /// backend that was answering (and a half-open breaker's probe is not lost).
     async fn left(&mut self) {
         self.body = None;
-        self.pass = None;
+        self.tell(Outcome::Status { status: self.status, retry_after: None });
         self.ending.end(self.served, Some(ErrorCode::ClientClosedRequest)).await;
+    }
+
+    /// Tells the breaker how the answer ended, once: an answer served (2xx, 3xx) that
+    /// ends as it should is a success; a relayed 4xx counts as its policy says.
+    fn tell(&mut self, outcome: Outcome) {
+        if let Some(pass) = self.pass.take() {
+            let outcome =
+                if self.served && matches!(outcome, Outcome::Status { .. }) { Outcome::Success } else { outcome };
+            pass.tell(&outcome);
+        }
     }
 
     /// The next chunk for the client; `None` once the call has ended (settled and
@@ -532,11 +543,7 @@ impl Relaying {
 
     async fn finish(&mut self, outcome: Outcome, error_code: Option<ErrorCode>) {
         self.body = None;
-        if let Some(pass) = self.pass.take() {
-            let outcome =
-                if self.served && matches!(outcome, Outcome::Status { .. }) { Outcome::Success } else { outcome };
-            pass.tell(&outcome);
-        }
+        self.tell(outcome);
         self.ending.end(self.served, error_code).await;
     }
 }
