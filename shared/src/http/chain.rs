@@ -239,9 +239,10 @@ pub(super) async fn attempt_chain<A: Attempt>(
             Failure::Request(error) => return Err(*error),
             Failure::Unreached => {}
             Failure::Picker(e) => {
-                let mode = gateway.router.picker(backend).map(|(_, mode)| *mode);
+                // Only a pool with a picker fails so: its mode is there.
+                let mode = gateway.router.picker(backend).map_or(FailureMode::FailClose, |(_, mode)| *mode);
                 tracing::warn!(backend = %backend, failure_mode = ?mode, "{e}");
-                if mode == Some(FailureMode::FailOpen) {
+                if mode == FailureMode::FailOpen {
                     opened.push(backend);
                 }
                 last = Some((backend.clone(), Failure::Picker(e)));

@@ -287,13 +287,18 @@ enum Sent {
 }
 
 /// Hands an event to the client's body, waiting no later than `cutoff` for a slow
-/// client to make room.
+/// client to make room. Written out rather than through `http::before`: this runs on
+/// every event of every stream, and the helper's own future, moved in and out, cost
+/// 900 instructions a 12-event stream (benches/instructions).
 async fn send(tx: &mpsc::Sender<Bytes>, raw: Bytes, cutoff: Option<tokio::time::Instant>) -> Sent {
-    match super::before(cutoff, tx.send(raw)).await {
-        None => Sent::Deadline,
-        Some(Ok(())) => Sent::Yes,
-        Some(Err(_)) => Sent::ClientGone,
-    }
+    let sent = match cutoff {
+        None => tx.send(raw).await,
+        Some(cutoff) => match tokio::time::timeout_at(cutoff, tx.send(raw)).await {
+            Ok(sent) => sent,
+            Err(_) => return Sent::Deadline,
+        },
+    };
+    if sent.is_ok() { Sent::Yes } else { Sent::ClientGone }
 }
 
 fn ended(mut outcome: RelayOutcome, end: StreamEnd) -> RelayOutcome {
