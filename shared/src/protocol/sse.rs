@@ -65,6 +65,7 @@ impl Splitter {
 
 fn parse(raw: Bytes) -> Event {
     let mut data = String::new();
+    let mut seen_data = false;
     let mut name = None;
     // Checked as UTF-8 first: `from_utf8_lossy` walks a valid text chunk by chunk, about
     // ten times slower, and is needed only for an event that is not valid UTF-8.
@@ -72,17 +73,33 @@ fn parse(raw: Bytes) -> Event {
         Ok(text) => std::borrow::Cow::Borrowed(text),
         Err(_) => String::from_utf8_lossy(&raw),
     };
-    for line in text.lines() {
-        let (field, value) = match line.split_once(':') {
-            Some((f, v)) => (f, v.strip_prefix(' ').unwrap_or(v)),
+    // Lines found with `memchr`, as the splitter finds events: `str::lines` and
+    // `split_once` walk chars through the generic pattern API, once an event.
+    let mut rest: &str = &text;
+    while !rest.is_empty() {
+        let line = match memchr::memchr(b'\n', rest.as_bytes()) {
+            Some(at) => {
+                let line = &rest[..at];
+                rest = &rest[at + 1..];
+                line.strip_suffix('\r').unwrap_or(line)
+            }
+            None => std::mem::take(&mut rest),
+        };
+        let (field, value) = match memchr::memchr(b':', line.as_bytes()) {
+            Some(at) => {
+                let value = &line[at + 1..];
+                (&line[..at], value.strip_prefix(' ').unwrap_or(value))
+            }
             None => (line, ""),
         };
         match field {
             "data" => {
-                if !data.is_empty() {
+                // Joined with `\n`, an empty `data` line included (as the spec says).
+                if seen_data {
                     data.push('\n');
                 }
                 data.push_str(value);
+                seen_data = true;
             }
             "event" => name = Some(value.to_owned()),
             _ => {}
@@ -161,6 +178,19 @@ mod tests {
         let got = drain(&mut s);
         assert_eq!(got[0].data, "caf\u{e9} \u{fffd}!");
         assert_eq!(&got[0].raw[..], b"data: caf\xc3\xa9 \xff!\n\n");
+    }
+
+    #[test]
+    fn fields_read_as_the_spec_says_whatever_their_spacing() {
+        // A field without a colon is named whole with an empty value; only the one
+        // space after the colon goes; a colon in the value stays; a comment (a line
+        // that starts with a colon) and unknown fields are skipped; `\r\n` ends a line.
+        let mut s = Splitter::default();
+        s.push(b": keep-alive\r\ndata\ndata:no space\ndata:  two spaces\r\nid: 7\ndata: a: b\n\n");
+        let got = drain(&mut s);
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].data, "\nno space\n two spaces\na: b");
+        assert_eq!(got[0].name, None);
     }
 
     #[test]
