@@ -448,34 +448,53 @@ async fn a_streamed_upload_is_cut_at_the_cap() {
     assert_eq!(costs, [(429, 0), (200, 10_064)]);
 }
 
-/// A client that leaves mid-answer ends the call in its relay: one record, 499
-/// `client_closed_request`, charged for what passed before it left, and the ledger
-/// holds exactly that, with no reservation left behind.
-#[tokio::test]
-async fn a_client_that_leaves_mid_answer_is_recorded_once_and_charged_what_passed() {
+/// The fake upstream mounted at `/apis/ocr` as backend `ocr` (with `extra` keys),
+/// served in process on a memory ledger: acme with 10 € a month.
+async fn mounted_ocr(extra: &str) -> (InProcess, Arc<flexway::audit::sinks::MemoryAuditSink>, tempfile::TempDir) {
     let url = upstream(Seen::default(), false).await;
     let dir = tempfile::tempdir().unwrap();
     let contract = dir.path().join("ocr.yaml");
     std::fs::write(&contract, CONTRACT).unwrap();
     let ai = format!(
-        "  backends:\n    ocr: {{kind: http, url: \"{url}\", contract: \"{}\", mount: /apis/ocr}}\n",
+        "  backends:\n    ocr: {{kind: http, url: \"{url}\", contract: \"{}\", mount: /apis/ocr{extra}}}\n",
         contract.display()
     );
     let (adapters, audit) = memory_adapters();
-    let gw = serve_in_process(&acme_config("{eur_per_month: 10}", &ai), adapters).await;
-    let response = client().get(format!("{}/apis/ocr/pages", gw.url)).bearer_auth(KEY).send().await.unwrap();
-    assert_eq!(response.status(), 200);
+    (serve_in_process(&acme_config("{eur_per_month: 10}", &ai), adapters).await, audit, dir)
+}
+
+/// Reads the first chunk of an answer's body (not empty), then leaves.
+async fn read_a_chunk_and_leave(response: reqwest::Response) {
     let mut body = response.bytes_stream();
     assert!(!body.next().await.unwrap().unwrap().is_empty());
-    drop(body);
+}
+
+/// The audit's records once `done` holds of them, or after two seconds.
+async fn records_once(
+    audit: &flexway::audit::sinks::MemoryAuditSink,
+    done: impl Fn(&[AuditRecord]) -> bool,
+) -> Vec<AuditRecord> {
     let mut records = audit.records();
     for _ in 0..200 {
-        if !records.is_empty() {
+        if done(&records) {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         records = audit.records();
     }
+    records
+}
+
+/// A client that leaves mid-answer ends the call in its relay: one record, 499
+/// `client_closed_request`, charged for what passed before it left, and the ledger
+/// holds exactly that, with no reservation left behind.
+#[tokio::test]
+async fn a_client_that_leaves_mid_answer_is_recorded_once_and_charged_what_passed() {
+    let (gw, audit, _dir) = mounted_ocr("").await;
+    let response = client().get(format!("{}/apis/ocr/pages", gw.url)).bearer_auth(KEY).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    read_a_chunk_and_leave(response).await;
+    let records = records_once(&audit, |records| !records.is_empty()).await;
     assert_eq!(records.len(), 1, "one record");
     let record = &records[0];
     assert_eq!((record.status, record.error_code.map(|c| c.as_str())), (499, Some("client_closed_request")));
@@ -494,17 +513,7 @@ async fn a_client_that_leaves_mid_answer_is_recorded_once_and_charged_what_passe
 /// until the lost probe's `trip` has passed again.
 #[tokio::test]
 async fn a_probe_whose_client_leaves_mid_answer_still_closes_the_breaker() {
-    let url = upstream(Seen::default(), false).await;
-    let dir = tempfile::tempdir().unwrap();
-    let contract = dir.path().join("ocr.yaml");
-    std::fs::write(&contract, CONTRACT).unwrap();
-    let ai = format!(
-        "  backends:\n    ocr: {{kind: http, url: \"{url}\", contract: \"{}\", mount: /apis/ocr, \
-         circuit_breaker: {{failures: 1, trip: 1s}}}}\n",
-        contract.display()
-    );
-    let (adapters, audit) = memory_adapters();
-    let gw = serve_in_process(&acme_config("{eur_per_month: 10}", &ai), adapters).await;
+    let (gw, audit, _dir) = mounted_ocr(", circuit_breaker: {failures: 1, trip: 1s}").await;
     let get = |path: &str| client().get(format!("{}/apis/ocr{path}", gw.url)).bearer_auth(KEY).send();
 
     // One 500 opens the breaker; while it is open, nothing is sent.
@@ -516,16 +525,9 @@ async fn a_probe_whose_client_leaves_mid_answer_still_closes_the_breaker() {
     tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
     let probe = get("/pages").await.unwrap();
     assert_eq!(probe.status(), 200);
-    let mut body = probe.bytes_stream();
-    assert!(!body.next().await.unwrap().unwrap().is_empty());
-    drop(body);
-    for _ in 0..200 {
-        if audit.records().iter().any(|r| r.status == 499) {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    assert!(audit.records().iter().any(|r| r.status == 499), "the probe ended, its client gone");
+    read_a_chunk_and_leave(probe).await;
+    let records = records_once(&audit, |records| records.iter().any(|r| r.status == 499)).await;
+    assert!(records.iter().any(|r| r.status == 499), "the probe ended, its client gone");
 
     // Well within another trip: the breaker closed on the probe.
     let after = get("/documents/latest").await.unwrap();

@@ -4,10 +4,11 @@
 //! Each candidate is a call through the breaker layer ([`BreakerLayer`]): a candidate
 //! whose breaker is open is skipped without a call; the layer tells the breaker how
 //! every failure and every answer read whole counted ([`Classify`]), and hands back a
-//! [`Pass`] through which the door tells it how a stream or a session ended. A failure falls back to the next candidate when another backend
-//! could do better ([`Failure::retryable`]); one that no backend could (the request
-//! cannot be carried) ends the call with its own error. When no candidate served, the
-//! error names every backend tried or skipped, and why ([`unserved`]).
+//! [`Pass`] through which the door tells it how a stream or a session ended. A
+//! failure falls back to the next candidate when another backend could do better
+//! ([`Failure::retryable`]); one that no backend could (the request cannot be
+//! carried) ends the call with its own error. When no candidate served, the error
+//! names every backend tried or skipped, and why ([`unserved`]).
 //!
 //! What an attempt is differs by door (an HTTP request and its answer held, a
 //! WebSocket handshake); how a failure counts does not: [`Failure`] is the one
