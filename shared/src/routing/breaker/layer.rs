@@ -75,10 +75,6 @@ impl std::fmt::Debug for Pass {
 }
 
 impl Pass {
-    pub fn backend(&self) -> &BackendId {
-        &self.backend
-    }
-
     /// Tells the backend's breaker how the answer ended.
     pub fn tell(&self, end: &impl Classify) {
         if let Some(outcome) = end.breaker_outcome() {
