@@ -61,7 +61,7 @@ async fn a_reservation_held_by_a_killed_process_is_refunded_after_restart() {
         assert!(started.elapsed() < Duration::from_secs(40), "the sweeper never refunded the reservation");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    assert!(second.logs().contains("sweeper refunded expired reservations"));
+    second.log_line(&["sweeper refunded expired reservations"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

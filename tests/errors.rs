@@ -258,17 +258,6 @@ async fn oversized_headers_over_http2_get_the_envelope_too() {
     assert_eq!(model.request_count(), 1);
 }
 
-/// Waits for a gateway log line that contains every one of `needles`.
-async fn log_line(gw: &Flexway, needles: &[&str]) -> String {
-    for _ in 0..100 {
-        if let Some(line) = gw.logs().lines().find(|l| needles.iter().all(|n| l.contains(n))) {
-            return line.to_owned();
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    panic!("no log line with {needles:?} in:\n{}", gw.logs());
-}
-
 #[tokio::test]
 async fn a_backend_failure_is_logged_with_the_request_id() {
     let model = FakeModel::start().await.unwrap();
@@ -281,12 +270,12 @@ async fn a_backend_failure_is_logged_with_the_request_id() {
         let id = response.headers()["flexway-request-id"].to_str().unwrap().to_owned();
         // As a field, greppable: no colour codes in a piped log.
         let field = format!("request_id={id}");
-        log_line(&gw, &["backend failed", &field]).await;
-        log_line(&gw, &["no backend could serve", &field]).await;
+        gw.log_line(&["backend failed", &field]).await;
+        gw.log_line(&["no backend could serve", &field]).await;
         // Another call's lines carry its own id, not this one's.
         let other = gw.chat(KEY, hello("m")).await;
         let other_id = other.headers()["flexway-request-id"].to_str().unwrap().to_owned();
-        let line = log_line(&gw, &["no backend could serve", &other_id]).await;
+        let line = gw.log_line(&["no backend could serve", &other_id]).await;
         assert!(!line.contains(&id), "{line}");
     }
 }

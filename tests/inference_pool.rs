@@ -87,8 +87,8 @@ async fn the_next_endpoint_named_serves_when_the_first_fails() {
     assert_eq!([fakes[0].request_count(), fakes[1].request_count()], [1, 1]);
     assert_eq!(model.request_count(), 1, "the fourth endpoint named is not tried");
     // Each endpoint's failure is logged once, naming it.
+    let failures = gw.log_lines_until(3, |l| l.contains("WARN") && l.contains("backend=pool")).await;
     let logs = gw.logs();
-    let failures: Vec<&str> = logs.lines().filter(|l| l.contains("WARN") && l.contains("backend=pool")).collect();
     assert_eq!(failures.len(), 3, "{logs}");
     for (line, endpoint) in failures.iter().zip([fakes[0].addr(), fakes[1].addr()]) {
         assert!(line.contains(&format!("endpoint=\"{endpoint}\"")), "{logs}");

@@ -212,6 +212,26 @@ impl Flexway {
         self.logs.lock().unwrap().join("\n")
     }
 
+    /// The log lines that hold `matches`, once there are at least `n`, waiting five
+    /// seconds at most: a thread reads the process's stderr, so a line may be read
+    /// after the answer it follows.
+    pub async fn log_lines_until(&self, n: usize, matches: impl Fn(&str) -> bool) -> Vec<String> {
+        for _ in 0..500 {
+            let lines: Vec<String> = self.logs.lock().unwrap().iter().filter(|l| matches(l)).cloned().collect();
+            if lines.len() >= n {
+                return lines;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("fewer than {n} log lines of the kind asked for:\n{}", self.logs());
+    }
+
+    /// The first log line that contains every one of `needles`, waiting for it.
+    pub async fn log_line(&self, needles: &[&str]) -> String {
+        let mut lines = self.log_lines_until(1, |l| needles.iter().all(|n| l.contains(n))).await;
+        lines.swap_remove(0)
+    }
+
     pub fn post(&self, path: &str, key: &str, body: serde_json::Value) -> reqwest::RequestBuilder {
         client().post(format!("{}{path}", self.url)).bearer_auth(key).json(&body)
     }
