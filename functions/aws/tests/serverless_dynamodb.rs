@@ -249,7 +249,7 @@ async fn served_call(gateway: &flexway::Gateway, id: &str) -> bool {
     admission.soft
 }
 
-/// Issue 12: a served call costs its reservation and its settlement, two
+/// A served call costs its reservation and its settlement, two
 /// `TransactWriteItems`, and not one read (no BatchGetItem of the counters before
 /// reserving, no GetItem of the reservation before settling).
 #[tokio::test]
