@@ -38,19 +38,7 @@ fn start_with(url: &str, fallback: &str, more: &str) -> Flexway {
 
 /// The `n`-th audit record (from 1) the gateway wrote on stdout, once it is there.
 async fn audit(gw: &Flexway, n: usize) -> Value {
-    for _ in 0..250 {
-        let records: Vec<Value> = gw
-            .stdout()
-            .iter()
-            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-            .filter(|v| v.get("request_id").is_some())
-            .collect();
-        if let Some(record) = records.get(n - 1) {
-            return record.clone();
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    panic!("no audit record {n}: {:?}", gw.stdout());
+    gw.records_until::<Value>(n).await.swap_remove(n - 1)
 }
 
 async fn json_of(response: reqwest::Response) -> Value {

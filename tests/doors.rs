@@ -29,23 +29,6 @@ fn two_kinds(model: &FakeModel, scenario: &str, budgets: &str) -> String {
     )
 }
 
-/// Every audit record written so far, once there are `n`.
-async fn audits(gw: &Flexway, n: usize) -> Vec<Value> {
-    for _ in 0..250 {
-        let records: Vec<Value> = gw
-            .stdout()
-            .iter()
-            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-            .filter(|v| v.get("request_id").is_some())
-            .collect();
-        if records.len() >= n {
-            return records;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    panic!("fewer than {n} audit records: {:?}", gw.stdout());
-}
-
 fn messages_call(gw: &Flexway, key: &str, body: Value) -> reqwest::RequestBuilder {
     client().post(format!("{}/v1/messages", gw.url)).header("x-api-key", key).json(&body)
 }
@@ -88,7 +71,7 @@ async fn a_responses_call_is_translated_for_each_backend_kind_and_audited_as_res
     assert_eq!(sent[0].body["max_completion_tokens"], 50, "max_output_tokens is the allowance sent");
     assert_eq!(sent[1].path, "/v1/messages");
     assert_eq!((sent[1].body["system"].as_str(), sent[1].body["max_tokens"].as_u64()), (Some("Be brief."), Some(50)));
-    let records = audits(&gw, 2).await;
+    let records = gw.records_until::<Value>(2).await;
     for record in &records {
         assert_eq!(record["operation"], "responses");
         assert_eq!(record["usage_source"], "reported");
@@ -124,7 +107,7 @@ async fn a_streamed_response_is_the_responses_event_sequence_ending_with_usage()
         let numbers: Vec<u64> = events.iter().map(|(_, d)| d["sequence_number"].as_u64().unwrap()).collect();
         assert_eq!(numbers, (0..events.len() as u64).collect::<Vec<_>>());
     }
-    let records = audits(&gw, 2).await;
+    let records = gw.records_until::<Value>(2).await;
     assert!(
         records.iter().all(|r| r["operation"] == "responses" && r["usage_source"] == "reported" && r["status"] == 200)
     );
@@ -183,7 +166,7 @@ async fn the_messages_door_is_native_for_an_anthropic_backend_and_translated_for
     assert_eq!((native["model"].as_str(), native["max_tokens"].as_u64()), (Some("claude-fake"), Some(64)));
     let translated = &model.requests()[1].body;
     assert_eq!(translated["messages"][0], json!({"role": "system", "content": "Be brief."}));
-    let records = audits(&gw, 2).await;
+    let records = gw.records_until::<Value>(2).await;
     assert!(records.iter().all(|r| r["operation"] == "messages" && r["usage_source"] == "reported"), "{records:?}");
 }
 
@@ -210,7 +193,7 @@ async fn a_streamed_message_is_anthropic_s_event_sequence_from_either_backend() 
         assert_eq!(delta["delta"]["stop_reason"], "end_turn");
         assert!(delta["usage"]["output_tokens"].as_u64().unwrap() > 0);
     }
-    let records = audits(&gw, 2).await;
+    let records = gw.records_until::<Value>(2).await;
     assert!(
         records.iter().all(|r| r["operation"] == "messages" && r["usage_source"] == "reported" && r["status"] == 200)
     );
@@ -232,7 +215,7 @@ async fn a_stream_broken_mid_way_ends_with_the_door_s_own_error_event() {
     let got = events_of(gw.post("/v1/responses", KEY, responses).send().await.unwrap()).await;
     let (name, error) = got.last().unwrap();
     assert_eq!((name.as_str(), error["code"].as_str()), ("error", Some("upstream_error")), "{error}");
-    let records = audits(&gw, 2).await;
+    let records = gw.records_until::<Value>(2).await;
     assert!(records.iter().all(|r| r["error_code"] == "upstream_error"), "{records:?}");
 }
 
@@ -282,7 +265,7 @@ async fn refusals_come_in_each_door_s_own_envelope() {
     let body: Value = gw.post("/v1/responses", KEY, remote).send().await.unwrap().json().await.unwrap();
     assert_eq!(body["error"]["code"], "image_origin_not_allowed");
     // Every identified call has its record: 4 + 1 + 1 + 2 (the bad key has none).
-    let records = audits(&gw, 8).await;
+    let records = gw.records_until::<Value>(8).await;
     assert_eq!(records.len(), 8);
     assert_eq!(records.iter().filter(|r| r["operation"] == "messages").count(), 2);
     assert!(model.requests().is_empty(), "nothing refused reached a backend");

@@ -73,18 +73,6 @@ fn records(lines: &[String]) -> Vec<serde_json::Value> {
     lines.iter().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).collect()
 }
 
-/// The audit records written so far (the stdout sink), waiting for `count` of them.
-async fn audit(flexway: &Flexway, count: usize) -> Vec<serde_json::Value> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let found = records(&flexway.stdout());
-        if found.len() >= count || Instant::now() > deadline {
-            return found;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test]
 async fn meters_per_call_and_per_byte_exactly_through_flexway_serve() {
     let upstream = FakeOcr::start().await.unwrap();
@@ -208,7 +196,7 @@ async fn a_sensitive_call_needs_an_internal_backend() {
     assert_eq!(status.code(), Code::PermissionDenied);
     assert!(status.message().contains("sensitive_no_internal_backend"), "{}", status.message());
     assert_eq!(upstream.calls(), 0);
-    let record = &audit(&external, 1).await[0];
+    let record = &external.records_until::<serde_json::Value>(1).await[0];
     assert_eq!(record["status"], 7);
     assert_eq!(record["error_code"], "sensitive_no_internal_backend");
 
@@ -243,7 +231,7 @@ async fn residency_holds_through_the_grpc_door() {
     assert_eq!(status.code(), Code::PermissionDenied);
     assert!(status.message().contains("residency_unavailable"), "{}", status.message());
     assert_eq!(upstream.calls(), 1, "the ch-bound call was never sent");
-    let records = audit(&flexway, 2).await;
+    let records = flexway.records_until::<serde_json::Value>(2).await;
     assert_eq!(records[1]["error_code"], "residency_unavailable");
 }
 
@@ -263,7 +251,7 @@ async fn refuses_at_the_euro_cap_with_resource_exhausted() {
     assert_eq!(status.code(), Code::ResourceExhausted);
     assert!(status.message().contains("budget_exceeded"), "{}", status.message());
     assert_eq!(upstream.calls(), 2, "a refused call never reaches the upstream");
-    let records = audit(&flexway, 3).await;
+    let records = flexway.records_until::<serde_json::Value>(3).await;
     assert_eq!(records[2]["status"], 8);
     assert_eq!(records[2]["error_code"], "budget_exceeded");
     assert_eq!(records[2]["budget_state"], "exceeded");
@@ -328,7 +316,7 @@ async fn streams_frame_by_frame_in_all_four_shapes() {
     let trailers = answers.trailers().await.unwrap().unwrap();
     assert_eq!(trailers.get("flexway-cost-eur").unwrap(), "0.001000", "per call: 1 €/thousand");
 
-    let records = audit(&flexway, 3).await;
+    let records = flexway.records_until::<serde_json::Value>(3).await;
     let features: Vec<&str> = records.iter().map(|r| r["feature"].as_str().unwrap()).collect();
     assert_eq!(features, ["pages", "upload", "converse"]);
     let costs: Vec<u64> = records.iter().map(|r| r["cost_micro_eur"].as_u64().unwrap()).collect();
@@ -376,7 +364,7 @@ async fn an_upstream_error_status_is_relayed_and_a_per_call_method_is_not_charge
     let status = ocr.recognize(authed(failing, KEY)).await.unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
     assert_eq!(status.message(), "asked to fail");
-    let record = &audit(&flexway, 1).await[0];
+    let record = &flexway.records_until::<serde_json::Value>(1).await[0];
     assert_eq!(record["status"], 3);
     assert_eq!(record["cost_micro_eur"], 0);
 }

@@ -90,18 +90,6 @@ async fn close_frame(client: &mut Client) -> (u16, String) {
     }
 }
 
-/// The audit records written on the binary's stdout so far, once `count` are there.
-async fn records(gw: &Flexway, count: usize) -> Vec<AuditRecord> {
-    for _ in 0..200 {
-        let lines = gw.stdout();
-        if lines.len() >= count {
-            return lines.iter().map(|l| serde_json::from_str(l).unwrap()).collect();
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("expected {count} audit records, got {:?}\n{}", gw.stdout(), gw.logs());
-}
-
 /// The in-process gateway's records, once `count` are there.
 async fn memory_records(audit: &flexway::audit::sinks::MemoryAuditSink, count: usize) -> Vec<AuditRecord> {
     for _ in 0..200 {
@@ -144,7 +132,7 @@ async fn frames_pass_both_ways_untouched_and_the_session_is_one_audit_record() {
     }
     client.close(None).await.unwrap();
 
-    let records = records(&gw, 1).await;
+    let records = gw.records_until::<AuditRecord>(1).await;
     assert_eq!(records.len(), 1, "one record for the whole session: {records:?}");
     let record = &records[0];
     assert_eq!(record.operation, Operation::Realtime);
@@ -174,7 +162,7 @@ async fn a_browser_authenticates_with_the_subprotocol_and_gets_realtime_back() {
     assert_eq!(next_event(&mut client).await["type"], "session.created");
     one_response(&mut client).await;
     client.close(None).await.unwrap();
-    let records = records(&gw, 1).await;
+    let records = gw.records_until::<AuditRecord>(1).await;
     assert_eq!(records[0].tenant, "acme");
     assert_eq!((records[0].prompt_tokens, records[0].completion_tokens), (20, 5));
 
@@ -204,7 +192,7 @@ async fn a_session_over_budget_is_refused_with_a_plain_429_before_the_upgrade() 
         other => panic!("{other:?}"),
     }
     assert_eq!(fake.request_count(), 0, "the backend is never called");
-    let records = records(&gw, 1).await;
+    let records = gw.records_until::<AuditRecord>(1).await;
     assert_eq!((records[0].status, records[0].budget_state), (429, BudgetState::Exceeded));
     assert_eq!(records[0].operation, Operation::Realtime);
 }
@@ -453,7 +441,7 @@ async fn stopping_the_gateway_closes_open_sessions_with_1001_and_records_them() 
     gw.interrupt();
     assert_eq!(close_frame(&mut client).await, (1001, "shutdown".to_owned()));
     assert!(gw.wait_exit(Duration::from_secs(15)).is_some_and(|s| s.success()), "{}", gw.logs());
-    let records = records(&gw, 1).await;
+    let records = gw.records_until::<AuditRecord>(1).await;
     assert_eq!(records[0].close_reason, Some(CloseReason::Shutdown));
     assert_eq!((records[0].prompt_tokens, records[0].completion_tokens), (20, 5));
 }

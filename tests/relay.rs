@@ -103,22 +103,6 @@ async fn chain() -> Chain {
     Chain { external, internal, central, edge }
 }
 
-/// The audit records written on stdout so far.
-fn records(gw: &Flexway) -> Vec<Value> {
-    gw.stdout().iter().map(|line| serde_json::from_str(line).unwrap()).collect()
-}
-
-async fn wait_for_records(gw: &Flexway, n: usize) -> Vec<Value> {
-    for _ in 0..300 {
-        let got = records(gw);
-        if got.len() >= n {
-            return got;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    panic!("only {} audit records: {}", records(gw).len(), gw.logs());
-}
-
 /// What the audit's `key_hash` is for a key, with no `hash_salt`.
 fn key_hash(key: &str) -> String {
     hex::encode(Sha256::digest(Sha256::digest(key.as_bytes())))
@@ -143,8 +127,8 @@ async fn the_tenant_and_agent_the_edge_asserts_are_the_centrals_and_both_audits_
         .unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["flexway-backend"], "central");
-    let central = wait_for_records(&c.central, 1).await;
-    let edge = wait_for_records(&c.edge, 1).await;
+    let central = c.central.records_until::<Value>(1).await;
+    let edge = c.edge.records_until::<Value>(1).await;
     let (central, edge) = (&central[0], &edge[0]);
 
     // The call is the asserted tenant's and agent's at the central, by the peer's key.
@@ -186,8 +170,8 @@ async fn a_streamed_call_through_the_relay_is_metered_on_the_same_tokens_at_both
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     // The usage chunk the edge asked the central for is not shown to this client.
     assert!(events.iter().all(|e| !e.contains("\"usage\":{")), "{events:?}");
-    let central = wait_for_records(&c.central, 1).await;
-    let edge = wait_for_records(&c.edge, 1).await;
+    let central = c.central.records_until::<Value>(1).await;
+    let edge = c.edge.records_until::<Value>(1).await;
     assert_eq!(edge[0]["usage_source"], "reported");
     assert_eq!(edge[0]["metered_by"], "upstream");
     for field in ["prompt_tokens", "completion_tokens"] {
@@ -202,7 +186,7 @@ async fn identity_headers_from_a_key_that_is_not_a_relay_peer_are_ignored() {
         let r = c.central.post("/v1/chat/completions", KEY, hello("m")).header("flexway-tenant", asserted).send().await;
         assert_eq!(r.unwrap().status(), 200, "{asserted}");
     }
-    let central = wait_for_records(&c.central, 2).await;
+    let central = c.central.records_until::<Value>(2).await;
     for record in &central {
         assert_eq!(record["tenant"], "acme", "{record}");
         assert_eq!(record["key_hash"], key_hash(KEY));
@@ -227,7 +211,7 @@ async fn a_tenant_or_agent_the_central_does_not_declare_is_refused_and_the_edge_
     assert_eq!(error_body(r).await["error"]["code"], "unknown_agent");
 
     assert_eq!(c.external.request_count() + c.internal.request_count(), 0);
-    let edge = wait_for_records(&c.edge, 2).await;
+    let edge = c.edge.records_until::<Value>(2).await;
     assert_eq!((edge[0]["tenant"].as_str(), edge[0]["status"].as_u64()), (Some("initech"), Some(403)));
     assert_eq!(edge[0]["cost_micro_eur"], 0);
     assert_eq!((edge[1]["agent"].as_str(), edge[1]["status"].as_u64()), (Some("edge-only"), Some(403)));
@@ -240,7 +224,7 @@ async fn a_sensitive_call_relayed_by_the_edge_stays_on_the_centrals_internal_bac
     assert_eq!(r.unwrap().status(), 200);
     assert_eq!(c.external.request_count(), 0, "a sensitive prompt reached the external backend");
     assert_eq!(c.internal.request_count(), 1);
-    let central = wait_for_records(&c.central, 1).await;
+    let central = c.central.records_until::<Value>(1).await;
     assert_eq!(central[0]["backend"], "internal");
 
     // The same call, not sensitive, goes to the central's default (external) backend.
@@ -261,7 +245,7 @@ async fn the_centrals_budget_429_reaches_the_edges_client_as_it_was() {
     assert!(message.ends_with(&format!("it resets in {retry_after} s")), "{message} vs {retry_after}");
     assert!(retry_after.parse::<u64>().unwrap() > 0);
     assert_eq!(c.external.request_count(), 0);
-    let edge = wait_for_records(&c.edge, 1).await;
+    let edge = c.edge.records_until::<Value>(1).await;
     assert_eq!((edge[0]["tenant"].as_str(), edge[0]["status"].as_u64()), (Some("globex"), Some(429)));
     assert_eq!(edge[0]["metered_by"], "upstream");
 }
@@ -272,7 +256,7 @@ async fn the_edges_own_hard_cap_still_holds_with_metering_upstream() {
     let r = c.edge.chat(CAPPED_KEY, hello("m")).await;
     assert_eq!(r.status(), 429);
     assert_eq!(error_body(r).await["error"]["code"], "budget_exceeded");
-    let edge = wait_for_records(&c.edge, 1).await;
+    let edge = c.edge.records_until::<Value>(1).await;
     assert_eq!((edge[0]["tenant"].as_str(), edge[0]["budget_state"].as_str()), (Some("capped"), Some("exceeded")));
     // Refused at the edge: the central never heard of it.
     assert!(c.central.stdout().is_empty());

@@ -144,9 +144,9 @@ impl Flexway {
     }
 
     /// The audit records once there are at least `n` (a record is written as its call
-    /// ends, just after its answer), waiting five seconds at most.
+    /// ends, just after its answer), waiting ten seconds at most.
     pub async fn records_until<T: serde::de::DeserializeOwned>(&self, n: usize) -> Vec<T> {
-        for _ in 0..500 {
+        for _ in 0..1000 {
             let records = self.records();
             if records.len() >= n {
                 return records;
