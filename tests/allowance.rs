@@ -55,7 +55,7 @@ async fn ledger_equals_audit(gw: &InProcess, audit: &flexway::audit::sinks::Memo
 
 async fn never_passes_the_cap(adapters: flexway::gateway::Adapters, audit: &flexway::audit::sinks::MemoryAuditSink) {
     let model = FakeModel::start().await.unwrap();
-    let gw = serve_in_process(&capped(&scenario(&model, "words=500,delay_ms=100"), 1000), adapters).await;
+    let gw = serve_in_process(&capped(&scenario(&model, "words=500,delay_ms=1000"), 1000), adapters).await;
     let body = json!({"model": "m", "messages": [{"role": "user", "content": "hello there"}]});
     let (tokens, served) = burst(&gw, body, 32).await;
     assert!(tokens <= 1000, "a cap of 1,000 tokens served {tokens}");
@@ -83,7 +83,7 @@ async fn without_max_tokens_the_default_is_sent_and_the_cap_holds_on_the_embedde
 
 async fn n_choices_are_reserved(adapters: flexway::gateway::Adapters, audit: &flexway::audit::sinks::MemoryAuditSink) {
     let model = FakeModel::start().await.unwrap();
-    let gw = serve_in_process(&capped(&scenario(&model, "words=500,delay_ms=100"), 1000), adapters).await;
+    let gw = serve_in_process(&capped(&scenario(&model, "words=500,delay_ms=1000"), 1000), adapters).await;
     let body = json!({"model": "m", "n": 4, "max_tokens": 50,
         "messages": [{"role": "user", "content": "hello there"}]});
     let (tokens, served) = burst(&gw, body, 16).await;

@@ -65,7 +65,8 @@ async fn burst(gw: &InProcess) {
             other => panic!("unexpected status {other}"),
         }
     }
-    // Every reservation happens before the first settles (the backend takes 300 ms).
+    // Every reservation happens before the first settles: the backend takes 1.5 s,
+    // room for 96 calls to reach admission on a loaded machine.
     assert_eq!(served, 10, "a cap of 10 reservations served {served} calls");
     assert!(served_tokens <= 10 * RESERVED_PER_CALL);
     let ledger = gw.ledger("acme", None).await;
@@ -77,7 +78,7 @@ async fn burst(gw: &InProcess) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn burst_never_passes_the_cap_on_the_memory_store() {
     let model = FakeModel::start().await.unwrap();
-    let slow = model.scenario_url(&Scenario { delay_ms: Some(300), ..Default::default() });
+    let slow = model.scenario_url(&Scenario { delay_ms: Some(1500), ..Default::default() });
     let yaml = budget_config(
         &format!("{{tokens_per_day: {}}}", 10 * RESERVED_PER_CALL),
         &backend("main", &slow, "1", "2", ""),
@@ -90,7 +91,7 @@ async fn burst_never_passes_the_cap_on_the_memory_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn burst_never_passes_the_cap_on_the_embedded_store() {
     let model = FakeModel::start().await.unwrap();
-    let slow = model.scenario_url(&Scenario { delay_ms: Some(300), ..Default::default() });
+    let slow = model.scenario_url(&Scenario { delay_ms: Some(1500), ..Default::default() });
     let yaml = budget_config(
         &format!("{{tokens_per_day: {}}}", 10 * RESERVED_PER_CALL),
         &backend("main", &slow, "1", "2", ""),

@@ -336,7 +336,7 @@ async fn key_new_prints_a_key_whose_config_line_authenticates() {
 #[tokio::test]
 async fn serve_finishes_the_calls_in_flight_on_ctrl_c_then_exits() {
     let model = FakeModel::start().await.unwrap();
-    let slow = model.scenario_url(&Scenario { delay_ms: Some(1500), ..Default::default() });
+    let slow = model.scenario_url(&Scenario { delay_ms: Some(3000), ..Default::default() });
     let mut gw = Flexway::start(&one_backend(&slow));
     let url = gw.url.clone();
     let in_flight = tokio::spawn(async move {
@@ -346,9 +346,17 @@ async fn serve_finishes_the_calls_in_flight_on_ctrl_c_then_exits() {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     gw.interrupt();
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    let refused = client().get(format!("{}/healthz", gw.url)).send().await;
-    assert!(refused.is_err(), "no new connection after the signal: {refused:?}");
+    // The listener closes once the signal is handled, while the call is in flight.
+    let mut refused = Ok(());
+    for _ in 0..100 {
+        refused = client().get(format!("{}/healthz", gw.url)).send().await.map(drop);
+        if refused.is_err() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(refused.is_err(), "no new connection after the signal");
+    assert!(!in_flight.is_finished(), "the listener closed before the call in flight ended");
     let answered = in_flight.await.unwrap().unwrap();
     assert_eq!(answered.status(), 200, "the call in flight is finished, not cut");
     assert!(answered.headers().contains_key("flexway-request-id"));

@@ -351,7 +351,7 @@ const RESERVED_PER_CALL: u64 = 118;
 /// 96 concurrent calls through `path` against a cap of 10 calls' reservations.
 async fn burst(path: &str, body: Value, key_header: &'static str) {
     let model = FakeModel::start().await.unwrap();
-    let slow = model.scenario_url(&Scenario { delay_ms: Some(300), ..Default::default() });
+    let slow = model.scenario_url(&Scenario { delay_ms: Some(1500), ..Default::default() });
     let yaml = acme_config(
         &format!("{{tokens_per_day: {}}}", 10 * RESERVED_PER_CALL),
         &format!("  default_backend: main\n  backends:\n    main:\n      url: {slow}\n"),

@@ -14,14 +14,14 @@ use flexway::metrics::BreakerState;
 use flexway_testkit::*;
 use serde_json::{Value, json};
 
-/// Backend `bad` (the scenario, 300 ms timeout, a breaker that opens on one failure)
+/// Backend `bad` (the scenario, 1 s timeout, a breaker that opens on one failure)
 /// falling back to `good` when `fallback` is set.
 fn config_for(bad: &str, good: &str, fallback: bool) -> String {
     let fallback = if fallback { "fallback: [good], " } else { "" };
     let ai = format!(
         r#"  default_backend: bad
   backends:
-    bad: {{url: "{bad}", timeout: 300ms, {fallback}price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}},
+    bad: {{url: "{bad}", timeout: 1s, {fallback}price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}},
            circuit_breaker: {{failures: 1, interval: 1m, trip: 1m}}}}
     good: {{url: "{good}", price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}}}}"#
     );
