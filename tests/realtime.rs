@@ -4,9 +4,14 @@
 #![cfg(test)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use flexway::audit::{AuditRecord, BudgetState, CloseReason, Operation};
+use flexway::budget::{
+    BudgetStore, CounterKey, IntentOutcome, MemoryBudgetStore, Reservation, ReserveOutcome, ReserveRequest,
+    SettleOutcome, StoreError, Swept,
+};
 use flexway_testkit::*;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
@@ -360,6 +365,68 @@ async fn a_backends_own_close_is_relayed_with_its_code_and_reason() {
     let records = memory_records(&audit, 1).await;
     assert_eq!(records[0].close_reason, Some(CloseReason::UpstreamClosed));
     assert_eq!(records[0].error_code, None);
+}
+
+/// A ledger whose settlements take 300 ms (a slow store): what a client reads right
+/// after an event shows whether the charge came before it.
+struct SlowSettle(MemoryBudgetStore);
+
+#[async_trait::async_trait]
+impl BudgetStore for SlowSettle {
+    async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
+        self.0.reserve(request).await
+    }
+    async fn settle(
+        &self,
+        reservation: &Reservation,
+        actual: &[(CounterKey, u64)],
+    ) -> Result<SettleOutcome, StoreError> {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        self.0.settle(reservation, actual).await
+    }
+    async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
+        self.0.record_intent(request_id, actual).await
+    }
+    async fn renew(
+        &self,
+        id: &str,
+        actual: &[(CounterKey, u64)],
+        expires_at: u64,
+    ) -> Result<IntentOutcome, StoreError> {
+        self.0.renew(id, actual, expires_at).await
+    }
+    async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
+        self.0.sweep(now).await
+    }
+    async fn used(&self, keys: &[CounterKey]) -> Result<Vec<u64>, StoreError> {
+        self.0.used(keys).await
+    }
+    async fn live_reservations(&self) -> Result<usize, StoreError> {
+        self.0.live_reservations().await
+    }
+}
+
+/// A response is charged before its `response.done` is relayed: a client that reads
+/// the event finds the response in the ledger (and one that leaves as it ends is
+/// billed all the same), however slow the ledger.
+#[tokio::test]
+async fn a_response_is_in_the_ledger_when_its_done_event_arrives() {
+    let fake = FakeModel::start().await.unwrap();
+    let (mut adapters, audit) = memory_adapters();
+    adapters.budgets = Arc::new(SlowSettle(MemoryBudgetStore::new()));
+    let gw = serve_in_process(&realtime_config(&fake.url(), "{tokens_per_day: 100000}", ""), adapters).await;
+    let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    next_event(&mut client).await;
+    for n in 1..=3 {
+        assert_eq!(one_response(&mut client).await["type"], "response.done");
+        // Each response: 20 + 5 tokens settled, then the next one's 25 + 50 held.
+        assert_eq!(gw.ledger("acme", None).await[0], 25 * n + 75, "response {n}");
+        assert_eq!(gw.live_reservations().await, 1, "only the next response's allowance is held");
+    }
+    drop(client);
+    let records = memory_records(&audit, 1).await;
+    assert_eq!((records[0].prompt_tokens, records[0].completion_tokens), (60, 15));
+    assert_eq!(gw.ledger("acme", None).await[0], 75);
 }
 
 #[tokio::test]

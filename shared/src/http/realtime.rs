@@ -426,19 +426,24 @@ impl Session {
                         }
                         tungstenite::Message::Ping(_) | tungstenite::Message::Pong(_) | tungstenite::Message::Frame(_) => continue,
                     };
+                    // A response is charged before its `response.done` is relayed: a
+                    // client that leaves as it ends is billed for it all the same, and
+                    // one that reads it finds it in the ledger.
+                    let charged = match usage {
+                        Some(usage) => self.charge(usage, totals).await,
+                        None => Ok(()),
+                    };
                     if client.send(message).await.is_err() {
                         return End::new(CloseReason::ClientClosed, None);
                     }
-                    if let Some(usage) = usage {
-                        match self.charge(usage, totals).await {
-                            Ok(()) => {}
-                            Err(GatewayError::BudgetExceeded { .. }) => {
-                                return End::new(CloseReason::BudgetExceeded, Some((rt::CLOSE_BUDGET_EXCEEDED, ErrorCode::BudgetExceeded.as_str())));
-                            }
-                            Err(e) => {
-                                tracing::error!("realtime session: the next response's allowance could not be reserved: {e}");
-                                return End::new(CloseReason::Internal, Some((rt::CLOSE_INTERNAL, ErrorCode::InternalError.as_str())));
-                            }
+                    match charged {
+                        Ok(()) => {}
+                        Err(GatewayError::BudgetExceeded { .. }) => {
+                            return End::new(CloseReason::BudgetExceeded, Some((rt::CLOSE_BUDGET_EXCEEDED, ErrorCode::BudgetExceeded.as_str())));
+                        }
+                        Err(e) => {
+                            tracing::error!("realtime session: the next response's allowance could not be reserved: {e}");
+                            return End::new(CloseReason::Internal, Some((rt::CLOSE_INTERNAL, ErrorCode::InternalError.as_str())));
                         }
                     }
                 }
