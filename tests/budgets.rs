@@ -297,20 +297,9 @@ async fn a_stream_settles_on_its_reported_usage_and_a_broken_one_on_what_was_rel
         .await;
     let _ = sse_data(broken).await;
     // The record (and the settlement) are written when the stream ends.
-    let record = wait_for_record(&audit, 2).await;
+    let record = audit_records_until(&audit, 2).await[1].clone();
     assert_eq!(record.usage_source, UsageSource::Estimated);
     assert!(record.completion_tokens > 0, "what was relayed is charged");
     assert_eq!(gw.ledger("acme", None).await[0], after_first + record.prompt_tokens + record.completion_tokens);
     assert_eq!(gw.live_reservations().await, 0);
-}
-
-async fn wait_for_record(audit: &flexway::audit::sinks::MemoryAuditSink, count: usize) -> flexway::audit::AuditRecord {
-    for _ in 0..100 {
-        let records = audit.records();
-        if records.len() >= count {
-            return records[count - 1].clone();
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    panic!("record {count} never written");
 }

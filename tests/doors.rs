@@ -376,13 +376,7 @@ async fn burst(path: &str, body: Value, key_header: &'static str) {
     assert_eq!(served, 10, "a cap of 10 reservations served {served} calls");
     let ledger = gw.ledger("acme", None).await;
     assert!(ledger[0] <= 10 * RESERVED_PER_CALL, "{ledger:?}");
-    for _ in 0..100 {
-        if audit.records().len() == 96 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    let records = audit.records();
+    let records = audit_records_until(&audit, 96).await;
     assert_eq!(records.len(), 96, "one record a call");
     let settled: u64 = records.iter().map(|r| r.prompt_tokens + r.completion_tokens).sum();
     assert_eq!(ledger[0], settled, "the ledger is the sum of the settled usage");

@@ -381,20 +381,6 @@ async fn in_process(
     (serve_in_process(&config, adapters).await, audit, dir)
 }
 
-async fn audit_in_process(
-    audit: &flexway::audit::sinks::MemoryAuditSink,
-    count: usize,
-) -> Vec<flexway::audit::AuditRecord> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let records = audit.records();
-        if records.len() >= count || Instant::now() > deadline {
-            return records;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test]
 async fn refunds_the_reservation_when_the_upstream_is_down() {
     let (_closed, url) = closed_url();
@@ -405,7 +391,7 @@ async fn refunds_the_reservation_when_the_upstream_is_down() {
     assert!(status.message().contains("upstream_unavailable"), "{}", status.message());
     let status = ocr.extract(authed(image(100, 0), KEY)).await.unwrap_err();
     assert_eq!(status.code(), Code::Unavailable);
-    let records = audit_in_process(&audit, 2).await;
+    let records = audit_records_until(&audit, 2).await;
     assert_eq!(records.iter().map(|r| r.status).collect::<Vec<_>>(), [14, 14]);
     assert_eq!(gateway.ledger("acme", None).await, [0, 0, 0], "refunded in full");
     assert_eq!(gateway.live_reservations().await, 0);
@@ -435,7 +421,7 @@ async fn a_per_byte_stream_stops_at_the_cap_and_the_ledger_equals_the_audit() {
     assert_eq!(status.code(), Code::ResourceExhausted);
     assert!(status.message().contains("budget_exceeded"), "{}", status.message());
     assert_eq!(received, 4, "the pages the reservations covered");
-    let records = audit_in_process(&audit, 1).await;
+    let records = audit_records_until(&audit, 1).await;
     assert_eq!(records[0].cost_micro_eur, bytes * PER_BYTE_MICRO, "charged on what passed");
     assert_eq!(records[0].status, 8);
     let [_, _, eur] = gateway.ledger("acme", None).await;
@@ -445,7 +431,7 @@ async fn a_per_byte_stream_stops_at_the_cap_and_the_ledger_equals_the_audit() {
 
     // Per call, the ledger holds exactly what the audit says.
     ocr.recognize(authed(image(1, 0), KEY)).await.unwrap();
-    let records = audit_in_process(&audit, 2).await;
+    let records = audit_records_until(&audit, 2).await;
     let [_, _, eur] = gateway.ledger("acme", None).await;
     assert_eq!(eur, records.iter().map(|r| r.cost_micro_eur).sum::<u64>());
     assert_eq!(gateway.live_reservations().await, 0);
@@ -460,7 +446,7 @@ async fn a_cancelled_stream_is_recorded_once_and_settled_on_what_passed() {
     let mut pages = ocr.pages(authed(request, KEY)).await.unwrap().into_inner();
     pages.message().await.unwrap().unwrap();
     drop(pages);
-    let records = audit_in_process(&audit, 1).await;
+    let records = audit_records_until(&audit, 1).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(audit.records().len(), 1, "one record");
     assert_eq!(records[0].status, 1, "CANCELLED");
@@ -525,7 +511,7 @@ async fn serves_grpc_web_unary_and_refuses_client_streaming() {
     assert_eq!(response.headers()["grpc-status"], "12");
     let message = response.headers()["grpc-message"].to_str().unwrap().to_owned();
     assert!(message.contains("gRPC-Web carries unary and server-streaming calls only"), "{message}");
-    let records = audit_in_process(&audit, 2).await;
+    let records = audit_records_until(&audit, 2).await;
     assert_eq!(records[0].cost_micro_eur, PER_CALL_MICRO);
     assert_eq!(records[1].status, 12);
     assert_eq!(upstream.calls(), 1);
@@ -561,7 +547,7 @@ async fn a_grpc_web_stream_open_at_the_deadline_ends_settled_and_recorded() {
     assert!(trailers.contains("grpc-status:4\r\n"), "DEADLINE_EXCEEDED: {trailers}");
     assert!(trailers.contains("deadline"), "{trailers}");
 
-    let records = audit_in_process(&audit, 1).await;
+    let records = audit_records_until(&audit, 1).await;
     assert_eq!(records.len(), 1);
     assert_eq!(records[0].status, 4);
     assert_eq!(records[0].error_code, Some(flexway::call::ErrorCode::Deadline));
@@ -632,7 +618,7 @@ async fn a_call_falls_back_to_the_next_backend_declaring_the_service_and_is_char
     assert_eq!(answer.metadata().get("flexway-backend").unwrap(), "b-up");
     assert_eq!(upstream.calls(), 2, "each call reached the backend that served it once");
 
-    let records = audit_in_process(&audit, 2).await;
+    let records = audit_records_until(&audit, 2).await;
     assert!(records.iter().all(|r| r.backend.as_deref() == Some("b-up") && r.degraded && r.status == 0), "{records:?}");
     let per_byte = (request_bytes + response_bytes) * PER_BYTE_MICRO;
     assert_eq!(records.iter().map(|r| r.cost_micro_eur).collect::<Vec<_>>(), [PER_CALL_MICRO, per_byte]);

@@ -95,18 +95,6 @@ async fn close_frame(client: &mut Client) -> (u16, String) {
     }
 }
 
-/// The in-process gateway's records, once `count` are there.
-async fn memory_records(audit: &flexway::audit::sinks::MemoryAuditSink, count: usize) -> Vec<AuditRecord> {
-    for _ in 0..200 {
-        let records = audit.records();
-        if records.len() >= count {
-            return records;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("expected {count} audit records, got {:?}", audit.records());
-}
-
 #[tokio::test]
 async fn frames_pass_both_ways_untouched_and_the_session_is_one_audit_record() {
     let fake = FakeModel::start().await.unwrap();
@@ -221,7 +209,7 @@ async fn each_response_is_charged_as_it_passes_and_the_hard_cap_closes_the_sessi
     assert_eq!(done["type"], "response.done", "the response that reached the cap is delivered whole");
     assert_eq!(close_frame(&mut client).await, (4429, "budget_exceeded".to_owned()));
 
-    let records = memory_records(&audit, 1).await;
+    let records = audit_records_until(&audit, 1).await;
     let record = &records[0];
     assert_eq!(record.close_reason, Some(CloseReason::BudgetExceeded));
     assert_eq!(record.error_code.map(|c| c.as_str()), Some("budget_exceeded"));
@@ -237,7 +225,7 @@ async fn each_response_is_charged_as_it_passes_and_the_hard_cap_closes_the_sessi
     next_event(&mut client).await;
     assert_eq!(one_response(&mut client).await["type"], "response.done");
     assert_eq!(close_frame(&mut client).await.0, 4429);
-    memory_records(&audit, 2).await;
+    audit_records_until(&audit, 2).await;
     assert_eq!(gw.ledger("acme", None).await[0], 125);
     match connect(&gw.url, "m", Auth::Bearer(KEY)).await {
         Err(tungstenite::Error::Http(response)) => assert_eq!(response.status(), 429),
@@ -299,7 +287,7 @@ async fn a_response_is_told_the_allowance_held_and_no_session_passes_a_hard_cap(
         assert!(outputs.iter().all(|&o| o <= 50), "no response writes past the allowance: {outputs:?}");
         assert_eq!(close, (4429, "budget_exceeded".to_owned()));
     }
-    let records = memory_records(&audit, 3).await;
+    let records = audit_records_until(&audit, 3).await;
     let used = gw.ledger("acme", None).await[0];
     assert!(used <= 200, "the hard cap of 200 tokens is never passed: {used}");
     let served: u64 = out_a.iter().chain(&out_b).chain(&out_c).sum();
@@ -341,7 +329,7 @@ async fn a_backend_that_drops_the_session_closes_the_clients_with_1011_upstream_
     client.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
     assert_eq!(close_frame(&mut client).await, (1011, "upstream_error".to_owned()));
 
-    let records = memory_records(&audit, 1).await;
+    let records = audit_records_until(&audit, 1).await;
     assert_eq!(records[0].close_reason, Some(CloseReason::UpstreamError));
     assert_eq!(records[0].error_code.map(|c| c.as_str()), Some("upstream_error"));
     assert_eq!((records[0].prompt_tokens, records[0].completion_tokens), (20, 5), "what was served is charged");
@@ -362,7 +350,7 @@ async fn a_backends_own_close_is_relayed_with_its_code_and_reason() {
         .await
         .unwrap();
     assert_eq!(close_frame(&mut client).await, (4000, "session expired".to_owned()));
-    let records = memory_records(&audit, 1).await;
+    let records = audit_records_until(&audit, 1).await;
     assert_eq!(records[0].close_reason, Some(CloseReason::UpstreamClosed));
     assert_eq!(records[0].error_code, None);
 }
@@ -424,7 +412,7 @@ async fn a_response_is_in_the_ledger_when_its_done_event_arrives() {
         assert_eq!(gw.live_reservations().await, 1, "only the next response's allowance is held");
     }
     drop(client);
-    let records = memory_records(&audit, 1).await;
+    let records = audit_records_until(&audit, 1).await;
     assert_eq!((records[0].prompt_tokens, records[0].completion_tokens), (60, 15));
     assert_eq!(gw.ledger("acme", None).await[0], 75);
 }
@@ -439,7 +427,7 @@ async fn a_client_that_vanishes_leaves_nothing_reserved_and_one_record() {
     one_response(&mut client).await;
     assert_eq!(gw.live_reservations().await, 1, "the next response's allowance is held");
     drop(client); // no close frame: the TCP connection just ends
-    let records = memory_records(&audit, 1).await;
+    let records = audit_records_until(&audit, 1).await;
     assert_eq!(records.len(), 1);
     assert_eq!(records[0].close_reason, Some(CloseReason::ClientClosed));
     assert_eq!(gw.live_reservations().await, 0);
@@ -456,7 +444,7 @@ async fn a_message_over_the_limit_closes_the_session_with_1009() {
     next_event(&mut client).await;
     let _ = client.send(Message::text("x".repeat(100_000))).await;
     assert_eq!(close_frame(&mut client).await.0, 1009);
-    let records = memory_records(&audit, 1).await;
+    let records = audit_records_until(&audit, 1).await;
     assert_eq!(records[0].close_reason, Some(CloseReason::MessageTooLarge));
 
     // From the backend: one huge event.
@@ -467,7 +455,7 @@ async fn a_message_over_the_limit_closes_the_session_with_1009() {
     next_event(&mut client).await;
     client.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
     assert_eq!(close_frame(&mut client).await, (1011, "upstream_error".to_owned()));
-    let records = memory_records(&audit, 1).await;
+    let records = audit_records_until(&audit, 1).await;
     assert_eq!(records[0].close_reason, Some(CloseReason::MessageTooLarge));
 }
 

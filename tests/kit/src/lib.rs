@@ -414,6 +414,23 @@ impl InProcess {
     }
 }
 
+/// An in-process gateway's audit records (its memory sink) once there are at least
+/// `n`, waiting ten seconds at most: a streamed call's record is written as its
+/// relay ends, which may be just after the client read its last byte.
+pub async fn audit_records_until(
+    audit: &flexway::audit::sinks::MemoryAuditSink,
+    n: usize,
+) -> Vec<flexway::audit::AuditRecord> {
+    for _ in 0..1000 {
+        let records = audit.records();
+        if records.len() >= n {
+            return records;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("fewer than {n} audit records: {:?}", audit.records());
+}
+
 pub fn memory_adapters() -> (flexway::gateway::Adapters, Arc<flexway::audit::sinks::MemoryAuditSink>) {
     let audit = Arc::new(flexway::audit::sinks::MemoryAuditSink::new());
     let adapters = flexway::gateway::Adapters {
