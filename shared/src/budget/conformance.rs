@@ -352,6 +352,95 @@ pub async fn intents_recorded_during_sweeps_are_all_charged(store: Arc<dyn Budge
     Ok(())
 }
 
+/// A ticket dropped while its settlement is written (its call cancelled: the client
+/// left as the store was asked) settles all the same, on the same amounts, once:
+/// whether the write it dropped got in or not.
+pub async fn a_ticket_dropped_while_it_settles_is_settled_once(store: Arc<dyn BudgetStore>) -> Result<(), String> {
+    for (id, lands_first, expected) in [("cut-before", false, [40, 140]), ("cut-after", true, [80, 280])] {
+        let slow: Arc<dyn BudgetStore> = Arc::new(SlowSettles { inner: store.clone(), lands_first });
+        let settling = ticket(slow, id).await?.settle(USAGE, PRICE);
+        let cut = tokio::time::timeout(SlowSettles::PAUSE / 4, settling).await;
+        check(cut.is_err(), || format!("{id}: the settlement was not cut"))?;
+        settled(store.as_ref()).await?;
+        let got = used(store.as_ref(), &["t", "e"]).await?;
+        check(got == expected, || format!("{id}: counters {got:?}, expected {expected:?}"))?;
+    }
+    Ok(())
+}
+
+/// A ticket dropped while its refund is written is refunded all the same.
+pub async fn a_ticket_dropped_while_it_refunds_is_refunded(store: Arc<dyn BudgetStore>) -> Result<(), String> {
+    let slow: Arc<dyn BudgetStore> = Arc::new(SlowSettles { inner: store.clone(), lands_first: false });
+    let refunding = ticket(slow, "cut-refund").await?.refund();
+    let cut = tokio::time::timeout(SlowSettles::PAUSE / 4, refunding).await;
+    check(cut.is_err(), || "the refund was not cut".to_owned())?;
+    settled(store.as_ref()).await?;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [0, 0], || format!("counters after the refund: {got:?}"))
+}
+
+/// Waits (five seconds at most) for no reservation to be live.
+async fn settled(store: &dyn BudgetStore) -> Result<(), String> {
+    for _ in 0..500 {
+        if call!(store.live_reservations()) == 0 {
+            return Ok(());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    Err("a reservation is still live: the dropped ticket's write was never made".to_owned())
+}
+
+/// Wraps a store whose settlements (refunds included) take [`SlowSettles::PAUSE`]:
+/// before the write, or after it when `lands_first` (the write in, its answer late).
+struct SlowSettles {
+    inner: Arc<dyn BudgetStore>,
+    lands_first: bool,
+}
+
+impl SlowSettles {
+    const PAUSE: std::time::Duration = std::time::Duration::from_millis(200);
+}
+
+#[async_trait::async_trait]
+impl BudgetStore for SlowSettles {
+    async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
+        self.inner.reserve(request).await
+    }
+    async fn settle(
+        &self,
+        reservation: &Reservation,
+        actual: &[(CounterKey, u64)],
+    ) -> Result<SettleOutcome, StoreError> {
+        if self.lands_first {
+            let outcome = self.inner.settle(reservation, actual).await;
+            tokio::time::sleep(Self::PAUSE).await;
+            return outcome;
+        }
+        tokio::time::sleep(Self::PAUSE).await;
+        self.inner.settle(reservation, actual).await
+    }
+    async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
+        self.inner.record_intent(request_id, actual).await
+    }
+    async fn renew(
+        &self,
+        request_id: &str,
+        actual: &[(CounterKey, u64)],
+        expires_at: u64,
+    ) -> Result<IntentOutcome, StoreError> {
+        self.inner.renew(request_id, actual, expires_at).await
+    }
+    async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
+        self.inner.sweep(now).await
+    }
+    async fn used(&self, keys: &[CounterKey]) -> Result<Vec<u64>, StoreError> {
+        self.inner.used(keys).await
+    }
+    async fn live_reservations(&self) -> Result<usize, StoreError> {
+        self.inner.live_reservations().await
+    }
+}
+
 /// Wraps a store and fails its first `failures` settlements (refunds included) with a
 /// backend error before they reach it; every other call passes through.
 pub struct FailingSettles {
@@ -600,6 +689,14 @@ where
     note(
         "a_ticket_whose_refund_cannot_be_written_is_refunded_by_the_sweeper",
         a_ticket_whose_refund_cannot_be_written_is_refunded_by_the_sweeper(Arc::new(make().await)).await,
+    );
+    note(
+        "a_ticket_dropped_while_it_settles_is_settled_once",
+        a_ticket_dropped_while_it_settles_is_settled_once(Arc::new(make().await)).await,
+    );
+    note(
+        "a_ticket_dropped_while_it_refunds_is_refunded",
+        a_ticket_dropped_while_it_refunds_is_refunded(Arc::new(make().await)).await,
     );
     note(
         "a_settle_whose_reservation_was_swept_meanwhile_charges_the_usage_alone",

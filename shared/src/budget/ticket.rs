@@ -2,7 +2,11 @@
 //!
 //! A `Ticket` must end in `settle` or `refund`. If the request is dropped before that
 //! (the client went away while the handler awaited the backend), `Drop` hands the
-//! refund to the runtime, so a cancelled call never holds its budget until expiry.
+//! refund to the runtime, so a cancelled call never holds its budget until expiry. A
+//! ticket stays open until the store has answered its settlement or refund: dropped
+//! while one is written (a server cancels a call wherever it waits when its client
+//! leaves), it hands the same write to the runtime, which the store answers `Unknown`
+//! if the first got in; so a usage known is never turned into a refund.
 //!
 //! A settlement that cannot be written is never turned into a free call (SPEC §6). The
 //! ticket tries it [`ATTEMPTS`] times; if every attempt fails, it leaves the actual
@@ -44,6 +48,8 @@ pub struct Ticket {
     /// Unix seconds the budgets' periods were taken at.
     reserved_at: u64,
     open: bool,
+    /// The amounts of the settlement being written: what `Drop` settles on.
+    settling: Option<Vec<(CounterKey, u64)>>,
 }
 
 impl Ticket {
@@ -55,7 +61,7 @@ impl Ticket {
         budgets: Arc<[Budget]>,
         reserved_at: u64,
     ) -> Self {
-        Ticket { store, reservation, budgets, reserved_at, open: true }
+        Ticket { store, reservation, budgets, reserved_at, open: true, settling: None }
     }
 
     /// The UTC date (`YYYY-MM-DD`) the call counts on: its day and month budgets are
@@ -69,29 +75,34 @@ impl Ticket {
     /// Replaces the reservation by `usage` at the serving backend's `price`.
     /// Returns the call's cost.
     pub async fn settle(mut self, usage: Usage, price: Price) -> MicroEur {
-        self.open = false;
         let actual = plan::actual(&self.budgets, usage, price);
-        settle_call(self.store.as_ref(), &self.reservation, &actual).await;
+        self.settle_on(actual).await;
         plan::cost(usage, price)
     }
 
     /// Replaces the reservation by `cost` in micro-euros and no tokens: a gRPC call,
     /// priced per call or per byte (SPEC §10).
     pub async fn settle_eur(mut self, cost: MicroEur) {
-        self.open = false;
         let actual: Vec<(CounterKey, u64)> = self
             .budgets
             .iter()
             .map(|b| (b.key.clone(), if b.unit == super::Unit::MicroEur { cost.0 } else { 0 }))
             .collect();
-        settle_call(self.store.as_ref(), &self.reservation, &actual).await;
+        self.settle_on(actual).await;
     }
 
     /// Returns the whole reservation: the call failed or was refused before its first
     /// byte reached the client.
     pub async fn refund(mut self) {
-        self.open = false;
         refund(self.store.as_ref(), &self.reservation).await;
+        self.open = false;
+    }
+
+    /// Open until the store has answered (see the module docs).
+    async fn settle_on(&mut self, actual: Vec<(CounterKey, u64)>) {
+        let actual = self.settling.insert(actual);
+        settle_call(self.store.as_ref(), &self.reservation, actual).await;
+        self.open = false;
     }
 }
 
@@ -200,8 +211,17 @@ impl Drop for Ticket {
         let store = self.store.clone();
         let reservation = Reservation { request_id: String::new(), lines: Vec::new() };
         let reservation = std::mem::replace(&mut self.reservation, reservation);
+        let settling = self.settling.take();
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { refund(store.as_ref(), &reservation).await });
+            runtime.spawn(async move {
+                match settling {
+                    // `Unknown` here is the dropped write's own success.
+                    Some(actual) => {
+                        let _ = settle(store.as_ref(), &reservation, &actual).await;
+                    }
+                    None => refund(store.as_ref(), &reservation).await,
+                }
+            });
         }
     }
 }
