@@ -134,6 +134,11 @@ impl AuditSink for CloudWatchAuditSink {
         false
     }
 
+    /// PutLogEvents over the network.
+    fn waits(&self) -> bool {
+        true
+    }
+
     async fn write(&self, records: &[AuditRecord]) -> Result<(), AuditError> {
         if records.is_empty() {
             return Ok(());

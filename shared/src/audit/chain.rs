@@ -118,6 +118,11 @@ impl AuditSink for ChainedAuditSink {
     fn ordered(&self) -> bool {
         self.inner.ordered()
     }
+
+    /// For its tip's lock, whatever its sink.
+    fn waits(&self) -> bool {
+        true
+    }
 }
 
 /// A chained line's writer and seq, to order a reader's lines by when they land out

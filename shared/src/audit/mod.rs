@@ -297,6 +297,14 @@ pub trait AuditSink: Send + Sync {
     fn ordered(&self) -> bool {
         true
     }
+
+    /// Whether `write` may wait (for a lock, the network) rather than end in the poll
+    /// that starts it. A server cancels a call wherever it waits when its client
+    /// leaves; a record for a sink that waits is therefore written from a task of its
+    /// own, which nothing cancels, so that no record is lost or left half-written.
+    fn waits(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

@@ -214,6 +214,34 @@ mod tests {
         assert!(audit.records().is_empty());
     }
 
+    /// A sink whose writes take 300 ms (a network put).
+    struct Slow(crate::audit::sinks::MemoryAuditSink);
+
+    #[async_trait::async_trait]
+    impl crate::audit::AuditSink for Slow {
+        async fn write(&self, records: &[AuditRecord]) -> Result<(), crate::audit::AuditError> {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            self.0.write(records).await
+        }
+
+        fn waits(&self) -> bool {
+            true
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_cancelled_while_its_record_is_written_still_leaves_it() {
+        let audit = Arc::new(Slow(crate::audit::sinks::MemoryAuditSink::new()));
+        let gateway = crate::http::testing::gateway_writing_to(audit.clone()).await;
+        // The server drops the call's future (its client left) while the sink writes.
+        let call = drive(gateway, Scripted::Now(StatusCode::OK), request("k"));
+        assert!(tokio::time::timeout(std::time::Duration::from_millis(50), call).await.is_err());
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        let records = audit.0.records();
+        assert_eq!(records.len(), 1, "the record was lost with the call");
+        assert_eq!((records[0].status, records[0].error_code), (200, None));
+    }
+
     #[tokio::test]
     async fn a_relay_that_drops_its_draft_still_leaves_one_record_as_abandoned() {
         let (gateway, audit) = crate::http::testing::gateway().await;

@@ -247,6 +247,12 @@ mod testing {
     /// A gateway with backends `a` (its breaker trips on one failure), `b`, `c` and
     /// `elsewhere` (none listening), the key `k` for tenant `acme`, and its audit.
     pub async fn gateway() -> (Arc<Gateway>, Arc<MemoryAuditSink>) {
+        let audit = Arc::new(MemoryAuditSink::new());
+        (gateway_writing_to(audit.clone()).await, audit)
+    }
+
+    /// The same gateway, its audit written to `audit`.
+    pub async fn gateway_writing_to(audit: Arc<dyn crate::audit::AuditSink>) -> Arc<Gateway> {
         use sha2::Digest;
         let yaml = format!(
             "version: 1\ntenants:\n  acme:\n    keys: [{{sha256: {}}}]\nai:\n  default_backend: a\n  backends:\n    \
@@ -257,14 +263,13 @@ mod testing {
         );
         let env = std::collections::HashMap::<String, String>::new();
         let loaded = crate::config::load_str(&yaml, &env).unwrap();
-        let audit = Arc::new(MemoryAuditSink::new());
         let adapters = crate::gateway::Adapters {
             budgets: Arc::new(crate::budget::MemoryBudgetStore::new()),
-            audit: audit.clone(),
+            audit,
             export: crate::telemetry::Export::Batched,
         };
         let secrets = Arc::new(crate::secret::LocalSecrets { env });
-        (Arc::new(Gateway::new(loaded.config, secrets, adapters).await.unwrap()), audit)
+        Arc::new(Gateway::new(loaded.config, secrets, adapters).await.unwrap())
     }
 }
 

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use http::HeaderMap;
+use tracing::Instrument as _;
 
 pub use crate::audit::UsageSource;
 use crate::audit::{AuditRecord, BudgetState, SCHEMA_VERSION, Timestamp};
@@ -258,7 +259,14 @@ impl Draft {
         if status == 200 && !self.streamed {
             metrics.observe_gateway_overhead(self.started.elapsed().saturating_sub(self.upstream));
         }
-        write(&self.gateway, record, span).await;
+        if self.gateway.audit.waits() {
+            let gateway = self.gateway.clone();
+            let writing = async move { write(&gateway, record, span).await }.instrument(tracing::Span::current());
+            // It runs to its end even if this call is cancelled (`AuditSink::waits`).
+            let _ = tokio::spawn(writing).await;
+        } else {
+            write(&self.gateway, record, span).await;
+        }
     }
 
     /// Notes a refusal's budget state and the last backend tried; the status and code
