@@ -107,7 +107,7 @@ impl ReserveRequest {
 
 /// A reservation as its caller made it, carried by the `Ticket` to the settlement, so
 /// that a store can settle in one write without reading the reservation first.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Reservation {
     pub request_id: String,
     /// `(counter, amount)` per line of the `ReserveRequest`, in its order.

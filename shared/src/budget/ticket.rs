@@ -48,8 +48,6 @@ pub struct Ticket {
     /// Unix seconds the budgets' periods were taken at.
     reserved_at: u64,
     open: bool,
-    /// The amounts of the settlement being written: what `Drop` settles on.
-    settling: Option<Vec<(CounterKey, u64)>>,
 }
 
 impl Ticket {
@@ -61,7 +59,7 @@ impl Ticket {
         budgets: Arc<[Budget]>,
         reserved_at: u64,
     ) -> Self {
-        Ticket { store, reservation, budgets, reserved_at, open: true, settling: None }
+        Ticket { store, reservation, budgets, reserved_at, open: true }
     }
 
     /// The UTC date (`YYYY-MM-DD`) the call counts on: its day and month budgets are
@@ -74,21 +72,21 @@ impl Ticket {
 
     /// Replaces the reservation by `usage` at the serving backend's `price`.
     /// Returns the call's cost.
-    pub async fn settle(mut self, usage: Usage, price: Price) -> MicroEur {
+    pub async fn settle(self, usage: Usage, price: Price) -> MicroEur {
         let actual = plan::actual(&self.budgets, usage, price);
-        self.settle_on(actual).await;
+        Settling { ticket: self, actual }.write().await;
         plan::cost(usage, price)
     }
 
     /// Replaces the reservation by `cost` in micro-euros and no tokens: a gRPC call,
     /// priced per call or per byte (SPEC §10).
-    pub async fn settle_eur(mut self, cost: MicroEur) {
+    pub async fn settle_eur(self, cost: MicroEur) {
         let actual: Vec<(CounterKey, u64)> = self
             .budgets
             .iter()
             .map(|b| (b.key.clone(), if b.unit == super::Unit::MicroEur { cost.0 } else { 0 }))
             .collect();
-        self.settle_on(actual).await;
+        Settling { ticket: self, actual }.write().await;
     }
 
     /// Returns the whole reservation: the call failed or was refused before its first
@@ -97,12 +95,36 @@ impl Ticket {
         refund(self.store.as_ref(), &self.reservation).await;
         self.open = false;
     }
+}
 
-    /// Open until the store has answered (see the module docs).
-    async fn settle_on(&mut self, actual: Vec<(CounterKey, u64)>) {
-        let actual = self.settling.insert(actual);
-        settle_call(self.store.as_ref(), &self.reservation, actual).await;
-        self.open = false;
+/// A ticket whose settlement on `actual` is being written: dropped before the store
+/// answers, it hands the same write to the runtime (see the module docs).
+struct Settling {
+    ticket: Ticket,
+    actual: Vec<(CounterKey, u64)>,
+}
+
+impl Settling {
+    async fn write(mut self) {
+        settle_call(self.ticket.store.as_ref(), &self.ticket.reservation, &self.actual).await;
+        self.ticket.open = false;
+    }
+}
+
+impl Drop for Settling {
+    fn drop(&mut self) {
+        if !self.ticket.open {
+            return;
+        }
+        // Settled here, never refunded by the ticket's own drop.
+        self.ticket.open = false;
+        let store = self.ticket.store.clone();
+        let reservation = std::mem::take(&mut self.ticket.reservation);
+        let actual = std::mem::take(&mut self.actual);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            // `Unknown` here is the dropped write's own success.
+            runtime.spawn(async move { settle(store.as_ref(), &reservation, &actual).await });
+        }
     }
 }
 
@@ -209,19 +231,9 @@ impl Drop for Ticket {
             return;
         }
         let store = self.store.clone();
-        let reservation = Reservation { request_id: String::new(), lines: Vec::new() };
-        let reservation = std::mem::replace(&mut self.reservation, reservation);
-        let settling = self.settling.take();
+        let reservation = std::mem::take(&mut self.reservation);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                match settling {
-                    // `Unknown` here is the dropped write's own success.
-                    Some(actual) => {
-                        let _ = settle(store.as_ref(), &reservation, &actual).await;
-                    }
-                    None => refund(store.as_ref(), &reservation).await,
-                }
-            });
+            runtime.spawn(async move { refund(store.as_ref(), &reservation).await });
         }
     }
 }

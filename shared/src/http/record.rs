@@ -260,10 +260,8 @@ impl Draft {
             metrics.observe_gateway_overhead(self.started.elapsed().saturating_sub(self.upstream));
         }
         if self.gateway.audit.waits() {
-            let gateway = self.gateway.clone();
-            let writing = async move { write(&gateway, record, span).await }.instrument(tracing::Span::current());
             // It runs to its end even if this call is cancelled (`AuditSink::waits`).
-            let _ = tokio::spawn(writing).await;
+            let _ = spawn_write(self.gateway.clone(), record, span).await;
         } else {
             write(&self.gateway, record, span).await;
         }
@@ -321,6 +319,12 @@ fn elapsed_ms(started: Instant) -> u64 {
 struct Ended {
     span: Span,
     duration: Duration,
+}
+
+/// [`write`] in a task of its own (the future built here, outside the caller's).
+fn spawn_write(gateway: Arc<Gateway>, record: AuditRecord, span: Option<Ended>) -> tokio::task::JoinHandle<()> {
+    let writing = async move { write(&gateway, record, span).await };
+    tokio::spawn(writing.instrument(tracing::Span::current()))
 }
 
 async fn write(gateway: &Gateway, record: AuditRecord, ended: Option<Ended>) {
