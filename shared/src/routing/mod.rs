@@ -310,9 +310,12 @@ impl Router {
                 return Err(request.residency.unavailable());
             }
         }
-        // A fail-open member serves only when its inference pool was asked first.
-        let kept: BTreeSet<BackendId> = candidates.iter().map(|c| c.backend.clone()).collect();
-        candidates.retain(|c| c.fail_open_of.as_ref().is_none_or(|pool| kept.contains(pool)));
+        // A fail-open member serves only when its inference pool was asked first (the
+        // set built only for a route that has one: most have none).
+        if candidates.iter().any(|c| c.fail_open_of.is_some()) {
+            let kept: BTreeSet<BackendId> = candidates.iter().map(|c| c.backend.clone()).collect();
+            candidates.retain(|c| c.fail_open_of.as_ref().is_none_or(|pool| kept.contains(pool)));
+        }
         // The pool's pick ordered members a filter may have removed: the first left
         // of its group is the pick, not a fallback.
         if let (Some(first), Some((pool, reason))) = (candidates.first_mut(), picked)
