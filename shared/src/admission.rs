@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::budget::plan::{self, Allowance, Budget};
+use crate::budget::ticket::Unanswered;
 use crate::budget::{ReserveOutcome, ReserveRequest, Ticket, period::unix_now};
 use crate::call::Criticality;
 use crate::config::Capability;
@@ -186,7 +187,10 @@ async fn decide(
     let mut life: u64 = route.candidates.iter().map(|c| gateway.attempt_time(&c.backend).as_secs() + 1).sum();
     life += if demand.stream { STREAM_RESERVATION_SECS } else { RESERVATION_GRACE_SECS };
     let request = ReserveRequest { request_id: request_id.to_owned(), lines, expires_at: now + life };
-    match gateway.budgets.reserve(&request).await? {
+    let unanswered = Unanswered::new(&gateway.budgets, &request);
+    let outcome = gateway.budgets.reserve(&request).await;
+    unanswered.answered(&outcome);
+    match outcome? {
         ReserveOutcome::Reserved => Ok(Decided::Admitted(Admission {
             route,
             ticket: Ticket::new(gateway.budgets.clone(), request.reservation(), Arc::clone(budgets), now),
@@ -225,7 +229,10 @@ pub async fn reserve_turn(
         let planned = plan::plan(&budgets, &used, prompt, allowance, price).map_err(|i| exceeded(&budgets[i], now))?;
         let expires_at = now + STREAM_RESERVATION_SECS;
         let request = ReserveRequest { request_id: request_id.to_owned(), lines: planned.lines, expires_at };
-        match gateway.budgets.reserve(&request).await? {
+        let unanswered = Unanswered::new(&gateway.budgets, &request);
+        let outcome = gateway.budgets.reserve(&request).await;
+        unanswered.answered(&outcome);
+        match outcome? {
             ReserveOutcome::Reserved => {
                 let ticket = Ticket::new(gateway.budgets.clone(), request.reservation(), budgets, now);
                 return Ok((ticket, planned.per_choice));
@@ -293,7 +300,10 @@ pub async fn reserve_eur(
         })
         .collect();
     let request = ReserveRequest { request_id: request_id.to_owned(), lines, expires_at: now + life_secs };
-    match gateway.budgets.reserve(&request).await? {
+    let unanswered = Unanswered::new(&gateway.budgets, &request);
+    let outcome = gateway.budgets.reserve(&request).await;
+    unanswered.answered(&outcome);
+    match outcome? {
         ReserveOutcome::Reserved => Ok(Ticket::new(gateway.budgets.clone(), request.reservation(), budgets, now)),
         ReserveOutcome::Refused { line } => Err(exceeded(&budgets[line], now)),
     }

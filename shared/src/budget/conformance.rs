@@ -387,7 +387,7 @@ async fn settled(store: &dyn BudgetStore) -> Result<(), String> {
         }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
-    Err("a reservation is still live: the dropped ticket's write was never made".to_owned())
+    Err("a reservation is still live: what a dropped call owed the store was never written".to_owned())
 }
 
 /// Wraps a store whose settlements (refunds included) take [`SlowSettles::PAUSE`]:
@@ -396,6 +396,10 @@ struct SlowSettles {
     inner: Arc<dyn BudgetStore>,
     lands_first: bool,
 }
+
+/// Wraps a store whose reservations take [`SlowSettles::PAUSE`] after they are
+/// written (the answer late).
+struct SlowReserves(Arc<dyn BudgetStore>);
 
 impl SlowSettles {
     const PAUSE: std::time::Duration = std::time::Duration::from_millis(200);
@@ -439,6 +443,61 @@ impl BudgetStore for SlowSettles {
     async fn live_reservations(&self) -> Result<usize, StoreError> {
         self.inner.live_reservations().await
     }
+}
+
+#[async_trait::async_trait]
+impl BudgetStore for SlowReserves {
+    async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
+        let outcome = self.0.reserve(request).await;
+        tokio::time::sleep(SlowSettles::PAUSE).await;
+        outcome
+    }
+    async fn settle(
+        &self,
+        reservation: &Reservation,
+        actual: &[(CounterKey, u64)],
+    ) -> Result<SettleOutcome, StoreError> {
+        self.0.settle(reservation, actual).await
+    }
+    async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
+        self.0.record_intent(request_id, actual).await
+    }
+    async fn renew(
+        &self,
+        request_id: &str,
+        actual: &[(CounterKey, u64)],
+        expires_at: u64,
+    ) -> Result<IntentOutcome, StoreError> {
+        self.0.renew(request_id, actual, expires_at).await
+    }
+    async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
+        self.0.sweep(now).await
+    }
+    async fn used(&self, keys: &[CounterKey]) -> Result<Vec<u64>, StoreError> {
+        self.0.used(keys).await
+    }
+    async fn live_reservations(&self) -> Result<usize, StoreError> {
+        self.0.live_reservations().await
+    }
+}
+
+/// A reservation whose caller is dropped after the store wrote it and before its
+/// answer came (a call cancelled as it was admitted) is refunded, not left held until
+/// its expiry; so is one the store failed to answer.
+pub async fn a_reservation_dropped_before_its_answer_is_refunded(store: Arc<dyn BudgetStore>) -> Result<(), String> {
+    let slow: Arc<dyn BudgetStore> = Arc::new(SlowReserves(store.clone()));
+    let asked = request("cut-reserve", &[("t", 100, Some(1000)), ("e", 500, Some(10_000))], NOW + 60);
+    let reserving = async {
+        let unanswered = ticket::Unanswered::new(&slow, &asked);
+        let outcome = slow.reserve(&asked).await;
+        unanswered.answered(&outcome);
+        outcome
+    };
+    let cut = tokio::time::timeout(SlowSettles::PAUSE / 4, reserving).await;
+    check(cut.is_err(), || "the reservation was not cut".to_owned())?;
+    settled(store.as_ref()).await?;
+    let got = used(store.as_ref(), &["t", "e"]).await?;
+    check(got == [0, 0], || format!("counters after the dropped reservation: {got:?}"))
 }
 
 /// Wraps a store and fails its first `failures` settlements (refunds included) with a
@@ -693,6 +752,10 @@ where
     note(
         "a_ticket_dropped_while_it_settles_is_settled_once",
         a_ticket_dropped_while_it_settles_is_settled_once(Arc::new(make().await)).await,
+    );
+    note(
+        "a_reservation_dropped_before_its_answer_is_refunded",
+        a_reservation_dropped_before_its_answer_is_refunded(Arc::new(make().await)).await,
     );
     note(
         "a_ticket_dropped_while_it_refunds_is_refunded",

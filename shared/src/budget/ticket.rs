@@ -33,7 +33,7 @@ use crate::config::Price;
 use crate::money::MicroEur;
 
 use super::plan::{self, Budget};
-use super::{BudgetStore, CounterKey, IntentOutcome, Reservation, SettleOutcome, StoreError};
+use super::{BudgetStore, CounterKey, IntentOutcome, Reservation, ReserveRequest, SettleOutcome, StoreError};
 
 /// Tries at a settlement, at its intent, and at a refund, each. Stores retry contention
 /// themselves; these cover a store that fails outright for a moment.
@@ -124,6 +124,40 @@ impl Drop for Settling {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             // `Unknown` here is the dropped write's own success.
             runtime.spawn(async move { settle(store.as_ref(), &reservation, &actual).await });
+        }
+    }
+}
+
+/// A reservation asked of the store and not answered yet: refunded if its call is
+/// dropped before the store answers, or if the store fails, so that a reservation
+/// written all the same (its answer lost, its call cancelled as it waited) is never
+/// left held until its expiry. Made before `BudgetStore::reserve`, told its answer
+/// after (no future of its own on the hot path).
+pub(crate) struct Unanswered<'a> {
+    store: &'a Arc<dyn BudgetStore>,
+    request: &'a ReserveRequest,
+    armed: bool,
+}
+
+impl<'a> Unanswered<'a> {
+    pub(crate) fn new(store: &'a Arc<dyn BudgetStore>, request: &'a ReserveRequest) -> Self {
+        Unanswered { store, request, armed: true }
+    }
+
+    /// The store's answer: only a failure leaves the refund to be made.
+    pub(crate) fn answered<T>(mut self, outcome: &Result<T, StoreError>) {
+        self.armed = outcome.is_err();
+    }
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (store, reservation) = (self.store.clone(), self.request.reservation());
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { refund(store.as_ref(), &reservation).await });
         }
     }
 }
