@@ -556,6 +556,34 @@ async fn a_grpc_web_stream_open_at_the_deadline_ends_settled_and_recorded() {
     assert_eq!(gateway.live_reservations().await, 0);
 }
 
+/// A client slower than the platform's clock (Lambda throttles a streamed answer to
+/// some 2 MB/s): the relay's send waits on the client, not the upstream, and still
+/// ends at the cutoff, settled on what passed and recorded, while the client has not
+/// read a byte.
+#[tokio::test]
+async fn a_grpc_web_answer_its_client_does_not_read_ends_at_the_deadline() {
+    let upstream = FakeOcr::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config =
+        grpc_config(&descriptor_file(dir.path()), &upstream.url(), "{eur_per_month: 100000}", false, "{sink: stdout}");
+    let (adapters, audit) = memory_adapters();
+    let deadline = flexway::http::Deadline::within(Duration::from_secs(2));
+    let gateway =
+        serve_router_in_process(&config, adapters, |g| flexway::http::api(g).layer(axum::Extension(deadline))).await;
+    // 64 MiB at once (0.5 € a thousand bytes), far more than the sockets between hold.
+    let request = Image { count: 1024, delay_ms: 0, reply_bytes: 64 * 1024, ..Default::default() };
+    let response = grpc_web(&gateway.url, "Pages", &request).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    // Not read: the record comes all the same, by the cutoff (1.8 s).
+    let records = audit_records_until(&audit, 1).await;
+    assert_eq!(records[0].status, 4);
+    assert_eq!(records[0].error_code, Some(flexway::call::ErrorCode::Deadline));
+    assert!(records[0].cost_micro_eur > 0, "what passed is charged");
+    assert_eq!(gateway.ledger("acme", None).await[2], records[0].cost_micro_eur, "the ledger equals the audit");
+    assert_eq!(gateway.live_reservations().await, 0);
+    drop(response);
+}
+
 /// A client's END_STREAM often comes as an empty DATA frame: passed on as such, an h2
 /// upstream counts them as a flood and closes the connection after about a hundred
 /// (GOAWAY ENHANCE_YOUR_CALM, `too_many_data_frames`).

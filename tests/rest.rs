@@ -36,6 +36,10 @@ paths:
     delete: {responses: {"204": {description: gone}}}
   /missing:
     get: {responses: {"404": {description: never there}}}
+  /flood:
+    get:
+      x-flexway-ai: {metering: per_byte, price_per_thousand_eur: "0.0001", feature: flood}
+      responses: {"200": {description: ok}}
   /pages:
     get:
       x-flexway-ai: {metering: per_byte, price_per_thousand_eur: "0.001", feature: pages}
@@ -91,6 +95,15 @@ async fn upstream(seen: Seen, fail_all: bool) -> String {
                     Some((Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b'p'; 100])), n + 1))
                 });
                 axum::body::Body::from_stream(pages)
+            }),
+        )
+        .route(
+            "/flood",
+            get(|| async {
+                // 64 MiB as fast as it can be read.
+                let chunk = bytes::Bytes::from(vec![b'f'; 64 * 1024]);
+                let chunks = futures_util::stream::iter((0..1024).map(move |_| Ok::<_, std::io::Error>(chunk.clone())));
+                axum::body::Body::from_stream(chunks)
             }),
         )
         .route("/missing", get(|| async { (axum::http::StatusCode::NOT_FOUND, "no such document") }))
@@ -505,6 +518,37 @@ async fn a_client_that_leaves_mid_answer_is_recorded_once_and_charged_what_passe
     let [_, _, eur] = gw.ledger("acme", None).await;
     assert_eq!(eur, record.cost_micro_eur);
     assert_eq!(gw.live_reservations().await, 0);
+}
+
+/// A client slower than the platform's clock (Lambda throttles a streamed answer to
+/// some 2 MB/s): the relay's send waits on the client, not the upstream, and still
+/// ends at the cutoff, settled on what passed and recorded, while the client has not
+/// read a byte.
+#[tokio::test]
+async fn an_answer_its_client_does_not_read_ends_at_the_invocations_deadline() {
+    let url = upstream(Seen::default(), false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let contract = dir.path().join("ocr.yaml");
+    std::fs::write(&contract, CONTRACT).unwrap();
+    let ai = format!(
+        "  backends:\n    ocr: {{kind: http, url: \"{url}\", contract: \"{}\", mount: /apis/ocr}}\n",
+        contract.display()
+    );
+    let (adapters, audit) = memory_adapters();
+    let deadline = flexway::http::Deadline::within(std::time::Duration::from_secs(2));
+    let gw = serve_router_in_process(&acme_config("{eur_per_month: 10}", &ai), adapters, |g| {
+        flexway::http::api(g).layer(axum::Extension(deadline))
+    })
+    .await;
+    let response = client().get(format!("{}/apis/ocr/flood", gw.url)).bearer_auth(KEY).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    // Not read: the record comes all the same, by the cutoff (1.8 s).
+    let records = audit_records_until(&audit, 1).await;
+    assert_eq!(records[0].error_code.map(|c| c.as_str()), Some("deadline"), "{:?}", records[0]);
+    assert!(records[0].cost_micro_eur > 0, "what passed is charged");
+    assert_eq!(gw.ledger("acme", None).await[2], records[0].cost_micro_eur, "the ledger equals the audit");
+    assert_eq!(gw.live_reservations().await, 0);
+    drop(response);
 }
 
 /// A client that leaves mid-answer says nothing against the backend, which was

@@ -626,14 +626,30 @@ enum Read {
     Deadline,
 }
 
+/// How an answer still open at the invocation's deadline ends.
+fn deadline_refusal() -> Refusal {
+    Refusal::new(Code::DeadlineExceeded, ErrorCode::Deadline, "the invocation's deadline came before the answer ended")
+}
+
 impl Relaying {
     /// Relays the answer to the client until it ends or the client leaves; either way
     /// the call is settled and recorded here, in this task, before it ends.
     async fn pump(mut self, tx: mpsc::Sender<Frame<Bytes>>) {
         while !self.done {
             let Some(frame) = self.next(&tx).await else { break };
-            if tx.send(frame).await.is_err() {
-                break;
+            match super::before(self.cutoff, tx.send(frame)).await {
+                Some(Ok(())) => {}
+                Some(Err(_)) => break,
+                None => {
+                    // A client slower than the platform's clock (Lambda throttles a
+                    // streamed answer): ended at the deadline as a slow upstream is,
+                    // its trailers offered if the client has room for them.
+                    tracing::warn!("gRPC answer still being sent at the invocation's deadline: ended");
+                    if let Some(trailers) = self.finish(Some(deadline_refusal())).await {
+                        let _ = tx.try_send(trailers);
+                    }
+                    break;
+                }
             }
         }
         // The client went away (a no-op once the call has ended): what passed before
@@ -658,12 +674,7 @@ impl Relaying {
                 // Ended as a chat stream is (SPEC §11): its status in the trailers,
                 // settled on what passed and recorded before the platform cuts it.
                 tracing::warn!("gRPC answer still open at the invocation's deadline: ended");
-                let refusal = Refusal::new(
-                    Code::DeadlineExceeded,
-                    ErrorCode::Deadline,
-                    "the invocation's deadline came before the upstream's answer ended",
-                );
-                return self.finish(Some(refusal)).await;
+                return self.finish(Some(deadline_refusal())).await;
             }
             Read::Frame(None) => return self.finish(None).await,
             Read::Frame(Some(frame)) => frame,

@@ -455,8 +455,17 @@ impl Relaying {
     /// the call is settled and recorded here, in this task, before it ends.
     async fn pump(mut self, tx: mpsc::Sender<Relayed>) {
         while let Some(frame) = self.next(&tx).await {
-            if tx.send(frame).await.is_err() {
-                break;
+            match super::before(self.cutoff, tx.send(frame)).await {
+                Some(Ok(())) => {}
+                Some(Err(_)) => break,
+                None => {
+                    // A client slower than the platform's clock (Lambda throttles a
+                    // streamed answer): ended at the deadline as a slow upstream is,
+                    // settled on what passed and recorded before the platform cuts it.
+                    tracing::warn!("REST answer still being sent at the invocation's deadline: ended");
+                    self.finish(Outcome::Success, Some(ErrorCode::Deadline)).await;
+                    break;
+                }
             }
         }
         self.left().await;
