@@ -501,6 +501,28 @@ async fn stopping_the_gateway_closes_open_sessions_with_1001_and_records_them() 
     assert_eq!((records[0].prompt_tokens, records[0].completion_tokens), (20, 5));
 }
 
+/// A client that stops reading holds the session's send to it: stopping the gateway
+/// still ends the session, records it and exits, rather than the session being cut,
+/// its record lost, when the runtime stops.
+#[tokio::test]
+async fn stopping_the_gateway_ends_a_session_whose_client_reads_nothing() {
+    let fake = FakeModel::start().await.unwrap();
+    // One 32 MiB message a response, far more than the sockets between hold.
+    let url = scenario(&fake, "huge_mb=32");
+    let limits = "  limits: {max_event_bytes: 67108864}\n";
+    let mut gw = Flexway::start(&realtime_config(&url, "{}", limits));
+    let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    next_event(&mut client).await;
+    client.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
+    // The gateway is sending the message the client does not read.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    gw.interrupt();
+    assert!(gw.wait_exit(Duration::from_secs(8)).is_some_and(|s| s.success()), "{}", gw.logs());
+    let records = gw.records_until::<AuditRecord>(1).await;
+    assert_eq!(records[0].close_reason, Some(CloseReason::Shutdown), "{:?}", records[0]);
+    drop(client);
+}
+
 #[tokio::test]
 async fn the_serverless_shape_refuses_realtime_with_a_clear_error() {
     let fake = FakeModel::start().await.unwrap();

@@ -433,8 +433,17 @@ impl Session {
                         Some(usage) => self.charge(usage, totals).await,
                         None => Ok(()),
                     };
-                    if client.send(message).await.is_err() {
-                        return End::new(CloseReason::ClientClosed, None);
+                    // A client that stops reading holds this send; the stop signal
+                    // still ends the session (recorded) rather than leaving it to be
+                    // cut when the runtime stops.
+                    tokio::select! {
+                        biased;
+                        sent = client.send(message) => {
+                            if sent.is_err() {
+                                return End::new(CloseReason::ClientClosed, None);
+                            }
+                        }
+                        () = &mut stopping => return End::new(CloseReason::Shutdown, Some((rt::CLOSE_GOING_AWAY, "shutdown"))),
                     }
                     match charged {
                         Ok(()) => {}
