@@ -8,10 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flexway::audit::{AuditRecord, BudgetState, CloseReason, Operation};
-use flexway::budget::{
-    BudgetStore, CounterKey, IntentOutcome, MemoryBudgetStore, Reservation, ReserveOutcome, ReserveRequest,
-    SettleOutcome, StoreError, Swept,
-};
+use flexway::budget::MemoryBudgetStore;
+use flexway::budget::conformance::{Slow, Slowed};
 use flexway_testkit::*;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
@@ -355,45 +353,6 @@ async fn a_backends_own_close_is_relayed_with_its_code_and_reason() {
     assert_eq!(records[0].error_code, None);
 }
 
-/// A ledger whose settlements take 300 ms (a slow store): what a client reads right
-/// after an event shows whether the charge came before it.
-struct SlowSettle(MemoryBudgetStore);
-
-#[async_trait::async_trait]
-impl BudgetStore for SlowSettle {
-    async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
-        self.0.reserve(request).await
-    }
-    async fn settle(
-        &self,
-        reservation: &Reservation,
-        actual: &[(CounterKey, u64)],
-    ) -> Result<SettleOutcome, StoreError> {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        self.0.settle(reservation, actual).await
-    }
-    async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
-        self.0.record_intent(request_id, actual).await
-    }
-    async fn renew(
-        &self,
-        id: &str,
-        actual: &[(CounterKey, u64)],
-        expires_at: u64,
-    ) -> Result<IntentOutcome, StoreError> {
-        self.0.renew(id, actual, expires_at).await
-    }
-    async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
-        self.0.sweep(now).await
-    }
-    async fn used(&self, keys: &[CounterKey]) -> Result<Vec<u64>, StoreError> {
-        self.0.used(keys).await
-    }
-    async fn live_reservations(&self) -> Result<usize, StoreError> {
-        self.0.live_reservations().await
-    }
-}
-
 /// A response is charged before its `response.done` is relayed: a client that reads
 /// the event finds the response in the ledger (and one that leaves as it ends is
 /// billed all the same), however slow the ledger.
@@ -401,7 +360,9 @@ impl BudgetStore for SlowSettle {
 async fn a_response_is_in_the_ledger_when_its_done_event_arrives() {
     let fake = FakeModel::start().await.unwrap();
     let (mut adapters, audit) = memory_adapters();
-    adapters.budgets = Arc::new(SlowSettle(MemoryBudgetStore::new()));
+    // Settlements that take 200 ms: what the client reads right after an event shows
+    // whether the charge came before it.
+    adapters.budgets = Arc::new(Slow::new(Arc::new(MemoryBudgetStore::new()), Slowed::SettleBeforeWrite));
     let gw = serve_in_process(&realtime_config(&fake.url(), "{tokens_per_day: 100000}", ""), adapters).await;
     let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
     next_event(&mut client).await;

@@ -356,10 +356,12 @@ pub async fn intents_recorded_during_sweeps_are_all_charged(store: Arc<dyn Budge
 /// left as the store was asked) settles all the same, on the same amounts, once:
 /// whether the write it dropped got in or not.
 pub async fn a_ticket_dropped_while_it_settles_is_settled_once(store: Arc<dyn BudgetStore>) -> Result<(), String> {
-    for (id, lands_first, expected) in [("cut-before", false, [40, 140]), ("cut-after", true, [80, 280])] {
-        let slow: Arc<dyn BudgetStore> = Arc::new(SlowSettles { inner: store.clone(), lands_first });
+    let cuts =
+        [("cut-before", Slowed::SettleBeforeWrite, [40, 140]), ("cut-after", Slowed::SettleAfterWrite, [80, 280])];
+    for (id, slowed, expected) in cuts {
+        let slow: Arc<dyn BudgetStore> = Arc::new(Slow::new(store.clone(), slowed));
         let settling = ticket(slow, id).await?.settle(USAGE, PRICE);
-        let cut = tokio::time::timeout(SlowSettles::PAUSE / 4, settling).await;
+        let cut = tokio::time::timeout(Slow::PAUSE / 4, settling).await;
         check(cut.is_err(), || format!("{id}: the settlement was not cut"))?;
         settled(store.as_ref()).await?;
         let got = used(store.as_ref(), &["t", "e"]).await?;
@@ -370,9 +372,9 @@ pub async fn a_ticket_dropped_while_it_settles_is_settled_once(store: Arc<dyn Bu
 
 /// A ticket dropped while its refund is written is refunded all the same.
 pub async fn a_ticket_dropped_while_it_refunds_is_refunded(store: Arc<dyn BudgetStore>) -> Result<(), String> {
-    let slow: Arc<dyn BudgetStore> = Arc::new(SlowSettles { inner: store.clone(), lands_first: false });
+    let slow: Arc<dyn BudgetStore> = Arc::new(Slow::new(store.clone(), Slowed::SettleBeforeWrite));
     let refunding = ticket(slow, "cut-refund").await?.refund();
-    let cut = tokio::time::timeout(SlowSettles::PAUSE / 4, refunding).await;
+    let cut = tokio::time::timeout(Slow::PAUSE / 4, refunding).await;
     check(cut.is_err(), || "the refund was not cut".to_owned())?;
     settled(store.as_ref()).await?;
     let got = used(store.as_ref(), &["t", "e"]).await?;
@@ -390,38 +392,54 @@ async fn settled(store: &dyn BudgetStore) -> Result<(), String> {
     Err("a reservation is still live: what a dropped call owed the store was never written".to_owned())
 }
 
-/// Wraps a store whose settlements (refunds included) take [`SlowSettles::PAUSE`]:
-/// before the write, or after it when `lands_first` (the write in, its answer late).
-struct SlowSettles {
-    inner: Arc<dyn BudgetStore>,
-    lands_first: bool,
+/// Which of a store's writes [`Slow`] makes slow, and where the pause falls.
+#[derive(Clone, Copy)]
+pub enum Slowed {
+    /// Settlements (refunds included), paused before the write.
+    SettleBeforeWrite,
+    /// Settlements, paused after the write (the write in, its answer late).
+    SettleAfterWrite,
+    /// Reservations, paused after the write.
+    ReserveAfterWrite,
 }
 
-/// Wraps a store whose reservations take [`SlowSettles::PAUSE`] after they are
-/// written (the answer late).
-struct SlowReserves(Arc<dyn BudgetStore>);
+/// Wraps a store and makes one kind of its writes take [`Slow::PAUSE`]; every other
+/// call passes through.
+pub struct Slow {
+    inner: Arc<dyn BudgetStore>,
+    slowed: Slowed,
+}
 
-impl SlowSettles {
-    const PAUSE: std::time::Duration = std::time::Duration::from_millis(200);
+impl Slow {
+    pub const PAUSE: std::time::Duration = std::time::Duration::from_millis(200);
+
+    pub fn new(inner: Arc<dyn BudgetStore>, slowed: Slowed) -> Self {
+        Slow { inner, slowed }
+    }
 }
 
 #[async_trait::async_trait]
-impl BudgetStore for SlowSettles {
+impl BudgetStore for Slow {
     async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
-        self.inner.reserve(request).await
+        let outcome = self.inner.reserve(request).await;
+        if let Slowed::ReserveAfterWrite = self.slowed {
+            tokio::time::sleep(Self::PAUSE).await;
+        }
+        outcome
     }
     async fn settle(
         &self,
         reservation: &Reservation,
         actual: &[(CounterKey, u64)],
     ) -> Result<SettleOutcome, StoreError> {
-        if self.lands_first {
-            let outcome = self.inner.settle(reservation, actual).await;
+        if let Slowed::SettleBeforeWrite = self.slowed {
             tokio::time::sleep(Self::PAUSE).await;
-            return outcome;
         }
-        tokio::time::sleep(Self::PAUSE).await;
-        self.inner.settle(reservation, actual).await
+        let outcome = self.inner.settle(reservation, actual).await;
+        if let Slowed::SettleAfterWrite = self.slowed {
+            tokio::time::sleep(Self::PAUSE).await;
+        }
+        outcome
     }
     async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
         self.inner.record_intent(request_id, actual).await
@@ -445,47 +463,11 @@ impl BudgetStore for SlowSettles {
     }
 }
 
-#[async_trait::async_trait]
-impl BudgetStore for SlowReserves {
-    async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
-        let outcome = self.0.reserve(request).await;
-        tokio::time::sleep(SlowSettles::PAUSE).await;
-        outcome
-    }
-    async fn settle(
-        &self,
-        reservation: &Reservation,
-        actual: &[(CounterKey, u64)],
-    ) -> Result<SettleOutcome, StoreError> {
-        self.0.settle(reservation, actual).await
-    }
-    async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
-        self.0.record_intent(request_id, actual).await
-    }
-    async fn renew(
-        &self,
-        request_id: &str,
-        actual: &[(CounterKey, u64)],
-        expires_at: u64,
-    ) -> Result<IntentOutcome, StoreError> {
-        self.0.renew(request_id, actual, expires_at).await
-    }
-    async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
-        self.0.sweep(now).await
-    }
-    async fn used(&self, keys: &[CounterKey]) -> Result<Vec<u64>, StoreError> {
-        self.0.used(keys).await
-    }
-    async fn live_reservations(&self) -> Result<usize, StoreError> {
-        self.0.live_reservations().await
-    }
-}
-
 /// A reservation whose caller is dropped after the store wrote it and before its
 /// answer came (a call cancelled as it was admitted) is refunded, not left held until
 /// its expiry; so is one the store failed to answer.
 pub async fn a_reservation_dropped_before_its_answer_is_refunded(store: Arc<dyn BudgetStore>) -> Result<(), String> {
-    let slow: Arc<dyn BudgetStore> = Arc::new(SlowReserves(store.clone()));
+    let slow: Arc<dyn BudgetStore> = Arc::new(Slow::new(store.clone(), Slowed::ReserveAfterWrite));
     let asked = request("cut-reserve", &[("t", 100, Some(1000)), ("e", 500, Some(10_000))], NOW + 60);
     let reserving = async {
         let unanswered = ticket::Unanswered::new(&slow, &asked);
@@ -493,7 +475,7 @@ pub async fn a_reservation_dropped_before_its_answer_is_refunded(store: Arc<dyn 
         unanswered.answered(&outcome);
         outcome
     };
-    let cut = tokio::time::timeout(SlowSettles::PAUSE / 4, reserving).await;
+    let cut = tokio::time::timeout(Slow::PAUSE / 4, reserving).await;
     check(cut.is_err(), || "the reservation was not cut".to_owned())?;
     settled(store.as_ref()).await?;
     let got = used(store.as_ref(), &["t", "e"]).await?;
