@@ -1,20 +1,20 @@
 //! The admit phase as the doors run it, in one place: what a call's headers ask of
 //! routing (sensitivity, and for model calls their class and residency) read once and
 //! noted on its record; then, for a model call, the call routed and reserved
-//! (`admission::admit`) and its reservation noted. A door measures its own request
+//! (`admission::admit`), its reservation noted and held in the call's [`Charge`]. A door measures its own request
 //! into a [`Demand`]; it never reads these headers or notes these fields itself.
 
 use http::HeaderMap;
 
-use super::RequestId;
+use super::drive::Call;
+use super::end::{Charge, Tokens};
 use super::record::Draft;
 use crate::admission::{Admission, Demand, admit};
-use crate::budget::Ticket;
 use crate::call::Criticality;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
-use crate::routing::Residency;
+use crate::routing::{Residency, Route};
 
 /// What a model call's headers ask of routing.
 pub(super) struct Asked {
@@ -56,26 +56,34 @@ fn sensitivity(gateway: &Gateway, headers: &HeaderMap, draft: &mut Draft) -> Res
     Ok(sensitive)
 }
 
-/// The call routed and reserved; its period, soft state and (for a call that
-/// completes) allowance noted on `draft`.
-pub(super) async fn admitted(
-    gateway: &Gateway,
-    caller: &Caller,
-    request_id: &RequestId,
-    draft: &mut Draft,
-    demand: &Demand,
-) -> Result<Admission, GatewayError> {
-    let admission = admit(gateway, caller, &request_id.0, demand).await?;
-    draft.reserved_on(admission.ticket.period());
-    draft.soft(admission.soft);
-    if demand.completes {
-        draft.allowance(admission.allowance);
-    }
-    Ok(admission)
+/// A model call routed and reserved.
+pub(super) struct Admitted {
+    pub route: Route,
+    /// `Flexway-Budget: soft`.
+    pub soft: bool,
+    /// The completion allowance of each choice: what was reserved, and what must be
+    /// sent upstream.
+    pub allowance: u64,
 }
 
-/// Refunds the reservation of a call that failed before its first byte.
-pub(super) async fn refunded(ticket: Ticket, error: GatewayError) -> GatewayError {
-    ticket.refund().await;
-    error
+/// The call routed and reserved, its reservation held in `charge`; its period, soft
+/// state and (for a call that completes) allowance noted on `draft`. `prompt_typical`
+/// is what its settlement counts for the prompt if the backend reports no usage.
+pub(super) async fn admitted(
+    call: Call<'_>,
+    draft: &mut Draft,
+    charge: &mut Charge,
+    demand: &Demand,
+    prompt_typical: u64,
+) -> Result<Admitted, GatewayError> {
+    let Admission { route, ticket, soft, allowance } =
+        admit(call.gateway, call.caller, &call.request_id.0, demand).await?;
+    draft.reserved_on(ticket.period());
+    draft.soft(soft);
+    if demand.completes {
+        draft.allowance(allowance);
+    }
+    let completion = demand.completes.then(|| allowance.saturating_mul(demand.choices));
+    *charge = Charge::Tokens(Tokens { ticket, prompt_typical, allowance: completion });
+    Ok(Admitted { route, soft, allowance })
 }

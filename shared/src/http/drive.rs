@@ -1,23 +1,27 @@
 //! The driver: the phases every way in goes through, written once. A call is
-//! identified by its door, its draft begun, its phases run by the door (admit, the
-//! attempt chain, settle: `admit.rs`, `chain.rs`), and its record ended here, at the
-//! one place every path passes: an answer whole ends it with its status, a refusal
-//! with its status and code, a relayed body (a stream, a gRPC or REST relay, a
-//! session) ends it when the body ends, in the task that relays it.
+//! identified by its door, its draft begun, its phases up to the answer run by the
+//! door (admit, the attempt chain: `admit.rs`, `chain.rs`) into the call's one
+//! [`Charge`], and its end (`end.rs`: settle, then record) run by the driver at the one
+//! place every path passes: an answer whole ends with the [`Ended`] its door says, a
+//! refusal with its status and code (its charge refunded), a relayed body (a stream, a
+//! gRPC or REST relay, a session) through the [`Ending`] its relay is handed, in the
+//! task that relays it.
 //!
 //! What a door is: how its caller is identified, what its call does up to the answer,
 //! how its refusals are written (an envelope: OpenAI, Anthropic, RFC 9457, a gRPC
-//! status). A door never begins or ends a draft itself.
+//! status). A door never settles, refunds or ends a draft itself.
 
 use std::future::Future;
 use std::sync::Arc;
 
 use axum::extract::Request;
 use axum::response::Response;
-use http::HeaderMap;
+use http::{HeaderMap, HeaderValue};
 
+use super::end::{Charge, Ended, Ending, end};
 use super::record::Draft;
 use super::{Deadline, RequestId};
+use crate::call::headers::COST as COST_HEADER;
 use crate::call::{ErrorCode, Operation};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
@@ -32,17 +36,19 @@ pub(super) struct Call<'a> {
 }
 
 /// A door's answer, once its call is past the attempt phase.
+#[expect(clippy::large_enum_variant, reason = "returned once a call; a box would be an allocation a call")]
 pub(super) enum Reply {
-    /// A complete answer (a backend's own 4xx included): the call ends with its status.
-    Now(Response),
-    /// An answer whose body is still to come: its relay ends the draft when it ends.
+    /// A complete answer (a backend's own 4xx included), and how the call ended. A
+    /// model call's answer carries its settled cost (`Flexway-Cost`).
+    Now(Response, Ended),
+    /// An answer whose body is still to come: its relay ends the call when it ends.
     Relay(Box<dyn Relay>),
 }
 
-/// What relays an answer's body, and ends the call's draft when the body ends
-/// (settled first, then recorded) or when the client leaves.
+/// What relays an answer's body, and ends the call through `ending` when the body
+/// ends or the client leaves.
 pub(super) trait Relay: Send {
-    fn respond(self: Box<Self>, gateway: Arc<Gateway>, draft: Draft, deadline: Option<Deadline>) -> Response;
+    fn respond(self: Box<Self>, ending: Ending, deadline: Option<Deadline>) -> Response;
 }
 
 /// A refusal before any answer, as the call's record says it.
@@ -68,12 +74,13 @@ pub(super) trait Door: Send {
     /// The caller. A refusal here is answered and logged, never recorded (SPEC §9).
     fn identify(&self, gateway: &Gateway, headers: &HeaderMap) -> Result<Caller, Self::Refusal>;
 
-    /// The call's phases up to its answer, each noted on `draft`. A reservation made
-    /// is settled, or returned when the call is refused.
+    /// The call's phases up to its answer, each noted on `draft`; what it reserves is
+    /// held in `charge`, which the driver settles or refunds when the call ends.
     fn call(
         &mut self,
         call: Call<'_>,
         draft: &mut Draft,
+        charge: &mut Charge,
         request: Request,
     ) -> impl Future<Output = Result<Reply, Self::Refusal>> + Send;
 
@@ -91,19 +98,24 @@ pub(super) async fn drive<D: Door>(gateway: Arc<Gateway>, mut door: D, mut reque
         Err(refusal) => return door.refuse(&refusal),
     };
     let mut draft = Draft::begin(&gateway, &request_id, &caller, door.operation(), request.headers());
+    let mut charge = Charge::None;
     let call = Call { gateway: &gateway, caller: &caller, request_id: &request_id };
     // Boxed: the door's call is most of the call's state (some 6 KiB for chat), and
     // inline it made the handler's future one the router copies whole as it boxes it,
     // 8,000 instructions a call (benches/instructions); boxed, it is built in place.
-    match Box::pin(door.call(call, &mut draft, request)).await {
-        Ok(Reply::Now(response)) => {
-            draft.finish(response.status().as_u16(), None).await;
+    match Box::pin(door.call(call, &mut draft, &mut charge, request)).await {
+        Ok(Reply::Now(mut response, ended)) => {
+            let priced = matches!(charge, Charge::Tokens(_));
+            let cost = end(&gateway, charge, ended, draft).await;
+            if priced && let Ok(value) = HeaderValue::from_str(&cost.to_eur_string()) {
+                response.headers_mut().insert(COST_HEADER, value);
+            }
             response
         }
-        Ok(Reply::Relay(relay)) => relay.respond(gateway, draft, deadline),
+        Ok(Reply::Relay(relay)) => relay.respond(Ending::new(gateway, draft, charge), deadline),
         Err(refusal) => {
             let (status, code) = refusal.noted(&mut draft);
-            draft.finish(status, Some(code)).await;
+            end(&gateway, charge, Ended::unserved(status, Some(code)), draft).await;
             door.refuse(&refusal)
         }
     }
@@ -139,13 +151,19 @@ mod tests {
             Ok(gateway.keys.authenticate(headers)?)
         }
 
-        async fn call(&mut self, _: Call<'_>, draft: &mut Draft, _: Request) -> Result<Reply, GatewayError> {
+        async fn call(
+            &mut self,
+            _: Call<'_>,
+            draft: &mut Draft,
+            _: &mut Charge,
+            _: Request,
+        ) -> Result<Reply, GatewayError> {
             draft.feature("scripted");
             match self {
                 Scripted::Now(status) => {
                     let mut response = Response::new(Body::empty());
                     *response.status_mut() = *status;
-                    Ok(Reply::Now(response))
+                    Ok(Reply::Now(response, Ended::unserved(status.as_u16(), None)))
                 }
                 Scripted::Invalid => Err(InvalidRequest { message: "no".into(), param: Some("n") }.into()),
                 Scripted::Dropped => Ok(Reply::Relay(Box::new(Dropping))),
@@ -160,8 +178,8 @@ mod tests {
     struct Dropping;
 
     impl Relay for Dropping {
-        fn respond(self: Box<Self>, _: Arc<Gateway>, draft: Draft, _: Option<Deadline>) -> Response {
-            drop(draft);
+        fn respond(self: Box<Self>, ending: Ending, _: Option<Deadline>) -> Response {
+            drop(ending);
             Response::new(Body::empty())
         }
     }

@@ -43,8 +43,9 @@ use tracing::Instrument as _;
 use super::admit::sensitive_and_residency;
 use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
+use super::end::{Charge, Ended, Ending, Spent};
 use super::meter::{Frames, Meter, Slot, Stop};
-use super::record::{Draft, UsageSource};
+use super::record::Draft;
 use crate::call::headers::{BACKEND as BACKEND_HEADER, CREDENTIALS, DEGRADED as DEGRADED_HEADER};
 use crate::call::{ErrorCode, Operation};
 use crate::config::{BackendId, BackendKind, Capability, GrpcMetering, GrpcMethod};
@@ -53,7 +54,6 @@ use crate::gateway::Gateway;
 use crate::identity::Caller;
 use crate::money::MicroEur;
 use crate::protocol::grpc::{Code, MessageCounter, encode_message, status_of, web_trailers_frame};
-use crate::protocol::openai::Usage;
 use crate::routing::breaker::{Outcome, Pass};
 use crate::routing::{Candidate, Residency, Route};
 use crate::upstream::CallError;
@@ -187,14 +187,20 @@ impl drive::Door for Grpc {
         gateway.keys.authenticate(headers).map_err(|e| Refusal::from(GatewayError::from(e)))
     }
 
-    async fn call(&mut self, call: Call<'_>, draft: &mut Draft, request: Request) -> Result<Reply, Refusal> {
+    async fn call(
+        &mut self,
+        call: Call<'_>,
+        draft: &mut Draft,
+        charge: &mut Charge,
+        request: Request,
+    ) -> Result<Reply, Refusal> {
         draft.abandoned_as(Code::Cancelled.number(), ErrorCode::Cancelled);
         let rpc = request.uri().path().trim_start_matches('/').to_owned();
         // The method is the call's model in its record: bounded like a model name.
         crate::call::InvalidRequest::check_bounded("model", &rpc, crate::call::MAX_MODEL_BYTES)
             .map_err(|e| Refusal::from(GatewayError::from(e)))?;
         draft.request(Capability::Grpc, &rpc, None);
-        let proxied = proxied(call, draft, self.flavor, &rpc, request).await?;
+        let proxied = proxied(call, draft, charge, self.flavor, &rpc, request).await?;
         Ok(Reply::Relay(Box::new(proxied)))
     }
 
@@ -210,15 +216,16 @@ struct Proxied {
 }
 
 impl drive::Relay for Proxied {
-    fn respond(self: Box<Self>, _: Arc<Gateway>, draft: Draft, deadline: Option<super::Deadline>) -> Response {
+    fn respond(self: Box<Self>, ending: Ending, deadline: Option<super::Deadline>) -> Response {
         let Proxied { response, relay } = *self;
-        relay.respond(response, draft, deadline.map(super::Deadline::cutoff))
+        relay.respond(response, ending, deadline.map(super::Deadline::cutoff))
     }
 }
 
 async fn proxied(
     Call { gateway, caller, request_id }: Call<'_>,
     draft: &mut Draft,
+    charge: &mut Charge,
     flavor: Flavor,
     rpc: &str,
     request: Request,
@@ -248,6 +255,7 @@ async fn proxied(
     // The reservation outlives every backend the call may try.
     let timeouts = route.candidates.iter().map(|c| gateway.timeout(&c.backend)).sum();
     let meter = Arc::new(Meter::new(gateway.clone(), caller.clone(), request_id, method.operation.clone(), timeouts));
+    *charge = Charge::Metered(meter.clone());
     let mut pending = VecDeque::new();
     let first = match &method.operation {
         Some(op) if op.metering == GrpcMetering::PerByte && !method.client_streaming => {
@@ -269,13 +277,8 @@ async fn proxied(
     let door = SendCall { gateway, rpc, headers: &parts.headers, sensitive_header, flavor, slot };
     let served = match chain::attempt_chain(gateway, draft, &route, &door).await {
         Ok(served) => served,
-        Err(e) => {
-            // A budget step refused while the request went out is why the call ended.
-            let refusal = meter.stop().map_or_else(|| Refusal::from(e), Refusal::from);
-            // What was reserved goes back: nothing was served.
-            meter.close(false, false).await;
-            return Err(refusal);
-        }
+        // A budget step refused while the request went out is why the call ended.
+        Err(e) => return Err(meter.stop().map_or_else(|| Refusal::from(e), Refusal::from)),
     };
     draft.first_byte();
     let relay = Relay { flavor, candidate: served.candidate, pass: served.pass, meter };
@@ -531,36 +534,15 @@ struct Relay {
     meter: Arc<Meter>,
 }
 
-/// The end of a call, written once: when its last frame is relayed, or when the
-/// client leaves (status CANCELLED).
-struct Ending {
-    draft: Option<Draft>,
-    meter: Arc<Meter>,
-}
-
-impl Ending {
-    /// Settles and records the call (a no-op once it has been); its cost.
-    async fn end(&mut self, status: u16, error_code: Option<ErrorCode>) -> MicroEur {
-        let Some(mut draft) = self.draft.take() else { return MicroEur(0) };
-        if let Some(period) = self.meter.period().await {
-            draft.reserved_on(period);
-        }
-        let cost = self.meter.close(true, status == Code::Ok.number()).await;
-        draft.usage(Usage::default(), UsageSource::Reported, cost);
-        if status == Code::ResourceExhausted.number() && error_code == Some(ErrorCode::BudgetExceeded) {
-            draft.exceeded();
-        }
-        draft.finish(status, error_code).await;
-        cost
-    }
-}
-
 struct Relaying {
     /// The upstream's answer; dropped as soon as the call ends, so that its stream is
     /// released at once rather than when the client's response is.
     body: Option<crate::upstream::AnswerBody>,
     counter: MessageCounter,
-    ending: Ending,
+    /// The call's end, until it has ended (when its last frame is relayed, or when the
+    /// client leaves: status CANCELLED).
+    ending: Option<Ending>,
+    meter: Arc<Meter>,
     flavor: Flavor,
     /// `grpc-status` of a trailers-only answer (in its headers).
     status_in_headers: Option<u16>,
@@ -574,7 +556,7 @@ impl Relay {
     fn respond(
         self,
         upstream: http::Response<crate::upstream::AnswerBody>,
-        draft: Draft,
+        ending: Ending,
         cutoff: Option<tokio::time::Instant>,
     ) -> Response {
         let (parts, body) = upstream.into_parts();
@@ -598,7 +580,8 @@ impl Relay {
         let state = Relaying {
             body: Some(body),
             counter: MessageCounter::default(),
-            ending: Ending { draft: Some(draft), meter: self.meter },
+            ending: Some(ending),
+            meter: self.meter,
             pass: self.pass,
             flavor: self.flavor,
             status_in_headers: status_of(&parts.headers),
@@ -656,7 +639,14 @@ impl Relaying {
         // it left is charged. Its breaker is told nothing: a client leaving says
         // nothing of the backend.
         self.body = None;
-        self.ending.end(Code::Cancelled.number(), Some(ErrorCode::Cancelled)).await;
+        self.end(Code::Cancelled.number(), Some(ErrorCode::Cancelled)).await;
+    }
+
+    /// Ends the call (a no-op once it has ended); its cost.
+    async fn end(&mut self, status: u16, code: Option<ErrorCode>) -> MicroEur {
+        let Some(ending) = self.ending.take() else { return MicroEur(0) };
+        let spent = Spent::Metered { answered: true, served: status == Code::Ok.number() };
+        ending.end(Ended { status, code, spent, finish_reasons: Vec::new() }).await
     }
 
     /// The next frame for the client; `None` once the call has ended or the client
@@ -683,7 +673,7 @@ impl Relaying {
             Err(e) => {
                 tracing::warn!("gRPC upstream stream: {e}");
                 self.pass.tell(&Outcome::ConnectionError);
-                let refusal = self.ending.meter.stop().map(Refusal::from).unwrap_or_else(|| {
+                let refusal = self.meter.stop().map(Refusal::from).unwrap_or_else(|| {
                     Refusal::new(Code::Unavailable, ErrorCode::UpstreamError, format!("the upstream stream broke: {e}"))
                 });
                 return self.finish(Some(refusal)).await;
@@ -695,22 +685,22 @@ impl Relaying {
                 // Not relayed: an h2 peer counts empty DATA frames as a flood.
                 return Box::pin(self.next(client)).await;
             }
-            if self.ending.meter.per_byte().is_some() {
+            if self.meter.per_byte().is_some() {
                 let seen = self.counter.feed(data);
                 for declared in seen.declared {
-                    if !self.ending.meter.admit(declared).await {
-                        let refusal = self.ending.meter.stop().map(Refusal::from);
+                    if !self.meter.admit(declared).await {
+                        let refusal = self.meter.stop().map(Refusal::from);
                         return self.finish(refusal).await;
                     }
                 }
-                self.ending.meter.passed(seen.payload).await;
+                self.meter.passed(seen.payload).await;
             }
             return Some(frame);
         }
         match frame.into_trailers() {
             Ok(trailers) => {
                 // A step refused on the request side ends the call with its refusal.
-                if let Some(refusal) = self.ending.meter.stop().map(Refusal::from) {
+                if let Some(refusal) = self.meter.stop().map(Refusal::from) {
                     return self.finish(Some(refusal)).await;
                 }
                 let status = status_of(&trailers).unwrap_or(Code::Unknown.number());
@@ -722,7 +712,7 @@ impl Relaying {
 
     /// The stream ended without trailers (or the gateway ends it with `refusal`).
     async fn finish(&mut self, refusal: Option<Refusal>) -> Option<Frame<Bytes>> {
-        if let Some(refusal) = refusal.or_else(|| self.ending.meter.stop().map(Refusal::from)) {
+        if let Some(refusal) = refusal.or_else(|| self.meter.stop().map(Refusal::from)) {
             let mut trailers = HeaderMap::new();
             trailers.insert("grpc-status", HeaderValue::from(refusal.code.number()));
             if let Ok(message) = HeaderValue::from_str(&encode_message(&refusal.text())) {
@@ -733,7 +723,7 @@ impl Relaying {
         if let Some(status) = self.status_in_headers {
             // Trailers-only: the status was in the headers, already relayed.
             self.body = None;
-            self.ending.end(status, None).await;
+            self.end(status, None).await;
             self.done = true;
             return None;
         }
@@ -751,7 +741,7 @@ impl Relaying {
         error_code: Option<ErrorCode>,
     ) -> Option<Frame<Bytes>> {
         self.body = None;
-        let cost = self.ending.end(status, error_code).await;
+        let cost = self.end(status, error_code).await;
         if let Ok(value) = HeaderValue::from_str(&cost.to_eur_string()) {
             trailers.insert(COST_TRAILER, value);
         }

@@ -7,6 +7,7 @@ mod console;
 mod dispatch;
 mod door;
 mod drive;
+mod end;
 mod error;
 pub mod grpc;
 mod meter;

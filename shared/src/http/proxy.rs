@@ -23,14 +23,15 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 
 use super::RequestId;
-use super::admit::{Asked, admitted, asked, refunded};
+use super::admit::{Admitted, Asked, admitted, asked};
 use super::dispatch::{Answered, Expect, Served, Shape, dispatch};
 use super::door::Door;
 use super::drive::{self, Call, Reply, drive};
+use super::end::{Charge, Ended, Spent};
 use super::error::{Envelope, render_in};
-use super::record::{Draft, UsageSource};
+use super::record::Draft;
 use super::relay;
-use crate::admission::{Admission, Demand};
+use crate::admission::Demand;
 use crate::budget::plan;
 use crate::call::Operation;
 use crate::config::Capability;
@@ -39,14 +40,12 @@ use crate::gateway::Gateway;
 use crate::identity::Caller;
 use crate::protocol::chat::Call as ChatCall;
 use crate::protocol::messages::MessagesRequest;
-use crate::protocol::openai::{ChatRequest, EmbeddingsRequest, ImageRef, InvalidRequest, Usage, translate};
+use crate::protocol::openai::{ChatRequest, EmbeddingsRequest, ImageRef, InvalidRequest, translate};
 use crate::protocol::responses::{self, ResponsesRequest};
 use crate::protocol::{Measure, Wire, anthropic, vision};
 use crate::routing::Candidate;
 
-use crate::call::headers::{
-    BACKEND as BACKEND_HEADER, BUDGET as BUDGET_HEADER, COST as COST_HEADER, DEGRADED as DEGRADED_HEADER,
-};
+use crate::call::headers::{BACKEND as BACKEND_HEADER, BUDGET as BUDGET_HEADER, DEGRADED as DEGRADED_HEADER};
 
 /// The model doors: chat, embeddings, Responses and Messages (the operation says
 /// which). Messages callers authenticate with `x-api-key` and are answered in
@@ -67,11 +66,17 @@ impl drive::Door for Model {
         })
     }
 
-    async fn call(&mut self, call: Call<'_>, draft: &mut Draft, request: Request) -> Result<Reply, GatewayError> {
+    async fn call(
+        &mut self,
+        call: Call<'_>,
+        draft: &mut Draft,
+        charge: &mut Charge,
+        request: Request,
+    ) -> Result<Reply, GatewayError> {
         let (parts, body) = request.into_parts();
         match self.0 {
-            Operation::Embeddings => embed(call, draft, &parts.headers, body).await,
-            op => chat(call, draft, &parts.headers, body, op).await,
+            Operation::Embeddings => embed(call, draft, charge, &parts.headers, body).await,
+            op => chat(call, draft, charge, &parts.headers, body, op).await,
         }
     }
 
@@ -220,6 +225,7 @@ impl Inbound {
 async fn chat(
     call: Call<'_>,
     draft: &mut Draft,
+    charge: &mut Charge,
     headers: &HeaderMap,
     body: Body,
     op: Operation,
@@ -248,40 +254,34 @@ async fn chat(
         criticality,
         residency,
     };
-    let Admission { route, ticket, soft, allowance } =
-        admitted(gateway, call.caller, call.request_id, draft, &demand).await?;
     let prompt_typical = plan::prompt_typical(request.prompt_text_bytes, request.message_count, images);
+    let Admitted { route, soft, allowance } = admitted(call, draft, charge, &demand, prompt_typical).await?;
     let door = inbound.door(call.request_id, gateway);
     let translated = OnceLock::new();
     let body_for = |model: &str, wire: Wire| inbound.body_for(model, wire, allowance, &translated);
     let shape =
         if request.stream { Shape::Stream { client_wants_usage: request.client_wants_usage } } else { Shape::Json };
     let expect = Expect { shape, door: &door };
-    let dispatched = dispatch(gateway, draft, &route, "/chat/completions", request.model, body_for, expect).await;
-    let served = match dispatched {
-        Ok(served) => served,
-        Err(e) => return Err(refunded(ticket, e).await),
-    };
-    let backend = served.candidate.backend.clone();
-    let settle = relay::Settle {
-        ticket,
-        price: gateway.price(&backend),
-        backend,
-        prompt_typical,
-        allowance: Some(allowance.saturating_mul(request.choices)),
-    };
+    let served = dispatch(gateway, draft, &route, "/chat/completions", request.model, body_for, expect).await?;
     match served.value {
         Answered::Stream(held) => {
             draft.streaming();
             let headers = model_headers(&served.candidate, soft);
             let idle_timeout = served.timeout;
-            Ok(Reply::Relay(Box::new(relay::Stream { pass: served.pass, held: *held, idle_timeout, headers, settle })))
+            let backend = served.candidate.backend;
+            Ok(Reply::Relay(Box::new(relay::Stream { pass: served.pass, held: *held, idle_timeout, headers, backend })))
         }
-        Answered::Whole { .. } => complete(gateway, draft, served, settle, soft).await,
+        Answered::Whole { .. } => complete(served, soft),
     }
 }
 
-async fn embed(call: Call<'_>, draft: &mut Draft, headers: &HeaderMap, body: Body) -> Result<Reply, GatewayError> {
+async fn embed(
+    call: Call<'_>,
+    draft: &mut Draft,
+    charge: &mut Charge,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Reply, GatewayError> {
     let gateway = &**call.gateway;
     let bytes = read_body(body, headers, gateway.config.ai.vision.max_body_bytes).await?;
     let request = EmbeddingsRequest::parse(&bytes)?;
@@ -300,7 +300,8 @@ async fn embed(call: Call<'_>, draft: &mut Draft, headers: &HeaderMap, body: Bod
         criticality,
         residency,
     };
-    let Admission { route, ticket, soft, .. } = admitted(gateway, call.caller, call.request_id, draft, &demand).await?;
+    let prompt_typical = plan::typical_tokens(request.input_units);
+    let Admitted { route, soft, .. } = admitted(call, draft, charge, &demand, prompt_typical).await?;
     let body_for = |model: &str, wire: Wire| match wire {
         Wire::OpenAi => Ok(request.upstream_body(model)),
         // Refused at load: no embeddings capability on a backend of another format.
@@ -309,20 +310,8 @@ async fn embed(call: Call<'_>, draft: &mut Draft, headers: &HeaderMap, body: Bod
         }
     };
     let expect = Expect { shape: Shape::Json, door: &Door::Chat };
-    let dispatched = dispatch(gateway, draft, &route, "/embeddings", &request.model, body_for, expect).await;
-    let served = match dispatched {
-        Ok(served) => served,
-        Err(e) => return Err(refunded(ticket, e).await),
-    };
-    let backend = served.candidate.backend.clone();
-    let settle = relay::Settle {
-        ticket,
-        price: gateway.price(&backend),
-        backend,
-        prompt_typical: plan::typical_tokens(request.input_units),
-        allowance: None,
-    };
-    complete(gateway, draft, served, settle, soft).await
+    let served = dispatch(gateway, draft, &route, "/embeddings", &request.model, body_for, expect).await?;
+    complete(served, soft)
 }
 
 /// The `cache_affinity` key of a chat request: the first `n` bytes of its prompt as
@@ -359,46 +348,31 @@ fn prompt_prefix(op: Operation, body: &[u8], n: u32) -> u64 {
     crate::routing::prefix_key(&prefix)
 }
 
-/// The tail every non-streamed answer shares: a backend's own 4xx relayed as is (and
-/// refunded), or the answer (read whole) settled on its usage — or, if it reports
+/// The tail every non-streamed answer shares: a backend's own 4xx relayed as is (its
+/// call refunded), or the answer (read whole) ended on its usage, or, if it reports
 /// none, on the prompt's typical tokens plus those of the completion it wrote.
-async fn complete(
-    gateway: &Gateway,
-    draft: &mut Draft,
-    served: Served,
-    settle: relay::Settle,
-    soft: bool,
-) -> Result<Reply, GatewayError> {
+fn complete(served: Served, soft: bool) -> Result<Reply, GatewayError> {
     let mut headers = model_headers(&served.candidate, soft);
     let Answered::Whole { status, content_type, retry_after, body, answer } = served.value else {
-        return Err(
-            refunded(settle.ticket, GatewayError::Internal("a stream where an answer was expected".into())).await
-        );
+        return Err(GatewayError::Internal("a stream where an answer was expected".into()));
     };
     let Some(answer) = answer else {
-        settle.ticket.refund().await;
-        // Refunded: the backend's refusal costs the caller nothing, and says so.
-        headers.push((COST_HEADER, HeaderValue::from_static("0.000000")));
         if let Some(v) = retry_after {
             headers.push(("retry-after", v));
         }
         tracing::info!(backend = %served.candidate.backend, status = status.as_u16(), "backend refused the call");
-        return Ok(Reply::Now(response_with(status, body, content_type, headers)));
+        // Refunded: the backend's refusal costs the caller nothing, and says so.
+        let ended = Ended::unserved(status.as_u16(), None);
+        return Ok(Reply::Now(response_with(status, body, content_type, headers), ended));
     };
-    let (usage, source) = match answer.usage {
-        Some(usage) => (usage, UsageSource::Reported),
-        None => {
-            let completion_tokens = plan::typical_tokens(answer.completion_bytes);
-            (Usage::new(settle.prompt_typical, completion_tokens), UsageSource::Estimated)
-        }
+    let spent = Spent::Tokens {
+        backend: served.candidate.backend,
+        usage: answer.usage,
+        content_bytes: answer.completion_bytes,
     };
-    let cost = settle.settle(gateway, usage).await;
-    draft.usage(usage, source, cost);
-    draft.finish_reasons(answer.finish_reasons);
-    if let Ok(v) = HeaderValue::from_str(&cost.to_eur_string()) {
-        headers.push((COST_HEADER, v));
-    }
-    Ok(Reply::Now(response_with(StatusCode::OK, body, HeaderValue::from_static("application/json"), headers)))
+    let ended = Ended { status: 200, code: None, spent, finish_reasons: answer.finish_reasons };
+    let json = HeaderValue::from_static("application/json");
+    Ok(Reply::Now(response_with(StatusCode::OK, body, json, headers), ended))
 }
 
 /// Reads the body, refusing it as soon as it passes `limit` (never buffering more).

@@ -40,23 +40,21 @@ use futures_util::{SinkExt, StreamExt};
 use http::{HeaderMap, HeaderValue, header};
 use tokio_tungstenite::tungstenite::{self, protocol::frame::coding::CloseCode};
 
-use super::RequestId;
-use super::admit::{Asked, admitted, asked, refunded};
+use super::admit::{Admitted, Asked, admitted, asked};
 use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
+use super::end::{Charge, Ended, Ending, Spent};
 use super::error::render;
 use super::proxy::model_headers;
-use super::record::{Draft, UsageSource};
-use crate::admission::{Admission, Demand, reserve_turn};
+use super::record::Draft;
+use crate::admission::Demand;
 use crate::audit::CloseReason;
-use crate::budget::Ticket;
 use crate::call::{ErrorCode, Operation};
-use crate::config::{BackendId, Capability, Endpoint, Price};
+use crate::config::{BackendId, Capability, Endpoint};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
-use crate::money::MicroEur;
-use crate::protocol::openai::{InvalidRequest, Usage};
+use crate::protocol::openai::InvalidRequest;
 use crate::realtime::{self as rt, response_done_usage, subprotocol_key};
 use crate::routing::Candidate;
 use crate::routing::breaker::{Outcome, Pass};
@@ -96,7 +94,13 @@ impl drive::Door for Realtime {
         authenticate(gateway, headers)
     }
 
-    async fn call(&mut self, call: Call<'_>, draft: &mut Draft, request: Request) -> Result<Reply, GatewayError> {
+    async fn call(
+        &mut self,
+        call: Call<'_>,
+        draft: &mut Draft,
+        charge: &mut Charge,
+        request: Request,
+    ) -> Result<Reply, GatewayError> {
         let upgrade = match self.upgrade.take() {
             Some(Ok(upgrade)) => upgrade,
             Some(Err(e)) => {
@@ -105,8 +109,11 @@ impl drive::Door for Realtime {
             }
             None => return Err(GatewayError::Internal("the realtime door was called twice".into())),
         };
-        match open(call, draft, request.headers(), self.model.as_ref()).await? {
-            Opened::Refused(response) => Ok(Reply::Now(response)),
+        match open(call, draft, charge, request.headers(), self.model.as_ref()).await? {
+            Opened::Refused(response) => {
+                let ended = Ended::unserved(response.status().as_u16(), None);
+                Ok(Reply::Now(response, ended))
+            }
             Opened::Session(session) => Ok(Reply::Relay(Box::new(Upgrading { upgrade, session }))),
         }
     }
@@ -124,9 +131,10 @@ struct Upgrading {
 
 impl drive::Relay for Upgrading {
     /// The session runs, and ends its draft, in the upgraded connection's task.
-    fn respond(self: Box<Self>, gateway: Arc<Gateway>, draft: Draft, _: Option<super::Deadline>) -> Response {
+    fn respond(self: Box<Self>, ending: Ending, _: Option<super::Deadline>) -> Response {
         let Upgrading { upgrade, session } = *self;
-        let limit = usize::try_from(gateway.config.ai.limits.max_event_bytes).unwrap_or(usize::MAX);
+        let limit = ending.gateway().config.ai.limits.max_event_bytes;
+        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
         let headers = model_headers(&session.candidate, session.soft);
         let mut response = upgrade
             .protocols([SUBPROTOCOL])
@@ -134,7 +142,7 @@ impl drive::Relay for Upgrading {
             .max_frame_size(limit)
             .read_buffer_size(BUFFER_BYTES)
             .write_buffer_size(BUFFER_BYTES)
-            .on_upgrade(move |socket| session.run(socket, draft));
+            .on_upgrade(move |socket| session.run(socket, ending));
         for (name, value) in headers {
             response.headers_mut().insert(name, value);
         }
@@ -166,28 +174,23 @@ enum Opened {
 }
 
 struct Session {
-    gateway: Arc<Gateway>,
-    caller: Caller,
-    request_id: RequestId,
     candidate: Candidate,
     /// The backend's breaker pass: a session the backend drops counts against it.
     pass: Pass,
     upstream: Upstream,
-    price: Price,
     soft: bool,
-    ticket: Option<Ticket>,
-    /// The output allowance `ticket` holds: the most a response may be told to write.
-    allowance: u64,
 }
 
 /// Everything before the upgrade: the request read, routed, the first allowance
 /// reserved, the backend's session opened (the route tried in order, `chain`).
 async fn open(
-    Call { gateway, caller, request_id }: Call<'_>,
+    call: Call<'_>,
     draft: &mut Draft,
+    charge: &mut Charge,
     headers: &HeaderMap,
     model: Option<&String>,
 ) -> Result<Opened, GatewayError> {
+    let (gateway, caller) = (call.gateway, call.caller);
     let model = model.filter(|m| !m.is_empty()).ok_or_else(|| InvalidRequest {
         message: "GET /v1/realtime needs the model to open a session with: `?model=NAME`".into(),
         param: Some("model"),
@@ -208,34 +211,29 @@ async fn open(
         criticality,
         residency,
     };
-    let Admission { route, ticket, soft, allowance } = admitted(gateway, caller, request_id, draft, &demand).await?;
+    let Admitted { route, soft, .. } = admitted(call, draft, charge, &demand, 0).await?;
     let limit = usize::try_from(gateway.config.ai.limits.max_event_bytes).unwrap_or(usize::MAX);
     let door = Connect { gateway, model, limit };
-    let served = match chain::attempt_chain(gateway, draft, &route, &door).await {
-        Ok(served) => served,
-        Err(e) => return Err(refunded(ticket, e).await),
-    };
+    let served = chain::attempt_chain(gateway, draft, &route, &door).await?;
     match served.value {
         Connected::Refused { status, body } => {
-            ticket.refund().await;
             let mut response = (status, body).into_response();
             for (name, value) in model_headers(&served.candidate, soft) {
                 response.headers_mut().insert(name, value);
             }
             Ok(Opened::Refused(response))
         }
-        Connected::Session(upstream) => Ok(Opened::Session(Box::new(Session {
-            gateway: gateway.clone(),
-            caller: caller.clone(),
-            request_id: request_id.clone(),
-            price: gateway.price(&served.candidate.backend),
-            candidate: served.candidate,
-            pass: served.pass,
-            upstream: *upstream,
-            soft,
-            ticket: Some(ticket),
-            allowance,
-        }))),
+        Connected::Session(upstream) => {
+            // The first response's allowance is now the session's.
+            let backend = &served.candidate.backend;
+            *charge = std::mem::take(charge).into_turns(gateway, call.caller, &call.request_id.0, backend);
+            Ok(Opened::Session(Box::new(Session {
+                candidate: served.candidate,
+                pass: served.pass,
+                upstream: *upstream,
+                soft,
+            })))
+        }
     }
 }
 
@@ -315,12 +313,11 @@ impl End {
 
 impl Session {
     /// The session, from the upgrade to its record.
-    async fn run(mut self, mut client: WebSocket, mut draft: Draft) {
-        let gateway = self.gateway.clone();
+    async fn run(mut self, mut client: WebSocket, mut ending: Ending) {
+        let gateway = ending.gateway().clone();
         let open = gateway.sessions.open();
-        draft.first_byte();
-        let mut totals = Totals::default();
-        let end = self.proxy(&mut client, open.stop.clone(), &mut totals).await;
+        ending.first_byte();
+        let end = self.proxy(&mut client, open.stop.clone(), &mut ending).await;
         if let Some((code, reason)) = end.client {
             close(&mut client, code, reason).await;
         }
@@ -332,14 +329,15 @@ impl Session {
         if end.reason == CloseReason::UpstreamError {
             self.pass.tell(&Outcome::ConnectionError);
         }
-        if let Some(ticket) = self.ticket.take() {
-            ticket.refund().await;
-        }
-        draft.usage(totals.usage, UsageSource::Reported, totals.cost);
-        draft.closed(end.reason);
-        let error_code = end.reason.error_code();
         gateway.metrics.realtime_session_ended(Some(self.candidate.backend.as_str()), end.reason.as_str());
-        draft.finish(http::StatusCode::SWITCHING_PROTOCOLS.as_u16(), error_code).await;
+        let status = http::StatusCode::SWITCHING_PROTOCOLS.as_u16();
+        let ended = Ended {
+            status,
+            code: end.reason.error_code(),
+            spent: Spent::Session(end.reason),
+            finish_reasons: Vec::new(),
+        };
+        ending.end(ended).await;
         drop(open);
     }
 
@@ -348,7 +346,7 @@ impl Session {
         &mut self,
         client: &mut WebSocket,
         mut stop: tokio::sync::watch::Receiver<bool>,
-        totals: &mut Totals,
+        ending: &mut Ending,
     ) -> End {
         let stopping = async move {
             if stop.wait_for(|stop| *stop).await.is_err() {
@@ -369,7 +367,7 @@ impl Session {
                         Some(Ok(message)) => message,
                     };
                     let message = match message {
-                        Message::Text(text) => match rt::with_allowance(text.as_str(), self.allowance) {
+                        Message::Text(text) => match rt::with_allowance(text.as_str(), allowance(ending)) {
                             Some(bounded) => tungstenite::Message::Text(bounded.into()),
                             None => match tungstenite::Utf8Bytes::try_from(Bytes::from(text)) {
                                 Ok(text) => tungstenite::Message::Text(text),
@@ -430,7 +428,7 @@ impl Session {
                     // client that leaves as it ends is billed for it all the same, and
                     // one that reads it finds it in the ledger.
                     let charged = match usage {
-                        Some(usage) => self.charge(usage, totals).await,
+                        Some(usage) => ending.turn(usage).await,
                         None => Ok(()),
                     };
                     // A client that stops reading holds this send; the stop signal
@@ -459,39 +457,11 @@ impl Session {
             }
         }
     }
-
-    /// Settles the allowance held on `usage`, and reserves the next response's.
-    async fn charge(&mut self, usage: Usage, totals: &mut Totals) -> Result<(), GatewayError> {
-        let gateway = self.gateway.clone();
-        let cost = match self.ticket.take() {
-            Some(ticket) => ticket.settle(usage, self.price).await,
-            None => return Err(GatewayError::Internal("a response without an allowance".into())),
-        };
-        totals.add(usage, cost);
-        gateway.metrics.realtime_response(self.caller.tenant.as_str(), self.candidate.backend.as_str());
-        let turn = format!("{}.{}", self.request_id.0, totals.responses);
-        let (ticket, allowance) = reserve_turn(&gateway, &self.caller, &turn, usage.total(), self.price).await?;
-        self.ticket = Some(ticket);
-        self.allowance = allowance;
-        Ok(())
-    }
 }
 
-/// What a session consumed.
-#[derive(Default)]
-struct Totals {
-    usage: Usage,
-    cost: MicroEur,
-    responses: u64,
-}
-
-impl Totals {
-    fn add(&mut self, usage: Usage, cost: MicroEur) {
-        self.usage.prompt_tokens = self.usage.prompt_tokens.saturating_add(usage.prompt_tokens);
-        self.usage.completion_tokens = self.usage.completion_tokens.saturating_add(usage.completion_tokens);
-        self.cost = self.cost.saturating_add(cost);
-        self.responses += 1;
-    }
+/// The output allowance a session holds: the most a response may be told to write.
+fn allowance(ending: &Ending) -> u64 {
+    ending.turns().map_or(0, |turns| turns.allowance)
 }
 
 /// Sends a close frame to the client and gives it a moment to answer.

@@ -243,6 +243,11 @@ impl Draft {
         self.streamed = true;
     }
 
+    /// Whether the answer is a stream (or a session).
+    pub fn is_streamed(&self) -> bool {
+        self.streamed
+    }
+
     pub fn first_byte(&mut self) {
         if self.record.ttfb_ms.is_none() {
             self.record.ttfb_ms = Some(elapsed_ms(self.started));

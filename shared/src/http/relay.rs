@@ -14,7 +14,6 @@
 //! clean `[DONE]`, and the backend's breaker counts the failure.
 
 use std::convert::Infallible;
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -29,11 +28,9 @@ use tracing::Instrument;
 
 use super::Deadline;
 use super::door::{Door, Writer};
-use super::record::{Draft, UsageSource};
-use crate::budget::{Ticket, plan};
+use super::end::{Ended, Ending, Spent};
 use crate::call::ErrorCode;
-use crate::config::{BackendId, Price};
-use crate::gateway::Gateway;
+use crate::config::BackendId;
 use crate::protocol::anthropic;
 use crate::protocol::chat::Delta;
 use crate::protocol::openai::{self, MAX_CHOICES, TextLen, Usage, UsageView, error_envelope, translate};
@@ -64,61 +61,6 @@ pub struct RelayOutcome {
     pub content_bytes: u64,
     /// Each choice's finish reason, as the stream gave them.
     pub finish_reasons: Vec<String>,
-}
-
-/// What settles a call's reservation once its answer is known, streamed or not.
-pub(super) struct Settle {
-    pub ticket: Ticket,
-    /// The serving backend and its price.
-    pub backend: BackendId,
-    pub price: Price,
-    /// The prompt's typical token count, if the backend reports no usage.
-    pub prompt_typical: u64,
-    /// The completion tokens the backend was allowed (every choice), if it completes.
-    pub allowance: Option<u64>,
-}
-
-impl Settle {
-    /// Settles on `usage`, counting a backend that wrote past its allowance (it is
-    /// charged in full: the tokens were produced). Returns the call's cost.
-    pub async fn settle(self, gateway: &Gateway, usage: Usage) -> crate::money::MicroEur {
-        if let Some(allowance) = self.allowance
-            && usage.completion_tokens > allowance
-        {
-            gateway.metrics.observe_overshoot(self.backend.as_str(), usage.completion_tokens - allowance);
-            tracing::warn!(
-                backend = %self.backend,
-                allowance,
-                completion_tokens = usage.completion_tokens,
-                "the backend wrote past the allowance it was sent; charged in full"
-            );
-        }
-        self.ticket.settle(usage, self.price).await
-    }
-
-    /// Settles a stream on the reported usage, else on an estimate of what was relayed
-    /// (a stream that broke mid-way included: its first byte reached the client), and
-    /// writes the call's record.
-    async fn finish(self, gateway: &Gateway, outcome: &RelayOutcome, mut draft: Draft) {
-        let estimate = Usage::new(self.prompt_typical, plan::typical_tokens(outcome.content_bytes));
-        let (usage, source) = match outcome.usage {
-            Some(reported) => {
-                // How far the estimate would have been: the streaming reconciliation delta.
-                draft.drift(estimate.total(), reported.total());
-                (reported, UsageSource::Reported)
-            }
-            None => (estimate, UsageSource::Estimated),
-        };
-        let cost = self.settle(gateway, usage).await;
-        draft.usage(usage, source, cost);
-        draft.finish_reasons(outcome.finish_reasons.clone());
-        match &outcome.end {
-            StreamEnd::Done => draft.finish(200, None).await,
-            StreamEnd::Broken(_) => draft.finish(200, Some(ErrorCode::UpstreamError)).await,
-            StreamEnd::ClientGone => draft.finish(499, Some(ErrorCode::ClientClosedRequest)).await,
-            StreamEnd::Deadline => draft.finish(200, Some(ErrorCode::Deadline)).await,
-        }
-    }
 }
 
 /// A stream whose first content event (or clean end) has arrived, nothing sent yet.
@@ -188,37 +130,48 @@ pub(super) struct Stream {
     pub idle_timeout: Duration,
     /// The gateway's own response headers.
     pub headers: Vec<(&'static str, HeaderValue)>,
-    pub settle: Settle,
+    /// The serving backend: the call is settled at its price.
+    pub backend: BackendId,
 }
 
 impl super::drive::Relay for Stream {
-    fn respond(self: Box<Self>, gateway: Arc<Gateway>, draft: Draft, deadline: Option<Deadline>) -> Response {
-        stream(gateway, *self, draft, deadline)
+    fn respond(self: Box<Self>, ending: Ending, deadline: Option<Deadline>) -> Response {
+        stream(*self, ending, deadline)
     }
 }
 
-/// The streamed response, headers first. Settlement and the record run in the pump
-/// task when the stream ends, before the body completes, so they finish inside the
+/// The streamed response, headers first. The call's end (settled on the reported
+/// usage, else on an estimate of what was relayed, a stream that broke mid-way
+/// included: its first byte reached the client; then recorded) runs in the pump task
+/// when the stream ends, before the body completes, so it finishes inside the
 /// invocation.
-fn stream(gateway: Arc<Gateway>, stream: Stream, mut draft: Draft, deadline: Option<Deadline>) -> Response {
-    let Stream { pass, mut held, idle_timeout, headers: extra, settle } = stream;
+fn stream(stream: Stream, mut ending: Ending, deadline: Option<Deadline>) -> Response {
+    let Stream { pass, mut held, idle_timeout, headers: extra, backend } = stream;
     let first = joined(std::mem::take(&mut held.pending));
     if first.is_some() {
-        draft.first_byte();
+        ending.first_byte();
     }
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     // The pump outlives the handler: it carries the call's span (its request id) along.
     let pumping = async move {
-        let outcome = pump(held, &tx, idle_timeout, &mut draft, deadline.map(Deadline::cutoff)).await;
+        let outcome = pump(held, &tx, idle_timeout, &mut ending, deadline.map(Deadline::cutoff)).await;
         match &outcome.end {
             StreamEnd::Broken(fault) => pass.tell(fault),
             // A client that leaves, or the platform's clock, says nothing of the
             // backend, which was answering.
             StreamEnd::Done | StreamEnd::ClientGone | StreamEnd::Deadline => pass.tell(&Outcome::Success),
         }
+        let (status, code) = match &outcome.end {
+            StreamEnd::Done => (200, None),
+            StreamEnd::Broken(_) => (200, Some(ErrorCode::UpstreamError)),
+            StreamEnd::ClientGone => (499, Some(ErrorCode::ClientClosedRequest)),
+            StreamEnd::Deadline => (200, Some(ErrorCode::Deadline)),
+        };
+        let spent = Spent::Tokens { backend, usage: outcome.usage, content_bytes: outcome.content_bytes };
+        let ended = Ended { status, code, spent, finish_reasons: outcome.finish_reasons };
         // Boxed, as the rare ends below: the task's own size is what each open stream
         // holds while it waits for the next event.
-        Box::pin(settle.finish(&gateway, &outcome, draft)).await;
+        Box::pin(ending.end(ended)).await;
         drop(tx);
     };
     tokio::spawn(pumping.instrument(tracing::Span::current()));
@@ -249,7 +202,7 @@ async fn pump(
     held: Held,
     tx: &mpsc::Sender<Bytes>,
     idle_timeout: Duration,
-    draft: &mut Draft,
+    ending: &mut Ending,
     cutoff: Option<tokio::time::Instant>,
 ) -> RelayOutcome {
     let Held { mut events, mut outcome, done, .. } = held;
@@ -266,7 +219,7 @@ async fn pump(
             Err(fault) => return Box::pin(broken(outcome, &mut events, tx, fault)).await,
         };
         if !step.out.is_empty() {
-            draft.first_byte();
+            ending.first_byte();
             match send(tx, step.out, cutoff).await {
                 Sent::Yes => {}
                 Sent::ClientGone => return ended(outcome, StreamEnd::ClientGone),

@@ -37,8 +37,9 @@ use super::Deadline;
 use super::admit::sensitive_and_residency;
 use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
+use super::end::{Charge, Ended, Ending, Spent};
 use super::meter::{Frames, MAX_MESSAGE_BYTES, Meter, Slot, Stop};
-use super::record::{Draft, UsageSource};
+use super::record::Draft;
 use super::render;
 use crate::call::headers::{BACKEND as BACKEND_HEADER, CREDENTIALS, DEGRADED as DEGRADED_HEADER};
 use crate::call::{ErrorCode, Operation};
@@ -47,7 +48,6 @@ use crate::config::{BackendId, BackendKind, Capability};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
-use crate::protocol::openai::Usage;
 use crate::routing::breaker::{Outcome, Pass};
 use crate::routing::{Candidate, Residency, Route};
 use crate::upstream::grpc::{BoxError, UpstreamBody};
@@ -85,8 +85,14 @@ impl drive::Door for Rest {
         Ok(gateway.keys.authenticate(headers)?)
     }
 
-    async fn call(&mut self, call: Call<'_>, draft: &mut Draft, request: Request) -> Result<Reply, GatewayError> {
-        let proxied = proxied(call, draft, &self.owner, &self.below, request).await?;
+    async fn call(
+        &mut self,
+        call: Call<'_>,
+        draft: &mut Draft,
+        charge: &mut Charge,
+        request: Request,
+    ) -> Result<Reply, GatewayError> {
+        let proxied = proxied(call, draft, charge, &self.owner, &self.below, request).await?;
         Ok(Reply::Relay(Box::new(proxied)))
     }
 
@@ -102,9 +108,9 @@ struct Proxied {
 }
 
 impl drive::Relay for Proxied {
-    fn respond(self: Box<Self>, _: Arc<Gateway>, draft: Draft, deadline: Option<Deadline>) -> Response {
+    fn respond(self: Box<Self>, ending: Ending, deadline: Option<Deadline>) -> Response {
         let Proxied { response, relay } = *self;
-        relay.respond(response, draft, deadline.map(|d| d.cutoff()))
+        relay.respond(response, ending, deadline.map(|d| d.cutoff()))
     }
 }
 
@@ -118,6 +124,7 @@ fn stopped(stop: Stop) -> GatewayError {
 async fn proxied(
     Call { gateway, caller, request_id }: Call<'_>,
     draft: &mut Draft,
+    charge: &mut Charge,
     owner: &BackendId,
     below: &str,
     request: Request,
@@ -134,6 +141,7 @@ async fn proxied(
     // Reserve: a per-byte call's request is as long as it says, when it says.
     let timeouts = route.candidates.iter().map(|c| gateway.timeout(&c.backend)).sum();
     let meter = Arc::new(Meter::new(gateway.clone(), caller.clone(), request_id, operation.ai.clone(), timeouts));
+    *charge = Charge::Metered(meter.clone());
     // A body's length: its header, or what the body itself knows (a Lambda event's
     // body is whole, and comes without the header).
     let length = content_length(&parts.headers).or_else(|| hyper::body::Body::size_hint(&body).exact());
@@ -160,13 +168,8 @@ async fn proxied(
     };
     let served = match chain::attempt_chain(gateway, draft, &route, &door).await {
         Ok(served) => served,
-        Err(e) => {
-            // A budget step refused while the request went out is why the call ended.
-            let error = meter.stop().map_or(e, stopped);
-            // What was reserved goes back: nothing was served.
-            meter.close(false, false).await;
-            return Err(error);
-        }
+        // A budget step refused while the request went out is why the call ended.
+        Err(e) => return Err(meter.stop().map_or(e, stopped)),
     };
     draft.first_byte();
     let relay = Relay { candidate: served.candidate, pass: served.pass, meter };
@@ -367,7 +370,7 @@ impl Relay {
     fn respond(
         self,
         upstream: crate::upstream::Answer,
-        draft: Draft,
+        ending: Ending,
         cutoff: Option<tokio::time::Instant>,
     ) -> Response {
         let (parts, body) = upstream.into_parts();
@@ -392,7 +395,8 @@ impl Relay {
             body: Some(body),
             status,
             served: (200..400).contains(&status),
-            ending: Ending { draft: Some(draft), meter: self.meter, status },
+            ending: Some(ending),
+            meter: self.meter,
             pass: Some(self.pass),
             cutoff,
         };
@@ -408,34 +412,16 @@ impl Relay {
 /// The frames a relay reads ahead of its client: what a slow client lets it hold.
 const RELAYED_FRAMES: usize = 2;
 
-/// The end of a call, written once: when its body ends, or when the client leaves
-/// (499 `client_closed_request`).
-struct Ending {
-    draft: Option<Draft>,
-    meter: Arc<Meter>,
-    status: u16,
-}
-
-impl Ending {
-    async fn end(&mut self, served: bool, error_code: Option<ErrorCode>) {
-        let Some(mut draft) = self.draft.take() else { return };
-        let cost = self.meter.close(served, served).await;
-        draft.usage(Usage::default(), UsageSource::Reported, cost);
-        if error_code == Some(ErrorCode::BudgetExceeded) {
-            draft.exceeded();
-        }
-        let status = if error_code == Some(ErrorCode::ClientClosedRequest) { 499 } else { self.status };
-        draft.finish(status, error_code).await;
-    }
-}
-
 struct Relaying {
     /// The upstream's answer; dropped as soon as the call ends.
     body: Option<crate::upstream::AnswerBody>,
     status: u16,
     /// 2xx or 3xx: what is charged.
     served: bool,
-    ending: Ending,
+    /// The call's end, until it has ended (when its body ends, or when the client
+    /// leaves: 499 `client_closed_request`).
+    ending: Option<Ending>,
+    meter: Arc<Meter>,
     pass: Option<Pass>,
     /// Just before the invocation's deadline (serverless shape).
     cutoff: Option<tokio::time::Instant>,
@@ -478,7 +464,15 @@ impl Relaying {
     async fn left(&mut self) {
         self.body = None;
         self.tell(Outcome::Status { status: self.status, retry_after: None });
-        self.ending.end(self.served, Some(ErrorCode::ClientClosedRequest)).await;
+        self.end(Some(ErrorCode::ClientClosedRequest)).await;
+    }
+
+    /// Ends the call, once: what passed is charged when the answer served it.
+    async fn end(&mut self, code: Option<ErrorCode>) {
+        let Some(ending) = self.ending.take() else { return };
+        let status = if code == Some(ErrorCode::ClientClosedRequest) { 499 } else { self.status };
+        let spent = Spent::Metered { answered: self.served, served: self.served };
+        ending.end(Ended { status, code, spent, finish_reasons: Vec::new() }).await;
     }
 
     /// Tells the breaker how the answer ended, once: an answer served (2xx, 3xx) that
@@ -526,7 +520,7 @@ impl Relaying {
             Some(Ok(frame)) => {
                 if let Some(data) = frame.data_ref() {
                     let bytes = data.len() as u64;
-                    let meter = &self.ending.meter;
+                    let meter = &self.meter;
                     if self.served && meter.per_byte().is_some() {
                         if !meter.admit(bytes).await {
                             // The cap: the answer ends short (the client sees it cut).
@@ -553,7 +547,7 @@ impl Relaying {
     async fn finish(&mut self, outcome: Outcome, error_code: Option<ErrorCode>) {
         self.body = None;
         self.tell(outcome);
-        self.ending.end(self.served, error_code).await;
+        self.end(error_code).await;
     }
 }
 

@@ -1,0 +1,259 @@
+//! The end of every call, written once (ARCHITECTURE.md, "The driver owns the end
+//! too"): what the call holds of the ledger, its [`Charge`], settled on how the call
+//! ended, its [`Ended`], then its record written. A door or a relay says how its call
+//! ended; it never settles, refunds or finishes a record itself, so what acts when a
+//! call ends is written here and holds for every door.
+//!
+//! Invariants: a charge is settled on what was served or refunded whole, once; the
+//! record is written after the settlement, so it carries the cost the ledger took; both
+//! in the call's own task. A call cancelled mid-way (its future dropped) still leaves
+//! both, through the last-resort guards of the ticket and the draft (`budget::ticket`,
+//! `record::Draft`'s `Drop`).
+
+use std::sync::Arc;
+
+use super::meter::Meter;
+use super::record::{Draft, UsageSource};
+use crate::admission::reserve_turn;
+use crate::audit::CloseReason;
+use crate::budget::{Ticket, plan};
+use crate::call::ErrorCode;
+use crate::config::{BackendId, Price};
+use crate::error::GatewayError;
+use crate::gateway::Gateway;
+use crate::identity::Caller;
+use crate::money::MicroEur;
+use crate::protocol::openai::Usage;
+
+/// What a call holds of the ledger, from its reservation to its end.
+#[derive(Default)]
+pub(super) enum Charge {
+    /// Nothing reserved (yet): a call refused before its reservation, or an operation
+    /// that is not metered.
+    #[default]
+    None,
+    /// A model call's tokens (chat, embeddings, a realtime session before it opens).
+    Tokens(Tokens),
+    /// An operation metered per call or per byte (gRPC, REST): its reservations.
+    Metered(Arc<Meter>),
+    /// A realtime session: the allowance of its next response, and what it spent.
+    Turns(Box<Turns>),
+}
+
+/// A model call's reservation, and what its settlement needs beyond the usage.
+pub(super) struct Tokens {
+    pub ticket: Ticket,
+    /// The prompt's typical token count, if the backend reports no usage.
+    pub prompt_typical: u64,
+    /// The completion tokens the backend was allowed (every choice), if it completes.
+    pub allowance: Option<u64>,
+}
+
+/// A realtime session's charge: one reservation held at a time, the allowance of the
+/// next response (SPEC §2.3).
+pub(super) struct Turns {
+    ticket: Option<Ticket>,
+    caller: Caller,
+    request_id: String,
+    backend: BackendId,
+    price: Price,
+    /// The output allowance `ticket` holds: the most a response may be told to write.
+    pub allowance: u64,
+    usage: Usage,
+    cost: MicroEur,
+    responses: u64,
+}
+
+/// How a call ended, as its door or relay saw it.
+pub(super) struct Ended {
+    /// The status the call answered (a gRPC status for gRPC, 101 for a session).
+    pub status: u16,
+    pub code: Option<ErrorCode>,
+    pub spent: Spent,
+    /// Each choice's finish reason, when the answer gave them.
+    pub finish_reasons: Vec<String>,
+}
+
+/// What a call consumed, as its charge settles it.
+pub(super) enum Spent {
+    /// Nothing was served: what was reserved goes back whole.
+    Nothing,
+    /// A model's answer by `backend`: the usage it reported, or, when it reported none,
+    /// an estimate from the completion bytes it wrote.
+    Tokens { backend: BackendId, usage: Option<Usage>, content_bytes: u64 },
+    /// A metered operation: whether the upstream answered, and whether it served the
+    /// call (what a per-call price is charged on).
+    Metered { answered: bool, served: bool },
+    /// A realtime session, closed for `reason` (its responses settled as they ended).
+    Session(CloseReason),
+}
+
+impl Ended {
+    /// A call that ended with `status` and `code`, nothing served.
+    pub fn unserved(status: u16, code: Option<ErrorCode>) -> Ended {
+        Ended { status, code, spent: Spent::Nothing, finish_reasons: Vec::new() }
+    }
+}
+
+impl Charge {
+    /// The call's charge once its realtime session is open at `backend`: the first
+    /// response's allowance becomes the session's.
+    pub fn into_turns(self, gateway: &Gateway, caller: &Caller, request_id: &str, backend: &BackendId) -> Charge {
+        let Charge::Tokens(tokens) = self else { return self };
+        Charge::Turns(Box::new(Turns {
+            allowance: tokens.allowance.unwrap_or_default(),
+            ticket: Some(tokens.ticket),
+            caller: caller.clone(),
+            request_id: request_id.to_owned(),
+            backend: backend.clone(),
+            price: gateway.price(backend),
+            usage: Usage::default(),
+            cost: MicroEur(0),
+            responses: 0,
+        }))
+    }
+}
+
+/// The one end of a call: `charge` settled on `ended`, then the record written, with
+/// the settled cost on it. Returns that cost.
+pub(super) async fn end(gateway: &Gateway, charge: Charge, ended: Ended, mut draft: Draft) -> MicroEur {
+    let Ended { status, code, spent, finish_reasons } = ended;
+    let cost = match (charge, spent) {
+        (Charge::None, Spent::Session(reason)) => {
+            draft.closed(reason);
+            MicroEur(0)
+        }
+        (Charge::None, _) => MicroEur(0),
+        (Charge::Tokens(tokens), Spent::Tokens { backend, usage, content_bytes }) => {
+            let estimate = Usage::new(tokens.prompt_typical, plan::typical_tokens(content_bytes));
+            let (usage, source) = match usage {
+                Some(reported) => {
+                    if draft.is_streamed() {
+                        // How far the estimate would have been: the streaming
+                        // reconciliation delta.
+                        draft.drift(estimate.total(), reported.total());
+                    }
+                    (reported, UsageSource::Reported)
+                }
+                None => (estimate, UsageSource::Estimated),
+            };
+            overshoot(gateway, &backend, tokens.allowance, usage);
+            let cost = tokens.ticket.settle(usage, gateway.price(&backend)).await;
+            draft.usage(usage, source, cost);
+            cost
+        }
+        (Charge::Tokens(tokens), _) => {
+            tokens.ticket.refund().await;
+            MicroEur(0)
+        }
+        (Charge::Metered(meter), Spent::Metered { answered, served }) => {
+            if let Some(period) = meter.period().await {
+                draft.reserved_on(period);
+            }
+            let cost = meter.close(answered, served).await;
+            draft.usage(Usage::default(), UsageSource::Reported, cost);
+            cost
+        }
+        (Charge::Metered(meter), _) => {
+            meter.close(false, false).await;
+            MicroEur(0)
+        }
+        (Charge::Turns(turns), spent) => {
+            let Turns { ticket, usage, cost, .. } = *turns;
+            // The allowance held for a response that never came back.
+            if let Some(ticket) = ticket {
+                ticket.refund().await;
+            }
+            draft.usage(usage, UsageSource::Reported, cost);
+            if let Spent::Session(reason) = spent {
+                draft.closed(reason);
+            }
+            cost
+        }
+    };
+    if code == Some(ErrorCode::BudgetExceeded) {
+        draft.exceeded();
+    }
+    if !finish_reasons.is_empty() {
+        draft.finish_reasons(finish_reasons);
+    }
+    draft.finish(status, code).await;
+    cost
+}
+
+/// Counts a backend that wrote past the allowance it was sent: it is charged in full
+/// (the tokens were produced).
+fn overshoot(gateway: &Gateway, backend: &BackendId, allowance: Option<u64>, usage: Usage) {
+    if let Some(allowance) = allowance
+        && usage.completion_tokens > allowance
+    {
+        gateway.metrics.observe_overshoot(backend.as_str(), usage.completion_tokens - allowance);
+        tracing::warn!(
+            %backend,
+            allowance,
+            completion_tokens = usage.completion_tokens,
+            "the backend wrote past the allowance it was sent; charged in full"
+        );
+    }
+}
+
+/// A call's end still to come, handed to the relay of its answer: the one way a relay
+/// ends its call. Dropped unended (its task cancelled), the draft records the call
+/// abandoned and the charge's reservations are refunded (the last-resort guards).
+pub(super) struct Ending {
+    gateway: Arc<Gateway>,
+    draft: Draft,
+    charge: Charge,
+}
+
+impl Ending {
+    pub fn new(gateway: Arc<Gateway>, draft: Draft, charge: Charge) -> Ending {
+        Ending { gateway, draft, charge }
+    }
+
+    pub fn gateway(&self) -> &Arc<Gateway> {
+        &self.gateway
+    }
+
+    /// The answer's first byte went to the client.
+    pub fn first_byte(&mut self) {
+        self.draft.first_byte();
+    }
+
+    /// A realtime session's charge.
+    pub fn turns(&self) -> Option<&Turns> {
+        match &self.charge {
+            Charge::Turns(turns) => Some(turns),
+            _ => None,
+        }
+    }
+
+    /// A realtime response ended having used `usage`: the allowance held settled on it,
+    /// and the next response's reserved (SPEC §2.3). `BudgetExceeded` when none fits:
+    /// the session must end.
+    pub async fn turn(&mut self, usage: Usage) -> Result<(), GatewayError> {
+        let Charge::Turns(turns) = &mut self.charge else {
+            return Err(GatewayError::Internal("a response outside a session".into()));
+        };
+        let cost = match turns.ticket.take() {
+            Some(ticket) => ticket.settle(usage, turns.price).await,
+            None => return Err(GatewayError::Internal("a response without an allowance".into())),
+        };
+        turns.usage.prompt_tokens = turns.usage.prompt_tokens.saturating_add(usage.prompt_tokens);
+        turns.usage.completion_tokens = turns.usage.completion_tokens.saturating_add(usage.completion_tokens);
+        turns.cost = turns.cost.saturating_add(cost);
+        turns.responses += 1;
+        self.gateway.metrics.realtime_response(turns.caller.tenant.as_str(), turns.backend.as_str());
+        let id = format!("{}.{}", turns.request_id, turns.responses);
+        let (ticket, allowance) = reserve_turn(&self.gateway, &turns.caller, &id, usage.total(), turns.price).await?;
+        turns.ticket = Some(ticket);
+        turns.allowance = allowance;
+        Ok(())
+    }
+
+    /// Ends the call (see [`end`]); its cost.
+    pub async fn end(self, ended: Ended) -> MicroEur {
+        let Ending { gateway, draft, charge } = self;
+        end(&gateway, charge, ended, draft).await
+    }
+}
