@@ -341,23 +341,24 @@ impl<'a> chain::Attempt for SendCall<'a> {
     }
 }
 
-/// The backends serving `rpc` (`package.Service/Method`), in order, and its method:
-/// the `kind: grpc` backends whose descriptor set declares the service, by name,
-/// internal ones only for a sensitive call. The first's method is the call's; the
-/// others that declare it metered the same way are its fallbacks, tried while no byte
-/// of the request has gone upstream (a fallback that meters it otherwise is left out:
-/// a call is metered as it was reserved).
+/// The route of `rpc` (`package.Service/Method`) and its method: the `kind: grpc`
+/// backends whose descriptor set declares the service, by name, through the router's
+/// filters. The first's method is the call's; the others that declare it metered the
+/// same way are its fallbacks, tried while no byte of the request has gone upstream (a
+/// fallback that meters it otherwise is left out: a call is metered as it was
+/// reserved).
 fn route(gateway: &Gateway, rpc: &str, sensitive: bool, residency: &Residency) -> Result<(Route, GrpcMethod), Refusal> {
     let (service, name) = rpc.split_once('/').filter(|(s, m)| !s.is_empty() && !m.is_empty()).ok_or_else(|| {
         Refusal::new(Code::Unimplemented, ErrorCode::InvalidRequest, format!("`/{rpc}` is not a gRPC method path"))
     })?;
     let ai = &gateway.config.ai;
-    let serving: Vec<_> = ai
+    let services = |backend: &BackendId| ai.grpc.get(backend).filter(|s| s.services.contains_key(service));
+    let serving: Vec<BackendId> = ai
         .grpc
-        .iter()
-        .filter(|(_, services)| services.services.contains_key(service))
-        .filter_map(|(backend, services)| ai.backends.get(backend).map(|b| (b, services)))
-        .filter(|(backend, _)| matches!(backend.kind, BackendKind::Grpc { .. }))
+        .keys()
+        .filter(|backend| services(backend).is_some())
+        .filter(|backend| ai.backends.get(*backend).is_some_and(|b| matches!(b.kind, BackendKind::Grpc { .. })))
+        .cloned()
         .collect();
     if serving.is_empty() {
         return Err(Refusal::new(
@@ -366,28 +367,17 @@ fn route(gateway: &Gateway, rpc: &str, sensitive: bool, residency: &Residency) -
             format!("no grpc backend's descriptor set declares the service `{service}`"),
         ));
     }
-    let allowed: Vec<_> = serving.into_iter().filter(|(backend, _)| !sensitive || !backend.external).collect();
-    if allowed.is_empty() {
-        return Err(Refusal::from(GatewayError::SensitiveNoInternalBackend));
-    }
-    let allowed: Vec<_> = allowed.into_iter().filter(|(backend, _)| residency.allows(backend)).collect();
-    let Some((_, services)) = allowed.first() else {
-        return Err(Refusal::from(residency.unavailable()));
-    };
-    let method = services.method(service, name).cloned().ok_or_else(|| {
+    let mut route = gateway.router.route_operation(serving, None, sensitive, residency)?;
+    let method_of = |candidate: &Candidate| services(&candidate.backend).and_then(|s| s.method(service, name));
+    let method = route.candidates.first().and_then(method_of).cloned().ok_or_else(|| {
         Refusal::new(
             Code::Unimplemented,
             ErrorCode::UnknownService,
             format!("the service `{service}` has no method `{name}`"),
         )
     })?;
-    let candidates = allowed
-        .iter()
-        .filter(|(_, services)| services.method(service, name).is_some_and(|m| m.operation == method.operation))
-        .enumerate()
-        .map(|(i, (backend, _))| Candidate::fallback_unless(backend.name.clone(), i == 0))
-        .collect();
-    Ok((Route { candidates, via_pool: false, prefix: None, held: Default::default() }, method))
+    route.candidates.retain(|c| method_of(c).is_some_and(|m| m.operation == method.operation));
+    Ok((route, method))
 }
 
 fn too_large(declared: u64) -> Refusal {

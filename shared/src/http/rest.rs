@@ -201,9 +201,8 @@ fn operation(
     }
 }
 
-/// The mount's backend, then every other `kind: http` backend whose contract declares
-/// the same operation metered the same way (its fallbacks, SPEC §10); internal ones
-/// only for a sensitive call.
+/// The route of `operation`: its owner, then the other `http` backends that declare
+/// the same operation metered the same way, through the router's filters.
 fn route(
     gateway: &Gateway,
     owner: &BackendId,
@@ -219,21 +218,8 @@ fn route(
         _ => false,
     };
     let others = backends.keys().filter(|name| *name != owner);
-    let allowed: Vec<&BackendId> = std::iter::once(owner)
-        .chain(others)
-        .filter(|name| declares(name))
-        .filter(|name| !sensitive || backends.get(*name).is_some_and(|b| !b.external))
-        .collect();
-    if allowed.is_empty() {
-        return Err(GatewayError::SensitiveNoInternalBackend);
-    }
-    let allowed: Vec<&BackendId> =
-        allowed.into_iter().filter(|name| backends.get(*name).is_some_and(|b| residency.allows(b))).collect();
-    if allowed.is_empty() {
-        return Err(residency.unavailable());
-    }
-    let candidates = allowed.into_iter().map(|name| Candidate::fallback_unless(name.clone(), name == owner)).collect();
-    Ok(Route { candidates, via_pool: false, prefix: None, held: Default::default() })
+    let serving = std::iter::once(owner).chain(others).filter(|name| declares(name)).cloned().collect();
+    gateway.router.route_operation(serving, Some(owner), sensitive, residency)
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {

@@ -283,8 +283,8 @@ impl Router {
         agent_backend.or_else(|| tenant.and_then(|t| t.backend.as_ref())).unwrap_or(&ai.default_backend)
     }
 
-    /// The ordered chain of candidates for a call: only backends that serve its
-    /// capability and, for a sensitive call, only internal ones.
+    /// The ordered chain of candidates for a model call: its entry backend expanded
+    /// (pools, fallbacks), then the filters every route goes through ([`Router::filter`]).
     pub fn route(&self, caller: &Caller, request: &RouteRequest) -> Result<Route, GatewayError> {
         let entry = self.entry_backend(caller, request);
         let via_pool = self
@@ -294,22 +294,10 @@ impl Router {
         let order = Order { affinity: request.affinity, prefix: request.prefix };
         self.expand(entry, false, &mut candidates, &mut BTreeSet::new(), &mut rand::rng(), order);
         let picked = candidates.first().map(|c| (c.pool.clone(), c.reason));
-        candidates.retain(|c| self.backend(&c.backend).is_some_and(|b| b.capabilities.contains(&request.capability)));
-        if request.sensitive {
-            candidates.retain(|c| self.is_internal(&c.backend));
-            if candidates.is_empty() {
-                return Err(GatewayError::SensitiveNoInternalBackend);
-            }
-        }
-        if candidates.is_empty() {
-            return Err(GatewayError::CapabilityUnavailable { capability: request.capability.as_str() });
-        }
-        if !request.residency.is_any() {
-            candidates.retain(|c| self.backend(&c.backend).is_some_and(|b| request.residency.allows(b)));
-            if candidates.is_empty() {
-                return Err(request.residency.unavailable());
-            }
-        }
+        let capability = request.capability;
+        let serves = |b: &Backend| b.capabilities.contains(&capability);
+        let unserved = || GatewayError::CapabilityUnavailable { capability: capability.as_str() };
+        self.filter(&mut candidates, serves, request.sensitive, &request.residency, unserved)?;
         // A fail-open member serves only when its inference pool was asked first (the
         // set built only for a route that has one: most have none).
         if candidates.iter().any(|c| c.fail_open_of.is_some()) {
@@ -326,6 +314,60 @@ impl Router {
             first.reason = reason;
         }
         Ok(Route { candidates, via_pool, prefix: request.prefix, held: Held::default() })
+    }
+
+    /// The route of an operation (a gRPC method, a REST operation): `serving`, the
+    /// backends that declare it, in order, through the same filters as a model call's.
+    /// An operation with an `owner` (a REST mount's backend) is that backend's, the
+    /// others its fallbacks; one without (a gRPC method) is the first left's.
+    pub fn route_operation(
+        &self,
+        serving: Vec<BackendId>,
+        owner: Option<&BackendId>,
+        sensitive: bool,
+        residency: &Residency,
+    ) -> Result<Route, GatewayError> {
+        let mut candidates: Vec<_> =
+            serving.into_iter().map(|backend| Candidate::fallback_unless(backend, false)).collect();
+        let unserved = || GatewayError::SensitiveNoInternalBackend;
+        self.filter(&mut candidates, |_| true, sensitive, residency, unserved)?;
+        for (i, candidate) in candidates.iter_mut().enumerate() {
+            let own = owner.map_or(i == 0, |owner| *owner == candidate.backend);
+            candidate.degraded = !own;
+            candidate.reason = (!own).then_some(PickReason::Fallback);
+        }
+        Ok(Route { candidates, via_pool: false, prefix: None, held: Held::default() })
+    }
+
+    /// The filters that never bend, in order, for every route: the backends that
+    /// `serve` the call; for a sensitive call, only internal ones
+    /// (`sensitive_no_internal_backend` when none is left); `unserved` when nothing
+    /// serves it; then only those its residency allows.
+    fn filter(
+        &self,
+        candidates: &mut Vec<Candidate>,
+        serves: impl Fn(&Backend) -> bool,
+        sensitive: bool,
+        residency: &Residency,
+        unserved: impl FnOnce() -> GatewayError,
+    ) -> Result<(), GatewayError> {
+        candidates.retain(|c| self.backend(&c.backend).is_some_and(&serves));
+        if sensitive {
+            candidates.retain(|c| self.is_internal(&c.backend));
+            if candidates.is_empty() {
+                return Err(GatewayError::SensitiveNoInternalBackend);
+            }
+        }
+        if candidates.is_empty() {
+            return Err(unserved());
+        }
+        if !residency.is_any() {
+            candidates.retain(|c| self.backend(&c.backend).is_some_and(|b| residency.allows(b)));
+            if candidates.is_empty() {
+                return Err(residency.unavailable());
+            }
+        }
+        Ok(())
     }
 
     /// A sheddable call is refused when its route enters a pool with `saturation`
@@ -716,6 +758,37 @@ mod tests {
         let shed = router.shed(&route, |b| b.as_str() != "a").unwrap_err();
         assert_eq!(shed.code(), crate::call::ErrorCode::Overloaded, "a is down, b saturated");
         assert!(router.shed(&route, |_| false).is_ok(), "none available: the chain says why, not shedding");
+    }
+
+    #[test]
+    fn an_operation_route_goes_through_the_model_routes_filters() {
+        let router = router(
+            "    pool: {kind: pool, members: [{backend: a}]}\n    a: {url: 'http://a/v1', jurisdiction: us}\n    \
+             b: {url: 'http://b/v1', jurisdiction: eu, external: false}\n    c: {url: 'http://c/v1', jurisdiction: \
+             eu}\n",
+        );
+        let (a, b, c) = (BackendId::new("a"), BackendId::new("b"), BackendId::new("c"));
+        let serving = || vec![a.clone(), b.clone(), c.clone()];
+        let routed = |route: &Route| -> Vec<(String, bool)> {
+            route.candidates.iter().map(|c| (c.backend.to_string(), c.degraded)).collect()
+        };
+        let eu = Residency(Some(set(&["eu"])));
+        // No owner (a gRPC method): the first left is the call's own backend.
+        let route = router.route_operation(serving(), None, false, &eu).unwrap();
+        assert_eq!(routed(&route), vec![("b".to_owned(), false), ("c".to_owned(), true)]);
+        // An owner (a REST mount): the others are fallbacks, even when it is filtered out.
+        let route = router.route_operation(serving(), Some(&a), false, &eu).unwrap();
+        assert_eq!(routed(&route), vec![("b".to_owned(), true), ("c".to_owned(), true)]);
+        let route = router.route_operation(serving(), Some(&c), false, &Residency::ANY).unwrap();
+        assert_eq!(routed(&route), vec![("a".to_owned(), true), ("b".to_owned(), true), ("c".to_owned(), false)]);
+        // Sensitive: internal ones only; then residency.
+        let route = router.route_operation(serving(), None, true, &Residency::ANY).unwrap();
+        assert_eq!(routed(&route), vec![("b".to_owned(), false)]);
+        let us = Residency(Some(set(&["us"])));
+        let refused = router.route_operation(serving(), None, true, &us).unwrap_err();
+        assert_eq!(refused.code(), crate::call::ErrorCode::ResidencyUnavailable);
+        let refused = router.route_operation(vec![a.clone(), c.clone()], None, true, &Residency::ANY).unwrap_err();
+        assert_eq!(refused.code(), crate::call::ErrorCode::SensitiveNoInternalBackend);
     }
 
     #[test]
