@@ -34,7 +34,7 @@ use axum::body::Body;
 use axum::extract::Request;
 use axum::response::Response;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, header};
+use http::{HeaderMap, HeaderValue, header};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use tokio::sync::mpsc;
@@ -44,9 +44,10 @@ use super::admit::sensitive_and_residency;
 use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
 use super::end::{Charge, Ended, Ending, Spent};
+use super::forward::{returned_headers, upstream_headers};
 use super::meter::{Frames, Meter, Slot, Stop};
 use super::record::Draft;
-use crate::call::headers::{BACKEND as BACKEND_HEADER, CREDENTIALS, DEGRADED as DEGRADED_HEADER};
+use crate::call::headers::{BACKEND as BACKEND_HEADER, DEGRADED as DEGRADED_HEADER};
 use crate::call::{ErrorCode, Operation};
 use crate::config::{BackendId, BackendKind, Capability, GrpcMetering, GrpcMethod};
 use crate::error::GatewayError;
@@ -273,8 +274,8 @@ async fn proxied(
     // Attempt the route: a backend that fails before taking a byte of the request
     // (unreachable, timed out, not answering gRPC) gives the call to the next one.
     let slot = Slot::new(RequestBody::new(body, pending, meter.clone()));
-    let sensitive_header = gateway.config.ai.sensitive_header.as_str();
-    let door = SendCall { gateway, rpc, headers: &parts.headers, sensitive_header, flavor, slot };
+    let headers = upstream_headers(&parts.headers, &gateway.config.ai.sensitive_header, draft.trace());
+    let door = SendCall { gateway, rpc, headers: &headers, flavor, slot };
     let served = match chain::attempt_chain(gateway, draft, &route, &door).await {
         Ok(served) => served,
         // A budget step refused while the request went out is why the call ended.
@@ -291,7 +292,6 @@ struct SendCall<'a> {
     gateway: &'a Gateway,
     rpc: &'a str,
     headers: &'a HeaderMap,
-    sensitive_header: &'a str,
     flavor: Flavor,
     slot: Slot<RequestBody>,
 }
@@ -326,9 +326,8 @@ impl<'a> chain::Attempt for SendCall<'a> {
         let failed = |failure: Failure| {
             if self.slot.reclaim() { failure } else { Failure::AfterSend(Box::new(failure)) }
         };
-        let upstream =
-            upstream_request(url, self.rpc, self.headers, self.sensitive_header, self.flavor, self.slot.body())
-                .map_err(|detail| Failure::Head(CallError::Connect(detail)))?;
+        let upstream = upstream_request(url, self.rpc, self.headers, self.flavor, self.slot.body())
+            .map_err(|detail| Failure::Head(CallError::Connect(detail)))?;
         match tokio::time::timeout(*timeout, client.send(upstream)).await {
             Err(_) => Err(failed(Failure::Head(CallError::Timeout(*timeout)))),
             Ok(Err(e)) => Err(failed(Failure::Head(CallError::Connect(root_cause(&e))))),
@@ -415,13 +414,12 @@ async fn peek_first_message(body: &mut Body) -> Result<(VecDeque<Frame<Bytes>>, 
     Ok((frames, 0))
 }
 
-/// The request sent upstream: the caller's metadata minus its credentials and the
-/// gateway's own headers, as native gRPC.
+/// The request sent upstream, as native gRPC: the caller's metadata as the one policy
+/// lets it go (`forward.rs`), `headers`.
 fn upstream_request(
     url: &str,
     rpc: &str,
     headers: &HeaderMap,
-    sensitive_header: &str,
     flavor: Flavor,
     body: UpstreamBody,
 ) -> Result<http::Request<UpstreamBody>, String> {
@@ -433,11 +431,9 @@ fn upstream_request(
         .body(body)
         .map_err(|e| format!("upstream request: {e}"))?;
     let out = request.headers_mut();
-    for (name, value) in headers {
-        if forwarded(name) && name.as_str() != sensitive_header {
-            out.append(name.clone(), value.clone());
-        }
-    }
+    out.clone_from(headers);
+    // A gRPC body is a stream of messages: its length is the frames'.
+    out.remove(header::CONTENT_LENGTH);
     if flavor == Flavor::Web {
         // `application/grpc-web+proto` → `application/grpc+proto`.
         let native = content_type(headers).replacen("application/grpc-web", "application/grpc", 1);
@@ -449,19 +445,6 @@ fn upstream_request(
     }
     out.insert(header::TE, HeaderValue::from_static("trailers"));
     Ok(request)
-}
-
-/// Whether a caller's header goes upstream: not its key, not the gateway's own
-/// headers (identity, sensitivity, agent), not the connection's.
-fn forwarded(name: &HeaderName) -> bool {
-    let name = name.as_str();
-    !CREDENTIALS.contains(&name)
-        && !matches!(
-            name,
-            "host" | "connection" | "keep-alive" | "transfer-encoding" | "upgrade" | "content-length" | "te"
-        )
-        && !name.starts_with("flexway-")
-        && !name.starts_with("proxy-")
 }
 
 // ----- the two directions -------------------------------------------------------------
@@ -551,11 +534,8 @@ impl Relay {
     ) -> Response {
         let (parts, body) = upstream.into_parts();
         let mut response = Response::new(Body::empty());
-        for (name, value) in &parts.headers {
-            if !matches!(name.as_str(), "content-length" | "connection" | "transfer-encoding" | "keep-alive") {
-                response.headers_mut().append(name.clone(), value.clone());
-            }
-        }
+        returned_headers(&parts.headers, response.headers_mut());
+        response.headers_mut().remove(header::CONTENT_LENGTH);
         if self.flavor == Flavor::Web {
             let native = content_type(&parts.headers).replacen("application/grpc", "application/grpc-web", 1);
             let value = HeaderValue::from_str(&native).unwrap_or_else(|_| self.flavor.content_type());

@@ -9,6 +9,7 @@ mod door;
 mod drive;
 mod end;
 mod error;
+mod forward;
 pub mod grpc;
 mod meter;
 mod named;

@@ -27,7 +27,7 @@ use axum::body::Body;
 use axum::extract::Request;
 use axum::response::Response;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, Method, header};
+use http::{HeaderMap, HeaderValue, Method, header};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use tokio::sync::mpsc;
@@ -38,10 +38,11 @@ use super::admit::sensitive_and_residency;
 use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
 use super::end::{Charge, Ended, Ending, Spent};
+use super::forward::{returned_headers, upstream_headers};
 use super::meter::{Frames, MAX_MESSAGE_BYTES, Meter, Slot, Stop};
 use super::record::Draft;
 use super::render;
-use crate::call::headers::{BACKEND as BACKEND_HEADER, CREDENTIALS, DEGRADED as DEGRADED_HEADER};
+use crate::call::headers::{BACKEND as BACKEND_HEADER, DEGRADED as DEGRADED_HEADER};
 use crate::call::{ErrorCode, Operation};
 use crate::config::contract::{Matched, RestOperation};
 use crate::config::{BackendId, BackendKind, Capability};
@@ -156,7 +157,7 @@ async fn proxied(
         Some(query) => format!("{below}?{query}"),
         None => below.to_owned(),
     };
-    let headers = upstream_headers(&parts.headers, &gateway.config.ai.sensitive_header);
+    let headers = upstream_headers(&parts.headers, &gateway.config.ai.sensitive_header, draft.trace());
     let door = SendOperation {
         gateway,
         method: &parts.method,
@@ -224,42 +225,6 @@ fn route(
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {
     headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
-}
-
-/// The caller's headers that go upstream: not its credentials, not Flexway's own (the
-/// sensitivity header included), not the connection's (RFC 9110 §7.6.1); the body's
-/// length stays, so that the upstream reads it as sent.
-fn upstream_headers(headers: &HeaderMap, sensitive_header: &str) -> HeaderMap {
-    let named = connection_named(headers);
-    let mut out = HeaderMap::new();
-    for (name, value) in headers {
-        if forwarded(name) && name.as_str() != sensitive_header && !named.contains(&name.as_str().to_owned()) {
-            out.append(name.clone(), value.clone());
-        }
-    }
-    out
-}
-
-/// The headers `Connection` names: hop-by-hop too (RFC 9110 §7.6.1).
-fn connection_named(headers: &HeaderMap) -> Vec<String> {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|name| name.trim().to_ascii_lowercase())
-        .filter(|name| !name.is_empty())
-        .collect()
-}
-
-fn forwarded(name: &HeaderName) -> bool {
-    let name = name.as_str();
-    !CREDENTIALS.contains(&name) && !hop_by_hop(name) && name != "host" && !name.starts_with("flexway-")
-}
-
-fn hop_by_hop(name: &str) -> bool {
-    matches!(name, "connection" | "keep-alive" | "transfer-encoding" | "upgrade" | "te" | "trailer")
-        || name.starts_with("proxy-")
 }
 
 /// The REST door's attempt: the operation sent to one upstream.
@@ -362,14 +327,7 @@ impl Relay {
         let (parts, body) = upstream.into_parts();
         let mut response = Response::new(Body::empty());
         *response.status_mut() = parts.status;
-        let named = connection_named(&parts.headers);
-        for (name, value) in &parts.headers {
-            let name_str = name.as_str();
-            // Flexway's own headers are the gateway's to write, never an upstream's.
-            if !hop_by_hop(name_str) && !name_str.starts_with("flexway-") && !named.contains(&name_str.to_owned()) {
-                response.headers_mut().append(name.clone(), value.clone());
-            }
-        }
+        returned_headers(&parts.headers, response.headers_mut());
         if let Ok(value) = HeaderValue::from_str(self.candidate.backend.as_str()) {
             response.headers_mut().insert(BACKEND_HEADER, value);
         }
@@ -534,35 +492,5 @@ impl Relaying {
         self.body = None;
         self.tell(outcome);
         self.end(error_code).await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn credentials_flexway_and_hop_by_hop_headers_never_go_upstream() {
-        let mut headers = HeaderMap::new();
-        for (name, value) in [
-            ("authorization", "Bearer sk-caller"),
-            ("x-api-key", "k"),
-            ("cookie", "c"),
-            ("proxy-authorization", "p"),
-            ("connection", "keep-alive, X-Hop"),
-            ("transfer-encoding", "chunked"),
-            ("host", "gateway"),
-            ("flexway-agent", "bot"),
-            ("x-sensitive", "true"),
-            ("content-type", "application/pdf"),
-            ("content-length", "12"),
-            ("x-request-lang", "fr"),
-            ("x-hop", "h"),
-        ] {
-            headers.append(HeaderName::from_static(name), HeaderValue::from_static(value));
-        }
-        let out = upstream_headers(&headers, "x-sensitive");
-        let names: Vec<&str> = out.keys().map(HeaderName::as_str).collect();
-        assert_eq!(names, ["content-type", "content-length", "x-request-lang"]);
     }
 }
