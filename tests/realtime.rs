@@ -415,7 +415,7 @@ async fn a_message_over_the_limit_closes_the_session_with_1009() {
     let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
     next_event(&mut client).await;
     client.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
-    assert_eq!(close_frame(&mut client).await, (1011, "upstream_error".to_owned()));
+    assert_eq!(close_frame(&mut client).await, (1009, "message_too_large".to_owned()));
     let records = audit_records_until(&audit, 1).await;
     assert_eq!(records[0].close_reason, Some(CloseReason::MessageTooLarge));
 }

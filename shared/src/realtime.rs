@@ -20,20 +20,26 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use tokio::sync::watch;
 
+use crate::audit::CloseReason;
 use crate::protocol::openai::Usage;
 
-/// Close code and reason when a hard budget cap ends a session.
-pub const CLOSE_BUDGET_EXCEEDED: u16 = 4429;
-/// Close code when the backend dropped the session or broke the protocol (1011,
-/// "internal error", reason `upstream_error`).
-pub const CLOSE_UPSTREAM_ERROR: u16 = 1011;
-/// Close code when the gateway itself fails (1011, reason `internal_error`): the
-/// ledger could not reserve the next response's allowance.
-pub const CLOSE_INTERNAL: u16 = 1011;
-/// Close code for a message over the limit (1009, "message too big").
-pub const CLOSE_TOO_LARGE: u16 = 1009;
-/// Close code when the gateway stops (1001, "going away").
-pub const CLOSE_GOING_AWAY: u16 = 1001;
+/// The close frame the gateway sends the client when `reason` ends its session (code,
+/// reason text); `None` when a side closed it itself (the backend's own close frame is
+/// relayed as it came).
+pub fn close_frame(reason: CloseReason) -> Option<(u16, &'static str)> {
+    let code = match reason {
+        CloseReason::ClientClosed | CloseReason::UpstreamClosed => return None,
+        // "internal error": the backend dropped the session or broke the protocol, or
+        // the gateway could not reserve the next response's allowance.
+        CloseReason::UpstreamError | CloseReason::Internal => 1011,
+        CloseReason::BudgetExceeded => 4429,
+        // "message too big", whichever side sent it.
+        CloseReason::MessageTooLarge => 1009,
+        // "going away".
+        CloseReason::Shutdown => 1001,
+    };
+    Some((code, reason.as_str()))
+}
 
 /// The usage of a `response.done` event, if `text` is one that reports it.
 pub fn response_done_usage(text: &str) -> Option<Usage> {
@@ -159,6 +165,17 @@ impl Drop for Open<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_session_the_gateway_ends_is_closed_with_its_reasons_code() {
+        assert_eq!(close_frame(CloseReason::BudgetExceeded), Some((4429, "budget_exceeded")));
+        assert_eq!(close_frame(CloseReason::MessageTooLarge), Some((1009, "message_too_large")));
+        assert_eq!(close_frame(CloseReason::UpstreamError), Some((1011, "upstream_error")));
+        assert_eq!(close_frame(CloseReason::Internal), Some((1011, "internal_error")));
+        assert_eq!(close_frame(CloseReason::Shutdown), Some((1001, "shutdown")));
+        assert_eq!(close_frame(CloseReason::ClientClosed), None);
+        assert_eq!(close_frame(CloseReason::UpstreamClosed), None);
+    }
 
     #[test]
     fn reads_the_usage_of_response_done_only() {

@@ -49,7 +49,7 @@ use super::proxy::model_headers;
 use super::record::Draft;
 use crate::admission::Demand;
 use crate::audit::CloseReason;
-use crate::call::{ErrorCode, Operation};
+use crate::call::Operation;
 use crate::config::{BackendId, Capability, Endpoint};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
@@ -298,19 +298,6 @@ enum Connected {
     },
 }
 
-/// How one direction's message ended the session, and what the client is told.
-struct End {
-    reason: CloseReason,
-    /// The close frame sent to the client, if the gateway sends one.
-    client: Option<(u16, &'static str)>,
-}
-
-impl End {
-    fn new(reason: CloseReason, client: Option<(u16, &'static str)>) -> End {
-        End { reason, client }
-    }
-}
-
 impl Session {
     /// The session, from the upgrade to its record.
     async fn run(mut self, mut client: WebSocket, mut ending: Ending) {
@@ -318,25 +305,20 @@ impl Session {
         let open = gateway.sessions.open();
         ending.first_byte();
         let end = self.proxy(&mut client, open.stop.clone(), &mut ending).await;
-        if let Some((code, reason)) = end.client {
+        if let Some((code, reason)) = rt::close_frame(end) {
             close(&mut client, code, reason).await;
         }
-        let upstream_ended = matches!(end.reason, CloseReason::UpstreamClosed | CloseReason::UpstreamError);
+        let upstream_ended = matches!(end, CloseReason::UpstreamClosed | CloseReason::UpstreamError);
         if !upstream_ended {
             let frame = tungstenite::protocol::CloseFrame { code: CloseCode::Normal, reason: "".into() };
             let _ = tokio::time::timeout(CLOSE_GRACE, self.upstream.close(Some(frame))).await;
         }
-        if end.reason == CloseReason::UpstreamError {
+        if end == CloseReason::UpstreamError {
             self.pass.tell(&Outcome::ConnectionError);
         }
-        gateway.metrics.realtime_session_ended(Some(self.candidate.backend.as_str()), end.reason.as_str());
+        gateway.metrics.realtime_session_ended(Some(self.candidate.backend.as_str()), end.as_str());
         let status = http::StatusCode::SWITCHING_PROTOCOLS.as_u16();
-        let ended = Ended {
-            status,
-            code: end.reason.error_code(),
-            spent: Spent::Session(end.reason),
-            finish_reasons: Vec::new(),
-        };
+        let ended = Ended { status, code: end.error_code(), spent: Spent::Session(end), finish_reasons: Vec::new() };
         ending.end(ended).await;
         drop(open);
     }
@@ -347,7 +329,7 @@ impl Session {
         client: &mut WebSocket,
         mut stop: tokio::sync::watch::Receiver<bool>,
         ending: &mut Ending,
-    ) -> End {
+    ) -> CloseReason {
         let stopping = async move {
             if stop.wait_for(|stop| *stop).await.is_err() {
                 std::future::pending::<()>().await;
@@ -356,14 +338,14 @@ impl Session {
         tokio::pin!(stopping);
         loop {
             tokio::select! {
-                () = &mut stopping => return End::new(CloseReason::Shutdown, Some((rt::CLOSE_GOING_AWAY, "shutdown"))),
+                () = &mut stopping => return CloseReason::Shutdown,
                 from_client = client.recv() => {
                     let message = match from_client {
-                        None => return End::new(CloseReason::ClientClosed, None),
+                        None => return CloseReason::ClientClosed,
                         Some(Err(e)) if too_large(&e) => {
-                            return End::new(CloseReason::MessageTooLarge, Some((rt::CLOSE_TOO_LARGE, ErrorCode::MessageTooLarge.as_str())));
+                            return CloseReason::MessageTooLarge;
                         }
-                        Some(Err(_)) => return End::new(CloseReason::ClientClosed, None),
+                        Some(Err(_)) => return CloseReason::ClientClosed,
                         Some(Ok(message)) => message,
                     };
                     let message = match message {
@@ -384,25 +366,25 @@ impl Session {
                             // Reading on sends the client's WebSocket's own answer to
                             // its close, and sees the connection end.
                             drain(client).await;
-                            return End::new(CloseReason::ClientClosed, None);
+                            return CloseReason::ClientClosed;
                         }
                         // Answered by each side's own WebSocket.
                         Message::Ping(_) | Message::Pong(_) => continue,
                     };
                     if self.upstream.send(message).await.is_err() {
-                        return End::new(CloseReason::UpstreamError, Some((rt::CLOSE_UPSTREAM_ERROR, ErrorCode::UpstreamError.as_str())));
+                        return CloseReason::UpstreamError;
                     }
                 }
                 from_upstream = self.upstream.next() => {
                     let message = match from_upstream {
-                        None => return End::new(CloseReason::UpstreamError, Some((rt::CLOSE_UPSTREAM_ERROR, ErrorCode::UpstreamError.as_str()))),
+                        None => return CloseReason::UpstreamError,
                         Some(Err(tungstenite::Error::Capacity(_))) => {
                             tracing::warn!(backend = %self.candidate.backend, "realtime backend sent a message over ai.limits.max_event_bytes");
-                            return End::new(CloseReason::MessageTooLarge, Some((rt::CLOSE_UPSTREAM_ERROR, ErrorCode::UpstreamError.as_str())));
+                            return CloseReason::MessageTooLarge;
                         }
                         Some(Err(e)) => {
                             tracing::warn!(backend = %self.candidate.backend, "realtime backend dropped the session: {e}");
-                            return End::new(CloseReason::UpstreamError, Some((rt::CLOSE_UPSTREAM_ERROR, ErrorCode::UpstreamError.as_str())));
+                            return CloseReason::UpstreamError;
                         }
                         Some(Ok(message)) => message,
                     };
@@ -420,7 +402,7 @@ impl Session {
                             let frame = frame.map(|f| CloseFrame { code: f.code.into(), reason: f.reason.as_str().into() });
                             let _ = tokio::time::timeout(CLOSE_GRACE, client.send(Message::Close(frame))).await;
                             drain(client).await;
-                            return End::new(CloseReason::UpstreamClosed, None);
+                            return CloseReason::UpstreamClosed;
                         }
                         tungstenite::Message::Ping(_) | tungstenite::Message::Pong(_) | tungstenite::Message::Frame(_) => continue,
                     };
@@ -438,19 +420,19 @@ impl Session {
                         biased;
                         sent = client.send(message) => {
                             if sent.is_err() {
-                                return End::new(CloseReason::ClientClosed, None);
+                                return CloseReason::ClientClosed;
                             }
                         }
-                        () = &mut stopping => return End::new(CloseReason::Shutdown, Some((rt::CLOSE_GOING_AWAY, "shutdown"))),
+                        () = &mut stopping => return CloseReason::Shutdown,
                     }
                     match charged {
                         Ok(()) => {}
                         Err(GatewayError::BudgetExceeded { .. }) => {
-                            return End::new(CloseReason::BudgetExceeded, Some((rt::CLOSE_BUDGET_EXCEEDED, ErrorCode::BudgetExceeded.as_str())));
+                            return CloseReason::BudgetExceeded;
                         }
                         Err(e) => {
                             tracing::error!("realtime session: the next response's allowance could not be reserved: {e}");
-                            return End::new(CloseReason::Internal, Some((rt::CLOSE_INTERNAL, ErrorCode::InternalError.as_str())));
+                            return CloseReason::Internal;
                         }
                     }
                 }
