@@ -23,6 +23,7 @@ use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
 use crate::money::MicroEur;
+use crate::protocol::chat::Finish;
 use crate::protocol::openai::Usage;
 
 /// What a call holds of the ledger, from its reservation to its end.
@@ -71,7 +72,7 @@ pub(super) struct Ended {
     pub code: Option<ErrorCode>,
     pub spent: Spent,
     /// Each choice's finish reason, when the answer gave them.
-    pub finish_reasons: Vec<String>,
+    pub finish_reasons: Vec<Finish>,
 }
 
 /// What a call consumed, as its charge settles it.

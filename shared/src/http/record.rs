@@ -20,6 +20,7 @@ use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
 use crate::money::MicroEur;
+use crate::protocol::chat::Finish;
 use crate::protocol::openai::Usage;
 use crate::routing::Candidate;
 use crate::telemetry::{CallSpan, TraceContext};
@@ -52,7 +53,7 @@ struct Span {
     started: SystemTime,
     provider: Option<&'static str>,
     max_tokens: Option<u64>,
-    finish_reasons: Vec<String>,
+    finish_reasons: Vec<Finish>,
     served: bool,
 }
 
@@ -170,7 +171,7 @@ impl Draft {
     }
 
     /// The answer's finish reasons, one per choice.
-    pub fn finish_reasons(&mut self, reasons: Vec<String>) {
+    pub fn finish_reasons(&mut self, reasons: Vec<Finish>) {
         self.span.finish_reasons = reasons;
     }
 
@@ -340,6 +341,7 @@ async fn write(gateway: &Gateway, record: AuditRecord, ended: Option<Ended>) {
     // The record moves into the span once the audit has it: no copy on the way.
     if let Some(Ended { span, duration }) = ended {
         let Span { trace, started, provider, max_tokens, finish_reasons, served } = span;
+        let finish_reasons = finish_reasons.into_iter().map(|f| f.as_str().to_owned()).collect();
         let call = CallSpan { record, trace, started, duration, provider, max_tokens, finish_reasons, served };
         gateway.telemetry.record(call);
         gateway.telemetry.after_call().await;

@@ -32,7 +32,7 @@ use super::end::{Ended, Ending, Spent};
 use crate::call::ErrorCode;
 use crate::config::BackendId;
 use crate::protocol::anthropic;
-use crate::protocol::chat::Delta;
+use crate::protocol::chat::{Delta, Finish};
 use crate::protocol::openai::{self, MAX_CHOICES, TextLen, Usage, UsageView, error_envelope, translate};
 use crate::protocol::{Wire, sse};
 use crate::routing::breaker::{Outcome, Pass};
@@ -60,7 +60,7 @@ pub struct RelayOutcome {
     /// Bytes of completion content relayed to the client (for estimation).
     pub content_bytes: u64,
     /// Each choice's finish reason, as the stream gave them.
-    pub finish_reasons: Vec<String>,
+    pub finish_reasons: Vec<Finish>,
 }
 
 /// A stream whose first content event (or clean end) has arrived, nothing sent yet.
@@ -341,7 +341,7 @@ impl Source {
                 Delta::ToolArguments { fragment, .. } => outcome.content_bytes += fragment.len() as u64,
                 Delta::Finish(finish) => {
                     if outcome.finish_reasons.len() < MAX_CHOICES as usize {
-                        outcome.finish_reasons.push(finish.as_str().to_owned());
+                        outcome.finish_reasons.push(*finish);
                     }
                 }
                 Delta::Usage(tokens) => {
@@ -463,7 +463,7 @@ impl<'a> ChunkView<'a> {
             if let Some(reason) = &choice.finish_reason {
                 content = true;
                 if outcome.finish_reasons.len() < MAX_CHOICES as usize {
-                    outcome.finish_reasons.push(reason.clone());
+                    outcome.finish_reasons.push(Finish::from_openai(reason));
                 }
             }
         }
@@ -535,7 +535,7 @@ fn tap(chunk: Option<&Value>, client_wants_usage: bool, outcome: &mut RelayOutco
             if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str)
                 && outcome.finish_reasons.len() < MAX_CHOICES as usize
             {
-                outcome.finish_reasons.push(reason.to_owned());
+                outcome.finish_reasons.push(Finish::from_openai(reason));
             }
         }
     }
@@ -650,7 +650,7 @@ mod tests {
                     end: StreamEnd::Done,
                     usage: None,
                     content_bytes: 1,
-                    finish_reasons: vec!["stop".into()],
+                    finish_reasons: vec![Finish::Stop],
                 };
                 let (mut ours, mut theirs) = (fresh(), fresh());
                 let read = tap_chunk(&event, wants, &mut ours);

@@ -117,6 +117,16 @@ pub enum Finish {
 }
 
 impl Finish {
+    /// An OpenAI `finish_reason`; one it does not name (a server's own) reads as `stop`.
+    pub fn from_openai(reason: &str) -> Finish {
+        match reason {
+            "length" => Finish::Length,
+            "tool_calls" | "function_call" => Finish::ToolCalls,
+            "content_filter" => Finish::ContentFilter,
+            _ => Finish::Stop,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Finish::Stop => "stop",

@@ -14,6 +14,7 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
 use crate::config::Capability;
+use crate::protocol::chat::Finish;
 
 pub mod translate;
 
@@ -54,7 +55,7 @@ pub struct Answer {
     pub usage: Option<Usage>,
     pub completion_bytes: u64,
     /// Each choice's `finish_reason` (`stop`, `length`, ...), in the order given.
-    pub finish_reasons: Vec<String>,
+    pub finish_reasons: Vec<Finish>,
 }
 
 #[derive(serde::Deserialize)]
@@ -143,7 +144,7 @@ impl Answer {
             .iter()
             .filter_map(|c| c.finish_reason.as_ref().and_then(Value::as_str))
             .take(MAX_CHOICES as usize)
-            .map(str::to_owned)
+            .map(Finish::from_openai)
             .collect();
         let completion_bytes =
             choices.into_iter().filter_map(|c| c.message.and_then(|m| m.content)).map(|TextLen(len)| len).sum();
@@ -157,7 +158,7 @@ impl Answer {
         Answer {
             usage: completion.usage.map(Usage::from),
             completion_bytes: (text + calls) as u64,
-            finish_reasons: completion.finish.iter().map(|f| f.as_str().to_owned()).collect(),
+            finish_reasons: completion.finish.into_iter().collect(),
         }
     }
 }
@@ -714,7 +715,7 @@ mod tests {
             "usage": {"prompt_tokens": 3, "completion_tokens": 4}});
         let answer = Answer::read(body.to_string().as_bytes()).unwrap();
         assert_eq!(answer.usage, Some(Usage::new(3, 4)));
-        assert_eq!(answer.finish_reasons, vec!["stop".to_owned()]);
+        assert_eq!(answer.finish_reasons, vec![Finish::Stop]);
         assert_eq!(answer.completion_bytes, 6);
         let embeddings = json!({"data": [{"embedding": [0.1, 0.2]}], "usage": {"prompt_tokens": 2, "total_tokens": 2}});
         let answer = Answer::read(embeddings.to_string().as_bytes()).unwrap();

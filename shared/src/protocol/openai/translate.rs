@@ -334,12 +334,7 @@ pub fn request(call: &Call, model: &str, allowance: u64) -> Vec<u8> {
 }
 
 fn finish(reason: &str) -> Finish {
-    match reason {
-        "length" => Finish::Length,
-        "tool_calls" | "function_call" => Finish::ToolCalls,
-        "content_filter" => Finish::ContentFilter,
-        _ => Finish::Stop,
-    }
+    Finish::from_openai(reason)
 }
 
 fn tokens(usage: &Value) -> Option<Tokens> {
@@ -532,7 +527,7 @@ mod tests {
         assert_eq!(body["choices"][0]["finish_reason"], "tool_calls");
         assert_eq!(body["usage"], json!({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}));
         let read = super::super::Answer::read(body.to_string().as_bytes()).unwrap();
-        assert_eq!(read.finish_reasons, ["tool_calls"]);
+        assert_eq!(read.finish_reasons, [Finish::ToolCalls]);
     }
 
     #[test]
