@@ -388,3 +388,26 @@ mod tests {
         assert_eq!(schema["enum"].as_array().map(Vec::len), Some(ErrorCode::ALL.len()), "{schema}");
     }
 }
+
+/// Why a caller could not be identified (SPEC §9): the identity phase's refusals.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum IdentityError {
+    #[error("missing API key: send `Authorization: Bearer <key>`")]
+    MissingKey,
+    #[error("invalid API key")]
+    UnknownKey,
+    #[error("agent `{agent}` is not declared for this tenant")]
+    UnknownAgent { agent: String },
+    #[error("this key is bound to agent `{bound}`; the Flexway-Agent header cannot re-bind it to `{asked}`")]
+    AgentRebind { bound: String, asked: String },
+    #[error("the Flexway-Agent header must name an agent in readable text (UTF-8, no control characters)")]
+    UnreadableAgent,
+    #[error("the Flexway-Agent header appears more than once with different values (`{first}`, `{other}`)")]
+    AmbiguousAgent { first: String, other: String },
+    #[error("tenant `{tenant}` asserted by the relay peer is not declared here")]
+    UnknownTenant { tenant: String },
+    #[error(
+        "the Flexway-Tenant header from a relay peer must name one tenant in readable text (UTF-8, no control characters)"
+    )]
+    UnreadableTenant,
+}

@@ -6,10 +6,8 @@
 
 use http::StatusCode;
 
-use crate::call::{ErrorCode, InvalidRequest};
+use crate::call::{ErrorCode, IdentityError, InvalidRequest};
 use crate::config::BackendId;
-use crate::identity::IdentityError;
-use crate::protocol::vision::VisionError;
 
 /// Why no backend could serve (`Flexway-Error-Cause`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,30 +130,6 @@ pub enum GatewayError {
 pub const INTERNAL_MESSAGE: &str =
     "internal error in the gateway; its log has the details under this call's Flexway-Request-Id";
 
-impl From<crate::budget::StoreError> for GatewayError {
-    fn from(e: crate::budget::StoreError) -> Self {
-        match e {
-            crate::budget::StoreError::Busy(detail) => {
-                tracing::warn!("{detail}");
-                GatewayError::LedgerBusy
-            }
-            other => GatewayError::Internal(other.to_string()),
-        }
-    }
-}
-
-impl From<VisionError> for GatewayError {
-    fn from(err: VisionError) -> Self {
-        match err {
-            VisionError::TooLarge { limit, .. } => GatewayError::ImageTooLarge { limit },
-            VisionError::OriginNotAllowed { origin } => GatewayError::ImageOriginNotAllowed { origin },
-            VisionError::Invalid(message) => {
-                GatewayError::InvalidRequest(InvalidRequest { message, param: Some("messages") })
-            }
-        }
-    }
-}
-
 impl GatewayError {
     /// The HTTP status of this refusal: its code's.
     pub fn status(&self) -> StatusCode {
@@ -252,6 +226,7 @@ impl Attempts {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::vision::VisionError;
 
     #[test]
     fn a_contended_ledger_is_a_503_to_retry_and_a_broken_one_names_nothing_of_aws() {

@@ -220,3 +220,17 @@ pub trait BudgetStore: Send + Sync {
     /// Live (unsettled, unswept) reservations: for tests, metrics and operators.
     async fn live_reservations(&self) -> Result<usize, StoreError>;
 }
+
+impl From<StoreError> for crate::error::GatewayError {
+    /// A ledger contended past its retries is `ledger_busy` (retry in a second); any
+    /// other failure is internal, its detail for the log only.
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Busy(detail) => {
+                tracing::warn!("{detail}");
+                crate::error::GatewayError::LedgerBusy
+            }
+            other => crate::error::GatewayError::Internal(other.to_string()),
+        }
+    }
+}

@@ -23,6 +23,8 @@ use subtle::ConstantTimeEq;
 use crate::call::InvalidRequest;
 use crate::config::{AgentId, Config, Tenant, TenantId};
 
+pub use crate::call::IdentityError;
+
 /// `AGENT_HEADER`: the request header in which a key without a bound agent may name
 /// one of its tenant's agents. `TENANT_HEADER`: the one in which a relay peer names
 /// the tenant it calls for.
@@ -35,28 +37,6 @@ pub struct Caller {
     /// SHA-256 of the key, hex: what the audit hashes further, never the key.
     pub key_sha256: [u8; 32],
     pub relay_peer: bool,
-}
-
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum IdentityError {
-    #[error("missing API key: send `Authorization: Bearer <key>`")]
-    MissingKey,
-    #[error("invalid API key")]
-    UnknownKey,
-    #[error("agent `{agent}` is not declared for this tenant")]
-    UnknownAgent { agent: String },
-    #[error("this key is bound to agent `{bound}`; the Flexway-Agent header cannot re-bind it to `{asked}`")]
-    AgentRebind { bound: String, asked: String },
-    #[error("the Flexway-Agent header must name an agent in readable text (UTF-8, no control characters)")]
-    UnreadableAgent,
-    #[error("the Flexway-Agent header appears more than once with different values (`{first}`, `{other}`)")]
-    AmbiguousAgent { first: String, other: String },
-    #[error("tenant `{tenant}` asserted by the relay peer is not declared here")]
-    UnknownTenant { tenant: String },
-    #[error(
-        "the Flexway-Tenant header from a relay peer must name one tenant in readable text (UTF-8, no control characters)"
-    )]
-    UnreadableTenant,
 }
 
 struct KeyRecord {

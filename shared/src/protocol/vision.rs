@@ -23,6 +23,19 @@ pub enum VisionError {
     Invalid(String),
 }
 
+impl From<VisionError> for crate::error::GatewayError {
+    fn from(err: VisionError) -> Self {
+        use crate::error::GatewayError;
+        match err {
+            VisionError::TooLarge { limit, .. } => GatewayError::ImageTooLarge { limit },
+            VisionError::OriginNotAllowed { origin } => GatewayError::ImageOriginNotAllowed { origin },
+            VisionError::Invalid(message) => {
+                GatewayError::InvalidRequest(crate::call::InvalidRequest { message, param: Some("messages") })
+            }
+        }
+    }
+}
+
 /// Checks every image of a request against the policy; the first refusal wins.
 pub fn check_images(images: &[ImageRef], policy: &VisionPolicy) -> Result<(), VisionError> {
     images.iter().try_for_each(|image| check_image(&image.url, policy))
