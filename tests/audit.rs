@@ -122,9 +122,14 @@ async fn exactly_one_record_per_call_with_the_right_usage_source() {
     let gw = Flexway::start_with_env(&audit_config(&model), &[("AUDIT_SALT", "pepper-1")]);
     let ids = mixed_run(&gw).await;
     let records = wait_for_records(&gw, ids.len()).await;
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    let records_after = records_len(&gw);
-    assert_eq!(records_after, ids.len(), "one record per identified call, none for a bad key");
+    // A marker call after them all: once its record is in, a second record of any call
+    // before it, or one for the bad key, would be in before it.
+    let marker = gw.chat(CANARY_KEY, prompt(false)).await;
+    assert_eq!(marker.status(), 200);
+    let marker_id = request_id(&marker);
+    let after = wait_for_records(&gw, ids.len() + 1).await;
+    assert_eq!(after.len(), ids.len() + 1, "one record per identified call, none for a bad key");
+    assert_eq!(after[ids.len()].request_id, marker_id);
     for ((id, kind), record) in ids.iter().zip(&records) {
         assert_eq!(&record.request_id, id, "{kind}: records are in the order calls ended");
         let expected = match *kind {
@@ -148,10 +153,6 @@ async fn exactly_one_record_per_call_with_the_right_usage_source() {
     assert_eq!(records[3].budget_state, BudgetState::Exceeded);
     assert_eq!(records[3].agent.as_deref(), Some("tight"));
     assert!(records[5].completion_tokens > 0, "a broken stream is charged what was relayed");
-}
-
-fn records_len(gw: &Flexway) -> usize {
-    records(gw).len()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
