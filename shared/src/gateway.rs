@@ -179,7 +179,7 @@ impl Gateway {
     /// The longest a call may spend at `backend`: its `timeout`, once for each
     /// endpoint an inference pool's picker may have it try.
     pub fn attempt_time(&self, backend: &BackendId) -> Duration {
-        let tries = if self.router.picker(backend).is_some() { crate::routing::picker::MAX_TRIED } else { 1 };
+        let tries = if self.router.picker(backend).is_some() { crate::routing::endpoint_picker::MAX_TRIED } else { 1 };
         self.timeout(backend) * u32::try_from(tries).unwrap_or(1)
     }
 

@@ -1,11 +1,11 @@
-//! The endpoint picker client (`routing::picker`) against a fake `ext_proc` picker on
+//! The endpoint picker client (`routing::endpoint_picker`) against a fake `ext_proc` picker on
 //! loopback: both ways a picker names endpoints, and each way it can fail.
 #![cfg(test)]
 
 use std::time::{Duration, Instant};
 
 use fake_grpc::picker::{FakePicker, Picks};
-use flexway::routing::picker::{EndpointPicker, PickerError};
+use flexway::routing::endpoint_picker::{EndpointPicker, PickerError};
 
 fn headers() -> http::HeaderMap {
     let mut headers = http::HeaderMap::new();

@@ -26,7 +26,7 @@ use crate::config::{BackendId, Endpoint, FailureMode};
 use crate::error::{Attempts, GatewayError, UnavailableCause};
 use crate::gateway::Gateway;
 use crate::routing::breaker::{BreakerLayer, Call, Classify, Outcome, Pass, Passed, Refused};
-use crate::routing::picker::{self, EndpointPicker, PickerError};
+use crate::routing::endpoint_picker::{self, EndpointPicker, PickerError};
 use crate::routing::{Candidate, Route};
 use crate::upstream::body::Fault;
 use crate::upstream::{CallError, UpstreamClient};
@@ -289,7 +289,7 @@ async fn take_turn<A: Attempt>(turn: Turn<'_, A>) -> Result<Answered<(Candidate,
     let endpoints = pick(picker, door, draft, &prepared).await.map_err(Failure::Picker)?;
     let mut endpoint_failure = None;
     let mut first = Some((model, prepared));
-    for (j, endpoint) in endpoints.iter().take(picker::MAX_TRIED).enumerate() {
+    for (j, endpoint) in endpoints.iter().take(endpoint_picker::MAX_TRIED).enumerate() {
         let Some(target) = door.at(&candidate.backend, &target, endpoint) else { continue };
         // What is sent does not depend on the endpoint: prepared once, but for the
         // body a failed attempt took.

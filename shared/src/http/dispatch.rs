@@ -11,7 +11,7 @@ use bytes::Bytes;
 use http::{HeaderValue, StatusCode, header};
 
 use super::chain::{self, Failure};
-use super::door::Door;
+use super::format::Format;
 use super::record::Draft;
 use super::relay;
 use crate::config::{BackendId, Endpoint};
@@ -43,11 +43,11 @@ pub(super) enum Answered {
     Stream(Box<relay::Held>),
 }
 
-/// What the caller expects of a successful answer, and the door it goes back by.
+/// What the caller expects of a successful answer, and the format it goes back in.
 #[derive(Clone, Copy)]
 pub(super) struct Expect<'a> {
     pub shape: Shape,
-    pub door: &'a Door,
+    pub format: &'a Format,
 }
 
 #[derive(Clone, Copy)]
@@ -144,7 +144,7 @@ async fn attempt(
     caller: &CallerIdentity,
     expect: Expect<'_>,
 ) -> Result<Answered, Failure> {
-    let door = expect.door;
+    let format = expect.format;
     let deadline = tokio::time::Instant::now() + client.timeout;
     let limits = gateway.config.ai.limits;
     let path = match client.wire {
@@ -169,12 +169,15 @@ async fn attempt(
                 .map_err(Failure::Body)?;
             if !status.is_success() {
                 // Its refusal, in the envelope the caller reads.
-                let body = door.refusal(client.wire, status.as_u16(), body);
-                let content_type =
-                    if door.native(client.wire) { content_type } else { HeaderValue::from_static("application/json") };
+                let body = format.refusal(client.wire, status.as_u16(), body);
+                let content_type = if format.native(client.wire) {
+                    content_type
+                } else {
+                    HeaderValue::from_static("application/json")
+                };
                 return Ok(Answered::Whole { status, content_type, retry_after, body, answer: None });
             }
-            let (body, answer) = door.answer(client.wire, body).ok_or_else(|| {
+            let (body, answer) = format.answer(client.wire, body).ok_or_else(|| {
                 let what = match client.wire {
                     Wire::OpenAi => "the answer is not a JSON object",
                     Wire::Anthropic => "the answer is not an Anthropic Messages `message`",
@@ -189,7 +192,7 @@ async fn attempt(
                 return Err(Failure::Body(Fault::Invalid(detail.into())));
             }
             let held =
-                relay::hold(response, limits.max_event_bytes, deadline, client_wants_usage, client.wire, door).await;
+                relay::hold(response, limits.max_event_bytes, deadline, client_wants_usage, client.wire, format).await;
             held.map(|held| Answered::Stream(Box::new(held))).map_err(Failure::Body)
         }
     }

@@ -5,15 +5,15 @@ mod admit;
 mod chain;
 mod console;
 mod dispatch;
-mod door;
 mod drive;
 mod end;
 mod error;
+mod format;
 mod forward;
 pub mod grpc;
 mod meter;
+mod models;
 mod named;
-mod proxy;
 mod realtime;
 mod record;
 mod relay;
@@ -138,11 +138,11 @@ async fn realtime_unavailable() -> Response {
 
 fn api_routes() -> Router<Arc<Gateway>> {
     Router::new()
-        .route("/v1/chat/completions", post(proxy::chat_completions))
-        .route("/v1/responses", post(proxy::responses))
-        .route("/v1/messages", post(proxy::messages))
-        .route("/v1/messages/count_tokens", post(proxy::count_tokens))
-        .route("/v1/embeddings", post(proxy::embeddings))
+        .route("/v1/chat/completions", post(models::chat_completions))
+        .route("/v1/responses", post(models::responses))
+        .route("/v1/messages", post(models::messages))
+        .route("/v1/messages/count_tokens", post(models::count_tokens))
+        .route("/v1/embeddings", post(models::embeddings))
         .route("/v1/models", get(models))
         .route("/healthz", get(healthz))
 }

@@ -45,7 +45,7 @@ use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
 use super::end::{Charge, Ended, Ending, Spent};
 use super::error::render;
-use super::proxy::model_headers;
+use super::models::model_headers;
 use super::record::Draft;
 use crate::admission::Demand;
 use crate::audit::CloseReason;

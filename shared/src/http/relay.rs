@@ -27,8 +27,8 @@ use tokio::sync::mpsc;
 use tracing::Instrument;
 
 use super::Deadline;
-use super::door::{Door, Writer};
 use super::end::{Ended, Ending, Spent};
+use super::format::{Format, Writer};
 use crate::call::ErrorCode;
 use crate::config::BackendId;
 use crate::protocol::anthropic;
@@ -84,17 +84,17 @@ pub(super) async fn hold(
     deadline: tokio::time::Instant,
     client_wants_usage: bool,
     wire: Wire,
-    door: &Door,
+    format: &Format,
 ) -> Result<Held, Fault> {
     let events = Events::new(response.into_body(), max_event_bytes);
-    let mode = if door.native(wire) && wire == Wire::OpenAi {
+    let mode = if format.native(wire) && wire == Wire::OpenAi {
         Mode::Chunks { client_wants_usage }
     } else {
         let read = match wire {
             Wire::OpenAi => Reader::OpenAi,
             Wire::Anthropic => Reader::Anthropic(anthropic::Stream::default()),
         };
-        Mode::Translate { read, write: Box::new(door.writer(wire, client_wants_usage)) }
+        Mode::Translate { read, write: Box::new(format.writer(wire, client_wants_usage)) }
     };
     let mut held = Held {
         events: Source { events, mode },

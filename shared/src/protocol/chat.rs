@@ -13,7 +13,7 @@
 //! forwarded as the client sent it but for the fields the gateway owns (the model, the
 //! allowance, usage in streams): the identity translation, which keeps every field a
 //! provider adds that this model does not name, and costs no re-encoding on the hot
-//! path (`http/door.rs` decides).
+//! path (`http/format.rs` decides).
 
 use serde_json::Value;
 

@@ -16,8 +16,8 @@
 //! member moves only the sessions that now rank it first (about 1/n of them).
 
 pub mod breaker;
+pub mod endpoint_picker;
 pub mod pick;
-pub mod picker;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -217,17 +217,18 @@ pub struct Router {
     /// The pool members' load, read by `pick` and `saturation`.
     pub loads: Loads,
     /// Each inference pool's endpoint picker.
-    pickers: BTreeMap<BackendId, (picker::EndpointPicker, FailureMode)>,
+    pickers: BTreeMap<BackendId, (endpoint_picker::EndpointPicker, FailureMode)>,
 }
 
 impl Router {
     /// The router of `config`; its endpoint pickers' channels are made now and
     /// connected at their first call (within a Tokio runtime, as they run on it).
-    pub fn new(config: Arc<Config>) -> Result<Self, picker::PickerError> {
+    pub fn new(config: Arc<Config>) -> Result<Self, endpoint_picker::PickerError> {
         let mut pickers = BTreeMap::new();
         for (name, backend) in &config.ai.backends {
             if let BackendKind::InferencePool { picker: settings, .. } = &backend.kind {
-                let picker = picker::EndpointPicker::new(&settings.url, picker::TIMEOUT, settings.port)?;
+                let picker =
+                    endpoint_picker::EndpointPicker::new(&settings.url, endpoint_picker::TIMEOUT, settings.port)?;
                 pickers.insert(name.clone(), (picker, settings.failure_mode));
             }
         }
@@ -236,7 +237,7 @@ impl Router {
 
     /// The endpoint picker of `backend` when it is an inference pool, and what a call
     /// does when it cannot answer.
-    pub fn picker(&self, backend: &BackendId) -> Option<&(picker::EndpointPicker, FailureMode)> {
+    pub fn picker(&self, backend: &BackendId) -> Option<&(endpoint_picker::EndpointPicker, FailureMode)> {
         self.pickers.get(backend)
     }
 

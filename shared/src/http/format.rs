@@ -15,9 +15,10 @@ use crate::protocol::openai::{Answer, error_envelope, translate};
 use crate::protocol::responses::{self, Echo};
 use crate::protocol::{Wire, anthropic, messages, sse, unix_seconds};
 
-/// The door a call came in by, and what its answer's format needs.
+/// The format a call's answer goes back in (by the door it came in by), and what it
+/// needs.
 #[derive(Debug, Clone)]
-pub(super) enum Door {
+pub(super) enum Format {
     Chat,
     /// `id`: the response's id (from the request id); `limit`: what a stream may keep
     /// of its output for the `.done` events (`ai.limits.max_response_bytes`).
@@ -29,16 +30,16 @@ pub(super) enum Door {
     Messages,
 }
 
-impl Door {
+impl Format {
     /// Whether a backend of this format answers in the door's own.
     pub fn native(&self, wire: Wire) -> bool {
-        matches!((self, wire), (Door::Chat, Wire::OpenAi) | (Door::Messages, Wire::Anthropic))
+        matches!((self, wire), (Format::Chat, Wire::OpenAi) | (Format::Messages, Wire::Anthropic))
     }
 
     /// A backend's successful answer, read whole, as the client's body and what the
     /// gateway reads of it; `None` when it is not a valid answer.
     pub fn answer(&self, wire: Wire, body: Bytes) -> Option<(Bytes, Answer)> {
-        if let (Door::Chat, Wire::OpenAi) = (self, wire) {
+        if let (Format::Chat, Wire::OpenAi) = (self, wire) {
             let answer = Answer::read(&body)?;
             return Some((body, answer));
         }
@@ -55,9 +56,9 @@ impl Door {
 
     fn render(&self, completion: &Completion) -> Value {
         match self {
-            Door::Chat => translate::completion(completion, unix_seconds()),
-            Door::Responses { id, echo, .. } => responses::answer(id, completion, echo, unix_seconds()),
-            Door::Messages => messages::message(completion),
+            Format::Chat => translate::completion(completion, unix_seconds()),
+            Format::Responses { id, echo, .. } => responses::answer(id, completion, echo, unix_seconds()),
+            Format::Messages => messages::message(completion),
         }
     }
 
@@ -65,9 +66,9 @@ impl Door {
     /// formats agree).
     pub fn refusal(&self, wire: Wire, status: u16, body: Bytes) -> Bytes {
         match (self, wire) {
-            (Door::Messages, Wire::Anthropic) | (Door::Chat | Door::Responses { .. }, Wire::OpenAi) => body,
-            (Door::Messages, Wire::OpenAi) => Bytes::from(messages::error_from_openai(status, &body).to_string()),
-            (Door::Chat | Door::Responses { .. }, Wire::Anthropic) => {
+            (Format::Messages, Wire::Anthropic) | (Format::Chat | Format::Responses { .. }, Wire::OpenAi) => body,
+            (Format::Messages, Wire::OpenAi) => Bytes::from(messages::error_from_openai(status, &body).to_string()),
+            (Format::Chat | Format::Responses { .. }, Wire::Anthropic) => {
                 Bytes::from(anthropic::error(status, &body).to_string())
             }
         }
@@ -77,11 +78,11 @@ impl Door {
     pub fn writer(&self, wire: Wire, client_wants_usage: bool) -> Writer {
         match self {
             _ if self.native(wire) && wire == Wire::Anthropic => Writer::Raw,
-            Door::Chat => Writer::Chat { chunks: translate::Chunks::new(unix_seconds()), client_wants_usage },
-            Door::Responses { id, echo, limit } => {
+            Format::Chat => Writer::Chat { chunks: translate::Chunks::new(unix_seconds()), client_wants_usage },
+            Format::Responses { id, echo, limit } => {
                 Writer::Responses(responses::Events::new(id.clone(), echo.clone(), unix_seconds(), *limit))
             }
-            Door::Messages => Writer::Messages(messages::Events::default()),
+            Format::Messages => Writer::Messages(messages::Events::default()),
         }
     }
 }

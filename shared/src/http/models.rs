@@ -12,7 +12,7 @@
 //!
 //! Chat comes in by three doors (`/v1/chat/completions`, `/v1/responses`,
 //! `/v1/messages`): each parses into the same measure and call, and runs the same
-//! phases; only the format of the answer differs (`door.rs`).
+//! phases; only the format of the answer differs (`format.rs`).
 
 use std::sync::{Arc, OnceLock};
 
@@ -25,10 +25,10 @@ use http::{HeaderMap, HeaderValue, StatusCode, header};
 use super::RequestId;
 use super::admit::{Admitted, Asked, admitted, asked};
 use super::dispatch::{Answered, Expect, Served, Shape, dispatch};
-use super::door::Door;
 use super::drive::{self, Call, Reply, drive};
 use super::end::{Charge, Ended, Spent};
 use super::error::{Envelope, render_in};
+use super::format::Format;
 use super::record::Draft;
 use super::relay;
 use crate::admission::Demand;
@@ -185,16 +185,16 @@ impl Inbound {
         }
     }
 
-    /// The door the answer goes back by.
-    fn door(&self, request_id: &RequestId, gateway: &Gateway) -> Door {
+    /// The format the answer goes back in, by the door it came in by.
+    fn format(&self, request_id: &RequestId, gateway: &Gateway) -> Format {
         match self {
-            Inbound::Chat(_) => Door::Chat,
-            Inbound::Responses(r) => Door::Responses {
+            Inbound::Chat(_) => Format::Chat,
+            Inbound::Responses(r) => Format::Responses {
                 id: responses::response_id(&request_id.0),
                 echo: r.echo(),
                 limit: gateway.config.ai.limits.max_response_bytes,
             },
-            Inbound::Messages(_) => Door::Messages,
+            Inbound::Messages(_) => Format::Messages,
         }
     }
 
@@ -256,12 +256,12 @@ async fn chat(
     };
     let prompt_typical = plan::prompt_typical(request.prompt_text_bytes, request.message_count, images);
     let Admitted { route, soft, allowance } = admitted(call, draft, charge, &demand, prompt_typical).await?;
-    let door = inbound.door(call.request_id, gateway);
+    let format = inbound.format(call.request_id, gateway);
     let translated = OnceLock::new();
     let body_for = |model: &str, wire: Wire| inbound.body_for(model, wire, allowance, &translated);
     let shape =
         if request.stream { Shape::Stream { client_wants_usage: request.client_wants_usage } } else { Shape::Json };
-    let expect = Expect { shape, door: &door };
+    let expect = Expect { shape, format: &format };
     let served = dispatch(gateway, draft, &route, "/chat/completions", request.model, body_for, expect).await?;
     match served.value {
         Answered::Stream(held) => {
@@ -309,7 +309,7 @@ async fn embed(
             Err(InvalidRequest { message: "embeddings are not served by this backend".into(), param: None })
         }
     };
-    let expect = Expect { shape: Shape::Json, door: &Door::Chat };
+    let expect = Expect { shape: Shape::Json, format: &Format::Chat };
     let served = dispatch(gateway, draft, &route, "/embeddings", &request.model, body_for, expect).await?;
     complete(served, soft)
 }
