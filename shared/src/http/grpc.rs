@@ -35,12 +35,11 @@ use axum::extract::Request;
 use axum::response::Response;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, header};
-use http_body_util::{BodyExt, StreamBody};
+use http_body_util::BodyExt;
 use hyper::body::Frame;
-use tokio::sync::mpsc;
-use tracing::Instrument as _;
 
 use super::admit::sensitive_and_residency;
+use super::byte_relay::{self, Next, Read, Relayed};
 use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
 use super::end::{Charge, Ended, Ending, Spent};
@@ -519,7 +518,6 @@ struct Relaying {
     flavor: Flavor,
     /// `grpc-status` of a trailers-only answer (in its headers).
     status_in_headers: Option<u16>,
-    done: bool,
     pass: Pass,
     /// Just before the invocation's deadline (serverless shape).
     cutoff: Option<tokio::time::Instant>,
@@ -547,7 +545,7 @@ impl Relay {
         if self.candidate.degraded {
             response.headers_mut().insert(DEGRADED_HEADER, HeaderValue::from_static("backend-fallback"));
         }
-        let state = Relaying {
+        let relaying = Relaying {
             body: Some(body),
             counter: MessageCounter::default(),
             ending: Some(ending),
@@ -555,28 +553,10 @@ impl Relay {
             pass: self.pass,
             flavor: self.flavor,
             status_in_headers: status_of(&parts.headers),
-            done: false,
             cutoff,
         };
-        let (tx, rx) = mpsc::channel(RELAYED_FRAMES);
-        // The pump outlives the handler: it carries the call's span along.
-        tokio::spawn(state.pump(tx).instrument(tracing::Span::current()));
-        let frames = futures_util::stream::unfold(rx, |mut rx| async move {
-            rx.recv().await.map(|frame| (Ok::<_, std::convert::Infallible>(frame), rx))
-        });
-        *response.body_mut() = Body::new(StreamBody::new(frames));
-        response
+        byte_relay::relay(relaying, response)
     }
-}
-
-/// The frames a relay reads ahead of its client: what a slow client lets it hold.
-const RELAYED_FRAMES: usize = 2;
-
-/// What the relay read next: a frame, the client gone, or the invocation's deadline.
-enum Read {
-    Frame(Option<Result<Frame<Bytes>, crate::upstream::BodyError>>),
-    Left,
-    Deadline,
 }
 
 /// How an answer still open at the invocation's deadline ends.
@@ -584,63 +564,26 @@ fn deadline_refusal() -> Refusal {
     Refusal::new(Code::DeadlineExceeded, ErrorCode::Deadline, "the invocation's deadline came before the answer ended")
 }
 
-impl Relaying {
-    /// Relays the answer to the client until it ends or the client leaves; either way
-    /// the call is settled and recorded here, in this task, before it ends.
-    async fn pump(mut self, tx: mpsc::Sender<Frame<Bytes>>) {
-        while !self.done {
-            let Some(frame) = self.next(&tx).await else { break };
-            match super::before(self.cutoff, tx.send(frame)).await {
-                Some(Ok(())) => {}
-                Some(Err(_)) => break,
-                None => {
-                    // A client slower than the platform's clock (Lambda throttles a
-                    // streamed answer): ended at the deadline as a slow upstream is,
-                    // its trailers offered if the client has room for them.
-                    tracing::warn!("gRPC answer still being sent at the invocation's deadline: ended");
-                    if let Some(trailers) = self.finish(Some(deadline_refusal())).await {
-                        let _ = tx.try_send(trailers);
-                    }
-                    break;
-                }
-            }
-        }
-        // The client went away (a no-op once the call has ended): what passed before
-        // it left is charged. Its breaker is told nothing: a client leaving says
-        // nothing of the backend.
-        self.body = None;
-        self.end(Code::Cancelled.number(), Some(ErrorCode::Cancelled)).await;
+impl byte_relay::Answer for Relaying {
+    fn body(&mut self) -> Option<&mut crate::upstream::AnswerBody> {
+        self.body.as_mut()
     }
 
-    /// Ends the call (a no-op once it has ended); its cost.
-    async fn end(&mut self, status: u16, code: Option<ErrorCode>) -> MicroEur {
-        let Some(ending) = self.ending.take() else { return MicroEur(0) };
-        let spent = Spent::Metered { answered: true, served: status == Code::Ok.number() };
-        ending.end(Ended { status, code, spent, finish_reasons: Vec::new() }).await
+    fn cutoff(&self) -> Option<tokio::time::Instant> {
+        self.cutoff
     }
 
-    /// The next frame for the client; `None` once the call has ended or the client
-    /// left.
-    async fn next(&mut self, client: &mpsc::Sender<Frame<Bytes>>) -> Option<Frame<Bytes>> {
-        let body = self.body.as_mut()?;
-        let read = tokio::select! {
-            biased;
-            () = client.closed() => Read::Left,
-            frame = super::before(self.cutoff, body.frame()) => frame.map_or(Read::Deadline, Read::Frame),
-        };
+    async fn next(&mut self, read: Read) -> Next {
         let frame = match read {
-            Read::Left => return None,
+            Read::Frame(frame) => frame,
+            Read::End => return self.finish(None).await,
             Read::Deadline => {
                 // Ended as a chat stream is (SPEC §11): its status in the trailers,
                 // settled on what passed and recorded before the platform cuts it.
                 tracing::warn!("gRPC answer still open at the invocation's deadline: ended");
                 return self.finish(Some(deadline_refusal())).await;
             }
-            Read::Frame(None) => return self.finish(None).await,
-            Read::Frame(Some(frame)) => frame,
-        };
-        let frame = match frame {
-            Err(e) => {
+            Read::Broken(e) => {
                 tracing::warn!("gRPC upstream stream: {e}");
                 self.pass.tell(&Outcome::ConnectionError);
                 let refusal = self.meter.stop().map(Refusal::from).unwrap_or_else(|| {
@@ -648,12 +591,11 @@ impl Relaying {
                 });
                 return self.finish(Some(refusal)).await;
             }
-            Ok(frame) => frame,
         };
         if let Some(data) = frame.data_ref() {
             if data.is_empty() {
                 // Not relayed: an h2 peer counts empty DATA frames as a flood.
-                return Box::pin(self.next(client)).await;
+                return Next::Skip;
             }
             if self.meter.per_byte().is_some() {
                 let seen = self.counter.feed(data);
@@ -665,7 +607,7 @@ impl Relaying {
                 }
                 self.meter.passed(seen.payload).await;
             }
-            return Some(frame);
+            return Next::Send(Ok(frame));
         }
         match frame.into_trailers() {
             Ok(trailers) => {
@@ -676,12 +618,35 @@ impl Relaying {
                 let status = status_of(&trailers).unwrap_or(Code::Unknown.number());
                 self.trailers(trailers, status, None).await
             }
-            Err(_) => Some(Frame::data(Bytes::new())),
+            Err(_) => Next::Skip,
         }
     }
 
+    async fn deadline(&mut self) -> Option<Relayed> {
+        match self.finish(Some(deadline_refusal())).await {
+            Next::Send(trailers) => Some(trailers),
+            Next::Skip | Next::Ended => None,
+        }
+    }
+
+    /// What passed before the client left is charged. Its breaker is told nothing: a
+    /// client leaving says nothing of the backend.
+    async fn left(&mut self) {
+        self.body = None;
+        self.end(Code::Cancelled.number(), Some(ErrorCode::Cancelled)).await;
+    }
+}
+
+impl Relaying {
+    /// Ends the call (a no-op once it has ended); its cost.
+    async fn end(&mut self, status: u16, code: Option<ErrorCode>) -> MicroEur {
+        let Some(ending) = self.ending.take() else { return MicroEur(0) };
+        let spent = Spent::Metered { answered: true, served: status == Code::Ok.number() };
+        ending.end(Ended { status, code, spent, finish_reasons: Vec::new() }).await
+    }
+
     /// The stream ended without trailers (or the gateway ends it with `refusal`).
-    async fn finish(&mut self, refusal: Option<Refusal>) -> Option<Frame<Bytes>> {
+    async fn finish(&mut self, refusal: Option<Refusal>) -> Next {
         if let Some(refusal) = refusal.or_else(|| self.meter.stop().map(Refusal::from)) {
             let mut trailers = HeaderMap::new();
             trailers.insert("grpc-status", HeaderValue::from(refusal.code.number()));
@@ -694,8 +659,7 @@ impl Relaying {
             // Trailers-only: the status was in the headers, already relayed.
             self.body = None;
             self.end(status, None).await;
-            self.done = true;
-            return None;
+            return Next::Ended;
         }
         let refusal =
             Refusal::new(Code::Internal, ErrorCode::UpstreamError, "the upstream ended the call without a status");
@@ -704,21 +668,15 @@ impl Relaying {
 
     /// Settles and records the call, then hands the client its trailers (gRPC-Web: as
     /// the body's last frame): the record is written before the response ends.
-    async fn trailers(
-        &mut self,
-        mut trailers: HeaderMap,
-        status: u16,
-        error_code: Option<ErrorCode>,
-    ) -> Option<Frame<Bytes>> {
+    async fn trailers(&mut self, mut trailers: HeaderMap, status: u16, error_code: Option<ErrorCode>) -> Next {
         self.body = None;
         let cost = self.end(status, error_code).await;
         if let Ok(value) = HeaderValue::from_str(&cost.to_eur_string()) {
             trailers.insert(COST_TRAILER, value);
         }
-        self.done = true;
-        Some(match self.flavor {
+        Next::Send(Ok(match self.flavor {
             Flavor::Native => Frame::trailers(trailers),
             Flavor::Web => Frame::data(web_trailers_frame(&trailers)),
-        })
+        }))
     }
 }

@@ -2,6 +2,7 @@
 //! with `axum::serve`, the Lambda function with `lambda_http`'s streaming runner.
 
 mod admit;
+mod byte_relay;
 mod chain;
 mod console;
 mod dispatch;

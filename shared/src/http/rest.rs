@@ -28,13 +28,12 @@ use axum::extract::Request;
 use axum::response::Response;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, header};
-use http_body_util::{BodyExt, StreamBody};
+use http_body_util::BodyExt;
 use hyper::body::Frame;
-use tokio::sync::mpsc;
-use tracing::Instrument as _;
 
 use super::Deadline;
 use super::admit::sensitive_and_residency;
+use super::byte_relay::{self, Next, Read, Relayed};
 use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
 use super::end::{Charge, Ended, Ending, Spent};
@@ -344,17 +343,9 @@ impl Relay {
             pass: Some(self.pass),
             cutoff,
         };
-        let (tx, rx) = mpsc::channel(RELAYED_FRAMES);
-        // The pump outlives the handler: it carries the call's span along.
-        tokio::spawn(relaying.pump(tx).instrument(tracing::Span::current()));
-        let frames = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|f| (f, rx)) });
-        *response.body_mut() = Body::new(StreamBody::new(frames));
-        response
+        byte_relay::relay(relaying, response)
     }
 }
-
-/// The frames a relay reads ahead of its client: what a slow client lets it hold.
-const RELAYED_FRAMES: usize = 2;
 
 struct Relaying {
     /// The upstream's answer; dropped as soon as the call ends.
@@ -371,46 +362,74 @@ struct Relaying {
     cutoff: Option<tokio::time::Instant>,
 }
 
-/// What the relay read next: a frame (or the deadline), or the client gone.
-enum Read {
-    /// `None`: the invocation's deadline came first.
-    Frame(Option<Option<Result<Frame<Bytes>, crate::upstream::BodyError>>>),
-    Left,
-}
-
-type Relayed = Result<Frame<Bytes>, BoxError>;
-
-impl Relaying {
-    /// Relays the answer to the client until it ends or the client leaves; either way
-    /// the call is settled and recorded here, in this task, before it ends.
-    async fn pump(mut self, tx: mpsc::Sender<Relayed>) {
-        while let Some(frame) = self.next(&tx).await {
-            match super::before(self.cutoff, tx.send(frame)).await {
-                Some(Ok(())) => {}
-                Some(Err(_)) => break,
-                None => {
-                    // A client slower than the platform's clock (Lambda throttles a
-                    // streamed answer): ended at the deadline as a slow upstream is,
-                    // settled on what passed and recorded before the platform cuts it.
-                    tracing::warn!("REST answer still being sent at the invocation's deadline: ended");
-                    self.finish(Outcome::Success, Some(ErrorCode::Deadline)).await;
-                    break;
-                }
-            }
-        }
-        self.left().await;
+impl byte_relay::Answer for Relaying {
+    fn body(&mut self) -> Option<&mut crate::upstream::AnswerBody> {
+        self.body.as_mut()
     }
 
-    /// The client went away (a no-op once the call has ended): what passed before it
-    /// left is charged, as it was served. Its breaker hears how the answer's head
-    /// counted, as a chat stream's does: a client leaving says nothing against a
-    /// backend that was answering (and a half-open breaker's probe is not lost).
+    fn cutoff(&self) -> Option<tokio::time::Instant> {
+        self.cutoff
+    }
+
+    async fn next(&mut self, read: Read) -> Next {
+        let frame = match read {
+            Read::Frame(frame) => frame,
+            Read::End => {
+                self.finish(Outcome::Status { status: self.status, retry_after: None }, None).await;
+                return Next::Ended;
+            }
+            Read::Deadline => {
+                tracing::warn!("REST answer still open at the invocation's deadline: ended");
+                self.finish(Outcome::Success, Some(ErrorCode::Deadline)).await;
+                return Next::Send(Err(BoxError::from("the invocation's deadline")));
+            }
+            Read::Broken(e) => {
+                tracing::warn!("REST upstream answer broke: {e}");
+                self.finish(Outcome::ConnectionError, Some(ErrorCode::UpstreamError)).await;
+                return Next::Send(Err(BoxError::from(format!("the upstream's answer broke: {e}"))));
+            }
+        };
+        if let Some(data) = frame.data_ref() {
+            let bytes = data.len() as u64;
+            if self.served && self.meter.per_byte().is_some() {
+                if !self.meter.admit(bytes).await {
+                    // The cap: the answer ends short (the client sees it cut).
+                    let code = match self.meter.stop() {
+                        Some(Stop::Budget(e)) => e.code(),
+                        _ => ErrorCode::MessageTooLarge,
+                    };
+                    self.finish(Outcome::Success, Some(code)).await;
+                    return Next::Send(Err(BoxError::from("the call's budget step was refused")));
+                }
+                self.meter.passed(bytes).await;
+            }
+        }
+        // The last chunk: the call is settled and recorded before the client has it
+        // all (a client that stops reading at its length leaves then).
+        if self.body.as_ref().is_some_and(hyper::body::Body::is_end_stream) {
+            self.finish(Outcome::Status { status: self.status, retry_after: None }, None).await;
+        }
+        Next::Send(Ok(frame))
+    }
+
+    /// The body is cut with an error, not ended as if it were complete.
+    async fn deadline(&mut self) -> Option<Relayed> {
+        self.finish(Outcome::Success, Some(ErrorCode::Deadline)).await;
+        Some(Err(BoxError::from("the invocation's deadline")))
+    }
+
+    /// What passed before the client left is charged, as it was served. Its breaker
+    /// hears how the answer's head counted, as a chat stream's does: a client leaving
+    /// says nothing against a backend that was answering (and a half-open breaker's
+    /// probe is not lost). A no-op once the call has ended.
     async fn left(&mut self) {
         self.body = None;
         self.tell(Outcome::Status { status: self.status, retry_after: None });
         self.end(Some(ErrorCode::ClientClosedRequest)).await;
     }
+}
 
+impl Relaying {
     /// Ends the call, once: what passed is charged when the answer served it.
     async fn end(&mut self, code: Option<ErrorCode>) {
         let Some(ending) = self.ending.take() else { return };
@@ -426,65 +445,6 @@ impl Relaying {
             let outcome =
                 if self.served && matches!(outcome, Outcome::Status { .. }) { Outcome::Success } else { outcome };
             pass.tell(&outcome);
-        }
-    }
-
-    /// The next chunk for the client; `None` once the call has ended (settled and
-    /// recorded first) or the client left.
-    async fn next(&mut self, client: &mpsc::Sender<Relayed>) -> Option<Relayed> {
-        let body = self.body.as_mut()?;
-        if hyper::body::Body::is_end_stream(body) {
-            self.finish(Outcome::Status { status: self.status, retry_after: None }, None).await;
-            return None;
-        }
-        let read = tokio::select! {
-            biased;
-            () = client.closed() => Read::Left,
-            frame = super::before(self.cutoff, body.frame()) => Read::Frame(frame),
-        };
-        let frame = match read {
-            Read::Left => return None,
-            Read::Frame(Some(frame)) => frame,
-            Read::Frame(None) => {
-                tracing::warn!("REST answer still open at the invocation's deadline: ended");
-                self.finish(Outcome::Success, Some(ErrorCode::Deadline)).await;
-                return Some(Err(BoxError::from("the invocation's deadline")));
-            }
-        };
-        match frame {
-            None => {
-                self.finish(Outcome::Status { status: self.status, retry_after: None }, None).await;
-                None
-            }
-            Some(Err(e)) => {
-                tracing::warn!("REST upstream answer broke: {e}");
-                self.finish(Outcome::ConnectionError, Some(ErrorCode::UpstreamError)).await;
-                Some(Err(BoxError::from(format!("the upstream's answer broke: {e}"))))
-            }
-            Some(Ok(frame)) => {
-                if let Some(data) = frame.data_ref() {
-                    let bytes = data.len() as u64;
-                    let meter = &self.meter;
-                    if self.served && meter.per_byte().is_some() {
-                        if !meter.admit(bytes).await {
-                            // The cap: the answer ends short (the client sees it cut).
-                            let code = match meter.stop() {
-                                Some(Stop::Budget(e)) => e.code(),
-                                _ => ErrorCode::MessageTooLarge,
-                            };
-                            self.finish(Outcome::Success, Some(code)).await;
-                            return Some(Err(BoxError::from("the call's budget step was refused")));
-                        }
-                        meter.passed(bytes).await;
-                    }
-                }
-                // The last chunk: the call is settled and recorded before the client
-                // has it all (a client that stops reading at its length leaves then).
-                if self.body.as_ref().is_some_and(hyper::body::Body::is_end_stream) {
-                    self.finish(Outcome::Status { status: self.status, retry_after: None }, None).await;
-                }
-                Some(Ok(frame))
-            }
         }
     }
 

@@ -1,0 +1,127 @@
+//! One relay over bytes, for the answers of gRPC methods and REST operations: a pump
+//! task reads the upstream's body and feeds a channel of [`RELAYED_FRAMES`] that is
+//! the client's body, so a slow client slows the upstream read and nothing is held
+//! beyond a frame or two. What a frame means (a gRPC message and its trailers, a REST
+//! chunk) is the [`Answer`]'s; reading, sending, the invocation's deadline and the
+//! client leaving are written here once.
+//!
+//! Invariants: the call ends exactly once, in the pump's task, before its body ends:
+//! when the answer ends, when the deadline comes (its last frame offered if the
+//! client has room), or when the client leaves. Its [`Ending`] is never dropped
+//! unended but by a cancelled task (the last-resort guards then hold).
+
+use axum::body::Body;
+use axum::response::Response;
+use bytes::Bytes;
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+use tokio::sync::mpsc;
+use tracing::Instrument as _;
+
+use crate::upstream::grpc::BoxError;
+use crate::upstream::{AnswerBody, BodyError};
+
+/// The frames a relay reads ahead of its client: what a slow client lets it hold.
+const RELAYED_FRAMES: usize = 2;
+
+/// What goes to the client: a frame, or an error that cuts its body.
+pub(super) type Relayed = Result<Frame<Bytes>, BoxError>;
+
+/// What an answer's relay read next.
+pub(super) enum Read {
+    /// A frame of the upstream's answer.
+    Frame(Frame<Bytes>),
+    /// The upstream's answer ended.
+    End,
+    /// The upstream's answer broke.
+    Broken(BodyError),
+    /// The invocation's deadline came first.
+    Deadline,
+}
+
+/// What a relay does with what it read.
+pub(super) enum Next {
+    /// Sends this to the client.
+    Send(Relayed),
+    /// Nothing to send: reads on.
+    Skip,
+    /// The call has ended: the relay stops.
+    Ended,
+}
+
+/// What a relayed answer does with what it reads, and how it ends its call.
+pub(super) trait Answer: Send + Sized + 'static {
+    /// The upstream's body, until the call has ended.
+    fn body(&mut self) -> Option<&mut AnswerBody>;
+
+    /// Just before the invocation's deadline (serverless shape).
+    fn cutoff(&self) -> Option<tokio::time::Instant>;
+
+    /// What to send the client of what was read (the call ended first when that is
+    /// the answer's end, so that it is settled and recorded before the body ends).
+    fn next(&mut self, read: Read) -> impl Future<Output = Next> + Send;
+
+    /// The client is still reading as the deadline comes: the call ends; the last item
+    /// is offered if the client has room for it.
+    fn deadline(&mut self) -> impl Future<Output = Option<Relayed>> + Send;
+
+    /// The client went away: the call ends, what passed charged (a no-op once ended).
+    fn left(&mut self) -> impl Future<Output = ()> + Send;
+}
+
+/// `response` with its body relayed from `answer` by a pump task in the call's span.
+pub(super) fn relay(answer: impl Answer, mut response: Response) -> Response {
+    let (tx, rx) = mpsc::channel(RELAYED_FRAMES);
+    // The pump outlives the handler: it carries the call's span along.
+    tokio::spawn(pump(answer, tx).instrument(tracing::Span::current()));
+    let frames = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|f| (f, rx)) });
+    *response.body_mut() = Body::new(StreamBody::new(frames));
+    response
+}
+
+/// Relays the answer to the client until it ends or the client leaves; either way the
+/// call ends here, in this task, before the client's body does.
+async fn pump(mut answer: impl Answer, tx: mpsc::Sender<Relayed>) {
+    loop {
+        let Some(read) = read(&mut answer, &tx).await else { break };
+        let item = match answer.next(read).await {
+            Next::Send(item) => item,
+            Next::Skip => continue,
+            Next::Ended => break,
+        };
+        match super::before(answer.cutoff(), tx.send(item)).await {
+            Some(Ok(())) => {}
+            Some(Err(_)) => break,
+            None => {
+                // A client slower than the platform's clock (Lambda throttles a
+                // streamed answer): ended at the deadline as a slow upstream is.
+                tracing::warn!("answer still being sent at the invocation's deadline: ended");
+                if let Some(last) = answer.deadline().await {
+                    let _ = tx.try_send(last);
+                }
+                break;
+            }
+        }
+    }
+    answer.left().await;
+}
+
+/// The next frame of the answer's body, before its cutoff; `None` once the client
+/// has left (or the call has ended and its body is gone).
+async fn read(answer: &mut impl Answer, client: &mpsc::Sender<Relayed>) -> Option<Read> {
+    let cutoff = answer.cutoff();
+    let body = answer.body()?;
+    if hyper::body::Body::is_end_stream(body) {
+        return Some(Read::End);
+    }
+    tokio::select! {
+        biased;
+        () = client.closed() => None,
+        frame = super::before(cutoff, body.frame()) => Some(match frame {
+            None => Read::Deadline,
+            Some(None) => Read::End,
+            Some(Some(Err(e))) => Read::Broken(e),
+            Some(Some(Ok(frame))) => Read::Frame(frame),
+        }),
+    }
+}
