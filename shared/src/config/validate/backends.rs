@@ -76,6 +76,8 @@ const POOL_KINDS: &[RawBackendKind] = &[RawBackendKind::Pool, RawBackendKind::In
 const DEFAULT_TARGET_PATH: &str = "/v1";
 /// An OpenAPI contract larger than this is not one an operator meant.
 const MAX_CONTRACT_BYTES: u64 = 16 * 1024 * 1024;
+/// The paths the gateway serves itself: no REST mount may overlap them.
+const GATEWAY_PATHS: [&str; 4] = ["/v1", "/metrics", "/healthz", "/console"];
 
 fn kind_list(kinds: &[RawBackendKind]) -> String {
     kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")
@@ -432,6 +434,32 @@ impl Checker<'_> {
                     "no pool reads this load: it is read for the members of a pool with `pick: least_loaded` or \
                      `saturation`",
                 );
+            }
+        }
+    }
+
+    /// REST mounts (SPEC §10): none over the gateway's own paths, none over another
+    /// (one mount a prefix of the other, by whole segments).
+    pub(super) fn mounts(&mut self, backends: &BTreeMap<BackendId, Backend>) {
+        let within = |inner: &str, outer: &str| {
+            inner == outer || inner.strip_prefix(outer).is_some_and(|rest| rest.starts_with('/'))
+        };
+        let mounts: Vec<(&BackendId, &str)> = backends
+            .iter()
+            .filter_map(|(name, b)| match &b.kind {
+                BackendKind::Http { mount, .. } => Some((name, mount.as_str())),
+                _ => None,
+            })
+            .collect();
+        for (i, (name, mount)) in mounts.iter().enumerate() {
+            let path = format!("ai.backends.{name}.mount");
+            if let Some(own) = GATEWAY_PATHS.iter().find(|own| within(mount, own) || within(own, mount)) {
+                self.error(&path, format!("`{mount}` overlaps the gateway's own {own}"));
+            }
+            for (other, other_mount) in &mounts[..i] {
+                if within(mount, other_mount) || within(other_mount, mount) {
+                    self.error(&path, format!("`{mount}` overlaps `{other_mount}`, the mount of backend `{other}`"));
+                }
             }
         }
     }
