@@ -1,13 +1,18 @@
 //! The admit phase as the doors run it, in one place: what a call's headers ask of
 //! routing (sensitivity, and for model calls their class and residency) read once and
-//! noted on its record; then, for a model call, the call routed and reserved
-//! (`admission::admit`), its reservation noted and held in the call's [`Charge`]. A door measures its own request
+//! noted on its record; then the call's one reservation ([`reserve`], whatever it
+//! asks: a model call routed and reserved by `admission::admit`, a metered
+//! operation's first step), noted and held in the call's [`Charge`]. A door measures its own request
 //! into a [`Demand`]; it never reads these headers or notes these fields itself.
+
+use std::future::Future;
+use std::sync::Arc;
 
 use http::HeaderMap;
 
 use super::drive::Call;
-use super::end::{Charge, Tokens};
+use super::end::{self, Charge};
+use super::meter::Meter;
 use super::record::Draft;
 use crate::admission::{Admission, Demand, admit};
 use crate::call::Criticality;
@@ -56,6 +61,44 @@ fn sensitivity(gateway: &Gateway, headers: &HeaderMap, draft: &mut Draft) -> Res
     Ok(sensitive)
 }
 
+/// What a door asks the ledger for. Each kind reserves into the call's one
+/// [`Charge`]; a new kind (a tool call's price, a per-minute window) is one more.
+pub(super) trait Ask: Send {
+    /// What the door learns of its reservation beyond the charge.
+    type Granted;
+
+    /// Reserves: the charge held, and what was granted. What it notes on `draft` is
+    /// what only it knows (a model call's soft state and allowance).
+    fn reserve(
+        self,
+        call: Call<'_>,
+        draft: &mut Draft,
+    ) -> impl Future<Output = Result<(Charge, Self::Granted), GatewayError>> + Send;
+}
+
+/// The one reservation of every door: `ask` reserved and held in `charge` (which the
+/// driver ends), its period noted on `draft`.
+pub(super) async fn reserve<A: Ask>(
+    call: Call<'_>,
+    draft: &mut Draft,
+    charge: &mut Charge,
+    ask: A,
+) -> Result<A::Granted, GatewayError> {
+    let (held, granted) = ask.reserve(call, draft).await?;
+    if let Some(period) = held.period().await {
+        draft.reserved_on(period);
+    }
+    *charge = held;
+    Ok(granted)
+}
+
+/// A model call: routed, then reserved at its route's highest price (`admission`).
+pub(super) struct Tokens<'a> {
+    pub demand: &'a Demand,
+    /// What its settlement counts for the prompt if the backend reports no usage.
+    pub prompt_typical: u64,
+}
+
 /// A model call routed and reserved.
 pub(super) struct Admitted {
     pub route: Route,
@@ -66,24 +109,37 @@ pub(super) struct Admitted {
     pub allowance: u64,
 }
 
-/// The call routed and reserved, its reservation held in `charge`; its period, soft
-/// state and (for a call that completes) allowance noted on `draft`. `prompt_typical`
-/// is what its settlement counts for the prompt if the backend reports no usage.
-pub(super) async fn admitted(
-    call: Call<'_>,
-    draft: &mut Draft,
-    charge: &mut Charge,
-    demand: &Demand,
-    prompt_typical: u64,
-) -> Result<Admitted, GatewayError> {
-    let Admission { route, ticket, soft, allowance } =
-        admit(call.gateway, call.caller, &call.request_id.0, demand).await?;
-    draft.reserved_on(ticket.period());
-    draft.soft(soft);
-    if demand.completes {
-        draft.allowance(allowance);
+impl Ask for Tokens<'_> {
+    type Granted = Admitted;
+
+    /// Its soft state and (for a call that completes) allowance noted on `draft`.
+    async fn reserve(self, call: Call<'_>, draft: &mut Draft) -> Result<(Charge, Admitted), GatewayError> {
+        let Tokens { demand, prompt_typical } = self;
+        let Admission { route, ticket, soft, allowance } =
+            admit(call.gateway, call.caller, &call.request_id.0, demand).await?;
+        draft.soft(soft);
+        if demand.completes {
+            draft.allowance(allowance);
+        }
+        let completion = demand.completes.then(|| allowance.saturating_mul(demand.choices));
+        let charge = Charge::Tokens(end::Tokens { ticket, prompt_typical, allowance: completion });
+        Ok((charge, Admitted { route, soft, allowance }))
     }
-    let completion = demand.completes.then(|| allowance.saturating_mul(demand.choices));
-    *charge = Charge::Tokens(Tokens { ticket, prompt_typical, allowance: completion });
-    Ok(Admitted { route, soft, allowance })
+}
+
+/// A metered operation (a gRPC method, a REST operation): one call's price, or its
+/// first `bytes` and the response allowance, reserved on its `meter` (`meter.rs`),
+/// whose later steps the relay reserves as bytes pass.
+pub(super) struct Metered {
+    pub meter: Arc<Meter>,
+    pub bytes: u64,
+}
+
+impl Ask for Metered {
+    type Granted = ();
+
+    async fn reserve(self, _: Call<'_>, _: &mut Draft) -> Result<(Charge, ()), GatewayError> {
+        self.meter.reserve_first(self.bytes).await?;
+        Ok((Charge::Metered(self.meter), ()))
+    }
 }

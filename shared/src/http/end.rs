@@ -97,6 +97,16 @@ impl Ended {
 }
 
 impl Charge {
+    /// The date the call counts on (its first reservation's), once reserved.
+    pub async fn period(&self) -> Option<String> {
+        match self {
+            Charge::None => None,
+            Charge::Tokens(tokens) => Some(tokens.ticket.period()),
+            Charge::Metered(meter) => meter.period().await,
+            Charge::Turns(turns) => turns.ticket.as_ref().map(Ticket::period),
+        }
+    }
+
     /// The call's charge once its realtime session is open at `backend`: the first
     /// response's allowance becomes the session's.
     pub fn into_turns(self, gateway: &Gateway, caller: &Caller, request_id: &str, backend: &BackendId) -> Charge {
@@ -148,9 +158,6 @@ pub(super) async fn end(gateway: &Gateway, charge: Charge, ended: Ended, mut dra
             MicroEur(0)
         }
         (Charge::Metered(meter), Spent::Metered { answered, served }) => {
-            if let Some(period) = meter.period().await {
-                draft.reserved_on(period);
-            }
             let cost = meter.close(answered, served).await;
             draft.usage(Usage::default(), UsageSource::Reported, cost);
             cost

@@ -39,6 +39,7 @@ use http_body_util::BodyExt;
 use hyper::body::Frame;
 
 use super::admit::sensitive_and_residency;
+use super::admit::{Metered, reserve};
 use super::byte_relay::{self, Next, Read, Relayed};
 use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
@@ -223,13 +224,14 @@ impl drive::Relay for Proxied {
 }
 
 async fn proxied(
-    Call { gateway, caller, request_id }: Call<'_>,
+    call: Call<'_>,
     draft: &mut Draft,
     charge: &mut Charge,
     flavor: Flavor,
     rpc: &str,
     request: Request,
 ) -> Result<Proxied, Refusal> {
+    let Call { gateway, caller, request_id } = call;
     let (parts, mut body) = request.into_parts();
     let (sensitive, residency) = sensitive_and_residency(gateway, caller, &parts.headers, draft)?;
     let (route, method) = route(gateway, rpc, sensitive, &residency)?;
@@ -255,7 +257,6 @@ async fn proxied(
     // The reservation outlives every backend the call may try.
     let timeouts = route.candidates.iter().map(|c| gateway.timeout(&c.backend)).sum();
     let meter = Arc::new(Meter::new(gateway.clone(), caller.clone(), request_id, method.operation.clone(), timeouts));
-    *charge = Charge::Metered(meter.clone());
     let mut pending = VecDeque::new();
     let first = match &method.operation {
         Some(op) if op.metering == GrpcMetering::PerByte && !method.client_streaming => {
@@ -268,7 +269,7 @@ async fn proxied(
     if first > MAX_MESSAGE_BYTES {
         return Err(too_large(first));
     }
-    meter.reserve_first(first).await?;
+    reserve(call, draft, charge, Metered { meter: meter.clone(), bytes: first }).await?;
 
     // Attempt the route: a backend that fails before taking a byte of the request
     // (unreachable, timed out, not answering gRPC) gives the call to the next one.

@@ -23,7 +23,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 
 use super::RequestId;
-use super::admit::{Admitted, Asked, admitted, asked};
+use super::admit::{Admitted, Asked, Tokens, asked, reserve};
 use super::dispatch::{Answered, Expect, Served, Shape, dispatch};
 use super::drive::{self, Call, Reply, drive};
 use super::end::{Charge, Ended, Spent};
@@ -255,7 +255,8 @@ async fn chat(
         residency,
     };
     let prompt_typical = plan::prompt_typical(request.prompt_text_bytes, request.message_count, images);
-    let Admitted { route, soft, allowance } = admitted(call, draft, charge, &demand, prompt_typical).await?;
+    let Admitted { route, soft, allowance } =
+        reserve(call, draft, charge, Tokens { demand: &demand, prompt_typical }).await?;
     let format = inbound.format(call.request_id, gateway);
     let translated = OnceLock::new();
     let body_for = |model: &str, wire: Wire| inbound.body_for(model, wire, allowance, &translated);
@@ -301,7 +302,7 @@ async fn embed(
         residency,
     };
     let prompt_typical = plan::typical_tokens(request.input_units);
-    let Admitted { route, soft, .. } = admitted(call, draft, charge, &demand, prompt_typical).await?;
+    let Admitted { route, soft, .. } = reserve(call, draft, charge, Tokens { demand: &demand, prompt_typical }).await?;
     let body_for = |model: &str, wire: Wire| match wire {
         Wire::OpenAi => Ok(request.upstream_body(model)),
         // Refused at load: no embeddings capability on a backend of another format.

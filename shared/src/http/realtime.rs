@@ -40,7 +40,7 @@ use futures_util::{SinkExt, StreamExt};
 use http::{HeaderMap, HeaderValue, header};
 use tokio_tungstenite::tungstenite::{self, protocol::frame::coding::CloseCode};
 
-use super::admit::{Admitted, Asked, admitted, asked};
+use super::admit::{Admitted, Asked, Tokens, asked, reserve};
 use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
 use super::end::{Charge, Ended, Ending, Spent};
@@ -211,7 +211,8 @@ async fn open(
         criticality,
         residency,
     };
-    let Admitted { route, soft, .. } = admitted(call, draft, charge, &demand, 0).await?;
+    let Admitted { route, soft, .. } =
+        reserve(call, draft, charge, Tokens { demand: &demand, prompt_typical: 0 }).await?;
     let limit = usize::try_from(gateway.config.ai.limits.max_event_bytes).unwrap_or(usize::MAX);
     let door = Connect { gateway, model, limit };
     let served = chain::attempt_chain(gateway, draft, &route, &door).await?;

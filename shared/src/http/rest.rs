@@ -33,6 +33,7 @@ use hyper::body::Frame;
 
 use super::Deadline;
 use super::admit::sensitive_and_residency;
+use super::admit::{Metered, reserve};
 use super::byte_relay::{self, Next, Read, Relayed};
 use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
@@ -122,13 +123,14 @@ fn stopped(stop: Stop) -> GatewayError {
 }
 
 async fn proxied(
-    Call { gateway, caller, request_id }: Call<'_>,
+    call: Call<'_>,
     draft: &mut Draft,
     charge: &mut Charge,
     owner: &BackendId,
     below: &str,
     request: Request,
 ) -> Result<Proxied, GatewayError> {
+    let Call { gateway, caller, request_id } = call;
     let (parts, body) = request.into_parts();
     let operation = operation(gateway, owner, &parts.method, below)?;
     draft.request(Capability::Http, &format!("{} {}", operation.method, operation.path), None);
@@ -141,14 +143,10 @@ async fn proxied(
     // Reserve: a per-byte call's request is as long as it says, when it says.
     let timeouts = route.candidates.iter().map(|c| gateway.timeout(&c.backend)).sum();
     let meter = Arc::new(Meter::new(gateway.clone(), caller.clone(), request_id, operation.ai.clone(), timeouts));
-    *charge = Charge::Metered(meter.clone());
     // A body's length: its header, or what the body itself knows (a Lambda event's
     // body is whole, and comes without the header).
     let length = content_length(&parts.headers).or_else(|| hyper::body::Body::size_hint(&body).exact());
-    meter.reserve_first(length.unwrap_or(0)).await?;
-    if let Some(period) = meter.period().await {
-        draft.reserved_on(period);
-    }
+    reserve(call, draft, charge, Metered { meter: meter.clone(), bytes: length.unwrap_or(0) }).await?;
 
     let bodyless = length == Some(0) || hyper::body::Body::is_end_stream(&body);
     let slot = Slot::new(RequestBody { body, meter: meter.clone() });
