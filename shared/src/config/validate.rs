@@ -20,6 +20,10 @@ mod adapters;
 mod ai;
 mod backends;
 mod catalog;
+mod endpoint;
+mod grpc;
+mod pools;
+mod rest;
 mod tenants;
 
 use self::catalog::{Catalog, Summary, capability, capability_list};
