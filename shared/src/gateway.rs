@@ -19,9 +19,33 @@ use crate::metrics::Registry;
 use crate::realtime::Sessions;
 use crate::routing::Router;
 use crate::routing::breaker::Breakers;
+use crate::secret::SecretError;
 use crate::secret::{SecretSource, resolve_all};
 use crate::telemetry::{Export, Telemetry};
-use crate::upstream::{SetupError, Upstreams};
+use crate::upstream::Upstreams;
+
+/// Why a gateway could not be built from a configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    /// A reference that did not resolve, named by its path in the document.
+    #[error("{path}: {source}")]
+    Secret { path: String, source: SecretError },
+    /// The upstream clients could not be built (a credential, a header, TLS).
+    #[error(transparent)]
+    Upstream(#[from] crate::upstream::SetupError),
+    /// A grpc backend's descriptor set that loading only warned about (it may be
+    /// shipped apart from the config): a gateway does not start without it.
+    #[error("ai.backends.{backend}.descriptor_set: {} does not exist: a gateway with a grpc backend starts only with its descriptor set", path.display())]
+    MissingDescriptorSet { backend: BackendId, path: std::path::PathBuf },
+    /// A chain key anyone could guess is no key.
+    #[error("audit.chain_key: the key is {len} bytes; a chain key is at least 16 (32 random bytes is the usual)")]
+    ShortChainKey { len: usize },
+    /// An inference pool's endpoint picker could not be set up.
+    #[error(transparent)]
+    Picker(#[from] crate::routing::endpoint_picker::PickerError),
+    #[error(transparent)]
+    Telemetry(#[from] crate::telemetry::NoRuntime),
+}
 
 /// Why a new configuration was not put in use: the running one serves on.
 #[derive(Debug, thiserror::Error)]
@@ -96,7 +120,7 @@ impl Gateway {
         let next_refresh = Mutex::new(Instant::now() + config.secrets.refresh);
         let config = Arc::new(config);
         let keys = KeyRing::new(&config);
-        let router = Router::new(config.clone()).map_err(|e| SetupError::Client(e.to_string()))?;
+        let router = Router::new(config.clone())?;
         router.loads.start_polling(&config);
         Ok(Gateway {
             telemetry,
@@ -143,10 +167,10 @@ impl Gateway {
         if let Some((path, source)) = failures.into_iter().next() {
             return Err(ReloadError::Setup(SetupError::Secret { path, source }));
         }
-        let upstreams = Upstreams::reloaded(&config, &resolved, &self.upstreams)?;
+        let upstreams = Upstreams::reloaded(&config, &resolved, &self.upstreams).map_err(SetupError::from)?;
         let config = Arc::new(config);
         let keys = KeyRing::new(&config);
-        let router = Router::new(config.clone()).map_err(|e| SetupError::Client(e.to_string()))?;
+        let router = Router::new(config.clone()).map_err(SetupError::from)?;
         router.loads.start_polling(&config);
         let breakers = Breakers::new(config.ai.backends.iter().map(|(n, b)| (n.clone(), b.circuit_breaker.clone())));
         breakers.carry_from(&self.breakers);

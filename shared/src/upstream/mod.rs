@@ -77,15 +77,6 @@ pub enum SetupError {
     Tls { backend: BackendId, detail: String },
     #[error("HTTP client: {0}")]
     Client(String),
-    /// A grpc backend's descriptor set that loading only warned about (it may be
-    /// shipped apart from the config): a gateway does not start without it.
-    #[error("ai.backends.{backend}.descriptor_set: {} does not exist: a gateway with a grpc backend starts only with its descriptor set", path.display())]
-    MissingDescriptorSet { backend: BackendId, path: std::path::PathBuf },
-    /// A chain key anyone could guess is no key.
-    #[error("audit.chain_key: the key is {len} bytes; a chain key is at least 16 (32 random bytes is the usual)")]
-    ShortChainKey { len: usize },
-    #[error(transparent)]
-    Telemetry(#[from] crate::telemetry::NoRuntime),
 }
 
 /// Why a backend did not answer.
