@@ -13,6 +13,7 @@ pub mod gateway;
 pub mod http;
 pub mod identity;
 mod json;
+pub mod metering;
 pub mod metrics;
 pub mod money;
 pub mod protocol;

@@ -12,13 +12,13 @@ use http::HeaderMap;
 
 use super::drive::Call;
 use super::end::{self, Charge};
-use super::meter::Meter;
 use super::record::Draft;
 use crate::admission::{Admission, Demand, admit};
 use crate::call::Criticality;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
+use crate::metering::Meter;
 use crate::routing::{Residency, Route};
 
 /// What a model call's headers ask of routing.

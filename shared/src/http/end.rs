@@ -12,7 +12,6 @@
 
 use std::sync::Arc;
 
-use super::meter::Meter;
 use super::record::{Draft, UsageSource};
 use crate::admission::reserve_turn;
 use crate::audit::CloseReason;
@@ -22,6 +21,7 @@ use crate::config::{BackendId, Price};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
+use crate::metering::Meter;
 use crate::money::MicroEur;
 use crate::protocol::chat::Finish;
 use crate::protocol::openai::Usage;

@@ -45,14 +45,15 @@ use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
 use super::end::{Charge, Ended, Ending, Spent};
 use super::forward::{returned_headers, upstream_headers};
-use super::meter::{Frames, Meter, Slot, Stop};
 use super::record::Draft;
+use super::slot::{Frames, Slot};
 use crate::call::headers::{BACKEND as BACKEND_HEADER, DEGRADED as DEGRADED_HEADER};
 use crate::call::{ErrorCode, Operation};
 use crate::config::{BackendId, BackendKind, Capability, GrpcMetering, GrpcMethod};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
+use crate::metering::{Meter, Stop};
 use crate::money::MicroEur;
 use crate::protocol::grpc::{Code, MessageCounter, encode_message, status_of, web_trailers_frame};
 use crate::routing::breaker::{Outcome, Pass};
@@ -61,7 +62,7 @@ use crate::upstream::CallError;
 use crate::upstream::body::Fault;
 use crate::upstream::grpc::{BoxError, GrpcClient, UpstreamBody};
 
-pub use super::meter::{MAX_MESSAGE_BYTES, RESPONSE_ALLOWANCE_BYTES};
+pub use crate::metering::{MAX_MESSAGE_BYTES, RESPONSE_ALLOWANCE_BYTES};
 /// The settled cost, in the trailers (euros, `0.002500`).
 pub const COST_TRAILER: &str = "flexway-cost-eur";
 

@@ -12,7 +12,6 @@ mod error;
 mod format;
 mod forward;
 pub mod grpc;
-mod meter;
 mod models;
 mod named;
 mod realtime;
@@ -20,6 +19,7 @@ mod record;
 mod relay;
 mod reload;
 mod rest;
+mod slot;
 
 use std::sync::Arc;
 

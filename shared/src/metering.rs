@@ -8,25 +8,20 @@
 //!   refused at the cap ends the call, so the cap is never passed; settled on the
 //!   bytes that passed.
 //!
-//! Also the request body's slot: it stays with the gateway until a backend polls it,
-//! so that a backend that fails before taking a byte hands the call to the next one.
+//! A call's meter is held in its `Charge` from its first reservation on; the relay
+//! reserves its steps as bytes pass, and only the driver's end closes it.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::StreamBody;
-use hyper::body::Frame;
-
-use super::RequestId;
 use crate::admission::{STREAM_RESERVATION_SECS, reserve_eur};
 use crate::budget::Ticket;
+use crate::call::RequestId;
 use crate::config::{AiOperation, GrpcMetering};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
 use crate::money::MicroEur;
-use crate::upstream::grpc::{BoxError, UpstreamBody};
 
 /// The response allowance a per-byte call reserves before it starts, and the least it
 /// reserves at each step after.
@@ -37,7 +32,7 @@ pub const MAX_MESSAGE_BYTES: u64 = 4 * 1024 * 1024;
 
 /// Why a metered call must end before its bytes pass.
 #[derive(Debug)]
-pub(super) enum Stop {
+pub enum Stop {
     /// A step refused (the cap, or the ledger).
     Budget(GatewayError),
     /// A message declared larger than [`MAX_MESSAGE_BYTES`].
@@ -45,7 +40,7 @@ pub(super) enum Stop {
 }
 
 /// A call's budget: its reservations, what they cover, and what passed.
-pub(super) struct Meter {
+pub struct Meter {
     pub gateway: Arc<Gateway>,
     caller: Caller,
     request_id: String,
@@ -200,45 +195,5 @@ impl Meter {
             tracing::error!(request_id = %self.request_id, left, "metered cost beyond its reservations: not charged");
         }
         MicroEur(cost.0 - left)
-    }
-}
-
-/// A request body that can be sent upstream as frames, metered on the way.
-pub(super) trait Frames: Send + 'static {
-    fn frames(self) -> impl futures_util::Stream<Item = Result<Frame<Bytes>, BoxError>> + Send + 'static;
-}
-
-/// The request's body until a backend takes it: a send that fails before polling it
-/// leaves it here for the next backend; once polled, the call is that backend's.
-pub(super) struct Slot<B> {
-    /// Where the next send's stream takes the body from. Replaced when a failed send
-    /// left the body untaken, so that the failed send's stream, polled late by its
-    /// connection, finds nothing rather than the next backend's body.
-    current: Mutex<Arc<Mutex<Option<B>>>>,
-}
-
-impl<B: Frames> Slot<B> {
-    pub fn new(body: B) -> Self {
-        Slot { current: Mutex::new(Arc::new(Mutex::new(Some(body)))) }
-    }
-
-    /// After a failed send: whether no backend took the body, which is then kept for
-    /// the next send only.
-    pub fn reclaim(&self) -> bool {
-        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
-        let body = current.lock().unwrap_or_else(PoisonError::into_inner).take();
-        let untaken = body.is_some();
-        *current = Arc::new(Mutex::new(body));
-        untaken
-    }
-
-    /// The body for one send: taken from the slot when first polled.
-    pub fn body(&self) -> UpstreamBody {
-        let slot = self.current.lock().unwrap_or_else(PoisonError::into_inner).clone();
-        let taken =
-            futures_util::stream::once(async move { slot.lock().unwrap_or_else(PoisonError::into_inner).take() });
-        let bodies = futures_util::StreamExt::map(taken, |body| futures_util::stream::iter(body.map(B::frames)));
-        let frames = futures_util::StreamExt::flatten(futures_util::StreamExt::flatten(bodies));
-        http_body_util::BodyExt::boxed_unsync(StreamBody::new(frames))
     }
 }
