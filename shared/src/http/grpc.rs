@@ -57,7 +57,7 @@ use crate::metering::{Meter, Stop};
 use crate::money::MicroEur;
 use crate::protocol::grpc::{Code, MessageCounter, encode_message, status_of, web_trailers_frame};
 use crate::routing::breaker::{Outcome, Pass};
-use crate::routing::{Candidate, Residency, Route};
+use crate::routing::{Candidate, Declared, Residency, Route};
 use crate::upstream::CallError;
 use crate::upstream::body::Fault;
 use crate::upstream::grpc::{BoxError, GrpcClient, UpstreamBody};
@@ -235,7 +235,7 @@ async fn proxied(
     let Call { gateway, caller, request_id } = call;
     let (parts, mut body) = request.into_parts();
     let (sensitive, residency) = sensitive_and_residency(gateway, caller, &parts.headers, draft)?;
-    let (route, method) = route(gateway, rpc, sensitive, &residency)?;
+    let (route, method) = method_route(gateway, rpc, sensitive, &residency)?;
     if let Some(first) = route.candidates.first() {
         draft.trying(first, rpc);
     }
@@ -341,33 +341,31 @@ impl<'a> chain::Attempt for SendCall<'a> {
     }
 }
 
-/// The route of `rpc` (`package.Service/Method`) and its method: the `kind: grpc`
-/// backends whose descriptor set declares the service, by name, through the router's
-/// filters. The first's method is the call's; the others that declare it metered the
+/// The route of `rpc` (`package.Service/Method`) and its method: the router's route of
+/// the service (the `kind: grpc` backends that declare it, by name). The first's
+/// method is the call's; the others that declare it metered the
 /// same way are its fallbacks, tried while no byte of the request has gone upstream (a
 /// fallback that meters it otherwise is left out: a call is metered as it was
 /// reserved).
-fn route(gateway: &Gateway, rpc: &str, sensitive: bool, residency: &Residency) -> Result<(Route, GrpcMethod), Refusal> {
+fn method_route(
+    gateway: &Gateway,
+    rpc: &str,
+    sensitive: bool,
+    residency: &Residency,
+) -> Result<(Route, GrpcMethod), Refusal> {
     let (service, name) = rpc.split_once('/').filter(|(s, m)| !s.is_empty() && !m.is_empty()).ok_or_else(|| {
         Refusal::new(Code::Unimplemented, ErrorCode::InvalidRequest, format!("`/{rpc}` is not a gRPC method path"))
     })?;
-    let ai = &gateway.config.ai;
-    let services = |backend: &BackendId| ai.grpc.get(backend).filter(|s| s.services.contains_key(service));
-    let serving: Vec<BackendId> = ai
-        .grpc
-        .keys()
-        .filter(|backend| services(backend).is_some())
-        .filter(|backend| ai.backends.get(*backend).is_some_and(|b| matches!(b.kind, BackendKind::Grpc { .. })))
-        .cloned()
-        .collect();
-    if serving.is_empty() {
+    let declared = gateway.router.route_operation(Declared::Service(service), sensitive, residency)?;
+    let Some(mut route) = declared else {
         return Err(Refusal::new(
             Code::Unimplemented,
             ErrorCode::UnknownService,
             format!("no grpc backend's descriptor set declares the service `{service}`"),
         ));
-    }
-    let mut route = gateway.router.route_operation(serving, None, sensitive, residency)?;
+    };
+    let ai = &gateway.config.ai;
+    let services = |backend: &BackendId| ai.grpc.get(backend).filter(|s| s.services.contains_key(service));
     let method_of = |candidate: &Candidate| services(&candidate.backend).and_then(|s| s.method(service, name));
     let method = route.candidates.first().and_then(method_of).cloned().ok_or_else(|| {
         Refusal::new(

@@ -51,7 +51,7 @@ use crate::gateway::Gateway;
 use crate::identity::Caller;
 use crate::metering::{MAX_MESSAGE_BYTES, Meter, Stop};
 use crate::routing::breaker::{Outcome, Pass};
-use crate::routing::{Candidate, Residency, Route};
+use crate::routing::{Candidate, Declared};
 use crate::upstream::grpc::{BoxError, UpstreamBody};
 
 /// The `kind: http` backend whose mount holds `path`, and the path below the mount.
@@ -139,7 +139,10 @@ async fn proxied(
         draft.feature(&ai.feature);
     }
     let (sensitive, residency) = sensitive_and_residency(gateway, caller, &parts.headers, draft)?;
-    let route = route(gateway, owner, &operation, sensitive, &residency)?;
+    let declared = Declared::Rest { owner, operation: &operation };
+    let route = gateway.router.route_operation(declared, sensitive, &residency)?.ok_or_else(|| {
+        GatewayError::Internal(format!("backend {owner}'s contract does not declare its own operation"))
+    })?;
 
     // Reserve: a per-byte call's request is as long as it says, when it says.
     let timeouts = route.candidates.iter().map(|c| gateway.timeout(&c.backend)).sum();
@@ -198,27 +201,6 @@ fn operation(
             allow: allow.iter().map(Method::as_str).collect::<Vec<_>>().join(", "),
         }),
     }
-}
-
-/// The route of `operation`: its owner, then the other `http` backends that declare
-/// the same operation metered the same way, through the router's filters.
-fn route(
-    gateway: &Gateway,
-    owner: &BackendId,
-    operation: &RestOperation,
-    sensitive: bool,
-    residency: &Residency,
-) -> Result<Route, GatewayError> {
-    let backends = &gateway.config.ai.backends;
-    let declares = |name: &BackendId| match backends.get(name).map(|b| &b.kind) {
-        Some(BackendKind::Http { contract, .. }) => {
-            contract.declared(&operation.method, &operation.path).is_some_and(|declared| declared.ai == operation.ai)
-        }
-        _ => false,
-    };
-    let others = backends.keys().filter(|name| *name != owner);
-    let serving = std::iter::once(owner).chain(others).filter(|name| declares(name)).cloned().collect();
-    gateway.router.route_operation(serving, Some(owner), sensitive, residency)
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {

@@ -153,6 +153,16 @@ fn rendezvous_score(key: u64, member: &PoolMember) -> f64 {
     if ln <= 0.0 { f64::INFINITY } else { f64::from(member.weight.max(1)) / ln }
 }
 
+/// What declares an operation, for its route ([`Router::route_operation`]).
+#[derive(Debug, Clone, Copy)]
+pub enum Declared<'a> {
+    /// A gRPC service: the `kind: grpc` backends whose descriptor set declares it.
+    Service(&'a str),
+    /// A REST operation under `owner`'s mount: the owner, then every `kind: http`
+    /// backend whose contract declares the same operation metered the same way.
+    Rest { owner: &'a BackendId, operation: &'a crate::config::contract::RestOperation },
+}
+
 /// The candidates for a call, in order.
 #[derive(Debug, Clone)]
 pub struct Route {
@@ -317,11 +327,46 @@ impl Router {
         Ok(Route { candidates, via_pool, prefix: request.prefix, held: Held::default() })
     }
 
-    /// The route of an operation (a gRPC method, a REST operation): `serving`, the
-    /// backends that declare it, in order, through the same filters as a model call's.
-    /// An operation with an `owner` (a REST mount's backend) is that backend's, the
-    /// others its fallbacks; one without (a gRPC method) is the first left's.
+    /// The route of an operation: the backends that declare it, in order, through the
+    /// same filters as a model call's; `None` when no backend declares it. A REST
+    /// operation is its mount's backend's, the others its fallbacks; a gRPC method is
+    /// the first left's.
     pub fn route_operation(
+        &self,
+        declared: Declared<'_>,
+        sensitive: bool,
+        residency: &Residency,
+    ) -> Result<Option<Route>, GatewayError> {
+        let backends = &self.config.ai.backends;
+        let (serving, owner): (Vec<&BackendId>, _) = match declared {
+            Declared::Service(service) => {
+                let declares = |name: &&BackendId| {
+                    self.config.ai.grpc.get(*name).is_some_and(|s| s.services.contains_key(service))
+                        && backends.get(*name).is_some_and(|b| matches!(b.kind, BackendKind::Grpc { .. }))
+                };
+                (self.config.ai.grpc.keys().filter(declares).collect(), None)
+            }
+            Declared::Rest { owner, operation } => {
+                let declares = |name: &&BackendId| match backends.get(*name).map(|b| &b.kind) {
+                    Some(BackendKind::Http { contract, .. }) => contract
+                        .declared(&operation.method, &operation.path)
+                        .is_some_and(|declared| declared.ai == operation.ai),
+                    _ => false,
+                };
+                let others = backends.keys().filter(|name| *name != owner);
+                (std::iter::once(owner).chain(others).filter(declares).collect(), Some(owner))
+            }
+        };
+        if serving.is_empty() {
+            return Ok(None);
+        }
+        let serving = serving.into_iter().cloned().collect();
+        self.route_listed(serving, owner, sensitive, residency).map(Some)
+    }
+
+    /// `serving`, in order, through the filters; `owner`'s if it has one, else the
+    /// first left's, the others its fallbacks.
+    fn route_listed(
         &self,
         serving: Vec<BackendId>,
         owner: Option<&BackendId>,
@@ -775,20 +820,20 @@ mod tests {
         };
         let eu = Residency(Some(set(&["eu"])));
         // No owner (a gRPC method): the first left is the call's own backend.
-        let route = router.route_operation(serving(), None, false, &eu).unwrap();
+        let route = router.route_listed(serving(), None, false, &eu).unwrap();
         assert_eq!(routed(&route), vec![("b".to_owned(), false), ("c".to_owned(), true)]);
         // An owner (a REST mount): the others are fallbacks, even when it is filtered out.
-        let route = router.route_operation(serving(), Some(&a), false, &eu).unwrap();
+        let route = router.route_listed(serving(), Some(&a), false, &eu).unwrap();
         assert_eq!(routed(&route), vec![("b".to_owned(), true), ("c".to_owned(), true)]);
-        let route = router.route_operation(serving(), Some(&c), false, &Residency::ANY).unwrap();
+        let route = router.route_listed(serving(), Some(&c), false, &Residency::ANY).unwrap();
         assert_eq!(routed(&route), vec![("a".to_owned(), true), ("b".to_owned(), true), ("c".to_owned(), false)]);
         // Sensitive: internal ones only; then residency.
-        let route = router.route_operation(serving(), None, true, &Residency::ANY).unwrap();
+        let route = router.route_listed(serving(), None, true, &Residency::ANY).unwrap();
         assert_eq!(routed(&route), vec![("b".to_owned(), false)]);
         let us = Residency(Some(set(&["us"])));
-        let refused = router.route_operation(serving(), None, true, &us).unwrap_err();
+        let refused = router.route_listed(serving(), None, true, &us).unwrap_err();
         assert_eq!(refused.code(), crate::call::ErrorCode::ResidencyUnavailable);
-        let refused = router.route_operation(vec![a.clone(), c.clone()], None, true, &Residency::ANY).unwrap_err();
+        let refused = router.route_listed(vec![a.clone(), c.clone()], None, true, &Residency::ANY).unwrap_err();
         assert_eq!(refused.code(), crate::call::ErrorCode::SensitiveNoInternalBackend);
     }
 
