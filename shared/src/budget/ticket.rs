@@ -25,6 +25,7 @@
 //! first; the store reads it only when its write's condition fails (a sweep got there
 //! first, or the reservation is gone).
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -121,10 +122,10 @@ impl Drop for Settling {
         let store = self.ticket.store.clone();
         let reservation = std::mem::take(&mut self.ticket.reservation);
         let actual = std::mem::take(&mut self.actual);
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            // `Unknown` here is the dropped write's own success.
-            runtime.spawn(async move { settle(store.as_ref(), &reservation, &actual).await });
-        }
+        // `Unknown` here is the dropped write's own success.
+        on_runtime(async move {
+            settle(store.as_ref(), &reservation, &actual).await;
+        });
     }
 }
 
@@ -156,9 +157,7 @@ impl Drop for Unanswered<'_> {
             return;
         }
         let (store, reservation) = (self.store.clone(), self.request.reservation());
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { refund(store.as_ref(), &reservation).await });
-        }
+        on_runtime(async move { refund(store.as_ref(), &reservation).await });
     }
 }
 
@@ -252,6 +251,15 @@ async fn refund(store: &dyn BudgetStore, reservation: &Reservation) {
     }
 }
 
+/// A dropped guard's write, handed to the runtime it was dropped on. Dropped outside
+/// any runtime, it has nowhere to run: the reservation is then the sweeper's at its
+/// expiry (a refund, or the settle intent recorded).
+fn on_runtime(write: impl Future<Output = ()> + Send + 'static) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(write);
+    }
+}
+
 /// Nothing before the first try; then `FIRST_PAUSE`, doubling.
 async fn pause(attempt: u32) {
     if attempt > 0 {
@@ -266,8 +274,6 @@ impl Drop for Ticket {
         }
         let store = self.store.clone();
         let reservation = std::mem::take(&mut self.reservation);
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { refund(store.as_ref(), &reservation).await });
-        }
+        on_runtime(async move { refund(store.as_ref(), &reservation).await });
     }
 }

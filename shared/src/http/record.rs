@@ -368,9 +368,8 @@ impl Drop for Draft {
         }
         let (status, error_code) = self.abandoned;
         let (record, span) = self.complete(status, Some(error_code));
-        let gateway = self.gateway.clone();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { write(&gateway, record, span).await });
+        if tokio::runtime::Handle::try_current().is_ok() {
+            spawn_write(self.gateway.clone(), record, span);
         } else {
             lost(&record, "no runtime at drop");
         }
