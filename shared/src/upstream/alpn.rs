@@ -9,7 +9,7 @@
 //! ramp of streams each new lane went through this: in `cargo bench --bench streams`,
 //! 10,000 streams to an HTTP/2 backend opened 10,000 TLS connections to keep about a
 //! hundred. Now a burst opens one a lane; a first burst to a backend waits for the
-//! first handshake (`super::h1::connect`) to learn what it speaks.
+//! first handshake (`super::h1::conn::connect`) to learn what it speaks.
 //!
 //! So each TLS handshake notes what it chose, by the backend's authority: the HTTP/1.1
 //! client's (`super::h1`, which offers `h2` and, when the server chooses it, closes
