@@ -261,7 +261,7 @@ async fn the_right_client_certificate_passes() {
 }
 
 /// A backend whose TLS chooses HTTP/1.1 is called through the same HTTP/1.1 client as
-/// a plain one (upstream/h1.rs): streams and whole answers read to their end over
+/// a plain one (upstream/h1/): streams and whole answers read to their end over
 /// TLS, and the calls on one connection a serving thread, pooled after each answer.
 #[tokio::test]
 async fn calls_over_tls_and_http1_stream_and_share_one_connection() {
