@@ -607,6 +607,8 @@ async fn many_sequential_calls_share_the_upstream_connection() {
         let answer = ocr.recognize(authed(image(64, 0), KEY)).await;
         assert!(answer.is_ok(), "call {i}: {answer:?}\n{}", flexway.logs());
     }
+    assert_eq!(upstream.calls(), 300);
+    assert_eq!(upstream.connections(), 1, "300 sequential calls, one connection to the backend");
 }
 
 // ----- fallback and breakers ------------------------------------------------------

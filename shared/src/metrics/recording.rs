@@ -206,6 +206,7 @@ mod tests {
         }
         let text = registry.render_prometheus();
         let calls = lines(&text, "flexway_inference_calls_total{");
+        assert_eq!(calls.len(), 2, "{calls:?}");
         assert!(calls.iter().all(|l| l.ends_with(" 4000")), "{calls:?}");
         assert!(text.contains("flexway_gateway_overhead_seconds_count 8000\n"));
         assert!(text.contains("flexway_gateway_overhead_seconds_sum 0.8\n"));

@@ -296,6 +296,8 @@ mod tests {
             "    a: {{url: 'http://127.0.0.1:9/v1'}}\n    c: {{url: 'http://127.0.0.1:10/v1'}}\n{grpc}"
         ));
         let new = Upstreams::reloaded(&after, &Resolved::default(), &old).unwrap();
+        let counts = |u: &Upstreams| (u.pools.len(), u.shared.lanes.len(), u.shared.h1.len());
+        assert_eq!(counts(&new), counts(&old), "each serving thread's pools and lanes, none left out");
         assert!(new.pools.iter().zip(&old.pools).all(|(n, o)| Arc::ptr_eq(n, o)), "plain connections kept");
         assert!(new.shared.lanes.iter().zip(&old.shared.lanes).all(|(n, o)| Arc::ptr_eq(n, o)), "TLS connections kept");
         assert!(new.shared.h1.iter().zip(&old.shared.h1).all(|(n, o)| Arc::ptr_eq(n, o)), "TLS pools kept");
