@@ -555,7 +555,9 @@ async fn an_answer_its_client_does_not_read_ends_at_the_invocations_deadline() {
     assert!(records[0].cost_micro_eur > 0, "what passed is charged");
     assert_eq!(gw.ledger("acme", None).await[2], records[0].cost_micro_eur, "the ledger equals the audit");
     assert_eq!(gw.live_reservations().await, 0);
-    drop(response);
+    // Read now, the answer is cut with an error: it never ends as if it were whole.
+    let read = response.bytes().await;
+    assert!(read.is_err(), "the client read {} bytes as a whole answer", read.map_or(0, |b| b.len()));
 }
 
 /// A client that leaves mid-answer says nothing against the backend, which was

@@ -10,6 +10,9 @@
 //! client has room), or when the client leaves. Its [`Ending`] is never dropped
 //! unended but by a cancelled task (the last-resort guards then hold).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
@@ -61,8 +64,9 @@ pub(super) trait Answer: Send + Sized + 'static {
     /// the answer's end, so that it is settled and recorded before the body ends).
     fn next(&mut self, read: Read) -> impl Future<Output = Next> + Send;
 
-    /// The client is still reading as the deadline comes: the call ends; the last item
-    /// is offered if the client has room for it.
+    /// The client is still reading as the deadline comes: the call ends, and this is
+    /// the last item offered to it; `None` when the call had already ended (the item
+    /// the client had no room for is then the last).
     fn deadline(&mut self) -> impl Future<Output = Option<Relayed>> + Send;
 
     /// The client went away: the call ends, what passed charged (a no-op once ended).
@@ -70,18 +74,27 @@ pub(super) trait Answer: Send + Sized + 'static {
 }
 
 /// `response` with its body relayed from `answer` by a pump task in the call's span.
+/// A body the pump could not finish for its client (the deadline came with no room
+/// for the last item) ends with an error, never as if it were complete.
 pub(super) fn relay(answer: impl Answer, mut response: Response) -> Response {
     let (tx, rx) = mpsc::channel(RELAYED_FRAMES);
+    let cut = Arc::new(AtomicBool::new(false));
     // The pump outlives the handler: it carries the call's span along.
-    tokio::spawn(pump(answer, tx).instrument(tracing::Span::current()));
-    let frames = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|f| (f, rx)) });
+    tokio::spawn(pump(answer, tx, cut.clone()).instrument(tracing::Span::current()));
+    let frames = futures_util::stream::unfold((rx, Some(cut)), |(mut rx, cut)| async move {
+        if let Some(frame) = rx.recv().await {
+            return Some((frame, (rx, cut)));
+        }
+        cut.filter(|cut| cut.load(Ordering::Acquire))?;
+        Some((Err(BoxError::from("the invocation's deadline came before the answer was sent")), (rx, None)))
+    });
     *response.body_mut() = Body::new(StreamBody::new(frames));
     response
 }
 
 /// Relays the answer to the client until it ends or the client leaves; either way the
 /// call ends here, in this task, before the client's body does.
-async fn pump(mut answer: impl Answer, tx: mpsc::Sender<Relayed>) {
+async fn pump(mut answer: impl Answer, tx: mpsc::Sender<Relayed>, cut: Arc<AtomicBool>) {
     loop {
         let Some(read) = read(&mut answer, &tx).await else { break };
         let item = match answer.next(read).await {
@@ -89,15 +102,17 @@ async fn pump(mut answer: impl Answer, tx: mpsc::Sender<Relayed>) {
             Next::Skip => continue,
             Next::Ended => break,
         };
-        match super::before(answer.cutoff(), tx.send(item)).await {
-            Some(Ok(())) => {}
+        // Room first, so that an item the deadline leaves unsent is still at hand.
+        match super::before(answer.cutoff(), tx.reserve()).await {
+            Some(Ok(room)) => room.send(item),
             Some(Err(_)) => break,
             None => {
                 // A client slower than the platform's clock (Lambda throttles a
                 // streamed answer): ended at the deadline as a slow upstream is.
                 tracing::warn!("answer still being sent at the invocation's deadline: ended");
-                if let Some(last) = answer.deadline().await {
-                    let _ = tx.try_send(last);
+                let last = answer.deadline().await.unwrap_or(item);
+                if tx.try_send(last).is_err() {
+                    cut.store(true, Ordering::Release);
                 }
                 break;
             }

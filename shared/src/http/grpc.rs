@@ -623,6 +623,8 @@ impl byte_relay::Answer for Relaying {
     }
 
     async fn deadline(&mut self) -> Option<Relayed> {
+        // Ended already: its own trailers are what the client is still to read.
+        self.ending.as_ref()?;
         match self.finish(Some(deadline_refusal())).await {
             Next::Send(trailers) => Some(trailers),
             Next::Skip | Next::Ended => None,

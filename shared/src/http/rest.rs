@@ -395,6 +395,9 @@ impl byte_relay::Answer for Relaying {
 
     /// The body is cut with an error, not ended as if it were complete.
     async fn deadline(&mut self) -> Option<Relayed> {
+        // Ended already (its last chunk read): that chunk is what the client is still
+        // to read.
+        self.ending.as_ref()?;
         self.finish(Outcome::Success, Some(ErrorCode::Deadline)).await;
         Some(Err(BoxError::from("the invocation's deadline")))
     }
