@@ -21,6 +21,8 @@ use hyper::body::Frame;
 use tokio::sync::mpsc;
 use tracing::Instrument as _;
 
+use super::end::{Ended, Ending};
+use crate::money::MicroEur;
 use crate::upstream::grpc::BoxError;
 use crate::upstream::{AnswerBody, BodyError};
 
@@ -52,35 +54,67 @@ pub(super) enum Next {
     Ended,
 }
 
-/// What a relayed answer does with what it reads, and how it ends its call.
+/// A relayed answer's call while it is open: the upstream's body and the call's end.
+pub(super) struct Open {
+    /// The upstream's answer; dropped as soon as the call ends, so that its stream is
+    /// released at once rather than when the client's response is.
+    body: Option<AnswerBody>,
+    ending: Option<Ending>,
+}
+
+impl Open {
+    /// Whether the call is still to end.
+    pub fn is_open(&self) -> bool {
+        self.ending.is_some()
+    }
+
+    /// Whether the upstream's body has nothing more to give.
+    pub fn body_ended(&self) -> bool {
+        self.body.as_ref().is_some_and(hyper::body::Body::is_end_stream)
+    }
+
+    /// Ends the call as `ended` says, once (then a no-op, costing nothing): the
+    /// upstream's body released, the call settled and recorded. Its cost.
+    pub async fn end(&mut self, ended: Ended) -> MicroEur {
+        self.body = None;
+        match self.ending.take() {
+            Some(ending) => ending.end(ended).await,
+            None => MicroEur(0),
+        }
+    }
+}
+
+/// What a relayed answer does with what it reads, and how it ends its call (through
+/// its [`Open`]).
 pub(super) trait Answer: Send + Sized + 'static {
-    /// The upstream's body, until the call has ended.
-    fn body(&mut self) -> Option<&mut AnswerBody>;
-
-    /// Just before the invocation's deadline (serverless shape).
-    fn cutoff(&self) -> Option<tokio::time::Instant>;
-
     /// What to send the client of what was read (the call ended first when that is
     /// the answer's end, so that it is settled and recorded before the body ends).
-    fn next(&mut self, read: Read) -> impl Future<Output = Next> + Send;
+    fn next(&mut self, open: &mut Open, read: Read) -> impl Future<Output = Next> + Send;
 
-    /// The client is still reading as the deadline comes: the call ends, and this is
-    /// the last item offered to it; `None` when the call had already ended (the item
-    /// the client had no room for is then the last).
-    fn deadline(&mut self) -> impl Future<Output = Option<Relayed>> + Send;
+    /// The client is still reading as the deadline comes and the call is open: it
+    /// ends, and this is the last item offered to the client.
+    fn deadline(&mut self, open: &mut Open) -> impl Future<Output = Option<Relayed>> + Send;
 
-    /// The client went away: the call ends, what passed charged (a no-op once ended).
-    fn left(&mut self) -> impl Future<Output = ()> + Send;
+    /// The client went away while the call is open: it ends, what passed charged.
+    fn left(&mut self, open: &mut Open) -> impl Future<Output = ()> + Send;
 }
 
 /// `response` with its body relayed from `answer` by a pump task in the call's span.
 /// A body the pump could not finish for its client (the deadline came with no room
 /// for the last item) ends with an error, never as if it were complete.
-pub(super) fn relay(answer: impl Answer, mut response: Response) -> Response {
+/// `cutoff` is just before the invocation's deadline (serverless shape).
+pub(super) fn relay(
+    answer: impl Answer,
+    body: AnswerBody,
+    ending: Ending,
+    cutoff: Option<tokio::time::Instant>,
+    mut response: Response,
+) -> Response {
     let (tx, rx) = mpsc::channel(RELAYED_FRAMES);
     let cut = Arc::new(AtomicBool::new(false));
+    let open = Open { body: Some(body), ending: Some(ending) };
     // The pump outlives the handler: it carries the call's span along.
-    tokio::spawn(pump(answer, tx, cut.clone()).instrument(tracing::Span::current()));
+    tokio::spawn(pump(answer, open, cutoff, tx, cut.clone()).instrument(tracing::Span::current()));
     let frames = futures_util::stream::unfold((rx, Some(cut)), |(mut rx, cut)| async move {
         if let Some(frame) = rx.recv().await {
             return Some((frame, (rx, cut)));
@@ -94,23 +128,31 @@ pub(super) fn relay(answer: impl Answer, mut response: Response) -> Response {
 
 /// Relays the answer to the client until it ends or the client leaves; either way the
 /// call ends here, in this task, before the client's body does.
-async fn pump(mut answer: impl Answer, tx: mpsc::Sender<Relayed>, cut: Arc<AtomicBool>) {
+async fn pump(
+    mut answer: impl Answer,
+    mut open: Open,
+    cutoff: Option<tokio::time::Instant>,
+    tx: mpsc::Sender<Relayed>,
+    cut: Arc<AtomicBool>,
+) {
     loop {
-        let Some(read) = read(&mut answer, &tx).await else { break };
-        let item = match answer.next(read).await {
+        let Some(read) = read(&mut open, cutoff, &tx).await else { break };
+        let item = match answer.next(&mut open, read).await {
             Next::Send(item) => item,
             Next::Skip => continue,
             Next::Ended => break,
         };
         // Room first, so that an item the deadline leaves unsent is still at hand.
-        match super::before(answer.cutoff(), tx.reserve()).await {
+        match super::before(cutoff, tx.reserve()).await {
             Some(Ok(room)) => room.send(item),
             Some(Err(_)) => break,
             None => {
                 // A client slower than the platform's clock (Lambda throttles a
                 // streamed answer): ended at the deadline as a slow upstream is.
                 tracing::warn!("answer still being sent at the invocation's deadline: ended");
-                let last = answer.deadline().await.unwrap_or(item);
+                // A call already ended offers its own last item, the one that did not fit.
+                let ending = if open.is_open() { answer.deadline(&mut open).await } else { None };
+                let last = ending.unwrap_or(item);
                 if tx.try_send(last).is_err() {
                     cut.store(true, Ordering::Release);
                 }
@@ -118,14 +160,15 @@ async fn pump(mut answer: impl Answer, tx: mpsc::Sender<Relayed>, cut: Arc<Atomi
             }
         }
     }
-    answer.left().await;
+    if open.is_open() {
+        answer.left(&mut open).await;
+    }
 }
 
 /// The next frame of the answer's body, before its cutoff; `None` once the client
 /// has left (or the call has ended and its body is gone).
-async fn read(answer: &mut impl Answer, client: &mpsc::Sender<Relayed>) -> Option<Read> {
-    let cutoff = answer.cutoff();
-    let body = answer.body()?;
+async fn read(open: &mut Open, cutoff: Option<tokio::time::Instant>, client: &mpsc::Sender<Relayed>) -> Option<Read> {
+    let body = open.body.as_mut()?;
     if hyper::body::Body::is_end_stream(body) {
         return Some(Read::End);
     }

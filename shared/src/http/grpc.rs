@@ -40,21 +40,20 @@ use hyper::body::Frame;
 
 use super::admit::sensitive_and_residency;
 use super::admit::{Metered, reserve};
-use super::byte_relay::{self, Next, Read, Relayed};
+use super::byte_relay::{self, Next, Open, Read, Relayed};
 use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
 use super::end::{Charge, Ended, Ending, Spent};
 use super::forward::{returned_headers, upstream_headers};
+use super::models::answer_headers;
 use super::record::Draft;
 use super::slot::{Frames, Slot};
-use crate::call::headers::{BACKEND as BACKEND_HEADER, DEGRADED as DEGRADED_HEADER};
 use crate::call::{ErrorCode, Operation};
 use crate::config::{BackendId, BackendKind, Capability, GrpcMetering, GrpcMethod};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
 use crate::metering::{Meter, Stop};
-use crate::money::MicroEur;
 use crate::protocol::grpc::{Code, MessageCounter, encode_message, status_of, web_trailers_frame};
 use crate::routing::breaker::{Outcome, Pass};
 use crate::routing::{Candidate, Declared, Residency, Route};
@@ -506,21 +505,15 @@ struct Relay {
     meter: Arc<Meter>,
 }
 
+/// What a gRPC answer's frames mean: messages metered on the way, and its status in
+/// its trailers (the call ends when they come, or when the client leaves: CANCELLED).
 struct Relaying {
-    /// The upstream's answer; dropped as soon as the call ends, so that its stream is
-    /// released at once rather than when the client's response is.
-    body: Option<crate::upstream::AnswerBody>,
     counter: MessageCounter,
-    /// The call's end, until it has ended (when its last frame is relayed, or when the
-    /// client leaves: status CANCELLED).
-    ending: Option<Ending>,
     meter: Arc<Meter>,
     flavor: Flavor,
     /// `grpc-status` of a trailers-only answer (in its headers).
     status_in_headers: Option<u16>,
     pass: Pass,
-    /// Just before the invocation's deadline (serverless shape).
-    cutoff: Option<tokio::time::Instant>,
 }
 
 impl Relay {
@@ -539,23 +532,17 @@ impl Relay {
             let value = HeaderValue::from_str(&native).unwrap_or_else(|_| self.flavor.content_type());
             response.headers_mut().insert(header::CONTENT_TYPE, value);
         }
-        if let Ok(value) = HeaderValue::from_str(self.candidate.backend.as_str()) {
-            response.headers_mut().insert(BACKEND_HEADER, value);
-        }
-        if self.candidate.degraded {
-            response.headers_mut().insert(DEGRADED_HEADER, HeaderValue::from_static("backend-fallback"));
+        for (name, value) in answer_headers(&self.candidate, false) {
+            response.headers_mut().insert(name, value);
         }
         let relaying = Relaying {
-            body: Some(body),
             counter: MessageCounter::default(),
-            ending: Some(ending),
             meter: self.meter,
             pass: self.pass,
             flavor: self.flavor,
             status_in_headers: status_of(&parts.headers),
-            cutoff,
         };
-        byte_relay::relay(relaying, response)
+        byte_relay::relay(relaying, body, ending, cutoff, response)
     }
 }
 
@@ -565,23 +552,15 @@ fn deadline_refusal() -> Refusal {
 }
 
 impl byte_relay::Answer for Relaying {
-    fn body(&mut self) -> Option<&mut crate::upstream::AnswerBody> {
-        self.body.as_mut()
-    }
-
-    fn cutoff(&self) -> Option<tokio::time::Instant> {
-        self.cutoff
-    }
-
-    async fn next(&mut self, read: Read) -> Next {
+    async fn next(&mut self, open: &mut Open, read: Read) -> Next {
         let frame = match read {
             Read::Frame(frame) => frame,
-            Read::End => return self.finish(None).await,
+            Read::End => return self.finish(open, None).await,
             Read::Deadline => {
                 // Ended as a chat stream is (SPEC §11): its status in the trailers,
                 // settled on what passed and recorded before the platform cuts it.
                 tracing::warn!("gRPC answer still open at the invocation's deadline: ended");
-                return self.finish(Some(deadline_refusal())).await;
+                return self.finish(open, Some(deadline_refusal())).await;
             }
             Read::Broken(e) => {
                 tracing::warn!("gRPC upstream stream: {e}");
@@ -589,7 +568,7 @@ impl byte_relay::Answer for Relaying {
                 let refusal = self.meter.stop().map(Refusal::from).unwrap_or_else(|| {
                     Refusal::new(Code::Unavailable, ErrorCode::UpstreamError, format!("the upstream stream broke: {e}"))
                 });
-                return self.finish(Some(refusal)).await;
+                return self.finish(open, Some(refusal)).await;
             }
         };
         if let Some(data) = frame.data_ref() {
@@ -602,7 +581,7 @@ impl byte_relay::Answer for Relaying {
                 for declared in seen.declared {
                     if !self.meter.admit(declared).await {
                         let refusal = self.meter.stop().map(Refusal::from);
-                        return self.finish(refusal).await;
+                        return self.finish(open, refusal).await;
                     }
                 }
                 self.meter.passed(seen.payload).await;
@@ -613,19 +592,17 @@ impl byte_relay::Answer for Relaying {
             Ok(trailers) => {
                 // A step refused on the request side ends the call with its refusal.
                 if let Some(refusal) = self.meter.stop().map(Refusal::from) {
-                    return self.finish(Some(refusal)).await;
+                    return self.finish(open, Some(refusal)).await;
                 }
                 let status = status_of(&trailers).unwrap_or(Code::Unknown.number());
-                self.trailers(trailers, status, None).await
+                self.trailers(open, trailers, status, None).await
             }
             Err(_) => Next::Skip,
         }
     }
 
-    async fn deadline(&mut self) -> Option<Relayed> {
-        // Ended already: its own trailers are what the client is still to read.
-        self.ending.as_ref()?;
-        match self.finish(Some(deadline_refusal())).await {
+    async fn deadline(&mut self, open: &mut Open) -> Option<Relayed> {
+        match self.finish(open, Some(deadline_refusal())).await {
             Next::Send(trailers) => Some(trailers),
             Next::Skip | Next::Ended => None,
         }
@@ -633,46 +610,49 @@ impl byte_relay::Answer for Relaying {
 
     /// What passed before the client left is charged. Its breaker is told nothing: a
     /// client leaving says nothing of the backend.
-    async fn left(&mut self) {
-        self.body = None;
-        self.end(Code::Cancelled.number(), Some(ErrorCode::Cancelled)).await;
+    async fn left(&mut self, open: &mut Open) {
+        open.end(ended(Code::Cancelled.number(), Some(ErrorCode::Cancelled))).await;
     }
 }
 
-impl Relaying {
-    /// Ends the call (a no-op once it has ended); its cost.
-    async fn end(&mut self, status: u16, code: Option<ErrorCode>) -> MicroEur {
-        let Some(ending) = self.ending.take() else { return MicroEur(0) };
-        let spent = Spent::Metered { answered: true, served: status == Code::Ok.number() };
-        ending.end(Ended { status, code, spent, finish_reasons: Vec::new() }).await
-    }
+/// How a gRPC call that the upstream answered ended: charged per call when its status
+/// is OK, per byte on what passed.
+fn ended(status: u16, code: Option<ErrorCode>) -> Ended {
+    let spent = Spent::Metered { answered: true, served: status == Code::Ok.number() };
+    Ended { status, code, spent, finish_reasons: Vec::new() }
+}
 
+impl Relaying {
     /// The stream ended without trailers (or the gateway ends it with `refusal`).
-    async fn finish(&mut self, refusal: Option<Refusal>) -> Next {
+    async fn finish(&mut self, open: &mut Open, refusal: Option<Refusal>) -> Next {
         if let Some(refusal) = refusal.or_else(|| self.meter.stop().map(Refusal::from)) {
             let mut trailers = HeaderMap::new();
             trailers.insert("grpc-status", HeaderValue::from(refusal.code.number()));
             if let Ok(message) = HeaderValue::from_str(&encode_message(&refusal.text())) {
                 trailers.insert("grpc-message", message);
             }
-            return self.trailers(trailers, refusal.code.number(), Some(refusal.error_code)).await;
+            return self.trailers(open, trailers, refusal.code.number(), Some(refusal.error_code)).await;
         }
         if let Some(status) = self.status_in_headers {
             // Trailers-only: the status was in the headers, already relayed.
-            self.body = None;
-            self.end(status, None).await;
+            open.end(ended(status, None)).await;
             return Next::Ended;
         }
         let refusal =
             Refusal::new(Code::Internal, ErrorCode::UpstreamError, "the upstream ended the call without a status");
-        Box::pin(self.finish(Some(refusal))).await
+        Box::pin(self.finish(open, Some(refusal))).await
     }
 
     /// Settles and records the call, then hands the client its trailers (gRPC-Web: as
     /// the body's last frame): the record is written before the response ends.
-    async fn trailers(&mut self, mut trailers: HeaderMap, status: u16, error_code: Option<ErrorCode>) -> Next {
-        self.body = None;
-        let cost = self.end(status, error_code).await;
+    async fn trailers(
+        &mut self,
+        open: &mut Open,
+        mut trailers: HeaderMap,
+        status: u16,
+        error_code: Option<ErrorCode>,
+    ) -> Next {
+        let cost = open.end(ended(status, error_code)).await;
         if let Ok(value) = HeaderValue::from_str(&cost.to_eur_string()) {
             trailers.insert(COST_TRAILER, value);
         }

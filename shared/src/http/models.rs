@@ -267,7 +267,7 @@ async fn chat(
     match served.value {
         Answered::Stream(held) => {
             draft.streaming();
-            let headers = model_headers(&served.candidate, soft);
+            let headers = answer_headers(&served.candidate, soft);
             let idle_timeout = served.timeout;
             let backend = served.candidate.backend;
             Ok(Reply::Relay(Box::new(relay::Stream { pass: served.pass, held: *held, idle_timeout, headers, backend })))
@@ -353,7 +353,7 @@ fn prompt_prefix(op: Operation, body: &[u8], n: u32) -> u64 {
 /// call refunded), or the answer (read whole) ended on its usage, or, if it reports
 /// none, on the prompt's typical tokens plus those of the completion it wrote.
 fn complete(served: Served, soft: bool) -> Result<Reply, GatewayError> {
-    let mut headers = model_headers(&served.candidate, soft);
+    let mut headers = answer_headers(&served.candidate, soft);
     let Answered::Whole { status, content_type, retry_after, body, answer } = served.value else {
         return Err(GatewayError::Internal("a stream where an answer was expected".into()));
     };
@@ -407,9 +407,10 @@ fn is_length_limit(e: &axum::Error) -> bool {
     false
 }
 
+/// The gateway's own headers on an answer, whichever door it goes back by:
 /// `Flexway-Backend`; `Flexway-Degraded` when a fallback served; `Flexway-Budget`
 /// when the soft cap is reached.
-pub(super) fn model_headers(candidate: &Candidate, soft: bool) -> Vec<(&'static str, HeaderValue)> {
+pub(super) fn answer_headers(candidate: &Candidate, soft: bool) -> Vec<(&'static str, HeaderValue)> {
     let mut headers = Vec::new();
     if soft {
         headers.push((BUDGET_HEADER, HeaderValue::from_static("soft")));

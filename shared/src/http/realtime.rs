@@ -45,7 +45,7 @@ use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
 use super::end::{Charge, Ended, Ending, Spent};
 use super::error::render;
-use super::models::model_headers;
+use super::models::answer_headers;
 use super::record::Draft;
 use crate::admission::Demand;
 use crate::audit::CloseReason;
@@ -135,7 +135,7 @@ impl drive::Relay for Upgrading {
         let Upgrading { upgrade, session } = *self;
         let limit = ending.gateway().config.ai.limits.max_event_bytes;
         let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-        let headers = model_headers(&session.candidate, session.soft);
+        let headers = answer_headers(&session.candidate, session.soft);
         let mut response = upgrade
             .protocols([SUBPROTOCOL])
             .max_message_size(limit)
@@ -219,7 +219,7 @@ async fn open(
     match served.value {
         Connected::Refused { status, body } => {
             let mut response = (status, body).into_response();
-            for (name, value) in model_headers(&served.candidate, soft) {
+            for (name, value) in answer_headers(&served.candidate, soft) {
                 response.headers_mut().insert(name, value);
             }
             Ok(Opened::Refused(response))

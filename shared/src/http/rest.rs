@@ -27,22 +27,22 @@ use axum::body::Body;
 use axum::extract::Request;
 use axum::response::Response;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Method, header};
+use http::{HeaderMap, Method, header};
 use http_body_util::BodyExt;
 use hyper::body::Frame;
 
 use super::Deadline;
 use super::admit::sensitive_and_residency;
 use super::admit::{Metered, reserve};
-use super::byte_relay::{self, Next, Read, Relayed};
+use super::byte_relay::{self, Next, Open, Read, Relayed};
 use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
 use super::end::{Charge, Ended, Ending, Spent};
 use super::forward::{returned_headers, upstream_headers};
+use super::models::answer_headers;
 use super::record::Draft;
 use super::render;
 use super::slot::{Frames, Slot};
-use crate::call::headers::{BACKEND as BACKEND_HEADER, DEGRADED as DEGRADED_HEADER};
 use crate::call::{ErrorCode, Operation};
 use crate::config::contract::{Matched, RestOperation};
 use crate::config::{BackendId, BackendKind, Capability};
@@ -308,65 +308,43 @@ impl Relay {
         let mut response = Response::new(Body::empty());
         *response.status_mut() = parts.status;
         returned_headers(&parts.headers, response.headers_mut());
-        if let Ok(value) = HeaderValue::from_str(self.candidate.backend.as_str()) {
-            response.headers_mut().insert(BACKEND_HEADER, value);
-        }
-        if self.candidate.degraded {
-            response.headers_mut().insert(DEGRADED_HEADER, HeaderValue::from_static("backend-fallback"));
+        for (name, value) in answer_headers(&self.candidate, false) {
+            response.headers_mut().insert(name, value);
         }
         let status = parts.status.as_u16();
-        let relaying = Relaying {
-            body: Some(body),
-            status,
-            served: (200..400).contains(&status),
-            ending: Some(ending),
-            meter: self.meter,
-            pass: Some(self.pass),
-            cutoff,
-        };
-        byte_relay::relay(relaying, response)
+        let relaying =
+            Relaying { status, served: (200..400).contains(&status), meter: self.meter, pass: Some(self.pass) };
+        byte_relay::relay(relaying, body, ending, cutoff, response)
     }
 }
 
+/// What a REST answer's chunks mean: metered on the way when it served the call; the
+/// call ends when its body does, or when the client leaves (499
+/// `client_closed_request`).
 struct Relaying {
-    /// The upstream's answer; dropped as soon as the call ends.
-    body: Option<crate::upstream::AnswerBody>,
     status: u16,
     /// 2xx or 3xx: what is charged.
     served: bool,
-    /// The call's end, until it has ended (when its body ends, or when the client
-    /// leaves: 499 `client_closed_request`).
-    ending: Option<Ending>,
     meter: Arc<Meter>,
     pass: Option<Pass>,
-    /// Just before the invocation's deadline (serverless shape).
-    cutoff: Option<tokio::time::Instant>,
 }
 
 impl byte_relay::Answer for Relaying {
-    fn body(&mut self) -> Option<&mut crate::upstream::AnswerBody> {
-        self.body.as_mut()
-    }
-
-    fn cutoff(&self) -> Option<tokio::time::Instant> {
-        self.cutoff
-    }
-
-    async fn next(&mut self, read: Read) -> Next {
+    async fn next(&mut self, open: &mut Open, read: Read) -> Next {
         let frame = match read {
             Read::Frame(frame) => frame,
             Read::End => {
-                self.finish(Outcome::Status { status: self.status, retry_after: None }, None).await;
+                self.finish(open, Outcome::Status { status: self.status, retry_after: None }, None).await;
                 return Next::Ended;
             }
             Read::Deadline => {
                 tracing::warn!("REST answer still open at the invocation's deadline: ended");
-                self.finish(Outcome::Success, Some(ErrorCode::Deadline)).await;
+                self.finish(open, Outcome::Success, Some(ErrorCode::Deadline)).await;
                 return Next::Send(Err(BoxError::from("the invocation's deadline")));
             }
             Read::Broken(e) => {
                 tracing::warn!("REST upstream answer broke: {e}");
-                self.finish(Outcome::ConnectionError, Some(ErrorCode::UpstreamError)).await;
+                self.finish(open, Outcome::ConnectionError, Some(ErrorCode::UpstreamError)).await;
                 return Next::Send(Err(BoxError::from(format!("the upstream's answer broke: {e}"))));
             }
         };
@@ -379,7 +357,7 @@ impl byte_relay::Answer for Relaying {
                         Some(Stop::Budget(e)) => e.code(),
                         _ => ErrorCode::MessageTooLarge,
                     };
-                    self.finish(Outcome::Success, Some(code)).await;
+                    self.finish(open, Outcome::Success, Some(code)).await;
                     return Next::Send(Err(BoxError::from("the call's budget step was refused")));
                 }
                 self.meter.passed(bytes).await;
@@ -387,54 +365,40 @@ impl byte_relay::Answer for Relaying {
         }
         // The last chunk: the call is settled and recorded before the client has it
         // all (a client that stops reading at its length leaves then).
-        if self.body.as_ref().is_some_and(hyper::body::Body::is_end_stream) {
-            self.finish(Outcome::Status { status: self.status, retry_after: None }, None).await;
+        if open.body_ended() {
+            self.finish(open, Outcome::Status { status: self.status, retry_after: None }, None).await;
         }
         Next::Send(Ok(frame))
     }
 
     /// The body is cut with an error, not ended as if it were complete.
-    async fn deadline(&mut self) -> Option<Relayed> {
-        // Ended already (its last chunk read): that chunk is what the client is still
-        // to read.
-        self.ending.as_ref()?;
-        self.finish(Outcome::Success, Some(ErrorCode::Deadline)).await;
+    async fn deadline(&mut self, open: &mut Open) -> Option<Relayed> {
+        self.finish(open, Outcome::Success, Some(ErrorCode::Deadline)).await;
         Some(Err(BoxError::from("the invocation's deadline")))
     }
 
     /// What passed before the client left is charged, as it was served. Its breaker
     /// hears how the answer's head counted, as a chat stream's does: a client leaving
     /// says nothing against a backend that was answering (and a half-open breaker's
-    /// probe is not lost). A no-op once the call has ended.
-    async fn left(&mut self) {
-        self.body = None;
-        self.tell(Outcome::Status { status: self.status, retry_after: None });
-        self.end(Some(ErrorCode::ClientClosedRequest)).await;
+    /// probe is not lost).
+    async fn left(&mut self, open: &mut Open) {
+        let outcome = Outcome::Status { status: self.status, retry_after: None };
+        self.finish(open, outcome, Some(ErrorCode::ClientClosedRequest)).await;
     }
 }
 
 impl Relaying {
-    /// Ends the call, once: what passed is charged when the answer served it.
-    async fn end(&mut self, code: Option<ErrorCode>) {
-        let Some(ending) = self.ending.take() else { return };
-        let status = if code == Some(ErrorCode::ClientClosedRequest) { 499 } else { self.status };
-        let spent = Spent::Metered { answered: self.served, served: self.served };
-        ending.end(Ended { status, code, spent, finish_reasons: Vec::new() }).await;
-    }
-
-    /// Tells the breaker how the answer ended, once: an answer served (2xx, 3xx) that
-    /// ends as it should is a success; a relayed 4xx counts as its policy says.
-    fn tell(&mut self, outcome: Outcome) {
+    /// Tells the breaker how the answer ended (an answer served, 2xx or 3xx, that ends
+    /// as it should is a success; a relayed 4xx counts as its policy says), then ends
+    /// the call: what passed is charged when the answer served it.
+    async fn finish(&mut self, open: &mut Open, outcome: Outcome, code: Option<ErrorCode>) {
         if let Some(pass) = self.pass.take() {
             let outcome =
                 if self.served && matches!(outcome, Outcome::Status { .. }) { Outcome::Success } else { outcome };
             pass.tell(&outcome);
         }
-    }
-
-    async fn finish(&mut self, outcome: Outcome, error_code: Option<ErrorCode>) {
-        self.body = None;
-        self.tell(outcome);
-        self.end(error_code).await;
+        let status = if code == Some(ErrorCode::ClientClosedRequest) { 499 } else { self.status };
+        let spent = Spent::Metered { answered: self.served, served: self.served };
+        open.end(Ended { status, code, spent, finish_reasons: Vec::new() }).await;
     }
 }
