@@ -11,7 +11,7 @@ use std::sync::Arc;
 use http::HeaderMap;
 
 use super::drive::Call;
-use super::end::{self, Charge};
+use super::drive::{self, Charge};
 use super::record::Draft;
 use crate::admission::{Admission, Demand, admit};
 use crate::call::Criticality;
@@ -122,7 +122,7 @@ impl Ask for Tokens<'_> {
             draft.allowance(allowance);
         }
         let completion = demand.completes.then(|| allowance.saturating_mul(demand.choices));
-        let charge = Charge::Tokens(end::Tokens { ticket, prompt_typical, allowance: completion });
+        let charge = Charge::Tokens(drive::Tokens { ticket, prompt_typical, allowance: completion });
         Ok((charge, Admitted { route, soft, allowance }))
     }
 }

@@ -21,7 +21,7 @@ use hyper::body::Frame;
 use tokio::sync::mpsc;
 use tracing::Instrument as _;
 
-use super::end::{Ended, Ending};
+use super::drive::{Ended, Ending};
 use crate::money::MicroEur;
 use crate::upstream::grpc::BoxError;
 use crate::upstream::{AnswerBody, BodyError};

@@ -43,7 +43,7 @@ use super::admit::{Metered, reserve};
 use super::byte_relay::{self, Next, Open, Read, Relayed};
 use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
-use super::end::{Charge, Ended, Ending, Spent};
+use super::drive::{Charge, Ended, Ending, Spent};
 use super::forward::{returned_headers, upstream_headers};
 use super::models::answer_headers;
 use super::record::Draft;

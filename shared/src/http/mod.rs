@@ -7,7 +7,6 @@ mod chain;
 mod console;
 mod dispatch;
 mod drive;
-mod end;
 mod error;
 mod format;
 mod forward;

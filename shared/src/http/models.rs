@@ -1,4 +1,4 @@
-//! The model doors, driven as every door is (`drive.rs`: identify → begin the record →
+//! The model doors, driven as every door is (`drive/`: identify → begin the record →
 //! the door's call → end the record): parse and measure → admit (route + reserve) →
 //! dispatch (`dispatch.rs`: with fallback, before the first byte only) → relay
 //! (`relay.rs`) → settle. The modules form a chain, each importing only those after it.
@@ -26,7 +26,7 @@ use super::RequestId;
 use super::admit::{Admitted, Asked, Tokens, asked, reserve};
 use super::dispatch::{Answered, Expect, Served, Shape, dispatch};
 use super::drive::{self, Call, Reply, drive};
-use super::end::{Charge, Ended, Spent};
+use super::drive::{Charge, Ended, Spent};
 use super::error::{Envelope, render_in};
 use super::format::Format;
 use super::record::Draft;

@@ -43,7 +43,7 @@ use tokio_tungstenite::tungstenite::{self, protocol::frame::coding::CloseCode};
 use super::admit::{Admitted, Asked, Tokens, asked, reserve};
 use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
-use super::end::{Charge, Ended, Ending, Spent};
+use super::drive::{Charge, Ended, Ending, Spent};
 use super::error::render;
 use super::models::answer_headers;
 use super::record::Draft;

@@ -27,7 +27,7 @@ use tokio::sync::mpsc;
 use tracing::Instrument;
 
 use super::Deadline;
-use super::end::{Ended, Ending, Spent};
+use super::drive::{Ended, Ending, Spent};
 use super::format::{Format, Writer};
 use crate::call::ErrorCode;
 use crate::config::BackendId;

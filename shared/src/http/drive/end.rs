@@ -12,7 +12,6 @@
 
 use std::sync::Arc;
 
-use super::record::{Draft, UsageSource};
 use crate::admission::reserve_turn;
 use crate::audit::CloseReason;
 use crate::budget::{Ticket, plan};
@@ -20,6 +19,7 @@ use crate::call::ErrorCode;
 use crate::config::{BackendId, Price};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
+use crate::http::record::{Draft, UsageSource};
 use crate::identity::Caller;
 use crate::metering::Meter;
 use crate::money::MicroEur;
@@ -28,7 +28,7 @@ use crate::protocol::openai::Usage;
 
 /// What a call holds of the ledger, from its reservation to its end.
 #[derive(Default)]
-pub(super) enum Charge {
+pub(in crate::http) enum Charge {
     /// Nothing reserved (yet): a call refused before its reservation, or an operation
     /// that is not metered.
     #[default]
@@ -42,7 +42,7 @@ pub(super) enum Charge {
 }
 
 /// A model call's reservation, and what its settlement needs beyond the usage.
-pub(super) struct Tokens {
+pub(in crate::http) struct Tokens {
     pub ticket: Ticket,
     /// The prompt's typical token count, if the backend reports no usage.
     pub prompt_typical: u64,
@@ -52,7 +52,7 @@ pub(super) struct Tokens {
 
 /// A realtime session's charge: one reservation held at a time, the allowance of the
 /// next response (SPEC §2.3).
-pub(super) struct Turns {
+pub(in crate::http) struct Turns {
     ticket: Option<Ticket>,
     caller: Caller,
     request_id: String,
@@ -66,7 +66,7 @@ pub(super) struct Turns {
 }
 
 /// How a call ended, as its door or relay saw it.
-pub(super) struct Ended {
+pub(in crate::http) struct Ended {
     /// The status the call answered (a gRPC status for gRPC, 101 for a session).
     pub status: u16,
     pub code: Option<ErrorCode>,
@@ -76,7 +76,7 @@ pub(super) struct Ended {
 }
 
 /// What a call consumed, as its charge settles it.
-pub(super) enum Spent {
+pub(in crate::http) enum Spent {
     /// Nothing was served: what was reserved goes back whole.
     Nothing,
     /// A model's answer by `backend`: the usage it reported, or, when it reported none,
@@ -127,13 +127,12 @@ impl Charge {
 
 /// The one end of a call: `charge` settled on `ended`, then the record written, with
 /// the settled cost on it. Returns that cost.
-pub(super) async fn end(gateway: &Gateway, charge: Charge, ended: Ended, mut draft: Draft) -> MicroEur {
+pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended, mut draft: Draft) -> MicroEur {
     let Ended { status, code, spent, finish_reasons } = ended;
+    if let Spent::Session(reason) = spent {
+        draft.closed(reason);
+    }
     let cost = match (charge, spent) {
-        (Charge::None, Spent::Session(reason)) => {
-            draft.closed(reason);
-            MicroEur(0)
-        }
         (Charge::None, _) => MicroEur(0),
         (Charge::Tokens(tokens), Spent::Tokens { backend, usage, content_bytes }) => {
             let estimate = Usage::new(tokens.prompt_typical, plan::typical_tokens(content_bytes));
@@ -166,16 +165,13 @@ pub(super) async fn end(gateway: &Gateway, charge: Charge, ended: Ended, mut dra
             meter.close(false, false).await;
             MicroEur(0)
         }
-        (Charge::Turns(turns), spent) => {
+        (Charge::Turns(turns), _) => {
             let Turns { ticket, usage, cost, .. } = *turns;
             // The allowance held for a response that never came back.
             if let Some(ticket) = ticket {
                 ticket.refund().await;
             }
             draft.usage(usage, UsageSource::Reported, cost);
-            if let Spent::Session(reason) = spent {
-                draft.closed(reason);
-            }
             cost
         }
     };
@@ -208,7 +204,7 @@ fn overshoot(gateway: &Gateway, backend: &BackendId, allowance: Option<u64>, usa
 /// A call's end still to come, handed to the relay of its answer: the one way a relay
 /// ends its call. Dropped unended (its task cancelled), the draft records the call
 /// abandoned and the charge's reservations are refunded (the last-resort guards).
-pub(super) struct Ending {
+pub(in crate::http) struct Ending {
     gateway: Arc<Gateway>,
     draft: Draft,
     charge: Charge,

@@ -18,7 +18,8 @@ use axum::extract::Request;
 use axum::response::Response;
 use http::{HeaderMap, HeaderValue};
 
-use super::end::{Charge, Ended, Ending, end};
+mod end;
+
 use super::record::Draft;
 use super::{Deadline, RequestId};
 use crate::call::headers::COST as COST_HEADER;
@@ -26,6 +27,8 @@ use crate::call::{ErrorCode, Operation};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
+use end::end;
+pub(super) use end::{Charge, Ended, Ending, Spent, Tokens};
 
 /// Who calls, under which request id.
 #[derive(Clone, Copy)]
