@@ -420,6 +420,29 @@ async fn a_message_over_the_limit_closes_the_session_with_1009() {
     assert_eq!(records[0].close_reason, Some(CloseReason::MessageTooLarge));
 }
 
+/// A backend's own refusal of the handshake is the caller's answer, relayed before
+/// any upgrade: its reservation given back, and the answer says it cost nothing, as
+/// every whole answer from a model does.
+#[tokio::test]
+async fn a_handshake_the_backend_refuses_is_relayed_and_costs_nothing() {
+    let fake = FakeModel::start().await.unwrap();
+    let url = fake.scenario_url(&Scenario { status: Some(403), ..Default::default() });
+    let (adapters, audit) = memory_adapters();
+    let gw = serve_in_process(&realtime_config(&url, "{}", ""), adapters).await;
+    match connect(&gw.url, "m", Auth::Bearer(KEY)).await {
+        Err(tungstenite::Error::Http(response)) => {
+            assert_eq!(response.status(), 403);
+            assert_eq!(response.headers()["flexway-cost-eur"], "0.000000");
+            assert!(response.headers().contains_key("flexway-backend"));
+        }
+        other => panic!("{other:?}"),
+    }
+    let records = audit_records_until(&audit, 1).await;
+    assert_eq!((records[0].status, records[0].cost_micro_eur), (403, 0));
+    assert_eq!(gw.ledger("acme", None).await, [0, 0, 0]);
+    assert_eq!(gw.live_reservations().await, 0);
+}
+
 #[tokio::test]
 async fn without_a_realtime_backend_the_session_is_refused_before_the_upgrade() {
     let fake = FakeModel::start().await.unwrap();
