@@ -11,6 +11,8 @@
 pub mod browser;
 #[cfg(feature = "aws")]
 pub mod emulator;
+#[cfg(feature = "aws")]
+pub mod iam;
 pub mod golden;
 
 use std::io::{BufRead, BufReader};
