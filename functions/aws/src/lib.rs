@@ -37,17 +37,7 @@ pub enum AdapterError {
     Audit(#[from] AuditError),
 }
 
-/// The AWS SDK's configuration loader, as `aws_config::defaults` with the latest
-/// behavior version, and with its HTTP client on the stack the rest of Flexway uses
-/// (hyper 1, rustls with ring): the SDK's own default client would build aws-lc as
-/// well. Every binary and test loads its SDK configuration through it.
-///
-/// With timeouts ([`sdk_timeouts`]): without them a write that hangs holds a call for
-/// as long as the function may run. Retrying a write is safe: a reservation is
-/// idempotent on its `Put` condition, and the SDK gives each transaction a client request
-/// token, so an attempt that was applied and then timed out is answered as applied.
-/// A Lambda function's `main`: its log (JSON on stderr, filtered by `FLEXWAY_LOG`,
-/// `info` by default: what the template's metric filters read), a multi-thread
+/// A Lambda function's `main`: its log ([`log_subscriber`] on stderr), a multi-thread
 /// runtime, and `run` on it. A runtime that cannot start or an error from `run` is
 /// logged, and the exit status says so.
 pub fn lambda_main<F, E>(run: impl FnOnce() -> F) -> std::process::ExitCode
@@ -55,11 +45,8 @@ where
     F: std::future::Future<Output = Result<(), E>>,
     E: std::fmt::Display,
 {
-    tracing_subscriber::fmt()
-        .json()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FLEXWAY_LOG").unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    use tracing_subscriber::util::SubscriberInitExt;
+    log_subscriber(std::io::stderr).init();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -76,6 +63,30 @@ where
     }
 }
 
+/// The functions' log: one JSON object a line (the message under `fields.message`, the
+/// level under `level`), filtered by `FLEXWAY_LOG`, `info` by default. The template's
+/// metric filters read these lines, so its tests print theirs through this too, into a
+/// buffer `writer`.
+pub fn log_subscriber<W>(writer: W) -> impl tracing::Subscriber + Send + Sync + 'static
+where
+    W: for<'writer> tracing_subscriber::fmt::MakeWriter<'writer> + Send + Sync + 'static,
+{
+    tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FLEXWAY_LOG").unwrap_or_else(|_| "info".into()))
+        .with_writer(writer)
+        .finish()
+}
+
+/// The AWS SDK's configuration loader, as `aws_config::defaults` with the latest
+/// behavior version, and with its HTTP client on the stack the rest of Flexway uses
+/// (hyper 1, rustls with ring): the SDK's own default client would build aws-lc as
+/// well. Every binary and test loads its SDK configuration through it.
+///
+/// With timeouts ([`sdk_timeouts`]): without them a write that hangs holds a call for
+/// as long as the function may run. Retrying a write is safe: a reservation is
+/// idempotent on its `Put` condition, and the SDK gives each transaction a client request
+/// token, so an attempt that was applied and then timed out is answered as applied.
 pub fn sdk_loader() -> aws_config::ConfigLoader {
     static CLIENT: std::sync::OnceLock<aws_sdk_dynamodb::config::SharedHttpClient> = std::sync::OnceLock::new();
     let client = CLIENT.get_or_init(|| {
