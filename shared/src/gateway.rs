@@ -217,12 +217,12 @@ impl Gateway {
         }
         let (resolved, failures) = resolve_all(&references, self.secrets.as_ref()).await;
         for (path, error) in &failures {
-            tracing::error!("secret refresh: {path}: {error}; its backend keeps the last value resolved");
+            tracing::error!("{}: {path}: {error}; its backend keeps the last value resolved", crate::secret::REFRESH);
         }
         let updated = self.upstreams.refresh(&self.config, &resolved);
         if !updated.is_empty() {
             let names: Vec<&str> = updated.iter().map(BackendId::as_str).collect();
-            tracing::info!(backends = %names.join(", "), "secret refresh: new values in use");
+            tracing::info!(backends = %names.join(", "), "{}: new values in use", crate::secret::REFRESH);
         }
     }
 

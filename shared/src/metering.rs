@@ -26,6 +26,10 @@ use crate::money::MicroEur;
 /// The response allowance a per-byte call reserves before it starts, and the least it
 /// reserves at each step after.
 pub const RESPONSE_ALLOWANCE_BYTES: u64 = 4096;
+/// The error line of a metered cost that its reservations do not cover: the part
+/// beyond them is not charged. It cannot happen while every step is reserved before
+/// its bytes pass; the template's metric filter counts it, by this text, if it does.
+pub const COST_BEYOND_RESERVATIONS: &str = "metered cost beyond its reservations: not charged";
 /// The largest message (gRPC) or chunk (REST) a metered call passes at once: more
 /// declared at once ends the call.
 pub const MAX_MESSAGE_BYTES: u64 = 4 * 1024 * 1024;
@@ -192,7 +196,7 @@ impl Meter {
             }
         }
         if left > 0 {
-            tracing::error!(request_id = %self.request_id, left, "metered cost beyond its reservations: not charged");
+            tracing::error!(request_id = %self.request_id, left, "{COST_BEYOND_RESERVATIONS}");
         }
         MicroEur(cost.0 - left)
     }

@@ -49,6 +49,12 @@ pub enum SecretError {
     Unavailable { reference: String, detail: String },
 }
 
+/// What every log line of a secret refresh starts with: at error, a value that could
+/// not be resolved or put in use (its backend keeps the one it has, until that one is
+/// revoked), which the template's metric filter counts by this text and the level; at
+/// info, new values in use.
+pub const REFRESH: &str = "secret refresh";
+
 /// Turns a reference into the secret it names. Async: an AWS reference is a network
 /// call, and nothing may block a runtime thread while it is made (at start, and at
 /// every `secrets.refresh`).

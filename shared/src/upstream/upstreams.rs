@@ -249,7 +249,7 @@ impl Upstreams {
                     client.live.store(Arc::new(live));
                     updated.push(name.clone());
                 }
-                Err(e) => tracing::error!("secret refresh: {e}; the backend keeps its current credential"),
+                Err(e) => tracing::error!("{}: {e}; the backend keeps its current credential", crate::secret::REFRESH),
             }
         }
         for (name, own) in &self.grpc_own {
@@ -263,7 +263,7 @@ impl Upstreams {
                     own.store(Arc::new(new));
                     updated.push(name.clone());
                 }
-                Err(e) => tracing::error!("secret refresh: {e}; the backend keeps its current client"),
+                Err(e) => tracing::error!("{}: {e}; the backend keeps its current client", crate::secret::REFRESH),
             }
         }
         updated
