@@ -5,6 +5,7 @@
 #![cfg(test)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use flexway_testkit::logs::{matches, printed as logged};
 use serde_norway::Value;
 
 fn template() -> Value {
@@ -139,80 +140,8 @@ fn the_build_validates_the_bundled_config_before_packaging_it() {
 
 // ----- metric filters against the log lines they read ------------------------------
 
-/// A CloudWatch Logs JSON filter pattern, as far as the template uses it: one `{ }`
-/// of comparisons (`=` on a string, `*` a trailing wildcard; `>` `<` `>=` `<=` `=`
-/// on a number) joined by all `&&` or all `||`. Anything else is refused, so that a
-/// pattern this cannot read fails the test instead of passing it.
-fn matches(pattern: &str, line: &str) -> bool {
-    let event: serde_json::Value = match serde_json::from_str(line) {
-        Ok(event) => event,
-        Err(_) => return false,
-    };
-    let body = pattern.trim().strip_prefix('{').and_then(|p| p.strip_suffix('}')).expect("a JSON pattern");
-    let (terms, all): (Vec<&str>, bool) = match (body.contains("&&"), body.contains("||")) {
-        (true, true) => panic!("&& and || mixed without parentheses: {pattern}"),
-        (true, false) => (body.split("&&").collect(), true),
-        (false, _) => (body.split("||").collect(), false),
-    };
-    let holds = |term: &str| {
-        let term = term.trim();
-        let op = ["<=", ">=", "!=", "=", ">", "<"].into_iter().find(|op| term.contains(op)).expect("an operator");
-        let (selector, value) = term.split_once(op).unwrap();
-        let path = selector.trim().strip_prefix("$.").expect("a $. selector");
-        let found = path.split('.').fold(&event, |v, key| &v[key]);
-        let value = value.trim();
-        if let Some(text) = value.strip_prefix('"').and_then(|v| v.strip_suffix('"')) {
-            let Some(found) = found.as_str() else { return false };
-            let equal = match text.strip_suffix('*') {
-                Some(prefix) => found.starts_with(prefix),
-                None => found == text,
-            };
-            return if op == "!=" {
-                !equal
-            } else {
-                assert_eq!(op, "=", "{term}");
-                equal
-            };
-        }
-        let wanted: f64 = value.parse().expect("a number");
-        let Some(found) = found.as_f64() else { return false };
-        match op {
-            "=" => found == wanted,
-            "!=" => found != wanted,
-            ">" => found > wanted,
-            "<" => found < wanted,
-            ">=" => found >= wanted,
-            _ => found <= wanted,
-        }
-    };
-    if all { terms.into_iter().all(holds) } else { terms.into_iter().any(holds) }
-}
-
 fn filter_pattern(template: &Value, filter: &str) -> String {
     template["Resources"][filter]["Properties"]["FilterPattern"].as_str().unwrap().to_owned()
-}
-
-/// The JSON log lines `run` prints, as the functions print them (tracing-subscriber's
-/// JSON format, the message under `fields.message`).
-fn logged(run: impl std::future::Future<Output = ()>) -> Vec<String> {
-    #[derive(Clone, Default)]
-    struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
-    impl std::io::Write for Lines {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(bytes);
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let lines = Lines::default();
-    let writer = lines.clone();
-    let subscriber = tracing_subscriber::fmt().json().with_writer(move || writer.clone()).finish();
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    tracing::subscriber::with_default(subscriber, || runtime.block_on(run));
-    let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
-    text.lines().map(str::to_owned).collect()
 }
 
 /// `SettleFailuresFilter` counts the settlements the gateway could not write (a call

@@ -3,7 +3,8 @@
 //! ([`Flexway`]); a gateway served in the test's own process ([`serve_in_process`]);
 //! the configs and requests most tests start from; the AWS emulator's SDK
 //! configuration ([`emulator`], feature `aws`); a headless browser ([`browser`]); and
-//! checked-in generated files ([`golden`]).
+//! checked-in generated files ([`golden`]); the infrastructure template as AWS
+//! receives it ([`template`]) and the log lines its metric filters read ([`logs`]).
 //!
 //! Its helpers fail a test by panicking, with what was seen.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -11,9 +12,11 @@
 pub mod browser;
 #[cfg(feature = "aws")]
 pub mod emulator;
+pub mod golden;
 #[cfg(feature = "aws")]
 pub mod iam;
-pub mod golden;
+pub mod logs;
+pub mod template;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
