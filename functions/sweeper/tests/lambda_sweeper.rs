@@ -134,9 +134,18 @@ async fn a_scheduled_event_refunds_expired_reservations_and_charges_settle_inten
         [200 + 40 + 25],
         "the vanished call refunded, the unwritten settlement charged, the lease charged its usage, the running one held"
     );
-    // The line the template's metric filters read (tests/template.rs holds them to it).
-    let line = function.log().into_iter().find(|l| l.contains("swept expired reservations")).expect("the sweep's line");
-    let line: serde_json::Value = serde_json::from_str(&line).unwrap();
+    // The line the template's metric filters read, as the function printed it: the
+    // stack's filters count this run's charge, its refund and its lag, and no error.
+    let printed =
+        function.log().into_iter().find(|l| l.contains("swept expired reservations")).expect("the sweep's line");
+    let template = flexway_testkit::template::transformed(&[]);
+    let pattern =
+        |filter: &str| template["Resources"][filter]["Properties"]["FilterPattern"].as_str().unwrap().to_owned();
+    for filter in ["SweeperChargesFilter", "SweeperRefundsFilter", "SweeperLagFilter"] {
+        assert!(flexway_testkit::logs::matches(&pattern(filter), &printed), "{filter}: {printed}");
+    }
+    assert!(!flexway_testkit::logs::matches(&pattern("SweeperLoggedErrorsFilter"), &printed), "{printed}");
+    let line: serde_json::Value = serde_json::from_str(&printed).unwrap();
     let fields = &line["fields"];
     assert_eq!((fields["refunded"].as_u64(), fields["charged"].as_u64()), (Some(1), Some(1)), "{line}");
     assert_eq!((fields["leases"].as_u64(), fields["lag_secs"].as_u64()), (Some(1), Some(lag)), "{line}");
