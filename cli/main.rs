@@ -9,6 +9,7 @@ mod key;
 mod reconcile;
 mod report;
 mod serve;
+mod stack;
 mod workers;
 
 use std::path::PathBuf;
@@ -56,6 +57,16 @@ enum Command {
         /// with the AWS SDK's usual environment and credentials.
         #[arg(long)]
         resolve_secrets: bool,
+        /// Check it is a serverless config (the DynamoDB ledger, the CloudWatch audit)
+        /// and print the stack parameters its ARN references need, as `sam deploy
+        /// --parameter-overrides` takes them.
+        #[arg(long)]
+        serverless: bool,
+        /// With --serverless: check that these stack parameters (the string given to
+        /// `sam deploy --parameter-overrides`) grant every ARN the config references,
+        /// instead of printing them.
+        #[arg(long, value_name = "PARAMETERS", requires = "serverless")]
+        stack_parameters: Option<stack::StackParameters>,
     },
     /// Turn the audit (a JSONL file or a CloudWatch log group) into a chargeback table:
     /// per tenant, agent and backend.
@@ -86,8 +97,14 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve { config, listen, watch } => serve::run(&config, &listen, watch),
-        Command::Validate { config, resolve_secrets } => {
-            validate(&config, if resolve_secrets { Secrets::Resolve } else { Secrets::Check })
+        Command::Validate { config, resolve_secrets, serverless, stack_parameters } => {
+            let secrets = if resolve_secrets { Secrets::Resolve } else { Secrets::Check };
+            let stack = match (serverless, stack_parameters) {
+                (false, _) => None,
+                (true, None) => Some(stack::Mode::Print),
+                (true, Some(given)) => Some(stack::Mode::Check(given)),
+            };
+            validate(&config, secrets, stack)
         }
         Command::Report(args) => report::run(args),
         Command::Reconcile(args) => reconcile::run(args),
@@ -95,7 +112,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn validate(path: &std::path::Path, secrets: Secrets) -> ExitCode {
+/// `stack`: with `--serverless`, what to do with the stack parameters.
+fn validate(path: &std::path::Path, secrets: Secrets, stack: Option<stack::Mode>) -> ExitCode {
     let loaded = match flexway::config::load_file_with(path, &flexway::config::ProcessEnv, secrets) {
         Ok(loaded) => loaded,
         Err(error) => {
@@ -109,27 +127,42 @@ fn validate(path: &std::path::Path, secrets: Secrets) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    for warning in &loaded.warnings {
+    let mut warnings = loaded.warnings;
+    let mut errors = Vec::new();
+    let review = stack.map(|mode| stack::review(&loaded.config, &mode));
+    if let Some(review) = &review {
+        errors.extend(review.errors.iter().map(ToString::to_string));
+        warnings.extend(review.warnings.iter().cloned());
+    }
+    for warning in &warnings {
         eprintln!("warning: {}: {warning}", path.display());
     }
     // Loading checked the local references; AWS ones are network calls, made here.
     if secrets == Secrets::Resolve {
-        let failures = match resolve_secrets(&loaded.config) {
-            Ok(failures) => failures,
+        match resolve_secrets(&loaded.config) {
+            Ok(failures) => errors.extend(failures.iter().map(|(at, error)| format!("{at}: {error}"))),
             Err(e) => {
                 eprintln!("error: cannot start the runtime: {e}");
                 return ExitCode::FAILURE;
             }
-        };
-        if !failures.is_empty() {
-            for (at, error) in &failures {
-                eprintln!("error: {}: {at}: {error}", path.display());
-            }
-            eprintln!("{}: {} error(s)", path.display(), failures.len());
-            return ExitCode::FAILURE;
         }
     }
-    println!("{}: ok ({} warning(s))", path.display(), loaded.warnings.len());
+    if !errors.is_empty() {
+        for error in &errors {
+            eprintln!("error: {}: {error}", path.display());
+        }
+        eprintln!("{}: {} error(s)", path.display(), errors.len());
+        return ExitCode::FAILURE;
+    }
+    let ok = format!("{}: ok ({} warning(s))", path.display(), warnings.len());
+    match review.and_then(|review| review.overrides) {
+        // stdout is the parameters alone, for `params="$(flexway validate ...)"`.
+        Some(overrides) => {
+            println!("{overrides}");
+            eprintln!("{ok}");
+        }
+        None => println!("{ok}"),
+    }
     ExitCode::SUCCESS
 }
 
