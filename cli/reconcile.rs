@@ -10,11 +10,12 @@ use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use flexway::audit::report::{Filter, Read};
+use flexway::audit::AuditRecord;
+use flexway::audit::report::{Filter, Unreadable};
 use flexway::config::{ProcessEnv, Secrets};
-use flexway::reconcile::{self, Date, ProviderUsage, fetch, usage};
+use flexway::reconcile::{self, Date, GatewayUsage, ProviderUsage, fetch, usage};
 
-use crate::report::{Format, read_file, read_log_group, runtime};
+use crate::report::{Format, for_each_in_file, for_each_in_log_group, runtime};
 
 const USAGE: u8 = 2;
 const UNREADABLE_LINES: u8 = 3;
@@ -89,17 +90,23 @@ pub fn run(mut args: ReconcileArgs) -> ExitCode {
         Err(Failure::Usage(message)) => return usage_error(&message),
         Err(Failure::Read(message)) => return failure(&message),
     };
-    let audit = match (&args.audit, &args.log_group) {
-        (Some(path), None) => read_file(path, None),
-        (None, Some(group)) => read_log_group(group, &filter, None),
+    // The audit folded as it is read: a month of records is never held at once.
+    let mut usage = GatewayUsage::new(&filter, args.chargeback);
+    let mut unreadable = Vec::new();
+    let each = |line: Result<AuditRecord, Unreadable>| match line {
+        Ok(record) => usage.add(&record),
+        Err(line) => unreadable.push(line),
+    };
+    let read = match (&args.audit, &args.log_group) {
+        (Some(path), None) => for_each_in_file(path, None, each),
+        (None, Some(group)) => for_each_in_log_group(group, &filter, each),
         _ => return usage_error("give exactly one of --audit and --log-group"),
     };
-    let Read { records, unreadable } = match audit {
-        Ok(read) => read,
-        Err(error) => return failure(&error),
-    };
+    if let Err(error) = read {
+        return failure(&error);
+    }
 
-    let result = reconcile::reconcile(&records, &provider, &filter, args.chargeback);
+    let result = usage.reconcile(&provider);
     let text = match args.format {
         Format::Csv => reconcile::to_csv(&result),
         Format::Json => format!("{:#}\n", reconcile::to_json(&result)),

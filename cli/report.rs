@@ -15,8 +15,9 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use flexway::audit::AuditRecord;
 use flexway::audit::chain::{Verdict, Verifier};
-use flexway::audit::report::{self, Filter, Read};
+use flexway::audit::report::{self, Filter, Read, Unreadable};
 use flexway::config::SecretRef;
 
 const USAGE: u8 = 2;
@@ -172,27 +173,66 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, String> {
 }
 
 pub(crate) fn read_file(path: &Path, verifier: Option<&mut Verifier>) -> Result<Read, String> {
-    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut read = report::read_jsonl_verifying(std::io::BufReader::new(file), verifier)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    for line in &mut read.unreadable {
-        line.at = format!("{}: {}", path.display(), line.at);
-    }
+    let mut read = Read::default();
+    for_each_in_file(path, verifier, |line| match line {
+        Ok(record) => read.records.push(record),
+        Err(unreadable) => read.unreadable.push(unreadable),
+    })?;
     Ok(read)
 }
 
-/// Reads the events of the period from the log group. An event is timestamped when
-/// the sink wrote it, a little after its record's `ts`: the query window is the
+/// Each line of the JSONL audit at `path` handed to `each` as it is read: its record,
+/// or where (the file and line) and why it is not one.
+pub(crate) fn for_each_in_file(
+    path: &Path,
+    verifier: Option<&mut Verifier>,
+    mut each: impl FnMut(Result<AuditRecord, Unreadable>),
+) -> Result<(), String> {
+    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    report::for_each_jsonl(std::io::BufReader::new(file), verifier, |line| {
+        each(line.map_err(|mut unreadable| {
+            unreadable.at = format!("{}: {}", path.display(), unreadable.at);
+            unreadable
+        }));
+    })
+    .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Reads the events of the period from the log group, sorted. An event is timestamped
+/// when the sink wrote it, a little after its record's `ts`: the query window is the
 /// period widened by that delay, and the `ts` filter (in `chargeback`) decides.
 pub(crate) fn read_log_group(group: &str, filter: &Filter, verifier: Option<&mut Verifier>) -> Result<Read, String> {
     let runtime = runtime()?;
-    // CloudWatch refuses times before the epoch (`--from 1969-12-31`); no event is older.
-    let margin = crate::aws::WRITE_DELAY_MARGIN_MS;
-    let (from, to) = filter.unix_millis();
-    let (from, to) = (from.map(|ms| (ms - margin).max(0)), to.map(|ms| (ms + margin).max(0)));
+    let (from, to) = window(filter);
     let mut read = runtime.block_on(crate::aws::read_log_group(group, from, to, verifier))?;
     for line in &mut read.unreadable {
         line.at = format!("log group {group}, {}", line.at);
     }
     Ok(read)
+}
+
+/// The records of the period in the log group handed to `each` a page at a time, as
+/// they are read (not sorted, never all held), or an event that claims to be a
+/// record, where (the group, the event and its stream) and why it is not one.
+pub(crate) fn for_each_in_log_group(
+    group: &str,
+    filter: &Filter,
+    mut each: impl FnMut(Result<AuditRecord, Unreadable>),
+) -> Result<(), String> {
+    let runtime = runtime()?;
+    let (from, to) = window(filter);
+    runtime.block_on(crate::aws::for_each_in_log_group(group, from, to, |line| {
+        each(line.map_err(|mut unreadable| {
+            unreadable.at = format!("log group {group}, {}", unreadable.at);
+            unreadable
+        }));
+    }))
+}
+
+/// The events' window (Unix ms) of the period: widened by the write delay, and never
+/// before the epoch, which CloudWatch refuses (`--from 1969-12-31`; no event is older).
+fn window(filter: &Filter) -> (Option<i64>, Option<i64>) {
+    let margin = crate::aws::WRITE_DELAY_MARGIN_MS;
+    let (from, to) = filter.unix_millis();
+    (from.map(|ms| ms.saturating_sub(margin).max(0)), to.map(|ms| ms.saturating_add(margin).max(0)))
 }

@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
-use flexway::audit::AuditSink;
 use flexway::audit::chain::Verifier;
-use flexway::audit::report::Read;
+use flexway::audit::report::{Read, Unreadable};
+use flexway::audit::{AuditRecord, AuditSink};
 use flexway::budget::{BudgetStore, LeasePolicy, LeasedBudgetStore};
 use flexway::secret::SecretSource;
 use flexway_aws::{AwsSecretSource, CloudWatchAuditSink, DynamoDbBudgetStore};
@@ -49,12 +49,28 @@ pub async fn read_log_group(
 ) -> Result<Read, String> {
     let sdk = flexway_aws::load_sdk_config().await;
     let client = aws_sdk_cloudwatchlogs::Client::new(&sdk);
-    flexway_aws::read_audit_log_group(&client, group, from, to, verifier).await.map_err(|e| match e {
+    flexway_aws::read_audit_log_group(&client, group, from, to, verifier).await.map_err(read_error)
+}
+
+/// The same records, each handed to `each` as its page is read (never all held).
+pub async fn for_each_in_log_group(
+    group: &str,
+    from: Option<i64>,
+    to: Option<i64>,
+    each: impl FnMut(Result<AuditRecord, Unreadable>),
+) -> Result<(), String> {
+    let sdk = flexway_aws::load_sdk_config().await;
+    let client = aws_sdk_cloudwatchlogs::Client::new(&sdk);
+    flexway_aws::for_each_audit_record(&client, group, from, to, each).await.map_err(read_error)
+}
+
+fn read_error(error: flexway_aws::AuditReadError) -> String {
+    match error {
         flexway_aws::AuditReadError::Query { .. } => {
-            format!("{e}\nhint: it is read with the AWS environment: AWS_REGION, credentials, AWS_ENDPOINT_URL")
+            format!("{error}\nhint: it is read with the AWS environment: AWS_REGION, credentials, AWS_ENDPOINT_URL")
         }
-        e => e.to_string(),
-    })
+        error => error.to_string(),
+    }
 }
 
 /// How much later than its `ts` a record's event can be timestamped.

@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
-use flexway::audit::AuditSink;
 use flexway::audit::chain::Verifier;
-use flexway::audit::report::Read;
+use flexway::audit::report::{Read, Unreadable};
+use flexway::audit::{AuditRecord, AuditSink};
 use flexway::budget::BudgetStore;
 use flexway::config::ProcessEnv;
 use flexway::secret::{LocalSecrets, SecretSource};
@@ -42,6 +42,15 @@ pub async fn read_log_group(
     _to: Option<i64>,
     _verifier: Option<&mut Verifier>,
 ) -> Result<Read, String> {
+    Err(format!("--log-group {group}: {NOT_BUILT}"))
+}
+
+pub async fn for_each_in_log_group(
+    group: &str,
+    _from: Option<i64>,
+    _to: Option<i64>,
+    _each: impl FnMut(Result<AuditRecord, Unreadable>),
+) -> Result<(), String> {
     Err(format!("--log-group {group}: {NOT_BUILT}"))
 }
 

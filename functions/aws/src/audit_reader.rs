@@ -1,13 +1,18 @@
-//! Reading the audit back from a CloudWatch Logs group (`flexway report --log-group`):
-//! every event of every stream, one [`AuditRecord`] per event, as
+//! Reading the audit back from a CloudWatch Logs group (`flexway report --log-group`,
+//! the reconciliation): every event of every stream, one [`AuditRecord`] per event, as
 //! [`CloudWatchAuditSink`](crate::CloudWatchAuditSink) writes them or Lambda delivers
 //! them from the function's stdout (the group is then also the function's log).
+//!
+//! [`read_audit_log_group`] holds every record of the read, sorted (the report, the
+//! chain's verification); [`for_each_audit_record`] hands them over page by page and
+//! holds none (the reconciliation, which folds a month of millions of records).
 //!
 //! An event's timestamp is when the sink wrote it: just after the call ended, so at
 //! or a little after the record's `ts`. A caller narrowing the read to a period of
 //! `ts` widens it by [`WRITE_DELAY_MARGIN_MS`] and then filters on `ts` itself.
 
 use aws_sdk_cloudwatchlogs::Client;
+use aws_sdk_cloudwatchlogs::types::FilteredLogEvent;
 use flexway::audit::AuditRecord;
 use flexway::audit::chain::{Verifier, position};
 use flexway::audit::report::{Read, Unreadable, parse_record};
@@ -55,6 +60,69 @@ pub async fn read_audit_log_group(
     let mut events: Vec<(i64, AuditRecord)> = Vec::new();
     let mut claims: Vec<(i64, String, String)> = Vec::new();
     let mut unreadable = Vec::new();
+    for_each_page(client, log_group, from_ms, to_ms, |page| {
+        for event in page {
+            if verifier.is_some() && claims_to_be_a_record(event.message().unwrap_or_default()) {
+                let message = event.message().unwrap_or_default().to_owned();
+                claims.push((event.timestamp().unwrap_or_default(), event_name(event), message));
+            }
+            match parse_event(event) {
+                Ok(Some(record)) => events.push((event.timestamp().unwrap_or_default(), record)),
+                Ok(None) => {}
+                Err(why) => unreadable.push(why),
+            }
+        }
+    })
+    .await?;
+    // A stable sort: equal timestamps keep the order received.
+    events.sort_by_key(|(timestamp, _)| *timestamp);
+    if let Some(verifier) = verifier {
+        // Lines with no chain (each one a break) first, then writer by writer.
+        claims.sort_by(|a, b| position(&a.2).cmp(&position(&b.2)));
+        for (_, at, message) in claims {
+            verifier.line(|| at, &message);
+        }
+    }
+    Ok(Read { records: events.into_iter().map(|(_, record)| record).collect(), unreadable })
+}
+
+/// The audit records in `log_group` whose event is timestamped in `from_ms..=to_ms`,
+/// as [`read_audit_log_group`] reads them, but handed to `each` a page at a time, in
+/// the order FilterLogEvents returns them (not sorted), and never held: what a read of
+/// millions of records folds as it goes. An event that claims to be a record and is not
+/// one is handed over as [`Unreadable`].
+pub async fn for_each_audit_record(
+    client: &Client,
+    log_group: &str,
+    from_ms: Option<i64>,
+    to_ms: Option<i64>,
+    mut each: impl FnMut(Result<AuditRecord, Unreadable>),
+) -> Result<(), AuditReadError> {
+    for_each_page(client, log_group, from_ms, to_ms, |page| records_of(page, &mut each)).await
+}
+
+/// Each event of `page` that is a record handed to `each` as one, each that claims to
+/// be one and is not as [`Unreadable`]; the others (the function's own lines) skipped.
+pub(crate) fn records_of(page: &[FilteredLogEvent], mut each: impl FnMut(Result<AuditRecord, Unreadable>)) {
+    for event in page {
+        match parse_event(event) {
+            Ok(Some(record)) => each(Ok(record)),
+            Ok(None) => {}
+            Err(unreadable) => each(Err(unreadable)),
+        }
+    }
+}
+
+/// The events of `log_group` in `from_ms..=to_ms` that mention a record
+/// ([`RECORD_FILTER_PATTERN`]), FilterLogEvents page after page: each page handed to
+/// `each` and dropped before the next is asked for.
+pub(crate) async fn for_each_page(
+    client: &Client,
+    log_group: &str,
+    from_ms: Option<i64>,
+    to_ms: Option<i64>,
+    mut each: impl FnMut(&[FilteredLogEvent]),
+) -> Result<(), AuditReadError> {
     let mut next_token: Option<String> = None;
     loop {
         let page = client
@@ -73,34 +141,14 @@ pub async fn read_audit_log_group(
                     AuditReadError::Query { group: log_group.to_owned(), message: error_chain(&e) }
                 }
             })?;
-        for event in page.events() {
-            if verifier.is_some() && claims_to_be_a_record(event.message().unwrap_or_default()) {
-                let message = event.message().unwrap_or_default().to_owned();
-                claims.push((event.timestamp().unwrap_or_default(), event_name(event), message));
-            }
-            match parse_event(event) {
-                Ok(Some(record)) => events.push((event.timestamp().unwrap_or_default(), record)),
-                Ok(None) => {}
-                Err(why) => unreadable.push(why),
-            }
-        }
+        each(page.events());
         // A page can be empty and still not the last: only a missing token ends the
         // read. The same token handed back would loop forever; it ends it too.
         match page.next_token() {
             Some(token) if next_token.as_deref() != Some(token) => next_token = Some(token.to_owned()),
-            _ => break,
+            _ => return Ok(()),
         }
     }
-    // A stable sort: equal timestamps keep the order received.
-    events.sort_by_key(|(timestamp, _)| *timestamp);
-    if let Some(verifier) = verifier {
-        // Lines with no chain (each one a break) first, then writer by writer.
-        claims.sort_by(|a, b| position(&a.2).cmp(&position(&b.2)));
-        for (_, at, message) in claims {
-            verifier.line(|| at, &message);
-        }
-    }
-    Ok(Read { records: events.into_iter().map(|(_, record)| record).collect(), unreadable })
 }
 
 /// The event's record; `None` for an event that is not one. The serverless stack
@@ -109,7 +157,7 @@ pub async fn read_audit_log_group(
 /// lines, EMF metrics. A record is recognised by its `schema_version` key, which the
 /// writer puts first: an event that has it and cannot be counted is unreadable, named
 /// by its event id and stream (a record cut or damaged is never skipped in silence).
-fn parse_event(event: &aws_sdk_cloudwatchlogs::types::FilteredLogEvent) -> Result<Option<AuditRecord>, Unreadable> {
+fn parse_event(event: &FilteredLogEvent) -> Result<Option<AuditRecord>, Unreadable> {
     let message = event.message().unwrap_or_default();
     match parse_record(message) {
         Ok(record) => Ok(Some(record)),
@@ -119,7 +167,7 @@ fn parse_event(event: &aws_sdk_cloudwatchlogs::types::FilteredLogEvent) -> Resul
 }
 
 /// An event as a reader finds it again: its id and its stream.
-fn event_name(event: &aws_sdk_cloudwatchlogs::types::FilteredLogEvent) -> String {
+fn event_name(event: &FilteredLogEvent) -> String {
     format!("event {} (stream {})", event.event_id().unwrap_or("?"), event.log_stream_name().unwrap_or("?"))
 }
 

@@ -22,11 +22,11 @@ use flexway::config::{AuditSinkConfig, Config, StoreConfig};
 use flexway::gateway::Adapters;
 use flexway::telemetry::Export;
 
-pub use audit_reader::{AuditReadError, WRITE_DELAY_MARGIN_MS, read_audit_log_group};
+pub use audit_reader::{AuditReadError, WRITE_DELAY_MARGIN_MS, for_each_audit_record, read_audit_log_group};
 pub use cloudwatch::CloudWatchAuditSink;
 pub use dynamodb::{DynamoDbBudgetStore, EXPIRY_INDEX, EXPIRY_SHARD};
 pub use emf::{DRIFT_METRIC, EmfAuditSink, drift_lines};
-pub use reconcile::{ReconcileJobError, Reconciled, reconcile_days};
+pub use reconcile::{ReconcileJobError, Reconciled, UNREADABLE_LISTED, fold_audit, reconcile_days};
 pub use secrets::AwsSecretSource;
 
 #[derive(Debug, thiserror::Error)]

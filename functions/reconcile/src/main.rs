@@ -5,7 +5,9 @@
 //! (`flexway_reconciliation_drift_ratio`, namespace `Flexway/<stack>`), which the
 //! template's alarm watches. The audit group is `FLEXWAY_AUDIT_LOG_GROUP`. One log
 //! line a run says what was reconciled; lines of either side that could not be read
-//! are logged one by one, never counted.
+//! are logged one by one (the audit's first [`flexway_aws::UNREADABLE_LISTED`], then how many more),
+//! never counted. The audit is folded page by page as it is read: the function's
+//! memory does not grow with the number of records.
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -57,6 +59,13 @@ async fn reconcile(job: &Job, _event: LambdaEvent<Value>) -> Result<Value, Error
     for line in &done.unreadable {
         tracing::warn!(line, "unreadable line left out of the reconciliation");
     }
+    if done.unlisted > 0 {
+        tracing::warn!(
+            unlisted = done.unlisted,
+            "more unreadable audit lines left out of the reconciliation, not listed"
+        );
+    }
+    let unreadable = u64::try_from(done.unreadable.len()).unwrap_or(u64::MAX).saturating_add(done.unlisted);
     let backends: Vec<Value> = done
         .reconciliation
         .backends
@@ -64,11 +73,6 @@ async fn reconcile(job: &Job, _event: LambdaEvent<Value>) -> Result<Value, Error
         .map(|b| json!({"backend": b.backend, "drift_ratio": b.drift_ratio, "growing": b.growing}))
         .collect();
     let growing = done.reconciliation.backends.iter().filter(|b| b.growing).count();
-    tracing::info!(
-        backends = backends.len(),
-        growing,
-        unreadable = done.unreadable.len(),
-        "reconciled the audit with the providers' usage"
-    );
-    Ok(json!({"backends": backends, "unreadable": done.unreadable.len()}))
+    tracing::info!(backends = backends.len(), growing, unreadable, "reconciled the audit with the providers' usage");
+    Ok(json!({"backends": backends, "unreadable": unreadable}))
 }

@@ -45,6 +45,50 @@ impl std::fmt::Display for Unreadable {
     }
 }
 
+/// The lines a long read could not take, listed up to a bound and counted past it: a
+/// read of millions of lines keeps the first `keep` (where and why) and the number of
+/// the others, so that a damaged audit cannot grow the list with its size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unreadables {
+    listed: Vec<Unreadable>,
+    unlisted: u64,
+    keep: usize,
+}
+
+impl Unreadables {
+    /// Every line listed.
+    pub fn all() -> Self {
+        Unreadables::first(usize::MAX)
+    }
+
+    /// The first `keep` lines listed, the others counted.
+    pub fn first(keep: usize) -> Self {
+        Unreadables { listed: Vec::new(), unlisted: 0, keep }
+    }
+
+    pub fn push(&mut self, line: Unreadable) {
+        if self.listed.len() < self.keep {
+            self.listed.push(line);
+        } else {
+            self.unlisted = self.unlisted.saturating_add(1);
+        }
+    }
+
+    /// The lines listed, in the order read.
+    pub fn listed(&self) -> &[Unreadable] {
+        &self.listed
+    }
+
+    /// The lines past the bound: counted, not listed.
+    pub fn unlisted(&self) -> u64 {
+        self.unlisted
+    }
+
+    pub fn into_listed(self) -> Vec<Unreadable> {
+        self.listed
+    }
+}
+
 /// What reading an audit gave: the records, and every line that was not one.
 #[derive(Debug, Default, PartialEq)]
 pub struct Read {
@@ -76,11 +120,23 @@ pub fn read_jsonl(reader: impl BufRead) -> Result<Read, ReportError> {
 
 /// [`read_jsonl`], each line that is text also handed to `verifier`, which checks the
 /// audit's HMAC chain (`flexway report --verify`).
-pub fn read_jsonl_verifying(
+pub fn read_jsonl_verifying(reader: impl BufRead, verifier: Option<&mut Verifier>) -> Result<Read, ReportError> {
+    let mut read = Read::default();
+    for_each_jsonl(reader, verifier, |line| match line {
+        Ok(record) => read.records.push(record),
+        Err(unreadable) => read.unreadable.push(unreadable),
+    })?;
+    Ok(read)
+}
+
+/// Each line of a JSONL audit read and handed to `each` as soon as it is: its record,
+/// or where and why it is not one; blank lines skipped, each line that is text also
+/// handed to `verifier`. Nothing is held past its line.
+pub fn for_each_jsonl(
     mut reader: impl BufRead,
     mut verifier: Option<&mut Verifier>,
-) -> Result<Read, ReportError> {
-    let mut read = Read::default();
+    mut each: impl FnMut(Result<AuditRecord, Unreadable>),
+) -> Result<(), ReportError> {
     let mut bytes = Vec::new();
     for line_no in 1.. {
         bytes.clear();
@@ -91,7 +147,7 @@ pub fn read_jsonl_verifying(
         }
         let at = || format!("line {line_no}");
         let Ok(line) = std::str::from_utf8(&bytes) else {
-            read.unreadable.push(Unreadable { at: at(), why: "not UTF-8".into() });
+            each(Err(Unreadable { at: at(), why: "not UTF-8".into() }));
             continue;
         };
         if line.trim().is_empty() {
@@ -100,12 +156,9 @@ pub fn read_jsonl_verifying(
         if let Some(verifier) = verifier.as_deref_mut() {
             verifier.line(at, line);
         }
-        match parse_record(line.trim_end_matches(['\n', '\r'])) {
-            Ok(record) => read.records.push(record),
-            Err(why) => read.unreadable.push(Unreadable { at: at(), why }),
-        }
+        each(parse_record(line.trim_end_matches(['\n', '\r'])).map_err(|why| Unreadable { at: at(), why }));
     }
-    Ok(read)
+    Ok(())
 }
 
 /// Which records count: those whose `ts` falls on a UTC date in `from..=to`.
@@ -732,6 +785,20 @@ mod tests {
         assert_eq!(at, ["line 3", "line 4", "line 5"]);
         assert!(read.unreadable[0].why.starts_with("not an audit record"), "{}", read.unreadable[0]);
         assert_eq!(read.unreadable[2].why, "not UTF-8");
+    }
+
+    #[test]
+    fn a_bounded_list_of_unreadable_lines_keeps_the_first_and_counts_the_others() {
+        let line = |n: usize| Unreadable { at: format!("line {n}"), why: "cut".into() };
+        let mut first = Unreadables::first(2);
+        let mut all = Unreadables::all();
+        for n in 1..=5 {
+            first.push(line(n));
+            all.push(line(n));
+        }
+        assert_eq!(first.listed(), [line(1), line(2)]);
+        assert_eq!(first.unlisted(), 3);
+        assert_eq!((all.into_listed().len(), 0), (5, first.into_listed().len() - 2));
     }
 
     #[test]

@@ -184,25 +184,52 @@ impl Reconciliation {
 
 type Key = (Date, String, String);
 
+/// A share of the chargeback: (backend, tenant, agent).
+type Share = (String, String, Option<String>);
+
 /// What the gateway counted: per (day, backend, model), tokens and cost.
-#[derive(Default)]
-struct GatewaySide {
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Metered {
     tokens: Tokens,
     cost: MicroEur,
 }
 
-/// Sets the audit's `records` against `provider` over the period of `filter`; with
-/// `chargeback`, the corrected chargeback too.
-pub fn reconcile(
-    records: &[AuditRecord],
-    provider: &ProviderUsage,
-    filter: &Filter,
-    chargeback: bool,
-) -> Reconciliation {
-    let mut gateway: BTreeMap<Key, GatewaySide> = BTreeMap::new();
-    let mut not_compared = BTreeSet::new();
-    for record in records.iter().filter(|r| filter.matches(r)) {
-        let Some(backend) = record.backend.as_deref() else { continue };
+/// The audit's side of a reconciliation, folded one record at a time: per UTC day,
+/// backend and model, the tokens and cost the gateway metered; with the chargeback,
+/// per backend, tenant and agent, the cost billed locally.
+///
+/// Invariant: its size grows with the days, backends, models, tenants and agents of
+/// the period, never with the number of records, so that a month of millions of
+/// records is read a page at a time and folded, never held. The order records come
+/// in does not change the result (sums only).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GatewayUsage {
+    filter: Filter,
+    metered: BTreeMap<Key, Metered>,
+    /// Per (backend, tenant, agent); `None` without the chargeback.
+    costs: Option<BTreeMap<Share, MicroEur>>,
+}
+
+impl GatewayUsage {
+    /// Nothing counted yet, for the period of `filter`; with `chargeback`, the costs
+    /// the corrected chargeback needs are counted too.
+    pub fn new(filter: &Filter, chargeback: bool) -> Self {
+        GatewayUsage { filter: filter.clone(), metered: BTreeMap::new(), costs: chargeback.then(BTreeMap::new) }
+    }
+
+    /// Counts `record` when it falls in the period.
+    pub fn add(&mut self, record: &AuditRecord) {
+        if !self.filter.matches(record) {
+            return;
+        }
+        let Some(backend) = record.backend.as_deref() else { return };
+        if let Some(costs) = &mut self.costs
+            && record.metered_by != Metering::Upstream
+        {
+            let key = (backend.to_owned(), record.tenant.clone(), record.agent.clone());
+            let cost = costs.entry(key).or_default();
+            *cost = cost.saturating_add(record.cost());
+        }
         let tokens = Tokens {
             input: record.prompt_tokens,
             output: record.completion_tokens,
@@ -210,62 +237,94 @@ pub fn reconcile(
             cache_write: record.cache_write_tokens.unwrap_or(0),
         };
         if tokens.total() == 0 && record.cost() == MicroEur(0) {
-            continue; // refused or failed before any token: nothing to compare
-        }
-        if !provider.backends.contains(backend) {
-            not_compared.insert(backend.to_owned());
-            continue;
+            return; // refused or failed before any token: nothing to compare
         }
         let model = record.model_served.as_deref().or(record.model_requested.as_deref()).unwrap_or(usage::NO_MODEL);
-        let side = gateway.entry((record_date(record), backend.to_owned(), model.to_owned())).or_default();
-        side.tokens.add(tokens);
-        side.cost = side.cost.saturating_add(record.cost());
-    }
-    let mut theirs: BTreeMap<Key, (Tokens, Option<MicroEur>)> = BTreeMap::new();
-    for row in provider.rows.iter().filter(|r| filter.contains(r.date)) {
-        let entry = theirs
-            .entry((row.date, row.backend.clone(), row.model.clone()))
-            .or_insert((Tokens::default(), Some(MicroEur(0))));
-        entry.0.add(row.tokens);
-        entry.1 = entry.1.zip(row.cost).map(|(a, b)| a.saturating_add(b));
+        let metered = self.metered.entry((record_date(record), backend.to_owned(), model.to_owned())).or_default();
+        metered.tokens.add(tokens);
+        metered.cost = metered.cost.saturating_add(record.cost());
     }
 
-    let keys: BTreeSet<&Key> = gateway.keys().chain(theirs.keys()).collect();
-    let rows: Vec<Row> = keys
-        .into_iter()
-        .map(|key| {
-            let ours = gateway.get(key);
-            let provided = theirs.get(key);
-            let seen_by = match (ours, provided) {
-                (Some(_), Some(_)) => SeenBy::Both,
-                (Some(_), None) => SeenBy::Gateway,
-                _ => SeenBy::Provider,
-            };
-            Row {
-                date: key.0,
-                backend: key.1.clone(),
-                model: key.2.clone(),
-                gateway: ours.map(|s| s.tokens).unwrap_or_default(),
-                provider: provided.map(|p| p.0).unwrap_or_default(),
-                gateway_cost: ours.map(|s| s.cost).unwrap_or_default(),
-                provider_cost: provided.map_or(Some(MicroEur(0)), |p| p.1),
-                seen_by,
+    /// How many sums it holds (days × backends × models, and the chargeback's
+    /// backends × tenants × agents): what its size grows with.
+    pub fn sums(&self) -> usize {
+        self.metered.len() + self.costs.as_ref().map_or(0, BTreeMap::len)
+    }
+
+    /// The counted usage set against `provider`'s.
+    pub fn reconcile(&self, provider: &ProviderUsage) -> Reconciliation {
+        let filter = &self.filter;
+        let mut not_compared = BTreeSet::new();
+        let mut gateway: BTreeMap<&Key, &Metered> = BTreeMap::new();
+        for (key, metered) in &self.metered {
+            if provider.backends.contains(&key.1) {
+                gateway.insert(key, metered);
+            } else {
+                not_compared.insert(key.1.clone());
             }
-        })
-        .collect();
+        }
+        let mut theirs: BTreeMap<Key, (Tokens, Option<MicroEur>)> = BTreeMap::new();
+        for row in provider.rows.iter().filter(|r| filter.contains(r.date)) {
+            let entry = theirs
+                .entry((row.date, row.backend.clone(), row.model.clone()))
+                .or_insert((Tokens::default(), Some(MicroEur(0))));
+            entry.0.add(row.tokens);
+            entry.1 = entry.1.zip(row.cost).map(|(a, b)| a.saturating_add(b));
+        }
 
-    let backends = provider.backends.iter().map(|name| backend_drift(name, &rows)).collect();
-    let mut reconciliation = Reconciliation {
-        filter: filter.clone(),
-        rows,
-        backends,
-        not_compared: not_compared.into_iter().collect(),
-        chargeback: None,
-    };
-    if chargeback {
-        reconciliation.chargeback = Some(corrected_chargeback(records, filter, &reconciliation));
+        let keys: BTreeSet<&Key> = gateway.keys().copied().chain(theirs.keys()).collect();
+        let rows: Vec<Row> = keys
+            .into_iter()
+            .map(|key| {
+                let ours = gateway.get(key);
+                let provided = theirs.get(key);
+                let seen_by = match (ours, provided) {
+                    (Some(_), Some(_)) => SeenBy::Both,
+                    (Some(_), None) => SeenBy::Gateway,
+                    _ => SeenBy::Provider,
+                };
+                Row {
+                    date: key.0,
+                    backend: key.1.clone(),
+                    model: key.2.clone(),
+                    gateway: ours.map(|s| s.tokens).unwrap_or_default(),
+                    provider: provided.map(|p| p.0).unwrap_or_default(),
+                    gateway_cost: ours.map(|s| s.cost).unwrap_or_default(),
+                    provider_cost: provided.map_or(Some(MicroEur(0)), |p| p.1),
+                    seen_by,
+                }
+            })
+            .collect();
+
+        let backends = provider.backends.iter().map(|name| backend_drift(name, &rows)).collect();
+        let mut reconciliation = Reconciliation {
+            filter: filter.clone(),
+            rows,
+            backends,
+            not_compared: not_compared.into_iter().collect(),
+            chargeback: None,
+        };
+        if let Some(costs) = &self.costs {
+            reconciliation.chargeback = Some(corrected_chargeback(costs, &reconciliation));
+        }
+        reconciliation
     }
-    reconciliation
+}
+
+/// Sets the audit's `records` against `provider` over the period of `filter`; with
+/// `chargeback`, the corrected chargeback too. A long audit is better folded as it
+/// is read ([`GatewayUsage`]): this holds every record.
+pub fn reconcile(
+    records: &[AuditRecord],
+    provider: &ProviderUsage,
+    filter: &Filter,
+    chargeback: bool,
+) -> Reconciliation {
+    let mut usage = GatewayUsage::new(filter, chargeback);
+    for record in records {
+        usage.add(record);
+    }
+    usage.reconcile(provider)
 }
 
 fn backend_drift(name: &str, rows: &[Row]) -> BackendDrift {
@@ -302,20 +361,18 @@ fn backend_drift(name: &str, rows: &[Row]) -> BackendDrift {
 /// The chargeback of the period (what `flexway report` bills locally, per tenant,
 /// agent and backend), each compared backend's shares scaled to the provider's total.
 fn corrected_chargeback(
-    records: &[AuditRecord],
-    filter: &Filter,
+    costs: &BTreeMap<Share, MicroEur>,
     reconciliation: &Reconciliation,
 ) -> Vec<ChargebackRow> {
-    let mut costs: BTreeMap<(String, String, Option<String>), MicroEur> = BTreeMap::new();
-    for record in records.iter().filter(|r| filter.matches(r) && r.metered_by != Metering::Upstream) {
-        let Some(backend) = &record.backend else { continue };
-        let key = (backend.clone(), record.tenant.clone(), record.agent.clone());
-        let cost = costs.entry(key).or_default();
-        *cost = cost.saturating_add(record.cost());
-    }
     let mut rows: Vec<ChargebackRow> = costs
-        .into_iter()
-        .map(|((backend, tenant, agent), cost)| ChargebackRow { tenant, agent, backend, cost, corrected: cost })
+        .iter()
+        .map(|((backend, tenant, agent), &cost)| ChargebackRow {
+            tenant: tenant.clone(),
+            agent: agent.clone(),
+            backend: backend.clone(),
+            cost,
+            corrected: cost,
+        })
         .collect();
     // Sorted by backend first: each backend's shares are one run.
     for shares in rows.chunk_by_mut(|a, b| a.backend == b.backend) {
@@ -624,6 +681,45 @@ mod tests {
         assert!(!growing(&[(d(1), Some(0.02)), (d(2), Some(0.0205))]), "within noise");
         assert!(!growing(&[(d(1), Some(0.02))]));
         assert!(growing(&[(d(1), Some(0.02)), (d(2), None), (d(3), Some(0.05))]), "days without a drift skipped");
+    }
+
+    #[test]
+    fn the_fold_gives_the_same_reconciliation_whatever_the_order_of_the_records() {
+        let records: Vec<AuditRecord> = (0..40u64)
+            .map(|i| AuditRecord {
+                ts: format!("2026-11-0{}T10:00:00Z", 1 + (i / 3) % 3).parse().unwrap(),
+                prompt_tokens: 100 + i,
+                // A refusal (no tokens, no cost) and a record metered upstream now and then.
+                completion_tokens: if i % 7 == 0 { 0 } else { 50 },
+                ..crate::audit::sample::record(
+                    ["acme", "globex"][(i % 2) as usize],
+                    Some(["openai", "anthropic", "local"][(i % 3) as usize]),
+                    if i % 5 == 0 { Metering::Upstream } else { Metering::Local },
+                    if i % 7 == 0 { 0 } else { 1_000 + i },
+                )
+            })
+            .collect();
+        let provider = ProviderUsage {
+            rows: vec![ProviderRow {
+                date: Date::new(2026, 11, 1).unwrap(),
+                backend: "openai".into(),
+                model: "gpt-4o-2024-08-06".into(),
+                tokens: Tokens { input: 2_000, output: 700, ..Tokens::default() },
+                cost: None,
+            }],
+            unreadable: Vec::new(),
+            backends: ["openai".to_owned(), "anthropic".to_owned()].into(),
+        };
+        let filter = Filter::new(Some("2026-11-01".into()), Some("2026-11-02".into())).unwrap();
+        let at_once = reconcile(&records, &provider, &filter, true);
+        let mut usage = GatewayUsage::new(&filter, true);
+        for record in records.iter().rev() {
+            usage.add(record);
+        }
+        assert_eq!(usage.reconcile(&provider), at_once);
+        assert_eq!(at_once.not_compared, ["local"]);
+        // Per day (2 in the period) and backend (3, one model each); per backend and tenant.
+        assert_eq!(usage.sums(), 2 * 3 + 3 * 2);
     }
 
     #[test]
