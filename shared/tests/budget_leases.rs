@@ -355,3 +355,31 @@ async fn a_killed_instance_lease_is_charged_and_freed_within_seconds() {
     assert_eq!(inner.used(&[key("day")]).await.unwrap(), [spent], "the killed one's usage charged, once");
     assert_eq!(inner.live_reservations().await.unwrap(), 0, "the killed one's lease closed");
 }
+
+/// A call refused because an instance frozen or gone still holds a lease reclaims
+/// that expired lease and is served at once, not on the caller's retry: closing a
+/// lease frees budget as a refund does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_refused_for_a_frozen_instances_lease_is_served_once_that_lease_is_reclaimed() {
+    let inner = Arc::new(MemoryBudgetStore::new());
+    // As on Lambda, each settle records the lease's usage; an hour behind: its lease
+    // expired long ago by the others' clock.
+    let policy = LeasePolicy { intent_every: Duration::ZERO, ..LeasePolicy::default() };
+    let frozen = LeasedBudgetStore::new(inner.clone(), policy).with_clock(|| NOW - 3_600);
+    // One call of 40 on a lease of several such calls.
+    let call = request("frozen-0", &[("day", 40, Some(1_000))]);
+    assert_eq!(frozen.reserve(&call).await.unwrap(), ReserveOutcome::Reserved);
+    frozen.settle(&call.reservation(), &[(key("day"), 40)]).await.unwrap();
+    let held = inner.used(&[key("day")]).await.unwrap()[0];
+    assert!(held > 40 + 1, "no lease taken: {held} of 1,000 held");
+    drop(frozen);
+
+    // A call that fits only without the lease's unused part.
+    let survivor = leased(inner.clone());
+    let amount = 1_000 - held + 1;
+    let next = request("survivor-0", &[("day", amount, Some(1_000))]);
+    assert_eq!(survivor.reserve(&next).await.unwrap(), ReserveOutcome::Reserved, "refused with the lease reclaimable");
+    survivor.settle(&next.reservation(), &[(key("day"), amount)]).await.unwrap();
+    survivor.flush().await;
+    assert_eq!(inner.used(&[key("day")]).await.unwrap(), [40 + amount], "the frozen call charged, the lease closed");
+}

@@ -560,7 +560,9 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
             state.reclaimed_at = Some(Instant::now());
         }
         match self.inner.sweep((self.clock)()).await {
-            Ok(swept) => swept.refunded + swept.charged > 0,
+            // Closing another instance's lease is what a reclaim is for: it frees
+            // budget as a refund does.
+            Ok(swept) => swept.refunded + swept.charged + swept.leases > 0,
             Err(e) => {
                 tracing::warn!(error = %e, "reclaiming expired leases failed");
                 false
