@@ -245,3 +245,20 @@ fn the_drift_alarm_reads_what_the_reconcile_function_prints() {
     let gateway = serde_norway::to_string(&template["Resources"]["GatewayRole"]).unwrap();
     assert!(!gateway.contains("UsageApiSecretArns"), "the gateway never reads an admin key");
 }
+
+/// The gateway's memory is the measured one (infra/README.md, "Memory and cost"), and a
+/// gateway deployed with `cargo lambda deploy` (docs/serverless.md) gets the same.
+#[test]
+fn a_gateway_deployed_either_way_has_the_measured_memory() {
+    let template = template();
+    let memory = template["Resources"]["GatewayFunction"]["Properties"]["MemorySize"].as_u64().unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("infra/README.md")).unwrap();
+    assert!(readme.contains(&format!("| {memory} MB (the template's) |")), "infra/README.md's cost table");
+    let docs = std::fs::read_to_string(root.join("docs/serverless.md")).unwrap();
+    let flags: Vec<&str> = docs.lines().filter_map(|line| line.split("--memory ").nth(1)).collect();
+    assert!(!flags.is_empty(), "docs/serverless.md deploys with no --memory");
+    for flag in flags {
+        assert_eq!(flag.split_whitespace().next(), Some(memory.to_string().as_str()), "docs/serverless.md: {flag}");
+    }
+}

@@ -52,6 +52,10 @@ impl Process {
         Process { child, name, logs }
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn logs(&self) -> String {
         format!("--- {} ---\n{}", self.name, self.logs.lock().unwrap().join("\n"))
     }
