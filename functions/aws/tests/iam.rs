@@ -416,30 +416,11 @@ struct Stack {
 }
 
 impl Stack {
-    /// `infra/transform` run with `PYTHON` (default: the workspace's `.venv`), which
-    /// needs the SAM translator. Never skipped: without it this test fails, saying how
-    /// to install it.
+    /// `infra/transform` with the stack's parameters (the testkit's: never skipped,
+    /// it fails saying how to install the SAM translator).
     fn transformed(name: &str, parameters: &[(&str, String)]) -> Stack {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap();
-        let python = std::env::var_os("PYTHON").map_or_else(|| root.join(".venv/bin/python"), PathBuf::from);
-        let script = root.join("infra/transform");
-        let args = parameters.iter().map(|(k, v)| format!("{k}={v}"));
-        let install = "it needs the SAM translator: `python3 -m venv .venv && .venv/bin/pip install -r \
-                       localstack/requirements.txt` (scripts/test does it), or PYTHON=<a python with \
-                       aws-sam-translator>";
-        let output = match Command::new(&python).arg(&script).args(args).output() {
-            Ok(output) => output,
-            Err(e) => panic!("cannot run {} {}: {e}; {install}", python.display(), script.display()),
-        };
-        assert!(
-            output.status.success(),
-            "{} {} failed ({}): {}\n{install}",
-            python.display(),
-            script.display(),
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let template = serde_json::from_slice(&output.stdout).unwrap();
+        let args: Vec<String> = parameters.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let template = flexway_testkit::template::transformed(&args.iter().map(String::as_str).collect::<Vec<_>>());
         let parameters = parameters.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect();
         Stack { name: name.to_owned(), template, parameters }
     }

@@ -360,10 +360,7 @@ fn backend_drift(name: &str, rows: &[Row]) -> BackendDrift {
 
 /// The chargeback of the period (what `flexway report` bills locally, per tenant,
 /// agent and backend), each compared backend's shares scaled to the provider's total.
-fn corrected_chargeback(
-    costs: &BTreeMap<Share, MicroEur>,
-    reconciliation: &Reconciliation,
-) -> Vec<ChargebackRow> {
+fn corrected_chargeback(costs: &BTreeMap<Share, MicroEur>, reconciliation: &Reconciliation) -> Vec<ChargebackRow> {
     let mut rows: Vec<ChargebackRow> = costs
         .iter()
         .map(|((backend, tenant, agent), &cost)| ChargebackRow {
