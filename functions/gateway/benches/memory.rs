@@ -12,6 +12,8 @@
 //! Needs the emulator (`localstack/start`) and cargo-lambda (`.venv/bin`, or
 //! `CARGO_LAMBDA`).
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::print_stdout)]
+
 #[path = "../tests/support/mod.rs"]
 mod support;
 
