@@ -113,6 +113,9 @@ impl Doc {
 fn assert_error(errors: &[Diagnostic], path: &str, fragment: &str) -> String {
     let found = errors.iter().find(|e| e.path == path).unwrap_or_else(|| panic!("no error at {path}: {errors:#?}"));
     assert!(found.message.contains(fragment), "{path}: `{}` lacks `{fragment}`", found.message);
+    // One line of prose: a string literal broken across source lines without `\`
+    // carries the next line's indentation into the message.
+    assert!(!found.message.contains("  "), "{path}: a run of spaces in `{}`", found.message);
     found.message.clone()
 }
 

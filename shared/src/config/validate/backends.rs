@@ -153,7 +153,8 @@ impl Checker<'_> {
                     Some(_) if picker.failure_mode == FailureMode::FailClose => {
                         self.error(
                             format!("{path}.members"),
-                            "used only when the picker cannot answer and `endpoint_picker.failure_mode` is                              fail_open; with fail_close they would never serve",
+                            "used only when the picker cannot answer and `endpoint_picker.failure_mode` is \
+                             fail_open; with fail_close they would never serve",
                         );
                         None
                     }
@@ -162,7 +163,8 @@ impl Checker<'_> {
                 if picker.failure_mode == FailureMode::FailOpen && members.as_ref().is_some_and(Vec::is_empty) {
                     self.warn(
                         format!("{path}.endpoint_picker.failure_mode"),
-                        "fail_open without `members`: a call the picker cannot answer goes to the pool's                          fallbacks, or is refused (503 picker_unavailable)",
+                        "fail_open without `members`: a call the picker cannot answer goes to the pool's \
+                         fallbacks, or is refused (503 picker_unavailable)",
                     );
                 }
                 self.check_pool(&path, external, None, members.as_deref(), catalog);

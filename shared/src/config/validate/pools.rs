@@ -43,7 +43,8 @@ impl Checker<'_> {
                 self.error(
                     url_path,
                     format!(
-                        "`{url}` is not an http://host:port address: the picker is spoken to over HTTP/2                          cleartext, as the Inference Extension's pickers serve"
+                        "`{url}` is not an http://host:port address: the picker is spoken to over HTTP/2 \
+                         cleartext, as the Inference Extension's pickers serve"
                     ),
                 );
                 return None;
