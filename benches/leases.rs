@@ -186,6 +186,15 @@ impl BudgetStore for SimulatedDynamoDb {
     async fn live_reservations(&self) -> Result<usize, StoreError> {
         self.inner.live_reservations().await
     }
+    async fn create_run(&self, run: &flexway::budget::run::Run) -> Result<bool, StoreError> {
+        self.inner.create_run(run).await
+    }
+    async fn run(&self, id: &str) -> Result<Option<flexway::budget::run::Run>, StoreError> {
+        self.inner.run(id).await
+    }
+    async fn end_run(&self, id: &str, at: u64) -> Result<flexway::budget::run::RunEnd, StoreError> {
+        self.inner.end_run(id, at).await
+    }
 }
 
 fn key(name: &str) -> CounterKey {

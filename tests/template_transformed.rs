@@ -653,6 +653,15 @@ impl BudgetStore for LateChargesFail {
     async fn live_reservations(&self) -> Result<usize, StoreError> {
         self.0.live_reservations().await
     }
+    async fn create_run(&self, run: &flexway::budget::run::Run) -> Result<bool, StoreError> {
+        self.0.create_run(run).await
+    }
+    async fn run(&self, id: &str) -> Result<Option<flexway::budget::run::Run>, StoreError> {
+        self.0.run(id).await
+    }
+    async fn end_run(&self, id: &str, at: u64) -> Result<flexway::budget::run::RunEnd, StoreError> {
+        self.0.end_run(id, at).await
+    }
 }
 
 thread_local! {

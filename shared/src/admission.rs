@@ -19,9 +19,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::budget::plan::{self, Allowance, Budget};
+use crate::budget::plan::{self, Allowance, Budget, Kind, Pace};
 use crate::budget::ticket::Unanswered;
-use crate::budget::{ReserveOutcome, ReserveRequest, Ticket, period::unix_now};
+use crate::budget::{ReserveOutcome, ReserveRequest, Run, Ticket, period::unix_now};
 use crate::call::Criticality;
 use crate::config::Capability;
 use crate::error::GatewayError;
@@ -87,28 +87,47 @@ enum Decided {
     Refused(usize),
 }
 
-pub async fn admit(
-    gateway: &Gateway,
-    caller: &Caller,
-    request_id: &str,
-    demand: &Demand,
-) -> Result<Admission, GatewayError> {
+/// Who reserves, and where a call's window standing goes (`x-ratelimit-*`): set
+/// whenever a window applies, on an admission and on a refusal alike.
+pub struct Reserving<'a> {
+    pub caller: &'a Caller,
+    /// The run the call joined (`Flexway-Run`), read and checked by the driver.
+    pub run: Option<&'a Run>,
+    pub request_id: &'a str,
+    pub pace: &'a mut Option<Pace>,
+}
+
+pub async fn admit(gateway: &Gateway, who: Reserving<'_>, demand: &Demand) -> Result<Admission, GatewayError> {
+    let Reserving { caller, run, request_id, pace } = who;
     let now = unix_now();
     let config = &gateway.config;
-    let budgets = plan::budgets_for(config, &caller.tenant, caller.agent.as_ref().map(|a| a.as_str()), now);
+    let budgets = plan::counters_for(config, caller, run, now);
     let threshold = config.ai.budget.soft.as_ref().map(|s| s.threshold_ppm);
     let unread = vec![0; budgets.len()];
     let assumed_soft = threshold
         .is_some_and(|t| plan::is_soft(&budgets, &unread, t) || gateway.soft_hints.any(&budgets, Instant::now()));
     let first =
         Decision { budgets: &budgets, used: &unread, soft: assumed_soft, guard: threshold.filter(|_| !assumed_soft) };
-    if let Decided::Admitted(admission) = decide(gateway, caller, request_id, demand, &first, now).await? {
-        return Ok(admission);
+    let refused = match decide(gateway, caller, request_id, demand, &first, now).await? {
+        Decided::Admitted(admission) => {
+            *pace = paced(gateway, &budgets).await?;
+            return Ok(admission);
+        }
+        Decided::Refused(line) => line,
+    };
+    // A window refused: no clamp makes room in it, the call waits for the next minute.
+    if matches!(budgets[refused].kind, Kind::Window(_)) {
+        *pace = paced(gateway, &budgets).await?;
+        return Err(refusal(gateway, caller, &budgets[refused], now));
     }
     // A limit or the soft threshold refused: read the counters and decide again.
     let keys: Vec<_> = budgets.iter().map(|b| b.key.clone()).collect();
     let used = gateway.budgets.used(&keys).await?;
+    *pace = Pace::of(&budgets, &used);
     for (budget, used) in budgets.iter().zip(&used) {
+        if !budget.is_period() {
+            continue;
+        }
         if let Some(limit) = budget.limit {
             gateway.metrics.set_budget_remaining(
                 caller.tenant.as_str(),
@@ -123,10 +142,29 @@ pub async fn admit(
     }
     let read = Decision { budgets: &budgets, used: &used, soft, guard: None };
     match decide(gateway, caller, request_id, demand, &read, now).await? {
-        Decided::Admitted(admission) => Ok(admission),
+        Decided::Admitted(admission) => {
+            *pace = paced(gateway, &budgets).await?;
+            Ok(admission)
+        }
         // Lines are the budgets, in order.
-        Decided::Refused(line) => Err(exceeded(&budgets[line], now)),
+        Decided::Refused(line) => {
+            *pace = paced(gateway, &budgets).await?;
+            Err(refusal(gateway, caller, &budgets[line], now))
+        }
     }
+}
+
+/// The caller's standing in its windows, read after its reservation (one read of the
+/// window counters, only when a window applies).
+async fn paced(gateway: &Gateway, budgets: &[Budget]) -> Result<Option<Pace>, GatewayError> {
+    let windows: Vec<&Budget> = budgets.iter().filter(|b| matches!(b.kind, Kind::Window(_))).collect();
+    if windows.is_empty() {
+        return Ok(None);
+    }
+    let keys: Vec<_> = windows.iter().map(|b| b.key.clone()).collect();
+    let used = gateway.budgets.used(&keys).await?;
+    let windows: Vec<Budget> = windows.into_iter().cloned().collect();
+    Ok(Pace::of(&windows, &used))
 }
 
 async fn decide(
@@ -177,11 +215,13 @@ async fn decide(
     };
     // Refused here only when even the counters' lowest value could not hold the call.
     let planned = plan::plan(budgets, decision.used, demand.prompt_tokens, allowance, price)
-        .map_err(|index| exceeded(&budgets[index], now))?;
+        .map_err(|index| unplanned(gateway, caller, &budgets[index], demand.prompt_tokens, now))?;
     let mut lines = planned.lines;
     if let Some(threshold_ppm) = decision.guard {
-        for line in &mut lines {
-            line.limit = line.limit.map(|limit| under_soft(limit, line.amount, threshold_ppm));
+        for (line, budget) in lines.iter_mut().zip(budgets.iter()) {
+            if budget.is_period() {
+                line.limit = line.limit.map(|limit| under_soft(limit, line.amount, threshold_ppm));
+            }
         }
     }
     let mut life: u64 = route.candidates.iter().map(|c| gateway.attempt_time(&c.backend).as_secs() + 1).sum();
@@ -210,14 +250,14 @@ async fn decide(
 /// fits: the session ends there. No routing: a session never moves.
 pub async fn reserve_turn(
     gateway: &Gateway,
-    caller: &Caller,
-    request_id: &str,
+    who: Reserving<'_>,
     prompt: u64,
     price: crate::config::Price,
 ) -> Result<(Ticket, u64), GatewayError> {
+    let Reserving { caller, run, request_id, pace } = who;
     let now = unix_now();
     let config = &gateway.config;
-    let budgets = plan::budgets_for(config, &caller.tenant, caller.agent.as_ref().map(|a| a.as_str()), now);
+    let budgets = plan::counters_for(config, caller, run, now);
     let allowance = Allowance {
         per_choice: u64::from(config.ai.budget.default_max_tokens),
         choices: 1,
@@ -226,7 +266,8 @@ pub async fn reserve_turn(
     let mut used = vec![0; budgets.len()];
     let mut read = false;
     loop {
-        let planned = plan::plan(&budgets, &used, prompt, allowance, price).map_err(|i| exceeded(&budgets[i], now))?;
+        let planned = plan::plan(&budgets, &used, prompt, allowance, price)
+            .map_err(|i| unplanned(gateway, caller, &budgets[i], prompt, now))?;
         let expires_at = now + STREAM_RESERVATION_SECS;
         let request = ReserveRequest { request_id: request_id.to_owned(), lines: planned.lines, expires_at };
         let unanswered = Unanswered::new(&gateway.budgets, &request);
@@ -234,10 +275,14 @@ pub async fn reserve_turn(
         unanswered.answered(&outcome);
         match outcome? {
             ReserveOutcome::Reserved => {
+                *pace = paced(gateway, &budgets).await?;
                 let ticket = Ticket::new(gateway.budgets.clone(), request.reservation(), budgets, now);
                 return Ok((ticket, planned.per_choice));
             }
-            ReserveOutcome::Refused { line } if read => return Err(exceeded(&budgets[line], now)),
+            ReserveOutcome::Refused { line } if read || matches!(budgets[line].kind, Kind::Window(_)) => {
+                *pace = paced(gateway, &budgets).await?;
+                return Err(refusal(gateway, caller, &budgets[line], now));
+            }
             // A limit refused: read the counters, and plan again (clamped) on them.
             ReserveOutcome::Refused { .. } => {
                 let keys: Vec<_> = budgets.iter().map(|b| b.key.clone()).collect();
@@ -284,18 +329,25 @@ fn under_soft(limit: u64, amount: u64, threshold_ppm: u32) -> u64 {
 /// `request_id` names the reservation (a call may hold several: `req_..`, `req_../2`).
 pub async fn reserve_eur(
     gateway: &Gateway,
-    caller: &Caller,
-    request_id: &str,
+    who: Reserving<'_>,
     amount: crate::money::MicroEur,
     life_secs: u64,
 ) -> Result<Ticket, GatewayError> {
+    let Reserving { caller, run, request_id, pace } = who;
     let now = unix_now();
-    let budgets = plan::budgets_for(&gateway.config, &caller.tenant, caller.agent.as_ref().map(|a| a.as_str()), now);
+    let budgets = plan::counters_for(&gateway.config, caller, run, now);
+    // The call's first step counts as one request in every request window (and one of
+    // its run's calls); later steps (`name/2`, ...) count euros only.
+    let first = !request_id.contains('/');
     let lines = budgets
         .iter()
         .map(|b| crate::budget::Line {
             key: b.key.clone(),
-            amount: if b.unit == crate::budget::Unit::MicroEur { amount.0 } else { 0 },
+            amount: match b.unit {
+                crate::budget::Unit::MicroEur => amount.0,
+                crate::budget::Unit::Requests if first => 1,
+                _ => 0,
+            },
             limit: b.limit,
         })
         .collect();
@@ -303,16 +355,47 @@ pub async fn reserve_eur(
     let unanswered = Unanswered::new(&gateway.budgets, &request);
     let outcome = gateway.budgets.reserve(&request).await;
     unanswered.answered(&outcome);
-    match outcome? {
+    let outcome = outcome?;
+    *pace = paced(gateway, &budgets).await?;
+    match outcome {
         ReserveOutcome::Reserved => Ok(Ticket::new(gateway.budgets.clone(), request.reservation(), budgets, now)),
-        ReserveOutcome::Refused { line } => Err(exceeded(&budgets[line], now)),
+        ReserveOutcome::Refused { line } => Err(refusal(gateway, caller, &budgets[line], now)),
     }
 }
 
-fn exceeded(budget: &Budget, now: u64) -> GatewayError {
-    GatewayError::BudgetExceeded {
-        budget: budget.name.clone(),
-        retry_after_secs: budget.resets_at.saturating_sub(now).max(1),
+/// The refusal of a call that `budget`'s limit did not let through: a budget's or a
+/// run's `budget_exceeded`, a window's `rate_limit_exceeded` (counted per holder).
+fn refusal(gateway: &Gateway, caller: &Caller, budget: &Budget, now: u64) -> GatewayError {
+    let until_reset = budget.resets_at.saturating_sub(now).max(1);
+    match budget.kind {
+        Kind::Period => {
+            GatewayError::BudgetExceeded { budget: budget.name.clone(), retry_after_secs: Some(until_reset) }
+        }
+        Kind::Run => GatewayError::BudgetExceeded { budget: budget.name.clone(), retry_after_secs: None },
+        Kind::Window(rate) => {
+            gateway.metrics.rate_limited(caller.tenant.as_str(), &budget.name, rate.as_str());
+            GatewayError::RateLimited {
+                holder: budget.name.clone(),
+                kind: rate,
+                limit: budget.limit.unwrap_or(0),
+                retry_after_secs: until_reset.min(60),
+            }
+        }
+    }
+}
+
+/// A call that no state of `budget`'s counter could hold: beyond a budget or a run,
+/// that is its refusal; beyond a window's whole limit, it could never pass (400).
+fn unplanned(gateway: &Gateway, caller: &Caller, budget: &Budget, prompt: u64, now: u64) -> GatewayError {
+    match budget.kind {
+        Kind::Window(rate) => crate::call::InvalidRequest::message(format!(
+            "this request can never fit {} {rate} of {}: its prompt is up to {prompt} tokens, and with the minimum \
+             completion it needs more than the whole window",
+            budget.name,
+            budget.limit.unwrap_or(0)
+        ))
+        .into(),
+        _ => refusal(gateway, caller, budget, now),
     }
 }
 
@@ -322,7 +405,14 @@ mod tests {
     use crate::budget::{CounterKey, Unit};
 
     fn budget(limit: u64) -> Budget {
-        Budget { name: "b".into(), key: CounterKey("k".into()), unit: Unit::Tokens, limit: Some(limit), resets_at: 0 }
+        Budget {
+            name: "b".into(),
+            key: CounterKey("k".into()),
+            unit: Unit::Tokens,
+            limit: Some(limit),
+            resets_at: 0,
+            kind: Kind::Period,
+        }
     }
 
     /// The tightened condition (`used <= limit' - amount`) admits exactly the counters

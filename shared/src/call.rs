@@ -85,6 +85,11 @@ pub const MAX_MODEL_BYTES: usize = 256;
 pub const MAX_USER_BYTES: usize = 1024;
 
 impl InvalidRequest {
+    /// A refusal of the request as a whole (no one parameter at fault).
+    pub fn message(message: String) -> InvalidRequest {
+        InvalidRequest { message, param: None }
+    }
+
     /// Refuses a caller's `text` (its `param`: a model name, a user) over `max` bytes.
     pub fn check_bounded(param: &'static str, text: &str, max: usize) -> Result<(), InvalidRequest> {
         if text.len() > max {
@@ -248,6 +253,9 @@ pub enum ErrorCode {
     ImageTooLarge,
     HeadersTooLarge,
     BudgetExceeded,
+    RateLimitExceeded,
+    RunNotFound,
+    RunEnded,
     RealtimeUnavailable,
     LedgerBusy,
     InternalError,
@@ -268,7 +276,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order of SPEC §2's table and then the others.
-    pub const ALL: [ErrorCode; 27] = [
+    pub const ALL: [ErrorCode; 30] = [
         ErrorCode::InvalidRequest,
         ErrorCode::CapabilityUnavailable,
         ErrorCode::ImageOriginNotAllowed,
@@ -284,6 +292,9 @@ impl ErrorCode {
         ErrorCode::ImageTooLarge,
         ErrorCode::HeadersTooLarge,
         ErrorCode::BudgetExceeded,
+        ErrorCode::RateLimitExceeded,
+        ErrorCode::RunNotFound,
+        ErrorCode::RunEnded,
         ErrorCode::RealtimeUnavailable,
         ErrorCode::LedgerBusy,
         ErrorCode::InternalError,
@@ -315,6 +326,9 @@ impl ErrorCode {
             ErrorCode::ImageTooLarge => "image_too_large",
             ErrorCode::HeadersTooLarge => "headers_too_large",
             ErrorCode::BudgetExceeded => "budget_exceeded",
+            ErrorCode::RateLimitExceeded => "rate_limit_exceeded",
+            ErrorCode::RunNotFound => "run_not_found",
+            ErrorCode::RunEnded => "run_ended",
             ErrorCode::RealtimeUnavailable => "realtime_unavailable",
             ErrorCode::LedgerBusy => "ledger_busy",
             ErrorCode::InternalError => "internal_error",
@@ -347,7 +361,9 @@ impl ErrorCode {
             ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorCode::BodyTooLarge | ErrorCode::ImageTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorCode::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            ErrorCode::BudgetExceeded => StatusCode::TOO_MANY_REQUESTS,
+            ErrorCode::BudgetExceeded | ErrorCode::RateLimitExceeded => StatusCode::TOO_MANY_REQUESTS,
+            ErrorCode::RunNotFound => StatusCode::NOT_FOUND,
+            ErrorCode::RunEnded => StatusCode::CONFLICT,
             ErrorCode::RealtimeUnavailable => StatusCode::NOT_IMPLEMENTED,
             ErrorCode::LedgerBusy | ErrorCode::UpstreamUnavailable | ErrorCode::Overloaded => {
                 StatusCode::SERVICE_UNAVAILABLE

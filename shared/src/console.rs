@@ -221,6 +221,8 @@ fn row(budget: &Budget, used: u64, threshold: Option<u32>, now: u64) -> BudgetRo
         (Unit::MicroEur, _) => "eur_per_month",
         (Unit::Tokens, "tokens_per_day") => "tokens_per_day",
         (Unit::Tokens, _) => "tokens_per_month",
+        // Rows are a tenant's and its agents' budgets, never a window or a run.
+        (Unit::Requests, _) => "requests",
     };
     let state = match budget.limit {
         Some(limit) if used >= limit => CapState::Exceeded,

@@ -79,8 +79,28 @@ pub enum GatewayError {
         "the request headers are too large: the gateway reads at most {max_headers} headers of {max_bytes} bytes in all"
     )]
     HeadersTooLarge { max_headers: usize, max_bytes: usize },
-    #[error("budget exceeded: {budget}; it resets in {retry_after_secs} s")]
-    BudgetExceeded { budget: String, retry_after_secs: u64 },
+    /// A hard cap: a tenant's or agent's budget (`Retry-After` to its period's reset),
+    /// or a run's (SPEC §15: `None`, it never resets).
+    #[error(
+        "budget exceeded: {budget}{}",
+        .retry_after_secs.map(|s| format!("; it resets in {s} s")).unwrap_or_else(|| "; it does not reset".to_owned())
+    )]
+    BudgetExceeded { budget: String, retry_after_secs: Option<u64> },
+    /// A per-minute limit (SPEC §14): `holder` names it (`tenant acme`, `agent acme/bot`,
+    /// `key 9f86d081…`); the window ends in `retry_after_secs` (1–60).
+    #[error("rate limit reached: {holder} {kind} ({limit}); retry in {retry_after_secs} s")]
+    RateLimited { holder: String, kind: crate::budget::plan::Rate, limit: u64, retry_after_secs: u64 },
+    /// Every candidate backend is at its provider quota (SPEC §14).
+    #[error(
+        "every backend that could serve this call is at its provider quota ({backends}); retry in {retry_after_secs} s"
+    )]
+    BackendQuota { backends: String, retry_after_secs: u64 },
+    /// A `Flexway-Run` that is not the caller's or does not exist: never says which.
+    #[error("run `{run}` was not found")]
+    RunNotFound { run: String },
+    /// A run past its `expires_at`, or ended (by its own or an ancestor's `DELETE`).
+    #[error("run `{run}` has ended ({why}): start another run")]
+    RunEnded { run: String, why: &'static str },
     #[error("backend `{backend}` answered with an invalid response: {detail}; {attempts}")]
     UpstreamError { backend: BackendId, detail: String, attempts: Attempts },
     #[error(
@@ -153,6 +173,9 @@ impl GatewayError {
             GatewayError::ImageTooLarge { .. } => ErrorCode::ImageTooLarge,
             GatewayError::HeadersTooLarge { .. } => ErrorCode::HeadersTooLarge,
             GatewayError::BudgetExceeded { .. } => ErrorCode::BudgetExceeded,
+            GatewayError::RateLimited { .. } | GatewayError::BackendQuota { .. } => ErrorCode::RateLimitExceeded,
+            GatewayError::RunNotFound { .. } => ErrorCode::RunNotFound,
+            GatewayError::RunEnded { .. } => ErrorCode::RunEnded,
             GatewayError::UpstreamError { .. } => ErrorCode::UpstreamError,
             GatewayError::UpstreamUnavailable { .. } => ErrorCode::UpstreamUnavailable,
             GatewayError::UpstreamTimeout { .. } => ErrorCode::UpstreamTimeout,
@@ -175,11 +198,38 @@ impl GatewayError {
         }
     }
 
+    /// Whether the same request may pass later (SPEC §14, `x-should-retry`): never
+    /// for a 4xx (but a 408 and a rate limit, which pass once the window turns), and
+    /// yes for a rate limit and an overload. `None`: said nothing (the SDKs decide).
+    pub fn should_retry(&self) -> Option<bool> {
+        match self {
+            GatewayError::RateLimited { .. } | GatewayError::BackendQuota { .. } | GatewayError::Overloaded { .. } => {
+                Some(true)
+            }
+            other if other.status().is_client_error() && other.status() != StatusCode::REQUEST_TIMEOUT => Some(false),
+            _ => None,
+        }
+    }
+
     /// Response headers this error carries besides the envelope.
     pub fn headers(&self) -> Vec<(&'static str, String)> {
+        let mut headers = self.own_headers();
+        if let Some(retry) = self.should_retry() {
+            headers.push(("x-should-retry", retry.to_string()));
+        }
+        headers
+    }
+
+    fn own_headers(&self) -> Vec<(&'static str, String)> {
         match self {
             GatewayError::BudgetExceeded { retry_after_secs, .. } => {
-                vec![("retry-after", retry_after_secs.to_string())]
+                retry_after_secs.iter().map(|s| ("retry-after", s.to_string())).collect()
+            }
+            GatewayError::RateLimited { kind, retry_after_secs, .. } => {
+                vec![("retry-after", retry_after_secs.to_string()), ("flexway-error-cause", kind.cause().to_owned())]
+            }
+            GatewayError::BackendQuota { retry_after_secs, .. } => {
+                vec![("retry-after", retry_after_secs.to_string()), ("flexway-error-cause", "backend_quota".to_owned())]
             }
             GatewayError::LedgerBusy => vec![("retry-after", "1".to_owned())],
             GatewayError::Overloaded { .. } => {

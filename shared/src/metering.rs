@@ -14,8 +14,10 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use crate::admission::{STREAM_RESERVATION_SECS, reserve_eur};
+use crate::admission::{Reserving, STREAM_RESERVATION_SECS, reserve_eur};
+use crate::budget::Run;
 use crate::budget::Ticket;
+use crate::budget::plan::Pace;
 use crate::call::RequestId;
 use crate::config::{AiOperation, GrpcMetering};
 use crate::error::GatewayError;
@@ -47,9 +49,13 @@ pub enum Stop {
 pub struct Meter {
     pub gateway: Arc<Gateway>,
     caller: Caller,
+    /// The run the call joined: every step counts in it.
+    run: Option<Arc<Run>>,
     request_id: String,
     operation: Option<AiOperation>,
     life_secs: u64,
+    /// The caller's standing in its windows at the first step.
+    pace: Mutex<Option<Pace>>,
     held: tokio::sync::Mutex<Held>,
     /// A step refused at the cap, or a message too large: how the call ends.
     stop: Mutex<Option<Stop>>,
@@ -72,6 +78,7 @@ impl Meter {
     pub fn new(
         gateway: Arc<Gateway>,
         caller: Caller,
+        run: Option<Arc<Run>>,
         request_id: &RequestId,
         operation: Option<AiOperation>,
         timeout: Duration,
@@ -79,12 +86,19 @@ impl Meter {
         Meter {
             gateway,
             caller,
+            run,
             request_id: request_id.0.clone(),
+            pace: Mutex::new(None),
             operation,
             life_secs: timeout.as_secs() + STREAM_RESERVATION_SECS,
             held: tokio::sync::Mutex::new(Held::default()),
             stop: Mutex::new(None),
         }
+    }
+
+    /// The caller's standing in its windows at the first step, if one applies.
+    pub fn pace(&self) -> Option<Pace> {
+        *self.pace.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     pub fn per_byte(&self) -> Option<&AiOperation> {
@@ -114,7 +128,13 @@ impl Meter {
             0 => self.request_id.clone(),
             n => format!("{}/{}", self.request_id, n + 1),
         };
-        let ticket = reserve_eur(&self.gateway, &self.caller, &id, amount, self.life_secs).await?;
+        let mut pace = None;
+        let who = Reserving { caller: &self.caller, run: self.run.as_deref(), request_id: &id, pace: &mut pace };
+        let reserved = reserve_eur(&self.gateway, who, amount, self.life_secs).await;
+        if held.tickets.is_empty() && pace.is_some() {
+            *self.pace.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = pace;
+        }
+        let ticket = reserved?;
         held.period.get_or_insert_with(|| ticket.period());
         held.tickets.push((ticket, amount));
         held.covered += units;

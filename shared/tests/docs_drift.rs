@@ -49,7 +49,7 @@ fn one_of_each() -> Vec<GatewayError> {
         GatewayError::BodyTooLarge { limit: 1 },
         GatewayError::ImageTooLarge { limit: 1 },
         GatewayError::HeadersTooLarge { max_headers: 1, max_bytes: 1 },
-        GatewayError::BudgetExceeded { budget: "b".into(), retry_after_secs: 1 },
+        GatewayError::BudgetExceeded { budget: "b".into(), retry_after_secs: Some(1) },
         GatewayError::UpstreamError { backend: BackendId::new("a"), detail: "d".into(), attempts: attempts.clone() },
         GatewayError::UpstreamUnavailable {
             cause: UnavailableCause::UpstreamFailed,
@@ -311,7 +311,14 @@ fn cell(description: &str) -> String {
 // ---------------------------------------------------------------- docs/budgets.md
 
 fn budget(name: &str, unit: Unit, limit: Option<u64>) -> Budget {
-    Budget { name: name.into(), key: CounterKey(name.into()), unit, limit, resets_at: 0 }
+    Budget {
+        name: name.into(),
+        key: CounterKey(name.into()),
+        unit,
+        limit,
+        resets_at: 0,
+        kind: flexway::budget::plan::Kind::Period,
+    }
 }
 
 /// Euros per million tokens as the config stores them.

@@ -118,7 +118,13 @@ fn yaml(g: &GenConfig) -> String {
 }
 
 fn caller() -> Caller {
-    Caller { tenant: TenantId::new("t"), agent: None, key_sha256: [0; 32], relay_peer: false }
+    Caller {
+        tenant: TenantId::new("t"),
+        agent: None,
+        key_sha256: [0; 32],
+        relay_peer: false,
+        key_limits: Default::default(),
+    }
 }
 
 proptest! {

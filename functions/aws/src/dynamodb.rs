@@ -553,6 +553,16 @@ impl BudgetStore for DynamoDbBudgetStore {
         }
         Ok(count)
     }
+    // TEMPORARY (being written): runs on DynamoDB.
+    async fn create_run(&self, _: &flexway::budget::Run) -> Result<bool, StoreError> {
+        Err(StoreError::Backend("runs: not yet on DynamoDB".into()))
+    }
+    async fn run(&self, _: &str) -> Result<Option<flexway::budget::Run>, StoreError> {
+        Err(StoreError::Backend("runs: not yet on DynamoDB".into()))
+    }
+    async fn end_run(&self, _: &str, _: u64) -> Result<flexway::budget::RunEnd, StoreError> {
+        Err(StoreError::Backend("runs: not yet on DynamoDB".into()))
+    }
 }
 
 impl DynamoDbBudgetStore {

@@ -220,7 +220,13 @@ ai:
 }
 
 fn acme() -> Caller {
-    Caller { tenant: TenantId::new("acme"), agent: None, key_sha256: [0; 32], relay_peer: false }
+    Caller {
+        tenant: TenantId::new("acme"),
+        agent: None,
+        key_sha256: [0; 32],
+        relay_peer: false,
+        key_limits: Default::default(),
+    }
 }
 
 const CHAT: Demand = Demand {
@@ -239,7 +245,9 @@ const CHAT: Demand = Demand {
 
 /// One served call through the real admission and ticket: what it sends to DynamoDB.
 async fn served_call(gateway: &flexway::Gateway, id: &str) -> bool {
-    let admission = admit(gateway, &acme(), id, &CHAT).await.unwrap();
+    let caller = acme();
+    let who = flexway::admission::Reserving { caller: &caller, run: None, request_id: id, pace: &mut None };
+    let admission = admit(gateway, who, &CHAT).await.unwrap();
     let price = Price {
         input_per_mtok: flexway::money::MicroEur(2_000_000),
         output_per_mtok: flexway::money::MicroEur(8_000_000),

@@ -107,6 +107,9 @@ pub struct AuditRecord {
     /// uses the date of `ts`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub period: Option<String>,
+    /// The run the call named in `Flexway-Run` (SPEC §15), refused calls included.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<String>,
     /// With `audit.chain_key`: `{writer}:{seq}:{mac}`, the record's place in its
     /// writer's sequence and its HMAC-SHA256 over the record before (see
     /// `flexway report --verify`). Always the last field. Absent otherwise.
@@ -356,6 +359,7 @@ mod tests {
             pick_reason: None,
             criticality: None,
             period: None,
+            run: None,
             chain: None,
         }
     }

@@ -39,6 +39,7 @@ pub fn record(tenant: &str, backend: Option<&str>, metered_by: Metering, cost: u
         pick_reason: None,
         criticality: None,
         period: None,
+        run: None,
         chain: None,
     }
 }

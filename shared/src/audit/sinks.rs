@@ -245,6 +245,7 @@ mod tests {
             pick_reason: None,
             criticality: None,
             period: None,
+            run: None,
             chain: None,
         }
     }

@@ -13,7 +13,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use super::plan::Budget;
+use super::plan::{Budget, Kind};
 use super::ticket::{self, Ticket};
 use super::{
     BudgetStore, CounterKey, IntentOutcome, Line, Reservation, ReserveOutcome, ReserveRequest, SettleOutcome,
@@ -461,6 +461,15 @@ impl BudgetStore for Slow {
     async fn live_reservations(&self) -> Result<usize, StoreError> {
         self.inner.live_reservations().await
     }
+    async fn create_run(&self, run: &super::run::Run) -> Result<bool, StoreError> {
+        self.inner.create_run(run).await
+    }
+    async fn run(&self, id: &str) -> Result<Option<super::run::Run>, StoreError> {
+        self.inner.run(id).await
+    }
+    async fn end_run(&self, id: &str, at: u64) -> Result<super::run::RunEnd, StoreError> {
+        self.inner.end_run(id, at).await
+    }
 }
 
 /// A reservation whose caller is dropped after the store wrote it and before its
@@ -532,6 +541,15 @@ impl BudgetStore for FailingSettles {
     async fn live_reservations(&self) -> Result<usize, StoreError> {
         self.inner.live_reservations().await
     }
+    async fn create_run(&self, run: &super::run::Run) -> Result<bool, StoreError> {
+        self.inner.create_run(run).await
+    }
+    async fn run(&self, id: &str) -> Result<Option<super::run::Run>, StoreError> {
+        self.inner.run(id).await
+    }
+    async fn end_run(&self, id: &str, at: u64) -> Result<super::run::RunEnd, StoreError> {
+        self.inner.end_run(id, at).await
+    }
 }
 
 /// A ticket over counters `t` (tokens) and `e` (micro-euros), reserved 100 and 500.
@@ -539,7 +557,14 @@ impl BudgetStore for FailingSettles {
 async fn ticket(store: Arc<dyn BudgetStore>, id: &str) -> Result<Ticket, String> {
     let reserved = request(id, &[("t", 100, Some(1000)), ("e", 500, Some(10_000))], NOW + 60);
     call!(store.reserve(&reserved));
-    let budget = |name: &str, unit| Budget { name: name.to_owned(), key: key(name), unit, limit: None, resets_at: 0 };
+    let budget = |name: &str, unit| Budget {
+        name: name.to_owned(),
+        key: key(name),
+        unit,
+        limit: None,
+        resets_at: 0,
+        kind: Kind::Period,
+    };
     Ok(Ticket::new(
         store,
         reserved.reservation(),

@@ -888,4 +888,14 @@ impl<S: BudgetStore + 'static> BudgetStore for LeasedBudgetStore<S> {
         let local = state.calls.values().filter(|c| !c.swept).count();
         Ok(inner.saturating_sub(state.leases.len()) + local)
     }
+    /// Runs are records, never leased: the inner store holds them.
+    async fn create_run(&self, run: &super::Run) -> Result<bool, StoreError> {
+        self.inner.create_run(run).await
+    }
+    async fn run(&self, id: &str) -> Result<Option<super::Run>, StoreError> {
+        self.inner.run(id).await
+    }
+    async fn end_run(&self, id: &str, at: u64) -> Result<super::RunEnd, StoreError> {
+        self.inner.end_run(id, at).await
+    }
 }

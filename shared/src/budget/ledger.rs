@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::run::{Run, RunEnd};
 use super::{CounterKey, IntentOutcome, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept};
 
 /// Swept reservations are kept this long after their expiry, so that a call that
@@ -35,6 +36,44 @@ pub trait LedgerState {
     fn put_reservation(&mut self, request_id: &str, reservation: &StoredReservation) -> Result<(), StoreError>;
     fn delete_reservation(&mut self, request_id: &str) -> Result<(), StoreError>;
     fn all_reservations(&mut self) -> Result<Vec<(String, StoredReservation)>, StoreError>;
+    fn run(&mut self, id: &str) -> Result<Option<Run>, StoreError>;
+    fn put_run(&mut self, run: &Run) -> Result<(), StoreError>;
+}
+
+/// Stores `run` and names it among its parent's children; `false`, nothing written,
+/// when its id is taken or its parent is not stored or has ended.
+pub fn create_run(state: &mut impl LedgerState, run: &Run) -> Result<bool, StoreError> {
+    if state.run(run.id())?.is_some() {
+        return Ok(false);
+    }
+    if let Some(parent) = run.ancestors.first() {
+        let Some(mut parent) = state.run(&parent.id)?.filter(|p| p.ended_at.is_none()) else {
+            return Ok(false);
+        };
+        parent.children.push(run.id().to_owned());
+        state.put_run(&parent)?;
+    }
+    state.put_run(run)?;
+    Ok(true)
+}
+
+/// Ends `id` and every descendant not ended before, at `at`.
+pub fn end_run(state: &mut impl LedgerState, id: &str, at: u64) -> Result<RunEnd, StoreError> {
+    if state.run(id)?.is_none() {
+        return Ok(RunEnd::Unknown);
+    }
+    let mut ended = Vec::new();
+    let mut next = vec![id.to_owned()];
+    while let Some(id) = next.pop() {
+        let Some(mut run) = state.run(&id)? else { continue };
+        next.extend(run.children.iter().cloned());
+        if run.ended_at.is_none() {
+            run.ended_at = Some(at);
+            state.put_run(&run)?;
+            ended.push(id);
+        }
+    }
+    Ok(RunEnd::Ended(ended))
 }
 
 pub fn reserve(state: &mut impl LedgerState, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {

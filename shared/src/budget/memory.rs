@@ -7,14 +7,15 @@ use foldhash::HashMap;
 
 use super::ledger::{self, LedgerState, StoredReservation};
 use super::{
-    BudgetStore, CounterKey, IntentOutcome, Reservation, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError,
-    Swept,
+    BudgetStore, CounterKey, IntentOutcome, Reservation, ReserveOutcome, ReserveRequest, Run, RunEnd, SettleOutcome,
+    StoreError, Swept,
 };
 
 #[derive(Debug, Default)]
 struct State {
     counters: HashMap<CounterKey, u64>,
     reservations: HashMap<String, StoredReservation>,
+    runs: HashMap<String, Run>,
 }
 
 impl LedgerState for State {
@@ -42,6 +43,13 @@ impl LedgerState for State {
     }
     fn all_reservations(&mut self) -> Result<Vec<(String, StoredReservation)>, StoreError> {
         Ok(self.reservations.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+    }
+    fn run(&mut self, id: &str) -> Result<Option<Run>, StoreError> {
+        Ok(self.runs.get(id).cloned())
+    }
+    fn put_run(&mut self, run: &Run) -> Result<(), StoreError> {
+        self.runs.insert(run.id().to_owned(), run.clone());
+        Ok(())
     }
 }
 
@@ -95,6 +103,15 @@ impl BudgetStore for MemoryBudgetStore {
     }
     async fn live_reservations(&self) -> Result<usize, StoreError> {
         self.transact(ledger::live_reservations)
+    }
+    async fn create_run(&self, run: &Run) -> Result<bool, StoreError> {
+        self.transact(|s| ledger::create_run(s, run))
+    }
+    async fn run(&self, id: &str) -> Result<Option<Run>, StoreError> {
+        self.transact(|s| s.run(id))
+    }
+    async fn end_run(&self, id: &str, at: u64) -> Result<RunEnd, StoreError> {
+        self.transact(|s| ledger::end_run(s, id, at))
     }
 }
 

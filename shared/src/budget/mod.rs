@@ -28,6 +28,7 @@ pub mod ledger;
 pub mod memory;
 pub mod period;
 pub mod plan;
+pub mod run;
 pub mod ticket;
 
 use std::sync::Arc;
@@ -40,6 +41,7 @@ pub use lease::{LeasePolicy, LeasedBudgetStore, is_lease};
 pub use ledger::{LedgerState, StoredReservation};
 pub use memory::MemoryBudgetStore;
 pub use period::Period;
+pub use run::{Run, RunBudget, RunEnd};
 pub use ticket::Ticket;
 
 /// Names one counter: `acme/*/tokens/day/2026-11-29`, `acme/bot/eur/month/2026-11`.
@@ -57,9 +59,54 @@ impl CounterKey {
         CounterKey([tenant, agent.unwrap_or("*"), unit.as_str(), period.as_str(), stamp].join("/").into())
     }
 
+    /// A per-minute window's counter (SPEC §14), in the minute that holds `now`:
+    /// `acme/*/requests/minute/2026-12-06T09:01`. `holder` is an agent, a key
+    /// (`~key:9f86d081…`) or `*` (the tenant); a backend's quota counts under the
+    /// tenant `~backend`.
+    pub fn window(tenant: &str, holder: Option<&str>, unit: Unit, now: u64) -> Self {
+        Self::stamped(tenant, holder, unit, Period::Minute, &Period::Minute.stamp(now))
+    }
+
+    /// A run's counter (SPEC §15): `acme/~run_…/tokens/run/2026-12-06T10:01:05Z`, the
+    /// run's expiry as its stamp.
+    pub fn run(tenant: &str, run: &str, unit: Unit, expires_at: u64) -> Self {
+        let holder = format!("~{run}");
+        CounterKey([tenant, &holder, unit.as_str(), "run", &timestamp(expires_at)].join("/").into())
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// When the counter stops meaning anything (Unix seconds): a window's at its
+    /// minute's end, a run's at the run's expiry; `None` for a budget (a day or a
+    /// month is kept, the console and the report read it). A store may forget a
+    /// counter [`TRANSIENT_RETENTION_SECS`] after that: a late settlement then
+    /// finds it at 0 and leaves it at 0, having nothing to give back to.
+    pub fn expiry(&self) -> Option<u64> {
+        let mut parts = self.0.rsplitn(3, '/');
+        let (stamp, period) = (parts.next()?, parts.next()?);
+        match period {
+            "minute" => jiff::civil::DateTime::strptime("%Y-%m-%dT%H:%M", stamp)
+                .ok()
+                .and_then(|t| jiff::tz::Offset::UTC.to_timestamp(t).ok())
+                .and_then(|t| u64::try_from(t.as_second()).ok())
+                .map(|start| start + 60),
+            "run" => stamp.parse::<jiff::Timestamp>().ok().and_then(|t| u64::try_from(t.as_second()).ok()),
+            _ => None,
+        }
+    }
+}
+
+/// How long a store keeps a window's or a run's counter past its [`CounterKey::expiry`]:
+/// a day, so a run's `GET` still reads what it spent, and a stream's late settlement
+/// still finds its window.
+pub const TRANSIENT_RETENTION_SECS: u64 = 86_400;
+
+/// `2026-12-06T10:01:05Z`.
+fn timestamp(at: u64) -> String {
+    let at = i64::try_from(at).ok().and_then(|s| jiff::Timestamp::from_second(s).ok()).unwrap_or(jiff::Timestamp::MAX);
+    at.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,6 +114,8 @@ pub enum Unit {
     Tokens,
     /// Micro-euros.
     MicroEur,
+    /// Calls: a per-minute request window, a run's calls.
+    Requests,
 }
 
 impl Unit {
@@ -74,6 +123,7 @@ impl Unit {
         match self {
             Unit::Tokens => "tokens",
             Unit::MicroEur => "eur",
+            Unit::Requests => "requests",
         }
     }
 }
@@ -219,6 +269,17 @@ pub trait BudgetStore: Send + Sync {
 
     /// Live (unsettled, unswept) reservations: for tests, metrics and operators.
     async fn live_reservations(&self) -> Result<usize, StoreError>;
+
+    /// Stores a new run (SPEC §15) and names it among its parent's children, in one
+    /// atomic step. `false`, and nothing written, when its id is taken or its parent
+    /// (`run.ancestors[0]`) is not stored or has ended.
+    async fn create_run(&self, run: &Run) -> Result<bool, StoreError>;
+
+    /// A run as stored (kept [`TRANSIENT_RETENTION_SECS`] past its expiry at least).
+    async fn run(&self, id: &str) -> Result<Option<Run>, StoreError>;
+
+    /// Ends a run at `at`, and every descendant not ended before.
+    async fn end_run(&self, id: &str, at: u64) -> Result<RunEnd, StoreError>;
 }
 
 impl From<StoreError> for crate::error::GatewayError {

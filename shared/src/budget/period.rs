@@ -8,6 +8,8 @@ use jiff::tz::Offset;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Period {
+    /// A rate's window (SPEC §14): `2026-12-06T09:01`.
+    Minute,
     Day,
     Month,
 }
@@ -15,6 +17,7 @@ pub enum Period {
 impl Period {
     pub fn as_str(self) -> &'static str {
         match self {
+            Period::Minute => "minute",
             Period::Day => "day",
             Period::Month => "month",
         }
@@ -39,6 +42,10 @@ impl Period {
                 *cached_day = day;
             }
             match self {
+                Period::Minute => {
+                    let minute = now % 86_400 / 60;
+                    format!("{day_stamp}T{:02}:{:02}", minute / 60, minute % 60)
+                }
                 Period::Day => day_stamp.clone(),
                 Period::Month => month_stamp.clone(),
             }
@@ -49,6 +56,7 @@ impl Period {
     pub fn end(self, now: u64) -> u64 {
         let date = utc_date(now);
         let last = match self {
+            Period::Minute => return (now / 60 + 1).saturating_mul(60),
             Period::Day => date,
             Period::Month => date.last_of_month(),
         };
@@ -104,6 +112,16 @@ mod tests {
         assert_eq!(stamps(last + 1), ("2026-12-01".into(), "2026-12".into()));
         assert_eq!(stamps(last), ("2026-11-30".into(), "2026-11".into()));
         assert_eq!(stamps(last - 86_399), ("2026-11-30".into(), "2026-11".into()), "the day's first second");
+    }
+
+    #[test]
+    fn a_minute_is_stamped_in_its_day_and_ends_at_its_sixtieth_second() {
+        assert_eq!(Period::Minute.stamp(NOW), "2026-11-29T15:44");
+        assert_eq!(Period::Minute.end(NOW), NOW - 30 + 60);
+        assert_eq!(Period::Minute.stamp(Period::Minute.end(NOW) - 1), "2026-11-29T15:44");
+        assert_eq!(Period::Minute.stamp(Period::Minute.end(NOW)), "2026-11-29T15:45");
+        assert_eq!(Period::Minute.stamp(1_796_083_199), "2026-11-30T23:59");
+        assert_eq!(Period::Minute.stamp(0), "1970-01-01T00:00");
     }
 
     #[test]

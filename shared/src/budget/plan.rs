@@ -11,9 +11,11 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use crate::call::Usage;
-use crate::config::{AgentId, Budgets, Config, Price, TenantId};
+use crate::config::{AgentId, Budgets, Config, Price, Rates, TenantId};
+use crate::identity::Caller;
 use crate::money::MicroEur;
 
+use super::run::Run;
 use super::{CounterKey, Line, Period, Unit};
 
 pub const TOKENS_PER_IMAGE: u64 = 2048;
@@ -65,16 +67,65 @@ pub fn highest_price(prices: impl IntoIterator<Item = Price>) -> Price {
     })
 }
 
+/// What a counter of a call's reservation is, which decides how its limit is planned
+/// and what its refusal says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A tenant's or agent's budget over a UTC day or month (SPEC §6): the soft cap
+    /// watches it, the allowance is clamped to what remains, a refusal is
+    /// `budget_exceeded` until its period resets.
+    Period,
+    /// A per-minute window (SPEC §14): the allowance is clamped to its limit, never to
+    /// what remains (a call waits a few seconds rather than being cut short), and a
+    /// refusal is `rate_limit_exceeded` until the minute ends.
+    Window(Rate),
+    /// A run's budget (SPEC §15): clamped to what remains like a budget; a refusal is
+    /// `budget_exceeded` that never resets.
+    Run,
+}
+
+/// What a per-minute window counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rate {
+    Requests,
+    Tokens,
+}
+
+impl Rate {
+    /// OpenAI's error `type` for it, and the `x-ratelimit-*` suffix.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Rate::Requests => "requests",
+            Rate::Tokens => "tokens",
+        }
+    }
+
+    /// Its config key, and `Flexway-Error-Cause` when it refuses.
+    pub fn cause(self) -> &'static str {
+        match self {
+            Rate::Requests => "requests_per_minute",
+            Rate::Tokens => "tokens_per_minute",
+        }
+    }
+}
+
+impl std::fmt::Display for Rate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.cause())
+    }
+}
+
 /// One budget that applies to a call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Budget {
-    /// For people: `tenant acme tokens_per_day`.
+    /// For people: `tenant acme tokens_per_day`; a window's holder: `key 9f86d081…`.
     pub name: String,
     pub key: CounterKey,
     pub unit: Unit,
     pub limit: Option<u64>,
     /// Unix seconds when its period resets.
     pub resets_at: u64,
+    pub kind: Kind,
 }
 
 impl Budget {
@@ -82,6 +133,118 @@ impl Budget {
         match self.unit {
             Unit::Tokens => usage.total(),
             Unit::MicroEur => cost(usage, price).0,
+            Unit::Requests => 1,
+        }
+    }
+
+    /// Whether the soft cap watches it: a tenant's or agent's budget.
+    pub fn is_period(&self) -> bool {
+        self.kind == Kind::Period
+    }
+}
+
+/// Everything a caller's call counts on: its budgets ([`budgets_for`]), its per-minute
+/// windows ([`windows_for`]) and, in a run, the run's and its ancestors' counters. A
+/// caller with no limits and no run gets its day's budgets as they are shared: limits
+/// off costs nothing.
+pub fn counters_for(config: &Config, caller: &Caller, run: Option<&Run>, now: u64) -> Arc<[Budget]> {
+    let agent = caller.agent.as_ref().map(|a| a.as_str());
+    let budgets = budgets_for(config, &caller.tenant, agent, now);
+    let windows = windows_for(config, caller, now);
+    if windows.is_empty() && run.is_none() {
+        return budgets;
+    }
+    let mut all = Vec::with_capacity(budgets.len() + windows.len() + 7);
+    all.extend(budgets.iter().cloned());
+    all.extend(windows);
+    if let Some(run) = run {
+        push_run(&mut all, caller.tenant.as_str(), run);
+    }
+    Arc::from(all)
+}
+
+/// A caller's per-minute windows (SPEC §14): its tenant's, its agent's and its key's
+/// limits, in the minute that holds `now`. Empty, without an allocation, when none
+/// applies.
+pub fn windows_for(config: &Config, caller: &Caller, now: u64) -> Vec<Budget> {
+    let Some(tenant) = config.tenants.get(&caller.tenant) else {
+        return Vec::new();
+    };
+    let agent = caller.agent.as_ref().and_then(|a| tenant.agents.get_key_value(a));
+    let holders = [
+        Some((format!("tenant {}", tenant.name), None, tenant.limits)),
+        agent.map(|(name, a)| (format!("agent {}/{name}", tenant.name), Some(name.to_string()), a.limits)),
+        Some((
+            format!("key {}", key_label(&caller.key_sha256)),
+            Some(format!("~key:{}", key_label(&caller.key_sha256))),
+            caller.key_limits,
+        )),
+    ];
+    if holders.iter().flatten().all(|(_, _, rates)| rates.is_none()) {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for (name, holder, rates) in holders.into_iter().flatten() {
+        push_windows(&mut out, tenant.name.as_str(), holder.as_deref(), &name, rates, now);
+    }
+    out
+}
+
+/// A backend's provider quota (SPEC §14) as windows, counted under the tenant
+/// `~backend`: empty when it has none.
+pub fn quota_for(backend: &crate::config::Backend, now: u64) -> Vec<Budget> {
+    let mut out = Vec::new();
+    let name = format!("backend {}", backend.name);
+    push_windows(&mut out, "~backend", Some(backend.name.as_str()), &name, backend.quota, now);
+    out
+}
+
+/// The first 16 hex digits of a key's SHA-256: how a key is named in a window's
+/// counter and in a refusal (a hash the config already shows, never the key).
+pub fn key_label(sha256: &[u8; 32]) -> String {
+    sha256[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn push_windows(out: &mut Vec<Budget>, tenant: &str, holder: Option<&str>, name: &str, rates: Rates, now: u64) {
+    let resets_at = Period::Minute.end(now);
+    let kinds = [
+        (Rate::Requests, Unit::Requests, rates.requests_per_minute),
+        (Rate::Tokens, Unit::Tokens, rates.tokens_per_minute),
+    ];
+    for (rate, unit, limit) in kinds {
+        let Some(limit) = limit else { continue };
+        out.push(Budget {
+            name: name.to_owned(),
+            key: CounterKey::window(tenant, holder, unit, now),
+            unit,
+            limit: Some(limit),
+            resets_at,
+            kind: Kind::Window(rate),
+        });
+    }
+}
+
+/// A run's counters and each ancestor's: tokens and euros under their limits, and the
+/// run's own calls (counted, never refused).
+fn push_run(out: &mut Vec<Budget>, tenant: &str, run: &Run) {
+    for (depth, link) in run.chain().enumerate() {
+        let limits = [
+            ("tokens", Unit::Tokens, link.budget.tokens),
+            ("eur", Unit::MicroEur, link.budget.eur.map(|m| m.0)),
+            ("calls", Unit::Requests, None),
+        ];
+        for (what, unit, limit) in limits {
+            if depth > 0 && limit.is_none() {
+                continue;
+            }
+            out.push(Budget {
+                name: format!("run {} {what}", link.id),
+                key: link.counter(tenant, unit),
+                unit,
+                limit,
+                resets_at: link.expires_at,
+                kind: Kind::Run,
+            });
         }
     }
 }
@@ -195,7 +358,8 @@ impl Periods {
 
     fn of(&self, period: Period) -> &(String, u64) {
         match period {
-            Period::Day => &self.day,
+            // A budget is never per minute: windows are built apart (`push_windows`).
+            Period::Day | Period::Minute => &self.day,
             Period::Month => &self.month,
         }
     }
@@ -219,15 +383,56 @@ fn push_scope(out: &mut Vec<Budget>, tenant: &str, agent: Option<&str>, budgets:
             unit,
             limit,
             resets_at: *end,
+            kind: Kind::Period,
         });
     }
 }
 
-/// True when any limited budget has used `threshold_ppm` of its limit or more.
+/// True when any limited budget (of a period: never a window or a run) has used
+/// `threshold_ppm` of its limit or more.
 pub fn is_soft(budgets: &[Budget], used: &[u64], threshold_ppm: u32) -> bool {
     budgets.iter().zip(used).any(|(b, used)| {
-        b.limit.is_some_and(|limit| u128::from(*used) * 1_000_000 >= u128::from(limit) * u128::from(threshold_ppm))
+        b.is_period()
+            && b.limit
+                .is_some_and(|limit| u128::from(*used) * 1_000_000 >= u128::from(limit) * u128::from(threshold_ppm))
     })
+}
+
+/// Where a caller stands in its tightest window of each rate: what a client paces on
+/// (`x-ratelimit-*`, SPEC §14).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Pace {
+    pub requests: Option<Gauge>,
+    pub tokens: Option<Gauge>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gauge {
+    pub limit: u64,
+    /// Counting the call being answered.
+    pub remaining: u64,
+    /// Unix seconds when the window ends.
+    pub resets_at: u64,
+}
+
+impl Pace {
+    /// From the windows' counters `used` (in `budgets`' order): for each rate, the
+    /// holder with the fewest remaining. `None` when no window applies.
+    pub fn of(budgets: &[Budget], used: &[u64]) -> Option<Pace> {
+        let mut pace = Pace::default();
+        for (budget, used) in budgets.iter().zip(used) {
+            let (Kind::Window(rate), Some(limit)) = (budget.kind, budget.limit) else { continue };
+            let gauge = Gauge { limit, remaining: limit.saturating_sub(*used), resets_at: budget.resets_at };
+            let slot = match rate {
+                Rate::Requests => &mut pace.requests,
+                Rate::Tokens => &mut pace.tokens,
+            };
+            if slot.is_none_or(|kept| gauge.remaining < kept.remaining) {
+                *slot = Some(gauge);
+            }
+        }
+        (pace != Pace::default()).then_some(pace)
+    }
 }
 
 /// A call's reservation.
@@ -264,7 +469,10 @@ pub fn plan(budgets: &[Budget], used: &[u64], prompt: u64, allowance: Allowance,
     let mut per_choice = allowance.per_choice;
     for (index, (budget, used)) in budgets.iter().zip(used).enumerate() {
         let Some(limit) = budget.limit else { continue };
-        let remaining = limit.saturating_sub(*used);
+        // A window bounds the allowance by its limit: what it has left now is the
+        // store's condition to check, and a refusal there is a wait, not a clamp.
+        let used = if matches!(budget.kind, Kind::Window(_)) { 0 } else { *used };
+        let remaining = limit.saturating_sub(used);
         let fits = fitting_completion(budget.unit, remaining, prompt, price) / choices;
         if fits < per_choice {
             if fits < allowance.min_per_choice.min(allowance.per_choice) {
@@ -283,6 +491,7 @@ pub fn plan(budgets: &[Budget], used: &[u64], prompt: u64, allowance: Allowance,
 /// The most completion tokens that fit in `remaining` after the prompt.
 fn fitting_completion(unit: Unit, remaining: u64, prompt: u64, price: Price) -> u64 {
     match unit {
+        Unit::Requests => u64::MAX,
         Unit::Tokens => remaining.saturating_sub(prompt),
         Unit::MicroEur => {
             let prompt_cost = MicroEur::for_tokens(prompt, price.input_per_mtok).0;
@@ -308,7 +517,7 @@ mod tests {
     use super::*;
 
     fn budget(unit: Unit, limit: Option<u64>) -> Budget {
-        Budget { name: "b".into(), key: CounterKey("k".into()), unit, limit, resets_at: 0 }
+        Budget { name: "b".into(), key: CounterKey("k".into()), unit, limit, resets_at: 0, kind: Kind::Period }
     }
 
     fn allow(per_choice: u64) -> Allowance {

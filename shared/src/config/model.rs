@@ -167,6 +167,7 @@ pub struct Tenant {
     pub name: TenantId,
     pub keys: Vec<KeyEntry>,
     pub budgets: Budgets,
+    pub limits: Rates,
     pub backend: Option<BackendId>,
     pub agents: BTreeMap<AgentId, Agent>,
     /// The highest class its calls may claim (`Critical`: no limit).
@@ -181,6 +182,20 @@ pub struct KeyEntry {
     pub sha256: [u8; 32],
     pub agent: Option<AgentId>,
     pub relay_peer: bool,
+    pub limits: Rates,
+}
+
+/// Per-minute rates (SPEC §14); `None` means "no limit of this kind".
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Rates {
+    pub requests_per_minute: Option<u64>,
+    pub tokens_per_minute: Option<u64>,
+}
+
+impl Rates {
+    pub fn is_none(&self) -> bool {
+        self.requests_per_minute.is_none() && self.tokens_per_minute.is_none()
+    }
 }
 
 /// Limits; `None` means "no limit of this kind".
@@ -195,6 +210,7 @@ pub struct Budgets {
 pub struct Agent {
     pub backend: Option<BackendId>,
     pub budgets: Budgets,
+    pub limits: Rates,
     /// The highest class its calls may claim: its own, never above its tenant's
     /// (narrowed at load).
     pub max_criticality: Criticality,
@@ -344,6 +360,8 @@ pub struct Backend {
     pub jurisdiction: Option<String>,
     /// The provider's usage API, for `flexway reconcile --fetch`.
     pub usage_api: Option<UsageApi>,
+    /// Its provider's quota (SPEC §14): `Rates::default()` when none.
+    pub quota: Rates,
 }
 
 /// `usage_api`: where `flexway reconcile --fetch` reads the provider's usage.

@@ -156,6 +156,8 @@ pub struct RawTenant {
     pub keys: Option<Vec<RawKey>>,
     /// The tenant's budgets; an absent budget is no limit.
     pub budgets: Option<RawBudgets>,
+    /// The tenant's per-minute rates (SPEC §14), counted in the ledger with its budgets.
+    pub limits: Option<RawRates>,
     /// Backend serving this tenant instead of `ai.default_backend`.
     pub backend: Option<String>,
     /// Agents of this tenant by name, each with optional overrides.
@@ -195,6 +197,21 @@ pub struct RawKey {
     /// `Flexway-Tenant` the key calls as its own tenant. From any other key,
     /// `Flexway-Tenant` is ignored. Default false.
     pub relay_peer: Option<bool>,
+    /// This key's own per-minute rates, inside its tenant's (and agent's).
+    pub limits: Option<RawRates>,
+}
+
+/// Per-minute rates (SPEC §14); each one absent is no limit. Windows are UTC minutes.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Rates", expecting = "per-minute limits (a mapping)")]
+pub struct RawRates {
+    /// Calls per UTC minute.
+    #[schemars(range(min = 1))]
+    pub requests_per_minute: Option<u64>,
+    /// Tokens (input + output) per UTC minute, reserved at a call's upper bound and
+    /// settled to what it used, as budgets count them.
+    #[schemars(range(min = 1))]
+    pub tokens_per_minute: Option<u64>,
 }
 
 /// Budgets; each one absent is no limit. Periods are UTC calendar days and months.
@@ -218,6 +235,8 @@ pub struct RawAgent {
     pub backend: Option<String>,
     /// The agent's own budgets, on top of its tenant's.
     pub budgets: Option<RawBudgets>,
+    /// The agent's own per-minute rates, inside its tenant's.
+    pub limits: Option<RawRates>,
     /// The highest `Flexway-Criticality` class this agent's calls may claim (never
     /// above its tenant's).
     pub max_criticality: Option<RawCriticality>,
@@ -393,6 +412,10 @@ pub struct RawBackend {
     /// whose jurisdiction is listed serve a caller with `residency`; a backend
     /// without one never does.
     pub jurisdiction: Option<String>,
+    /// `openai`, `anthropic`, `relay`: the deployment's quota at its provider (an Azure
+    /// OpenAI deployment's TPM, a vendor's tier), counted fleet-wide in the ledger; a
+    /// backend at its quota is passed over like one whose breaker is open.
+    pub quota: Option<RawRates>,
     /// `relay`: `local` (default; counts here) or `upstream` (the receiving Flexway
     /// meters, so a call is billed once).
     pub metering: Option<RawMetering>,

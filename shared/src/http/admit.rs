@@ -13,7 +13,7 @@ use http::HeaderMap;
 use super::drive::Call;
 use super::drive::{self, Charge};
 use super::record::Draft;
-use crate::admission::{Admission, Demand, admit};
+use crate::admission::{Admission, Demand, Reserving, admit};
 use crate::call::Criticality;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
@@ -115,8 +115,16 @@ impl Ask for Tokens<'_> {
     /// Its soft state and (for a call that completes) allowance noted on `draft`.
     async fn reserve(self, call: Call<'_>, draft: &mut Draft) -> Result<(Charge, Admitted), GatewayError> {
         let Tokens { demand, prompt_typical } = self;
-        let Admission { route, ticket, soft, allowance } =
-            admit(call.gateway, call.caller, &call.request_id.0, demand).await?;
+        let mut pace = None;
+        let who = Reserving {
+            caller: call.caller,
+            run: call.run.map(|r| &**r),
+            request_id: &call.request_id.0,
+            pace: &mut pace,
+        };
+        let admitted = admit(call.gateway, who, demand).await;
+        draft.pace(pace);
+        let Admission { route, ticket, soft, allowance } = admitted?;
         draft.soft(soft);
         if demand.completes {
             draft.allowance(allowance);

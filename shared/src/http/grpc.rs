@@ -231,7 +231,7 @@ async fn proxied(
     rpc: &str,
     request: Request,
 ) -> Result<Proxied, Refusal> {
-    let Call { gateway, caller, request_id } = call;
+    let Call { gateway, caller, request_id, run } = call;
     let (parts, mut body) = request.into_parts();
     let (sensitive, residency) = sensitive_and_residency(gateway, caller, &parts.headers, draft)?;
     let (route, method) = method_route(gateway, rpc, sensitive, &residency)?;
@@ -256,7 +256,14 @@ async fn proxied(
     // Reserve: a per-byte call's first request message is measured first (its prefix).
     // The reservation outlives every backend the call may try.
     let timeouts = route.candidates.iter().map(|c| gateway.timeout(&c.backend)).sum();
-    let meter = Arc::new(Meter::new(gateway.clone(), caller.clone(), request_id, method.operation.clone(), timeouts));
+    let meter = Arc::new(Meter::new(
+        gateway.clone(),
+        caller.clone(),
+        run.cloned(),
+        request_id,
+        method.operation.clone(),
+        timeouts,
+    ));
     let mut pending = VecDeque::new();
     let first = match &method.operation {
         Some(op) if op.metering == GrpcMetering::PerByte && !method.client_streaming => {

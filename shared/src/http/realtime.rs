@@ -227,7 +227,7 @@ async fn open(
         Connected::Session(upstream) => {
             // The first response's allowance is now the session's.
             let backend = &served.candidate.backend;
-            *charge = std::mem::take(charge).into_turns(gateway, call.caller, &call.request_id.0, backend);
+            *charge = std::mem::take(charge).into_turns(gateway, call.caller, call.run, &call.request_id.0, backend);
             Ok(Opened::Session(Box::new(Session {
                 candidate: served.candidate,
                 pass: served.pass,

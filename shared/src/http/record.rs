@@ -39,6 +39,9 @@ pub(super) struct Draft {
     /// Time spent waiting on backends: what the gateway did not add.
     upstream: Duration,
     streamed: bool,
+    /// The caller's standing in its per-minute windows, for `x-ratelimit-*`: not
+    /// recorded.
+    pace: Option<crate::budget::plan::Pace>,
     span: Span,
     /// Who the call is for, as a relay passes it on.
     caller: CallerIdentity,
@@ -97,6 +100,7 @@ impl Draft {
             pick_reason: None,
             criticality: None,
             period: None,
+            run: None,
             chain: None,
         };
         Draft {
@@ -106,6 +110,7 @@ impl Draft {
             open: true,
             upstream: Duration::ZERO,
             streamed: false,
+            pace: None,
             span: Span {
                 trace: TraceContext::from_headers(headers, gateway.telemetry.is_on()),
                 started: SystemTime::now(),
@@ -184,6 +189,22 @@ impl Draft {
     /// The date the call's reservation counts on (`Ticket::period`, the record's
     /// `period`). A call with several (a realtime session's turns, a gRPC call's
     /// steps) counts on its first.
+    /// The run the call named (`Flexway-Run`).
+    pub fn run(&mut self, run: &str) {
+        self.record.run = Some(run.to_owned());
+    }
+
+    /// Where the caller stands in its windows, when one applies.
+    pub fn pace(&mut self, pace: Option<crate::budget::plan::Pace>) {
+        if pace.is_some() {
+            self.pace = pace;
+        }
+    }
+
+    pub fn paced(&self) -> Option<crate::budget::plan::Pace> {
+        self.pace
+    }
+
     pub fn reserved_on(&mut self, period: String) {
         self.record.period.get_or_insert(period);
     }
@@ -300,6 +321,7 @@ impl Draft {
             user_hash: None,
             feature: None,
             period: None,
+            run: None,
             chain: None,
             ..self.record
         };

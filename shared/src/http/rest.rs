@@ -131,7 +131,7 @@ async fn proxied(
     below: &str,
     request: Request,
 ) -> Result<Proxied, GatewayError> {
-    let Call { gateway, caller, request_id } = call;
+    let Call { gateway, caller, request_id, run } = call;
     let (parts, body) = request.into_parts();
     let operation = operation(gateway, owner, &parts.method, below)?;
     draft.request(Capability::Http, &format!("{} {}", operation.method, operation.path), None);
@@ -146,7 +146,8 @@ async fn proxied(
 
     // Reserve: a per-byte call's request is as long as it says, when it says.
     let timeouts = route.candidates.iter().map(|c| gateway.timeout(&c.backend)).sum();
-    let meter = Arc::new(Meter::new(gateway.clone(), caller.clone(), request_id, operation.ai.clone(), timeouts));
+    let meter =
+        Arc::new(Meter::new(gateway.clone(), caller.clone(), run.cloned(), request_id, operation.ai.clone(), timeouts));
     // A body's length: its header, or what the body itself knows (a Lambda event's
     // body is whole, and comes without the header).
     let length = content_length(&parts.headers).or_else(|| hyper::body::Body::size_hint(&body).exact());

@@ -21,7 +21,7 @@ use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
 use crate::call::InvalidRequest;
-use crate::config::{AgentId, Config, Tenant, TenantId};
+use crate::config::{AgentId, Config, Rates, Tenant, TenantId};
 
 pub use crate::call::IdentityError;
 
@@ -37,6 +37,8 @@ pub struct Caller {
     /// SHA-256 of the key, hex: what the audit hashes further, never the key.
     pub key_sha256: [u8; 32],
     pub relay_peer: bool,
+    /// The key's own per-minute limits (SPEC §14), inside its tenant's.
+    pub key_limits: Rates,
 }
 
 struct KeyRecord {
@@ -44,6 +46,7 @@ struct KeyRecord {
     tenant: TenantId,
     agent: Option<AgentId>,
     relay_peer: bool,
+    limits: Rates,
 }
 
 /// Every configured key hash with what it identifies.
@@ -66,6 +69,7 @@ impl KeyRing {
                     tenant: tenant.name.clone(),
                     agent: key.agent.clone(),
                     relay_peer: key.relay_peer,
+                    limits: key.limits,
                 });
             }
             ring.tenants.insert(tenant.name.clone(), tenant.agents.keys().cloned().collect());
@@ -110,7 +114,7 @@ impl KeyRing {
             (None, Some(asked)) => Some(self.declared_agent(&tenant, asked)?),
             (None, None) => None,
         };
-        Ok(Caller { tenant, agent, key_sha256: digest, relay_peer: record.relay_peer })
+        Ok(Caller { tenant, agent, key_sha256: digest, relay_peer: record.relay_peer, key_limits: record.limits })
     }
 
     fn find(&self, digest: &[u8; 32]) -> Option<&KeyRecord> {
@@ -257,10 +261,16 @@ mod tests {
         let tenant = Tenant {
             name: TenantId::new("acme"),
             keys: vec![
-                KeyEntry { sha256: hash("plain"), agent: None, relay_peer: false },
-                KeyEntry { sha256: hash("bound"), agent: Some(AgentId::new("bot")), relay_peer: false },
+                KeyEntry { sha256: hash("plain"), agent: None, relay_peer: false, limits: Default::default() },
+                KeyEntry {
+                    sha256: hash("bound"),
+                    agent: Some(AgentId::new("bot")),
+                    relay_peer: false,
+                    limits: Default::default(),
+                },
             ],
             budgets: Default::default(),
+            limits: Default::default(),
             backend: None,
             agents,
             max_criticality: Default::default(),
@@ -271,10 +281,16 @@ mod tests {
         let edge = Tenant {
             name: TenantId::new("edge"),
             keys: vec![
-                KeyEntry { sha256: hash("peer"), agent: None, relay_peer: true },
-                KeyEntry { sha256: hash("bound-peer"), agent: Some(AgentId::new("relayer")), relay_peer: true },
+                KeyEntry { sha256: hash("peer"), agent: None, relay_peer: true, limits: Default::default() },
+                KeyEntry {
+                    sha256: hash("bound-peer"),
+                    agent: Some(AgentId::new("relayer")),
+                    relay_peer: true,
+                    limits: Default::default(),
+                },
             ],
             budgets: Default::default(),
+            limits: Default::default(),
             backend: None,
             agents: edge_agents,
             max_criticality: Default::default(),

@@ -47,6 +47,8 @@ pub struct Registry {
     member_load: Family<(f64, f64, f64)>,
     /// Sheddable calls refused for saturation, per [tenant, pool].
     shed: Family<u64>,
+    /// Calls refused by a per-minute window, per [tenant, holder, kind].
+    rate_limited: Family<u64>,
     /// Realtime sessions ended, per [backend, close_reason].
     realtime_sessions: Family<u64>,
     /// Realtime responses charged, per [tenant, backend].
@@ -101,6 +103,7 @@ impl Registry {
             breaker_state: Family::new(),
             member_load: Family::new(),
             shed: Family::new(),
+            rate_limited: Family::new(),
             realtime_sessions: Family::new(),
             realtime_responses: Family::new(),
             realtime_open: AtomicU64::new(0),

@@ -142,6 +142,12 @@ impl Registry {
         self.member_load.with(&[label(Some(backend))], Default::default, |v| *v = (queue, kv, f64::from(in_flight)));
     }
 
+    /// A call refused by `holder`'s per-minute window of `kind` (`requests`, `tokens`).
+    pub fn rate_limited(&self, tenant: &str, holder: &str, kind: &str) {
+        let labels = [label(Some(tenant)), label(Some(holder)), label(Some(kind))];
+        self.rate_limited.with(&labels, u64::default, |n| *n = n.saturating_add(1));
+    }
+
     /// A sheddable call refused because every member of `pool` was saturated.
     pub fn shed(&self, tenant: &str, pool: &str) {
         self.shed.with(&[label(Some(tenant)), label(Some(pool))], u64::default, |n| *n = n.saturating_add(1));

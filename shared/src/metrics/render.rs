@@ -168,6 +168,16 @@ impl Registry {
         for (values, count) in self.shed.snapshot(|c| *c) {
             sample(&mut out, "flexway_calls_shed_total", &["tenant", "pool"], &values, None, &count.to_string());
         }
+        header(
+            &mut out,
+            "flexway_rate_limited_total",
+            "counter",
+            "Calls refused (429 rate_limit_exceeded) by a per-minute limit, per holder and kind.",
+        );
+        for (values, count) in self.rate_limited.snapshot(|c| *c) {
+            let names = ["tenant", "holder", "kind"];
+            sample(&mut out, "flexway_rate_limited_total", &names, &values, None, &count.to_string());
+        }
 
         header(&mut out, "flexway_realtime_sessions_open", "gauge", "Realtime sessions open now.");
         let open = self.realtime_open.load(Ordering::Relaxed).to_string();
@@ -422,6 +432,7 @@ mod tests {
         registry.set_member_load("gpu-a", Some((7, 0.5)), 2);
         registry.set_member_load("gpu-b", None, 4);
         registry.shed("acme", "gpus");
+        registry.rate_limited("acme", "key 9f86d081884c7d65", "requests");
         let text = registry.render_prometheus();
         assert!(text.ends_with('\n'));
         for line in text.lines() {
@@ -434,7 +445,9 @@ mod tests {
             assert!(value == "+Inf" || value.parse::<f64>().is_ok(), "{line}");
         }
         let types = lines(&text, "# TYPE");
-        assert_eq!(types.len(), 19, "{types:?}");
+        assert_eq!(types.len(), 20, "{types:?}");
+        let limited = r#"flexway_rate_limited_total{tenant="acme",holder="key 9f86d081884c7d65",kind="requests"} 1"#;
+        assert!(text.contains(limited), "{text}");
         assert!(text.contains("flexway_member_queue{backend=\"gpu-a\"} 7\n"), "{text}");
         assert!(!text.contains("flexway_member_queue{backend=\"gpu-b\"}"), "a stale member shows no queue: {text}");
         assert!(text.contains("flexway_member_in_flight{backend=\"gpu-b\"} 4\n"), "{text}");

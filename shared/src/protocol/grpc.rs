@@ -19,8 +19,10 @@ pub enum Code {
     Unknown = 2,
     InvalidArgument = 3,
     DeadlineExceeded = 4,
+    NotFound = 5,
     PermissionDenied = 7,
     ResourceExhausted = 8,
+    FailedPrecondition = 9,
     Unimplemented = 12,
     Internal = 13,
     Unavailable = 14,
@@ -42,7 +44,11 @@ impl Code {
             | ErrorCode::UnknownTenant
             | ErrorCode::SensitiveNoInternalBackend
             | ErrorCode::ResidencyUnavailable => Code::PermissionDenied,
-            ErrorCode::BudgetExceeded | ErrorCode::MessageTooLarge => Code::ResourceExhausted,
+            ErrorCode::BudgetExceeded | ErrorCode::RateLimitExceeded | ErrorCode::MessageTooLarge => {
+                Code::ResourceExhausted
+            }
+            ErrorCode::RunNotFound => Code::NotFound,
+            ErrorCode::RunEnded => Code::FailedPrecondition,
             ErrorCode::InvalidRequest
             | ErrorCode::CapabilityUnavailable
             | ErrorCode::ImageOriginNotAllowed

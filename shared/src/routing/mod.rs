@@ -789,7 +789,13 @@ mod tests {
     }
 
     fn acme() -> Caller {
-        Caller { tenant: crate::config::TenantId::new("acme"), agent: None, key_sha256: [0; 32], relay_peer: false }
+        Caller {
+            tenant: crate::config::TenantId::new("acme"),
+            agent: None,
+            key_sha256: [0; 32],
+            relay_peer: false,
+            key_limits: Default::default(),
+        }
     }
 
     #[test]

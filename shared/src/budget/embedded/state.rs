@@ -126,6 +126,13 @@ impl<'l> Batch<'l> {
 }
 
 impl LedgerState for Batch<'_> {
+    // TEMPORARY (being written): runs on the embedded store.
+    fn run(&mut self, _: &str) -> Result<Option<crate::budget::Run>, StoreError> {
+        Err(StoreError::Backend("runs: not yet on the embedded store".into()))
+    }
+    fn put_run(&mut self, _: &crate::budget::Run) -> Result<(), StoreError> {
+        Err(StoreError::Backend("runs: not yet on the embedded store".into()))
+    }
     fn counter(&mut self, key: &CounterKey) -> Result<u64, StoreError> {
         let op = self.op_counters.iter().find(|(k, _)| k == key).map(|(_, value)| *value);
         let value = op

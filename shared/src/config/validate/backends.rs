@@ -103,6 +103,7 @@ impl Checker<'_> {
             load,
             usage_api,
             jurisdiction,
+            quota,
             endpoint_picker,
             target,
         } = raw;
@@ -220,6 +221,7 @@ impl Checker<'_> {
         let usage_api = usage_api.and_then(|raw| self.usage_api(&format!("{path}.usage_api"), raw));
         let jurisdiction =
             jurisdiction.and_then(|label| super::jurisdiction(self, &format!("{path}.jurisdiction"), &label));
+        let quota = self.rates(&format!("{path}.quota"), quota);
 
         Some(Backend {
             name: BackendId::new(name),
@@ -233,6 +235,7 @@ impl Checker<'_> {
             load,
             jurisdiction,
             usage_api,
+            quota,
         })
     }
 
@@ -301,7 +304,7 @@ impl Checker<'_> {
 
     /// Keys that belong to other kinds of backend are refused, naming the kind.
     fn refuse_foreign_keys(&mut self, path: &str, kind: RawBackendKind, raw: &RawBackend) {
-        let keys: [(&str, bool, &[RawBackendKind]); 23] = [
+        let keys: [(&str, bool, &[RawBackendKind]); 24] = [
             ("url", raw.url.is_some(), ENDPOINT_KINDS),
             ("auth", raw.auth.is_some(), AUTH_KINDS),
             ("tls", raw.tls.is_some(), TLS_KINDS),
@@ -325,6 +328,7 @@ impl Checker<'_> {
             ("load", raw.load.is_some(), HTTP_KINDS),
             ("usage_api", raw.usage_api.is_some(), &[RawBackendKind::Openai, RawBackendKind::Anthropic]),
             ("jurisdiction", raw.jurisdiction.is_some(), JURISDICTION_KINDS),
+            ("quota", raw.quota.is_some(), CHAT_KINDS),
         ];
         let here = kind.a_backend();
         for (key, present, kinds) in keys {

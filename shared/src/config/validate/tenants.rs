@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::super::raw::{RawAgent, RawBudgets, RawConsole, RawCriticality, RawKey, RawTenant};
+use super::super::raw::{RawAgent, RawBudgets, RawConsole, RawCriticality, RawKey, RawRates, RawTenant};
 use super::super::values::{key_hash, micro_eur};
 use super::super::*;
 use super::{Catalog, Checker, jurisdiction};
@@ -21,7 +21,7 @@ impl Checker<'_> {
         let mut tenants = BTreeMap::new();
         for (name, tenant) in raw {
             let path = format!("tenants.{name}");
-            let RawTenant { keys, budgets, backend, agents, max_criticality, residency } = tenant;
+            let RawTenant { keys, budgets, limits, backend, agents, max_criticality, residency } = tenant;
 
             let agents: BTreeMap<AgentId, Agent> = agents
                 .unwrap_or_default()
@@ -46,6 +46,7 @@ impl Checker<'_> {
                 .collect();
 
             let budgets = self.budgets(&format!("{path}.budgets"), budgets);
+            let limits = self.rates(&format!("{path}.limits"), limits);
             let backend = backend.and_then(|b| {
                 self.route_target(&format!("{path}.backend"), &b, catalog, "a tenant's backend").map(|(id, _)| id)
             });
@@ -62,7 +63,8 @@ impl Checker<'_> {
                     (of_tenant, own) => own.or_else(|| of_tenant.clone()),
                 };
             }
-            let tenant = Tenant { name: id.clone(), keys, budgets, backend, agents, max_criticality, residency };
+            let tenant =
+                Tenant { name: id.clone(), keys, budgets, limits, backend, agents, max_criticality, residency };
             tenants.insert(id, tenant);
         }
         tenants
@@ -94,7 +96,8 @@ impl Checker<'_> {
             }
             other => other.map(AgentId::new),
         };
-        Some(KeyEntry { sha256: hash, agent, relay_peer: raw.relay_peer.unwrap_or(false) })
+        let limits = self.rates(&format!("{path}.limits"), raw.limits);
+        Some(KeyEntry { sha256: hash, agent, relay_peer: raw.relay_peer.unwrap_or(false), limits })
     }
 
     /// The console's keys: at least one, each once, none a tenant's (a tenant's key
@@ -128,7 +131,13 @@ impl Checker<'_> {
         });
         let max_criticality = criticality(raw.max_criticality);
         let residency = raw.residency.and_then(|list| self.residency(&format!("{path}.residency"), list));
-        Agent { backend, budgets: self.budgets(&format!("{path}.budgets"), raw.budgets), max_criticality, residency }
+        Agent {
+            backend,
+            budgets: self.budgets(&format!("{path}.budgets"), raw.budgets),
+            limits: self.rates(&format!("{path}.limits"), raw.limits),
+            max_criticality,
+            residency,
+        }
     }
 
     /// A warning for each residency-bound tenant or agent whose default chain (its
@@ -177,6 +186,28 @@ impl Checker<'_> {
         let labels: Vec<_> =
             list.iter().enumerate().map(|(i, label)| jurisdiction(self, &format!("{path}[{i}]"), label)).collect();
         labels.into_iter().collect()
+    }
+
+    /// Per-minute rates: each one given at least 1 (a limit of 0 would refuse every
+    /// call, which is not a rate), and at least one given.
+    pub(super) fn rates(&mut self, path: &str, raw: Option<RawRates>) -> Rates {
+        let Some(RawRates { requests_per_minute, tokens_per_minute }) = raw else {
+            return Rates::default();
+        };
+        if requests_per_minute.is_none() && tokens_per_minute.is_none() {
+            self.error(path, "give requests_per_minute, tokens_per_minute or both (or leave it out: no limit)");
+        }
+        let mut positive = |key: &str, value: Option<u64>| match value {
+            Some(0) => {
+                self.error(format!("{path}.{key}"), "must be at least 1: a limit of 0 would refuse every call");
+                None
+            }
+            other => other,
+        };
+        Rates {
+            requests_per_minute: positive("requests_per_minute", requests_per_minute),
+            tokens_per_minute: positive("tokens_per_minute", tokens_per_minute),
+        }
     }
 
     fn budgets(&mut self, path: &str, raw: Option<RawBudgets>) -> Budgets {

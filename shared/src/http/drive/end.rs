@@ -12,9 +12,10 @@
 
 use std::sync::Arc;
 
-use crate::admission::reserve_turn;
+use crate::admission::{Reserving, reserve_turn};
 use crate::audit::CloseReason;
-use crate::budget::{Ticket, plan};
+use crate::budget::plan::Pace;
+use crate::budget::{Run, Ticket, plan};
 use crate::call::ErrorCode;
 use crate::config::{BackendId, Price};
 use crate::error::GatewayError;
@@ -55,6 +56,9 @@ pub(in crate::http) struct Tokens {
 pub(in crate::http) struct Turns {
     ticket: Option<Ticket>,
     caller: Caller,
+    run: Option<Arc<Run>>,
+    /// The caller's standing in its windows after the last reservation.
+    pub pace: Option<Pace>,
     request_id: String,
     backend: BackendId,
     price: Price,
@@ -109,12 +113,21 @@ impl Charge {
 
     /// The call's charge once its realtime session is open at `backend`: the first
     /// response's allowance becomes the session's.
-    pub fn into_turns(self, gateway: &Gateway, caller: &Caller, request_id: &str, backend: &BackendId) -> Charge {
+    pub fn into_turns(
+        self,
+        gateway: &Gateway,
+        caller: &Caller,
+        run: Option<&Arc<Run>>,
+        request_id: &str,
+        backend: &BackendId,
+    ) -> Charge {
         let Charge::Tokens(tokens) = self else { return self };
         Charge::Turns(Box::new(Turns {
             allowance: tokens.allowance.unwrap_or_default(),
             ticket: Some(tokens.ticket),
             caller: caller.clone(),
+            run: run.cloned(),
+            pace: None,
             request_id: request_id.to_owned(),
             backend: backend.clone(),
             price: gateway.price(backend),
@@ -249,7 +262,9 @@ impl Ending {
         turns.responses += 1;
         self.gateway.metrics.realtime_response(turns.caller.tenant.as_str(), turns.backend.as_str());
         let id = format!("{}.{}", turns.request_id, turns.responses);
-        let (ticket, allowance) = reserve_turn(&self.gateway, &turns.caller, &id, usage.total(), turns.price).await?;
+        let who =
+            Reserving { caller: &turns.caller, run: turns.run.as_deref(), request_id: &id, pace: &mut turns.pace };
+        let (ticket, allowance) = reserve_turn(&self.gateway, who, usage.total(), turns.price).await?;
         turns.ticket = Some(ticket);
         turns.allowance = allowance;
         Ok(())

@@ -19,9 +19,12 @@ use axum::response::Response;
 use http::{HeaderMap, HeaderValue};
 
 mod end;
+pub(super) mod pace;
+mod runs;
 
 use super::record::Draft;
 use super::{Deadline, RequestId};
+use crate::budget::Run;
 use crate::call::headers::COST as COST_HEADER;
 use crate::call::{ErrorCode, Operation};
 use crate::error::GatewayError;
@@ -30,12 +33,14 @@ use crate::identity::Caller;
 use end::end;
 pub(super) use end::{Charge, Ended, Ending, Spent, Tokens};
 
-/// Who calls, under which request id.
+/// Who calls, under which request id, in which run.
 #[derive(Clone, Copy)]
 pub(super) struct Call<'a> {
     pub gateway: &'a Arc<Gateway>,
     pub caller: &'a Caller,
     pub request_id: &'a RequestId,
+    /// The run it joined (`Flexway-Run`), checked to be the caller's and active.
+    pub run: Option<&'a Arc<Run>>,
 }
 
 /// A door's answer, once its call is past the attempt phase.
@@ -102,24 +107,44 @@ pub(super) async fn drive<D: Door>(gateway: Arc<Gateway>, mut door: D, mut reque
     };
     let mut draft = Draft::begin(&gateway, &request_id, &caller, door.operation(), request.headers());
     let mut charge = Charge::None;
-    let call = Call { gateway: &gateway, caller: &caller, request_id: &request_id };
+    let run = match runs::joined(&gateway, &caller, request.headers(), &mut draft).await {
+        Ok(run) => run,
+        Err(refused) => {
+            let refusal = D::Refusal::from(refused);
+            let (status, code) = refusal.noted(&mut draft);
+            end(&gateway, charge, Ended::unserved(status, Some(code)), draft).await;
+            return door.refuse(&refusal);
+        }
+    };
+    let call = Call { gateway: &gateway, caller: &caller, request_id: &request_id, run: run.as_ref() };
+    let anthropic = door.operation() == Operation::Messages;
     // Boxed: the door's call is most of the call's state (some 6 KiB for chat), and
     // inline it made the handler's future one the router copies whole as it boxes it,
     // 8,000 instructions a call (benches/instructions); boxed, it is built in place.
     match Box::pin(door.call(call, &mut draft, &mut charge, request)).await {
         Ok(Reply::Now(mut response, ended)) => {
             let priced = matches!(charge, Charge::Tokens(_));
+            let pace = draft.paced();
             let cost = end(&gateway, charge, ended, draft).await;
             if priced && let Ok(value) = HeaderValue::from_str(&cost.to_eur_string()) {
                 response.headers_mut().insert(COST_HEADER, value);
             }
+            pace::write(response.headers_mut(), pace, anthropic);
             response
         }
-        Ok(Reply::Relay(relay)) => relay.respond(Ending::new(gateway, draft, charge), deadline),
+        Ok(Reply::Relay(relay)) => {
+            let pace = draft.paced();
+            let mut response = relay.respond(Ending::new(gateway, draft, charge), deadline);
+            pace::write(response.headers_mut(), pace, anthropic);
+            response
+        }
         Err(refusal) => {
             let (status, code) = refusal.noted(&mut draft);
+            let pace = draft.paced();
             end(&gateway, charge, Ended::unserved(status, Some(code)), draft).await;
-            door.refuse(&refusal)
+            let mut response = door.refuse(&refusal);
+            pace::write(response.headers_mut(), pace, anthropic);
+            response
         }
     }
 }

@@ -1,0 +1,66 @@
+//! The headers a client paces on (SPEC §14): OpenAI's `x-ratelimit-*`, and on
+//! `/v1/messages` Anthropic's `anthropic-ratelimit-*`, for the caller's tightest
+//! window of each rate, on every answer of a call under a limit (its 429s included).
+
+use http::{HeaderMap, HeaderName, HeaderValue};
+
+use crate::budget::period::unix_now;
+use crate::budget::plan::{Gauge, Pace};
+
+pub(in crate::http) fn write(headers: &mut HeaderMap, pace: Option<Pace>, anthropic: bool) {
+    let Some(pace) = pace else { return };
+    let now = unix_now();
+    for (rate, gauge) in [("requests", pace.requests), ("tokens", pace.tokens)] {
+        let Some(gauge) = gauge else { continue };
+        for (name, value) in fields(rate, gauge, now, anthropic) {
+            if let (Ok(name), Ok(value)) = (HeaderName::try_from(name), HeaderValue::try_from(value)) {
+                headers.insert(name, value);
+            }
+        }
+    }
+}
+
+/// One rate's three headers: OpenAI's reset is a duration (`12s`), Anthropic's an
+/// RFC 3339 instant.
+fn fields(rate: &str, gauge: Gauge, now: u64, anthropic: bool) -> [(String, String); 3] {
+    if anthropic {
+        let reset = i64::try_from(gauge.resets_at)
+            .ok()
+            .and_then(|s| jiff::Timestamp::from_second(s).ok())
+            .map(|t| t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string())
+            .unwrap_or_default();
+        [
+            (format!("anthropic-ratelimit-{rate}-limit"), gauge.limit.to_string()),
+            (format!("anthropic-ratelimit-{rate}-remaining"), gauge.remaining.to_string()),
+            (format!("anthropic-ratelimit-{rate}-reset"), reset),
+        ]
+    } else {
+        [
+            (format!("x-ratelimit-limit-{rate}"), gauge.limit.to_string()),
+            (format!("x-ratelimit-remaining-{rate}"), gauge.remaining.to_string()),
+            (format!("x-ratelimit-reset-{rate}"), format!("{}s", gauge.resets_at.saturating_sub(now))),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openai_resets_in_a_duration_and_anthropic_at_an_instant() {
+        let gauge = Gauge { limit: 10, remaining: 3, resets_at: 1_796_547_720 };
+        let pace = Pace { requests: Some(gauge), tokens: None };
+        let mut openai = HeaderMap::new();
+        write(&mut openai, Some(pace), false);
+        assert_eq!(openai["x-ratelimit-limit-requests"], "10");
+        assert_eq!(openai["x-ratelimit-remaining-requests"], "3");
+        assert!(openai["x-ratelimit-reset-requests"].to_str().unwrap().ends_with('s'));
+        assert!(!openai.contains_key("x-ratelimit-limit-tokens"));
+        let mut anthropic = HeaderMap::new();
+        write(&mut anthropic, Some(pace), true);
+        assert_eq!(anthropic["anthropic-ratelimit-requests-remaining"], "3");
+        assert_eq!(anthropic["anthropic-ratelimit-requests-reset"], "2026-12-06T09:02:00Z");
+        assert!(!anthropic.contains_key("x-ratelimit-limit-requests"));
+    }
+}
