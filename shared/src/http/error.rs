@@ -68,7 +68,13 @@ pub fn render_in(error: &GatewayError, envelope: Envelope) -> Response {
         _ => error.to_string(),
     };
     let (body, content_type) = if envelope == Envelope::OpenAi {
-        (error_envelope(&message, openai_type(status), code.as_str(), error.param()), "application/json")
+        // A per-minute limit's `type` says which window refused, as OpenAI's does.
+        let kind = match error {
+            GatewayError::RateLimited { kind, .. } => kind.as_str(),
+            GatewayError::BackendQuota { .. } => "requests",
+            _ => openai_type(status),
+        };
+        (error_envelope(&message, kind, code.as_str(), error.param()), "application/json")
     } else if envelope == Envelope::Anthropic {
         let message = format!("{code}: {message}");
         (messages::error_envelope(messages::error_type(status.as_u16()), &message), "application/json")
