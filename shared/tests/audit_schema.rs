@@ -71,6 +71,8 @@ fn schema_lists_every_spec_field() {
         // SPEC §3 "Price": the prompt tokens a provider's cache read and wrote.
         "cached_tokens",
         "cache_write_tokens",
+        // SPEC §15: the run the call named, refused calls included.
+        "run",
     ];
     for field in spec_fields {
         assert!(properties.contains_key(field), "missing {field}");
