@@ -19,6 +19,10 @@ KEY = "sk-sdk-test-key"
 FAULTY_KEY = "sk-sdk-faulty-key"
 # A tenant routed to an Anthropic Messages backend (the fake's Anthropic surface).
 CLAUDE_KEY = "sk-sdk-claude-key"
+# A tenant allowed one call a minute (SPEC §14), and one whose day's budget is spent
+# (a token a day: none of its calls fits).
+PACED_KEY = "sk-sdk-paced-key"
+CAPPED_KEY = "sk-sdk-capped-key"
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +46,14 @@ tenants:
     keys:
       - sha256: {hashlib.sha256(CLAUDE_KEY.encode()).hexdigest()}
     backend: claude
+  paced:
+    keys:
+      - sha256: {hashlib.sha256(PACED_KEY.encode()).hexdigest()}
+    limits: {{requests_per_minute: 1}}
+  capped:
+    keys:
+      - sha256: {hashlib.sha256(CAPPED_KEY.encode()).hexdigest()}
+    budgets: {{tokens_per_day: 1}}
 ai:
   default_backend: chat
   capabilities: {{embeddings: embed}}
@@ -211,3 +223,46 @@ def test_streamed_chat_through_an_anthropic_backend(claude):
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["stop"]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+class Counted:
+    """An SDK client whose HTTP requests are counted, and whose retry waits are noted
+    instead of slept (the SDK's own retry logic runs unchanged)."""
+
+    def __init__(self, gateway, key, monkeypatch):
+        import httpx
+
+        self.requests = 0
+        self.waits = []
+
+        def count(_request):
+            self.requests += 1
+
+        monkeypatch.setattr(openai._base_client.time, "sleep", self.waits.append)
+        http = httpx.Client(event_hooks={"request": [count]})
+        self.client = openai.OpenAI(base_url=gateway + "/v1", api_key=key, max_retries=2, http_client=http)
+
+    def chat(self):
+        return self.client.chat.completions.create(
+            model="chat-default", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+        )
+
+
+def test_the_sdk_retries_a_rate_limited_call_by_itself(gateway, monkeypatch):
+    paced = Counted(gateway, PACED_KEY, monkeypatch)
+    paced.chat()
+    with pytest.raises(openai.RateLimitError) as err:
+        paced.chat()
+    assert err.value.code == "rate_limit_exceeded"
+    # The first call, then the second and the SDK's two retries, each after the
+    # window's Retry-After (at most 60 s; `x-should-retry: true`).
+    assert paced.requests == 4
+    assert len(paced.waits) == 2 and all(0 < wait <= 60 for wait in paced.waits), paced.waits
+
+
+def test_the_sdk_does_not_retry_a_budget_exceeded_call(gateway, monkeypatch):
+    capped = Counted(gateway, CAPPED_KEY, monkeypatch)
+    with pytest.raises(openai.RateLimitError) as err:
+        capped.chat()
+    assert err.value.code == "budget_exceeded"
+    assert capped.requests == 1 and capped.waits == [], "x-should-retry: false is obeyed"
