@@ -697,3 +697,29 @@ async fn a_grpc_backend_whose_breaker_opened_is_skipped_until_its_trip_ends() {
 async fn client_get(url: &str) -> String {
     flexway_testkit::client().get(url).send().await.unwrap().text().await.unwrap()
 }
+
+/// A tenant's per-minute limit holds on gRPC too (SPEC §14): past it, the call is
+/// refused with `RESOURCE_EXHAUSTED` and the window's message, never sent upstream.
+#[tokio::test]
+async fn a_requests_per_minute_limit_refuses_with_resource_exhausted() {
+    let second = flexway::budget::period::unix_now() % 60;
+    if second > 50 {
+        tokio::time::sleep(std::time::Duration::from_secs(60 - second)).await;
+    }
+    let upstream = FakeOcr::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = grpc_config(&descriptor_file(dir.path()), &upstream.url(), "{}", false, "{sink: stdout}")
+        .replace("    budgets: {}\n", "    budgets: {}\n    limits: {requests_per_minute: 2}\n");
+    let flexway = Flexway::start(&config);
+    let mut ocr = client(&flexway.url).await;
+    for _ in 0..2 {
+        ocr.recognize(authed(image(1, 0), KEY)).await.unwrap();
+    }
+    let status = ocr.recognize(authed(image(1, 0), KEY)).await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert!(status.message().contains("rate_limit_exceeded"), "{}", status.message());
+    assert!(status.message().contains("tenant acme requests_per_minute (2)"), "{}", status.message());
+    assert_eq!(upstream.calls(), 2, "a refused call never reaches the upstream");
+    let records = flexway.records_until::<serde_json::Value>(3).await;
+    assert_eq!(records[2]["error_code"], "rate_limit_exceeded");
+}

@@ -586,3 +586,29 @@ async fn a_probe_whose_client_leaves_mid_answer_still_closes_the_breaker() {
     let after = get("/documents/latest").await.unwrap();
     assert_eq!(after.status(), 200, "{}", after.text().await.unwrap());
 }
+
+/// A REST call under a per-minute limit paces with OpenAI's headers and is refused
+/// past it with problem+json 429 (SPEC §14).
+#[tokio::test]
+async fn a_requests_per_minute_limit_paces_and_refuses_rest_calls() {
+    let second = flexway::budget::period::unix_now() % 60;
+    if second > 50 {
+        tokio::time::sleep(std::time::Duration::from_secs(60 - second)).await;
+    }
+    let url = upstream(Seen::default(), false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml =
+        rest_config(dir.path(), "{}\n    limits: {requests_per_minute: 2}", &[("ocr", &url, ", mount: /apis/ocr")]);
+    let gw = start(&yaml);
+    let first = call(&gw, reqwest::Method::GET, "/apis/ocr/documents/latest").send().await.unwrap();
+    assert_eq!(first.status(), 200);
+    assert_eq!(first.headers()["x-ratelimit-limit-requests"], "2");
+    assert_eq!(first.headers()["x-ratelimit-remaining-requests"], "1");
+    assert_eq!(call(&gw, reqwest::Method::GET, "/apis/ocr/documents/latest").send().await.unwrap().status(), 200);
+    let refused = call(&gw, reqwest::Method::GET, "/apis/ocr/documents/latest").send().await.unwrap();
+    assert_eq!(refused.status(), 429);
+    assert_eq!(refused.headers()["content-type"], "application/problem+json");
+    assert_eq!(refused.headers()["x-should-retry"], "true");
+    assert_eq!(refused.headers()["x-ratelimit-remaining-requests"], "0");
+    assert_eq!(refused.json::<Value>().await.unwrap()["code"], "rate_limit_exceeded");
+}

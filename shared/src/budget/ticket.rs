@@ -80,12 +80,22 @@ impl Ticket {
     }
 
     /// Replaces the reservation by `cost` in micro-euros and no tokens: a gRPC call,
-    /// priced per call or per byte (SPEC §10).
+    /// priced per call or per byte (SPEC §10). A request it counted (its first step's,
+    /// in a window or a run's calls) stays counted.
     pub async fn settle_eur(self, cost: MicroEur) {
+        let reserved = self.reservation.lines.iter().map(|(_, amount)| *amount);
         let actual: Vec<(CounterKey, u64)> = self
             .budgets
             .iter()
-            .map(|b| (b.key.clone(), if b.unit == super::Unit::MicroEur { cost.0 } else { 0 }))
+            .zip(reserved)
+            .map(|(b, reserved)| {
+                let amount = match b.unit {
+                    super::Unit::MicroEur => cost.0,
+                    super::Unit::Requests => reserved,
+                    super::Unit::Tokens => 0,
+                };
+                (b.key.clone(), amount)
+            })
             .collect();
         Settling { ticket: self, actual }.write().await;
     }

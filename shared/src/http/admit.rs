@@ -130,7 +130,9 @@ impl Ask for Tokens<'_> {
             draft.allowance(allowance);
         }
         let completion = demand.completes.then(|| allowance.saturating_mul(demand.choices));
-        let charge = Charge::Tokens(drive::Tokens { ticket, prompt_typical, allowance: completion });
+        let prompt = demand.prompt_tokens;
+        let charge =
+            Charge::Tokens(drive::Tokens { ticket, prompt, prompt_typical, allowance: completion, quotas: Vec::new() });
         Ok((charge, Admitted { route, soft, allowance }))
     }
 }
@@ -146,8 +148,11 @@ pub(super) struct Metered {
 impl Ask for Metered {
     type Granted = ();
 
-    async fn reserve(self, _: Call<'_>, _: &mut Draft) -> Result<(Charge, ()), GatewayError> {
-        self.meter.reserve_first(self.bytes).await?;
+    /// Its first step's standing in the caller's windows noted on `draft`.
+    async fn reserve(self, _: Call<'_>, draft: &mut Draft) -> Result<(Charge, ()), GatewayError> {
+        let reserved = self.meter.reserve_first(self.bytes).await;
+        draft.pace(self.meter.pace());
+        reserved?;
         Ok((Charge::Metered(self.meter), ()))
     }
 }
