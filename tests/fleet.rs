@@ -169,3 +169,45 @@ async fn a_tenant_is_never_refused_while_its_day_has_room_whichever_process_serv
     assert_eq!(used, answered, "the ledger holds every answered call, the killed process's included");
     assert_eq!(flexway::budget::BudgetStore::live_reservations(&store).await.unwrap(), 0);
 }
+
+/// A tenant's `requests_per_minute` holds across a fleet (SPEC §14): the window is a
+/// counter of the shared table, reserved with the budgets in one conditional write,
+/// so three processes serving a burst together never pass it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_processes_on_one_table_hold_a_tenants_requests_per_minute() {
+    const RPM: usize = 7;
+    let sdk = emulator::sdk().await;
+    let dynamodb = aws_sdk_dynamodb::Client::new(&sdk);
+    let logs = aws_sdk_cloudwatchlogs::Client::new(&sdk);
+    let table = emulator::unique("flexway-fleet-rates");
+    let group = format!("/flexway/{}", emulator::unique("fleet-rates"));
+    DynamoDbBudgetStore::create_table(&dynamodb, &table).await.unwrap();
+    logs.create_log_group().log_group_name(&group).send().await.unwrap();
+    let model = FakeModel::start().await.unwrap();
+    let yaml = fleet_config(&table, &group, &model).replace(
+        &format!("    budgets: {{tokens_per_day: {CAP}}}\n"),
+        &format!("    limits: {{requests_per_minute: {RPM}}}\n"),
+    );
+    assert!(yaml.contains("requests_per_minute"), "{yaml}");
+    let env = emulator::process_env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let fleet = [
+        Flexway::start_with_env(&yaml, &env),
+        Flexway::start_with_env(&yaml, &env),
+        Flexway::start_with_env(&yaml, &env),
+    ];
+    // The burst counts in one minute.
+    let second = unix_now() % 60;
+    if second > 40 {
+        tokio::time::sleep(std::time::Duration::from_secs(60 - second)).await;
+    }
+    let calls = (0..30).map(|i| fleet[i % 3].chat(KEY, hello("m")));
+    let statuses: Vec<u16> = futures_util::future::join_all(calls).await.iter().map(|r| r.status().as_u16()).collect();
+    let served = statuses.iter().filter(|s| **s == 200).count();
+    assert!(statuses.iter().all(|s| *s == 200 || *s == 429), "{statuses:?}");
+    assert_eq!(served, RPM, "three processes served {served} calls under a limit of {RPM}: {statuses:?}");
+    let store = DynamoDbBudgetStore::new(dynamodb, table);
+    let window = CounterKey::window("acme", None, Unit::Requests, unix_now());
+    let counted = flexway::budget::BudgetStore::used(&store, &[window]).await.unwrap()[0];
+    assert_eq!(counted, RPM as u64, "the table's window counts every served call, once");
+}
