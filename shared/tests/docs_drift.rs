@@ -50,6 +50,16 @@ fn one_of_each() -> Vec<GatewayError> {
         GatewayError::ImageTooLarge { limit: 1 },
         GatewayError::HeadersTooLarge { max_headers: 1, max_bytes: 1 },
         GatewayError::BudgetExceeded { budget: "b".into(), retry_after_secs: Some(1) },
+        GatewayError::BudgetExceeded { budget: "run r tokens".into(), retry_after_secs: None },
+        GatewayError::RateLimited {
+            holder: "tenant t".into(),
+            kind: flexway::budget::plan::Rate::Requests,
+            limit: 1,
+            retry_after_secs: 1,
+        },
+        GatewayError::BackendQuota { backends: "a".into(), retry_after_secs: 1 },
+        GatewayError::RunNotFound { run: "r".into() },
+        GatewayError::RunEnded { run: "r".into(), why: "ended" },
         GatewayError::UpstreamError { backend: BackendId::new("a"), detail: "d".into(), attempts: attempts.clone() },
         GatewayError::UpstreamUnavailable {
             cause: UnavailableCause::UpstreamFailed,
