@@ -13,11 +13,13 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use super::period::{Period, unix_now};
 use super::plan::{Budget, Kind};
+use super::run::{self, Run, RunBudget, RunEnd, RunRef};
 use super::ticket::{self, Ticket};
 use super::{
     BudgetStore, CounterKey, IntentOutcome, Line, Reservation, ReserveOutcome, ReserveRequest, SettleOutcome,
-    StoreError, Swept, Unit,
+    StoreError, Swept, TRANSIENT_RETENTION_SECS, Unit,
 };
 use crate::call::Usage;
 use crate::config::Price;
@@ -703,6 +705,190 @@ pub async fn concurrent_reservations_never_pass_the_cap(store: Arc<dyn BudgetSto
     check(live == 0, || format!("reservations left: {live}"))
 }
 
+/// The tenant of the suite's windows and runs.
+const TENANT: &str = "conformance";
+
+/// `tasks` concurrent reservations of `amount` on `counter` (limit `limit`), each with
+/// an unlimited line beside it: the ids of those admitted. Any other outcome than
+/// Reserved or a refusal on the limited line is an error.
+async fn burst(
+    store: &Arc<dyn BudgetStore>,
+    name: &str,
+    lines: Vec<Line>,
+    tasks: usize,
+    refused_on: &[usize],
+) -> Result<Vec<String>, String> {
+    let mut running = Vec::new();
+    for i in 0..tasks {
+        let (store, lines) = (store.clone(), lines.clone());
+        let request_id = format!("{name}-{i}");
+        running.push(tokio::spawn(async move {
+            let request = ReserveRequest { request_id, lines, expires_at: NOW + 60 };
+            let outcome = store.reserve(&request).await;
+            (request.request_id, outcome)
+        }));
+    }
+    let mut admitted = Vec::new();
+    for task in running {
+        let (id, outcome) = task.await.map_err(|e| e.to_string())?;
+        match outcome.map_err(|e| e.to_string())? {
+            ReserveOutcome::Reserved => admitted.push(id),
+            ReserveOutcome::Refused { line } => {
+                check(refused_on.contains(&line), || format!("{name}: refused on line {line}"))?
+            }
+        }
+    }
+    Ok(admitted)
+}
+
+/// A per-minute window (SPEC §14) is a counter like any other: 40 concurrent calls on a
+/// window of 5 requests admit exactly 5, and on one of 1,000 tokens, exactly the 10
+/// that fit. The windows are the current minute's (by the clock, not [`NOW`]): a
+/// store may forget a window a day past its minute, and DynamoDB does by the clock.
+pub async fn concurrent_window_reservations_never_pass_the_limit(store: Arc<dyn BudgetStore>) -> Result<(), String> {
+    let now = unix_now();
+    let free = Line { key: key("free"), amount: 1, limit: None };
+    let requests = CounterKey::window(TENANT, None, Unit::Requests, now);
+    let lines = vec![Line { key: requests.clone(), amount: 1, limit: Some(5) }, free.clone()];
+    let admitted = burst(&store, "rpm", lines, 40, &[0]).await?;
+    check(admitted.len() == 5, || format!("{} calls passed a window of 5 requests", admitted.len()))?;
+    let tokens = CounterKey::window(TENANT, Some("bot"), Unit::Tokens, now);
+    let lines = vec![Line { key: tokens.clone(), amount: 100, limit: Some(1000) }, free];
+    let admitted = burst(&store, "tpm", lines, 40, &[0]).await?;
+    check(admitted.len() == 10, || format!("{} calls of 100 passed a window of 1000 tokens", admitted.len()))?;
+    let got = call!(store.used(&[requests, tokens, key("free")]));
+    check(got == [5, 1000, 15], || format!("counters after the bursts: {got:?}, expected [5, 1000, 15]"))
+}
+
+/// A run of the suite's tenant, for its agent `bot`, expiring at `expires_at`: a child
+/// of `parent` if given.
+fn a_run(tokens: u64, parent: Option<&Run>, expires_at: u64) -> Run {
+    Run {
+        this: RunRef { id: run::new_id(), budget: RunBudget { tokens: Some(tokens), eur: None }, expires_at },
+        tenant: TENANT.to_owned(),
+        agent: Some("bot".to_owned()),
+        label: Some("conformance".to_owned()),
+        ancestors: parent.map(|p| p.chain().cloned().collect()).unwrap_or_default(),
+        created_at: NOW,
+        ended_at: None,
+        children: Vec::new(),
+    }
+}
+
+fn sorted(mut ids: Vec<String>) -> Vec<String> {
+    ids.sort();
+    ids
+}
+
+/// Runs (SPEC §15) as records: stored once under their id, a child named among its
+/// parent's children, never under an ended or unknown parent; ending a run ends its
+/// descendants, once.
+pub async fn runs_are_created_read_and_ended_with_their_descendants(store: &dyn BudgetStore) -> Result<(), String> {
+    let parent = a_run(1000, None, NOW + 3600);
+    let created = call!(store.create_run(&parent));
+    check(created, || "a new run was not created".to_owned())?;
+    let read = call!(store.run(parent.id()));
+    check(read.as_ref() == Some(&parent), || format!("read back {read:?}, expected {parent:?}"))?;
+    let again = call!(store.create_run(&parent));
+    check(!again, || "a run id was taken twice".to_owned())?;
+
+    let child = a_run(300, Some(&parent), NOW + 1800);
+    let created = call!(store.create_run(&child));
+    check(created, || "a child of an active run was not created".to_owned())?;
+    let read = call!(store.run(child.id()));
+    check(read.as_ref() == Some(&child), || format!("child read back {read:?}, expected {child:?}"))?;
+    let read = call!(store.run(parent.id()));
+    let children = read.map(|p| p.children).unwrap_or_default();
+    check(children == [child.id().to_owned()], || format!("the parent's children: {children:?}"))?;
+    let orphan = a_run(100, Some(&a_run(100, None, NOW + 3600)), NOW + 3600);
+    let created = call!(store.create_run(&orphan));
+    check(!created, || "a child of a run never stored was created".to_owned())?;
+    let none = call!(store.run(orphan.id()));
+    check(none.is_none(), || format!("a refused run was stored: {none:?}"))?;
+
+    let ended = call!(store.end_run(parent.id(), NOW + 10));
+    let expected = RunEnd::Ended(sorted(vec![parent.id().to_owned(), child.id().to_owned()]));
+    let ended = match ended {
+        RunEnd::Ended(ids) => RunEnd::Ended(sorted(ids)),
+        unknown => unknown,
+    };
+    check(ended == expected, || format!("ending the parent: {ended:?}, expected {expected:?}"))?;
+    for run in [&parent, &child] {
+        let read = call!(store.run(run.id()));
+        let at = read.as_ref().and_then(|r| r.ended_at);
+        check(at == Some(NOW + 10), || format!("{} after the end: {read:?}", run.id()))?;
+    }
+    for late_parent in [&parent, &child] {
+        let late = a_run(100, Some(late_parent), NOW + 600);
+        let created = call!(store.create_run(&late));
+        check(!created, || format!("a child of the ended {} was created", late_parent.id()))?;
+        let none = call!(store.run(late.id()));
+        check(none.is_none(), || format!("a refused child was stored: {none:?}"))?;
+    }
+    let again = call!(store.end_run(parent.id(), NOW + 20));
+    check(again == RunEnd::Ended(Vec::new()), || format!("ending it again: {again:?}"))?;
+    let read = call!(store.run(child.id()));
+    check(read.and_then(|r| r.ended_at) == Some(NOW + 10), || "a second end moved the first's time".to_owned())?;
+    let unknown = call!(store.end_run(&run::new_id(), NOW));
+    check(unknown == RunEnd::Unknown, || format!("ending an unknown run: {unknown:?}"))
+}
+
+/// A call in a child run reserves on the child's counter and its parent's in one
+/// reservation: under a concurrent burst of calls in the child and in the parent,
+/// neither budget is passed, and the parent's is spent to the end.
+pub async fn concurrent_run_reservations_never_pass_the_run_or_its_ancestors(
+    store: Arc<dyn BudgetStore>,
+) -> Result<(), String> {
+    let expires_at = unix_now() + 3600;
+    let parent = a_run(500, None, expires_at);
+    let child = a_run(300, Some(&parent), expires_at);
+    for run in [&parent, &child] {
+        let created = call!(store.create_run(run));
+        check(created, || format!("run {} not created", run.id()))?;
+    }
+    let line = |run: &RunRef| Line { key: run.counter(TENANT, Unit::Tokens), amount: 50, limit: run.budget.tokens };
+    let in_child: Vec<Line> = child.chain().map(line).collect();
+    let in_parent: Vec<Line> = parent.chain().map(line).collect();
+    let (store_a, store_b) = (store.clone(), store.clone());
+    let (child_calls, parent_calls) = tokio::join!(
+        burst(&store_a, "in-child", in_child, 20, &[0, 1]),
+        burst(&store_b, "in-parent", in_parent, 20, &[0])
+    );
+    let (child_calls, parent_calls) = (child_calls?.len() as u64, parent_calls?.len() as u64);
+    let counters = [child.this.counter(TENANT, Unit::Tokens), parent.this.counter(TENANT, Unit::Tokens)];
+    let got = call!(store.used(&counters));
+    check(got == [50 * child_calls, 500], || {
+        format!("run counters {got:?} after {child_calls} calls in the child, {parent_calls} in the parent")
+    })?;
+    check(child_calls + parent_calls == 10, || format!("{child_calls} + {parent_calls} calls fit a budget of 10"))?;
+    check(child_calls <= 6, || format!("{child_calls} calls of 50 fit a child budget of 300"))
+}
+
+/// A sweep forgets a window's and a run's counters a day ([`TRANSIENT_RETENTION_SECS`])
+/// past their expiry, and keeps a day's budget counter, whatever its age: a window of
+/// long ago reads 0 again, the budget what was settled on it.
+pub async fn a_sweep_forgets_old_windows_and_runs_and_keeps_budgets(store: &dyn BudgetStore) -> Result<(), String> {
+    let long_ago = NOW - 2 * TRANSIENT_RETENTION_SECS;
+    let window = CounterKey::window(TENANT, None, Unit::Requests, long_ago);
+    let spent = a_run(1000, None, long_ago + 60).this.counter(TENANT, Unit::Tokens);
+    let day = CounterKey::new(TENANT, None, Unit::Tokens, Period::Day, long_ago);
+    let lines = vec![
+        Line { key: window.clone(), amount: 1, limit: Some(5) },
+        Line { key: spent.clone(), amount: 40, limit: Some(1000) },
+        Line { key: day.clone(), amount: 40, limit: Some(10_000) },
+    ];
+    let reserving = ReserveRequest { request_id: "long-ago".into(), lines, expires_at: long_ago + 60 };
+    let reserved = call!(store.reserve(&reserving));
+    check(reserved == ReserveOutcome::Reserved, || format!("reserve: {reserved:?}"))?;
+    let actual = [(window.clone(), 1), (spent.clone(), 30), (day.clone(), 30)];
+    let settled = call!(store.settle(&reserving.reservation(), &actual));
+    check(settled == SettleOutcome::Settled, || format!("settle: {settled:?}"))?;
+    let swept = call!(store.sweep(NOW));
+    check(swept == Swept::default(), || format!("sweep: {swept:?}, no reservation to close"))?;
+    let got = call!(store.used(&[window, spent, day]));
+    check(got == [0, 0, 30], || format!("window, run, day after the sweep: {got:?}, expected [0, 0, 30]"))
+}
+
 /// Runs every check on a fresh store each; returns the failures (empty: conformant).
 pub async fn run_all<S, F, Fut>(make: F) -> Vec<String>
 where
@@ -778,5 +964,21 @@ where
     );
     let shared: Arc<dyn BudgetStore> = Arc::new(make().await);
     note("concurrent_reservations_never_pass_the_cap", concurrent_reservations_never_pass_the_cap(shared).await);
+    note(
+        "concurrent_window_reservations_never_pass_the_limit",
+        concurrent_window_reservations_never_pass_the_limit(Arc::new(make().await)).await,
+    );
+    note(
+        "runs_are_created_read_and_ended_with_their_descendants",
+        runs_are_created_read_and_ended_with_their_descendants(&make().await).await,
+    );
+    note(
+        "concurrent_run_reservations_never_pass_the_run_or_its_ancestors",
+        concurrent_run_reservations_never_pass_the_run_or_its_ancestors(Arc::new(make().await)).await,
+    );
+    note(
+        "a_sweep_forgets_old_windows_and_runs_and_keeps_budgets",
+        a_sweep_forgets_old_windows_and_runs_and_keeps_budgets(&make().await).await,
+    );
     failures
 }

@@ -10,7 +10,10 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::run::{Run, RunEnd};
-use super::{CounterKey, IntentOutcome, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept};
+use super::{
+    CounterKey, IntentOutcome, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept,
+    TRANSIENT_RETENTION_SECS,
+};
 
 /// Swept reservations are kept this long after their expiry, so that a call that
 /// outlived its reservation can still be settled exactly once.
@@ -36,8 +39,15 @@ pub trait LedgerState {
     fn put_reservation(&mut self, request_id: &str, reservation: &StoredReservation) -> Result<(), StoreError>;
     fn delete_reservation(&mut self, request_id: &str) -> Result<(), StoreError>;
     fn all_reservations(&mut self) -> Result<Vec<(String, StoredReservation)>, StoreError>;
+    /// Every counter held (0 or not).
+    fn counter_keys(&mut self) -> Result<Vec<CounterKey>, StoreError>;
+    /// Drops a counter: it reads 0 again, and is no longer held.
+    fn forget_counter(&mut self, key: &CounterKey) -> Result<(), StoreError>;
     fn run(&mut self, id: &str) -> Result<Option<Run>, StoreError>;
     fn put_run(&mut self, run: &Run) -> Result<(), StoreError>;
+    /// Every run held, as `(id, expires_at)`.
+    fn run_expiries(&mut self) -> Result<Vec<(String, u64)>, StoreError>;
+    fn forget_run(&mut self, id: &str) -> Result<(), StoreError>;
 }
 
 /// Stores `run` and names it among its parent's children; `false`, nothing written,
@@ -199,7 +209,26 @@ pub fn sweep(state: &mut impl LedgerState, now: u64) -> Result<Swept, StoreError
         state.put_reservation(&request_id, &reservation)?;
         if lease { swept.leases += 1 } else { swept.refunded += 1 }
     }
+    forget_transients(state, now)?;
     Ok(swept)
+}
+
+/// Forgets the windows' and runs' counters, and the runs, [`TRANSIENT_RETENTION_SECS`]
+/// past their expiry (after the refunds above, so a refund that touched one does not
+/// leave it behind); a day's or a month's counter has no expiry and is kept.
+fn forget_transients(state: &mut impl LedgerState, now: u64) -> Result<(), StoreError> {
+    let past = |expiry: u64| expiry.saturating_add(TRANSIENT_RETENTION_SECS) < now;
+    for key in state.counter_keys()? {
+        if key.expiry().is_some_and(past) {
+            state.forget_counter(&key)?;
+        }
+    }
+    for (id, expires_at) in state.run_expiries()? {
+        if past(expires_at) {
+            state.forget_run(&id)?;
+        }
+    }
+    Ok(())
 }
 
 pub fn live_reservations(state: &mut impl LedgerState) -> Result<usize, StoreError> {

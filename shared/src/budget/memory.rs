@@ -44,11 +44,25 @@ impl LedgerState for State {
     fn all_reservations(&mut self) -> Result<Vec<(String, StoredReservation)>, StoreError> {
         Ok(self.reservations.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
     }
+    fn counter_keys(&mut self) -> Result<Vec<CounterKey>, StoreError> {
+        Ok(self.counters.keys().cloned().collect())
+    }
+    fn forget_counter(&mut self, key: &CounterKey) -> Result<(), StoreError> {
+        self.counters.remove(key);
+        Ok(())
+    }
     fn run(&mut self, id: &str) -> Result<Option<Run>, StoreError> {
         Ok(self.runs.get(id).cloned())
     }
     fn put_run(&mut self, run: &Run) -> Result<(), StoreError> {
         self.runs.insert(run.id().to_owned(), run.clone());
+        Ok(())
+    }
+    fn run_expiries(&mut self) -> Result<Vec<(String, u64)>, StoreError> {
+        Ok(self.runs.iter().map(|(id, run)| (id.clone(), run.this.expires_at)).collect())
+    }
+    fn forget_run(&mut self, id: &str) -> Result<(), StoreError> {
+        self.runs.remove(id);
         Ok(())
     }
 }
@@ -124,5 +138,57 @@ mod tests {
     async fn memory_store_passes_the_conformance_suite() {
         let failures = conformance::run_all(|| async { MemoryBudgetStore::new() }).await;
         assert!(failures.is_empty(), "{failures:#?}");
+    }
+
+    /// A window, a run's counter and a run are kept through the day past their expiry
+    /// and forgotten by the first sweep after it; a day's budget stays.
+    #[tokio::test]
+    async fn a_sweep_forgets_windows_and_runs_a_day_past_their_expiry() {
+        use crate::budget::run::{RunBudget, RunRef};
+        use crate::budget::{Line, Period, TRANSIENT_RETENTION_SECS, Unit};
+
+        let now = conformance::NOW;
+        let store = MemoryBudgetStore::new();
+        let run = Run {
+            this: RunRef {
+                id: "run_1".into(),
+                budget: RunBudget { tokens: Some(100), eur: None },
+                expires_at: now + 60,
+            },
+            tenant: "acme".into(),
+            agent: None,
+            label: None,
+            ancestors: vec![],
+            created_at: now,
+            ended_at: None,
+            children: vec![],
+        };
+        assert!(store.create_run(&run).await.unwrap());
+        let window = CounterKey::window("acme", None, Unit::Requests, now);
+        let counters = [
+            window.clone(),
+            run.this.counter("acme", Unit::Tokens),
+            CounterKey::new("acme", None, Unit::Tokens, Period::Day, now),
+        ];
+        let request = ReserveRequest {
+            request_id: "r".into(),
+            lines: counters.iter().map(|key| Line { key: key.clone(), amount: 7, limit: None }).collect(),
+            expires_at: now + 30,
+        };
+        store.reserve(&request).await.unwrap();
+        let actual: Vec<(CounterKey, u64)> = counters.iter().map(|key| (key.clone(), 7)).collect();
+        assert_eq!(store.settle(&request.reservation(), &actual).await.unwrap(), SettleOutcome::Settled);
+
+        let window_end = window.expiry().unwrap();
+        store.sweep(window_end + TRANSIENT_RETENTION_SECS).await.unwrap();
+        assert_eq!(store.used(&counters).await.unwrap(), [7, 7, 7], "kept through the retention");
+        store.sweep(window_end + TRANSIENT_RETENTION_SECS + 1).await.unwrap();
+        assert_eq!(store.used(&counters).await.unwrap(), [0, 7, 7], "the window forgotten");
+        assert!(store.run("run_1").await.unwrap().is_some());
+        store.sweep(now + 60 + TRANSIENT_RETENTION_SECS + 1).await.unwrap();
+        assert_eq!(store.used(&counters).await.unwrap(), [0, 0, 7], "the run's counter forgotten, the day kept");
+        assert_eq!(store.run("run_1").await.unwrap(), None, "the run forgotten");
+        let state = store.state.lock().unwrap();
+        assert_eq!(state.counters.len(), 1, "forgotten, not set to 0");
     }
 }

@@ -15,6 +15,8 @@ use crate::budget::{CounterKey, StoreError};
 
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
 const RESERVATIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("reservations");
+/// Run id → JSON `Run`. Absent from files written before runs existed.
+const RUNS: TableDefinition<&str, &[u8]> = TableDefinition::new("runs");
 /// `journal_epoch`: the epoch of the journal that follows the file's content, written
 /// by each checkpoint with it. Absent from files written before it existed.
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
@@ -26,6 +28,7 @@ impl Ledger {
         let txn = db.begin_write().map_err(backend)?;
         txn.open_table(COUNTERS).map_err(backend)?;
         txn.open_table(RESERVATIONS).map_err(backend)?;
+        txn.open_table(RUNS).map_err(backend)?;
         txn.open_table(META).map_err(backend)?;
         txn.commit().map_err(backend)?;
         let txn = db.begin_read().map_err(backend)?;
@@ -40,6 +43,11 @@ impl Ledger {
             ledger.in_file.insert(request_id.value().to_owned());
             ledger.live += usize::from(is_live(Some(&stored)));
             ledger.reservations.insert(request_id.value().to_owned(), stored);
+        }
+        for entry in txn.open_table(RUNS).map_err(backend)?.iter().map_err(backend)? {
+            let (id, bytes) = entry.map_err(backend)?;
+            let stored = serde_json::from_slice(bytes.value()).map_err(|e| e.to_string());
+            ledger.runs.insert(id.value().to_owned(), stored);
         }
         Ok(ledger)
     }
@@ -71,8 +79,22 @@ pub(super) fn checkpoint(db: &Database, ledger: &mut Ledger, journal: &mut Journ
         txn.open_table(META).map_err(backend)?.insert(JOURNAL_EPOCH, journal.epoch + 1).map_err(backend)?;
         let mut counters = txn.open_table(COUNTERS).map_err(backend)?;
         for key in &ledger.changed_counters {
-            let value = ledger.counters.get(key).copied().unwrap_or(0);
-            counters.insert(key.as_str(), value).map_err(backend)?;
+            match ledger.counters.get(key) {
+                Some(value) => _ = counters.insert(key.as_str(), *value).map_err(backend)?,
+                // Forgotten (a window or a run past its retention).
+                None => _ = counters.remove(key.as_str()).map_err(backend)?,
+            }
+        }
+        let mut runs = txn.open_table(RUNS).map_err(backend)?;
+        for id in &ledger.changed_runs {
+            match ledger.runs.get(id) {
+                Some(Ok(run)) => {
+                    let bytes = serde_json::to_vec(run).map_err(backend)?;
+                    runs.insert(id.as_str(), bytes.as_slice()).map_err(backend)?;
+                }
+                Some(Err(_)) => {}
+                None => _ = runs.remove(id.as_str()).map_err(backend)?,
+            }
         }
         let mut reservations = txn.open_table(RESERVATIONS).map_err(backend)?;
         for request_id in &ledger.changed_reservations {
@@ -102,6 +124,7 @@ pub(super) fn checkpoint(db: &Database, ledger: &mut Ledger, journal: &mut Journ
         }
     }
     ledger.changed_counters.clear();
+    ledger.changed_runs.clear();
     journal.clear()
 }
 

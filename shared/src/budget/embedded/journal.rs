@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{CHECKPOINT_BYTES, backend};
 use crate::budget::ledger::StoredReservation;
-use crate::budget::{CounterKey, StoreError};
+use crate::budget::{CounterKey, Run, StoreError};
 use crate::json;
 
 /// What one batch wrote, as the journal keeps it: values, so that a replay sets them
@@ -19,16 +19,20 @@ use crate::json;
 /// the same key wins.
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub(super) struct Effects {
+    /// A counter set, or forgotten (`null`: a window or a run past its retention).
     #[serde(rename = "c", default, skip_serializing_if = "Vec::is_empty")]
-    pub(super) counters: Vec<(CounterKey, u64)>,
+    pub(super) counters: Vec<(CounterKey, Option<u64>)>,
     /// A reservation put, or removed (`null`).
     #[serde(rename = "r", default, skip_serializing_if = "Vec::is_empty")]
     pub(super) reservations: Vec<(String, Option<StoredReservation>)>,
+    /// A run put, or forgotten (`null`).
+    #[serde(rename = "u", default, skip_serializing_if = "Vec::is_empty")]
+    pub(super) runs: Vec<(String, Option<Run>)>,
 }
 
 impl Effects {
     pub(super) fn is_empty(&self) -> bool {
-        self.counters.is_empty() && self.reservations.is_empty()
+        self.counters.is_empty() && self.reservations.is_empty() && self.runs.is_empty()
     }
 }
 
@@ -159,7 +163,7 @@ impl Journal {
     pub(super) fn write(&mut self, effects: &Effects) -> Result<(), StoreError> {
         if !effects.is_empty() {
             let mut line = Vec::with_capacity(512);
-            encode(self.epoch, effects, &mut line);
+            encode(self.epoch, effects, &mut line)?;
             self.write_at(&line)?;
             self.lines += 1;
         }
@@ -183,22 +187,36 @@ impl Journal {
         self.lines = 0;
         self.failed = false;
         let mut marker = Vec::new();
-        encode(self.epoch, &Effects::default(), &mut marker);
+        encode(self.epoch, &Effects::default(), &mut marker)?;
         self.write_at(&marker)
     }
 }
 
 /// A journal line, `\n` included: the bytes `serde_json` makes of a [`Line`] (a test
 /// holds them equal; `Journal::open` reads them with it), written by hand
-/// ([`crate::json`]).
-fn encode(epoch: u64, effects: &Effects, line: &mut Vec<u8>) {
+/// ([`crate::json`]), but for runs (rare: serde_json's own bytes).
+fn encode(epoch: u64, effects: &Effects, line: &mut Vec<u8>) -> Result<(), StoreError> {
     line.push(b'{');
     json::key!(line, "e");
     json::number(line, epoch);
     if !effects.counters.is_empty() {
         line.push(b',');
         json::key!(line, "c");
-        amounts(line, &effects.counters);
+        line.push(b'[');
+        for (i, (key, value)) in effects.counters.iter().enumerate() {
+            if i > 0 {
+                line.push(b',');
+            }
+            line.push(b'[');
+            json::string(line, key.as_str());
+            line.push(b',');
+            match value {
+                Some(value) => json::number(line, *value),
+                None => line.extend_from_slice(b"null"),
+            }
+            line.push(b']');
+        }
+        line.push(b']');
     }
     if !effects.reservations.is_empty() {
         line.push(b',');
@@ -235,7 +253,13 @@ fn encode(epoch: u64, effects: &Effects, line: &mut Vec<u8>) {
         }
         line.push(b']');
     }
+    if !effects.runs.is_empty() {
+        line.push(b',');
+        json::key!(line, "u");
+        serde_json::to_writer(&mut *line, &effects.runs).map_err(backend)?;
+    }
     line.extend_from_slice(b"}\n");
+    Ok(())
 }
 
 /// `[["key",amount],...]`
@@ -258,25 +282,28 @@ fn amounts(line: &mut Vec<u8>, amounts: &[(CounterKey, u64)]) {
 mod tests {
     use super::super::tests::key;
     use super::*;
+    use crate::budget::run::{RunBudget, RunRef};
 
     /// The bytes a journal line is written as are those a replay reads, whatever binary
-    /// wrote them: an empty list left out, a removed reservation as `null`.
+    /// wrote them: an empty list left out, a removed reservation or forgotten counter as
+    /// `null`.
     #[test]
     fn a_journal_line_is_written_in_the_format_replay_reads() {
         let reservation = StoredReservation { lines: vec![(key("a"), 40)], expires_at: 9, swept: false, intent: None };
         let effects = Effects {
-            counters: vec![(key("a"), 40)],
+            counters: vec![(key("a"), Some(40)), (key("w"), None)],
             reservations: vec![("r1".into(), Some(reservation)), ("r0".into(), None)],
+            runs: Vec::new(),
         };
         let written = |epoch: u64, effects: &Effects| {
             let mut line = Vec::new();
-            encode(epoch, effects, &mut line);
+            encode(epoch, effects, &mut line).unwrap();
             String::from_utf8(line).unwrap()
         };
         let line = written(7, &effects);
         assert_eq!(
             line,
-            "{\"e\":7,\"c\":[[\"batch/a\",40]],\"r\":[[\"r1\",{\"lines\":[[\"batch/a\",40]],\"expires_at\":9,\"swept\":false}],[\"r0\",null]]}\n"
+            "{\"e\":7,\"c\":[[\"batch/a\",40],[\"batch/w\",null]],\"r\":[[\"r1\",{\"lines\":[[\"batch/a\",40]],\"expires_at\":9,\"swept\":false}],[\"r0\",null]]}\n"
         );
         let read: super::Line<Effects> = serde_json::from_str(line.trim_end()).unwrap();
         assert_eq!(read.epoch, 7);
@@ -284,10 +311,21 @@ mod tests {
         assert_eq!(written(8, &Effects::default()), "{\"e\":8}\n");
 
         // Whatever the effects, the same bytes as serde_json's: names that need escaping,
-        // a swept reservation, an intent, large numbers.
+        // a swept reservation, an intent, large numbers, runs put and forgotten.
         let odd = CounterKey("t\"q\\/\u{1}/é/tokens/day/2026-12-02".into());
+        let run = Run {
+            this: RunRef { id: "run_1".into(), budget: RunBudget { tokens: Some(9), eur: None }, expires_at: 60 },
+            tenant: "acme".into(),
+            agent: Some("bot \"é\"".into()),
+            label: None,
+            ancestors: vec![RunRef { id: "run_0".into(), budget: RunBudget::default(), expires_at: 90 }],
+            created_at: 1,
+            ended_at: Some(5),
+            children: vec!["run_2".into()],
+        };
         let effects = Effects {
-            counters: vec![(odd.clone(), u64::MAX), (key("b"), 0)],
+            counters: vec![(odd.clone(), Some(u64::MAX)), (key("b"), Some(0)), (key("c"), None)],
+            runs: vec![("run_1".into(), Some(run)), ("run_0".into(), None)],
             reservations: vec![
                 ("id \"x\"\n".into(), None),
                 (
@@ -302,6 +340,8 @@ mod tests {
             ],
         };
         let serde = serde_json::to_string(&super::Line { epoch: u64::MAX, effects: &effects }).unwrap();
+        let read: super::Line<Effects> = serde_json::from_str(&serde).unwrap();
+        assert_eq!(format!("{:?}", read.effects), format!("{effects:?}"), "read back as written");
         assert_eq!(written(u64::MAX, &effects), serde + "\n");
     }
 
@@ -313,7 +353,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ledger.redb.journal");
         let mut lines = Vec::new();
-        encode(5, &Effects { counters: vec![(key("a"), 40)], reservations: Vec::new() }, &mut lines);
+        let effects = Effects { counters: vec![(key("a"), Some(40))], ..Effects::default() };
+        encode(5, &effects, &mut lines).unwrap();
         for length in [0, lines.len(), lines.len() + 5000] {
             let mut content = lines.clone();
             content.resize(length.max(lines.len()), 0);

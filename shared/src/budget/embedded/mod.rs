@@ -79,10 +79,14 @@
 //!
 //! File layout: `<dir>/ledger.redb` when `path` is a directory or has no extension
 //! (the directory is created), else the file `path` itself; the journal beside it.
-//! Two tables: `counters` (counter key → value) and `reservations` (request id → JSON
-//! `StoredReservation`). The whole ledger is held in memory: its counters (a few a
-//! tenant and agent per day and month) and its reservations (those in flight, and the
-//! swept ones kept a day).
+//! Three tables: `counters` (counter key → value), `reservations` (request id → JSON
+//! `StoredReservation`) and `runs` (run id → JSON `Run`, SPEC §15; a run is created and
+//! ended through the writer like a reservation, so `ledger::create_run` and
+//! `ledger::end_run` apply whole, durable before their answer). The whole ledger is
+//! held in memory: its counters (a few a tenant and agent per day and month, and the
+//! per-minute windows and runs' counters, which a sweep forgets a day past their
+//! expiry), its reservations (those in flight, and the swept ones kept a day) and its
+//! runs (also forgotten a day past their expiry).
 
 mod checkpoint;
 mod journal;
@@ -106,8 +110,8 @@ use self::state::{Batch, Ledger};
 use self::writer::{Job, Reply, Writer, write_batch, write_loop};
 use super::ledger;
 use super::{
-    BudgetStore, CounterKey, IntentOutcome, Reservation, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError,
-    Swept,
+    BudgetStore, CounterKey, IntentOutcome, Reservation, ReserveOutcome, ReserveRequest, Run, RunEnd, SettleOutcome,
+    StoreError, Swept,
 };
 
 /// The most operations one batch carries; more wait for the next one.
@@ -208,7 +212,7 @@ impl EmbeddedBudgetStore {
         match job {
             Job::Settle { .. } => true,
             Job::Reserve { .. } => self.ledger.try_read().is_ok_and(|ledger| ledger.live == 0),
-            Job::Intent { .. } | Job::Sweep { .. } => false,
+            Job::Intent { .. } | Job::Sweep { .. } | Job::CreateRun { .. } | Job::EndRun { .. } => false,
         }
     }
 
@@ -296,15 +300,24 @@ impl BudgetStore for EmbeddedBudgetStore {
     async fn live_reservations(&self) -> Result<usize, StoreError> {
         ledger::live_reservations(&mut Batch::new(&*self.read()?))
     }
-    // TEMPORARY (being written): runs on the embedded store.
-    async fn create_run(&self, _: &super::Run) -> Result<bool, StoreError> {
-        Err(StoreError::Backend("runs: not yet on the embedded store".into()))
+
+    /// Through the writer, as a reservation: journaled and synced before its answer.
+    async fn create_run(&self, run: &Run) -> Result<bool, StoreError> {
+        let run = Box::new(run.clone());
+        self.submit(|reply| Job::CreateRun { run, reply }).await
     }
-    async fn run(&self, _: &str) -> Result<Option<super::Run>, StoreError> {
-        Err(StoreError::Backend("runs: not yet on the embedded store".into()))
+
+    /// A lookup under a read lock.
+    async fn run(&self, id: &str) -> Result<Option<Run>, StoreError> {
+        match self.read()?.runs.get(id) {
+            Some(stored) => stored.clone().map(Some).map_err(|detail| state::corrupt_run(id, &detail)),
+            None => Ok(None),
+        }
     }
-    async fn end_run(&self, _: &str, _: u64) -> Result<super::RunEnd, StoreError> {
-        Err(StoreError::Backend("runs: not yet on the embedded store".into()))
+
+    async fn end_run(&self, id: &str, at: u64) -> Result<RunEnd, StoreError> {
+        let id = id.to_owned();
+        self.submit(|reply| Job::EndRun { id, at, reply }).await
     }
 }
 
@@ -404,6 +417,88 @@ mod tests {
         assert_eq!(again.used(&[key("a")]).await.unwrap(), [100], "reserved on the file's figure, kept at close");
     }
 
+    /// A run is journaled like a reservation (replayed from the journal alone), ended
+    /// through the writer, and checkpointed into the file; a counter a sweep forgot is
+    /// gone from the file too, a budget counter kept.
+    #[tokio::test]
+    async fn runs_and_forgotten_counters_are_durable() {
+        use crate::budget::run::{RunBudget, RunRef};
+        use crate::budget::{Line, Period, TRANSIENT_RETENTION_SECS, Unit};
+
+        let now = crate::budget::conformance::NOW;
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join(FILE_NAME);
+        let parent = Run {
+            this: RunRef {
+                id: "run_p".into(),
+                budget: RunBudget { tokens: Some(100), eur: None },
+                expires_at: now + 60,
+            },
+            tenant: "acme".into(),
+            agent: Some("bot".into()),
+            label: None,
+            ancestors: vec![],
+            created_at: now,
+            ended_at: None,
+            children: vec![],
+        };
+        {
+            let db = Database::create(&file).unwrap();
+            let ledger = RwLock::new(Ledger::load(&db).unwrap());
+            let (journal, _) = Journal::open(&journal_file(&file), journal_epoch(&db).unwrap()).unwrap();
+            let mut writer = Writer { journal, db };
+            let (reply, answer) = oneshot::channel();
+            let job = Job::CreateRun { run: Box::new(parent.clone()), reply };
+            write_batch(&ledger, vec![job], &mut writer.journal).sync_and_answer(
+                &mut writer,
+                &ledger,
+                &AtomicU64::new(0),
+            );
+            assert!(answer.await.unwrap().unwrap());
+            // Dropped without a checkpoint: the run is in the journal alone.
+        }
+
+        let store = EmbeddedBudgetStore::open(dir.path()).unwrap();
+        assert_eq!(store.run("run_p").await.unwrap().as_ref(), Some(&parent), "replayed from the journal");
+        let child = Run {
+            this: RunRef { id: "run_c".into(), ..parent.this.clone() },
+            ancestors: vec![parent.this.clone()],
+            ..parent.clone()
+        };
+        assert!(store.create_run(&child).await.unwrap());
+        assert_eq!(store.end_run("run_p", now + 5).await.unwrap(), RunEnd::Ended(vec!["run_p".into(), "run_c".into()]));
+        let window = CounterKey::window("acme", None, Unit::Requests, now);
+        let day = CounterKey::new("acme", None, Unit::Tokens, Period::Day, now);
+        let request = ReserveRequest {
+            request_id: "r".into(),
+            lines: vec![
+                Line { key: window.clone(), amount: 1, limit: Some(5) },
+                Line { key: day.clone(), amount: 9, limit: None },
+            ],
+            expires_at: now + 30,
+        };
+        store.reserve(&request).await.unwrap();
+        store.settle(&request.reservation(), &[(window.clone(), 1), (day.clone(), 9)]).await.unwrap();
+        drop(store);
+
+        let store = EmbeddedBudgetStore::open(dir.path()).unwrap();
+        assert_eq!(store.used(&[window.clone(), day.clone()]).await.unwrap(), [1, 9]);
+        let ended = store.run("run_p").await.unwrap().unwrap();
+        assert_eq!((ended.ended_at, ended.children), (Some(now + 5), vec!["run_c".to_owned()]));
+        assert_eq!(store.run("run_c").await.unwrap().unwrap().ended_at, Some(now + 5));
+        store.sweep(window.expiry().unwrap() + TRANSIENT_RETENTION_SECS + 1).await.unwrap();
+        assert_eq!(store.used(&[window.clone(), day.clone()]).await.unwrap(), [0, 9]);
+        store.sweep(now + 60 + TRANSIENT_RETENTION_SECS + 1).await.unwrap();
+        assert_eq!(store.run("run_p").await.unwrap(), None);
+        drop(store);
+
+        let store = EmbeddedBudgetStore::open(dir.path()).unwrap();
+        let ledger = store.ledger.read().unwrap();
+        assert!(!ledger.counters.contains_key(&window), "gone from the file");
+        assert_eq!(ledger.counters.get(&day), Some(&9));
+        assert!(ledger.runs.is_empty(), "both runs forgotten");
+    }
+
     /// The caller writes its own reservation only while no other is live; settlements
     /// always. The live count follows puts, sweeps and removals, and the file.
     #[tokio::test]
@@ -421,8 +516,8 @@ mod tests {
 
         let reservation = |swept| StoredReservation { lines: vec![], expires_at: 0, swept, intent: None };
         let effects = |id: &str, stored: Option<StoredReservation>| Effects {
-            counters: vec![],
             reservations: vec![(id.to_owned(), stored)],
+            ..Effects::default()
         };
         let mut ledger = Ledger::default();
         ledger.apply(effects("x", Some(reservation(false))));

@@ -16,7 +16,9 @@ use super::journal::Journal;
 use super::state::{Batch, Ledger};
 use super::{CHECKPOINT_BYTES, CHECKPOINT_EVERY, MAX_BATCH, backend};
 use crate::budget::ledger::{self, LedgerState};
-use crate::budget::{CounterKey, IntentOutcome, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept};
+use crate::budget::{
+    CounterKey, IntentOutcome, ReserveOutcome, ReserveRequest, Run, RunEnd, SettleOutcome, StoreError, Swept,
+};
 
 /// What a batch is written with.
 pub(super) struct Writer {
@@ -47,6 +49,15 @@ pub(super) enum Job {
         now: u64,
         reply: Reply<Swept>,
     },
+    CreateRun {
+        run: Box<Run>,
+        reply: Reply<bool>,
+    },
+    EndRun {
+        id: String,
+        at: u64,
+        reply: Reply<RunEnd>,
+    },
 }
 
 impl Job {
@@ -64,6 +75,8 @@ impl Job {
                 Answer::Intent(reply, ledger::renew(state, &request_id, &actual, expires_at))
             }
             Job::Sweep { now, reply } => Answer::Sweep(reply, ledger::sweep(state, now)),
+            Job::CreateRun { run, reply } => Answer::CreateRun(reply, ledger::create_run(state, &run)),
+            Job::EndRun { id, at, reply } => Answer::EndRun(reply, ledger::end_run(state, &id, at)),
         }
     }
 
@@ -74,6 +87,8 @@ impl Job {
             Job::Settle { reply, .. } => deliver(reply, Err(backend(why)), Ok(())),
             Job::Intent { reply, .. } => deliver(reply, Err(backend(why)), Ok(())),
             Job::Sweep { reply, .. } => deliver(reply, Err(backend(why)), Ok(())),
+            Job::CreateRun { reply, .. } => deliver(reply, Err(backend(why)), Ok(())),
+            Job::EndRun { reply, .. } => deliver(reply, Err(backend(why)), Ok(())),
         }
     }
 }
@@ -83,6 +98,8 @@ enum Answer {
     Settle(Reply<SettleOutcome>, Result<SettleOutcome, StoreError>),
     Intent(Reply<IntentOutcome>, Result<IntentOutcome, StoreError>),
     Sweep(Reply<Swept>, Result<Swept, StoreError>),
+    CreateRun(Reply<bool>, Result<bool, StoreError>),
+    EndRun(Reply<RunEnd>, Result<RunEnd, StoreError>),
 }
 
 impl Answer {
@@ -97,6 +114,8 @@ impl Answer {
             Answer::Settle(_, result) => result.is_ok(),
             Answer::Intent(_, result) => result.is_ok(),
             Answer::Sweep(_, result) => result.is_ok(),
+            Answer::CreateRun(_, result) => result.is_ok(),
+            Answer::EndRun(_, result) => result.is_ok(),
         }
     }
 
@@ -106,6 +125,8 @@ impl Answer {
             Answer::Settle(reply, result) => deliver(reply, result, committed),
             Answer::Intent(reply, result) => deliver(reply, result, committed),
             Answer::Sweep(reply, result) => deliver(reply, result, committed),
+            Answer::CreateRun(reply, result) => deliver(reply, result, committed),
+            Answer::EndRun(reply, result) => deliver(reply, result, committed),
         }
     }
 }
