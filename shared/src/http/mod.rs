@@ -18,6 +18,7 @@ mod record;
 mod relay;
 mod reload;
 mod rest;
+mod runs;
 mod slot;
 
 use std::sync::Arc;
@@ -145,6 +146,7 @@ fn api_routes() -> Router<Arc<Gateway>> {
         .route("/v1/embeddings", post(models::embeddings))
         .route("/v1/models", get(models))
         .route("/healthz", get(healthz))
+        .merge(runs::routes())
 }
 
 fn finish(routes: Router<Arc<Gateway>>, gateway: Arc<Gateway>) -> Router {

@@ -1,0 +1,310 @@
+//! Runs (SPEC §15), end to end over loopback: the runs API and calls that join a run
+//! with `Flexway-Run`, on the gateway's router with the memory ledger, the fake model
+//! server as the backend, and the audit read from the memory sink.
+#![cfg(test)]
+
+use flexway::audit::{AuditRecord, Timestamp};
+use flexway_testkit::*;
+use futures_util::future::join_all;
+use serde_json::{Value, json};
+
+/// Tenants `acme` (agent `bot` bound to AGENT_KEY, agent `helper`, the unbound KEY)
+/// and `globex` (OTHER_KEY); one backend at `url`, calls allowed 20 completion tokens.
+fn runs_config(url: &str) -> String {
+    config(&format!(
+        "  default_backend: main\n  budget: {{default_max_tokens: 20, min_completion_tokens: 5}}\n  backends:\n    \
+         main:\n      url: {url}\n      price: {{input_per_mtok_eur: 1.0, output_per_mtok_eur: 2.0}}\n"
+    ))
+}
+
+struct Runs {
+    gw: InProcess,
+    audit: std::sync::Arc<flexway::audit::sinks::MemoryAuditSink>,
+    _model: FakeModel,
+}
+
+/// A gateway whose backend answers after `delay_ms`, so that calls sent together
+/// all reserve before the first settles.
+async fn start(delay_ms: u64) -> Runs {
+    let model = FakeModel::start().await.unwrap();
+    let url = model.scenario_url(&Scenario { delay_ms: Some(delay_ms), ..Default::default() });
+    let (adapters, audit) = memory_adapters();
+    let gw = serve_in_process(&runs_config(&url), adapters).await;
+    Runs { gw, audit, _model: model }
+}
+
+impl Runs {
+    fn runs(&self) -> String {
+        format!("{}/v1/flexway/runs", self.gw.url)
+    }
+
+    async fn create(&self, key: &str, body: Value) -> (u16, Value) {
+        self.create_raw(key, &body.to_string()).await
+    }
+
+    /// A new run's body as written (a number serde_json would write otherwise).
+    async fn create_raw(&self, key: &str, body: &str) -> (u16, Value) {
+        let (status, text) = self.create_text(key, body).await;
+        (status, serde_json::from_str(&text).unwrap())
+    }
+
+    /// The answer's text: euros as the gateway wrote them, before a float reads them.
+    async fn create_text(&self, key: &str, body: &str) -> (u16, String) {
+        let response = client()
+            .post(self.runs())
+            .bearer_auth(key)
+            .header("content-type", "application/json")
+            .body(body.to_owned())
+            .send()
+            .await
+            .unwrap();
+        (response.status().as_u16(), response.text().await.unwrap())
+    }
+
+    /// A run `bot` starts, checked created.
+    async fn start_run(&self, body: Value) -> Value {
+        let (status, run) = self.create(AGENT_KEY, body).await;
+        assert_eq!(status, 201, "{run}");
+        run
+    }
+
+    async fn get(&self, key: &str, id: &str) -> (u16, Value) {
+        let response = client().get(format!("{}/{id}", self.runs())).bearer_auth(key).send().await.unwrap();
+        (response.status().as_u16(), response.json().await.unwrap())
+    }
+
+    async fn delete(&self, key: &str, id: &str) -> (u16, Value) {
+        let response = client().delete(format!("{}/{id}", self.runs())).bearer_auth(key).send().await.unwrap();
+        (response.status().as_u16(), response.json().await.unwrap())
+    }
+
+    /// A chat call of `bot` in run `id`.
+    async fn chat_in(&self, id: &str) -> reqwest::Response {
+        client()
+            .post(format!("{}/v1/chat/completions", self.gw.url))
+            .bearer_auth(AGENT_KEY)
+            .header("Flexway-Run", id)
+            .json(&hello("m"))
+            .send()
+            .await
+            .unwrap()
+    }
+}
+
+/// Euros as the API writes them (a JSON number, six places) in micro-euros.
+fn micro(eur: &Value) -> u64 {
+    (eur.as_f64().unwrap() * 1e6).round() as u64
+}
+
+/// Seconds from now to a run's `expires_at` (RFC 3339).
+fn seconds_left(run: &Value) -> i64 {
+    let expires: Timestamp = run["expires_at"].as_str().unwrap().parse().unwrap();
+    (expires.unix_millis() - Timestamp::now().unix_millis()) / 1000
+}
+
+fn of_run<'a>(records: &'a [AuditRecord], id: &str) -> Vec<&'a AuditRecord> {
+    records.iter().filter(|r| r.run.as_deref() == Some(id)).collect()
+}
+
+/// Asserts a refusal's status and OpenAI error code, and gives its message.
+async fn refused(response: reqwest::Response, status: u16, code: &str) -> String {
+    assert_eq!(response.status(), status);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], code, "{body}");
+    body["error"]["message"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_calls_never_pass_a_run_budget_and_get_reads_what_the_audit_says() {
+    let runs = start(1000).await;
+    let run = runs.start_run(json!({"budget": {"tokens": 150}, "ttl": "15m", "label": "triage"})).await;
+    let id = run["id"].as_str().unwrap();
+    assert!(id.starts_with("run_"), "{run}");
+    assert_eq!(run["budget"], json!({"tokens": 150}));
+    assert_eq!(run["label"], "triage");
+    let left = seconds_left(&run);
+    assert!((890..=900).contains(&left), "15m from now: {left} s");
+
+    // Each call reserves its prompt (18 tokens) and 20 completion tokens: 150 holds
+    // three whole calls and a fourth clamped, never the twelve.
+    let responses = join_all((0..12).map(|_| runs.chat_in(id))).await;
+    let mut served = 0;
+    let mut refusals = 0;
+    for response in responses {
+        if response.status() == 200 {
+            served += 1;
+            continue;
+        }
+        assert!(response.headers().get("retry-after").is_none(), "a run never resets");
+        assert_eq!(response.headers().get("x-should-retry").unwrap(), "false");
+        let message = refused(response, 429, "budget_exceeded").await;
+        assert!(message.contains(id), "the refusal names the run: {message}");
+        refusals += 1;
+    }
+    assert!(served >= 1 && refusals >= 1, "{served} served, {refusals} refused");
+
+    let records = audit_records_until(&runs.audit, 12).await;
+    let mine = of_run(&records, id);
+    assert_eq!(mine.len(), 12, "every call that named the run is recorded with it, refused ones included");
+    let tokens: u64 = mine.iter().map(|r| r.prompt_tokens + r.completion_tokens).sum();
+    let cost: u64 = mine.iter().map(|r| r.cost_micro_eur).sum();
+    assert!(tokens > 0 && tokens <= 150, "spent {tokens} of 150");
+
+    let (status, state) = runs.get(AGENT_KEY, id).await;
+    assert_eq!(status, 200, "{state}");
+    assert_eq!(state["state"], "active");
+    assert_eq!(state["spent"]["tokens"], tokens, "{state}");
+    assert_eq!(micro(&state["spent"]["eur"]), cost, "{state}");
+    assert_eq!(state["remaining"]["tokens"], 150 - tokens);
+    assert!(state["remaining"].get("eur").is_none(), "no euro budget, nothing remains of one");
+    assert_eq!(state["calls"], served, "{state}");
+    assert_eq!(state["children"], json!([]));
+    assert_eq!(state["label"], "triage");
+    assert_eq!(runs.gw.live_reservations().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_child_is_held_inside_its_parent_and_ends_with_it() {
+    let runs = start(0).await;
+    let (status, text) = runs.create_text(AGENT_KEY, r#"{"budget": {"tokens": 100, "eur": 0.5}, "ttl": "10m"}"#).await;
+    assert_eq!(status, 201, "{text}");
+    assert!(text.contains(r#""eur":0.500000"#), "euros written from micro-euros, as a number: {text}");
+    let parent: Value = serde_json::from_str(&text).unwrap();
+    let parent_id = parent["id"].as_str().unwrap();
+    let child = runs.start_run(json!({"budget": {"tokens": 10000}, "ttl": "1h", "parent": parent_id})).await;
+    let child_id = child["id"].as_str().unwrap();
+    assert_eq!(child["parent"], parent_id);
+    assert_eq!(child["expires_at"], parent["expires_at"], "a child lives no longer than its parent");
+
+    // The child's budget is far above the parent's: the parent's refuses.
+    let mut served = 0;
+    let message = loop {
+        let response = runs.chat_in(child_id).await;
+        if response.status() != 200 {
+            break refused(response, 429, "budget_exceeded").await;
+        }
+        served += 1;
+        assert!(served < 10, "the parent's 100 tokens never refused");
+    };
+    assert!(message.contains(parent_id), "the parent's budget refused: {message}");
+    assert!(served >= 1);
+    let (_, child_state) = runs.get(AGENT_KEY, child_id).await;
+    let (_, parent_state) = runs.get(AGENT_KEY, parent_id).await;
+    let spent = child_state["spent"]["tokens"].as_u64().unwrap();
+    assert!(spent > 0 && spent <= 100, "{child_state}");
+    assert_eq!(parent_state["spent"]["tokens"], spent, "the child's calls count in the parent's tokens");
+    assert_eq!(parent_state["children"], json!([child_id]));
+    assert_eq!(child_state["calls"], served);
+
+    // Ending the parent ends the child: its next call is refused, and no new child.
+    let (status, ended) = runs.delete(AGENT_KEY, parent_id).await;
+    assert_eq!(status, 200, "{ended}");
+    assert_eq!(ended["state"], "ended");
+    assert_eq!(ended["spent"], parent_state["spent"]);
+    assert_eq!(runs.get(AGENT_KEY, child_id).await.1["state"], "ended");
+    let message = refused(runs.chat_in(child_id).await, 409, "run_ended").await;
+    assert!(message.contains(child_id), "{message}");
+    let (status, body) = runs.create(AGENT_KEY, json!({"budget": {"tokens": 5}, "parent": parent_id})).await;
+    assert_eq!((status, body["error"]["code"].as_str()), (409, Some("run_ended")), "{body}");
+    let (status, again) = runs.delete(AGENT_KEY, parent_id).await;
+    assert_eq!((status, again["state"].as_str()), (200, Some("ended")), "ending twice is no error");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_is_its_tenants_and_agents_alone() {
+    let runs = start(0).await;
+    let run = runs.start_run(json!({"budget": {"eur": "0.01"}})).await;
+    let id = run["id"].as_str().unwrap();
+    let unknown = format!("run_{}", "0".repeat(32));
+    for (key, id) in [(OTHER_KEY, id), (KEY, id), (AGENT_KEY, unknown.as_str()), (AGENT_KEY, "not-a-run")] {
+        let (status, body) = runs.get(key, id).await;
+        assert_eq!((status, body["error"]["code"].as_str()), (404, Some("run_not_found")), "{key} {id}: {body}");
+        let (status, body) = runs.delete(key, id).await;
+        assert_eq!((status, body["error"]["code"].as_str()), (404, Some("run_not_found")), "{key} {id}: {body}");
+    }
+    let as_other = |key: &str| {
+        client()
+            .post(format!("{}/v1/chat/completions", runs.gw.url))
+            .bearer_auth(key)
+            .header("Flexway-Run", id)
+            .json(&hello("m"))
+            .send()
+    };
+    refused(as_other(OTHER_KEY).await.unwrap(), 404, "run_not_found").await;
+    // Another tenant's run as a parent is not found either.
+    let (status, body) = runs.create(OTHER_KEY, json!({"budget": {"tokens": 5}, "parent": id})).await;
+    assert_eq!(status, 400, "globex's key names no agent: {body}");
+    let (status, body) = runs.create(KEY, json!({"budget": {"tokens": 5}, "parent": id})).await;
+    assert_eq!(status, 400, "{body}");
+    let helper = client()
+        .post(runs.runs())
+        .bearer_auth(KEY)
+        .header("Flexway-Agent", "helper")
+        .json(&json!({"budget": {"tokens": 5}, "parent": id}))
+        .send()
+        .await
+        .unwrap();
+    refused(helper, 404, "run_not_found").await;
+    // Still intact for its owner.
+    let (status, state) = runs.get(AGENT_KEY, id).await;
+    assert_eq!((status, state["state"].as_str()), (200, Some("active")), "{state}");
+    assert_eq!(micro(&state["remaining"]["eur"]), 10_000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_run_is_refused_what_it_cannot_be() {
+    let runs = start(0).await;
+    let bad = [
+        (json!({"budget": {"tokens": 5}, "ttl": "25h"}), "ttl"),
+        (json!({"budget": {"tokens": 5}, "ttl": "90"}), "ttl"),
+        (json!({"budget": {"tokens": 5}, "ttl": "0s"}), "ttl"),
+        (json!({"budget": {}}), "budget"),
+        (json!({"budget": {"tokens": 0}}), "budget"),
+        (json!({"budget": {"eur": -1}}), "budget"),
+        (json!({"budget": {"eur": "1,5"}}), "budget"),
+        (json!({"budget": {"tokens": 5}, "label": "x".repeat(257)}), "label"),
+        (json!({"budget": {"tokens": 5}, "parent": "run_1"}), "parent"),
+    ];
+    for (body, param) in bad {
+        let (status, answer) = runs.create(AGENT_KEY, body.clone()).await;
+        assert_eq!(status, 400, "{body}: {answer}");
+        assert_eq!(answer["error"]["code"], "invalid_request");
+        assert_eq!(answer["error"]["param"], param, "{body}: {answer}");
+    }
+    for body in
+        [json!({"budget": {"tokens": 5}, "deadline": "1h"}), json!({"budget": {"tokens": 5, "usd": 1}}), json!([])]
+    {
+        let (status, answer) = runs.create(AGENT_KEY, body.clone()).await;
+        assert_eq!((status, answer["error"]["code"].as_str()), (400, Some("invalid_request")), "{body}: {answer}");
+    }
+    // Euros are read as written, never through a float: an exponent is refused.
+    let (status, answer) = runs.create_raw(AGENT_KEY, r#"{"budget": {"eur": 1e-3}}"#).await;
+    assert_eq!((status, answer["error"]["param"].as_str()), (400, Some("budget")), "{answer}");
+    let (status, answer) = runs.create_raw(AGENT_KEY, r#"{"budget": {"eur": 0.0000015}}"#).await;
+    assert_eq!((status, micro(&answer["budget"]["eur"])), (201, 2), "rounded half up: {answer}");
+    let (status, answer) = runs.create(KEY, json!({"budget": {"tokens": 5}})).await;
+    assert_eq!(status, 400);
+    assert!(answer["error"]["message"].as_str().unwrap().contains("Flexway-Agent"), "{answer}");
+
+    // The longest and the default lives, and an agent named in the header.
+    let day = runs.start_run(json!({"budget": {"tokens": 5}, "ttl": "24h"})).await;
+    let plain = runs.start_run(json!({"budget": {"eur": 2}})).await;
+    assert!((86_390..=86_400).contains(&seconds_left(&day)), "{day}");
+    assert!((3_590..=3_600).contains(&seconds_left(&plain)), "an hour by default: {plain}");
+    assert_eq!(micro(&plain["budget"]["eur"]), 2_000_000);
+    let named = client()
+        .post(runs.runs())
+        .bearer_auth(KEY)
+        .header("Flexway-Agent", "helper")
+        .json(&json!({"budget": {"tokens": 5}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(named.status(), 201);
+    let named: Value = named.json().await.unwrap();
+    let named = format!("{}/{}", runs.runs(), named["id"].as_str().unwrap());
+    let as_helper = client().get(&named).bearer_auth(KEY).header("Flexway-Agent", "helper").send().await.unwrap();
+    assert_eq!(as_helper.status(), 200);
+    let as_bot = client().get(&named).bearer_auth(AGENT_KEY).send().await.unwrap();
+    assert_eq!(as_bot.status(), 404, "helper's run is not bot's");
+}
