@@ -48,6 +48,10 @@ pub struct ReportArgs {
     /// Output format: Markdown tables for people, CSV or JSON for finance tooling.
     #[arg(long, value_enum, default_value_t = Format::Md)]
     format: Format,
+    /// What a row totals: `tenant` (each tenant's agents and backends) or `run`
+    /// (each run, SPEC §15; the calls that named no run in a row of run `-`).
+    #[arg(long, value_enum, default_value_t = By::Tenant)]
+    by: By,
     /// Check the audit's HMAC chain (the gateway's `audit.chain_key`): every line
     /// altered, forged, removed or moved is listed on stderr, and the exit code is 4.
     #[arg(long)]
@@ -64,6 +68,12 @@ pub(crate) enum Format {
     Json,
     #[value(alias = "markdown")]
     Md,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum By {
+    Tenant,
+    Run,
 }
 
 pub fn run(args: ReportArgs) -> ExitCode {
@@ -102,12 +112,24 @@ pub fn run(args: ReportArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let report = report::chargeback(&records, &filter);
-    let text = match args.format {
-        Format::Csv => report::to_csv(&report),
-        // `{:#}` pretty-prints a JSON value.
-        Format::Json => format!("{:#}\n", report::to_json(&report)),
-        Format::Md => report::to_markdown(&report),
+    let text = match args.by {
+        By::Tenant => {
+            let report = report::chargeback(&records, &filter);
+            match args.format {
+                Format::Csv => report::to_csv(&report),
+                // `{:#}` pretty-prints a JSON value.
+                Format::Json => format!("{:#}\n", report::to_json(&report)),
+                Format::Md => report::to_markdown(&report),
+            }
+        }
+        By::Run => {
+            let report = report::by_run(&records, &filter);
+            match args.format {
+                Format::Csv => report::runs_to_csv(&report),
+                Format::Json => format!("{:#}\n", report::runs_to_json(&report)),
+                Format::Md => report::runs_to_markdown(&report),
+            }
+        }
     };
     let mut stdout = std::io::stdout().lock();
     let written = stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush());

@@ -161,6 +161,25 @@ async fn concurrent_calls_never_pass_a_run_budget_and_get_reads_what_the_audit_s
     assert_eq!(state["children"], json!([]));
     assert_eq!(state["label"], "triage");
     assert_eq!(runs.gw.live_reservations().await, 0);
+
+    // `flexway report --by run` totals the run as GET does, from the audit file.
+    let dir = tempfile::tempdir().unwrap();
+    let audit = dir.path().join("audit.jsonl");
+    std::fs::write(&audit, records.iter().map(|r| serde_json::to_string(r).unwrap() + "\n").collect::<String>())
+        .unwrap();
+    let report = std::process::Command::new(binary())
+        .args(["report", "--by", "run", "--format", "csv", "--audit"])
+        .arg(&audit)
+        .output()
+        .unwrap();
+    assert!(report.status.success(), "{}", String::from_utf8_lossy(&report.stderr));
+    let csv = String::from_utf8(report.stdout).unwrap();
+    let row: Vec<&str> =
+        csv.lines().find(|line| line.contains(id)).unwrap_or_else(|| panic!("{csv}")).split(',').collect();
+    // tenant,agent,run,metered_by,calls,prompt_tokens,completion_tokens,cost_eur
+    assert_eq!(row[..5], ["acme", "bot", id, "local", "12"], "every record of the run: {csv}");
+    assert_eq!(row[5].parse::<u64>().unwrap() + row[6].parse::<u64>().unwrap(), tokens);
+    assert_eq!(row[7], flexway::money::MicroEur(cost).to_eur_string());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -555,6 +555,166 @@ fn md_total(out: &mut String, label: &str, t: &Totals) {
     );
 }
 
+/// What `flexway report --by run` groups on: one row per run (SPEC §15), per the
+/// tenant and agent whose run it is, metered one way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunRow {
+    pub tenant: String,
+    pub agent: Option<String>,
+    /// `None`: the calls that named no run, so that the rows still add up to the bill.
+    pub run: Option<String>,
+    pub metered_by: Metering,
+    pub totals: Totals,
+}
+
+/// The audit totalled per run: locally billed rows, and apart those metered upstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunReport {
+    pub filter: Filter,
+    /// By tenant, agent, then run (the calls of no run first).
+    pub local: Vec<RunRow>,
+    pub upstream: Vec<RunRow>,
+    /// What is billed locally, all runs and the calls of none: the same as
+    /// [`Report::local_total`] of the same records.
+    pub local_total: Totals,
+    pub upstream_total: Totals,
+}
+
+/// Sums the records that pass `filter` per (tenant, agent, run, metered_by). A record
+/// that named no run counts in its tenant's and agent's row of no run: every record
+/// is in one row, so the locally billed rows add up to the same bill as
+/// [`chargeback`]'s.
+pub fn by_run(records: &[AuditRecord], filter: &Filter) -> RunReport {
+    type Key<'a> = (&'a str, Option<&'a str>, Option<&'a str>, Metering);
+    let mut sums: BTreeMap<Key<'_>, Totals> = BTreeMap::new();
+    for record in records.iter().filter(|r| filter.matches(r)) {
+        let key = (record.tenant.as_str(), record.agent.as_deref(), record.run.as_deref(), record.metered_by);
+        sums.entry(key).or_default().add_record(record);
+    }
+    let mut report = RunReport {
+        filter: filter.clone(),
+        local: Vec::new(),
+        upstream: Vec::new(),
+        local_total: Totals::default(),
+        upstream_total: Totals::default(),
+    };
+    for ((tenant, agent, run, metered_by), totals) in sums {
+        let row = RunRow {
+            tenant: tenant.to_owned(),
+            agent: agent.map(str::to_owned),
+            run: run.map(str::to_owned),
+            metered_by,
+            totals,
+        };
+        if metered_by == Metering::Upstream {
+            report.upstream_total.add(&totals);
+            report.upstream.push(row);
+        } else {
+            report.local_total.add(&totals);
+            report.local.push(row);
+        }
+    }
+    report
+}
+
+/// As [`to_csv`]: locally billed rows first, then the upstream-metered ones, no totals
+/// rows; a call of no run has run `-`.
+pub fn runs_to_csv(report: &RunReport) -> String {
+    let mut out = String::from("tenant,agent,run,metered_by,calls,prompt_tokens,completion_tokens,cost_eur\n");
+    for row in report.local.iter().chain(&report.upstream) {
+        let fields = [
+            csv_field(&row.tenant),
+            csv_field(row.agent.as_deref().unwrap_or(NONE)),
+            csv_field(row.run.as_deref().unwrap_or(NONE)),
+            csv_field(row.metered_by.as_str()),
+            row.totals.calls.to_string(),
+            row.totals.prompt_tokens.to_string(),
+            row.totals.completion_tokens.to_string(),
+            row.totals.cost.to_eur_string(),
+        ];
+        out.push_str(&fields.join(","));
+        out.push('\n');
+    }
+    out
+}
+
+/// As [`to_json`]; a call of no run has `"run": null`.
+pub fn runs_to_json(report: &RunReport) -> serde_json::Value {
+    let row_json = |row: &RunRow| {
+        let mut value = row.totals.to_json();
+        if let Some(object) = value.as_object_mut() {
+            object.insert("tenant".into(), json!(row.tenant));
+            object.insert("agent".into(), json!(row.agent));
+            object.insert("run".into(), json!(row.run));
+            object.insert("metered_by".into(), json!(row.metered_by));
+        }
+        value
+    };
+    json!({
+        "from": report.filter.from(),
+        "to": report.filter.to(),
+        "by": "run",
+        "local": {
+            "rows": report.local.iter().map(row_json).collect::<Vec<_>>(),
+            "total": report.local_total.to_json(),
+        },
+        "upstream": {
+            "rows": report.upstream.iter().map(row_json).collect::<Vec<_>>(),
+            "total": report.upstream_total.to_json(),
+        },
+    })
+}
+
+/// One table of locally billed rows and their total, then the upstream-metered rows
+/// apart.
+pub fn runs_to_markdown(report: &RunReport) -> String {
+    let mut out = String::from("# Flexway chargeback by run\n\n");
+    let _ = writeln!(out, "Period: {} (UTC dates, inclusive). Costs in EUR.\n", report.filter.describe());
+    if report.local.is_empty() && report.upstream.is_empty() {
+        out.push_str("No calls in this period.\n");
+        return out;
+    }
+    out.push_str("Run `-`: the calls that named no run.\n\n");
+    const HEADER: &str = "| tenant | agent | run | calls | prompt tokens | completion tokens | cost (EUR) |\n\
+                          | --- | --- | --- | ---: | ---: | ---: | ---: |\n";
+    let table = |out: &mut String, rows: &[RunRow], label: &str, total: &Totals| {
+        out.push_str(HEADER);
+        for row in rows {
+            let t = &row.totals;
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                md_cell(&row.tenant),
+                md_cell(row.agent.as_deref().unwrap_or(NONE)),
+                md_cell(row.run.as_deref().unwrap_or(NONE)),
+                t.calls,
+                t.prompt_tokens,
+                t.completion_tokens,
+                t.cost.to_eur_string()
+            );
+        }
+        let _ = writeln!(
+            out,
+            "| {label} | | | **{}** | **{}** | **{}** | **{}** |",
+            total.calls,
+            total.prompt_tokens,
+            total.completion_tokens,
+            total.cost.to_eur_string()
+        );
+    };
+    out.push_str("Billed locally:\n\n");
+    if report.local.is_empty() {
+        out.push_str("None.\n");
+    } else {
+        table(&mut out, &report.local, "**total**", &report.local_total);
+    }
+    if !report.upstream.is_empty() {
+        out.push_str("\nMetered upstream (billed where it is paid, not included above):\n\n");
+        table(&mut out, &report.upstream, "**total upstream**", &report.upstream_total);
+    }
+    out
+}
+
 /// Names come from the config, but a `|` or a line break would still break the table.
 pub fn md_cell(value: &str) -> String {
     value.replace('\\', "\\\\").replace('|', "\\|").replace(['\n', '\r'], " ")
@@ -623,6 +783,47 @@ mod tests {
 
     fn key(row: &Row) -> (&str, Option<&str>, Option<&str>, Metering) {
         (row.tenant.as_str(), row.agent.as_deref(), row.backend.as_deref(), row.metered_by)
+    }
+
+    #[test]
+    fn by_run_totals_each_run_and_keeps_calls_of_no_run_in_the_bill() {
+        let mut records = sample();
+        records[0].run = Some("run_a".into());
+        records[1].run = Some("run_a".into());
+        records[3].run = Some("run_a".into());
+        records[4].run = Some("run_b".into());
+        let report = by_run(&records, &Filter::default());
+        let keys: Vec<_> =
+            report.local.iter().map(|r| (r.tenant.as_str(), r.agent.as_deref(), r.run.as_deref())).collect();
+        assert_eq!(
+            keys,
+            vec![("acme", None, None), ("acme", Some("bot"), Some("run_a")), ("globex", None, Some("run_b"))]
+        );
+        let run_a = &report.local[1].totals;
+        assert_eq!(*run_a, Totals { calls: 2, prompt_tokens: 200, completion_tokens: 20, cost: MicroEur(3_000) });
+        assert_eq!(report.upstream.len(), 1, "run_a's upstream-metered call is apart");
+        assert_eq!(report.upstream[0].run.as_deref(), Some("run_a"));
+        let bill = chargeback(&records, &Filter::default());
+        assert_eq!(report.local_total, bill.local_total, "the rows add up to the same bill");
+        assert_eq!(report.upstream_total, bill.upstream_total);
+    }
+
+    #[test]
+    fn by_run_formats_name_the_run_and_a_dash_for_none() {
+        let mut records = sample();
+        records[0].run = Some("run_a".into());
+        let report = by_run(&records, &Filter::default());
+        let csv = runs_to_csv(&report);
+        assert!(csv.starts_with("tenant,agent,run,metered_by,calls,prompt_tokens,completion_tokens,cost_eur\n"));
+        assert!(csv.contains("acme,bot,run_a,local,1,100,10,0.001000\n"), "{csv}");
+        assert!(csv.contains("acme,bot,-,local,1,100,10,0.002000\n"), "{csv}");
+        let json = runs_to_json(&report);
+        assert_eq!(json["by"], "run");
+        assert_eq!(json["local"]["total"]["cost_micro_eur"], 3_500 + 1_500_020);
+        assert!(json["local"]["rows"].as_array().unwrap().iter().any(|r| r["run"].is_null()));
+        let md = runs_to_markdown(&report);
+        assert!(md.contains("| acme | bot | run_a | 1 | 100 | 10 | 0.001000 |"), "{md}");
+        assert!(md.contains("Metered upstream"));
     }
 
     #[test]
