@@ -4,7 +4,8 @@
 //!
 //! | item | `pk` (S, hash key) | attributes |
 //! | --- | --- | --- |
-//! | counter | `counter#<key>` (`counter#acme/*/tokens/day/2026-11-29`) | `used` (N), `ttl` (N: period end + 35 days) |
+//! | counter | `counter#<key>` (`counter#acme/*/tokens/day/2026-11-29`) | `used` (N), `ttl` (N: period end + 35 days; a per-minute window's or a run's counter, [`CounterKey::expiry`] + a day) |
+//! | run | `run#<id>` (SPEC §15) | `run` (S, JSON `Run` but for its children and end), `children` (L of S, once it has one), `ended_at` (N, once ended), `ttl` (N: its expiry + a day) |
 //! | reservation | `reservation#<request_id>` | `lines` (S, JSON `[[key, amount], ...]`), `expires_at` (N), `swept` (BOOL), `ttl` (N: `expires_at` + 1 day, and never before its counters' `ttl`: a sweeper down for days leaves live reservations to refund), `gsi_expiry_pk` (S, `live#00`..`live#15`) while the sweeper has work on it; `actual` (S, JSON like `lines`) only when a settlement could not be written, its `ttl` then pushed 35 days ahead |
 //!
 //! No sort key. One global secondary index, `expiry` ([`EXPIRY_INDEX`]): hash key
@@ -64,7 +65,17 @@
 //! - **live_reservations** counts through the index (`Query`, `Select COUNT`, filter
 //!   `swept = false`), eventually consistent: for tests and operators.
 //! - **used** (`BatchGetItem`, strongly consistent) is read by admission only when a
-//!   reservation was refused (soft threshold, clamp, or the 429 itself).
+//!   reservation was refused (soft threshold, clamp, or the 429 itself). A window's or
+//!   a run's counter past its retention reads 0, as the other stores' sweep forgets it:
+//!   DynamoDB deletes items after their `ttl` lazily, and returns them until then.
+//! - **create_run** is one transaction: a `Put` of the run conditioned on
+//!   `attribute_not_exists(pk)` and, for a child, an `Update` of its parent appending
+//!   to `children`, conditioned on the parent existing and not ended; `false` when a
+//!   condition fails. **run** is one strongly consistent `GetItem`. **end_run** walks
+//!   the run and its descendants: each is ended by an `UpdateItem` `SET ended_at`
+//!   conditioned on its not being ended, which returns its children as of that write
+//!   (a child created after it finds its parent ended, one before is in the list); an
+//!   already ended one is read (`GetItem`) for its children.
 //!
 //! # Ceiling
 //!
@@ -100,17 +111,18 @@ use aws_sdk_dynamodb::error::DisplayErrorContext;
 use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, AttributeValue, BillingMode, Delete, GlobalSecondaryIndex, KeySchemaElement, KeyType,
-    KeysAndAttributes, Projection, ProjectionType, Put, ScalarAttributeType, Select, TimeToLiveSpecification,
-    TransactWriteItem, Update,
+    KeysAndAttributes, Projection, ProjectionType, Put, ReturnValue, ScalarAttributeType, Select,
+    TimeToLiveSpecification, TransactWriteItem, Update,
 };
 use flexway::budget::ledger::SWEPT_RETENTION_SECS;
 use flexway::budget::{
-    BudgetStore, CounterKey, IntentOutcome, Line, Period, Reservation, ReserveOutcome, ReserveRequest, SettleOutcome,
-    StoreError, Swept,
+    BudgetStore, CounterKey, IntentOutcome, Line, Period, Reservation, ReserveOutcome, ReserveRequest, Run, RunEnd,
+    SettleOutcome, StoreError, Swept, TRANSIENT_RETENTION_SECS,
 };
 
 const COUNTER_PREFIX: &str = "counter#";
 const RESERVATION_PREFIX: &str = "reservation#";
+const RUN_PREFIX: &str = "run#";
 /// Counters outlive their period by this much (chargeback reads them after month end).
 const COUNTER_RETENTION_SECS: u64 = 35 * 86_400;
 /// The sparse global secondary index of reservations the sweeper must visit: only
@@ -520,7 +532,15 @@ impl BudgetStore for DynamoDbBudgetStore {
                 }
             }
         }
-        Ok(keys.iter().map(|k| values.get(&format!("{COUNTER_PREFIX}{}", k.as_str())).copied().unwrap_or(0)).collect())
+        let now = flexway::budget::period::unix_now();
+        let value = |k: &CounterKey| {
+            if forgotten(k, now) {
+                0
+            } else {
+                values.get(&format!("{COUNTER_PREFIX}{}", k.as_str())).copied().unwrap_or(0)
+            }
+        };
+        Ok(keys.iter().map(value).collect())
     }
 
     /// Counts through the expiry index (eventually consistent), not a table scan.
@@ -553,19 +573,113 @@ impl BudgetStore for DynamoDbBudgetStore {
         }
         Ok(count)
     }
-    // TEMPORARY (being written): runs on DynamoDB.
-    async fn create_run(&self, _: &flexway::budget::Run) -> Result<bool, StoreError> {
-        Err(StoreError::Backend("runs: not yet on DynamoDB".into()))
+
+    async fn create_run(&self, run: &Run) -> Result<bool, StoreError> {
+        let built = |e: aws_sdk_dynamodb::error::BuildError| StoreError::Backend(e.to_string());
+        let record = Run { children: Vec::new(), ended_at: None, ..run.clone() };
+        let record = serde_json::to_string(&record).map_err(|e| StoreError::Backend(e.to_string()))?;
+        let mut put = Put::builder()
+            .table_name(&self.table)
+            .item("pk", run_key(run.id()))
+            .item("run", s(record))
+            .item("ttl", n(run.this.expires_at.saturating_add(TRANSIENT_RETENTION_SECS)))
+            .condition_expression("attribute_not_exists(pk)");
+        if let Some(at) = run.ended_at {
+            put = put.item("ended_at", n(at));
+        }
+        if !run.children.is_empty() {
+            put = put.item("children", AttributeValue::L(run.children.iter().cloned().map(s).collect()));
+        }
+        let mut items = vec![TransactWriteItem::builder().put(put.build().map_err(built)?).build()];
+        if let Some(parent) = run.ancestors.first() {
+            let update = Update::builder()
+                .table_name(&self.table)
+                .key("pk", run_key(&parent.id))
+                .update_expression("SET children = list_append(if_not_exists(children, :none), :child)")
+                .condition_expression("attribute_exists(pk) AND attribute_not_exists(ended_at)")
+                .expression_attribute_values(":none", AttributeValue::L(Vec::new()))
+                .expression_attribute_values(":child", AttributeValue::L(vec![s(run.id().to_owned())]))
+                .build()
+                .map_err(built)?;
+            items.push(TransactWriteItem::builder().update(update).build());
+        }
+        for attempt in 0..MAX_ATTEMPTS {
+            match self.transact(items.clone()).await? {
+                None => return Ok(true),
+                // Its id taken, or its parent gone or ended.
+                Some(Cancelled::Condition(_)) => return Ok(false),
+                Some(Cancelled::Retry) => backoff(attempt).await,
+            }
+        }
+        Err(contended("create_run", run.id()))
     }
-    async fn run(&self, _: &str) -> Result<Option<flexway::budget::Run>, StoreError> {
-        Err(StoreError::Backend("runs: not yet on DynamoDB".into()))
+
+    async fn run(&self, id: &str) -> Result<Option<Run>, StoreError> {
+        let pk = format!("{RUN_PREFIX}{id}");
+        let output = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key("pk", s(pk.clone()))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(|e| backend("GetItem", &e))?;
+        output.item().map(|item| parse_run(&pk, item)).transpose()
     }
-    async fn end_run(&self, _: &str, _: u64) -> Result<flexway::budget::RunEnd, StoreError> {
-        Err(StoreError::Backend("runs: not yet on DynamoDB".into()))
+
+    /// Ends each run before reading its children (see the module docs), so that no
+    /// child created meanwhile is missed.
+    async fn end_run(&self, id: &str, at: u64) -> Result<RunEnd, StoreError> {
+        let mut ended = Vec::new();
+        let mut next = vec![id.to_owned()];
+        let mut root = true;
+        while let Some(id) = next.pop() {
+            let run = match self.mark_ended(&id, at).await? {
+                Some(run) => {
+                    ended.push(id);
+                    run
+                }
+                None => match self.run(&id).await? {
+                    Some(run) => run,
+                    None if root => return Ok(RunEnd::Unknown),
+                    // A child forgotten (its retention past): nothing to end.
+                    None => continue,
+                },
+            };
+            root = false;
+            next.extend(run.children);
+        }
+        Ok(RunEnd::Ended(ended))
     }
 }
 
 impl DynamoDbBudgetStore {
+    /// Ends one run unless it was ended before: its record as that write left it, or
+    /// `None` when it is missing or already ended (nothing written).
+    async fn mark_ended(&self, id: &str, at: u64) -> Result<Option<Run>, StoreError> {
+        let pk = format!("{RUN_PREFIX}{id}");
+        let result = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("pk", s(pk.clone()))
+            .update_expression("SET ended_at = :at")
+            .condition_expression("attribute_exists(pk) AND attribute_not_exists(ended_at)")
+            .expression_attribute_values(":at", n(at))
+            .return_values(ReturnValue::AllNew)
+            .send()
+            .await;
+        match result {
+            Ok(output) => match output.attributes() {
+                Some(item) => parse_run(&pk, item).map(Some),
+                None => Err(StoreError::Backend(format!("UpdateItem {pk}: no attributes returned"))),
+            },
+            Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => Ok(None),
+            Err(e) => Err(backend("UpdateItem", &e)),
+        }
+    }
+
     async fn sweep_item(&self, item: &HashMap<String, AttributeValue>, now: u64) -> Result<Closed, StoreError> {
         let pk = string_attr(item, "pk")?;
         let reservation = parse_reservation(&pk, item)?;
@@ -776,8 +890,6 @@ fn merge(lines: &[Line]) -> Vec<Merged<'_>> {
     merged
 }
 
-/// Counters expire 35 days after the end of their period; the period is read from
-/// the key (`.../day/...`, `.../month/...`), a key without one keeps a year.
 /// When DynamoDB may delete a reservation: a day after its expiry, and never before
 /// its counters (a live reservation deleted while its counters remain would hold
 /// their budget for good, should the sweeper be down past the day).
@@ -786,7 +898,14 @@ fn reservation_ttl(request: &ReserveRequest) -> u64 {
     request.expires_at.saturating_add(SWEPT_RETENTION_SECS).max(counters)
 }
 
+/// Counters expire 35 days after the end of their period; the period is read from
+/// the key (`.../day/...`, `.../month/...`), a key without one keeps a year; a
+/// window's or a run's counter a day after its [`CounterKey::expiry`].
 fn counter_ttl(key: &CounterKey) -> u64 {
+    // A per-minute window's or a run's: a day past its expiry, as the other stores.
+    if let Some(expiry) = key.expiry() {
+        return expiry.saturating_add(TRANSIENT_RETENTION_SECS);
+    }
     let now = flexway::budget::period::unix_now();
     let period = key.as_str().split('/').find_map(|part| match part {
         "day" => Some(Period::Day),
@@ -818,6 +937,39 @@ fn parse_reservation(pk: &str, item: &HashMap<String, AttributeValue>) -> Result
         Some(other) => return Err(corrupt(format!("actual is not a string: {other:?}"))),
     };
     Ok(Stored { lines, swept, intent })
+}
+
+/// Whether a window's or a run's counter is past its retention (by the clock, as
+/// DynamoDB's TTL deletes it): it reads 0, though DynamoDB may not have deleted it yet.
+fn forgotten(key: &CounterKey, now: u64) -> bool {
+    key.expiry().is_some_and(|expiry| expiry.saturating_add(TRANSIENT_RETENTION_SECS) < now)
+}
+
+fn run_key(id: &str) -> AttributeValue {
+    s(format!("{RUN_PREFIX}{id}"))
+}
+
+/// A run item: its record, with its children and end from their own attributes.
+fn parse_run(pk: &str, item: &HashMap<String, AttributeValue>) -> Result<Run, StoreError> {
+    let corrupt = |detail: String| StoreError::Corrupt { key: pk.to_owned(), detail };
+    let record = string_attr(item, "run")?;
+    let mut run: Run = serde_json::from_str(&record).map_err(|e| corrupt(format!("run: {e}")))?;
+    run.ended_at = match number_attr(item, "ended_at", pk)? {
+        Some(at) => Some(u64::try_from(at).map_err(|e| corrupt(format!("ended_at = {at}: {e}")))?),
+        None => None,
+    };
+    run.children = match item.get("children") {
+        None => Vec::new(),
+        Some(AttributeValue::L(children)) => children
+            .iter()
+            .map(|child| match child {
+                AttributeValue::S(id) => Ok(id.clone()),
+                other => Err(corrupt(format!("a child is not a string: {other:?}"))),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(other) => return Err(corrupt(format!("children is not a list: {other:?}"))),
+    };
+    Ok(run)
 }
 
 fn string_attr(item: &HashMap<String, AttributeValue>, name: &str) -> Result<String, StoreError> {

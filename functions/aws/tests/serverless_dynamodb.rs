@@ -142,6 +142,74 @@ async fn items_follow_the_documented_table_design() {
     assert_eq!(get(format!("counter#{key}")).await["used"].as_n().unwrap(), "42");
 }
 
+/// A window's and a run's counters, and a run's item, carry the table's `ttl` a day
+/// past their expiry (DynamoDB deletes them), a day's budget its own; a run's children
+/// and end are attributes of its item, written by `create_run` and `end_run`.
+#[tokio::test]
+async fn windows_and_runs_expire_a_day_past_their_expiry() {
+    use flexway::budget::run::{Run, RunBudget, RunRef};
+    use flexway::budget::{Period, RunEnd, TRANSIENT_RETENTION_SECS, Unit};
+
+    let sdk = emulator::sdk().await;
+    let store = fresh_store(&sdk).await;
+    let now = flexway::budget::period::unix_now();
+    let parent = Run {
+        this: RunRef { id: "run_p".into(), budget: RunBudget { tokens: Some(500), eur: None }, expires_at: now + 600 },
+        tenant: "acme".into(),
+        agent: None,
+        label: None,
+        ancestors: vec![],
+        created_at: now,
+        ended_at: None,
+        children: vec![],
+    };
+    let child = Run {
+        this: RunRef { id: "run_c".into(), ..parent.this.clone() },
+        ancestors: vec![parent.this.clone()],
+        ..parent.clone()
+    };
+    assert!(store.create_run(&parent).await.unwrap());
+    assert!(store.create_run(&child).await.unwrap());
+    let window = CounterKey::window("acme", None, Unit::Requests, now);
+    let spent = parent.this.counter("acme", Unit::Tokens);
+    let day = CounterKey::new("acme", None, Unit::Tokens, Period::Day, now);
+    let call = ReserveRequest {
+        request_id: "windowed".into(),
+        lines: [&window, &spent, &day].map(|key| Line { key: key.clone(), amount: 1, limit: Some(500) }).to_vec(),
+        expires_at: now + 60,
+    };
+    assert_eq!(store.reserve(&call).await.unwrap(), ReserveOutcome::Reserved);
+
+    let client = aws_sdk_dynamodb::Client::new(&sdk);
+    let get = |pk: String| {
+        let (client, table) = (client.clone(), store.table().to_owned());
+        async move {
+            let key = aws_sdk_dynamodb::types::AttributeValue::S(pk);
+            let item = client.get_item().table_name(table).key("pk", key).consistent_read(true).send().await;
+            item.unwrap().item.expect("item exists")
+        }
+    };
+    let ttl = |item: &std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>| -> u64 {
+        item["ttl"].as_n().unwrap().parse().unwrap()
+    };
+    let window_ttl = ttl(&get(format!("counter#{}", window.as_str())).await);
+    assert_eq!(window_ttl, window.expiry().unwrap() + TRANSIENT_RETENTION_SECS);
+    assert_eq!(ttl(&get(format!("counter#{}", spent.as_str())).await), now + 600 + TRANSIENT_RETENTION_SECS);
+    let day_ttl = ttl(&get(format!("counter#{}", day.as_str())).await);
+    assert!(day_ttl >= Period::Day.end(now) + 35 * 86_400, "a day's budget keeps its 35 days: {day_ttl}");
+
+    let item = get("run#run_p".to_owned()).await;
+    assert_eq!(ttl(&item), now + 600 + TRANSIENT_RETENTION_SECS);
+    let children: Vec<&str> = item["children"].as_l().unwrap().iter().map(|c| c.as_s().unwrap().as_str()).collect();
+    assert_eq!(children, ["run_c"]);
+    assert!(!item.contains_key("ended_at"));
+    assert_eq!(store.end_run("run_p", now + 5).await.unwrap(), RunEnd::Ended(vec!["run_p".into(), "run_c".into()]));
+    for id in ["run_p", "run_c"] {
+        assert_eq!(get(format!("run#{id}")).await["ended_at"].as_n().unwrap(), &(now + 5).to_string());
+    }
+    assert_eq!(store.run("run_c").await.unwrap().unwrap().ended_at, Some(now + 5));
+}
+
 /// Records the DynamoDB operation of every request the client sends (its
 /// `X-Amz-Target`, attempts included): what a call really costs on the wire.
 #[derive(Debug, Clone, Default)]
