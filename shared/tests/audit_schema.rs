@@ -73,6 +73,8 @@ fn schema_lists_every_spec_field() {
         "cache_write_tokens",
         // SPEC §15: the run the call named, refused calls included.
         "run",
+        // SPEC §14: the backends passed over without a call, and why.
+        "skipped",
     ];
     for field in spec_fields {
         assert!(properties.contains_key(field), "missing {field}");

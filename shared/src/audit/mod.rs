@@ -110,11 +110,42 @@ pub struct AuditRecord {
     /// The run the call named in `Flexway-Run` (SPEC §15), refused calls included.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run: Option<String>,
+    /// The backends of the call's route passed over without a call, in order, and
+    /// why (SPEC §14): an open breaker, a provider quota reached. Absent when none was.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<Skipped>,
     /// With `audit.chain_key`: `{writer}:{seq}:{mac}`, the record's place in its
     /// writer's sequence and its HMAC-SHA256 over the record before (see
     /// `flexway report --verify`). Always the last field. Absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chain: Option<String>,
+}
+
+/// A backend of the call's route passed over without a call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct Skipped {
+    pub backend: String,
+    pub cause: SkipCause,
+}
+
+/// Why a backend was passed over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+#[schemars(inline)]
+pub enum SkipCause {
+    /// Its circuit breaker was open (or its one half-open probe was out).
+    CircuitOpen,
+    /// Its provider quota (`quota`) was reached for the minute.
+    Quota,
+}
+
+impl SkipCause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SkipCause::CircuitOpen => "circuit_open",
+            SkipCause::Quota => "quota",
+        }
+    }
 }
 
 /// How a realtime session ended.
@@ -360,6 +391,7 @@ mod tests {
             criticality: None,
             period: None,
             run: None,
+            skipped: Vec::new(),
             chain: None,
         }
     }

@@ -767,6 +767,7 @@ mod tests {
             criticality: None,
             period: None,
             run: None,
+            skipped: Vec::new(),
             chain: None,
         }
     }

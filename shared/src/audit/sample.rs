@@ -40,6 +40,7 @@ pub fn record(tenant: &str, backend: Option<&str>, metered_by: Metering, cost: u
         criticality: None,
         period: None,
         run: None,
+        skipped: Vec::new(),
         chain: None,
     }
 }

@@ -246,6 +246,7 @@ mod tests {
             criticality: None,
             period: None,
             run: None,
+            skipped: Vec::new(),
             chain: None,
         }
     }

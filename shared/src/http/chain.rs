@@ -10,17 +10,32 @@
 //! carried) ends the call with its own error. When no candidate served, the error
 //! names every backend tried or skipped, and why ([`unserved`]).
 //!
+//! A backend with a provider quota (SPEC §14) is reserved on before it is tried: one
+//! request and the call's token bound in its per-minute windows, its own reservation
+//! held in the call's [`Charge`] and ended with it (settled on the usage when that
+//! backend served, refunded otherwise). A quota that refuses passes the backend over
+//! as an open breaker does; when every candidate was passed over for its quota, the
+//! call is 429 `backend_quota`. A backend without a quota costs nothing.
+//!
 //! What an attempt is differs by door (an HTTP request and its answer held, a
 //! WebSocket handshake); how a failure counts does not: [`Failure`] is the one
 //! classification the fallback, the breakers and the audit read.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tower::{Layer as _, Service as _};
 use tracing::Instrument as _;
 
+use super::drive::Charge;
 use super::record::Draft;
+use crate::admission::STREAM_RESERVATION_SECS;
+use crate::audit::SkipCause;
+use crate::budget::period::unix_now;
+use crate::budget::plan::{self, Budget, Kind};
+use crate::budget::ticket::Unanswered;
+use crate::budget::{Line, Period, ReserveOutcome, ReserveRequest, Ticket, Unit};
 use crate::call::PickReason;
 use crate::config::{BackendId, Endpoint, FailureMode};
 use crate::error::{Attempts, GatewayError, UnavailableCause};
@@ -49,9 +64,12 @@ pub(super) enum Failure {
     /// An inference pool's picker named no endpoint this door can call: nothing was
     /// sent.
     Unreached,
-    /// The request cannot be carried in this backend's format: the caller's error,
-    /// which ends the call (nothing was sent).
+    /// The call ends with this error, nothing sent: the request cannot be carried in
+    /// this backend's format (the caller's error), or the ledger failed.
     Request(Box<GatewayError>),
+    /// The backend's provider quota is reached for the minute, which ends in
+    /// `retry_after_secs`: passed over, nothing sent.
+    Quota { retry_after_secs: u64 },
 }
 
 impl Failure {
@@ -87,6 +105,7 @@ impl Failure {
                 tracing::warn!(backend = %backend, "backend answer failed before the first byte: {fault}");
             }
             Failure::AfterSend(_) | Failure::Unreached | Failure::Request(_) => {}
+            Failure::Quota { .. } => tracing::debug!(backend = %backend, "backend at its provider quota"),
             Failure::Picker(e) => tracing::warn!(backend = %backend, "{e}"),
         }
     }
@@ -106,7 +125,11 @@ impl Classify for Failure {
             Failure::Head(CallError::Connect(_) | CallError::Tls(_)) => Some(Outcome::ConnectionError),
             Failure::Head(CallError::Credential(_)) => None,
             Failure::Body(fault) => fault.breaker_outcome(),
-            Failure::AfterSend(_) | Failure::Picker(_) | Failure::Unreached | Failure::Request(_) => None,
+            Failure::AfterSend(_)
+            | Failure::Picker(_)
+            | Failure::Unreached
+            | Failure::Request(_)
+            | Failure::Quota { .. } => None,
         }
     }
 }
@@ -193,15 +216,21 @@ pub(super) trait Attempt {
 /// Tries `route` in order until a backend's answer is in. Each candidate the door
 /// reaches is one call through the breaker layer ([`BreakerLayer`]): skipped when its
 /// breaker is open, else taken in turn ([`take_turn`]), and its breaker told how it
-/// went by the layer alone.
+/// went by the layer alone. Its provider quota's reservation, if it has one, is held
+/// in `charge` (see the module docs).
 pub(super) async fn attempt_chain<A: Attempt>(
     gateway: &Gateway,
     draft: &mut Draft,
+    charge: &mut Charge,
     route: &Route,
     door: &A,
 ) -> Result<Served<A::Answer>, GatewayError> {
     let mut attempts = Attempts::default();
     let mut last: Option<(BackendId, Failure)> = None;
+    // The candidates passed over for their provider quota, and when the soonest
+    // window ends.
+    let mut at_quota: Vec<BackendId> = Vec::new();
+    let mut quota_retry = 60;
     // The inference pools whose picker could not answer, under `fail_open`.
     let mut opened: Vec<&BackendId> = Vec::new();
     for (i, candidate) in route.candidates.iter().enumerate() {
@@ -214,8 +243,26 @@ pub(super) async fn attempt_chain<A: Attempt>(
         let Some((target, timeout)) = door.reach(backend) else {
             continue;
         };
-        let turn =
-            Turn { gateway, route, door, candidate, target, timeout, draft: &mut *draft, attempts: &mut attempts };
+        // Once a candidate was passed over for its quota, the one that serves is a
+        // fallback (`Flexway-Degraded`), a pool's next member included.
+        let fallback;
+        let candidate = if at_quota.is_empty() || candidate.degraded {
+            candidate
+        } else {
+            fallback = Candidate { degraded: true, reason: Some(PickReason::Fallback), ..candidate.clone() };
+            &fallback
+        };
+        let turn = Turn {
+            gateway,
+            route,
+            door,
+            candidate,
+            target,
+            timeout,
+            draft: &mut *draft,
+            charge: &mut *charge,
+            attempts: &mut attempts,
+        };
         let in_flight = held.or_else(|| gateway.router.loads.start(backend));
         let call = Call { backend: backend.clone(), in_flight, request: turn };
         let mut guarded = BreakerLayer::new(gateway.breakers.clone()).layer(tower::service_fn(take_turn::<A>));
@@ -231,6 +278,7 @@ pub(super) async fn attempt_chain<A: Attempt>(
                 return Ok(Served { candidate, value, pass, timeout });
             }
             Err(Refused::Open) => {
+                draft.skipped(backend, SkipCause::CircuitOpen);
                 attempts.skipped.push(backend.clone());
                 continue;
             }
@@ -238,6 +286,11 @@ pub(super) async fn attempt_chain<A: Attempt>(
         };
         match failure {
             Failure::Request(error) => return Err(*error),
+            Failure::Quota { retry_after_secs } => {
+                draft.skipped(backend, SkipCause::Quota);
+                at_quota.push(backend.clone());
+                quota_retry = quota_retry.min(retry_after_secs);
+            }
             Failure::Unreached => {}
             Failure::Picker(e) => {
                 // Only a pool with a picker fails so: its mode is there.
@@ -257,6 +310,11 @@ pub(super) async fn attempt_chain<A: Attempt>(
             }
         }
     }
+    // Every candidate passed over, and only for its quota: a wait, not an outage.
+    if last.is_none() && attempts.tried.is_empty() && attempts.skipped.is_empty() && !at_quota.is_empty() {
+        let backends = at_quota.iter().map(BackendId::as_str).collect::<Vec<_>>().join(", ");
+        return Err(GatewayError::BackendQuota { backends, retry_after_secs: quota_retry });
+    }
     Err(unserved(route, attempts, last))
 }
 
@@ -270,6 +328,7 @@ struct Turn<'a, A: Attempt> {
     /// The backend's `timeout`.
     timeout: Duration,
     draft: &'a mut Draft,
+    charge: &'a mut Charge,
     attempts: &'a mut Attempts,
 }
 
@@ -279,8 +338,9 @@ struct Turn<'a, A: Attempt> {
 /// Only the pool's failure as a whole is the answer: one model server's is the
 /// picker's to route around.
 async fn take_turn<A: Attempt>(turn: Turn<'_, A>) -> Result<Answered<(Candidate, A::Answer)>, Failure> {
-    let Turn { gateway, route, door, candidate, target, timeout, draft, attempts } = turn;
+    let Turn { gateway, route, door, candidate, target, timeout, draft, charge, attempts } = turn;
     let (model, prepared) = door.prepare(&target).map_err(|e| Failure::Request(Box::new(e)))?;
+    reserve_quota(gateway, charge, &candidate.backend, draft.request_id()).await?;
     let Some((picker, _)) = gateway.router.picker(&candidate.backend) else {
         let one = One { candidate: candidate.clone(), target, model, prepared, timeout };
         let Answered { value, outcome } = try_one(gateway, draft, route, door, one, attempts).await?;
@@ -313,6 +373,64 @@ async fn take_turn<A: Attempt>(turn: Turn<'_, A>) -> Result<Answered<(Candidate,
         }
     }
     Err(endpoint_failure.unwrap_or(Failure::Unreached))
+}
+
+/// Reserves one request and the call's token bound on `backend`'s provider quota
+/// windows (SPEC §14), as its own reservation (`<request id>/quota/<backend>`) held in
+/// `charge` until the call ends. Nothing, not even an allocation, for a backend without
+/// a quota, for a charge that holds no tokens, or when the call holds this backend's
+/// quota already (a backend the route names twice). `Failure::Quota` when a window
+/// refuses.
+async fn reserve_quota(
+    gateway: &Gateway,
+    charge: &mut Charge,
+    backend: &BackendId,
+    request_id: &str,
+) -> Result<(), Failure> {
+    let Some(settings) = gateway.config.ai.backends.get(backend).filter(|b| !b.quota.is_none()) else {
+        return Ok(());
+    };
+    let Some(bound) = charge.quota_bound() else { return Ok(()) };
+    if charge.holds_quota(backend) {
+        return Ok(());
+    }
+    let now = unix_now();
+    let windows: Arc<[Budget]> = plan::quota_for(settings, now).into();
+    let lines = windows
+        .iter()
+        .map(|w| Line { key: w.key.clone(), amount: if w.unit == Unit::Requests { 1 } else { bound }, limit: w.limit })
+        .collect();
+    // A stream's reservation outlives its backend's timeout, as the call's does.
+    let expires_at = now + gateway.attempt_time(backend).as_secs() + STREAM_RESERVATION_SECS;
+    let request = ReserveRequest { request_id: format!("{request_id}/quota/{backend}"), lines, expires_at };
+    let unanswered = Unanswered::new(&gateway.budgets, &request);
+    let outcome = gateway.budgets.reserve(&request).await;
+    unanswered.answered(&outcome);
+    match outcome.map_err(|e| Failure::Request(Box::new(e.into())))? {
+        ReserveOutcome::Reserved => {
+            let ticket = Ticket::new(gateway.budgets.clone(), request.reservation(), Arc::clone(&windows), now);
+            charge.hold_quota(backend.clone(), ticket, windows);
+            Ok(())
+        }
+        ReserveOutcome::Refused { .. } => {
+            gauge_quota(gateway, backend, &windows).await;
+            let retry_after_secs = Period::Minute.end(now).saturating_sub(now).clamp(1, 60);
+            Err(Failure::Quota { retry_after_secs })
+        }
+    }
+}
+
+/// Sets `flexway_backend_quota_used_ratio` from a read of `backend`'s quota windows
+/// (a refusal, a settlement: not every call's hot path). A failed read leaves it.
+pub(super) async fn gauge_quota(gateway: &Gateway, backend: &BackendId, windows: &[Budget]) {
+    let keys: Vec<_> = windows.iter().map(|w| w.key.clone()).collect();
+    let Ok(used) = gateway.budgets.used(&keys).await else { return };
+    for (window, used) in windows.iter().zip(used) {
+        if let (Kind::Window(rate), Some(limit)) = (window.kind, window.limit) {
+            let ratio = if limit == 0 { 1.0 } else { used as f64 / limit as f64 };
+            gateway.metrics.set_backend_quota_used(backend.as_str(), rate.as_str(), ratio);
+        }
+    }
 }
 
 /// One attempt at one target: what it is sent and as which candidate.
@@ -533,7 +651,10 @@ mod tests {
     async fn the_route_is_tried_in_order_until_one_answers() {
         let (gateway, mut draft) = gateway().await;
         let door = Scripted::answering(vec![Err(status(503)), Ok("from c")]);
-        let served = attempt_chain(&gateway, &mut draft, &route(&["elsewhere", "a", "c", "b"]), &door).await.unwrap();
+        let served =
+            attempt_chain(&gateway, &mut draft, &mut Charge::None, &route(&["elsewhere", "a", "c", "b"]), &door)
+                .await
+                .unwrap();
         assert_eq!((served.value, served.candidate.backend.as_str()), ("from c", "c"));
         assert!(served.candidate.degraded);
         assert_eq!(door.tried(), ["a", "c"], "a candidate the door cannot reach is passed over; b is never tried");
@@ -543,13 +664,13 @@ mod tests {
     async fn a_failure_opens_the_breaker_and_the_next_call_skips_that_backend() {
         let (gateway, mut draft) = gateway().await;
         let door = Scripted::answering(vec![Err(status(500)), Ok("from b")]);
-        attempt_chain(&gateway, &mut draft, &route(&["a", "b"]), &door).await.unwrap();
+        attempt_chain(&gateway, &mut draft, &mut Charge::None, &route(&["a", "b"]), &door).await.unwrap();
         let door = Scripted::answering(vec![Ok("from b")]);
-        let served = attempt_chain(&gateway, &mut draft, &route(&["a", "b"]), &door).await.unwrap();
+        let served = attempt_chain(&gateway, &mut draft, &mut Charge::None, &route(&["a", "b"]), &door).await.unwrap();
         assert_eq!((served.value, door.tried()), ("from b", vec!["b".to_owned()]));
         // With only that backend, nothing is tried: 503 circuit_open, naming it.
         let door = Scripted::default();
-        match attempt_chain(&gateway, &mut draft, &route(&["a"]), &door).await {
+        match attempt_chain(&gateway, &mut draft, &mut Charge::None, &route(&["a"]), &door).await {
             Err(GatewayError::UpstreamUnavailable { cause: UnavailableCause::CircuitOpen, attempts, .. }) => {
                 assert_eq!(attempts.skipped, [BackendId::new("a")]);
             }
@@ -564,7 +685,8 @@ mod tests {
         let (gateway, mut draft) = gateway().await;
         let sent = Failure::AfterSend(Box::new(Failure::Head(CallError::Timeout(Duration::from_secs(1)))));
         let door = Scripted::answering(vec![Err(sent)]);
-        let error = attempt_chain(&gateway, &mut draft, &route(&["b", "c"]), &door).await.err().unwrap();
+        let error =
+            attempt_chain(&gateway, &mut draft, &mut Charge::None, &route(&["b", "c"]), &door).await.err().unwrap();
         assert!(matches!(error, GatewayError::UpstreamTimeout { .. }), "{error}");
         assert_eq!(door.tried(), ["b"], "c never gets a request b took part of");
     }
@@ -573,9 +695,105 @@ mod tests {
     async fn a_request_the_backend_cannot_carry_ends_the_call_before_any_attempt() {
         let (gateway, mut draft) = gateway().await;
         let door = Scripted { unpreparable: Some("b"), ..Scripted::answering(vec![Ok("from c")]) };
-        let error = attempt_chain(&gateway, &mut draft, &route(&["b", "c"]), &door).await.err().unwrap();
+        let error =
+            attempt_chain(&gateway, &mut draft, &mut Charge::None, &route(&["b", "c"]), &door).await.err().unwrap();
         assert!(matches!(error, GatewayError::InvalidRequest(_)), "{error}");
         assert!(door.tried().is_empty());
+    }
+
+    /// A gateway whose backend `q` has a quota of one request a minute, beside `b`.
+    async fn quota_gateway() -> Arc<Gateway> {
+        use sha2::Digest;
+        let yaml = format!(
+            "version: 1\ntenants:\n  acme:\n    keys: [{{sha256: {}}}]\nai:\n  default_backend: q\n  backends:\n    \
+             q: {{url: 'http://127.0.0.1:9/v1', quota: {{requests_per_minute: 1, tokens_per_minute: 1000}}}}\n    \
+             b: {{url: 'http://127.0.0.1:9/v1'}}\n",
+            hex::encode(sha2::Sha256::digest(b"k"))
+        );
+        let env = std::collections::HashMap::<String, String>::new();
+        let loaded = crate::config::load_str(&yaml, &env).unwrap();
+        let adapters = crate::gateway::Adapters {
+            budgets: Arc::new(crate::budget::MemoryBudgetStore::new()),
+            audit: Arc::new(crate::audit::sinks::MemoryAuditSink::new()),
+            export: crate::telemetry::Export::Batched,
+        };
+        let secrets = Arc::new(crate::secret::LocalSecrets { env });
+        Arc::new(Gateway::new(loaded.config, secrets, adapters).await.unwrap())
+    }
+
+    /// A model call's charge reserving `prompt` + `allowance` tokens (its own ticket
+    /// holds nothing).
+    fn tokens(gateway: &Gateway, prompt: u64, allowance: u64) -> Charge {
+        let ticket = Ticket::new(gateway.budgets.clone(), Default::default(), Arc::from([]), 0);
+        Charge::Tokens(super::super::drive::Tokens {
+            ticket,
+            prompt,
+            prompt_typical: prompt,
+            allowance: Some(allowance),
+            quotas: Vec::new(),
+        })
+    }
+
+    /// Two members of one priority group: neither is a fallback by its place.
+    fn group(names: &[&str]) -> Route {
+        let mut route = route(names);
+        for candidate in &mut route.candidates {
+            candidate.degraded = false;
+            candidate.reason = Some(PickReason::Weighted);
+        }
+        route
+    }
+
+    #[tokio::test]
+    async fn a_backend_at_its_quota_is_passed_over_and_the_next_serves_as_a_fallback() {
+        let gateway = quota_gateway().await;
+        let now = unix_now();
+        let q = gateway.config.ai.backends.get(&BackendId::new("q")).unwrap();
+        let keys: Vec<_> = plan::quota_for(q, now).iter().map(|w| w.key.clone()).collect();
+        let mut headers = http::HeaderMap::new();
+        headers.insert(http::header::AUTHORIZATION, http::HeaderValue::from_static("Bearer k"));
+        let caller = gateway.keys.authenticate(&headers).unwrap();
+        let draft = || Draft::begin(&gateway, &RequestId::generate(), &caller, Operation::Chat, &headers);
+
+        // The first call takes q's one request: its quota holds one request and its bound.
+        let (mut first, mut charge) = (draft(), tokens(&gateway, 10, 20));
+        let door = Scripted::answering(vec![Ok("from q")]);
+        let served = attempt_chain(&gateway, &mut first, &mut charge, &group(&["q", "b"]), &door).await.unwrap();
+        assert_eq!((served.value, served.candidate.degraded), ("from q", false));
+        assert!(charge.holds_quota(&BackendId::new("q")));
+        assert_eq!(gateway.budgets.used(&keys).await.unwrap(), [1, 30]);
+
+        // The next is passed over to b, which serves as a fallback; nothing held of q.
+        let (mut second, mut other) = (draft(), tokens(&gateway, 10, 20));
+        let door = Scripted::answering(vec![Ok("from b")]);
+        let served = attempt_chain(&gateway, &mut second, &mut other, &group(&["q", "b"]), &door).await.unwrap();
+        assert_eq!(door.tried(), ["b"]);
+        assert_eq!(served.candidate.backend.as_str(), "b");
+        assert!(served.candidate.degraded, "Flexway-Degraded after a quota skip");
+        assert_eq!(served.candidate.reason, Some(PickReason::Fallback));
+        assert!(!other.holds_quota(&BackendId::new("q")));
+
+        // With q alone: 429, to the minute's end.
+        let door = Scripted::default();
+        match attempt_chain(&gateway, &mut draft(), &mut tokens(&gateway, 10, 20), &route(&["q"]), &door).await {
+            Err(GatewayError::BackendQuota { backends, retry_after_secs }) => {
+                assert_eq!(backends, "q");
+                assert!((1..=60).contains(&retry_after_secs), "{retry_after_secs}");
+            }
+            Err(other) => panic!("{other}"),
+            Ok(_) => panic!("served"),
+        }
+        assert!(door.tried().is_empty());
+        // A charge dropped unended (its call cancelled) gives q's quota back.
+        drop(charge);
+        for _ in 0..100 {
+            if gateway.budgets.used(&keys).await.unwrap() == [0, 0] {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(gateway.budgets.used(&keys).await.unwrap(), [0, 0]);
+        drop(first);
     }
 
     #[test]

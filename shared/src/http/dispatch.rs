@@ -11,6 +11,7 @@ use bytes::Bytes;
 use http::{HeaderValue, StatusCode, header};
 
 use super::chain::{self, Failure};
+use super::drive::Charge;
 use super::format::Format;
 use super::record::Draft;
 use super::relay;
@@ -58,10 +59,11 @@ pub(super) enum Shape {
 
 /// Tries the route in order until a backend's answer is in (`chain`): read whole, or
 /// for a stream, held until its first content. An answer read whole tells its
-/// breaker its status; a stream's success is told when it ends (the relay).
+/// breaker its status; a stream's success is told when it ends (the relay). What it
+/// reserves of a backend's provider quota is held in the call's `charge`.
 pub(super) async fn dispatch(
     gateway: &Gateway,
-    draft: &mut Draft,
+    (draft, charge): (&mut Draft, &mut Charge),
     route: &Route,
     path: &str,
     requested_model: &str,
@@ -69,7 +71,7 @@ pub(super) async fn dispatch(
     expect: Expect<'_>,
 ) -> Result<Served, GatewayError> {
     let door = Http { gateway, path, requested_model, body_for, expect };
-    chain::attempt_chain(gateway, draft, route, &door).await
+    chain::attempt_chain(gateway, draft, charge, route, &door).await
 }
 
 /// An HTTP door's attempt: a JSON body POSTed to the backend's path, its answer read

@@ -283,7 +283,7 @@ async fn proxied(
     let slot = Slot::new(RequestBody::new(body, pending, meter.clone()));
     let headers = upstream_headers(&parts.headers, &gateway.config.ai.sensitive_header, draft.trace());
     let door = SendCall { gateway, rpc, headers: &headers, flavor, slot };
-    let served = match chain::attempt_chain(gateway, draft, &route, &door).await {
+    let served = match chain::attempt_chain(gateway, draft, charge, &route, &door).await {
         Ok(served) => served,
         // A budget step refused while the request went out is why the call ended.
         Err(e) => return Err(meter.stop().map_or_else(|| Refusal::from(e), Refusal::from)),

@@ -263,7 +263,9 @@ async fn chat(
     let shape =
         if request.stream { Shape::Stream { client_wants_usage: request.client_wants_usage } } else { Shape::Json };
     let expect = Expect { shape, format: &format };
-    let served = dispatch(gateway, draft, &route, "/chat/completions", request.model, body_for, expect).await?;
+    let served =
+        dispatch(gateway, (&mut *draft, &mut *charge), &route, "/chat/completions", request.model, body_for, expect)
+            .await?;
     match served.value {
         Answered::Stream(held) => {
             draft.streaming();
@@ -311,7 +313,8 @@ async fn embed(
         }
     };
     let expect = Expect { shape: Shape::Json, format: &Format::Chat };
-    let served = dispatch(gateway, draft, &route, "/embeddings", &request.model, body_for, expect).await?;
+    let served =
+        dispatch(gateway, (&mut *draft, &mut *charge), &route, "/embeddings", &request.model, body_for, expect).await?;
     complete(served, soft)
 }
 

@@ -215,7 +215,7 @@ async fn open(
         reserve(call, draft, charge, Tokens { demand: &demand, prompt_typical: 0 }).await?;
     let limit = usize::try_from(gateway.config.ai.limits.max_event_bytes).unwrap_or(usize::MAX);
     let door = Connect { gateway, model, limit };
-    let served = chain::attempt_chain(gateway, draft, &route, &door).await?;
+    let served = chain::attempt_chain(gateway, draft, charge, &route, &door).await?;
     match served.value {
         Connected::Refused { status, body } => {
             let mut response = (status, body).into_response();

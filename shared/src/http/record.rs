@@ -101,6 +101,7 @@ impl Draft {
             criticality: None,
             period: None,
             run: None,
+            skipped: Vec::new(),
             chain: None,
         };
         Draft {
@@ -228,6 +229,11 @@ impl Draft {
         self.span.provider = backend.map(|b| b.kind.name());
     }
 
+    /// A backend of the route passed over without a call, and why.
+    pub fn skipped(&mut self, backend: &crate::config::BackendId, cause: crate::audit::SkipCause) {
+        self.record.skipped.push(crate::audit::Skipped { backend: backend.to_string(), cause });
+    }
+
     pub fn usage(&mut self, usage: Usage, source: UsageSource, cost: MicroEur) {
         self.record.prompt_tokens = usage.prompt_tokens;
         self.record.completion_tokens = usage.completion_tokens;
@@ -322,6 +328,7 @@ impl Draft {
             feature: None,
             period: None,
             run: None,
+            skipped: Vec::new(),
             chain: None,
             ..self.record
         };

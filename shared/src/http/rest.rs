@@ -169,7 +169,7 @@ async fn proxied(
         bodyless,
         model: format!("{} {}", operation.method, operation.path),
     };
-    let served = match chain::attempt_chain(gateway, draft, &route, &door).await {
+    let served = match chain::attempt_chain(gateway, draft, charge, &route, &door).await {
         Ok(served) => served,
         // A budget step refused while the request went out is why the call ended.
         Err(e) => return Err(meter.stop().map_or(e, stopped)),

@@ -49,6 +49,9 @@ pub struct Registry {
     shed: Family<u64>,
     /// Calls refused by a per-minute window, per [tenant, holder, kind].
     rate_limited: Family<u64>,
+    /// The share of a backend's provider quota used in its current minute, as last
+    /// read, per [backend, kind].
+    backend_quota_used: Family<f64>,
     /// Realtime sessions ended, per [backend, close_reason].
     realtime_sessions: Family<u64>,
     /// Realtime responses charged, per [tenant, backend].
@@ -104,6 +107,7 @@ impl Registry {
             member_load: Family::new(),
             shed: Family::new(),
             rate_limited: Family::new(),
+            backend_quota_used: Family::new(),
             realtime_sessions: Family::new(),
             realtime_responses: Family::new(),
             realtime_open: AtomicU64::new(0),

@@ -148,6 +148,12 @@ impl Registry {
         self.rate_limited.with(&labels, u64::default, |n| *n = n.saturating_add(1));
     }
 
+    /// The share of `backend`'s provider quota of `kind` (`requests`, `tokens`) used
+    /// in its current minute, as last read (1 or more: at its quota).
+    pub fn set_backend_quota_used(&self, backend: &str, kind: &str, ratio: f64) {
+        self.backend_quota_used.with(&[label(Some(backend)), label(Some(kind))], f64::default, |v| *v = ratio);
+    }
+
     /// A sheddable call refused because every member of `pool` was saturated.
     pub fn shed(&self, tenant: &str, pool: &str) {
         self.shed.with(&[label(Some(tenant)), label(Some(pool))], u64::default, |n| *n = n.saturating_add(1));

@@ -179,6 +179,17 @@ impl Registry {
             sample(&mut out, "flexway_rate_limited_total", &names, &values, None, &count.to_string());
         }
 
+        header(
+            &mut out,
+            "flexway_backend_quota_used_ratio",
+            "gauge",
+            "The share of a backend's provider quota used in its current minute, per kind, as last read.",
+        );
+        for (values, ratio) in self.backend_quota_used.snapshot(|v| *v) {
+            let names = ["backend", "kind"];
+            sample(&mut out, "flexway_backend_quota_used_ratio", &names, &values, None, &float(ratio));
+        }
+
         header(&mut out, "flexway_realtime_sessions_open", "gauge", "Realtime sessions open now.");
         let open = self.realtime_open.load(Ordering::Relaxed).to_string();
         sample(&mut out, "flexway_realtime_sessions_open", &[], &[], None, &open);
@@ -433,6 +444,7 @@ mod tests {
         registry.set_member_load("gpu-b", None, 4);
         registry.shed("acme", "gpus");
         registry.rate_limited("acme", "key 9f86d081884c7d65", "requests");
+        registry.set_backend_quota_used("ptu-west", "tokens", 0.25);
         let text = registry.render_prometheus();
         assert!(text.ends_with('\n'));
         for line in text.lines() {
@@ -445,7 +457,9 @@ mod tests {
             assert!(value == "+Inf" || value.parse::<f64>().is_ok(), "{line}");
         }
         let types = lines(&text, "# TYPE");
-        assert_eq!(types.len(), 20, "{types:?}");
+        assert_eq!(types.len(), 21, "{types:?}");
+        let quota = "flexway_backend_quota_used_ratio{backend=\"ptu-west\",kind=\"tokens\"} 0.25\n";
+        assert!(text.contains(quota), "{text}");
         let limited = r#"flexway_rate_limited_total{tenant="acme",holder="key 9f86d081884c7d65",kind="requests"} 1"#;
         assert!(text.contains(limited), "{text}");
         assert!(text.contains("flexway_member_queue{backend=\"gpu-a\"} 7\n"), "{text}");

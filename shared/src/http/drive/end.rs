@@ -45,10 +45,33 @@ pub(in crate::http) enum Charge {
 /// A model call's reservation, and what its settlement needs beyond the usage.
 pub(in crate::http) struct Tokens {
     pub ticket: Ticket,
+    /// The prompt's upper bound in tokens, as reserved.
+    pub prompt: u64,
     /// The prompt's typical token count, if the backend reports no usage.
     pub prompt_typical: u64,
     /// The completion tokens the backend was allowed (every choice), if it completes.
     pub allowance: Option<u64>,
+    /// What the attempt chain reserved on the provider quotas of the backends it
+    /// tried (SPEC §14): empty, without an allocation, when none has a quota.
+    pub quotas: Vec<Quota>,
+}
+
+impl Tokens {
+    /// The most tokens the call may count at a backend: its prompt's upper bound and
+    /// its completion allowance.
+    pub fn bound(&self) -> u64 {
+        self.prompt.saturating_add(self.allowance.unwrap_or(0))
+    }
+}
+
+/// One attempt's reservation on its backend's provider quota (SPEC §14): settled on
+/// the call's usage when that backend served, refunded whole otherwise, at the call's
+/// end like the call's own ticket (and by the ticket's guard when the call is dropped).
+pub(in crate::http) struct Quota {
+    pub backend: BackendId,
+    pub ticket: Ticket,
+    /// The backend's quota windows the ticket holds (for the used-ratio gauge).
+    pub windows: Arc<[plan::Budget]>,
 }
 
 /// A realtime session's charge: one reservation held at a time, the allowance of the
@@ -64,6 +87,8 @@ pub(in crate::http) struct Turns {
     price: Price,
     /// The output allowance `ticket` holds: the most a response may be told to write.
     pub allowance: u64,
+    /// The session's backend's provider quota, held from its opening (SPEC §14).
+    quotas: Vec<Quota>,
     usage: Usage,
     cost: MicroEur,
     responses: u64,
@@ -111,6 +136,29 @@ impl Charge {
         }
     }
 
+    /// The most tokens a call may count at a backend's provider quota: a model call's
+    /// reserved bound; `None` for a charge that holds no tokens (nothing is counted on
+    /// a quota for it: a quota is only a model backend's).
+    pub fn quota_bound(&self) -> Option<u64> {
+        match self {
+            Charge::Tokens(tokens) => Some(tokens.bound()),
+            _ => None,
+        }
+    }
+
+    /// Whether the call holds a reservation on `backend`'s quota already.
+    pub fn holds_quota(&self, backend: &BackendId) -> bool {
+        matches!(self, Charge::Tokens(tokens) if tokens.quotas.iter().any(|q| q.backend == *backend))
+    }
+
+    /// Holds a reservation on `backend`'s quota until the call ends. A charge that
+    /// holds no tokens refunds it at once (by the ticket's guard): it has none.
+    pub fn hold_quota(&mut self, backend: BackendId, ticket: Ticket, windows: Arc<[plan::Budget]>) {
+        if let Charge::Tokens(tokens) = self {
+            tokens.quotas.push(Quota { backend, ticket, windows });
+        }
+    }
+
     /// The call's charge once its realtime session is open at `backend`: the first
     /// response's allowance becomes the session's.
     pub fn into_turns(
@@ -125,6 +173,7 @@ impl Charge {
         Charge::Turns(Box::new(Turns {
             allowance: tokens.allowance.unwrap_or_default(),
             ticket: Some(tokens.ticket),
+            quotas: tokens.quotas,
             caller: caller.clone(),
             run: run.cloned(),
             pace: None,
@@ -163,10 +212,12 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
             overshoot(gateway, &backend, tokens.allowance, usage);
             let cost = tokens.ticket.settle(usage, gateway.price(&backend)).await;
             draft.usage(usage, source, cost);
+            end_quotas(gateway, tokens.quotas, Some((&backend, usage))).await;
             cost
         }
         (Charge::Tokens(tokens), _) => {
             tokens.ticket.refund().await;
+            end_quotas(gateway, tokens.quotas, None).await;
             MicroEur(0)
         }
         (Charge::Metered(meter), Spent::Metered { answered, served }) => {
@@ -179,11 +230,12 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
             MicroEur(0)
         }
         (Charge::Turns(turns), _) => {
-            let Turns { ticket, usage, cost, .. } = *turns;
+            let Turns { ticket, usage, cost, quotas, backend, .. } = *turns;
             // The allowance held for a response that never came back.
             if let Some(ticket) = ticket {
                 ticket.refund().await;
             }
+            end_quotas(gateway, quotas, Some((&backend, usage))).await;
             draft.usage(usage, UsageSource::Reported, cost);
             cost
         }
@@ -196,6 +248,22 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
     }
     draft.finish(status, code).await;
     cost
+}
+
+/// Ends the call's provider quota reservations (SPEC §14): the one of the backend that
+/// `served` settled on its usage (one request, its total tokens), every other refunded
+/// whole (an attempt that failed, or was passed over after reserving). The quota's
+/// used ratio is read again for the gauge once a backend's is settled.
+async fn end_quotas(gateway: &Gateway, quotas: Vec<Quota>, served: Option<(&BackendId, Usage)>) {
+    for Quota { backend, ticket, windows } in quotas {
+        match served {
+            Some((by, usage)) if *by == backend => {
+                ticket.settle(usage, gateway.price(&backend)).await;
+                crate::http::chain::gauge_quota(gateway, &backend, &windows).await;
+            }
+            _ => ticket.refund().await,
+        }
+    }
 }
 
 /// Counts a backend that wrote past the allowance it was sent: it is charged in full
