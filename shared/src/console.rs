@@ -1,7 +1,8 @@
 //! What the operator's console shows (SPEC §9): per tenant and agent, the spend and
 //! tokens counted in the ledger against each budget; per backend, this process's
-//! calls, cost, errors, breaker state and, for pools that pick by load, each member's
-//! live load; and the calls of the last hour, minute by minute. Read from the ledger
+//! calls, cost, errors, breaker state, its provider quota's use in the current minute
+//! (from the ledger) and, for pools that pick by load, each member's live load; and
+//! the calls of the last hour, minute by minute. Read from the ledger
 //! (the figures admission reads: in the fleet shape, the shared DynamoDB table) and
 //! from the process's own metrics; nothing else. `http::console` renders it.
 
@@ -128,6 +129,30 @@ pub struct BackendRow {
     pub breaker: &'static str,
     /// For a pool that picks by load: each member's last seen load.
     pub members: Vec<MemberLoad>,
+    /// Its provider quota (SPEC §14), each kind's use in the current minute, counted
+    /// fleet-wide in the ledger; empty without a quota.
+    pub quota: Vec<QuotaRow>,
+}
+
+/// One window of a backend's provider quota, in the current minute.
+#[derive(Debug, Clone, Serialize)]
+pub struct QuotaRow {
+    /// `requests` or `tokens` (per minute).
+    pub kind: &'static str,
+    pub used: u64,
+    pub limit: u64,
+    /// Whole seconds until the minute ends.
+    pub resets_in_secs: u64,
+}
+
+impl QuotaRow {
+    /// The share of the limit used, as a percentage, at most 100.
+    pub fn percent(&self) -> u64 {
+        if self.limit == 0 {
+            return 100;
+        }
+        u64::try_from(u128::from(self.used) * 100 / u128::from(self.limit)).unwrap_or(u64::MAX).min(100)
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -209,7 +234,7 @@ pub async fn overview(gateway: &Gateway, filter: &str, page: usize) -> Result<Ov
         tenants: tenants.len(),
         page,
         pages,
-        backends: backends(gateway),
+        backends: backends(gateway, quotas(gateway, now).await?),
         calls_per_minute: gateway.metrics.calls_per_minute(now),
         alerts,
     })
@@ -240,8 +265,44 @@ fn row(budget: &Budget, used: u64, threshold: Option<u32>, now: u64) -> BudgetRo
     }
 }
 
-/// Every declared backend, with what this process saw of it.
-fn backends(gateway: &Gateway) -> Vec<BackendRow> {
+/// The provider quota of every backend that has one, read from the ledger at once
+/// (no read when none has); its used-ratio gauge set from the same read.
+async fn quotas(gateway: &Gateway, now: u64) -> Result<Vec<(String, Vec<QuotaRow>)>, StoreError> {
+    let windows: Vec<(String, Vec<Budget>)> = gateway
+        .config
+        .ai
+        .backends
+        .iter()
+        .filter(|(_, backend)| !backend.quota.is_none())
+        .map(|(name, backend)| (name.to_string(), plan::quota_for(backend, now)))
+        .collect();
+    if windows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let keys: Vec<_> = windows.iter().flat_map(|(_, w)| w.iter().map(|b| b.key.clone())).collect();
+    let mut used = gateway.budgets.used(&keys).await?.into_iter();
+    let mut rows = Vec::with_capacity(windows.len());
+    for (backend, windows) in windows {
+        let mut quota = Vec::with_capacity(windows.len());
+        for window in windows {
+            let (plan::Kind::Window(rate), Some(limit)) = (window.kind, window.limit) else { continue };
+            let used = used.next().unwrap_or(0);
+            let ratio = if limit == 0 { 1.0 } else { used as f64 / limit as f64 };
+            gateway.metrics.set_backend_quota_used(&backend, rate.as_str(), ratio);
+            quota.push(QuotaRow {
+                kind: rate.as_str(),
+                used,
+                limit,
+                resets_in_secs: window.resets_at.saturating_sub(now),
+            });
+        }
+        rows.push((backend, quota));
+    }
+    Ok(rows)
+}
+
+/// Every declared backend, with what this process saw of it, and its quota's use.
+fn backends(gateway: &Gateway, mut quotas: Vec<(String, Vec<QuotaRow>)>) -> Vec<BackendRow> {
     let totals = gateway.metrics.backend_totals();
     let breakers = gateway.breakers.states(std::time::Instant::now());
     let loads = gateway.router.loads.snapshot();
@@ -276,6 +337,11 @@ fn backends(gateway: &Gateway) -> Vec<BackendRow> {
                 errors: seen.map_or(0, |t| t.errors),
                 breaker: breakers.iter().find(|(b, _)| b == name).map_or("closed", |(_, state)| state.as_str()),
                 members,
+                quota: quotas
+                    .iter_mut()
+                    .find(|(backend, _)| backend == name.as_str())
+                    .map(|(_, rows)| std::mem::take(rows))
+                    .unwrap_or_default(),
             }
         })
         .collect()

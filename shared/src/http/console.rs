@@ -382,8 +382,8 @@ fn backends(out: &mut String, overview: &Overview) {
     out.push_str(
         "<section id=\"backends\"><h2>Backends <span class=\"muted\">(this process, since it started)</span></h2>\
          <table><thead><tr><th>backend</th><th>kind</th><th class=\"n\">calls</th><th class=\"n\">cost</th>\
-         <th class=\"n\">errors</th><th>breaker</th><th>members' load (queue, KV cache, in flight)</th></tr></thead>\
-         <tbody>",
+         <th class=\"n\">errors</th><th>breaker</th><th>provider quota (this minute)</th>\
+         <th>members' load (queue, KV cache, in flight)</th></tr></thead><tbody>",
     );
     for b in &overview.backends {
         let rate = if b.calls == 0 {
@@ -400,10 +400,29 @@ fn backends(out: &mut String, overview: &Overview) {
                 format!("{}: {queue}, {kv}, {}", esc(&m.backend), m.in_flight)
             })
             .collect();
+        let quota: Vec<String> = b
+            .quota
+            .iter()
+            .map(|q| {
+                format!(
+                    "<span data-quota=\"{}\" data-used=\"{}\">{}: {} of {}/min \
+                     <span class=\"bar {}\"><i style=\"width:{}%\"></i></span>{}%</span>",
+                    q.kind,
+                    q.used,
+                    q.kind,
+                    q.used,
+                    q.limit,
+                    if q.used >= q.limit { "exceeded" } else { "ok" },
+                    q.percent(),
+                    q.percent()
+                )
+            })
+            .collect();
         let _ = write!(
             out,
             "<tr data-backend=\"{}\" data-calls=\"{}\"><td>{}</td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">\
-             {} €</td><td class=\"n\">{} ({rate})</td><td><span class=\"state {}\">{}</span></td><td>{}</td></tr>",
+             {} €</td><td class=\"n\">{} ({rate})</td><td><span class=\"state {}\">{}</span></td><td>{}</td>\
+             <td>{}</td></tr>",
             esc(&b.backend),
             b.calls,
             esc(&b.backend),
@@ -413,6 +432,7 @@ fn backends(out: &mut String, overview: &Overview) {
             b.errors,
             b.breaker,
             b.breaker,
+            quota.join("<br>"),
             members.join("; ")
         );
     }
