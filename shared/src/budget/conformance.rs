@@ -1,6 +1,7 @@
 //! The conformance suite every `BudgetStore` must pass: atomicity, idempotency,
-//! refund, expiry, settle intent, and concurrency. Written against the port only, so
-//! the DynamoDB adapter runs exactly these checks against the emulator.
+//! refund, expiry, settle intent, concurrency, per-minute windows, runs, and the
+//! forgetting of windows and runs past their retention. Written against the port
+//! only, so the DynamoDB adapter runs exactly these checks against the emulator.
 //!
 //! The checks on a failing settlement drive a real `Ticket` over the store wrapped in
 //! [`FailingSettles`], which fails `settle` a given number of times and passes every
@@ -708,9 +709,9 @@ pub async fn concurrent_reservations_never_pass_the_cap(store: Arc<dyn BudgetSto
 /// The tenant of the suite's windows and runs.
 const TENANT: &str = "conformance";
 
-/// `tasks` concurrent reservations of `amount` on `counter` (limit `limit`), each with
-/// an unlimited line beside it: the ids of those admitted. Any other outcome than
-/// Reserved or a refusal on the limited line is an error.
+/// `tasks` concurrent reservations of `lines` each (request ids `<name>-<i>`): the ids
+/// of those admitted. Any other outcome than Reserved or a refusal on one of the lines
+/// `refused_on` is an error.
 async fn burst(
     store: &Arc<dyn BudgetStore>,
     name: &str,
