@@ -557,3 +557,59 @@ fn only_what_is_built_loads_for_realtime() {
     let error = flexway::config::load_str(&override_chat, &env).map(|_| ()).unwrap_err().to_string();
     assert!(error.contains("ai.capabilities.realtime"), "{error}");
 }
+
+/// Each response counts in the caller's windows (SPEC §14): `rate_limits.updated`
+/// follows each `response.done`, and a `response.create` past a limit is answered
+/// with an `error` event, the session kept open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_paces_its_responses_and_stays_open_past_a_limit() {
+    let fake = FakeModel::start().await.unwrap();
+    let (adapters, _) = memory_adapters();
+    // The opening reserves the first response's allowance (one request), each
+    // response.done the next one's: two responses fit a minute's two requests.
+    let second = flexway::budget::period::unix_now() % 60;
+    if second > 40 {
+        tokio::time::sleep(Duration::from_secs(60 - second)).await;
+    }
+    let yaml = realtime_config(&fake.url(), "{}\n    limits: {requests_per_minute: 2}", "");
+    let gw = serve_in_process(&yaml, adapters).await;
+    let (mut client, response) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    assert_eq!(response.headers()["x-ratelimit-remaining-requests"], "1");
+    next_event(&mut client).await;
+    assert_eq!(one_response(&mut client).await["type"], "response.done");
+    let updated = next_event(&mut client).await;
+    assert_eq!(updated["type"], "rate_limits.updated", "{updated}");
+    assert_eq!(updated["rate_limits"][0]["name"], "requests");
+    assert_eq!(updated["rate_limits"][0]["remaining"], 0, "{updated}");
+    assert_eq!(one_response(&mut client).await["type"], "response.done", "the second allowance was held");
+    assert_eq!(next_event(&mut client).await["type"], "rate_limits.updated");
+    // The window is full: the third response is refused, the session stays open.
+    client.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
+    let refused = next_event(&mut client).await;
+    assert_eq!(refused["type"], "error", "{refused}");
+    assert_eq!(refused["error"]["code"], "rate_limit_exceeded");
+    // A response the backend starts on its own (voice activity detection) while no
+    // allowance is held still ran: it is charged, past the window, and the session
+    // goes on.
+    client.send(Message::text(json!({"type": "input_audio_buffer.commit"}).to_string())).await.unwrap();
+    loop {
+        let event = next_event(&mut client).await;
+        assert!(event.get("close").is_none(), "{event}");
+        if event["type"] == "response.done" {
+            break;
+        }
+    }
+    let window = flexway::budget::CounterKey::window("acme", None, flexway::budget::Unit::Requests, {
+        flexway::budget::period::unix_now()
+    });
+    assert_eq!(gw.gateway.budgets.used(&[window]).await.unwrap()[0], 3, "three responses ran, three counted");
+    assert_eq!(gw.ledger("acme", None).await[0], 75, "each of the three charged its 25 tokens");
+    client.close(None).await.unwrap();
+    for _ in 0..100 {
+        if gw.live_reservations().await == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(gw.live_reservations().await, 0, "nothing left reserved");
+}

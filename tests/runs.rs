@@ -327,3 +327,61 @@ async fn a_new_run_is_refused_what_it_cannot_be() {
     let as_bot = client().get(&named).bearer_auth(AGENT_KEY).send().await.unwrap();
     assert_eq!(as_bot.status(), 404, "helper's run is not bot's");
 }
+
+/// docs/budgets.md's worked example, scaled down: a planner's run and three sub-agents'
+/// child runs calling in parallel. The children together may ask for more than the
+/// parent holds; each draws on it as it goes, and the parent's budget stops them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_sub_agents_in_parallel_draw_on_their_planners_run() {
+    let runs = start(50).await;
+    let planner = runs.start_run(json!({"budget": {"tokens": 300}, "ttl": "15m", "label": "planner"})).await;
+    let planner_id = planner["id"].as_str().unwrap().to_owned();
+    let mut children = Vec::new();
+    for _ in 0..3 {
+        let child = runs.start_run(json!({"budget": {"tokens": 120}, "parent": planner_id})).await;
+        children.push(child["id"].as_str().unwrap().to_owned());
+    }
+    // Each sub-agent calls until it is refused.
+    let sub_agent = |id: String| {
+        let runs = &runs;
+        async move {
+            let mut served = 0u64;
+            loop {
+                let response = runs.chat_in(&id).await;
+                if response.status() != 200 {
+                    return (served, refused(response, 429, "budget_exceeded").await);
+                }
+                served += 1;
+            }
+        }
+    };
+    let ended = join_all(children.iter().cloned().map(sub_agent)).await;
+    assert!(
+        ended.iter().any(|(_, message)| message.contains(&planner_id)),
+        "the planner's budget stopped a sub-agent: {ended:?}"
+    );
+    let mut children_spent = 0;
+    for id in &children {
+        let (_, state) = runs.get(AGENT_KEY, id).await;
+        let spent = state["spent"]["tokens"].as_u64().unwrap();
+        assert!(spent <= 120, "a child within its own budget: {state}");
+        children_spent += spent;
+    }
+    let (_, parent) = runs.get(AGENT_KEY, &planner_id).await;
+    assert!(parent["spent"]["tokens"].as_u64().unwrap() <= 300, "{parent}");
+    assert_eq!(parent["spent"]["tokens"], children_spent, "the planner's run spent what its sub-agents did");
+    let served: u64 = ended.iter().map(|(served, _)| served).sum();
+    assert_eq!(parent["calls"], served, "its calls are its children's");
+    assert_eq!(parent["children"].as_array().unwrap().len(), 3);
+    let records = audit_records_until(&runs.audit, usize::try_from(served).unwrap() + 3).await;
+    let audited: u64 =
+        children.iter().flat_map(|id| of_run(&records, id)).map(|r| r.prompt_tokens + r.completion_tokens).sum();
+    assert_eq!(audited, children_spent, "the ledger and the audit agree, to the token");
+
+    // The planner ends the run: its sub-agents' next calls are refused.
+    assert_eq!(runs.delete(AGENT_KEY, &planner_id).await.0, 200);
+    for id in &children {
+        refused(runs.chat_in(id).await, 409, "run_ended").await;
+    }
+    assert_eq!(runs.gw.live_reservations().await, 0);
+}

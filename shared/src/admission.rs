@@ -293,6 +293,30 @@ pub async fn reserve_turn(
     }
 }
 
+/// A reservation of `usage` that no limit refuses: for what was used without one (a
+/// realtime response the backend started on its own while a window was full), so it
+/// is charged like any other. Counted, never refused.
+pub async fn reserve_used(
+    gateway: &Gateway,
+    who: Reserving<'_>,
+    usage: crate::call::Usage,
+    price: crate::config::Price,
+) -> Result<Ticket, GatewayError> {
+    let Reserving { caller, run, request_id, .. } = who;
+    let now = unix_now();
+    let budgets = plan::counters_for(&gateway.config, caller, run, now);
+    let lines = plan::actual(&budgets, usage, price)
+        .into_iter()
+        .map(|(key, amount)| crate::budget::Line { key, amount, limit: None })
+        .collect();
+    let request = ReserveRequest { request_id: request_id.to_owned(), lines, expires_at: now + RESERVATION_GRACE_SECS };
+    let unanswered = Unanswered::new(&gateway.budgets, &request);
+    let outcome = gateway.budgets.reserve(&request).await;
+    unanswered.answered(&outcome);
+    outcome?;
+    Ok(Ticket::new(gateway.budgets.clone(), request.reservation(), budgets, now))
+}
+
 /// A call's class and where it may be processed (SPEC §5, §4): the class its
 /// `Flexway-Criticality` asks for (default `standard`) lowered to its caller's
 /// `max_criticality`, and its caller's `residency` narrowed by its

@@ -79,6 +79,46 @@ pub fn response_done_usage(text: &str) -> Option<Usage> {
 /// other event, a limit already within the allowance, or text that is not such an
 /// event (the backend refuses it on its own terms). The event's other fields are kept
 /// as the client wrote them (their keys in order).
+/// Whether a client's event is a `response.create` (what asks for a response, so what
+/// must hold an allowance first).
+pub fn is_response_create(text: &str) -> bool {
+    #[derive(Deserialize)]
+    struct Event<'a> {
+        #[serde(rename = "type", borrow)]
+        kind: std::borrow::Cow<'a, str>,
+    }
+    text.contains("response.create")
+        && serde_json::from_str::<Event<'_>>(text).is_ok_and(|e| e.kind == "response.create")
+}
+
+/// OpenAI's `rate_limits.updated` event for a caller's windows (SPEC §14), sent after
+/// each `response.done`.
+pub fn rate_limits_updated(pace: &crate::budget::plan::Pace, now: u64) -> String {
+    let limits: Vec<serde_json::Value> = [("requests", pace.requests), ("tokens", pace.tokens)]
+        .into_iter()
+        .filter_map(|(name, gauge)| {
+            let gauge = gauge?;
+            Some(serde_json::json!({
+                "name": name,
+                "limit": gauge.limit,
+                "remaining": gauge.remaining,
+                "reset_seconds": gauge.resets_at.saturating_sub(now),
+            }))
+        })
+        .collect();
+    serde_json::json!({"type": "rate_limits.updated", "rate_limits": limits}).to_string()
+}
+
+/// The `error` event a `response.create` past a limit is answered with: the session
+/// stays open, and the client may ask again once the window turns.
+pub fn rate_limit_error(message: &str) -> String {
+    serde_json::json!({
+        "type": "error",
+        "error": {"type": "rate_limit_exceeded", "code": "rate_limit_exceeded", "message": message},
+    })
+    .to_string()
+}
+
 pub fn with_allowance(text: &str, allowance: u64) -> Option<String> {
     type Fields = BTreeMap<String, Box<RawValue>>;
     if !text.contains("session.update") && !text.contains("response.create") {

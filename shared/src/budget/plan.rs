@@ -224,19 +224,17 @@ fn push_windows(out: &mut Vec<Budget>, tenant: &str, holder: Option<&str>, name:
     }
 }
 
-/// A run's counters and each ancestor's: tokens and euros under their limits, and the
-/// run's own calls (counted, never refused).
+/// A run's counters and each ancestor's: tokens and euros under their limits (counted
+/// without one), and calls (counted, never refused): what a run spent is its own
+/// calls' and its descendants'.
 fn push_run(out: &mut Vec<Budget>, tenant: &str, run: &Run) {
-    for (depth, link) in run.chain().enumerate() {
+    for link in run.chain() {
         let limits = [
             ("tokens", Unit::Tokens, link.budget.tokens),
             ("eur", Unit::MicroEur, link.budget.eur.map(|m| m.0)),
             ("calls", Unit::Requests, None),
         ];
         for (what, unit, limit) in limits {
-            if depth > 0 && limit.is_none() {
-                continue;
-            }
             out.push(Budget {
                 name: format!("run {} {what}", link.id),
                 key: link.counter(tenant, unit),

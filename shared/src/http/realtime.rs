@@ -349,6 +349,28 @@ impl Session {
                         Some(Err(_)) => return CloseReason::ClientClosed,
                         Some(Ok(message)) => message,
                     };
+                    // A response asked for while a window is full: refused with an
+                    // `error` event, the session kept open (SPEC §14).
+                    if let Message::Text(text) = &message
+                        && !ending.holds_turn()
+                        && rt::is_response_create(text.as_str())
+                    {
+                        match ending.next_turn().await {
+                            Ok(()) => {}
+                            Err(refused @ GatewayError::RateLimited { .. }) => {
+                                let event = rt::rate_limit_error(&refused.to_string());
+                                if client.send(Message::Text(event.into())).await.is_err() {
+                                    return CloseReason::ClientClosed;
+                                }
+                                continue;
+                            }
+                            Err(GatewayError::BudgetExceeded { .. }) => return CloseReason::BudgetExceeded,
+                            Err(e) => {
+                                tracing::error!("realtime session: the next response's allowance could not be reserved: {e}");
+                                return CloseReason::Internal;
+                            }
+                        }
+                    }
                     let message = match message {
                         Message::Text(text) => match rt::with_allowance(text.as_str(), allowance(ending)) {
                             Some(bounded) => tungstenite::Message::Text(bounded.into()),
@@ -426,8 +448,18 @@ impl Session {
                         }
                         () = &mut stopping => return CloseReason::Shutdown,
                     }
+                    let paced = matches!(charged, Ok(()) | Err(GatewayError::RateLimited { .. })) && usage.is_some();
+                    if paced && let Some(pace) = ending.turns().and_then(|turns| turns.pace) {
+                        let event = rt::rate_limits_updated(&pace, crate::budget::period::unix_now());
+                        if client.send(Message::Text(event.into())).await.is_err() {
+                            return CloseReason::ClientClosed;
+                        }
+                    }
                     match charged {
                         Ok(()) => {}
+                        // The window is full: the session holds no allowance until the
+                        // client asks for a response and one fits.
+                        Err(GatewayError::RateLimited { .. }) => {}
                         Err(GatewayError::BudgetExceeded { .. }) => {
                             return CloseReason::BudgetExceeded;
                         }

@@ -9,6 +9,8 @@
 //! the `response.create`'s `response.max_output_tokens`, else the last
 //! `session.update`'s `session.max_response_output_tokens` (or `max_output_tokens`);
 //! `"inf"` lifts it, and `ignore_limit` makes it write `words` whatever it was told.
+//! An `input_audio_buffer.commit` starts a response on its own, as a server with
+//! voice activity detection does (bounded by the session's limit only).
 //! `{"type":"fake.close","code":C,"reason":R}` makes it close the
 //! session with that code and reason. Every other text message (a `session.update`
 //! included), and every binary one, is echoed back unchanged, so a test sees what the
@@ -70,13 +72,15 @@ async fn session(mut socket: WebSocket, scenario: Scenario, model: String) {
                         }
                         Message::Text(body)
                     }
-                    Some("response.create") => {
+                    Some(kind @ ("response.create" | "input_audio_buffer.commit")) => {
                         if scenario.cut_after == Some(responses) {
                             // Dropped without a close frame: the connection is cut.
                             return;
                         }
                         responses += 1;
-                        let limit = event["response"]["max_output_tokens"].as_u64().or(session_limit);
+                        let asked =
+                            (kind == "response.create").then(|| event["response"]["max_output_tokens"].as_u64());
+                        let limit = asked.flatten().or(session_limit);
                         let words = scenario.words.map_or(OUTPUT_TOKENS, |w| w as u64);
                         let output = match limit {
                             Some(limit) if !scenario.ignore_limit => words.min(limit),

@@ -92,6 +92,10 @@ pub(in crate::http) struct Turns {
     usage: Usage,
     cost: MicroEur,
     responses: u64,
+    /// Reservations made after the first (each one's id: `req_….N`).
+    reservations: u64,
+    /// The last response's total: the next one's prompt floor.
+    floor: u64,
 }
 
 /// How a call ended, as its door or relay saw it.
@@ -183,6 +187,8 @@ impl Charge {
             usage: Usage::default(),
             cost: MicroEur(0),
             responses: 0,
+            reservations: 0,
+            floor: 0,
         }))
     }
 }
@@ -315,27 +321,57 @@ impl Ending {
 
     /// A realtime response ended having used `usage`: the allowance held settled on it,
     /// and the next response's reserved (SPEC §2.3). `BudgetExceeded` when none fits:
-    /// the session must end.
+    /// the session must end; `RateLimited` when a window is full: the session stays
+    /// open holding no allowance, and [`Ending::next_turn`] tries again when the client
+    /// asks for a response.
     pub async fn turn(&mut self, usage: Usage) -> Result<(), GatewayError> {
         let Charge::Turns(turns) = &mut self.charge else {
             return Err(GatewayError::Internal("a response outside a session".into()));
         };
-        let cost = match turns.ticket.take() {
-            Some(ticket) => ticket.settle(usage, turns.price).await,
-            None => return Err(GatewayError::Internal("a response without an allowance".into())),
+        let ticket = match turns.ticket.take() {
+            Some(ticket) => ticket,
+            // A response the backend started on its own while a window was full (server
+            // voice activity detection): it ran, so it is charged, past the window.
+            None => {
+                turns.reservations += 1;
+                let id = format!("{}.{}", turns.request_id, turns.reservations);
+                let who =
+                    Reserving { caller: &turns.caller, run: turns.run.as_deref(), request_id: &id, pace: &mut None };
+                crate::admission::reserve_used(&self.gateway, who, usage, turns.price).await?
+            }
         };
+        let cost = ticket.settle(usage, turns.price).await;
         turns.usage.prompt_tokens = turns.usage.prompt_tokens.saturating_add(usage.prompt_tokens);
         turns.usage.completion_tokens = turns.usage.completion_tokens.saturating_add(usage.completion_tokens);
         turns.cost = turns.cost.saturating_add(cost);
         turns.responses += 1;
+        turns.floor = usage.total();
         self.gateway.metrics.realtime_response(turns.caller.tenant.as_str(), turns.backend.as_str());
-        let id = format!("{}.{}", turns.request_id, turns.responses);
+        self.next_turn().await
+    }
+
+    /// Reserves the next response's allowance, if none is held: on the last
+    /// response's total (a realtime response reads the whole conversation so far).
+    pub async fn next_turn(&mut self) -> Result<(), GatewayError> {
+        let Charge::Turns(turns) = &mut self.charge else {
+            return Err(GatewayError::Internal("a response outside a session".into()));
+        };
+        if turns.ticket.is_some() {
+            return Ok(());
+        }
+        turns.reservations += 1;
+        let id = format!("{}.{}", turns.request_id, turns.reservations);
         let who =
             Reserving { caller: &turns.caller, run: turns.run.as_deref(), request_id: &id, pace: &mut turns.pace };
-        let (ticket, allowance) = reserve_turn(&self.gateway, who, usage.total(), turns.price).await?;
+        let (ticket, allowance) = reserve_turn(&self.gateway, who, turns.floor, turns.price).await?;
         turns.ticket = Some(ticket);
         turns.allowance = allowance;
         Ok(())
+    }
+
+    /// Whether the session holds an allowance for its next response.
+    pub fn holds_turn(&self) -> bool {
+        matches!(&self.charge, Charge::Turns(turns) if turns.ticket.is_some())
     }
 
     /// Ends the call (see [`end`]); its cost.
