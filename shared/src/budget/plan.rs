@@ -171,21 +171,20 @@ pub fn windows_for(config: &Config, caller: &Caller, now: u64) -> Vec<Budget> {
         return Vec::new();
     };
     let agent = caller.agent.as_ref().and_then(|a| tenant.agents.get_key_value(a));
-    let holders = [
-        Some((format!("tenant {}", tenant.name), None, tenant.limits)),
-        agent.map(|(name, a)| (format!("agent {}/{name}", tenant.name), Some(name.to_string()), a.limits)),
-        Some((
-            format!("key {}", key_label(&caller.key_sha256)),
-            Some(format!("~key:{}", key_label(&caller.key_sha256))),
-            caller.key_limits,
-        )),
-    ];
-    if holders.iter().flatten().all(|(_, _, rates)| rates.is_none()) {
+    let agent_limits = agent.map(|(_, a)| a.limits).unwrap_or_default();
+    if tenant.limits.is_none() && agent_limits.is_none() && caller.key_limits.is_none() {
         return Vec::new();
     }
     let mut out = Vec::new();
-    for (name, holder, rates) in holders.into_iter().flatten() {
-        push_windows(&mut out, tenant.name.as_str(), holder.as_deref(), &name, rates, now);
+    let name = tenant.name.as_str();
+    push_windows(&mut out, name, None, &format!("tenant {name}"), tenant.limits, now);
+    if let Some((agent, _)) = agent {
+        push_windows(&mut out, name, Some(agent.as_str()), &format!("agent {name}/{agent}"), agent_limits, now);
+    }
+    if !caller.key_limits.is_none() {
+        let label = key_label(&caller.key_sha256);
+        let holder = format!("~key:{label}");
+        push_windows(&mut out, name, Some(&holder), &format!("key {label}"), caller.key_limits, now);
     }
     out
 }
@@ -631,6 +630,82 @@ mod tests {
             assert_eq!(budgets_for(&reloaded, &acme, None, now)[0].limit, Some(limit));
         }
         assert_eq!(budgets_for(&config, &acme, None, now)[0].limit, Some(10));
+    }
+
+    #[test]
+    fn windows_are_built_only_for_the_holders_that_have_limits() {
+        let now = 1_764_590_430; // 2025-12-01T12:00:30Z
+        let config =
+            limits("{limits: {requests_per_minute: 10}, agents: {bot: {limits: {tokens_per_minute: 500}}, idle: {}}}");
+        let caller = |agent: Option<&str>, key_limits: Rates| Caller {
+            tenant: TenantId::new("acme"),
+            agent: agent.map(AgentId::new),
+            key_sha256: [0xab; 32],
+            relay_peer: false,
+            key_limits,
+        };
+        let seen = |windows: Vec<Budget>| -> Vec<(String, String, Option<u64>, u64)> {
+            windows.into_iter().map(|b| (b.name, b.key.as_str().to_owned(), b.limit, b.resets_at)).collect()
+        };
+        let key = Rates { requests_per_minute: Some(3), tokens_per_minute: None };
+        assert_eq!(
+            seen(windows_for(&config, &caller(Some("bot"), key), now)),
+            [
+                ("tenant acme".into(), "acme/*/requests/minute/2025-12-01T12:00".into(), Some(10), now + 30),
+                ("agent acme/bot".into(), "acme/bot/tokens/minute/2025-12-01T12:00".into(), Some(500), now + 30),
+                (
+                    "key abababababababab".into(),
+                    "acme/~key:abababababababab/requests/minute/2025-12-01T12:00".into(),
+                    Some(3),
+                    now + 30
+                ),
+            ]
+        );
+        assert_eq!(windows_for(&config, &caller(Some("idle"), Rates::default()), now).len(), 1);
+        let free = limits("{budgets: {tokens_per_day: 10}}");
+        assert!(windows_for(&free, &caller(None, Rates::default()), now).is_empty(), "no limit, no window");
+        let plain = counters_for(&free, &caller(None, Rates::default()), None, now);
+        assert!(Arc::ptr_eq(&plain, &budgets_for(&free, &TenantId::new("acme"), None, now)), "shared as it is");
+    }
+
+    #[test]
+    fn a_window_clamps_the_allowance_to_its_limit_never_to_what_remains() {
+        let window = Budget { kind: Kind::Window(Rate::Tokens), ..budget(Unit::Tokens, Some(100)) };
+        // 90 of 100 used: the store's condition will refuse, the plan does not clamp.
+        let planned = plan(std::slice::from_ref(&window), &[90], 20, allow(400), PRICE).unwrap();
+        assert_eq!(planned.per_choice, 80, "clamped to the window's 100, not to its 10 left");
+        assert_eq!(plan(&[window], &[0], 90, allow(400), PRICE), Err(0), "90 + 16 can never fit 100");
+    }
+
+    #[test]
+    fn the_pace_is_the_tightest_holder_of_each_rate() {
+        let window = |rate, limit| Budget {
+            kind: Kind::Window(rate),
+            resets_at: 60,
+            ..budget(if rate == Rate::Tokens { Unit::Tokens } else { Unit::Requests }, Some(limit))
+        };
+        let budgets = [
+            budget(Unit::Tokens, Some(5)),
+            window(Rate::Requests, 10),
+            window(Rate::Requests, 4),
+            window(Rate::Tokens, 900),
+        ];
+        let pace = Pace::of(&budgets, &[5, 2, 3, 100]).unwrap();
+        assert_eq!(pace.requests, Some(Gauge { limit: 4, remaining: 1, resets_at: 60 }), "1 left of 4 beats 8 of 10");
+        assert_eq!(pace.tokens, Some(Gauge { limit: 900, remaining: 800, resets_at: 60 }));
+        assert_eq!(Pace::of(&budgets[..1], &[0]), None, "a budget is no window");
+    }
+
+    #[test]
+    fn windows_and_runs_expire_budgets_never() {
+        let now = 1_764_590_430;
+        assert_eq!(CounterKey::window("acme", None, Unit::Requests, now).expiry(), Some(now + 30));
+        assert_eq!(CounterKey::run("acme", "run_1", Unit::Tokens, now).expiry(), Some(now));
+        assert_eq!(
+            CounterKey::run("acme", "run_1", Unit::Tokens, now).as_str(),
+            "acme/~run_1/tokens/run/2025-12-01T12:00:30Z"
+        );
+        assert_eq!(CounterKey::new("acme", None, Unit::Tokens, Period::Day, now).expiry(), None);
     }
 
     #[test]
