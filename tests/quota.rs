@@ -1,0 +1,196 @@
+//! Provider quotas (SPEC §14), end to end over loopback: the gateway's router with the
+//! memory ledger, fake model servers as the backends. A backend at its quota is passed
+//! over like one whose breaker is open; when every candidate is, the call is 429
+//! `backend_quota`. Windows are UTC minutes, so each test starts early in one
+//! ([`early_in_a_minute`]).
+#![cfg(test)]
+
+use std::time::Duration;
+
+use flexway::budget::period::unix_now;
+use flexway::budget::{CounterKey, Unit};
+use flexway_testkit::*;
+use futures_util::future::join_all;
+use serde_json::{Value, json};
+
+/// Tenant `acme` (its key [`KEY`]) and the backends `backends` (YAML lines under
+/// `ai.backends`), `default` serving.
+fn quota_config(default: &str, backends: &str) -> String {
+    format!(
+        r#"version: 1
+store: {{kind: memory}}
+audit: {{sink: stdout}}
+tenants:
+  acme:
+    keys: [{{sha256: {key}}}]
+    budgets: {{tokens_per_day: 1000000}}
+ai:
+  default_backend: {default}
+  budget: {{default_max_tokens: 100, min_completion_tokens: 10}}
+  backends:
+{backends}"#,
+        key = sha(KEY)
+    )
+}
+
+/// A pool of `a` then `b` (a lower priority), with these quotas.
+fn pool(a_url: &str, a_quota: &str, b_url: &str, b_quota: &str) -> String {
+    quota_config(
+        "pool",
+        &format!(
+            "    pool:\n      kind: pool\n      members:\n        - {{backend: a, priority: 1}}\n        \
+             - {{backend: b, priority: 2}}\n    a: {{url: \"{a_url}\"{a_quota}}}\n    b: {{url: \"{b_url}\"{b_quota}}}\n"
+        ),
+    )
+}
+
+/// Waits, if needed, until the current UTC minute has at least 40 s left: the calls of
+/// a test then count in one window.
+async fn early_in_a_minute() {
+    let second = unix_now() % 60;
+    if second > 20 {
+        tokio::time::sleep(Duration::from_secs(60 - second)).await;
+    }
+}
+
+fn hello() -> Value {
+    json!({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": "hello there"}]})
+}
+
+fn header<'r>(response: &'r reqwest::Response, name: &str) -> Option<&'r str> {
+    response.headers().get(name).and_then(|v| v.to_str().ok())
+}
+
+/// `backend`'s quota counters in the current minute: requests, tokens.
+async fn quota_used(gw: &InProcess, backend: &str) -> [u64; 2] {
+    let now = unix_now();
+    let keys = [
+        CounterKey::window("~backend", Some(backend), Unit::Requests, now),
+        CounterKey::window("~backend", Some(backend), Unit::Tokens, now),
+    ];
+    let used = gw.gateway.budgets.used(&keys).await.unwrap();
+    [used[0], used[1]]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_at_its_quota_is_passed_over_then_every_one_is_429() {
+    let (first, second) = (FakeModel::start().await.unwrap(), FakeModel::start().await.unwrap());
+    let (adapters, audit) = memory_adapters();
+    let yaml =
+        pool(&first.url(), ", quota: {requests_per_minute: 2}", &second.url(), ", quota: {requests_per_minute: 1}");
+    let gw = serve_in_process(&yaml, adapters).await;
+    early_in_a_minute().await;
+
+    for _ in 0..2 {
+        let response = gw.chat(KEY, hello()).await;
+        assert_eq!(response.status(), 200);
+        assert_eq!(header(&response, "flexway-backend"), Some("a"));
+        assert_eq!(header(&response, "flexway-degraded"), None);
+    }
+    // a's two requests are used: the third call goes to b, as a fallback.
+    let third = gw.chat(KEY, hello()).await;
+    assert_eq!(third.status(), 200);
+    assert_eq!(header(&third, "flexway-backend"), Some("b"));
+    assert_eq!(header(&third, "flexway-degraded"), Some("backend-fallback"));
+    assert_eq!((first.request_count(), second.request_count()), (2, 1));
+    let records = audit_records_until(&audit, 3).await;
+    let record = serde_json::to_value(&records[2]).unwrap();
+    assert_eq!(record["skipped"], json!([{"backend": "a", "cause": "quota"}]), "{record}");
+    assert_eq!(record["backend"], "b");
+    assert_eq!(record["degraded"], true);
+    assert!(serde_json::to_value(&records[0]).unwrap().get("skipped").is_none(), "absent when nothing was skipped");
+
+    // Both at their quota: 429, to the minute's end, and nothing sent.
+    let refused = gw.chat(KEY, hello()).await;
+    assert_eq!(refused.status(), 429);
+    assert_eq!(header(&refused, "flexway-error-cause"), Some("backend_quota"));
+    assert_eq!(header(&refused, "x-should-retry"), Some("true"));
+    let retry: u64 = header(&refused, "retry-after").unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry), "Retry-After {retry}");
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
+    assert_eq!((first.request_count(), second.request_count()), (2, 1));
+    let records = audit_records_until(&audit, 4).await;
+    let record = serde_json::to_value(&records[3]).unwrap();
+    assert_eq!(record["status"], 429);
+    assert_eq!(
+        record["skipped"],
+        json!([{"backend": "a", "cause": "quota"}, {"backend": "b", "cause": "quota"}]),
+        "{record}"
+    );
+    assert_eq!(gw.live_reservations().await, 0, "every quota reservation ended with its call");
+    assert_eq!(quota_used(&gw, "a").await[0], 2);
+
+    // The console shows each backend's quota use this minute, from the ledger.
+    let overview = flexway::console::overview(&gw.gateway, "", 1).await.unwrap();
+    let quota = |name: &str| {
+        let row = overview.backends.iter().find(|b| b.backend == name).unwrap();
+        row.quota.iter().map(|q| (q.kind, q.used, q.limit)).collect::<Vec<_>>()
+    };
+    assert_eq!(quota("a"), [("requests", 2, 2)]);
+    assert_eq!(quota("b"), [("requests", 1, 1)]);
+    assert_eq!(quota("pool"), [], "no quota, no row");
+
+    let metrics = client().get(format!("{}/metrics", gw.url)).send().await.unwrap().text().await.unwrap();
+    assert!(
+        metrics.contains(r#"flexway_backend_quota_used_ratio{backend="a",kind="requests"} 1"#),
+        "{}",
+        metrics.lines().filter(|l| l.contains("quota")).collect::<Vec<_>>().join("\n")
+    );
+}
+
+/// A burst never sends a backend more calls than its quota: the reservation is atomic
+/// in the ledger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_never_sends_a_backend_more_than_its_quota() {
+    let model = FakeModel::start().await.unwrap();
+    let slow = model.scenario_url(&Scenario { delay_ms: Some(300), ..Default::default() });
+    let (adapters, _) = memory_adapters();
+    let yaml = quota_config("main", &format!("    main: {{url: \"{slow}\", quota: {{requests_per_minute: 3}}}}\n"));
+    let gw = serve_in_process(&yaml, adapters).await;
+    early_in_a_minute().await;
+    let responses = join_all((0..16).map(|_| gw.chat(KEY, hello()))).await;
+    let statuses: Vec<u16> = responses.iter().map(|r| r.status().as_u16()).collect();
+    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 3, "{statuses:?}");
+    assert_eq!(statuses.iter().filter(|s| **s == 429).count(), 13, "{statuses:?}");
+    assert_eq!(model.request_count(), 3, "the backend got more than its quota");
+    assert_eq!(gw.live_reservations().await, 0);
+}
+
+/// Tokens are counted at the call's bound while it runs and settled on its usage; a
+/// failed attempt gives its quota back whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quota_settles_on_usage_and_a_failed_attempt_is_refunded() {
+    let (failing, serving) = (FakeModel::start().await.unwrap(), FakeModel::start().await.unwrap());
+    let broken = failing.scenario_url(&Scenario { status: Some(500), ..Default::default() });
+    let (adapters, audit) = memory_adapters();
+    let quota = ", quota: {requests_per_minute: 100, tokens_per_minute: 100000}";
+    let yaml = pool(&broken, quota, &serving.url(), quota);
+    let gw = serve_in_process(&yaml, adapters).await;
+    early_in_a_minute().await;
+
+    let response = gw.chat(KEY, hello()).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(header(&response, "flexway-backend"), Some("b"));
+    assert_eq!(failing.request_count(), 1, "a was tried");
+    let record = audit_records_until(&audit, 1).await.remove(0);
+    assert_eq!(quota_used(&gw, "a").await, [0, 0], "the failed attempt's quota is refunded");
+    assert_eq!(
+        quota_used(&gw, "b").await,
+        [1, record.prompt_tokens + record.completion_tokens],
+        "the serving backend's quota is settled on its usage"
+    );
+
+    // A stream settles the same way, when it ends.
+    let mut streamed = hello();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let response = gw.chat(KEY, streamed).await;
+    assert_eq!(response.status(), 200);
+    let _ = sse_data(response).await;
+    let records = audit_records_until(&audit, 2).await;
+    let used: u64 = records.iter().map(|r| r.prompt_tokens + r.completion_tokens).sum();
+    assert_eq!(quota_used(&gw, "a").await, [0, 0]);
+    assert_eq!(quota_used(&gw, "b").await, [2, used]);
+    assert_eq!(gw.live_reservations().await, 0);
+}
