@@ -412,9 +412,10 @@ pub struct RawBackend {
     /// whose jurisdiction is listed serve a caller with `residency`; a backend
     /// without one never does.
     pub jurisdiction: Option<String>,
-    /// `openai`, `anthropic`, `relay`: the deployment's quota at its provider (an Azure
-    /// OpenAI deployment's TPM, a vendor's tier), counted fleet-wide in the ledger; a
-    /// backend at its quota is passed over like one whose breaker is open.
+    /// `openai`, `anthropic`, `relay`, `inference_pool`: the deployment's quota at its
+    /// provider (an Azure OpenAI deployment's TPM, a vendor's tier), counted fleet-wide
+    /// in the ledger; a backend at its quota is passed over like one whose breaker is
+    /// open.
     pub quota: Option<RawRates>,
     /// `relay`: `local` (default; counts here) or `upstream` (the receiving Flexway
     /// meters, so a call is billed once).
