@@ -165,8 +165,8 @@ async fn a_prompt_that_can_never_fit_is_400_and_the_allowance_is_clamped_to_the_
     // 18 prompt tokens and max_tokens 100 do not fit 60: the allowance sent is clamped
     // to the window's 42, as a budget clamps it, not refused.
     early_in_a_minute().await;
-    let clamped =
-        gw.chat(KEY, json!({"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": "hello there"}]}));
+    let clamped = gw
+        .chat(KEY, json!({"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": "hello there"}]}));
     assert_eq!(clamped.await.status(), 200);
 }
 
