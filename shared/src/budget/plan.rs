@@ -201,7 +201,12 @@ pub fn quota_for(backend: &crate::config::Backend, now: u64) -> Vec<Budget> {
 /// The first 16 hex digits of a key's SHA-256: how a key is named in a window's
 /// counter and in a refusal (a hash the config already shows, never the key).
 pub fn key_label(sha256: &[u8; 32]) -> String {
-    sha256[..8].iter().map(|b| format!("{b:02x}")).collect()
+    use std::fmt::Write as _;
+    let mut label = String::with_capacity(16);
+    for byte in &sha256[..8] {
+        let _ = write!(label, "{byte:02x}");
+    }
+    label
 }
 
 fn push_windows(out: &mut Vec<Budget>, tenant: &str, holder: Option<&str>, name: &str, rates: Rates, now: u64) {
