@@ -260,7 +260,17 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
 /// `served` settled on its usage (one request, its total tokens), every other refunded
 /// whole (an attempt that failed, or was passed over after reserving). The quota's
 /// used ratio is read again for the gauge once a backend's is settled.
+/// Boxed, and only for a call that holds one: a call on backends without a quota keeps
+/// these futures out of its own (the driver's future is copied whole as the router
+/// boxes it; benches/instructions).
 async fn end_quotas(gateway: &Gateway, quotas: Vec<Quota>, served: Option<(&BackendId, Usage)>) {
+    if quotas.is_empty() {
+        return;
+    }
+    Box::pin(settle_quotas(gateway, quotas, served)).await
+}
+
+async fn settle_quotas(gateway: &Gateway, quotas: Vec<Quota>, served: Option<(&BackendId, Usage)>) {
     for Quota { backend, ticket, windows } in quotas {
         match served {
             Some((by, usage)) if *by == backend => {

@@ -107,25 +107,29 @@ pub(super) async fn drive<D: Door>(gateway: Arc<Gateway>, mut door: D, mut reque
     };
     let mut draft = Draft::begin(&gateway, &request_id, &caller, door.operation(), request.headers());
     let mut charge = Charge::None;
-    let run = match runs::joined(&gateway, &caller, request.headers(), &mut draft).await {
-        Ok(run) => run,
-        Err(refused) => {
-            let refusal = D::Refusal::from(refused);
-            let (status, code) = refusal.noted(&mut draft);
-            end(&gateway, charge, Ended::unserved(status, Some(code)), draft).await;
-            return door.refuse(&refusal);
-        }
+    // Boxed and only for a call that names a run, for the same reason as the door's.
+    let run = match request.headers().contains_key(runs::RUN_HEADER) {
+        true => Box::pin(runs::joined(&gateway, &caller, request.headers(), &mut draft)).await,
+        false => Ok(None),
     };
-    let call = Call { gateway: &gateway, caller: &caller, request_id: &request_id, run: run.as_ref() };
     let anthropic = door.operation() == Operation::Messages;
     // Boxed: the door's call is most of the call's state (some 6 KiB for chat), and
     // inline it made the handler's future one the router copies whole as it boxes it,
     // 8,000 instructions a call (benches/instructions); boxed, it is built in place.
-    match Box::pin(door.call(call, &mut draft, &mut charge, request)).await {
+    let answered = match run {
+        Ok(run) => {
+            let call = Call { gateway: &gateway, caller: &caller, request_id: &request_id, run: run.as_ref() };
+            Box::pin(door.call(call, &mut draft, &mut charge, request)).await
+        }
+        Err(refused) => Err(D::Refusal::from(refused)),
+    };
+    match answered {
         Ok(Reply::Now(mut response, ended)) => {
             let priced = matches!(charge, Charge::Tokens(_));
             let pace = draft.paced();
-            let cost = end(&gateway, charge, ended, draft).await;
+            // Boxed too: the end's state (the draft, the settlement's and the audit
+            // write's futures) is the rest of what the router would copy.
+            let cost = Box::pin(end(&gateway, charge, ended, draft)).await;
             if priced && let Ok(value) = HeaderValue::from_str(&cost.to_eur_string()) {
                 response.headers_mut().insert(COST_HEADER, value);
             }
@@ -141,7 +145,7 @@ pub(super) async fn drive<D: Door>(gateway: Arc<Gateway>, mut door: D, mut reque
         Err(refusal) => {
             let (status, code) = refusal.noted(&mut draft);
             let pace = draft.paced();
-            end(&gateway, charge, Ended::unserved(status, Some(code)), draft).await;
+            Box::pin(end(&gateway, charge, Ended::unserved(status, Some(code)), draft)).await;
             let mut response = door.refuse(&refusal);
             pace::write(response.headers_mut(), pace, anthropic);
             response

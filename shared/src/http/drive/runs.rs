@@ -8,7 +8,8 @@ use http::HeaderMap;
 
 use crate::budget::Run;
 use crate::budget::period::unix_now;
-use crate::budget::run::{self, RUN_HEADER, RunState};
+pub(super) use crate::budget::run::RUN_HEADER;
+use crate::budget::run::{self, RunState};
 use crate::call::InvalidRequest;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
