@@ -5,10 +5,15 @@
 //! ([`early_in_a_minute`]).
 #![cfg(test)]
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use flexway::budget::period::unix_now;
-use flexway::budget::{CounterKey, Unit};
+use flexway::budget::{
+    BudgetStore, CounterKey, IntentOutcome, MemoryBudgetStore, Reservation, ReserveOutcome, ReserveRequest,
+    SettleOutcome, StoreError, Swept, Unit,
+};
 use flexway_testkit::*;
 use futures_util::future::join_all;
 use serde_json::{Value, json};
@@ -193,4 +198,149 @@ async fn a_quota_settles_on_usage_and_a_failed_attempt_is_refunded() {
     assert_eq!(quota_used(&gw, "a").await, [0, 0]);
     assert_eq!(quota_used(&gw, "b").await, [2, used]);
     assert_eq!(gw.live_reservations().await, 0);
+}
+
+/// A memory ledger that fails every provider quota reservation (its id
+/// `<request id>/quota/<backend>`) when `fail_quotas`, and counts the reads of
+/// `backend`'s quota windows.
+struct Ledger {
+    inner: MemoryBudgetStore,
+    fail_quotas: bool,
+    backend: &'static str,
+    quota_reads: AtomicUsize,
+}
+
+impl Ledger {
+    fn new(fail_quotas: bool, backend: &'static str) -> Arc<Ledger> {
+        Arc::new(Ledger { inner: MemoryBudgetStore::new(), fail_quotas, backend, quota_reads: AtomicUsize::new(0) })
+    }
+
+    fn quota_reads(&self) -> usize {
+        self.quota_reads.load(Ordering::SeqCst)
+    }
+
+    /// A gateway's adapters over this ledger.
+    fn adapters(self: &Arc<Self>) -> flexway::gateway::Adapters {
+        let (mut adapters, _) = memory_adapters();
+        adapters.budgets = self.clone();
+        adapters
+    }
+}
+
+#[async_trait::async_trait]
+impl BudgetStore for Ledger {
+    async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
+        if self.fail_quotas && request.request_id.contains("/quota/") {
+            return Err(StoreError::Backend("the ledger is unavailable".into()));
+        }
+        self.inner.reserve(request).await
+    }
+    async fn settle(
+        &self,
+        reservation: &Reservation,
+        actual: &[(CounterKey, u64)],
+    ) -> Result<SettleOutcome, StoreError> {
+        self.inner.settle(reservation, actual).await
+    }
+    async fn record_intent(&self, request_id: &str, actual: &[(CounterKey, u64)]) -> Result<IntentOutcome, StoreError> {
+        self.inner.record_intent(request_id, actual).await
+    }
+    async fn renew(
+        &self,
+        request_id: &str,
+        actual: &[(CounterKey, u64)],
+        expires_at: u64,
+    ) -> Result<IntentOutcome, StoreError> {
+        self.inner.renew(request_id, actual, expires_at).await
+    }
+    async fn sweep(&self, now: u64) -> Result<Swept, StoreError> {
+        self.inner.sweep(now).await
+    }
+    async fn used(&self, keys: &[CounterKey]) -> Result<Vec<u64>, StoreError> {
+        let window = format!("~backend/{}/", self.backend);
+        if keys.iter().any(|k| k.0.contains(&window)) {
+            self.quota_reads.fetch_add(1, Ordering::SeqCst);
+        }
+        self.inner.used(keys).await
+    }
+    async fn live_reservations(&self) -> Result<usize, StoreError> {
+        self.inner.live_reservations().await
+    }
+    async fn create_run(&self, run: &flexway::budget::run::Run) -> Result<bool, StoreError> {
+        self.inner.create_run(run).await
+    }
+    async fn run(&self, id: &str) -> Result<Option<flexway::budget::run::Run>, StoreError> {
+        self.inner.run(id).await
+    }
+    async fn end_run(&self, id: &str, at: u64) -> Result<flexway::budget::run::RunEnd, StoreError> {
+        self.inner.end_run(id, at).await
+    }
+}
+
+/// The quota only steers: a ledger that fails to reserve on it does not fail the call
+/// (the call's own reservation holds), the backend is tried without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_failing_on_a_quota_fails_open() {
+    let model = FakeModel::start().await.unwrap();
+    let ledger = Ledger::new(true, "main");
+    let url = model.url();
+    let yaml = quota_config("main", &format!("    main: {{url: \"{url}\", quota: {{requests_per_minute: 1}}}}\n"));
+    let gw = serve_in_process(&yaml, ledger.adapters()).await;
+    early_in_a_minute().await;
+    for _ in 0..2 {
+        let response = gw.chat(KEY, hello()).await;
+        assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+    }
+    assert_eq!(model.request_count(), 2, "nothing counted on the quota: it cannot refuse");
+    assert_eq!(quota_used(&gw, "main").await, [0, 0]);
+    assert_eq!(gw.live_reservations().await, 0);
+}
+
+/// A 429 `backend_quota` says which rate refused in its OpenAI `type`, as a caller's
+/// own window's 429 does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokens_quota_refusing_is_type_tokens() {
+    let model = FakeModel::start().await.unwrap();
+    let (adapters, _) = memory_adapters();
+    let url = model.url();
+    let quota = "quota: {requests_per_minute: 100, tokens_per_minute: 10}";
+    let gw =
+        serve_in_process(&quota_config("main", &format!("    main: {{url: \"{url}\", {quota}}}\n")), adapters).await;
+    early_in_a_minute().await;
+    let refused = gw.chat(KEY, hello()).await;
+    assert_eq!(refused.status(), 429);
+    assert_eq!(header(&refused, "flexway-error-cause"), Some("backend_quota"));
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "tokens", "{body}");
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
+    assert_eq!(model.request_count(), 0);
+}
+
+/// A settlement reads its backend's quota for the gauge at most once a second; a
+/// refusal and the console read it always.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quota_gauge_is_read_at_most_once_a_second_a_backend() {
+    let model = FakeModel::start().await.unwrap();
+    // A name of its own: the sampling is the process's, other tests' backends apart.
+    let ledger = Ledger::new(false, "sampled");
+    let url = model.url();
+    let quota = "quota: {requests_per_minute: 6}";
+    let yaml = quota_config("sampled", &format!("    sampled: {{url: \"{url}\", {quota}}}\n"));
+    let gw = serve_in_process(&yaml, ledger.adapters()).await;
+    early_in_a_minute().await;
+    let started = Instant::now();
+    for _ in 0..6 {
+        assert_eq!(gw.chat(KEY, hello()).await.status(), 200);
+    }
+    let reads = ledger.quota_reads();
+    let seconds = started.elapsed().as_secs() as usize;
+    assert!((1..=seconds + 1).contains(&reads), "{reads} reads for 6 settlements in {seconds} s");
+
+    // The seventh is refused: its read sets the gauge to full, whenever the last was.
+    assert_eq!(gw.chat(KEY, hello()).await.status(), 429);
+    assert_eq!(ledger.quota_reads(), reads + 1);
+    let metrics = client().get(format!("{}/metrics", gw.url)).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains(r#"flexway_backend_quota_used_ratio{backend="sampled",kind="requests"} 1"#));
+    flexway::console::overview(&gw.gateway, "", 1).await.unwrap();
+    assert_eq!(ledger.quota_reads(), reads + 2, "the console reads the quota when it loads");
 }

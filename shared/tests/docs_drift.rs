@@ -57,7 +57,11 @@ fn one_of_each() -> Vec<GatewayError> {
             limit: 1,
             retry_after_secs: 1,
         },
-        GatewayError::BackendQuota { backends: "a".into(), retry_after_secs: 1 },
+        GatewayError::BackendQuota {
+            backends: "a".into(),
+            kind: flexway::budget::plan::Rate::Tokens,
+            retry_after_secs: 1,
+        },
         GatewayError::RunNotFound { run: "r".into() },
         GatewayError::RunEnded { run: "r".into(), why: "ended" },
         GatewayError::UpstreamError { backend: BackendId::new("a"), detail: "d".into(), attempts: attempts.clone() },

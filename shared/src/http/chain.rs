@@ -12,17 +12,21 @@
 //!
 //! A backend with a provider quota (SPEC §14) is reserved on before it is tried: one
 //! request and the call's token bound in its per-minute windows, its own reservation
-//! held in the call's [`Charge`] and ended with it (settled on the usage when that
-//! backend served, refunded otherwise). A quota that refuses passes the backend over
-//! as an open breaker does; when every candidate was passed over for its quota, the
-//! call is 429 `backend_quota`. A backend without a quota costs nothing.
+//! held in the call's [`Charge`]: refunded as soon as its attempt fails (the charge
+//! holds only the quota of the backend that may still serve), else ended with the call
+//! (settled on the usage). A quota that refuses passes the backend over as an open
+//! breaker does; when every candidate was passed over for its quota, the call is 429
+//! `backend_quota`, its `type` the rate that refused last. A ledger that fails to
+//! reserve fails open: the backend is tried without a reservation (the call's own
+//! reservation holds; a quota only steers).
 //!
 //! What an attempt is differs by door (an HTTP request and its answer held, a
 //! WebSocket handshake); how a failure counts does not: [`Failure`] is the one
 //! classification the fallback, the breakers and the audit read.
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
 use tower::{Layer as _, Service as _};
@@ -33,7 +37,7 @@ use super::record::Draft;
 use crate::admission::STREAM_RESERVATION_SECS;
 use crate::audit::SkipCause;
 use crate::budget::period::unix_now;
-use crate::budget::plan::{self, Budget, Kind};
+use crate::budget::plan::{self, Budget, Kind, Rate};
 use crate::budget::ticket::Unanswered;
 use crate::budget::{Line, Period, ReserveOutcome, ReserveRequest, Ticket, Unit};
 use crate::call::PickReason;
@@ -65,11 +69,11 @@ pub(super) enum Failure {
     /// sent.
     Unreached,
     /// The call ends with this error, nothing sent: the request cannot be carried in
-    /// this backend's format (the caller's error), or the ledger failed.
+    /// this backend's format (the caller's error).
     Request(Box<GatewayError>),
     /// The backend's provider quota is reached for the minute, which ends in
-    /// `retry_after_secs`: passed over, nothing sent.
-    Quota { retry_after_secs: u64 },
+    /// `retry_after_secs`: `rate` refused. Passed over, nothing sent.
+    Quota { rate: Rate, retry_after_secs: u64 },
 }
 
 impl Failure {
@@ -227,10 +231,11 @@ pub(super) async fn attempt_chain<A: Attempt>(
 ) -> Result<Served<A::Answer>, GatewayError> {
     let mut attempts = Attempts::default();
     let mut last: Option<(BackendId, Failure)> = None;
-    // The candidates passed over for their provider quota, and when the soonest
-    // window ends.
+    // The candidates passed over for their provider quota, when the soonest window
+    // ends, and the rate that refused last (the 429's `type`).
     let mut at_quota: Vec<BackendId> = Vec::new();
     let mut quota_retry = 60;
+    let mut quota_rate = Rate::Requests;
     // The inference pools whose picker could not answer, under `fail_open`.
     let mut opened: Vec<&BackendId> = Vec::new();
     for (i, candidate) in route.candidates.iter().enumerate() {
@@ -284,12 +289,15 @@ pub(super) async fn attempt_chain<A: Attempt>(
             }
             Err(Refused::Failed(failure)) => failure,
         };
+        // This backend will not serve: its quota is not its to hold any longer.
+        refund_quota(charge, backend).await;
         match failure {
             Failure::Request(error) => return Err(*error),
-            Failure::Quota { retry_after_secs } => {
+            Failure::Quota { rate, retry_after_secs } => {
                 draft.skipped(backend, SkipCause::Quota);
                 at_quota.push(backend.clone());
                 quota_retry = quota_retry.min(retry_after_secs);
+                quota_rate = rate;
             }
             Failure::Unreached => {}
             Failure::Picker(e) => {
@@ -313,7 +321,7 @@ pub(super) async fn attempt_chain<A: Attempt>(
     // Every candidate passed over, and only for its quota: a wait, not an outage.
     if last.is_none() && attempts.tried.is_empty() && attempts.skipped.is_empty() && !at_quota.is_empty() {
         let backends = at_quota.iter().map(BackendId::as_str).collect::<Vec<_>>().join(", ");
-        return Err(GatewayError::BackendQuota { backends, retry_after_secs: quota_retry });
+        return Err(GatewayError::BackendQuota { backends, kind: quota_rate, retry_after_secs: quota_retry });
     }
     Err(unserved(route, attempts, last))
 }
@@ -380,7 +388,8 @@ async fn take_turn<A: Attempt>(turn: Turn<'_, A>) -> Result<Answered<(Candidate,
 /// `charge` until the call ends. Nothing, not even an allocation, for a backend without
 /// a quota, for a charge that holds no tokens, or when the call holds this backend's
 /// quota already (a backend the route names twice). `Failure::Quota` when a window
-/// refuses.
+/// refuses. A ledger that fails fails open: logged, and the backend is tried without a
+/// reservation on its quota (the call's own reservation holds; a quota only steers).
 async fn reserve_quota(
     gateway: &Gateway,
     charge: &mut Charge,
@@ -406,22 +415,68 @@ async fn reserve_quota(
     let unanswered = Unanswered::new(&gateway.budgets, &request);
     let outcome = gateway.budgets.reserve(&request).await;
     unanswered.answered(&outcome);
-    match outcome.map_err(|e| Failure::Request(Box::new(e.into())))? {
-        ReserveOutcome::Reserved => {
+    match outcome {
+        Ok(ReserveOutcome::Reserved) => {
             let ticket = Ticket::new(gateway.budgets.clone(), request.reservation(), Arc::clone(&windows), now);
             charge.hold_quota(backend.clone(), ticket, windows);
             Ok(())
         }
-        ReserveOutcome::Refused { .. } => {
+        Ok(ReserveOutcome::Refused { line }) => {
             gauge_quota(gateway, backend, &windows).await;
             let retry_after_secs = Period::Minute.end(now).saturating_sub(now).clamp(1, 60);
-            Err(Failure::Quota { retry_after_secs })
+            let rate = match windows.get(line).map(|w| w.kind) {
+                Some(Kind::Window(rate)) => rate,
+                _ => Rate::Requests,
+            };
+            Err(Failure::Quota { rate, retry_after_secs })
+        }
+        // `Unanswered` refunds what the failed call may have written all the same.
+        Err(e) => {
+            tracing::warn!(backend = %backend, "provider quota not reserved, the ledger failed: {e}; tried without it");
+            Ok(())
+        }
+    }
+}
+
+/// Refunds `backend`'s quota reservation, if the call holds one, now that its attempt
+/// failed: only the quota of a backend that may still serve stays held while a
+/// fallback serves (a stream may last minutes). Boxed, and only for a call that holds
+/// one: a call on backends without a quota keeps the refund's future out of its own.
+async fn refund_quota(charge: &mut Charge, backend: &BackendId) {
+    let Charge::Tokens(tokens) = charge else { return };
+    let Some(i) = tokens.quotas.iter().position(|q| q.backend == *backend) else { return };
+    let quota = tokens.quotas.swap_remove(i);
+    Box::pin(quota.ticket.refund()).await;
+}
+
+/// How often a settlement reads a backend's quota windows again for the gauge, at most.
+const GAUGE_EVERY: Duration = Duration::from_secs(1);
+
+/// The backends whose quota was read for the gauge after a settlement, and when (at
+/// most [`GAUGED_BACKENDS`] of them: past that the map starts over, costing a read each).
+static GAUGED: LazyLock<Mutex<HashMap<BackendId, Instant>>> = LazyLock::new(Mutex::default);
+const GAUGED_BACKENDS: usize = 1024;
+
+/// Whether `backend`'s quota gauge is due a read after a settlement: not read in the
+/// last [`GAUGE_EVERY`]. A settlement on a busy backend then costs no ledger read but
+/// once a second; a refusal and the console read always.
+pub(super) fn gauge_due(backend: &BackendId) -> bool {
+    let Ok(mut gauged) = GAUGED.lock() else { return true };
+    match gauged.get(backend) {
+        Some(at) if at.elapsed() < GAUGE_EVERY => false,
+        _ => {
+            if gauged.len() >= GAUGED_BACKENDS && !gauged.contains_key(backend) {
+                gauged.clear();
+            }
+            gauged.insert(backend.clone(), Instant::now());
+            true
         }
     }
 }
 
 /// Sets `flexway_backend_quota_used_ratio` from a read of `backend`'s quota windows
-/// (a refusal, a settlement: not every call's hot path). A failed read leaves it.
+/// (a refusal, a settlement when [`gauge_due`]: not every call's hot path). A failed
+/// read leaves it.
 pub(super) async fn gauge_quota(gateway: &Gateway, backend: &BackendId, windows: &[Budget]) {
     let keys: Vec<_> = windows.iter().map(|w| w.key.clone()).collect();
     let Ok(used) = gateway.budgets.used(&keys).await else { return };
@@ -776,8 +831,9 @@ mod tests {
         // With q alone: 429, to the minute's end.
         let door = Scripted::default();
         match attempt_chain(&gateway, &mut draft(), &mut tokens(&gateway, 10, 20), &route(&["q"]), &door).await {
-            Err(GatewayError::BackendQuota { backends, retry_after_secs }) => {
+            Err(GatewayError::BackendQuota { backends, kind, retry_after_secs }) => {
                 assert_eq!(backends, "q");
+                assert_eq!(kind, Rate::Requests, "its one request is taken; its tokens would fit");
                 assert!((1..=60).contains(&retry_after_secs), "{retry_after_secs}");
             }
             Err(other) => panic!("{other}"),
@@ -794,6 +850,25 @@ mod tests {
         }
         assert_eq!(gateway.budgets.used(&keys).await.unwrap(), [0, 0]);
         drop(first);
+    }
+
+    #[tokio::test]
+    async fn a_failed_attempt_gives_its_quota_back_before_the_fallback_serves() {
+        let gateway = quota_gateway().await;
+        let q = gateway.config.ai.backends.get(&BackendId::new("q")).unwrap();
+        let keys: Vec<_> = plan::quota_for(q, unix_now()).iter().map(|w| w.key.clone()).collect();
+        let mut headers = http::HeaderMap::new();
+        headers.insert(http::header::AUTHORIZATION, http::HeaderValue::from_static("Bearer k"));
+        let caller = gateway.keys.authenticate(&headers).unwrap();
+        let mut draft = Draft::begin(&gateway, &RequestId::generate(), &caller, Operation::Chat, &headers);
+        let mut charge = tokens(&gateway, 10, 20);
+        let door = Scripted::answering(vec![Err(status(503)), Ok("from b")]);
+        let served = attempt_chain(&gateway, &mut draft, &mut charge, &route(&["q", "b"]), &door).await.unwrap();
+        assert_eq!((served.value, door.tried()), ("from b", vec!["q".to_owned(), "b".to_owned()]));
+        // While b serves (a stream may last minutes), q's window holds nothing of it.
+        assert!(!charge.holds_quota(&BackendId::new("q")));
+        assert_eq!(gateway.budgets.used(&keys).await.unwrap(), [0, 0]);
+        assert_eq!(gateway.budgets.live_reservations().await.unwrap(), 0);
     }
 
     #[test]

@@ -68,10 +68,10 @@ pub fn render_in(error: &GatewayError, envelope: Envelope) -> Response {
         _ => error.to_string(),
     };
     let (body, content_type) = if envelope == Envelope::OpenAi {
-        // A per-minute limit's `type` says which window refused, as OpenAI's does.
+        // A per-minute limit's `type` says which window refused, as OpenAI's does (a
+        // provider quota's too).
         let kind = match error {
-            GatewayError::RateLimited { kind, .. } => kind.as_str(),
-            GatewayError::BackendQuota { .. } => "requests",
+            GatewayError::RateLimited { kind, .. } | GatewayError::BackendQuota { kind, .. } => kind.as_str(),
             _ => openai_type(status),
         };
         (error_envelope(&message, kind, code.as_str(), error.param()), "application/json")
