@@ -613,3 +613,71 @@ async fn a_session_paces_its_responses_and_stays_open_past_a_limit() {
     }
     assert_eq!(gw.live_reservations().await, 0, "nothing left reserved");
 }
+
+/// An allowance held since an earlier minute is given back and reserved again when the
+/// client asks for its response: no response counts in a window past (SPEC §14).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allowance_held_across_a_minute_counts_in_the_minute_it_runs() {
+    use flexway::budget::{CounterKey, Unit, period::unix_now};
+    let fake = FakeModel::start().await.unwrap();
+    let (adapters, _) = memory_adapters();
+    let yaml = realtime_config(&fake.url(), "{}\n    limits: {requests_per_minute: 100}", "");
+    let gw = serve_in_process(&yaml, adapters).await;
+    // Open the session in one minute, ask for its first response in the next.
+    let second = unix_now() % 60;
+    if second < 57 {
+        tokio::time::sleep(Duration::from_secs(57 - second)).await;
+    }
+    let opened_at = unix_now();
+    let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    next_event(&mut client).await;
+    let window = |at: u64| CounterKey::window("acme", None, Unit::Requests, at);
+    assert_eq!(gw.gateway.budgets.used(&[window(opened_at)]).await.unwrap()[0], 1, "the opening's allowance");
+    tokio::time::sleep(Duration::from_secs(60 - unix_now() % 60 + 1)).await;
+    assert_eq!(one_response(&mut client).await["type"], "response.done");
+    let now = unix_now();
+    assert_ne!(now / 60, opened_at / 60);
+    let used = gw.gateway.budgets.used(&[window(opened_at), window(now)]).await.unwrap();
+    assert_eq!(used, [0, 2], "given back in the minute it was held, counted in the one it ran (and the next's)");
+}
+
+/// A session in a run gives no more responses once the run is ended (SPEC §15): its
+/// next `response.create` is answered with an `error` event `run_ended`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_in_an_ended_run_runs_no_more_responses() {
+    let fake = FakeModel::start().await.unwrap();
+    let (adapters, _) = memory_adapters();
+    let yaml = realtime_config(&fake.url(), "{}", "").replace(
+        &format!("      - sha256: {}\n", sha(KEY)),
+        &format!("      - {{sha256: {}, agent: bot}}\n    agents: {{bot: {{}}}}\n", sha(KEY)),
+    );
+    let gw = serve_in_process(&yaml, adapters).await;
+    let runs = format!("{}/v1/flexway/runs", gw.url);
+    let run: Value = client()
+        .post(&runs)
+        .bearer_auth(KEY)
+        .json(&json!({"budget": {"tokens": 1000}}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = run["id"].as_str().unwrap();
+    let mut request = ws_url(&gw.url, "m").into_client_request().unwrap();
+    request.headers_mut().insert("authorization", format!("Bearer {KEY}").parse().unwrap());
+    request.headers_mut().insert("flexway-run", id.parse().unwrap());
+    let (mut session, _) = tokio_tungstenite::connect_async(request).await.unwrap();
+    next_event(&mut session).await;
+    assert_eq!(one_response(&mut session).await["type"], "response.done");
+    let state: Value =
+        client().get(format!("{runs}/{id}")).bearer_auth(KEY).send().await.unwrap().json().await.unwrap();
+    // The response's 25 tokens, and the next one's allowance held (25 + 50): a run's
+    // counters hold what its calls reserved until they end.
+    assert_eq!(state["spent"]["tokens"], 100, "the response counted in the run: {state}");
+    assert_eq!(client().delete(format!("{runs}/{id}")).bearer_auth(KEY).send().await.unwrap().status(), 200);
+    session.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
+    let refused = next_event(&mut session).await;
+    assert_eq!(refused["type"], "error", "{refused}");
+    assert_eq!(refused["error"]["code"], "run_ended");
+}

@@ -110,14 +110,14 @@ pub async fn admit(gateway: &Gateway, who: Reserving<'_>, demand: &Demand) -> Re
         Decision { budgets: &budgets, used: &unread, soft: assumed_soft, guard: threshold.filter(|_| !assumed_soft) };
     let refused = match decide(gateway, caller, request_id, demand, &first, now).await? {
         Decided::Admitted(admission) => {
-            *pace = paced(gateway, &budgets).await?;
+            *pace = paced(gateway, &budgets).await;
             return Ok(admission);
         }
         Decided::Refused(line) => line,
     };
     // A window refused: no clamp makes room in it, the call waits for the next minute.
     if matches!(budgets[refused].kind, Kind::Window(_)) {
-        *pace = paced(gateway, &budgets).await?;
+        *pace = paced(gateway, &budgets).await;
         return Err(refusal(gateway, caller, &budgets[refused], now));
     }
     // A limit or the soft threshold refused: read the counters and decide again.
@@ -143,28 +143,33 @@ pub async fn admit(gateway: &Gateway, who: Reserving<'_>, demand: &Demand) -> Re
     let read = Decision { budgets: &budgets, used: &used, soft, guard: None };
     match decide(gateway, caller, request_id, demand, &read, now).await? {
         Decided::Admitted(admission) => {
-            *pace = paced(gateway, &budgets).await?;
+            *pace = paced(gateway, &budgets).await;
             Ok(admission)
         }
         // Lines are the budgets, in order.
         Decided::Refused(line) => {
-            *pace = paced(gateway, &budgets).await?;
+            *pace = paced(gateway, &budgets).await;
             Err(refusal(gateway, caller, &budgets[line], now))
         }
     }
 }
 
 /// The caller's standing in its windows, read after its reservation (one read of the
-/// window counters, only when a window applies).
-async fn paced(gateway: &Gateway, budgets: &[Budget]) -> Result<Option<Pace>, GatewayError> {
+/// window counters, only when a window applies). Best effort: a read that fails costs
+/// the answer its pacing headers, never the call (its reservation is made).
+async fn paced(gateway: &Gateway, budgets: &[Budget]) -> Option<Pace> {
     let windows: Vec<&Budget> = budgets.iter().filter(|b| matches!(b.kind, Kind::Window(_))).collect();
     if windows.is_empty() {
-        return Ok(None);
+        return None;
     }
     let keys: Vec<_> = windows.iter().map(|b| b.key.clone()).collect();
-    let used = gateway.budgets.used(&keys).await?;
-    let windows: Vec<Budget> = windows.into_iter().cloned().collect();
-    Ok(Pace::of(&windows, &used))
+    match gateway.budgets.used(&keys).await {
+        Ok(used) => Pace::of(&windows.into_iter().cloned().collect::<Vec<_>>(), &used),
+        Err(e) => {
+            tracing::warn!("the windows could not be read for the pacing headers: {e}");
+            None
+        }
+    }
 }
 
 async fn decide(
@@ -275,12 +280,12 @@ pub async fn reserve_turn(
         unanswered.answered(&outcome);
         match outcome? {
             ReserveOutcome::Reserved => {
-                *pace = paced(gateway, &budgets).await?;
+                *pace = paced(gateway, &budgets).await;
                 let ticket = Ticket::new(gateway.budgets.clone(), request.reservation(), budgets, now);
                 return Ok((ticket, planned.per_choice));
             }
             ReserveOutcome::Refused { line } if read || matches!(budgets[line].kind, Kind::Window(_)) => {
-                *pace = paced(gateway, &budgets).await?;
+                *pace = paced(gateway, &budgets).await;
                 return Err(refusal(gateway, caller, &budgets[line], now));
             }
             // A limit refused: read the counters, and plan again (clamped) on them.
@@ -380,7 +385,10 @@ pub async fn reserve_eur(
     let outcome = gateway.budgets.reserve(&request).await;
     unanswered.answered(&outcome);
     let outcome = outcome?;
-    *pace = paced(gateway, &budgets).await?;
+    // What a client paces on is its call's first step (a later one is the same call).
+    if first {
+        *pace = paced(gateway, &budgets).await;
+    }
     match outcome {
         ReserveOutcome::Reserved => Ok(Ticket::new(gateway.budgets.clone(), request.reservation(), budgets, now)),
         ReserveOutcome::Refused { line } => Err(refusal(gateway, caller, &budgets[line], now)),

@@ -71,14 +71,6 @@ pub fn response_done_usage(text: &str) -> Option<Usage> {
     Some(Usage::new(usage.input_tokens, usage.output_tokens))
 }
 
-/// A client's `session.update` or `response.create` rewritten to carry at most
-/// `allowance` output tokens: the limit it sets (`session.max_response_output_tokens`,
-/// or `session.max_output_tokens` where the client uses that name;
-/// `response.max_output_tokens`) lowered to the allowance when larger, and set to it
-/// when absent, `"inf"` or not a count. `None` when the message is left as it is: any
-/// other event, a limit already within the allowance, or text that is not such an
-/// event (the backend refuses it on its own terms). The event's other fields are kept
-/// as the client wrote them (their keys in order).
 /// Whether a client's event is a `response.create` (what asks for a response, so what
 /// must hold an allowance first).
 pub fn is_response_create(text: &str) -> bool {
@@ -109,16 +101,25 @@ pub fn rate_limits_updated(pace: &crate::budget::plan::Pace, now: u64) -> String
     serde_json::json!({"type": "rate_limits.updated", "rate_limits": limits}).to_string()
 }
 
-/// The `error` event a `response.create` past a limit is answered with: the session
-/// stays open, and the client may ask again once the window turns.
-pub fn rate_limit_error(message: &str) -> String {
+/// The `error` event a `response.create` that may not run is answered with (past a
+/// limit: `rate_limit_exceeded`; its run ended: `run_ended`): the session stays open,
+/// and the client may ask again (once the window turns).
+pub fn refusal_event(code: crate::call::ErrorCode, message: &str) -> String {
     serde_json::json!({
         "type": "error",
-        "error": {"type": "rate_limit_exceeded", "code": "rate_limit_exceeded", "message": message},
+        "error": {"type": code.as_str(), "code": code.as_str(), "message": message},
     })
     .to_string()
 }
 
+/// A client's `session.update` or `response.create` rewritten to carry at most
+/// `allowance` output tokens: the limit it sets (`session.max_response_output_tokens`,
+/// or `session.max_output_tokens` where the client uses that name;
+/// `response.max_output_tokens`) lowered to the allowance when larger, and set to it
+/// when absent, `"inf"` or not a count. `None` when the message is left as it is: any
+/// other event, a limit already within the allowance, or text that is not such an
+/// event (the backend refuses it on its own terms). The event's other fields are kept
+/// as the client wrote them (their keys in order).
 pub fn with_allowance(text: &str, allowance: u64) -> Option<String> {
     type Fields = BTreeMap<String, Box<RawValue>>;
     if !text.contains("session.update") && !text.contains("response.create") {

@@ -249,6 +249,11 @@ class Counted:
 
 
 def test_the_sdk_retries_a_rate_limited_call_by_itself(gateway, monkeypatch):
+    import time as clock
+
+    # Both calls in one UTC minute (the window).
+    if clock.time() % 60 > 50:
+        clock.sleep(61 - clock.time() % 60)
     paced = Counted(gateway, PACED_KEY, monkeypatch)
     paced.chat()
     with pytest.raises(openai.RateLimitError) as err:

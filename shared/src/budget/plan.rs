@@ -473,7 +473,13 @@ pub fn plan(budgets: &[Budget], used: &[u64], prompt: u64, allowance: Allowance,
         let Some(limit) = budget.limit else { continue };
         // A window bounds the allowance by its limit: what it has left now is the
         // store's condition to check, and a refusal there is a wait, not a clamp.
-        let used = if matches!(budget.kind, Kind::Window(_)) { 0 } else { *used };
+        let window = matches!(budget.kind, Kind::Window(_));
+        let used = if window { 0 } else { *used };
+        // A prompt larger than a whole window could never pass it, whatever is sent
+        // for the completion (an embeddings call has none to clamp).
+        if window && budget.unit == Unit::Tokens && prompt > limit {
+            return Err(index);
+        }
         let remaining = limit.saturating_sub(used);
         let fits = fitting_completion(budget.unit, remaining, prompt, price) / choices;
         if fits < per_choice {
@@ -679,7 +685,10 @@ mod tests {
         // 90 of 100 used: the store's condition will refuse, the plan does not clamp.
         let planned = plan(std::slice::from_ref(&window), &[90], 20, allow(400), PRICE).unwrap();
         assert_eq!(planned.per_choice, 80, "clamped to the window's 100, not to its 10 left");
-        assert_eq!(plan(&[window], &[0], 90, allow(400), PRICE), Err(0), "90 + 16 can never fit 100");
+        assert_eq!(plan(std::slice::from_ref(&window), &[0], 90, allow(400), PRICE), Err(0), "90 + 16 never fit 100");
+        // Nothing to complete (embeddings): the prompt alone decides.
+        assert_eq!(plan(std::slice::from_ref(&window), &[0], 101, Allowance::NONE, PRICE), Err(0));
+        assert!(plan(&[window], &[99], 100, Allowance::NONE, PRICE).is_ok(), "the store decides what remains");
     }
 
     #[test]

@@ -71,6 +71,11 @@ impl Ticket {
         super::Period::Day.stamp(self.reserved_at)
     }
 
+    /// Unix seconds at which it was reserved: what its windows' minute is.
+    pub fn reserved_at(&self) -> u64 {
+        self.reserved_at
+    }
+
     /// Replaces the reservation by `usage` at the serving backend's `price`.
     /// Returns the call's cost.
     pub async fn settle(self, usage: Usage, price: Price) -> MicroEur {

@@ -352,13 +352,16 @@ impl Session {
                     // A response asked for while a window is full: refused with an
                     // `error` event, the session kept open (SPEC §14).
                     if let Message::Text(text) = &message
-                        && !ending.holds_turn()
                         && rt::is_response_create(text.as_str())
                     {
-                        match ending.next_turn().await {
+                        match ending.ready_turn().await {
                             Ok(()) => {}
-                            Err(refused @ GatewayError::RateLimited { .. }) => {
-                                let event = rt::rate_limit_error(&refused.to_string());
+                            Err(
+                                refused @ (GatewayError::RateLimited { .. }
+                                | GatewayError::RunEnded { .. }
+                                | GatewayError::InvalidRequest(_)),
+                            ) => {
+                                let event = rt::refusal_event(refused.code(), &refused.to_string());
                                 if client.send(Message::Text(event.into())).await.is_err() {
                                     return CloseReason::ClientClosed;
                                 }
@@ -457,9 +460,14 @@ impl Session {
                     }
                     match charged {
                         Ok(()) => {}
-                        // The window is full: the session holds no allowance until the
-                        // client asks for a response and one fits.
-                        Err(GatewayError::RateLimited { .. }) => {}
+                        // The window is full (or the run ended, or the conversation
+                        // outgrew a window): the session holds no allowance until the
+                        // client asks for a response and one may run.
+                        Err(
+                            GatewayError::RateLimited { .. }
+                            | GatewayError::RunEnded { .. }
+                            | GatewayError::InvalidRequest(_),
+                        ) => {}
                         Err(GatewayError::BudgetExceeded { .. }) => {
                             return CloseReason::BudgetExceeded;
                         }

@@ -187,9 +187,6 @@ impl Draft {
         self.record.user_hash = user.map(|u| self.gateway.hasher.hash(u.as_bytes()));
     }
 
-    /// The date the call's reservation counts on (`Ticket::period`, the record's
-    /// `period`). A call with several (a realtime session's turns, a gRPC call's
-    /// steps) counts on its first.
     /// The run the call named (`Flexway-Run`).
     pub fn run(&mut self, run: &str) {
         self.record.run = Some(run.to_owned());
@@ -206,6 +203,9 @@ impl Draft {
         self.pace
     }
 
+    /// The date the call's reservation counts on (`Ticket::period`, the record's
+    /// `period`). A call with several (a realtime session's turns, a gRPC call's
+    /// steps) counts on its first.
     pub fn reserved_on(&mut self, period: String) {
         self.record.period.get_or_insert(period);
     }

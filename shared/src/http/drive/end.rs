@@ -258,8 +258,9 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
 
 /// Ends the call's provider quota reservations (SPEC §14): the one of the backend that
 /// `served` settled on its usage (one request, its total tokens), every other refunded
-/// whole (an attempt that failed, or was passed over after reserving). The quota's
-/// used ratio is read again for the gauge once a backend's is settled.
+/// whole (the backend that answered, when nothing was served; a failed attempt's the
+/// attempt chain refunded already). The quota's used ratio is read again for the gauge
+/// once a backend's is settled, at most once a second a backend (`chain::gauge_due`).
 /// Boxed, and only for a call that holds one: a call on backends without a quota keeps
 /// these futures out of its own (the driver's future is copied whole as the router
 /// boxes it; benches/instructions).
@@ -275,11 +276,26 @@ async fn settle_quotas(gateway: &Gateway, quotas: Vec<Quota>, served: Option<(&B
         match served {
             Some((by, usage)) if *by == backend => {
                 ticket.settle(usage, gateway.price(&backend)).await;
-                crate::http::chain::gauge_quota(gateway, &backend, &windows).await;
+                if crate::http::chain::gauge_due(&backend) {
+                    crate::http::chain::gauge_quota(gateway, &backend, &windows).await;
+                }
             }
             _ => ticket.refund().await,
         }
     }
+}
+
+/// A session's run, read again: ended (its own `DELETE` or an ancestor's) or expired,
+/// it gives no more responses (SPEC §15); the session stays open.
+async fn run_active(gateway: &Gateway, run: Option<&Run>) -> Result<(), GatewayError> {
+    let Some(run) = run else { return Ok(()) };
+    if crate::budget::period::unix_now() >= run.this.expires_at {
+        return Err(GatewayError::RunEnded { run: run.id().to_owned(), why: "past its expires_at" });
+    }
+    if gateway.budgets.run(run.id()).await?.is_none_or(|stored| stored.ended_at.is_some()) {
+        return Err(GatewayError::RunEnded { run: run.id().to_owned(), why: "ended" });
+    }
+    Ok(())
 }
 
 /// Counts a backend that wrote past the allowance it was sent: it is charged in full
@@ -369,6 +385,7 @@ impl Ending {
         if turns.ticket.is_some() {
             return Ok(());
         }
+        run_active(&self.gateway, turns.run.as_deref()).await?;
         turns.reservations += 1;
         let id = format!("{}.{}", turns.request_id, turns.reservations);
         let who =
@@ -379,9 +396,24 @@ impl Ending {
         Ok(())
     }
 
-    /// Whether the session holds an allowance for its next response.
-    pub fn holds_turn(&self) -> bool {
-        matches!(&self.charge, Charge::Turns(turns) if turns.ticket.is_some())
+    /// Before a response the client asks for: an allowance held, and, when windows
+    /// apply, reserved in the current minute (one held since an earlier minute is given
+    /// back and reserved again, so that no response counts in a window past).
+    pub async fn ready_turn(&mut self) -> Result<(), GatewayError> {
+        let Charge::Turns(turns) = &mut self.charge else {
+            return Err(GatewayError::Internal("a response outside a session".into()));
+        };
+        let now = crate::budget::period::unix_now();
+        let stale = turns.ticket.as_ref().is_some_and(|t| t.reserved_at() / 60 != now / 60)
+            && !plan::windows_for(&self.gateway.config, &turns.caller, now).is_empty();
+        let ended = run_active(&self.gateway, turns.run.as_deref()).await;
+        if (stale || ended.is_err())
+            && let Some(held) = turns.ticket.take()
+        {
+            held.refund().await;
+        }
+        ended?;
+        self.next_turn().await
     }
 
     /// Ends the call (see [`end`]); its cost.
