@@ -385,3 +385,39 @@ async fn three_sub_agents_in_parallel_draw_on_their_planners_run() {
     }
     assert_eq!(runs.gw.live_reservations().await, 0);
 }
+
+/// A run has at most `MAX_ANCESTORS` ancestors and `MAX_CHILDREN` children: each
+/// level adds three lines to every call's one reservation (one DynamoDB transaction),
+/// and a run's record names its children. A deeper or a wider run is refused at
+/// creation with 400 `invalid_request` naming the cap, and what was created is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_is_refused_past_the_deepest_nesting_and_the_most_children() {
+    use flexway::budget::run::{MAX_ANCESTORS, MAX_CHILDREN};
+
+    let runs = start(0).await;
+    let mut deepest = runs.start_run(json!({"budget": {"tokens": 1000}})).await;
+    for _ in 0..MAX_ANCESTORS {
+        deepest = runs.start_run(json!({"budget": {"tokens": 1000}, "parent": deepest["id"]})).await;
+    }
+    let (status, answer) = runs.create(AGENT_KEY, json!({"budget": {"tokens": 5}, "parent": deepest["id"]})).await;
+    assert_eq!((status, answer["error"]["code"].as_str()), (400, Some("invalid_request")), "{answer}");
+    assert_eq!(answer["error"]["param"], "parent");
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(message.contains(&format!("at most {MAX_ANCESTORS} ancestors")), "{message}");
+    // The deepest run still serves a call: every ancestor's lines fit one reservation.
+    assert_eq!(runs.chat_in(deepest["id"].as_str().unwrap()).await.status(), 200);
+
+    let parent = runs.start_run(json!({"budget": {"tokens": 1000}})).await;
+    let child = json!({"budget": {"tokens": 5}, "parent": parent["id"]});
+    for batch in 0..MAX_CHILDREN / 32 {
+        let created = join_all((0..32).map(|_| runs.create(AGENT_KEY, child.clone()))).await;
+        assert!(created.iter().all(|(status, _)| *status == 201), "batch {batch}: {created:?}");
+    }
+    let (status, answer) = runs.create(AGENT_KEY, child).await;
+    assert_eq!((status, answer["error"]["code"].as_str()), (400, Some("invalid_request")), "{answer}");
+    assert_eq!(answer["error"]["param"], "parent");
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(message.contains(&format!("at most {MAX_CHILDREN} children")), "{message}");
+    let (_, parent) = runs.get(AGENT_KEY, parent["id"].as_str().unwrap()).await;
+    assert_eq!(parent["children"].as_array().unwrap().len(), MAX_CHILDREN);
+}

@@ -392,3 +392,44 @@ async fn a_call_refused_for_a_frozen_instances_lease_is_served_once_that_lease_i
     survivor.flush().await;
     assert_eq!(inner.used(&[key("day")]).await.unwrap(), [40 + amount], "the frozen call charged, the lease closed");
 }
+
+/// A call in a run is reserved on the inner store, never from a lease (SPEC §15: a
+/// run's `GET` reads within a second of a call's settlement in every shape): once a
+/// call in a run has settled on one instance, and another's on a second, the run's
+/// counters on the inner store are the usage, at once, with no slice held, while a
+/// call outside any run is still served from a lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_in_a_run_settles_on_the_inner_store_at_once() {
+    use flexway::budget::Unit;
+
+    let inner = Arc::new(MemoryBudgetStore::new());
+    let (first, second) = (leased(inner.clone()), leased(inner.clone()));
+    let [tokens, calls] = [Unit::Tokens, Unit::Requests].map(|unit| CounterKey::run("acme", "run_1", unit, NOW + 600));
+    let in_run = |id: &str| ReserveRequest {
+        request_id: id.to_owned(),
+        lines: vec![
+            Line { key: key("day"), amount: 100, limit: Some(100_000) },
+            Line { key: tokens.clone(), amount: 100, limit: Some(10_000) },
+            Line { key: calls.clone(), amount: 1, limit: None },
+        ],
+        expires_at: NOW + 60,
+    };
+    let actual = [(key("day"), 60), (tokens.clone(), 60), (calls.clone(), 1)];
+
+    let call = in_run("run-0");
+    assert_eq!(first.reserve(&call).await.unwrap(), ReserveOutcome::Reserved);
+    assert_eq!(inner.used(&[tokens.clone(), calls.clone()]).await.unwrap(), [100, 1], "the call's own reservation");
+    assert_eq!(first.settle(&call.reservation(), &actual).await.unwrap(), SettleOutcome::Settled);
+    assert_eq!(inner.used(&[tokens.clone(), calls.clone()]).await.unwrap(), [60, 1], "settled on the inner store");
+    assert_eq!(inner.live_reservations().await.unwrap(), 0, "no lease taken");
+
+    let call = in_run("run-1");
+    assert_eq!(second.reserve(&call).await.unwrap(), ReserveOutcome::Reserved);
+    assert_eq!(second.settle(&call.reservation(), &actual).await.unwrap(), SettleOutcome::Settled);
+    assert_eq!(inner.used(&[tokens.clone(), calls.clone(), key("day")]).await.unwrap(), [120, 2, 120]);
+
+    // Outside a run, the same budget is leased as before.
+    let outside = request("outside-0", &[("day", 100, Some(100_000))]);
+    assert_eq!(first.reserve(&outside).await.unwrap(), ReserveOutcome::Reserved);
+    assert!(inner.used(&[key("day")]).await.unwrap()[0] > 120 + 100, "served from a lease of several calls");
+}

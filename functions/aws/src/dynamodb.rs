@@ -115,9 +115,10 @@ use aws_sdk_dynamodb::types::{
     TimeToLiveSpecification, TransactWriteItem, Update,
 };
 use flexway::budget::ledger::SWEPT_RETENTION_SECS;
+use flexway::budget::run::MAX_CHILDREN;
 use flexway::budget::{
-    BudgetStore, CounterKey, IntentOutcome, Line, Period, Reservation, ReserveOutcome, ReserveRequest, Run, RunEnd,
-    SettleOutcome, StoreError, Swept, TRANSIENT_RETENTION_SECS,
+    BudgetStore, CounterKey, IntentOutcome, Line, Period, RUN_RETENTION_SECS, Reservation, ReserveOutcome,
+    ReserveRequest, Run, RunEnd, SettleOutcome, StoreError, Swept,
 };
 
 const COUNTER_PREFIX: &str = "counter#";
@@ -582,7 +583,7 @@ impl BudgetStore for DynamoDbBudgetStore {
             .table_name(&self.table)
             .item("pk", run_key(run.id()))
             .item("run", s(record))
-            .item("ttl", n(run.this.expires_at.saturating_add(TRANSIENT_RETENTION_SECS)))
+            .item("ttl", n(run.this.expires_at.saturating_add(RUN_RETENTION_SECS)))
             .condition_expression("attribute_not_exists(pk)");
         if let Some(at) = run.ended_at {
             put = put.item("ended_at", n(at));
@@ -596,7 +597,11 @@ impl BudgetStore for DynamoDbBudgetStore {
                 .table_name(&self.table)
                 .key("pk", run_key(&parent.id))
                 .update_expression("SET children = list_append(if_not_exists(children, :none), :child)")
-                .condition_expression("attribute_exists(pk) AND attribute_not_exists(ended_at)")
+                .condition_expression(
+                    "attribute_exists(pk) AND attribute_not_exists(ended_at) \
+                     AND (attribute_not_exists(children) OR size(children) < :max)",
+                )
+                .expression_attribute_values(":max", n(MAX_CHILDREN))
                 .expression_attribute_values(":none", AttributeValue::L(Vec::new()))
                 .expression_attribute_values(":child", AttributeValue::L(vec![s(run.id().to_owned())]))
                 .build()
@@ -606,7 +611,7 @@ impl BudgetStore for DynamoDbBudgetStore {
         for attempt in 0..MAX_ATTEMPTS {
             match self.transact(items.clone()).await? {
                 None => return Ok(true),
-                // Its id taken, or its parent gone or ended.
+                // Its id taken, or its parent gone, ended or full.
                 Some(Cancelled::Condition(_)) => return Ok(false),
                 Some(Cancelled::Retry) => backoff(attempt).await,
             }
@@ -900,11 +905,11 @@ fn reservation_ttl(request: &ReserveRequest) -> u64 {
 
 /// Counters expire 35 days after the end of their period; the period is read from
 /// the key (`.../day/...`, `.../month/...`), a key without one keeps a year; a
-/// window's or a run's counter a day after its [`CounterKey::expiry`].
+/// window's or a run's counter at its [`CounterKey::forget_at`].
 fn counter_ttl(key: &CounterKey) -> u64 {
-    // A per-minute window's or a run's: a day past its expiry, as the other stores.
-    if let Some(expiry) = key.expiry() {
-        return expiry.saturating_add(TRANSIENT_RETENTION_SECS);
+    // A per-minute window's or a run's: when the other stores forget it too.
+    if let Some(at) = key.forget_at() {
+        return at;
     }
     let now = flexway::budget::period::unix_now();
     let period = key.as_str().split('/').find_map(|part| match part {
@@ -942,7 +947,7 @@ fn parse_reservation(pk: &str, item: &HashMap<String, AttributeValue>) -> Result
 /// Whether a window's or a run's counter is past its retention (by the clock, as
 /// DynamoDB's TTL deletes it): it reads 0, though DynamoDB may not have deleted it yet.
 fn forgotten(key: &CounterKey, now: u64) -> bool {
-    key.expiry().is_some_and(|expiry| expiry.saturating_add(TRANSIENT_RETENTION_SECS) < now)
+    key.forget_at().is_some_and(|at| at < now)
 }
 
 fn run_key(id: &str) -> AttributeValue {

@@ -142,13 +142,14 @@ async fn items_follow_the_documented_table_design() {
     assert_eq!(get(format!("counter#{key}")).await["used"].as_n().unwrap(), "42");
 }
 
-/// A window's and a run's counters, and a run's item, carry the table's `ttl` a day
-/// past their expiry (DynamoDB deletes them), a day's budget its own; a run's children
+/// A window's counter carries the table's `ttl` an hour past its minute, a run's
+/// counters and item a day past the run's expiry (DynamoDB deletes them), a day's
+/// budget its own; a run's children
 /// and end are attributes of its item, written by `create_run` and `end_run`.
 #[tokio::test]
-async fn windows_and_runs_expire_a_day_past_their_expiry() {
+async fn windows_expire_an_hour_and_runs_a_day_past_their_expiry() {
     use flexway::budget::run::{Run, RunBudget, RunRef};
-    use flexway::budget::{Period, RunEnd, TRANSIENT_RETENTION_SECS, Unit};
+    use flexway::budget::{Period, RUN_RETENTION_SECS, RunEnd, Unit};
 
     let sdk = emulator::sdk().await;
     let store = fresh_store(&sdk).await;
@@ -193,13 +194,13 @@ async fn windows_and_runs_expire_a_day_past_their_expiry() {
         item["ttl"].as_n().unwrap().parse().unwrap()
     };
     let window_ttl = ttl(&get(format!("counter#{}", window.as_str())).await);
-    assert_eq!(window_ttl, window.expiry().unwrap() + TRANSIENT_RETENTION_SECS);
-    assert_eq!(ttl(&get(format!("counter#{}", spent.as_str())).await), now + 600 + TRANSIENT_RETENTION_SECS);
+    assert_eq!(window_ttl, window.expiry().unwrap() + 3600);
+    assert_eq!(ttl(&get(format!("counter#{}", spent.as_str())).await), now + 600 + RUN_RETENTION_SECS);
     let day_ttl = ttl(&get(format!("counter#{}", day.as_str())).await);
     assert!(day_ttl >= Period::Day.end(now) + 35 * 86_400, "a day's budget keeps its 35 days: {day_ttl}");
 
     let item = get("run#run_p".to_owned()).await;
-    assert_eq!(ttl(&item), now + 600 + TRANSIENT_RETENTION_SECS);
+    assert_eq!(ttl(&item), now + 600 + RUN_RETENTION_SECS);
     let children: Vec<&str> = item["children"].as_l().unwrap().iter().map(|c| c.as_s().unwrap().as_str()).collect();
     assert_eq!(children, ["run_c"]);
     assert!(!item.contains_key("ended_at"));

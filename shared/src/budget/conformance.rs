@@ -19,8 +19,8 @@ use super::plan::{Budget, Kind};
 use super::run::{self, Run, RunBudget, RunEnd, RunRef};
 use super::ticket::{self, Ticket};
 use super::{
-    BudgetStore, CounterKey, IntentOutcome, Line, Reservation, ReserveOutcome, ReserveRequest, SettleOutcome,
-    StoreError, Swept, TRANSIENT_RETENTION_SECS, Unit,
+    BudgetStore, CounterKey, IntentOutcome, Line, RUN_RETENTION_SECS, Reservation, ReserveOutcome, ReserveRequest,
+    SettleOutcome, StoreError, Swept, Unit,
 };
 use crate::call::Usage;
 use crate::config::Price;
@@ -745,7 +745,7 @@ async fn burst(
 /// A per-minute window (SPEC §14) is a counter like any other: 40 concurrent calls on a
 /// window of 5 requests admit exactly 5, and on one of 1,000 tokens, exactly the 10
 /// that fit. The windows are the current minute's (by the clock, not [`NOW`]): a
-/// store may forget a window a day past its minute, and DynamoDB does by the clock.
+/// store may forget a window an hour past its minute, and DynamoDB does by the clock.
 pub async fn concurrent_window_reservations_never_pass_the_limit(store: Arc<dyn BudgetStore>) -> Result<(), String> {
     let now = unix_now();
     let free = Line { key: key("free"), amount: 1, limit: None };
@@ -865,12 +865,33 @@ pub async fn concurrent_run_reservations_never_pass_the_run_or_its_ancestors(
     check(child_calls <= 6, || format!("{child_calls} calls of 50 fit a child budget of 300"))
 }
 
-/// A sweep forgets a window's and a run's counters a day ([`TRANSIENT_RETENTION_SECS`])
-/// past their expiry, and keeps a day's budget counter, whatever its age: a window of
-/// long ago reads 0 again, the budget what was settled on it.
+/// A run takes at most [`run::MAX_CHILDREN`] children (its record names them all):
+/// one more is refused, nothing written, whoever checked the count before.
+pub async fn a_run_takes_at_most_its_most_children(store: &dyn BudgetStore) -> Result<(), String> {
+    let parent = a_run(1000, None, NOW + 3600);
+    let created = call!(store.create_run(&parent));
+    check(created, || "a new run was not created".to_owned())?;
+    for n in 0..run::MAX_CHILDREN {
+        let created = call!(store.create_run(&a_run(10, Some(&parent), NOW + 600)));
+        check(created, || format!("child {n} of {} was refused", run::MAX_CHILDREN))?;
+    }
+    let one_more = a_run(10, Some(&parent), NOW + 600);
+    let created = call!(store.create_run(&one_more));
+    check(!created, || format!("child {} was created", run::MAX_CHILDREN + 1))?;
+    let none = call!(store.run(one_more.id()));
+    check(none.is_none(), || format!("a refused child was stored: {none:?}"))?;
+    let read = call!(store.run(parent.id()));
+    let children = read.map_or(0, |p| p.children.len());
+    check(children == run::MAX_CHILDREN, || format!("the parent names {children} children"))
+}
+
+/// A sweep forgets a window's counter an hour past its minute and a run's a day past
+/// the run's expiry ([`CounterKey::forget_at`]), and keeps a day's budget counter,
+/// whatever its age: a window of two hours ago reads 0 again, the budget what was
+/// settled on it.
 pub async fn a_sweep_forgets_old_windows_and_runs_and_keeps_budgets(store: &dyn BudgetStore) -> Result<(), String> {
-    let long_ago = NOW - 2 * TRANSIENT_RETENTION_SECS;
-    let window = CounterKey::window(TENANT, None, Unit::Requests, long_ago);
+    let long_ago = NOW - 2 * RUN_RETENTION_SECS;
+    let window = CounterKey::window(TENANT, None, Unit::Requests, NOW - 2 * 3600);
     let spent = a_run(1000, None, long_ago + 60).this.counter(TENANT, Unit::Tokens);
     let day = CounterKey::new(TENANT, None, Unit::Tokens, Period::Day, long_ago);
     let lines = vec![
@@ -977,6 +998,7 @@ where
         "concurrent_run_reservations_never_pass_the_run_or_its_ancestors",
         concurrent_run_reservations_never_pass_the_run_or_its_ancestors(Arc::new(make().await)).await,
     );
+    note("a_run_takes_at_most_its_most_children", a_run_takes_at_most_its_most_children(&make().await).await);
     note(
         "a_sweep_forgets_old_windows_and_runs_and_keeps_budgets",
         a_sweep_forgets_old_windows_and_runs_and_keeps_budgets(&make().await).await,

@@ -48,6 +48,11 @@
 //! seconds holds a few calls' worth, one that serves hundreds a second holds enough
 //! for a lease's life, and the instances share what is left near the cap.
 //!
+//! Runs. A call in a run (a line on a run's counter, [`CounterKey::is_run`]) is
+//! always reserved directly, one write per call: a run's `GET` reads its counters on
+//! the inner store, which then hold no instance's unused slice, and a call's usage
+//! from its settlement on (SPEC §15), not a lease's life later.
+//!
 //! Crash trade-off. What a dead instance's lease is charged is the usage it recorded:
 //! its settled calls since the last recording go uncharged (with `intent_every` zero,
 //! none: one renewal per settled call, on the instance's own item, which does not
@@ -704,6 +709,35 @@ impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
     }
 }
 
+impl<S: BudgetStore + 'static> LeasedBudgetStore<S> {
+    /// Serves the call from a lease: the open one, or a new one. `false`: no lease
+    /// holds it (the edge), nothing was reserved for it.
+    async fn reserve_from_lease(&self, request: &ReserveRequest) -> Result<bool, StoreError> {
+        let merged = merge(&request.lines);
+        let keyset: Vec<CounterKey> =
+            merged.iter().filter(|(_, (_, limit))| limit.is_some()).map(|(k, _)| (*k).clone()).collect();
+        if self.serve_locally(request, &merged, &keyset, (self.clock)()) {
+            return Ok(true);
+        }
+        let _acquiring = self.acquiring.lock().await;
+        // Another call may have taken a lease while this one waited.
+        if self.serve_locally(request, &merged, &keyset, (self.clock)()) {
+            return Ok(true);
+        }
+        let retired = self.retire(&keyset);
+        self.apply(retired).await;
+        let calls = self.calls_for(&merged, &keyset);
+        if calls == 0 {
+            return Ok(false);
+        }
+        if self.take_lease(request, &merged, &keyset, calls).await? {
+            return Ok(true);
+        }
+        let calls = self.read_remaining(&merged, &keyset).await?;
+        Ok(calls > 0 && self.take_lease(request, &merged, &keyset, calls).await?)
+    }
+}
+
 fn close(lease: Lease) -> Write {
     Write::Close { actual: lines_of(&lease.settled), recorded: lines_of(&lease.recorded), lease: lease.reservation }
 }
@@ -726,29 +760,12 @@ fn renewal(state: &mut State, number: u64, expires_at: u64) -> Option<Write> {
 
 #[async_trait::async_trait]
 impl<S: BudgetStore + 'static> BudgetStore for LeasedBudgetStore<S> {
+    /// A call in a run (a line on a run's counter) is reserved directly on the inner
+    /// store, never from a lease: a run's `GET` reads the inner counters, which then
+    /// hold no other instance's slice, and its usage as soon as it is settled.
     async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveOutcome, StoreError> {
-        let merged = merge(&request.lines);
-        let keyset: Vec<CounterKey> =
-            merged.iter().filter(|(_, (_, limit))| limit.is_some()).map(|(k, _)| (*k).clone()).collect();
-        if self.serve_locally(request, &merged, &keyset, (self.clock)()) {
+        if !request.lines.iter().any(|line| line.key.is_run()) && self.reserve_from_lease(request).await? {
             return Ok(ReserveOutcome::Reserved);
-        }
-        let _acquiring = self.acquiring.lock().await;
-        // Another call may have taken a lease while this one waited.
-        if self.serve_locally(request, &merged, &keyset, (self.clock)()) {
-            return Ok(ReserveOutcome::Reserved);
-        }
-        let retired = self.retire(&keyset);
-        self.apply(retired).await;
-        let mut calls = self.calls_for(&merged, &keyset);
-        if calls > 0 {
-            if self.take_lease(request, &merged, &keyset, calls).await? {
-                return Ok(ReserveOutcome::Reserved);
-            }
-            calls = self.read_remaining(&merged, &keyset).await?;
-            if calls > 0 && self.take_lease(request, &merged, &keyset, calls).await? {
-                return Ok(ReserveOutcome::Reserved);
-            }
         }
         // At the edge: the call's own reservation, exact; once more if the leases of
         // instances gone or frozen were reclaimed meanwhile.

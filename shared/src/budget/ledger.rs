@@ -9,10 +9,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::run::{Run, RunEnd};
+use super::run::{MAX_CHILDREN, Run, RunEnd};
 use super::{
-    CounterKey, IntentOutcome, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept,
-    TRANSIENT_RETENTION_SECS,
+    CounterKey, IntentOutcome, RUN_RETENTION_SECS, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError, Swept,
 };
 
 /// Swept reservations are kept this long after their expiry, so that a call that
@@ -51,13 +50,15 @@ pub trait LedgerState {
 }
 
 /// Stores `run` and names it among its parent's children; `false`, nothing written,
-/// when its id is taken or its parent is not stored or has ended.
+/// when its id is taken or its parent is not stored, has ended or has
+/// [`MAX_CHILDREN`] children already.
 pub fn create_run(state: &mut impl LedgerState, run: &Run) -> Result<bool, StoreError> {
     if state.run(run.id())?.is_some() {
         return Ok(false);
     }
     if let Some(parent) = run.ancestors.first() {
-        let Some(mut parent) = state.run(&parent.id)?.filter(|p| p.ended_at.is_none()) else {
+        let open = |p: &Run| p.ended_at.is_none() && p.children.len() < MAX_CHILDREN;
+        let Some(mut parent) = state.run(&parent.id)?.filter(open) else {
             return Ok(false);
         };
         parent.children.push(run.id().to_owned());
@@ -213,18 +214,18 @@ pub fn sweep(state: &mut impl LedgerState, now: u64) -> Result<Swept, StoreError
     Ok(swept)
 }
 
-/// Forgets the windows' and runs' counters, and the runs, [`TRANSIENT_RETENTION_SECS`]
-/// past their expiry (after the refunds above, so a refund that touched one does not
-/// leave it behind); a day's or a month's counter has no expiry and is kept.
+/// Forgets the windows' and runs' counters at their [`CounterKey::forget_at`], and the
+/// runs [`RUN_RETENTION_SECS`] past their expiry (after the refunds above, so a refund
+/// that touched one does not leave it behind); a day's or a month's counter has no
+/// expiry and is kept.
 fn forget_transients(state: &mut impl LedgerState, now: u64) -> Result<(), StoreError> {
-    let past = |expiry: u64| expiry.saturating_add(TRANSIENT_RETENTION_SECS) < now;
     for key in state.counter_keys()? {
-        if key.expiry().is_some_and(past) {
+        if key.forget_at().is_some_and(|at| at < now) {
             state.forget_counter(&key)?;
         }
     }
     for (id, expires_at) in state.run_expiries()? {
-        if past(expires_at) {
+        if expires_at.saturating_add(RUN_RETENTION_SECS) < now {
             state.forget_run(&id)?;
         }
     }

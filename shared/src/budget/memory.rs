@@ -140,12 +140,12 @@ mod tests {
         assert!(failures.is_empty(), "{failures:#?}");
     }
 
-    /// A window, a run's counter and a run are kept through the day past their expiry
-    /// and forgotten by the first sweep after it; a day's budget stays.
+    /// A window is kept an hour past its minute, a run's counter and a run a day past
+    /// the run's expiry, each forgotten by the first sweep after; a day's budget stays.
     #[tokio::test]
-    async fn a_sweep_forgets_windows_and_runs_a_day_past_their_expiry() {
+    async fn a_sweep_forgets_windows_an_hour_and_runs_a_day_past_their_expiry() {
         use crate::budget::run::{RunBudget, RunRef};
-        use crate::budget::{Line, Period, TRANSIENT_RETENTION_SECS, Unit};
+        use crate::budget::{Line, Period, RUN_RETENTION_SECS, Unit};
 
         let now = conformance::NOW;
         let store = MemoryBudgetStore::new();
@@ -180,12 +180,15 @@ mod tests {
         assert_eq!(store.settle(&request.reservation(), &actual).await.unwrap(), SettleOutcome::Settled);
 
         let window_end = window.expiry().unwrap();
-        store.sweep(window_end + TRANSIENT_RETENTION_SECS).await.unwrap();
-        assert_eq!(store.used(&counters).await.unwrap(), [7, 7, 7], "kept through the retention");
-        store.sweep(window_end + TRANSIENT_RETENTION_SECS + 1).await.unwrap();
+        assert_eq!(window.forget_at(), Some(window_end + 3600), "an hour past its minute");
+        store.sweep(window_end + 3600).await.unwrap();
+        assert_eq!(store.used(&counters).await.unwrap(), [7, 7, 7], "kept through the hour");
+        store.sweep(window_end + 3600 + 1).await.unwrap();
         assert_eq!(store.used(&counters).await.unwrap(), [0, 7, 7], "the window forgotten");
         assert!(store.run("run_1").await.unwrap().is_some());
-        store.sweep(now + 60 + TRANSIENT_RETENTION_SECS + 1).await.unwrap();
+        store.sweep(now + 60 + RUN_RETENTION_SECS).await.unwrap();
+        assert_eq!(store.used(&counters).await.unwrap(), [0, 7, 7], "the run's counter kept through the day");
+        store.sweep(now + 60 + RUN_RETENTION_SECS + 1).await.unwrap();
         assert_eq!(store.used(&counters).await.unwrap(), [0, 0, 7], "the run's counter forgotten, the day kept");
         assert_eq!(store.run("run_1").await.unwrap(), None, "the run forgotten");
         let state = store.state.lock().unwrap();

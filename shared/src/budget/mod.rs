@@ -81,8 +81,8 @@ impl CounterKey {
     /// When the counter stops meaning anything (Unix seconds): a window's at its
     /// minute's end, a run's at the run's expiry; `None` for a budget (a day or a
     /// month is kept, the console and the report read it). A store may forget a
-    /// counter [`TRANSIENT_RETENTION_SECS`] after that: a late settlement then
-    /// finds it at 0 and leaves it at 0, having nothing to give back to.
+    /// counter at [`CounterKey::forget_at`]: a late settlement then finds it at 0 and
+    /// leaves it at 0, having nothing to give back to.
     pub fn expiry(&self) -> Option<u64> {
         let mut parts = self.0.rsplitn(3, '/');
         let (stamp, period) = (parts.next()?, parts.next()?);
@@ -96,12 +96,29 @@ impl CounterKey {
             _ => None,
         }
     }
+
+    /// Whether it is a run's counter ([`CounterKey::run`]).
+    pub fn is_run(&self) -> bool {
+        self.0.rsplit('/').nth(1) == Some("run")
+    }
+
+    /// When a store may forget the counter (Unix seconds): a window
+    /// [`WINDOW_RETENTION_SECS`] past its minute, a run's counter
+    /// [`RUN_RETENTION_SECS`] past the run's expiry; `None` for a budget, kept.
+    pub fn forget_at(&self) -> Option<u64> {
+        let retention = if self.is_run() { RUN_RETENTION_SECS } else { WINDOW_RETENTION_SECS };
+        self.expiry().map(|expiry| expiry.saturating_add(retention))
+    }
 }
 
-/// How long a store keeps a window's or a run's counter past its [`CounterKey::expiry`]:
-/// a day, so a run's `GET` still reads what it spent, and a stream's late settlement
-/// still finds its window.
-pub const TRANSIENT_RETENTION_SECS: u64 = 86_400;
+/// How long a store keeps a window's counter past its minute: an hour, so a stream's
+/// late settlement (a call lives 15 minutes at most) still finds its window; nothing
+/// reads an older one, and a sweep walks fewer.
+pub const WINDOW_RETENTION_SECS: u64 = 3600;
+
+/// How long a store keeps a run, and its counters, past the run's expiry: a day, so a
+/// run's `GET` still reads what it spent.
+pub const RUN_RETENTION_SECS: u64 = 86_400;
 
 /// `2026-12-06T10:01:05Z`.
 fn timestamp(at: u64) -> String {
@@ -272,10 +289,11 @@ pub trait BudgetStore: Send + Sync {
 
     /// Stores a new run (SPEC §15) and names it among its parent's children, in one
     /// atomic step. `false`, and nothing written, when its id is taken or its parent
-    /// (`run.ancestors[0]`) is not stored or has ended.
+    /// (`run.ancestors[0]`) is not stored, has ended or has [`run::MAX_CHILDREN`]
+    /// children already.
     async fn create_run(&self, run: &Run) -> Result<bool, StoreError>;
 
-    /// A run as stored (kept [`TRANSIENT_RETENTION_SECS`] past its expiry at least).
+    /// A run as stored (kept [`RUN_RETENTION_SECS`] past its expiry at least).
     async fn run(&self, id: &str) -> Result<Option<Run>, StoreError>;
 
     /// Ends a run at `at`, and every descendant not ended before.

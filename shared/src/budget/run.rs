@@ -17,6 +17,14 @@ use crate::money::MicroEur;
 pub const MAX_TTL_SECS: u64 = 24 * 3600;
 pub const DEFAULT_TTL_SECS: u64 = 3600;
 
+/// The most ancestors a run may have: each adds three lines to every reservation of a
+/// call in the run, and a reservation is one DynamoDB transaction (100 items at most).
+pub const MAX_ANCESTORS: usize = 8;
+
+/// The most children a run may have: its record names them all, and a DynamoDB item
+/// holds 400 KB at most.
+pub const MAX_CHILDREN: usize = 256;
+
 /// A run's budget: at least one of the two.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunBudget {

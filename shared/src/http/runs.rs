@@ -21,7 +21,7 @@ use serde_json::value::RawValue;
 
 use super::ApiError;
 use crate::budget::period::unix_now;
-use crate::budget::run::{self, DEFAULT_TTL_SECS, MAX_TTL_SECS, RunRef, RunState};
+use crate::budget::run::{self, DEFAULT_TTL_SECS, MAX_ANCESTORS, MAX_CHILDREN, MAX_TTL_SECS, RunRef, RunState};
 use crate::budget::{Run, RunBudget, RunEnd, Unit};
 use crate::call::InvalidRequest;
 use crate::config::parse_duration;
@@ -93,6 +93,14 @@ async fn create(State(gateway): State<Arc<Gateway>>, headers: HeaderMap, body: B
             return Err(invalid("`parent` must be a run's id (`run_` and 32 hex digits)", Some("parent")));
         }
         let parent = active(&gateway, &caller, parent).await?;
+        if parent.ancestors.len() >= MAX_ANCESTORS {
+            let (id, depth) = (parent.id(), parent.ancestors.len() + 1);
+            let message = format!("a run has at most {MAX_ANCESTORS} ancestors: a child of {id} would have {depth}");
+            return Err(invalid(&message, Some("parent")));
+        }
+        if parent.children.len() >= MAX_CHILDREN {
+            return Err(too_many_children(parent.id()));
+        }
         expires_at = expires_at.min(parent.this.expires_at);
         ancestors.push(parent.this.clone());
         ancestors.extend(parent.ancestors.iter().cloned());
@@ -118,10 +126,15 @@ async fn create(State(gateway): State<Arc<Gateway>>, headers: HeaderMap, body: B
             };
             return Ok((StatusCode::CREATED, Json(created)).into_response());
         }
-        // Refused: its id is taken (try another), or its parent ended meanwhile.
+        // Refused: its id is taken (try another), or its parent ended or was given
+        // its last child meanwhile.
         if gateway.budgets.run(run.id()).await?.is_none()
             && let Some(parent) = run.ancestors.first()
         {
+            let stored = gateway.budgets.run(&parent.id).await?;
+            if stored.is_some_and(|p| p.ended_at.is_none() && p.children.len() >= MAX_CHILDREN) {
+                return Err(too_many_children(&parent.id));
+            }
             return Err(GatewayError::RunEnded { run: parent.id.clone(), why: "ended" }.into());
         }
     }
@@ -178,6 +191,11 @@ async fn active(gateway: &Gateway, caller: &Caller, id: &str) -> Result<Run, Api
 
 fn not_found(id: &str) -> ApiError {
     GatewayError::RunNotFound { run: id.to_owned() }.into()
+}
+
+fn too_many_children(parent: &str) -> ApiError {
+    let message = format!("a run has at most {MAX_CHILDREN} children: run {parent} has them already");
+    invalid(&message, Some("parent"))
 }
 
 fn invalid(message: &str, param: Option<&'static str>) -> ApiError {

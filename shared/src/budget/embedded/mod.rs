@@ -84,9 +84,9 @@
 //! ended through the writer like a reservation, so `ledger::create_run` and
 //! `ledger::end_run` apply whole, durable before their answer). The whole ledger is
 //! held in memory: its counters (a few a tenant and agent per day and month, and the
-//! per-minute windows and runs' counters, which a sweep forgets a day past their
-//! expiry), its reservations (those in flight, and the swept ones kept a day) and its
-//! runs (also forgotten a day past their expiry).
+//! per-minute windows and runs' counters, which a sweep forgets an hour past their
+//! minute and a day past the run's expiry), its reservations (those in flight, and the
+//! swept ones kept a day) and its runs (also forgotten a day past their expiry).
 
 mod checkpoint;
 mod journal;
@@ -423,7 +423,7 @@ mod tests {
     #[tokio::test]
     async fn runs_and_forgotten_counters_are_durable() {
         use crate::budget::run::{RunBudget, RunRef};
-        use crate::budget::{Line, Period, TRANSIENT_RETENTION_SECS, Unit};
+        use crate::budget::{Line, Period, RUN_RETENTION_SECS, Unit};
 
         let now = crate::budget::conformance::NOW;
         let dir = tempfile::tempdir().unwrap();
@@ -486,9 +486,9 @@ mod tests {
         let ended = store.run("run_p").await.unwrap().unwrap();
         assert_eq!((ended.ended_at, ended.children), (Some(now + 5), vec!["run_c".to_owned()]));
         assert_eq!(store.run("run_c").await.unwrap().unwrap().ended_at, Some(now + 5));
-        store.sweep(window.expiry().unwrap() + TRANSIENT_RETENTION_SECS + 1).await.unwrap();
+        store.sweep(window.forget_at().unwrap() + 1).await.unwrap();
         assert_eq!(store.used(&[window.clone(), day.clone()]).await.unwrap(), [0, 9]);
-        store.sweep(now + 60 + TRANSIENT_RETENTION_SECS + 1).await.unwrap();
+        store.sweep(now + 60 + RUN_RETENTION_SECS + 1).await.unwrap();
         assert_eq!(store.run("run_p").await.unwrap(), None);
         drop(store);
 
