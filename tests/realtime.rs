@@ -681,3 +681,35 @@ async fn a_session_in_an_ended_run_runs_no_more_responses() {
     assert_eq!(refused["type"], "error", "{refused}");
     assert_eq!(refused["error"]["code"], "run_ended");
 }
+
+/// A session's responses count on its backend's provider quota each in the minute it
+/// is reserved (SPEC §14): at the quota, the session stays open and a response.create
+/// is answered with an `error` event, never sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_response_counts_on_the_backends_provider_quota() {
+    use flexway::budget::{CounterKey, Unit, period::unix_now};
+    let second = unix_now() % 60;
+    if second > 40 {
+        tokio::time::sleep(Duration::from_secs(60 - second)).await;
+    }
+    let fake = FakeModel::start().await.unwrap();
+    let (adapters, _) = memory_adapters();
+    let yaml = realtime_config(&fake.url(), "{}", "").replace(
+        "      capabilities: [chat, realtime]\n",
+        "      capabilities: [chat, realtime]\n      quota: {requests_per_minute: 2}\n",
+    );
+    assert!(yaml.contains("quota:"), "{yaml}");
+    let gw = serve_in_process(&yaml, adapters).await;
+    let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    next_event(&mut client).await;
+    let quota = CounterKey::window("~backend", Some("rt"), Unit::Requests, unix_now());
+    assert_eq!(one_response(&mut client).await["type"], "response.done");
+    assert_eq!(one_response(&mut client).await["type"], "response.done", "the second response's quota was held");
+    assert_eq!(gw.gateway.budgets.used(&[quota.clone()]).await.unwrap()[0], 2, "two responses, two requests");
+    client.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
+    let refused = next_event(&mut client).await;
+    assert_eq!(refused["type"], "error", "{refused}");
+    assert_eq!(refused["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(gw.gateway.budgets.used(&[quota]).await.unwrap()[0], 2, "the refused response counted nothing");
+    client.close(None).await.unwrap();
+}

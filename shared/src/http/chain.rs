@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use tower::{Layer as _, Service as _};
 use tracing::Instrument as _;
 
-use super::drive::Charge;
+use super::drive::{Charge, Quota as HeldQuota};
 use super::record::Draft;
 use crate::admission::STREAM_RESERVATION_SECS;
 use crate::audit::SkipCause;
@@ -396,13 +396,40 @@ async fn reserve_quota(
     backend: &BackendId,
     request_id: &str,
 ) -> Result<(), Failure> {
-    let Some(settings) = gateway.config.ai.backends.get(backend).filter(|b| !b.quota.is_none()) else {
-        return Ok(());
-    };
     let Some(bound) = charge.quota_bound() else { return Ok(()) };
     if charge.holds_quota(backend) {
         return Ok(());
     }
+    match hold_quota(gateway, backend, bound, request_id).await {
+        QuotaHold::Nothing => Ok(()),
+        QuotaHold::Held(quota) => {
+            charge.hold_quota(quota);
+            Ok(())
+        }
+        QuotaHold::Refused { rate, retry_after_secs } => Err(Failure::Quota { rate, retry_after_secs }),
+    }
+}
+
+/// What reserving on a backend's provider quota gave.
+pub(super) enum QuotaHold {
+    /// Nothing to hold: the backend has no quota, or the ledger failed (a quota only
+    /// steers: the call goes on without it, logged).
+    Nothing,
+    Held(HeldQuota),
+    /// A window of the quota is full until the minute's end.
+    Refused {
+        rate: Rate,
+        retry_after_secs: u64,
+    },
+}
+
+/// Reserves one request and `bound` tokens on `backend`'s provider quota windows
+/// (SPEC §14), as a reservation of its own (`<id>/quota/<backend>`): a call's
+/// attempt, or a realtime session's response.
+pub(super) async fn hold_quota(gateway: &Gateway, backend: &BackendId, bound: u64, id: &str) -> QuotaHold {
+    let Some(settings) = gateway.config.ai.backends.get(backend).filter(|b| !b.quota.is_none()) else {
+        return QuotaHold::Nothing;
+    };
     let now = unix_now();
     let windows: Arc<[Budget]> = plan::quota_for(settings, now).into();
     let lines = windows
@@ -411,15 +438,14 @@ async fn reserve_quota(
         .collect();
     // A stream's reservation outlives its backend's timeout, as the call's does.
     let expires_at = now + gateway.attempt_time(backend).as_secs() + STREAM_RESERVATION_SECS;
-    let request = ReserveRequest { request_id: format!("{request_id}/quota/{backend}"), lines, expires_at };
+    let request = ReserveRequest { request_id: format!("{id}/quota/{backend}"), lines, expires_at };
     let unanswered = Unanswered::new(&gateway.budgets, &request);
     let outcome = gateway.budgets.reserve(&request).await;
     unanswered.answered(&outcome);
     match outcome {
         Ok(ReserveOutcome::Reserved) => {
             let ticket = Ticket::new(gateway.budgets.clone(), request.reservation(), Arc::clone(&windows), now);
-            charge.hold_quota(backend.clone(), ticket, windows);
-            Ok(())
+            QuotaHold::Held(HeldQuota { backend: backend.clone(), ticket, windows })
         }
         Ok(ReserveOutcome::Refused { line }) => {
             gauge_quota(gateway, backend, &windows).await;
@@ -428,12 +454,12 @@ async fn reserve_quota(
                 Some(Kind::Window(rate)) => rate,
                 _ => Rate::Requests,
             };
-            Err(Failure::Quota { rate, retry_after_secs })
+            QuotaHold::Refused { rate, retry_after_secs }
         }
         // `Unanswered` refunds what the failed call may have written all the same.
         Err(e) => {
             tracing::warn!(backend = %backend, "provider quota not reserved, the ledger failed: {e}; tried without it");
-            Ok(())
+            QuotaHold::Nothing
         }
     }
 }

@@ -358,6 +358,7 @@ impl Session {
                             Ok(()) => {}
                             Err(
                                 refused @ (GatewayError::RateLimited { .. }
+                                | GatewayError::BackendQuota { .. }
                                 | GatewayError::RunEnded { .. }
                                 | GatewayError::InvalidRequest(_)),
                             ) => {
@@ -465,6 +466,7 @@ impl Session {
                         // client asks for a response and one may run.
                         Err(
                             GatewayError::RateLimited { .. }
+                            | GatewayError::BackendQuota { .. }
                             | GatewayError::RunEnded { .. }
                             | GatewayError::InvalidRequest(_),
                         ) => {}

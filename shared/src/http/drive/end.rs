@@ -20,6 +20,7 @@ use crate::call::ErrorCode;
 use crate::config::{BackendId, Price};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
+use crate::http::chain::QuotaHold;
 use crate::http::record::{Draft, UsageSource};
 use crate::identity::Caller;
 use crate::metering::Meter;
@@ -157,9 +158,9 @@ impl Charge {
 
     /// Holds a reservation on `backend`'s quota until the call ends. A charge that
     /// holds no tokens refunds it at once (by the ticket's guard): it has none.
-    pub fn hold_quota(&mut self, backend: BackendId, ticket: Ticket, windows: Arc<[plan::Budget]>) {
+    pub fn hold_quota(&mut self, quota: Quota) {
         if let Charge::Tokens(tokens) = self {
-            tokens.quotas.push(Quota { backend, ticket, windows });
+            tokens.quotas.push(quota);
         }
     }
 
@@ -236,12 +237,14 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
             MicroEur(0)
         }
         (Charge::Turns(turns), _) => {
-            let Turns { ticket, usage, cost, quotas, backend, .. } = *turns;
+            let Turns { ticket, usage, cost, quotas, .. } = *turns;
             // The allowance held for a response that never came back.
             if let Some(ticket) = ticket {
                 ticket.refund().await;
             }
-            end_quotas(gateway, quotas, Some((&backend, usage))).await;
+            // Each response settled its own; what is held is the next one's, which
+            // never ran.
+            end_quotas(gateway, quotas, None).await;
             draft.usage(usage, UsageSource::Reported, cost);
             cost
         }
@@ -367,6 +370,9 @@ impl Ending {
             }
         };
         let cost = ticket.settle(usage, turns.price).await;
+        // The response's provider quota, settled on it in the minute it was reserved.
+        let held = std::mem::take(&mut turns.quotas);
+        end_quotas(&self.gateway, held, Some((&turns.backend, usage))).await;
         turns.usage.prompt_tokens = turns.usage.prompt_tokens.saturating_add(usage.prompt_tokens);
         turns.usage.completion_tokens = turns.usage.completion_tokens.saturating_add(usage.completion_tokens);
         turns.cost = turns.cost.saturating_add(cost);
@@ -391,6 +397,18 @@ impl Ending {
         let who =
             Reserving { caller: &turns.caller, run: turns.run.as_deref(), request_id: &id, pace: &mut turns.pace };
         let (ticket, allowance) = reserve_turn(&self.gateway, who, turns.floor, turns.price).await?;
+        // Each response counts on its backend's provider quota in the minute it is
+        // reserved, as a call's attempt does (SPEC §14).
+        let bound = turns.floor.saturating_add(allowance);
+        match crate::http::chain::hold_quota(&self.gateway, &turns.backend, bound, &id).await {
+            QuotaHold::Nothing => {}
+            QuotaHold::Held(quota) => turns.quotas.push(quota),
+            QuotaHold::Refused { rate, retry_after_secs } => {
+                ticket.refund().await;
+                let backends = turns.backend.to_string();
+                return Err(GatewayError::BackendQuota { backends, kind: rate, retry_after_secs });
+            }
+        }
         turns.ticket = Some(ticket);
         turns.allowance = allowance;
         Ok(())

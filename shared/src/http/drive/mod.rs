@@ -31,7 +31,7 @@ use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
 use end::end;
-pub(super) use end::{Charge, Ended, Ending, Spent, Tokens};
+pub(super) use end::{Charge, Ended, Ending, Quota, Spent, Tokens};
 
 /// Who calls, under which request id, in which run.
 #[derive(Clone, Copy)]
