@@ -705,7 +705,11 @@ async fn each_response_counts_on_the_backends_provider_quota() {
     let quota = CounterKey::window("~backend", Some("rt"), Unit::Requests, unix_now());
     assert_eq!(one_response(&mut client).await["type"], "response.done");
     assert_eq!(one_response(&mut client).await["type"], "response.done", "the second response's quota was held");
-    assert_eq!(gw.gateway.budgets.used(&[quota.clone()]).await.unwrap()[0], 2, "two responses, two requests");
+    assert_eq!(
+        gw.gateway.budgets.used(std::slice::from_ref(&quota)).await.unwrap()[0],
+        2,
+        "two responses, two requests"
+    );
     client.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
     let refused = next_event(&mut client).await;
     assert_eq!(refused["type"], "error", "{refused}");
