@@ -302,18 +302,26 @@ async fn a_ledger_failing_on_a_quota_fails_open() {
 async fn a_tokens_quota_refusing_is_type_tokens() {
     let model = FakeModel::start().await.unwrap();
     let (adapters, _) = memory_adapters();
-    let url = model.url();
-    let quota = "quota: {requests_per_minute: 100, tokens_per_minute: 10}";
+    // The first call holds its 38 tokens while the backend answers: the second's 38 do
+    // not fit what is left of 60.
+    let url = model.scenario_url(&Scenario { delay_ms: Some(500), ..Default::default() });
+    let quota = "quota: {requests_per_minute: 100, tokens_per_minute: 60}";
     let gw =
         serve_in_process(&quota_config("main", &format!("    main: {{url: \"{url}\", {quota}}}\n")), adapters).await;
     early_in_a_minute().await;
-    let refused = gw.chat(KEY, hello()).await;
+    let first = gw.chat(KEY, hello());
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        gw.chat(KEY, hello()).await
+    };
+    let (first, refused) = tokio::join!(first, second);
+    assert_eq!(first.status(), 200);
     assert_eq!(refused.status(), 429);
     assert_eq!(header(&refused, "flexway-error-cause"), Some("backend_quota"));
     let body: Value = refused.json().await.unwrap();
     assert_eq!(body["error"]["type"], "tokens", "{body}");
     assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
-    assert_eq!(model.request_count(), 0);
+    assert_eq!(model.request_count(), 1, "the refused call was never sent");
 }
 
 /// A settlement reads its backend's quota for the gauge at most once a second; a
@@ -343,4 +351,32 @@ async fn the_quota_gauge_is_read_at_most_once_a_second_a_backend() {
     assert!(metrics.contains(r#"flexway_backend_quota_used_ratio{backend="sampled",kind="requests"} 1"#));
     flexway::console::overview(&gw.gateway, "", 1).await.unwrap();
     assert_eq!(ledger.quota_reads(), reads + 2, "the console reads the quota when it loads");
+}
+
+/// A call larger than a backend's whole tokens quota is passed over there (no minute
+/// could hold it), and where no backend could ever hold it, it is 400, not a 429 the
+/// SDKs would retry forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_larger_than_every_quota_is_400_and_another_member_serves_it_if_it_can() {
+    let (first, second) = (FakeModel::start().await.unwrap(), FakeModel::start().await.unwrap());
+    // "hello there" reserves 18 prompt tokens and 20 of allowance: 38, over a's 30.
+    let small = ", quota: {tokens_per_minute: 30}";
+    let (adapters, _) = memory_adapters();
+    let gw = serve_in_process(&pool(&first.url(), small, &second.url(), ""), adapters).await;
+    let served = gw.chat(KEY, hello()).await;
+    assert_eq!(served.status(), 200);
+    assert_eq!(header(&served, "flexway-backend"), Some("b"));
+    assert_eq!(header(&served, "flexway-degraded"), Some("backend-fallback"));
+    assert_eq!(quota_used(&gw, "a").await, [0, 0], "nothing reserved where it could never fit");
+
+    let (adapters, _) = memory_adapters();
+    let gw = serve_in_process(&pool(&first.url(), small, &second.url(), small), adapters).await;
+    let refused = gw.chat(KEY, hello()).await;
+    assert_eq!(refused.status(), 400);
+    assert_eq!(header(&refused, "x-should-retry"), Some("false"));
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "invalid_request");
+    assert!(body["error"]["message"].as_str().unwrap().contains("38 tokens"), "{body}");
+    let fits = json!({"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hello there"}]});
+    assert_eq!(gw.chat(KEY, fits).await.status(), 200, "28 tokens fit a's 30");
 }

@@ -73,7 +73,7 @@ pub(super) enum Failure {
     Request(Box<GatewayError>),
     /// The backend's provider quota is reached for the minute, which ends in
     /// `retry_after_secs`: `rate` refused. Passed over, nothing sent.
-    Quota { rate: Rate, retry_after_secs: u64 },
+    Quota { rate: Rate, retry_after_secs: u64, never: bool },
 }
 
 impl Failure {
@@ -236,6 +236,8 @@ pub(super) async fn attempt_chain<A: Attempt>(
     let mut at_quota: Vec<BackendId> = Vec::new();
     let mut quota_retry = 60;
     let mut quota_rate = Rate::Requests;
+    // Whether every quota that passed a candidate over is smaller than the call itself.
+    let mut only_never = true;
     // The inference pools whose picker could not answer, under `fail_open`.
     let mut opened: Vec<&BackendId> = Vec::new();
     for (i, candidate) in route.candidates.iter().enumerate() {
@@ -293,11 +295,12 @@ pub(super) async fn attempt_chain<A: Attempt>(
         refund_quota(charge, backend).await;
         match failure {
             Failure::Request(error) => return Err(*error),
-            Failure::Quota { rate, retry_after_secs } => {
+            Failure::Quota { rate, retry_after_secs, never } => {
                 draft.skipped(backend, SkipCause::Quota);
                 at_quota.push(backend.clone());
                 quota_retry = quota_retry.min(retry_after_secs);
                 quota_rate = rate;
+                only_never &= never;
             }
             Failure::Unreached => {}
             Failure::Picker(e) => {
@@ -321,6 +324,15 @@ pub(super) async fn attempt_chain<A: Attempt>(
     // Every candidate passed over, and only for its quota: a wait, not an outage.
     if last.is_none() && attempts.tried.is_empty() && attempts.skipped.is_empty() && !at_quota.is_empty() {
         let backends = at_quota.iter().map(BackendId::as_str).collect::<Vec<_>>().join(", ");
+        // No minute could ever hold it there: a wait would never end (400, no retry).
+        if only_never {
+            let bound = charge.quota_bound().unwrap_or_default();
+            return Err(crate::call::InvalidRequest::message(format!(
+                "this call may count {bound} tokens, more than the whole tokens_per_minute quota of {backends}: \
+                 no backend that could serve it ever could"
+            ))
+            .into());
+        }
         return Err(GatewayError::BackendQuota { backends, kind: quota_rate, retry_after_secs: quota_retry });
     }
     Err(unserved(route, attempts, last))
@@ -406,7 +418,7 @@ async fn reserve_quota(
             charge.hold_quota(quota);
             Ok(())
         }
-        QuotaHold::Refused { rate, retry_after_secs } => Err(Failure::Quota { rate, retry_after_secs }),
+        QuotaHold::Refused { rate, retry_after_secs, never } => Err(Failure::Quota { rate, retry_after_secs, never }),
     }
 }
 
@@ -416,10 +428,12 @@ pub(super) enum QuotaHold {
     /// steers: the call goes on without it, logged).
     Nothing,
     Held(HeldQuota),
-    /// A window of the quota is full until the minute's end.
+    /// A window of the quota is full until the minute's end, or (`never`) smaller
+    /// than the call's bound: no minute can hold it.
     Refused {
         rate: Rate,
         retry_after_secs: u64,
+        never: bool,
     },
 }
 
@@ -431,6 +445,10 @@ pub(super) async fn hold_quota(gateway: &Gateway, backend: &BackendId, bound: u6
         return QuotaHold::Nothing;
     };
     let now = unix_now();
+    let retry_after_secs = Period::Minute.end(now).saturating_sub(now).clamp(1, 60);
+    if settings.quota.tokens_per_minute.is_some_and(|limit| bound > limit) {
+        return QuotaHold::Refused { rate: Rate::Tokens, retry_after_secs, never: true };
+    }
     let windows: Arc<[Budget]> = plan::quota_for(settings, now).into();
     let lines = windows
         .iter()
@@ -449,12 +467,11 @@ pub(super) async fn hold_quota(gateway: &Gateway, backend: &BackendId, bound: u6
         }
         Ok(ReserveOutcome::Refused { line }) => {
             gauge_quota(gateway, backend, &windows).await;
-            let retry_after_secs = Period::Minute.end(now).saturating_sub(now).clamp(1, 60);
             let rate = match windows.get(line).map(|w| w.kind) {
                 Some(Kind::Window(rate)) => rate,
                 _ => Rate::Requests,
             };
-            QuotaHold::Refused { rate, retry_after_secs }
+            QuotaHold::Refused { rate, retry_after_secs, never: false }
         }
         // `Unanswered` refunds what the failed call may have written all the same.
         Err(e) => {

@@ -403,9 +403,14 @@ impl Ending {
         match crate::http::chain::hold_quota(&self.gateway, &turns.backend, bound, &id).await {
             QuotaHold::Nothing => {}
             QuotaHold::Held(quota) => turns.quotas.push(quota),
-            QuotaHold::Refused { rate, retry_after_secs } => {
+            QuotaHold::Refused { rate, retry_after_secs, never } => {
                 ticket.refund().await;
-                let backends = turns.backend.to_string();
+                let backend = &turns.backend;
+                if never {
+                    let message = format!("the next response may count {bound} tokens, more than {backend}'s quota");
+                    return Err(crate::call::InvalidRequest::message(message).into());
+                }
+                let backends = backend.to_string();
                 return Err(GatewayError::BackendQuota { backends, kind: rate, retry_after_secs });
             }
         }
