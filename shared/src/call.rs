@@ -427,3 +427,34 @@ pub enum IdentityError {
     )]
     UnreadableTenant,
 }
+
+/// What a per-minute window counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rate {
+    Requests,
+    Tokens,
+}
+
+impl Rate {
+    /// OpenAI's error `type` for it, and the `x-ratelimit-*` suffix.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Rate::Requests => "requests",
+            Rate::Tokens => "tokens",
+        }
+    }
+
+    /// Its config key, and `Flexway-Error-Cause` when it refuses.
+    pub fn cause(self) -> &'static str {
+        match self {
+            Rate::Requests => "requests_per_minute",
+            Rate::Tokens => "tokens_per_minute",
+        }
+    }
+}
+
+impl std::fmt::Display for Rate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.cause())
+    }
+}

@@ -89,13 +89,13 @@ pub enum GatewayError {
     /// A per-minute limit (SPEC §14): `holder` names it (`tenant acme`, `agent acme/bot`,
     /// `key 9f86d081…`); the window ends in `retry_after_secs` (1–60).
     #[error("rate limit reached: {holder} {kind} ({limit}); retry in {retry_after_secs} s")]
-    RateLimited { holder: String, kind: crate::budget::plan::Rate, limit: u64, retry_after_secs: u64 },
+    RateLimited { holder: String, kind: crate::call::Rate, limit: u64, retry_after_secs: u64 },
     /// Every candidate backend is at its provider quota (SPEC §14); `kind` is the rate
     /// that refused last (the OpenAI error's `type`).
     #[error(
         "every backend that could serve this call is at its provider quota ({backends}); retry in {retry_after_secs} s"
     )]
-    BackendQuota { backends: String, kind: crate::budget::plan::Rate, retry_after_secs: u64 },
+    BackendQuota { backends: String, kind: crate::call::Rate, retry_after_secs: u64 },
     /// A `Flexway-Run` that is not the caller's or does not exist: never says which.
     #[error("run `{run}` was not found")]
     RunNotFound { run: String },
