@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::budget::plan::{self, Allowance, Budget, Kind, Pace};
-use crate::budget::ticket::Unanswered;
+use crate::budget::ticket::reserve_guarded;
 use crate::budget::{ReserveOutcome, ReserveRequest, Run, Ticket, period::unix_now};
 use crate::call::Criticality;
 use crate::config::Capability;
@@ -232,9 +232,7 @@ async fn decide(
     let mut life: u64 = route.candidates.iter().map(|c| gateway.attempt_time(&c.backend).as_secs() + 1).sum();
     life += if demand.stream { STREAM_RESERVATION_SECS } else { RESERVATION_GRACE_SECS };
     let request = ReserveRequest { request_id: request_id.to_owned(), lines, expires_at: now + life };
-    let unanswered = Unanswered::new(&gateway.budgets, &request);
-    let outcome = gateway.budgets.reserve(&request).await;
-    unanswered.answered(&outcome);
+    let outcome = reserve_guarded(&gateway.budgets, &request).await;
     match outcome? {
         ReserveOutcome::Reserved => Ok(Decided::Admitted(Admission {
             route,
@@ -275,9 +273,7 @@ pub async fn reserve_turn(
             .map_err(|i| unplanned(gateway, caller, &budgets[i], prompt, now))?;
         let expires_at = now + STREAM_RESERVATION_SECS;
         let request = ReserveRequest { request_id: request_id.to_owned(), lines: planned.lines, expires_at };
-        let unanswered = Unanswered::new(&gateway.budgets, &request);
-        let outcome = gateway.budgets.reserve(&request).await;
-        unanswered.answered(&outcome);
+        let outcome = reserve_guarded(&gateway.budgets, &request).await;
         match outcome? {
             ReserveOutcome::Reserved => {
                 *pace = paced(gateway, &budgets).await;
@@ -315,9 +311,7 @@ pub async fn reserve_used(
         .map(|(key, amount)| crate::budget::Line { key, amount, limit: None })
         .collect();
     let request = ReserveRequest { request_id: request_id.to_owned(), lines, expires_at: now + RESERVATION_GRACE_SECS };
-    let unanswered = Unanswered::new(&gateway.budgets, &request);
-    let outcome = gateway.budgets.reserve(&request).await;
-    unanswered.answered(&outcome);
+    let outcome = reserve_guarded(&gateway.budgets, &request).await;
     outcome?;
     Ok(Ticket::new(gateway.budgets.clone(), request.reservation(), budgets, now))
 }
@@ -381,9 +375,7 @@ pub async fn reserve_eur(
         })
         .collect();
     let request = ReserveRequest { request_id: request_id.to_owned(), lines, expires_at: now + life_secs };
-    let unanswered = Unanswered::new(&gateway.budgets, &request);
-    let outcome = gateway.budgets.reserve(&request).await;
-    unanswered.answered(&outcome);
+    let outcome = reserve_guarded(&gateway.budgets, &request).await;
     let outcome = outcome?;
     // What a client paces on is its call's first step (a later one is the same call).
     if first {

@@ -34,7 +34,9 @@ use crate::config::Price;
 use crate::money::MicroEur;
 
 use super::plan::{self, Budget};
-use super::{BudgetStore, CounterKey, IntentOutcome, Reservation, ReserveRequest, SettleOutcome, StoreError};
+use super::{
+    BudgetStore, CounterKey, IntentOutcome, Reservation, ReserveOutcome, ReserveRequest, SettleOutcome, StoreError,
+};
 
 /// Tries at a settlement, at its intent, and at a refund, each. Stores retry contention
 /// themselves; these cover a store that fails outright for a moment.
@@ -153,6 +155,19 @@ pub(crate) struct Unanswered<'a> {
     store: &'a Arc<dyn BudgetStore>,
     request: &'a ReserveRequest,
     armed: bool,
+}
+
+/// Reserves `request` on `store`, the reservation refunded (in the background) if
+/// this is dropped, or the store fails, before it answers: what every reservation of
+/// a call goes through.
+pub(crate) async fn reserve_guarded(
+    store: &Arc<dyn BudgetStore>,
+    request: &ReserveRequest,
+) -> Result<ReserveOutcome, StoreError> {
+    let unanswered = Unanswered::new(store, request);
+    let outcome = store.reserve(request).await;
+    unanswered.answered(&outcome);
+    outcome
 }
 
 impl<'a> Unanswered<'a> {

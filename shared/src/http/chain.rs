@@ -38,7 +38,7 @@ use crate::admission::STREAM_RESERVATION_SECS;
 use crate::audit::SkipCause;
 use crate::budget::period::unix_now;
 use crate::budget::plan::{self, Budget, Kind, Rate};
-use crate::budget::ticket::Unanswered;
+use crate::budget::ticket::reserve_guarded;
 use crate::budget::{Line, Period, ReserveOutcome, ReserveRequest, Ticket, Unit};
 use crate::call::PickReason;
 use crate::config::{BackendId, Endpoint, FailureMode};
@@ -457,9 +457,7 @@ pub(super) async fn hold_quota(gateway: &Gateway, backend: &BackendId, bound: u6
     // A stream's reservation outlives its backend's timeout, as the call's does.
     let expires_at = now + gateway.attempt_time(backend).as_secs() + STREAM_RESERVATION_SECS;
     let request = ReserveRequest { request_id: format!("{id}/quota/{backend}"), lines, expires_at };
-    let unanswered = Unanswered::new(&gateway.budgets, &request);
-    let outcome = gateway.budgets.reserve(&request).await;
-    unanswered.answered(&outcome);
+    let outcome = reserve_guarded(&gateway.budgets, &request).await;
     match outcome {
         Ok(ReserveOutcome::Reserved) => {
             let ticket = Ticket::new(gateway.budgets.clone(), request.reservation(), Arc::clone(&windows), now);
