@@ -356,16 +356,21 @@ impl DynamoDbBudgetStore {
 
     async fn reservation(&self, request_id: &str) -> Result<Option<Stored>, StoreError> {
         let pk = format!("{RESERVATION_PREFIX}{request_id}");
+        self.item(&pk).await?.map(|item| parse_reservation(&pk, &item)).transpose()
+    }
+
+    /// The item `pk`, read consistently.
+    async fn item(&self, pk: &str) -> Result<Option<HashMap<String, AttributeValue>>, StoreError> {
         let output = self
             .client
             .get_item()
             .table_name(&self.table)
-            .key("pk", s(pk.clone()))
+            .key("pk", s(pk.to_owned()))
             .consistent_read(true)
             .send()
             .await
             .map_err(|e| backend("GetItem", &e))?;
-        output.item().map(|item| parse_reservation(&pk, item)).transpose()
+        Ok(output.item)
     }
 
     fn reservation_key(request_id: &str) -> AttributeValue {
@@ -621,16 +626,7 @@ impl BudgetStore for DynamoDbBudgetStore {
 
     async fn run(&self, id: &str) -> Result<Option<Run>, StoreError> {
         let pk = format!("{RUN_PREFIX}{id}");
-        let output = self
-            .client
-            .get_item()
-            .table_name(&self.table)
-            .key("pk", s(pk.clone()))
-            .consistent_read(true)
-            .send()
-            .await
-            .map_err(|e| backend("GetItem", &e))?;
-        output.item().map(|item| parse_run(&pk, item)).transpose()
+        self.item(&pk).await?.map(|item| parse_run(&pk, &item)).transpose()
     }
 
     /// Ends each run before reading its children (see the module docs), so that no
