@@ -5,6 +5,7 @@
 pub mod admission;
 pub mod audit;
 pub mod budget;
+pub mod cache;
 pub mod call;
 pub mod config;
 pub mod console;

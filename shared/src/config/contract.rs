@@ -223,7 +223,7 @@ fn operation(value: &Value) -> Result<AiOperation, String> {
     if feature.is_empty() {
         return Err("has no feature name (a metrics dimension, e.g. \"ocr\")".to_owned());
     }
-    Ok(AiOperation { metering, price_per_thousand, feature })
+    Ok(AiOperation { metering, price_per_thousand, feature, cache: None })
 }
 
 #[cfg(test)]

@@ -89,7 +89,7 @@ fn operation(
     if feature.is_empty() {
         return Err("has no feature name (a metrics dimension, e.g. \"ocr\")".to_owned());
     }
-    Ok(Some(AiOperation { metering, price_per_thousand, feature }))
+    Ok(Some(AiOperation { metering, price_per_thousand, feature, cache: None }))
 }
 
 /// A decimal string of euros (`"0.25"`) to micro-euros, exactly: digits, at most one
@@ -135,6 +135,7 @@ mod tests {
             metering: GrpcMetering::PerByte,
             price_per_thousand: MicroEur(price),
             feature: "f".into(),
+            cache: None,
         };
         // 0.5 €/thousand bytes = 500 µ€ a byte.
         assert_eq!(op(500_000).cost(7), MicroEur(3_500));

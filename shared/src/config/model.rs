@@ -174,6 +174,8 @@ pub struct Tenant {
     pub max_criticality: Criticality,
     /// The jurisdictions its calls may be processed in, lower-cased (`None`: any).
     pub residency: Option<BTreeSet<String>>,
+    /// `cache: off` (SPEC §16): its calls neither read nor write the response cache.
+    pub cache_off: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -217,6 +219,8 @@ pub struct Agent {
     /// The jurisdictions its calls may be processed in: its tenant's narrowed by its
     /// own (at load), lower-cased (`None`: any).
     pub residency: Option<BTreeSet<String>>,
+    /// `cache: off` (SPEC §16), its own or its tenant's.
+    pub cache_off: bool,
 }
 
 impl Config {
@@ -246,6 +250,8 @@ pub struct Ai {
     pub limits: Limits,
     /// Session affinity for HTTP calls (`ai.affinity`); `None`: off.
     pub affinity: Option<Affinity>,
+    /// The response cache (`ai.cache`, SPEC §16); `None`: nothing is cached.
+    pub cache: Option<Cache>,
     pub backends: BTreeMap<BackendId, Backend>,
     /// What each `kind: grpc` backend's descriptor set declares, read at load (empty
     /// for a backend whose set is missing under [`Secrets::Check`](super::Secrets)).
@@ -264,6 +270,76 @@ impl Ai {
             })
             .max()
     }
+}
+
+/// `ai.cache` (SPEC §16): where entries are kept, the key they are sealed with, the
+/// policies, and which model names each applies to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cache {
+    pub store: CacheStoreConfig,
+    /// The master key each tenant's entry key is derived from (HKDF).
+    pub key: SecretRef,
+    pub policies: BTreeMap<String, Arc<CachePolicy>>,
+    /// The model name a caller sends → the policy its calls are cached under.
+    pub models: BTreeMap<String, String>,
+}
+
+impl Cache {
+    /// The policy that applies to a call asking for `model`, and its name.
+    pub fn for_model(&self, model: &str) -> Option<(&str, &Arc<CachePolicy>)> {
+        let name = self.models.get(model)?;
+        self.policies.get(name).map(|policy| (name.as_str(), policy))
+    }
+}
+
+/// Where cache entries are kept (`ai.cache.store`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheStoreConfig {
+    /// One local file: the entries, and an index per partition rebuilt from it.
+    Embedded { path: PathBuf },
+    /// PostgreSQL with pgvector (the fleet; Aurora PostgreSQL in a VPC).
+    Postgres { url: SecretRef },
+    /// A DynamoDB table: exact policies only.
+    DynamoDb { table: String },
+}
+
+/// One cache policy (`ai.cache.policies.NAME`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CachePolicy {
+    pub mode: CacheMode,
+    /// How long an entry serves.
+    pub ttl: Duration,
+    /// The least cosine similarity a semantic hit needs (0.95 by default).
+    pub threshold: f32,
+    /// The backend and model that embed a semantic policy's messages.
+    pub embed: Option<CacheEmbed>,
+    pub scope: CacheScope,
+    /// What a hit is charged: a fraction of the producing call's cost, in parts per
+    /// million (`none`: 0, `full`: 1,000,000).
+    pub charge_ppm: u32,
+    pub max_entry_bytes: u64,
+    pub max_entries_per_tenant: u64,
+    /// Whether sensitive calls read and write the cache (`sensitive: allow`).
+    pub sensitive_allowed: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheMode {
+    Exact,
+    Semantic,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheEmbed {
+    pub backend: BackendId,
+    pub model: String,
+}
+
+/// Whose entries a call shares: its tenant's, or its agent's only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheScope {
+    Tenant,
+    Agent,
 }
 
 /// `ai.affinity`: the header whose value pins a session to a pool member.
@@ -723,6 +799,8 @@ pub struct AiOperation {
     pub price_per_thousand: MicroEur,
     /// A metrics dimension and an audit field (`ocr`).
     pub feature: String,
+    /// The cache policy its answers are kept under (`cache: POLICY`; REST only).
+    pub cache: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

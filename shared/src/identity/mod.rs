@@ -275,6 +275,7 @@ mod tests {
             agents,
             max_criticality: Default::default(),
             residency: None,
+            cache_off: false,
         };
         let mut edge_agents = BTreeMap::new();
         edge_agents.insert(AgentId::new("relayer"), Agent::default());
@@ -295,6 +296,7 @@ mod tests {
             agents: edge_agents,
             max_criticality: Default::default(),
             residency: None,
+            cache_off: false,
         };
         KeyRing::from_tenants([&tenant, &edge])
     }

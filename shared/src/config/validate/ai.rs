@@ -112,6 +112,7 @@ impl Checker<'_> {
             vision: vision?,
             limits,
             affinity,
+            cache: None,
             backends,
             grpc: std::mem::take(&mut self.grpc),
         })

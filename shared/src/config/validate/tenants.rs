@@ -64,7 +64,7 @@ impl Checker<'_> {
                 };
             }
             let tenant =
-                Tenant { name: id.clone(), keys, budgets, limits, backend, agents, max_criticality, residency };
+                Tenant { name: id.clone(), keys, budgets, limits, backend, agents, max_criticality, residency, cache_off: false };
             tenants.insert(id, tenant);
         }
         tenants
@@ -137,6 +137,7 @@ impl Checker<'_> {
             limits: self.rates(&format!("{path}.limits"), raw.limits),
             max_criticality,
             residency,
+            cache_off: false,
         }
     }
 

@@ -1,0 +1,1 @@
+//! The conformance suite every [`CacheStore`](super::CacheStore) passes.

@@ -1,0 +1,1 @@
+//! The embedded cache store: one local file, an index per partition.
