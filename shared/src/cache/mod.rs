@@ -29,6 +29,8 @@ pub use seal::{Keys, Sealed};
 pub struct Partition {
     /// The tenant whose entries these are (purge, stats and eviction go by it).
     pub tenant: String,
+    /// The policy they are kept under (purge and stats go by it too).
+    pub policy: String,
     /// SHA-256 of tenant, agent (scope `agent`), policy, requested model and the
     /// request's context hash.
     pub id: [u8; 32],
@@ -46,7 +48,7 @@ impl Partition {
         }
         hash.update(agent.is_some().then_some([1]).unwrap_or([0]));
         hash.update(context);
-        Partition { tenant: tenant.to_owned(), id: hash.finalize().into() }
+        Partition { tenant: tenant.to_owned(), policy: policy.to_owned(), id: hash.finalize().into() }
     }
 }
 
@@ -97,10 +99,11 @@ pub struct Entry<'a> {
     pub max_entries_per_tenant: u64,
 }
 
-/// A tenant's entries in a store.
+/// A tenant's entries of one policy in a store.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct TenantStats {
+pub struct Stats {
     pub tenant: String,
+    pub policy: String,
     pub entries: u64,
     /// What its sealed entries weigh (vectors not counted).
     pub bytes: u64,
@@ -129,11 +132,11 @@ pub trait CacheStore: Send + Sync {
     /// its tenant's oldest past `entry.max_entries_per_tenant`.
     async fn store(&self, entry: Entry<'_>) -> Result<(), StoreError>;
 
-    /// Drops every entry of `tenant`; how many there were.
-    async fn purge(&self, tenant: &str) -> Result<u64, StoreError>;
+    /// Drops every entry of `tenant` (of `policy` only, if given); how many there were.
+    async fn purge(&self, tenant: &str, policy: Option<&str>) -> Result<u64, StoreError>;
 
-    /// Each tenant's live entries, by tenant name.
-    async fn stats(&self) -> Result<Vec<TenantStats>, StoreError>;
+    /// The live entries of each tenant and policy, ordered by tenant then policy.
+    async fn stats(&self) -> Result<Vec<Stats>, StoreError>;
 
     /// Whether it compares embeddings (`false`: exact policies only).
     fn semantic(&self) -> bool {

@@ -106,7 +106,7 @@ mod tests {
         assert!(!sealed.0.windows(5).any(|w| w == b"Paris"), "no clear text at rest");
         assert_eq!(keys.open(&acme, &[1; 32], &sealed).as_deref(), Some(&b"Paris is the capital"[..]));
         assert_eq!(keys.open(&acme, &[2; 32], &sealed), None, "another exact hash");
-        let initech = Partition { tenant: "initech".into(), id: acme.id };
+        let initech = Partition { tenant: "initech".into(), ..acme.clone() };
         assert_eq!(keys.open(&initech, &[1; 32], &sealed), None, "another tenant's key");
         let other = Partition::new("acme", None, "faq", "m2", &[0; 32]);
         assert_eq!(keys.open(&other, &[1; 32], &sealed), None, "another partition");
