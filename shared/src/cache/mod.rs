@@ -82,6 +82,9 @@ pub struct Lookup<'a> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Found {
     pub sealed: Sealed,
+    /// The exact hash the entry was stored under (the probe's own for an exact match,
+    /// the stored message's for a semantic one): it opens the sealed bytes.
+    pub exact: [u8; 32],
     /// 1.0 for an exact match; the cosine of the two embeddings otherwise.
     pub similarity: f32,
     pub stored_at: u64,
