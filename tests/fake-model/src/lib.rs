@@ -24,6 +24,11 @@
 //! and usage is always sent (`no_usage` does not apply). An Anthropic backend
 //! is configured with the base URL without `/v1`: [`FakeModel::anthropic_url`].
 //!
+//! `/v1/embeddings` answers eight numbers per input that only tell equal texts
+//! apart, except for a model whose name contains `similar` (`fake-embed-similar`):
+//! 256 numbers that put texts of similar spelling close ([`similar`]), for the
+//! response cache's semantic mode. Usage counts words either way.
+//!
 //! With a [`Capacity`] ([`FakeModel::start_with`]) it stands for a model server
 //! under load: calls wait for one of its slots, and `GET /metrics` shows its
 //! queue as vLLM does ([`load`]).
@@ -45,6 +50,7 @@ mod openai;
 pub mod realtime;
 mod scenario;
 mod server;
+pub mod similar;
 
 use axum::serve::ListenerExt;
 use std::net::{Ipv4Addr, SocketAddr};

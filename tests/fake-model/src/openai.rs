@@ -328,12 +328,14 @@ pub(crate) fn embedding_inputs(input: &Value) -> Option<Vec<(String, usize)>> {
     }
 }
 
-/// An `embeddings` list response.
+/// An `embeddings` list response: [`crate::similar`]'s vectors for a model it is
+/// chosen by, [`embedding_of`]'s otherwise.
 pub(crate) fn embeddings(model: &str, inputs: &[(String, usize)]) -> Value {
+    let embed = if crate::similar::chosen_by(model) { crate::similar::embedding } else { embedding_of };
     let data: Vec<Value> = inputs
         .iter()
         .enumerate()
-        .map(|(index, (text, _))| json!({"object": "embedding", "index": index, "embedding": embedding_of(text)}))
+        .map(|(index, (text, _))| json!({"object": "embedding", "index": index, "embedding": embed(text)}))
         .collect();
     let tokens: usize = inputs.iter().map(|(_, n)| n).sum();
     json!({

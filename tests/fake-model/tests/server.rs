@@ -319,6 +319,27 @@ async fn embeddings_are_deterministic_per_input() {
 }
 
 #[tokio::test]
+async fn a_similar_model_embeds_similar_texts_close_and_counts_the_same_tokens() {
+    let fake = FakeModel::start().await.unwrap();
+    let input = ["What is the capital of France?", "Which city is the capital of France?", "Bake bread"];
+    let body = json!({"model": "fake-embed-similar", "input": input});
+    let body: Value = post(&fake.url(), "/embeddings", &body).await.json().await.unwrap();
+
+    assert_eq!(body["model"], "fake-embed-similar");
+    assert_eq!(body["usage"], json!({"prompt_tokens": 15, "total_tokens": 15}));
+    let vectors: Vec<Vec<f32>> = body["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| serde_json::from_value(d["embedding"].clone()).unwrap())
+        .collect();
+    assert!(vectors.iter().all(|v| v.len() == fake_model::similar::DIMENSIONS));
+    assert_eq!(vectors[0], fake_model::similar::embedding(input[0]));
+    let cosine = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+    assert!(cosine(&vectors[0], &vectors[1]) > cosine(&vectors[0], &vectors[2]));
+}
+
+#[tokio::test]
 async fn models_lists_the_fake_models() {
     let fake = FakeModel::start().await.unwrap();
     let body: Value = reqwest::get(format!("{}/models", fake.url())).await.unwrap().json().await.unwrap();
