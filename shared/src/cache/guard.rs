@@ -13,7 +13,8 @@
 //!   are one ("3" = "three" = "trois" = "3rd" = "third"; "twenty-one" = "vingt et un"
 //!   = "21"; "quatre-vingt-dix-sept" = "97"; "two hundred and five" = "205").
 //!   `1,000` and `1,000,000` are thousands (`1000`, `1000000`), as are `1.000.000`
-//!   and `1 000` with a no-break or thin space (French typography); a single comma or
+//!   and `1 000` (French, with any space: a lead of one to three digits then groups
+//!   of three, so `2 100 pages` is 2100 pages, the French reading); a single comma or
 //!   point with other than three digits after it is a decimal mark, so `3,5` = `3.5`,
 //!   and a single point is always one (`1.000` = `1`). `2.50` = `2.5`, `007` = `7`.
 //!   `1.2.3` is three numbers. The French article `un`/`une` is not a number (it
@@ -22,7 +23,7 @@
 //!   unit of time more often than not); `cent` is the French hundred. `half`,
 //!   `demi` and `moitié` are 0.5.
 //! - **Operators** next to a number: `+ - * × / ÷ ^ = < > % ≤ ≥ ≠`, and the words
-//!   `plus`, `minus`, `times`, `multiplied by`, `divided by`, `over`, `moins`, `fois`,
+//!   `percent`, `pour cent` after a number (`%`), `plus`, `minus`, `times`, `multiplied by`, `divided by`, `over`, `moins`, `fois`,
 //!   `multiplié par`, `divisé par` between two numbers ("2+2" is not "2×2", "-5" is not "5").
 //! - **Negations**, counted: `not` and every `n't` contraction, `no` (but `no one` is
 //!   one negation, not a number), `never`, `without`, `none`, `nothing`, `nobody`,
@@ -114,8 +115,13 @@ fn tokens(text: &str) -> Vec<Token> {
                 while at(i).is_ascii_digit() {
                     i += 1;
                 }
-                let grouped =
-                    at(i) == NBSP && (1..=3).all(|k| at(i + k).is_ascii_digit()) && !at(i + 4).is_ascii_digit();
+                // `1 000 000`: a lead of one to three digits, then groups of three.
+                let lead = chars[start..i].iter().take_while(|c| c.is_ascii_digit()).count();
+                let grouped = matches!(at(i), ' ' | NBSP)
+                    && lead <= 3
+                    && chars[start..i].iter().all(|&c| c.is_ascii_digit() || c == ' ' || c == NBSP)
+                    && (1..=3).all(|k| at(i + k).is_ascii_digit())
+                    && !at(i + 4).is_ascii_digit();
                 if (matches!(at(i), '.' | ',') && at(i + 1).is_ascii_digit()) || grouped {
                     i += 1;
                 } else {
@@ -169,7 +175,7 @@ fn words(word: &str, tokens: &mut Vec<Token>) {
 
 /// The numbers of a literal of digits, points, commas and grouping spaces.
 fn numbers(literal: &str) -> Vec<String> {
-    let literal: String = literal.chars().filter(|&c| c != NBSP).collect();
+    let literal: String = literal.chars().filter(|&c| c != NBSP && c != ' ').collect();
     let groups: Vec<&str> = literal.split(['.', ',']).collect();
     let seps: Vec<char> = literal.chars().filter(|c| matches!(c, '.' | ',')).collect();
     let lead = groups.first().map_or(0, |g| g.len());
@@ -388,6 +394,12 @@ impl Reader {
         }
         self.flush();
         let after_number = std::mem::take(&mut self.after_number);
+        // `20 percent`, `vingt pour cent`: the `%` they stand for.
+        let per_cent = matches!(word, "per" | "pour") && next_word == "cent";
+        if after_number && (per_cent || matches!(word, "percent" | "pourcent")) {
+            self.items.push("%".to_owned());
+            return usize::from(per_cent);
+        }
         if let Some(op) = operator_word(word) {
             let by = matches!(next_word, "by" | "par");
             let following = tokens.get(i + 1 + usize::from(by));
@@ -520,6 +532,9 @@ mod tests {
         ("half an hour", "0.5 hour"),
         ("une demi-heure", "0,5 heure"),
         ("10\u{2009}000 €", "10\u{a0}000 €"),
+        ("10 000 €", "10000 €"),
+        ("20% of 150", "twenty percent of 150"),
+        ("20 % de 150", "vingt pour cent de 150"),
         ("dix mille euros", "10\u{202f}000 €"),
         ("version 1.2.3", "v1, 2, 3"),
         ("at least 3", "at least three"),
@@ -545,6 +560,8 @@ mod tests {
         ("3.5 kg", "35 kg"),
         ("3,5 kg", "3.6 kg"),
         ("1,000 users", "1 users"),
+        ("en 2018 100 personnes", "en 2018100 personnes"),
+        ("20 % de 150", "25 pour cent de 150"),
         ("version 1.2.3", "version 1.2.4"),
         ("from 2 to 3", "from 3 to 2"),
         ("the 3rd chapter", "the 4th chapter"),
