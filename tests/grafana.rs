@@ -57,7 +57,8 @@ async fn every_metric_the_dashboard_reads_is_one_the_gateway_exports() {
         .flat_map(|p| p["targets"].as_array().unwrap().clone())
         .flat_map(|t| metrics_in(t["expr"].as_str().unwrap()))
         .collect();
-    // The console's panels: spend, calls, errors, breakers, the members' load.
+    // The console's panels: spend, calls, errors, breakers, the members' load, what
+    // the response cache saved and holds.
     for wanted in [
         "flexway_inference_cost_eur_total",
         "flexway_inference_calls_total",
@@ -65,6 +66,9 @@ async fn every_metric_the_dashboard_reads_is_one_the_gateway_exports() {
         "flexway_breaker_state",
         "flexway_member_queue",
         "flexway_budget_remaining",
+        "flexway_cache_lookups_total",
+        "flexway_cache_saved_eur_total",
+        "flexway_cache_entries",
     ] {
         assert!(queried.contains(wanted), "the dashboard shows {wanted}");
     }

@@ -1,10 +1,11 @@
 //! What the operator's console shows (SPEC §9): per tenant and agent, the spend and
 //! tokens counted in the ledger against each budget; per backend, this process's
 //! calls, cost, errors, breaker state, its provider quota's use in the current minute
-//! (from the ledger) and, for pools that pick by load, each member's live load; and
-//! the calls of the last hour, minute by minute. Read from the ledger
-//! (the figures admission reads: in the fleet shape, the shared DynamoDB table) and
-//! from the process's own metrics; nothing else. `http::console` renders it.
+//! (from the ledger) and, for pools that pick by load, each member's live load; per
+//! tenant, what the response cache saved and holds (SPEC §16); and the calls of the
+//! last hour, minute by minute. Read from the ledger (the figures admission reads: in
+//! the fleet shape, the shared DynamoDB table) and from the process's own metrics;
+//! nothing else. `http::console` renders it.
 
 use serde::Serialize;
 
@@ -13,6 +14,7 @@ use crate::budget::plan::{self, Budget};
 use crate::budget::{StoreError, Unit};
 use crate::config::{BackendKind, Pick};
 use crate::gateway::Gateway;
+use crate::metrics::CacheTotals;
 use crate::money::MicroEur;
 
 /// Tenants (with their agents) shown on one page.
@@ -32,6 +34,9 @@ pub struct Overview {
     pub page: usize,
     pub pages: usize,
     pub backends: Vec<BackendRow>,
+    /// The response cache of this page's tenants that have a figure, in the page's
+    /// order.
+    pub cache: Vec<CacheRow>,
     /// Calls recorded by this process in each of the last 60 minutes, oldest first.
     pub calls_per_minute: Vec<u64>,
     /// Every budget past its soft threshold or at its cap, on any page.
@@ -114,6 +119,53 @@ pub struct Alert {
     pub agent: Option<String>,
     pub budget: &'static str,
     pub state: CapState,
+}
+
+/// One tenant's response cache, as this process counted it since it started: from
+/// its own metrics (`flexway_cache_*`), not the ledger, where a hit's savings are
+/// never reserved nor settled.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CacheRow {
+    pub tenant: String,
+    /// Calls served from the cache.
+    pub hits: u64,
+    /// Calls looked up and not served (a failing store's included).
+    pub misses: u64,
+    /// Calls that did not look: bypassed, or `cache: off`.
+    pub skipped: u64,
+    /// Answers stored.
+    pub stores: u64,
+    /// What the hits did not spend upstream.
+    pub saved_micro_eur: u64,
+    /// Live entries as last counted; `None` until counted.
+    pub entries: Option<u64>,
+}
+
+impl CacheRow {
+    /// Hits among the calls that looked, in percent; `None` before any.
+    pub fn hit_percent(&self) -> Option<f64> {
+        let looked = self.hits.saturating_add(self.misses);
+        (looked > 0).then(|| self.hits as f64 * 100.0 / looked as f64)
+    }
+}
+
+/// The cache rows of the tenants in `scopes` (their agents' rows skipped) that have a
+/// figure in `totals`, in the order of `scopes`.
+fn cache_rows(scopes: &[Scope], totals: &[CacheTotals]) -> Vec<CacheRow> {
+    scopes
+        .iter()
+        .filter(|scope| scope.agent.is_none())
+        .filter_map(|scope| totals.iter().find(|t| t.tenant == scope.tenant))
+        .map(|t| CacheRow {
+            tenant: t.tenant.clone(),
+            hits: t.hits,
+            misses: t.misses,
+            skipped: t.skipped,
+            stores: t.stores,
+            saved_micro_eur: t.saved.0,
+            entries: t.entries,
+        })
+        .collect()
 }
 
 /// One backend, as this process saw it since it started.
@@ -228,9 +280,11 @@ pub async fn overview(gateway: &Gateway, filter: &str, page: usize) -> Result<Ov
         scopes.extend(all.iter().filter(|s| &s.tenant == name).cloned());
     }
 
+    let cache = cache_rows(&scopes, &gateway.metrics.cache_totals());
     Ok(Overview {
         at: now,
         scopes,
+        cache,
         tenants: tenants.len(),
         page,
         pages,
@@ -345,4 +399,50 @@ fn backends(gateway: &Gateway, mut quotas: Vec<(String, Vec<QuotaRow>)>) -> Vec<
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scope(tenant: &str, agent: Option<&str>) -> Scope {
+        Scope { tenant: tenant.into(), agent: agent.map(Into::into), budgets: Vec::new() }
+    }
+
+    #[test]
+    fn cache_rows_follow_the_page_s_tenants() {
+        let metrics = crate::metrics::Registry::new();
+        metrics.cache_lookup("acme", "faq", "hit");
+        metrics.cache_lookup("acme", "faq", "miss");
+        metrics.cache_lookup("acme", "faq", "miss");
+        metrics.cache_lookup("acme", "faq", "error");
+        metrics.cache_saved("acme", MicroEur(2_500));
+        metrics.cache_entries("acme", 17);
+        metrics.cache_lookup("globex", "faq", "off");
+        metrics.cache_lookup("initech", "faq", "hit");
+        // This page: globex (the closest to a cap), acme and its agent, umbrella (no cache).
+        let page = [scope("globex", None), scope("acme", None), scope("acme", Some("bot")), scope("umbrella", None)];
+        let rows = cache_rows(&page, &metrics.cache_totals());
+        let acme = CacheRow {
+            tenant: "acme".into(),
+            hits: 1,
+            misses: 3,
+            skipped: 0,
+            stores: 0,
+            saved_micro_eur: 2_500,
+            entries: Some(17),
+        };
+        let globex = CacheRow {
+            tenant: "globex".into(),
+            hits: 0,
+            misses: 0,
+            skipped: 1,
+            stores: 0,
+            saved_micro_eur: 0,
+            entries: None,
+        };
+        assert_eq!(rows, [globex.clone(), acme.clone()], "initech is on another page");
+        assert_eq!(acme.hit_percent(), Some(25.0));
+        assert_eq!(globex.hit_percent(), None, "nothing looked up");
+    }
 }

@@ -276,6 +276,7 @@ fn render_page(overview: &Overview, filter: &str) -> String {
     }
     chart(&mut out, &overview.calls_per_minute);
     tenants(&mut out, overview, filter);
+    cache(&mut out, overview);
     backends(&mut out, overview);
     out.push_str("</main></body></html>");
     out
@@ -378,6 +379,38 @@ fn left(secs: u64) -> String {
     }
 }
 
+/// The response cache of this page's tenants, when any has a figure.
+fn cache(out: &mut String, overview: &Overview) {
+    if overview.cache.is_empty() {
+        return;
+    }
+    out.push_str(
+        "<section id=\"cache\"><h2>Response cache <span class=\"muted\">(this process, since it started; entries \
+         as last counted)</span></h2><table><thead><tr><th>tenant</th><th class=\"n\">hits</th><th class=\"n\">\
+         misses</th><th class=\"n\">hit rate</th><th class=\"n\">not looked up</th><th class=\"n\">stored</th>\
+         <th class=\"n\">saved</th><th class=\"n\">entries</th></tr></thead><tbody>",
+    );
+    for row in &overview.cache {
+        let rate = row.hit_percent().map_or_else(|| "–".to_owned(), |p| format!("{p:.1}%"));
+        let entries = row.entries.map_or_else(|| "–".to_owned(), |n| n.to_string());
+        let _ = write!(
+            out,
+            "<tr data-cache-tenant=\"{}\" data-saved=\"{}\" data-entries=\"{entries}\"><td>{}</td><td class=\"n\">\
+             {}</td><td class=\"n\">{}</td><td class=\"n\">{rate}</td><td class=\"n\">{}</td><td class=\"n\">{}</td>\
+             <td class=\"n\">{} €</td><td class=\"n\">{entries}</td></tr>",
+            esc(&row.tenant),
+            row.saved_micro_eur,
+            esc(&row.tenant),
+            row.hits,
+            row.misses,
+            row.skipped,
+            row.stores,
+            MicroEur(row.saved_micro_eur).to_eur_string(),
+        );
+    }
+    out.push_str("</tbody></table></section>");
+}
+
 fn backends(out: &mut String, overview: &Overview) {
     out.push_str(
         "<section id=\"backends\"><h2>Backends <span class=\"muted\">(this process, since it started)</span></h2>\
@@ -467,6 +500,42 @@ mod tests {
         let old = format!("{}.{}", unix_now() - 1, "0011223344556677");
         headers.insert(header::COOKIE, format!("{COOKIE}={old}.{}", hex::encode(sign(&old))).parse().unwrap());
         assert_eq!(session(&headers), None, "expired");
+    }
+
+    #[test]
+    fn the_cache_section_shows_each_tenant_s_savings_and_entries() {
+        let row = |tenant: &str, hits, saved_micro_eur, entries| crate::console::CacheRow {
+            tenant: tenant.into(),
+            hits,
+            misses: 1,
+            skipped: 2,
+            stores: 1,
+            saved_micro_eur,
+            entries,
+        };
+        let mut overview = Overview {
+            at: 1_765_000_000,
+            scopes: Vec::new(),
+            tenants: 2,
+            page: 1,
+            pages: 1,
+            backends: Vec::new(),
+            cache: Vec::new(),
+            calls_per_minute: vec![0; 60],
+            alerts: Vec::new(),
+        };
+        assert!(!render_page(&overview, "").contains("id=\"cache\""), "no section without a figure");
+
+        overview.cache = vec![row("acme", 3, 1_234_500, Some(42)), row("<globex>", 0, 0, None)];
+        let page = render_page(&overview, "");
+        let acme = "<tr data-cache-tenant=\"acme\" data-saved=\"1234500\" data-entries=\"42\"><td>acme</td>\
+                    <td class=\"n\">3</td><td class=\"n\">1</td><td class=\"n\">75.0%</td><td class=\"n\">2</td>\
+                    <td class=\"n\">1</td><td class=\"n\">1.234500 €</td><td class=\"n\">42</td></tr>";
+        assert!(page.contains(acme), "{page}");
+        let globex = "<tr data-cache-tenant=\"&lt;globex&gt;\" data-saved=\"0\" data-entries=\"–\"><td>&lt;globex&gt;\
+                      </td><td class=\"n\">0</td><td class=\"n\">1</td><td class=\"n\">0.0%</td>";
+        assert!(page.contains(globex), "{page}");
+        assert!(page.find("id=\"cache\"") < page.find("id=\"backends\""), "after the tenants, before the backends");
     }
 
     #[test]

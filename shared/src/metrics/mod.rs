@@ -9,6 +9,7 @@
 //! in integer micro-euros and only turned into euros when rendered. Recording is cheap:
 //! one short lock per family, no allocation once a series exists.
 
+mod cache;
 mod family;
 mod recording;
 mod render;
@@ -28,6 +29,7 @@ pub const NONE: &str = "none";
 
 /// A circuit breaker's state; `gauge_value` is how `flexway_breaker_state` encodes it.
 pub use crate::routing::breaker::State as BreakerState;
+pub use cache::{CACHE_FAILED_OPERATIONS, CACHE_OUTCOMES, CacheTotals};
 
 /// The process's metrics. Share it (`Arc`) between the request path and `/metrics`.
 pub struct Registry {
@@ -62,6 +64,16 @@ pub struct Registry {
     per_minute: Mutex<[(u64, u64); 60]>,
     /// Configuration reloads put in use, and refused.
     reloads: [AtomicU64; 2],
+    /// Response cache lookups, per [tenant, policy, outcome].
+    cache_lookups: Family<u64>,
+    /// Answers stored in the response cache, per [tenant, policy].
+    cache_stores: Family<u64>,
+    /// Response cache store failures, per [operation].
+    cache_store_failures: Family<u64>,
+    /// Micro-euros that cache hits did not spend upstream, per [tenant].
+    cache_saved: Family<u64>,
+    /// A tenant's live cache entries, as last counted, per [tenant].
+    cache_entries: Family<u64>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -113,6 +125,11 @@ impl Registry {
             realtime_open: AtomicU64::new(0),
             per_minute: Mutex::new([(0, 0); 60]),
             reloads: [AtomicU64::new(0), AtomicU64::new(0)],
+            cache_lookups: Family::new(),
+            cache_stores: Family::new(),
+            cache_store_failures: Family::new(),
+            cache_saved: Family::new(),
+            cache_entries: Family::new(),
         }
     }
 

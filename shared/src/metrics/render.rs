@@ -222,7 +222,58 @@ impl Registry {
             let count = count.load(Ordering::Relaxed).to_string();
             sample(&mut out, "flexway_config_reloads_total", &["outcome"], &[(*outcome).to_owned()], None, &count);
         }
+        self.render_cache(&mut out);
         out
+    }
+
+    /// The response cache's families (SPEC §16).
+    fn render_cache(&self, out: &mut String) {
+        header(
+            out,
+            "flexway_cache_lookups_total",
+            "counter",
+            "Response cache lookups, by policy and outcome: hit (served from the cache), miss (not found), \
+             bypass (not looked up: Cache-Control no-cache, or a sensitive call), off (cache: off for the \
+             tenant or agent), error (the store failed: counted and served as a miss).",
+        );
+        for (values, n) in self.cache_lookups.snapshot(|n| *n) {
+            let names = ["tenant", "policy", "outcome"];
+            sample(out, "flexway_cache_lookups_total", &names, &values, None, &n.to_string());
+        }
+        header(
+            out,
+            "flexway_cache_stores_total",
+            "counter",
+            "Complete answers stored in the response cache, by policy.",
+        );
+        for (values, n) in self.cache_stores.snapshot(|n| *n) {
+            sample(out, "flexway_cache_stores_total", &["tenant", "policy"], &values, None, &n.to_string());
+        }
+        header(
+            out,
+            "flexway_cache_store_failures_total",
+            "counter",
+            "Response cache failures, by operation: lookup, store, embed (the semantic policy's embedding call). \
+             Each is a miss for the call, never an error.",
+        );
+        for (values, n) in self.cache_store_failures.snapshot(|n| *n) {
+            sample(out, "flexway_cache_store_failures_total", &["operation"], &values, None, &n.to_string());
+        }
+        header(
+            out,
+            "flexway_cache_saved_eur_total",
+            "counter",
+            "Euros that response cache hits did not spend upstream: the cost of the call that produced the \
+             entry, less what the hit was charged.",
+        );
+        for (values, saved) in self.cache_saved.snapshot(|n| *n) {
+            let euros = MicroEur(saved).to_eur_string();
+            sample(out, "flexway_cache_saved_eur_total", &["tenant"], &values, None, &euros);
+        }
+        header(out, "flexway_cache_entries", "gauge", "A tenant's live response cache entries, as last counted.");
+        for (values, n) in self.cache_entries.snapshot(|n| *n) {
+            sample(out, "flexway_cache_entries", &["tenant"], &values, None, &n.to_string());
+        }
     }
 }
 
@@ -445,6 +496,11 @@ mod tests {
         registry.shed("acme", "gpus");
         registry.rate_limited("acme", "key 9f86d081884c7d65", "requests");
         registry.set_backend_quota_used("ptu-west", "tokens", 0.25);
+        registry.cache_lookup("acme", "faq", "hit");
+        registry.cache_stored("acme", "faq");
+        registry.cache_store_failed("lookup");
+        registry.cache_saved("acme", MicroEur(1_500));
+        registry.cache_entries("acme", 9);
         let text = registry.render_prometheus();
         assert!(text.ends_with('\n'));
         for line in text.lines() {
@@ -457,7 +513,7 @@ mod tests {
             assert!(value == "+Inf" || value.parse::<f64>().is_ok(), "{line}");
         }
         let types = lines(&text, "# TYPE");
-        assert_eq!(types.len(), 21, "{types:?}");
+        assert_eq!(types.len(), 26, "{types:?}");
         let quota = "flexway_backend_quota_used_ratio{backend=\"ptu-west\",kind=\"tokens\"} 0.25\n";
         assert!(text.contains(quota), "{text}");
         let limited = r#"flexway_rate_limited_total{tenant="acme",holder="key 9f86d081884c7d65",kind="requests"} 1"#;
