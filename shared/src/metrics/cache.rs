@@ -55,8 +55,8 @@ impl Registry {
         self.cache_store_failures.with(&[label(Some(operation))], u64::default, |n| *n = n.saturating_add(1));
     }
 
-    /// A hit saved `saved`: the cost of the call that produced the entry, less what
-    /// the hit was charged.
+    /// A hit saved `saved`: its audit record's `cost_saved_micro_eur`, the cost of the
+    /// call that produced the entry it was served (SPEC §16).
     pub fn cache_saved(&self, tenant: &str, saved: MicroEur) {
         self.cache_saved.with(&[label(Some(tenant))], u64::default, |n| *n = n.saturating_add(saved.0));
     }

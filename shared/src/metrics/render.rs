@@ -263,8 +263,8 @@ impl Registry {
             out,
             "flexway_cache_saved_eur_total",
             "counter",
-            "Euros that response cache hits did not spend upstream: the cost of the call that produced the \
-             entry, less what the hit was charged.",
+            "Euros that response cache hits saved: for each hit, the cost of the call that produced the entry \
+             it was served (the audit's cost_saved_eur).",
         );
         for (values, saved) in self.cache_saved.snapshot(|n| *n) {
             let euros = MicroEur(saved).to_eur_string();
