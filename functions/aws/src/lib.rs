@@ -6,6 +6,8 @@
 //! (`functions/gateway`, `functions/sweeper`) call [`build_adapters`] once, at init.
 
 mod audit_reader;
+/// The response cache's DynamoDB store (SPEC §16, exact policies only).
+pub mod cache;
 mod cloudwatch;
 mod dynamodb;
 mod emf;
@@ -23,6 +25,7 @@ use flexway::gateway::Adapters;
 use flexway::telemetry::Export;
 
 pub use audit_reader::{AuditReadError, WRITE_DELAY_MARGIN_MS, for_each_audit_record, read_audit_log_group};
+pub use cache::DynamoDbCacheStore;
 pub use cloudwatch::CloudWatchAuditSink;
 pub use dynamodb::{DynamoDbBudgetStore, EXPIRY_INDEX, EXPIRY_SHARD};
 pub use emf::{DRIFT_METRIC, EmfAuditSink, drift_lines};
