@@ -78,7 +78,8 @@ fn reads_services_and_metering_from_the_descriptor_set() {
             operation: Some(AiOperation {
                 metering: GrpcMetering::PerCall,
                 price_per_thousand: MicroEur(250_000),
-                feature: "ocr".into()
+                feature: "ocr".into(),
+                cache: None,
             }),
         }
     );
@@ -178,6 +179,7 @@ async fn a_missing_descriptor_set_is_a_warning_at_load_and_stops_the_gateway() {
         budgets: Arc::new(flexway::budget::MemoryBudgetStore::new()),
         audit: Arc::new(flexway::audit::sinks::MemoryAuditSink::new()),
         export: flexway::telemetry::Export::Batched,
+        cache: None,
     };
     let secrets = Arc::new(flexway::secret::LocalSecrets { env: env() });
     let Err(error) = flexway::Gateway::new(loaded.config, secrets, adapters).await else {

@@ -178,6 +178,13 @@ pub(super) fn read(text: &str) -> Result<Contract, Vec<String>> {
                 continue;
             }
         };
+        // SPEC §16: a GET or a POST is cached, never what changes or removes a resource.
+        if ai.as_ref().is_some_and(|ai| ai.cache.is_some()) && method != Method::GET && method != Method::POST {
+            errors.push(format!(
+                "{method} {path}: {EXTENSION} cache applies to GET and POST operations only: remove `cache` here"
+            ));
+            continue;
+        }
         let segments = path.trim_start_matches('/').split('/').map(Segment::parse).collect();
         operations.push(RestOperation { method, path, segments, ai });
     }
@@ -191,17 +198,22 @@ fn method_of(name: &str) -> Result<Method, Vec<String>> {
     Method::from_bytes(name.to_ascii_uppercase().as_bytes()).map_err(|_| vec![format!("`{name}` is not a method")])
 }
 
-/// `x-flexway-ai: {metering, price_per_thousand_eur, feature}`, validated as the gRPC
-/// option is.
+/// `x-flexway-ai: {metering, price_per_thousand_eur, feature, cache}`, validated as the
+/// gRPC option is; `cache` (a policy of `ai.cache`, checked against it at load) is
+/// REST's own.
 fn operation(value: &Value) -> Result<AiOperation, String> {
+    const KEYS: [&str; 4] = ["metering", "price_per_thousand_eur", "feature", "cache"];
     let Some(fields) = value.as_object() else {
-        return Err("is not a mapping {metering, price_per_thousand_eur, feature}".to_owned());
+        return Err("is not a mapping {metering, price_per_thousand_eur, feature, cache}".to_owned());
     };
-    if let Some(unknown) =
-        fields.keys().find(|k| !["metering", "price_per_thousand_eur", "feature"].contains(&k.as_str()))
-    {
-        return Err(format!("has an unknown key `{unknown}` (metering, price_per_thousand_eur, feature)"));
+    if let Some(unknown) = fields.keys().find(|k| !KEYS.contains(&k.as_str())) {
+        return Err(format!("has an unknown key `{unknown}` ({})", KEYS.join(", ")));
     }
+    let cache = match fields.get("cache") {
+        None => None,
+        Some(Value::String(policy)) if !policy.trim().is_empty() => Some(policy.trim().to_owned()),
+        Some(_) => return Err("cache is not a policy name (one of ai.cache.policies, e.g. \"ocr\")".to_owned()),
+    };
     let metering = match fields.get("metering").and_then(Value::as_str) {
         Some("per_call") => GrpcMetering::PerCall,
         Some("per_byte") => GrpcMetering::PerByte,
@@ -223,7 +235,7 @@ fn operation(value: &Value) -> Result<AiOperation, String> {
     if feature.is_empty() {
         return Err("has no feature name (a metrics dimension, e.g. \"ocr\")".to_owned());
     }
-    Ok(AiOperation { metering, price_per_thousand, feature, cache: None })
+    Ok(AiOperation { metering, price_per_thousand, feature, cache })
 }
 
 #[cfg(test)]
@@ -317,6 +329,33 @@ paths:
         assert_eq!(path(Method::GET, "/a/1"), "/a/{id}");
         assert_eq!(path(Method::GET, "/files/x.pdf"), "/files/{name}.pdf");
         assert_eq!(path(Method::GET, "/files/x.txt"), "/files/{id}");
+    }
+
+    #[test]
+    fn a_get_or_post_names_its_cache_policy_and_nothing_else_does() {
+        let op = |method: &str, ai: &str| {
+            format!(
+                "openapi: 3.1.0\ninfo: {{title: t, version: '1'}}\npaths:\n  /ocr:\n    {method}:\n      x-flexway-ai: {ai}\n"
+            )
+        };
+        let metered = "metering: per_call, price_per_thousand_eur: '1', feature: ocr";
+        for method in ["get", "post"] {
+            let contract = read(&op(method, &format!("{{{metered}, cache: ocr-exact}}"))).unwrap();
+            let ai = contract.operations[0].ai.as_ref().unwrap();
+            assert_eq!(ai.cache.as_deref(), Some("ocr-exact"), "{method}");
+        }
+        assert_eq!(
+            read(&op("post", &format!("{{{metered}}}"))).unwrap().operations[0].ai.as_ref().unwrap().cache,
+            None
+        );
+        for method in ["put", "patch", "delete"] {
+            let refused = read(&op(method, &format!("{{{metered}, cache: ocr-exact}}"))).unwrap_err().join("; ");
+            assert!(refused.contains("GET and POST operations only"), "{refused}");
+        }
+        for bad in ["''", "3", "[a]"] {
+            let refused = read(&op("post", &format!("{{{metered}, cache: {bad}}}"))).unwrap_err().join("; ");
+            assert!(refused.contains("cache is not a policy name"), "{refused}");
+        }
     }
 
     #[test]

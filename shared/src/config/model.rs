@@ -97,7 +97,14 @@ impl Config {
     pub fn secret_references(&self) -> Vec<(String, &SecretRef)> {
         let salt = self.audit.hash_salt.iter().map(|salt| ("audit.hash_salt".to_owned(), salt));
         let chain = self.audit.chain_key.iter().map(|key| ("audit.chain_key".to_owned(), key));
-        salt.chain(chain).chain(self.ai.secret_references()).collect()
+        let cache = self.ai.cache.iter().flat_map(|cache| {
+            let url = match &cache.store {
+                CacheStoreConfig::Postgres { url } => Some(("ai.cache.store.url".to_owned(), url)),
+                CacheStoreConfig::Embedded { .. } | CacheStoreConfig::DynamoDb { .. } => None,
+            };
+            std::iter::once(("ai.cache.key".to_owned(), &cache.key)).chain(url)
+        });
+        salt.chain(chain).chain(cache).chain(self.ai.secret_references()).collect()
     }
 
     /// The usage APIs' admin keys, with their paths: resolved by `flexway reconcile

@@ -169,6 +169,16 @@ pub struct RawTenant {
     /// whose `jurisdiction` is listed serve them, at every routing step. Absent: no
     /// restriction.
     pub residency: Option<Vec<String>>,
+    /// `off`: this tenant's calls (its agents' too) neither read nor write the
+    /// response cache (`ai.cache`). Absent: the cache's policies apply.
+    pub cache: Option<RawCacheSwitch>,
+}
+
+/// A tenant's or an agent's `cache`: only `off` is written (on is the default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase", rename = "CacheSwitch")]
+pub enum RawCacheSwitch {
+    Off,
 }
 
 /// A call's class when every member of a pool is saturated (SPEC §5): `sheddable`
@@ -243,6 +253,9 @@ pub struct RawAgent {
     /// The jurisdictions this agent's calls may be processed in, within its
     /// tenant's `residency` (both apply).
     pub residency: Option<Vec<String>>,
+    /// `off`: this agent's calls neither read nor write the response cache (a
+    /// tenant's `off` holds for its agents too).
+    pub cache: Option<RawCacheSwitch>,
 }
 
 /// Routing and policy.
@@ -267,8 +280,187 @@ pub struct RawAi {
     /// Session affinity for HTTP calls: calls carrying the same value in `header`
     /// go to the same pool member while it is healthy. Absent: off.
     pub affinity: Option<RawAffinity>,
+    /// The response cache (SPEC §16): answers kept for the model names and REST
+    /// operations a policy names, and served again. Absent: nothing is cached.
+    pub cache: Option<RawCache>,
     /// The backends by name.
     pub backends: Option<BTreeMap<String, RawBackend>>,
+}
+
+/// The response cache. Entries live in hard partitions (tenant, and agent with
+/// `scope: agent`, × policy × requested model × everything in the request that changes
+/// the answer but its last user message); they are sealed with AES-256-GCM under a key
+/// per tenant derived from `key`, and never logged.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(
+    deny_unknown_fields,
+    rename = "Cache",
+    expecting = "a cache ({store: ..., key: env:NAME, policies: {...}, models: {...}}) (a mapping)"
+)]
+pub struct RawCache {
+    /// Where entries are kept: `{kind: embedded, path}`, `{kind: postgres, url}` or
+    /// `{kind: dynamodb, table}` (exact policies only). A store that fails is a miss,
+    /// never an error.
+    #[schemars(required)]
+    pub store: Option<RawCacheStore>,
+    /// The master key each tenant's entry key is derived from (HKDF-SHA256), a secret
+    /// reference resolved once, at start.
+    #[schemars(required)]
+    pub key: Option<RawSecret>,
+    /// The policies by name.
+    #[schemars(required)]
+    pub policies: Option<BTreeMap<String, RawCachePolicy>>,
+    /// The model name a caller sends (on the chat, Responses and Messages doors, and
+    /// `/v1/embeddings`) → the policy its calls are cached under. A REST operation
+    /// names its policy in its contract (`x-flexway-ai: {cache: POLICY}`).
+    pub models: Option<BTreeMap<String, String>>,
+}
+
+/// Where cache entries are kept. Every kind runs in the operator's own account and
+/// counts as internal for `sensitive: allow`.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(
+    deny_unknown_fields,
+    rename = "CacheStore",
+    expecting = "a cache store ({kind: embedded, path: ...}) (a mapping)"
+)]
+pub struct RawCacheStore {
+    /// `embedded` (one local file, needs `path`), `postgres` (PostgreSQL with
+    /// pgvector, needs `url`) or `dynamodb` (needs `table`; exact policies only).
+    #[schemars(required)]
+    pub kind: Option<RawCacheStoreKind>,
+    /// The cache file (kind `embedded`).
+    pub path: Option<String>,
+    /// The PostgreSQL connection URL, a secret reference (kind `postgres`).
+    pub url: Option<RawSecret>,
+    /// The DynamoDB table name (kind `dynamodb`).
+    pub table: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase", rename = "CacheStoreKind")]
+pub enum RawCacheStoreKind {
+    Embedded,
+    Postgres,
+    Dynamodb,
+}
+
+/// A cache policy: how an entry is matched, how long it serves, what a hit costs.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "CachePolicy", expecting = "a cache policy ({mode: exact, ttl: 1h}) (a mapping)")]
+pub struct RawCachePolicy {
+    /// `exact` (the last user message byte for byte) or `semantic` (its embedding,
+    /// at or above `threshold`, the numbers and negations of both messages the same;
+    /// needs `embed`).
+    #[schemars(required)]
+    pub mode: Option<RawCacheMode>,
+    /// How long an entry serves, e.g. `1h`.
+    #[schemars(required)]
+    pub ttl: Option<RawDuration>,
+    /// `semantic`: the least cosine similarity a hit needs, in (0, 1]. Default `0.95`.
+    #[schemars(range(min = 0, max = 1))]
+    pub threshold: Option<f64>,
+    /// `semantic`: the backend and model that embed the last user message (a
+    /// `/v1/embeddings` call, priced and charged to the caller like any).
+    pub embed: Option<RawCacheEmbed>,
+    /// Whose entries a call shares: `tenant` (the default: every agent of its tenant)
+    /// or `agent` (its agent's only).
+    pub scope: Option<RawCacheScope>,
+    /// What a hit costs the caller: `none` (the default), `full` (the producing call's
+    /// cost) or a fraction of it in (0, 1), e.g. `0.1`.
+    pub charge: Option<RawCharge>,
+    /// The largest answer stored, in bytes. Default 262144 (256 KiB).
+    #[schemars(range(min = 1))]
+    pub max_entry_bytes: Option<u64>,
+    /// The most entries a tenant keeps in the store, counted when one of this
+    /// policy's is stored; past it the tenant's oldest go first. Default 100000.
+    #[schemars(range(min = 1))]
+    pub max_entries_per_tenant: Option<u64>,
+    /// Sensitive calls: `bypass` (the default: they neither read nor write) or
+    /// `allow`.
+    pub sensitive: Option<RawCacheSensitive>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase", rename = "CacheMode")]
+pub enum RawCacheMode {
+    Exact,
+    Semantic,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase", rename = "CacheScope")]
+pub enum RawCacheScope {
+    Tenant,
+    Agent,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase", rename = "CacheSensitive")]
+pub enum RawCacheSensitive {
+    Bypass,
+    Allow,
+}
+
+/// The embedding a semantic policy compares.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "CacheEmbed", expecting = "an embed ({backend: ..., model: ...}) (a mapping)")]
+pub struct RawCacheEmbed {
+    /// A backend serving `embeddings`.
+    #[schemars(required)]
+    pub backend: Option<String>,
+    /// The embedding model asked of it, e.g. `text-embedding-3-small`.
+    #[schemars(required)]
+    pub model: Option<String>,
+}
+
+/// A hit's charge as written: `none`, `full`, or a fraction (`0.1` or `"0.1"`). A
+/// number is kept as its text, so that phase 2 reads it exactly.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawCharge(pub String);
+
+impl<'de> Deserialize<'de> for RawCharge {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ChargeVisitor;
+
+        impl serde::de::Visitor<'_> for ChargeVisitor {
+            type Value = RawCharge;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("none, full or a fraction such as 0.1")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<RawCharge, E> {
+                Ok(RawCharge(v.to_owned()))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<RawCharge, E> {
+                Ok(RawCharge(v.to_string()))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<RawCharge, E> {
+                Ok(RawCharge(v.to_string()))
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<RawCharge, E> {
+                Ok(RawCharge(v.to_string()))
+            }
+        }
+
+        deserializer.deserialize_any(ChargeVisitor)
+    }
+}
+
+impl JsonSchema for RawCharge {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "CacheCharge".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "anyOf": [
+                {"enum": ["none", "full"]},
+                {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+                {"type": "string", "pattern": "^0?\\.[0-9]{1,6}$"}
+            ]
+        })
+    }
 }
 
 /// Session affinity (SPEC §2.3): a pool picks its member by consistent (rendezvous)

@@ -19,6 +19,7 @@ use std::time::Duration;
 mod adapters;
 mod ai;
 mod backends;
+mod cache;
 mod catalog;
 mod endpoint;
 mod grpc;
@@ -68,7 +69,9 @@ pub(super) fn validate(
         .collect();
     check.mounts(&backends);
     check.loads(&backends);
-    let ai = check.ai(ai, &catalog, backends);
+    // A cache whose entries lost a value is not judged against what names its policies.
+    let cache_in_doubt = unparsed.covers("ai.cache");
+    let ai = check.ai(ai, &catalog, backends, cache_in_doubt);
     let tenants = check.tenants(tenants.unwrap_or_default(), &catalog);
     if let Some(ai) = &ai {
         check.residency_chains(&tenants, ai);

@@ -1,7 +1,7 @@
 //! `ai` besides its backends: the default backend, capability overrides, the
 //! sensitive header and backend (internal only), the soft budget cap, vision and
-//! response limits, affinity. A header the gateway reads of its caller is never one
-//! a backend is forwarded.
+//! response limits, affinity, the response cache (`cache.rs`). A header the gateway
+//! reads of its caller is never one a backend is forwarded.
 
 use std::collections::BTreeMap;
 
@@ -18,7 +18,15 @@ const DEFAULT_MAX_RESPONSE_BYTES: u64 = 64 * 1024 * 1024;
 const DEFAULT_MAX_EVENT_BYTES: u64 = 1024 * 1024;
 
 impl Checker<'_> {
-    pub(super) fn ai(&mut self, raw: RawAi, catalog: &Catalog, backends: BTreeMap<BackendId, Backend>) -> Option<Ai> {
+    /// `cache_in_doubt`: `ai.cache` lost a value to a shape error (already an error):
+    /// what names its policies is not judged.
+    pub(super) fn ai(
+        &mut self,
+        raw: RawAi,
+        catalog: &Catalog,
+        backends: BTreeMap<BackendId, Backend>,
+        cache_in_doubt: bool,
+    ) -> Option<Ai> {
         let RawAi {
             default_backend,
             capabilities,
@@ -28,6 +36,7 @@ impl Checker<'_> {
             vision,
             limits,
             affinity,
+            cache,
             backends: _,
         } = raw;
 
@@ -103,6 +112,14 @@ impl Checker<'_> {
             }
         }
 
+        let cache = cache.and_then(|raw| self.cache(raw, catalog, &backends));
+        if !cache_in_doubt {
+            let rest = self.rest_cache_policies(cache.as_ref(), &backends);
+            if let Some(cache) = &cache {
+                self.unused_cache_policies(cache, &rest);
+            }
+        }
+
         Some(Ai {
             default_backend: default_backend?,
             capabilities,
@@ -112,7 +129,7 @@ impl Checker<'_> {
             vision: vision?,
             limits,
             affinity,
-            cache: None,
+            cache,
             backends,
             grpc: std::mem::take(&mut self.grpc),
         })

@@ -1,10 +1,12 @@
-//! `tenants` and `console`: each tenant's keys, agents, budgets, backend, criticality
-//! and residency. No two keys share a hash, and a tenant's key never opens the
-//! console; an agent is held to its tenant's limits, narrowed here once.
+//! `tenants` and `console`: each tenant's keys, agents, budgets, backend, criticality,
+//! residency and `cache: off`. No two keys share a hash, and a tenant's key never
+//! opens the console; an agent is held to its tenant's limits, narrowed here once.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::super::raw::{RawAgent, RawBudgets, RawConsole, RawCriticality, RawKey, RawRates, RawTenant};
+use super::super::raw::{
+    RawAgent, RawBudgets, RawCacheSwitch, RawConsole, RawCriticality, RawKey, RawRates, RawTenant,
+};
 use super::super::values::{key_hash, micro_eur};
 use super::super::*;
 use super::{Catalog, Checker, jurisdiction};
@@ -21,7 +23,7 @@ impl Checker<'_> {
         let mut tenants = BTreeMap::new();
         for (name, tenant) in raw {
             let path = format!("tenants.{name}");
-            let RawTenant { keys, budgets, limits, backend, agents, max_criticality, residency } = tenant;
+            let RawTenant { keys, budgets, limits, backend, agents, max_criticality, residency, cache } = tenant;
 
             let agents: BTreeMap<AgentId, Agent> = agents
                 .unwrap_or_default()
@@ -53,18 +55,29 @@ impl Checker<'_> {
             let id = TenantId::new(&name);
             let max_criticality = criticality(max_criticality);
             let residency = residency.and_then(|list| self.residency(&format!("{path}.residency"), list));
+            let cache_off = cache == Some(RawCacheSwitch::Off);
             // An agent is held to its tenant's limits too: its own are narrowed here,
             // once, so that a call reads one set.
             let mut agents = agents;
             for agent in agents.values_mut() {
                 agent.max_criticality = agent.max_criticality.min(max_criticality);
+                agent.cache_off |= cache_off;
                 agent.residency = match (&residency, agent.residency.take()) {
                     (Some(of_tenant), Some(own)) => Some(of_tenant.intersection(&own).cloned().collect()),
                     (of_tenant, own) => own.or_else(|| of_tenant.clone()),
                 };
             }
-            let tenant =
-                Tenant { name: id.clone(), keys, budgets, limits, backend, agents, max_criticality, residency, cache_off: false };
+            let tenant = Tenant {
+                name: id.clone(),
+                keys,
+                budgets,
+                limits,
+                backend,
+                agents,
+                max_criticality,
+                residency,
+                cache_off,
+            };
             tenants.insert(id, tenant);
         }
         tenants
@@ -137,7 +150,7 @@ impl Checker<'_> {
             limits: self.rates(&format!("{path}.limits"), raw.limits),
             max_criticality,
             residency,
-            cache_off: false,
+            cache_off: raw.cache == Some(RawCacheSwitch::Off),
         }
     }
 
