@@ -182,6 +182,7 @@ async fn the_report_totals_equal_the_ledger() {
         budgets: Arc::new(flexway::budget::EmbeddedBudgetStore::open(&dir.path().join("ledger")).unwrap()),
         audit: Arc::new(flexway::audit::FileAuditSink::open(&audit_path).unwrap()),
         export: flexway::telemetry::Export::Batched,
+        cache: None,
     };
     let yaml = audit_config(&model)
         .replace("audit: {sink: file, path: audit.jsonl, hash_salt: \"env:AUDIT_SALT\"}", "audit: {sink: stdout}");

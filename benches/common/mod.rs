@@ -16,9 +16,18 @@ impl Gateway {
     /// Writes `yaml` to a temp dir (relative paths in it land there) and starts the
     /// binary on a free port.
     pub fn start(yaml: &str) -> Gateway {
+        Gateway::start_with_files(yaml, &[])
+    }
+
+    /// As [`Gateway::start`], with `files` (name, content) written beside the config
+    /// first (a key file its config references).
+    pub fn start_with_files(yaml: &str, files: &[(&str, &str)]) -> Gateway {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("flexway.yaml");
         std::fs::write(&config, yaml).unwrap();
+        for (name, content) in files {
+            std::fs::write(dir.path().join(name), content).unwrap();
+        }
         // `BENCH_WRAP="valgrind --tool=massif"` runs the gateway under a profiler;
         // `BENCH_FLEXWAY_BIN=path` runs another build (an A/B against a commit before).
         let binary = std::env::var("BENCH_FLEXWAY_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_flexway").to_owned());

@@ -60,6 +60,9 @@ pub struct Demand {
     pub criticality: Criticality,
     /// Where it may be processed ([`residency`]).
     pub residency: Residency,
+    /// The backend its route starts from, when the gateway names it (a cache
+    /// policy's `embed` backend); `None`: the caller's routing.
+    pub entry: Option<crate::config::BackendId>,
 }
 
 pub struct Admission {
@@ -192,6 +195,7 @@ async fn decide(
             prefix: demand.prefix,
             criticality: demand.criticality,
             residency: demand.residency.clone(),
+            entry: demand.entry.clone(),
         },
     )?;
     if demand.criticality == Criticality::Sheddable {

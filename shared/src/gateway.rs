@@ -37,6 +37,9 @@ pub enum SetupError {
     /// shipped apart from the config): a gateway does not start without it.
     #[error("ai.backends.{backend}.descriptor_set: {} does not exist: a gateway with a grpc backend starts only with its descriptor set", path.display())]
     MissingDescriptorSet { backend: BackendId, path: std::path::PathBuf },
+    /// A cache key anyone could guess is no key.
+    #[error("ai.cache.key: the key is {len} bytes; a cache key is at least 16 (32 random bytes is the usual)")]
+    ShortCacheKey { len: usize },
     /// A chain key anyone could guess is no key.
     #[error("audit.chain_key: the key is {len} bytes; a chain key is at least 16 (32 random bytes is the usual)")]
     ShortChainKey { len: usize },
@@ -64,6 +67,9 @@ pub struct Adapters {
     /// When telemetry (if configured) is sent: batched by a long-lived process, at
     /// the end of each call by a function that may be frozen after it.
     pub export: Export,
+    /// The response cache's store (`ai.cache.store`), when the config has one: one
+    /// that failed to open is given as [`crate::cache::Failed`] (every call a miss).
+    pub cache: Option<Arc<dyn crate::cache::CacheStore>>,
 }
 
 pub struct Gateway {
@@ -82,6 +88,8 @@ pub struct Gateway {
     /// Kept across reloads, as the telemetry is: counters never go back.
     pub metrics: Arc<Registry>,
     pub telemetry: Arc<Telemetry>,
+    /// The response cache (SPEC §16), when `ai.cache` is configured.
+    pub cache: Option<Arc<crate::http::cache::ResponseCache>>,
     /// Open realtime sessions (local shape), closed and waited for when it stops;
     /// one registry across reloads, so a session opened before one is closed too.
     pub sessions: Arc<Sessions>,
@@ -115,6 +123,16 @@ impl Gateway {
             }
             None => adapters.audit,
         };
+        let cache = match (&config.ai.cache, adapters.cache) {
+            (Some(cache), Some(store)) => {
+                let key = resolved.get(&cache.key).map(|s| s.expose().as_bytes().to_vec()).unwrap_or_default();
+                if key.len() < 16 {
+                    return Err(SetupError::ShortCacheKey { len: key.len() });
+                }
+                Some(Arc::new(crate::http::cache::ResponseCache::new(store, &key)))
+            }
+            _ => None,
+        };
         let telemetry = Arc::new(Telemetry::start(config.telemetry.as_ref(), adapters.export)?);
         let upstreams = Upstreams::new(&config, &resolved)?;
         let next_refresh = Mutex::new(Instant::now() + config.secrets.refresh);
@@ -124,6 +142,7 @@ impl Gateway {
         router.loads.start_polling(&config);
         Ok(Gateway {
             telemetry,
+            cache,
             sessions: Arc::default(),
             hasher: Hasher::with_keys(&salt, keys.digests()),
             keys,
@@ -157,6 +176,7 @@ impl Gateway {
             ("audit.hash_salt", config.audit.hash_salt == running.audit.hash_salt),
             ("audit.chain_key", config.audit.chain_key == running.audit.chain_key),
             ("telemetry", config.telemetry == running.telemetry),
+            ("ai.cache.store", cache_store(&config) == cache_store(running)),
         ] {
             if !same {
                 return Err(ReloadError::NeedsRestart(what));
@@ -176,6 +196,7 @@ impl Gateway {
         breakers.carry_from(&self.breakers);
         Ok(Gateway {
             telemetry: self.telemetry.clone(),
+            cache: self.cache.clone(),
             sessions: self.sessions.clone(),
             hasher: self.hasher.rekeyed(keys.digests()),
             keys,
@@ -256,4 +277,9 @@ fn descriptor_sets(config: &Config) -> Result<(), SetupError> {
         }
     }
     Ok(())
+}
+
+/// The response cache's store and key: what only a restart changes.
+fn cache_store(config: &Config) -> Option<(&crate::config::CacheStoreConfig, &crate::config::SecretRef)> {
+    config.ai.cache.as_ref().map(|c| (&c.store, &c.key))
 }

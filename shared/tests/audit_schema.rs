@@ -75,6 +75,13 @@ fn schema_lists_every_spec_field() {
         "run",
         // SPEC §14: the backends passed over without a call, and why.
         "skipped",
+        // SPEC §16: what the response cache did, a hit's similarity, age and saving
+        // (in euros and, exact, in micro-euros).
+        "cache",
+        "cache_similarity",
+        "cache_age_s",
+        "cost_saved_eur",
+        "cost_saved_micro_eur",
     ];
     for field in spec_fields {
         assert!(properties.contains_key(field), "missing {field}");

@@ -146,7 +146,7 @@ proptest! {
         let config = Arc::new(loaded.config);
         let router = Router::new(config.clone()).unwrap();
         for _ in 0..4 {
-            match router.route(&caller(), &RouteRequest { capability, sensitive, soft, affinity: None, prefix: None, criticality: Default::default(), residency: Default::default() }) {
+            match router.route(&caller(), &RouteRequest { capability, sensitive, soft, affinity: None, prefix: None, criticality: Default::default(), residency: Default::default(), entry: None }) {
                 Ok(route) => {
                     prop_assert!(!route.candidates.is_empty());
                     let mut seen = BTreeSet::new();

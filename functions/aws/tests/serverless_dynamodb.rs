@@ -282,6 +282,7 @@ ai:
         budgets: wrap(store.clone()),
         audit: Arc::new(flexway::audit::StdoutAuditSink),
         export: flexway::telemetry::Export::EachCall,
+        cache: None,
     };
     let gateway = flexway::Gateway::new(loaded.config, secrets, adapters).await.unwrap();
     operations.take();
@@ -310,6 +311,7 @@ const CHAT: Demand = Demand {
     prefix: None,
     criticality: flexway::call::Criticality::Standard,
     residency: flexway::routing::Residency::ANY,
+    entry: None,
 };
 
 /// One served call through the real admission and ticket: what it sends to DynamoDB.

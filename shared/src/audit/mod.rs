@@ -114,6 +114,23 @@ pub struct AuditRecord {
     /// why (SPEC §14): an open breaker, a provider quota reached. Absent when none was.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skipped: Vec<Skipped>,
+    /// What the response cache did for the call (SPEC §16); absent when no cache
+    /// policy applies to the model it asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CacheOutcome>,
+    /// A hit's cosine similarity to the entry it was served (1 for an exact match).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_similarity: Option<f64>,
+    /// A hit's entry's age, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_age_s: Option<u64>,
+    /// A hit's saving: what the call that produced its entry cost, euros as a number
+    /// (from `cost_saved_micro_eur`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_saved_eur: Option<f64>,
+    /// The same saving, exact, in integer micro-euros.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_saved_micro_eur: Option<u64>,
     /// With `audit.chain_key`: `{writer}:{seq}:{mac}`, the record's place in its
     /// writer's sequence and its HMAC-SHA256 over the record before (see
     /// `flexway report --verify`). Always the last field. Absent otherwise.
@@ -126,6 +143,26 @@ pub struct AuditRecord {
 pub struct Skipped {
     pub backend: String,
     pub cause: SkipCause,
+}
+
+/// What the response cache did for a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+#[schemars(inline)]
+pub enum CacheOutcome {
+    /// Served from the cache: no backend was called.
+    Hit,
+    /// Looked up, not found (or a failing store): the backends answered, and the
+    /// answer was not kept (incomplete, `no-store`, ...).
+    Miss,
+    /// Not found, and the backend's answer was kept.
+    Stored,
+    /// Neither read nor written: a sensitive call, `Cache-Control: no-cache, no-store`,
+    /// or a request the cache cannot hold (several choices, a last message that is not
+    /// the user's).
+    Bypass,
+    /// The caller's tenant or agent has `cache: off`.
+    Off,
 }
 
 /// Why a backend was passed over.
@@ -392,6 +429,11 @@ mod tests {
             period: None,
             run: None,
             skipped: Vec::new(),
+            cache: None,
+            cache_similarity: None,
+            cache_age_s: None,
+            cost_saved_eur: None,
+            cost_saved_micro_eur: None,
             chain: None,
         }
     }

@@ -768,6 +768,11 @@ mod tests {
             period: None,
             run: None,
             skipped: Vec::new(),
+            cache: None,
+            cache_similarity: None,
+            cache_age_s: None,
+            cost_saved_eur: None,
+            cost_saved_micro_eur: None,
             chain: None,
         }
     }

@@ -41,6 +41,11 @@ pub fn record(tenant: &str, backend: Option<&str>, metered_by: Metering, cost: u
         period: None,
         run: None,
         skipped: Vec::new(),
+        cache: None,
+        cache_similarity: None,
+        cache_age_s: None,
+        cost_saved_eur: None,
+        cost_saved_micro_eur: None,
         chain: None,
     }
 }

@@ -46,7 +46,7 @@ impl Partition {
             hash.update((part.len() as u64).to_be_bytes());
             hash.update(part.as_bytes());
         }
-        hash.update(agent.is_some().then_some([1]).unwrap_or([0]));
+        hash.update([u8::from(agent.is_some())]);
         hash.update(context);
         Partition { tenant: tenant.to_owned(), policy: policy.to_owned(), id: hash.finalize().into() }
     }
@@ -144,6 +144,30 @@ pub trait CacheStore: Send + Sync {
     /// Whether it compares embeddings (`false`: exact policies only).
     fn semantic(&self) -> bool {
         true
+    }
+}
+
+/// A store that could not be opened (unreachable, unwritable, corrupt: SPEC §16): the
+/// gateway starts anyway, and every lookup and store fails with the reason, counted
+/// and served as a miss.
+pub struct Failed(pub String);
+
+#[async_trait]
+impl CacheStore for Failed {
+    async fn lookup(&self, _: &Lookup<'_>) -> Result<Option<Found>, StoreError> {
+        Err(StoreError::Unavailable(self.0.clone()))
+    }
+
+    async fn store(&self, _: Entry<'_>) -> Result<(), StoreError> {
+        Err(StoreError::Unavailable(self.0.clone()))
+    }
+
+    async fn purge(&self, _: &str, _: Option<&str>) -> Result<u64, StoreError> {
+        Err(StoreError::Unavailable(self.0.clone()))
+    }
+
+    async fn stats(&self) -> Result<Vec<Stats>, StoreError> {
+        Err(StoreError::Unavailable(self.0.clone()))
     }
 }
 

@@ -812,6 +812,7 @@ mod tests {
             budgets: Arc::new(crate::budget::MemoryBudgetStore::new()),
             audit: Arc::new(crate::audit::sinks::MemoryAuditSink::new()),
             export: crate::telemetry::Export::Batched,
+            cache: None,
         };
         let secrets = Arc::new(crate::secret::LocalSecrets { env });
         Arc::new(Gateway::new(loaded.config, secrets, adapters).await.unwrap())
@@ -827,6 +828,7 @@ mod tests {
             prompt_typical: prompt,
             allowance: Some(allowance),
             quotas: Vec::new(),
+            cache: None,
         })
     }
 

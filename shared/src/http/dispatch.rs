@@ -11,6 +11,7 @@ use bytes::Bytes;
 use http::{HeaderValue, StatusCode, header};
 
 use super::chain::{self, Failure};
+use super::cache::Kept;
 use super::drive::Charge;
 use super::format::Format;
 use super::record::Draft;
@@ -39,6 +40,9 @@ pub(super) enum Answered {
         retry_after: Option<HeaderValue>,
         body: Bytes,
         answer: Option<Answer>,
+        /// What the response cache may keep of it, when the call asked to keep it
+        /// (boxed: most calls keep nothing).
+        kept: Option<Box<Kept>>,
     },
     /// A stream whose first content event (or clean end) has arrived.
     Stream(Box<relay::Held>),
@@ -49,6 +53,17 @@ pub(super) enum Answered {
 pub(super) struct Expect<'a> {
     pub shape: Shape,
     pub format: &'a Format,
+    /// What to read of a successful answer for the response cache, if anything.
+    pub keep: Option<KeepAs>,
+}
+
+/// How the response cache keeps an answer: a chat answer's text (its format's own,
+/// rendered again for each door), or an embeddings body as it came.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum KeepAs {
+    /// At most `limit` bytes of text (a stream's is given up past it).
+    Text { limit: u64 },
+    Body,
 }
 
 #[derive(Clone, Copy)]
@@ -177,24 +192,38 @@ async fn attempt(
                 } else {
                     HeaderValue::from_static("application/json")
                 };
-                return Ok(Answered::Whole { status, content_type, retry_after, body, answer: None });
+                return Ok(Answered::Whole { status, content_type, retry_after, body, answer: None, kept: None });
             }
-            let (body, answer) = format.answer(client.wire, body).ok_or_else(|| {
+            let keep_text = matches!(expect.keep, Some(KeepAs::Text { .. }));
+            let (body, answer, completion) = format.answer(client.wire, body, keep_text).ok_or_else(|| {
                 let what = match client.wire {
                     Wire::OpenAi => "the answer is not a JSON object",
                     Wire::Anthropic => "the answer is not an Anthropic Messages `message`",
                 };
                 Failure::Body(Fault::Invalid(what.into()))
             })?;
-            Ok(Answered::Whole { status, content_type, retry_after, body, answer: Some(answer) })
+            let kept = match expect.keep {
+                Some(KeepAs::Body) => Some(Box::new(Kept::Body(body.clone()))),
+                Some(KeepAs::Text { .. }) => completion
+                    .filter(|c| c.tool_calls.is_empty())
+                    .and_then(|c| c.text)
+                    .map(|text| Box::new(Kept::Chat(text))),
+                None => None,
+            };
+            Ok(Answered::Whole { status, content_type, retry_after, body, answer: Some(answer), kept })
         }
         Shape::Stream { client_wants_usage } => {
             if !is_event_stream(headers) {
                 let detail = "a stream was asked for but the answer is not text/event-stream";
                 return Err(Failure::Body(Fault::Invalid(detail.into())));
             }
+            let keep = match expect.keep {
+                Some(KeepAs::Text { limit }) => Some(limit),
+                _ => None,
+            };
             let held =
-                relay::hold(response, limits.max_event_bytes, deadline, client_wants_usage, client.wire, format).await;
+                relay::hold(response, limits.max_event_bytes, deadline, client_wants_usage, client.wire, format, keep)
+                    .await;
             held.map(|held| Answered::Stream(Box::new(held))).map_err(Failure::Body)
         }
     }

@@ -37,11 +37,13 @@ impl Format {
     }
 
     /// A backend's successful answer, read whole, as the client's body and what the
-    /// gateway reads of it; `None` when it is not a valid answer.
-    pub fn answer(&self, wire: Wire, body: Bytes) -> Option<(Bytes, Answer)> {
+    /// gateway reads of it (with the answer itself when `keep`: for the response
+    /// cache); `None` when it is not a valid answer.
+    pub fn answer(&self, wire: Wire, body: Bytes, keep: bool) -> Option<(Bytes, Answer, Option<Completion>)> {
         if let (Format::Chat, Wire::OpenAi) = (self, wire) {
             let answer = Answer::read(&body)?;
-            return Some((body, answer));
+            let completion = if keep { translate::read_completion(&body) } else { None };
+            return Some((body, answer, completion));
         }
         let completion = match wire {
             Wire::OpenAi => translate::read_completion(&body)?,
@@ -49,12 +51,14 @@ impl Format {
         };
         let answer = Answer::of(&completion);
         if self.native(wire) {
-            return Some((body, answer));
+            return Some((body, answer, keep.then_some(completion)));
         }
-        Some((Bytes::from(self.render(&completion).to_string()), answer))
+        let rendered = Bytes::from(self.render(&completion).to_string());
+        Some((rendered, answer, keep.then_some(completion)))
     }
 
-    fn render(&self, completion: &Completion) -> Value {
+    /// An answer in the door's format.
+    pub fn render(&self, completion: &Completion) -> Value {
         match self {
             Format::Chat => translate::completion(completion, unix_seconds()),
             Format::Responses { id, echo, .. } => responses::answer(id, completion, echo, unix_seconds()),

@@ -3,6 +3,7 @@
 
 mod admit;
 mod byte_relay;
+pub mod cache;
 mod chain;
 mod console;
 mod dispatch;
@@ -271,6 +272,7 @@ mod testing {
             budgets: Arc::new(crate::budget::MemoryBudgetStore::new()),
             audit,
             export: crate::telemetry::Export::Batched,
+            cache: None,
         };
         let secrets = Arc::new(crate::secret::LocalSecrets { env });
         Arc::new(Gateway::new(loaded.config, secrets, adapters).await.unwrap())

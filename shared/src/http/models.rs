@@ -24,6 +24,7 @@ use http::{HeaderMap, HeaderValue, StatusCode, header};
 
 use super::RequestId;
 use super::admit::{Admitted, Asked, Tokens, asked, reserve};
+use super::cache::{self, Looked};
 use super::dispatch::{Answered, Expect, Served, Shape, dispatch};
 use super::drive::{self, Call, Reply, drive};
 use super::drive::{Charge, Ended, Spent};
@@ -34,7 +35,7 @@ use super::relay;
 use crate::admission::Demand;
 use crate::budget::plan;
 use crate::call::Operation;
-use crate::config::Capability;
+use crate::config::{BackendId, Capability};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
@@ -75,7 +76,7 @@ impl drive::Door for Model {
     ) -> Result<Reply, GatewayError> {
         let (parts, body) = request.into_parts();
         match self.0 {
-            Operation::Embeddings => embed(call, draft, charge, &parts.headers, body).await,
+            Operation::Embeddings => embed(call, draft, charge, &parts.headers, body, None).await,
             op => chat(call, draft, charge, &parts.headers, body, op).await,
         }
     }
@@ -185,6 +186,35 @@ impl Inbound {
         }
     }
 
+    /// The response cache's part in the call, when a policy applies to its model (the
+    /// call as the gateway reads it, translated once here for chat and Messages).
+    #[expect(clippy::too_many_arguments, reason = "the call's parts the cache reads, each once")]
+    fn cache_ask(
+        &self,
+        gateway: &Gateway,
+        caller: &Caller,
+        headers: &HeaderMap,
+        sensitive: bool,
+        raw: &[u8],
+        translated: &OnceLock<Result<ChatCall, InvalidRequest>>,
+        draft: &mut Draft,
+    ) -> Result<Option<cache::Ask>, InvalidRequest> {
+        let (call, modelled, max_tokens) = match self {
+            Inbound::Chat(r) => {
+                let call = translated.get_or_init(|| r.call()).as_ref().map_err(Clone::clone)?;
+                (call, cache::CHAT_FIELDS, r.max_tokens)
+            }
+            Inbound::Messages(r) => {
+                let call = translated.get_or_init(|| r.call()).as_ref().map_err(Clone::clone)?;
+                (call, cache::MESSAGES_FIELDS, r.measure.max_tokens)
+            }
+            Inbound::Responses(r) => (&r.call, cache::RESPONSES_FIELDS, r.measure.max_tokens),
+        };
+        let model = &self.view().model.to_owned();
+        let view = cache::ChatView { model, call, raw, modelled, max_tokens };
+        Ok(cache::ask_chat(gateway, caller, headers, sensitive, view, draft))
+    }
+
     /// The format the answer goes back in, by the door it came in by.
     fn format(&self, request_id: &RequestId, gateway: &Gateway) -> Format {
         match self {
@@ -234,13 +264,18 @@ async fn chat(
     let bytes = read_body(body, headers, gateway.config.ai.vision.max_body_bytes).await?;
     let inbound = Inbound::parse(op, &bytes)?;
     let prefix = gateway.config.ai.prefix_bytes().map(|n| prompt_prefix(op, &bytes, n));
-    drop(bytes);
     let request = inbound.view();
     let capability = if request.images.is_empty() { Capability::Chat } else { Capability::Vision };
     draft.request(capability, request.model, request.user);
     vision::check_images(request.images, &gateway.config.ai.vision)?;
     let images = request.images.len() as u64;
     let Asked { sensitive, criticality, residency } = asked(gateway, call.caller, headers, draft)?;
+    let translated = OnceLock::new();
+    let cache_ask = match gateway.config.ai.cache.is_some() {
+        true => inbound.cache_ask(gateway, call.caller, headers, sensitive, &bytes, &translated, draft)?,
+        false => None,
+    };
+    drop(bytes);
     let demand = Demand {
         capability,
         prompt_tokens: plan::prompt_upper_bound(request.prompt_text_bytes, request.message_count, images),
@@ -253,16 +288,30 @@ async fn chat(
         prefix,
         criticality,
         residency,
+        entry: None,
     };
     let prompt_typical = plan::prompt_typical(request.prompt_text_bytes, request.message_count, images);
     let Admitted { route, soft, allowance } =
         reserve(call, draft, charge, Tokens { demand: &demand, prompt_typical }).await?;
     let format = inbound.format(call.request_id, gateway);
-    let translated = OnceLock::new();
+    let mut keep = None;
+    if let Some(ask) = cache_ask {
+        let render = cache::Render {
+            format: &format,
+            stream: request.stream,
+            client_wants_usage: request.client_wants_usage,
+            request_id: &call.request_id.0,
+            model: request.model,
+        };
+        match Box::pin(cache::lookup(call, draft, headers, ask, &demand.residency, render)).await {
+            Looked::Hit(response, ended) => return Ok(Reply::Now(response, ended)),
+            Looked::Miss(pending) => keep = charge.keep_for_cache(pending),
+        }
+    }
     let body_for = |model: &str, wire: Wire| inbound.body_for(model, wire, allowance, &translated);
     let shape =
         if request.stream { Shape::Stream { client_wants_usage: request.client_wants_usage } } else { Shape::Json };
-    let expect = Expect { shape, format: &format };
+    let expect = Expect { shape, format: &format, keep };
     let served =
         dispatch(gateway, (&mut *draft, &mut *charge), &route, "/chat/completions", request.model, body_for, expect)
             .await?;
@@ -278,18 +327,25 @@ async fn chat(
     }
 }
 
-async fn embed(
+/// An embeddings call; `entry`: the backend its route starts from, when the gateway
+/// names it (a cache policy's `embed` backend: such a call is never itself cached).
+pub(super) async fn embed(
     call: Call<'_>,
     draft: &mut Draft,
     charge: &mut Charge,
     headers: &HeaderMap,
     body: Body,
+    entry: Option<BackendId>,
 ) -> Result<Reply, GatewayError> {
     let gateway = &**call.gateway;
     let bytes = read_body(body, headers, gateway.config.ai.vision.max_body_bytes).await?;
     let request = EmbeddingsRequest::parse(&bytes)?;
     draft.request(Capability::Embeddings, &request.model, request.user.as_deref());
     let Asked { sensitive, criticality, residency } = asked(gateway, call.caller, headers, draft)?;
+    let cache_ask = match gateway.config.ai.cache.is_some() && entry.is_none() {
+        true => cache::ask_embeddings(gateway, call.caller, headers, sensitive, &request.model, &bytes, draft),
+        false => None,
+    };
     let demand = Demand {
         capability: Capability::Embeddings,
         prompt_tokens: request.input_units,
@@ -302,9 +358,24 @@ async fn embed(
         prefix: None,
         criticality,
         residency,
+        entry,
     };
     let prompt_typical = plan::typical_tokens(request.input_units);
     let Admitted { route, soft, .. } = reserve(call, draft, charge, Tokens { demand: &demand, prompt_typical }).await?;
+    let mut keep = None;
+    if let Some(ask) = cache_ask {
+        let render = cache::Render {
+            format: &Format::Chat,
+            stream: false,
+            client_wants_usage: false,
+            request_id: &call.request_id.0,
+            model: &request.model,
+        };
+        match Box::pin(cache::lookup(call, draft, headers, ask, &demand.residency, render)).await {
+            Looked::Hit(response, ended) => return Ok(Reply::Now(response, ended)),
+            Looked::Miss(pending) => keep = charge.keep_for_cache(pending),
+        }
+    }
     let body_for = |model: &str, wire: Wire| match wire {
         Wire::OpenAi => Ok(request.upstream_body(model)),
         // Refused at load: no embeddings capability on a backend of another format.
@@ -312,7 +383,7 @@ async fn embed(
             Err(InvalidRequest { message: "embeddings are not served by this backend".into(), param: None })
         }
     };
-    let expect = Expect { shape: Shape::Json, format: &Format::Chat };
+    let expect = Expect { shape: Shape::Json, format: &Format::Chat, keep };
     let served =
         dispatch(gateway, (&mut *draft, &mut *charge), &route, "/embeddings", &request.model, body_for, expect).await?;
     complete(served, soft)
@@ -357,7 +428,7 @@ fn prompt_prefix(op: Operation, body: &[u8], n: u32) -> u64 {
 /// none, on the prompt's typical tokens plus those of the completion it wrote.
 fn complete(served: Served, soft: bool) -> Result<Reply, GatewayError> {
     let mut headers = answer_headers(&served.candidate, soft);
-    let Answered::Whole { status, content_type, retry_after, body, answer } = served.value else {
+    let Answered::Whole { status, content_type, retry_after, body, answer, kept } = served.value else {
         return Err(GatewayError::Internal("a stream where an answer was expected".into()));
     };
     let Some(answer) = answer else {
@@ -373,6 +444,7 @@ fn complete(served: Served, soft: bool) -> Result<Reply, GatewayError> {
         backend: served.candidate.backend,
         usage: answer.usage,
         content_bytes: answer.completion_bytes,
+        kept: kept.map(|kept| *kept),
     };
     let ended = Ended { status: 200, code: None, spent, finish_reasons: answer.finish_reasons };
     let json = HeaderValue::from_static("application/json");

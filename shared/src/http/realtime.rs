@@ -210,6 +210,7 @@ async fn open(
         prefix: None,
         criticality,
         residency,
+        entry: None,
     };
     let Admitted { route, soft, .. } =
         reserve(call, draft, charge, Tokens { demand: &demand, prompt_typical: 0 }).await?;

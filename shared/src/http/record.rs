@@ -102,6 +102,11 @@ impl Draft {
             period: None,
             run: None,
             skipped: Vec::new(),
+            cache: None,
+            cache_similarity: None,
+            cache_age_s: None,
+            cost_saved_eur: None,
+            cost_saved_micro_eur: None,
             chain: None,
         };
         Draft {
@@ -139,6 +144,51 @@ impl Draft {
     /// A gRPC call's feature (its method's `(flexway.v1.operation).ai`).
     pub fn feature(&mut self, feature: &str) {
         self.record.feature = Some(feature.to_owned());
+    }
+
+    /// What the response cache did (SPEC §16); a later note (`stored`) replaces an
+    /// earlier one (`miss`).
+    pub fn cache(&mut self, note: crate::http::cache::Note) {
+        use crate::audit::CacheOutcome;
+        use crate::http::cache::Note;
+        let record = &mut self.record;
+        record.cache = Some(match note {
+            Note::Hit { similarity, age_s, saved } => {
+                // Three decimals, as `Flexway-Cache` says it.
+                record.cache_similarity = Some((f64::from(similarity) * 1000.0).round() / 1000.0);
+                record.cache_age_s = Some(age_s);
+                record.cost_saved_micro_eur = Some(saved.0);
+                record.cost_saved_eur = Some(saved.0 as f64 / MicroEur::PER_EUR as f64);
+                CacheOutcome::Hit
+            }
+            Note::Miss => CacheOutcome::Miss,
+            Note::Stored => CacheOutcome::Stored,
+            Note::Bypass => CacheOutcome::Bypass,
+            Note::Off => CacheOutcome::Off,
+        });
+    }
+
+    /// What the response cache did, as noted.
+    pub fn cache_note(&self) -> Option<crate::http::cache::Note> {
+        use crate::audit::CacheOutcome;
+        use crate::http::cache::Note;
+        let record = &self.record;
+        Some(match record.cache? {
+            CacheOutcome::Hit => Note::Hit {
+                similarity: record.cache_similarity.unwrap_or(1.0) as f32,
+                age_s: record.cache_age_s.unwrap_or(0),
+                saved: MicroEur(record.cost_saved_micro_eur.unwrap_or(0)),
+            },
+            CacheOutcome::Miss => Note::Miss,
+            CacheOutcome::Stored => Note::Stored,
+            CacheOutcome::Bypass => Note::Bypass,
+            CacheOutcome::Off => Note::Off,
+        })
+    }
+
+    /// The caller's tenant.
+    pub fn caller_tenant(&self) -> &str {
+        &self.record.tenant
     }
 
     /// A hard budget cap refused the call (or a step of it).
@@ -329,6 +379,11 @@ impl Draft {
             period: None,
             run: None,
             skipped: Vec::new(),
+            cache: None,
+            cache_similarity: None,
+            cache_age_s: None,
+            cost_saved_eur: None,
+            cost_saved_micro_eur: None,
             chain: None,
             ..self.record
         };

@@ -27,6 +27,7 @@ use tokio::sync::mpsc;
 use tracing::Instrument;
 
 use super::Deadline;
+use super::cache::Kept;
 use super::drive::{Ended, Ending, Spent};
 use super::format::{Format, Writer};
 use crate::call::ErrorCode;
@@ -61,6 +62,53 @@ pub struct RelayOutcome {
     pub content_bytes: u64,
     /// Each choice's finish reason, as the stream gave them.
     pub finish_reasons: Vec<Finish>,
+    /// The answer's text, kept for the response cache while it may still be kept
+    /// (one choice, no tool call, within the policy's `max_entry_bytes`); `None` when
+    /// nothing is kept. Boxed: most streams keep nothing.
+    pub captured: Option<Box<Capture>>,
+}
+
+/// A streamed answer's text, as the response cache would keep it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capture {
+    pub text: String,
+    /// The most bytes it may grow to: past it, nothing is kept.
+    limit: u64,
+}
+
+impl RelayOutcome {
+    /// Adds `text` to what is kept, giving up past the limit.
+    fn capture(&mut self, text: &str) {
+        if let Some(capture) = &mut self.captured {
+            if (capture.text.len() + text.len()) as u64 > capture.limit {
+                self.captured = None;
+            } else {
+                capture.text.push_str(text);
+            }
+        }
+    }
+
+    /// What the stream sends is no answer the cache may keep (a tool call, another
+    /// choice).
+    fn give_up_capture(&mut self) {
+        self.captured = None;
+    }
+
+    /// Reads a chunk's text into what is kept.
+    fn capture_chunk(&mut self, event: &sse::Event) {
+        let Ok(Some(chunk)) = read_chunk(event) else { return };
+        for choice in chunk.get("choices").and_then(Value::as_array).into_iter().flatten() {
+            let delta = &choice["delta"];
+            let other_choice = choice.get("index").and_then(Value::as_u64).is_some_and(|i| i != 0);
+            if other_choice || delta.get("tool_calls").is_some_and(|v| !v.is_null()) {
+                self.give_up_capture();
+                return;
+            }
+            if let Some(text) = delta.get("content").and_then(Value::as_str) {
+                self.capture(text);
+            }
+        }
+    }
 }
 
 /// A stream whose first content event (or clean end) has arrived, nothing sent yet.
@@ -85,6 +133,7 @@ pub(super) async fn hold(
     client_wants_usage: bool,
     wire: Wire,
     format: &Format,
+    keep: Option<u64>,
 ) -> Result<Held, Fault> {
     let events = Events::new(response.into_body(), max_event_bytes);
     let mode = if format.native(wire) && wire == Wire::OpenAi {
@@ -99,7 +148,13 @@ pub(super) async fn hold(
     let mut held = Held {
         events: Source { events, mode },
         pending: Vec::new(),
-        outcome: RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0, finish_reasons: Vec::new() },
+        outcome: RelayOutcome {
+            end: StreamEnd::Done,
+            usage: None,
+            content_bytes: 0,
+            finish_reasons: Vec::new(),
+            captured: keep.map(|limit| Box::new(Capture { text: String::new(), limit })),
+        },
         done: false,
     };
     let mut held_bytes = 0u64;
@@ -167,7 +222,12 @@ fn stream(stream: Stream, mut ending: Ending, deadline: Option<Deadline>) -> Res
             StreamEnd::ClientGone => (499, Some(ErrorCode::ClientClosedRequest)),
             StreamEnd::Deadline => (200, Some(ErrorCode::Deadline)),
         };
-        let spent = Spent::Tokens { backend, usage: outcome.usage, content_bytes: outcome.content_bytes };
+        // Only a stream that ended properly offers its text to the cache.
+        let kept = match outcome.end {
+            StreamEnd::Done => outcome.captured.map(|c| Kept::Chat(c.text)),
+            _ => None,
+        };
+        let spent = Spent::Tokens { backend, usage: outcome.usage, content_bytes: outcome.content_bytes, kept };
         let ended = Ended { status, code, spent, finish_reasons: outcome.finish_reasons };
         // Boxed, as the rare ends below: the task's own size is what each open stream
         // holds while it waits for the next event.
@@ -317,6 +377,9 @@ impl Source {
                     return Ok(Some(Step { out: event.raw, content: false, done: true }));
                 }
                 let (content, forward) = tap_chunk(&event, *client_wants_usage, outcome)?;
+                if outcome.captured.is_some() {
+                    outcome.capture_chunk(&event);
+                }
                 let out = if forward { event.raw } else { Bytes::new() };
                 return Ok(Some(Step { out, content, done: false }));
             }
@@ -336,8 +399,14 @@ impl Source {
         for delta in &deltas {
             match delta {
                 Delta::Start { .. } => {}
-                Delta::Text(text) => outcome.content_bytes += text.len() as u64,
-                Delta::ToolCall { name, .. } => outcome.content_bytes += name.len() as u64,
+                Delta::Text(text) => {
+                    outcome.content_bytes += text.len() as u64;
+                    outcome.capture(text);
+                }
+                Delta::ToolCall { name, .. } => {
+                    outcome.content_bytes += name.len() as u64;
+                    outcome.give_up_capture();
+                }
                 Delta::ToolArguments { fragment, .. } => outcome.content_bytes += fragment.len() as u64,
                 Delta::Finish(finish) => {
                     if outcome.finish_reasons.len() < MAX_CHOICES as usize {
@@ -651,6 +720,7 @@ mod tests {
                     usage: None,
                     content_bytes: 1,
                     finish_reasons: vec![Finish::Stop],
+                    captured: None,
                 };
                 let (mut ours, mut theirs) = (fresh(), fresh());
                 let read = tap_chunk(&event, wants, &mut ours);
@@ -664,7 +734,7 @@ mod tests {
     fn the_usage_chunk_is_tapped_and_hidden_unless_asked_for() {
         let usage = json!({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}});
         let mut outcome =
-            RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0, finish_reasons: Vec::new() };
+            RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0, finish_reasons: Vec::new(), captured: None };
         assert!(!tap(Some(&usage), false, &mut outcome));
         assert_eq!(outcome.usage, Some(Usage::new(3, 4)));
         assert!(tap(Some(&usage), true, &mut outcome));

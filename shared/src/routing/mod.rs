@@ -48,6 +48,9 @@ pub struct RouteRequest {
     pub criticality: Criticality,
     /// Where it may be processed.
     pub residency: Residency,
+    /// The backend the route starts from, named by the gateway itself (a cache
+    /// policy's `embed` backend), before any other step; the filters still apply.
+    pub entry: Option<BackendId>,
 }
 
 /// The jurisdictions a call may be processed in (SPEC §4): its tenant's and agent's
@@ -98,6 +101,15 @@ impl Residency {
         match &self.0 {
             None => true,
             Some(allowed) => backend.jurisdiction.as_ref().is_some_and(|j| allowed.contains(j)),
+        }
+    }
+
+    /// Whether an answer produced in `jurisdiction` may serve the call (a cached one:
+    /// SPEC §16), by the rule of [`Residency::allows`].
+    pub fn allows_jurisdiction(&self, jurisdiction: Option<&str>) -> bool {
+        match &self.0 {
+            None => true,
+            Some(allowed) => jurisdiction.is_some_and(|j| allowed.contains(j)),
         }
     }
 
@@ -264,6 +276,9 @@ impl Router {
         let ai = &self.config.ai;
         let capability = request.capability;
         let serves = |b: &BackendId| self.backend(b).is_some_and(|b| b.capabilities.contains(&capability));
+        if let Some((entry, _)) = request.entry.as_ref().and_then(|e| ai.backends.get_key_value(e)) {
+            return entry;
+        }
         if request.sensitive
             && let Some(pinned) = &ai.sensitive_backend
         {
@@ -552,6 +567,7 @@ impl Router {
                         prefix: None,
                         criticality: Criticality::Standard,
                         residency: residency.clone(),
+                        entry: None,
                     },
                 ),
                 false,
@@ -785,6 +801,7 @@ mod tests {
             prefix: None,
             criticality,
             residency,
+            entry: None,
         }
     }
 

@@ -20,6 +20,7 @@ use crate::call::ErrorCode;
 use crate::config::{BackendId, Price};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
+use crate::http::cache::{Capture, Kept, Note, Pending};
 use crate::http::chain::QuotaHold;
 use crate::http::record::{Draft, UsageSource};
 use crate::identity::Caller;
@@ -55,6 +56,9 @@ pub(in crate::http) struct Tokens {
     /// What the attempt chain reserved on the provider quotas of the backends it
     /// tried (SPEC §14): empty, without an allocation, when none has a quota.
     pub quotas: Vec<Quota>,
+    /// Where the response cache keeps the answer, for a call that missed it (SPEC
+    /// §16): stored at the end if the answer is complete.
+    pub cache: Option<Box<Pending>>,
 }
 
 impl Tokens {
@@ -114,11 +118,16 @@ pub(in crate::http) enum Spent {
     /// Nothing was served: what was reserved goes back whole.
     Nothing,
     /// A model's answer by `backend`: the usage it reported, or, when it reported none,
-    /// an estimate from the completion bytes it wrote.
-    Tokens { backend: BackendId, usage: Option<Usage>, content_bytes: u64 },
+    /// an estimate from the completion bytes it wrote; and what the response cache may
+    /// keep of it, when the call asked to keep it.
+    Tokens { backend: BackendId, usage: Option<Usage>, content_bytes: u64, kept: Option<Kept> },
+    /// An answer from the response cache: `charged` (the policy's share of what the
+    /// call that produced it cost, `saved`).
+    Cached { charged: MicroEur, saved: MicroEur },
     /// A metered operation: whether the upstream answered, and whether it served the
-    /// call (what a per-call price is charged on).
-    Metered { answered: bool, served: bool },
+    /// call (what a per-call price is charged on); and its answer as the relay read it
+    /// for the response cache, when the call missed it (a REST operation's).
+    Metered { answered: bool, served: bool, kept: Option<Box<Capture>> },
     /// A realtime session, closed for `reason` (its responses settled as they ended).
     Session(CloseReason),
 }
@@ -149,6 +158,15 @@ impl Charge {
             Charge::Tokens(tokens) => Some(tokens.bound()),
             _ => None,
         }
+    }
+
+    /// Holds `pending` (a response cache miss) until the call ends; what the attempt
+    /// must read of the answer for it.
+    pub fn keep_for_cache(&mut self, pending: Option<Box<Pending>>) -> Option<crate::http::dispatch::KeepAs> {
+        let Charge::Tokens(tokens) = self else { return None };
+        let keep = pending.as_ref().map(|p| p.keep_as());
+        tokens.cache = pending;
+        keep
     }
 
     /// Whether the call holds a reservation on `backend`'s quota already.
@@ -194,16 +212,25 @@ impl Charge {
     }
 }
 
-/// The one end of a call: `charge` settled on `ended`, then the record written, with
-/// the settled cost on it. Returns that cost.
-pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended, mut draft: Draft) -> MicroEur {
+/// How a call ended, as its answer's headers say it.
+pub(in crate::http) struct Closed {
+    /// The settled cost (`Flexway-Cost`).
+    pub cost: MicroEur,
+    /// What the response cache did (`Flexway-Cache`), when a policy applied.
+    pub cache: Option<Note>,
+}
+
+/// The one end of a call: `charge` settled on `ended`, its answer kept by the response
+/// cache if it missed and the answer is complete, then the record written, with the
+/// settled cost on it. Returns that cost and the cache's part.
+pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended, mut draft: Draft) -> Closed {
     let Ended { status, code, spent, finish_reasons } = ended;
     if let Spent::Session(reason) = spent {
         draft.closed(reason);
     }
     let cost = match (charge, spent) {
         (Charge::None, _) => MicroEur(0),
-        (Charge::Tokens(tokens), Spent::Tokens { backend, usage, content_bytes }) => {
+        (Charge::Tokens(tokens), Spent::Tokens { backend, usage, content_bytes, kept }) => {
             let estimate = Usage::new(tokens.prompt_typical, plan::typical_tokens(content_bytes));
             let (usage, source) = match usage {
                 Some(reported) => {
@@ -220,17 +247,60 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
             let cost = tokens.ticket.settle(usage, gateway.price(&backend)).await;
             draft.usage(usage, source, cost);
             end_quotas(gateway, tokens.quotas, Some((&backend, usage))).await;
+            // Kept only whole: the call answered 200 with nothing cut, its usage
+            // reported or its stream ended properly (`kept` says so for a stream).
+            if let (Some(pending), Some(kept)) = (tokens.cache, kept)
+                && status == 200
+                && code.is_none()
+                && (source == UsageSource::Reported || draft.is_streamed())
+            {
+                let kept = crate::http::cache::store(gateway, *pending, kept, &backend, usage, cost, &finish_reasons);
+                if let Some(note) = Box::pin(kept).await {
+                    draft.cache(note);
+                }
+            }
             cost
+        }
+        (Charge::Tokens(tokens), Spent::Cached { charged, saved }) => {
+            // Nothing was called upstream: the reservation gives way to the policy's
+            // share of the entry's cost, in euros only (no token was produced).
+            match charged {
+                MicroEur(0) => tokens.ticket.refund().await,
+                _ => tokens.ticket.settle_eur(charged).await,
+            }
+            end_quotas(gateway, tokens.quotas, None).await;
+            draft.usage(Usage::default(), UsageSource::Reported, charged);
+            gateway.metrics.cache_saved(draft.caller_tenant(), saved);
+            charged
         }
         (Charge::Tokens(tokens), _) => {
             tokens.ticket.refund().await;
             end_quotas(gateway, tokens.quotas, None).await;
             MicroEur(0)
         }
-        (Charge::Metered(meter), Spent::Metered { answered, served }) => {
+        (Charge::Metered(meter), Spent::Metered { answered, served, kept }) => {
             let cost = meter.close(answered, served).await;
             draft.usage(Usage::default(), UsageSource::Reported, cost);
+            // Kept only whole: a 2xx answer that ended as it should (SPEC §16).
+            if let Some(capture) = kept
+                && (200..300).contains(&status)
+                && code.is_none()
+            {
+                let (pending, backend, kept) = capture.into_parts();
+                let kept = crate::http::cache::store(gateway, pending, kept, &backend, Usage::default(), cost, &[]);
+                if let Some(note) = Box::pin(kept).await {
+                    draft.cache(note);
+                }
+            }
             cost
+        }
+        (Charge::Metered(meter), Spent::Cached { charged, saved }) => {
+            // Nothing was called upstream: the reservation settled at the policy's share
+            // of the entry's cost (at most what it holds), refunded when that is none.
+            let charged = meter.close_at(charged).await;
+            draft.usage(Usage::default(), UsageSource::Reported, charged);
+            gateway.metrics.cache_saved(draft.caller_tenant(), saved);
+            charged
         }
         (Charge::Metered(meter), _) => {
             meter.close(false, false).await;
@@ -255,8 +325,9 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
     if !finish_reasons.is_empty() {
         draft.finish_reasons(finish_reasons);
     }
+    let cache = draft.cache_note();
     draft.finish(status, code).await;
-    cost
+    Closed { cost, cache }
 }
 
 /// Ends the call's provider quota reservations (SPEC §14): the one of the backend that
@@ -442,6 +513,6 @@ impl Ending {
     /// Ends the call (see [`end`]); its cost.
     pub async fn end(self, ended: Ended) -> MicroEur {
         let Ending { gateway, draft, charge } = self;
-        end(&gateway, charge, ended, draft).await
+        end(&gateway, charge, ended, draft).await.cost
     }
 }

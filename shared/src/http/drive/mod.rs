@@ -31,7 +31,7 @@ use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
 use end::end;
-pub(super) use end::{Charge, Ended, Ending, Quota, Spent, Tokens};
+pub(super) use end::{Charge, Closed, Ended, Ending, Quota, Spent, Tokens};
 
 /// Who calls, under which request id, in which run.
 #[derive(Clone, Copy)]
@@ -129,17 +129,24 @@ pub(super) async fn drive<D: Door>(gateway: Arc<Gateway>, mut door: D, mut reque
             let pace = draft.paced();
             // Boxed too: the end's state (the draft, the settlement's and the audit
             // write's futures) is the rest of what the router would copy.
-            let cost = Box::pin(end(&gateway, charge, ended, draft)).await;
+            let Closed { cost, cache } = Box::pin(end(&gateway, charge, ended, draft)).await;
             if priced && let Ok(value) = HeaderValue::from_str(&cost.to_eur_string()) {
                 response.headers_mut().insert(COST_HEADER, value);
+            }
+            if let Some(note) = cache {
+                response.headers_mut().insert(super::cache::CACHE_HEADER, note.header());
             }
             pace::write(response.headers_mut(), pace, anthropic);
             response
         }
         Ok(Reply::Relay(relay)) => {
             let pace = draft.paced();
+            let cache = draft.cache_note().map(|note| note.header());
             let mut response = relay.respond(Ending::new(gateway, draft, charge), deadline);
             pace::write(response.headers_mut(), pace, anthropic);
+            if let Some(value) = cache {
+                response.headers_mut().insert(super::cache::CACHE_HEADER, value);
+            }
             response
         }
         Err(refusal) => {
