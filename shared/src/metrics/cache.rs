@@ -4,6 +4,8 @@
 //! a model string or a request id; the money is integer micro-euros, turned into
 //! euros only when rendered.
 
+use std::sync::atomic::Ordering;
+
 use super::{Registry, label};
 use crate::money::MicroEur;
 
@@ -64,6 +66,15 @@ impl Registry {
     /// The tenant's live entries, as counted now (set, not added).
     pub fn cache_entries(&self, tenant: &str, entries: u64) {
         self.cache_entries.with(&[label(Some(tenant))], u64::default, |n| *n = entries);
+    }
+
+    /// Whether the entries are due to be counted at `now` (Unix seconds): never counted,
+    /// or counted `every` seconds ago or more. A `true` claims the count: callers at
+    /// the same instant get `false`.
+    pub fn cache_entries_due(&self, now: u64, every: u64) -> bool {
+        let last = self.cache_counted_at.load(Ordering::Relaxed);
+        let due = last == 0 || now >= last.saturating_add(every);
+        due && self.cache_counted_at.compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed).is_ok()
     }
 
     /// Every tenant with a cache figure, by name.
@@ -242,6 +253,16 @@ mod tests {
         };
         let globex = CacheTotals { tenant: "globex".into(), entries: Some(3), ..CacheTotals::default() };
         assert_eq!(registry.cache_totals(), [acme, globex]);
+    }
+
+    #[test]
+    fn entries_are_due_once_then_every_period() {
+        let registry = Registry::new();
+        assert!(registry.cache_entries_due(1_000, 60), "never counted");
+        assert!(!registry.cache_entries_due(1_000, 60), "claimed");
+        assert!(!registry.cache_entries_due(1_059, 60));
+        assert!(registry.cache_entries_due(1_060, 60));
+        assert!(!registry.cache_entries_due(1_061, 60));
     }
 
     #[test]

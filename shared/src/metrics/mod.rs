@@ -74,6 +74,8 @@ pub struct Registry {
     cache_saved: Family<u64>,
     /// A tenant's live cache entries, as last counted, per [tenant].
     cache_entries: Family<u64>,
+    /// When the entries were last counted (Unix seconds; 0: never).
+    cache_counted_at: AtomicU64,
 }
 
 impl std::fmt::Debug for Registry {
@@ -130,6 +132,7 @@ impl Registry {
             cache_store_failures: Family::new(),
             cache_saved: Family::new(),
             cache_entries: Family::new(),
+            cache_counted_at: AtomicU64::new(0),
         }
     }
 
