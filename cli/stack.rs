@@ -8,6 +8,10 @@
 //! not cover is AccessDenied when the function starts, so every call answers 502. Typed
 //! once (the config) and derived, or checked at build, the two cannot disagree.
 //!
+//! The stack creates the response cache's table, and grants the gateway's role its use,
+//! only with `CacheStore=dynamodb`: what a config whose `ai.cache.store` is `{kind:
+//! dynamodb}` needs, and what one without it does not.
+//!
 //! Only ARN references are the stack's business: `env:` and `file:` ones are the
 //! function's environment and package. Coverage is decided as IAM matches a resource:
 //! the whole ARN against each pattern, `*` any run of characters, `?` any one.
@@ -15,7 +19,10 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use flexway::config::{AuditSinkConfig, Config, Diagnostic, SecretRef, StoreConfig};
+use flexway::config::{AuditSinkConfig, CacheStoreConfig, Config, Diagnostic, SecretRef, StoreConfig};
+
+/// The stack parameter that creates the cache table (`none` or `dynamodb`).
+const CACHE_STORE: &str = "CacheStore";
 
 /// The stack parameters that list what a role may read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,15 +103,38 @@ pub fn review(config: &Config, mode: &Mode) -> Review {
         Mode::Print => (Vec::new(), Some(grants.overrides())),
         Mode::Check(given) => {
             errors.extend(grants.uncovered(given));
-            (grants.unused(given), None)
+            let mut warnings = grants.unused(given);
+            match (grants.cache_table, given.0.get(CACHE_STORE).map(String::as_str)) {
+                (true, Some("dynamodb")) | (false, None | Some("none")) => {}
+                (true, given) => errors.push(Diagnostic::new(
+                    "ai.cache.store",
+                    format!(
+                        "the cache table is the stack's only with {CACHE_STORE}=dynamodb ({}): the gateway's \
+                         role could not reach it, and every lookup would be a miss",
+                        given.map_or_else(|| "not among the stack parameters".to_owned(), |v| format!("given {v}"))
+                    ),
+                )),
+                (false, Some(other)) => warnings.push(Diagnostic::new(
+                    "",
+                    format!(
+                        "--stack-parameters: {CACHE_STORE}={other}, and the config keeps no response cache in \
+                         the stack's DynamoDB table: {CACHE_STORE}=none"
+                    ),
+                )),
+            }
+            (warnings, None)
         }
     };
     Review { errors, warnings, overrides }
 }
 
-/// What the stack must grant for a config's ARN references.
+/// What the stack must grant for a config's ARN references, and whether it must
+/// create the cache table.
 #[derive(Debug)]
-struct Grants(Vec<Grant>);
+struct Grants {
+    arns: Vec<Grant>,
+    cache_table: bool,
+}
 
 /// The grants every ARN reference of `config` needs, and why it cannot be deployed as
 /// a serverless one, if it cannot.
@@ -159,7 +189,8 @@ fn needs(config: &Config) -> (Grants, Vec<Diagnostic>) {
         let resource = Resource { arn: arn.clone(), unknown_suffix };
         grants.push(Grant { path, parameter, resource });
     }
-    (Grants(grants), errors)
+    let cache_table = config.ai.cache.as_ref().is_some_and(|c| matches!(c.store, CacheStoreConfig::DynamoDb { .. }));
+    (Grants { arns: grants, cache_table }, errors)
 }
 
 /// A Secrets Manager name without the `-` and six letters or digits the service
@@ -175,11 +206,12 @@ fn is_partial(name: &str) -> bool {
 
 impl Grants {
     /// The parameters as `sam deploy --parameter-overrides` takes them, every one given
-    /// (an empty list as `""`: a parameter left out keeps its previous value).
+    /// (an empty list as `""`: a parameter left out keeps its previous value), the
+    /// ARN lists and then [`CACHE_STORE`].
     fn overrides(&self) -> String {
         let each = Parameter::ALL.map(|parameter| {
             let mut values: Vec<String> = Vec::new();
-            for grant in self.0.iter().filter(|g| g.parameter == parameter) {
+            for grant in self.arns.iter().filter(|g| g.parameter == parameter) {
                 let value = grant.resource.to_string();
                 if !values.contains(&value) {
                     values.push(value);
@@ -188,14 +220,15 @@ impl Grants {
             let list = if values.is_empty() { "\"\"".to_owned() } else { values.join(",") };
             format!("{}={list}", parameter.name())
         });
-        each.join(" ")
+        let cache = if self.cache_table { "dynamodb" } else { "none" };
+        format!("{} {CACHE_STORE}={cache}", each.join(" "))
     }
 
     /// Each reference `given` does not cover: an error naming its path, the ARN and
     /// the parameter that should list it.
     fn uncovered(&self, given: &StackParameters) -> Vec<Diagnostic> {
         let mut errors = Vec::new();
-        for grant in &self.0 {
+        for grant in &self.arns {
             let name = grant.parameter.name();
             let patterns = given.list(name);
             if patterns.as_ref().is_some_and(|p| p.iter().any(|pattern| covers(pattern, &grant.resource))) {
@@ -221,7 +254,7 @@ impl Grants {
         let mut warnings = Vec::new();
         for parameter in Parameter::ALL {
             for pattern in given.list(parameter.name()).unwrap_or_default() {
-                let mut grants = self.0.iter().filter(|g| g.parameter == parameter);
+                let mut grants = self.arns.iter().filter(|g| g.parameter == parameter);
                 if !grants.any(|g| covers(&pattern, &g.resource)) {
                     warnings.push(Diagnostic::new(
                         "",

@@ -57,10 +57,10 @@ ai:
 }
 
 /// What `serverless_config` needs, in the order `validate --serverless` prints it:
-/// the audit's references, then the backends' by name.
+/// the audit's references, then the backends' by name; no cache table.
 fn needed() -> String {
     format!(
-        "SecretsManagerArns={},{}-?????? SsmParameterArns={},{},{} UsageApiSecretArns={}",
+        "SecretsManagerArns={},{}-?????? SsmParameterArns={},{},{} UsageApiSecretArns={} CacheStore=none",
         secret("flexway/openai-AbCdEf"),
         secret("flexway/partial"),
         parameter("flexway/audit-salt"),
@@ -122,7 +122,7 @@ ai:
     let run = validate(yaml, &["--serverless"]);
     assert!(run.ok, "{}", run.stderr);
     // Every one given, empty: a parameter left out would keep its previous value.
-    assert_eq!(run.stdout, "SecretsManagerArns=\"\" SsmParameterArns=\"\" UsageApiSecretArns=\"\"\n");
+    assert_eq!(run.stdout, "SecretsManagerArns=\"\" SsmParameterArns=\"\" UsageApiSecretArns=\"\" CacheStore=none\n");
     let checked = validate(yaml, &["--serverless", "--stack-parameters", run.stdout.trim()]);
     assert!(checked.ok, "{}", checked.stderr);
 }
@@ -203,6 +203,47 @@ fn a_suffix_pattern_covers_the_full_arn_and_the_partial_one() {
     assert_eq!(errors.len(), 1, "{}", run.stderr);
     assert!(errors[0].contains("ai.backends.partial.auth.secret"), "{}", errors[0]);
     assert!(errors[0].contains(&format!("list {}-??????", secret("flexway/partial"))), "{}", errors[0]);
+}
+
+/// A response cache kept in DynamoDB is the stack's cache table, which only
+/// `CacheStore=dynamodb` creates and lets the gateway use.
+#[test]
+fn a_dynamodb_cache_needs_the_stacks_cache_table() {
+    let cached = serverless_config().replace(
+        "ai:\n",
+        "ai:
+  cache:
+    store: {kind: dynamodb, table: flexway-cache}
+    key: \"env:FLEXWAY_CACHE_KEY\"
+    policies: {faq: {mode: exact, ttl: 1h}}
+    models: {gpt-4.1: faq}
+",
+    );
+    let run = validate(&cached, &["--serverless"]);
+    assert!(run.ok, "{}", run.stderr);
+    let with_table = needed().replace("CacheStore=none", "CacheStore=dynamodb");
+    assert_eq!(run.stdout, format!("{with_table}\n"));
+    let run = validate(&cached, &["--serverless", "--stack-parameters", &with_table]);
+    assert!(run.ok, "{}", run.stderr);
+
+    // Without the table, or without saying: the gateway could not reach it.
+    let without = needed().replace(" CacheStore=none", "");
+    for given in [needed(), without] {
+        let run = validate(&cached, &["--serverless", "--stack-parameters", &given]);
+        assert!(!run.ok, "{given}");
+        let errors = errors(&run.stderr);
+        assert_eq!(errors.len(), 1, "{}", run.stderr);
+        assert!(errors[0].contains("ai.cache.store") && errors[0].contains("CacheStore=dynamodb"), "{}", errors[0]);
+    }
+
+    // A table the config does not use is said, not refused.
+    let run = validate(&serverless_config(), &["--serverless", "--stack-parameters", &with_table]);
+    assert!(run.ok, "{}", run.stderr);
+    assert!(
+        run.stderr.lines().any(|l| l.starts_with("warning:") && l.contains("CacheStore=dynamodb")),
+        "{}",
+        run.stderr
+    );
 }
 
 #[test]

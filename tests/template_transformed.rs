@@ -154,16 +154,18 @@ fn depends_on(template: &Value, from: &str, to: &str, parameters: &BTreeMap<&str
 }
 
 /// The parameter sets a first deploy chooses between.
-const PARAMETER_SETS: [&[(&str, &str)]; 4] = [
+const PARAMETER_SETS: [&[(&str, &str)]; 5] = [
     &[],
     &[("PublicFunctionUrl", "false")],
     &[("ApiGatewayAccountLogRole", "existing")],
     &[("PublicFunctionUrl", "false"), ("ApiGatewayAccountLogRole", "existing")],
+    &[("CacheStore", "dynamodb")],
 ];
 
 /// A resource a condition leaves out is referenced by no resource or output that
 /// stays (CloudFormation would refuse the template), for each choice a first deploy
-/// makes: the function URL off, the account's API Gateway role kept as it is.
+/// makes: the function URL off, the account's API Gateway role kept as it is, the
+/// response cache in the stack's table.
 #[test]
 fn no_resource_left_out_by_a_parameter_is_referenced_by_one_that_stays() {
     for set in PARAMETER_SETS {
@@ -451,6 +453,80 @@ async fn the_ledger_table_is_the_table_the_code_creates() {
     let projection = index.projection().and_then(|p| p.projection_type()).map(|t| t.as_str().to_owned());
     assert_eq!(declared_index["Projection"]["ProjectionType"].as_str().map(str::to_owned), projection);
     let ttl_attribute = ttl.time_to_live_description().and_then(|t| t.attribute_name()).unwrap();
+    assert_eq!(table["TimeToLiveSpecification"], json!({"AttributeName": ttl_attribute, "Enabled": true}));
+}
+
+// ----- the cache table -------------------------------------------------------------------
+
+/// With `CacheStore=dynamodb`, the stack's cache table is the table the code creates
+/// (`DynamoDbCacheStore::create_table`, which its tests run against): the same keys,
+/// attributes, `tenant` index and projection, and TTL attribute, read back from the
+/// emulator. Without it, no table, no output, and the gateway's role grants nothing
+/// on one.
+#[tokio::test]
+async fn the_cache_table_is_the_table_the_code_creates_and_only_with_cache_store_dynamodb() {
+    let cached = BTreeMap::from([("CacheStore", "dynamodb")]);
+    let template = transformed(&["CacheStore=dynamodb"]);
+    let resource = &template["Resources"]["CacheTable"];
+    assert_eq!(exists(&template, resource, &cached), Some(true));
+    assert_eq!(exists(&template, resource, &BTreeMap::new()), Some(false), "no cache table by default");
+    let output = &template["Outputs"]["CacheTableName"];
+    assert_eq!(
+        (exists(&template, output, &cached), exists(&template, output, &BTreeMap::new())),
+        (Some(true), Some(false))
+    );
+    let mut granted = BTreeSet::new();
+    references(&template, &template["Resources"]["GatewayRole"], &BTreeMap::new(), &mut granted);
+    assert!(!granted.contains("CacheTable"), "the gateway's role names no cache table by default: {granted:?}");
+    granted.clear();
+    references(&template, &template["Resources"]["GatewayRole"], &cached, &mut granted);
+    assert!(granted.contains("CacheTable"), "{granted:?}");
+
+    let table = &resource["Properties"];
+    assert_eq!(table["TableName"], sub("${AWS::StackName}-cache"));
+    assert_eq!(table["BillingMode"], "PAY_PER_REQUEST");
+    let sdk = flexway_testkit::emulator::sdk().await;
+    let client = aws_sdk_dynamodb::Client::new(&sdk);
+    let name = flexway_testkit::emulator::unique("flexway-cache-template");
+    flexway_aws::cache::DynamoDbCacheStore::create_table(&client, &name).await.unwrap();
+    let described = client.describe_table().table_name(&name).send().await.unwrap();
+    let created = described.table().unwrap();
+    let ttl = client.describe_time_to_live().table_name(&name).send().await.unwrap();
+    client.delete_table().table_name(&name).send().await.unwrap();
+
+    let keys = |schema: &[aws_sdk_dynamodb::types::KeySchemaElement]| -> Value {
+        schema.iter().map(|k| json!({"AttributeName": k.attribute_name(), "KeyType": k.key_type().as_str()})).collect()
+    };
+    let attributes: BTreeSet<(String, String)> = created
+        .attribute_definitions()
+        .iter()
+        .map(|a| (a.attribute_name().to_owned(), a.attribute_type().as_str().to_owned()))
+        .collect();
+    let declared: BTreeSet<(String, String)> = table["AttributeDefinitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| (a["AttributeName"].as_str().unwrap().to_owned(), a["AttributeType"].as_str().unwrap().to_owned()))
+        .collect();
+    assert_eq!(declared, attributes);
+    assert_eq!(table["KeySchema"], keys(created.key_schema()));
+    let [index] = created.global_secondary_indexes() else { panic!("one index: {created:?}") };
+    let [declared_index] = table["GlobalSecondaryIndexes"].as_array().unwrap().as_slice() else { panic!() };
+    assert_eq!(index.index_name(), Some(flexway_aws::cache::TENANT_INDEX));
+    assert_eq!(declared_index["IndexName"], flexway_aws::cache::TENANT_INDEX);
+    assert_eq!(declared_index["KeySchema"], keys(index.key_schema()));
+    let projection = index.projection().unwrap();
+    assert_eq!(declared_index["Projection"]["ProjectionType"], projection.projection_type().unwrap().as_str());
+    let included: BTreeSet<&str> = projection.non_key_attributes().iter().map(String::as_str).collect();
+    let declared_included: BTreeSet<&str> = declared_index["Projection"]["NonKeyAttributes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert_eq!(declared_included, included);
+    let ttl_attribute = ttl.time_to_live_description().and_then(|t| t.attribute_name()).unwrap();
+    assert_eq!(ttl_attribute, flexway_aws::cache::TTL_ATTRIBUTE);
     assert_eq!(table["TimeToLiveSpecification"], json!({"AttributeName": ttl_attribute, "Enabled": true}));
 }
 

@@ -7,7 +7,7 @@
 //! ([`LAMBDA_USES`], each with its reason), and no resource is `*` beyond X-Ray.
 //!
 //! One stack name per run, `S`: the resources are made on the emulator with the names
-//! the template gives them (`S-ledger`, `/S/audit`), and the secrets the bundled config
+//! the template gives them (`S-ledger`, `S-cache`, `/S/audit`), and the secrets the bundled config
 //! references are the stack's parameters (one in the `NAME-??????` form the docs
 //! recommend). The flows call what the binaries call (`build_adapters`,
 //! `Gateway::new`, `http::api`, `dynamodb_store`, `reconcile_days`), with the names the
@@ -35,7 +35,7 @@ use flexway::budget::{
     ReserveRequest, SettleOutcome, Unit,
 };
 use flexway::config::{ProcessEnv, Secrets, StoreConfig};
-use flexway_aws::{AwsSecretSource, DynamoDbBudgetStore};
+use flexway_aws::{AwsSecretSource, DynamoDbBudgetStore, DynamoDbCacheStore};
 use flexway_testkit::iam::{ACCOUNT, Authorization, Recorder};
 use flexway_testkit::{FakeModel, emulator, sha};
 use serde_json::{Value, json};
@@ -121,12 +121,16 @@ async fn each_role_grants_what_its_function_does_and_nothing_more() {
             ("SecretsManagerArns", format!("{secret_name}-??????")),
             ("SsmParameterArns", parameter.clone()),
             ("UsageApiSecretArns", admin_secret.clone()),
+            ("CacheStore", "dynamodb".to_owned()),
         ],
     );
     let table = stack.physical_name("LedgerTable");
     let audit = stack.physical_name("AuditLogGroup");
     assert_eq!([table.as_str(), audit.as_str()], [format!("{name}-ledger"), format!("/{name}/audit")]);
     DynamoDbBudgetStore::create_table(&aws_sdk_dynamodb::Client::new(&plain), &table).await.unwrap();
+    let cache_table = stack.physical_name("CacheTable");
+    assert_eq!(cache_table, format!("{name}-cache"));
+    DynamoDbCacheStore::create_table(&aws_sdk_dynamodb::Client::new(&plain), &cache_table).await.unwrap();
     aws_sdk_cloudwatchlogs::Client::new(&plain).create_log_group().log_group_name(&audit).send().await.unwrap();
 
     let model = FakeModel::start().await.unwrap();
@@ -140,6 +144,7 @@ async fn each_role_grants_what_its_function_does_and_nothing_more() {
     let sent = model.requests().iter().filter(|r| r.header("authorization") == Some(bearer.as_str())).count();
     assert!(sent >= 2, "the backend was called with the key resolved from Secrets Manager: {sent} calls");
     flows.push(gateway_writing_the_audit(&plain, &config).await);
+    flows.push(gateway_caching(&plain, &cache_table).await);
     flows.push(sweeper(&plain, &stack).await);
     flows.push(reconcile(&plain, &stack, &config).await);
     let _ = std::fs::remove_dir_all(&dir);
@@ -316,6 +321,38 @@ async fn gateway_writing_the_audit(plain: &SdkConfig, config: &Path) -> Flow {
     let calls = recorder.take();
     assert!(calls.iter().any(|a| a.operation == "Logs.PutLogEvents"), "the record written: {calls:#?}");
     Flow { function: "GatewayFunction", name: "init and a call, the audit written with PutLogEvents".into(), calls }
+}
+
+/// The response cache's DynamoDB store on the stack's cache table, as the gateway
+/// calls it (a lookup before a call, a store after it; nothing at init): a miss, an
+/// entry stored, a hit, an entry replaced, and a store at the tenant's limit, which
+/// evicts the oldest.
+async fn gateway_caching(plain: &SdkConfig, table: &str) -> Flow {
+    use flexway::cache::{CacheStore, Entry, Lookup, Partition, Probe, Sealed};
+
+    let (sdk, recorder) = Recorder::install(plain);
+    let store = DynamoDbCacheStore::new(aws_sdk_dynamodb::Client::new(&sdk), table);
+    let partition = Partition::new("acme", None, "faq", "gpt-test", &[0; 32]);
+    let (first, second) =
+        (Probe { exact: [1; 32], vector: None, guard: 0 }, Probe { exact: [2; 32], vector: None, guard: 0 });
+    let now = unix_now();
+    let lookup = |probe| Lookup { partition: &partition, probe, threshold: 0.95, stored_since: 0, now };
+    let entry = |probe, stored_at| Entry {
+        partition: &partition,
+        probe,
+        sealed: Sealed(vec![7; 40]),
+        stored_at,
+        expires_at: now + 3600,
+        max_entries_per_tenant: 1,
+    };
+    assert_eq!(store.lookup(&lookup(&first)).await.unwrap(), None);
+    store.store(entry(&first, now - 10)).await.unwrap();
+    assert!(store.lookup(&lookup(&first)).await.unwrap().is_some());
+    store.store(entry(&first, now - 5)).await.unwrap();
+    store.store(entry(&second, now)).await.unwrap();
+    assert_eq!(store.lookup(&lookup(&first)).await.unwrap(), None, "evicted past max_entries_per_tenant");
+    let name = "the response cache: a miss, a store, a hit, a replacement, an eviction".into();
+    Flow { function: "GatewayFunction", name, calls: recorder.take() }
 }
 
 /// The sweeper as `functions/sweeper/src/main.rs` runs, on the table its environment
