@@ -205,19 +205,43 @@ impl Meter {
         };
         // The cost is within what was reserved (each step was reserved before its
         // bytes passed): spread it over the reservations in order.
-        let mut left = cost.0;
-        for (ticket, amount) in std::mem::take(&mut held.tickets) {
-            let part = left.min(amount.0);
-            left -= part;
-            if part == 0 {
-                ticket.refund().await;
-            } else {
-                ticket.settle_eur(MicroEur(part)).await;
-            }
-        }
+        let left = spread(&mut held, cost).await;
         if left > 0 {
             tracing::error!(request_id = %self.request_id, left, "{COST_BEYOND_RESERVATIONS}");
         }
         MicroEur(cost.0 - left)
     }
+
+    /// Settles every reservation on `cost`, whatever passed, and returns what was
+    /// charged: a response cache hit's share of what its entry's call cost (SPEC §16),
+    /// nothing having been called upstream. At most what the reservations hold (a
+    /// per-byte entry whose answer passed the first reservation's allowance is charged
+    /// that much: no step is reserved for bytes that never pass); each is settled at
+    /// most at its amount or refunded, once, as [`Meter::close`] does. Once: later
+    /// calls cost nothing.
+    pub async fn close_at(&self, cost: MicroEur) -> MicroEur {
+        let mut held = self.held.lock().await;
+        if held.closed {
+            return MicroEur(0);
+        }
+        held.closed = true;
+        let left = spread(&mut held, cost).await;
+        MicroEur(cost.0 - left)
+    }
+}
+
+/// Settles `held`'s reservations on `cost`, in order, each at most at its amount (the
+/// rest refunded); the part of `cost` beyond them all.
+async fn spread(held: &mut Held, cost: MicroEur) -> u64 {
+    let mut left = cost.0;
+    for (ticket, amount) in std::mem::take(&mut held.tickets) {
+        let part = left.min(amount.0);
+        left -= part;
+        if part == 0 {
+            ticket.refund().await;
+        } else {
+            ticket.settle_eur(MicroEur(part)).await;
+        }
+    }
+    left
 }

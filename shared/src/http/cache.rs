@@ -893,6 +893,17 @@ mod tests {
     }
 
     #[test]
+    fn a_rest_key_tells_its_parts_apart() {
+        let key = rest_key("POST", "/documents?lang=fr", b"page");
+        assert_eq!(key, rest_key("POST", "/documents?lang=fr", b"page"));
+        assert_ne!(key, rest_key("GET", "/documents?lang=fr", b"page"));
+        assert_ne!(key, rest_key("POST", "/documents?lang=en", b"page"));
+        assert_ne!(key, rest_key("POST", "/documents?lang=fr", b"page two"));
+        // Bytes moved across a boundary make another key.
+        assert_ne!(rest_key("POST", "/a", b"bc"), rest_key("POST", "/ab", b"c"));
+    }
+
+    #[test]
     fn a_hits_header_says_its_similarity_and_age() {
         let hit = Note::Hit { similarity: 0.97312, age_s: 120, saved: MicroEur(5) };
         assert_eq!(hit.header(), "hit; similarity=0.973; age=120");

@@ -625,7 +625,7 @@ impl byte_relay::Answer for Relaying {
 /// How a gRPC call that the upstream answered ended: charged per call when its status
 /// is OK, per byte on what passed.
 fn ended(status: u16, code: Option<ErrorCode>) -> Ended {
-    let spent = Spent::Metered { answered: true, served: status == Code::Ok.number() };
+    let spent = Spent::Metered { answered: true, served: status == Code::Ok.number(), kept: None };
     Ended { status, code, spent, finish_reasons: Vec::new() }
 }
 

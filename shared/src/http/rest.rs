@@ -15,10 +15,19 @@
 //! connection error before the answer goes to the next backend when the request body
 //! was not taken yet (always for a request without a body), and is refunded.
 //!
+//! An operation whose `x-flexway-ai` names a cache policy (SPEC §16, exact, GET and
+//! POST) is looked up after its reservation: the key is its method, its path and query
+//! below the mount and its body, read whole first up to the policy's
+//! `max_entry_bytes` (a longer one is a bypass, and goes upstream as it came). A hit
+//! is the stored status, `Content-Type` and body, charged what the policy's `charge`
+//! says; a miss's 2xx answer is read for the cache as it is relayed, and kept at the
+//! end if it ended whole within that size.
+//!
 //! Invariants: one audit record per identified call, written when the answer ends or
-//! is dropped; nothing is buffered beyond one chunk; nothing the contract does not
-//! declare is forwarded; the caller's credentials and Flexway's own headers never
-//! reach the upstream.
+//! is dropped; nothing is buffered beyond one chunk (but a cached operation's request
+//! body and its answer, each up to the policy's `max_entry_bytes`); nothing the
+//! contract does not declare is forwarded; the caller's credentials and Flexway's own
+//! headers never reach the upstream.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,6 +44,7 @@ use super::Deadline;
 use super::admit::sensitive_and_residency;
 use super::admit::{Metered, reserve};
 use super::byte_relay::{self, Next, Open, Read, Relayed};
+use super::cache::{self, Capture, Looked, Pending, RestView};
 use super::chain::{self, Answered, Failure};
 use super::drive::{self, Call, Reply, drive};
 use super::drive::{Charge, Ended, Ending, Spent};
@@ -94,8 +104,7 @@ impl drive::Door for Rest {
         charge: &mut Charge,
         request: Request,
     ) -> Result<Reply, GatewayError> {
-        let proxied = proxied(call, draft, charge, &self.owner, &self.below, request).await?;
-        Ok(Reply::Relay(Box::new(proxied)))
+        proxied(call, draft, charge, &self.owner, &self.below, request).await
     }
 
     fn refuse(&self, error: &GatewayError) -> Response {
@@ -130,11 +139,12 @@ async fn proxied(
     owner: &BackendId,
     below: &str,
     request: Request,
-) -> Result<Proxied, GatewayError> {
+) -> Result<Reply, GatewayError> {
     let Call { gateway, caller, request_id, run } = call;
     let (parts, body) = request.into_parts();
     let operation = operation(gateway, owner, &parts.method, below)?;
-    draft.request(Capability::Http, &format!("{} {}", operation.method, operation.path), None);
+    let model = format!("{} {}", operation.method, operation.path);
+    draft.request(Capability::Http, &model, None);
     if let Some(ai) = &operation.ai {
         draft.feature(&ai.feature);
     }
@@ -143,6 +153,27 @@ async fn proxied(
     let route = gateway.router.route_operation(declared, sensitive, &residency)?.ok_or_else(|| {
         GatewayError::Internal(format!("backend {owner}'s contract does not declare its own operation"))
     })?;
+    let path_and_query = match parts.uri.query() {
+        Some(query) => format!("{below}?{query}"),
+        None => below.to_owned(),
+    };
+
+    // The response cache's part: the body read whole first, when an entry may hold it.
+    let policy = operation.ai.as_ref().and_then(|ai| ai.cache.as_deref());
+    let cached = policy.and_then(|name| Some((name, gateway.config.ai.cache.as_ref()?.policies.get(name)?)));
+    let (body, ask) = match cached {
+        Some((name, policy)) => {
+            let (body, whole) = read_for_cache(body, &parts.headers, policy.max_entry_bytes).await?;
+            let view = RestView {
+                model: &model,
+                method: &parts.method,
+                path_and_query: &path_and_query,
+                body: whole.as_deref(),
+            };
+            (body, cache::ask_rest(gateway, caller, &parts.headers, sensitive, name, view, draft))
+        }
+        None => (body, None),
+    };
 
     // Reserve: a per-byte call's request is as long as it says, when it says.
     let timeouts = route.candidates.iter().map(|c| gateway.timeout(&c.backend)).sum();
@@ -152,13 +183,16 @@ async fn proxied(
     // body is whole, and comes without the header).
     let length = content_length(&parts.headers).or_else(|| hyper::body::Body::size_hint(&body).exact());
     reserve(call, draft, charge, Metered { meter: meter.clone(), bytes: length.unwrap_or(0) }).await?;
+    let mut pending = None;
+    if let Some(ask) = ask {
+        match Box::pin(cache::lookup_rest(call, draft, &parts.headers, ask, &residency)).await {
+            Looked::Hit(response, ended) => return Ok(Reply::Now(response, ended)),
+            Looked::Miss(miss) => pending = miss,
+        }
+    }
 
     let bodyless = length == Some(0) || hyper::body::Body::is_end_stream(&body);
     let slot = Slot::new(RequestBody { body, meter: meter.clone() });
-    let path_and_query = match parts.uri.query() {
-        Some(query) => format!("{below}?{query}"),
-        None => below.to_owned(),
-    };
     let headers = upstream_headers(&parts.headers, &gateway.config.ai.sensitive_header, draft.trace());
     let door = SendOperation {
         gateway,
@@ -167,7 +201,7 @@ async fn proxied(
         headers: &headers,
         slot,
         bodyless,
-        model: format!("{} {}", operation.method, operation.path),
+        model,
     };
     let served = match chain::attempt_chain(gateway, draft, charge, &route, &door).await {
         Ok(served) => served,
@@ -175,8 +209,52 @@ async fn proxied(
         Err(e) => return Err(meter.stop().map_or(e, stopped)),
     };
     draft.first_byte();
-    let relay = Relay { candidate: served.candidate, pass: served.pass, meter };
-    Ok(Proxied { response: served.value, relay })
+    let relay = Relay { candidate: served.candidate, pass: served.pass, meter, pending };
+    Ok(Reply::Relay(Box::new(Proxied { response: served.value, relay })))
+}
+
+/// The request's body, and its bytes when it came whole within `limit` (what the cache
+/// key reads); otherwise the body as it came (what was read of it first, then the
+/// rest), so that the upstream gets the same bytes.
+async fn read_for_cache(body: Body, headers: &HeaderMap, limit: u64) -> Result<(Body, Option<Bytes>), GatewayError> {
+    if hyper::body::Body::is_end_stream(&body) {
+        return Ok((body, Some(Bytes::new())));
+    }
+    if content_length(headers).or_else(|| hyper::body::Body::size_hint(&body).exact()).is_some_and(|n| n > limit) {
+        return Ok((body, None));
+    }
+    let mut body = body;
+    let mut read: Vec<Frame<Bytes>> = Vec::new();
+    let mut bytes = 0u64;
+    let mut whole = true;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            GatewayError::from(crate::call::InvalidRequest::message(format!("could not read the request body: {e}")))
+        })?;
+        match frame.data_ref() {
+            Some(data) => bytes += data.len() as u64,
+            // Trailers: the request is relayed as it came, not cached.
+            None => whole = false,
+        }
+        read.push(frame);
+        if bytes > limit || !whole {
+            whole = false;
+            break;
+        }
+    }
+    if whole {
+        let mut all = bytes::BytesMut::with_capacity(usize::try_from(bytes).unwrap_or(0));
+        for frame in read {
+            if let Ok(data) = frame.into_data() {
+                all.extend_from_slice(&data);
+            }
+        }
+        let all = all.freeze();
+        return Ok((Body::from(all.clone()), Some(all)));
+    }
+    let rest = http_body_util::BodyStream::new(body);
+    let frames = futures_util::StreamExt::chain(futures_util::stream::iter(read.into_iter().map(Ok)), rest);
+    Ok((Body::new(http_body_util::StreamBody::new(frames)), None))
 }
 
 /// The operation `method below` calls in the owner's contract, or the refusal.
@@ -296,6 +374,8 @@ struct Relay {
     candidate: Candidate,
     pass: Pass,
     meter: Arc<Meter>,
+    /// Where the response cache keeps the answer, when the call missed it.
+    pending: Option<Box<Pending>>,
 }
 
 impl Relay {
@@ -313,8 +393,15 @@ impl Relay {
             response.headers_mut().insert(name, value);
         }
         let status = parts.status.as_u16();
-        let relaying =
-            Relaying { status, served: (200..400).contains(&status), meter: self.meter, pass: Some(self.pass) };
+        let backend = self.candidate.backend;
+        let capture = self.pending.and_then(|p| Capture::new(p, backend, status, &parts.headers)).map(Box::new);
+        let relaying = Relaying {
+            status,
+            served: (200..400).contains(&status),
+            meter: self.meter,
+            pass: Some(self.pass),
+            capture,
+        };
         byte_relay::relay(relaying, body, ending, cutoff, response)
     }
 }
@@ -328,6 +415,9 @@ struct Relaying {
     served: bool,
     meter: Arc<Meter>,
     pass: Option<Pass>,
+    /// The answer as the client got it, for the response cache (a miss's 2xx answer,
+    /// until it passes what an entry may hold).
+    capture: Option<Box<Capture>>,
 }
 
 impl byte_relay::Answer for Relaying {
@@ -362,6 +452,11 @@ impl byte_relay::Answer for Relaying {
                     return Next::Send(Err(BoxError::from("the call's budget step was refused")));
                 }
                 self.meter.passed(bytes).await;
+            }
+            if let Some(capture) = self.capture.as_mut()
+                && !capture.push(data)
+            {
+                self.capture = None;
             }
         }
         // The last chunk: the call is settled and recorded before the client has it
@@ -399,7 +494,7 @@ impl Relaying {
             pass.tell(&outcome);
         }
         let status = if code == Some(ErrorCode::ClientClosedRequest) { 499 } else { self.status };
-        let spent = Spent::Metered { answered: self.served, served: self.served };
+        let spent = Spent::Metered { answered: self.served, served: self.served, kept: self.capture.take() };
         open.end(Ended { status, code, spent, finish_reasons: Vec::new() }).await;
     }
 }
