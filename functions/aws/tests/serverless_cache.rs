@@ -1,7 +1,7 @@
 //! The DynamoDB cache store against the emulator: the exact-only conformance suite
 //! (on a fresh table), the table design as `functions/aws/src/cache.rs` documents it,
 //! eviction through the tenant's count, no clear text in the table, and a store that
-//! cannot be reached answering `Unavailable` promptly.
+//! cannot be reached, or hangs, answering `Unavailable` promptly.
 #![cfg(test)]
 
 use std::collections::HashMap;
@@ -196,6 +196,38 @@ async fn a_store_that_cannot_be_reached_is_unavailable_promptly() {
     let elapsed = started.elapsed();
     // One retry each, after about 50 ms: not the SDK's default backoff of a second.
     assert!(elapsed < Duration::from_secs(2), "five refused calls took {elapsed:?}");
+}
+
+/// A store that accepts connections and never answers: a lookup and a store give up
+/// after the store's 2 s, not the 12 s the ledger's client allows.
+#[tokio::test]
+async fn a_store_that_hangs_is_unavailable_within_two_seconds() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let held = tokio::spawn(async move {
+        let mut connections = Vec::new();
+        while let Ok((connection, _)) = listener.accept().await {
+            connections.push(connection);
+        }
+    });
+    let sdk = flexway_aws::sdk_loader()
+        .region(aws_config::Region::new("us-east-1"))
+        .endpoint_url(format!("http://127.0.0.1:{port}"))
+        .credentials_provider(aws_sdk_dynamodb::config::Credentials::new("test", "test", None, None, "test"))
+        .load()
+        .await;
+    let store = DynamoDbCacheStore::new(aws_sdk_dynamodb::Client::new(&sdk), "silent");
+    let partition = Partition::new("acme", None, "faq", "m", &[0; 32]);
+    let probe = probe(1);
+    let lookup = Lookup { partition: &partition, probe: &probe, threshold: 0.95, stored_since: 0, now: 1 };
+    let started = Instant::now();
+    assert!(matches!(store.lookup(&lookup).await, Err(StoreError::Unavailable(_))));
+    let elapsed = started.elapsed();
+    assert!(elapsed >= Duration::from_millis(900) && elapsed < Duration::from_secs(3), "a lookup took {elapsed:?}");
+    let started = Instant::now();
+    assert!(matches!(store.store(entry(&partition, &probe, b"x", 1, 10)).await, Err(StoreError::Unavailable(_))));
+    assert!(started.elapsed() < Duration::from_secs(3), "a store took {:?}", started.elapsed());
+    held.abort();
 }
 
 fn hex(bytes: &[u8]) -> String {
