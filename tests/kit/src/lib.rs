@@ -4,7 +4,8 @@
 //! the configs and requests most tests start from; the AWS emulator's SDK
 //! configuration ([`emulator`], feature `aws`); a headless browser ([`browser`]); and
 //! checked-in generated files ([`golden`]); the infrastructure template as AWS
-//! receives it ([`template`]) and the log lines its metric filters read ([`logs`]).
+//! receives it ([`template`]) and the log lines its metric filters read ([`logs`]);
+//! a real PostgreSQL with pgvector ([`postgres`]).
 //!
 //! Its helpers fail a test by panicking, with what was seen.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -16,6 +17,7 @@ pub mod golden;
 #[cfg(feature = "aws")]
 pub mod iam;
 pub mod logs;
+pub mod postgres;
 pub mod template;
 
 use std::io::{BufRead, BufReader};
