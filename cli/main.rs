@@ -5,6 +5,9 @@
 #[cfg_attr(feature = "aws", path = "aws/built.rs")]
 #[cfg_attr(not(feature = "aws"), path = "aws/not_built.rs")]
 mod aws;
+mod cache;
+/// The PostgreSQL cache store when the `postgres` feature is on, a refusal when not.
+mod postgres;
 mod key;
 mod reconcile;
 mod report;
@@ -80,6 +83,30 @@ enum Command {
         #[command(subcommand)]
         command: KeyCommand,
     },
+    /// The response cache (`ai.cache`): purge a tenant's entries, or count them. On
+    /// the embedded store, with the gateway stopped (it holds the file).
+    Cache {
+        #[command(subcommand)]
+        command: CacheCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum CacheCommand {
+    /// Remove a tenant's cached answers (of one policy, with --policy).
+    Purge {
+        #[arg(long, default_value = "flexway.yaml")]
+        config: PathBuf,
+        #[arg(long)]
+        tenant: String,
+        #[arg(long)]
+        policy: Option<String>,
+    },
+    /// Entries and bytes per tenant and policy.
+    Stats {
+        #[arg(long, default_value = "flexway.yaml")]
+        config: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -109,6 +136,10 @@ fn main() -> ExitCode {
         Command::Report(args) => report::run(args),
         Command::Reconcile(args) => reconcile::run(args),
         Command::Key { command: KeyCommand::New { tenant, agent } } => key::new(&tenant, agent.as_deref()),
+        Command::Cache { command: CacheCommand::Purge { config, tenant, policy } } => {
+            cache::purge(&config, &tenant, policy.as_deref())
+        }
+        Command::Cache { command: CacheCommand::Stats { config } } => cache::stats(&config),
     }
 }
 

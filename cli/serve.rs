@@ -173,7 +173,8 @@ async fn adapters(config: &Config) -> anyhow::Result<(Adapters, Option<Arc<aws::
             aws::cloudwatch_audit(log_group, log_stream.as_deref()).await?
         }
     };
-    Ok((Adapters { budgets, audit, export: Export::Batched }, leases))
+    let cache = crate::cache::for_serving(config).await;
+    Ok((Adapters { budgets, audit, export: Export::Batched, cache }, leases))
 }
 
 async fn serve(

@@ -24,6 +24,17 @@ pub async fn dynamodb_ledger(table: &str) -> anyhow::Result<(Arc<dyn BudgetStore
     Ok((leases.clone(), leases))
 }
 
+/// The response cache's DynamoDB store on `table` (exact policies only). Its table is
+/// checked on the way (`DescribeTable`), but a table not reached now is only a
+/// warning: each call that finds the store failing is a miss, and the next may not.
+pub async fn dynamodb_cache(table: &str) -> anyhow::Result<Arc<dyn flexway::cache::CacheStore>> {
+    let store = flexway_aws::cache::DynamoDbCacheStore::connect(table).await;
+    if let Err(e) = store.warm().await {
+        tracing::warn!("ai.cache.store: table {table} not reached at start ({e}); starting anyway");
+    }
+    Ok(Arc::new(store))
+}
+
 /// The CloudWatch audit in `log_group`, on this process's own stream unless the config
 /// names one (one writer per stream).
 pub async fn cloudwatch_audit(log_group: &str, log_stream: Option<&str>) -> anyhow::Result<Arc<dyn AuditSink>> {

@@ -27,6 +27,10 @@ pub async fn dynamodb_ledger(table: &str) -> anyhow::Result<(Arc<dyn BudgetStore
     anyhow::bail!("store: {{kind: dynamodb, table: {table}}}: {NOT_BUILT}")
 }
 
+pub async fn dynamodb_cache(table: &str) -> anyhow::Result<Arc<dyn flexway::cache::CacheStore>> {
+    anyhow::bail!("ai.cache.store: {{kind: dynamodb, table: {table}}}: {NOT_BUILT}")
+}
+
 pub async fn cloudwatch_audit(log_group: &str, _log_stream: Option<&str>) -> anyhow::Result<Arc<dyn AuditSink>> {
     anyhow::bail!("audit: {{sink: cloudwatch, log_group: {log_group}}}: {NOT_BUILT}")
 }

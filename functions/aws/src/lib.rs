@@ -197,7 +197,41 @@ pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Res
         AuditSinkConfig::Stdout => Arc::new(StdoutAuditSink),
         AuditSinkConfig::File { path } => Arc::new(FileAuditSink::open(path)?),
     };
-    Ok(Adapters { budgets, audit, export: Export::EachCall })
+    let cache = match config.ai.cache.as_ref().map(|c| &c.store) {
+        None => None,
+        Some(store) => Some(cache_store(store, sdk).await),
+    };
+    Ok(Adapters { budgets, audit, export: Export::EachCall, cache })
+}
+
+/// The response cache's store (SPEC §16). One that fails to open serves misses, and
+/// the function starts anyway. Nothing is sent at init for DynamoDB (its first lookup
+/// opens the connection, as the ledger's warm-up would).
+async fn cache_store(
+    store: &flexway::config::CacheStoreConfig,
+    sdk: &aws_config::SdkConfig,
+) -> Arc<dyn flexway::cache::CacheStore> {
+    use flexway::config::CacheStoreConfig;
+    use flexway::secret::SecretSource as _;
+    let opened: Result<Arc<dyn flexway::cache::CacheStore>, String> = match store {
+        CacheStoreConfig::DynamoDb { table } => {
+            Ok(Arc::new(DynamoDbCacheStore::new(aws_sdk_dynamodb::Client::new(sdk), table.clone())))
+        }
+        CacheStoreConfig::Embedded { path } => flexway::cache::embedded::EmbeddedCacheStore::open(path)
+            .map(|s| Arc::new(s) as Arc<dyn flexway::cache::CacheStore>)
+            .map_err(|e| e.to_string()),
+        CacheStoreConfig::Postgres { url } => match AwsSecretSource::from_env().resolve(url).await {
+            Ok(url) => flexway_postgres::PostgresCacheStore::connect(url.expose())
+                .await
+                .map(|s| Arc::new(s) as Arc<dyn flexway::cache::CacheStore>)
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(format!("ai.cache.store.url: {e}")),
+        },
+    };
+    opened.unwrap_or_else(|e| {
+        tracing::error!("ai.cache.store: {e}; every call is a cache miss until the next cold start");
+        Arc::new(flexway::cache::Failed(e))
+    })
 }
 
 /// The EMF metrics' namespace ([`emf::namespace`]).

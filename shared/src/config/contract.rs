@@ -23,6 +23,7 @@ use serde_json::Value;
 
 use super::descriptor::decimal_eur;
 use super::model::{AiOperation, GrpcMetering};
+use crate::money::MicroEur;
 
 /// The extension a metered operation carries.
 pub const EXTENSION: &str = "x-flexway-ai";
@@ -214,6 +215,12 @@ fn operation(value: &Value) -> Result<AiOperation, String> {
         Some(Value::String(policy)) if !policy.trim().is_empty() => Some(policy.trim().to_owned()),
         Some(_) => return Err("cache is not a policy name (one of ai.cache.policies, e.g. \"ocr\")".to_owned()),
     };
+    // `{cache: POLICY}` alone (SPEC §16): cached, and counted as a call of no price
+    // under the policy's name (the audit's `feature`, the metrics' dimension).
+    if let (Some(policy), 1) = (&cache, fields.len()) {
+        let feature = policy.clone();
+        return Ok(AiOperation { metering: GrpcMetering::PerCall, price_per_thousand: MicroEur(0), feature, cache });
+    }
     let metering = match fields.get("metering").and_then(Value::as_str) {
         Some("per_call") => GrpcMetering::PerCall,
         Some("per_byte") => GrpcMetering::PerByte,
@@ -348,6 +355,11 @@ paths:
             read(&op("post", &format!("{{{metered}}}"))).unwrap().operations[0].ai.as_ref().unwrap().cache,
             None
         );
+        // The policy alone: cached, counted as a call of no price, under its name.
+        let bare = read(&op("get", "{cache: faq}")).unwrap();
+        let ai = bare.operations[0].ai.as_ref().unwrap();
+        assert_eq!((ai.cache.as_deref(), ai.metering, ai.price_per_thousand), (Some("faq"), GrpcMetering::PerCall, MicroEur(0)));
+        assert_eq!(ai.feature, "faq");
         for method in ["put", "patch", "delete"] {
             let refused = read(&op(method, &format!("{{{metered}, cache: ocr-exact}}"))).unwrap_err().join("; ");
             assert!(refused.contains("GET and POST operations only"), "{refused}");

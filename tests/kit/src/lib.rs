@@ -444,6 +444,7 @@ pub fn memory_adapters() -> (flexway::gateway::Adapters, Arc<flexway::audit::sin
         budgets: Arc::new(flexway::budget::MemoryBudgetStore::new()),
         audit: audit.clone(),
         export: flexway::telemetry::Export::Batched,
+        cache: None,
     };
     (adapters, audit)
 }
@@ -456,6 +457,7 @@ pub fn embedded_adapters(
         budgets: Arc::new(flexway::budget::EmbeddedBudgetStore::open(path).unwrap()),
         audit: audit.clone(),
         export: flexway::telemetry::Export::Batched,
+        cache: None,
     };
     (adapters, audit)
 }
