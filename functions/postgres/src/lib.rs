@@ -40,6 +40,8 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// The most a lookup, store, purge or stats call waits for the server; past it the
 /// connection is dropped (a server that went silent) and the next call reconnects.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(3);
+/// A purge (`flexway cache purge`, an operator's command) may delete a whole tenant.
+const PURGE_TIMEOUT: Duration = Duration::from_secs(120);
 /// After a failed connection, calls are misses at once for this long rather than each
 /// waiting for a connection of its own.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -236,7 +238,7 @@ impl PostgresCacheStore {
                 return Err(StoreError::Unavailable(format!("PostgreSQL: {}", describe(&e))));
             }
             Ok(Err(e)) => format!("PostgreSQL: {}", describe(&e)),
-            Err(_) => format!("PostgreSQL: no answer within {CALL_TIMEOUT:?}"),
+            Err(_) => "PostgreSQL: no answer in time".to_owned(),
         };
         let mut slot = link.lock_slot();
         if slot.session.as_ref().is_some_and(|current| Arc::ptr_eq(current, session)) {
@@ -328,7 +330,7 @@ impl CacheStore for PostgresCacheStore {
             let statement = session.statement(Sql::Purge).await?;
             session.client.execute(&statement, &[&tenant, &policy]).await
         };
-        Self::settle(&self.writes, &session, tokio::time::timeout(CALL_TIMEOUT, call).await)
+        Self::settle(&self.writes, &session, tokio::time::timeout(PURGE_TIMEOUT, call).await)
     }
 
     async fn stats(&self) -> Result<Vec<Stats>, StoreError> {
