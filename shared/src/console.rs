@@ -20,6 +20,12 @@ use crate::money::MicroEur;
 /// Tenants (with their agents) shown on one page.
 pub const PAGE: usize = 50;
 
+/// How often, at most, the console counts the response cache's entries: in some
+/// stores a count reads every entry.
+const COUNT_ENTRIES_EVERY_SECS: u64 = 60;
+/// How long the console waits for that count; past it, the last counts are shown.
+const COUNT_ENTRIES_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The console's figures at one instant.
 #[derive(Debug, Clone, Serialize)]
 pub struct Overview {
@@ -280,6 +286,7 @@ pub async fn overview(gateway: &Gateway, filter: &str, page: usize) -> Result<Ov
         scopes.extend(all.iter().filter(|s| &s.tenant == name).cloned());
     }
 
+    count_cache_entries(gateway, now).await;
     let cache = cache_rows(&scopes, &gateway.metrics.cache_totals());
     Ok(Overview {
         at: now,
@@ -316,6 +323,25 @@ fn row(budget: &Budget, used: u64, threshold: Option<u32>, now: u64) -> BudgetRo
         limit: budget.limit,
         state,
         resets_in_secs: budget.resets_at.saturating_sub(now),
+    }
+}
+
+/// Sets `flexway_cache_entries` of every tenant (0 with none) from the cache store's
+/// count, when the gateway has a cache and the last count is a minute old. A store
+/// that fails or is slow leaves the last counts: never an error for the console.
+pub async fn count_cache_entries(gateway: &Gateway, now: u64) {
+    let Some(cache) = &gateway.cache else { return };
+    if !gateway.metrics.cache_entries_due(now, COUNT_ENTRIES_EVERY_SECS) {
+        return;
+    }
+    let stats = match tokio::time::timeout(COUNT_ENTRIES_WAIT, cache.store.stats()).await {
+        Ok(Ok(stats)) => stats,
+        Ok(Err(e)) => return tracing::warn!("response cache: cannot count the entries: {e}"),
+        Err(_) => return tracing::warn!("response cache: no entry count within {COUNT_ENTRIES_WAIT:?}"),
+    };
+    for name in gateway.config.tenants.keys() {
+        let entries = stats.iter().filter(|s| s.tenant == name.as_str()).map(|s| s.entries).sum();
+        gateway.metrics.cache_entries(name.as_str(), entries);
     }
 }
 

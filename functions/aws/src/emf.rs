@@ -4,13 +4,16 @@
 //! CloudWatch turns them into `flexway.inference.cost`, `flexway.inference.calls` and
 //! `flexway.inference.errors` in the stack's namespace (`Flexway/<stack>`, see
 //! [`namespace`]: two stacks in one region never mix), which the dashboard in
-//! `infra/template.yaml` shows. The
+//! `infra/template.yaml` shows. A call the response cache had a say in (SPEC §16)
+//! also counts in `flexway_cache_lookups_total`, `flexway_cache_stores_total` and
+//! `flexway_cache_saved_eur_total`, the names of the local shape's Prometheus
+//! counters (see [`cache_metrics`] for what the audit record cannot tell). The
 //! format is CloudWatch's, so it lives here: the core only gives the call's labels
 //! (`flexway::metrics::call_labels`, the same as its Prometheus counters').
 
 use std::io::Write;
 
-use flexway::audit::{AuditError, AuditRecord, AuditSink};
+use flexway::audit::{AuditError, AuditRecord, AuditSink, CacheOutcome};
 use flexway::metrics::{CALL_LABELS, GRPC_CALL_LABELS, call_labels};
 use flexway::money::MicroEur;
 use serde_json::json;
@@ -107,8 +110,56 @@ fn emf_line(record: &AuditRecord, namespace: &str) -> String {
     if let (Some(feature), Some(fields)) = (&record.feature, line.as_object_mut()) {
         fields.insert("feature".to_owned(), json!(feature));
     }
+    if let Some(outcome) = record.cache {
+        cache_metrics(&mut line, record, outcome, namespace);
+    }
     line.to_string()
 }
+
+/// The response cache's metrics, added to a call's line: a lookup by `outcome`
+/// (dimensions `tenant`, `outcome`), and an answer stored and the euros a hit saved
+/// (dimension `tenant`), named as the Prometheus counters are. The audit record has
+/// no policy, so there is no `policy` dimension; a failing store is a `miss` in it,
+/// so there is no `error` outcome here, and no store failure nor entry count (the
+/// function's log has the failures' warnings).
+fn cache_metrics(line: &mut serde_json::Value, record: &AuditRecord, outcome: CacheOutcome, namespace: &str) {
+    // As `Registry::cache_lookup` counts it: an answer stored was a miss first.
+    let looked = match outcome {
+        CacheOutcome::Hit => "hit",
+        CacheOutcome::Miss | CacheOutcome::Stored => "miss",
+        CacheOutcome::Bypass => "bypass",
+        CacheOutcome::Off => "off",
+    };
+    let saved = match outcome {
+        CacheOutcome::Hit => record.cost_saved_micro_eur.unwrap_or(0) as f64 / MicroEur::PER_EUR as f64,
+        _ => 0.0,
+    };
+    let directives = [
+        json!({
+            "Namespace": namespace,
+            "Dimensions": [["tenant", "outcome"]],
+            "Metrics": [{"Name": CACHE_LOOKUPS, "Unit": "Count"}],
+        }),
+        json!({
+            "Namespace": namespace,
+            "Dimensions": [["tenant"]],
+            "Metrics": [{"Name": CACHE_STORES, "Unit": "Count"}, {"Name": CACHE_SAVED, "Unit": "None"}],
+        }),
+    ];
+    if let Some(all) = line.pointer_mut("/_aws/CloudWatchMetrics").and_then(|d| d.as_array_mut()) {
+        all.extend(directives);
+    }
+    if let Some(fields) = line.as_object_mut() {
+        fields.insert("outcome".to_owned(), json!(looked));
+        fields.insert(CACHE_LOOKUPS.to_owned(), json!(1));
+        fields.insert(CACHE_STORES.to_owned(), json!(u8::from(outcome == CacheOutcome::Stored)));
+        fields.insert(CACHE_SAVED.to_owned(), json!(saved));
+    }
+}
+
+const CACHE_LOOKUPS: &str = "flexway_cache_lookups_total";
+const CACHE_STORES: &str = "flexway_cache_stores_total";
+const CACHE_SAVED: &str = "flexway_cache_saved_eur_total";
 
 /// The drift metric's name, in Prometheus (`flexway reconcile --push`) and EMF alike.
 pub const DRIFT_METRIC: &str = "flexway_reconciliation_drift_ratio";
@@ -189,6 +240,55 @@ mod tests {
             ],
             "nothing else of the record (no key, user, agent, model) goes into a metric line"
         );
+    }
+
+    #[test]
+    fn a_cached_call_counts_its_lookup_store_and_saving_under_the_prometheus_names() {
+        let mut hit = record("acme", None, Metering::Local, 0);
+        hit.cache = Some(CacheOutcome::Hit);
+        hit.cost_saved_micro_eur = Some(1_250_000);
+        hit.cost_saved_eur = Some(1.25);
+        let value: serde_json::Value = serde_json::from_str(&emf_line(&hit, "Flexway/prod")).unwrap();
+        let directives = value["_aws"]["CloudWatchMetrics"].as_array().unwrap();
+        assert_eq!(directives.len(), 3, "the call's, then the cache's two");
+        assert_eq!(
+            directives[1],
+            json!({
+                "Namespace": "Flexway/prod",
+                "Dimensions": [["tenant", "outcome"]],
+                "Metrics": [{"Name": "flexway_cache_lookups_total", "Unit": "Count"}],
+            })
+        );
+        assert_eq!(directives[2]["Dimensions"], json!([["tenant"]]));
+        assert_eq!(
+            directives[2]["Metrics"],
+            json!([
+                {"Name": "flexway_cache_stores_total", "Unit": "Count"},
+                {"Name": "flexway_cache_saved_eur_total", "Unit": "None"},
+            ])
+        );
+        assert_eq!(value["outcome"], "hit");
+        assert_eq!(value["flexway_cache_lookups_total"], 1);
+        assert_eq!(value["flexway_cache_stores_total"], 0);
+        assert_eq!(value["flexway_cache_saved_eur_total"], 1.25);
+        assert_eq!(value["flexway.inference.calls"], 1, "a hit is a call too");
+
+        let mut stored = record("acme", Some("ptu-west"), Metering::Local, 300);
+        stored.cache = Some(CacheOutcome::Stored);
+        let value: serde_json::Value = serde_json::from_str(&emf_line(&stored, "Flexway/prod")).unwrap();
+        assert_eq!(value["outcome"], "miss", "looked up and not found, then kept");
+        assert_eq!(value["flexway_cache_stores_total"], 1);
+        assert_eq!(value["flexway_cache_saved_eur_total"], 0.0);
+        for (outcome, named) in
+            [(CacheOutcome::Miss, "miss"), (CacheOutcome::Bypass, "bypass"), (CacheOutcome::Off, "off")]
+        {
+            stored.cache = Some(outcome);
+            let value: serde_json::Value = serde_json::from_str(&emf_line(&stored, "Flexway")).unwrap();
+            assert_eq!(
+                (value["outcome"].as_str(), value["flexway_cache_stores_total"].as_u64()),
+                (Some(named), Some(0))
+            );
+        }
     }
 
     #[test]
