@@ -105,6 +105,35 @@ pub(super) fn line(record: &AuditRecord, out: &mut Vec<u8>) {
         json::next!(out, "period");
         json::string(out, period);
     }
+    if let Some(run) = &record.run {
+        json::next!(out, "run");
+        json::string(out, run);
+    }
+    // Rare fields, or floats: serde_json writes their values.
+    if !record.skipped.is_empty() {
+        json::next!(out, "skipped");
+        let _ = serde_json::to_writer(&mut *out, &record.skipped);
+    }
+    if let Some(cache) = record.cache {
+        json::next!(out, "cache");
+        let _ = serde_json::to_writer(&mut *out, &cache);
+    }
+    if let Some(similarity) = record.cache_similarity {
+        json::next!(out, "cache_similarity");
+        let _ = serde_json::to_writer(&mut *out, &similarity);
+    }
+    if let Some(age) = record.cache_age_s {
+        json::next!(out, "cache_age_s");
+        json::number(out, age);
+    }
+    if let Some(saved) = record.cost_saved_eur {
+        json::next!(out, "cost_saved_eur");
+        let _ = serde_json::to_writer(&mut *out, &saved);
+    }
+    if let Some(saved) = record.cost_saved_micro_eur {
+        json::next!(out, "cost_saved_micro_eur");
+        json::number(out, saved);
+    }
     if let Some(chain) = &record.chain {
         json::next!(out, "chain");
         json::string(out, chain);
@@ -260,7 +289,7 @@ mod tests {
     /// name, costs serde_json writes in exponent form): the same bytes as serde_json's.
     #[test]
     fn a_line_is_what_serde_json_writes() {
-        use crate::audit::CloseReason;
+        use crate::audit::{CacheOutcome, CloseReason};
         use crate::call::{Criticality, PickReason};
         let mut records = vec![record(1), record(2)];
         let operations = [
@@ -297,6 +326,19 @@ mod tests {
             r.pick_reason = Some(PickReason::ALL[i % PickReason::ALL.len()]);
             r.criticality = Some(Criticality::ALL[i % Criticality::ALL.len()]);
             r.period = Some(format!("2026-11-{:02}", 20 + i));
+            r.run = (i % 2 == 1).then(|| format!("run \"{i}\""));
+            if i % 3 == 1 {
+                let cause = [crate::audit::SkipCause::CircuitOpen, crate::audit::SkipCause::Quota][i % 2];
+                r.skipped = vec![crate::audit::Skipped { backend: format!("b-{i}"), cause }];
+            }
+            r.cache = Some(
+                [CacheOutcome::Hit, CacheOutcome::Miss, CacheOutcome::Stored, CacheOutcome::Bypass, CacheOutcome::Off]
+                    [i % 5],
+            );
+            if i % 5 == 0 {
+                (r.cache_similarity, r.cache_age_s) = (Some([1.0, 0.973][i % 2]), Some(120 + i as u64));
+                (r.cost_saved_eur, r.cost_saved_micro_eur) = (Some(costs[i]), Some(19_000 + i as u64));
+            }
             r.chain = (i % 2 == 0).then(|| format!("0123456789abcdef:{i}:{}", "ef".repeat(32)));
             r.cost_eur = costs[i];
             r.error_code = Some(ErrorCode::UpstreamError);
