@@ -146,3 +146,62 @@ async fn firefox_signs_in_and_reads_the_same_page() {
     assert_eq!((session["httpOnly"].as_bool(), session["sameSite"].as_str()), (Some(true), Some("Strict")));
     firefox.quit().await;
 }
+
+/// The response cache's section: a hit's saving is the audit's `cost_saved_micro_eur`
+/// (counted by this process), and the entries are the store's count.
+#[tokio::test]
+async fn the_console_shows_what_the_cache_saved_and_holds() {
+    let model = FakeModel::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("cache.key");
+    std::fs::write(&key, "0123456789abcdef0123456789abcdef").unwrap();
+    let cache = format!(
+        "  cache:\n    store: {{kind: embedded, path: \"{}\"}}\n    key: \"file:{}\"\n    policies:\n      \
+         faq: {{mode: exact, ttl: 1h}}\n    models: {{faq-model: faq}}\n",
+        dir.path().join("cache.db").display(),
+        key.display()
+    );
+    let gw = Flexway::start(&(console_config(&model.url(), true) + &cache));
+    let gw = &gw;
+    let answered = |key: &'static str| async move {
+        let response = gw.chat(key, hello("faq-model")).await;
+        assert_eq!(response.status(), 200);
+        response.headers()["flexway-cache"].to_str().unwrap().to_owned()
+    };
+    assert_eq!(answered(KEY).await, "stored");
+    assert!(answered(KEY).await.starts_with("hit"));
+    assert!(answered(KEY).await.starts_with("hit"));
+    assert_eq!(answered(OTHER_KEY).await, "stored", "globex has entries of its own");
+    // Each hit saved the cost of the call that stored its entry (SPEC §16).
+    let records = gw.records_until::<Value>(4).await;
+    let saved = 2 * records[0]["cost_micro_eur"].as_u64().unwrap();
+    assert!(saved > 0);
+
+    let overview: Value = client()
+        .get(format!("{}/console/data.json", gw.url))
+        .bearer_auth(CONSOLE_KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let rows = overview["cache"].as_array().unwrap();
+    let acme = rows.iter().find(|r| r["tenant"] == "acme").unwrap();
+    assert_eq!((acme["hits"].as_u64(), acme["misses"].as_u64(), acme["stores"].as_u64()), (Some(2), Some(1), Some(1)));
+    assert_eq!(acme["saved_micro_eur"], saved, "the audit's savings");
+    assert_eq!(acme["entries"], 1);
+    let globex = rows.iter().find(|r| r["tenant"] == "globex").unwrap();
+    assert_eq!((globex["saved_micro_eur"].as_u64(), globex["entries"].as_u64()), (Some(0), Some(1)));
+
+    let page = client().get(format!("{}/console", gw.url)).bearer_auth(CONSOLE_KEY).send().await.unwrap();
+    let page = page.text().await.unwrap();
+    let row = format!("data-cache-tenant=\"acme\" data-saved=\"{saved}\" data-entries=\"1\"");
+    assert!(page.contains(&row), "{page}");
+    assert!(page.contains(&format!("{} €", flexway::money::MicroEur(saved).to_eur_string())), "{page}");
+    assert!(!page.contains("hello there"), "no prompt");
+    let metrics = client().get(format!("{}/metrics", gw.url)).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("flexway_cache_entries{tenant=\"acme\"} 1\n"), "set by the console's count: {metrics}");
+    let audited: u64 = records.iter().filter_map(|r| r["cost_saved_micro_eur"].as_u64()).sum();
+    assert_eq!(audited, saved, "the console's savings are the audit's");
+}
