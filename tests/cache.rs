@@ -389,3 +389,21 @@ async fn an_embeddings_call_is_served_again_from_its_exact_entry() {
     let other = json!({"model": "text-embedding", "input": ["alpha", "gamma"]});
     assert_eq!(header(&s.post("/v1/embeddings", KEY, &other, &[]).await, "flexway-cache"), "stored");
 }
+
+#[tokio::test]
+async fn a_model_no_policy_names_is_served_as_before_whatever_its_request() {
+    let s = setup().await;
+    // A legacy `function` message: the gateway's model does not read it, a backend of
+    // the door's own format does. With the cache configured, it is still relayed.
+    let body = json!({"model": "m", "messages": [
+        {"role": "function", "name": "f", "content": "42"},
+        {"role": "user", "content": "and then?"}
+    ]});
+    let response = s.post("/v1/chat/completions", KEY, &body, &[]).await;
+    assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+    // The same request under a policy is not cached, never refused.
+    let mut cached = body.clone();
+    cached["model"] = "faq-model".into();
+    let response = s.post("/v1/chat/completions", KEY, &cached, &[]).await;
+    assert_eq!((response.status().as_u16(), header(&response, "flexway-cache")), (200, "bypass".to_owned()));
+}

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use ring::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
 use ring::hkdf::{HKDF_SHA256, Prk, Salt};
+use ring::hmac;
 use ring::rand::{SecureRandom, SystemRandom};
 
 use super::{Partition, Probe};
@@ -26,6 +27,8 @@ impl std::fmt::Debug for Sealed {
 pub struct Keys {
     /// HKDF-Extract of the master key (`ai.cache.key`).
     prk: Prk,
+    /// The key the hashes a store keeps in clear are blinded with ([`Keys::blind`]).
+    blinding: hmac::Key,
     derived: Mutex<HashMap<String, Arc<LessSafeKey>>>,
     random: SystemRandom,
 }
@@ -34,7 +37,22 @@ impl Keys {
     /// Keys derived from `master` (the resolved `ai.cache.key`).
     pub fn new(master: &[u8]) -> Keys {
         let prk = Salt::new(HKDF_SHA256, b"flexway response cache v1").extract(master);
-        Keys { prk, derived: Mutex::default(), random: SystemRandom::new() }
+        let blinding = match prk.expand(&[b"blinding"], hmac::HMAC_SHA256) {
+            Ok(okm) => hmac::Key::from(okm),
+            // `expand` fails only for an output longer than 255 hashes: never here.
+            Err(_) => hmac::Key::new(hmac::HMAC_SHA256, master),
+        };
+        Keys { prk, blinding, derived: Mutex::default(), random: SystemRandom::new() }
+    }
+
+    /// `hash` blinded: HMAC-SHA256 under a key derived from the master key. A store
+    /// keeps only blinded hashes (partitions, messages, guards), so a short or common
+    /// prompt cannot be confirmed by hashing guesses without the key.
+    pub fn blind(&self, hash: &[u8]) -> [u8; 32] {
+        let tag = hmac::sign(&self.blinding, hash);
+        let mut out = [0u8; 32];
+        out.copy_from_slice(tag.as_ref());
+        out
     }
 
     /// `tenant`'s key: HKDF-Expand of the master key with the tenant's name.
@@ -116,6 +134,14 @@ mod tests {
         flipped.0[last] ^= 1;
         assert_eq!(keys.open(&acme, &[1; 32], &flipped), None, "tampered");
         assert_eq!(keys.open(&acme, &[1; 32], &Sealed(vec![1, 2])), None, "truncated");
+    }
+
+    #[test]
+    fn a_blinded_hash_depends_on_the_key() {
+        let (one, other) = (Keys::new(b"one master key.."), Keys::new(b"another master key"));
+        assert_eq!(one.blind(b"x"), one.blind(b"x"));
+        assert_ne!(one.blind(b"x"), one.blind(b"y"));
+        assert_ne!(one.blind(b"x"), other.blind(b"x"));
     }
 
     #[test]

@@ -36,15 +36,51 @@ pub const CACHE_HEADER: &str = "flexway-cache";
 /// How long a lookup or a store may take before it counts as a failing store.
 const STORE_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// After a store fails, how long calls pass it by (each a miss, counted) before one
+/// tries it again: a store down costs its calls nothing, not a timeout each.
+const STORE_BACKOFF_SECS: u64 = 5;
+
 /// The response cache of a gateway: its store and the tenants' keys.
 pub struct ResponseCache {
     pub store: Arc<dyn CacheStore>,
     keys: Keys,
+    /// Unix seconds until which the store is passed by (it failed last).
+    failing_until: std::sync::atomic::AtomicU64,
 }
 
 impl ResponseCache {
     pub fn new(store: Arc<dyn CacheStore>, master_key: &[u8]) -> ResponseCache {
-        ResponseCache { store, keys: Keys::new(master_key) }
+        ResponseCache { store, keys: Keys::new(master_key), failing_until: Default::default() }
+    }
+
+    /// `operation` on the store, bounded by [`STORE_TIMEOUT`]; `Err(operation)` when it
+    /// fails, times out, or the store failed within the last [`STORE_BACKOFF_SECS`].
+    async fn call<T>(
+        &self,
+        operation: &'static str,
+        future: impl Future<Output = Result<T, crate::cache::StoreError>>,
+    ) -> Result<T, &'static str> {
+        use std::sync::atomic::Ordering;
+        let now = unix_seconds();
+        if now < self.failing_until.load(Ordering::Relaxed) {
+            return Err(operation);
+        }
+        let failed = match tokio::time::timeout(STORE_TIMEOUT, future).await {
+            Ok(Ok(value)) => return Ok(value),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {STORE_TIMEOUT:?}"),
+        };
+        tracing::warn!("response cache: {operation}: {failed}; misses for {STORE_BACKOFF_SECS} s");
+        self.failing_until.store(now + STORE_BACKOFF_SECS, Ordering::Relaxed);
+        Err(operation)
+    }
+
+    /// The hashes of `ask` as its store keeps them: blinded under the master key.
+    fn blind(&self, ask: &mut Ask) {
+        ask.partition.id = self.keys.blind(&ask.partition.id);
+        ask.probe.exact = self.keys.blind(&ask.probe.exact);
+        let guard = self.keys.blind(&ask.probe.guard.to_be_bytes());
+        ask.probe.guard = u64::from_be_bytes([guard[0], guard[1], guard[2], guard[3], guard[4], guard[5], guard[6], guard[7]]);
     }
 }
 
@@ -260,7 +296,15 @@ impl Capture {
         headers: &HeaderMap,
     ) -> Option<Capture> {
         let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_owned);
-        (200..300).contains(&status).then(|| Capture {
+        // The upstream's own word: an answer it says is private, or not to be kept, or
+        // that sets a cookie (one client's), is not kept; nor a part of one (206).
+        let directives = headers.get_all(header::CACHE_CONTROL).iter().filter_map(|v| v.to_str().ok());
+        let forbidden = directives
+            .flat_map(|v| v.split(','))
+            .any(|d| matches!(d.trim().to_ascii_lowercase().as_str(), "no-store" | "private" | "no-cache"));
+        let whole = (200..300).contains(&status) && status != 206;
+        let keepable = whole && !forbidden && !headers.contains_key(header::SET_COOKIE);
+        keepable.then(|| Capture {
             pending,
             backend,
             status,
@@ -319,7 +363,8 @@ struct Plain {
 /// each of which changes the answer and so the partition.
 pub(super) struct ChatView<'a> {
     pub model: &'a str,
-    pub call: &'a ChatCall,
+    /// `None`: the request does not read as the gateway's model (not cached).
+    pub call: Option<&'a ChatCall>,
     pub raw: &'a [u8],
     /// The top-level fields the door's parse already reads into `call` (or that do not
     /// change the answer: `stream`, `user`, ...).
@@ -480,10 +525,14 @@ pub(super) fn ask_rest(
         return noted(draft, gateway, caller, &policy_name, note);
     }
     let control = CacheControl::read(headers);
-    let Some(body) = view.body.filter(|_| policy.mode == CacheMode::Exact && (control.read || control.write)) else {
+    // A part of a resource is not the answer to its whole: not cached.
+    let ranged = headers.contains_key(header::RANGE);
+    let Some(body) =
+        view.body.filter(|_| policy.mode == CacheMode::Exact && (control.read || control.write) && !ranged)
+    else {
         return noted(draft, gateway, caller, &policy_name, Note::Bypass);
     };
-    let exact = rest_key(view.method.as_str(), view.path_and_query, body);
+    let exact = rest_key(view.method.as_str(), view.path_and_query, &negotiated(headers), body);
     let partition = partition(caller, &policy_name, &policy, view.model, &[0; 32]);
     Some(Ask {
         policy_name,
@@ -499,11 +548,27 @@ pub(super) fn ask_rest(
     })
 }
 
-/// A REST call's exact key: its method, path and query, and body, each prefixed by
-/// its length so that no two requests hash alike by moving bytes across a boundary.
-fn rest_key(method: &str, path_and_query: &str, body: &[u8]) -> [u8; 32] {
-    let mut framed = Vec::with_capacity(method.len() + path_and_query.len() + body.len() + 24);
-    for part in [method.as_bytes(), path_and_query.as_bytes(), body] {
+/// The request headers that choose among an operation's answers (its format, its
+/// language, its encoding, what the body is), as they came: part of a REST key.
+fn negotiated(headers: &HeaderMap) -> Vec<u8> {
+    let mut chosen = Vec::new();
+    for name in [header::CONTENT_TYPE, header::ACCEPT, header::ACCEPT_LANGUAGE, header::ACCEPT_ENCODING] {
+        for value in headers.get_all(&name) {
+            chosen.extend_from_slice(name.as_str().as_bytes());
+            chosen.push(b':');
+            chosen.extend_from_slice(value.as_bytes());
+            chosen.push(b'\n');
+        }
+    }
+    chosen
+}
+
+/// A REST call's exact key: its method, path and query, the headers that choose its
+/// answer, and body, each prefixed by its length so that no two requests hash alike
+/// by moving bytes across a boundary.
+fn rest_key(method: &str, path_and_query: &str, negotiated: &[u8], body: &[u8]) -> [u8; 32] {
+    let mut framed = Vec::with_capacity(method.len() + path_and_query.len() + negotiated.len() + body.len() + 32);
+    for part in [method.as_bytes(), path_and_query.as_bytes(), negotiated, body] {
         framed.extend_from_slice(&(part.len() as u64).to_le_bytes());
         framed.extend_from_slice(part);
     }
@@ -532,13 +597,19 @@ fn partition(caller: &Caller, name: &str, policy: &CachePolicy, model: &str, con
         CacheScope::Agent => caller.agent.as_ref().map(|a| a.as_str()),
         CacheScope::Tenant => None,
     };
-    Partition::new(caller.tenant.as_str(), agent, name, model, context)
+    // Vectors of two embedding models are not comparable: a policy that changes its
+    // `embed` starts a partition of its own.
+    let model = match &policy.embed {
+        Some(embed) => format!("{model}\u{0}{}\u{0}{}", embed.backend, embed.model),
+        None => model.to_owned(),
+    };
+    Partition::new(caller.tenant.as_str(), agent, name, &model, context)
 }
 
 /// The request's context hash (everything but the last user message), that message's
 /// text and its exact hash; `None` when the call cannot be cached.
 fn chat_key(view: &ChatView<'_>) -> Option<([u8; 32], String, [u8; 32])> {
-    let call = view.call;
+    let call = view.call?;
     let (last, earlier) = call.messages.split_last()?;
     if call.choices != 1 || last.role != Role::User {
         return None;
@@ -562,7 +633,11 @@ fn chat_key(view: &ChatView<'_>) -> Option<([u8; 32], String, [u8; 32])> {
         .into_iter()
         .filter(|(k, _)| !view.modelled.contains(&k.as_str()))
         .collect();
+    // The last message's images are compared by content, never by meaning: a semantic
+    // match of its text alone must not serve another picture's answer.
+    let images: Vec<Value> = last.parts.iter().filter(|p| matches!(p, Part::Image(_))).map(part).collect();
     let context = json!({
+        "last_images": images,
         "system": call.system,
         "turns": earlier.iter().map(|m| json!([m.role == Role::User, m.parts.iter().map(part).collect::<Vec<_>>()])).collect::<Vec<_>>(),
         "tools": call.tools.iter().map(|t| json!([t.name, t.description, t.parameters])).collect::<Vec<_>>(),
@@ -674,6 +749,7 @@ async fn looked_up(
     };
     let tenant = call.caller.tenant.as_str();
     let mut ask = ask;
+    cache.blind(&mut ask);
     if ask.read {
         match find(call, headers, cache, &mut ask).await {
             Ok(Some((plain, similarity, stored_at)))
@@ -698,9 +774,9 @@ async fn looked_up(
                 return Looked::Hit(response, ended);
             }
             Ok(_) => gateway.metrics.cache_lookup(tenant, &ask.policy_name, "miss"),
-            Err(()) => {
+            Err(operation) => {
                 gateway.metrics.cache_lookup(tenant, &ask.policy_name, "error");
-                gateway.metrics.cache_store_failed("lookup");
+                gateway.metrics.cache_store_failed(operation);
             }
         }
     } else {
@@ -710,30 +786,29 @@ async fn looked_up(
     Looked::Miss(ask.write.then(|| Box::new(Pending { ask })))
 }
 
-/// The entry of the call's partition that answers it, opened; `Err` when the store
-/// (or the embedding call) failed.
+/// The entry of the call's partition that answers it, opened; `Err` with what failed
+/// (`lookup`, `embed`) when the store or the embedding call did.
 async fn find(
     call: super::drive::Call<'_>,
     headers: &HeaderMap,
     cache: &ResponseCache,
     ask: &mut Ask,
-) -> Result<Option<(Plain, f32, u64)>, ()> {
+) -> Result<Option<(Plain, f32, u64)>, &'static str> {
     let now = unix_seconds();
     let stored_since = ask.max_age.map_or(0, |age| now.saturating_sub(age));
     let threshold = ask.policy.threshold;
     let lookup = Lookup { partition: &ask.partition, probe: &ask.probe, threshold, stored_since, now };
     // The exact entry first: a byte-equal message needs no embedding.
-    let found = timed(cache.store.lookup(&lookup)).await?;
+    let found = cache.call("lookup", cache.store.lookup(&lookup)).await?;
     let found = match (found, ask.policy.mode) {
         (Some(found), _) => Some(found),
         (None, CacheMode::Semantic) if cache.store.semantic() => {
             let Some(vector) = embedding(call, headers, &ask.policy, &ask.message).await else {
-                call.gateway.metrics.cache_store_failed("embed");
-                return Err(());
+                return Err("embed");
             };
             ask.probe.vector = Some(vector);
             let lookup = Lookup { partition: &ask.partition, probe: &ask.probe, threshold, stored_since, now };
-            timed(cache.store.lookup(&lookup)).await?
+            cache.call("lookup", cache.store.lookup(&lookup)).await?
         }
         (None, _) => None,
     };
@@ -741,22 +816,8 @@ async fn find(
     let Some(plain) = cache.keys.open(&ask.partition, &found.exact, &found.sealed) else {
         return Ok(None);
     };
-    let plain: Plain = serde_json::from_slice(&plain).map_err(|_| ())?;
+    let plain: Plain = serde_json::from_slice(&plain).map_err(|_| "lookup")?;
     Ok((plain.kind == ask.kind).then_some((plain, found.similarity, found.stored_at)))
-}
-
-async fn timed<T>(future: impl Future<Output = Result<T, crate::cache::StoreError>>) -> Result<T, ()> {
-    match tokio::time::timeout(STORE_TIMEOUT, future).await {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(e)) => {
-            tracing::warn!("response cache: {e}; served as a miss");
-            Err(())
-        }
-        Err(_) => {
-            tracing::warn!("response cache: no answer within {STORE_TIMEOUT:?}; served as a miss");
-            Err(())
-        }
-    }
 }
 
 /// A hit, in the caller's format: a whole answer, or a well-formed stream of it.
@@ -823,7 +884,8 @@ pub(in crate::http) async fn store(
     let cache = gateway.cache.as_ref()?;
     let Pending { ask } = pending;
     let (kind, text, status, content_type) = match kept {
-        Kept::Chat(text) if finish_reasons == [Finish::Stop] => (Kind::Chat, text, None, None),
+        // An empty answer (a refusal, audio) is no answer to serve again.
+        Kept::Chat(text) if finish_reasons == [Finish::Stop] && !text.is_empty() => (Kind::Chat, text, None, None),
         Kept::Chat(_) => return None,
         Kept::Body(body) => (Kind::Embeddings, String::from_utf8(body.to_vec()).ok()?, None, None),
         // A REST answer is kept 2xx only, and as UTF-8 text (a binary one is not kept).
@@ -858,13 +920,13 @@ pub(in crate::http) async fn store(
         expires_at: now.saturating_add(ask.policy.ttl.as_secs().max(1)),
         max_entries_per_tenant: ask.policy.max_entries_per_tenant,
     };
-    match timed(cache.store.store(entry)).await {
+    match cache.call("store", cache.store.store(entry)).await {
         Ok(()) => {
             gateway.metrics.cache_stored(&ask.partition.tenant, &ask.policy_name);
             Some(Note::Stored)
         }
-        Err(()) => {
-            gateway.metrics.cache_store_failed("store");
+        Err(operation) => {
+            gateway.metrics.cache_store_failed(operation);
             None
         }
     }
@@ -894,13 +956,17 @@ mod tests {
 
     #[test]
     fn a_rest_key_tells_its_parts_apart() {
-        let key = rest_key("POST", "/documents?lang=fr", b"page");
-        assert_eq!(key, rest_key("POST", "/documents?lang=fr", b"page"));
-        assert_ne!(key, rest_key("GET", "/documents?lang=fr", b"page"));
-        assert_ne!(key, rest_key("POST", "/documents?lang=en", b"page"));
-        assert_ne!(key, rest_key("POST", "/documents?lang=fr", b"page two"));
+        let key = rest_key("POST", "/documents?lang=fr", b"", b"page");
+        assert_eq!(key, rest_key("POST", "/documents?lang=fr", b"", b"page"));
+        assert_ne!(key, rest_key("GET", "/documents?lang=fr", b"", b"page"));
+        assert_ne!(key, rest_key("POST", "/documents?lang=en", b"", b"page"));
+        assert_ne!(key, rest_key("POST", "/documents?lang=fr", b"", b"page two"));
         // Bytes moved across a boundary make another key.
-        assert_ne!(rest_key("POST", "/a", b"bc"), rest_key("POST", "/ab", b"c"));
+        assert_ne!(rest_key("POST", "/a", b"", b"bc"), rest_key("POST", "/ab", b"", b"c"));
+        // The answer's format and language are chosen by headers: part of the key.
+        let mut headers = HeaderMap::new();
+        headers.insert(header::ACCEPT, HeaderValue::from_static("application/xml"));
+        assert_ne!(key, rest_key("POST", "/documents?lang=fr", &negotiated(&headers), b"page"));
     }
 
     #[test]

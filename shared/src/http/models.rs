@@ -198,21 +198,19 @@ impl Inbound {
         raw: &[u8],
         translated: &OnceLock<Result<ChatCall, InvalidRequest>>,
         draft: &mut Draft,
-    ) -> Result<Option<cache::Ask>, InvalidRequest> {
+    ) -> Option<cache::Ask> {
+        // A request the gateway's model cannot read (a backend of the door's own format
+        // may still serve it) is not cached: `ask_chat` notes the bypass.
         let (call, modelled, max_tokens) = match self {
-            Inbound::Chat(r) => {
-                let call = translated.get_or_init(|| r.call()).as_ref().map_err(Clone::clone)?;
-                (call, cache::CHAT_FIELDS, r.max_tokens)
-            }
+            Inbound::Chat(r) => (translated.get_or_init(|| r.call()).as_ref().ok(), cache::CHAT_FIELDS, r.max_tokens),
             Inbound::Messages(r) => {
-                let call = translated.get_or_init(|| r.call()).as_ref().map_err(Clone::clone)?;
-                (call, cache::MESSAGES_FIELDS, r.measure.max_tokens)
+                (translated.get_or_init(|| r.call()).as_ref().ok(), cache::MESSAGES_FIELDS, r.measure.max_tokens)
             }
-            Inbound::Responses(r) => (&r.call, cache::RESPONSES_FIELDS, r.measure.max_tokens),
+            Inbound::Responses(r) => (Some(&r.call), cache::RESPONSES_FIELDS, r.measure.max_tokens),
         };
-        let model = &self.view().model.to_owned();
+        let model = self.view().model;
         let view = cache::ChatView { model, call, raw, modelled, max_tokens };
-        Ok(cache::ask_chat(gateway, caller, headers, sensitive, view, draft))
+        cache::ask_chat(gateway, caller, headers, sensitive, view, draft)
     }
 
     /// The format the answer goes back in, by the door it came in by.
@@ -271,8 +269,9 @@ async fn chat(
     let images = request.images.len() as u64;
     let Asked { sensitive, criticality, residency } = asked(gateway, call.caller, headers, draft)?;
     let translated = OnceLock::new();
-    let cache_ask = match gateway.config.ai.cache.is_some() {
-        true => inbound.cache_ask(gateway, call.caller, headers, sensitive, &bytes, &translated, draft)?,
+    // Only for a model a policy names: any other call pays nothing for the cache.
+    let cache_ask = match gateway.config.ai.cache.as_ref().is_some_and(|c| c.for_model(request.model).is_some()) {
+        true => inbound.cache_ask(gateway, call.caller, headers, sensitive, &bytes, &translated, draft),
         false => None,
     };
     drop(bytes);

@@ -100,7 +100,14 @@ impl RelayOutcome {
         for choice in chunk.get("choices").and_then(Value::as_array).into_iter().flatten() {
             let delta = &choice["delta"];
             let other_choice = choice.get("index").and_then(Value::as_u64).is_some_and(|i| i != 0);
-            if other_choice || delta.get("tool_calls").is_some_and(|v| !v.is_null()) {
+            let present = |key: &str| delta.get(key).is_some_and(|v| !v.is_null());
+            // Only plain text finished by `stop` is kept: a tool call, a refusal, audio,
+            // or a finish the gateway reads as `stop` without it being one (a server's
+            // own `abort`, `error`) is not.
+            let finish = choice.get("finish_reason").and_then(Value::as_str);
+            let odd_finish = finish.is_some_and(|f| f != "stop");
+            let other_part = ["tool_calls", "function_call", "refusal", "audio"].into_iter().any(present);
+            if other_choice || odd_finish || other_part {
                 self.give_up_capture();
                 return;
             }

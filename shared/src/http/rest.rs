@@ -164,6 +164,9 @@ async fn proxied(
     let (body, ask) = match cached {
         Some((name, policy)) => {
             let (body, whole) = read_for_cache(body, &parts.headers, policy.max_entry_bytes).await?;
+            // The partition's "model": the operation, and whose mount it is under (two
+            // mounts may declare the same template).
+            let model = format!("{owner} {model}");
             let view = RestView {
                 model: &model,
                 method: &parts.method,
