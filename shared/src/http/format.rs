@@ -39,10 +39,10 @@ impl Format {
     /// A backend's successful answer, read whole, as the client's body and what the
     /// gateway reads of it (with the answer itself when `keep`: for the response
     /// cache); `None` when it is not a valid answer.
-    pub fn answer(&self, wire: Wire, body: Bytes, keep: bool) -> Option<(Bytes, Answer, Option<Completion>)> {
+    pub fn answer(&self, wire: Wire, body: Bytes, keep: bool) -> Option<(Bytes, Answer, Option<Box<Completion>>)> {
         if let (Format::Chat, Wire::OpenAi) = (self, wire) {
             let answer = Answer::read(&body)?;
-            let completion = if keep { translate::read_completion(&body) } else { None };
+            let completion = if keep { translate::read_completion(&body).map(Box::new) } else { None };
             return Some((body, answer, completion));
         }
         let completion = match wire {
@@ -51,10 +51,10 @@ impl Format {
         };
         let answer = Answer::of(&completion);
         if self.native(wire) {
-            return Some((body, answer, keep.then_some(completion)));
+            return Some((body, answer, keep.then(|| Box::new(completion))));
         }
         let rendered = Bytes::from(self.render(&completion).to_string());
-        Some((rendered, answer, keep.then_some(completion)))
+        Some((rendered, answer, keep.then(|| Box::new(completion))))
     }
 
     /// An answer in the door's format.

@@ -164,6 +164,8 @@ async fn metrics(State(gateway): State<Arc<Gateway>>) -> Response {
         gateway.metrics.set_breaker_state(backend.as_str(), state);
     }
     gateway.metrics.set_realtime_open(gateway.sessions.count());
+    // The cache's entries, counted by its store at most once a minute.
+    crate::console::count_cache_entries(&gateway, crate::budget::period::unix_now()).await;
     for (backend, seen) in gateway.router.loads.snapshot() {
         let sample = seen.sample.map(|s| (s.waiting, f64::from(s.kv_ppm) / 1e6));
         gateway.metrics.set_member_load(backend.as_str(), sample, seen.in_flight);

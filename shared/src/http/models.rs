@@ -443,7 +443,7 @@ fn complete(served: Served, soft: bool) -> Result<Reply, GatewayError> {
         backend: served.candidate.backend,
         usage: answer.usage,
         content_bytes: answer.completion_bytes,
-        kept: kept.map(|kept| *kept),
+        kept,
     };
     let ended = Ended { status: 200, code: None, spent, finish_reasons: answer.finish_reasons };
     let json = HeaderValue::from_static("application/json");

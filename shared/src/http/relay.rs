@@ -231,7 +231,7 @@ fn stream(stream: Stream, mut ending: Ending, deadline: Option<Deadline>) -> Res
         };
         // Only a stream that ended properly offers its text to the cache.
         let kept = match outcome.end {
-            StreamEnd::Done => outcome.captured.map(|c| Kept::Chat(c.text)),
+            StreamEnd::Done => outcome.captured.map(|c| Box::new(Kept::Chat(c.text))),
             _ => None,
         };
         let spent = Spent::Tokens { backend, usage: outcome.usage, content_bytes: outcome.content_bytes, kept };

@@ -120,7 +120,7 @@ pub(in crate::http) enum Spent {
     /// A model's answer by `backend`: the usage it reported, or, when it reported none,
     /// an estimate from the completion bytes it wrote; and what the response cache may
     /// keep of it, when the call asked to keep it.
-    Tokens { backend: BackendId, usage: Option<Usage>, content_bytes: u64, kept: Option<Kept> },
+    Tokens { backend: BackendId, usage: Option<Usage>, content_bytes: u64, kept: Option<Box<Kept>> },
     /// An answer from the response cache: `charged` (the policy's share of what the
     /// call that produced it cost, `saved`).
     Cached { charged: MicroEur, saved: MicroEur },
@@ -254,7 +254,7 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
                 && code.is_none()
                 && (source == UsageSource::Reported || draft.is_streamed())
             {
-                let kept = crate::http::cache::store(gateway, *pending, kept, &backend, usage, cost, &finish_reasons);
+                let kept = crate::http::cache::store(gateway, *pending, *kept, &backend, usage, cost, &finish_reasons);
                 if let Some(note) = Box::pin(kept).await {
                     draft.cache(note);
                 }
