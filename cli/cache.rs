@@ -64,8 +64,9 @@ where
     Fut: std::future::Future<Output = anyhow::Result<()>>,
 {
     let done = async {
-        let loaded = flexway::config::load_file_with(path, &ProcessEnv, Secrets::Check)
-            .map_err(|e| anyhow::anyhow!("{}: {} error(s); `flexway validate` lists them", path.display(), e.count()))?;
+        let loaded = flexway::config::load_file_with(path, &ProcessEnv, Secrets::Check).map_err(|e| {
+            anyhow::anyhow!("{}: {} error(s); `flexway validate` lists them", path.display(), e.count())
+        })?;
         let Some(cache) = &loaded.config.ai.cache else {
             anyhow::bail!("{}: no ai.cache: nothing is cached", path.display());
         };

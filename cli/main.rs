@@ -6,9 +6,9 @@
 #[cfg_attr(not(feature = "aws"), path = "aws/not_built.rs")]
 mod aws;
 mod cache;
+mod key;
 /// The PostgreSQL cache store when the `postgres` feature is on, a refusal when not.
 mod postgres;
-mod key;
 mod reconcile;
 mod report;
 mod serve;

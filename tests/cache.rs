@@ -143,7 +143,10 @@ async fn an_exact_hit_is_served_without_a_backend_and_costs_what_charge_says() {
     assert_eq!((hit.prompt_tokens, hit.completion_tokens), (0, 0), "nothing was produced");
     assert_eq!(s.gw.live_reservations().await, 0, "the hit's reservation was given back");
     let metrics = client().get(format!("{}/metrics", s.gw.url)).send().await.unwrap().text().await.unwrap();
-    assert!(metrics.contains(r#"flexway_cache_lookups_total{tenant="acme",policy="faq",outcome="hit"} 1"#), "{metrics}");
+    assert!(
+        metrics.contains(r#"flexway_cache_lookups_total{tenant="acme",policy="faq",outcome="hit"} 1"#),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]
@@ -220,7 +223,8 @@ async fn streamed_and_whole_calls_are_served_from_one_entry_in_every_door() {
     assert!(chunks.iter().any(|c| c["choices"][0]["finish_reason"] == "stop"));
     assert!(chunks.iter().any(|c| c["usage"]["completion_tokens"].as_u64().is_some()), "{events:?}");
     // ...and in the Responses and Messages formats.
-    let responses = json!({"model": "faq-model", "instructions": "be brief", "input": "Tell me about the refund policy"});
+    let responses =
+        json!({"model": "faq-model", "instructions": "be brief", "input": "Tell me about the refund policy"});
     let response = s.post("/v1/responses", KEY, &responses, &[]).await;
     assert!(header(&response, "flexway-cache").starts_with("hit"));
     let body: Value = response.json().await.unwrap();
@@ -236,7 +240,10 @@ async fn streamed_and_whole_calls_are_served_from_one_entry_in_every_door() {
         .unwrap();
     assert!(header(&response, "flexway-cache").starts_with("hit"));
     let body: Value = response.json().await.unwrap();
-    assert_eq!((body["content"][0]["text"].as_str(), body["stop_reason"].as_str()), (Some(&*streamed_text), Some("end_turn")));
+    assert_eq!(
+        (body["content"][0]["text"].as_str(), body["stop_reason"].as_str()),
+        (Some(&*streamed_text), Some("end_turn"))
+    );
 }
 
 #[tokio::test]
@@ -245,26 +252,43 @@ async fn no_error_refusal_cut_or_tool_call_is_ever_stored() {
     let cases: Vec<(&str, Value, &str)> = vec![
         ("a 5xx", ask("faq-model", "q1"), "status=500"),
         ("the backend's own refusal", ask("faq-model", "q2"), "status=400"),
-        ("a truncated answer", {
-            let mut body = ask("faq-model", "q3");
-            body["max_tokens"] = 10.into();
-            body
-        }, "words=50"),
-        ("a tool call", {
-            let mut body = ask("faq-model", "q4");
-            body["tools"] = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
-            body
-        }, "tool_use"),
-        ("a stream cut mid-way", {
-            let mut body = ask("faq-model", "q5");
-            body["stream"] = true.into();
-            body
-        }, "cut_after=2"),
-        ("several choices", {
-            let mut body = ask("faq-model", "q6");
-            body["n"] = 2.into();
-            body
-        }, "words=3"),
+        (
+            "a truncated answer",
+            {
+                let mut body = ask("faq-model", "q3");
+                body["max_tokens"] = 10.into();
+                body
+            },
+            "words=50",
+        ),
+        (
+            "a tool call",
+            {
+                let mut body = ask("faq-model", "q4");
+                body["tools"] =
+                    json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+                body
+            },
+            "tool_use",
+        ),
+        (
+            "a stream cut mid-way",
+            {
+                let mut body = ask("faq-model", "q5");
+                body["stream"] = true.into();
+                body
+            },
+            "cut_after=2",
+        ),
+        (
+            "several choices",
+            {
+                let mut body = ask("faq-model", "q6");
+                body["n"] = 2.into();
+                body
+            },
+            "words=3",
+        ),
     ];
     for (what, body, scenario_text) in &cases {
         let yaml_url = scenario(&s.model, scenario_text);
@@ -368,7 +392,10 @@ async fn a_tenant_or_agent_can_turn_it_off_and_sensitive_calls_bypass_it() {
     assert_eq!(s.chat(QUIET_KEY, &body, &[]).await.0, "bypass");
     assert_eq!(s.chat(KEY, &body, &[("flexway-sensitive", "true")]).await.0, "bypass");
     let records = s.records(3).await;
-    assert_eq!(records.iter().map(|r| r.cache).collect::<Vec<_>>(), [Some(CacheOutcome::Off), Some(CacheOutcome::Off), Some(CacheOutcome::Bypass)]);
+    assert_eq!(
+        records.iter().map(|r| r.cache).collect::<Vec<_>>(),
+        [Some(CacheOutcome::Off), Some(CacheOutcome::Off), Some(CacheOutcome::Bypass)]
+    );
     // A model no policy names: no cache at all.
     let response = s.post("/v1/chat/completions", KEY, &ask("m", "hi"), &[]).await;
     assert_eq!(header(&response, "flexway-cache"), "");

@@ -358,7 +358,10 @@ paths:
         // The policy alone: cached, counted as a call of no price, under its name.
         let bare = read(&op("get", "{cache: faq}")).unwrap();
         let ai = bare.operations[0].ai.as_ref().unwrap();
-        assert_eq!((ai.cache.as_deref(), ai.metering, ai.price_per_thousand), (Some("faq"), GrpcMetering::PerCall, MicroEur(0)));
+        assert_eq!(
+            (ai.cache.as_deref(), ai.metering, ai.price_per_thousand),
+            (Some("faq"), GrpcMetering::PerCall, MicroEur(0))
+        );
         assert_eq!(ai.feature, "faq");
         for method in ["put", "patch", "delete"] {
             let refused = read(&op(method, &format!("{{{metered}, cache: ocr-exact}}"))).unwrap_err().join("; ");

@@ -131,15 +131,14 @@ impl Ask for Tokens<'_> {
         }
         let completion = demand.completes.then(|| allowance.saturating_mul(demand.choices));
         let prompt = demand.prompt_tokens;
-        let charge =
-            Charge::Tokens(drive::Tokens {
-                ticket,
-                prompt,
-                prompt_typical,
-                allowance: completion,
-                quotas: Vec::new(),
-                cache: None,
-            });
+        let charge = Charge::Tokens(drive::Tokens {
+            ticket,
+            prompt,
+            prompt_typical,
+            allowance: completion,
+            quotas: Vec::new(),
+            cache: None,
+        });
         Ok((charge, Admitted { route, soft, allowance }))
     }
 }

@@ -80,7 +80,8 @@ impl ResponseCache {
         ask.partition.id = self.keys.blind(&ask.partition.id);
         ask.probe.exact = self.keys.blind(&ask.probe.exact);
         let guard = self.keys.blind(&ask.probe.guard.to_be_bytes());
-        ask.probe.guard = u64::from_be_bytes([guard[0], guard[1], guard[2], guard[3], guard[4], guard[5], guard[6], guard[7]]);
+        ask.probe.guard =
+            u64::from_be_bytes([guard[0], guard[1], guard[2], guard[3], guard[4], guard[5], guard[6], guard[7]]);
     }
 }
 
@@ -304,13 +305,7 @@ impl Capture {
             .any(|d| matches!(d.trim().to_ascii_lowercase().as_str(), "no-store" | "private" | "no-cache"));
         let whole = (200..300).contains(&status) && status != 206;
         let keepable = whole && !forbidden && !headers.contains_key(header::SET_COOKIE);
-        keepable.then(|| Capture {
-            pending,
-            backend,
-            status,
-            content_type,
-            body: Default::default(),
-        })
+        keepable.then(|| Capture { pending, backend, status, content_type, body: Default::default() })
     }
 
     /// `data` passed to the client; `false` once the answer is larger than an entry may

@@ -10,8 +10,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderValue, StatusCode, header};
 
-use super::chain::{self, Failure};
 use super::cache::Kept;
+use super::chain::{self, Failure};
 use super::drive::Charge;
 use super::format::Format;
 use super::record::Draft;
@@ -62,7 +62,9 @@ pub(super) struct Expect<'a> {
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum KeepAs {
     /// At most `limit` bytes of text (a stream's is given up past it).
-    Text { limit: u64 },
+    Text {
+        limit: u64,
+    },
     Body,
 }
 

@@ -740,8 +740,13 @@ mod tests {
     #[test]
     fn the_usage_chunk_is_tapped_and_hidden_unless_asked_for() {
         let usage = json!({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}});
-        let mut outcome =
-            RelayOutcome { end: StreamEnd::Done, usage: None, content_bytes: 0, finish_reasons: Vec::new(), captured: None };
+        let mut outcome = RelayOutcome {
+            end: StreamEnd::Done,
+            usage: None,
+            content_bytes: 0,
+            finish_reasons: Vec::new(),
+            captured: None,
+        };
         assert!(!tap(Some(&usage), false, &mut outcome));
         assert_eq!(outcome.usage, Some(Usage::new(3, 4)));
         assert!(tap(Some(&usage), true, &mut outcome));
