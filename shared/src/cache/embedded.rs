@@ -1081,6 +1081,34 @@ mod tests {
         assert_eq!(keys.open(&acme, &[1; 32], &Sealed(found)).as_deref(), Some(&plain[..]));
     }
 
+    #[tokio::test]
+    async fn the_scan_finds_the_best_with_the_whole_guard_at_any_dimension() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedCacheStore::open(&dir.path().join("cache")).unwrap();
+        // Codes of 1, 4 and 6 words.
+        for dim in [20, 256, 384] {
+            let p = Partition::new("acme", None, "faq", &format!("m{dim}"), &[0; 32]);
+            let axis = |k: usize, c: f32| {
+                let mut v = vec![0.0; dim];
+                v[0] = c;
+                v[k] = (1.0 - c * c).sqrt();
+                v
+            };
+            let now = unix_now();
+            // Two guards that differ in their high half only.
+            let (guard, twin) = (1u64 << 32, 1u64);
+            for (exact, k, cosine, guard) in [(1, 1, 0.96, guard), (2, 2, 0.98, guard), (3, 3, 0.999, twin)] {
+                let probe = Probe { exact: [exact; 32], vector: Some(axis(k, cosine)), guard };
+                put(&store, &p, &probe, &[exact], now + 1000).await;
+            }
+            let probe = Probe { exact: [9; 32], vector: Some(axis(1, 1.0)), guard };
+            let lookup = Lookup { partition: &p, probe: &probe, threshold: 0.95, stored_since: 0, now };
+            let found = store.lookup(&lookup).await.unwrap().unwrap();
+            assert_eq!((found.exact, found.sealed.0), ([2; 32], vec![2]), "dimension {dim}");
+            assert!((found.similarity - 0.98).abs() < 1e-4, "dimension {dim}: {}", found.similarity);
+        }
+    }
+
     #[test]
     fn sign_codes_pad_the_last_word() {
         let v: Vec<f32> = (0..70).map(|i| if i % 2 == 0 { 1.0 } else { -1.0 }).collect();
