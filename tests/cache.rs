@@ -86,6 +86,99 @@ async fn setup() -> Setup {
     setup_with("1h", None).await
 }
 
+/// The stores the tests below run on: the embedded one always; PostgreSQL (a real
+/// server with pgvector, `tests/kit`) with the `postgres` feature; DynamoDB (the
+/// emulator `scripts/test` starts) with `aws`. The gateway's config names the
+/// embedded store: the store a gateway runs on is its adapters'.
+#[derive(Debug, Clone, Copy)]
+enum Store {
+    Embedded,
+    #[cfg(feature = "postgres")]
+    Postgres,
+    #[cfg(feature = "aws")]
+    DynamoDb,
+}
+
+impl Store {
+    async fn open(self) -> Option<Arc<dyn flexway::cache::CacheStore>> {
+        match self {
+            Store::Embedded => None,
+            #[cfg(feature = "postgres")]
+            Store::Postgres => {
+                let url = flexway_testkit::postgres::database();
+                Some(Arc::new(flexway_postgres::PostgresCacheStore::connect(&url).await.unwrap()))
+            }
+            #[cfg(feature = "aws")]
+            Store::DynamoDb => {
+                let sdk = flexway_testkit::emulator::sdk().await;
+                let client = aws_sdk_dynamodb::Client::new(&sdk);
+                let table = flexway_testkit::emulator::unique("flexway-cache-e2e");
+                flexway_aws::cache::DynamoDbCacheStore::create_table(&client, &table).await.unwrap();
+                Some(Arc::new(flexway_aws::cache::DynamoDbCacheStore::new(client, table)))
+            }
+        }
+    }
+
+    async fn setup(self, ttl: &str) -> Setup {
+        let store = self.open().await;
+        setup_with(ttl, store).await
+    }
+}
+
+/// One test a store for each `async fn name(store: Store)`.
+macro_rules! on_every_store {
+    ($($name:ident),* $(,)?) => {
+        mod embedded {
+            $(#[tokio::test]
+            async fn $name() {
+                super::$name(super::Store::Embedded).await
+            })*
+        }
+        #[cfg(feature = "postgres")]
+        mod postgres {
+            $(#[tokio::test]
+            async fn $name() {
+                super::$name(super::Store::Postgres).await
+            })*
+        }
+        #[cfg(feature = "aws")]
+        mod dynamodb {
+            $(#[tokio::test]
+            async fn $name() {
+                super::$name(super::Store::DynamoDb).await
+            })*
+        }
+    };
+}
+
+/// The semantic tests: on the stores that compare embeddings (DynamoDB keeps exact
+/// entries only, and its semantic policies are refused at load).
+mod semantic {
+    #[tokio::test]
+    async fn embedded() {
+        super::a_semantic_hit_needs_a_close_meaning_the_same_numbers_and_the_same_negations(super::Store::Embedded)
+            .await
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test]
+    async fn postgres() {
+        super::a_semantic_hit_needs_a_close_meaning_the_same_numbers_and_the_same_negations(super::Store::Postgres)
+            .await
+    }
+}
+
+on_every_store!(
+    an_exact_hit_is_served_without_a_backend_and_costs_what_charge_says,
+    entries_are_hit_only_within_their_partition,
+    streamed_and_whole_calls_are_served_from_one_entry_in_every_door,
+    no_error_refusal_cut_or_tool_call_is_ever_stored,
+    cache_control_is_honoured,
+    an_entry_expires_after_its_ttl,
+    an_embeddings_call_is_served_again_from_its_exact_entry,
+    a_purge_empties_a_tenant_and_stats_count_what_is_left,
+);
+
 fn ask(model: &str, text: &str) -> Value {
     json!({"model": model, "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]})
 }
@@ -121,9 +214,8 @@ fn text(body: &Value) -> &str {
     body["choices"][0]["message"]["content"].as_str().unwrap()
 }
 
-#[tokio::test]
-async fn an_exact_hit_is_served_without_a_backend_and_costs_what_charge_says() {
-    let s = setup().await;
+async fn an_exact_hit_is_served_without_a_backend_and_costs_what_charge_says(store: Store) {
+    let s = store.setup("1h").await;
     let (first, answer) = s.chat(KEY, &ask("faq-model", "What are your opening hours?"), &[]).await;
     assert_eq!(first, "stored");
     let upstream = s.model.request_count();
@@ -149,9 +241,8 @@ async fn an_exact_hit_is_served_without_a_backend_and_costs_what_charge_says() {
     );
 }
 
-#[tokio::test]
-async fn entries_are_hit_only_within_their_partition() {
-    let s = setup().await;
+async fn entries_are_hit_only_within_their_partition(store: Store) {
+    let s = store.setup("1h").await;
     let base = ask("faq-model", "Where is the office?");
     assert_eq!(s.chat(KEY, &base, &[]).await.0, "stored");
     let mut other_system = base.clone();
@@ -189,9 +280,8 @@ async fn entries_are_hit_only_within_their_partition() {
     assert!(s.chat(AGENT_KEY, &ask("bot-model", "status?"), &[]).await.0.starts_with("hit"));
 }
 
-#[tokio::test]
-async fn streamed_and_whole_calls_are_served_from_one_entry_in_every_door() {
-    let s = setup().await;
+async fn streamed_and_whole_calls_are_served_from_one_entry_in_every_door(store: Store) {
+    let s = store.setup("1h").await;
     // Stored from a stream...
     let mut streamed = ask("faq-model", "Tell me about the refund policy");
     streamed["stream"] = true.into();
@@ -246,9 +336,8 @@ async fn streamed_and_whole_calls_are_served_from_one_entry_in_every_door() {
     );
 }
 
-#[tokio::test]
-async fn no_error_refusal_cut_or_tool_call_is_ever_stored() {
-    let s = setup().await;
+async fn no_error_refusal_cut_or_tool_call_is_ever_stored(store: Store) {
+    let s = store.setup("1h").await;
     let cases: Vec<(&str, Value, &str)> = vec![
         ("a 5xx", ask("faq-model", "q1"), "status=500"),
         ("the backend's own refusal", ask("faq-model", "q2"), "status=400"),
@@ -313,9 +402,8 @@ async fn no_error_refusal_cut_or_tool_call_is_ever_stored() {
     assert!(stats.is_empty(), "nothing kept: {stats:?}");
 }
 
-#[tokio::test]
-async fn cache_control_is_honoured() {
-    let s = setup().await;
+async fn cache_control_is_honoured(store: Store) {
+    let s = store.setup("1h").await;
     let body = ask("faq-model", "How do I reset my password?");
     assert_eq!(s.chat(KEY, &body, &[("cache-control", "no-store")]).await.0, "miss", "no-store keeps nothing");
     assert_eq!(s.chat(KEY, &body, &[]).await.0, "stored");
@@ -328,9 +416,8 @@ async fn cache_control_is_honoured() {
     assert!(s.chat(KEY, &body, &[("cache-control", "max-age=60")]).await.0.starts_with("hit"));
 }
 
-#[tokio::test]
-async fn an_entry_expires_after_its_ttl() {
-    let s = setup_with("1s", None).await;
+async fn an_entry_expires_after_its_ttl(store: Store) {
+    let s = store.setup("1s").await;
     let body = ask("faq-model", "Is the shop open on Sunday?");
     assert_eq!(s.chat(KEY, &body, &[]).await.0, "stored");
     assert!(s.chat(KEY, &body, &[]).await.0.starts_with("hit"));
@@ -363,9 +450,8 @@ async fn a_failing_store_serves_misses_and_is_counted() {
     assert!(metrics.contains(r#"outcome="error"} 2"#), "{metrics}");
 }
 
-#[tokio::test]
-async fn a_semantic_hit_needs_a_close_meaning_the_same_numbers_and_the_same_negations() {
-    let s = setup().await;
+async fn a_semantic_hit_needs_a_close_meaning_the_same_numbers_and_the_same_negations(store: Store) {
+    let s = store.setup("1h").await;
     assert_eq!(s.chat(KEY, &ask("near-model", "What is the capital of France?"), &[]).await.0, "stored");
     let upstream_chats = || s.model.requests().iter().filter(|r| r.path.ends_with("/chat/completions")).count();
     let chats = upstream_chats();
@@ -401,9 +487,8 @@ async fn a_tenant_or_agent_can_turn_it_off_and_sensitive_calls_bypass_it() {
     assert_eq!(header(&response, "flexway-cache"), "");
 }
 
-#[tokio::test]
-async fn an_embeddings_call_is_served_again_from_its_exact_entry() {
-    let s = setup().await;
+async fn an_embeddings_call_is_served_again_from_its_exact_entry(store: Store) {
+    let s = store.setup("1h").await;
     let body = json!({"model": "text-embedding", "input": ["alpha", "beta"]});
     let first = s.post("/v1/embeddings", KEY, &body, &[]).await;
     assert_eq!(header(&first, "flexway-cache"), "stored");
@@ -433,4 +518,71 @@ async fn a_model_no_policy_names_is_served_as_before_whatever_its_request() {
     cached["model"] = "faq-model".into();
     let response = s.post("/v1/chat/completions", KEY, &cached, &[]).await;
     assert_eq!((response.status().as_u16(), header(&response, "flexway-cache")), (200, "bypass".to_owned()));
+}
+
+async fn a_purge_empties_a_tenant_and_stats_count_what_is_left(store: Store) {
+    let s = store.setup("1h").await;
+    for question in ["one?", "two?"] {
+        assert_eq!(s.chat(KEY, &ask("faq-model", question), &[]).await.0, "stored");
+    }
+    assert_eq!(s.chat(OTHER_KEY, &ask("faq-model", "one?"), &[]).await.0, "stored");
+    let cache = &s.gw.gateway.cache.as_ref().unwrap().store;
+    let counts = |stats: Vec<flexway::cache::Stats>| {
+        stats.into_iter().map(|r| (r.tenant, r.policy, r.entries)).collect::<Vec<_>>()
+    };
+    let both = vec![("acme".to_owned(), "faq".to_owned(), 2), ("globex".to_owned(), "faq".to_owned(), 1)];
+    assert_eq!(counts(cache.stats().await.unwrap()), both);
+    assert_eq!(cache.purge("acme", Some("near")).await.unwrap(), 0, "another policy's");
+    assert_eq!(cache.purge("acme", None).await.unwrap(), 2);
+    assert_eq!(counts(cache.stats().await.unwrap()), vec![("globex".to_owned(), "faq".to_owned(), 1)]);
+    assert_eq!(s.chat(KEY, &ask("faq-model", "one?"), &[]).await.0, "stored", "purged: upstream again");
+    assert!(s.chat(OTHER_KEY, &ask("faq-model", "one?"), &[]).await.0.starts_with("hit"), "another tenant's kept");
+}
+
+#[tokio::test]
+async fn flexway_cache_stats_and_purge_read_the_configured_store() {
+    use flexway::cache::{CacheStore, Entry, Partition, Probe, Sealed};
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("flexway.yaml");
+    std::fs::write(&config, cache_config("http://127.0.0.1:9/v1", dir.path(), "1h")).unwrap();
+    let now = flexway::budget::period::unix_now();
+    {
+        let store = EmbeddedCacheStore::open(&dir.path().join("cache.db")).unwrap();
+        for (tenant, policy, n) in [("acme", "faq", 3u8), ("acme", "near", 1), ("globex", "faq", 2)] {
+            let partition = Partition::new(tenant, None, policy, "m", &[0; 32]);
+            for i in 0..n {
+                let probe = Probe { exact: [i; 32], vector: None, guard: 0 };
+                let sealed = Sealed(vec![7; 10]);
+                let entry = Entry {
+                    partition: &partition,
+                    probe: &probe,
+                    sealed,
+                    stored_at: now,
+                    expires_at: now + 3600,
+                    max_entries_per_tenant: 100,
+                };
+                store.store(entry).await.unwrap();
+            }
+        }
+        // A running gateway holds the file: the command says so, and changes nothing.
+        let held =
+            std::process::Command::new(binary()).args(["cache", "stats", "--config"]).arg(&config).output().unwrap();
+        assert!(!held.status.success());
+        assert!(String::from_utf8_lossy(&held.stderr).contains("in use by a running gateway"), "{held:?}");
+    }
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(binary()).args(args).arg("--config").arg(&config).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let rows = |text: &str| {
+        text.lines().skip(1).map(|l| l.split_whitespace().map(str::to_owned).collect::<Vec<_>>()).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        rows(&run(&["cache", "stats"])),
+        [["acme", "faq", "3", "30"], ["acme", "near", "1", "10"], ["globex", "faq", "2", "20"]]
+    );
+    assert!(run(&["cache", "purge", "--tenant", "acme", "--policy", "near"]).contains("removed 1 "));
+    assert!(run(&["cache", "purge", "--tenant", "acme"]).contains("removed 3 "));
+    assert_eq!(rows(&run(&["cache", "stats"])), [["globex", "faq", "2", "20"]]);
 }
