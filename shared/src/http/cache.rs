@@ -628,6 +628,11 @@ fn chat_key(view: &ChatView<'_>) -> Option<([u8; 32], String, [u8; 32])> {
         .into_iter()
         .filter(|(k, _)| !view.modelled.contains(&k.as_str()))
         .collect();
+    // What an entry does not keep cannot be asked of it: log probabilities, audio.
+    let asks_more = |key: &str| extra.get(key).is_some_and(|v| !v.is_null() && *v != Value::Bool(false));
+    if ["logprobs", "top_logprobs", "audio", "modalities", "prediction"].into_iter().any(asks_more) {
+        return None;
+    }
     // The last message's images are compared by content, never by meaning: a semantic
     // match of its text alone must not serve another picture's answer.
     let images: Vec<Value> = last.parts.iter().filter(|p| matches!(p, Part::Image(_))).map(part).collect();

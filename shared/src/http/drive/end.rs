@@ -263,11 +263,10 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
         }
         (Charge::Tokens(tokens), Spent::Cached { charged, saved }) => {
             // Nothing was called upstream: the reservation gives way to the policy's
-            // share of the entry's cost, in euros only (no token was produced).
-            match charged {
-                MicroEur(0) => tokens.ticket.refund().await,
-                _ => tokens.ticket.settle_eur(charged).await,
-            }
+            // share of the entry's cost, in euros only (no token was produced). The
+            // call still counts as a request in its windows and its run, whatever
+            // `charge` says (a refund would count it only when it costs nothing).
+            tokens.ticket.settle_eur(charged).await;
             end_quotas(gateway, tokens.quotas, None).await;
             draft.usage(Usage::default(), UsageSource::Reported, charged);
             gateway.metrics.cache_saved(draft.caller_tenant(), saved);
