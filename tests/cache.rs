@@ -586,3 +586,35 @@ async fn flexway_cache_stats_and_purge_read_the_configured_store() {
     assert!(run(&["cache", "purge", "--tenant", "acme"]).contains("removed 3 "));
     assert_eq!(rows(&run(&["cache", "stats"])), [["globex", "faq", "2", "20"]]);
 }
+
+#[tokio::test]
+async fn an_entry_is_never_served_where_the_callers_residency_excludes_its_producer() {
+    let model = FakeModel::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut adapters, _) = memory_adapters();
+    adapters.cache = Some(Arc::new(EmbeddedCacheStore::open(&dir.path().join("cache.db")).unwrap()));
+    // `main` is in the US; its fallback `eu` in the EU.
+    let url = model.url();
+    let yaml = cache_config(&url, dir.path(), "1h").replace(
+        "      external: false\n",
+        &format!(
+            "      external: false\n      jurisdiction: us\n      fallback: [eu]\n    eu:\n      url: \"{url}\"\n      \
+             price: {{input_per_mtok_eur: 1, output_per_mtok_eur: 2}}\n      jurisdiction: eu\n"
+        ),
+    );
+    let gw = serve_in_process(&yaml, adapters).await;
+    let call = |headers: &'static [(&'static str, &'static str)]| {
+        let mut request = client().post(format!("{}/v1/chat/completions", gw.url)).bearer_auth(KEY);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        request.json(&ask("faq-model", "Where is my parcel?")).send()
+    };
+    let first = call(&[]).await.unwrap();
+    assert_eq!((header(&first, "flexway-backend"), header(&first, "flexway-cache")), ("main".into(), "stored".into()));
+    // Produced in the US: not for a call that must stay in the EU.
+    let eu_only = call(&[("flexway-jurisdiction", "eu")]).await.unwrap();
+    assert_eq!(eu_only.status(), 200);
+    assert_eq!(header(&eu_only, "flexway-backend"), "eu");
+    assert!(!header(&eu_only, "flexway-cache").starts_with("hit"), "a US answer served in the EU");
+}
