@@ -89,7 +89,7 @@ pub struct Gateway {
     pub metrics: Arc<Registry>,
     pub telemetry: Arc<Telemetry>,
     /// The response cache (SPEC §16), when `ai.cache` is configured.
-    pub cache: Option<Arc<crate::http::cache::ResponseCache>>,
+    pub cache: Option<Arc<crate::cache::ResponseCache>>,
     /// Open realtime sessions (local shape), closed and waited for when it stops;
     /// one registry across reloads, so a session opened before one is closed too.
     pub sessions: Arc<Sessions>,
@@ -129,7 +129,7 @@ impl Gateway {
                 if key.len() < 16 {
                     return Err(SetupError::ShortCacheKey { len: key.len() });
                 }
-                Some(Arc::new(crate::http::cache::ResponseCache::new(store, &key)))
+                Some(Arc::new(crate::cache::ResponseCache::new(store, &key)))
             }
             _ => None,
         };

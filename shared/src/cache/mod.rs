@@ -147,6 +147,54 @@ pub trait CacheStore: Send + Sync {
     }
 }
 
+/// How long a lookup or a store may take before it counts as a failing store.
+pub const STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// After a store fails, how long calls pass it by (each a miss, counted) before one
+/// tries it again: a store down costs its calls nothing, not a timeout each.
+pub const STORE_BACKOFF_SECS: u64 = 5;
+
+/// The response cache of a gateway: its store, the tenants' keys, and whether the
+/// store failed lately.
+pub struct ResponseCache {
+    pub store: std::sync::Arc<dyn CacheStore>,
+    keys: Keys,
+    /// Unix seconds until which the store is passed by (it failed last).
+    failing_until: std::sync::atomic::AtomicU64,
+}
+
+impl ResponseCache {
+    pub fn new(store: std::sync::Arc<dyn CacheStore>, master_key: &[u8]) -> ResponseCache {
+        ResponseCache { store, keys: Keys::new(master_key), failing_until: Default::default() }
+    }
+
+    pub fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    /// `operation` on the store, bounded by [`STORE_TIMEOUT`]; `Err(operation)` when it
+    /// fails, times out, or the store failed within the last [`STORE_BACKOFF_SECS`].
+    pub async fn call<T>(
+        &self,
+        operation: &'static str,
+        future: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, &'static str> {
+        use std::sync::atomic::Ordering;
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        if now < self.failing_until.load(Ordering::Relaxed) {
+            return Err(operation);
+        }
+        let failed = match tokio::time::timeout(STORE_TIMEOUT, future).await {
+            Ok(Ok(value)) => return Ok(value),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {STORE_TIMEOUT:?}"),
+        };
+        tracing::warn!("response cache: {operation}: {failed}; misses for {STORE_BACKOFF_SECS} s");
+        self.failing_until.store(now + STORE_BACKOFF_SECS, Ordering::Relaxed);
+        Err(operation)
+    }
+}
+
 /// A store that could not be opened (unreachable, unwritable, corrupt: SPEC §16): the
 /// gateway starts anyway, and every lookup and store fails with the reason, counted
 /// and served as a miss.

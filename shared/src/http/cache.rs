@@ -9,7 +9,6 @@
 //! priced, charged to the caller and recorded like any.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::Body;
 use axum::response::Response;
@@ -21,7 +20,7 @@ use serde_json::{Map, Value, json};
 use super::drive::{Ended, Spent};
 use super::format::Format;
 use super::record::Draft;
-use crate::cache::{CacheStore, Keys, Lookup, Partition, Probe};
+use crate::cache::{Lookup, Partition, Probe, ResponseCache};
 use crate::config::{CacheMode, CachePolicy, CacheScope};
 use crate::gateway::Gateway;
 use crate::identity::Caller;
@@ -33,56 +32,14 @@ use crate::routing::Residency;
 /// The response header that says what the cache did (SPEC §16).
 pub const CACHE_HEADER: &str = "flexway-cache";
 
-/// How long a lookup or a store may take before it counts as a failing store.
-const STORE_TIMEOUT: Duration = Duration::from_secs(1);
-
-/// After a store fails, how long calls pass it by (each a miss, counted) before one
-/// tries it again: a store down costs its calls nothing, not a timeout each.
-const STORE_BACKOFF_SECS: u64 = 5;
-
-/// The response cache of a gateway: its store and the tenants' keys.
-pub struct ResponseCache {
-    pub store: Arc<dyn CacheStore>,
-    keys: Keys,
-    /// Unix seconds until which the store is passed by (it failed last).
-    failing_until: std::sync::atomic::AtomicU64,
-}
-
-impl ResponseCache {
-    pub fn new(store: Arc<dyn CacheStore>, master_key: &[u8]) -> ResponseCache {
-        ResponseCache { store, keys: Keys::new(master_key), failing_until: Default::default() }
-    }
-
-    /// `operation` on the store, bounded by [`STORE_TIMEOUT`]; `Err(operation)` when it
-    /// fails, times out, or the store failed within the last [`STORE_BACKOFF_SECS`].
-    async fn call<T>(
-        &self,
-        operation: &'static str,
-        future: impl Future<Output = Result<T, crate::cache::StoreError>>,
-    ) -> Result<T, &'static str> {
-        use std::sync::atomic::Ordering;
-        let now = unix_seconds();
-        if now < self.failing_until.load(Ordering::Relaxed) {
-            return Err(operation);
-        }
-        let failed = match tokio::time::timeout(STORE_TIMEOUT, future).await {
-            Ok(Ok(value)) => return Ok(value),
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("no answer within {STORE_TIMEOUT:?}"),
-        };
-        tracing::warn!("response cache: {operation}: {failed}; misses for {STORE_BACKOFF_SECS} s");
-        self.failing_until.store(now + STORE_BACKOFF_SECS, Ordering::Relaxed);
-        Err(operation)
-    }
-
-    /// The hashes of `ask` as its store keeps them: blinded under the master key.
-    fn blind(&self, ask: &mut Ask) {
-        ask.partition.id = self.keys.blind(&ask.partition.id);
-        ask.probe.exact = self.keys.blind(&ask.probe.exact);
-        let guard = self.keys.blind(&ask.probe.guard.to_be_bytes());
-        ask.probe.guard =
-            u64::from_be_bytes([guard[0], guard[1], guard[2], guard[3], guard[4], guard[5], guard[6], guard[7]]);
-    }
+/// The hashes of `ask` as its store keeps them: blinded under the master key.
+fn blind(cache: &ResponseCache, ask: &mut Ask) {
+    let keys = cache.keys();
+    ask.partition.id = keys.blind(&ask.partition.id);
+    ask.probe.exact = keys.blind(&ask.probe.exact);
+    let guard = keys.blind(&ask.probe.guard.to_be_bytes());
+    ask.probe.guard =
+        u64::from_be_bytes([guard[0], guard[1], guard[2], guard[3], guard[4], guard[5], guard[6], guard[7]]);
 }
 
 /// The door of a semantic policy's embedding call: a call of its own through the
@@ -749,7 +706,7 @@ async fn looked_up(
     };
     let tenant = call.caller.tenant.as_str();
     let mut ask = ask;
-    cache.blind(&mut ask);
+    blind(cache, &mut ask);
     if ask.read {
         match find(call, headers, cache, &mut ask).await {
             Ok(Some((plain, similarity, stored_at)))
@@ -813,7 +770,7 @@ async fn find(
         (None, _) => None,
     };
     let Some(found) = found else { return Ok(None) };
-    let Some(plain) = cache.keys.open(&ask.partition, &found.exact, &found.sealed) else {
+    let Some(plain) = cache.keys().open(&ask.partition, &found.exact, &found.sealed) else {
         return Ok(None);
     };
     let plain: Plain = serde_json::from_slice(&plain).map_err(|_| "lookup")?;
@@ -910,7 +867,7 @@ pub(in crate::http) async fn store(
         content_type,
     };
     let bytes = serde_json::to_vec(&plain).ok()?;
-    let sealed = cache.keys.seal(&ask.partition, &ask.probe, &bytes)?;
+    let sealed = cache.keys().seal(&ask.partition, &ask.probe, &bytes)?;
     let now = unix_seconds();
     let entry = crate::cache::Entry {
         partition: &ask.partition,
