@@ -433,18 +433,7 @@ pub(super) fn ask_embeddings(
     let kept: Map<String, Value> = body.into_iter().filter(|(k, _)| k != "model" && k != "user").collect();
     let exact = crate::cache::sha256(&canonical(&Value::Object(kept)));
     let partition = partition(caller, &policy_name, &policy, model, &[0; 32]);
-    Some(Ask {
-        policy_name,
-        policy,
-        partition,
-        probe: Probe { exact, vector: None, guard: 0 },
-        message: String::new(),
-        read: control.read,
-        write: control.write,
-        max_age: control.max_age,
-        max_tokens: None,
-        kind: Kind::Embeddings,
-    })
+    Some(Ask::exact(policy_name, policy, partition, exact, control, Kind::Embeddings))
 }
 
 /// A REST call the cache may answer: its operation (`model`, its `METHOD /path`
@@ -486,18 +475,33 @@ pub(super) fn ask_rest(
     };
     let exact = rest_key(view.method.as_str(), view.path_and_query, &negotiated(headers), body);
     let partition = partition(caller, &policy_name, &policy, view.model, &[0; 32]);
-    Some(Ask {
-        policy_name,
-        policy,
-        partition,
-        probe: Probe { exact, vector: None, guard: 0 },
-        message: String::new(),
-        read: control.read,
-        write: control.write,
-        max_age: control.max_age,
-        max_tokens: None,
-        kind: Kind::Rest,
-    })
+    Some(Ask::exact(policy_name, policy, partition, exact, control, Kind::Rest))
+}
+
+impl Ask {
+    /// The ask of an exact-only call (embeddings, REST): its whole request is `exact`,
+    /// with no message to embed, no guard and no completion allowance to check.
+    fn exact(
+        policy_name: String,
+        policy: Arc<CachePolicy>,
+        partition: Partition,
+        exact: [u8; 32],
+        control: CacheControl,
+        kind: Kind,
+    ) -> Ask {
+        Ask {
+            policy_name,
+            policy,
+            partition,
+            probe: Probe { exact, vector: None, guard: 0 },
+            message: String::new(),
+            read: control.read,
+            write: control.write,
+            max_age: control.max_age,
+            max_tokens: None,
+            kind,
+        }
+    }
 }
 
 /// The request headers that choose among an operation's answers (its format, its
