@@ -118,6 +118,8 @@ pub enum Operation {
     Messages,
     // A REST operation of a `kind: http` backend's contract (SPEC §10).
     Http,
+    // A `tools/call` through `/mcp` (SPEC §17).
+    Mcp,
 }
 
 impl Operation {
@@ -130,6 +132,7 @@ impl Operation {
             Operation::Responses => "responses",
             Operation::Messages => "messages",
             Operation::Http => "http",
+            Operation::Mcp => "mcp",
         }
     }
 }

@@ -18,6 +18,7 @@
 
 pub mod bounds;
 pub mod contract;
+pub mod mcp;
 pub mod model;
 
 mod descriptor;
@@ -33,6 +34,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 pub use duration::parse_duration;
+pub use mcp::{Mcp, McpNarrowing, McpOauth, McpPrice, McpServer, ToolGlobs};
 pub use model::*;
 
 /// Where environment variables come from: the process, or a map in tests.

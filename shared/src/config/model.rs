@@ -70,6 +70,8 @@ pub struct Config {
     pub telemetry: Option<TelemetryConfig>,
     /// The operator's console; `None`: `/console` answers 404.
     pub console: Option<ConsoleConfig>,
+    /// `/mcp` (SPEC §17); `None`: `/mcp` answers 404.
+    pub mcp: Option<super::Mcp>,
     /// The SHA-256 of the text it was loaded from, hex (`GET /healthz`).
     pub sha256: String,
 }
@@ -183,6 +185,8 @@ pub struct Tenant {
     pub residency: Option<BTreeSet<String>>,
     /// `cache: off` (SPEC §16): its calls neither read nor write the response cache.
     pub cache_off: bool,
+    /// `mcp:` (SPEC §17): the servers and tools its callers may use.
+    pub mcp: super::McpNarrowing,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -228,6 +232,8 @@ pub struct Agent {
     pub residency: Option<BTreeSet<String>>,
     /// `cache: off` (SPEC §16), its own or its tenant's.
     pub cache_off: bool,
+    /// `mcp:` (SPEC §17): its own narrowing (its tenant's applies too).
+    pub mcp: super::McpNarrowing,
 }
 
 impl Config {

@@ -97,6 +97,7 @@ pub(super) fn validate(
                 ai,
                 telemetry,
                 console,
+                mcp: None,
                 sha256: String::new(),
             },
             warnings: check.warnings,

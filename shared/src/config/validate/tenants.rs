@@ -77,6 +77,8 @@ impl Checker<'_> {
                 max_criticality,
                 residency,
                 cache_off,
+                // Filled by the mcp section's check (`validate/mcp.rs`).
+                mcp: Default::default(),
             };
             tenants.insert(id, tenant);
         }
@@ -151,6 +153,7 @@ impl Checker<'_> {
             max_criticality,
             residency,
             cache_off: raw.cache == Some(RawCacheSwitch::Off),
+            mcp: Default::default(),
         }
     }
 
