@@ -276,6 +276,7 @@ mod tests {
             max_criticality: Default::default(),
             residency: None,
             cache_off: false,
+            mcp: Default::default(),
         };
         let mut edge_agents = BTreeMap::new();
         edge_agents.insert(AgentId::new("relayer"), Agent::default());
@@ -297,6 +298,7 @@ mod tests {
             max_criticality: Default::default(),
             residency: None,
             cache_off: false,
+            mcp: Default::default(),
         };
         KeyRing::from_tenants([&tenant, &edge])
     }
