@@ -14,6 +14,7 @@ pub mod gateway;
 pub mod http;
 pub mod identity;
 mod json;
+pub mod mcp;
 pub mod metering;
 pub mod metrics;
 pub mod money;
