@@ -82,6 +82,10 @@ fn schema_lists_every_spec_field() {
         "cache_age_s",
         "cost_saved_eur",
         "cost_saved_micro_eur",
+        // SPEC §17: a tool call's server, tool (its name on its server) and outcome.
+        "mcp_server",
+        "tool",
+        "mcp_status",
     ];
     for field in spec_fields {
         assert!(properties.contains_key(field), "missing {field}");

@@ -131,6 +131,17 @@ pub struct AuditRecord {
     /// The same saving, exact, in integer micro-euros.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost_saved_micro_eur: Option<u64>,
+    /// A tool call's (`operation: mcp`, SPEC §17) server, as `mcp.servers` names it.
+    /// Absent for every other operation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mcp_server: Option<String>,
+    /// A tool call's tool, by its name on its server (never its arguments or result).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
+    /// How a tool call ended: `ok`, `tool_error` (the tool ran and said it failed:
+    /// charged) or `error` (no result: refunded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mcp_status: Option<McpStatus>,
     /// With `audit.chain_key`: `{writer}:{seq}:{mac}`, the record's place in its
     /// writer's sequence and its HMAC-SHA256 over the record before (see
     /// `flexway report --verify`). Always the last field. Absent otherwise.
@@ -163,6 +174,29 @@ pub enum CacheOutcome {
     Bypass,
     /// The caller's tenant or agent has `cache: off`.
     Off,
+}
+
+/// How a tool call ended (`operation: mcp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+#[schemars(inline)]
+pub enum McpStatus {
+    /// The tool answered with a result.
+    Ok,
+    /// The tool answered with a result that says it failed (`isError: true`): it ran.
+    ToolError,
+    /// No result: a JSON-RPC error, a transport failure, a timeout, a refusal.
+    Error,
+}
+
+impl McpStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            McpStatus::Ok => "ok",
+            McpStatus::ToolError => "tool_error",
+            McpStatus::Error => "error",
+        }
+    }
 }
 
 /// Why a backend was passed over.
@@ -434,6 +468,9 @@ mod tests {
             cache_age_s: None,
             cost_saved_eur: None,
             cost_saved_micro_eur: None,
+            mcp_server: None,
+            tool: None,
+            mcp_status: None,
             chain: None,
         }
     }

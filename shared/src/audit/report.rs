@@ -773,6 +773,9 @@ mod tests {
             cache_age_s: None,
             cost_saved_eur: None,
             cost_saved_micro_eur: None,
+            mcp_server: None,
+            tool: None,
+            mcp_status: None,
             chain: None,
         }
     }

@@ -46,6 +46,9 @@ pub fn record(tenant: &str, backend: Option<&str>, metered_by: Metering, cost: u
         cache_age_s: None,
         cost_saved_eur: None,
         cost_saved_micro_eur: None,
+        mcp_server: None,
+        tool: None,
+        mcp_status: None,
         chain: None,
     }
 }

@@ -134,6 +134,18 @@ pub(super) fn line(record: &AuditRecord, out: &mut Vec<u8>) {
         json::next!(out, "cost_saved_micro_eur");
         json::number(out, saved);
     }
+    if let Some(server) = &record.mcp_server {
+        json::next!(out, "mcp_server");
+        json::string(out, server);
+    }
+    if let Some(tool) = &record.tool {
+        json::next!(out, "tool");
+        json::string(out, tool);
+    }
+    if let Some(status) = record.mcp_status {
+        json::next!(out, "mcp_status");
+        json::string(out, status.as_str());
+    }
     if let Some(chain) = &record.chain {
         json::next!(out, "chain");
         json::string(out, chain);
@@ -281,6 +293,9 @@ mod tests {
             cache_age_s: None,
             cost_saved_eur: None,
             cost_saved_micro_eur: None,
+            mcp_server: None,
+            tool: None,
+            mcp_status: None,
             chain: None,
         }
     }
@@ -289,7 +304,7 @@ mod tests {
     /// name, costs serde_json writes in exponent form): the same bytes as serde_json's.
     #[test]
     fn a_line_is_what_serde_json_writes() {
-        use crate::audit::{CacheOutcome, CloseReason};
+        use crate::audit::{CacheOutcome, CloseReason, McpStatus};
         use crate::call::{Criticality, PickReason};
         let mut records = vec![record(1), record(2)];
         let operations = [
@@ -338,6 +353,11 @@ mod tests {
             if i % 5 == 0 {
                 (r.cache_similarity, r.cache_age_s) = (Some([1.0, 0.973][i % 2]), Some(120 + i as u64));
                 (r.cost_saved_eur, r.cost_saved_micro_eur) = (Some(costs[i]), Some(19_000 + i as u64));
+            }
+            if i % 2 == 1 {
+                r.mcp_server = Some(format!("search-{i}"));
+                r.tool = Some(format!("deep_\"search\" {i}"));
+                r.mcp_status = Some([McpStatus::Ok, McpStatus::ToolError, McpStatus::Error][i % 3]);
             }
             r.chain = (i % 2 == 0).then(|| format!("0123456789abcdef:{i}:{}", "ef".repeat(32)));
             r.cost_eur = costs[i];

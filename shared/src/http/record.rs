@@ -107,6 +107,9 @@ impl Draft {
             cache_age_s: None,
             cost_saved_eur: None,
             cost_saved_micro_eur: None,
+            mcp_server: None,
+            tool: None,
+            mcp_status: None,
             chain: None,
         };
         Draft {
@@ -144,6 +147,20 @@ impl Draft {
     /// A gRPC call's feature (its method's `(flexway.v1.operation).ai`).
     pub fn feature(&mut self, feature: &str) {
         self.record.feature = Some(feature.to_owned());
+    }
+
+    /// A tool call's server and tool (its name on its server), as `/mcp` resolved
+    /// it (SPEC §17), and the name the caller called it by (`model_requested`). Never
+    /// its arguments or its result.
+    pub fn mcp_tool(&mut self, server: &str, tool: &str, called: &str) {
+        self.record.mcp_server = Some(server.to_owned());
+        self.record.tool = Some(tool.to_owned());
+        self.record.model_requested = Some(called.to_owned());
+    }
+
+    /// How a tool call ended; a call that ends without one noted is `error`.
+    pub fn mcp_status(&mut self, status: crate::audit::McpStatus) {
+        self.record.mcp_status = Some(status);
     }
 
     /// What the response cache did (SPEC §16); a later note (`stored`) replaces an
@@ -384,10 +401,16 @@ impl Draft {
             cache_age_s: None,
             cost_saved_eur: None,
             cost_saved_micro_eur: None,
+            mcp_server: None,
+            tool: None,
+            mcp_status: None,
             chain: None,
             ..self.record
         };
         let mut record = std::mem::replace(&mut self.record, husk);
+        if record.mcp_server.is_some() && record.mcp_status.is_none() {
+            record.mcp_status = Some(crate::audit::McpStatus::Error);
+        }
         record.ts = Timestamp::now();
         record.status = status;
         record.error_code = error_code;

@@ -11,6 +11,7 @@
 
 mod cache;
 mod family;
+mod mcp;
 mod recording;
 mod render;
 
@@ -30,6 +31,7 @@ pub const NONE: &str = "none";
 /// A circuit breaker's state; `gauge_value` is how `flexway_breaker_state` encodes it.
 pub use crate::routing::breaker::State as BreakerState;
 pub use cache::{CACHE_FAILED_OPERATIONS, CACHE_OUTCOMES, CacheTotals};
+pub use mcp::{MCP_OUTCOMES, McpTotals};
 
 /// The process's metrics. Share it (`Arc`) between the request path and `/metrics`.
 pub struct Registry {
@@ -76,6 +78,11 @@ pub struct Registry {
     cache_entries: Family<u64>,
     /// When the entries were last counted (Unix seconds; 0: never).
     cache_counted_at: AtomicU64,
+    /// MCP tool calls and what they were charged (micro-euros), per [tenant, server,
+    /// outcome].
+    mcp_calls: Family<(u64, u64)>,
+    /// MCP servers left out of a `tools/list`, per [server].
+    mcp_down: Family<u64>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -133,6 +140,8 @@ impl Registry {
             cache_saved: Family::new(),
             cache_entries: Family::new(),
             cache_counted_at: AtomicU64::new(0),
+            mcp_calls: Family::new(),
+            mcp_down: Family::new(),
         }
     }
 

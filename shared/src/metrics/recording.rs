@@ -78,6 +78,7 @@ impl Registry {
             }
             None => self.calls.with(&labels, CallSums::default, count),
         }
+        self.record_mcp_call(record);
         let tokens = record.prompt_tokens.saturating_add(record.completion_tokens);
         if record.usage_source == UsageSource::Estimated && tokens > 0 {
             self.usage_estimated.with(&[labels[1]], u64::default, |count| *count = count.saturating_add(1));

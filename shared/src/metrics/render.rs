@@ -223,6 +223,7 @@ impl Registry {
             sample(&mut out, "flexway_config_reloads_total", &["outcome"], &[(*outcome).to_owned()], None, &count);
         }
         self.render_cache(&mut out);
+        self.render_mcp(&mut out);
         out
     }
 
@@ -277,13 +278,13 @@ impl Registry {
     }
 }
 
-fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+pub(super) fn header(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}");
     let _ = writeln!(out, "# TYPE {name} {kind}");
 }
 
 /// One sample line; `le` is appended after the other labels for histogram buckets.
-fn sample(out: &mut String, name: &str, names: &[&str], values: &[String], le: Option<&str>, value: &str) {
+pub(super) fn sample(out: &mut String, name: &str, names: &[&str], values: &[String], le: Option<&str>, value: &str) {
     out.push_str(name);
     let mut pairs = names.iter().zip(values).map(|(n, v)| (*n, v.as_str())).chain(le.map(|le| ("le", le)));
     if let Some((first_name, first_value)) = pairs.next() {
@@ -501,6 +502,7 @@ mod tests {
         registry.cache_store_failed("lookup");
         registry.cache_saved("acme", MicroEur(1_500));
         registry.cache_entries("acme", 9);
+        registry.mcp_server_down("search");
         let text = registry.render_prometheus();
         assert!(text.ends_with('\n'));
         for line in text.lines() {
@@ -513,7 +515,7 @@ mod tests {
             assert!(value == "+Inf" || value.parse::<f64>().is_ok(), "{line}");
         }
         let types = lines(&text, "# TYPE");
-        assert_eq!(types.len(), 26, "{types:?}");
+        assert_eq!(types.len(), 29, "{types:?}");
         let quota = "flexway_backend_quota_used_ratio{backend=\"ptu-west\",kind=\"tokens\"} 0.25\n";
         assert!(text.contains(quota), "{text}");
         let limited = r#"flexway_rate_limited_total{tenant="acme",holder="key 9f86d081884c7d65",kind="requests"} 1"#;
