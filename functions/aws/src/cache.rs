@@ -73,8 +73,7 @@ use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
 use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, AttributeValue, BillingMode, DeleteRequest, GlobalSecondaryIndex, KeySchemaElement, KeyType,
-    Projection, ProjectionType, Put, ScalarAttributeType, TimeToLiveSpecification, TransactWriteItem, Update,
-    WriteRequest,
+    Projection, ProjectionType, Put, ScalarAttributeType, TransactWriteItem, Update, WriteRequest,
 };
 use flexway::cache::{CacheStore, Entry, Found, Lookup, Sealed, Stats, StoreError};
 
@@ -180,33 +179,7 @@ impl DynamoDbCacheStore {
             .send()
             .await
             .map_err(|e| failed("CreateTable", &e))?;
-        for _ in 0..100 {
-            let described =
-                client.describe_table().table_name(table).send().await.map_err(|e| failed("DescribeTable", &e))?;
-            let active = described.table().is_some_and(|t| {
-                t.table_status().is_some_and(|s| s.as_str() == "ACTIVE")
-                    && t.global_secondary_indexes()
-                        .iter()
-                        .all(|i| i.index_status().is_none_or(|s| s.as_str() == "ACTIVE"))
-            });
-            if active {
-                let ttl = TimeToLiveSpecification::builder()
-                    .attribute_name(TTL_ATTRIBUTE)
-                    .enabled(true)
-                    .build()
-                    .map_err(built)?;
-                client
-                    .update_time_to_live()
-                    .table_name(table)
-                    .time_to_live_specification(ttl)
-                    .send()
-                    .await
-                    .map_err(|e| failed("UpdateTimeToLive", &e))?;
-                return Ok(());
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        Err(StoreError::Unavailable(format!("table {table} did not become ACTIVE")))
+        crate::table::activate_with_ttl(client, table, TTL_ATTRIBUTE).await.map_err(StoreError::Unavailable)
     }
 
     fn failed(&self, operation: &str, error: &dyn std::error::Error) -> StoreError {

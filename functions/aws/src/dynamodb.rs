@@ -111,8 +111,8 @@ use aws_sdk_dynamodb::error::DisplayErrorContext;
 use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, AttributeValue, BillingMode, Delete, GlobalSecondaryIndex, KeySchemaElement, KeyType,
-    KeysAndAttributes, Projection, ProjectionType, Put, ReturnValue, ScalarAttributeType, Select,
-    TimeToLiveSpecification, TransactWriteItem, Update,
+    KeysAndAttributes, Projection, ProjectionType, Put, ReturnValue, ScalarAttributeType, Select, TransactWriteItem,
+    Update,
 };
 use flexway::budget::ledger::SWEPT_RETENTION_SECS;
 use flexway::budget::run::MAX_CHILDREN;
@@ -250,33 +250,7 @@ impl DynamoDbBudgetStore {
             .send()
             .await
             .map_err(|e| backend("CreateTable", &e))?;
-        for _ in 0..100 {
-            let described =
-                client.describe_table().table_name(table).send().await.map_err(|e| backend("DescribeTable", &e))?;
-            let active = described.table().is_some_and(|t| {
-                t.table_status().is_some_and(|s| s.as_str() == "ACTIVE")
-                    && t.global_secondary_indexes()
-                        .iter()
-                        .all(|i| i.index_status().is_none_or(|s| s.as_str() == "ACTIVE"))
-            });
-            if active {
-                let ttl = TimeToLiveSpecification::builder()
-                    .attribute_name("ttl")
-                    .enabled(true)
-                    .build()
-                    .map_err(|e| StoreError::Backend(e.to_string()))?;
-                client
-                    .update_time_to_live()
-                    .table_name(table)
-                    .time_to_live_specification(ttl)
-                    .send()
-                    .await
-                    .map_err(|e| backend("UpdateTimeToLive", &e))?;
-                return Ok(());
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        Err(StoreError::Backend(format!("table {table} did not become ACTIVE")))
+        crate::table::activate_with_ttl(client, table, "ttl").await.map_err(StoreError::Backend)
     }
 
     fn counter_update(

@@ -13,6 +13,7 @@ mod dynamodb;
 mod emf;
 mod reconcile;
 mod secrets;
+mod table;
 
 use std::sync::Arc;
 
