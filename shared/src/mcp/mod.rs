@@ -8,3 +8,5 @@
 pub mod names;
 pub mod policy;
 pub mod session;
+pub mod upstream;
+pub mod wire;
