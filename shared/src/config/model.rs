@@ -106,7 +106,17 @@ impl Config {
             };
             std::iter::once(("ai.cache.key".to_owned(), &cache.key)).chain(url)
         });
-        salt.chain(chain).chain(cache).chain(self.ai.secret_references()).collect()
+        let mcp = self.mcp.iter().flat_map(|mcp| {
+            let session = mcp.session_key.iter().map(|key| ("mcp.session_key".to_owned(), key));
+            let servers = mcp.servers.iter().filter_map(|(name, server)| match &server.auth {
+                Auth::Bearer { secret } | Auth::Header { secret, .. } => {
+                    Some((format!("mcp.servers.{name}.auth.secret"), secret))
+                }
+                Auth::None | Auth::TokenFile { .. } => None,
+            });
+            session.chain(servers)
+        });
+        salt.chain(chain).chain(cache).chain(self.ai.secret_references()).chain(mcp).collect()
     }
 
     /// The usage APIs' admin keys, with their paths: resolved by `flexway reconcile

@@ -49,6 +49,9 @@ pub struct RawConfig {
     /// The operator's console at `/console` (`flexway serve` only): who may open it.
     /// Absent: `/console` answers 404.
     pub console: Option<RawConsole>,
+    /// `/mcp`: the tools of MCP servers, federated behind the tenants' keys, budgets
+    /// and audit. Absent: `/mcp` answers 404.
+    pub mcp: Option<RawMcp>,
 }
 
 /// The console: read-only, opened by a console key (never a tenant's).
@@ -67,6 +70,127 @@ pub struct RawConsoleKey {
     /// SHA-256 of the key, 64 hex digits (`flexway key new` prints it).
     #[schemars(required, regex(pattern = r"^[0-9a-fA-F]{64}$"))]
     pub sha256: Option<String>,
+}
+
+/// The Model Context Protocol endpoint `/mcp` (Streamable HTTP): one endpoint federating
+/// the tools of `servers`, each named `{server}__{tool}`, each call priced, budgeted and
+/// audited as an inference call is. The caller's credential never goes upstream.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "Mcp", expecting = "an mcp section ({servers: {...}}) (a mapping)")]
+pub struct RawMcp {
+    /// The key MCP session ids are sealed with (AES-256-GCM), a secret reference
+    /// resolved once, at start. Absent: derived from `audit.hash_salt`, so that every
+    /// process of one configuration serves every session.
+    pub session_key: Option<RawSecret>,
+    /// `true`: each operation of a `kind: http` contract that carries `x-flexway-ai` is
+    /// a tool too (`{mount}__{operationId}`), metered as the REST operation is. Default
+    /// false.
+    pub expose_rest: Option<bool>,
+    /// JWTs from the organisation's identity provider accepted as a caller's Bearer,
+    /// besides Flexway keys. Absent: Flexway keys only.
+    pub oauth: Option<RawMcpOauth>,
+    /// The upstream MCP servers by name: 1 to 32 of `a-z`, `0-9`, `_`, `-`, without
+    /// `__` and not ending in `_` (a federated tool is `{server}__{tool}`).
+    pub servers: Option<BTreeMap<String, RawMcpServer>>,
+}
+
+/// An upstream MCP server (Streamable HTTP).
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(
+    deny_unknown_fields,
+    rename = "McpServer",
+    expecting = "an MCP server ({url: https://tools.internal/mcp}) (a mapping)"
+)]
+pub struct RawMcpServer {
+    /// Its MCP endpoint, http or https (`https://tools.internal/mcp`).
+    #[schemars(required)]
+    pub url: Option<String>,
+    /// How the gateway authenticates to it, the same keys as a backend's `auth` (never
+    /// the caller's credential). Default `{type: none}`.
+    pub auth: Option<RawAuth>,
+    /// `false` declares the server internal: the only kind a sensitive caller reaches.
+    /// Default true.
+    pub external: Option<bool>,
+    /// Where it processes data, a label as a backend's (`eu`, `ch`); a caller with
+    /// `residency` reaches only servers whose jurisdiction it lists.
+    pub jurisdiction: Option<String>,
+    /// How long a call waits for its answer, e.g. `30s` (the default).
+    pub timeout: Option<RawDuration>,
+    /// What a `tools/call` costs, reserved against the caller's euro budgets before it
+    /// is sent. Default 0.
+    pub price: Option<RawMcpPrice>,
+    /// Globs over this server's own tool names (`*` any run, `?` one character); deny
+    /// wins. Absent: every tool.
+    pub tools: Option<RawToolGlobs>,
+}
+
+/// An MCP server's prices in euros, at most 6 decimal places.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename = "McpPrice", expecting = "a price ({per_call_eur: 0.001}) (a mapping)")]
+pub struct RawMcpPrice {
+    /// Euros per `tools/call`. Default 0.
+    #[schemars(range(min = 0))]
+    pub per_call_eur: Option<f64>,
+    /// A tool's own price in euros per call (by its name on this server), in place of
+    /// `per_call_eur`.
+    pub tools: Option<BTreeMap<String, f64>>,
+}
+
+/// Allow and deny globs over tool names (`*` any run of characters, `?` one); deny
+/// wins.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(
+    deny_unknown_fields,
+    rename = "ToolGlobs",
+    expecting = "tool globs ({allow: [GLOB], deny: [GLOB]}) (a mapping)"
+)]
+pub struct RawToolGlobs {
+    /// The tools that may be called. Absent: every tool.
+    pub allow: Option<Vec<String>>,
+    /// The tools that may not, even when `allow` matches.
+    pub deny: Option<Vec<String>>,
+}
+
+/// JWTs as a caller's Bearer on `/mcp` (RFC 8707, RFC 9728), signed RS256 or ES256 by a
+/// key of the issuer's JWK set.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(
+    deny_unknown_fields,
+    rename = "McpOauth",
+    expecting = "an oauth ({issuer, audience, jwks_url, tenant_claim}) (a mapping)"
+)]
+pub struct RawMcpOauth {
+    /// The `iss` a token must carry, exactly; listed as the authorization server in
+    /// `/.well-known/oauth-protected-resource/mcp`.
+    #[schemars(required)]
+    pub issuer: Option<String>,
+    /// The `aud` a token must carry: this resource's URL (`https://gw.example/mcp`),
+    /// the resource metadata's `resource`.
+    #[schemars(required)]
+    pub audience: Option<String>,
+    /// Where the issuer's signing keys are (a JWK set, http or https), fetched on first
+    /// use and again when a token names an unknown key.
+    #[schemars(required)]
+    pub jwks_url: Option<String>,
+    /// The claim naming the caller's tenant (one declared under `tenants`).
+    #[schemars(required)]
+    pub tenant_claim: Option<String>,
+    /// The claim naming the caller's agent (one of that tenant's), if any.
+    pub agent_claim: Option<String>,
+}
+
+/// A tenant's or an agent's narrowing of `/mcp`; an agent is held to its tenant's too.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(
+    deny_unknown_fields,
+    rename = "McpNarrowing",
+    expecting = "an mcp narrowing ({servers: [NAME], tools: {allow, deny}}) (a mapping)"
+)]
+pub struct RawMcpNarrowing {
+    /// The servers (of `mcp.servers`) its callers may use. Absent: every server.
+    pub servers: Option<Vec<String>>,
+    /// Globs over the federated tool names `{server}__{tool}`; deny wins.
+    pub tools: Option<RawToolGlobs>,
 }
 
 /// The budget ledger.
@@ -172,6 +296,9 @@ pub struct RawTenant {
     /// `off`: this tenant's calls (its agents' too) neither read nor write the
     /// response cache (`ai.cache`). Absent: the cache's policies apply.
     pub cache: Option<RawCacheSwitch>,
+    /// The MCP servers and tools this tenant's callers may use (within `mcp`).
+    /// Absent: all of them.
+    pub mcp: Option<RawMcpNarrowing>,
 }
 
 /// A tenant's or an agent's `cache`: only `off` is written (on is the default).
@@ -256,6 +383,9 @@ pub struct RawAgent {
     /// `off`: this agent's calls neither read nor write the response cache (a
     /// tenant's `off` holds for its agents too).
     pub cache: Option<RawCacheSwitch>,
+    /// The MCP servers and tools this agent's calls may use, within its tenant's
+    /// (both apply).
+    pub mcp: Option<RawMcpNarrowing>,
 }
 
 /// Routing and policy.
@@ -686,7 +816,7 @@ pub enum RawMetering {
     Upstream,
 }
 
-/// Authentication to a backend.
+/// Authentication to an upstream: a backend, or an MCP server.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename = "Auth", expecting = "an auth (a mapping)")]
 pub struct RawAuth {

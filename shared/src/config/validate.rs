@@ -23,11 +23,13 @@ mod cache;
 mod catalog;
 mod endpoint;
 mod grpc;
+mod mcp;
 mod pools;
 mod rest;
 mod tenants;
 
 use self::catalog::{Catalog, Summary, capability, capability_list};
+use self::mcp::McpDeclared;
 use super::raw::{Parsed, RawConfig, RawDuration, RawSecret};
 use super::values::{header_name, secret_ref, unresolvable};
 use super::*;
@@ -44,7 +46,7 @@ pub(super) fn validate(
 ) -> Result<Loaded, (Vec<Diagnostic>, usize)> {
     let Parsed { raw, errors: shape_errors } = parsed;
     let unparsed = Unparsed::new(&shape_errors.lost_values);
-    let RawConfig { version, store, audit, secrets: secret_policy, tenants, ai, telemetry, console } = raw;
+    let RawConfig { version, store, audit, secrets: secret_policy, tenants, ai, telemetry, console, mcp } = raw;
     let mut check = Checker { env, secrets, errors: Vec::new(), warnings: Vec::new(), grpc: BTreeMap::new() };
 
     match version {
@@ -72,7 +74,12 @@ pub(super) fn validate(
     // A cache whose entries lost a value is not judged against what names its policies.
     let cache_in_doubt = unparsed.covers("ai.cache");
     let ai = check.ai(ai, &catalog, backends, cache_in_doubt);
-    let tenants = check.tenants(tenants.unwrap_or_default(), &catalog);
+    // A section whose entries lost a value is not judged against what names its servers.
+    let mcp_declared = McpDeclared::of(mcp.as_ref(), unparsed.covers("mcp"));
+    let tenants = check.tenants(tenants.unwrap_or_default(), &catalog, &mcp_declared);
+    let hash_salt = audit.as_ref().is_some_and(|audit| audit.hash_salt.is_some());
+    let mcp_written = mcp.is_some();
+    let mcp = mcp.and_then(|raw| check.mcp(raw, ai.as_ref(), hash_salt));
     if let Some(ai) = &ai {
         check.residency_chains(&tenants, ai);
     }
@@ -88,20 +95,25 @@ pub(super) fn validate(
     check.warnings.sort_by_key(|d| section_rank(&d.path));
 
     match (store, audit, ai) {
-        (Some(store), Some(audit), Some(ai)) if errors.is_empty() && shape_errors.unlisted == 0 => Ok(Loaded {
-            config: Config {
-                store,
-                audit,
-                secrets: secret_policy,
-                tenants,
-                ai,
-                telemetry,
-                console,
-                mcp: None,
-                sha256: String::new(),
-            },
-            warnings: check.warnings,
-        }),
+        // A declared `mcp` that did not load has an error.
+        (Some(store), Some(audit), Some(ai))
+            if errors.is_empty() && shape_errors.unlisted == 0 && mcp.is_some() == mcp_written =>
+        {
+            Ok(Loaded {
+                config: Config {
+                    store,
+                    audit,
+                    secrets: secret_policy,
+                    tenants,
+                    ai,
+                    telemetry,
+                    console,
+                    mcp,
+                    sha256: String::new(),
+                },
+                warnings: check.warnings,
+            })
+        }
         _ if errors.is_empty() && shape_errors.unlisted == 0 => {
             Err((vec![Diagnostic::new("", "the configuration is incomplete (internal error)")], 0))
         }

@@ -9,13 +9,14 @@ use super::super::raw::{
 };
 use super::super::values::{key_hash, micro_eur};
 use super::super::*;
-use super::{Catalog, Checker, jurisdiction};
+use super::{Catalog, Checker, McpDeclared, jurisdiction};
 
 impl Checker<'_> {
     pub(super) fn tenants(
         &mut self,
         raw: BTreeMap<String, RawTenant>,
         catalog: &Catalog,
+        mcp: &McpDeclared,
     ) -> BTreeMap<TenantId, Tenant> {
         let relay_peer_declared =
             raw.values().flat_map(|t| t.keys.iter().flatten()).any(|k| k.relay_peer == Some(true));
@@ -23,14 +24,15 @@ impl Checker<'_> {
         let mut tenants = BTreeMap::new();
         for (name, tenant) in raw {
             let path = format!("tenants.{name}");
-            let RawTenant { keys, budgets, limits, backend, agents, max_criticality, residency, cache } = tenant;
+            let RawTenant { keys, budgets, limits, backend, agents, max_criticality, residency, cache, mcp: narrowing } =
+                tenant;
 
             let agents: BTreeMap<AgentId, Agent> = agents
                 .unwrap_or_default()
                 .into_iter()
                 .map(|(agent, raw)| {
                     let agent_path = format!("{path}.agents.{agent}");
-                    (AgentId::new(&agent), self.agent(&agent_path, raw, catalog))
+                    (AgentId::new(&agent), self.agent(&agent_path, raw, catalog, mcp))
                 })
                 .collect();
 
@@ -56,6 +58,8 @@ impl Checker<'_> {
             let max_criticality = criticality(max_criticality);
             let residency = residency.and_then(|list| self.residency(&format!("{path}.residency"), list));
             let cache_off = cache == Some(RawCacheSwitch::Off);
+            let narrowing = self.mcp_narrowing(&format!("{path}.mcp"), narrowing, mcp);
+            self.agents_within_servers(&path, &narrowing, &agents);
             // An agent is held to its tenant's limits too: its own are narrowed here,
             // once, so that a call reads one set.
             let mut agents = agents;
@@ -77,8 +81,7 @@ impl Checker<'_> {
                 max_criticality,
                 residency,
                 cache_off,
-                // Filled by the mcp section's check (`validate/mcp.rs`).
-                mcp: Default::default(),
+                mcp: narrowing,
             };
             tenants.insert(id, tenant);
         }
@@ -140,7 +143,7 @@ impl Checker<'_> {
         Some(ConsoleConfig { keys })
     }
 
-    fn agent(&mut self, path: &str, raw: RawAgent, catalog: &Catalog) -> Agent {
+    fn agent(&mut self, path: &str, raw: RawAgent, catalog: &Catalog, mcp: &McpDeclared) -> Agent {
         let backend = raw.backend.and_then(|b| {
             self.route_target(&format!("{path}.backend"), &b, catalog, "an agent's backend").map(|(id, _)| id)
         });
@@ -153,7 +156,7 @@ impl Checker<'_> {
             max_criticality,
             residency,
             cache_off: raw.cache == Some(RawCacheSwitch::Off),
-            mcp: Default::default(),
+            mcp: self.mcp_narrowing(&format!("{path}.mcp"), raw.mcp, mcp),
         }
     }
 
