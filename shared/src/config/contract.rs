@@ -19,7 +19,7 @@
 //! is 405 with `Allow`.
 
 use http::Method;
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use super::descriptor::decimal_eur;
 use super::model::{AiOperation, GrpcMetering};
@@ -43,6 +43,43 @@ pub struct RestOperation {
     segments: Vec<Segment>,
     /// `None`: proxied unmetered.
     pub ai: Option<AiOperation>,
+    /// `operationId`: its name as an MCP tool (SPEC §17, `mcp.expose_rest`).
+    pub operation_id: Option<String>,
+    pub summary: Option<String>,
+    pub description: Option<String>,
+    /// Its path and query parameters (the operation's, and its path's that it does
+    /// not redeclare), in the order declared; header and cookie ones are not kept.
+    pub parameters: Vec<Parameter>,
+    /// Its request body, when it declares one.
+    pub body: Option<RequestBody>,
+    /// The operation as a tool's input: a JSON Schema of type object, a property per
+    /// parameter (its schema, `required` as declared) and `body` (the JSON body's
+    /// schema). `$ref`s to `#/components/schemas/NAME` point at `#/$defs/NAME`, and the
+    /// schemas they reach (transitively) are copied into its `$defs`.
+    pub input_schema: Value,
+}
+
+/// A path or query parameter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Parameter {
+    pub name: String,
+    pub location: ParameterIn,
+    /// A path parameter always is.
+    pub required: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParameterIn {
+    Path,
+    Query,
+}
+
+/// A request body: whether it is required, and whether it can be JSON.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestBody {
+    pub required: bool,
+    /// A media type `application/json` or `…+json` is declared.
+    pub json: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,6 +181,9 @@ pub(super) fn read(text: &str) -> Result<Contract, Vec<String>> {
     };
     let version = document.get("openapi").and_then(Value::as_str).unwrap_or_default().to_owned();
     let mut declared: Vec<(Method, String, Option<Value>)> = Vec::new();
+    // The typed crates read the operations; what makes one a tool is read from the
+    // document as written (3.1's schemas are JSON Schema, kept whole).
+    let raw = document.clone();
     if version.starts_with("3.0.") {
         let spec: openapiv3::OpenAPI =
             serde_json::from_value(document).map_err(|e| vec![format!("not an OpenAPI 3.0 document: {e}")])?;
@@ -187,12 +227,145 @@ pub(super) fn read(text: &str) -> Result<Contract, Vec<String>> {
             continue;
         }
         let segments = path.trim_start_matches('/').split('/').map(Segment::parse).collect();
-        operations.push(RestOperation { method, path, segments, ai });
+        let described = described(&raw, &method, &path);
+        operations.push(RestOperation {
+            method,
+            path,
+            segments,
+            ai,
+            operation_id: described.operation_id,
+            summary: described.summary,
+            description: described.description,
+            parameters: described.parameters,
+            body: described.body,
+            input_schema: described.input_schema,
+        });
     }
     if operations.is_empty() && errors.is_empty() {
         errors.push("declares no operation: the contract is what the backend may be called for".to_owned());
     }
     if errors.is_empty() { Ok(Contract { operations }) } else { Err(errors) }
+}
+
+/// What an operation says of itself, for it to be a tool.
+struct Described {
+    operation_id: Option<String>,
+    summary: Option<String>,
+    description: Option<String>,
+    parameters: Vec<Parameter>,
+    body: Option<RequestBody>,
+    input_schema: Value,
+}
+
+/// `method path` of `document` as a tool: its names, its parameters and body, and the
+/// input schema made of them (see [`RestOperation::input_schema`]).
+fn described(document: &Value, method: &Method, path: &str) -> Described {
+    let item = document.get("paths").and_then(|paths| paths.get(path));
+    let operation = item.and_then(|item| item.get(method.as_str().to_ascii_lowercase()));
+    let text = |key: &str| operation?.get(key)?.as_str().map(str::to_owned);
+    let (operation_id, summary, description) = (text("operationId"), text("summary"), text("description"));
+
+    // The path's parameters, then the operation's, which replace a same one.
+    let mut declared: Vec<(ParameterIn, String, Value)> = Vec::new();
+    for holder in [item, operation].into_iter().flatten() {
+        let listed = holder.get("parameters").and_then(Value::as_array).into_iter().flatten();
+        for parameter in listed.map(|p| resolved(document, p, "parameters")) {
+            let location = match parameter.get("in").and_then(Value::as_str) {
+                Some("path") => ParameterIn::Path,
+                Some("query") => ParameterIn::Query,
+                _ => continue,
+            };
+            let Some(name) = parameter.get("name").and_then(Value::as_str) else { continue };
+            declared.retain(|(l, n, _)| !(*l == location && n == name));
+            declared.push((location, name.to_owned(), parameter.clone()));
+        }
+    }
+    let mut properties = serde_json::Map::new();
+    let mut required = Vec::new();
+    let mut parameters = Vec::new();
+    for (location, name, parameter) in declared {
+        let needed = location == ParameterIn::Path || parameter.get("required") == Some(&Value::Bool(true));
+        // Its `schema`, or the schema of its first `content` (a parameter has one).
+        let content_schema = || parameter.get("content")?.as_object()?.values().next()?.get("schema");
+        let mut schema = parameter.get("schema").or_else(content_schema).cloned().unwrap_or_else(|| json!({}));
+        if let (Some(object), Some(about)) = (schema.as_object_mut(), parameter.get("description"))
+            && !object.contains_key("description")
+            && !object.contains_key("$ref")
+        {
+            object.insert("description".to_owned(), about.clone());
+        }
+        if needed {
+            required.push(Value::String(name.clone()));
+        }
+        properties.insert(name.clone(), schema);
+        parameters.push(Parameter { name, location, required: needed });
+    }
+
+    let body = operation.and_then(|op| op.get("requestBody")).map(|b| resolved(document, b, "requestBodies"));
+    let json_type = |media: &str| {
+        let media = media.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+        media == "application/json" || media.ends_with("+json")
+    };
+    let json_media = body.and_then(|b| b.get("content")?.as_object()?.iter().find(|(media, _)| json_type(media)));
+    let body_required = body.and_then(|b| b.get("required")).and_then(Value::as_bool).unwrap_or(false);
+    if let Some((_, media)) = json_media {
+        properties.insert("body".to_owned(), media.get("schema").cloned().unwrap_or_else(|| json!({})));
+        if body_required {
+            required.push(Value::String("body".to_owned()));
+        }
+    }
+    let body = body.map(|_| RequestBody { required: body_required, json: json_media.is_some() });
+
+    let mut input_schema = json!({"type": "object", "properties": properties});
+    if !required.is_empty() {
+        input_schema["required"] = Value::Array(required);
+    }
+    let defs = inline_components(document, &mut input_schema);
+    if !defs.is_empty() {
+        input_schema["$defs"] = Value::Object(defs);
+    }
+    Described { operation_id, summary, description, parameters, body, input_schema }
+}
+
+/// `value`, or what its `$ref` to `#/components/{kind}/NAME` names (one level).
+fn resolved<'a>(document: &'a Value, value: &'a Value, kind: &str) -> &'a Value {
+    let prefix = format!("#/components/{kind}/");
+    let named = value.get("$ref").and_then(Value::as_str).and_then(|r| r.strip_prefix(prefix.as_str()));
+    named.and_then(|name| document.get("components")?.get(kind)?.get(name)).unwrap_or(value)
+}
+
+/// Points each `$ref` to `#/components/schemas/NAME` within `schema` at `#/$defs/NAME`;
+/// the schemas so reached, themselves rewritten, by name.
+fn inline_components(document: &Value, schema: &mut Value) -> serde_json::Map<String, Value> {
+    const PREFIX: &str = "#/components/schemas/";
+    fn rewrite(value: &mut Value, reached: &mut Vec<String>) {
+        match value {
+            Value::Object(object) => {
+                if let Some(Value::String(target)) = object.get_mut("$ref")
+                    && let Some(name) = target.strip_prefix(PREFIX).map(str::to_owned)
+                {
+                    *target = format!("#/$defs/{name}");
+                    reached.push(name);
+                }
+                object.values_mut().for_each(|v| rewrite(v, reached));
+            }
+            Value::Array(items) => items.iter_mut().for_each(|v| rewrite(v, reached)),
+            _ => {}
+        }
+    }
+    let components = document.get("components").and_then(|c| c.get("schemas"));
+    let mut defs = serde_json::Map::new();
+    let mut reached = Vec::new();
+    rewrite(schema, &mut reached);
+    while let Some(name) = reached.pop() {
+        if defs.contains_key(&name) {
+            continue;
+        }
+        let Some(mut component) = components.and_then(|c| c.get(&name)).cloned() else { continue };
+        rewrite(&mut component, &mut reached);
+        defs.insert(name, component);
+    }
+    defs
 }
 
 fn method_of(name: &str) -> Result<Method, Vec<String>> {
@@ -371,6 +544,114 @@ paths:
             let refused = read(&op("post", &format!("{{{metered}, cache: {bad}}}"))).unwrap_err().join("; ");
             assert!(refused.contains("cache is not a policy name"), "{refused}");
         }
+    }
+
+    #[test]
+    fn a_31_operation_is_described_as_a_tool_input_with_its_components_in_defs() {
+        let contract = read(
+            r##"
+openapi: 3.1.0
+info: {title: OCR, version: "1"}
+components:
+  schemas:
+    Page: {type: object, properties: {text: {type: string}, next: {$ref: "#/components/schemas/Page"}}}
+    Document: {type: object, required: [pages], properties: {pages: {type: array, items: {$ref: "#/components/schemas/Page"}}}}
+    Unused: {type: string}
+paths:
+  /documents/{id}/ocr:
+    parameters:
+      - {name: id, in: path, required: true, schema: {type: string}, description: the document}
+      - {name: lang, in: query, schema: {type: string}}
+      - {name: X-Trace, in: header, schema: {type: string}}
+    post:
+      operationId: ocr_document
+      summary: Reads a document
+      description: Every page, as text.
+      x-flexway-ai: {metering: per_call, price_per_thousand_eur: "1", feature: ocr}
+      parameters:
+        - {name: lang, in: query, required: true, schema: {type: string, enum: [en, fr]}}
+        - {name: dpi, in: query, schema: {type: integer}}
+      requestBody:
+        required: true
+        content:
+          application/json: {schema: {$ref: "#/components/schemas/Document"}}
+      responses: {"200": {description: ok}}
+"##,
+        )
+        .unwrap();
+        let op = contract.declared(&Method::POST, "/documents/{id}/ocr").unwrap();
+        assert_eq!(op.operation_id.as_deref(), Some("ocr_document"));
+        assert_eq!(
+            (op.summary.as_deref(), op.description.as_deref()),
+            (Some("Reads a document"), Some("Every page, as text."))
+        );
+        let names: Vec<_> = op.parameters.iter().map(|p| (p.name.as_str(), p.location, p.required)).collect();
+        assert_eq!(
+            names,
+            [("id", ParameterIn::Path, true), ("lang", ParameterIn::Query, true), ("dpi", ParameterIn::Query, false)]
+        );
+        assert_eq!(op.body, Some(RequestBody { required: true, json: true }));
+        assert_eq!(
+            op.input_schema,
+            json!({
+                "type": "object",
+                "properties": {
+                    "id": {"type": "string", "description": "the document"},
+                    "lang": {"type": "string", "enum": ["en", "fr"]},
+                    "dpi": {"type": "integer"},
+                    "body": {"$ref": "#/$defs/Document"},
+                },
+                "required": ["id", "lang", "body"],
+                "$defs": {
+                    "Document": {"type": "object", "required": ["pages"],
+                        "properties": {"pages": {"type": "array", "items": {"$ref": "#/$defs/Page"}}}},
+                    "Page": {"type": "object",
+                        "properties": {"text": {"type": "string"}, "next": {"$ref": "#/$defs/Page"}}},
+                },
+            })
+        );
+    }
+
+    #[test]
+    fn a_30_operation_is_described_with_its_referenced_parameters_and_body() {
+        let json = r##"{"openapi": "3.0.3", "info": {"title": "t", "version": "1"},
+            "components": {
+                "parameters": {"Target": {"name": "target", "in": "query", "required": true, "schema": {"type": "string"}}},
+                "requestBodies": {"Text": {"content": {"application/json; charset=utf-8":
+                    {"schema": {"type": "object", "properties": {"text": {"$ref": "#/components/schemas/Text"}}}}}}},
+                "schemas": {"Text": {"type": "string", "nullable": true}}},
+            "paths": {
+              "/translate": {"post": {"operationId": "translate",
+                "x-flexway-ai": {"metering": "per_call", "price_per_thousand_eur": "1", "feature": "mt"},
+                "parameters": [{"$ref": "#/components/parameters/Target"}],
+                "requestBody": {"$ref": "#/components/requestBodies/Text"},
+                "responses": {"200": {"description": "ok"}}}},
+              "/upload": {"put": {"requestBody": {"required": true, "content": {"application/pdf": {}}},
+                "responses": {"200": {"description": "ok"}}}}}}"##;
+        let contract = read(json).unwrap();
+        let op = contract.declared(&Method::POST, "/translate").unwrap();
+        assert_eq!((op.operation_id.as_deref(), op.summary.as_deref()), (Some("translate"), None));
+        assert_eq!(op.parameters, [Parameter { name: "target".into(), location: ParameterIn::Query, required: true }]);
+        assert_eq!(op.body, Some(RequestBody { required: false, json: true }));
+        assert_eq!(
+            op.input_schema,
+            json!({
+                "type": "object",
+                "properties": {
+                    "target": {"type": "string"},
+                    "body": {"type": "object", "properties": {"text": {"$ref": "#/$defs/Text"}}},
+                },
+                "required": ["target"],
+                "$defs": {"Text": {"type": "string", "nullable": true}},
+            })
+        );
+        // A body that is not JSON is said so, and is no property of the input.
+        let upload = contract.declared(&Method::PUT, "/upload").unwrap();
+        assert_eq!(
+            (upload.operation_id.as_deref(), upload.body),
+            (None, Some(RequestBody { required: true, json: false }))
+        );
+        assert_eq!(upload.input_schema, json!({"type": "object", "properties": {}}));
     }
 
     #[test]
