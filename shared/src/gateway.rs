@@ -93,6 +93,8 @@ pub struct Gateway {
     /// Open realtime sessions (local shape), closed and waited for when it stops;
     /// one registry across reloads, so a session opened before one is closed too.
     pub sessions: Arc<Sessions>,
+    /// `/mcp`'s state (SPEC §17), when `mcp` is configured.
+    pub mcp: Option<Arc<McpState>>,
     secrets: Arc<dyn SecretSource>,
     /// When the backends' secrets are next due for a refresh.
     next_refresh: Mutex<Instant>,
@@ -135,6 +137,7 @@ impl Gateway {
         };
         let telemetry = Arc::new(Telemetry::start(config.telemetry.as_ref(), adapters.export)?);
         let upstreams = Upstreams::new(&config, &resolved)?;
+        let mcp = config.mcp.as_ref().map(|mcp| Arc::new(McpState::new(mcp, &resolved, &salt, None)));
         let next_refresh = Mutex::new(Instant::now() + config.secrets.refresh);
         let config = Arc::new(config);
         let keys = KeyRing::new(&config);
@@ -144,6 +147,7 @@ impl Gateway {
             telemetry,
             cache,
             sessions: Arc::default(),
+            mcp,
             hasher: Hasher::with_keys(&salt, keys.digests()),
             keys,
             router,
@@ -188,6 +192,21 @@ impl Gateway {
             return Err(ReloadError::Setup(SetupError::Secret { path, source }));
         }
         let upstreams = Upstreams::reloaded(&config, &resolved, &self.upstreams).map_err(SetupError::from)?;
+        // The MCP servers' secrets and the session key, resolved again with the rest.
+        let mcp = match &config.mcp {
+            Some(mcp) => {
+                let (resolved, failures) = resolve_all(&config.secret_references(), self.secrets.as_ref()).await;
+                if let Some((path, source)) = failures.into_iter().next() {
+                    return Err(ReloadError::Setup(SetupError::Secret { path, source }));
+                }
+                let salt = match &config.audit.hash_salt {
+                    Some(reference) => resolved.get(reference).map(|s| s.expose().as_bytes().to_vec()),
+                    None => None,
+                };
+                Some(Arc::new(McpState::new(mcp, &resolved, &salt.unwrap_or_default(), self.mcp.as_deref())))
+            }
+            None => None,
+        };
         let config = Arc::new(config);
         let keys = KeyRing::new(&config);
         let router = Router::new(config.clone()).map_err(SetupError::from)?;
@@ -198,6 +217,7 @@ impl Gateway {
             telemetry: self.telemetry.clone(),
             cache: self.cache.clone(),
             sessions: self.sessions.clone(),
+            mcp,
             hasher: self.hasher.rekeyed(keys.digests()),
             keys,
             router,
@@ -264,6 +284,125 @@ impl Gateway {
         let gateway = self.clone();
         tokio::spawn(async move { gateway.refresh_secrets().await });
     }
+}
+
+/// What `/mcp` keeps across calls (SPEC §17): the upstream client, the key its session
+/// ids are sealed with, each server's own credential (never the caller's), the
+/// servers' breakers, and the upstream sessions renewed after a server forgot one.
+pub struct McpState {
+    pub client: crate::mcp::upstream::McpClient,
+    pub key: crate::mcp::session::SessionKey,
+    /// Each server's auth headers, resolved (`mcp.servers.NAME.auth`).
+    pub auth: std::collections::BTreeMap<String, http::HeaderMap>,
+    /// One breaker per server, keyed by its name.
+    pub breakers: Arc<Breakers>,
+    /// Upstream sessions opened again after their server forgot them: (server, the id
+    /// a sealed session carries) → the id in use. Per process, bounded: a session id
+    /// the client still holds keeps working without a new `initialize`.
+    pub renewed: Mutex<std::collections::HashMap<(String, String), String>>,
+}
+
+/// Renewed upstream sessions a process remembers; past it, the map starts again.
+const MCP_RENEWED: usize = 10_000;
+
+impl McpState {
+    /// The state of `mcp`: its session key from `mcp.session_key`, else derived from
+    /// the audit salt (processes of one configuration share it), else, with neither,
+    /// a random key (sessions then hold in this process only: logged). `previous`
+    /// (a reload): its breakers carried over where their policy is unchanged.
+    pub fn new(
+        mcp: &crate::config::Mcp,
+        resolved: &crate::secret::Resolved,
+        salt: &[u8],
+        previous: Option<&McpState>,
+    ) -> McpState {
+        use crate::mcp::session::SessionKey;
+        let configured = mcp.session_key.as_ref().and_then(|reference| resolved.get(reference));
+        let key = match configured {
+            Some(secret) => SessionKey::derive(secret.expose().as_bytes()),
+            None if !salt.is_empty() => SessionKey::derive(salt),
+            None => {
+                tracing::warn!(
+                    "mcp: neither mcp.session_key nor audit.hash_salt is set: MCP session ids hold in this process \
+                     only"
+                );
+                let mut random = [0u8; 32];
+                let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut random);
+                SessionKey::derive(&random)
+            }
+        };
+        let mut auth = std::collections::BTreeMap::new();
+        for (name, server) in &mcp.servers {
+            auth.insert(name.clone(), mcp_auth_headers(name, &server.auth, resolved));
+        }
+        let breakers = Breakers::new(
+            mcp.servers.keys().map(|name| (BackendId::new(name), crate::config::BreakerPolicy::default())),
+        );
+        if let Some(previous) = previous {
+            breakers.carry_from(&previous.breakers);
+        }
+        McpState {
+            client: crate::mcp::upstream::McpClient::new(),
+            key,
+            auth,
+            breakers: Arc::new(breakers),
+            renewed: Mutex::new(std::collections::HashMap::new()),
+        }
+    }
+
+    /// The upstream session id in use for `carried` (what a sealed session holds).
+    pub fn session_in_use(&self, server: &str, carried: &str) -> String {
+        let renewed = self.renewed.lock().unwrap_or_else(PoisonError::into_inner);
+        renewed.get(&(server.to_owned(), carried.to_owned())).cloned().unwrap_or_else(|| carried.to_owned())
+    }
+
+    /// `server` forgot `carried`: `fresh` is used in its place from now on.
+    pub fn renew(&self, server: &str, carried: &str, fresh: String) {
+        let mut renewed = self.renewed.lock().unwrap_or_else(PoisonError::into_inner);
+        if renewed.len() >= MCP_RENEWED {
+            renewed.clear();
+        }
+        renewed.insert((server.to_owned(), carried.to_owned()), fresh);
+    }
+}
+
+/// A server's own credential as headers. A secret that did not resolve (it is not
+/// among the configuration's references) leaves the header out, logged by path.
+fn mcp_auth_headers(server: &str, auth: &crate::config::Auth, resolved: &crate::secret::Resolved) -> http::HeaderMap {
+    use crate::config::Auth;
+    let mut headers = http::HeaderMap::new();
+    let (name, value) = match auth {
+        Auth::None => return headers,
+        Auth::Bearer { secret } => match resolved.get(secret) {
+            Some(s) => (http::header::AUTHORIZATION, format!("Bearer {}", s.expose().trim())),
+            None => return unresolved(server, headers),
+        },
+        Auth::Header { name, secret } => match (http::HeaderName::try_from(name.as_str()), resolved.get(secret)) {
+            (Ok(name), Some(s)) => (name, s.expose().trim().to_owned()),
+            _ => return unresolved(server, headers),
+        },
+        // Read once here (a backend's is read at every call).
+        Auth::TokenFile { path } => match std::fs::read_to_string(path) {
+            Ok(token) => (http::header::AUTHORIZATION, format!("Bearer {}", token.trim())),
+            Err(e) => {
+                tracing::error!(server, path = %path.display(), "mcp.servers.{server}.auth: token file unreadable: {e}");
+                return headers;
+            }
+        },
+    };
+    match http::HeaderValue::try_from(value) {
+        Ok(mut value) => {
+            value.set_sensitive(true);
+            headers.insert(name, value);
+        }
+        Err(_) => tracing::error!(server, "mcp.servers.{server}.auth: the secret is not a valid header value"),
+    }
+    headers
+}
+
+fn unresolved(server: &str, headers: http::HeaderMap) -> http::HeaderMap {
+    tracing::error!(server, "mcp.servers.{server}.auth: the secret did not resolve; the server is called without it");
+    headers
 }
 
 /// Every grpc backend's descriptor set is there (loading only warns when one is not:

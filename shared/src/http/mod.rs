@@ -12,6 +12,7 @@ mod error;
 mod format;
 mod forward;
 pub mod grpc;
+mod mcp;
 mod models;
 mod named;
 mod realtime;
@@ -148,6 +149,7 @@ fn api_routes() -> Router<Arc<Gateway>> {
         .route("/v1/models", get(models))
         .route("/healthz", get(healthz))
         .merge(runs::routes())
+        .merge(mcp::routes())
 }
 
 fn finish(routes: Router<Arc<Gateway>>, gateway: Arc<Gateway>) -> Router {

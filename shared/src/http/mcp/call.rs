@@ -1,0 +1,261 @@
+//! `tools/call`: the one metered MCP method, a door of the driver (ARCHITECTURE.md,
+//! "One driver, many doors"), so that its reservation, settlement and record are every
+//! call's.
+//!
+//! The tool's federated name is resolved to its server and its own name; one the
+//! caller may not call (denied, on a server it may not use, on an external server for
+//! a sensitive call, outside its residency) is answered exactly as an unknown tool
+//! (-32602 `Unknown tool: NAME`). Then the server's breaker (open: answered at once,
+//! the server named), the tool's price reserved on every euro budget of the caller (and
+//! its run), the call sent once (never retried: tools have side effects) with the
+//! server's own credential. A result is charged (`isError: true` too: the tool ran);
+//! a JSON-RPC error, a transport failure or a timeout is refunded. A refusal is a
+//! JSON-RPC error on HTTP 200 whose `data` says `{flexway_code, retry_after_s}`.
+//!
+//! The record says `operation: mcp`, `mcp_server`, `tool` (its name on its server) and
+//! `mcp_status` (`ok`, `tool_error`, `error`); its `status` is the HTTP status the
+//! refusal would have on any other door (200 for an answer); never the arguments or
+//! the result.
+
+use std::sync::Arc;
+
+use axum::extract::Request;
+use axum::response::Response;
+use http::HeaderMap;
+use serde_json::{Value, json};
+use tower::{Layer, Service};
+
+use super::super::admit::{Metered, reserve, sensitive_and_residency};
+use super::super::drive::{self, Call, Charge, Ended, Reply, Spent, drive};
+use super::super::record::Draft;
+use super::{Accept, Access, Inbound, federation};
+use crate::audit::McpStatus;
+use crate::call::{ErrorCode, Operation};
+use crate::config::{AiOperation, BackendId, Capability, GrpcMetering};
+use crate::error::GatewayError;
+use crate::gateway::Gateway;
+use crate::identity::Caller;
+use crate::mcp::upstream::UpstreamError;
+use crate::mcp::wire;
+use crate::metering::Meter;
+use crate::routing::breaker::{self, BreakerLayer, Classify, Outcome, Passed};
+
+/// The JSON-RPC code of a refusal by the gateway (budget, rate, run, an unavailable
+/// server): the implementation-defined server error range.
+const REFUSED: i64 = -32000;
+
+pub(super) async fn handle(
+    gateway: Arc<Gateway>,
+    inbound: Inbound,
+    id: Value,
+    message: Value,
+    request: Request,
+) -> Response {
+    drive(gateway, ToolCall { inbound, id, message }, request).await
+}
+
+/// One `tools/call`.
+struct ToolCall {
+    inbound: Inbound,
+    id: Value,
+    message: Value,
+}
+
+/// Why a tool call has no result.
+pub(super) enum Refusal {
+    /// The gateway's own (budget, rate, run, a header it refuses).
+    Gateway(GatewayError),
+    /// A name the caller may not call, or that does not exist: the same answer.
+    UnknownTool(String),
+    /// The server's breaker is open: nothing was sent.
+    Open(String),
+    /// Sent, and no answer came: a transport failure, a timeout, an error status.
+    Unanswered { server: String, timeout: bool },
+}
+
+impl From<GatewayError> for Refusal {
+    fn from(error: GatewayError) -> Self {
+        Refusal::Gateway(error)
+    }
+}
+
+impl drive::Refusal for Refusal {
+    fn noted(&self, draft: &mut Draft) -> (u16, ErrorCode) {
+        match self {
+            Refusal::Gateway(error) => draft.refused(error),
+            Refusal::UnknownTool(_) => (400, ErrorCode::InvalidRequest),
+            Refusal::Open(_) => (503, ErrorCode::UpstreamUnavailable),
+            Refusal::Unanswered { timeout: true, .. } => (504, ErrorCode::UpstreamTimeout),
+            Refusal::Unanswered { timeout: false, .. } => (502, ErrorCode::UpstreamUnavailable),
+        }
+    }
+}
+
+/// A refusal of the gateway as a JSON-RPC error: `data: {flexway_code, retry_after_s}`.
+pub(super) fn refusal_message(id: Option<Value>, error: &GatewayError) -> Value {
+    let retry_after = error.headers().into_iter().find(|(name, _)| *name == "retry-after");
+    let retry_after_s = retry_after.and_then(|(_, value)| value.parse::<u64>().ok());
+    let data = json!({"flexway_code": error.code().as_str(), "retry_after_s": retry_after_s});
+    let message = match error {
+        GatewayError::Internal(_) => crate::error::INTERNAL_MESSAGE.to_owned(),
+        other => other.to_string(),
+    };
+    wire::error(id, REFUSED, &message, Some(data))
+}
+
+impl Refusal {
+    fn message(&self, id: Value) -> Value {
+        match self {
+            Refusal::Gateway(error) => refusal_message(Some(id), error),
+            Refusal::UnknownTool(name) => {
+                wire::error(Some(id), wire::INVALID_PARAMS, &format!("Unknown tool: {name}"), None)
+            }
+            Refusal::Open(server) => {
+                let data = json!({"flexway_code": ErrorCode::UpstreamUnavailable.as_str(), "retry_after_s": null, "server": server});
+                let message = format!("MCP server {server} is unavailable: its circuit breaker is open");
+                wire::error(Some(id), REFUSED, &message, Some(data))
+            }
+            Refusal::Unanswered { server, timeout } => {
+                let code = if *timeout { ErrorCode::UpstreamTimeout } else { ErrorCode::UpstreamUnavailable };
+                let data = json!({"flexway_code": code.as_str(), "retry_after_s": null, "server": server});
+                let what = if *timeout { "did not answer in time" } else { "did not answer" };
+                wire::error(Some(id), REFUSED, &format!("MCP server {server} {what}"), Some(data))
+            }
+        }
+    }
+}
+
+impl drive::Door for ToolCall {
+    type Refusal = Refusal;
+
+    fn operation(&self) -> Operation {
+        Operation::Mcp
+    }
+
+    /// Identified before the message was read (a JWT takes a fetch).
+    fn identify(&self, _: &Gateway, _: &HeaderMap) -> Result<Caller, Refusal> {
+        Ok(self.inbound.caller.clone())
+    }
+
+    async fn call(
+        &mut self,
+        call: Call<'_>,
+        draft: &mut Draft,
+        charge: &mut Charge,
+        request: Request,
+    ) -> Result<Reply, Refusal> {
+        let Call { gateway, caller, request_id, run } = call;
+        let (Some(mcp), Some(state)) = (gateway.config.mcp.as_ref(), gateway.mcp.as_ref()) else {
+            return Err(GatewayError::Internal("/mcp without its state".into()).into());
+        };
+        let name = self.message.pointer("/params/name").and_then(Value::as_str).unwrap_or("").to_owned();
+        draft.request(Capability::Http, &name, None);
+        let (sensitive, residency) = sensitive_and_residency(gateway, caller, request.headers(), draft)?;
+        let access = Access::with(gateway, mcp, caller, sensitive, residency);
+        let inbound = &self.inbound;
+        let resolved = federation::resolve(state, &access, inbound, &name, "tools/list", "tools").await;
+        let Some((server, tool)) = resolved.filter(|(server, tool)| access.may_call(server, tool)) else {
+            return Err(Refusal::UnknownTool(name));
+        };
+        draft.mcp_tool(&server, &tool, &name);
+        let Some(config) = mcp.servers.get(&server) else { return Err(Refusal::UnknownTool(name)) };
+        let Some(target) = federation::target(mcp, state, &server, &inbound.version) else {
+            return Err(Refusal::UnknownTool(name));
+        };
+
+        // Reserve the tool's price on every euro budget of the caller and its run.
+        let price = config.price.of(&tool);
+        let operation = AiOperation {
+            metering: GrpcMetering::PerCall,
+            price_per_thousand: crate::money::MicroEur(price.0.saturating_mul(1000)),
+            feature: format!("mcp:{server}"),
+            cache: None,
+        };
+        let meter =
+            Meter::new(gateway.clone(), caller.clone(), run.cloned(), request_id, Some(operation), config.timeout);
+        reserve(call, draft, charge, Metered { meter: Arc::new(meter), bytes: 0 }).await?;
+
+        // Sent once, through the server's breaker.
+        let mut upstream = self.message.clone();
+        upstream["params"]["name"] = Value::String(tool);
+        let id = &self.id;
+        let sending = |_: ()| {
+            let (target, server, upstream) = (&target, &server, &upstream);
+            async move {
+                let sent = federation::send(state, target, server, inbound.session.as_ref(), upstream).await;
+                match sent {
+                    Ok(answer) => federation::response(answer, id).await.map(Sent).map_err(Failed),
+                    Err(e) => Err(Failed(e)),
+                }
+            }
+        };
+        let started = std::time::Instant::now();
+        let mut guarded = BreakerLayer::new(state.breakers.clone()).layer(tower::service_fn(sending));
+        let answered = match std::future::poll_fn(|cx| guarded.poll_ready(cx)).await {
+            Ok(()) => {
+                let call = breaker::Call { backend: BackendId::new(&server), in_flight: None, request: () };
+                guarded.call(call).await
+            }
+            Err(refused) => Err(refused),
+        };
+        draft.waited(started.elapsed());
+        let message = match answered {
+            Ok(Passed { answer: Sent(Some(message)), .. }) => message,
+            Ok(Passed { answer: Sent(None), .. }) => return Err(Refusal::Unanswered { server, timeout: false }),
+            Err(breaker::Refused::Open) => return Err(Refusal::Open(server)),
+            Err(breaker::Refused::Failed(Failed(e))) => {
+                tracing::warn!(server, "mcp: tools/call had no answer: {e:?}");
+                let timeout = matches!(e, UpstreamError::Timeout);
+                return Err(Refusal::Unanswered { server, timeout });
+            }
+        };
+        draft.first_byte();
+        let (status, code, served) = match message.get("result") {
+            Some(result) if result.get("isError").and_then(Value::as_bool) == Some(true) => {
+                (McpStatus::ToolError, None, true)
+            }
+            Some(_) => (McpStatus::Ok, None, true),
+            None => (McpStatus::Error, Some(ErrorCode::UpstreamError), false),
+        };
+        draft.mcp_status(status);
+        let mut message = message;
+        message["id"] = self.id.clone();
+        let ended = Ended {
+            status: 200,
+            code,
+            spent: Spent::Metered { answered: true, served, kept: None },
+            finish_reasons: Vec::new(),
+        };
+        Ok(Reply::Now(self.inbound.accept.answer(&message), ended))
+    }
+
+    fn refuse(&self, refusal: &Refusal) -> Response {
+        Accept::answer(self.inbound.accept, &refusal.message(self.id.clone()))
+    }
+}
+
+/// A server's answer (or the lack of one, for a notification), as its breaker hears
+/// it: the server is up.
+struct Sent(Option<Value>);
+
+/// No answer, as the breaker hears it: a failure, but a session the server forgot
+/// (which says nothing of its health).
+#[derive(Debug)]
+struct Failed(UpstreamError);
+
+impl Classify for Sent {
+    fn breaker_outcome(&self) -> Option<Outcome> {
+        Some(Outcome::Success)
+    }
+}
+
+impl Classify for Failed {
+    fn breaker_outcome(&self) -> Option<Outcome> {
+        match &self.0 {
+            UpstreamError::SessionGone => None,
+            UpstreamError::Timeout => Some(Outcome::Timeout),
+            UpstreamError::Transport(_) => Some(Outcome::ConnectionError),
+            UpstreamError::Status(status) => Some(Outcome::Status { status: *status, retry_after: None }),
+        }
+    }
+}

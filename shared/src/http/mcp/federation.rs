@@ -1,0 +1,283 @@
+//! The servers behind `/mcp` as one: a message sent to one of them in the caller's
+//! session (its upstream session opened again once, transparently, if the server
+//! forgot it), and the lists (`tools/list`, `resources/list`, `resources/templates/
+//! list`, `prompts/list`) as the union over the servers the caller may use, each name
+//! `{server}__{name}`, paged here with an opaque cursor (an offset in the union). A
+//! server that does not answer a list is left out of it, logged and counted; one that
+//! answers a list with a JSON-RPC error (it has no resources, say) adds nothing.
+//!
+//! `prompts/get` goes to the server its prefixed name designates; `resources/read` to
+//! the server whose `resources/list` holds the URI (URIs are the servers' own, not
+//! prefixed: a client reads what it was listed), the first one in name order when two
+//! do.
+
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use serde_json::{Value, json};
+
+use super::{Access, Inbound};
+use crate::config::Mcp;
+use crate::gateway::{Gateway, McpState};
+use crate::mcp::names::{federated, server_of, tool_of};
+use crate::mcp::session::Session;
+use crate::mcp::upstream::{Answer, Target, UpstreamError};
+use crate::mcp::wire;
+
+/// Items a page of a list holds.
+const PAGE: usize = 100;
+/// Pages of one server's list read at most (a server that pages forever).
+const MAX_PAGES: usize = 50;
+/// The JSON-RPC code of a resource no server lists (the MCP specification's).
+const RESOURCE_NOT_FOUND: i64 = -32002;
+
+/// Where `server` is, and what it is sent with, in `version`.
+pub(super) fn target<'a>(mcp: &'a Mcp, state: &'a McpState, server: &str, version: &'a str) -> Option<Target<'a>> {
+    let config = mcp.servers.get(server)?;
+    let headers = state.auth.get(server)?;
+    Some(Target { url: &config.url, headers, timeout: config.timeout, version })
+}
+
+/// `message` sent to `server` in `session`'s upstream session there (a stateless
+/// caller's: none). A server that forgot the session is initialized again, once, and
+/// the message sent again in the new one (the first was refused unread).
+pub(super) async fn send(
+    state: &McpState,
+    target: &Target<'_>,
+    server: &str,
+    session: Option<&Session>,
+    message: &Value,
+) -> Result<Answer, UpstreamError> {
+    let carried = session.and_then(|s| s.upstream.get(server));
+    let in_use = carried.map(|carried| state.session_in_use(server, carried));
+    match state.client.send(target, in_use.as_deref(), message).await {
+        Err(UpstreamError::SessionGone) => {
+            let Some(carried) = carried else { return Err(UpstreamError::SessionGone) };
+            tracing::info!(server, "mcp: the server forgot its session: initialized again");
+            let fresh = state.client.initialize(target).await?;
+            if let Some(fresh) = &fresh {
+                state.renew(server, carried, fresh.clone());
+            }
+            state.client.send(target, fresh.as_deref(), message).await
+        }
+        other => other,
+    }
+}
+
+/// The answer to the request `id`: the JSON answer, or the response among the events
+/// of a stream (the others, its progress notifications, are passed over). `None`: the
+/// server accepted the message and gave no answer.
+pub(super) async fn response(answer: Answer, id: &Value) -> Result<Option<Value>, UpstreamError> {
+    match answer {
+        Answer::Json { message, .. } => Ok(Some(message)),
+        Answer::Accepted => Ok(None),
+        Answer::Stream(mut events) => {
+            while let Some(event) = events.next().await {
+                let message = event?;
+                let answers = message.get("result").is_some() || message.get("error").is_some();
+                if answers && message.get("id") == Some(id) {
+                    return Ok(Some(message));
+                }
+            }
+            Ok(None)
+        }
+    }
+}
+
+/// The methods other than `initialize`, `server/discover`, `ping` and `tools/call`.
+pub(super) async fn other(
+    gateway: &Gateway,
+    state: &McpState,
+    access: &Access<'_>,
+    inbound: &Inbound,
+    method: &str,
+    id: Value,
+    message: &Value,
+) -> Value {
+    let cursor = message.pointer("/params/cursor").and_then(Value::as_str);
+    let listed = match method {
+        "tools/list" => Some("tools"),
+        "resources/list" => Some("resources"),
+        "resources/templates/list" => Some("resourceTemplates"),
+        "prompts/list" => Some("prompts"),
+        _ => None,
+    };
+    if let Some(key) = listed {
+        let Some(offset) = offset(cursor) else {
+            return wire::error(Some(id), wire::INVALID_PARAMS, "Invalid cursor", None);
+        };
+        let all = union(gateway, state, access, inbound, method, key).await;
+        let page: Vec<Value> = all.iter().skip(offset).take(PAGE).cloned().collect();
+        let mut result = json!({ key: page });
+        if offset + PAGE < all.len() {
+            result["nextCursor"] = json!(URL_SAFE_NO_PAD.encode((offset + PAGE).to_string()));
+        }
+        return wire::result(id, result);
+    }
+    match method {
+        "prompts/get" => prompt(state, access, inbound, id, message).await,
+        "resources/read" => read(state, access, inbound, id, message).await,
+        _ => wire::error(Some(id), wire::METHOD_NOT_FOUND, &format!("Method not found: {method}"), None),
+    }
+}
+
+/// The offset a cursor stands for (none: the first page).
+fn offset(cursor: Option<&str>) -> Option<usize> {
+    match cursor {
+        None => Some(0),
+        Some(cursor) => String::from_utf8(URL_SAFE_NO_PAD.decode(cursor).ok()?).ok()?.parse().ok(),
+    }
+}
+
+/// The union of `key` over the servers the caller may use, in server name order then
+/// each server's order, every item's `name` federated; a tool the caller may not call
+/// is not in it.
+async fn union(
+    gateway: &Gateway,
+    state: &McpState,
+    access: &Access<'_>,
+    inbound: &Inbound,
+    method: &str,
+    key: &str,
+) -> Vec<Value> {
+    let servers = access.servers();
+    let lists = futures_util::future::join_all(servers.iter().map(|server| async move {
+        match list(state, access.mcp, inbound, server, method, key).await {
+            Ok(items) => items,
+            Err(e) => {
+                tracing::warn!(server, method, "mcp: the server did not answer: left out of the list: {e:?}");
+                gateway.metrics.mcp_server_down(server);
+                Vec::new()
+            }
+        }
+    }))
+    .await;
+    let mut all = Vec::new();
+    for (server, items) in servers.iter().zip(lists) {
+        for mut item in items {
+            let Some(name) = item.get("name").and_then(Value::as_str).map(str::to_owned) else { continue };
+            if key == "tools" && !access.may_call(server, &name) {
+                continue;
+            }
+            item["name"] = Value::String(federated(server, &name));
+            all.push(item);
+        }
+    }
+    all
+}
+
+/// One server's whole list (every page).
+pub(super) async fn list(
+    state: &McpState,
+    mcp: &Mcp,
+    inbound: &Inbound,
+    server: &str,
+    method: &str,
+    key: &str,
+) -> Result<Vec<Value>, UpstreamError> {
+    let Some(target) = target(mcp, state, server, &inbound.version) else { return Ok(Vec::new()) };
+    let mut items = Vec::new();
+    let mut cursor: Option<String> = None;
+    for page in 0..MAX_PAGES {
+        let params = match &cursor {
+            Some(cursor) => json!({"cursor": cursor}),
+            None => json!({}),
+        };
+        let id = json!(format!("flexway-list-{page}"));
+        let message = json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
+        let answer = send(state, &target, server, inbound.session.as_ref(), &message).await?;
+        let Some(answer) = response(answer, &id).await? else {
+            return Err(UpstreamError::Transport(format!("no answer to {method}")));
+        };
+        let Some(result) = answer.get("result") else {
+            // A server without this kind of item (-32601) has none to add.
+            return Ok(items);
+        };
+        if let Some(page) = result.get(key).and_then(Value::as_array) {
+            items.extend(page.iter().cloned());
+        }
+        cursor = result.get("nextCursor").and_then(Value::as_str).map(str::to_owned);
+        if cursor.is_none() {
+            break;
+        }
+    }
+    Ok(items)
+}
+
+/// The server a federated name designates, if the caller may use it, and the name on
+/// that server (for a name cut to 64 characters: found in the server's `listed`).
+pub(super) async fn resolve(
+    state: &McpState,
+    access: &Access<'_>,
+    inbound: &Inbound,
+    name: &str,
+    method: &str,
+    key: &str,
+) -> Option<(String, String)> {
+    let server = server_of(name)?;
+    if !access.may_use(server) {
+        return None;
+    }
+    if let Some(own) = tool_of(name, server, std::iter::empty()) {
+        return Some((server.to_owned(), own));
+    }
+    let listed = list(state, access.mcp, inbound, server, method, key).await.ok()?;
+    let names = listed.iter().filter_map(|item| item.get("name").and_then(Value::as_str));
+    Some((server.to_owned(), tool_of(name, server, names)?))
+}
+
+/// `message` forwarded to `server` with its `params.name` (or nothing) replaced; the
+/// server's answer under the client's `id`.
+async fn forward(
+    state: &McpState,
+    access: &Access<'_>,
+    inbound: &Inbound,
+    server: &str,
+    id: Value,
+    message: &Value,
+) -> Value {
+    let Some(target) = target(access.mcp, state, server, &inbound.version) else {
+        return wire::error(Some(id), wire::INTERNAL_ERROR, "the server is not configured", None);
+    };
+    let answer = match send(state, &target, server, inbound.session.as_ref(), message).await {
+        Ok(answer) => response(answer, &id).await,
+        Err(e) => Err(e),
+    };
+    match answer {
+        Ok(Some(mut answer)) => {
+            answer["id"] = id;
+            answer
+        }
+        Ok(None) => wire::error(Some(id), wire::INTERNAL_ERROR, &format!("MCP server {server} gave no answer"), None),
+        Err(e) => {
+            tracing::warn!(server, "mcp: the server did not answer: {e:?}");
+            let message = format!("MCP server {server} is unavailable");
+            wire::error(Some(id), wire::INTERNAL_ERROR, &message, Some(json!({"flexway_code": "upstream_unavailable"})))
+        }
+    }
+}
+
+/// `prompts/get`, to the server its name designates.
+async fn prompt(state: &McpState, access: &Access<'_>, inbound: &Inbound, id: Value, message: &Value) -> Value {
+    let name = message.pointer("/params/name").and_then(Value::as_str).unwrap_or("");
+    let Some((server, own)) = resolve(state, access, inbound, name, "prompts/list", "prompts").await else {
+        return wire::error(Some(id), wire::INVALID_PARAMS, &format!("Unknown prompt: {name}"), None);
+    };
+    let mut message = message.clone();
+    message["params"]["name"] = Value::String(own);
+    forward(state, access, inbound, &server, id, &message).await
+}
+
+/// `resources/read`, to the server that lists the URI.
+async fn read(state: &McpState, access: &Access<'_>, inbound: &Inbound, id: Value, message: &Value) -> Value {
+    let uri = message.pointer("/params/uri").and_then(Value::as_str).unwrap_or("");
+    for server in access.servers() {
+        let Ok(listed) = list(state, access.mcp, inbound, server, "resources/list", "resources").await else {
+            continue;
+        };
+        if listed.iter().any(|r| r.get("uri").and_then(Value::as_str) == Some(uri)) {
+            return forward(state, access, inbound, server, id, message).await;
+        }
+    }
+    let data = json!({"uri": uri});
+    wire::error(Some(id), RESOURCE_NOT_FOUND, &format!("Resource not found: {uri}"), Some(data))
+}

@@ -1,0 +1,355 @@
+//! `/mcp` against a loopback MCP server written here: a few tools in JSON and SSE, a
+//! session it can forget, and every `Authorization` it was sent kept.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use http::{HeaderMap, Request, StatusCode};
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+use crate::audit::sinks::MemoryAuditSink;
+use crate::audit::{AuditRecord, McpStatus};
+use crate::config::{Auth, Mcp, McpNarrowing, McpPrice, McpServer, SecretRef, ToolGlobs};
+use crate::gateway::Gateway;
+use crate::money::MicroEur;
+
+const TOKEN: &str = "upstream-secret";
+
+/// What the fake server saw.
+#[derive(Default)]
+struct Seen {
+    authorizations: Vec<String>,
+    calls: Vec<String>,
+    /// The sessions it knows (it forgets them all when told to).
+    sessions: Vec<String>,
+    initialized: usize,
+}
+
+type Shared = Arc<Mutex<Seen>>;
+
+async fn fake(State(seen): State<Shared>, headers: HeaderMap, body: String) -> Response {
+    let message: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+    let auth = headers.get("authorization").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+    let session = headers.get("mcp-session-id").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let mut seen = seen.lock().unwrap();
+    seen.authorizations.push(auth);
+    let method = message["method"].as_str().unwrap_or("").to_owned();
+    let id = message["id"].clone();
+    if let Some(session) = &session
+        && !seen.sessions.contains(session)
+    {
+        return StatusCode::NOT_FOUND.into_response();
+    }
+    let result = match method.as_str() {
+        "initialize" => {
+            seen.initialized += 1;
+            let session = format!("up-{}", seen.initialized);
+            seen.sessions.push(session.clone());
+            let body = json!({"jsonrpc": "2.0", "id": id, "result": {
+                "protocolVersion": message["params"]["protocolVersion"], "capabilities": {"tools": {}},
+                "serverInfo": {"name": "fake", "version": "1"}}});
+            return ([("mcp-session-id", session)], axum::Json(body)).into_response();
+        }
+        "notifications/initialized" => return StatusCode::ACCEPTED.into_response(),
+        "tools/list" => json!({"tools": [
+            {"name": "search", "description": "Searches.", "inputSchema": {"type": "object"}},
+            {"name": "admin_delete", "inputSchema": {"type": "object"}},
+            {"name": "flaky", "inputSchema": {"type": "object"}},
+            {"name": "broken", "inputSchema": {"type": "object"}},
+            {"name": "streamed", "inputSchema": {"type": "object"}},
+        ]}),
+        "tools/call" => {
+            let tool = message["params"]["name"].as_str().unwrap_or("").to_owned();
+            seen.calls.push(tool.clone());
+            match tool.as_str() {
+                "search" => json!({"content": [{"type": "text", "text": "found"}]}),
+                "flaky" => json!({"content": [{"type": "text", "text": "no"}], "isError": true}),
+                "broken" => {
+                    let error = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32603, "message": "boom"}});
+                    return axum::Json(error).into_response();
+                }
+                "streamed" => {
+                    let progress = json!({"jsonrpc": "2.0", "method": "notifications/progress",
+                        "params": {"progressToken": 1, "progress": 1}});
+                    let answer = json!({"jsonrpc": "2.0", "id": id,
+                        "result": {"content": [{"type": "text", "text": "streamed"}]}});
+                    let body = format!("event: message\ndata: {progress}\n\nevent: message\ndata: {answer}\n\n");
+                    return ([("content-type", "text/event-stream")], body).into_response();
+                }
+                _ => {
+                    let error =
+                        json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32602, "message": "no such tool"}});
+                    return axum::Json(error).into_response();
+                }
+            }
+        }
+        _ => {
+            let error = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32601, "message": "nope"}});
+            return axum::Json(error).into_response();
+        }
+    };
+    axum::Json(json!({"jsonrpc": "2.0", "id": id, "result": result})).into_response()
+}
+
+/// A fake MCP server on loopback; its address and what it saw.
+async fn server() -> (String, Shared) {
+    let seen = Shared::default();
+    let app = axum::Router::new().route("/mcp", axum::routing::post(fake)).with_state(seen.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{address}/mcp"), seen)
+}
+
+fn mcp_server(url: &str) -> McpServer {
+    McpServer {
+        url: url.to_owned(),
+        auth: Auth::Bearer { secret: SecretRef::Env("MCP_TOKEN".into()) },
+        external: true,
+        jurisdiction: None,
+        timeout: Duration::from_secs(5),
+        price: McpPrice { per_call: MicroEur(1_000), tools: BTreeMap::from([("flaky".into(), MicroEur(2_500))]) },
+        tools: ToolGlobs { allow: None, deny: vec!["admin_*".into()] },
+    }
+}
+
+/// A gateway whose `/mcp` federates `search` (the fake server) and `down` (nothing
+/// listening), key `k` for tenant `acme`.
+async fn gateway() -> (Arc<Gateway>, Arc<MemoryAuditSink>, Shared) {
+    use sha2::Digest;
+    let (url, seen) = server().await;
+    let yaml = format!(
+        "version: 1\ntenants:\n  acme:\n    keys: [{{sha256: {}}}]\nai:\n  default_backend: a\n  backends:\n    \
+         a: {{url: 'http://127.0.0.1:9/v1'}}\n",
+        hex::encode(sha2::Sha256::digest(b"k"))
+    );
+    let env = std::collections::HashMap::from([("MCP_TOKEN".to_owned(), TOKEN.to_owned())]);
+    let mut loaded = crate::config::load_str(&yaml, &env).unwrap();
+    let servers = BTreeMap::from([
+        ("search".to_owned(), mcp_server(&url)),
+        ("down".to_owned(), mcp_server("http://127.0.0.1:9/mcp")),
+    ]);
+    loaded.config.mcp = Some(Mcp { servers, session_key: None, oauth: None, expose_rest: false });
+    if let Some(tenant) = loaded.config.tenants.values_mut().next() {
+        tenant.mcp = McpNarrowing::default();
+    }
+    let audit = Arc::new(MemoryAuditSink::new());
+    let adapters = crate::gateway::Adapters {
+        budgets: Arc::new(crate::budget::MemoryBudgetStore::new()),
+        audit: audit.clone(),
+        export: crate::telemetry::Export::Batched,
+        cache: None,
+    };
+    let secrets = Arc::new(crate::secret::LocalSecrets { env });
+    (Arc::new(Gateway::new(loaded.config, secrets, adapters).await.unwrap()), audit, seen)
+}
+
+/// `POST /mcp` with `message` and `headers`; the status, headers and body.
+async fn post(gateway: &Arc<Gateway>, headers: &[(&str, &str)], message: Value) -> (StatusCode, HeaderMap, Value) {
+    let mut request = Request::post("/mcp")
+        .header("authorization", "Bearer k")
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(Body::from(message.to_string())).unwrap();
+    let response = crate::http::app(gateway.clone()).oneshot(request).await.unwrap();
+    let (status, headers) = (response.status(), response.headers().clone());
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+    (status, headers, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+}
+
+/// A session: `initialize` answered, its id.
+async fn initialize(gateway: &Arc<Gateway>) -> String {
+    let message = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}});
+    let (status, headers, body) = post(gateway, &[], message).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["result"]["protocolVersion"], "2025-11-25");
+    headers.get("mcp-session-id").unwrap().to_str().unwrap().to_owned()
+}
+
+async fn in_session(gateway: &Arc<Gateway>, session: &str, id: u64, method: &str, params: Value) -> Value {
+    let headers = [("mcp-session-id", session), ("mcp-protocol-version", "2025-11-25")];
+    let (status, _, body) =
+        post(gateway, &headers, json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params})).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    body
+}
+
+async fn records(audit: &MemoryAuditSink, n: usize) -> Vec<AuditRecord> {
+    for _ in 0..200 {
+        if audit.records().len() >= n {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    audit.records()
+}
+
+#[tokio::test]
+async fn tools_are_listed_as_server_tool_without_the_denied_and_the_down_server_left_out() {
+    let (gateway, _, _) = gateway().await;
+    let session = initialize(&gateway).await;
+    let body = in_session(&gateway, &session, 1, "tools/list", json!({})).await;
+    let names: Vec<&str> =
+        body["result"]["tools"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["search__search", "search__flaky", "search__broken", "search__streamed"]);
+    assert_eq!(body["result"]["tools"][0]["description"], "Searches.", "the server's description kept");
+    let metrics = gateway.metrics.render_prometheus();
+    assert!(metrics.contains("flexway_mcp_servers_down_total{server=\"down\"}"), "{metrics}");
+}
+
+#[tokio::test]
+async fn a_denied_tool_is_answered_exactly_as_an_unknown_one_and_never_sent() {
+    let (gateway, _, seen) = gateway().await;
+    let session = initialize(&gateway).await;
+    let denied = in_session(&gateway, &session, 7, "tools/call", json!({"name": "search__admin_delete"})).await;
+    let unknown = in_session(&gateway, &session, 7, "tools/call", json!({"name": "search__admin_nothing"})).await;
+    assert_eq!(denied["error"]["code"], -32602);
+    assert_eq!(denied["error"]["message"], "Unknown tool: search__admin_delete");
+    let strip = |mut v: Value| {
+        v["error"]["message"] = Value::Null;
+        v
+    };
+    assert_eq!(strip(denied), strip(unknown), "the same answer but the name");
+    assert!(seen.lock().unwrap().calls.is_empty(), "nothing was sent upstream");
+}
+
+#[tokio::test]
+async fn a_tool_call_is_charged_and_recorded_once_and_refunded_on_an_error() {
+    let (gateway, audit, _) = gateway().await;
+    let session = initialize(&gateway).await;
+    let ok = in_session(
+        &gateway,
+        &session,
+        2,
+        "tools/call",
+        json!({"name": "search__search", "arguments": {"q": "secret words"}}),
+    )
+    .await;
+    assert_eq!(ok["result"]["content"][0]["text"], "found");
+    assert_eq!(ok["id"], 2);
+    let flaky = in_session(&gateway, &session, 3, "tools/call", json!({"name": "search__flaky"})).await;
+    assert_eq!(flaky["result"]["isError"], true);
+    let broken = in_session(&gateway, &session, 4, "tools/call", json!({"name": "search__broken"})).await;
+    assert_eq!(broken["error"]["message"], "boom");
+    let streamed = in_session(&gateway, &session, 5, "tools/call", json!({"name": "search__streamed"})).await;
+    assert_eq!(streamed["result"]["content"][0]["text"], "streamed", "{streamed}");
+
+    let records = records(&audit, 4).await;
+    assert_eq!(records.len(), 4, "one record a call, none for initialize or lists");
+    let summary: Vec<_> = records
+        .iter()
+        .map(|r| {
+            (r.tool.as_deref().unwrap(), r.mcp_status.unwrap(), r.cost_micro_eur, r.mcp_server.as_deref().unwrap())
+        })
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            ("search", McpStatus::Ok, 1_000, "search"),
+            ("flaky", McpStatus::ToolError, 2_500, "search"),
+            ("broken", McpStatus::Error, 0, "search"),
+            ("streamed", McpStatus::Ok, 1_000, "search"),
+        ]
+    );
+    assert!(records.iter().all(|r| r.operation == crate::call::Operation::Mcp));
+    let line = serde_json::to_string(&records[0]).unwrap();
+    assert!(!line.contains("secret words") && !line.contains("found"), "no argument or result in the audit: {line}");
+    // The ledger holds what the records say: 4.5 thousandths of a euro, the error refunded.
+    let metrics = gateway.metrics.render_prometheus();
+    assert!(
+        metrics.contains("flexway_mcp_calls_total{tenant=\"acme\",server=\"search\",outcome=\"error\"} 1"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn the_callers_credential_never_reaches_the_server_its_own_does() {
+    let (gateway, _, seen) = gateway().await;
+    let session = initialize(&gateway).await;
+    in_session(&gateway, &session, 1, "tools/list", json!({})).await;
+    in_session(&gateway, &session, 2, "tools/call", json!({"name": "search__search"})).await;
+    let seen = seen.lock().unwrap();
+    assert!(!seen.authorizations.is_empty());
+    for auth in &seen.authorizations {
+        assert_eq!(auth, &format!("Bearer {TOKEN}"), "the server's own credential, never the caller's");
+    }
+}
+
+#[tokio::test]
+async fn a_tampered_or_missing_session_is_refused_and_a_forgotten_one_reopened() {
+    let (gateway, _, seen) = gateway().await;
+    let session = initialize(&gateway).await;
+    let mut tampered = session.clone().into_bytes();
+    let last = tampered.len() - 1;
+    tampered[last] = if tampered[last] == b'A' { b'B' } else { b'A' };
+    let tampered = String::from_utf8(tampered).unwrap();
+    let message = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"});
+    let headers = [("mcp-session-id", tampered.as_str()), ("mcp-protocol-version", "2025-11-25")];
+    let (status, _, _) = post(&gateway, &headers, message.clone()).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, _, _) = post(&gateway, &[("mcp-protocol-version", "2025-11-25")], message).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+
+    // The server forgets its sessions: the next call opens one again, once.
+    seen.lock().unwrap().sessions.clear();
+    let ok = in_session(&gateway, &session, 2, "tools/call", json!({"name": "search__search"})).await;
+    assert_eq!(ok["result"]["content"][0]["text"], "found");
+    in_session(&gateway, &session, 3, "tools/call", json!({"name": "search__search"})).await;
+    assert_eq!(seen.lock().unwrap().initialized, 2, "initialized again once, its new session kept");
+}
+
+#[tokio::test]
+async fn the_stateless_revision_checks_its_headers_against_the_body() {
+    let (gateway, _, _) = gateway().await;
+    let message = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"});
+    let headers = [("mcp-protocol-version", "2026-07-28"), ("mcp-method", "tools/call")];
+    let (status, _, body) = post(&gateway, &headers, message.clone()).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(body["error"]["code"], -32020);
+    let headers = [("mcp-protocol-version", "2026-07-28"), ("mcp-method", "server/discover")];
+    let discover = json!({"jsonrpc": "2.0", "id": 2, "method": "server/discover"});
+    let (status, _, body) = post(&gateway, &headers, discover).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body["result"]["supportedVersions"].as_array().unwrap().contains(&json!("2025-06-18")));
+}
+
+#[tokio::test]
+async fn batches_unsupported_versions_and_strangers_are_refused() {
+    let (gateway, _, _) = gateway().await;
+    let (status, _, body) = post(&gateway, &[], json!([{"jsonrpc": "2.0", "id": 1, "method": "ping"}])).await;
+    assert_eq!((status, body["error"]["code"].clone()), (StatusCode::BAD_REQUEST, json!(-32600)));
+    let message =
+        json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": "2024-11-05"}});
+    let (_, _, body) = post(&gateway, &[], message).await;
+    assert_eq!(body["error"]["data"]["supported"], json!(crate::mcp::wire::VERSIONS));
+    let request = Request::post("/mcp").header("authorization", "Bearer nope").body(Body::from("{}")).unwrap();
+    let response = crate::http::app(gateway.clone()).oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    let challenge = response.headers().get("www-authenticate").unwrap().to_str().unwrap();
+    assert_eq!(challenge, "Bearer resource_metadata=\"http://localhost/.well-known/oauth-protected-resource/mcp\"");
+    let request = Request::get("/.well-known/oauth-protected-resource/mcp")
+        .header("host", "gw.example")
+        .body(Body::empty())
+        .unwrap();
+    let response = crate::http::app(gateway.clone()).oneshot(request).await.unwrap();
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+    let document: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(document["resource"], "http://gw.example/mcp");
+}
+
+#[tokio::test]
+async fn without_mcp_configured_the_door_is_not_there() {
+    let (gateway, _) = crate::http::testing::gateway().await;
+    let request = Request::post("/mcp").header("authorization", "Bearer k").body(Body::from("{}")).unwrap();
+    let response = crate::http::app(gateway).oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::NOT_FOUND);
+}
