@@ -26,7 +26,9 @@ pub fn federated(server: &str, tool: &str) -> String {
     cut
 }
 
-/// The server a federated name designates: what precedes its first `__`.
+/// The server a federated name designates: what precedes its first `__`. Exact for
+/// the names configuration accepts (no `__`, no `_` at the end, short enough that a
+/// cut name keeps `{server}__`).
 pub fn server_of(name: &str) -> Option<&str> {
     name.split_once(SEPARATOR).map(|(server, _)| server).filter(|server| !server.is_empty())
 }
@@ -136,6 +138,23 @@ mod tests {
             assert!(name.chars().count() <= MAX_TOOL_NAME);
             assert_eq!(server_of(&name), Some("srv"));
             assert_eq!(tool_of(&name, "srv", tools), Some(tool.to_owned()), "{tool}");
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_server_and_tool_federate_within_64_and_back(
+            server in "[a-z0-9]([a-z0-9-]|_[a-z0-9-]){0,15}",
+            tool in "\\PC{0,100}",
+            other in "\\PC{0,100}",
+        ) {
+            let name = federated(&server, &tool);
+            proptest::prop_assert!(name.chars().count() <= MAX_TOOL_NAME);
+            proptest::prop_assert_eq!(&name, &federated(&server, &tool));
+            proptest::prop_assert_eq!(server_of(&name), Some(server.as_str()));
+            proptest::prop_assert_eq!(tool_of(&name, &server, [other.as_str(), tool.as_str()]), Some(tool.clone()));
+            let allowed = |c: char| server.contains(c) || tool.contains(c) || c == '_' || c.is_ascii_hexdigit();
+            proptest::prop_assert!(name.chars().all(allowed));
         }
     }
 }

@@ -240,4 +240,80 @@ mod tests {
             assert_eq!(parser.feed(event.as_bytes()).map(|events| events.len()), Ok(1));
         }
     }
+
+    /// An event as a server would write it, each line ended by `ends` in turn (a LF
+    /// right after a CR written as CRLF: a writer cannot end a line with LF there).
+    fn written(event: &Event, ends: &[&str], last: &mut (usize, &'static str)) -> String {
+        let mut end = || {
+            last.0 += 1;
+            let mut next = ends[last.0 % ends.len()];
+            if last.1 == "\r" && next == "\n" {
+                next = "\r\n";
+            }
+            last.1 = if next == "\r" { "\r" } else { "" };
+            next.to_owned()
+        };
+        let mut text = String::new();
+        if let Some(kind) = &event.event {
+            text += &format!("event: {kind}{}", end());
+        }
+        if let Some(id) = &event.id {
+            text += &format!("id: {id}{}", end());
+        }
+        for line in event.data.split('\n') {
+            text += &format!("data: {line}{}", end());
+        }
+        text + &end()
+    }
+
+    fn field() -> impl proptest::strategy::Strategy<Value = String> {
+        "[^\r\n\u{0}]{0,12}".prop_map(|s: String| s.trim_start_matches(' ').to_owned())
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn events_survive_any_line_ends_and_any_chunking(
+            events in proptest::collection::vec(
+                (proptest::option::of(field()), proptest::collection::vec(field(), 1..4), proptest::option::of(field())),
+                0..6,
+            ),
+            ends in proptest::collection::vec(prop_oneof![Just("\n"), Just("\r\n"), Just("\r")], 1..4),
+            cuts in proptest::collection::vec(any::<proptest::sample::Index>(), 0..6),
+        ) {
+            let events: Vec<Event> = events
+                .into_iter()
+                .map(|(event, data, id)| Event { event, data: data.join("\n"), id })
+                .collect();
+            let mut last = (0, "");
+            let stream: String = events.iter().map(|e| written(e, &ends, &mut last)).collect();
+            let bytes = stream.as_bytes();
+            let mut cuts: Vec<usize> = cuts.iter().map(|i| i.index(bytes.len() + 1)).collect();
+            cuts.sort_unstable();
+            let mut parser = Parser::new();
+            let mut from = 0;
+            let mut got = Vec::new();
+            for cut in cuts.into_iter().chain([bytes.len()]) {
+                got.extend(parser.feed(&bytes[from..cut]).unwrap_or_default());
+                from = cut;
+            }
+            prop_assert_eq!(got, events);
+        }
+
+        #[test]
+        fn any_bytes_parse_the_same_however_cut(
+            bytes in proptest::collection::vec(
+                prop_oneof![Just(b'\r'), Just(b'\n'), Just(b':'), Just(b' '), Just(b'd'), any::<u8>()], 0..300,
+            ),
+            cut in any::<proptest::sample::Index>(),
+        ) {
+            let whole = Parser::new().feed(&bytes).unwrap_or_default();
+            let cut = cut.index(bytes.len() + 1);
+            let mut parser = Parser::new();
+            let mut split = parser.feed(&bytes[..cut]).unwrap_or_default();
+            split.extend(parser.feed(&bytes[cut..]).unwrap_or_default());
+            prop_assert_eq!(split, whole);
+        }
+    }
 }
