@@ -47,7 +47,10 @@ pub enum Answer {
 /// Why no answer came.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UpstreamError {
-    /// 404 to a request that carried a session: the server forgot it.
+    /// 404 to a request that carried a session: the server forgot it. Also a 400
+    /// whose JSON-RPC error speaks of the session, as servers built on the TypeScript
+    /// SDK's example answer an id they do not know (`server-everything`: "Bad
+    /// Request: No valid session ID provided"): the request was not run either way.
     #[error("the MCP server no longer knows the session")]
     SessionGone,
     #[error("the MCP server did not answer in time")]
@@ -211,6 +214,9 @@ impl McpClient {
             return Err(UpstreamError::SessionGone);
         }
         if !status.is_success() {
+            if status == StatusCode::BAD_REQUEST && session.is_some() && speaks_of_session(response, deadline).await {
+                return Err(UpstreamError::SessionGone);
+            }
             return Err(UpstreamError::Status(status.as_u16()));
         }
         let session = response.headers().get(SESSION_ID).and_then(|v| v.to_str().ok()).map(str::to_owned);
@@ -291,6 +297,19 @@ impl McpClient {
     }
 }
 
+/// `response` is a JSON-RPC error whose message is about the session.
+async fn speaks_of_session(response: reqwest::Response, deadline: Instant) -> bool {
+    let Ok(body) = read_bounded(response, deadline).await else {
+        return false;
+    };
+    serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|answer| {
+            answer.pointer("/error/message")?.as_str().map(|m| m.to_ascii_lowercase().contains("session"))
+        })
+        .unwrap_or(false)
+}
+
 /// The body of `response`, refused past [`MAX_MESSAGE`] or `deadline`.
 async fn read_bounded(mut response: reqwest::Response, deadline: Instant) -> Result<Vec<u8>, UpstreamError> {
     let too_large = || UpstreamError::Transport(format!("an answer over {MAX_MESSAGE} bytes"));
@@ -366,6 +385,10 @@ mod tests {
         if headers.get(SESSION_ID).is_some_and(|s| s == "gone") {
             return StatusCode::NOT_FOUND.into_response();
         }
+        if headers.get(SESSION_ID).is_some_and(|s| s == "unknown") {
+            let body = json!({"jsonrpc": "2.0", "id": message.get("id"), "error": {"code": -32000, "message": "Bad Request: No valid session ID provided"}});
+            return (StatusCode::BAD_REQUEST, [(CONTENT_TYPE, "application/json")], body.to_string()).into_response();
+        }
         let id = message.get("id").cloned().unwrap_or(Value::Null);
         match method.as_str() {
             "initialize" => json_answer(
@@ -399,7 +422,10 @@ mod tests {
             }
             "big" => json_answer(None, json!({"blob": "x".repeat(MAX_MESSAGE)})),
             "teapot" => StatusCode::IM_A_TEAPOT.into_response(),
-            _ => StatusCode::BAD_REQUEST.into_response(),
+            _ => {
+                let body = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32600, "message": "Bad Request"}});
+                (StatusCode::BAD_REQUEST, [(CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+            }
         }
     }
 
@@ -498,13 +524,16 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_404_with_a_session_is_session_gone_without_one_a_status() {
+    async fn a_forgotten_session_is_session_gone_other_refusals_a_status() {
         let (url, _) = server().await;
         let headers = auth();
         let client = McpClient::new();
         let t = target(&url, &headers, "2025-11-25");
         let list = request("tools/list", json!({}));
         assert_eq!(client.send(&t, Some("gone"), &list).await.err(), Some(UpstreamError::SessionGone));
+        assert_eq!(client.send(&t, Some("unknown"), &list).await.err(), Some(UpstreamError::SessionGone));
+        let odd = request("no/such/method", json!({}));
+        assert_eq!(client.send(&t, Some("up-42"), &odd).await.err(), Some(UpstreamError::Status(400)));
         let missing = format!("{url}/elsewhere");
         let t = target(&missing, &headers, "2025-11-25");
         assert_eq!(client.send(&t, None, &list).await.err(), Some(UpstreamError::Status(404)));
