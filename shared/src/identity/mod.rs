@@ -16,6 +16,8 @@
 //! is believed: from any other key `Flexway-Tenant` is ignored, so a caller can never
 //! bill another tenant by sending a header.
 
+pub mod jwt;
+
 use http::HeaderMap;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
