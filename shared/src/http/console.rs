@@ -28,6 +28,7 @@ use crate::console::{CapState, Overview, overview};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::IdentityError;
+use crate::metrics::McpTotals;
 use crate::money::MicroEur;
 
 /// The session cookie's name.
@@ -94,7 +95,7 @@ async fn page(State(gateway): State<Arc<Gateway>>, Query(view): Query<View>, req
         Access::Refused(response) => response,
         Access::SignIn => html(StatusCode::OK, &sign_in_form(None)),
         Access::Open => match overview(&gateway, &view.q, view.page.unwrap_or(1)).await {
-            Ok(overview) => html(StatusCode::OK, &render_page(&overview, &view.q)),
+            Ok(overview) => html(StatusCode::OK, &render_page(&overview, &view.q, &gateway.metrics.mcp_totals())),
             Err(e) => render(&GatewayError::from(e), true),
         },
     }
@@ -244,7 +245,7 @@ fn sign_in_form(message: Option<&str>) -> String {
     )
 }
 
-fn render_page(overview: &Overview, filter: &str) -> String {
+fn render_page(overview: &Overview, filter: &str, mcp: &[McpTotals]) -> String {
     let mut out = String::with_capacity(16 * 1024 + overview.scopes.len() * 900);
     let _ = write!(
         out,
@@ -277,6 +278,7 @@ fn render_page(overview: &Overview, filter: &str) -> String {
     chart(&mut out, &overview.calls_per_minute);
     tenants(&mut out, overview, filter);
     cache(&mut out, overview);
+    mcp_servers(&mut out, mcp);
     backends(&mut out, overview);
     out.push_str("</main></body></html>");
     out
@@ -411,6 +413,33 @@ fn cache(out: &mut String, overview: &Overview) {
     out.push_str("</tbody></table></section>");
 }
 
+/// The MCP servers' tool calls and what they were charged (SPEC §17), when any was
+/// called.
+fn mcp_servers(out: &mut String, totals: &[McpTotals]) {
+    if totals.is_empty() {
+        return;
+    }
+    out.push_str(
+        "<section id=\"mcp\"><h2>MCP servers <span class=\"muted\">(tool calls, this process, since it started)\
+         </span></h2><table><thead><tr><th>server</th><th class=\"n\">calls</th><th class=\"n\">no result</th>\
+         <th class=\"n\">spent</th></tr></thead><tbody>",
+    );
+    for row in totals {
+        let _ = write!(
+            out,
+            "<tr data-mcp-server=\"{}\" data-spent=\"{}\"><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td>\
+             <td class=\"n\">{} €</td></tr>",
+            esc(&row.server),
+            row.spent.0,
+            esc(&row.server),
+            row.calls,
+            row.errors,
+            row.spent.to_eur_string(),
+        );
+    }
+    out.push_str("</tbody></table></section>");
+}
+
 fn backends(out: &mut String, overview: &Overview) {
     out.push_str(
         "<section id=\"backends\"><h2>Backends <span class=\"muted\">(this process, since it started)</span></h2>\
@@ -503,6 +532,27 @@ mod tests {
     }
 
     #[test]
+    fn the_mcp_section_shows_each_server_s_calls_and_spend() {
+        let overview = Overview {
+            at: 1_765_000_000,
+            scopes: Vec::new(),
+            tenants: 0,
+            page: 1,
+            pages: 1,
+            backends: Vec::new(),
+            cache: Vec::new(),
+            calls_per_minute: vec![0; 60],
+            alerts: Vec::new(),
+        };
+        assert!(!render_page(&overview, "", &[]).contains("id=\"mcp\""), "no section without a call");
+        let search = McpTotals { server: "<search>".into(), calls: 4, errors: 1, spent: MicroEur(3_500) };
+        let page = render_page(&overview, "", &[search]);
+        let row = "<tr data-mcp-server=\"&lt;search&gt;\" data-spent=\"3500\"><td>&lt;search&gt;</td>\
+                   <td class=\"n\">4</td><td class=\"n\">1</td><td class=\"n\">0.003500 €</td></tr>";
+        assert!(page.contains(row), "{page}");
+    }
+
+    #[test]
     fn the_cache_section_shows_each_tenant_s_savings_and_entries() {
         let row = |tenant: &str, hits, saved_micro_eur, entries| crate::console::CacheRow {
             tenant: tenant.into(),
@@ -524,10 +574,10 @@ mod tests {
             calls_per_minute: vec![0; 60],
             alerts: Vec::new(),
         };
-        assert!(!render_page(&overview, "").contains("id=\"cache\""), "no section without a figure");
+        assert!(!render_page(&overview, "", &[]).contains("id=\"cache\""), "no section without a figure");
 
         overview.cache = vec![row("acme", 3, 1_234_500, Some(42)), row("<globex>", 0, 0, None)];
-        let page = render_page(&overview, "");
+        let page = render_page(&overview, "", &[]);
         let acme = "<tr data-cache-tenant=\"acme\" data-saved=\"1234500\" data-entries=\"42\"><td>acme</td>\
                     <td class=\"n\">3</td><td class=\"n\">1</td><td class=\"n\">75.0%</td><td class=\"n\">2</td>\
                     <td class=\"n\">1</td><td class=\"n\">1.234500 €</td><td class=\"n\">42</td></tr>";
