@@ -132,7 +132,7 @@ fn stopped(stop: Stop) -> GatewayError {
     }
 }
 
-async fn proxied(
+pub(super) async fn proxied(
     call: Call<'_>,
     draft: &mut Draft,
     charge: &mut Charge,

@@ -30,7 +30,7 @@ use axum::body::Body;
 use axum::extract::Request;
 use axum::response::Response;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Method, header};
+use http::{HeaderMap, header};
 use http_body_util::BodyExt;
 use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 use serde_json::{Value, json};
@@ -75,7 +75,11 @@ fn all(gateway: &Gateway) -> Vec<Tool<'_>> {
         let prefix = mount.trim_start_matches('/').replace('/', "_");
         for operation in &contract.operations {
             let Some(id) = operation.operation_id.as_deref().filter(|_| operation.ai.is_some()) else { continue };
-            if operation.body.is_some_and(|body| body.required && !body.json) {
+            // A body it cannot take as JSON, or a parameter that `body` would name too.
+            let takes_body = operation.body.is_some_and(|body| body.json);
+            if operation.body.is_some_and(|body| body.required && !body.json)
+                || (takes_body && operation.parameters.iter().any(|p| p.name == "body"))
+            {
                 continue;
             }
             let name = federated(&prefix, id);
@@ -221,7 +225,10 @@ impl drive::Door for RestTool {
                 let message = answered(response, &id).await;
                 Ok(Reply::Now(accept.answer(&message), ended))
             }
-            Reply::Relay(relay) => Ok(Reply::Relay(Box::new(ToolAnswer { relay, id, accept }))),
+            Reply::Relay(relay) => {
+                draft.mcp_status_by_answer();
+                Ok(Reply::Relay(Box::new(ToolAnswer { relay, id, accept })))
+            }
         }
     }
 
@@ -243,9 +250,9 @@ fn built(gateway: &Gateway, tool: &Tool<'_>, arguments: &Value, headers: &Header
     let Some(arguments) = arguments.as_object() else {
         return Err("arguments must be an object".to_owned());
     };
-    let declared = |name: &str| operation.parameters.iter().any(|p| p.name == name);
     let takes_body = operation.body.is_some_and(|body| body.json);
-    if let Some(unknown) = arguments.keys().find(|key| !declared(key) && !(takes_body && *key == "body")) {
+    let declared = |name: &str| operation.parameters.iter().any(|p| p.name == name) || (takes_body && name == "body");
+    if let Some(unknown) = arguments.keys().find(|key| !declared(key)) {
         return Err(format!("unknown argument `{unknown}`"));
     }
     let mut path = operation.path.clone();
@@ -383,8 +390,9 @@ mod tests {
     use std::time::Duration;
 
     use axum::extract::Path;
+    use axum::response::IntoResponse;
     use axum::routing::{get, post};
-    use http::StatusCode;
+    use http::{HeaderValue, StatusCode};
 
     use super::*;
     use crate::audit::AuditRecord;
@@ -421,6 +429,11 @@ paths:
   /documents/latest:
     get:
       x-flexway-ai: {metering: per_call, price_per_thousand_eur: "0.5", feature: fetch}
+  /echo:
+    post:
+      operationId: echo
+      x-flexway-ai: {metering: per_byte, price_per_thousand_eur: "0.001", feature: echo}
+      requestBody: {content: {application/json: {schema: {type: object}}}}
   /health:
     get: {operationId: health}
   /secret:
@@ -454,6 +467,7 @@ paths:
                     }
                 }),
             )
+            .route("/echo", post(|body: String| async move { ([(header::CONTENT_TYPE, "application/json")], body) }))
             .layer(axum::middleware::from_fn(move |request: Request, next: axum::middleware::Next| {
                 let log = log.clone();
                 async move {
@@ -474,7 +488,7 @@ paths:
     /// A gateway with the `kind: http` backend `ocr` mounted at `/apis/ocr` (the
     /// upstream above; `external: false` when `internal`), `mcp.expose_rest`, and the
     /// key `k` of tenant `acme`, whose `mcp` globs deny `*__secret_*`.
-    async fn gateway(internal: bool) -> (Arc<Gateway>, Arc<MemoryAuditSink>, Seen, tempfile::TempDir) {
+    async fn setup(internal: bool) -> (Arc<Gateway>, Arc<MemoryAuditSink>, Seen, tempfile::TempDir) {
         use sha2::Digest;
         let (url, seen) = upstream().await;
         let dir = tempfile::tempdir().unwrap();
@@ -507,7 +521,8 @@ paths:
         headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
         headers.insert("x-private", HeaderValue::from_static("the caller's"));
         for (name, value) in extra {
-            headers.insert(http::HeaderName::from_bytes(name.as_bytes()).unwrap(), HeaderValue::from_str(value).unwrap());
+            headers
+                .insert(http::HeaderName::from_bytes(name.as_bytes()).unwrap(), HeaderValue::from_str(value).unwrap());
         }
         headers
     }
@@ -523,8 +538,7 @@ paths:
     async fn call_tool(gateway: &Arc<Gateway>, name: &str, arguments: Value, extra: &[(&str, &str)]) -> Value {
         let headers = headers(extra);
         let caller = gateway.keys.authenticate(&headers).unwrap();
-        let inbound =
-            Inbound { caller, version: "2025-11-25".into(), session: None, accept: Accept { sse_only: false } };
+        let inbound = Inbound { caller, version: "2025-11-25".into(), session: None, accept: Accept::of(&headers) };
         let message = json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
             "params": {"name": name, "arguments": arguments}});
         let mut request = Request::post("/mcp").body(Body::empty()).unwrap();
@@ -535,7 +549,7 @@ paths:
         serde_json::from_slice(&bytes).unwrap()
     }
 
-    async fn records(audit: &MemoryAuditSink, n: usize) -> Vec<AuditRecord> {
+    async fn recorded(audit: &MemoryAuditSink, n: usize) -> Vec<AuditRecord> {
         for _ in 0..200 {
             if audit.records().len() >= n {
                 break;
@@ -547,17 +561,20 @@ paths:
 
     #[tokio::test]
     async fn a_metered_operation_with_an_id_is_listed_with_its_schema_unless_denied() {
-        let (gateway, _, _, _dir) = gateway(false).await;
-        assert_eq!(listed_names(&gateway, &headers(&[])), ["apis_ocr__ocr_document", "apis_ocr__get_document"]);
+        let (gateway, _, _, _dir) = setup(false).await;
+        assert_eq!(
+            listed_names(&gateway, &headers(&[])),
+            ["apis_ocr__get_document", "apis_ocr__ocr_document", "apis_ocr__echo"]
+        );
         let mcp = gateway.config.mcp.as_ref().unwrap();
         let caller = gateway.keys.authenticate(&headers(&[])).unwrap();
         let access = Access::of(&gateway, mcp, &caller, &headers(&[])).unwrap();
         let listed = tools(&gateway, &access);
-        assert_eq!(listed[0]["title"], "Reads a document");
-        assert_eq!(listed[0]["description"], "Reads a document");
-        assert_eq!(listed[1]["description"], "One document.");
+        assert_eq!(listed[1]["title"], "Reads a document");
+        assert_eq!(listed[1]["description"], "Reads a document");
+        assert_eq!((listed[0]["description"].as_str(), listed[0].get("title")), (Some("One document."), None));
         assert_eq!(
-            listed[0]["inputSchema"],
+            listed[1]["inputSchema"],
             json!({"type": "object",
                 "properties": {"id": {"type": "string"}, "lang": {"type": "string"}, "body": {"$ref": "#/$defs/Document"}},
                 "required": ["id", "lang", "body"],
@@ -566,19 +583,19 @@ paths:
         );
         // A sensitive caller: the backend is external, so no tool is left.
         assert!(listed_names(&gateway, &headers(&[("flexway-sensitive", "true")])).is_empty());
-        let (internal, _, _, _dir) = gateway(true).await;
-        assert_eq!(listed_names(&internal, &headers(&[("flexway-sensitive", "true")])).len(), 2);
+        let (internal, _, _, _dir) = setup(true).await;
+        assert_eq!(listed_names(&internal, &headers(&[("flexway-sensitive", "true")])).len(), 3);
         assert!(is_tool(&gateway, "apis_ocr__secret_dump") && !is_tool(&gateway, "apis_ocr__health"));
     }
 
     #[tokio::test]
     async fn a_call_is_the_rest_operation_charged_per_call_and_recorded_once_as_a_tool() {
-        let (gateway, audit, seen, _dir) = gateway(false).await;
-        let arguments = json!({"id": "a b/c", "lang": "fr", "body": {"pages": ["one", "two"]}});
+        let (gateway, audit, seen, _dir) = setup(false).await;
+        let arguments = json!({"id": "a b", "lang": "fr", "body": {"pages": ["one", "two"]}});
         let answer = call_tool(&gateway, "apis_ocr__ocr_document", arguments, &[("flexway-sensitive", "false")]).await;
         assert_eq!(answer["id"], 7);
         let result = &answer["result"];
-        assert_eq!(result["structuredContent"], json!({"id": "a b/c", "pages": 2}));
+        assert_eq!(result["structuredContent"], json!({"id": "a b", "pages": 2}));
         assert_eq!(serde_json::from_str::<Value>(result["content"][0]["text"].as_str().unwrap()).unwrap()["pages"], 2);
         assert_eq!(result["content"][0]["type"], "text");
         assert_eq!(result.get("isError"), None);
@@ -586,14 +603,14 @@ paths:
         let seen = seen.lock().unwrap().clone();
         assert_eq!(seen.len(), 1);
         let (method, target, headers, body) = &seen[0];
-        assert_eq!((method.as_str(), target.as_str()), ("POST", "/documents/a%20b%2Fc/ocr?lang=fr"));
+        assert_eq!((method.as_str(), target.as_str()), ("POST", "/documents/a%20b/ocr?lang=fr"));
         assert_eq!(headers[header::CONTENT_TYPE], "application/json");
         assert_eq!(serde_json::from_str::<Value>(body).unwrap(), json!({"pages": ["one", "two"]}));
         for private in ["authorization", "x-private", "flexway-sensitive"] {
             assert!(!headers.contains_key(private), "{private} went upstream");
         }
 
-        let records = records(&audit, 1).await;
+        let records = recorded(&audit, 1).await;
         assert_eq!(records.len(), 1, "one record a call");
         let record = &records[0];
         assert_eq!(record.operation, Operation::Mcp);
@@ -605,26 +622,79 @@ paths:
 
     #[tokio::test]
     async fn a_non_2xx_answer_is_a_tool_error_and_not_charged() {
-        let (gateway, audit, _, _dir) = gateway(false).await;
+        let (gateway, audit, _, _dir) = setup(false).await;
         let answer = call_tool(&gateway, "apis_ocr__get_document", json!({"id": "missing"}), &[]).await;
         let result = &answer["result"];
         assert_eq!(result["isError"], true);
         assert_eq!(result["content"][0]["text"], "no such document");
         assert_eq!(result.get("structuredContent"), None);
-        let records = records(&audit, 1).await;
+        let records = recorded(&audit, 1).await;
         assert_eq!((records[0].status, records[0].mcp_status), (404, Some(McpStatus::ToolError)));
         assert_eq!((records[0].cost_micro_eur, records[0].feature.as_deref()), (0, Some("fetch")));
 
         // Served: charged its own price.
         let answer = call_tool(&gateway, "apis_ocr__get_document", json!({"id": 42}), &[]).await;
         assert_eq!(answer["result"]["structuredContent"], json!({"id": "42"}));
-        let records = records(&audit, 2).await;
+        let records = recorded(&audit, 2).await;
         assert_eq!((records[1].cost_micro_eur, records[1].mcp_status), (500, Some(McpStatus::Ok)));
     }
 
     #[tokio::test]
+    async fn a_per_byte_operation_is_charged_its_request_and_answer_bytes() {
+        let (gateway, audit, _, _dir) = setup(false).await;
+        // 15 bytes sent, the same 15 answered: 30 µ€ at 1 µ€ a byte.
+        let answer = call_tool(&gateway, "apis_ocr__echo", json!({"body": {"pages": ["x"]}}), &[]).await;
+        assert_eq!(answer["result"]["content"][0]["text"], r#"{"pages":["x"]}"#);
+        let records = recorded(&audit, 1).await;
+        assert_eq!((records[0].cost_micro_eur, records[0].feature.as_deref()), (30, Some("echo")));
+        assert_eq!(records[0].mcp_status, Some(McpStatus::Ok));
+    }
+
+    /// Through `/mcp` itself: the REST tools in `tools/list`, and called by name.
+    #[tokio::test]
+    async fn over_mcp_the_rest_tools_are_listed_and_called() {
+        use tower::ServiceExt;
+        let (gateway, audit, _, _dir) = setup(false).await;
+        let post = |message: Value, session: Option<String>| {
+            let gateway = gateway.clone();
+            async move {
+                let mut request = Request::post("/mcp")
+                    .header("authorization", "Bearer k")
+                    .header("content-type", "application/json")
+                    .header("accept", "application/json, text/event-stream")
+                    .header("mcp-protocol-version", "2025-11-25");
+                if let Some(session) = session {
+                    request = request.header("mcp-session-id", session);
+                }
+                let request = request.body(Body::from(message.to_string())).unwrap();
+                let response = crate::http::app(gateway).oneshot(request).await.unwrap();
+                let session = response.headers().get("mcp-session-id").map(|v| v.to_str().unwrap().to_owned());
+                let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+                (session, serde_json::from_slice::<Value>(&bytes).unwrap())
+            }
+        };
+        let initialize = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}});
+        let (session, _) = post(initialize, None).await;
+        let list = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}});
+        let (_, listed) = post(list, session.clone()).await;
+        let names: Vec<_> = listed["result"]["tools"].as_array().unwrap().iter().map(|t| t["name"].clone()).collect();
+        assert_eq!(names, [json!("apis_ocr__get_document"), json!("apis_ocr__ocr_document"), json!("apis_ocr__echo")]);
+        let call = json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+            "params": {"name": "apis_ocr__get_document", "arguments": {"id": "7"}}});
+        let (_, answer) = post(call, session).await;
+        assert_eq!(
+            (answer["id"].clone(), answer["result"]["structuredContent"].clone()),
+            (json!(2), json!({"id": "7"}))
+        );
+        let records = recorded(&audit, 1).await;
+        assert_eq!((records[0].operation, records[0].tool.as_deref()), (Operation::Mcp, Some("get_document")));
+        assert_eq!(records[0].cost_micro_eur, 500);
+    }
+
+    #[tokio::test]
     async fn a_denied_or_unknown_tool_and_bad_arguments_are_invalid_params_sending_nothing() {
-        let (gateway, audit, seen, _dir) = gateway(false).await;
+        let (gateway, audit, seen, _dir) = setup(false).await;
         for name in ["apis_ocr__secret_dump", "apis_ocr__health", "apis_ocr__nothing"] {
             let answer = call_tool(&gateway, name, json!({}), &[]).await;
             assert_eq!(answer["error"]["code"], wire::INVALID_PARAMS, "{name}");
@@ -636,6 +706,7 @@ paths:
             json!({"id": "x", "lang": "fr", "body": {}, "extra": 1}),
             json!({"id": {"nested": 1}, "lang": "fr", "body": {}}),
             json!({"id": "..", "lang": "fr", "body": {}}),
+            json!({"id": "a/b", "lang": "fr", "body": {}}),
         ];
         for arguments in bad {
             let answer = call_tool(&gateway, "apis_ocr__ocr_document", arguments.clone(), &[]).await;
@@ -645,7 +716,8 @@ paths:
         let answer = call_tool(&gateway, "apis_ocr__get_document", json!({"id": "latest"}), &[]).await;
         assert_eq!(answer["error"]["code"], wire::INVALID_PARAMS);
         assert!(seen.lock().unwrap().is_empty());
-        let records = records(&audit, 9).await;
-        assert!(records.iter().all(|r| r.cost_micro_eur == 0 && r.mcp_status == Some(McpStatus::Error)));
+        let records = recorded(&audit, 10).await;
+        assert_eq!(records.len(), 10, "each call recorded once");
+        assert!(records.iter().all(|r| r.cost_micro_eur == 0 && r.mcp_status != Some(McpStatus::Ok)));
     }
 }
