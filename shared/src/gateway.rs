@@ -296,6 +296,8 @@ pub struct McpState {
     pub auth: std::collections::BTreeMap<String, http::HeaderMap>,
     /// One breaker per server, keyed by its name.
     pub breakers: Arc<Breakers>,
+    /// `mcp.oauth`'s JWT verifier (its key set fetched on first use).
+    pub verifier: Option<crate::identity::jwt::Verifier>,
     /// Upstream sessions opened again after their server forgot them: (server, the id
     /// a sealed session carries) → the id in use. Per process, bounded: a session id
     /// the client still holds keeps working without a new `initialize`.
@@ -346,6 +348,10 @@ impl McpState {
             key,
             auth,
             breakers: Arc::new(breakers),
+            verifier: mcp
+                .oauth
+                .as_ref()
+                .map(|oauth| crate::identity::jwt::Verifier::new(oauth, reqwest::Client::new())),
             renewed: Mutex::new(std::collections::HashMap::new()),
         }
     }

@@ -410,6 +410,11 @@ impl Ending {
         self.draft.first_byte();
     }
 
+    /// How a tool call ended, as the relay of its stream read it (SPEC §17).
+    pub fn mcp_status(&mut self, status: crate::audit::McpStatus) {
+        self.draft.mcp_status(status);
+    }
+
     /// A realtime session's charge.
     pub fn turns(&self) -> Option<&Turns> {
         match &self.charge {

@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 use tower::{Layer, Service};
 
 use super::super::admit::{Metered, reserve, sensitive_and_residency};
-use super::super::drive::{self, Call, Charge, Ended, Reply, Spent, drive};
+use super::super::drive::{self, Call, Charge, Ended, Ending, Reply, Spent, drive};
 use super::super::record::Draft;
 use super::{Accept, Access, Inbound, federation};
 use crate::audit::McpStatus;
@@ -35,7 +35,7 @@ use crate::config::{AiOperation, BackendId, Capability, GrpcMetering};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
-use crate::mcp::upstream::UpstreamError;
+use crate::mcp::upstream::{Answer, UpstreamError};
 use crate::mcp::wire;
 use crate::metering::Meter;
 use crate::routing::breaker::{self, BreakerLayer, Classify, Outcome, Passed};
@@ -178,15 +178,11 @@ impl drive::Door for ToolCall {
         // Sent once, through the server's breaker.
         let mut upstream = self.message.clone();
         upstream["params"]["name"] = Value::String(tool);
-        let id = &self.id;
         let sending = |_: ()| {
             let (target, server, upstream) = (&target, &server, &upstream);
             async move {
                 let sent = federation::send(state, target, server, inbound.session.as_ref(), upstream).await;
-                match sent {
-                    Ok(answer) => federation::response(answer, id).await.map(Sent).map_err(Failed),
-                    Err(e) => Err(Failed(e)),
-                }
+                sent.map(Sent).map_err(Failed)
             }
         };
         let started = std::time::Instant::now();
@@ -199,33 +195,39 @@ impl drive::Door for ToolCall {
             Err(refused) => Err(refused),
         };
         draft.waited(started.elapsed());
-        let message = match answered {
-            Ok(Passed { answer: Sent(Some(message)), .. }) => message,
-            Ok(Passed { answer: Sent(None), .. }) => return Err(Refusal::Unanswered { server, timeout: false }),
+        let answer = match answered {
+            Ok(Passed { answer: Sent(answer), .. }) => answer,
             Err(breaker::Refused::Open) => return Err(Refusal::Open(server)),
-            Err(breaker::Refused::Failed(Failed(e))) => {
-                tracing::warn!(server, "mcp: tools/call had no answer: {e:?}");
-                let timeout = matches!(e, UpstreamError::Timeout);
-                return Err(Refusal::Unanswered { server, timeout });
+            Err(breaker::Refused::Failed(Failed(e))) => return Err(unanswered(server, &e)),
+        };
+        let message = match answer {
+            Answer::Json { message, .. } => message,
+            Answer::Accepted => return Err(Refusal::Unanswered { server, timeout: false }),
+            // Relayed event by event (progress first, the result last).
+            Answer::Stream(events) if self.inbound.accept.sse => {
+                draft.streaming();
+                let carried = inbound.session.as_ref().and_then(|s| s.upstream.get(&server));
+                let cancel = Cancel {
+                    gateway: gateway.clone(),
+                    server: server.clone(),
+                    version: inbound.version.clone(),
+                    session: carried.map(|carried| state.session_in_use(&server, carried)),
+                    id: self.id.clone(),
+                    done: false,
+                };
+                return Ok(Reply::Relay(Box::new(Streamed { events, id: self.id.clone(), server, cancel })));
             }
+            Answer::Stream(events) => match federation::response(Answer::Stream(events), &self.id).await {
+                Ok(Some(message)) => message,
+                Ok(None) => return Err(Refusal::Unanswered { server, timeout: false }),
+                Err(e) => return Err(unanswered(server, &e)),
+            },
         };
         draft.first_byte();
-        let (status, code, served) = match message.get("result") {
-            Some(result) if result.get("isError").and_then(Value::as_bool) == Some(true) => {
-                (McpStatus::ToolError, None, true)
-            }
-            Some(_) => (McpStatus::Ok, None, true),
-            None => (McpStatus::Error, Some(ErrorCode::UpstreamError), false),
-        };
+        let (status, ended) = outcome(&message);
         draft.mcp_status(status);
         let mut message = message;
         message["id"] = self.id.clone();
-        let ended = Ended {
-            status: 200,
-            code,
-            spent: Spent::Metered { answered: true, served, kept: None },
-            finish_reasons: Vec::new(),
-        };
         Ok(Reply::Now(self.inbound.accept.answer(&message), ended))
     }
 
@@ -234,9 +236,104 @@ impl drive::Door for ToolCall {
     }
 }
 
-/// A server's answer (or the lack of one, for a notification), as its breaker hears
-/// it: the server is up.
-struct Sent(Option<Value>);
+/// How a call answered `message` ended: charged on a result (`isError: true` too: the
+/// tool ran), refunded on a JSON-RPC error.
+fn outcome(message: &Value) -> (McpStatus, Ended) {
+    let (status, code, served) = match message.get("result") {
+        Some(result) if result.get("isError").and_then(Value::as_bool) == Some(true) => {
+            (McpStatus::ToolError, None, true)
+        }
+        Some(_) => (McpStatus::Ok, None, true),
+        None => (McpStatus::Error, Some(ErrorCode::UpstreamError), false),
+    };
+    let spent = Spent::Metered { answered: true, served, kept: None };
+    (status, Ended { status: 200, code, spent, finish_reasons: Vec::new() })
+}
+
+fn unanswered(server: String, error: &UpstreamError) -> Refusal {
+    tracing::warn!(server, "mcp: tools/call had no answer: {error:?}");
+    Refusal::Unanswered { server, timeout: matches!(error, UpstreamError::Timeout) }
+}
+
+/// A tool call's upstream stream, relayed to the client event by event; the call ends
+/// at the event that answers it (charged or refunded as [`outcome`] says), or when
+/// the stream ends or fails without one (refunded). A client that leaves drops the
+/// relay: the call is recorded abandoned and refunded (the driver's guards).
+struct Streamed {
+    events: crate::mcp::upstream::Events,
+    id: Value,
+    server: String,
+    cancel: Cancel,
+}
+
+/// Sends `notifications/cancelled` for the call upstream if dropped before the call
+/// ended: the client left its stream.
+struct Cancel {
+    gateway: Arc<Gateway>,
+    server: String,
+    version: String,
+    session: Option<String>,
+    id: Value,
+    done: bool,
+}
+
+impl Drop for Cancel {
+    fn drop(&mut self) {
+        if self.done || tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        let (gateway, server, version) = (self.gateway.clone(), self.server.clone(), self.version.clone());
+        let session = self.session.take();
+        let params = json!({"requestId": self.id, "reason": "the client closed its stream"});
+        let message = json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": params});
+        tokio::spawn(async move {
+            let (Some(mcp), Some(state)) = (gateway.config.mcp.as_ref(), gateway.mcp.as_ref()) else { return };
+            if let Some(target) = federation::target(mcp, state, &server, &version) {
+                let _ = state.client.send(&target, session.as_deref(), &message).await;
+            }
+        });
+    }
+}
+
+impl drive::Relay for Streamed {
+    fn respond(self: Box<Self>, ending: Ending, _: Option<super::super::Deadline>) -> Response {
+        let relay = futures_util::stream::unfold(Some((ending, *self)), |state| async move {
+            let (mut ending, mut this) = state?;
+            match this.events.next().await {
+                Some(Ok(mut message)) => {
+                    let answers = message.get("result").is_some() || message.get("error").is_some();
+                    ending.first_byte();
+                    if answers && message.get("id") == Some(&this.id) {
+                        let (status, ended) = outcome(&message);
+                        message["id"] = this.id.clone();
+                        ending.mcp_status(status);
+                        this.cancel.done = true;
+                        ending.end(ended).await;
+                        return Some((Ok::<_, std::convert::Infallible>(super::sse_event(&message)), None));
+                    }
+                    Some((Ok(super::sse_event(&message)), Some((ending, this))))
+                }
+                other => {
+                    let timeout = matches!(other, Some(Err(UpstreamError::Timeout)));
+                    if let Some(Err(e)) = other {
+                        tracing::warn!(server = this.server, "mcp: a tool call's stream failed: {e:?}");
+                    }
+                    this.cancel.done = true;
+                    let spent = Spent::Metered { answered: false, served: false, kept: None };
+                    let code = Some(ErrorCode::UpstreamError);
+                    ending.end(Ended { status: 200, code, spent, finish_reasons: Vec::new() }).await;
+                    // The client's request still gets its answer: an error.
+                    let refusal = Refusal::Unanswered { server: this.server, timeout };
+                    Some((Ok(super::sse_event(&refusal.message(this.id))), None))
+                }
+            }
+        });
+        super::event_stream(axum::body::Body::from_stream(relay))
+    }
+}
+
+/// A server's answer, as its breaker hears it: the server is up.
+struct Sent(Answer);
 
 /// No answer, as the breaker hears it: a failure, but a session the server forgot
 /// (which says nothing of its health).

@@ -121,9 +121,40 @@ async fn identify(gateway: &Gateway, mcp: &Mcp, headers: &HeaderMap) -> Result<C
     jwt_caller(gateway, oauth, headers).await
 }
 
-/// A JWT's caller (`identity::jwt`): not in this build yet, so none is accepted.
-async fn jwt_caller(_: &Gateway, _: &McpOauth, headers: &HeaderMap) -> Result<Caller, Response> {
-    Err(unauthorized(headers, "the token is not a Flexway key"))
+/// A JWT's caller (`identity::jwt`).
+async fn jwt_caller(gateway: &Gateway, oauth: &McpOauth, headers: &HeaderMap) -> Result<Caller, Response> {
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .map(str::trim)
+        .filter(|t| !t.is_empty());
+    let Some(token) = token else { return Err(unauthorized(headers, "a Bearer token is required")) };
+    let Some(verifier) = gateway.mcp.as_ref().and_then(|state| state.verifier.as_ref()) else {
+        return Err(unauthorized(headers, "the token is not a Flexway key"));
+    };
+    let claims = match verifier.verify(token).await {
+        Ok(claims) => claims,
+        Err(e) => {
+            tracing::info!("mcp: a JWT was refused: {e}");
+            return Err(unauthorized(headers, "the token is not valid for this resource"));
+        }
+    };
+    let config = &gateway.config;
+    let Some((tenant, declared)) = config.tenants.get_key_value(claims.tenant.as_str()) else {
+        return Err(unauthorized(headers, "the token's tenant is not declared"));
+    };
+    let agent = match &claims.agent {
+        Some(agent) => match declared.agents.keys().find(|a| a.as_str() == agent) {
+            Some(agent) => Some(agent.clone()),
+            None => return Err(unauthorized(headers, "the token's agent is not declared")),
+        },
+        None => None,
+    };
+    // What the audit hashes as the caller's key: the token's issuer and subject.
+    let subject = format!("jwt\u{0}{}\u{0}{}", oauth.issuer, claims.subject.as_deref().unwrap_or(""));
+    let key_sha256 = <sha2::Sha256 as sha2::Digest>::digest(subject.as_bytes()).into();
+    Ok(Caller { tenant: tenant.clone(), agent, key_sha256, relay_peer: false, key_limits: Default::default() })
 }
 
 /// What the caller may reach: its tenant's and agent's narrowing, its sensitivity and
@@ -177,6 +208,9 @@ impl<'a> Access<'a> {
 pub(super) struct Accept {
     /// Only `text/event-stream`: an answer is one SSE event.
     pub sse_only: bool,
+    /// `text/event-stream` among others: a tool call's upstream stream is relayed as
+    /// it comes.
+    pub sse: bool,
 }
 
 impl Accept {
@@ -184,25 +218,35 @@ impl Accept {
         let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).unwrap_or("");
         let sse = accept.contains("text/event-stream");
         let json = accept.is_empty() || accept.contains("application/json") || accept.contains("*/*");
-        Accept { sse_only: sse && !json }
+        Accept { sse_only: sse && !json, sse }
     }
 
     /// A JSON-RPC message as the client takes it, on HTTP 200.
     pub fn answer(self, message: &Value) -> Response {
-        let body = serde_json::to_vec(message).unwrap_or_default();
         if self.sse_only {
-            let mut event = b"event: message\ndata: ".to_vec();
-            event.extend_from_slice(&body);
-            event.extend_from_slice(b"\n\n");
-            let mut response = Response::new(Body::from(event));
-            response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-            response.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-            return response;
+            return event_stream(Body::from(sse_event(message)));
         }
+        let body = serde_json::to_vec(message).unwrap_or_default();
         let mut response = Response::new(Body::from(body));
         response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         response
     }
+}
+
+/// `message` as one SSE event.
+pub(super) fn sse_event(message: &Value) -> Vec<u8> {
+    let mut event = b"event: message\ndata: ".to_vec();
+    event.extend_from_slice(&serde_json::to_vec(message).unwrap_or_default());
+    event.extend_from_slice(b"\n\n");
+    event
+}
+
+/// An answer of SSE events.
+pub(super) fn event_stream(body: Body) -> Response {
+    let mut response = Response::new(body);
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    response.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
 }
 
 /// A JSON-RPC error on an HTTP status (a message the door could not take).

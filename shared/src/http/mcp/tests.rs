@@ -56,6 +56,10 @@ async fn fake(State(seen): State<Shared>, headers: HeaderMap, body: String) -> R
             return ([("mcp-session-id", session)], axum::Json(body)).into_response();
         }
         "notifications/initialized" => return StatusCode::ACCEPTED.into_response(),
+        "notifications/cancelled" => {
+            seen.calls.push(format!("cancelled {}", message["params"]["requestId"]));
+            return StatusCode::ACCEPTED.into_response();
+        }
         "tools/list" => json!({"tools": [
             {"name": "search", "description": "Searches.", "inputSchema": {"type": "object"}},
             {"name": "admin_delete", "inputSchema": {"type": "object"}},
@@ -72,6 +76,16 @@ async fn fake(State(seen): State<Shared>, headers: HeaderMap, body: String) -> R
                 "broken" => {
                     let error = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32603, "message": "boom"}});
                     return axum::Json(error).into_response();
+                }
+                "hanging" => {
+                    let progress = json!({"jsonrpc": "2.0", "method": "notifications/progress",
+                        "params": {"progressToken": 1, "progress": 1}});
+                    let first = futures_util::stream::iter([Ok::<_, std::convert::Infallible>(format!(
+                        "event: message\ndata: {progress}\n\n"
+                    ))]);
+                    let body =
+                        Body::from_stream(futures_util::StreamExt::chain(first, futures_util::stream::pending()));
+                    return ([("content-type", "text/event-stream")], body).into_response();
                 }
                 "streamed" => {
                     let progress = json!({"jsonrpc": "2.0", "method": "notifications/progress",
@@ -96,10 +110,15 @@ async fn fake(State(seen): State<Shared>, headers: HeaderMap, body: String) -> R
     axum::Json(json!({"jsonrpc": "2.0", "id": id, "result": result})).into_response()
 }
 
-/// A fake MCP server on loopback; its address and what it saw.
-async fn server() -> (String, Shared) {
+/// A fake MCP server on loopback (and an identity provider's key set, `/jwks`); its
+/// address and what it saw.
+async fn server(jwks: Value) -> (String, Shared) {
     let seen = Shared::default();
-    let app = axum::Router::new().route("/mcp", axum::routing::post(fake)).with_state(seen.clone());
+    let keys = move || std::future::ready(axum::Json(jwks.clone()));
+    let app = axum::Router::new()
+        .route("/mcp", axum::routing::post(fake))
+        .route("/jwks", axum::routing::get(keys))
+        .with_state(seen.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
@@ -121,11 +140,17 @@ fn mcp_server(url: &str) -> McpServer {
 /// A gateway whose `/mcp` federates `search` (the fake server) and `down` (nothing
 /// listening), key `k` for tenant `acme`.
 async fn gateway() -> (Arc<Gateway>, Arc<MemoryAuditSink>, Shared) {
+    build(json!({"keys": []}), false, "").await
+}
+
+/// The same, accepting JWTs of `https://idp.example` signed by a key of `jwks` when
+/// `oauth`, its tenant declared with `tenant` too (`budgets: …`).
+async fn build(jwks: Value, oauth: bool, tenant: &str) -> (Arc<Gateway>, Arc<MemoryAuditSink>, Shared) {
     use sha2::Digest;
-    let (url, seen) = server().await;
+    let (url, seen) = server(jwks).await;
     let yaml = format!(
-        "version: 1\ntenants:\n  acme:\n    keys: [{{sha256: {}}}]\nai:\n  default_backend: a\n  backends:\n    \
-         a: {{url: 'http://127.0.0.1:9/v1'}}\n",
+        "version: 1\ntenants:\n  acme:\n    keys: [{{sha256: {}}}]\n{tenant}ai:\n  default_backend: a\n  \
+         backends:\n    a: {{url: 'http://127.0.0.1:9/v1'}}\n",
         hex::encode(sha2::Sha256::digest(b"k"))
     );
     let env = std::collections::HashMap::from([("MCP_TOKEN".to_owned(), TOKEN.to_owned())]);
@@ -134,7 +159,14 @@ async fn gateway() -> (Arc<Gateway>, Arc<MemoryAuditSink>, Shared) {
         ("search".to_owned(), mcp_server(&url)),
         ("down".to_owned(), mcp_server("http://127.0.0.1:9/mcp")),
     ]);
-    loaded.config.mcp = Some(Mcp { servers, session_key: None, oauth: None, expose_rest: false });
+    let oauth = oauth.then(|| crate::config::McpOauth {
+        issuer: "https://idp.example".into(),
+        audience: "https://gw.example/mcp".into(),
+        jwks_url: url.replace("/mcp", "/jwks"),
+        tenant_claim: "tenant".into(),
+        agent_claim: Some("agent".into()),
+    });
+    loaded.config.mcp = Some(Mcp { servers, session_key: None, oauth, expose_rest: false });
     if let Some(tenant) = loaded.config.tenants.values_mut().next() {
         tenant.mcp = McpNarrowing::default();
     }
@@ -151,8 +183,17 @@ async fn gateway() -> (Arc<Gateway>, Arc<MemoryAuditSink>, Shared) {
 
 /// `POST /mcp` with `message` and `headers`; the status, headers and body.
 async fn post(gateway: &Arc<Gateway>, headers: &[(&str, &str)], message: Value) -> (StatusCode, HeaderMap, Value) {
+    post_as(gateway, "k", headers, message).await
+}
+
+async fn post_as(
+    gateway: &Arc<Gateway>,
+    bearer: &str,
+    headers: &[(&str, &str)],
+    message: Value,
+) -> (StatusCode, HeaderMap, Value) {
     let mut request = Request::post("/mcp")
-        .header("authorization", "Bearer k")
+        .header("authorization", format!("Bearer {bearer}"))
         .header("content-type", "application/json")
         .header("accept", "application/json, text/event-stream");
     for (name, value) in headers {
@@ -240,11 +281,44 @@ async fn a_tool_call_is_charged_and_recorded_once_and_refunded_on_an_error() {
     assert_eq!(flaky["result"]["isError"], true);
     let broken = in_session(&gateway, &session, 4, "tools/call", json!({"name": "search__broken"})).await;
     assert_eq!(broken["error"]["message"], "boom");
-    let streamed = in_session(&gateway, &session, 5, "tools/call", json!({"name": "search__streamed"})).await;
-    assert_eq!(streamed["result"]["content"][0]["text"], "streamed", "{streamed}");
+    // A client that takes SSE gets the server's stream event by event; one that takes
+    // JSON only, the answer.
+    let call = json!({"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": {"name": "search__streamed"}});
+    let request = Request::post("/mcp")
+        .header("authorization", "Bearer k")
+        .header("accept", "application/json, text/event-stream")
+        .header("mcp-session-id", &session)
+        .header("mcp-protocol-version", "2025-11-25")
+        .body(Body::from(call.to_string()))
+        .unwrap();
+    let response = crate::http::app(gateway.clone()).oneshot(request).await.unwrap();
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    let text =
+        String::from_utf8(axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap().to_vec()).unwrap();
+    let progress = text.find("notifications/progress").unwrap();
+    let result = text.find("\"text\":\"streamed\"").unwrap();
+    assert!(progress < result, "{text}");
+    let headers =
+        [("mcp-session-id", session.as_str()), ("mcp-protocol-version", "2025-11-25"), ("accept", "application/json")];
+    let mut call = call;
+    call["id"] = json!(6);
+    let request = Request::post("/mcp")
+        .header("authorization", "Bearer k")
+        .header(headers[2].0, headers[2].1)
+        .header(headers[0].0, headers[0].1)
+        .header(headers[1].0, headers[1].1)
+        .body(Body::from(call.to_string()))
+        .unwrap();
+    let response = crate::http::app(gateway.clone()).oneshot(request).await.unwrap();
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+    let streamed: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(
+        (streamed["id"].clone(), streamed["result"]["content"][0]["text"].clone()),
+        (json!(6), json!("streamed"))
+    );
 
-    let records = records(&audit, 4).await;
-    assert_eq!(records.len(), 4, "one record a call, none for initialize or lists");
+    let records = records(&audit, 5).await;
+    assert_eq!(records.len(), 5, "one record a call, none for initialize or lists");
     let summary: Vec<_> = records
         .iter()
         .map(|r| {
@@ -257,6 +331,7 @@ async fn a_tool_call_is_charged_and_recorded_once_and_refunded_on_an_error() {
             ("search", McpStatus::Ok, 1_000, "search"),
             ("flaky", McpStatus::ToolError, 2_500, "search"),
             ("broken", McpStatus::Error, 0, "search"),
+            ("streamed", McpStatus::Ok, 1_000, "search"),
             ("streamed", McpStatus::Ok, 1_000, "search"),
         ]
     );
@@ -352,4 +427,98 @@ async fn without_mcp_configured_the_door_is_not_there() {
     let request = Request::post("/mcp").header("authorization", "Bearer k").body(Body::from("{}")).unwrap();
     let response = crate::http::app(gateway).oneshot(request).await.unwrap();
     assert_eq!(response.status(), StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn a_jwt_of_the_issuer_for_a_declared_tenant_is_a_caller() {
+    use base64::Engine;
+    use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    use ring::signature::{ECDSA_P256_SHA256_FIXED_SIGNING, EcdsaKeyPair, KeyPair};
+    let rng = ring::rand::SystemRandom::new();
+    let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &rng).unwrap();
+    let key = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8.as_ref(), &rng).unwrap();
+    let point = key.public_key().as_ref();
+    let b64 = |bytes: &[u8]| URL_SAFE_NO_PAD.encode(bytes);
+    let jwk = json!({"kty": "EC", "kid": "k1", "crv": "P-256", "x": b64(&point[1..33]), "y": b64(&point[33..])});
+    let (gateway, audit, seen) = build(json!({"keys": [jwk]}), true, "").await;
+    let token = |tenant: &str| {
+        let now = crate::budget::period::unix_now();
+        let header = json!({"alg": "ES256", "typ": "JWT", "kid": "k1"});
+        let claims = json!({"iss": "https://idp.example", "aud": "https://gw.example/mcp", "sub": "user-7",
+            "tenant": tenant, "exp": now + 300, "nbf": now - 10});
+        let signed = format!("{}.{}", b64(header.to_string().as_bytes()), b64(claims.to_string().as_bytes()));
+        let signature = key.sign(&rng, signed.as_bytes()).unwrap();
+        format!("{signed}.{}", b64(signature.as_ref()))
+    };
+    let call = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "search__search"}});
+    let headers =
+        [("mcp-protocol-version", "2026-07-28"), ("mcp-method", "tools/call"), ("mcp-name", "search__search")];
+    let (status, _, body) = post_as(&gateway, &token("acme"), &headers, call.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["result"]["content"][0]["text"], "found");
+    let records = records(&audit, 1).await;
+    assert_eq!(records[0].tenant, "acme");
+    assert!(seen.lock().unwrap().authorizations.iter().all(|a| a == &format!("Bearer {TOKEN}")), "never the JWT");
+
+    let (status, headers_back, _) = post_as(&gateway, &token("globex"), &headers, call).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "a tenant the configuration does not declare");
+    assert!(headers_back.contains_key("www-authenticate"));
+
+    let request = Request::get("/.well-known/oauth-protected-resource/mcp").body(Body::empty()).unwrap();
+    let response = crate::http::app(gateway.clone()).oneshot(request).await.unwrap();
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+    let document: Value = serde_json::from_slice(&bytes).unwrap();
+    let expected = json!({"resource": "https://gw.example/mcp", "authorization_servers": ["https://idp.example"],
+        "bearer_methods_supported": ["header"]});
+    assert_eq!(document, expected);
+}
+
+#[tokio::test]
+async fn a_call_past_the_budget_is_refused_before_it_is_sent_and_an_error_costs_nothing() {
+    // 1.5 thousandths of a euro: one search (1 thousandth) fits, two do not.
+    let (gateway, audit, seen) = build(json!({"keys": []}), false, "    budgets: {eur_per_month: 0.0015}\n").await;
+    let session = initialize(&gateway).await;
+    let broken = in_session(&gateway, &session, 1, "tools/call", json!({"name": "search__broken"})).await;
+    assert_eq!(broken["error"]["message"], "boom");
+    let ok = in_session(&gateway, &session, 2, "tools/call", json!({"name": "search__search"})).await;
+    assert_eq!(ok["result"]["content"][0]["text"], "found", "the error's reservation was refunded: {ok}");
+    let refused = in_session(&gateway, &session, 3, "tools/call", json!({"name": "search__search"})).await;
+    assert_eq!(refused["error"]["code"], -32000, "{refused}");
+    assert_eq!(refused["error"]["data"]["flexway_code"], "budget_exceeded");
+    assert!(refused["error"]["data"].get("retry_after_s").is_some());
+    assert_eq!(seen.lock().unwrap().calls, ["broken", "search"], "the refused call was never sent");
+    let records = records(&audit, 3).await;
+    let last = &records[2];
+    assert_eq!(
+        (last.mcp_status, last.error_code, last.cost_micro_eur),
+        (Some(McpStatus::Error), Some(crate::call::ErrorCode::BudgetExceeded), 0)
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_a_streamed_call_cancels_it_upstream_and_is_refunded() {
+    let (gateway, audit, seen) = gateway().await;
+    let session = initialize(&gateway).await;
+    let call = json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {"name": "search__hanging"}});
+    let request = Request::post("/mcp")
+        .header("authorization", "Bearer k")
+        .header("accept", "application/json, text/event-stream")
+        .header("mcp-session-id", &session)
+        .header("mcp-protocol-version", "2025-11-25")
+        .body(Body::from(call.to_string()))
+        .unwrap();
+    let response = crate::http::app(gateway.clone()).oneshot(request).await.unwrap();
+    let mut body = response.into_body();
+    let first = http_body_util::BodyExt::frame(&mut body).await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(first.data_ref().unwrap()).contains("notifications/progress"));
+    drop(body);
+    let records = records(&audit, 1).await;
+    assert_eq!((records[0].status, records[0].cost_micro_eur, records[0].mcp_status), (499, 0, Some(McpStatus::Error)));
+    for _ in 0..200 {
+        if seen.lock().unwrap().calls.len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(seen.lock().unwrap().calls, ["hanging", "cancelled 9"]);
 }
