@@ -11,6 +11,7 @@
 #![cfg(test)]
 
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use fake_mcp::FakeMcp;
@@ -30,11 +31,20 @@ struct Agent {
     key: String,
     sensitive: bool,
     session: Option<String>,
+    /// The next request's id: unique in the session, as JSON-RPC requires.
+    ids: AtomicU64,
 }
 
 impl Agent {
     fn new(gateway: &str, key: &str) -> Agent {
-        Agent { http: client(), url: format!("{gateway}/mcp"), key: key.into(), sensitive: false, session: None }
+        Agent {
+            http: client(),
+            url: format!("{gateway}/mcp"),
+            key: key.into(),
+            sensitive: false,
+            session: None,
+            ids: AtomicU64::new(1),
+        }
     }
 
     fn sensitive(mut self) -> Agent {
@@ -78,7 +88,8 @@ impl Agent {
     async fn tools(&self) -> Vec<String> {
         let mut names = Vec::new();
         let mut cursor: Option<Value> = None;
-        for id in 1.. {
+        loop {
+            let id = self.ids.fetch_add(1, Ordering::Relaxed);
             let params = cursor.as_ref().map(|c| json!({"cursor": c})).unwrap_or_else(|| json!({}));
             let body = json!({"jsonrpc": "2.0", "id": id, "method": "tools/list", "params": params});
             let list = answer(self.post(&body).send().await.unwrap()).await;
@@ -99,7 +110,8 @@ impl Agent {
     }
 
     async fn call_response(&self, name: &str, arguments: Value) -> reqwest::Response {
-        let body = json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call",
+        let id = self.ids.fetch_add(1, Ordering::Relaxed);
+        let body = json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
             "params": {"name": name, "arguments": arguments}});
         self.post(&body).send().await.unwrap()
     }
@@ -140,7 +152,7 @@ tenants:
       - {{sha256: {agent_key}, agent: bot}}
     budgets: {budgets}
     agents:
-      bot: {{}}
+      bot: {{budgets: {{eur_per_month: 1}}}}
     {narrowing}
 ai:
   default_backend: main
@@ -310,7 +322,11 @@ async fn a_denied_tool_is_invisible_and_answered_as_an_unknown_one() {
         let refused = caller.call(denied, json!({"text": "x", "ms": 1})).await;
         let unknown = format!("{}__no_such_tool", denied.split("__").next().unwrap());
         let as_unknown = caller.call(&unknown, json!({})).await;
-        let shape = |answer: &Value, name: &str| answer.to_string().replace(name, "NAME");
+        let shape = |answer: &Value, name: &str| {
+            let mut answer = answer.clone();
+            answer["id"] = json!("ID");
+            answer.to_string().replace(name, "NAME")
+        };
         assert_eq!(shape(&refused, denied), shape(&as_unknown, &unknown), "{denied} is answered as an unknown tool");
         assert_eq!(refused["error"]["code"], -32602);
     }
@@ -378,6 +394,7 @@ async fn a_session_opened_on_one_process_is_continued_on_another() {
 
     let mut moved = Agent::new(&second.url, KEY);
     moved.session = agent.session.clone();
+    moved.ids = AtomicU64::new(1000);
     assert_eq!(text_of(&moved.call("tools__echo", json!({"text": "on the second"})).await), "on the second");
     assert_eq!(server.initializations(), opened, "the upstream session travelled with the id");
     assert_eq!(server.calls("echo"), 2);
