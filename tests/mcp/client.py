@@ -55,13 +55,25 @@ def main() -> None:
     args = parser.parse_args()
     try:
         out = asyncio.run(run(args))
-    except MCPError as error:
-        print(json.dumps({"error": error.error.message, "code": error.error.code, "data": error.error.data}), file=sys.stderr)
-        sys.exit(1)
-    except Exception as error:  # a transport failure: the whole story on stderr
-        print(json.dumps({"error": repr(error)}), file=sys.stderr)
+    except Exception as error:
+        # The SDK's task groups wrap what was raised: the JSON-RPC error, if one is inside.
+        rpc = first_rpc_error(error)
+        if rpc is not None:
+            print(json.dumps({"error": rpc.error.message, "code": rpc.error.code, "data": rpc.error.data}), file=sys.stderr)
+        else:  # a transport failure: the whole story
+            print(json.dumps({"error": repr(error)}), file=sys.stderr)
         sys.exit(1)
     print(json.dumps(out))
+
+
+def first_rpc_error(error: BaseException) -> MCPError | None:
+    if isinstance(error, MCPError):
+        return error
+    for inner in getattr(error, "exceptions", ()):
+        found = first_rpc_error(inner)
+        if found is not None:
+            return found
+    return None
 
 
 if __name__ == "__main__":
