@@ -47,6 +47,8 @@ pub(super) struct Draft {
     caller: CallerIdentity,
     /// The status and code recorded if the call is dropped before it ends.
     abandoned: (u16, ErrorCode),
+    /// A tool call's `mcp_status` follows the status it ends with.
+    mcp_by_answer: bool,
 }
 
 /// What the call's telemetry span needs beyond its audit record.
@@ -135,6 +137,7 @@ impl Draft {
                 forwarded: gateway.upstreams.forwardable(headers),
             },
             abandoned: (CLIENT_CLOSED_REQUEST, ErrorCode::ClientClosedRequest),
+            mcp_by_answer: false,
         }
     }
 
@@ -161,6 +164,12 @@ impl Draft {
     /// How a tool call ended; a call that ends without one noted is `error`.
     pub fn mcp_status(&mut self, status: crate::audit::McpStatus) {
         self.record.mcp_status = Some(status);
+    }
+
+    /// A tool call whose outcome is its relayed answer's (a REST operation as a tool):
+    /// `ok` for a 2xx, `tool_error` for another answer, `error` for none.
+    pub fn mcp_status_by_answer(&mut self) {
+        self.mcp_by_answer = true;
     }
 
     /// What the response cache did (SPEC §16); a later note (`stored`) replaces an
@@ -409,7 +418,12 @@ impl Draft {
         };
         let mut record = std::mem::replace(&mut self.record, husk);
         if record.mcp_server.is_some() && record.mcp_status.is_none() {
-            record.mcp_status = Some(crate::audit::McpStatus::Error);
+            use crate::audit::McpStatus;
+            record.mcp_status = Some(match (self.mcp_by_answer, error_code) {
+                (true, None) if (200..300).contains(&status) => McpStatus::Ok,
+                (true, None) => McpStatus::ToolError,
+                _ => McpStatus::Error,
+            });
         }
         record.ts = Timestamp::now();
         record.status = status;

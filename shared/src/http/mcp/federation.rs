@@ -105,7 +105,11 @@ pub(super) async fn other(
         let Some(offset) = offset(cursor) else {
             return wire::error(Some(id), wire::INVALID_PARAMS, "Invalid cursor", None);
         };
-        let all = union(gateway, state, access, inbound, method, key).await;
+        let mut all = union(gateway, state, access, inbound, method, key).await;
+        if key == "tools" {
+            // REST operations as tools (`mcp.expose_rest`; none otherwise).
+            all.extend(super::rest::tools(gateway, access));
+        }
         let page: Vec<Value> = all.iter().skip(offset).take(PAGE).cloned().collect();
         let mut result = json!({ key: page });
         if offset + PAGE < all.len() {

@@ -24,6 +24,7 @@
 
 mod call;
 mod federation;
+mod rest;
 #[cfg(test)]
 mod tests;
 
@@ -347,7 +348,11 @@ async fn message(State(gateway): State<Arc<Gateway>>, request: Request) -> Respo
         "ping" => accept.answer(&wire::result(id, json!({}))),
         "tools/call" => {
             let request = Request::from_parts(parts, Body::empty());
-            call::handle(gateway.clone(), inbound, id, value, request).await
+            let name = value.pointer("/params/name").and_then(Value::as_str).unwrap_or("");
+            match rest::is_tool(&gateway, name) {
+                true => rest::handle(gateway.clone(), inbound, id, value, request).await,
+                false => call::handle(gateway.clone(), inbound, id, value, request).await,
+            }
         }
         _ => {
             let access = match Access::of(&gateway, mcp, &inbound.caller, headers) {
