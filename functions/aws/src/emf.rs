@@ -7,13 +7,15 @@
 //! `infra/template.yaml` shows. A call the response cache had a say in (SPEC §16)
 //! also counts in `flexway_cache_lookups_total`, `flexway_cache_stores_total` and
 //! `flexway_cache_saved_eur_total`, the names of the local shape's Prometheus
-//! counters (see [`cache_metrics`] for what the audit record cannot tell). The
+//! counters (see [`cache_metrics`] for what the audit record cannot tell); a tool
+//! call through `/mcp` (SPEC §17) in `flexway_mcp_calls_total` and
+//! `flexway_mcp_cost_eur_total` ([`mcp_metrics`]). The
 //! format is CloudWatch's, so it lives here: the core only gives the call's labels
 //! (`flexway::metrics::call_labels`, the same as its Prometheus counters').
 
 use std::io::Write;
 
-use flexway::audit::{AuditError, AuditRecord, AuditSink, CacheOutcome};
+use flexway::audit::{AuditError, AuditRecord, AuditSink, CacheOutcome, McpStatus};
 use flexway::metrics::{CALL_LABELS, GRPC_CALL_LABELS, call_labels};
 use flexway::money::MicroEur;
 use serde_json::json;
@@ -113,8 +115,34 @@ fn emf_line(record: &AuditRecord, namespace: &str) -> String {
     if let Some(outcome) = record.cache {
         cache_metrics(&mut line, record, outcome, namespace);
     }
+    if let (Some(server), Some(status)) = (&record.mcp_server, record.mcp_status) {
+        mcp_metrics(&mut line, record, server, status, namespace);
+    }
     line.to_string()
 }
+
+/// A tool call's metrics, added to its line, named as the Prometheus counters are
+/// (dimensions `tenant`, `server`, and `mcp_status`, the record's field: the
+/// Prometheus label `outcome`, named apart from the cache's `outcome` dimension).
+fn mcp_metrics(line: &mut serde_json::Value, record: &AuditRecord, server: &str, status: McpStatus, namespace: &str) {
+    let directive = json!({
+        "Namespace": namespace,
+        "Dimensions": [["tenant", "server", "mcp_status"]],
+        "Metrics": [{"Name": MCP_CALLS, "Unit": "Count"}, {"Name": MCP_COST, "Unit": "None"}],
+    });
+    if let Some(all) = line.pointer_mut("/_aws/CloudWatchMetrics").and_then(|d| d.as_array_mut()) {
+        all.push(directive);
+    }
+    if let Some(fields) = line.as_object_mut() {
+        fields.insert("server".to_owned(), json!(server));
+        fields.insert("mcp_status".to_owned(), json!(status.as_str()));
+        fields.insert(MCP_CALLS.to_owned(), json!(1));
+        fields.insert(MCP_COST.to_owned(), json!(record.cost_micro_eur as f64 / MicroEur::PER_EUR as f64));
+    }
+}
+
+const MCP_CALLS: &str = "flexway_mcp_calls_total";
+const MCP_COST: &str = "flexway_mcp_cost_eur_total";
 
 /// The response cache's metrics, added to a call's line: a lookup by `outcome`
 /// (dimensions `tenant`, `outcome`), and an answer stored and the euros a hit saved
@@ -289,6 +317,24 @@ mod tests {
                 (Some(named), Some(0))
             );
         }
+    }
+
+    #[test]
+    fn a_tool_call_counts_under_its_server_and_status() {
+        let mut call = record("acme", None, Metering::Local, 2_500);
+        call.mcp_server = Some("search".into());
+        call.tool = Some("deep_search".into());
+        call.mcp_status = Some(McpStatus::ToolError);
+        let value: serde_json::Value = serde_json::from_str(&emf_line(&call, "Flexway/prod")).unwrap();
+        let directives = value["_aws"]["CloudWatchMetrics"].as_array().unwrap();
+        assert_eq!(directives.len(), 2, "the call's, then the tool call's");
+        assert_eq!(directives[1]["Dimensions"], json!([["tenant", "server", "mcp_status"]]));
+        assert_eq!((value["server"].as_str(), value["mcp_status"].as_str()), (Some("search"), Some("tool_error")));
+        assert_eq!(
+            (value["flexway_mcp_calls_total"].as_u64(), value["flexway_mcp_cost_eur_total"].as_f64()),
+            (Some(1), Some(0.0025))
+        );
+        assert!(value.get("tool").is_none(), "the tool is no dimension");
     }
 
     #[test]

@@ -38,8 +38,9 @@ pub(super) fn target<'a>(mcp: &'a Mcp, state: &'a McpState, server: &str, versio
 }
 
 /// `message` sent to `server` in `session`'s upstream session there (a stateless
-/// caller's: none). A server that forgot the session is initialized again, once, and
-/// the message sent again in the new one (the first was refused unread).
+/// caller's: none). A server that forgot the session (or wants one the call does not
+/// carry) is initialized, once, and the message sent again in the new session (the
+/// first was refused unread).
 pub(super) async fn send(
     state: &McpState,
     target: &Target<'_>,
@@ -51,10 +52,12 @@ pub(super) async fn send(
     let in_use = carried.map(|carried| state.session_in_use(server, carried));
     match state.client.send(target, in_use.as_deref(), message).await {
         Err(UpstreamError::SessionGone) => {
-            let Some(carried) = carried else { return Err(UpstreamError::SessionGone) };
-            tracing::info!(server, "mcp: the server forgot its session: initialized again");
+            tracing::info!(server, "mcp: the server wants a session: initialized (again)");
             let fresh = state.client.initialize(target).await?;
-            if let Some(fresh) = &fresh {
+            // A session the caller's carries is renewed for its later calls; one opened
+            // for a call without (a stateless caller, a server that was down at
+            // initialize) serves this call only: never shared between callers.
+            if let (Some(carried), Some(fresh)) = (carried, &fresh) {
                 state.renew(server, carried, fresh.clone());
             }
             state.client.send(target, fresh.as_deref(), message).await
