@@ -228,6 +228,10 @@ impl drive::Door for ToolCall {
         draft.mcp_status(status);
         let mut message = message;
         message["id"] = self.id.clone();
+        if unknown_upstream(&message) {
+            // Said in the gateway's words, as a tool the caller may not call is.
+            message = Refusal::UnknownTool(name).message(self.id.clone());
+        }
         Ok(Reply::Now(self.inbound.accept.answer(&message), ended))
     }
 
@@ -248,6 +252,17 @@ fn outcome(message: &Value) -> (McpStatus, Ended) {
     };
     let spent = Spent::Metered { answered: true, served, kept: None };
     (status, Ended { status: 200, code, spent, finish_reasons: Vec::new() })
+}
+
+/// The server's own "unknown tool" answer (-32602 naming an unknown or missing
+/// tool): answered exactly as a tool the caller may not call, so that the two cannot
+/// be told apart.
+fn unknown_upstream(message: &Value) -> bool {
+    let Some(error) = message.get("error") else { return false };
+    let text = error.get("message").and_then(Value::as_str).unwrap_or("").to_ascii_lowercase();
+    error.get("code").and_then(Value::as_i64) == Some(wire::INVALID_PARAMS)
+        && text.contains("tool")
+        && (text.contains("unknown") || text.contains("not found") || text.contains("no such"))
 }
 
 fn unanswered(server: String, error: &UpstreamError) -> Refusal {

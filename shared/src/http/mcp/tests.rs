@@ -60,6 +60,12 @@ async fn fake(State(seen): State<Shared>, headers: HeaderMap, body: String) -> R
             seen.calls.push(format!("cancelled {}", message["params"]["requestId"]));
             return StatusCode::ACCEPTED.into_response();
         }
+        "prompts/list" => json!({"prompts": [{"name": "greet", "description": "Greets."}]}),
+        "prompts/get" if message["params"]["name"] == "greet" => {
+            json!({"messages": [{"role": "user", "content": {"type": "text", "text": "hello"}}]})
+        }
+        "resources/list" => json!({"resources": [{"uri": "file:///a.txt", "name": "a"}]}),
+        "resources/read" => json!({"contents": [{"uri": message["params"]["uri"], "text": "A"}]}),
         "tools/list" => json!({"tools": [
             {"name": "search", "description": "Searches.", "inputSchema": {"type": "object"}},
             {"name": "admin_delete", "inputSchema": {"type": "object"}},
@@ -521,4 +527,43 @@ async fn a_client_that_leaves_a_streamed_call_cancels_it_upstream_and_is_refunde
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert_eq!(seen.lock().unwrap().calls, ["hanging", "cancelled 9"]);
+}
+
+#[tokio::test]
+async fn prompts_and_resources_are_federated_and_an_unknown_tool_is_said_alike() {
+    let (gateway, _, seen) = gateway().await;
+    let session = initialize(&gateway).await;
+    let prompts = in_session(&gateway, &session, 1, "prompts/list", json!({})).await;
+    assert_eq!(prompts["result"]["prompts"], json!([{"name": "search__greet", "description": "Greets."}]));
+    let greeting = in_session(&gateway, &session, 2, "prompts/get", json!({"name": "search__greet"})).await;
+    assert_eq!(
+        (greeting["id"].clone(), greeting["result"]["messages"][0]["content"]["text"].clone()),
+        (json!(2), json!("hello"))
+    );
+    let resources = in_session(&gateway, &session, 3, "resources/list", json!({})).await;
+    assert_eq!(resources["result"]["resources"], json!([{"uri": "file:///a.txt", "name": "search__a"}]));
+    let read = in_session(&gateway, &session, 4, "resources/read", json!({"uri": "file:///a.txt"})).await;
+    assert_eq!(read["result"]["contents"][0]["text"], "A");
+    let missing = in_session(&gateway, &session, 5, "resources/read", json!({"uri": "file:///b.txt"})).await;
+    assert_eq!(missing["error"]["code"], -32002);
+    let page = in_session(&gateway, &session, 6, "tools/list", json!({"cursor": "not a cursor"})).await;
+    assert_eq!(page["error"]["code"], -32602);
+    let ping = in_session(&gateway, &session, 7, "ping", json!({})).await;
+    assert_eq!(ping["result"], json!({}));
+
+    // A tool the server does not have: its answer in the gateway's words.
+    let unknown = in_session(&gateway, &session, 8, "tools/call", json!({"name": "search__nothing"})).await;
+    assert_eq!(unknown["error"], json!({"code": -32602, "message": "Unknown tool: search__nothing"}));
+    let denied = in_session(&gateway, &session, 8, "tools/call", json!({"name": "search__admin_delete"})).await;
+    assert_eq!(denied["error"], json!({"code": -32602, "message": "Unknown tool: search__admin_delete"}));
+    assert_eq!(seen.lock().unwrap().calls, ["nothing"]);
+
+    // A notification is accepted; a message past 4 MiB is not read.
+    let headers = [("mcp-session-id", session.as_str()), ("mcp-protocol-version", "2025-11-25")];
+    let (status, _, _) =
+        post(&gateway, &headers, json!({"jsonrpc": "2.0", "method": "notifications/initialized"})).await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    let large = json!({"jsonrpc": "2.0", "id": 9, "method": "ping", "params": {"pad": "x".repeat(super::MAX_MESSAGE)}});
+    let (status, _, body) = post(&gateway, &headers, large).await;
+    assert_eq!((status, body["error"]["code"].clone()), (StatusCode::PAYLOAD_TOO_LARGE, json!(-32600)));
 }
