@@ -215,7 +215,8 @@ impl drive::Door for ToolCall {
                     id: self.id.clone(),
                     done: false,
                 };
-                return Ok(Reply::Relay(Box::new(Streamed { events, id: self.id.clone(), server, cancel })));
+                let (id, called) = (self.id.clone(), name);
+                return Ok(Reply::Relay(Box::new(Streamed { events, id, called, server, cancel })));
             }
             Answer::Stream(events) => match federation::response(Answer::Stream(events), &self.id).await {
                 Ok(Some(message)) => message,
@@ -277,6 +278,8 @@ fn unanswered(server: String, error: &UpstreamError) -> Refusal {
 struct Streamed {
     events: crate::mcp::upstream::Events,
     id: Value,
+    /// The tool's name as the caller called it.
+    called: String,
     server: String,
     cancel: Cancel,
 }
@@ -321,6 +324,9 @@ impl drive::Relay for Streamed {
                     if answers && message.get("id") == Some(&this.id) {
                         let (status, ended) = outcome(&message);
                         message["id"] = this.id.clone();
+                        if unknown_upstream(&message) {
+                            message = Refusal::UnknownTool(this.called).message(this.id.clone());
+                        }
                         ending.mcp_status(status);
                         this.cancel.done = true;
                         ending.end(ended).await;
