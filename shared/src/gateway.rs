@@ -358,8 +358,13 @@ impl McpState {
 
     /// The upstream session id in use for `carried` (what a sealed session holds).
     pub fn session_in_use(&self, server: &str, carried: &str) -> String {
+        self.renewed(server, carried).unwrap_or_else(|| carried.to_owned())
+    }
+
+    /// The session id that replaced `carried` at `server`, if one did.
+    pub fn renewed(&self, server: &str, carried: &str) -> Option<String> {
         let renewed = self.renewed.lock().unwrap_or_else(PoisonError::into_inner);
-        renewed.get(&(server.to_owned(), carried.to_owned())).cloned().unwrap_or_else(|| carried.to_owned())
+        renewed.get(&(server.to_owned(), carried.to_owned())).cloned()
     }
 
     /// `server` forgot `carried`: `fresh` is used in its place from now on.

@@ -181,7 +181,7 @@ impl drive::Door for ToolCall {
         let sending = |_: ()| {
             let (target, server, upstream) = (&target, &server, &upstream);
             async move {
-                let sent = federation::send(state, target, server, inbound.session.as_ref(), upstream).await;
+                let sent = federation::send(state, target, server, inbound, upstream).await;
                 sent.map(Sent).map_err(Failed)
             }
         };
@@ -215,8 +215,8 @@ impl drive::Door for ToolCall {
                     id: self.id.clone(),
                     done: false,
                 };
-                let (id, called) = (self.id.clone(), name);
-                return Ok(Reply::Relay(Box::new(Streamed { events, id, called, server, cancel })));
+                let (id, called, version) = (self.id.clone(), name, inbound.version.clone());
+                return Ok(Reply::Relay(Box::new(Streamed { events, id, called, version, server, cancel })));
             }
             Answer::Stream(events) => match federation::response(Answer::Stream(events), &self.id).await {
                 Ok(Some(message)) => message,
@@ -233,6 +233,7 @@ impl drive::Door for ToolCall {
             // Said in the gateway's words, as a tool the caller may not call is.
             message = Refusal::UnknownTool(name).message(self.id.clone());
         }
+        super::typed(&self.inbound.version, &mut message);
         Ok(Reply::Now(self.inbound.accept.answer(&message), ended))
     }
 
@@ -280,6 +281,8 @@ struct Streamed {
     id: Value,
     /// The tool's name as the caller called it.
     called: String,
+    /// The caller's protocol revision.
+    version: String,
     server: String,
     cancel: Cancel,
 }
@@ -327,6 +330,7 @@ impl drive::Relay for Streamed {
                         if unknown_upstream(&message) {
                             message = Refusal::UnknownTool(this.called).message(this.id.clone());
                         }
+                        super::typed(&this.version, &mut message);
                         ending.mcp_status(status);
                         this.cancel.done = true;
                         ending.end(ended).await;

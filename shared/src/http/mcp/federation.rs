@@ -19,7 +19,6 @@ use super::{Access, Inbound};
 use crate::config::Mcp;
 use crate::gateway::{Gateway, McpState};
 use crate::mcp::names::{federated, server_of, tool_of};
-use crate::mcp::session::Session;
 use crate::mcp::upstream::{Answer, Target, UpstreamError};
 use crate::mcp::wire;
 
@@ -45,10 +44,17 @@ pub(super) async fn send(
     state: &McpState,
     target: &Target<'_>,
     server: &str,
-    session: Option<&Session>,
+    inbound: &Inbound,
     message: &Value,
 ) -> Result<Answer, UpstreamError> {
-    let carried = session.and_then(|s| s.upstream.get(server));
+    if wire::stateless(&inbound.version) {
+        match state.client.send(target, None, message).await {
+            // A server of an earlier revision refuses the stateless one unread.
+            Err(UpstreamError::Status(400)) => return earlier(state, target, server, inbound, message).await,
+            other => return other,
+        }
+    }
+    let carried = inbound.session.as_ref().and_then(|s| s.upstream.get(server));
     let in_use = carried.map(|carried| state.session_in_use(server, carried));
     match state.client.send(target, in_use.as_deref(), message).await {
         Err(UpstreamError::SessionGone) => {
@@ -64,6 +70,36 @@ pub(super) async fn send(
         }
         other => other,
     }
+}
+
+/// The revision a stateless caller's messages go in to a server that does not speak
+/// the stateless one.
+const EARLIER: &str = "2025-11-25";
+
+/// `message` of a stateless caller sent to a server of an earlier revision, in a
+/// session this process holds with it for the caller's tenant and agent (opened on
+/// first use and again when the server forgets it; never another caller's).
+async fn earlier(
+    state: &McpState,
+    target: &Target<'_>,
+    server: &str,
+    inbound: &Inbound,
+    message: &Value,
+) -> Result<Answer, UpstreamError> {
+    let target = Target { url: target.url, headers: target.headers, timeout: target.timeout, version: EARLIER };
+    let caller = &inbound.caller;
+    let key = format!("\u{0}stateless\u{0}{}\u{0}{}", caller.tenant, caller.agent.as_ref().map_or("", |a| a.as_str()));
+    if let Some(held) = state.renewed(server, &key) {
+        match state.client.send(&target, Some(&held), message).await {
+            Err(UpstreamError::SessionGone) => {}
+            other => return other,
+        }
+    }
+    let fresh = state.client.initialize(&target).await?;
+    if let Some(fresh) = &fresh {
+        state.renew(server, &key, fresh.clone());
+    }
+    state.client.send(&target, fresh.as_deref(), message).await
 }
 
 /// The answer to the request `id`: the JSON answer, or the response among the events
@@ -117,6 +153,13 @@ pub(super) async fn other(
         let mut result = json!({ key: page });
         if offset + PAGE < all.len() {
             result["nextCursor"] = json!(URL_SAFE_NO_PAD.encode((offset + PAGE).to_string()));
+        }
+        if wire::stateless(&inbound.version) {
+            // The stateless revision's list results say they are whole and uncacheable
+            // beyond this caller (each caller's list is its own).
+            result["resultType"] = json!("complete");
+            result["ttlMs"] = json!(0);
+            result["cacheScope"] = json!("private");
         }
         return wire::result(id, result);
     }
@@ -191,7 +234,7 @@ pub(super) async fn list(
         };
         let id = json!(format!("flexway-list-{page}"));
         let message = json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
-        let answer = send(state, &target, server, inbound.session.as_ref(), &message).await?;
+        let answer = send(state, &target, server, inbound, &message).await?;
         let Some(answer) = response(answer, &id).await? else {
             return Err(UpstreamError::Transport(format!("no answer to {method}")));
         };
@@ -245,13 +288,14 @@ async fn forward(
     let Some(target) = target(access.mcp, state, server, &inbound.version) else {
         return wire::error(Some(id), wire::INTERNAL_ERROR, "the server is not configured", None);
     };
-    let answer = match send(state, &target, server, inbound.session.as_ref(), message).await {
+    let answer = match send(state, &target, server, inbound, message).await {
         Ok(answer) => response(answer, &id).await,
         Err(e) => Err(e),
     };
     match answer {
         Ok(Some(mut answer)) => {
             answer["id"] = id;
+            super::typed(&inbound.version, &mut answer);
             answer
         }
         Ok(None) => wire::error(Some(id), wire::INTERNAL_ERROR, &format!("MCP server {server} gave no answer"), None),

@@ -234,6 +234,16 @@ impl Accept {
     }
 }
 
+/// For a stateless caller, a result from a server of an earlier revision says it is
+/// whole (`resultType: complete`), as the stateless revision's results must.
+pub(super) fn typed(version: &str, message: &mut Value) {
+    if wire::stateless(version)
+        && let Some(result) = message.get_mut("result").and_then(Value::as_object_mut)
+    {
+        result.entry("resultType").or_insert_with(|| json!("complete"));
+    }
+}
+
 /// `message` as one SSE event.
 pub(super) fn sse_event(message: &Value) -> Vec<u8> {
     let mut event = b"event: message\ndata: ".to_vec();
