@@ -283,19 +283,19 @@ async fn the_typescript_sdk_lists_and_calls_tools_and_its_session_continues_on_a
         "--call",
         "everything__get-sum",
         "--args",
-        r#"{"a":20,"b":22}"#,
+        r#"{"a":1234567,"b":7654321}"#,
         "--end",
     ])
     .unwrap_or_else(|error| panic!("{error}\n{}", second.logs()));
     assert_eq!(continued["session"], session);
     assert_eq!(names(&continued), tools, "the same tools on either process");
-    assert_eq!(text(&continued), "The sum of 20 and 22 is 42.");
+    assert_eq!(text(&continued), "The sum of 1234567 and 7654321 is 8888888.");
     assert_eq!(continued["ended"], true);
 
     let on_first = tool_records(&first, 1).await;
     assert_tool_record(&on_first[0], "echo", "typescript through flexway");
     let on_second = tool_records(&second, 1).await;
-    assert_tool_record(&on_second[0], "get-sum", "42");
+    assert_tool_record(&on_second[0], "get-sum", "8888888");
 }
 
 /// The tools every caller of `acme` sees (server-everything's, `get-env` denied).
@@ -343,8 +343,8 @@ async fn the_python_sdk_lists_and_calls_tools_in_a_session() {
 }
 
 #[tokio::test]
-#[ignore = "the door forwards a 2026-07-28 call to a 2025-11-25 server without an upstream session (400: no \
-            tools), and its list results lack resultType, ttlMs and cacheScope: docs/mcp.md, Conformance"]
+#[ignore = "at 2026-07-28 the gateway relays a tools/call result without resultType, which the Python SDK \
+            refuses (docs/mcp.md, Conformance)"]
 async fn the_python_sdk_lists_and_calls_tools_stateless() {
     let (_server, url) = everything();
     let gw = gateway(&config(&url));
@@ -369,12 +369,16 @@ async fn a_denied_tool_is_answered_as_an_unknown_one_and_a_caller_without_a_key_
     let gw = gateway(&config(&url));
     let mcp = mcp_url(&gw);
 
+    // Denied, or on no server: answers alike but for the name. (A name its server lacks
+    // is its server's to answer: server-everything says so in an isError result, which
+    // the gateway relays. docs/mcp.md: a known gap.)
     let denied = ts(&["--url", &mcp, "--key", KEY, "--call", "everything__get-env"]).unwrap_err();
-    let unknown = ts(&["--url", &mcp, "--key", KEY, "--call", "nowhere__echo"]).unwrap_err();
-    assert_eq!(denied["code"], -32602, "{denied}");
-    assert_eq!(unknown["code"], -32602, "{unknown}");
-    let scrub = |error: &Value, name: &str| error["error"].as_str().unwrap().replace(name, "NAME");
-    assert_eq!(scrub(&denied, "everything__get-env"), scrub(&unknown, "nowhere__echo"));
+    let nowhere = ts(&["--url", &mcp, "--key", KEY, "--call", "nowhere__echo"]).unwrap_err();
+    let scrub = |error: &Value, name: &str| {
+        assert_eq!(error["code"], -32602, "{error}");
+        (error["error"].as_str().unwrap().replace(name, "NAME"), error["data"].clone())
+    };
+    assert_eq!(scrub(&nowhere, "nowhere__echo"), scrub(&denied, "everything__get-env"));
 
     let anonymous = client()
         .post(&mcp)
