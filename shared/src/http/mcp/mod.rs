@@ -322,6 +322,9 @@ async fn message(State(gateway): State<Arc<Gateway>>, request: Request) -> Respo
     let mut session = None;
     let version = match asked {
         Some(version) if VERSIONS.contains(&version.as_str()) => version,
+        // The lifecycle's negotiation: another version the gateway speaks is offered,
+        // and the client decides whether it goes on in it.
+        Some(_) if method == "initialize" => OFFERED.to_owned(),
         Some(version) => return unsupported(accept, id, &version),
         // No version said: the session's, if it carries one.
         None => match session_id {
@@ -375,7 +378,15 @@ async fn message(State(gateway): State<Arc<Gateway>>, request: Request) -> Respo
     }
 }
 
-/// A version the gateway does not speak: the error lists those it does.
+/// The version `initialize` answers when the client asked for one the gateway does
+/// not speak (2024-11-05, 2025-03-26, …): the latest revision with sessions, which is
+/// what `initialize` opens. Not an error: the MCP lifecycle has the server answer
+/// with a version it supports, and the client disconnect if it cannot speak it.
+const OFFERED: &str = "2025-11-25";
+
+/// A version the gateway does not speak, in `MCP-Protocol-Version` (or none at all)
+/// on any message but `initialize`: 400, the error listing those it does. An
+/// `initialize` is never refused for its version: it is answered in [`OFFERED`].
 fn unsupported(accept: Accept, id: Value, asked: &str) -> Response {
     let data = json!({"supported": VERSIONS, "requested": asked});
     let message = format!("Unsupported protocol version {asked}: supported are {}", VERSIONS.join(", "));

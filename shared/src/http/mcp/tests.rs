@@ -408,9 +408,9 @@ async fn batches_unsupported_versions_and_strangers_are_refused() {
     let (gateway, _, _) = gateway().await;
     let (status, _, body) = post(&gateway, &[], json!([{"jsonrpc": "2.0", "id": 1, "method": "ping"}])).await;
     assert_eq!((status, body["error"]["code"].clone()), (StatusCode::BAD_REQUEST, json!(-32600)));
-    let message =
-        json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": "2024-11-05"}});
-    let (_, _, body) = post(&gateway, &[], message).await;
+    let message = json!({"jsonrpc": "2.0", "id": 1, "method": "ping"});
+    let (status, _, body) = post(&gateway, &[("mcp-protocol-version", "2024-11-05")], message).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
     assert_eq!(body["error"]["data"]["supported"], json!(crate::mcp::wire::VERSIONS));
     let request = Request::post("/mcp").header("authorization", "Bearer nope").body(Body::from("{}")).unwrap();
     let response = crate::http::app(gateway.clone()).oneshot(request).await.unwrap();
@@ -566,4 +566,22 @@ async fn prompts_and_resources_are_federated_and_an_unknown_tool_is_said_alike()
     let large = json!({"jsonrpc": "2.0", "id": 9, "method": "ping", "params": {"pad": "x".repeat(super::MAX_MESSAGE)}});
     let (status, _, body) = post(&gateway, &headers, large).await;
     assert_eq!((status, body["error"]["code"].clone()), (StatusCode::PAYLOAD_TOO_LARGE, json!(-32600)));
+}
+
+#[tokio::test]
+async fn an_initialize_in_a_version_not_spoken_is_answered_in_one_that_is() {
+    let (gateway, _, seen) = gateway().await;
+    for asked in ["2024-11-05", "2025-03-26"] {
+        let message = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": asked, "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}});
+        let (status, headers, body) = post(&gateway, &[], message).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["result"]["protocolVersion"], "2025-11-25", "{asked}");
+        assert!(body.get("error").is_none());
+        // A session in the version offered, which the client may go on in.
+        let session = headers.get("mcp-session-id").unwrap().to_str().unwrap().to_owned();
+        let listed = in_session(&gateway, &session, 2, "tools/list", json!({})).await;
+        assert!(listed["result"]["tools"].as_array().is_some_and(|t| !t.is_empty()), "{listed}");
+    }
+    assert_eq!(seen.lock().unwrap().initialized, 2, "the server was initialized in the version offered");
 }
