@@ -302,7 +302,21 @@ pub struct McpState {
     /// a sealed session carries) → the id in use. Per process, bounded: a session id
     /// the client still holds keeps working without a new `initialize`.
     pub renewed: Mutex<std::collections::HashMap<(String, String), String>>,
+    /// Sessions ended here (`DELETE /mcp`): SHA-256 of the id → when it was issued.
+    /// Kept until the id would have expired anyway, at most [`MCP_REVOKED`] of them.
+    revoked: Mutex<Revoked>,
 }
+
+/// Ended session ids, and when expired ones were last dropped (Unix seconds).
+#[derive(Clone, Default)]
+struct Revoked {
+    ids: std::collections::HashMap<[u8; 32], u64>,
+    pruned_at: u64,
+}
+
+/// Ended sessions a process remembers (40 bytes each and the map's own); past it, the
+/// oldest is forgotten first (it opens again here until its age refuses it).
+const MCP_REVOKED: usize = 100_000;
 
 /// Renewed upstream sessions a process remembers; past it, the map starts again.
 const MCP_RENEWED: usize = 10_000;
@@ -340,8 +354,10 @@ impl McpState {
         let breakers = Breakers::new(
             mcp.servers.keys().map(|name| (BackendId::new(name), crate::config::BreakerPolicy::default())),
         );
+        let mut revoked = Revoked::default();
         if let Some(previous) = previous {
             breakers.carry_from(&previous.breakers);
+            revoked = previous.revoked.lock().unwrap_or_else(PoisonError::into_inner).clone();
         }
         McpState {
             client: crate::mcp::upstream::McpClient::new(),
@@ -353,7 +369,40 @@ impl McpState {
                 .as_ref()
                 .map(|oauth| crate::identity::jwt::Verifier::new(oauth, reqwest::Client::new())),
             renewed: Mutex::new(std::collections::HashMap::new()),
+            revoked: Mutex::new(revoked),
         }
+    }
+
+    /// The session `id` seals, unless it is expired (older than
+    /// [`crate::mcp::session::MAX_AGE`] at `now`, Unix seconds) or was ended here.
+    pub fn open(&self, id: &str, now: u64) -> Option<crate::mcp::session::Session> {
+        let session = self.key.open(id).filter(|s| !s.expired(now))?;
+        let revoked = self.revoked.lock().unwrap_or_else(PoisonError::into_inner);
+        (!revoked.ids.contains_key(&digest(id))).then_some(session)
+    }
+
+    /// `id` (which seals `session`) ended: it opens no more in this process. The ids
+    /// that expired since are dropped (at most once a minute, or when the set is
+    /// full); a set still full forgets its oldest.
+    pub fn revoke(&self, id: &str, session: &crate::mcp::session::Session, now: u64) {
+        let mut revoked = self.revoked.lock().unwrap_or_else(PoisonError::into_inner);
+        if revoked.ids.len() >= MCP_REVOKED || now >= revoked.pruned_at.saturating_add(60) {
+            let max_age = crate::mcp::session::MAX_AGE.as_secs();
+            revoked.ids.retain(|_, issued_at| now.saturating_sub(*issued_at) < max_age);
+            revoked.pruned_at = now;
+        }
+        if revoked.ids.len() >= MCP_REVOKED
+            && let Some(oldest) = revoked.ids.iter().min_by_key(|(_, issued_at)| **issued_at).map(|(k, _)| *k)
+        {
+            revoked.ids.remove(&oldest);
+        }
+        revoked.ids.insert(digest(id), session.issued_at);
+    }
+
+    /// Ended session ids remembered (a test's window on the bound).
+    #[cfg(test)]
+    pub fn revoked_len(&self) -> usize {
+        self.revoked.lock().unwrap_or_else(PoisonError::into_inner).ids.len()
     }
 
     /// The upstream session id in use for `carried` (what a sealed session holds).
@@ -375,6 +424,11 @@ impl McpState {
         }
         renewed.insert((server.to_owned(), carried.to_owned()), fresh);
     }
+}
+
+/// What the revocation set keeps of a session id (up to 16 KiB) instead of the id.
+fn digest(id: &str) -> [u8; 32] {
+    <sha2::Sha256 as sha2::Digest>::digest(id.as_bytes()).into()
 }
 
 /// A server's own credential as headers. A secret that did not resolve (it is not

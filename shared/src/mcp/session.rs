@@ -5,6 +5,7 @@
 //! stored. A tampered, foreign or malformed id opens to nothing (the door answers 404).
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
@@ -20,6 +21,12 @@ const INFO: &[u8] = b"flexway mcp session v1";
 /// gateway decode and decrypt an arbitrary amount of data.
 const MAX_ID: usize = 16 * 1024;
 
+/// How long a session id opens. Sealed and stored nowhere, an id cannot be withdrawn
+/// from every process of a fleet: its age is what bounds the use of one that leaked.
+/// A day outlasts an agent's working session; past it the door answers 404 and the
+/// client, as the protocol has it, initializes a new session.
+pub const MAX_AGE: Duration = Duration::from_secs(24 * 60 * 60);
+
 /// One MCP session, as its id carries it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Session {
@@ -31,6 +38,14 @@ pub struct Session {
     pub upstream: BTreeMap<String, String>,
     /// When it was issued (Unix seconds).
     pub issued_at: u64,
+}
+
+impl Session {
+    /// Issued [`MAX_AGE`] or longer before `now` (Unix seconds). An id issued "after"
+    /// `now` (another process's clock ahead of this one's) is not expired.
+    pub fn expired(&self, now: u64) -> bool {
+        now.saturating_sub(self.issued_at) >= MAX_AGE.as_secs()
+    }
 }
 
 /// The key sessions are sealed with.
@@ -115,6 +130,15 @@ mod tests {
         assert_eq!(key.open(&id), Some(session()));
         let no_agent = Session { agent: None, upstream: BTreeMap::new(), ..session() };
         assert_eq!(key.open(&key.seal(&no_agent)), Some(no_agent));
+    }
+
+    #[test]
+    fn a_session_expires_a_day_after_it_was_issued() {
+        let issued = session().issued_at;
+        assert!(!session().expired(issued));
+        assert!(!session().expired(issued + MAX_AGE.as_secs() - 1));
+        assert!(session().expired(issued + MAX_AGE.as_secs()));
+        assert!(!session().expired(issued - 60), "a clock behind the issuer's");
     }
 
     #[test]

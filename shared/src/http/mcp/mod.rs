@@ -18,6 +18,15 @@
 //!   per call; `prompts/get` by its prefixed name, `resources/read` to the server that
 //!   lists the URI.
 //!
+//! A session id opens for [`crate::mcp::session::MAX_AGE`] (a day) after its
+//! `initialize`, then is 404 (the client initializes again). `DELETE /mcp` ends it:
+//! its upstream sessions are ended (best effort) and the id is 404 at once on the
+//! process that ended it (a per-process set of ended ids, each kept until its age
+//! would refuse it anyway). Another process of a fleet, or another Lambda instance,
+//! still opens it: it finds the upstream sessions gone, re-initializes them, and
+//! serves the id until it expires. That is the price of sealed sessions stored
+//! nowhere: an id cannot be withdrawn everywhere at once, only outlived.
+//!
 //! Every other answer is JSON-RPC on HTTP 200 (a refusal too), JSON, or one SSE event
 //! when the client accepts only `text/event-stream`. The caller's credential and
 //! headers never go upstream: each server gets its own `auth` only.
@@ -341,10 +350,7 @@ async fn message(State(gateway): State<Arc<Gateway>>, request: Request) -> Respo
             let message = "Mcp-Session-Id is required: send initialize first";
             return rejected(StatusCode::BAD_REQUEST, Some(id), wire::INVALID_REQUEST, message, None);
         };
-        let opened = state.key.open(session_id).filter(|s| {
-            s.tenant == caller.tenant.as_str() && s.agent.as_deref() == caller.agent.as_ref().map(|a| a.as_str())
-        });
-        match opened {
+        match session_of(&state, &caller, session_id) {
             Some(opened) if version.is_empty() || opened.version == version => session = Some(opened),
             _ => return rejected(StatusCode::NOT_FOUND, Some(id), wire::INVALID_REQUEST, "Session not found", None),
         }
@@ -472,6 +478,13 @@ async fn initialize(
     response
 }
 
+/// The session `id` seals, if it is `caller`'s, not expired and not ended here.
+fn session_of(state: &McpState, caller: &Caller, id: &str) -> Option<Session> {
+    state.open(id, crate::budget::period::unix_now()).filter(|s| {
+        s.tenant == caller.tenant.as_str() && s.agent.as_deref() == caller.agent.as_ref().map(|a| a.as_str())
+    })
+}
+
 /// `GET /mcp`: the server-to-client stream, which the gateway does not offer (the
 /// protocol allows 405).
 async fn stream(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
@@ -495,10 +508,9 @@ async fn end_session(State(gateway): State<Arc<Gateway>>, request: Request) -> R
     let Some(id) = request.headers().get(SESSION_HEADER).and_then(|v| v.to_str().ok()) else {
         return StatusCode::BAD_REQUEST.into_response();
     };
-    let session = state.key.open(id).filter(|s| {
-        s.tenant == caller.tenant.as_str() && s.agent.as_deref() == caller.agent.as_ref().map(|a| a.as_str())
-    });
-    let Some(session) = session else { return StatusCode::NOT_FOUND.into_response() };
+    let Some(session) = session_of(&state, &caller, id) else { return StatusCode::NOT_FOUND.into_response() };
+    // 404 from now on, here; another process finds it out later (the module's docs).
+    state.revoke(id, &session, crate::budget::period::unix_now());
     let ends = session.upstream.iter().filter_map(|(server, carried)| {
         let target = federation::target(mcp, &state, server, &session.version)?;
         let in_use = state.session_in_use(server, carried);

@@ -585,3 +585,74 @@ async fn an_initialize_in_a_version_not_spoken_is_answered_in_one_that_is() {
     }
     assert_eq!(seen.lock().unwrap().initialized, 2, "the server was initialized in the version offered");
 }
+
+/// `DELETE /mcp` with `session`; its status.
+async fn delete(gateway: &Arc<Gateway>, session: &str) -> StatusCode {
+    let request = Request::delete("/mcp")
+        .header("authorization", "Bearer k")
+        .header("mcp-session-id", session)
+        .header("mcp-protocol-version", "2025-11-25")
+        .body(Body::empty())
+        .unwrap();
+    crate::http::app(gateway.clone()).oneshot(request).await.unwrap().status()
+}
+
+fn sealed_session(issued_at: u64) -> crate::mcp::session::Session {
+    crate::mcp::session::Session {
+        tenant: "acme".into(),
+        agent: None,
+        version: "2025-11-25".into(),
+        upstream: BTreeMap::new(),
+        issued_at,
+    }
+}
+
+#[tokio::test]
+async fn a_session_a_day_old_or_ended_is_not_found() {
+    use crate::mcp::session::MAX_AGE;
+    let (gateway, _, _) = gateway().await;
+    let state = gateway.mcp.clone().unwrap();
+    let now = crate::budget::period::unix_now();
+    let aged = |age: u64| state.key.seal(&sealed_session(now - age));
+    let message = json!({"jsonrpc": "2.0", "id": 1, "method": "ping"});
+    for (age, expected) in [(MAX_AGE.as_secs() - 60, StatusCode::OK), (MAX_AGE.as_secs(), StatusCode::NOT_FOUND)] {
+        let id = aged(age);
+        let headers = [("mcp-session-id", id.as_str()), ("mcp-protocol-version", "2025-11-25")];
+        let (status, _, _) = post(&gateway, &headers, message.clone()).await;
+        assert_eq!(status, expected, "{age} s old");
+    }
+    assert_eq!(delete(&gateway, &aged(MAX_AGE.as_secs() + 1)).await, StatusCode::NOT_FOUND);
+
+    // Ended: 404 at once, here; another session goes on.
+    let (ended, kept) = (initialize(&gateway).await, initialize(&gateway).await);
+    in_session(&gateway, &ended, 2, "tools/list", json!({})).await;
+    assert_eq!(delete(&gateway, &ended).await, StatusCode::NO_CONTENT);
+    let headers = [("mcp-session-id", ended.as_str()), ("mcp-protocol-version", "2025-11-25")];
+    let (status, _, _) = post(&gateway, &headers, message.clone()).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(delete(&gateway, &ended).await, StatusCode::NOT_FOUND);
+    in_session(&gateway, &kept, 3, "ping", json!({})).await;
+    assert_eq!(state.revoked_len(), 1);
+}
+
+#[test]
+fn the_ended_sessions_set_drops_the_expired_ids() {
+    use crate::mcp::session::MAX_AGE;
+    let mcp = Mcp { servers: BTreeMap::new(), session_key: None, oauth: None, expose_rest: false };
+    let state = crate::gateway::McpState::new(&mcp, &crate::secret::Resolved::default(), b"salt", None);
+    let now = 2_000_000_000;
+    let old = sealed_session(now - MAX_AGE.as_secs() + 100);
+    let old_id = state.key.seal(&old);
+    state.revoke(&old_id, &old, now);
+    assert!(state.open(&old_id, now).is_none(), "ended");
+    let fresh = sealed_session(now);
+    let fresh_id = state.key.seal(&fresh);
+    assert!(state.open(&fresh_id, now).is_some());
+    // Within its age the old id is kept.
+    state.revoke(&state.key.seal(&fresh), &fresh, now + 60);
+    assert_eq!(state.revoked_len(), 2);
+    // Past it, it is dropped at the next end (it would not open anyway).
+    state.revoke(&state.key.seal(&fresh), &fresh, now + 200);
+    assert_eq!(state.revoked_len(), 2, "the old id dropped, the new one kept");
+    assert!(state.open(&old_id, now + 200).is_none(), "expired");
+}
