@@ -33,15 +33,28 @@ pub fn server_of(name: &str) -> Option<&str> {
     name.split_once(SEPARATOR).map(|(server, _)| server).filter(|server| !server.is_empty())
 }
 
+/// Whether `name` may be a cut one: [`MAX_TOOL_NAME`] characters ending in `_` and
+/// 8 hex characters. Its tool is then only known from a listing (the rest after
+/// `{server}__` is a cut, not a tool's name).
+pub fn looks_cut(name: &str) -> bool {
+    let Some((kept, suffix)) = name.rsplit_once('_') else { return false };
+    name.chars().count() == MAX_TOOL_NAME
+        && kept.chars().count() == KEPT
+        && suffix.len() == 8
+        && suffix.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
 /// The tool of `server` whose federated name is `name`. A listed tool whose name
 /// round-trips comes first; then a listed tool that federates to `name` (a cut one);
-/// then the rest after `{server}__` when it round-trips (a tool not listed: the
-/// server will say whether it has it). `None` when nothing federates to `name`.
+/// then the rest after `{server}__` when it round-trips and `name` does not look cut
+/// (a tool not listed: the server will say whether it has it). `None` when nothing
+/// federates to `name`, and for a name that looks cut without a listing.
 pub fn tool_of<'a>(name: &str, server: &str, listed: impl IntoIterator<Item = &'a str>) -> Option<String> {
     let rest = name
         .strip_prefix(server)
         .and_then(|rest| rest.strip_prefix(SEPARATOR))
         .filter(|rest| federated(server, rest) == name);
+    let unlisted = rest.filter(|_| !looks_cut(name));
     let mut matching = None;
     for tool in listed {
         if Some(tool) == rest {
@@ -51,12 +64,22 @@ pub fn tool_of<'a>(name: &str, server: &str, listed: impl IntoIterator<Item = &'
             matching = Some(tool);
         }
     }
-    matching.or(rest).map(str::to_owned)
+    matching.or(unlisted).map(str::to_owned)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cut_name_is_resolved_from_the_listing_only() {
+        let long = format!("summarize_the_quarterly_report_of_every_subsidiary_{}", "x".repeat(30));
+        let name = federated("finance", &long);
+        assert!(looks_cut(&name));
+        assert_eq!(tool_of(&name, "finance", []), None, "the cut remainder is not the tool");
+        assert_eq!(tool_of(&name, "finance", ["other", long.as_str()]), Some(long.clone()));
+        assert!(!looks_cut("finance__web"));
+    }
 
     #[test]
     fn a_short_name_is_server_and_tool_joined() {

@@ -43,11 +43,12 @@ pub fn glob(pattern: &str, name: &str) -> bool {
 }
 
 /// `globs` let `name` through: no deny matches, and an allow does (or none is given).
-fn allows(globs: &ToolGlobs, name: &str) -> bool {
-    if globs.deny.iter().any(|pattern| glob(pattern, name)) {
+fn allows(globs: &ToolGlobs, names: &[&str]) -> bool {
+    let any = |pattern: &String| names.iter().any(|name| glob(pattern, name));
+    if globs.deny.iter().any(any) {
         return false;
     }
-    globs.allow.as_ref().is_none_or(|allow| allow.iter().any(|pattern| glob(pattern, name)))
+    globs.allow.as_ref().is_none_or(|allow| allow.iter().any(any))
 }
 
 /// `narrowing` lists `server` among its servers, or lists none.
@@ -90,10 +91,14 @@ impl Who<'_> {
         let Some(config) = mcp.servers.get(server) else {
             return false;
         };
-        let name = federated(server, tool);
-        allows(&config.tools, tool)
-            && allows(&self.tenant.tools, &name)
-            && self.agent.is_none_or(|agent| allows(&agent.tools, &name))
+        // A tenant's or agent's globs see the name whole and as listed (cut at 64):
+        // a deny matching either hides the tool, an allow matching either lets it by.
+        let whole = format!("{server}__{tool}");
+        let listed = federated(server, tool);
+        let names = [whole.as_str(), listed.as_str()];
+        allows(&config.tools, &[tool])
+            && allows(&self.tenant.tools, &names)
+            && self.agent.is_none_or(|agent| allows(&agent.tools, &names))
     }
 }
 
@@ -237,5 +242,16 @@ mod tests {
         let tenant = McpNarrowing { servers: None, tools: globs(None, &[name.as_str()]) };
         assert!(!who(&tenant).may_call(&mcp, "files", &long));
         assert!(who(&tenant).may_call(&mcp, "files", "short"));
+    }
+
+    #[test]
+    fn tenant_globs_see_the_whole_name_of_a_long_tool_too() {
+        let mcp = mcp();
+        let long = "export_all_customer_records_to_external_bucket_then_delete_originals";
+        assert!(!federated("files", long).contains("delete"), "the cut name hides the word");
+        let tenant = McpNarrowing { servers: None, tools: globs(None, &["files__*delete*"]) };
+        assert!(!who(&tenant).may_call(&mcp, "files", long));
+        let allowed = McpNarrowing { servers: None, tools: globs(Some(&["files__export_*_originals"]), &[]) };
+        assert!(who(&allowed).may_call(&mcp, "files", long));
     }
 }
