@@ -305,6 +305,37 @@ pub struct McpState {
     /// Sessions ended here (`DELETE /mcp`): SHA-256 of the id → when it was issued.
     /// Kept until the id would have expired anyway, at most [`MCP_REVOKED`] of them.
     revoked: Mutex<Revoked>,
+    /// Tool calls in flight in a session: (SHA-256 of its id, the request's id as
+    /// JSON) → where it went. What a client's `notifications/cancelled` is forwarded
+    /// by; per process (a cancellation that reaches another is not forwarded).
+    in_flight: Mutex<std::collections::HashMap<([u8; 32], String), McpInFlight>>,
+}
+
+/// Calls in flight a process remembers; past it, a call is not registered (it cannot
+/// be cancelled by the client, only by its leaving).
+const MCP_IN_FLIGHT: usize = 10_000;
+
+/// Where a tool call in flight went: its server, the upstream session its client's
+/// session carries there (the one in use is looked up when a cancellation comes),
+/// and the protocol version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct McpInFlight {
+    pub server: String,
+    pub carried: Option<String>,
+    pub version: String,
+}
+
+/// A registered call in flight, forgotten when dropped (the call ended, or was
+/// abandoned).
+pub struct McpInFlightGuard {
+    state: Arc<McpState>,
+    key: ([u8; 32], String),
+}
+
+impl Drop for McpInFlightGuard {
+    fn drop(&mut self) {
+        self.state.in_flight.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.key);
+    }
 }
 
 /// Ended session ids, and when expired ones were last dropped (Unix seconds).
@@ -370,7 +401,33 @@ impl McpState {
                 .map(|oauth| crate::identity::jwt::Verifier::new(oauth, reqwest::Client::new())),
             renewed: Mutex::new(std::collections::HashMap::new()),
             revoked: Mutex::new(revoked),
+            in_flight: Mutex::new(std::collections::HashMap::new()),
         }
+    }
+
+    /// A tool call of the session `session_id` sent under the request id `request`:
+    /// registered until the guard drops. `None` (not registered) when the session
+    /// already has a call of that id in flight, or the process has too many.
+    pub fn call_started(
+        self: &Arc<Self>,
+        session_id: &str,
+        request: &serde_json::Value,
+        call: McpInFlight,
+    ) -> Option<McpInFlightGuard> {
+        let key = (digest(session_id), request.to_string());
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
+        if in_flight.len() >= MCP_IN_FLIGHT || in_flight.contains_key(&key) {
+            return None;
+        }
+        in_flight.insert(key.clone(), call);
+        Some(McpInFlightGuard { state: self.clone(), key })
+    }
+
+    /// The call of the session `session_id` with the request id `request`, if one is
+    /// in flight.
+    pub fn call_in_flight(&self, session_id: &str, request: &serde_json::Value) -> Option<McpInFlight> {
+        let in_flight = self.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
+        in_flight.get(&(digest(session_id), request.to_string())).cloned()
     }
 
     /// The session `id` seals, unless it is expired (older than

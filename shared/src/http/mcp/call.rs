@@ -33,7 +33,7 @@ use crate::audit::McpStatus;
 use crate::call::{ErrorCode, Operation};
 use crate::config::{AiOperation, BackendId, Capability, GrpcMetering};
 use crate::error::GatewayError;
-use crate::gateway::Gateway;
+use crate::gateway::{Gateway, McpInFlight, McpInFlightGuard};
 use crate::identity::Caller;
 use crate::mcp::upstream::{Answer, UpstreamError};
 use crate::mcp::wire;
@@ -175,6 +175,18 @@ impl drive::Door for ToolCall {
             Meter::new(gateway.clone(), caller.clone(), run.cloned(), request_id, Some(operation), config.timeout);
         reserve(call, draft, charge, Metered { meter: Arc::new(meter), bytes: 0 }).await?;
 
+        // In flight, for the client's own `notifications/cancelled` (sessions only: a
+        // stateless caller's request ids are its own to reuse).
+        let session_id = request.headers().get(super::SESSION_HEADER).and_then(|v| v.to_str().ok());
+        let in_flight = match (gateway.mcp.as_ref(), &inbound.session, session_id) {
+            (Some(shared), Some(session), Some(session_id)) => {
+                let carried = session.upstream.get(&server).cloned();
+                let call = McpInFlight { server: server.clone(), carried, version: inbound.version.clone() };
+                shared.call_started(session_id, &self.id, call)
+            }
+            _ => None,
+        };
+
         // Sent once, through the server's breaker.
         let mut upstream = self.message.clone();
         upstream["params"]["name"] = Value::String(tool);
@@ -216,7 +228,8 @@ impl drive::Door for ToolCall {
                     done: false,
                 };
                 let (id, called, version) = (self.id.clone(), name, inbound.version.clone());
-                return Ok(Reply::Relay(Box::new(Streamed { events, id, called, version, server, cancel })));
+                let relay = Streamed { events, id, called, version, server, cancel, _in_flight: in_flight };
+                return Ok(Reply::Relay(Box::new(relay)));
             }
             Answer::Stream(events) => match federation::response(Answer::Stream(events), &self.id).await {
                 Ok(Some(message)) => message,
@@ -285,6 +298,8 @@ struct Streamed {
     version: String,
     server: String,
     cancel: Cancel,
+    /// The call registered in flight until the relay ends.
+    _in_flight: Option<McpInFlightGuard>,
 }
 
 /// Sends `notifications/cancelled` for the call upstream if dropped before the call

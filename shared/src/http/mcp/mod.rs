@@ -314,6 +314,9 @@ async fn message(State(gateway): State<Arc<Gateway>>, request: Request) -> Respo
     };
     // Notifications and the client's answers to requests the gateway never sends.
     if !parsed.is_request() {
+        if parsed.is_notification() && parsed.method.as_deref() == Some("notifications/cancelled") {
+            cancelled(&gateway, &state, &caller, &parts.headers, parsed.params.as_ref());
+        }
         return StatusCode::ACCEPTED.into_response();
     }
     let id = parsed.id.clone().unwrap_or(Value::Null);
@@ -476,6 +479,34 @@ async fn initialize(
         response.headers_mut().insert(SESSION_HEADER, value);
     }
     response
+}
+
+/// The client's `notifications/cancelled` for a tool call in flight in its session:
+/// forwarded to the server the call went to, in the session's upstream session there,
+/// best effort (in the background; the client has its 202 at once). One for a call
+/// this process does not have in flight (ended, unknown, sent through another
+/// process, or a stateless caller's) is dropped, as the protocol allows.
+fn cancelled(gateway: &Arc<Gateway>, state: &McpState, caller: &Caller, headers: &HeaderMap, asked: Option<&Value>) {
+    let Some(session_id) = headers.get(SESSION_HEADER).and_then(|v| v.to_str().ok()) else { return };
+    let Some(request) = asked.and_then(|p| p.get("requestId")) else { return };
+    if session_of(state, caller, session_id).is_none() {
+        return;
+    }
+    let Some(call) = state.call_in_flight(session_id, request) else { return };
+    let session = call.carried.as_deref().map(|carried| state.session_in_use(&call.server, carried));
+    // The client's words, no more: the request id and its reason.
+    let mut params = json!({"requestId": request});
+    if let Some(reason) = asked.and_then(|p| p.get("reason")).filter(|r| r.is_string()) {
+        params["reason"] = reason.clone();
+    }
+    let message = json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": params});
+    let gateway = gateway.clone();
+    tokio::spawn(async move {
+        let (Some(mcp), Some(state)) = (gateway.config.mcp.as_ref(), gateway.mcp.as_ref()) else { return };
+        if let Some(target) = federation::target(mcp, state, &call.server, &call.version) {
+            let _ = state.client.send(&target, session.as_deref(), &message).await;
+        }
+    });
 }
 
 /// The session `id` seals, if it is `caller`'s, not expired and not ended here.

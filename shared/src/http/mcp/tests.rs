@@ -656,3 +656,52 @@ fn the_ended_sessions_set_drops_the_expired_ids() {
     assert_eq!(state.revoked_len(), 2, "the old id dropped, the new one kept");
     assert!(state.open(&old_id, now + 200).is_none(), "expired");
 }
+
+#[tokio::test]
+async fn a_clients_cancellation_of_a_call_in_flight_reaches_its_server() {
+    let (gateway, _, seen) = gateway().await;
+    let (session, other) = (initialize(&gateway).await, initialize(&gateway).await);
+    let call = json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {"name": "search__hanging"}});
+    let request = Request::post("/mcp")
+        .header("authorization", "Bearer k")
+        .header("accept", "application/json, text/event-stream")
+        .header("mcp-session-id", &session)
+        .header("mcp-protocol-version", "2025-11-25")
+        .body(Body::from(call.to_string()))
+        .unwrap();
+    let response = crate::http::app(gateway.clone()).oneshot(request).await.unwrap();
+    let mut body = response.into_body();
+    let first = http_body_util::BodyExt::frame(&mut body).await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(first.data_ref().unwrap()).contains("notifications/progress"));
+
+    let cancel = |request: u64| json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": request, "reason": "x"}});
+    // Another session's, and an id not in flight: nothing is forwarded.
+    for (session, request) in [(&other, 9), (&session, 10)] {
+        let headers = [("mcp-session-id", session.as_str()), ("mcp-protocol-version", "2025-11-25")];
+        let (status, _, _) = post(&gateway, &headers, cancel(request)).await;
+        assert_eq!(status, StatusCode::ACCEPTED);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(seen.lock().unwrap().calls, ["hanging"]);
+    // The call's own: forwarded while the client still holds its stream.
+    let headers = [("mcp-session-id", session.as_str()), ("mcp-protocol-version", "2025-11-25")];
+    let (status, _, _) = post(&gateway, &headers, cancel(9)).await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    for _ in 0..200 {
+        if seen.lock().unwrap().calls.len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(seen.lock().unwrap().calls, ["hanging", "cancelled 9"]);
+    // Once the call is over, it is no longer in flight.
+    drop(body);
+    let state = gateway.mcp.clone().unwrap();
+    for _ in 0..200 {
+        if state.call_in_flight(&session, &json!(9)).is_none() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(state.call_in_flight(&session, &json!(9)), None);
+}
