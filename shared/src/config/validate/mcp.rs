@@ -719,4 +719,24 @@ mcp:
         assert_eq!(errors.len(), 1, "{errors:#?}");
         assert_eq!(errors[0].path, "mcp.servers.search.timeout", "{errors:#?}");
     }
+
+    #[test]
+    fn the_example_of_docs_mcp_loads() {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/mcp.md")).unwrap();
+        let block = doc.split("```yaml\n").nth(1).and_then(|rest| rest.split("```").next()).unwrap();
+        let example: Value = serde_norway::from_str(block).unwrap();
+        let yaml = |value: &Value| serde_norway::to_string(value).unwrap();
+        let text = full()
+            .set("mcp", &yaml(&example["mcp"]))
+            .set("tenants.acme.mcp", &yaml(&example["tenants"]["acme"]["mcp"]))
+            .set("tenants.acme.agents", &yaml(&example["tenants"]["acme"]["agents"]))
+            .text();
+        let mut vars = env();
+        for name in ["FLEXWAY_MCP_SESSION_KEY", "SEARCH_MCP_TOKEN"] {
+            vars.insert(name.to_owned(), format!("value-of-{name}"));
+        }
+        let loaded = load_str(&text, &vars).unwrap_or_else(|e| panic!("docs/mcp.md's example is refused: {e}"));
+        let search = server(&loaded.config, "search");
+        assert_eq!(search.auth, Auth::Bearer { secret: SecretRef::Env("SEARCH_MCP_TOKEN".into()) });
+    }
 }
