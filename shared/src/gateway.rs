@@ -3,8 +3,9 @@
 //!
 //! Every secret reference resolves before the gateway exists (a reference that does
 //! not stops the start, named by its path and reference, never by a value). The
-//! backends' references are resolved again every `secrets.refresh`
-//! ([`Gateway::refresh_secrets`]); the audit salt is not: hashes must stay comparable.
+//! backends' references, and the MCP servers' `auth` secrets, are resolved again every
+//! `secrets.refresh` ([`Gateway::refresh_secrets`]); the audit salt is not: hashes must
+//! stay comparable.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -248,22 +249,31 @@ impl Gateway {
         self.timeout(backend) * u32::try_from(tries).unwrap_or(1)
     }
 
-    /// Resolves the backends' secret references again and puts new values in use. A
-    /// reference that fails is logged (its path and reference, never a value) and its
-    /// backend keeps the values it has.
+    /// Resolves the backends' and the MCP servers' secret references again and puts
+    /// new values in use. A reference that fails is logged (its path and reference,
+    /// never a value) and its backend or server keeps the values it has.
     pub async fn refresh_secrets(&self) {
-        let references = self.config.ai.secret_references();
+        let mut references = self.config.ai.secret_references();
+        let mcp_servers =
+            self.config.secret_references().into_iter().filter(|(path, _)| path.starts_with("mcp.servers."));
+        references.extend(mcp_servers);
         if references.is_empty() {
             return;
         }
         let (resolved, failures) = resolve_all(&references, self.secrets.as_ref()).await;
         for (path, error) in &failures {
-            tracing::error!("{}: {path}: {error}; its backend keeps the last value resolved", crate::secret::REFRESH);
+            tracing::error!("{}: {path}: {error}; the last value resolved stays in use", crate::secret::REFRESH);
         }
         let updated = self.upstreams.refresh(&self.config, &resolved);
         if !updated.is_empty() {
             let names: Vec<&str> = updated.iter().map(BackendId::as_str).collect();
             tracing::info!(backends = %names.join(", "), "{}: new values in use", crate::secret::REFRESH);
+        }
+        if let (Some(mcp), Some(state)) = (&self.config.mcp, &self.mcp) {
+            let updated = state.refresh(mcp, &resolved);
+            if !updated.is_empty() {
+                tracing::info!(mcp_servers = %updated.join(", "), "{}: new values in use", crate::secret::REFRESH);
+            }
         }
     }
 
@@ -292,8 +302,9 @@ impl Gateway {
 pub struct McpState {
     pub client: crate::mcp::upstream::McpClient,
     pub key: crate::mcp::session::SessionKey,
-    /// Each server's auth headers, resolved (`mcp.servers.NAME.auth`).
-    pub auth: std::collections::BTreeMap<String, http::HeaderMap>,
+    /// Each server's own credential (`mcp.servers.NAME.auth`): its headers, swapped
+    /// when a refresh resolves a new secret, or its token file, read at each call.
+    auth: std::sync::RwLock<std::collections::BTreeMap<String, McpAuth>>,
     /// One breaker per server, keyed by its name.
     pub breakers: Arc<Breakers>,
     /// `mcp.oauth`'s JWT verifier (its key set fetched on first use).
@@ -380,7 +391,7 @@ impl McpState {
         };
         let mut auth = std::collections::BTreeMap::new();
         for (name, server) in &mcp.servers {
-            auth.insert(name.clone(), mcp_auth_headers(name, &server.auth, resolved));
+            auth.insert(name.clone(), mcp_auth(name, &server.auth, resolved));
         }
         let breakers = Breakers::new(
             mcp.servers.keys().map(|name| (BackendId::new(name), crate::config::BreakerPolicy::default())),
@@ -393,7 +404,7 @@ impl McpState {
         McpState {
             client: crate::mcp::upstream::McpClient::new(),
             key,
-            auth,
+            auth: std::sync::RwLock::new(auth),
             breakers: Arc::new(breakers),
             verifier: mcp
                 .oauth
@@ -462,6 +473,37 @@ impl McpState {
         self.revoked.lock().unwrap_or_else(PoisonError::into_inner).ids.len()
     }
 
+    /// `server`'s own auth headers as they are now (a token file read now); `None`
+    /// for a server not configured.
+    pub fn auth_headers(&self, server: &str) -> Option<http::HeaderMap> {
+        let auth = self.auth.read().unwrap_or_else(PoisonError::into_inner).get(server)?.clone();
+        Some(match auth {
+            McpAuth::Headers(headers) => headers,
+            McpAuth::TokenFile(path) => token_file_headers(server, &path),
+        })
+    }
+
+    /// The servers' `auth` secrets as `resolved` has them (a refresh): a server whose
+    /// value changed sends the new one from now on; one whose reference did not
+    /// resolve keeps the value in use. The servers updated, by name.
+    pub fn refresh(&self, mcp: &crate::config::Mcp, resolved: &crate::secret::Resolved) -> Vec<String> {
+        use crate::config::Auth;
+        let mut updated = Vec::new();
+        for (name, server) in &mcp.servers {
+            let (Auth::Bearer { secret } | Auth::Header { secret, .. }) = &server.auth else { continue };
+            if resolved.get(secret).is_none() {
+                continue;
+            }
+            let fresh = mcp_auth(name, &server.auth, resolved);
+            let mut auth = self.auth.write().unwrap_or_else(PoisonError::into_inner);
+            if auth.get(name) != Some(&fresh) {
+                auth.insert(name.clone(), fresh);
+                updated.push(name.clone());
+            }
+        }
+        updated
+    }
+
     /// The upstream session id in use for `carried` (what a sealed session holds).
     pub fn session_in_use(&self, server: &str, carried: &str) -> String {
         self.renewed(server, carried).unwrap_or_else(|| carried.to_owned())
@@ -488,30 +530,53 @@ fn digest(id: &str) -> [u8; 32] {
     <sha2::Sha256 as sha2::Digest>::digest(id.as_bytes()).into()
 }
 
-/// A server's own credential as headers. A secret that did not resolve (it is not
-/// among the configuration's references) leaves the header out, logged by path.
-fn mcp_auth_headers(server: &str, auth: &crate::config::Auth, resolved: &crate::secret::Resolved) -> http::HeaderMap {
+/// A server's own credential.
+#[derive(Clone, PartialEq)]
+enum McpAuth {
+    /// Its header (none for `auth: none`), from a resolved secret.
+    Headers(http::HeaderMap),
+    /// A token file, read at each call (as a backend's is): a projected token rotates
+    /// under the gateway.
+    TokenFile(std::path::PathBuf),
+}
+
+/// A server's own credential. A secret that did not resolve (it is not among the
+/// configuration's references) leaves the header out, logged by path.
+fn mcp_auth(server: &str, auth: &crate::config::Auth, resolved: &crate::secret::Resolved) -> McpAuth {
     use crate::config::Auth;
-    let mut headers = http::HeaderMap::new();
-    let (name, value) = match auth {
-        Auth::None => return headers,
+    let headers = http::HeaderMap::new();
+    match auth {
+        Auth::None => McpAuth::Headers(headers),
         Auth::Bearer { secret } => match resolved.get(secret) {
-            Some(s) => (http::header::AUTHORIZATION, format!("Bearer {}", s.expose().trim())),
-            None => return unresolved(server, headers),
+            Some(s) => McpAuth::Headers(auth_header(
+                server,
+                http::header::AUTHORIZATION,
+                format!("Bearer {}", s.expose().trim()),
+            )),
+            None => McpAuth::Headers(unresolved(server, headers)),
         },
         Auth::Header { name, secret } => match (http::HeaderName::try_from(name.as_str()), resolved.get(secret)) {
-            (Ok(name), Some(s)) => (name, s.expose().trim().to_owned()),
-            _ => return unresolved(server, headers),
+            (Ok(name), Some(s)) => McpAuth::Headers(auth_header(server, name, s.expose().trim().to_owned())),
+            _ => McpAuth::Headers(unresolved(server, headers)),
         },
-        // Read once here (a backend's is read at every call).
-        Auth::TokenFile { path } => match std::fs::read_to_string(path) {
-            Ok(token) => (http::header::AUTHORIZATION, format!("Bearer {}", token.trim())),
-            Err(e) => {
-                tracing::error!(server, path = %path.display(), "mcp.servers.{server}.auth: token file unreadable: {e}");
-                return headers;
-            }
-        },
-    };
+        Auth::TokenFile { path } => McpAuth::TokenFile(path.clone()),
+    }
+}
+
+/// A token file's `Authorization`, read now; an unreadable file leaves it out, logged.
+fn token_file_headers(server: &str, path: &std::path::Path) -> http::HeaderMap {
+    match std::fs::read_to_string(path) {
+        Ok(token) => auth_header(server, http::header::AUTHORIZATION, format!("Bearer {}", token.trim())),
+        Err(e) => {
+            tracing::error!(server, path = %path.display(), "mcp.servers.{server}.auth: token file unreadable: {e}");
+            http::HeaderMap::new()
+        }
+    }
+}
+
+/// `name: value` as a sensitive header (left out, logged, when it is not a valid value).
+fn auth_header(server: &str, name: http::HeaderName, value: String) -> http::HeaderMap {
+    let mut headers = http::HeaderMap::new();
     match http::HeaderValue::try_from(value) {
         Ok(mut value) => {
             value.set_sensitive(true);

@@ -159,9 +159,10 @@ impl drive::Door for ToolCall {
         };
         draft.mcp_tool(&server, &tool, &name);
         let Some(config) = mcp.servers.get(&server) else { return Err(Refusal::UnknownTool(name)) };
-        let Some(target) = federation::target(mcp, state, &server, &inbound.version) else {
+        let Some(server_at) = federation::target(mcp, state, &server, &inbound.version) else {
             return Err(Refusal::UnknownTool(name));
         };
+        let target = server_at.target();
 
         // Reserve the tool's price on every euro budget of the caller and its run.
         let price = config.price.of(&tool);
@@ -324,7 +325,8 @@ impl Drop for Cancel {
         let message = json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": params});
         tokio::spawn(async move {
             let (Some(mcp), Some(state)) = (gateway.config.mcp.as_ref(), gateway.mcp.as_ref()) else { return };
-            if let Some(target) = federation::target(mcp, state, &server, &version) {
+            if let Some(server_at) = federation::target(mcp, state, &server, &version) {
+                let target = server_at.target();
                 let _ = state.client.send(&target, session.as_deref(), &message).await;
             }
         });

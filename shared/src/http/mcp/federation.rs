@@ -29,11 +29,26 @@ const MAX_PAGES: usize = 50;
 /// The JSON-RPC code of a resource no server lists (the MCP specification's).
 const RESOURCE_NOT_FOUND: i64 = -32002;
 
-/// Where `server` is, and what it is sent with, in `version`.
-pub(super) fn target<'a>(mcp: &'a Mcp, state: &'a McpState, server: &str, version: &'a str) -> Option<Target<'a>> {
+/// Where `server` is, and what it is sent with (its own auth as it is now: a
+/// refreshed secret, a token file read again), in `version`.
+pub(super) fn target<'a>(mcp: &'a Mcp, state: &McpState, server: &str, version: &'a str) -> Option<Server<'a>> {
     let config = mcp.servers.get(server)?;
-    let headers = state.auth.get(server)?;
-    Some(Target { url: &config.url, headers, timeout: config.timeout, version })
+    let headers = state.auth_headers(server)?;
+    Some(Server { url: &config.url, headers, timeout: config.timeout, version })
+}
+
+/// A server as one message (or one exchange) goes to it.
+pub(super) struct Server<'a> {
+    url: &'a str,
+    headers: http::HeaderMap,
+    timeout: std::time::Duration,
+    version: &'a str,
+}
+
+impl Server<'_> {
+    pub fn target(&self) -> Target<'_> {
+        Target { url: self.url, headers: &self.headers, timeout: self.timeout, version: self.version }
+    }
 }
 
 /// `message` sent to `server` in `session`'s upstream session there (a stateless
@@ -224,7 +239,8 @@ pub(super) async fn list(
     method: &str,
     key: &str,
 ) -> Result<Vec<Value>, UpstreamError> {
-    let Some(target) = target(mcp, state, server, &inbound.version) else { return Ok(Vec::new()) };
+    let Some(server_at) = target(mcp, state, server, &inbound.version) else { return Ok(Vec::new()) };
+    let target = server_at.target();
     let mut items = Vec::new();
     let mut cursor: Option<String> = None;
     for page in 0..MAX_PAGES {
@@ -285,9 +301,10 @@ async fn forward(
     id: Value,
     message: &Value,
 ) -> Value {
-    let Some(target) = target(access.mcp, state, server, &inbound.version) else {
+    let Some(server_at) = target(access.mcp, state, server, &inbound.version) else {
         return wire::error(Some(id), wire::INTERNAL_ERROR, "the server is not configured", None);
     };
+    let target = server_at.target();
     let answer = match send(state, &target, server, inbound, message).await {
         Ok(answer) => response(answer, &id).await,
         Err(e) => Err(e),

@@ -450,8 +450,8 @@ async fn initialize(
     let servers = access.servers();
     let asked = version.as_str();
     let opened = futures_util::future::join_all(servers.iter().map(|server| async move {
-        let target = federation::target(mcp, state, server, asked)?;
-        match state.client.initialize(&target).await {
+        let server_at = federation::target(mcp, state, server, asked)?;
+        match state.client.initialize(&server_at.target()).await {
             Ok(session) => Some((server.to_string(), session)),
             Err(e) => {
                 tracing::warn!(server, "mcp: initialize failed, the server is left out of the session: {e:?}");
@@ -503,7 +503,8 @@ fn cancelled(gateway: &Arc<Gateway>, state: &McpState, caller: &Caller, headers:
     let gateway = gateway.clone();
     tokio::spawn(async move {
         let (Some(mcp), Some(state)) = (gateway.config.mcp.as_ref(), gateway.mcp.as_ref()) else { return };
-        if let Some(target) = federation::target(mcp, state, &call.server, &call.version) {
+        if let Some(server_at) = federation::target(mcp, state, &call.server, &call.version) {
+            let target = server_at.target();
             let _ = state.client.send(&target, session.as_deref(), &message).await;
         }
     });
@@ -543,10 +544,10 @@ async fn end_session(State(gateway): State<Arc<Gateway>>, request: Request) -> R
     // 404 from now on, here; another process finds it out later (the module's docs).
     state.revoke(id, &session, crate::budget::period::unix_now());
     let ends = session.upstream.iter().filter_map(|(server, carried)| {
-        let target = federation::target(mcp, &state, server, &session.version)?;
+        let server_at = federation::target(mcp, &state, server, &session.version)?;
         let in_use = state.session_in_use(server, carried);
         let state = &state;
-        Some(async move { state.client.end(&target, &in_use).await })
+        Some(async move { state.client.end(&server_at.target(), &in_use).await })
     });
     futures_util::future::join_all(ends).await;
     StatusCode::NO_CONTENT.into_response()

@@ -152,6 +152,16 @@ async fn gateway() -> (Arc<Gateway>, Arc<MemoryAuditSink>, Shared) {
 /// The same, accepting JWTs of `https://idp.example` signed by a key of `jwks` when
 /// `oauth`, its tenant declared with `tenant` too (`budgets: …`).
 async fn build(jwks: Value, oauth: bool, tenant: &str) -> (Arc<Gateway>, Arc<MemoryAuditSink>, Shared) {
+    build_with(jwks, oauth, tenant, None).await
+}
+
+/// The same, the fake server `search` reached with `auth` when given.
+async fn build_with(
+    jwks: Value,
+    oauth: bool,
+    tenant: &str,
+    auth: Option<Auth>,
+) -> (Arc<Gateway>, Arc<MemoryAuditSink>, Shared) {
     use sha2::Digest;
     let (url, seen) = server(jwks).await;
     let yaml = format!(
@@ -161,10 +171,12 @@ async fn build(jwks: Value, oauth: bool, tenant: &str) -> (Arc<Gateway>, Arc<Mem
     );
     let env = std::collections::HashMap::from([("MCP_TOKEN".to_owned(), TOKEN.to_owned())]);
     let mut loaded = crate::config::load_str(&yaml, &env).unwrap();
-    let servers = BTreeMap::from([
-        ("search".to_owned(), mcp_server(&url)),
-        ("down".to_owned(), mcp_server("http://127.0.0.1:9/mcp")),
-    ]);
+    let mut search = mcp_server(&url);
+    if let Some(auth) = auth {
+        search.auth = auth;
+    }
+    let servers =
+        BTreeMap::from([("search".to_owned(), search), ("down".to_owned(), mcp_server("http://127.0.0.1:9/mcp"))]);
     let oauth = oauth.then(|| crate::config::McpOauth {
         issuer: "https://idp.example".into(),
         audience: "https://gw.example/mcp".into(),
@@ -704,4 +716,39 @@ async fn a_clients_cancellation_of_a_call_in_flight_reaches_its_server() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert_eq!(state.call_in_flight(&session, &json!(9)), None);
+}
+
+/// The `Authorization` the fake server was last sent with a tool call of `session`.
+async fn called_with(gateway: &Arc<Gateway>, seen: &Shared, session: &str, id: u64) -> String {
+    let answer = in_session(gateway, session, id, "tools/call", json!({"name": "search__search"})).await;
+    assert_eq!(answer["result"]["content"][0]["text"], "found", "{answer}");
+    seen.lock().unwrap().authorizations.last().cloned().unwrap_or_default()
+}
+
+#[tokio::test]
+async fn a_servers_rotated_secret_is_sent_after_a_refresh_and_a_token_file_read_at_each_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "one\n").unwrap();
+    let auth = Auth::Bearer { secret: SecretRef::File(secret.clone()) };
+    let (gateway, _, seen) = build_with(json!({"keys": []}), false, "", Some(auth)).await;
+    let session = initialize(&gateway).await;
+    assert_eq!(called_with(&gateway, &seen, &session, 1).await, "Bearer one");
+    std::fs::write(&secret, "two").unwrap();
+    assert_eq!(called_with(&gateway, &seen, &session, 2).await, "Bearer one", "until the refresh");
+    gateway.refresh_secrets().await;
+    assert_eq!(called_with(&gateway, &seen, &session, 3).await, "Bearer two");
+    // A reference that no longer resolves: the value in use stays.
+    std::fs::remove_file(&secret).unwrap();
+    gateway.refresh_secrets().await;
+    assert_eq!(called_with(&gateway, &seen, &session, 4).await, "Bearer two");
+
+    let token = dir.path().join("token");
+    std::fs::write(&token, "t1").unwrap();
+    let auth = Auth::TokenFile { path: token.clone() };
+    let (gateway, _, seen) = build_with(json!({"keys": []}), false, "", Some(auth)).await;
+    let session = initialize(&gateway).await;
+    assert_eq!(called_with(&gateway, &seen, &session, 1).await, "Bearer t1");
+    std::fs::write(&token, "t2").unwrap();
+    assert_eq!(called_with(&gateway, &seen, &session, 2).await, "Bearer t2", "read again, no refresh needed");
 }
