@@ -6,10 +6,12 @@
 //!
 //! The key set is fetched on first use and kept; a token naming a key the set lacks
 //! (the issuer rotated) fetches it again, at most once a minute, so a stream of
-//! tokens with made-up `kid`s cannot turn the gateway into a load on the issuer.
+//! tokens with made-up `kid`s cannot turn the gateway into a load on the issuer. One
+//! fetch at a time, and no lock held across it: while one is under way every other
+//! token is checked against the keys held (only the first, with none held, waits).
 //! Nothing of a token goes into an error or a log: a token is a credential.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
@@ -17,7 +19,6 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use ring::signature::{self, RsaPublicKeyComponents, UnparsedPublicKey};
 use serde::Deserialize;
 use serde_json::Value;
-use tokio::sync::Mutex;
 
 use crate::config::McpOauth;
 
@@ -76,6 +77,8 @@ pub struct Verifier {
     http: reqwest::Client,
     min_refetch: Duration,
     keys: Mutex<Held>,
+    /// Held by the one fetch of the key set under way.
+    fetching: tokio::sync::Mutex<()>,
 }
 
 /// The key set as last read, and when it was asked for.
@@ -120,7 +123,13 @@ struct Header {
 
 impl Verifier {
     pub fn new(oauth: &McpOauth, http: reqwest::Client) -> Verifier {
-        Verifier { oauth: oauth.clone(), http, min_refetch: MIN_REFETCH, keys: Mutex::new(Held::default()) }
+        Verifier {
+            oauth: oauth.clone(),
+            http,
+            min_refetch: MIN_REFETCH,
+            keys: Mutex::new(Held::default()),
+            fetching: tokio::sync::Mutex::new(()),
+        }
     }
 
     /// The token's claims, once its signature, issuer, audience and validity window
@@ -213,30 +222,63 @@ impl Verifier {
     }
 
     /// The key set, fetched first when none was read yet, or when `kid` names a key
-    /// it lacks and the last fetch is a minute old.
+    /// it lacks and the last fetch is a minute old. While a fetch is under way the
+    /// keys held answer, without waiting for it, unless none is held yet.
     async fn keys_for(&self, kid: Option<&str>) -> Result<Arc<Vec<Jwk>>, JwtError> {
-        let mut held = self.keys.lock().await;
-        let since = |held: &Held, wait: Duration| held.attempted.is_none_or(|at| at.elapsed() >= wait);
-        let unknown = kid.is_some_and(|kid| !held.keys.iter().any(|k| k.kid.as_deref() == Some(kid)));
-        let due = if held.fetched { unknown && since(&held, self.min_refetch) } else { since(&held, RETRY_UNFETCHED) };
-        if due {
-            held.attempted = Some(Instant::now());
-            match self.fetch().await {
-                Ok(keys) => {
-                    held.keys = Arc::new(keys);
-                    held.fetched = true;
+        if self.due(kid) {
+            match self.fetching.try_lock() {
+                // Looked at again under the lock: a fetch may have ended in between.
+                Ok(_one_fetch) => {
+                    if self.due(kid) {
+                        self.refetch().await?;
+                    }
                 }
-                Err(error) => {
-                    tracing::warn!(jwks_url = %self.oauth.jwks_url, "mcp oauth: {error}");
-                    if !held.fetched {
-                        return Err(error);
+                Err(_) => {
+                    let none_held = !self.held().fetched;
+                    if none_held {
+                        drop(self.fetching.lock().await);
                     }
                 }
             }
-        } else if !held.fetched {
+        }
+        let held = self.held();
+        if !held.fetched {
             return Err(JwtError::Keys("the last attempt failed; retried shortly".into()));
         }
         Ok(held.keys.clone())
+    }
+
+    fn held(&self) -> MutexGuard<'_, Held> {
+        self.keys.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether the key set is to be fetched for a token naming `kid`.
+    fn due(&self, kid: Option<&str>) -> bool {
+        let held = self.held();
+        let since = |wait: Duration| held.attempted.is_none_or(|at| at.elapsed() >= wait);
+        let unknown = kid.is_some_and(|kid| !held.keys.iter().any(|k| k.kid.as_deref() == Some(kid)));
+        if held.fetched { unknown && since(self.min_refetch) } else { since(RETRY_UNFETCHED) }
+    }
+
+    /// Fetches the key set and keeps it; a failure keeps the keys held, and is the
+    /// answer only when none is.
+    async fn refetch(&self) -> Result<(), JwtError> {
+        self.held().attempted = Some(Instant::now());
+        let fetched = self.fetch().await;
+        let mut held = self.held();
+        match fetched {
+            Ok(keys) => {
+                held.keys = Arc::new(keys);
+                held.fetched = true;
+            }
+            Err(error) => {
+                tracing::warn!(jwks_url = %self.oauth.jwks_url, "mcp oauth: {error}");
+                if !held.fetched {
+                    return Err(error);
+                }
+            }
+        }
+        Ok(())
     }
 
     async fn fetch(&self) -> Result<Vec<Jwk>, JwtError> {
@@ -332,7 +374,7 @@ fn numeric_date(value: &Value) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
     use axum::Router;
     use axum::extract::State;
@@ -432,18 +474,21 @@ mod tests {
         claims
     }
 
-    /// A JWK set served on loopback: what it serves can change, and it counts its
-    /// requests.
+    /// A JWK set served on loopback: what it serves and how slowly can change, and it
+    /// counts its requests.
     struct Issuer {
         set: Arc<std::sync::Mutex<(u16, Value)>>,
         hits: Arc<AtomicUsize>,
+        /// Milliseconds each answer waits.
+        delay_ms: Arc<AtomicU64>,
         url: String,
     }
 
-    type Shared = (Arc<std::sync::Mutex<(u16, Value)>>, Arc<AtomicUsize>);
+    type Shared = (Arc<std::sync::Mutex<(u16, Value)>>, Arc<AtomicUsize>, Arc<AtomicU64>);
 
-    async fn jwks(State((set, hits)): State<Shared>) -> (http::StatusCode, axum::Json<Value>) {
+    async fn jwks(State((set, hits, delay_ms)): State<Shared>) -> (http::StatusCode, axum::Json<Value>) {
         hits.fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(delay_ms.load(Ordering::SeqCst))).await;
         let (status, body) = set.lock().unwrap().clone();
         (http::StatusCode::from_u16(status).unwrap(), axum::Json(body))
     }
@@ -452,15 +497,21 @@ mod tests {
         async fn serving(keys: Vec<Value>) -> Issuer {
             let set = Arc::new(std::sync::Mutex::new((200, json!({"keys": keys}))));
             let hits = Arc::new(AtomicUsize::new(0));
-            let app = Router::new().route("/jwks", get(jwks)).with_state((set.clone(), hits.clone()));
+            let delay_ms = Arc::new(AtomicU64::new(0));
+            let state = (set.clone(), hits.clone(), delay_ms.clone());
+            let app = Router::new().route("/jwks", get(jwks)).with_state(state);
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let url = format!("http://{}/jwks", listener.local_addr().unwrap());
             tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-            Issuer { set, hits, url }
+            Issuer { set, hits, delay_ms, url }
         }
 
         fn serve(&self, status: u16, keys: Vec<Value>) {
             *self.set.lock().unwrap() = (status, json!({"keys": keys}));
+        }
+
+        fn slow(&self, delay: Duration) {
+            self.delay_ms.store(u64::try_from(delay.as_millis()).unwrap(), Ordering::SeqCst);
         }
 
         fn hits(&self) -> usize {
@@ -607,6 +658,33 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_slow_fetch_for_an_invented_kid_holds_up_no_other_token() {
+        let (ec, stranger) = (Signer::ec(), Signer::ec());
+        let issuer = Issuer::serving(vec![ec.jwk("k1")]).await;
+        let mut verifier = issuer.verifier();
+        verifier.min_refetch = Duration::ZERO; // every unknown kid is due a fetch
+        assert!(verifier.verify_at(&ec.token("k1", &claims()), NOW).await.is_ok());
+        issuer.slow(Duration::from_secs(2));
+        let verifier = Arc::new(verifier);
+        let invented = {
+            let (verifier, token) = (verifier.clone(), stranger.token("invented", &claims()));
+            tokio::spawn(async move { verifier.verify_at(&token, NOW).await })
+        };
+        while issuer.hits() < 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // The fetch is under way: a known key answers at once, and another invented
+        // kid neither waits for it nor starts a second one.
+        let started = Instant::now();
+        assert_eq!(verifier.verify_at(&ec.token("k1", &claims()), NOW).await, Ok(acme_bot()));
+        let other = stranger.token("invented-too", &claims());
+        assert_eq!(verifier.verify_at(&other, NOW).await, Err(JwtError::UnknownKey));
+        assert!(started.elapsed() < Duration::from_millis(500), "waited {:?}", started.elapsed());
+        assert_eq!(invented.await.unwrap(), Err(JwtError::UnknownKey));
+        assert_eq!(issuer.hits(), 2);
+    }
+
+    #[tokio::test]
     async fn an_unreadable_set_is_an_error_retried_later() {
         let ec = Signer::ec();
         let issuer = Issuer::serving(vec![]).await;
@@ -628,6 +706,6 @@ mod tests {
         let fresh = issuer.verifier();
         issuer.serve(200, odd);
         assert_eq!(fresh.verify_at(&token, NOW).await, Ok(acme_bot()));
-        assert_eq!(fresh.keys.lock().await.keys.len(), 1);
+        assert_eq!(fresh.held().keys.len(), 1);
     }
 }
