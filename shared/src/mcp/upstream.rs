@@ -80,6 +80,8 @@ struct Stream {
     session: Option<String>,
     deadline: Instant,
     done: bool,
+    /// A response whose id is the first is given the second instead.
+    restore: Option<(Value, Value)>,
 }
 
 impl std::fmt::Debug for Events {
@@ -95,6 +97,13 @@ impl Events {
         self.0.session.as_deref()
     }
 
+    /// These events with the response to the request `sent` given the id `original`
+    /// (the request went upstream under an id of the gateway's own).
+    pub fn restoring(mut self, sent: Value, original: Value) -> Events {
+        self.0.restore = Some((sent, original));
+        self
+    }
+
     /// The next message; `None` once the stream ended (after an error too). Past the
     /// target's timeout, [`UpstreamError::Timeout`].
     pub async fn next(&mut self) -> Option<Result<Value, UpstreamError>> {
@@ -105,10 +114,17 @@ impl Events {
                 if !message_type || event.data.trim().is_empty() {
                     continue;
                 }
-                return Some(serde_json::from_str(&event.data).map_err(|_| {
+                let Ok(mut message) = serde_json::from_str::<Value>(&event.data) else {
                     stream.done = true;
-                    UpstreamError::Transport("an event of the stream is not JSON".to_owned())
-                }));
+                    return Some(Err(UpstreamError::Transport("an event of the stream is not JSON".to_owned())));
+                };
+                if let Some((sent, original)) = &stream.restore
+                    && message.get("method").is_none()
+                    && message.get("id") == Some(sent)
+                {
+                    message["id"] = original.clone();
+                }
+                return Some(Ok(message));
             }
             if stream.done {
                 return None;
@@ -229,6 +245,7 @@ impl McpClient {
                 session,
                 deadline,
                 done: false,
+                restore: None,
             }))));
         }
         let body = read_bounded(response, deadline).await?;

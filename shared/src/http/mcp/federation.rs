@@ -92,8 +92,11 @@ pub(super) async fn send(
 const EARLIER: &str = "2025-11-25";
 
 /// `message` of a stateless caller sent to a server of an earlier revision, in a
-/// session this process holds with it for the caller's tenant and agent (opened on
-/// first use and again when the server forgets it; never another caller's).
+/// session this process holds with it for the caller (its tenant, agent and key:
+/// opened on first use and again when the server forgets it; never another
+/// caller's). A request goes under an id of the gateway's own, the caller's put back
+/// on the answer: a caller's ids are its own to reuse, and a session is only ever
+/// one caller's even then.
 async fn earlier(
     state: &McpState,
     target: &Target<'_>,
@@ -103,18 +106,50 @@ async fn earlier(
 ) -> Result<Answer, UpstreamError> {
     let target = Target { url: target.url, headers: target.headers, timeout: target.timeout, version: EARLIER };
     let caller = &inbound.caller;
-    let key = format!("\u{0}stateless\u{0}{}\u{0}{}", caller.tenant, caller.agent.as_ref().map_or("", |a| a.as_str()));
+    let agent = caller.agent.as_ref().map_or("", |a| a.as_str());
+    let key = format!("\u{0}stateless\u{0}{}\u{0}{agent}\u{0}{}", caller.tenant, hex::encode(caller.key_sha256));
+    let (message, ids) = own_id(message);
     if let Some(held) = state.renewed(server, &key) {
-        match state.client.send(&target, Some(&held), message).await {
+        match state.client.send(&target, Some(&held), &message).await {
             Err(UpstreamError::SessionGone) => {}
-            other => return other,
+            other => return other.map(|answer| restored(answer, ids)),
         }
     }
     let fresh = state.client.initialize(&target).await?;
     if let Some(fresh) = &fresh {
         state.renew(server, &key, fresh.clone());
     }
-    state.client.send(&target, fresh.as_deref(), message).await
+    let answer = state.client.send(&target, fresh.as_deref(), &message).await?;
+    Ok(restored(answer, ids))
+}
+
+/// Request ids the gateway sent upstream in sessions it holds for stateless callers.
+static SENT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// `message` under an id unique in this process (`flexway-{n}`) if it is a request,
+/// and (that id, the caller's).
+fn own_id(message: &Value) -> (Value, Option<(Value, Value)>) {
+    let (Some(id), Some(_)) = (message.get("id"), message.get("method")) else { return (message.clone(), None) };
+    let n = SENT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let sent = json!(format!("flexway-{n}"));
+    let mut message = message.clone();
+    message["id"] = sent.clone();
+    (message, Some((sent, id.clone())))
+}
+
+/// `answer` with the caller's id back in the response to `ids`' first (sent).
+fn restored(answer: Answer, ids: Option<(Value, Value)>) -> Answer {
+    let Some((sent, original)) = ids else { return answer };
+    match answer {
+        Answer::Json { mut message, session } => {
+            if message.get("id") == Some(&sent) {
+                message["id"] = original;
+            }
+            Answer::Json { message, session }
+        }
+        Answer::Stream(events) => Answer::Stream(events.restoring(sent, original)),
+        Answer::Accepted => Answer::Accepted,
+    }
 }
 
 /// The answer to the request `id`: the JSON answer, or the response among the events
@@ -348,4 +383,200 @@ async fn read(state: &McpState, access: &Access<'_>, inbound: &Inbound, id: Valu
     }
     let data = json!({"uri": uri});
     wire::error(Some(id), RESOURCE_NOT_FOUND, &format!("Resource not found: {uri}"), Some(data))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use axum::body::Body;
+    use axum::extract::State;
+    use axum::response::{IntoResponse, Response};
+    use http::{HeaderMap, Request, StatusCode};
+    use serde_json::{Value, json};
+    use tower::ServiceExt;
+
+    use crate::config::{Auth, Mcp, McpNarrowing, McpPrice, McpServer, ToolGlobs};
+    use crate::gateway::Gateway;
+    use crate::money::MicroEur;
+
+    /// A request the fake server saw: its method, session, id and version header.
+    #[derive(Debug, Clone)]
+    struct Hit {
+        method: String,
+        session: Option<String>,
+        id: Value,
+        version: Option<String>,
+    }
+
+    /// The fake server of an earlier revision: what it saw, how it behaves.
+    #[derive(Default)]
+    struct Fake {
+        seen: Vec<Hit>,
+        sessions: Vec<String>,
+        /// `initialize`s still to refuse (500).
+        refuse_initialize: usize,
+        /// `tools/list` pages forever, slowly.
+        pages_forever: bool,
+    }
+
+    type Shared = Arc<Mutex<Fake>>;
+
+    fn lock(fake: &Shared) -> std::sync::MutexGuard<'_, Fake> {
+        fake.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn bad_request(text: &str) -> Response {
+        let body = json!({"jsonrpc": "2.0", "id": null, "error": {"code": -32000, "message": text}});
+        (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()
+    }
+
+    async fn fake(State(fake): State<Shared>, headers: HeaderMap, body: String) -> Response {
+        let message: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let (session, version) = (header("mcp-session-id"), header("mcp-protocol-version"));
+        let method = message["method"].as_str().unwrap_or("").to_owned();
+        let id = message["id"].clone();
+        let pages_forever = {
+            let mut fake = lock(&fake);
+            let seen =
+                Hit { method: method.clone(), session: session.clone(), id: id.clone(), version: version.clone() };
+            fake.seen.push(seen);
+            if version.as_deref() == Some("2026-07-28") {
+                return bad_request("Bad Request: Unsupported protocol version");
+            }
+            if method == "initialize" {
+                if fake.refuse_initialize > 0 {
+                    fake.refuse_initialize -= 1;
+                    return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+                }
+                let session = format!("s-{}", fake.sessions.len() + 1);
+                fake.sessions.push(session.clone());
+                let result = json!({"protocolVersion": message["params"]["protocolVersion"], "capabilities": {"tools": {}},
+                    "serverInfo": {"name": "fake", "version": "1"}});
+                let body = json!({"jsonrpc": "2.0", "id": id, "result": result});
+                return ([("mcp-session-id", session)], axum::Json(body)).into_response();
+            }
+            match &session {
+                None => return bad_request("Bad Request: No valid session ID provided"),
+                Some(session) if !fake.sessions.contains(session) => return StatusCode::NOT_FOUND.into_response(),
+                Some(_) => {}
+            }
+            fake.pages_forever
+        };
+        let result = match method.as_str() {
+            "notifications/initialized" => return StatusCode::ACCEPTED.into_response(),
+            "tools/list" if pages_forever => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                json!({"tools": [{"name": "search", "inputSchema": {"type": "object"}}], "nextCursor": "more"})
+            }
+            "tools/list" => json!({"tools": [{"name": "search", "inputSchema": {"type": "object"}}]}),
+            "tools/call" => json!({"content": [{"type": "text", "text": "found"}]}),
+            _ => return bad_request("Bad Request"),
+        };
+        axum::Json(json!({"jsonrpc": "2.0", "id": id, "result": result})).into_response()
+    }
+
+    /// A gateway federating `old` (the fake server, `timeout`), keys `k1` and `k2` of
+    /// tenant `acme`.
+    async fn gateway(timeout: Duration) -> (Arc<Gateway>, Shared) {
+        use sha2::Digest;
+        let shared = Shared::default();
+        let app = axum::Router::new().route("/mcp", axum::routing::post(fake)).with_state(shared.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let yaml = format!(
+            "version: 1\ntenants:\n  acme:\n    keys: [{{sha256: {}}}, {{sha256: {}}}]\nai:\n  default_backend: a\n  \
+             backends:\n    a: {{url: 'http://127.0.0.1:9/v1'}}\n",
+            hex::encode(sha2::Sha256::digest(b"k1")),
+            hex::encode(sha2::Sha256::digest(b"k2")),
+        );
+        let env = std::collections::HashMap::new();
+        let mut loaded = crate::config::load_str(&yaml, &env).unwrap();
+        let server = McpServer {
+            url: format!("http://{address}/mcp"),
+            auth: Auth::None,
+            external: false,
+            jurisdiction: None,
+            timeout,
+            price: McpPrice { per_call: MicroEur(0), tools: BTreeMap::new() },
+            tools: ToolGlobs { allow: None, deny: Vec::new() },
+        };
+        let servers = BTreeMap::from([("old".to_owned(), server)]);
+        loaded.config.mcp = Some(Mcp { servers, session_key: None, oauth: None, expose_rest: false });
+        if let Some(tenant) = loaded.config.tenants.values_mut().next() {
+            tenant.mcp = McpNarrowing::default();
+        }
+        let adapters = crate::gateway::Adapters {
+            budgets: Arc::new(crate::budget::MemoryBudgetStore::new()),
+            audit: Arc::new(crate::audit::sinks::MemoryAuditSink::new()),
+            export: crate::telemetry::Export::Batched,
+            cache: None,
+        };
+        let secrets = Arc::new(crate::secret::LocalSecrets { env });
+        (Arc::new(Gateway::new(loaded.config, secrets, adapters).await.unwrap()), shared)
+    }
+
+    /// `POST /mcp` of `message` with `key` and `headers`: the status, headers and body.
+    async fn post(
+        gateway: &Arc<Gateway>,
+        key: &str,
+        headers: &[(&str, &str)],
+        message: Value,
+    ) -> (StatusCode, HeaderMap, Value) {
+        let mut request = Request::post("/mcp")
+            .header("authorization", format!("Bearer {key}"))
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request.body(Body::from(message.to_string())).unwrap();
+        let response = crate::http::app(gateway.clone()).oneshot(request).await.unwrap();
+        let (status, headers) = (response.status(), response.headers().clone());
+        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+        (status, headers, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+    }
+
+    /// A stateless caller's (2026-07-28) `method` with the request id 1.
+    async fn stateless(gateway: &Arc<Gateway>, key: &str, method: &str, params: Value) -> Value {
+        let mut headers = vec![("mcp-protocol-version", "2026-07-28"), ("mcp-method", method)];
+        let name = params["name"].as_str().map(str::to_owned);
+        if let Some(name) = &name {
+            headers.push(("mcp-name", name));
+        }
+        let message = json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params});
+        let (status, _, body) = post(gateway, key, &headers, message).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        body
+    }
+
+    #[tokio::test]
+    async fn stateless_callers_each_have_their_own_upstream_session_and_ids() {
+        let (gateway, fake) = gateway(Duration::from_secs(5)).await;
+        for key in ["k1", "k2", "k1"] {
+            let listed = stateless(&gateway, key, "tools/list", json!({})).await;
+            assert_eq!(listed["id"], 1);
+            assert_eq!(listed["result"]["tools"][0]["name"], "old__search");
+            let called = stateless(&gateway, key, "tools/call", json!({"name": "old__search", "arguments": {}})).await;
+            assert_eq!(called["id"], 1);
+            assert_eq!(called["result"]["content"][0]["text"], "found", "{called}");
+        }
+        let fake = lock(&fake);
+        assert_eq!(fake.sessions.len(), 2, "one session per caller, kept: {:?}", fake.seen);
+        let sent: Vec<&Hit> =
+            fake.seen.iter().filter(|r| r.method.starts_with("tools/") && r.session.is_some()).collect();
+        assert_eq!(sent.len(), 6);
+        assert!(sent.iter().all(|r| r.version.as_deref() == Some("2025-11-25")), "{sent:?}");
+        let by_key = |session: &str| sent.iter().filter(|r| r.session.as_deref() == Some(session)).count();
+        assert_eq!((by_key("s-1"), by_key("s-2")), (4, 2));
+        let mut ids: Vec<String> = sent.iter().map(|r| r.id.as_str().unwrap_or("").to_owned()).collect();
+        assert!(ids.iter().all(|id| id.starts_with("flexway-")), "{ids:?}");
+        ids.sort();
+        ids.dedup();
+        assert_eq!(ids.len(), 6, "no two requests under one id");
+    }
 }
