@@ -44,6 +44,9 @@ pub enum SetupError {
     /// A chain key anyone could guess is no key.
     #[error("audit.chain_key: the key is {len} bytes; a chain key is at least 16 (32 random bytes is the usual)")]
     ShortChainKey { len: usize },
+    /// A session key anyone could guess is no key.
+    #[error("mcp.session_key: the key is {len} bytes; a session key is at least 16 (32 random bytes is the usual)")]
+    ShortSessionKey { len: usize },
     /// An inference pool's endpoint picker could not be set up.
     #[error(transparent)]
     Picker(#[from] crate::routing::endpoint_picker::PickerError),
@@ -138,6 +141,7 @@ impl Gateway {
         };
         let telemetry = Arc::new(Telemetry::start(config.telemetry.as_ref(), adapters.export)?);
         let upstreams = Upstreams::new(&config, &resolved)?;
+        session_key_length(&config, &resolved)?;
         let mcp = config.mcp.as_ref().map(|mcp| Arc::new(McpState::new(mcp, &resolved, &salt, None)));
         let next_refresh = Mutex::new(Instant::now() + config.secrets.refresh);
         let config = Arc::new(config);
@@ -200,6 +204,7 @@ impl Gateway {
                 if let Some((path, source)) = failures.into_iter().next() {
                     return Err(ReloadError::Setup(SetupError::Secret { path, source }));
                 }
+                session_key_length(&config, &resolved)?;
                 let salt = match &config.audit.hash_salt {
                     Some(reference) => resolved.get(reference).map(|s| s.expose().as_bytes().to_vec()),
                     None => None,
@@ -362,6 +367,15 @@ const MCP_REVOKED: usize = 100_000;
 
 /// Renewed upstream sessions a process remembers; past it, the map starts again.
 const MCP_RENEWED: usize = 10_000;
+
+/// `mcp.session_key`, when set, resolves to 16 bytes or more.
+fn session_key_length(config: &Config, resolved: &crate::secret::Resolved) -> Result<(), SetupError> {
+    let key = config.mcp.as_ref().and_then(|mcp| mcp.session_key.as_ref()).and_then(|r| resolved.get(r));
+    match key.map(|key| key.expose().len()) {
+        Some(len) if len < 16 => Err(SetupError::ShortSessionKey { len }),
+        _ => Ok(()),
+    }
+}
 
 impl McpState {
     /// The state of `mcp`: its session key from `mcp.session_key`, else derived from

@@ -739,4 +739,29 @@ mcp:
         let search = server(&loaded.config, "search");
         assert_eq!(search.auth, Auth::Bearer { secret: SecretRef::Env("SEARCH_MCP_TOKEN".into()) });
     }
+
+    /// Whether a gateway starts with `full()`'s configuration and `MCP_SESSION_KEY` set
+    /// to `key`: its error's text if not.
+    async fn starts_with_session_key(key: &str) -> Result<(), String> {
+        let mut vars = env();
+        vars.insert("MCP_SESSION_KEY".to_owned(), key.to_owned());
+        let config = load_str(&full().text(), &vars).unwrap().config;
+        let adapters = crate::gateway::Adapters {
+            budgets: std::sync::Arc::new(crate::budget::MemoryBudgetStore::new()),
+            audit: std::sync::Arc::new(crate::audit::sinks::MemoryAuditSink::new()),
+            export: crate::telemetry::Export::Batched,
+            cache: None,
+        };
+        let secrets = std::sync::Arc::new(crate::secret::LocalSecrets { env: vars });
+        crate::gateway::Gateway::new(config, secrets, adapters).await.map(drop).map_err(|e| e.to_string())
+    }
+
+    #[tokio::test]
+    async fn a_session_key_shorter_than_16_bytes_stops_the_start() {
+        // Checked once resolved: at load, a reference has no length.
+        let refused = starts_with_session_key("fifteen-bytes!!").await;
+        let says = "mcp.session_key: the key is 15 bytes; a session key is at least 16";
+        assert!(refused.as_ref().is_err_and(|e| e.contains(says)), "{refused:?}");
+        assert_eq!(starts_with_session_key("sixteen-bytes!!!").await, Ok(()));
+    }
 }
