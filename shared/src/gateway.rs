@@ -420,10 +420,7 @@ impl McpState {
             key,
             auth: std::sync::RwLock::new(auth),
             breakers: Arc::new(breakers),
-            verifier: mcp
-                .oauth
-                .as_ref()
-                .map(|oauth| crate::identity::jwt::Verifier::new(oauth, reqwest::Client::new())),
+            verifier: mcp.oauth.as_ref().map(crate::identity::jwt::Verifier::new),
             renewed: Mutex::new(std::collections::HashMap::new()),
             revoked: Mutex::new(revoked),
             in_flight: Mutex::new(std::collections::HashMap::new()),

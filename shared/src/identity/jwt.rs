@@ -74,7 +74,8 @@ pub enum JwtError {
 /// Verifies tokens against one `mcp.oauth`; shared by every request.
 pub struct Verifier {
     oauth: McpOauth,
-    http: reqwest::Client,
+    /// Its own client, following no redirect; the error if none could be built.
+    http: Result<reqwest::Client, String>,
     min_refetch: Duration,
     keys: Mutex<Held>,
     /// Held by the one fetch of the key set under way.
@@ -122,7 +123,14 @@ struct Header {
 }
 
 impl Verifier {
-    pub fn new(oauth: &McpOauth, http: reqwest::Client) -> Verifier {
+    /// The verifier of `oauth`. Its key set is fetched from `jwks_url` and nowhere
+    /// else: a redirect is not followed (the keys are whatever the URL answers, so
+    /// that answer is a failure), lest the set come from a host no one configured.
+    pub fn new(oauth: &McpOauth) -> Verifier {
+        let http = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|e| format!("no HTTP client: {e}"));
         Verifier {
             oauth: oauth.clone(),
             http,
@@ -283,8 +291,8 @@ impl Verifier {
 
     async fn fetch(&self) -> Result<Vec<Jwk>, JwtError> {
         let failed = |what: String| JwtError::Keys(what);
-        let mut response = self
-            .http
+        let http = self.http.as_ref().map_err(|e| failed(e.clone()))?;
+        let mut response = http
             .get(&self.oauth.jwks_url)
             .header(http::header::ACCEPT, "application/json")
             .timeout(FETCH_TIMEOUT)
@@ -499,7 +507,8 @@ mod tests {
             let hits = Arc::new(AtomicUsize::new(0));
             let delay_ms = Arc::new(AtomicU64::new(0));
             let state = (set.clone(), hits.clone(), delay_ms.clone());
-            let app = Router::new().route("/jwks", get(jwks)).with_state(state);
+            let moved = || async { axum::response::Redirect::temporary("/jwks") };
+            let app = Router::new().route("/jwks", get(jwks)).route("/moved", get(moved)).with_state(state);
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let url = format!("http://{}/jwks", listener.local_addr().unwrap());
             tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
@@ -526,7 +535,7 @@ mod tests {
                 tenant_claim: "tenant".into(),
                 agent_claim: Some("agent".into()),
             };
-            Verifier::new(&oauth, reqwest::Client::new())
+            Verifier::new(&oauth)
         }
     }
 
@@ -682,6 +691,17 @@ mod tests {
         assert!(started.elapsed() < Duration::from_millis(500), "waited {:?}", started.elapsed());
         assert_eq!(invented.await.unwrap(), Err(JwtError::UnknownKey));
         assert_eq!(issuer.hits(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_redirect_from_the_jwks_url_is_not_followed() {
+        let ec = Signer::ec();
+        let issuer = Issuer::serving(vec![ec.jwk("e1")]).await;
+        let mut verifier = issuer.verifier();
+        verifier.oauth.jwks_url = issuer.url.replace("/jwks", "/moved");
+        let refused = verifier.verify_at(&ec.token("e1", &claims()), NOW).await;
+        assert_eq!(refused, Err(JwtError::Keys("status 307".into())));
+        assert_eq!(issuer.hits(), 0, "the set the redirect names was not asked for");
     }
 
     #[tokio::test]
