@@ -54,7 +54,9 @@ impl Server<'_> {
 /// `message` sent to `server` in `session`'s upstream session there (a stateless
 /// caller's: none). A server that forgot the session (or wants one the call does not
 /// carry) is initialized, once, and the message sent again in the new session (the
-/// first was refused unread).
+/// first was refused unread). A server the caller's session does not carry (it failed
+/// at `initialize`, or was configured since) is initialized first, once per session
+/// in this process, its session kept as a renewed one is.
 pub(super) async fn send(
     state: &McpState,
     target: &Target<'_>,
@@ -69,22 +71,51 @@ pub(super) async fn send(
             other => return other,
         }
     }
-    let carried = inbound.session.as_ref().and_then(|s| s.upstream.get(server));
-    let in_use = carried.map(|carried| state.session_in_use(server, carried));
+    let session = inbound.session.as_ref();
+    // What the upstream session is kept under here: the id the caller's session
+    // carries, else a key of that session's own.
+    let (key, in_use) = match (session.and_then(|s| s.upstream.get(server)), session) {
+        (Some(carried), _) => (Some(carried.clone()), Some(state.session_in_use(server, carried))),
+        (None, Some(session)) => {
+            let key = missing(&inbound.caller, session);
+            let held = match state.renewed(server, &key) {
+                Some(held) => Some(held),
+                None => {
+                    tracing::info!(server, "mcp: the server is not in the session: initialized");
+                    let fresh = state.client.initialize(target).await?;
+                    if let Some(fresh) = &fresh {
+                        state.renew(server, &key, fresh.clone());
+                    }
+                    fresh
+                }
+            };
+            (Some(key), held)
+        }
+        (None, None) => (None, None),
+    };
     match state.client.send(target, in_use.as_deref(), message).await {
         Err(UpstreamError::SessionGone) => {
             tracing::info!(server, "mcp: the server wants a session: initialized (again)");
             let fresh = state.client.initialize(target).await?;
-            // A session the caller's carries is renewed for its later calls; one opened
-            // for a call without (a stateless caller, a server that was down at
-            // initialize) serves this call only: never shared between callers.
-            if let (Some(carried), Some(fresh)) = (carried, &fresh) {
-                state.renew(server, carried, fresh.clone());
+            // Renewed for the session's later calls; one opened for a call without a
+            // session serves this call only: never shared between callers.
+            if let (Some(key), Some(fresh)) = (&key, &fresh) {
+                state.renew(server, key, fresh.clone());
             }
             state.client.send(target, fresh.as_deref(), message).await
         }
         other => other,
     }
+}
+
+/// The key under which the upstream session opened for `session` (of `caller`) at a
+/// server it does not carry is kept: a digest of the caller's key and the session.
+fn missing(caller: &crate::identity::Caller, session: &crate::mcp::session::Session) -> String {
+    use sha2::Digest;
+    let mut digest = sha2::Sha256::new();
+    digest.update(caller.key_sha256);
+    digest.update(serde_json::to_vec(session).unwrap_or_default());
+    format!("\u{0}missing\u{0}{}", hex::encode(digest.finalize()))
 }
 
 /// The revision a stateless caller's messages go in to a server that does not speak
@@ -578,5 +609,40 @@ mod tests {
         ids.sort();
         ids.dedup();
         assert_eq!(ids.len(), 6, "no two requests under one id");
+    }
+
+    /// A session (2025-11-25) of key `k1`: its id.
+    async fn initialize(gateway: &Arc<Gateway>) -> String {
+        let message = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}});
+        let (status, headers, body) = post(gateway, "k1", &[], message).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        headers.get("mcp-session-id").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned()
+    }
+
+    async fn in_session(gateway: &Arc<Gateway>, session: &str, method: &str, params: Value) -> Value {
+        let headers = [("mcp-session-id", session), ("mcp-protocol-version", "2025-11-25")];
+        let message = json!({"jsonrpc": "2.0", "id": 3, "method": method, "params": params});
+        let (status, _, body) = post(gateway, "k1", &headers, message).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        body
+    }
+
+    #[tokio::test]
+    async fn a_server_the_session_does_not_carry_is_initialized_once_for_it() {
+        let (gateway, fake) = gateway(Duration::from_secs(5)).await;
+        lock(&fake).refuse_initialize = 1;
+        let session = initialize(&gateway).await;
+        assert!(lock(&fake).sessions.is_empty(), "the server failed its initialize");
+        for _ in 0..3 {
+            let listed = in_session(&gateway, &session, "tools/list", json!({})).await;
+            assert_eq!(listed["result"]["tools"][0]["name"], "old__search", "{listed}");
+        }
+        let called = in_session(&gateway, &session, "tools/call", json!({"name": "old__search"})).await;
+        assert_eq!(called["result"]["content"][0]["text"], "found", "{called}");
+        let fake = lock(&fake);
+        assert_eq!(fake.sessions, ["s-1"], "initialized once, for the session's every call");
+        let unsessioned = fake.seen.iter().filter(|r| r.method.starts_with("tools/") && r.session.is_none()).count();
+        assert_eq!(unsessioned, 0, "{:?}", fake.seen);
     }
 }
