@@ -8,7 +8,8 @@
 //! protocol's go upstream: nothing of the client that called the gateway. An answer
 //! is bounded at [`MAX_MESSAGE`] (a JSON body, or each event of a stream).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use http::header::{ACCEPT, CONTENT_LENGTH, CONTENT_TYPE};
@@ -16,7 +17,7 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 use serde_json::{Value, json};
 use tokio::time::{Instant, timeout_at};
 
-use super::wire::{MAX_MESSAGE, PROTOCOL_VERSION, SESSION_ID, sse, standard_headers, stateless};
+use super::wire::{MAX_MESSAGE, PROTOCOL_VERSION, SESSION_ID, VERSIONS, sse, standard_headers, stateless};
 
 /// The server a message goes to, and how.
 #[derive(Debug, Clone, Copy)]
@@ -157,7 +158,27 @@ impl Events {
 pub struct McpClient {
     /// `None` only if the TLS stack could not be set up: then every call fails.
     client: Option<reqwest::Client>,
+    /// The versions servers agreed to at `initialize` other than the one asked: (the
+    /// server's URL, the session it gave or "", the version asked) → the version its
+    /// later messages in that session go in. Per process, bounded as the renewed
+    /// sessions are.
+    agreed: Arc<Mutex<HashMap<Agreed, String>>>,
 }
+
+/// A session the version agreed to is kept for: (URL, session id or "", version asked).
+type Agreed = (String, String, String);
+
+/// What `initialize` opened: the session id the server gave, if any, and the
+/// protocol version it agreed to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Opened {
+    pub session: Option<String>,
+    pub version: String,
+}
+
+/// Agreed versions a process remembers; past it, the map starts again (a session
+/// whose entry went then speaks the version asked again).
+const MAX_AGREED: usize = 10_000;
 
 impl Default for McpClient {
     fn default() -> Self {
@@ -175,15 +196,24 @@ impl McpClient {
         if let Err(e) = &client {
             tracing::error!("mcp: cannot build the upstream client, every MCP call will fail: {e}");
         }
-        McpClient { client: client.ok() }
+        McpClient { client: client.ok(), agreed: Arc::default() }
     }
 
     fn client(&self) -> Result<&reqwest::Client, UpstreamError> {
         self.client.as_ref().ok_or_else(|| UpstreamError::Transport("no HTTP client".to_owned()))
     }
 
+    /// The version messages to `target` in `session` go in: the one the server agreed
+    /// to at `initialize`, else the target's.
+    fn version(&self, target: &Target<'_>, session: Option<&str>) -> Option<String> {
+        let key = (target.url.to_owned(), session.unwrap_or("").to_owned(), target.version.to_owned());
+        self.agreed.lock().unwrap_or_else(PoisonError::into_inner).get(&key).cloned()
+    }
+
     /// The headers of a request to `target`: the server's own, then the protocol's.
-    fn headers(target: &Target<'_>, session: Option<&str>, message: Option<&Value>) -> HeaderMap {
+    fn headers(&self, target: &Target<'_>, session: Option<&str>, message: Option<&Value>) -> HeaderMap {
+        let agreed = self.version(target, session);
+        let target = &Target { version: agreed.as_deref().unwrap_or(target.version), ..*target };
         let mut headers = target.headers.clone();
         headers.insert(ACCEPT, HeaderValue::from_static("application/json, text/event-stream"));
         let initialize = message.and_then(|m| m.get("method")).and_then(Value::as_str) == Some("initialize");
@@ -217,7 +247,7 @@ impl McpClient {
         if body.len() > MAX_MESSAGE {
             return Err(UpstreamError::Transport(format!("a message over {MAX_MESSAGE} bytes")));
         }
-        let request = self.client()?.post(target.url).headers(Self::headers(target, session, Some(message))).body(body);
+        let request = self.client()?.post(target.url).headers(self.headers(target, session, Some(message))).body(body);
         let response = match timeout_at(deadline, request.send()).await {
             Err(_) => return Err(UpstreamError::Timeout),
             Ok(response) => response.map_err(transport)?,
@@ -258,12 +288,19 @@ impl McpClient {
         Ok(Answer::Json { message, session })
     }
 
-    /// Opens a session with `target`: `initialize`, then `notifications/initialized`.
-    /// The session id the server gave, if it gave one. The stateless revision has no
-    /// handshake: nothing is sent.
+    /// Opens a session with `target` ([`McpClient::open`]): the session id the server
+    /// gave, if it gave one.
     pub async fn initialize(&self, target: &Target<'_>) -> Result<Option<String>, UpstreamError> {
+        Ok(self.open(target).await?.session)
+    }
+
+    /// Opens a session with `target`: `initialize`, then `notifications/initialized`.
+    /// The session id the server gave, if it gave one, and the version it agreed to:
+    /// later messages to `target` in that session go in it. The stateless revision has
+    /// no handshake: nothing is sent.
+    pub async fn open(&self, target: &Target<'_>) -> Result<Opened, UpstreamError> {
         if stateless(target.version) {
-            return Ok(None);
+            return Ok(Opened { session: None, version: target.version.to_owned() });
         }
         let request = json!({
             "jsonrpc": "2.0",
@@ -298,9 +335,26 @@ impl McpClient {
             let code = response.pointer("/error/code").and_then(Value::as_i64).unwrap_or_default();
             return Err(UpstreamError::Transport(format!("initialize refused (JSON-RPC error {code})")));
         }
+        let agreed = response.pointer("/result/protocolVersion").and_then(Value::as_str);
+        let version = match agreed {
+            Some(agreed) if agreed != target.version && VERSIONS.contains(&agreed) && !stateless(agreed) => {
+                let key = (target.url.to_owned(), session.clone().unwrap_or_default(), target.version.to_owned());
+                let mut all = self.agreed.lock().unwrap_or_else(PoisonError::into_inner);
+                if all.len() >= MAX_AGREED {
+                    all.clear();
+                }
+                all.insert(key, agreed.to_owned());
+                agreed
+            }
+            Some(agreed) if agreed != target.version => {
+                tracing::warn!(url = target.url, "mcp: initialize agreed to a version not spoken: the one asked kept");
+                target.version
+            }
+            _ => target.version,
+        };
         let initialized = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
         self.send(target, session.as_deref(), &initialized).await?;
-        Ok(session)
+        Ok(Opened { session, version: version.to_owned() })
     }
 
     /// Ends `session` with `target` (`DELETE`), best effort: a server that refuses or
@@ -309,7 +363,7 @@ impl McpClient {
         let Ok(client) = self.client() else {
             return;
         };
-        let request = client.delete(target.url).headers(Self::headers(target, Some(session), None));
+        let request = client.delete(target.url).headers(self.headers(target, Some(session), None));
         let _ = tokio::time::timeout(target.timeout, request.send()).await;
     }
 }
@@ -408,10 +462,14 @@ mod tests {
         }
         let id = message.get("id").cloned().unwrap_or(Value::Null);
         match method.as_str() {
-            "initialize" => json_answer(
-                Some("up-42"),
-                json!({"jsonrpc": "2.0", "id": id, "result": {"protocolVersion": "2025-11-25", "capabilities": {}}}),
-            ),
+            "initialize" => {
+                // `x-speaks`: the version it agrees to.
+                let speaks = headers.get("x-speaks").and_then(|v| v.to_str().ok()).unwrap_or("2025-11-25");
+                json_answer(
+                    Some("up-42"),
+                    json!({"jsonrpc": "2.0", "id": id, "result": {"protocolVersion": speaks, "capabilities": {}}}),
+                )
+            }
             "notifications/initialized" => StatusCode::ACCEPTED.into_response(),
             "tools/list" => json_answer(None, json!({"jsonrpc": "2.0", "id": id, "result": {"tools": []}})),
             "tools/call" => {
@@ -654,5 +712,33 @@ mod tests {
         let headers = HeaderMap::new();
         assert_eq!(McpClient::new().initialize(&target(&url, &headers, "2026-07-28")).await, Ok(None));
         assert!(seen.all().is_empty());
+    }
+
+    #[tokio::test]
+    async fn the_version_the_server_agreed_to_is_the_one_its_session_speaks() {
+        let (url, seen) = server().await;
+        let mut headers = auth();
+        headers.insert("x-speaks", HeaderValue::from_static("2025-06-18"));
+        let client = McpClient::new();
+        let t = target(&url, &headers, "2025-11-25");
+        let opened = client.open(&t).await;
+        assert_eq!(opened, Ok(Opened { session: Some("up-42".to_owned()), version: "2025-06-18".to_owned() }));
+        assert!(client.send(&t, Some("up-42"), &request("tools/list", json!({}))).await.is_ok());
+        client.end(&t, "up-42").await;
+        // Another session is not concerned.
+        assert!(client.send(&t, Some("up-43"), &request("tools/list", json!({}))).await.is_ok());
+        let seen = seen.all();
+        let versions: Vec<_> = seen.iter().map(|(m, h)| (m.as_str(), h.get(PROTOCOL_VERSION).cloned())).collect();
+        let agreed = Some(HeaderValue::from_static("2025-06-18"));
+        assert_eq!(
+            versions,
+            [
+                ("initialize", None),
+                ("notifications/initialized", agreed.clone()),
+                ("tools/list", agreed.clone()),
+                ("DELETE", agreed),
+                ("tools/list", Some(HeaderValue::from_static("2025-11-25"))),
+            ]
+        );
     }
 }
