@@ -232,8 +232,9 @@ pub(super) async fn other(
         }
         let page: Vec<Value> = all.iter().skip(offset).take(PAGE).cloned().collect();
         let mut result = json!({ key: page });
-        if offset + PAGE < all.len() {
-            result["nextCursor"] = json!(URL_SAFE_NO_PAD.encode((offset + PAGE).to_string()));
+        let next = offset + PAGE;
+        if next < all.len() {
+            result["nextCursor"] = json!(URL_SAFE_NO_PAD.encode(next.to_string()));
         }
         if wire::stateless(&inbound.version) {
             // The stateless revision's list results say they are whole and uncacheable
@@ -251,11 +252,15 @@ pub(super) async fn other(
     }
 }
 
-/// The offset a cursor stands for (none: the first page).
+/// The offset a cursor stands for (none: the first page); `None` for one that is not
+/// a cursor of the gateway's (an offset whose next page's would overflow included).
 fn offset(cursor: Option<&str>) -> Option<usize> {
     match cursor {
         None => Some(0),
-        Some(cursor) => String::from_utf8(URL_SAFE_NO_PAD.decode(cursor).ok()?).ok()?.parse().ok(),
+        Some(cursor) => {
+            let offset: usize = String::from_utf8(URL_SAFE_NO_PAD.decode(cursor).ok()?).ok()?.parse().ok()?;
+            offset.checked_add(PAGE).map(|_| offset)
+        }
     }
 }
 
@@ -296,7 +301,8 @@ async fn union(
     all
 }
 
-/// One server's whole list (every page).
+/// One server's whole list (every page), within its one timeout: a union of lists,
+/// read in parallel, takes at most the longest of its servers' timeouts.
 pub(super) async fn list(
     state: &McpState,
     mcp: &Mcp,
@@ -307,32 +313,35 @@ pub(super) async fn list(
 ) -> Result<Vec<Value>, UpstreamError> {
     let Some(server_at) = target(mcp, state, server, &inbound.version) else { return Ok(Vec::new()) };
     let target = server_at.target();
-    let mut items = Vec::new();
-    let mut cursor: Option<String> = None;
-    for page in 0..MAX_PAGES {
-        let params = match &cursor {
-            Some(cursor) => json!({"cursor": cursor}),
-            None => json!({}),
-        };
-        let id = json!(format!("flexway-list-{page}"));
-        let message = json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
-        let answer = send(state, &target, server, inbound, &message).await?;
-        let Some(answer) = response(answer, &id).await? else {
-            return Err(UpstreamError::Transport(format!("no answer to {method}")));
-        };
-        let Some(result) = answer.get("result") else {
-            // A server without this kind of item (-32601) has none to add.
-            return Ok(items);
-        };
-        if let Some(page) = result.get(key).and_then(Value::as_array) {
-            items.extend(page.iter().cloned());
+    let pages = async {
+        let mut items = Vec::new();
+        let mut cursor: Option<String> = None;
+        for page in 0..MAX_PAGES {
+            let params = match &cursor {
+                Some(cursor) => json!({"cursor": cursor}),
+                None => json!({}),
+            };
+            let id = json!(format!("flexway-list-{page}"));
+            let message = json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
+            let answer = send(state, &target, server, inbound, &message).await?;
+            let Some(answer) = response(answer, &id).await? else {
+                return Err(UpstreamError::Transport(format!("no answer to {method}")));
+            };
+            let Some(result) = answer.get("result") else {
+                // A server without this kind of item (-32601) has none to add.
+                return Ok(items);
+            };
+            if let Some(page) = result.get(key).and_then(Value::as_array) {
+                items.extend(page.iter().cloned());
+            }
+            cursor = result.get("nextCursor").and_then(Value::as_str).map(str::to_owned);
+            if cursor.is_none() {
+                break;
+            }
         }
-        cursor = result.get("nextCursor").and_then(Value::as_str).map(str::to_owned);
-        if cursor.is_none() {
-            break;
-        }
-    }
-    Ok(items)
+        Ok(items)
+    };
+    tokio::time::timeout(target.timeout, pages).await.map_err(|_| UpstreamError::Timeout)?
 }
 
 /// The server a federated name designates, if the caller may use it, and the name on
@@ -644,5 +653,23 @@ mod tests {
         assert_eq!(fake.sessions, ["s-1"], "initialized once, for the session's every call");
         let unsessioned = fake.seen.iter().filter(|r| r.method.starts_with("tools/") && r.session.is_none()).count();
         assert_eq!(unsessioned, 0, "{:?}", fake.seen);
+    }
+
+    #[tokio::test]
+    async fn a_list_has_one_deadline_and_a_cursor_past_the_end_is_invalid() {
+        let (gateway, fake) = gateway(Duration::from_millis(500)).await;
+        let session = initialize(&gateway).await;
+        lock(&fake).pages_forever = true;
+        let started = std::time::Instant::now();
+        let listed = in_session(&gateway, &session, "tools/list", json!({})).await;
+        assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+        assert_eq!(listed["result"]["tools"], json!([]), "the server that did not finish is left out");
+
+        use base64::Engine;
+        for offset in [u64::MAX.to_string(), (usize::MAX - 50).to_string(), "-1".to_owned()] {
+            let cursor = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(offset);
+            let answer = in_session(&gateway, &session, "tools/list", json!({"cursor": cursor})).await;
+            assert_eq!(answer["error"]["code"], -32602, "{answer}");
+        }
     }
 }
