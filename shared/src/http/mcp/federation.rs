@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use super::{Access, Inbound};
 use crate::config::Mcp;
 use crate::gateway::{Gateway, McpState};
-use crate::mcp::names::{federated, server_of, tool_of};
+use crate::mcp::names::{MAX_TOOL_NAME, federated, server_of, tool_of};
 use crate::mcp::upstream::{Answer, Target, UpstreamError};
 use crate::mcp::wire;
 
@@ -354,6 +354,10 @@ pub(super) async fn resolve(
     method: &str,
     key: &str,
 ) -> Option<(String, String)> {
+    // No federated name is longer: not one to list a server for.
+    if name.chars().count() > MAX_TOOL_NAME {
+        return None;
+    }
     let server = server_of(name)?;
     if !access.may_use(server) {
         return None;
@@ -671,5 +675,17 @@ mod tests {
             let answer = in_session(&gateway, &session, "tools/list", json!({"cursor": cursor})).await;
             assert_eq!(answer["error"]["code"], -32602, "{answer}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_tool_name_longer_than_any_federated_one_is_unknown_unsent_and_unlisted() {
+        let (gateway, fake) = gateway(Duration::from_secs(5)).await;
+        let session = initialize(&gateway).await;
+        let before = lock(&fake).seen.len();
+        let name = format!("old__{}", "x".repeat(60));
+        let answer = in_session(&gateway, &session, "tools/call", json!({"name": name})).await;
+        assert_eq!(answer["error"]["code"], -32602, "{answer}");
+        assert!(answer["error"]["message"].as_str().unwrap_or("").contains("Unknown tool"), "{answer}");
+        assert_eq!(lock(&fake).seen.len(), before, "neither listed nor called");
     }
 }
