@@ -187,7 +187,9 @@ pub struct RawMcpOauth {
     expecting = "an mcp narrowing ({servers: [NAME], tools: {allow, deny}}) (a mapping)"
 )]
 pub struct RawMcpNarrowing {
-    /// The servers (of `mcp.servers`) its callers may use. Absent: every server.
+    /// The servers (of `mcp.servers`) its callers may use. Absent: every server. With
+    /// `expose_rest`, a REST tool's server is its mount's prefix (`/apis/ocr`:
+    /// `apis_ocr`): a list without it hides that mount's tools.
     pub servers: Option<Vec<String>>,
     /// Globs over the federated tool names `{server}__{tool}`; deny wins.
     pub tools: Option<RawToolGlobs>,

@@ -75,7 +75,7 @@ pub(super) fn validate(
     let cache_in_doubt = unparsed.covers("ai.cache");
     let ai = check.ai(ai, &catalog, backends, cache_in_doubt);
     // A section whose entries lost a value is not judged against what names its servers.
-    let mcp_declared = McpDeclared::of(mcp.as_ref(), unparsed.covers("mcp"));
+    let mcp_declared = McpDeclared::of(mcp.as_ref(), ai.as_ref(), unparsed.covers("mcp"));
     let tenants = check.tenants(tenants.unwrap_or_default(), &catalog, &mcp_declared);
     let hash_salt = audit.as_ref().is_some_and(|audit| audit.hash_salt.is_some());
     let mcp_written = mcp.is_some();

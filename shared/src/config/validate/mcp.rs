@@ -22,20 +22,37 @@ const MAX_SERVER_NAME: usize = 32;
 pub(super) enum McpDeclared {
     /// No `mcp` section: a narrowing is refused.
     Absent,
-    /// The servers declared.
+    /// The servers declared and, with `expose_rest`, each `kind: http` backend's tool
+    /// prefix: for a narrowing, a REST tool's server is its mount.
     Servers(BTreeSet<String>),
     /// The section lost a value to a shape error: references to it are not judged.
     InDoubt,
 }
 
 impl McpDeclared {
-    pub(super) fn of(raw: Option<&RawMcp>, in_doubt: bool) -> McpDeclared {
+    pub(super) fn of(raw: Option<&RawMcp>, ai: Option<&Ai>, in_doubt: bool) -> McpDeclared {
         match raw {
             None => McpDeclared::Absent,
             Some(_) if in_doubt => McpDeclared::InDoubt,
-            Some(raw) => McpDeclared::Servers(raw.servers.iter().flat_map(BTreeMap::keys).cloned().collect()),
+            Some(raw) => {
+                let mut names: BTreeSet<String> = raw.servers.iter().flat_map(BTreeMap::keys).cloned().collect();
+                if raw.expose_rest == Some(true) {
+                    names.extend(rest_prefixes(ai).map(|(_, prefix)| prefix));
+                }
+                McpDeclared::Servers(names)
+            }
         }
     }
+}
+
+/// Each `kind: http` backend and the prefix of its operations' tool names
+/// (`{prefix}__{operationId}`): its mount without the leading `/`, each other `/` as `_`.
+fn rest_prefixes(ai: Option<&Ai>) -> impl Iterator<Item = (&BackendId, String)> {
+    let backends = ai.into_iter().flat_map(|ai| ai.backends.iter());
+    backends.filter_map(|(name, backend)| match &backend.kind {
+        BackendKind::Http { mount, .. } => Some((name, mount.trim_start_matches('/').replace('/', "_"))),
+        _ => None,
+    })
 }
 
 impl Checker<'_> {
@@ -74,6 +91,21 @@ impl Checker<'_> {
         };
 
         let raw_servers = servers.unwrap_or_default();
+        if expose_rest {
+            for (backend, prefix) in rest_prefixes(ai) {
+                if raw_servers.contains_key(&prefix) {
+                    self.error(
+                        format!("mcp.servers.{prefix}"),
+                        format!(
+                            "the REST operations of backend `{backend}` (expose_rest) are tools named `{prefix}__*` \
+                             too: both would list the same names and the REST one answer every call; rename the \
+                             server or the backend's mount"
+                        ),
+                    );
+                    complete = false;
+                }
+            }
+        }
         if raw_servers.is_empty() && !expose_rest {
             self.error(
                 "mcp.servers",
@@ -763,5 +795,39 @@ mcp:
         let says = "mcp.session_key: the key is 15 bytes; a session key is at least 16";
         assert!(refused.as_ref().is_err_and(|e| e.contains(says)), "{refused:?}");
         assert_eq!(starts_with_session_key("sixteen-bytes!!!").await, Ok(()));
+    }
+
+    /// `full()` with the `kind: http` backend `docs` mounted at `/apis/docs` (its tool
+    /// prefix `apis_docs`) and `mcp.expose_rest`; the contract's directory, kept.
+    fn with_rest() -> (Doc, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let contract = dir.path().join("docs.yaml");
+        let operation = r#"{operationId: get_doc, x-flexway-ai: {metering: per_call, price_per_thousand_eur: "1", feature: docs}}"#;
+        let text = format!("openapi: 3.1.0\ninfo: {{title: D, version: '1'}}\npaths:\n  /doc:\n    get: {operation}\n");
+        std::fs::write(&contract, text).unwrap();
+        let backend =
+            format!("{{kind: http, url: 'http://127.0.0.1:9', mount: /apis/docs, contract: '{}'}}", contract.display());
+        (full().set("ai.backends.docs", &backend).set("mcp.expose_rest", "true"), dir)
+    }
+
+    #[test]
+    fn a_server_named_as_a_rest_mount_is_refused_when_rest_is_exposed() {
+        let (doc, _dir) = with_rest();
+        let clash = doc.set("mcp.servers.apis_docs", "{url: 'http://h/mcp'}");
+        clash.refused("mcp.servers.apis_docs", "backend `docs` (expose_rest) are tools named `apis_docs__*`");
+        let (doc, _dir) = with_rest();
+        let hidden = doc.set("mcp.servers.apis_docs", "{url: 'http://h/mcp'}").set("mcp.expose_rest", "false");
+        assert!(hidden.loads().config.mcp.unwrap().servers.contains_key("apis_docs"), "no REST tool to clash with");
+    }
+
+    #[test]
+    fn a_narrowing_names_a_rest_mount_as_a_server_when_rest_is_exposed() {
+        let (doc, _dir) = with_rest();
+        let config = doc.set("tenants.acme.mcp.servers", "[search, apis_docs]").loads().config;
+        assert_eq!(config.tenants["acme"].mcp.servers, Some(vec!["search".to_owned(), "apis_docs".to_owned()]));
+        let (doc, _dir) = with_rest();
+        doc.set("tenants.acme.mcp.servers", "[search, apis_docs]")
+            .set("mcp.expose_rest", "false")
+            .refused("tenants.acme.mcp.servers[1]", "server `apis_docs` is not declared");
     }
 }

@@ -6,8 +6,10 @@
 //! parameter, `body` for the JSON body. An operation whose body is required and
 //! cannot be JSON is no tool.
 //!
-//! Who sees it: the tenant's and agent's `mcp.tools` globs on its name, and the REST
-//! route's own filters (a sensitive call reaches internal backends only; residency).
+//! Who sees it: the tenant's and agent's `mcp.servers`, for which a REST tool's server
+//! is its name's prefix (so a list without it hides the mount's tools), their
+//! `mcp.tools` globs on its name, and the REST route's own filters (a sensitive call
+//! reaches internal backends only; residency).
 //! A name the caller may not call is answered as an unknown tool.
 //!
 //! A call is the REST operation's own call: the request is built from the arguments
@@ -42,7 +44,7 @@ use super::{Accept, Access, Inbound, MAX_MESSAGE, call};
 use crate::audit::McpStatus;
 use crate::call::{ErrorCode, Operation};
 use crate::config::contract::{Matched, ParameterIn, RestOperation};
-use crate::config::{BackendId, BackendKind, Capability, ToolGlobs};
+use crate::config::{BackendId, BackendKind, Capability, McpNarrowing, ToolGlobs};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
@@ -58,6 +60,8 @@ const ENCODED: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'
 /// A REST operation that is a tool.
 struct Tool<'a> {
     name: String,
+    /// The name's prefix: its "server" for a narrowing's `mcp.servers`.
+    prefix: String,
     backend: &'a BackendId,
     mount: &'a str,
     operation: &'a RestOperation,
@@ -84,7 +88,7 @@ fn all(gateway: &Gateway) -> Vec<Tool<'_>> {
             }
             let name = federated(&prefix, id);
             if tools.iter().all(|tool| tool.name != name) {
-                tools.push(Tool { name, backend, mount, operation });
+                tools.push(Tool { name, prefix: prefix.clone(), backend, mount, operation });
             }
         }
     }
@@ -97,11 +101,16 @@ fn allows(globs: &ToolGlobs, name: &str) -> bool {
         && globs.allow.as_ref().is_none_or(|allow| allow.iter().any(|pattern| glob(pattern, name)))
 }
 
-/// The caller may call `tool`: its tenant's and agent's globs let the name through,
-/// and the REST route's filters leave a backend for it.
+/// The caller may call `tool`: its tenant's and agent's `servers` list its prefix
+/// (or are absent), their globs let the name through, and the REST route's filters
+/// leave a backend for it.
 fn may_call(gateway: &Gateway, access: &Access<'_>, tool: &Tool<'_>) -> bool {
     let who = &access.who;
-    if !allows(&who.tenant.tools, &tool.name) || who.agent.is_some_and(|agent| !allows(&agent.tools, &tool.name)) {
+    let lets = |narrowing: &McpNarrowing| {
+        narrowing.servers.as_ref().is_none_or(|servers| servers.contains(&tool.prefix))
+            && allows(&narrowing.tools, &tool.name)
+    };
+    if !lets(who.tenant) || who.agent.is_some_and(|agent| !lets(agent)) {
         return false;
     }
     let declared = Declared::Rest { owner: tool.backend, operation: tool.operation };
@@ -489,15 +498,24 @@ paths:
     /// upstream above; `external: false` when `internal`), `mcp.expose_rest`, and the
     /// key `k` of tenant `acme`, whose `mcp` globs deny `*__secret_*`.
     async fn setup(internal: bool) -> (Arc<Gateway>, Arc<MemoryAuditSink>, Seen, tempfile::TempDir) {
+        setup_narrowed(internal, "{tools: {deny: ['*__secret_*']}}").await
+    }
+
+    /// [`setup`]'s gateway with `narrowing` as acme's `mcp`, and the MCP server
+    /// `files` declared too (never reached).
+    async fn setup_narrowed(
+        internal: bool,
+        narrowing: &str,
+    ) -> (Arc<Gateway>, Arc<MemoryAuditSink>, Seen, tempfile::TempDir) {
         use sha2::Digest;
         let (url, seen) = upstream().await;
         let dir = tempfile::tempdir().unwrap();
         let contract = dir.path().join("ocr.yaml");
         std::fs::write(&contract, CONTRACT).unwrap();
         let yaml = format!(
-            "version: 1\ntenants:\n  acme:\n    keys: [{{sha256: {}}}]\n    mcp: {{tools: {{deny: ['*__secret_*']}}}}\n\
+            "version: 1\ntenants:\n  acme:\n    keys: [{{sha256: {}}}]\n    mcp: {narrowing}\n\
              ai:\n  backends:\n    ocr: {{kind: http, url: '{url}', mount: /apis/ocr, contract: '{}', external: {}}}\n\
-             mcp:\n  expose_rest: true\n",
+             mcp:\n  expose_rest: true\n  servers: {{files: {{url: 'http://127.0.0.1:9/mcp'}}}}\n",
             hex::encode(sha2::Sha256::digest(b"k")),
             contract.display(),
             !internal,
@@ -690,6 +708,20 @@ paths:
         let records = recorded(&audit, 1).await;
         assert_eq!((records[0].operation, records[0].tool.as_deref()), (Operation::Mcp, Some("get_document")));
         assert_eq!(records[0].cost_micro_eur, 500);
+    }
+
+    #[tokio::test]
+    async fn a_narrowings_servers_take_a_rest_tool_s_mount_as_its_server() {
+        // Only the MCP server `files`: no REST tool is listed, nor called.
+        let (gateway, _, seen, _dir) = setup_narrowed(false, "{servers: [files]}").await;
+        assert!(listed_names(&gateway, &headers(&[])).is_empty());
+        let answer = call_tool(&gateway, "apis_ocr__get_document", json!({"id": "7"}), &[]).await;
+        assert_eq!(answer["error"]["message"], "Unknown tool: apis_ocr__get_document");
+        assert!(seen.lock().unwrap().is_empty());
+        // The mount's prefix lets its tools through.
+        let (gateway, _, _, _dir) = setup_narrowed(false, "{servers: [apis_ocr]}").await;
+        let all = ["apis_ocr__get_document", "apis_ocr__ocr_document", "apis_ocr__echo", "apis_ocr__secret_dump"];
+        assert_eq!(listed_names(&gateway, &headers(&[])), all);
     }
 
     #[tokio::test]
