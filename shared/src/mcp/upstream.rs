@@ -180,6 +180,10 @@ pub struct Opened {
 /// whose entry went then speaks the version asked again).
 const MAX_AGREED: usize = 10_000;
 
+/// The longest upstream session id kept: a longer one (sealed into the gateway's own
+/// session id) could outgrow the header limits of the client's requests.
+pub const MAX_SESSION_ID: usize = 256;
+
 impl Default for McpClient {
     fn default() -> Self {
         McpClient::new()
@@ -295,9 +299,10 @@ impl McpClient {
     }
 
     /// Opens a session with `target`: `initialize`, then `notifications/initialized`.
-    /// The session id the server gave, if it gave one, and the version it agreed to:
-    /// later messages to `target` in that session go in it. The stateless revision has
-    /// no handshake: nothing is sent.
+    /// The session id the server gave, if it gave one (one over [`MAX_SESSION_ID`]
+    /// bytes fails the opening), and the version it agreed to: later messages to
+    /// `target` in that session go in it. The stateless revision has no handshake:
+    /// nothing is sent.
     pub async fn open(&self, target: &Target<'_>) -> Result<Opened, UpstreamError> {
         if stateless(target.version) {
             return Ok(Opened { session: None, version: target.version.to_owned() });
@@ -334,6 +339,14 @@ impl McpClient {
         if response.get("result").is_none() {
             let code = response.pointer("/error/code").and_then(Value::as_i64).unwrap_or_default();
             return Err(UpstreamError::Transport(format!("initialize refused (JSON-RPC error {code})")));
+        }
+        if let Some(length) = session.as_ref().map(String::len).filter(|length| *length > MAX_SESSION_ID) {
+            tracing::warn!(
+                url = target.url,
+                length,
+                "mcp: a session id over {MAX_SESSION_ID} bytes: initialize failed"
+            );
+            return Err(UpstreamError::Transport(format!("a session id over {MAX_SESSION_ID} bytes")));
         }
         let agreed = response.pointer("/result/protocolVersion").and_then(Value::as_str);
         let version = match agreed {
@@ -463,10 +476,12 @@ mod tests {
         let id = message.get("id").cloned().unwrap_or(Value::Null);
         match method.as_str() {
             "initialize" => {
-                // `x-speaks`: the version it agrees to.
+                // `x-speaks`: the version it agrees to; `x-long-session`: an id too long.
                 let speaks = headers.get("x-speaks").and_then(|v| v.to_str().ok()).unwrap_or("2025-11-25");
+                let long = "s".repeat(MAX_SESSION_ID + 1);
+                let session = if headers.contains_key("x-long-session") { long.as_str() } else { "up-42" };
                 json_answer(
-                    Some("up-42"),
+                    Some(session),
                     json!({"jsonrpc": "2.0", "id": id, "result": {"protocolVersion": speaks, "capabilities": {}}}),
                 )
             }
@@ -740,5 +755,15 @@ mod tests {
                 ("tools/list", Some(HeaderValue::from_static("2025-11-25"))),
             ]
         );
+    }
+
+    #[tokio::test]
+    async fn a_session_id_over_256_bytes_fails_the_initialize() {
+        let (url, seen) = server().await;
+        let mut headers = auth();
+        headers.insert("x-long-session", HeaderValue::from_static("1"));
+        let answer = McpClient::new().initialize(&target(&url, &headers, "2025-11-25")).await;
+        assert!(matches!(answer, Err(UpstreamError::Transport(ref m)) if m.contains("256")), "{answer:?}");
+        assert_eq!(seen.all().len(), 1, "not initialized in a session refused");
     }
 }
