@@ -51,7 +51,17 @@ pub(super) async fn handle(
     message: Value,
     request: Request,
 ) -> Response {
-    drive(gateway, ToolCall { inbound, id, message }, request).await
+    // Its own task: a client that leaves once the call is sent does not cancel it
+    // (the tool runs anyway: it is charged and recorded on what the server answers).
+    let (accept, reply_id) = (inbound.accept, id.clone());
+    match tokio::spawn(drive(gateway, ToolCall { inbound, id, message }, request)).await {
+        Ok(response) => response,
+        Err(e) => {
+            tracing::error!("mcp: a tool call's task failed: {e}");
+            let failed = GatewayError::Internal("a tool call's task failed".into());
+            Accept::answer(accept, &refusal_message(Some(reply_id), &failed))
+        }
+    }
 }
 
 /// One `tools/call`.
@@ -229,7 +239,8 @@ impl drive::Door for ToolCall {
                     done: false,
                 };
                 let (id, called, version) = (self.id.clone(), name, inbound.version.clone());
-                let relay = Streamed { events, id, called, version, server, cancel, _in_flight: in_flight };
+                let relay =
+                    Streamed { events, id, called, version, server, cancel, ending: None, _in_flight: in_flight };
                 return Ok(Reply::Relay(Box::new(relay)));
             }
             Answer::Stream(events) => match federation::response(Answer::Stream(events), &self.id).await {
@@ -289,8 +300,11 @@ fn unanswered(server: String, error: &UpstreamError) -> Refusal {
 /// A tool call's upstream stream, relayed to the client event by event; the call ends
 /// at the event that answers it (charged or refunded as [`outcome`] says), or when
 /// the stream ends or fails without one (refunded). A client that leaves drops the
-/// relay: the call is recorded abandoned and refunded (the driver's guards).
+/// relay: the call is cancelled upstream, and charged (it was sent, and the tool may
+/// have run: a refund is for a call that had no answer), recorded 499.
 struct Streamed {
+    /// The call's end, once the relay has it.
+    ending: Option<Ending>,
     events: crate::mcp::upstream::Events,
     id: Value,
     /// The tool's name as the caller called it.
@@ -335,42 +349,65 @@ impl Drop for Cancel {
 
 impl drive::Relay for Streamed {
     fn respond(self: Box<Self>, ending: Ending, _: Option<super::super::Deadline>) -> Response {
-        let relay = futures_util::stream::unfold(Some((ending, *self)), |state| async move {
-            let (mut ending, mut this) = state?;
+        let mut this = *self;
+        this.ending = Some(ending);
+        let relay = futures_util::stream::unfold(Some(this), |state| async move {
+            let mut this = state?;
             match this.events.next().await {
                 Some(Ok(mut message)) => {
                     let answers = message.get("result").is_some() || message.get("error").is_some();
-                    ending.first_byte();
+                    if let Some(ending) = this.ending.as_mut() {
+                        ending.first_byte();
+                    }
                     if answers && message.get("id") == Some(&this.id) {
                         let (status, ended) = outcome(&message);
                         message["id"] = this.id.clone();
                         if unknown_upstream(&message) {
-                            message = Refusal::UnknownTool(this.called).message(this.id.clone());
+                            message = Refusal::UnknownTool(this.called.clone()).message(this.id.clone());
                         }
                         super::typed(&this.version, &mut message);
-                        ending.mcp_status(status);
                         this.cancel.done = true;
-                        ending.end(ended).await;
+                        if let Some(mut ending) = this.ending.take() {
+                            ending.mcp_status(status);
+                            ending.end(ended).await;
+                        }
                         return Some((Ok::<_, std::convert::Infallible>(super::sse_event(&message)), None));
                     }
-                    Some((Ok(super::sse_event(&message)), Some((ending, this))))
+                    Some((Ok(super::sse_event(&message)), Some(this)))
                 }
                 other => {
                     let timeout = matches!(other, Some(Err(UpstreamError::Timeout)));
-                    if let Some(Err(e)) = other {
+                    if let Some(Err(e)) = &other {
                         tracing::warn!(server = this.server, "mcp: a tool call's stream failed: {e:?}");
                     }
                     this.cancel.done = true;
                     let spent = Spent::Metered { answered: false, served: false, kept: None };
                     let code = Some(ErrorCode::UpstreamError);
-                    ending.end(Ended { status: 200, code, spent, finish_reasons: Vec::new() }).await;
+                    if let Some(ending) = this.ending.take() {
+                        ending.end(Ended { status: 200, code, spent, finish_reasons: Vec::new() }).await;
+                    }
                     // The client's request still gets its answer: an error.
-                    let refusal = Refusal::Unanswered { server: this.server, timeout };
-                    Some((Ok(super::sse_event(&refusal.message(this.id))), None))
+                    let refusal = Refusal::Unanswered { server: this.server.clone(), timeout };
+                    Some((Ok(super::sse_event(&refusal.message(this.id.clone()))), None))
                 }
             }
         });
         super::event_stream(axum::body::Body::from_stream(relay))
+    }
+}
+
+impl Drop for Streamed {
+    /// The client left before the answer: the call was sent, so it is charged.
+    fn drop(&mut self) {
+        let Some(mut ending) = self.ending.take() else { return };
+        if tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        ending.mcp_status(McpStatus::Error);
+        let spent = Spent::Metered { answered: true, served: true, kept: None };
+        let ended =
+            Ended { status: 499, code: Some(ErrorCode::ClientClosedRequest), spent, finish_reasons: Vec::new() };
+        tokio::spawn(ending.end(ended));
     }
 }
 

@@ -72,6 +72,7 @@ async fn fake(State(seen): State<Shared>, headers: HeaderMap, body: String) -> R
             {"name": "flaky", "inputSchema": {"type": "object"}},
             {"name": "broken", "inputSchema": {"type": "object"}},
             {"name": "streamed", "inputSchema": {"type": "object"}},
+            {"name": "hanging", "inputSchema": {"type": "object"}},
         ]}),
         "tools/call" => {
             let tool = message["params"]["name"].as_str().unwrap_or("").to_owned();
@@ -259,7 +260,7 @@ async fn tools_are_listed_as_server_tool_without_the_denied_and_the_down_server_
     let body = in_session(&gateway, &session, 1, "tools/list", json!({})).await;
     let names: Vec<&str> =
         body["result"]["tools"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
-    assert_eq!(names, ["search__search", "search__flaky", "search__broken", "search__streamed"]);
+    assert_eq!(names, ["search__search", "search__flaky", "search__broken", "search__streamed", "search__hanging"]);
     assert_eq!(body["result"]["tools"][0]["description"], "Searches.", "the server's description kept");
     let metrics = gateway.metrics.render_prometheus();
     assert!(metrics.contains("flexway_mcp_servers_down_total{server=\"down\"}"), "{metrics}");
@@ -514,7 +515,7 @@ async fn a_call_past_the_budget_is_refused_before_it_is_sent_and_an_error_costs_
 }
 
 #[tokio::test]
-async fn a_client_that_leaves_a_streamed_call_cancels_it_upstream_and_is_refunded() {
+async fn a_client_that_leaves_a_streamed_call_cancels_it_upstream_and_is_charged() {
     let (gateway, audit, seen) = gateway().await;
     let session = initialize(&gateway).await;
     let call = json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {"name": "search__hanging"}});
@@ -531,7 +532,9 @@ async fn a_client_that_leaves_a_streamed_call_cancels_it_upstream_and_is_refunde
     assert!(String::from_utf8_lossy(first.data_ref().unwrap()).contains("notifications/progress"));
     drop(body);
     let records = records(&audit, 1).await;
-    assert_eq!((records[0].status, records[0].cost_micro_eur, records[0].mcp_status), (499, 0, Some(McpStatus::Error)));
+    // Sent, so charged: the tool may have run (a refund is for a call with no answer).
+    let ended = (records[0].status, records[0].cost_micro_eur, records[0].mcp_status);
+    assert_eq!(ended, (499, 1_000, Some(McpStatus::Error)));
     for _ in 0..200 {
         if seen.lock().unwrap().calls.len() == 2 {
             break;
@@ -563,12 +566,12 @@ async fn prompts_and_resources_are_federated_and_an_unknown_tool_is_said_alike()
     let ping = in_session(&gateway, &session, 7, "ping", json!({})).await;
     assert_eq!(ping["result"], json!({}));
 
-    // A tool the server does not have: its answer in the gateway's words.
+    // A tool the server does not list: answered as a denied one, never sent.
     let unknown = in_session(&gateway, &session, 8, "tools/call", json!({"name": "search__nothing"})).await;
     assert_eq!(unknown["error"], json!({"code": -32602, "message": "Unknown tool: search__nothing"}));
     let denied = in_session(&gateway, &session, 8, "tools/call", json!({"name": "search__admin_delete"})).await;
     assert_eq!(denied["error"], json!({"code": -32602, "message": "Unknown tool: search__admin_delete"}));
-    assert_eq!(seen.lock().unwrap().calls, ["nothing"]);
+    assert!(seen.lock().unwrap().calls.is_empty());
 
     // A notification is accepted; a message past 4 MiB is not read.
     let headers = [("mcp-session-id", session.as_str()), ("mcp-protocol-version", "2025-11-25")];
