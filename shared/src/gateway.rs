@@ -325,7 +325,13 @@ pub struct McpState {
     /// JSON) → where it went. What a client's `notifications/cancelled` is forwarded
     /// by; per process (a cancellation that reaches another is not forwarded).
     in_flight: Mutex<std::collections::HashMap<([u8; 32], String), McpInFlight>>,
+    /// Each server's listed tool and prompt names: what a call's name is checked
+    /// against (bounded by the servers).
+    pub listed: Mutex<McpListed>,
 }
+
+/// (server, list method) → when its listing was read, the names in it.
+pub type McpListed = std::collections::HashMap<(String, String), (Instant, Arc<[String]>)>;
 
 /// Calls in flight a process remembers; past it, a call is not registered (it cannot
 /// be cancelled by the client, only by its leaving).
@@ -424,6 +430,7 @@ impl McpState {
             renewed: Mutex::new(std::collections::HashMap::new()),
             revoked: Mutex::new(revoked),
             in_flight: Mutex::new(std::collections::HashMap::new()),
+            listed: Mutex::new(std::collections::HashMap::new()),
         }
     }
 

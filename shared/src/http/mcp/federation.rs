@@ -11,6 +11,9 @@
 //! prefixed: a client reads what it was listed), the first one in name order when two
 //! do.
 
+use std::sync::{Arc, PoisonError};
+use std::time::{Duration, Instant};
+
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use serde_json::{Value, json};
@@ -278,7 +281,12 @@ async fn union(
     let servers = access.servers();
     let lists = futures_util::future::join_all(servers.iter().map(|server| async move {
         match list(state, access.mcp, inbound, server, method, key).await {
-            Ok(items) => items,
+            Ok(items) => {
+                if matches!(key, "tools" | "prompts") {
+                    keep(state, server, method, &items);
+                }
+                items
+            }
             Err(e) => {
                 tracing::warn!(server, method, "mcp: the server did not answer: left out of the list: {e:?}");
                 gateway.metrics.mcp_server_down(server);
@@ -345,7 +353,11 @@ pub(super) async fn list(
 }
 
 /// The server a federated name designates, if the caller may use it, and the name on
-/// that server (for a name cut to 64 characters: found in the server's `listed`).
+/// that server: one the server's own listing holds (a name it does not list is
+/// unknown, as a denied one is: nothing sent, nothing said about what exists). The
+/// listing is the one kept for the server if it is fresh, read again when it is not,
+/// or when it lacks the name and was read over [`REREAD_AFTER`] ago. A server whose
+/// listing cannot be read is sent the name as it is (it answers that it is down).
 pub(super) async fn resolve(
     state: &McpState,
     access: &Access<'_>,
@@ -362,12 +374,50 @@ pub(super) async fn resolve(
     if !access.may_use(server) {
         return None;
     }
-    if let Some(own) = tool_of(name, server, std::iter::empty()) {
-        return Some((server.to_owned(), own));
+    let kept = state.listed.lock().unwrap_or_else(PoisonError::into_inner).get(&listing(server, method)).cloned();
+    if let Some((read, names)) = kept.filter(|(read, _)| read.elapsed() < LISTED_FOR) {
+        if let Some(own) = listed_as(name, server, &names) {
+            return Some((server.to_owned(), own));
+        }
+        if read.elapsed() < REREAD_AFTER {
+            return None;
+        }
     }
-    let listed = list(state, access.mcp, inbound, server, method, key).await.ok()?;
-    let names = listed.iter().filter_map(|item| item.get("name").and_then(Value::as_str));
-    Some((server.to_owned(), tool_of(name, server, names)?))
+    match list(state, access.mcp, inbound, server, method, key).await {
+        Ok(listed) => {
+            let names = keep(state, server, method, &listed);
+            Some((server.to_owned(), listed_as(name, server, &names)?))
+        }
+        Err(e) => {
+            tracing::warn!(server, method, "mcp: the server's list could not be read: {e:?}");
+            Some((server.to_owned(), tool_of(name, server, std::iter::empty())?))
+        }
+    }
+}
+
+/// How long a server's listed names are trusted.
+const LISTED_FOR: Duration = Duration::from_secs(60);
+/// How soon after a listing was read a name it lacks reads it again.
+const REREAD_AFTER: Duration = Duration::from_secs(5);
+
+/// What a server's listing of `method` is kept under.
+fn listing(server: &str, method: &str) -> (String, String) {
+    (server.to_owned(), method.to_owned())
+}
+
+/// The names in `listed` (a server's whole list of `method`), kept for the server as
+/// read now.
+fn keep(state: &McpState, server: &str, method: &str, listed: &[Value]) -> Arc<[String]> {
+    let names: Arc<[String]> =
+        listed.iter().filter_map(|item| item.get("name").and_then(Value::as_str).map(str::to_owned)).collect();
+    let mut kept = state.listed.lock().unwrap_or_else(PoisonError::into_inner);
+    kept.insert(listing(server, method), (Instant::now(), names.clone()));
+    names
+}
+
+/// The name among `names` (`server`'s listing) whose federated name is `name`.
+fn listed_as(name: &str, server: &str, names: &[String]) -> Option<String> {
+    tool_of(name, server, names.iter().map(String::as_str)).filter(|own| names.contains(own))
 }
 
 /// `message` forwarded to `server` with its `params.name` (or nothing) replaced; the
@@ -516,15 +566,16 @@ mod tests {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 json!({"tools": [{"name": "search", "inputSchema": {"type": "object"}}], "nextCursor": "more"})
             }
-            "tools/list" => json!({"tools": [{"name": "search", "inputSchema": {"type": "object"}}]}),
+            "tools/list" => json!({"tools": [{"name": "search", "inputSchema": {"type": "object"}},
+                {"name": "wipe", "inputSchema": {"type": "object"}}]}),
             "tools/call" => json!({"content": [{"type": "text", "text": "found"}]}),
             _ => return bad_request("Bad Request"),
         };
         axum::Json(json!({"jsonrpc": "2.0", "id": id, "result": result})).into_response()
     }
 
-    /// A gateway federating `old` (the fake server, `timeout`), keys `k1` and `k2` of
-    /// tenant `acme`.
+    /// A gateway federating `old` (the fake server, `timeout`, its tool `wipe` denied),
+    /// keys `k1` and `k2` of tenant `acme`.
     async fn gateway(timeout: Duration) -> (Arc<Gateway>, Shared) {
         use sha2::Digest;
         let shared = Shared::default();
@@ -547,7 +598,7 @@ mod tests {
             jurisdiction: None,
             timeout,
             price: McpPrice { per_call: MicroEur(0), tools: BTreeMap::new() },
-            tools: ToolGlobs { allow: None, deny: Vec::new() },
+            tools: ToolGlobs { allow: None, deny: vec!["wipe".to_owned()] },
         };
         let servers = BTreeMap::from([("old".to_owned(), server)]);
         loaded.config.mcp = Some(Mcp { servers, session_key: None, oauth: None, expose_rest: false });
@@ -687,5 +738,47 @@ mod tests {
         assert_eq!(answer["error"]["code"], -32602, "{answer}");
         assert!(answer["error"]["message"].as_str().unwrap_or("").contains("Unknown tool"), "{answer}");
         assert_eq!(lock(&fake).seen.len(), before, "neither listed nor called");
+    }
+
+    #[tokio::test]
+    async fn a_tool_the_server_does_not_list_is_answered_as_a_denied_one_and_never_sent() {
+        let (gateway, fake) = gateway(Duration::from_secs(5)).await;
+        let session = initialize(&gateway).await;
+        let calls = |fake: &Shared, method: &str| lock(fake).seen.iter().filter(|r| r.method == method).count();
+
+        // Two calls in a row: the server's tools listed once, for both.
+        for _ in 0..2 {
+            let called = in_session(&gateway, &session, "tools/call", json!({"name": "old__search"})).await;
+            assert_eq!(called["result"]["content"][0]["text"], "found", "{called}");
+        }
+        assert_eq!((calls(&fake, "tools/list"), calls(&fake, "tools/call")), (1, 2));
+
+        // The fake answers any call with a result: a name it does not list is not sent.
+        let denied = in_session(&gateway, &session, "tools/call", json!({"name": "old__wipe"})).await;
+        let absent = in_session(&gateway, &session, "tools/call", json!({"name": "old__nope"})).await;
+        assert_eq!(denied["error"], json!({"code": -32602, "message": "Unknown tool: old__wipe"}), "{denied}");
+        assert_eq!(absent["error"], json!({"code": -32602, "message": "Unknown tool: old__nope"}), "{absent}");
+        let shape = |answer: &Value, name: &str| answer.to_string().replace(name, "NAME");
+        assert_eq!(shape(&denied, "old__wipe"), shape(&absent, "old__nope"));
+        assert_eq!(calls(&fake, "tools/call"), 2, "neither was sent: {:?}", lock(&fake).seen);
+        // `nope` not in a listing read under 5 s ago: the server is not asked again.
+        assert_eq!(calls(&fake, "tools/list"), 1);
+
+        // The listing read as if `by` ago.
+        let age = |by: u64| {
+            let state = gateway.mcp.as_ref().unwrap();
+            let read = std::time::Instant::now().checked_sub(Duration::from_secs(by)).unwrap();
+            state.listed.lock().unwrap().values_mut().for_each(|(kept, _)| *kept = read);
+        };
+        // Over 5 s: a name it lacks reads it again (still lacking: unknown, unsent).
+        age(6);
+        let absent = in_session(&gateway, &session, "tools/call", json!({"name": "old__nope"})).await;
+        assert_eq!(absent["error"]["code"], -32602, "{absent}");
+        assert_eq!((calls(&fake, "tools/list"), calls(&fake, "tools/call")), (2, 2));
+        // Over 60 s: read again even for a name it holds.
+        age(61);
+        let called = in_session(&gateway, &session, "tools/call", json!({"name": "old__search"})).await;
+        assert_eq!(called["result"]["content"][0]["text"], "found", "{called}");
+        assert_eq!((calls(&fake, "tools/list"), calls(&fake, "tools/call")), (3, 3));
     }
 }
