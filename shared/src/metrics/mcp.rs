@@ -127,11 +127,9 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("flexway_mcp_calls_total{tenant=\"acme\",server=\"search\",outcome=\"error\"} 1\n"));
-        assert!(
-            text.contains(
-                "flexway_mcp_cost_eur_total{tenant=\"acme\",server=\"search\",outcome=\"tool_error\"} 0.001000\n"
-            )
-        );
+        assert!(text.contains(
+            "flexway_mcp_cost_eur_total{tenant=\"acme\",server=\"search\",outcome=\"tool_error\"} 0.001000\n"
+        ));
         let totals = registry.mcp_totals();
         let search = McpTotals { server: "search".into(), calls: 3, errors: 1, spent: MicroEur(2_000) };
         assert_eq!(

@@ -802,7 +802,8 @@ mcp:
     fn with_rest() -> (Doc, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();
         let contract = dir.path().join("docs.yaml");
-        let operation = r#"{operationId: get_doc, x-flexway-ai: {metering: per_call, price_per_thousand_eur: "1", feature: docs}}"#;
+        let operation =
+            r#"{operationId: get_doc, x-flexway-ai: {metering: per_call, price_per_thousand_eur: "1", feature: docs}}"#;
         let text = format!("openapi: 3.1.0\ninfo: {{title: D, version: '1'}}\npaths:\n  /doc:\n    get: {operation}\n");
         std::fs::write(&contract, text).unwrap();
         let backend =
