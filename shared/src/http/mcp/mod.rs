@@ -7,7 +7,9 @@
 //! otherwise), its protocol version read (`initialize`'s, else `MCP-Protocol-Version`,
 //! else its session's), then its session opened (2025-06-18 and 2025-11-25: sealed
 //! state, [`crate::mcp::session`]) or its headers checked against its body (the
-//! stateless 2026-07-28: -32020 on a mismatch). Then by method:
+//! stateless 2026-07-28: -32020 on a mismatch; its `params._meta` must say its version
+//! and the client's capabilities, 400 -32602 otherwise; a method that revision lacks,
+//! `initialize` and `ping` included, is 404 -32601). Then by method:
 //! - `initialize`: an upstream session opened at each server the caller may use, in
 //!   parallel (a server that does not answer is left out), all sealed in the
 //!   `Mcp-Session-Id`; `server/discover`, `ping`: answered here;
@@ -326,7 +328,12 @@ async fn message(State(gateway): State<Arc<Gateway>>, request: Request) -> Respo
 
     let header_version = headers.get(VERSION_HEADER).and_then(|v| v.to_str().ok()).map(str::to_owned);
     let asked = match method.as_str() {
-        "initialize" => value.pointer("/params/protocolVersion").and_then(Value::as_str).map(str::to_owned),
+        // A stateless client's `initialize` says its version in the header only.
+        "initialize" => value
+            .pointer("/params/protocolVersion")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .or_else(|| header_version.clone().filter(|v| wire::stateless(v))),
         "server/discover" => header_version.clone().or_else(|| Some(VERSIONS[0].to_owned())),
         _ => header_version.clone(),
     };
@@ -347,6 +354,9 @@ async fn message(State(gateway): State<Arc<Gateway>>, request: Request) -> Respo
     if wire::stateless(&version) {
         if let Err(why) = wire::check_headers(headers, &parsed) {
             return rejected(StatusCode::BAD_REQUEST, Some(id), wire::HEADER_MISMATCH, &why, None);
+        }
+        if let Some(refusal) = stateless_refusal(&version, &method, &value, &id) {
+            return refusal;
         }
     } else if method != "initialize" {
         let Some(session_id) = session_id else {
@@ -385,6 +395,49 @@ async fn message(State(gateway): State<Arc<Gateway>>, request: Request) -> Respo
             accept.answer(&answer)
         }
     }
+}
+
+/// The methods a stateless (2026-07-28) caller is served; any other, those the
+/// revision removed (`initialize`, `ping`, `logging/setLevel`, `resources/subscribe`,
+/// ...) included, is not found.
+const STATELESS_METHODS: [&str; 8] = [
+    "server/discover",
+    "tools/list",
+    "tools/call",
+    "resources/list",
+    "resources/templates/list",
+    "resources/read",
+    "prompts/list",
+    "prompts/get",
+];
+
+const META_VERSION: &str = "io.modelcontextprotocol/protocolVersion";
+const META_CAPABILITIES: &str = "io.modelcontextprotocol/clientCapabilities";
+
+/// A stateless request carries its protocol version and the client's capabilities in
+/// `params._meta` (400, -32602 otherwise; a version other than its header's is a
+/// header mismatch, -32020), and names a method the revision has (404, -32601).
+fn stateless_refusal(version: &str, method: &str, message: &Value, id: &Value) -> Option<Response> {
+    let meta = message.pointer("/params/_meta").and_then(Value::as_object);
+    let said = meta.and_then(|m| m.get(META_VERSION)).and_then(Value::as_str);
+    let capabilities = meta.and_then(|m| m.get(META_CAPABILITIES)).filter(|c| c.is_object());
+    let invalid =
+        |message: &str| rejected(StatusCode::BAD_REQUEST, Some(id.clone()), wire::INVALID_PARAMS, message, None);
+    let Some(said) = said else {
+        return Some(invalid(&format!("params._meta must carry {META_VERSION} at {version}")));
+    };
+    if capabilities.is_none() {
+        return Some(invalid(&format!("params._meta must carry {META_CAPABILITIES} at {version}")));
+    }
+    if said != version {
+        let why = format!("{META_VERSION} is {said} but MCP-Protocol-Version is {version}");
+        return Some(rejected(StatusCode::BAD_REQUEST, Some(id.clone()), wire::HEADER_MISMATCH, &why, None));
+    }
+    if !STATELESS_METHODS.contains(&method) {
+        let why = format!("Method not found: {method} (not part of {version})");
+        return Some(rejected(StatusCode::NOT_FOUND, Some(id.clone()), wire::METHOD_NOT_FOUND, &why, None));
+    }
+    None
 }
 
 /// The version `initialize` answers when the client asked for one the gateway does
@@ -439,10 +492,6 @@ async fn initialize(
     id: Value,
 ) -> Response {
     let Inbound { caller, version, accept, .. } = inbound;
-    if wire::stateless(&version) {
-        let message = format!("{version} has no initialize: send server/discover");
-        return accept.answer(&wire::error(Some(id), wire::INVALID_REQUEST, &message, None));
-    }
     let access = match Access::of(gateway, mcp, &caller, headers) {
         Ok(access) => access,
         Err(e) => return accept.answer(&call::refusal_message(Some(id), &e)),

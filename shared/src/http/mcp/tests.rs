@@ -410,10 +410,74 @@ async fn the_stateless_revision_checks_its_headers_against_the_body() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert_eq!(body["error"]["code"], -32020);
     let headers = [("mcp-protocol-version", "2026-07-28"), ("mcp-method", "server/discover")];
-    let discover = json!({"jsonrpc": "2.0", "id": 2, "method": "server/discover"});
+    let discover = json!({"jsonrpc": "2.0", "id": 2, "method": "server/discover", "params": {"_meta": meta()}});
     let (status, _, body) = post(&gateway, &headers, discover).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert!(body["result"]["supportedVersions"].as_array().unwrap().contains(&json!("2025-06-18")));
+    // The version its `_meta` says is not its header's.
+    let mut other = meta();
+    other["io.modelcontextprotocol/protocolVersion"] = json!("2025-11-25");
+    let discover = json!({"jsonrpc": "2.0", "id": 3, "method": "server/discover", "params": {"_meta": other}});
+    let (status, _, body) = post(&gateway, &headers, discover).await;
+    assert_eq!(
+        (status, body["error"]["code"].clone(), body["id"].clone()),
+        (StatusCode::BAD_REQUEST, json!(-32020), json!(3))
+    );
+}
+
+/// The `_meta` a stateless (2026-07-28) request must carry.
+fn meta() -> Value {
+    json!({"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientCapabilities": {},
+        "io.modelcontextprotocol/clientInfo": {"name": "test", "version": "1"}})
+}
+
+#[tokio::test]
+async fn a_stateless_request_without_its_version_or_capabilities_in_meta_is_invalid() {
+    let (gateway, _, _) = gateway().await;
+    let headers = [("mcp-protocol-version", "2026-07-28"), ("mcp-method", "server/discover")];
+    let without_version = json!({"io.modelcontextprotocol/clientCapabilities": {}});
+    let without_capabilities = json!({"io.modelcontextprotocol/protocolVersion": "2026-07-28"});
+    for (id, params) in [
+        (1, None),
+        (2, Some(json!({}))),
+        (3, Some(json!({"_meta": without_version}))),
+        (4, Some(json!({"_meta": without_capabilities}))),
+    ] {
+        let mut message = json!({"jsonrpc": "2.0", "id": id, "method": "server/discover"});
+        if let Some(params) = params {
+            message["params"] = params;
+        }
+        let (status, _, body) = post(&gateway, &headers, message).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!((body["error"]["code"].clone(), body["id"].clone()), (json!(-32602), json!(id)));
+    }
+    // clientInfo is not required.
+    let mut without_info = meta();
+    without_info.as_object_mut().unwrap().remove("io.modelcontextprotocol/clientInfo");
+    let message = json!({"jsonrpc": "2.0", "id": 5, "method": "server/discover", "params": {"_meta": without_info}});
+    let (status, _, body) = post(&gateway, &headers, message).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["result"]["resultType"], "complete");
+}
+
+#[tokio::test]
+async fn methods_the_stateless_revision_lacks_are_not_found_and_sessions_keep_them() {
+    let (gateway, _, _) = gateway().await;
+    let removed =
+        ["initialize", "ping", "logging/setLevel", "resources/subscribe", "resources/unsubscribe", "unknown/method"];
+    for (id, method) in removed.into_iter().enumerate() {
+        let headers = [("mcp-protocol-version", "2026-07-28"), ("mcp-method", method)];
+        let message = json!({"jsonrpc": "2.0", "id": id, "method": method, "params": {"_meta": meta()}});
+        let (status, _, body) = post(&gateway, &headers, message).await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{method}: {body}");
+        assert_eq!((body["error"]["code"].clone(), body["id"].clone()), (json!(-32601), json!(id)), "{method}");
+    }
+    // In a session (2025-11-25) `ping` is answered, an unknown method -32601 on HTTP 200.
+    let session = initialize(&gateway).await;
+    assert_eq!(in_session(&gateway, &session, 1, "ping", json!({})).await["result"], json!({}));
+    let unknown = in_session(&gateway, &session, 2, "unknown/method", json!({})).await;
+    assert_eq!(unknown["error"]["code"], -32601);
 }
 
 #[tokio::test]
@@ -469,7 +533,7 @@ async fn a_jwt_of_the_issuer_for_a_declared_tenant_is_a_caller() {
         let signature = key.sign(&rng, signed.as_bytes()).unwrap();
         format!("{signed}.{}", b64(signature.as_ref()))
     };
-    let call = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "search__search"}});
+    let call = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "search__search", "_meta": meta()}});
     let headers =
         [("mcp-protocol-version", "2026-07-28"), ("mcp-method", "tools/call"), ("mcp-name", "search__search")];
     let (status, _, body) = post_as(&gateway, &token("acme"), &headers, call.clone()).await;
