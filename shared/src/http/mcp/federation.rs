@@ -643,6 +643,11 @@ mod tests {
         if let Some(name) = &name {
             headers.push(("mcp-name", name));
         }
+        let mut params = params;
+        params["_meta"] = json!({
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientCapabilities": {},
+        });
         let message = json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params});
         let (status, _, body) = post(gateway, key, &headers, message).await;
         assert_eq!(status, StatusCode::OK, "{body}");
