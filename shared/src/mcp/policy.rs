@@ -43,7 +43,10 @@ pub fn glob(pattern: &str, name: &str) -> bool {
 }
 
 /// `globs` let `name` through: no deny matches, and an allow does (or none is given).
-fn allows(globs: &ToolGlobs, names: &[&str]) -> bool {
+/// `globs` let a tool through under any of its `names` (its whole federated name and
+/// the one it is listed as): no deny matches one of them, and an allow does (or none
+/// is given).
+pub fn allows(globs: &ToolGlobs, names: &[&str]) -> bool {
     let any = |pattern: &String| names.iter().any(|name| glob(pattern, name));
     if globs.deny.iter().any(any) {
         return false;

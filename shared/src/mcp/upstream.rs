@@ -287,8 +287,11 @@ impl McpClient {
             // A 200 with nothing in it: a notification taken.
             return Ok(Answer::Accepted);
         }
-        let message =
+        let message: Value =
             serde_json::from_slice(&body).map_err(|_| UpstreamError::Transport("the answer is not JSON".to_owned()))?;
+        if !message.is_object() {
+            return Err(UpstreamError::Transport("the answer is not a JSON-RPC message".to_owned()));
+        }
         Ok(Answer::Json { message, session })
     }
 

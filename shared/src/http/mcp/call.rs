@@ -191,7 +191,7 @@ impl drive::Door for ToolCall {
         let session_id = request.headers().get(super::SESSION_HEADER).and_then(|v| v.to_str().ok());
         let in_flight = match (gateway.mcp.as_ref(), &inbound.session, session_id) {
             (Some(shared), Some(session), Some(session_id)) => {
-                let carried = session.upstream.get(&server).cloned();
+                let carried = session.upstream.get(&server).filter(|c| !c.is_empty()).cloned();
                 let call = McpInFlight { server: server.clone(), carried, version: inbound.version.clone() };
                 shared.call_started(session_id, &self.id, call)
             }
@@ -229,7 +229,7 @@ impl drive::Door for ToolCall {
             // Relayed event by event (progress first, the result last).
             Answer::Stream(events) if self.inbound.accept.sse => {
                 draft.streaming();
-                let carried = inbound.session.as_ref().and_then(|s| s.upstream.get(&server));
+                let carried = inbound.session.as_ref().and_then(|s| s.upstream.get(&server)).filter(|c| !c.is_empty());
                 let cancel = Cancel {
                     gateway: gateway.clone(),
                     server: server.clone(),

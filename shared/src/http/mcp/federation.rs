@@ -78,6 +78,8 @@ pub(super) async fn send(
     // What the upstream session is kept under here: the id the caller's session
     // carries, else a key of that session's own.
     let (key, in_use) = match (session.and_then(|s| s.upstream.get(server)), session) {
+        // A server that gave the session no id: it needs none.
+        (Some(carried), _) if carried.is_empty() => (None, None),
         (Some(carried), _) => (Some(carried.clone()), Some(state.session_in_use(server, carried))),
         (None, Some(session)) => {
             let key = missing(&inbound.caller, session);
@@ -514,6 +516,8 @@ mod tests {
         refuse_initialize: usize,
         /// `tools/list` pages forever, slowly.
         pages_forever: bool,
+        /// Gives no session id, and wants none.
+        sessionless: bool,
     }
 
     type Shared = Arc<Mutex<Fake>>;
@@ -551,9 +555,13 @@ mod tests {
                 let result = json!({"protocolVersion": message["params"]["protocolVersion"], "capabilities": {"tools": {}},
                     "serverInfo": {"name": "fake", "version": "1"}});
                 let body = json!({"jsonrpc": "2.0", "id": id, "result": result});
+                if fake.sessionless {
+                    return axum::Json(body).into_response();
+                }
                 return ([("mcp-session-id", session)], axum::Json(body)).into_response();
             }
             match &session {
+                None if fake.sessionless => {}
                 None => return bad_request("Bad Request: No valid session ID provided"),
                 Some(session) if !fake.sessions.contains(session) => return StatusCode::NOT_FOUND.into_response(),
                 Some(_) => {}
@@ -695,6 +703,22 @@ mod tests {
         let (status, _, body) = post(gateway, "k1", &headers, message).await;
         assert_eq!(status, StatusCode::OK, "{body}");
         body
+    }
+
+    #[tokio::test]
+    async fn a_server_that_gives_no_session_id_is_initialized_once() {
+        let (gateway, fake) = gateway(Duration::from_secs(5)).await;
+        lock(&fake).sessionless = true;
+        let session = initialize(&gateway).await;
+        for _ in 0..3 {
+            let listed = in_session(&gateway, &session, "tools/list", json!({})).await;
+            assert_eq!(listed["result"]["tools"][0]["name"], "old__search", "{listed}");
+        }
+        let called = in_session(&gateway, &session, "tools/call", json!({"name": "old__search"})).await;
+        assert_eq!(called["result"]["content"][0]["text"], "found", "{called}");
+        let fake = lock(&fake);
+        let initializes = fake.seen.iter().filter(|r| r.method == "initialize").count();
+        assert_eq!(initializes, 1, "initialized at the session's start only: {:?}", fake.seen);
     }
 
     #[tokio::test]

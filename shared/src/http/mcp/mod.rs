@@ -510,7 +510,10 @@ async fn initialize(
         }
     }))
     .await;
-    let upstream = opened.into_iter().flatten().filter_map(|(server, session)| Some((server, session?))).collect();
+    // A server that gave no session id is sealed with an empty one: it is in the
+    // session, and needs none (never initialized again for it).
+    let upstream =
+        opened.into_iter().flatten().map(|(server, session)| (server, session.unwrap_or_default())).collect();
     let session = Session {
         tenant: caller.tenant.to_string(),
         agent: caller.agent.as_ref().map(ToString::to_string),
@@ -592,7 +595,7 @@ async fn end_session(State(gateway): State<Arc<Gateway>>, request: Request) -> R
     let Some(session) = session_of(&state, &caller, id) else { return StatusCode::NOT_FOUND.into_response() };
     // 404 from now on, here; another process finds it out later (the module's docs).
     state.revoke(id, &session, crate::budget::period::unix_now());
-    let ends = session.upstream.iter().filter_map(|(server, carried)| {
+    let ends = session.upstream.iter().filter(|(_, carried)| !carried.is_empty()).filter_map(|(server, carried)| {
         let server_at = federation::target(mcp, &state, server, &session.version)?;
         let in_use = state.session_in_use(server, carried);
         let state = &state;

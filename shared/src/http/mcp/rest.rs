@@ -44,12 +44,12 @@ use super::{Accept, Access, Inbound, MAX_MESSAGE, call};
 use crate::audit::McpStatus;
 use crate::call::{ErrorCode, Operation};
 use crate::config::contract::{Matched, ParameterIn, RestOperation};
-use crate::config::{BackendId, BackendKind, Capability, McpNarrowing, ToolGlobs};
+use crate::config::{BackendId, BackendKind, Capability, McpNarrowing};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
 use crate::mcp::names::federated;
-use crate::mcp::policy::glob;
+use crate::mcp::policy::allows;
 use crate::mcp::wire;
 use crate::routing::Declared;
 
@@ -95,20 +95,16 @@ fn all(gateway: &Gateway) -> Vec<Tool<'_>> {
     tools
 }
 
-/// `globs` let `name` through: no deny matches, and an allow does (or none is given).
-fn allows(globs: &ToolGlobs, name: &str) -> bool {
-    !globs.deny.iter().any(|pattern| glob(pattern, name))
-        && globs.allow.as_ref().is_none_or(|allow| allow.iter().any(|pattern| glob(pattern, name)))
-}
-
 /// The caller may call `tool`: its tenant's and agent's `servers` list its prefix
 /// (or are absent), their globs let the name through, and the REST route's filters
 /// leave a backend for it.
 fn may_call(gateway: &Gateway, access: &Access<'_>, tool: &Tool<'_>) -> bool {
     let who = &access.who;
+    // The globs see the whole name too, not only the one cut at 64 characters.
+    let whole = format!("{}__{}", tool.prefix, tool.operation.operation_id.as_deref().unwrap_or_default());
     let lets = |narrowing: &McpNarrowing| {
         narrowing.servers.as_ref().is_none_or(|servers| servers.contains(&tool.prefix))
-            && allows(&narrowing.tools, &tool.name)
+            && allows(&narrowing.tools, &[whole.as_str(), tool.name.as_str()])
     };
     if !lets(who.tenant) || who.agent.is_some_and(|agent| !lets(agent)) {
         return false;
@@ -151,7 +147,17 @@ pub(super) async fn handle(
     message: Value,
     request: Request,
 ) -> Response {
-    drive(gateway, RestTool { inbound, id, message }, request).await
+    // Its own task, as a server tool's call: a client that leaves once the operation
+    // is sent does not undo it.
+    let (accept, reply_id) = (inbound.accept, id.clone());
+    match tokio::spawn(drive(gateway, RestTool { inbound, id, message }, request)).await {
+        Ok(response) => response,
+        Err(e) => {
+            tracing::error!("mcp: a REST tool call's task failed: {e}");
+            let failed = crate::error::GatewayError::Internal("a tool call's task failed".into());
+            Accept::answer(accept, &call::refusal_message(Some(reply_id), &failed))
+        }
+    }
 }
 
 /// One `tools/call` of a REST tool.
