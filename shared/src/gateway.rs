@@ -267,7 +267,10 @@ impl Gateway {
         }
         let (resolved, failures) = resolve_all(&references, self.secrets.as_ref()).await;
         for (path, error) in &failures {
-            tracing::error!("{}: {path}: {error}; the last value resolved stays in use", crate::secret::REFRESH);
+            tracing::error!(
+                "{}: {path}: {error}; its backend or MCP server keeps the last value resolved",
+                crate::secret::REFRESH
+            );
         }
         let updated = self.upstreams.refresh(&self.config, &resolved);
         if !updated.is_empty() {
