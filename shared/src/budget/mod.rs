@@ -60,9 +60,9 @@ impl CounterKey {
     }
 
     /// A per-minute window's counter (SPEC §14), in the minute that holds `now`:
-    /// `acme/*/requests/minute/2026-12-06T09:01`. `holder` is an agent, a key
-    /// (`~key:9f86d081…`) or `*` (the tenant); a backend's quota counts under the
-    /// tenant `~backend`.
+    /// `acme/*/requests/minute/2026-12-06T09:01`. `holder` is an agent or `*` (the
+    /// tenant); a key's limits count under the tenant `~key` (`~key/9f86d081…/…`),
+    /// whatever tenant it calls for, and a backend's quota under `~backend`.
     pub fn window(tenant: &str, holder: Option<&str>, unit: Unit, now: u64) -> Self {
         Self::stamped(tenant, holder, unit, Period::Minute, &Period::Minute.stamp(now))
     }

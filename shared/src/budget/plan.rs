@@ -154,9 +154,10 @@ pub fn windows_for(config: &Config, caller: &Caller, now: u64) -> Vec<Budget> {
         push_windows(&mut out, name, Some(agent.as_str()), &format!("agent {name}/{agent}"), agent_limits, now);
     }
     if !caller.key_limits.is_none() {
+        // Under the key alone, not the tenant: a relay peer's key asserts many
+        // tenants, and its limit holds across them all.
         let label = key_label(&caller.key_sha256);
-        let holder = format!("~key:{label}");
-        push_windows(&mut out, name, Some(&holder), &format!("key {label}"), caller.key_limits, now);
+        push_windows(&mut out, "~key", Some(&label), &format!("key {label}"), caller.key_limits, now);
     }
     out
 }
@@ -638,12 +639,23 @@ mod tests {
                 ("agent acme/bot".into(), "acme/bot/tokens/minute/2025-12-01T12:00".into(), Some(500), now + 30),
                 (
                     "key abababababababab".into(),
-                    "acme/~key:abababababababab/requests/minute/2025-12-01T12:00".into(),
+                    "~key/abababababababab/requests/minute/2025-12-01T12:00".into(),
                     Some(3),
                     now + 30
                 ),
             ]
         );
+        // A relay peer's key calls for many tenants: its window is the key's alone.
+        let two = crate::config::load_str(
+            "version: 1\ntenants: {acme: {}, globex: {}}\nai: {default_backend: b, backends: {b: {url: 'http://b/v1'}}}\n",
+            &std::collections::HashMap::<String, String>::new(),
+        )
+        .unwrap()
+        .config;
+        let peer = |tenant: &str| Caller { tenant: TenantId::new(tenant), relay_peer: true, ..caller(None, key) };
+        let (acme, globex) = (seen(windows_for(&two, &peer("acme"), now)), seen(windows_for(&two, &peer("globex"), now)));
+        assert_eq!(acme, globex, "one window for the key, whichever tenant it calls for");
+        assert_eq!(acme.len(), 1);
         assert_eq!(windows_for(&config, &caller(Some("idle"), Rates::default()), now).len(), 1);
         let free = limits("{budgets: {tokens_per_day: 10}}");
         assert!(windows_for(&free, &caller(None, Rates::default()), now).is_empty(), "no limit, no window");
