@@ -723,3 +723,36 @@ async fn a_requests_per_minute_limit_refuses_with_resource_exhausted() {
     let records = flexway.records_until::<serde_json::Value>(3).await;
     assert_eq!(records[2]["error_code"], "rate_limit_exceeded");
 }
+
+/// An unmetered method costs nothing but still counts in its caller's
+/// `requests_per_minute` (SPEC §14: limits hold on every door): past the limit it is
+/// refused with `RESOURCE_EXHAUSTED`, never sent upstream, and its record says a rate
+/// limit refused it, not a budget (`budget_state` stays `ok`).
+#[tokio::test]
+async fn an_unmetered_method_counts_in_requests_per_minute() {
+    let second = flexway::budget::period::unix_now() % 60;
+    if second > 50 {
+        tokio::time::sleep(std::time::Duration::from_secs(60 - second)).await;
+    }
+    let upstream = FakeOcr::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = grpc_config(&descriptor_file(dir.path()), &upstream.url(), "{}", false, "{sink: stdout}")
+        .replace("    budgets: {}\n", "    budgets: {}\n    limits: {requests_per_minute: 2}\n");
+    let flexway = Flexway::start(&config);
+    let mut ocr = client(&flexway.url).await;
+    let first = ocr.health(authed(Ping { note: "1".into() }, KEY)).await.unwrap();
+    assert_eq!(first.metadata().get("x-ratelimit-limit-requests").unwrap(), "2");
+    assert_eq!(first.metadata().get("x-ratelimit-remaining-requests").unwrap(), "1");
+    assert_eq!(first.metadata().get("flexway-cost-eur").unwrap(), "0.000000");
+    ocr.health(authed(Ping { note: "2".into() }, KEY)).await.unwrap();
+    let status = ocr.health(authed(Ping { note: "3".into() }, KEY)).await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert!(status.message().contains("rate_limit_exceeded"), "{}", status.message());
+    assert!(status.message().contains("tenant acme requests_per_minute (2)"), "{}", status.message());
+    assert_eq!(upstream.calls(), 2, "a refused call never reaches the upstream");
+    let records = flexway.records_until::<serde_json::Value>(3).await;
+    assert_eq!(records[2]["status"], 8);
+    assert_eq!(records[2]["error_code"], "rate_limit_exceeded");
+    assert_eq!(records[2]["budget_state"], "ok", "a rate limit is no budget exceeded: {}", records[2]);
+    assert_eq!(records.iter().map(|r| r["cost_micro_eur"].as_u64()).collect::<Vec<_>>(), [Some(0); 3]);
+}

@@ -125,6 +125,12 @@ async fn upstream(seen: Seen, fail_all: bool) -> String {
 
 /// A config: acme with `budgets`, and `http` backends as `(name, url, extra keys)`.
 fn rest_config(dir: &std::path::Path, budgets: &str, backends: &[(&str, &str, &str)]) -> String {
+    acme_config(budgets, &rest_ai(dir, backends))
+}
+
+/// The `ai:` body of `http` backends as `(name, url, extra keys)`, their contract
+/// written in `dir`.
+fn rest_ai(dir: &std::path::Path, backends: &[(&str, &str, &str)]) -> String {
     let contract = dir.join("ocr.yaml");
     std::fs::write(&contract, CONTRACT).unwrap();
     let mut ai = String::from("  backends:\n");
@@ -134,7 +140,7 @@ fn rest_config(dir: &std::path::Path, budgets: &str, backends: &[(&str, &str, &s
             contract.display()
         ));
     }
-    acme_config(budgets, &ai)
+    ai
 }
 
 fn start(yaml: &str) -> Flexway {
@@ -611,4 +617,158 @@ async fn a_requests_per_minute_limit_paces_and_refuses_rest_calls() {
     assert_eq!(refused.headers()["x-should-retry"], "true");
     assert_eq!(refused.headers()["x-ratelimit-remaining-requests"], "0");
     assert_eq!(refused.json::<Value>().await.unwrap()["code"], "rate_limit_exceeded");
+}
+
+/// An unmetered operation costs nothing but still counts in its caller's
+/// `requests_per_minute` (SPEC §14: limits hold on every door): it paces with the
+/// same headers, and past the limit it is refused with problem+json 429, never sent
+/// upstream.
+#[tokio::test]
+async fn an_unmetered_operation_counts_in_requests_per_minute() {
+    let second = flexway::budget::period::unix_now() % 60;
+    if second > 50 {
+        tokio::time::sleep(std::time::Duration::from_secs(60 - second)).await;
+    }
+    let seen = Seen::default();
+    let url = upstream(seen.clone(), false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml =
+        rest_config(dir.path(), "{}\n    limits: {requests_per_minute: 2}", &[("ocr", &url, ", mount: /apis/ocr")]);
+    let gw = start(&yaml);
+    let first = call(&gw, reqwest::Method::GET, "/apis/ocr/documents/1").send().await.unwrap();
+    assert_eq!(first.status(), 200);
+    assert_eq!(first.headers()["x-ratelimit-limit-requests"], "2");
+    assert_eq!(first.headers()["x-ratelimit-remaining-requests"], "1");
+    assert_eq!(call(&gw, reqwest::Method::GET, "/apis/ocr/documents/2").send().await.unwrap().status(), 200);
+    let refused = call(&gw, reqwest::Method::GET, "/apis/ocr/documents/3").send().await.unwrap();
+    assert_eq!(refused.status(), 429);
+    assert_eq!(refused.headers()["content-type"], "application/problem+json");
+    assert_eq!(refused.headers()["x-ratelimit-remaining-requests"], "0");
+    assert_eq!(refused.json::<Value>().await.unwrap()["code"], "rate_limit_exceeded");
+    assert_eq!(seen.all().len(), 2, "a refused call never reaches the upstream");
+    let records = gw.records_until::<AuditRecord>(3).await;
+    assert_eq!(records.iter().map(|r| r.cost_micro_eur).collect::<Vec<_>>(), [0, 0, 0]);
+    assert_eq!(records[2].error_code.map(|c| c.as_str()), Some("rate_limit_exceeded"));
+}
+
+/// An unmetered operation that carries `Flexway-Run` is one of its run's calls (SPEC
+/// §15: a run counts every call), and costs it nothing.
+#[tokio::test]
+async fn an_unmetered_operation_counts_in_its_runs_calls() {
+    let url = upstream(Seen::default(), false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = config(&rest_ai(dir.path(), &[("ocr", &url, ", mount: /apis/ocr")]));
+    let (adapters, audit) = memory_adapters();
+    let gw = serve_in_process(&unauthenticated(&yaml), adapters).await;
+    let runs = format!("{}/v1/flexway/runs", gw.url);
+    let created =
+        client().post(&runs).bearer_auth(AGENT_KEY).json(&json!({"budget": {"eur": 1}})).send().await.unwrap();
+    assert_eq!(created.status(), 201);
+    let id = created.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
+    for n in 0..3 {
+        let doc = client()
+            .get(format!("{}/apis/ocr/documents/{n}", gw.url))
+            .bearer_auth(AGENT_KEY)
+            .header("Flexway-Run", &id)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(doc.status(), 200);
+        assert_eq!(doc.json::<Value>().await.unwrap(), json!({"id": n.to_string()}));
+    }
+    let state: Value =
+        client().get(format!("{runs}/{id}")).bearer_auth(AGENT_KEY).send().await.unwrap().json().await.unwrap();
+    assert_eq!(state["calls"], 3, "{state}");
+    assert_eq!(state["spent"]["eur"].as_f64(), Some(0.0), "{state}");
+    let records = audit_records_until(&audit, 3).await;
+    assert!(records.iter().all(|r| r.run.as_deref() == Some(id.as_str()) && r.cost_micro_eur == 0), "{records:?}");
+    assert_eq!(gw.live_reservations().await, 0, "each call's reservation settled");
+}
+
+/// `yaml` with its backends' upstream key left out: `OCR_KEY` is set only for the
+/// binary [`start`] runs.
+fn unauthenticated(yaml: &str) -> String {
+    yaml.replace(", auth: {type: bearer, secret: \"env:OCR_KEY\"}", "")
+}
+
+/// A memory ledger that counts the reservations asked of it.
+#[derive(Default)]
+struct Counting {
+    inner: flexway::budget::MemoryBudgetStore,
+    reserves: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl flexway::budget::BudgetStore for Counting {
+    async fn reserve(
+        &self,
+        request: &flexway::budget::ReserveRequest,
+    ) -> Result<flexway::budget::ReserveOutcome, flexway::budget::StoreError> {
+        self.reserves.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.reserve(request).await
+    }
+    async fn settle(
+        &self,
+        reservation: &flexway::budget::Reservation,
+        actual: &[(flexway::budget::CounterKey, u64)],
+    ) -> Result<flexway::budget::SettleOutcome, flexway::budget::StoreError> {
+        self.inner.settle(reservation, actual).await
+    }
+    async fn record_intent(
+        &self,
+        request_id: &str,
+        actual: &[(flexway::budget::CounterKey, u64)],
+    ) -> Result<flexway::budget::IntentOutcome, flexway::budget::StoreError> {
+        self.inner.record_intent(request_id, actual).await
+    }
+    async fn renew(
+        &self,
+        request_id: &str,
+        actual: &[(flexway::budget::CounterKey, u64)],
+        expires_at: u64,
+    ) -> Result<flexway::budget::IntentOutcome, flexway::budget::StoreError> {
+        self.inner.renew(request_id, actual, expires_at).await
+    }
+    async fn sweep(&self, now: u64) -> Result<flexway::budget::Swept, flexway::budget::StoreError> {
+        self.inner.sweep(now).await
+    }
+    async fn used(&self, keys: &[flexway::budget::CounterKey]) -> Result<Vec<u64>, flexway::budget::StoreError> {
+        self.inner.used(keys).await
+    }
+    async fn live_reservations(&self) -> Result<usize, flexway::budget::StoreError> {
+        self.inner.live_reservations().await
+    }
+    async fn create_run(&self, run: &flexway::budget::run::Run) -> Result<bool, flexway::budget::StoreError> {
+        self.inner.create_run(run).await
+    }
+    async fn run(&self, id: &str) -> Result<Option<flexway::budget::run::Run>, flexway::budget::StoreError> {
+        self.inner.run(id).await
+    }
+    async fn end_run(&self, id: &str, at: u64) -> Result<flexway::budget::run::RunEnd, flexway::budget::StoreError> {
+        self.inner.end_run(id, at).await
+    }
+}
+
+/// A caller under no per-minute limit and in no run: its unmetered calls write nothing
+/// to the ledger (a budget's cap aside: they spend nothing of it); a metered one
+/// reserves as it always did.
+#[tokio::test]
+async fn an_unmetered_operation_outside_limits_and_runs_writes_nothing() {
+    let url = upstream(Seen::default(), false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Arc::new(Counting::default());
+    let (mut adapters, audit) = memory_adapters();
+    adapters.budgets = ledger.clone();
+    let yaml = rest_config(dir.path(), "{eur_per_month: 10}", &[("ocr", &url, ", mount: /apis/ocr")]);
+    let gw = serve_in_process(&unauthenticated(&yaml), adapters).await;
+    let get = |path: &str| client().get(format!("{}/apis/ocr{path}", gw.url)).bearer_auth(KEY).send();
+    for n in 0..2 {
+        let doc = get(&format!("/documents/{n}")).await.unwrap();
+        assert_eq!(doc.status(), 200);
+        assert!(doc.headers().get("x-ratelimit-limit-requests").is_none());
+    }
+    assert_eq!(ledger.reserves.load(std::sync::atomic::Ordering::SeqCst), 0, "unmetered: no reservation");
+    assert_eq!(get("/documents/latest").await.unwrap().status(), 200);
+    assert_eq!(ledger.reserves.load(std::sync::atomic::Ordering::SeqCst), 1, "metered: its one reservation");
+    assert_eq!(audit_records_until(&audit, 3).await.len(), 3);
 }

@@ -8,6 +8,13 @@
 //!   refused at the cap ends the call, so the cap is never passed; settled on the
 //!   bytes that passed.
 //!
+//! An operation without metering costs nothing, but still counts where calls are
+//! counted (SPEC §14, §15): for a caller under a per-minute window or in a run, its
+//! reservation is one of zero euros carrying its request (one in each request window,
+//! one of its run's calls), settled at the end when the upstream answered (a REST
+//! operation: 2xx or 3xx) and refunded otherwise, as a metered call's is. A caller
+//! under no window and in no run writes nothing.
+//!
 //! A call's meter is held in its `Charge` from its first reservation on; the relay
 //! reserves its steps as bytes pass, and only the driver's end closes it.
 
@@ -17,7 +24,8 @@ use std::time::Duration;
 use crate::admission::{Reserving, STREAM_RESERVATION_SECS, reserve_eur};
 use crate::budget::Run;
 use crate::budget::Ticket;
-use crate::budget::plan::Pace;
+use crate::budget::period::unix_now;
+use crate::budget::plan::{self, Pace};
 use crate::call::RequestId;
 use crate::config::{AiOperation, GrpcMetering};
 use crate::error::GatewayError;
@@ -111,19 +119,27 @@ impl Meter {
     }
 
     /// The reservation made before the call: one call's price, or `first_bytes` (what
-    /// the request is known to carry) plus the response allowance.
+    /// the request is known to carry) plus the response allowance. Unmetered: a
+    /// reservation of nothing that counts the request, only where a window or a run
+    /// counts it.
     pub async fn reserve_first(&self, first_bytes: u64) -> Result<(), GatewayError> {
-        let Some(operation) = &self.operation else { return Ok(()) };
+        let Some(operation) = &self.operation else {
+            if self.run.is_none() && plan::windows_for(&self.gateway.config, &self.caller, unix_now()).is_empty() {
+                return Ok(());
+            }
+            let mut held = self.held.lock().await;
+            return self.step(&mut held, MicroEur(0), 0).await;
+        };
         let units = match operation.metering {
             GrpcMetering::PerCall => 1,
             GrpcMetering::PerByte => first_bytes + RESPONSE_ALLOWANCE_BYTES,
         };
         let mut held = self.held.lock().await;
-        self.step(&mut held, operation, units).await
+        self.step(&mut held, operation.cost(units), units).await
     }
 
-    async fn step(&self, held: &mut Held, operation: &AiOperation, units: u64) -> Result<(), GatewayError> {
-        let amount = operation.cost(units);
+    /// Reserves `amount`, which covers `units` more.
+    async fn step(&self, held: &mut Held, amount: MicroEur, units: u64) -> Result<(), GatewayError> {
         let id = match held.tickets.len() {
             0 => self.request_id.clone(),
             n => format!("{}/{}", self.request_id, n + 1),
@@ -155,7 +171,8 @@ impl Meter {
         }
         if held.admitted + declared > held.covered {
             let missing = held.admitted + declared - held.covered;
-            if let Err(e) = self.step(&mut held, operation, missing.max(RESPONSE_ALLOWANCE_BYTES)).await {
+            let units = missing.max(RESPONSE_ALLOWANCE_BYTES);
+            if let Err(e) = self.step(&mut held, operation.cost(units), units).await {
                 drop(held);
                 self.stop_with(Stop::Budget(e));
                 return false;
@@ -194,14 +211,19 @@ impl Meter {
             return MicroEur(0);
         }
         held.closed = true;
-        let cost = match &self.operation {
-            None => MicroEur(0),
-            Some(op) if !answered => op.cost(0),
-            Some(op) => match op.metering {
-                GrpcMetering::PerCall if served => op.cost(1),
-                GrpcMetering::PerCall => MicroEur(0),
-                GrpcMetering::PerByte => op.cost(held.passed),
-            },
+        let Some(operation) = &self.operation else {
+            // Unmetered: the request its reservation counted stays counted once the
+            // upstream answered.
+            for (ticket, _) in std::mem::take(&mut held.tickets) {
+                if answered { ticket.settle_eur(MicroEur(0)).await } else { ticket.refund().await }
+            }
+            return MicroEur(0);
+        };
+        let cost = match operation.metering {
+            _ if !answered => operation.cost(0),
+            GrpcMetering::PerCall if served => operation.cost(1),
+            GrpcMetering::PerCall => MicroEur(0),
+            GrpcMetering::PerByte => operation.cost(held.passed),
         };
         // The cost is within what was reserved (each step was reserved before its
         // bytes passed): spread it over the reservations in order.

@@ -17,7 +17,8 @@
 //!   `RESOURCE_EXHAUSTED` (`budget_exceeded`): the cap is never passed. The call is
 //!   settled on the bytes that passed, or refunded whole when the upstream never
 //!   answered.
-//! - no option: proxied unmetered (identity still required).
+//! - no option: proxied unmetered (identity still required); it still counts in its
+//!   caller's request windows and its run's calls (a reservation of nothing).
 //!
 //! Invariants: exactly one audit record per identified call, whatever happens (the
 //! client cancels, the upstream drops: the record is written, and the reservations
@@ -169,8 +170,10 @@ struct Grpc {
 }
 
 impl drive::Refusal for Refusal {
+    /// A budget's refusal is `budget_state: exceeded`, as on the HTTP doors; a rate
+    /// limit's or a message too large, `RESOURCE_EXHAUSTED` too, is not.
     fn noted(&self, draft: &mut Draft) -> (u16, ErrorCode) {
-        if self.code == Code::ResourceExhausted {
+        if self.error_code == ErrorCode::BudgetExceeded {
             draft.exceeded();
         }
         (self.code.number(), self.error_code)

@@ -13,7 +13,9 @@
 //! is never passed (a step refused ends the call: the request is cut, or the response
 //! ends short). A 4xx is relayed as it came, and nothing is charged; a 5xx or a
 //! connection error before the answer goes to the next backend when the request body
-//! was not taken yet (always for a request without a body), and is refunded.
+//! was not taken yet (always for a request without a body), and is refunded. An
+//! operation without `x-flexway-ai` costs nothing, and still counts in its caller's
+//! request windows and its run's calls.
 //!
 //! An operation whose `x-flexway-ai` names a cache policy (SPEC §16, exact, GET and
 //! POST) is looked up after its reservation: the key is its method, its path and query
