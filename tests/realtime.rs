@@ -192,9 +192,9 @@ async fn a_session_over_budget_is_refused_with_a_plain_429_before_the_upgrade() 
 async fn each_response_is_charged_as_it_passes_and_the_hard_cap_closes_the_session_with_4429() {
     let fake = FakeModel::start().await.unwrap();
     let (adapters, audit) = memory_adapters();
-    // Each response: 20 + 5 tokens. The allowance held is the last total (the next
+    // Each response: 20 + 5 tokens. Each allowance is the last total (the next
     // prompt's floor) plus 50, clamped down to 10: after four responses (100 tokens)
-    // 30 remain, less than 25 + 10, so the session ends there.
+    // 30 remain, less than 25 + 10, so the next response.create ends the session.
     let gw = serve_in_process(&realtime_config(&fake.url(), "{tokens_per_day: 130}", ""), adapters).await;
     let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
     next_event(&mut client).await;
@@ -205,7 +205,7 @@ async fn each_response_is_charged_as_it_passes_and_the_hard_cap_closes_the_sessi
     }
     let done = one_response(&mut client).await;
     assert_eq!(done["type"], "response.done", "the response that reached the cap is delivered whole");
-    assert_eq!(close_frame(&mut client).await, (4429, "budget_exceeded".to_owned()));
+    assert_eq!(one_response(&mut client).await["close"], json!([4429, "budget_exceeded"]));
 
     let records = audit_records_until(&audit, 1).await;
     let record = &records[0];
@@ -218,11 +218,12 @@ async fn each_response_is_charged_as_it_passes_and_the_hard_cap_closes_the_sessi
     assert_eq!(gw.live_reservations().await, 0, "nothing left reserved");
 
     // 30 tokens remain: a new session opens on an allowance clamped to them, and is
-    // closed after its first response; then nothing fits and the next one is refused.
+    // closed when it asks for a second response; then nothing fits and the next one is
+    // refused.
     let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
     next_event(&mut client).await;
     assert_eq!(one_response(&mut client).await["type"], "response.done");
-    assert_eq!(close_frame(&mut client).await.0, 4429);
+    assert_eq!(one_response(&mut client).await["close"][0], 4429);
     audit_records_until(&audit, 2).await;
     assert_eq!(gw.ledger("acme", None).await[0], 125);
     match connect(&gw.url, "m", Auth::Bearer(KEY)).await {
@@ -368,9 +369,9 @@ async fn a_response_is_in_the_ledger_when_its_done_event_arrives() {
     next_event(&mut client).await;
     for n in 1..=3 {
         assert_eq!(one_response(&mut client).await["type"], "response.done");
-        // Each response: 20 + 5 tokens settled, then the next one's 25 + 50 held.
-        assert_eq!(gw.ledger("acme", None).await[0], 25 * n + 75, "response {n}");
-        assert_eq!(gw.live_reservations().await, 1, "only the next response's allowance is held");
+        // Each response: 20 + 5 tokens settled, and nothing held for the next one.
+        assert_eq!(gw.ledger("acme", None).await[0], 25 * n, "response {n}");
+        assert_eq!(gw.live_reservations().await, 0, "an idle session holds nothing");
     }
     drop(client);
     let records = audit_records_until(&audit, 1).await;
@@ -385,8 +386,9 @@ async fn a_client_that_vanishes_leaves_nothing_reserved_and_one_record() {
     let gw = serve_in_process(&realtime_config(&fake.url(), "{tokens_per_day: 100000}", ""), adapters).await;
     let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
     next_event(&mut client).await;
+    assert_eq!(gw.live_reservations().await, 0, "the session just opened holds nothing");
     one_response(&mut client).await;
-    assert_eq!(gw.live_reservations().await, 1, "the next response's allowance is held");
+    assert_eq!(gw.live_reservations().await, 0, "nor once its response is done");
     drop(client); // no close frame: the TCP connection just ends
     let records = audit_records_until(&audit, 1).await;
     assert_eq!(records.len(), 1);
@@ -559,14 +561,15 @@ fn only_what_is_built_loads_for_realtime() {
 }
 
 /// Each response counts in the caller's windows (SPEC §14): `rate_limits.updated`
-/// follows each `response.done`, and a `response.create` past a limit is answered
-/// with an `error` event, the session kept open.
+/// follows each `response.done`, and a response past a limit never runs: a
+/// `response.create` is answered with an `error` event, a response the backend starts
+/// on its own is cancelled and the client told the same, the session kept open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_paces_its_responses_and_stays_open_past_a_limit() {
     let fake = FakeModel::start().await.unwrap();
     let (adapters, _) = memory_adapters();
-    // The opening reserves the first response's allowance (one request), each
-    // response.done the next one's: two responses fit a minute's two requests.
+    // Each response reserves its allowance (one request) as it is asked for or
+    // started: two responses fit a minute's two requests.
     let second = flexway::budget::period::unix_now() % 60;
     if second > 40 {
         tokio::time::sleep(Duration::from_secs(60 - second)).await;
@@ -574,36 +577,43 @@ async fn a_session_paces_its_responses_and_stays_open_past_a_limit() {
     let yaml = realtime_config(&fake.url(), "{}\n    limits: {requests_per_minute: 2}", "");
     let gw = serve_in_process(&yaml, adapters).await;
     let (mut client, response) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
-    assert_eq!(response.headers()["x-ratelimit-remaining-requests"], "1");
+    assert_eq!(response.headers()["x-ratelimit-remaining-requests"], "1", "the opening checks that one fits");
     next_event(&mut client).await;
+    let window = || {
+        let at = flexway::budget::period::unix_now();
+        flexway::budget::CounterKey::window("acme", None, flexway::budget::Unit::Requests, at)
+    };
+    assert_eq!(gw.gateway.budgets.used(&[window()]).await.unwrap()[0], 0, "and holds nothing once open");
     assert_eq!(one_response(&mut client).await["type"], "response.done");
     let updated = next_event(&mut client).await;
     assert_eq!(updated["type"], "rate_limits.updated", "{updated}");
     assert_eq!(updated["rate_limits"][0]["name"], "requests");
+    assert_eq!(updated["rate_limits"][0]["remaining"], 1, "{updated}");
+    assert_eq!(one_response(&mut client).await["type"], "response.done");
+    let updated = next_event(&mut client).await;
     assert_eq!(updated["rate_limits"][0]["remaining"], 0, "{updated}");
-    assert_eq!(one_response(&mut client).await["type"], "response.done", "the second allowance was held");
-    assert_eq!(next_event(&mut client).await["type"], "rate_limits.updated");
     // The window is full: the third response is refused, the session stays open.
     client.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
     let refused = next_event(&mut client).await;
     assert_eq!(refused["type"], "error", "{refused}");
     assert_eq!(refused["error"]["code"], "rate_limit_exceeded");
-    // A response the backend starts on its own (voice activity detection) while no
-    // allowance is held still ran: it is charged, past the window, and the session
-    // goes on.
+    // A response the backend starts on its own (voice activity detection) is refused
+    // as it starts: cancelled upstream, none of its events relayed, the client told.
+    // (The fake backend echoes the `response.cancel` once it has sent the whole
+    // response: it ignores it.)
     client.send(Message::text(json!({"type": "input_audio_buffer.commit"}).to_string())).await.unwrap();
-    loop {
-        let event = next_event(&mut client).await;
-        assert!(event.get("close").is_none(), "{event}");
-        if event["type"] == "response.done" {
-            break;
-        }
-    }
-    let window = flexway::budget::CounterKey::window("acme", None, flexway::budget::Unit::Requests, {
-        flexway::budget::period::unix_now()
-    });
-    assert_eq!(gw.gateway.budgets.used(&[window]).await.unwrap()[0], 3, "three responses ran, three counted");
-    assert_eq!(gw.ledger("acme", None).await[0], 75, "each of the three charged its 25 tokens");
+    let refused = next_event(&mut client).await;
+    assert_eq!(refused["type"], "error", "{refused}");
+    assert_eq!(refused["error"]["code"], "rate_limit_exceeded");
+    let cancel = next_event(&mut client).await;
+    assert_eq!(cancel, json!({"type": "response.cancel", "response_id": "resp_fake_3"}), "nothing of it came between");
+    assert_eq!(gw.gateway.budgets.used(&[window()]).await.unwrap()[0], 2, "two responses ran, the limit held");
+    // What the cancelled response still reported using (here all of it: the fake ran
+    // it whole) is charged, as tokens, not as a request.
+    assert_eq!(gw.ledger("acme", None).await[0], 75);
+    let item = json!({"type": "conversation.item.create", "item": {"type": "message"}});
+    client.send(Message::text(item.to_string())).await.unwrap();
+    assert_eq!(next_event(&mut client).await, item, "the session is still open");
     client.close(None).await.unwrap();
     for _ in 0..100 {
         if gw.live_reservations().await == 0 {
@@ -614,10 +624,11 @@ async fn a_session_paces_its_responses_and_stays_open_past_a_limit() {
     assert_eq!(gw.live_reservations().await, 0, "nothing left reserved");
 }
 
-/// An allowance held since an earlier minute is given back and reserved again when the
-/// client asks for its response: no response counts in a window past (SPEC §14).
+/// No allowance is held across a minute: the opening's is given back at once, and a
+/// response reserves its own when the client asks for it, so it counts in the minute it
+/// runs (SPEC §14).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_allowance_held_across_a_minute_counts_in_the_minute_it_runs() {
+async fn a_response_counts_in_the_minute_it_runs() {
     use flexway::budget::{CounterKey, Unit, period::unix_now};
     let fake = FakeModel::start().await.unwrap();
     let (adapters, _) = memory_adapters();
@@ -632,13 +643,13 @@ async fn an_allowance_held_across_a_minute_counts_in_the_minute_it_runs() {
     let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
     next_event(&mut client).await;
     let window = |at: u64| CounterKey::window("acme", None, Unit::Requests, at);
-    assert_eq!(gw.gateway.budgets.used(&[window(opened_at)]).await.unwrap()[0], 1, "the opening's allowance");
+    assert_eq!(gw.gateway.budgets.used(&[window(opened_at)]).await.unwrap()[0], 0, "the opening's, given back");
     tokio::time::sleep(Duration::from_secs(60 - unix_now() % 60 + 1)).await;
     assert_eq!(one_response(&mut client).await["type"], "response.done");
     let now = unix_now();
     assert_ne!(now / 60, opened_at / 60);
     let used = gw.gateway.budgets.used(&[window(opened_at), window(now)]).await.unwrap();
-    assert_eq!(used, [0, 2], "given back in the minute it was held, counted in the one it ran (and the next's)");
+    assert_eq!(used, [0, 1], "counted in the minute it ran, nothing held for the next");
 }
 
 /// A session in a run gives no more responses once the run is ended (SPEC §15): its
@@ -669,12 +680,14 @@ async fn a_session_in_an_ended_run_runs_no_more_responses() {
     request.headers_mut().insert("flexway-run", id.parse().unwrap());
     let (mut session, _) = tokio_tungstenite::connect_async(request).await.unwrap();
     next_event(&mut session).await;
+    let state: Value =
+        client().get(format!("{runs}/{id}")).bearer_auth(KEY).send().await.unwrap().json().await.unwrap();
+    assert_eq!(state["spent"]["tokens"], 0, "a session just opened holds nothing in its run: {state}");
     assert_eq!(one_response(&mut session).await["type"], "response.done");
     let state: Value =
         client().get(format!("{runs}/{id}")).bearer_auth(KEY).send().await.unwrap().json().await.unwrap();
-    // The response's 25 tokens, and the next one's allowance held (25 + 50): a run's
-    // counters hold what its calls reserved until they end.
-    assert_eq!(state["spent"]["tokens"], 100, "the response counted in the run: {state}");
+    // The response's 25 tokens, and nothing held while the session is idle (SPEC §15).
+    assert_eq!(state["spent"]["tokens"], 25, "the response counted in the run, nothing more: {state}");
     assert_eq!(client().delete(format!("{runs}/{id}")).bearer_auth(KEY).send().await.unwrap().status(), 200);
     session.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
     let refused = next_event(&mut session).await;

@@ -299,8 +299,9 @@ pub async fn reserve_turn(
 }
 
 /// A reservation of `usage` that no limit refuses: for what was used without one (a
-/// realtime response the backend started on its own while a window was full), so it
-/// is charged like any other. Counted, never refused.
+/// realtime response the backend started on its own while none could be reserved, and
+/// that was cancelled), so its tokens and cost are charged like any other's. Counted,
+/// never refused; no request is counted (it was refused before its first byte).
 pub async fn reserve_used(
     gateway: &Gateway,
     who: Reserving<'_>,
@@ -309,7 +310,8 @@ pub async fn reserve_used(
 ) -> Result<Ticket, GatewayError> {
     let Reserving { caller, run, request_id, .. } = who;
     let now = unix_now();
-    let budgets = plan::counters_for(&gateway.config, caller, run, now);
+    let counters = plan::counters_for(&gateway.config, caller, run, now);
+    let budgets: Arc<[Budget]> = counters.iter().filter(|b| b.unit != crate::budget::Unit::Requests).cloned().collect();
     let lines = plan::actual(&budgets, usage, price)
         .into_iter()
         .map(|(key, amount)| crate::budget::Line { key, amount, limit: None })

@@ -2,8 +2,10 @@
 //! protocol, and the registry of open sessions. The proxy itself is `http::realtime`.
 //!
 //! The gateway reads only what it meters and what it bounds: a backend's text message
-//! is parsed only when it may be a `response.done` (a substring test first), and only
-//! its `response.usage` is read. A client's text message is parsed only when it may be
+//! is parsed only when it may be a response's start or end or an `error` (a substring
+//! test first), and of those only the type, the response's id and its usage are read
+//! (and, while a response refused at its start is being cancelled, which response an
+//! event belongs to). A client's text message is parsed only when it may be
 //! a `session.update` or a `response.create`, the two events that set how much a
 //! response may write: the gateway lowers that limit to the output allowance the
 //! session holds (SPEC §2.3), so that no response can write past a hard cap. Every
@@ -41,16 +43,38 @@ pub fn close_frame(reason: CloseReason) -> Option<(u16, &'static str)> {
     Some((code, reason.as_str()))
 }
 
-/// The usage of a `response.done` event, if `text` is one that reports it.
-pub fn response_done_usage(text: &str) -> Option<Usage> {
+/// What the gateway reads of a backend's event: a response's start and end, and an
+/// `error`; every other event is [`Event::Other`], passed on unread.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Event {
+    /// `response.created`: a response started, asked for by the client or started by
+    /// the backend on its own (server voice activity detection).
+    Created {
+        id: String,
+    },
+    /// `response.done`: the response ended, with the usage it reports (none when it
+    /// reports none).
+    Done {
+        id: Option<String>,
+        usage: Option<Usage>,
+    },
+    /// An `error` event (the backend refused something the client sent).
+    Error,
+    Other,
+}
+
+/// Reads a backend's text event (see [`Event`]): parsed only when a substring test says
+/// it may be one the gateway reads.
+pub fn read_event(text: &str) -> Event {
     #[derive(Deserialize)]
-    struct Event {
-        #[serde(rename = "type")]
-        kind: String,
+    struct Raw<'a> {
+        #[serde(rename = "type", borrow)]
+        kind: std::borrow::Cow<'a, str>,
         response: Option<Response>,
     }
     #[derive(Deserialize)]
     struct Response {
+        id: Option<String>,
         usage: Option<RealtimeUsage>,
     }
     #[derive(Deserialize)]
@@ -60,15 +84,46 @@ pub fn response_done_usage(text: &str) -> Option<Usage> {
         #[serde(default)]
         output_tokens: u64,
     }
-    if !text.contains("response.done") {
-        return None;
+    if !text.contains("response.done") && !text.contains("response.created") && !text.contains("error") {
+        return Event::Other;
     }
-    let event: Event = serde_json::from_str(text).ok()?;
-    if event.kind != "response.done" {
-        return None;
+    let Ok(event) = serde_json::from_str::<Raw<'_>>(text) else { return Event::Other };
+    match event.kind.as_ref() {
+        "response.created" => match event.response.and_then(|r| r.id) {
+            Some(id) => Event::Created { id },
+            None => Event::Other,
+        },
+        "response.done" => {
+            let (id, usage) = event.response.map_or((None, None), |r| (r.id, r.usage));
+            let usage = usage.map(|u| Usage::new(u.input_tokens, u.output_tokens));
+            Event::Done { id, usage }
+        }
+        "error" => Event::Error,
+        _ => Event::Other,
     }
-    let usage = event.response?.usage?;
-    Some(Usage::new(usage.input_tokens, usage.output_tokens))
+}
+
+/// Whether a backend's event is one of response `id`'s: its `response_id`, or its
+/// `response.id`, is `id`.
+pub fn of_response(text: &str, id: &str) -> bool {
+    #[derive(Deserialize)]
+    struct Raw {
+        response_id: Option<String>,
+        response: Option<Response>,
+    }
+    #[derive(Deserialize)]
+    struct Response {
+        id: Option<String>,
+    }
+    text.contains(id)
+        && serde_json::from_str::<Raw>(text)
+            .is_ok_and(|e| e.response_id.as_deref() == Some(id) || e.response.and_then(|r| r.id).as_deref() == Some(id))
+}
+
+/// The `response.cancel` the gateway sends a backend for response `id`, one it started
+/// on its own while no allowance could be reserved for it.
+pub fn cancel_event(id: &str) -> String {
+    serde_json::json!({"type": "response.cancel", "response_id": id}).to_string()
 }
 
 /// Whether a client's event is a `response.create` (what asks for a response, so what
@@ -219,15 +274,31 @@ mod tests {
     }
 
     #[test]
-    fn reads_the_usage_of_response_done_only() {
+    fn reads_the_start_and_end_of_a_response_and_errors_only() {
         let done = r#"{"type":"response.done","event_id":"e1","response":{"id":"r1","status":"completed",
             "output":[{"type":"message","content":[{"type":"text","text":"response.done"}]}],
             "usage":{"total_tokens":57,"input_tokens":40,"output_tokens":17,"input_token_details":{"audio_tokens":30}}}}"#;
-        assert_eq!(response_done_usage(done), Some(Usage::new(40, 17)));
+        assert_eq!(read_event(done), Event::Done { id: Some("r1".into()), usage: Some(Usage::new(40, 17)) });
         let delta = r#"{"type":"response.output_text.delta","delta":"the word response.done in a reply"}"#;
-        assert_eq!(response_done_usage(delta), None);
-        assert_eq!(response_done_usage(r#"{"type":"response.done","response":{"status":"cancelled"}}"#), None);
-        assert_eq!(response_done_usage("response.done, not json"), None);
+        assert_eq!(read_event(delta), Event::Other);
+        let cancelled = r#"{"type":"response.done","response":{"id":"r2","status":"cancelled"}}"#;
+        assert_eq!(read_event(cancelled), Event::Done { id: Some("r2".into()), usage: None });
+        assert_eq!(read_event("response.done, not json"), Event::Other);
+        let created = r#"{"type":"response.created","response":{"id":"r3","status":"in_progress"}}"#;
+        assert_eq!(read_event(created), Event::Created { id: "r3".into() });
+        assert_eq!(read_event(r#"{"type":"error","error":{"code":"x"}}"#), Event::Error);
+        assert_eq!(read_event(r#"{"type":"response.output_text.delta","delta":"error"}"#), Event::Other);
+    }
+
+    #[test]
+    fn knows_the_events_of_a_response() {
+        let delta = r#"{"type":"response.output_text.delta","response_id":"r1","delta":"r2"}"#;
+        assert!(of_response(delta, "r1"));
+        assert!(!of_response(delta, "r2"), "its id only, not its text");
+        assert!(of_response(r#"{"type":"response.done","response":{"id":"r1","status":"cancelled"}}"#, "r1"));
+        assert!(!of_response(r#"{"type":"conversation.item.created","item":{"id":"r1"}}"#, "r1"));
+        let cancel: serde_json::Value = serde_json::from_str(&cancel_event("r1")).unwrap();
+        assert_eq!(cancel, serde_json::json!({"type": "response.cancel", "response_id": "r1"}));
     }
 
     #[test]

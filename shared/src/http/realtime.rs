@@ -2,26 +2,36 @@
 //! message by message to one backend that serves `realtime`.
 //!
 //! Before the upgrade, as for any call: identity (`Authorization: Bearer`, or the
-//! `openai-insecure-api-key.` subprotocol browsers send), routing, the first response's
+//! `openai-insecure-api-key.` subprotocol browsers send), routing, a response's
 //! allowance reserved (a refusal is a plain HTTP 429 `budget_exceeded`), and the
 //! backend's own WebSocket opened, trying the route in order like a call's fallback:
 //! nothing has reached the client yet. Once the client is upgraded the session is
 //! pinned to that backend: no failover, no retry.
 //!
-//! Budget: the session always holds one reservation, the allowance of its next
-//! response (`admission::reserve_turn`). Each `response.done` settles it on the usage
-//! reported and reserves the next one; when none fits the session is closed with 4429
-//! `budget_exceeded`, right after the `response.done` that reached the cap. So the
-//! counters always include what the next response may spend, and concurrent calls
-//! cannot take it. The allowance reserved is the allowance sent: every client
-//! `session.update` and `response.create` goes upstream with its output limit lowered
-//! to the output allowance held (`realtime::with_allowance`), so a response cannot
-//! write past it. What a response reads is known only from its `response.done` (the
-//! conversation so far, the backend's own instructions, audio): the next allowance
-//! counts the last response's total as its floor, and a response that reads more than
-//! that passes a cap by the difference, charged in full. The allowance held when the
-//! session ends is refunded; a response still running then is not charged (its usage
-//! never came).
+//! Budget: a response runs only on an allowance reserved for it
+//! (`admission::reserve_turn`), and a session holds nothing while no response runs
+//! (SPEC §15). The opening's reservation is the check that one fits, given back once
+//! the session is open. A client's `response.create` reserves its response's
+//! allowance before it goes upstream; a response the backend starts on its own
+//! (server voice activity detection) reserves at its `response.created`, before any
+//! of it is relayed. Refused past a window (or a provider quota, or its run ended),
+//! the `response.create` is answered with an `error` event and not sent, and the
+//! backend's own response is cancelled (`response.cancel`), its events not relayed,
+//! the client sent the same `error` event: the session stays open. A hard cap reached
+//! closes it with 4429 `budget_exceeded`. Its `response.done` settles the allowance on
+//! the usage reported, before the event is relayed. A cancelled response's
+//! `response.done` may still report what the backend used before the cancel reached
+//! it: its tokens and cost are charged, never refused, and no request is counted (it
+//! was refused before its first byte): only the backend, never the gateway, passes a
+//! window, and by that much. The allowance reserved is the allowance sent: every
+//! client `session.update` and `response.create` goes upstream with its output limit
+//! lowered to the output allowance last reserved (`realtime::with_allowance`), so a
+//! response cannot write past it. What a response reads is known only from its
+//! `response.done` (the conversation so far, the backend's own instructions, audio):
+//! each allowance counts the last response's total as its floor, and a response that
+//! reads more than that passes a cap by the difference, charged in full. The
+//! allowance held when the session ends is refunded; a response still running then is
+//! not charged (its usage never came).
 //!
 //! Every session ends in exactly one audit record (`operation: realtime`, its totals,
 //! its duration in `latency_ms`, `close_reason`) whatever ends it: either side closing
@@ -55,7 +65,7 @@ use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::identity::Caller;
 use crate::protocol::openai::InvalidRequest;
-use crate::realtime::{self as rt, response_done_usage, subprotocol_key};
+use crate::realtime::{self as rt, subprotocol_key};
 use crate::routing::Candidate;
 use crate::routing::breaker::{Outcome, Pass};
 use crate::upstream::UpstreamClient;
@@ -181,8 +191,9 @@ struct Session {
     soft: bool,
 }
 
-/// Everything before the upgrade: the request read, routed, the first allowance
-/// reserved, the backend's session opened (the route tried in order, `chain`).
+/// Everything before the upgrade: the request read, routed, a response's allowance
+/// reserved (given back once the session runs), the backend's session opened (the
+/// route tried in order, `chain`).
 async fn open(
     call: Call<'_>,
     draft: &mut Draft,
@@ -226,7 +237,7 @@ async fn open(
             Ok(Opened::Refused(response))
         }
         Connected::Session(upstream) => {
-            // The first response's allowance is now the session's.
+            // The opening's reservation is now the session's (given back as it starts).
             let backend = &served.candidate.backend;
             *charge = std::mem::take(charge).into_turns(gateway, call.caller, call.run, &call.request_id.0, backend);
             Ok(Opened::Session(Box::new(Session {
@@ -305,6 +316,9 @@ impl Session {
     async fn run(mut self, mut client: WebSocket, mut ending: Ending) {
         let gateway = ending.gateway().clone();
         let open = gateway.sessions.open();
+        // The opening's reservation was the check that a response fits: an idle
+        // session holds nothing (SPEC §15).
+        ending.release_turn().await;
         ending.first_byte();
         let end = self.proxy(&mut client, open.stop.clone(), &mut ending).await;
         if let Some((code, reason)) = rt::close_frame(end) {
@@ -338,6 +352,12 @@ impl Session {
             }
         };
         tokio::pin!(stopping);
+        // A client's `response.create` admitted (its allowance held), its
+        // `response.created` still to come.
+        let mut asked = false;
+        // The response the backend started on its own and the gateway refused: being
+        // cancelled, its events are not relayed.
+        let mut cancelling: Option<String> = None;
         loop {
             tokio::select! {
                 () = &mut stopping => return CloseReason::Shutdown,
@@ -355,25 +375,15 @@ impl Session {
                     if let Message::Text(text) = &message
                         && rt::is_response_create(text.as_str())
                     {
-                        match ending.ready_turn().await {
-                            Ok(()) => {}
-                            Err(
-                                refused @ (GatewayError::RateLimited { .. }
-                                | GatewayError::BackendQuota { .. }
-                                | GatewayError::RunEnded { .. }
-                                | GatewayError::InvalidRequest(_)),
-                            ) => {
-                                let event = rt::refusal_event(refused.code(), &refused.to_string());
+                        match admit(ending).await {
+                            Ok(()) => asked = true,
+                            Err(Refused::Event(event)) => {
                                 if client.send(Message::Text(event.into())).await.is_err() {
                                     return CloseReason::ClientClosed;
                                 }
                                 continue;
                             }
-                            Err(GatewayError::BudgetExceeded { .. }) => return CloseReason::BudgetExceeded,
-                            Err(e) => {
-                                tracing::error!("realtime session: the next response's allowance could not be reserved: {e}");
-                                return CloseReason::Internal;
-                            }
+                            Err(Refused::End(reason)) => return reason,
                         }
                     }
                     let message = match message {
@@ -416,15 +426,31 @@ impl Session {
                         }
                         Some(Ok(message)) => message,
                     };
-                    let (message, usage) = match message {
+                    let (message, event) = match message {
                         tungstenite::Message::Text(text) => {
-                            let usage = response_done_usage(text.as_str());
+                            // A refused response's events are not relayed; what its
+                            // `response.done` reports it used is charged all the same.
+                            if let Some(id) = &cancelling
+                                && rt::of_response(text.as_str(), id)
+                            {
+                                if let rt::Event::Done { usage, .. } = rt::read_event(text.as_str()) {
+                                    cancelling = None;
+                                    if let Some(usage) = usage
+                                        && let Err(e) = ending.turn(usage, false).await
+                                    {
+                                        tracing::error!("realtime session: a cancelled response could not be charged: {e}");
+                                        return CloseReason::Internal;
+                                    }
+                                }
+                                continue;
+                            }
+                            let event = rt::read_event(text.as_str());
                             match ws::Utf8Bytes::try_from(Bytes::from(text)) {
-                                Ok(text) => (Message::Text(text), usage),
+                                Ok(text) => (Message::Text(text), event),
                                 Err(_) => continue,
                             }
                         }
-                        tungstenite::Message::Binary(data) => (Message::Binary(data), None),
+                        tungstenite::Message::Binary(data) => (Message::Binary(data), rt::Event::Other),
                         tungstenite::Message::Close(frame) => {
                             // The backend's own close, relayed as it is.
                             let frame = frame.map(|f| CloseFrame { code: f.code.into(), reason: f.reason.as_str().into() });
@@ -434,13 +460,57 @@ impl Session {
                         }
                         tungstenite::Message::Ping(_) | tungstenite::Message::Pong(_) | tungstenite::Message::Frame(_) => continue,
                     };
-                    // A response is charged before its `response.done` is relayed: a
-                    // client that leaves as it ends is billed for it all the same, and
-                    // one that reads it finds it in the ledger.
-                    let charged = match usage {
-                        Some(usage) => ending.turn(usage).await,
-                        None => Ok(()),
-                    };
+                    let mut charged = false;
+                    match event {
+                        // A response the backend started on its own (server voice
+                        // activity detection) runs only on an allowance reserved now,
+                        // before any of it is relayed; refused, it is cancelled and the
+                        // client told why, the session kept open (SPEC §14).
+                        // A response the client asked for holds its allowance already.
+                        // One the backend started on its own (server voice activity
+                        // detection) runs only on an allowance reserved now, before any
+                        // of it is relayed; refused, it is cancelled and the client told
+                        // why, the session kept open (SPEC §14).
+                        rt::Event::Created { id } => {
+                            let asked_for = std::mem::take(&mut asked);
+                            if !asked_for {
+                                match admit(ending).await {
+                                    Ok(()) => {}
+                                    Err(Refused::Event(refusal)) => {
+                                        let cancel = tungstenite::Message::Text(rt::cancel_event(&id).into());
+                                        if self.upstream.send(cancel).await.is_err() {
+                                            return CloseReason::UpstreamError;
+                                        }
+                                        cancelling = Some(id);
+                                        if client.send(Message::Text(refusal.into())).await.is_err() {
+                                            return CloseReason::ClientClosed;
+                                        }
+                                        continue;
+                                    }
+                                    Err(Refused::End(reason)) => return reason,
+                                }
+                            }
+                        }
+                        // A response is charged before its `response.done` is relayed: a
+                        // client that leaves as it ends is billed for it all the same,
+                        // and one that reads it finds it in the ledger. Nothing is
+                        // reserved for the next one until it is asked for or started.
+                        rt::Event::Done { usage: Some(usage), .. } => {
+                            if let Err(e) = ending.turn(usage, true).await {
+                                tracing::error!("realtime session: a response could not be charged: {e}");
+                                return CloseReason::Internal;
+                            }
+                            charged = true;
+                        }
+                        // A response that reports no usage used nothing billable: its
+                        // allowance goes back.
+                        rt::Event::Done { usage: None, .. } => ending.release_turn().await,
+                        // The backend refused what the client sent before the response
+                        // it asked for started (that `response.create` likely): its
+                        // allowance goes back, reserved again if the response starts.
+                        rt::Event::Error if std::mem::take(&mut asked) => ending.release_turn().await,
+                        _ => {}
+                    }
                     // A client that stops reading holds this send; the stop signal
                     // still ends the session (recorded) rather than leaving it to be
                     // cut when the runtime stops.
@@ -453,34 +523,41 @@ impl Session {
                         }
                         () = &mut stopping => return CloseReason::Shutdown,
                     }
-                    let paced = matches!(charged, Ok(()) | Err(GatewayError::RateLimited { .. })) && usage.is_some();
-                    if paced && let Some(pace) = ending.turns().and_then(|turns| turns.pace) {
+                    if charged && let Some(pace) = ending.turns().and_then(|turns| turns.pace) {
                         let event = rt::rate_limits_updated(&pace, crate::budget::period::unix_now());
                         if client.send(Message::Text(event.into())).await.is_err() {
                             return CloseReason::ClientClosed;
                         }
                     }
-                    match charged {
-                        Ok(()) => {}
-                        // The window is full (or the run ended, or the conversation
-                        // outgrew a window): the session holds no allowance until the
-                        // client asks for a response and one may run.
-                        Err(
-                            GatewayError::RateLimited { .. }
-                            | GatewayError::BackendQuota { .. }
-                            | GatewayError::RunEnded { .. }
-                            | GatewayError::InvalidRequest(_),
-                        ) => {}
-                        Err(GatewayError::BudgetExceeded { .. }) => {
-                            return CloseReason::BudgetExceeded;
-                        }
-                        Err(e) => {
-                            tracing::error!("realtime session: the next response's allowance could not be reserved: {e}");
-                            return CloseReason::Internal;
-                        }
-                    }
                 }
             }
+        }
+    }
+}
+
+/// Why a response may not run.
+enum Refused {
+    /// Past a limit (or its run ended): the `error` event the client is told, the
+    /// session kept open.
+    Event(String),
+    /// The session must end: a hard cap reached, or the ledger failing.
+    End(CloseReason),
+}
+
+/// Holds the allowance of a response about to run, reserved in the current minute.
+async fn admit(ending: &mut Ending) -> Result<(), Refused> {
+    match ending.ready_turn().await {
+        Ok(()) => Ok(()),
+        Err(
+            refused @ (GatewayError::RateLimited { .. }
+            | GatewayError::BackendQuota { .. }
+            | GatewayError::RunEnded { .. }
+            | GatewayError::InvalidRequest(_)),
+        ) => Err(Refused::Event(rt::refusal_event(refused.code(), &refused.to_string()))),
+        Err(GatewayError::BudgetExceeded { .. }) => Err(Refused::End(CloseReason::BudgetExceeded)),
+        Err(e) => {
+            tracing::error!("realtime session: the next response's allowance could not be reserved: {e}");
+            Err(Refused::End(CloseReason::Internal))
         }
     }
 }

@@ -40,7 +40,7 @@ pub(in crate::http) enum Charge {
     Tokens(Tokens),
     /// An operation metered per call or per byte (gRPC, REST): its reservations.
     Metered(Arc<Meter>),
-    /// A realtime session: the allowance of its next response, and what it spent.
+    /// A realtime session: the allowance of the response running, and what it spent.
     Turns(Box<Turns>),
 }
 
@@ -79,8 +79,8 @@ pub(in crate::http) struct Quota {
     pub windows: Arc<[plan::Budget]>,
 }
 
-/// A realtime session's charge: one reservation held at a time, the allowance of the
-/// next response (SPEC §2.3).
+/// A realtime session's charge: at most one reservation, the allowance of the response
+/// running, held from its start to its `response.done` (SPEC §2.3).
 pub(in crate::http) struct Turns {
     ticket: Option<Ticket>,
     caller: Caller,
@@ -90,7 +90,8 @@ pub(in crate::http) struct Turns {
     request_id: String,
     backend: BackendId,
     price: Price,
-    /// The output allowance `ticket` holds: the most a response may be told to write.
+    /// The output allowance last reserved: the most a response may be told to write
+    /// (what a `session.update` carries while none is held).
     pub allowance: u64,
     /// The session's backend's provider quota, held from its opening (SPEC §14).
     quotas: Vec<Quota>,
@@ -182,8 +183,8 @@ impl Charge {
         }
     }
 
-    /// The call's charge once its realtime session is open at `backend`: the first
-    /// response's allowance becomes the session's.
+    /// The call's charge once its realtime session is open at `backend`: the opening's
+    /// reservation is the session's until it gives it back (`Ending::release_turn`).
     pub fn into_turns(
         self,
         gateway: &Gateway,
@@ -311,8 +312,8 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
             if let Some(ticket) = ticket {
                 ticket.refund().await;
             }
-            // Each response settled its own; what is held is the next one's, which
-            // never ran.
+            // Each response settled its own; what is held is the one still running's,
+            // whose usage never came.
             end_quotas(gateway, quotas, None).await;
             draft.usage(usage, UsageSource::Reported, cost);
             cost
@@ -423,19 +424,18 @@ impl Ending {
         }
     }
 
-    /// A realtime response ended having used `usage`: the allowance held settled on it,
-    /// and the next response's reserved (SPEC §2.3). `BudgetExceeded` when none fits:
-    /// the session must end; `RateLimited` when a window is full: the session stays
-    /// open holding no allowance, and [`Ending::next_turn`] tries again when the client
-    /// asks for a response.
-    pub async fn turn(&mut self, usage: Usage) -> Result<(), GatewayError> {
+    /// A realtime response ended having used `usage`, charged (SPEC §2.3): an
+    /// `admitted` one on the allowance held for it; one refused at its start (the
+    /// backend started it on its own while none could be reserved, and it was
+    /// cancelled) on what it reports, never refused, counting no request (it was
+    /// refused before its first byte). Nothing is reserved ahead for the next one.
+    pub async fn turn(&mut self, usage: Usage, admitted: bool) -> Result<(), GatewayError> {
         let Charge::Turns(turns) = &mut self.charge else {
             return Err(GatewayError::Internal("a response outside a session".into()));
         };
-        let ticket = match turns.ticket.take() {
+        let held = if admitted { turns.ticket.take() } else { None };
+        let ticket = match held {
             Some(ticket) => ticket,
-            // A response the backend started on its own while a window was full (server
-            // voice activity detection): it ran, so it is charged, past the window.
             None => {
                 turns.reservations += 1;
                 let id = format!("{}.{}", turns.request_id, turns.reservations);
@@ -445,16 +445,28 @@ impl Ending {
             }
         };
         let cost = ticket.settle(usage, turns.price).await;
-        // The response's provider quota, settled on it in the minute it was reserved.
-        let held = std::mem::take(&mut turns.quotas);
-        end_quotas(&self.gateway, held, Some((&turns.backend, usage))).await;
+        if admitted {
+            // The response's provider quota, settled on it in the minute it was reserved.
+            let held = std::mem::take(&mut turns.quotas);
+            end_quotas(&self.gateway, held, Some((&turns.backend, usage))).await;
+        }
         turns.usage.prompt_tokens = turns.usage.prompt_tokens.saturating_add(usage.prompt_tokens);
         turns.usage.completion_tokens = turns.usage.completion_tokens.saturating_add(usage.completion_tokens);
         turns.cost = turns.cost.saturating_add(cost);
         turns.responses += 1;
         turns.floor = usage.total();
         self.gateway.metrics.realtime_response(turns.caller.tenant.as_str(), turns.backend.as_str());
-        self.next_turn().await
+        Ok(())
+    }
+
+    /// Gives back the allowance held, if any, and its provider quota: a session holds
+    /// nothing while no response runs (SPEC §15).
+    pub async fn release_turn(&mut self) {
+        let Charge::Turns(turns) = &mut self.charge else { return };
+        if let Some(ticket) = turns.ticket.take() {
+            ticket.refund().await;
+        }
+        end_quotas(&self.gateway, std::mem::take(&mut turns.quotas), None).await;
     }
 
     /// Reserves the next response's allowance, if none is held: on the last
@@ -494,7 +506,8 @@ impl Ending {
         Ok(())
     }
 
-    /// Before a response the client asks for: an allowance held, and, when windows
+    /// Before a response runs (the client asks for it, or the backend starts it on its
+    /// own): an allowance held, and, when windows
     /// apply, reserved in the current minute (one held since an earlier minute is given
     /// back and reserved again, so that no response counts in a window past).
     pub async fn ready_turn(&mut self) -> Result<(), GatewayError> {
