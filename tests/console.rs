@@ -205,3 +205,46 @@ async fn the_console_shows_what_the_cache_saved_and_holds() {
     let audited: u64 = records.iter().filter_map(|r| r["cost_saved_micro_eur"].as_u64()).sum();
     assert_eq!(audited, saved, "the console's savings are the audit's");
 }
+
+/// The calls a per-minute limit refused (SPEC §14), per tenant, holder and kind: the
+/// `flexway_rate_limited_total` this process counted.
+#[tokio::test]
+async fn the_console_shows_the_calls_a_per_minute_limit_refused() {
+    let model = FakeModel::start().await.unwrap();
+    let limited = console_config(&model.url(), true)
+        .replace("eur_per_month: 5}", "eur_per_month: 5}\n    limits: {requests_per_minute: 1}");
+    let gw = Flexway::start(&limited);
+    // One call a minute: the second is refused (or the third, if a minute turned).
+    let mut refused = 0;
+    for _ in 0..3 {
+        if gw.chat(KEY, hello("m")).await.status() == 429 {
+            refused += 1;
+            break;
+        }
+    }
+    assert_eq!(refused, 1, "the limit refused a call");
+    assert_eq!(gw.chat(OTHER_KEY, hello("m")).await.status(), 200, "globex has no limit");
+
+    let overview: Value = client()
+        .get(format!("{}/console/data.json", gw.url))
+        .bearer_auth(CONSOLE_KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let rows = overview["rate_limited"].as_array().unwrap();
+    assert_eq!(
+        rows,
+        &[serde_json::json!({"tenant": "acme", "holder": "tenant acme", "kind": "requests", "refused": 1})],
+        "{overview}"
+    );
+    let page = client().get(format!("{}/console", gw.url)).bearer_auth(CONSOLE_KEY).send().await.unwrap();
+    let page = page.text().await.unwrap();
+    let row = "data-limited-tenant=\"acme\" data-holder=\"tenant acme\" data-kind=\"requests\" data-refused=\"1\"";
+    assert!(page.contains(row), "{page}");
+    let metrics = client().get(format!("{}/metrics", gw.url)).send().await.unwrap().text().await.unwrap();
+    let counted = "flexway_rate_limited_total{tenant=\"acme\",holder=\"tenant acme\",kind=\"requests\"} 1\n";
+    assert!(metrics.contains(counted), "the console's figure is the metric's: {metrics}");
+}

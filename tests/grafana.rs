@@ -58,7 +58,8 @@ async fn every_metric_the_dashboard_reads_is_one_the_gateway_exports() {
         .flat_map(|t| metrics_in(t["expr"].as_str().unwrap()))
         .collect();
     // The console's panels: spend, calls, errors, breakers, the members' load, what
-    // the response cache saved and holds.
+    // the response cache saved and holds, the calls per-minute limits refused, the
+    // providers' quotas used.
     for wanted in [
         "flexway_inference_cost_eur_total",
         "flexway_inference_calls_total",
@@ -69,6 +70,8 @@ async fn every_metric_the_dashboard_reads_is_one_the_gateway_exports() {
         "flexway_cache_lookups_total",
         "flexway_cache_saved_eur_total",
         "flexway_cache_entries",
+        "flexway_rate_limited_total",
+        "flexway_backend_quota_used_ratio",
     ] {
         assert!(queried.contains(wanted), "the dashboard shows {wanted}");
     }

@@ -2,8 +2,9 @@
 //! tokens counted in the ledger against each budget; per backend, this process's
 //! calls, cost, errors, breaker state, its provider quota's use in the current minute
 //! (from the ledger) and, for pools that pick by load, each member's live load; per
-//! tenant, what the response cache saved and holds (SPEC §16); and the calls of the
-//! last hour, minute by minute. Read from the ledger (the figures admission reads: in
+//! tenant, what the response cache saved and holds (SPEC §16) and the calls its
+//! per-minute limits refused (SPEC §14); and the calls of the last hour, minute by
+//! minute. Read from the ledger (the figures admission reads: in
 //! the fleet shape, the shared DynamoDB table) and from the process's own metrics;
 //! nothing else. `http::console` renders it.
 
@@ -14,7 +15,7 @@ use crate::budget::plan::{self, Budget};
 use crate::budget::{StoreError, Unit};
 use crate::config::{BackendKind, Pick};
 use crate::gateway::Gateway;
-use crate::metrics::CacheTotals;
+use crate::metrics::{CacheTotals, RateLimited};
 use crate::money::MicroEur;
 
 /// Tenants (with their agents) shown on one page.
@@ -43,6 +44,9 @@ pub struct Overview {
     /// The response cache of this page's tenants that have a figure, in the page's
     /// order.
     pub cache: Vec<CacheRow>,
+    /// The calls this page's tenants' per-minute limits refused, per holder and kind,
+    /// in the page's order.
+    pub rate_limited: Vec<RateLimitedRow>,
     /// Calls recorded by this process in each of the last 60 minutes, oldest first.
     pub calls_per_minute: Vec<u64>,
     /// Every budget past its soft threshold or at its cap, on any page.
@@ -174,6 +178,36 @@ fn cache_rows(scopes: &[Scope], totals: &[CacheTotals]) -> Vec<CacheRow> {
         .collect()
 }
 
+/// The calls one holder's per-minute window of one kind refused (429
+/// `rate_limit_exceeded`), as this process counted them since it started
+/// (`flexway_rate_limited_total`): a tenant's own window, one of its agents', or a
+/// key's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RateLimitedRow {
+    pub tenant: String,
+    /// As the refusal names it: `tenant acme`, `agent acme/bot`, `key 9f86d081884c7d65`.
+    pub holder: String,
+    /// `requests` or `tokens` (per minute).
+    pub kind: String,
+    pub refused: u64,
+}
+
+/// The refusals of the tenants in `scopes` (their agents' rows skipped), in the order
+/// of `scopes`, each tenant's by holder and kind.
+fn rate_limited_rows(scopes: &[Scope], totals: Vec<RateLimited>) -> Vec<RateLimitedRow> {
+    let mut rows = Vec::new();
+    for scope in scopes.iter().filter(|scope| scope.agent.is_none()) {
+        let theirs = totals.iter().filter(|t| t.tenant == scope.tenant);
+        rows.extend(theirs.map(|t| RateLimitedRow {
+            tenant: t.tenant.clone(),
+            holder: t.holder.clone(),
+            kind: t.kind.clone(),
+            refused: t.refused,
+        }));
+    }
+    rows
+}
+
 /// One backend, as this process saw it since it started.
 #[derive(Debug, Clone, Serialize)]
 pub struct BackendRow {
@@ -288,10 +322,12 @@ pub async fn overview(gateway: &Gateway, filter: &str, page: usize) -> Result<Ov
 
     count_cache_entries(gateway, now).await;
     let cache = cache_rows(&scopes, &gateway.metrics.cache_totals());
+    let rate_limited = rate_limited_rows(&scopes, gateway.metrics.rate_limited_totals());
     Ok(Overview {
         at: now,
         scopes,
         cache,
+        rate_limited,
         tenants: tenants.len(),
         page,
         pages,
@@ -470,5 +506,31 @@ mod tests {
         assert_eq!(rows, [globex.clone(), acme.clone()], "initech is on another page");
         assert_eq!(acme.hit_percent(), Some(25.0));
         assert_eq!(globex.hit_percent(), None, "nothing looked up");
+    }
+
+    #[test]
+    fn rate_limited_rows_follow_the_page_s_tenants() {
+        let metrics = crate::metrics::Registry::new();
+        metrics.rate_limited("acme", "tenant acme", "requests");
+        metrics.rate_limited("acme", "tenant acme", "requests");
+        metrics.rate_limited("acme", "agent acme/bot", "tokens");
+        metrics.rate_limited("globex", "key 9f86d081884c7d65", "requests");
+        metrics.rate_limited("initech", "tenant initech", "requests");
+        let page = [scope("globex", None), scope("acme", None), scope("acme", Some("bot")), scope("umbrella", None)];
+        let row = |tenant: &str, holder: &str, kind: &str, refused| RateLimitedRow {
+            tenant: tenant.into(),
+            holder: holder.into(),
+            kind: kind.into(),
+            refused,
+        };
+        assert_eq!(
+            rate_limited_rows(&page, metrics.rate_limited_totals()),
+            [
+                row("globex", "key 9f86d081884c7d65", "requests", 1),
+                row("acme", "agent acme/bot", "tokens", 1),
+                row("acme", "tenant acme", "requests", 2),
+            ],
+            "initech is on another page; an agent's refusals are its tenant's"
+        );
     }
 }

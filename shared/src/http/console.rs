@@ -278,6 +278,7 @@ fn render_page(overview: &Overview, filter: &str, mcp: &[McpTotals]) -> String {
     chart(&mut out, &overview.calls_per_minute);
     tenants(&mut out, overview, filter);
     cache(&mut out, overview);
+    rate_limited(&mut out, overview);
     mcp_servers(&mut out, mcp);
     backends(&mut out, overview);
     out.push_str("</main></body></html>");
@@ -413,6 +414,34 @@ fn cache(out: &mut String, overview: &Overview) {
     out.push_str("</tbody></table></section>");
 }
 
+/// The calls this page's tenants' per-minute limits refused (SPEC §14), when any was.
+fn rate_limited(out: &mut String, overview: &Overview) {
+    if overview.rate_limited.is_empty() {
+        return;
+    }
+    out.push_str(
+        "<section id=\"rate-limited\"><h2>Refused by a per-minute limit <span class=\"muted\">(429 \
+         rate_limit_exceeded, this process, since it started)</span></h2><table><thead><tr><th>tenant</th>\
+         <th>holder</th><th>per minute</th><th class=\"n\">refused</th></tr></thead><tbody>",
+    );
+    for row in &overview.rate_limited {
+        let _ = write!(
+            out,
+            "<tr data-limited-tenant=\"{}\" data-holder=\"{}\" data-kind=\"{}\" data-refused=\"{}\"><td>{}</td>\
+             <td>{}</td><td>{}</td><td class=\"n\">{}</td></tr>",
+            esc(&row.tenant),
+            esc(&row.holder),
+            esc(&row.kind),
+            row.refused,
+            esc(&row.tenant),
+            esc(&row.holder),
+            esc(&row.kind),
+            row.refused,
+        );
+    }
+    out.push_str("</tbody></table></section>");
+}
+
 /// The MCP servers' tool calls and what they were charged (SPEC §17), when any was
 /// called.
 fn mcp_servers(out: &mut String, totals: &[McpTotals]) {
@@ -541,6 +570,7 @@ mod tests {
             pages: 1,
             backends: Vec::new(),
             cache: Vec::new(),
+            rate_limited: Vec::new(),
             calls_per_minute: vec![0; 60],
             alerts: Vec::new(),
         };
@@ -571,6 +601,7 @@ mod tests {
             pages: 1,
             backends: Vec::new(),
             cache: Vec::new(),
+            rate_limited: Vec::new(),
             calls_per_minute: vec![0; 60],
             alerts: Vec::new(),
         };
@@ -586,6 +617,35 @@ mod tests {
                       </td><td class=\"n\">0</td><td class=\"n\">1</td><td class=\"n\">0.0%</td>";
         assert!(page.contains(globex), "{page}");
         assert!(page.find("id=\"cache\"") < page.find("id=\"backends\""), "after the tenants, before the backends");
+    }
+
+    #[test]
+    fn the_rate_limit_section_shows_each_holder_s_refusals() {
+        let mut overview = Overview {
+            at: 1_765_000_000,
+            scopes: Vec::new(),
+            tenants: 1,
+            page: 1,
+            pages: 1,
+            backends: Vec::new(),
+            cache: Vec::new(),
+            rate_limited: Vec::new(),
+            calls_per_minute: vec![0; 60],
+            alerts: Vec::new(),
+        };
+        assert!(!render_page(&overview, "", &[]).contains("id=\"rate-limited\""), "no section without a refusal");
+        overview.rate_limited = vec![crate::console::RateLimitedRow {
+            tenant: "<acme>".into(),
+            holder: "agent <acme>/bot".into(),
+            kind: "tokens".into(),
+            refused: 7,
+        }];
+        let page = render_page(&overview, "", &[]);
+        let row = "<tr data-limited-tenant=\"&lt;acme&gt;\" data-holder=\"agent &lt;acme&gt;/bot\" data-kind=\"tokens\" \
+                   data-refused=\"7\"><td>&lt;acme&gt;</td><td>agent &lt;acme&gt;/bot</td><td>tokens</td>\
+                   <td class=\"n\">7</td></tr>";
+        assert!(page.contains(row), "{page}");
+        assert!(page.find("id=\"rate-limited\"") < page.find("id=\"backends\""), "before the backends");
     }
 
     #[test]

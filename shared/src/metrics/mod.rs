@@ -32,6 +32,7 @@ pub const NONE: &str = "none";
 pub use crate::routing::breaker::State as BreakerState;
 pub use cache::{CACHE_FAILED_OPERATIONS, CACHE_OUTCOMES, CacheTotals};
 pub use mcp::{MCP_OUTCOMES, McpTotals};
+pub use recording::RateLimited;
 
 /// The process's metrics. Share it (`Arc`) between the request path and `/metrics`.
 pub struct Registry {

@@ -44,6 +44,18 @@ const TTFB_BOUNDS_NS: [i64; 10] = [
 /// Estimated minus reported tokens. `le="-1"` counts underestimates, `le="0"` minus
 /// `le="-1"` exact estimates, and the rest overestimates by size.
 const DRIFT_BOUNDS: [i64; 8] = [-1_000, -100, -10, -1, 0, 10, 100, 1_000];
+/// Calls refused by one holder's per-minute window of one kind, as this process
+/// counted them since it started (`flexway_rate_limited_total`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RateLimited {
+    pub tenant: String,
+    /// As the refusal names it: `tenant acme`, `agent acme/bot`, `key 9f86d081884c7d65`.
+    pub holder: String,
+    /// `requests` or `tokens`.
+    pub kind: String,
+    pub refused: u64,
+}
+
 impl Registry {
     /// A configuration reload: put in use (`true`), or refused.
     pub fn reloaded(&self, ok: bool) {
@@ -147,6 +159,18 @@ impl Registry {
     pub fn rate_limited(&self, tenant: &str, holder: &str, kind: &str) {
         let labels = [label(Some(tenant)), label(Some(holder)), label(Some(kind))];
         self.rate_limited.with(&labels, u64::default, |n| *n = n.saturating_add(1));
+    }
+
+    /// Every series of `flexway_rate_limited_total`, sorted by tenant, holder, kind:
+    /// what the console shows of the refusals.
+    pub fn rate_limited_totals(&self) -> Vec<RateLimited> {
+        let series = self.rate_limited.snapshot(|n| *n).into_iter();
+        series
+            .filter_map(|(values, refused)| {
+                let [tenant, holder, kind] = <[String; 3]>::try_from(values.into_vec()).ok()?;
+                Some(RateLimited { tenant, holder, kind, refused })
+            })
+            .collect()
     }
 
     /// The share of `backend`'s provider quota of `kind` (`requests`, `tokens`) used
