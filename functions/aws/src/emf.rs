@@ -9,13 +9,18 @@
 //! `flexway_cache_saved_eur_total`, the names of the local shape's Prometheus
 //! counters (see [`cache_metrics`] for what the audit record cannot tell); a tool
 //! call through `/mcp` (SPEC §17) in `flexway_mcp_calls_total` and
-//! `flexway_mcp_cost_eur_total` ([`mcp_metrics`]). The
+//! `flexway_mcp_cost_eur_total` ([`mcp_metrics`]); a call a per-minute limit refused
+//! (SPEC §14) in `flexway_rate_limited_total` ([`rate_limited_metrics`]); and a call
+//! that counted on its backend's provider quota in
+//! `flexway_backend_quota_used_ratio`, its share of the quota, on lines of their own
+//! ([`quota_lines`]). The
 //! format is CloudWatch's, so it lives here: the core only gives the call's labels
 //! (`flexway::metrics::call_labels`, the same as its Prometheus counters').
 
 use std::io::Write;
 
-use flexway::audit::{AuditError, AuditRecord, AuditSink, CacheOutcome, McpStatus};
+use flexway::audit::{AuditError, AuditRecord, AuditSink, CacheOutcome, ErrorCode, McpStatus, SkipCause};
+use flexway::config::{Config, Rates};
 use flexway::metrics::{CALL_LABELS, GRPC_CALL_LABELS, call_labels};
 use flexway::money::MicroEur;
 use serde_json::json;
@@ -34,16 +39,27 @@ pub fn namespace(declared: Option<String>, audit_log_group: &str) -> String {
     }
 }
 
-/// Prints one EMF line per record to stdout, then hands the records to `inner`.
+/// Prints one EMF line per record (and one per quota window it counted on) to stdout,
+/// then hands the records to `inner`.
 #[derive(Debug)]
 pub struct EmfAuditSink<S> {
     inner: S,
     namespace: String,
+    /// The provider quota of each backend that has one (SPEC §14), by name.
+    quotas: Vec<(String, Rates)>,
 }
 
 impl<S> EmfAuditSink<S> {
     pub fn new(inner: S, namespace: String) -> Self {
-        EmfAuditSink { inner, namespace }
+        EmfAuditSink { inner, namespace, quotas: Vec::new() }
+    }
+
+    /// With the provider quotas of `config`'s backends, for [`quota_lines`] (a
+    /// function's config is read once, at init).
+    pub fn with_quotas(mut self, config: &Config) -> Self {
+        let quoted = config.ai.backends.iter().filter(|(_, backend)| !backend.quota.is_none());
+        self.quotas = quoted.map(|(name, backend)| (name.to_string(), backend.quota)).collect();
+        self
     }
 
     pub fn inner(&self) -> &S {
@@ -63,6 +79,10 @@ impl<S: AuditSink> AuditSink for EmfAuditSink<S> {
             for record in records {
                 lines.push_str(&emf_line(record, &self.namespace));
                 lines.push('\n');
+                for line in quota_lines(record, &self.quotas, &self.namespace) {
+                    lines.push_str(&line);
+                    lines.push('\n');
+                }
             }
             // Metrics are best effort (a lost line is a gap on a graph); the audit
             // write below is not, and its error is returned.
@@ -118,7 +138,80 @@ fn emf_line(record: &AuditRecord, namespace: &str) -> String {
     if let (Some(server), Some(status)) = (&record.mcp_server, record.mcp_status) {
         mcp_metrics(&mut line, record, server, status, namespace);
     }
+    if is_rate_limited(record) {
+        rate_limited_metrics(&mut line, namespace);
+    }
     line.to_string()
+}
+
+/// Whether a per-minute limit of the caller (its tenant's, agent's or key's) refused
+/// the call: `rate_limit_exceeded` with no backend passed over at its quota (that
+/// one is `backend_quota`, which the Prometheus counter does not count either).
+fn is_rate_limited(record: &AuditRecord) -> bool {
+    record.error_code == Some(ErrorCode::RateLimitExceeded)
+        && !record.skipped.iter().any(|skipped| skipped.cause == SkipCause::Quota)
+}
+
+/// A refusal by a per-minute limit, added to its line, named as the Prometheus counter
+/// is, with the dimension `tenant`: the record names neither the holder nor the kind
+/// (the function's log and the answer's `Flexway-Error-Cause` do).
+fn rate_limited_metrics(line: &mut serde_json::Value, namespace: &str) {
+    let directive = json!({
+        "Namespace": namespace,
+        "Dimensions": [["tenant"]],
+        "Metrics": [{"Name": RATE_LIMITED, "Unit": "Count"}],
+    });
+    if let Some(all) = line.pointer_mut("/_aws/CloudWatchMetrics").and_then(|d| d.as_array_mut()) {
+        all.push(directive);
+    }
+    if let Some(fields) = line.as_object_mut() {
+        fields.insert(RATE_LIMITED.to_owned(), json!(1));
+    }
+}
+
+const RATE_LIMITED: &str = "flexway_rate_limited_total";
+
+/// The quota metric's name, as the Prometheus gauge's.
+const QUOTA_USED: &str = "flexway_backend_quota_used_ratio";
+
+/// One EMF line per window of the provider quota a call counted on (SPEC §14):
+/// `flexway_backend_quota_used_ratio` with the dimensions `backend` and `kind`
+/// (`requests`, `tokens`), valued at the call's share of the window (1 over the
+/// requests per minute; its tokens over the tokens per minute). Their sum over a
+/// minute (the `Sum` statistic, 60-second periods) is the share of the quota the
+/// fleet used in it, as the gauge of the local shape reads it from the ledger: every
+/// call a function settles on a backend's quota writes its record. A call counts on
+/// the quota of the backend that served it, when it settled on usage (tokens counted;
+/// a call refunded counted nothing); at the record's time, its end (a stream that
+/// crosses a minute counts in the minute it ends, where the ledger counts it in the
+/// one it began); a realtime session's record as one request, with all its tokens.
+fn quota_lines(record: &AuditRecord, quotas: &[(String, Rates)], namespace: &str) -> Vec<String> {
+    let tokens = record.prompt_tokens.saturating_add(record.completion_tokens);
+    let Some(backend) = record.backend.as_deref() else { return Vec::new() };
+    let Some((_, quota)) = quotas.iter().find(|(name, _)| name == backend) else { return Vec::new() };
+    if tokens == 0 || record.status >= 400 {
+        return Vec::new();
+    }
+    let windows = [("requests", quota.requests_per_minute, 1), ("tokens", quota.tokens_per_minute, tokens)];
+    let counted = windows.into_iter().filter_map(|(kind, limit, used)| Some((kind, limit.filter(|l| *l > 0)?, used)));
+    counted
+        .map(|(kind, limit, used)| {
+            json!({
+                "_aws": {
+                    "Timestamp": record.ts.unix_millis(),
+                    "CloudWatchMetrics": [{
+                        "Namespace": namespace,
+                        "Dimensions": [["backend", "kind"]],
+                        "Metrics": [{"Name": QUOTA_USED, "Unit": "None"}],
+                    }],
+                },
+                "backend": backend,
+                "kind": kind,
+                QUOTA_USED: used as f64 / limit as f64,
+            })
+            .to_string()
+        })
+        .collect()
 }
 
 /// A tool call's metrics, added to its line, named as the Prometheus counters are
@@ -335,6 +428,78 @@ mod tests {
             (Some(1), Some(0.0025))
         );
         assert!(value.get("tool").is_none(), "the tool is no dimension");
+    }
+
+    #[test]
+    fn a_call_a_per_minute_limit_refused_counts_under_its_tenant() {
+        let mut refused = record("acme", None, Metering::Local, 0);
+        (refused.status, refused.error_code) = (429, Some(ErrorCode::RateLimitExceeded));
+        let value: serde_json::Value = serde_json::from_str(&emf_line(&refused, "Flexway/prod")).unwrap();
+        let directives = value["_aws"]["CloudWatchMetrics"].as_array().unwrap();
+        assert_eq!(directives.len(), 2, "the call's, then the refusal's");
+        assert_eq!(
+            directives[1],
+            json!({
+                "Namespace": "Flexway/prod",
+                "Dimensions": [["tenant"]],
+                "Metrics": [{"Name": "flexway_rate_limited_total", "Unit": "Count"}],
+            })
+        );
+        assert_eq!((value["tenant"].as_str(), value["flexway_rate_limited_total"].as_u64()), (Some("acme"), Some(1)));
+        assert_eq!(value["flexway.inference.calls"], 1, "a refusal is a call too");
+
+        // Every backend at its provider quota: `backend_quota`, not the caller's limit.
+        refused.skipped = vec![flexway::audit::Skipped { backend: "ptu-west".into(), cause: SkipCause::Quota }];
+        let value: serde_json::Value = serde_json::from_str(&emf_line(&refused, "Flexway/prod")).unwrap();
+        assert_eq!(value["_aws"]["CloudWatchMetrics"].as_array().unwrap().len(), 1);
+        assert!(value.get("flexway_rate_limited_total").is_none());
+        let served = record("acme", Some("ptu-west"), Metering::Local, 10);
+        let value: serde_json::Value = serde_json::from_str(&emf_line(&served, "Flexway/prod")).unwrap();
+        assert!(value.get("flexway_rate_limited_total").is_none(), "only refusals count");
+    }
+
+    #[test]
+    fn a_call_on_a_backend_with_a_quota_counts_its_share_of_each_window() {
+        let quotas = vec![
+            ("ptu-west".to_owned(), Rates { requests_per_minute: Some(50), tokens_per_minute: Some(10_000) }),
+            ("payg".to_owned(), Rates { requests_per_minute: None, tokens_per_minute: Some(4_000) }),
+        ];
+        let mut served = record("acme", Some("ptu-west"), Metering::Local, 10);
+        (served.prompt_tokens, served.completion_tokens) = (1_500, 1_000);
+        let lines = quota_lines(&served, &quotas, "Flexway/prod");
+        let values: Vec<serde_json::Value> = lines.iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(values.len(), 2, "{lines:?}");
+        let directive = json!([{
+            "Namespace": "Flexway/prod",
+            "Dimensions": [["backend", "kind"]],
+            "Metrics": [{"Name": "flexway_backend_quota_used_ratio", "Unit": "None"}],
+        }]);
+        for value in &values {
+            assert_eq!(value["_aws"]["CloudWatchMetrics"], directive);
+            assert_eq!(value["_aws"]["Timestamp"], served.ts.unix_millis());
+            assert_eq!(value["backend"], "ptu-west");
+            assert!(value.get("tenant").is_none(), "a backend's quota is every tenant's");
+        }
+        assert_eq!(
+            (values[0]["kind"].as_str(), values[0]["flexway_backend_quota_used_ratio"].as_f64()),
+            (Some("requests"), Some(0.02))
+        );
+        assert_eq!(
+            (values[1]["kind"].as_str(), values[1]["flexway_backend_quota_used_ratio"].as_f64()),
+            (Some("tokens"), Some(0.25))
+        );
+
+        served.backend = Some("payg".into());
+        let only_tokens = quota_lines(&served, &quotas, "Flexway/prod");
+        assert_eq!(only_tokens.len(), 1, "payg has no requests_per_minute");
+        assert!(only_tokens[0].contains(r#""flexway_backend_quota_used_ratio":0.625"#), "{only_tokens:?}");
+
+        served.backend = Some("other".into());
+        assert!(quota_lines(&served, &quotas, "Flexway/prod").is_empty(), "no quota");
+        let mut refunded = record("acme", Some("ptu-west"), Metering::Local, 0);
+        (refunded.status, refunded.prompt_tokens, refunded.completion_tokens) = (503, 0, 0);
+        assert!(quota_lines(&refunded, &quotas, "Flexway/prod").is_empty(), "a call refunded counted nothing");
+        assert!(quota_lines(&record("acme", None, Metering::Local, 0), &quotas, "Flexway/prod").is_empty());
     }
 
     #[test]

@@ -185,7 +185,7 @@ pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Res
                 "{log_group} is this function's own log group: audit records are printed and Lambda delivers \
                  them (no PutLogEvents on the request path)"
             );
-            Arc::new(EmfAuditSink::new(StdoutAuditSink, metrics_namespace(log_group)))
+            Arc::new(EmfAuditSink::new(StdoutAuditSink, metrics_namespace(log_group)).with_quotas(config))
         }
         AuditSinkConfig::CloudWatch { log_group, log_stream } => {
             let stream = log_stream.clone().unwrap_or_else(default_audit_stream);
@@ -193,7 +193,7 @@ pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Res
             if let Err(e) = sink.ensure_stream().await {
                 tracing::warn!("{e}; starting anyway: the first audit write creates the stream");
             }
-            Arc::new(EmfAuditSink::new(sink, metrics_namespace(log_group)))
+            Arc::new(EmfAuditSink::new(sink, metrics_namespace(log_group)).with_quotas(config))
         }
         AuditSinkConfig::Stdout => Arc::new(StdoutAuditSink),
         AuditSinkConfig::File { path } => Arc::new(FileAuditSink::open(path)?),
