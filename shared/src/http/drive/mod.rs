@@ -151,7 +151,15 @@ pub(super) async fn drive<D: Door>(gateway: Arc<Gateway>, mut door: D, mut reque
         }
         Err(refusal) => {
             let (status, code) = refusal.noted(&mut draft);
-            let pace = draft.paced();
+            // Refused before admission read the caller's windows: read them now (never
+            // a write), unless the ledger or the gateway itself failed, where a read
+            // would only add to the trouble. Boxed: only a refused call awaits it.
+            let pace = match draft.paced() {
+                None if !matches!(code, ErrorCode::LedgerBusy | ErrorCode::InternalError) => {
+                    Box::pin(pace::standing(&gateway, &caller)).await
+                }
+                pace => pace,
+            };
             Box::pin(end(&gateway, charge, Ended::unserved(status, Some(code)), draft)).await;
             let mut response = door.refuse(&refusal);
             pace::write(response.headers_mut(), pace, anthropic);

@@ -1,11 +1,35 @@
 //! The headers a client paces on (SPEC §14): OpenAI's `x-ratelimit-*`, and on
 //! `/v1/messages` Anthropic's `anthropic-ratelimit-*`, for the caller's tightest
-//! window of each rate, on every answer of a call under a limit (its 429s included).
+//! window of each rate, on every answer of a call under a limit (its 429s included,
+//! and the refusals that come before any reservation: [`standing`]).
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::budget::period::unix_now;
-use crate::budget::plan::{Gauge, Pace};
+use crate::budget::plan::{self, Gauge, Pace};
+use crate::gateway::Gateway;
+use crate::identity::Caller;
+
+/// Where `caller` stands in its windows now, read without reserving: for a call
+/// refused before admission read them (a run not found or ended, a request that could
+/// never fit a window), whose answer paces like any other. `remaining` is what the
+/// window holds, the refused call not counted in it. No read, and `None`, for a caller
+/// under no limit; best effort, as after a reservation: a read that fails costs the
+/// answer its headers.
+pub(in crate::http) async fn standing(gateway: &Gateway, caller: &Caller) -> Option<Pace> {
+    let windows = plan::windows_for(&gateway.config, caller, unix_now());
+    if windows.is_empty() {
+        return None;
+    }
+    let keys: Vec<_> = windows.iter().map(|w| w.key.clone()).collect();
+    match gateway.budgets.used(&keys).await {
+        Ok(used) => Pace::of(&windows, &used),
+        Err(e) => {
+            tracing::warn!("the windows could not be read for the pacing headers: {e}");
+            None
+        }
+    }
+}
 
 pub(in crate::http) fn write(headers: &mut HeaderMap, pace: Option<Pace>, anthropic: bool) {
     let Some(pace) = pace else { return };
