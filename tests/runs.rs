@@ -1,36 +1,89 @@
 //! Runs (SPEC §15), end to end over loopback: the runs API and calls that join a run
-//! with `Flexway-Run`, on the gateway's router with the memory ledger, the fake model
-//! server as the backend, and the audit read from the memory sink.
+//! with `Flexway-Run`, on the gateway's router with a real ledger (the main tests on
+//! both the memory and the embedded store), the fake model server as the backend, and
+//! the audit read from the memory sink.
 #![cfg(test)]
 
 use flexway::audit::{AuditRecord, Timestamp};
+use flexway::call::Operation;
 use flexway_testkit::*;
 use futures_util::future::join_all;
 use serde_json::{Value, json};
 
 /// Tenants `acme` (agent `bot` bound to AGENT_KEY, agent `helper`, the unbound KEY)
-/// and `globex` (OTHER_KEY); one backend at `url`, calls allowed 20 completion tokens.
+/// and `globex` (OTHER_KEY); one backend at `url` (chat and embeddings), calls
+/// allowed 20 completion tokens.
 fn runs_config(url: &str) -> String {
     config(&format!(
         "  default_backend: main\n  budget: {{default_max_tokens: 20, min_completion_tokens: 5}}\n  backends:\n    \
-         main:\n      url: {url}\n      price: {{input_per_mtok_eur: 1.0, output_per_mtok_eur: 2.0}}\n"
+         main:\n      url: {url}\n      price: {{input_per_mtok_eur: 1.0, output_per_mtok_eur: 2.0}}\n      \
+         capabilities: [chat, embeddings]\n"
     ))
 }
+
+/// The ledger a test's gateway counts in.
+#[derive(Clone, Copy)]
+enum Store {
+    Memory,
+    Embedded,
+}
+
+/// Each test named runs once on each store: `name::memory`, `name::embedded`.
+macro_rules! on_each_store {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn memory() {
+                super::$name(super::Store::Memory).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn embedded() {
+                super::$name(super::Store::Embedded).await;
+            }
+        }
+    )*};
+}
+
+on_each_store!(
+    concurrent_calls_never_pass_a_run_budget_and_get_reads_what_the_audit_says,
+    a_runs_get_matches_the_audits_total_for_it,
+    a_call_on_every_http_door_counts_in_its_run,
+    a_child_is_held_inside_its_parent_and_ends_with_it,
+    three_sub_agents_in_parallel_draw_on_their_planners_run,
+);
 
 struct Runs {
     gw: InProcess,
     audit: std::sync::Arc<flexway::audit::sinks::MemoryAuditSink>,
     _model: FakeModel,
+    /// The embedded store's directory, kept while the gateway runs.
+    _ledger: Option<tempfile::TempDir>,
 }
 
-/// A gateway whose backend answers after `delay_ms`, so that calls sent together
-/// all reserve before the first settles.
+/// A gateway on the memory store whose backend answers after `delay_ms`.
 async fn start(delay_ms: u64) -> Runs {
+    start_on(Store::Memory, delay_ms).await
+}
+
+/// A gateway on `store` whose backend answers after `delay_ms`, so that calls sent
+/// together all reserve before the first settles.
+async fn start_on(store: Store, delay_ms: u64) -> Runs {
     let model = FakeModel::start().await.unwrap();
     let url = model.scenario_url(&Scenario { delay_ms: Some(delay_ms), ..Default::default() });
-    let (adapters, audit) = memory_adapters();
+    let (adapters, audit, ledger) = match store {
+        Store::Memory => {
+            let (adapters, audit) = memory_adapters();
+            (adapters, audit, None)
+        }
+        Store::Embedded => {
+            let dir = tempfile::tempdir().unwrap();
+            let (adapters, audit) = embedded_adapters(&dir.path().join("ledger"));
+            (adapters, audit, Some(dir))
+        }
+    };
     let gw = serve_in_process(&runs_config(&url), adapters).await;
-    Runs { gw, audit, _model: model }
+    Runs { gw, audit, _model: model, _ledger: ledger }
 }
 
 impl Runs {
@@ -80,15 +133,55 @@ impl Runs {
 
     /// A chat call of `bot` in run `id`.
     async fn chat_in(&self, id: &str) -> reqwest::Response {
-        client()
-            .post(format!("{}/v1/chat/completions", self.gw.url))
-            .bearer_auth(AGENT_KEY)
-            .header("Flexway-Run", id)
-            .json(&hello("m"))
-            .send()
-            .await
-            .unwrap()
+        self.call_in("/v1/chat/completions", id, hello("m")).await
     }
+
+    /// A call of `bot` to `path` in run `id` (`/v1/messages` with Anthropic's key
+    /// header, the others with a bearer token).
+    async fn call_in(&self, path: &str, id: &str, body: Value) -> reqwest::Response {
+        let request = client().post(format!("{}{path}", self.gw.url)).header("Flexway-Run", id).json(&body);
+        let request = match path {
+            "/v1/messages" => request.header("x-api-key", AGENT_KEY),
+            _ => request.bearer_auth(AGENT_KEY),
+        };
+        request.send().await.unwrap()
+    }
+}
+
+/// `flexway report --by run --format json` over `records` (written to an audit file):
+/// run `id`'s row of locally billed calls.
+fn report_row(records: &[AuditRecord], id: &str) -> Value {
+    let dir = tempfile::tempdir().unwrap();
+    let audit = dir.path().join("audit.jsonl");
+    std::fs::write(&audit, records.iter().map(|r| serde_json::to_string(r).unwrap() + "\n").collect::<String>())
+        .unwrap();
+    let report = std::process::Command::new(binary())
+        .args(["report", "--by", "run", "--format", "json", "--audit"])
+        .arg(&audit)
+        .output()
+        .unwrap();
+    assert!(report.status.success(), "{}", String::from_utf8_lossy(&report.stderr));
+    let report: Value = serde_json::from_slice(&report.stdout).unwrap();
+    let rows = report["local"]["rows"].as_array().unwrap();
+    let mine: Vec<&Value> = rows.iter().filter(|row| row["run"] == id).collect();
+    assert_eq!(mine.len(), 1, "one row for run {id}: {report}");
+    mine[0].clone()
+}
+
+/// Asserts that run `id`'s `GET` and its row in `flexway report --by run` say the same
+/// calls, tokens and euros, and gives the `GET`.
+async fn get_matches_the_report(runs: &Runs, records: &[AuditRecord], id: &str) -> Value {
+    let (status, state) = runs.get(AGENT_KEY, id).await;
+    assert_eq!(status, 200, "{state}");
+    let row = report_row(records, id);
+    let tokens = row["prompt_tokens"].as_u64().unwrap() + row["completion_tokens"].as_u64().unwrap();
+    assert_eq!(
+        (state["calls"].as_u64(), state["spent"]["tokens"].as_u64(), micro(&state["spent"]["eur"])),
+        (row["calls"].as_u64(), Some(tokens), row["cost_micro_eur"].as_u64().unwrap()),
+        "GET {state} and the report's row {row}"
+    );
+    assert_eq!((row["tenant"].as_str(), row["agent"].as_str()), (Some("acme"), Some("bot")), "{row}");
+    state
 }
 
 /// Euros as the API writes them (a JSON number, six places) in micro-euros.
@@ -114,9 +207,8 @@ async fn refused(response: reqwest::Response, status: u16, code: &str) -> String
     body["error"]["message"].as_str().unwrap().to_owned()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_calls_never_pass_a_run_budget_and_get_reads_what_the_audit_says() {
-    let runs = start(1000).await;
+async fn concurrent_calls_never_pass_a_run_budget_and_get_reads_what_the_audit_says(store: Store) {
+    let runs = start_on(store, 1000).await;
     let run = runs.start_run(json!({"budget": {"tokens": 150}, "ttl": "15m", "label": "triage"})).await;
     let id = run["id"].as_str().unwrap();
     assert!(id.starts_with("run_"), "{run}");
@@ -162,29 +254,72 @@ async fn concurrent_calls_never_pass_a_run_budget_and_get_reads_what_the_audit_s
     assert_eq!(state["label"], "triage");
     assert_eq!(runs.gw.live_reservations().await, 0);
 
-    // `flexway report --by run` totals the run as GET does, from the audit file.
-    let dir = tempfile::tempdir().unwrap();
-    let audit = dir.path().join("audit.jsonl");
-    std::fs::write(&audit, records.iter().map(|r| serde_json::to_string(r).unwrap() + "\n").collect::<String>())
-        .unwrap();
-    let report = std::process::Command::new(binary())
-        .args(["report", "--by", "run", "--format", "csv", "--audit"])
-        .arg(&audit)
-        .output()
-        .unwrap();
-    assert!(report.status.success(), "{}", String::from_utf8_lossy(&report.stderr));
-    let csv = String::from_utf8(report.stdout).unwrap();
-    let row: Vec<&str> =
-        csv.lines().find(|line| line.contains(id)).unwrap_or_else(|| panic!("{csv}")).split(',').collect();
-    // tenant,agent,run,metered_by,calls,prompt_tokens,completion_tokens,cost_eur
-    assert_eq!(row[..5], ["acme", "bot", id, "local", "12"], "every record of the run: {csv}");
-    assert_eq!(row[5].parse::<u64>().unwrap() + row[6].parse::<u64>().unwrap(), tokens);
-    assert_eq!(row[7], flexway::money::MicroEur(cost).to_eur_string());
+    // `flexway report --by run` totals the run as GET does: its served calls, the
+    // refused ones recorded with it but no calls of it.
+    get_matches_the_report(&runs, &records, id).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_child_is_held_inside_its_parent_and_ends_with_it() {
-    let runs = start(0).await;
+/// A run's `GET` and `flexway report --by run` agree on its calls (those charged to
+/// it: a refusal is recorded with the run but is not one of its calls), its tokens and
+/// its euros, to the micro-euro.
+async fn a_runs_get_matches_the_audits_total_for_it(store: Store) {
+    let runs = start_on(store, 0).await;
+    let run = runs.start_run(json!({"budget": {"tokens": 100, "eur": 1}})).await;
+    let id = run["id"].as_str().unwrap();
+    let mut served = 0;
+    loop {
+        let response = runs.chat_in(id).await;
+        if response.status() != 200 {
+            refused(response, 429, "budget_exceeded").await;
+            break;
+        }
+        served += 1;
+        assert!(served < 10, "the run's 100 tokens never refused");
+    }
+    refused(runs.chat_in(id).await, 429, "budget_exceeded").await;
+    // A call of no run is in the audit too, in no run's row.
+    assert_eq!(runs.gw.chat(AGENT_KEY, hello("m")).await.status(), 200);
+    let records = audit_records_until(&runs.audit, served + 3).await;
+    assert_eq!(of_run(&records, id).len(), served + 2, "the refusals are recorded with the run");
+
+    let state = get_matches_the_report(&runs, &records, id).await;
+    assert_eq!(state["calls"], served, "{state}");
+    let spent = state["spent"]["tokens"].as_u64().unwrap();
+    assert!(spent > 0 && spent <= 100, "{state}");
+    assert!(micro(&state["spent"]["eur"]) > 0, "{state}");
+}
+
+/// `Flexway-Run` is read on every HTTP door: a Responses, a Messages and an embeddings
+/// call each count in the run, as a chat call does.
+async fn a_call_on_every_http_door_counts_in_its_run(store: Store) {
+    let runs = start_on(store, 0).await;
+    let run = runs.start_run(json!({"budget": {"tokens": 10000, "eur": 1}})).await;
+    let id = run["id"].as_str().unwrap();
+    let calls = [
+        ("/v1/responses", json!({"model": "m", "input": "hello", "max_output_tokens": 20})),
+        ("/v1/messages", json!({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]})),
+        ("/v1/embeddings", json!({"model": "m", "input": "hello"})),
+    ];
+    for (path, body) in calls {
+        let response = runs.call_in(path, id, body).await;
+        assert_eq!(response.status(), 200, "{path}: {}", response.text().await.unwrap());
+    }
+    let records = audit_records_until(&runs.audit, 3).await;
+    let mine = of_run(&records, id);
+    let operations: Vec<Operation> = mine.iter().map(|r| r.operation).collect();
+    assert_eq!(operations, [Operation::Responses, Operation::Messages, Operation::Embeddings]);
+    assert!(mine.iter().all(|r| r.prompt_tokens > 0 && r.cost_micro_eur > 0), "{mine:?}");
+
+    let state = get_matches_the_report(&runs, &records, id).await;
+    assert_eq!(state["calls"], 3, "{state}");
+    let tokens: u64 = mine.iter().map(|r| r.prompt_tokens + r.completion_tokens).sum();
+    let cost: u64 = mine.iter().map(|r| r.cost_micro_eur).sum();
+    assert_eq!((state["spent"]["tokens"].as_u64(), micro(&state["spent"]["eur"])), (Some(tokens), cost), "{state}");
+    assert_eq!(state["remaining"]["tokens"], 10000 - tokens);
+}
+
+async fn a_child_is_held_inside_its_parent_and_ends_with_it(store: Store) {
+    let runs = start_on(store, 0).await;
     let (status, text) = runs.create_text(AGENT_KEY, r#"{"budget": {"tokens": 100, "eur": 0.5}, "ttl": "10m"}"#).await;
     assert_eq!(status, 201, "{text}");
     assert!(text.contains(r#""eur":0.500000"#), "euros written from micro-euros, as a number: {text}");
@@ -331,9 +466,8 @@ async fn a_new_run_is_refused_what_it_cannot_be() {
 /// docs/budgets.md's worked example, scaled down: a planner's run and three sub-agents'
 /// child runs calling in parallel. The children together may ask for more than the
 /// parent holds; each draws on it as it goes, and the parent's budget stops them all.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_sub_agents_in_parallel_draw_on_their_planners_run() {
-    let runs = start(50).await;
+async fn three_sub_agents_in_parallel_draw_on_their_planners_run(store: Store) {
+    let runs = start_on(store, 50).await;
     let planner = runs.start_run(json!({"budget": {"tokens": 300}, "ttl": "15m", "label": "planner"})).await;
     let planner_id = planner["id"].as_str().unwrap().to_owned();
     let mut children = Vec::new();

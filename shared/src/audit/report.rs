@@ -264,6 +264,15 @@ impl Totals {
         self.cost = self.cost.saturating_add(record.cost());
     }
 
+    /// As [`Totals::add_record`], the record counted as a call only when it is one of
+    /// its run's ([`is_a_runs_call`]): its tokens and cost are added either way (a
+    /// refusal's are none).
+    fn add_run_record(&mut self, record: &AuditRecord) {
+        let calls = self.calls;
+        self.add_record(record);
+        self.calls = calls.saturating_add(u64::from(is_a_runs_call(record)));
+    }
+
     fn add(&mut self, other: &Totals) {
         self.calls = self.calls.saturating_add(other.calls);
         self.prompt_tokens = self.prompt_tokens.saturating_add(other.prompt_tokens);
@@ -555,6 +564,25 @@ fn md_total(out: &mut String, label: &str, t: &Totals) {
     );
 }
 
+/// Whether a record's call is one of its run's `calls`, as the run's
+/// `GET /v1/flexway/runs/{id}` counts them (SPEC §15): a call the ledger charged, i.e.
+/// one that settled on tokens or a cost, or a model call answered from the response
+/// cache (counted even when its share of the entry's cost is nothing). A refusal (a
+/// budget, a rate, a run that ended), and a call refunded whole (no backend answered,
+/// a tool's JSON-RPC error, a metered operation that cost nothing), is recorded with
+/// its run but is not one of its calls. What a record cannot say exactly: a realtime
+/// session is one record however many responses it had, where the run's `GET` counts
+/// each response; and a gRPC, REST or MCP call that cost nothing is not counted here,
+/// its record telling no settlement of nothing from a refund.
+pub fn is_a_runs_call(record: &AuditRecord) -> bool {
+    use super::{CacheOutcome, Operation};
+    let metered = matches!(record.operation, Operation::Grpc | Operation::Http | Operation::Mcp);
+    record.cost_micro_eur > 0
+        || record.prompt_tokens > 0
+        || record.completion_tokens > 0
+        || (record.cache == Some(CacheOutcome::Hit) && !metered)
+}
+
 /// What `flexway report --by run` groups on: one row per run (SPEC §15), per the
 /// tenant and agent whose run it is, metered one way.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -574,8 +602,8 @@ pub struct RunReport {
     /// By tenant, agent, then run (the calls of no run first).
     pub local: Vec<RunRow>,
     pub upstream: Vec<RunRow>,
-    /// What is billed locally, all runs and the calls of none: the same as
-    /// [`Report::local_total`] of the same records.
+    /// What is billed locally, all runs and the calls of none: the tokens and cost of
+    /// [`Report::local_total`] of the same records; its calls are the charged ones.
     pub local_total: Totals,
     pub upstream_total: Totals,
 }
@@ -583,13 +611,14 @@ pub struct RunReport {
 /// Sums the records that pass `filter` per (tenant, agent, run, metered_by). A record
 /// that named no run counts in its tenant's and agent's row of no run: every record
 /// is in one row, so the locally billed rows add up to the same bill as
-/// [`chargeback`]'s.
+/// [`chargeback`]'s. A row's `calls` are its charged calls ([`is_a_runs_call`]), as a
+/// run's `GET` counts them: a refused call adds nothing to it.
 pub fn by_run(records: &[AuditRecord], filter: &Filter) -> RunReport {
     type Key<'a> = (&'a str, Option<&'a str>, Option<&'a str>, Metering);
     let mut sums: BTreeMap<Key<'_>, Totals> = BTreeMap::new();
     for record in records.iter().filter(|r| filter.matches(r)) {
         let key = (record.tenant.as_str(), record.agent.as_deref(), record.run.as_deref(), record.metered_by);
-        sums.entry(key).or_default().add_record(record);
+        sums.entry(key).or_default().add_run_record(record);
     }
     let mut report = RunReport {
         filter: filter.clone(),
@@ -815,6 +844,28 @@ mod tests {
         let bill = chargeback(&records, &Filter::default());
         assert_eq!(report.local_total, bill.local_total, "the rows add up to the same bill");
         assert_eq!(report.upstream_total, bill.upstream_total);
+    }
+
+    #[test]
+    fn by_run_counts_a_runs_charged_calls_not_its_refusals() {
+        let mut records = sample();
+        records.truncate(2);
+        let mut refused = record("2025-03-01T10:00:00Z", "acme", Some("bot"), "ptu-west", Metering::Local, 0);
+        (refused.prompt_tokens, refused.completion_tokens, refused.status) = (0, 0, 429);
+        refused.error_code = Some(crate::call::ErrorCode::BudgetExceeded);
+        let mut hit = record("2025-03-01T11:00:00Z", "acme", Some("bot"), "ptu-west", Metering::Local, 0);
+        (hit.prompt_tokens, hit.completion_tokens, hit.cache) = (0, 0, Some(crate::audit::CacheOutcome::Hit));
+        records.extend([refused, hit]);
+        for record in &mut records {
+            record.run = Some("run_a".into());
+        }
+        let report = by_run(&records, &Filter::default());
+        let run_a = &report.local[0].totals;
+        assert_eq!(*run_a, Totals { calls: 3, prompt_tokens: 200, completion_tokens: 20, cost: MicroEur(3_000) });
+        let bill = chargeback(&records, &Filter::default()).local_total;
+        assert_eq!((bill.calls, bill.cost), (4, run_a.cost), "the bill counts every record, the run its calls");
+        assert!(!is_a_runs_call(&records[2]), "a refusal is no call of its run");
+        assert!(is_a_runs_call(&records[3]), "a cache hit is, at no cost");
     }
 
     #[test]
