@@ -236,7 +236,20 @@ async fn initialize(gateway: &Arc<Gateway>) -> String {
 }
 
 async fn in_session(gateway: &Arc<Gateway>, session: &str, id: u64, method: &str, params: Value) -> Value {
-    let headers = [("mcp-session-id", session), ("mcp-protocol-version", "2025-11-25")];
+    in_session_with(gateway, session, &[], id, method, params).await
+}
+
+/// [`in_session`], sending `extra` headers too.
+async fn in_session_with(
+    gateway: &Arc<Gateway>,
+    session: &str,
+    extra: &[(&str, &str)],
+    id: u64,
+    method: &str,
+    params: Value,
+) -> Value {
+    let mut headers = vec![("mcp-session-id", session), ("mcp-protocol-version", "2025-11-25")];
+    headers.extend_from_slice(extra);
     let (status, _, body) =
         post(gateway, &headers, json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params})).await;
     assert_eq!(status, StatusCode::OK, "{body}");
@@ -576,6 +589,103 @@ async fn a_call_past_the_budget_is_refused_before_it_is_sent_and_an_error_costs_
         (last.mcp_status, last.error_code, last.cost_micro_eur),
         (Some(McpStatus::Error), Some(crate::call::ErrorCode::BudgetExceeded), 0)
     );
+}
+
+#[tokio::test]
+async fn a_tool_call_past_requests_per_minute_is_refused_until_the_minutes_end() {
+    use crate::budget::period::unix_now;
+    // Two tool calls a minute: the third of the same minute is refused, never sent.
+    // Calls that straddled a minute are made again on a new gateway.
+    let (gateway, audit, seen, refused, before, after) = loop {
+        let (gateway, audit, seen) = build(json!({"keys": []}), false, "    limits: {requests_per_minute: 2}\n").await;
+        let session = initialize(&gateway).await;
+        let before = unix_now();
+        for id in 1..=2 {
+            let ok = in_session(&gateway, &session, id, "tools/call", json!({"name": "search__search"})).await;
+            assert_eq!(ok["result"]["content"][0]["text"], "found", "{ok}");
+        }
+        let refused = in_session(&gateway, &session, 3, "tools/call", json!({"name": "search__search"})).await;
+        let after = unix_now();
+        if before / 60 == after / 60 {
+            break (gateway, audit, seen, refused, before, after);
+        }
+    };
+    assert_eq!((refused["id"].clone(), refused["error"]["code"].clone()), (json!(3), json!(-32000)), "{refused}");
+    let data = &refused["error"]["data"];
+    assert_eq!(data["flexway_code"], "rate_limit_exceeded", "{refused}");
+    let retry = data["retry_after_s"].as_u64().unwrap();
+    assert!((60 - after % 60..=60 - before % 60).contains(&retry), "retry_after_s {retry}, at {before}..{after}");
+    let message = refused["error"]["message"].as_str().unwrap();
+    assert!(message.contains("tenant acme"), "the refusal names its holder: {message}");
+    assert_eq!(seen.lock().unwrap().calls, ["search", "search"], "the refused call was never sent");
+    let records = records(&audit, 3).await;
+    let last = &records[2];
+    assert_eq!(
+        (last.status, last.error_code, last.cost_micro_eur),
+        (429, Some(crate::call::ErrorCode::RateLimitExceeded), 0)
+    );
+    let window = crate::budget::CounterKey::window("acme", None, crate::budget::Unit::Requests, before);
+    assert_eq!(gateway.budgets.used(&[window]).await.unwrap(), [2], "the window counts the two calls served");
+}
+
+/// `request` through the gateway's router: its status and JSON body.
+async fn send(gateway: &Arc<Gateway>, request: Request<Body>) -> (StatusCode, Value) {
+    let response = crate::http::app(gateway.clone()).oneshot(request).await.unwrap();
+    let status = response.status();
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+}
+
+#[tokio::test]
+async fn a_tool_call_with_flexway_run_counts_in_the_run() {
+    let (gateway, audit, seen) = build(json!({"keys": []}), false, "    agents:\n      bot: {}\n").await;
+    // 4 thousandths of a euro: a search (1) and a flaky call (2.5) fit, a second search not.
+    let create = Request::post("/v1/flexway/runs")
+        .header("authorization", "Bearer k")
+        .header("flexway-agent", "bot")
+        .header("content-type", "application/json")
+        .body(Body::from(r#"{"budget": {"eur": "0.004"}}"#))
+        .unwrap();
+    let (status, run) = send(&gateway, create).await;
+    assert_eq!(status, StatusCode::CREATED, "{run}");
+    let id = run["id"].as_str().unwrap().to_owned();
+
+    let message = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}});
+    let (status, headers, body) = post(&gateway, &[("flexway-agent", "bot")], message).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let session = headers.get("mcp-session-id").unwrap().to_str().unwrap().to_owned();
+    let in_run = [("flexway-agent", "bot"), ("flexway-run", id.as_str())];
+    let call = |id: u64, tool: &'static str| {
+        let (gateway, session) = (&gateway, &session);
+        async move { in_session_with(gateway, session, &in_run, id, "tools/call", json!({"name": tool})).await }
+    };
+    assert_eq!(call(1, "search__broken").await["error"]["message"], "boom", "refunded: no call of the run");
+    assert_eq!(call(2, "search__search").await["result"]["content"][0]["text"], "found");
+    assert_eq!(call(3, "search__flaky").await["result"]["isError"], true);
+    let refused = call(4, "search__search").await;
+    assert_eq!(refused["error"]["data"]["flexway_code"], "budget_exceeded", "{refused}");
+    assert_eq!(refused["error"]["data"]["retry_after_s"], Value::Null, "a run's budget never resets");
+    assert!(refused["error"]["message"].as_str().unwrap().contains(&id), "{refused}");
+    assert_eq!(seen.lock().unwrap().calls, ["broken", "search", "flaky"]);
+
+    let get = Request::get(format!("/v1/flexway/runs/{id}"))
+        .header("authorization", "Bearer k")
+        .header("flexway-agent", "bot")
+        .body(Body::empty())
+        .unwrap();
+    let (status, state) = send(&gateway, get).await;
+    assert_eq!(status, StatusCode::OK, "{state}");
+    assert_eq!(state["calls"], 2, "the two charged tool calls: {state}");
+    let micro = |eur: &Value| (eur.as_f64().unwrap() * 1e6).round() as u64;
+    assert_eq!((micro(&state["spent"]["eur"]), micro(&state["remaining"]["eur"])), (3_500, 500), "{state}");
+    assert_eq!(state["spent"]["tokens"], 0);
+
+    let records = records(&audit, 4).await;
+    assert!(records.iter().all(|r| r.run.as_deref() == Some(id.as_str())), "every record names the run");
+    let report = crate::audit::report::by_run(&records, &crate::audit::report::Filter::default());
+    let row = report.local.iter().find(|r| r.run.as_deref() == Some(id.as_str())).unwrap();
+    assert_eq!((row.totals.calls, row.totals.cost), (2, MicroEur(3_500)), "the report agrees with GET");
 }
 
 #[tokio::test]
