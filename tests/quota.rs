@@ -58,6 +58,15 @@ async fn early_in_a_minute() {
     }
 }
 
+/// Asserts that `Retry-After` is the whole seconds from the refusal to its UTC
+/// minute's end (SPEC §14): `60 - now % 60` for a `now` between the clock read
+/// `before` and `after` the call, within a second.
+fn assert_retry_after_is_the_minutes_rest(retry: u64, before: u64, after: u64) {
+    assert!((1..=60).contains(&retry), "Retry-After {retry}");
+    let rests: Vec<u64> = (before..=after).map(|now| 60 - now % 60).collect();
+    assert!(rests.iter().any(|rest| rest.abs_diff(retry) <= 1), "Retry-After {retry}, the minute's rest {rests:?}");
+}
+
 fn hello() -> Value {
     json!({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": "hello there"}]})
 }
@@ -106,12 +115,14 @@ async fn a_backend_at_its_quota_is_passed_over_then_every_one_is_429() {
     assert!(serde_json::to_value(&records[0]).unwrap().get("skipped").is_none(), "absent when nothing was skipped");
 
     // Both at their quota: 429, to the minute's end, and nothing sent.
+    let before = unix_now();
     let refused = gw.chat(KEY, hello()).await;
+    let after = unix_now();
     assert_eq!(refused.status(), 429);
     assert_eq!(header(&refused, "flexway-error-cause"), Some("backend_quota"));
     assert_eq!(header(&refused, "x-should-retry"), Some("true"));
     let retry: u64 = header(&refused, "retry-after").unwrap().parse().unwrap();
-    assert!((1..=60).contains(&retry), "Retry-After {retry}");
+    assert_retry_after_is_the_minutes_rest(retry, before, after);
     let body: Value = refused.json().await.unwrap();
     assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
     assert_eq!((first.request_count(), second.request_count()), (2, 1));

@@ -58,7 +58,9 @@ fn header<'r>(response: &'r reqwest::Response, name: &str) -> &'r str {
 
 async fn requests_burst(gw: &InProcess) {
     early_in_a_minute().await;
+    let before = unix_now();
     let responses = join_all((0..24).map(|_| gw.chat(KEY, hello()))).await;
+    let after = unix_now();
     let mut served = 0;
     for response in responses {
         match response.status().as_u16() {
@@ -71,7 +73,7 @@ async fn requests_burst(gw: &InProcess) {
             }
             429 => {
                 let retry: u64 = header(&response, "retry-after").parse().unwrap();
-                assert!((1..=60).contains(&retry), "Retry-After {retry}");
+                assert_retry_after_is_the_minutes_rest(retry, before, after);
                 assert_eq!(header(&response, "x-should-retry"), "true");
                 assert_eq!(header(&response, "flexway-error-cause"), "requests_per_minute");
                 assert_eq!(header(&response, "x-ratelimit-remaining-requests"), "0");
@@ -147,6 +149,15 @@ async fn tokens_per_minute_holds_under_a_burst_and_settles_to_usage() {
 
 fn unix_now() -> u64 {
     flexway::budget::period::unix_now()
+}
+
+/// Asserts that `Retry-After` is the whole seconds from the refusal to its UTC
+/// minute's end (SPEC §14): `60 - now % 60` for a `now` between the clock read
+/// `before` and `after` the call, within a second.
+fn assert_retry_after_is_the_minutes_rest(retry: u64, before: u64, after: u64) {
+    assert!((1..=60).contains(&retry), "Retry-After {retry}");
+    let rests: Vec<u64> = (before..=after).map(|now| 60 - now % 60).collect();
+    assert!(rests.iter().any(|rest| rest.abs_diff(retry) <= 1), "Retry-After {retry}, the minute's rest {rests:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
