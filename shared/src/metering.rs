@@ -227,7 +227,12 @@ impl Meter {
         };
         // The cost is within what was reserved (each step was reserved before its
         // bytes passed): spread it over the reservations in order.
-        let left = spread(&mut held, cost).await;
+        // What counts the call's request: served per call, answered per byte.
+        let counted = match operation.metering {
+            GrpcMetering::PerCall => answered && served,
+            GrpcMetering::PerByte => answered,
+        };
+        let left = spread(&mut held, cost, counted).await;
         if left > 0 {
             tracing::error!(request_id = %self.request_id, left, "{COST_BEYOND_RESERVATIONS}");
         }
@@ -247,19 +252,24 @@ impl Meter {
             return MicroEur(0);
         }
         held.closed = true;
-        let left = spread(&mut held, cost).await;
+        // A hit is answered: it counts as a request, as a call served upstream does.
+        let left = spread(&mut held, cost, true).await;
         MicroEur(cost.0 - left)
     }
 }
 
 /// Settles `held`'s reservations on `cost`, in order, each at most at its amount (the
-/// rest refunded); the part of `cost` beyond them all.
-async fn spread(held: &mut Held, cost: MicroEur) -> u64 {
+/// rest refunded, but for the first when the call `counted`); the part of `cost`
+/// beyond them all.
+async fn spread(held: &mut Held, cost: MicroEur, counted: bool) -> u64 {
     let mut left = cost.0;
-    for (ticket, amount) in std::mem::take(&mut held.tickets) {
+    for (n, (ticket, amount)) in std::mem::take(&mut held.tickets).into_iter().enumerate() {
         let part = left.min(amount.0);
         left -= part;
-        if part == 0 {
+        // The first step carries the call's request (in a window, in a run): a call
+        // that `counted` keeps it, even at no cost (a tool priced at nothing would
+        // otherwise pass any requests_per_minute).
+        if part == 0 && !(n == 0 && counted) {
             ticket.refund().await;
         } else {
             ticket.settle_eur(MicroEur(part)).await;

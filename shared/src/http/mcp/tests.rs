@@ -153,15 +153,15 @@ async fn gateway() -> (Arc<Gateway>, Arc<MemoryAuditSink>, Shared) {
 /// The same, accepting JWTs of `https://idp.example` signed by a key of `jwks` when
 /// `oauth`, its tenant declared with `tenant` too (`budgets: …`).
 async fn build(jwks: Value, oauth: bool, tenant: &str) -> (Arc<Gateway>, Arc<MemoryAuditSink>, Shared) {
-    build_with(jwks, oauth, tenant, None).await
+    build_with(jwks, oauth, tenant, |_| {}).await
 }
 
-/// The same, the fake server `search` reached with `auth` when given.
+/// The same, the fake server `search` configured as `tweak` leaves it.
 async fn build_with(
     jwks: Value,
     oauth: bool,
     tenant: &str,
-    auth: Option<Auth>,
+    tweak: impl FnOnce(&mut McpServer),
 ) -> (Arc<Gateway>, Arc<MemoryAuditSink>, Shared) {
     use sha2::Digest;
     let (url, seen) = server(jwks).await;
@@ -173,9 +173,7 @@ async fn build_with(
     let env = std::collections::HashMap::from([("MCP_TOKEN".to_owned(), TOKEN.to_owned())]);
     let mut loaded = crate::config::load_str(&yaml, &env).unwrap();
     let mut search = mcp_server(&url);
-    if let Some(auth) = auth {
-        search.auth = auth;
-    }
+    tweak(&mut search);
     let servers =
         BTreeMap::from([("search".to_owned(), search), ("down".to_owned(), mcp_server("http://127.0.0.1:9/mcp"))]);
     let oauth = oauth.then(|| crate::config::McpOauth {
@@ -593,11 +591,24 @@ async fn a_call_past_the_budget_is_refused_before_it_is_sent_and_an_error_costs_
 
 #[tokio::test]
 async fn a_tool_call_past_requests_per_minute_is_refused_until_the_minutes_end() {
+    past_requests_per_minute(1_000).await;
+}
+
+/// A tool of no price counts in the window all the same: settled at nothing, never
+/// refunded, once it answered.
+#[tokio::test]
+async fn a_free_tool_counts_in_requests_per_minute() {
+    past_requests_per_minute(0).await;
+}
+
+async fn past_requests_per_minute(per_call: u64) {
     use crate::budget::period::unix_now;
     // Two tool calls a minute: the third of the same minute is refused, never sent.
     // Calls that straddled a minute are made again on a new gateway.
     let (gateway, audit, seen, refused, before, after) = loop {
-        let (gateway, audit, seen) = build(json!({"keys": []}), false, "    limits: {requests_per_minute: 2}\n").await;
+        let limited = "    limits: {requests_per_minute: 2}\n";
+        let priced = |s: &mut McpServer| s.price.per_call = MicroEur(per_call);
+        let (gateway, audit, seen) = build_with(json!({"keys": []}), false, limited, priced).await;
         let session = initialize(&gateway).await;
         let before = unix_now();
         for id in 1..=2 {
@@ -908,7 +919,7 @@ async fn a_servers_rotated_secret_is_sent_after_a_refresh_and_a_token_file_read_
     let secret = dir.path().join("secret");
     std::fs::write(&secret, "one\n").unwrap();
     let auth = Auth::Bearer { secret: SecretRef::File(secret.clone()) };
-    let (gateway, _, seen) = build_with(json!({"keys": []}), false, "", Some(auth)).await;
+    let (gateway, _, seen) = build_with(json!({"keys": []}), false, "", |s| s.auth = auth).await;
     let session = initialize(&gateway).await;
     assert_eq!(called_with(&gateway, &seen, &session, 1).await, "Bearer one");
     std::fs::write(&secret, "two").unwrap();
@@ -923,7 +934,7 @@ async fn a_servers_rotated_secret_is_sent_after_a_refresh_and_a_token_file_read_
     let token = dir.path().join("token");
     std::fs::write(&token, "t1").unwrap();
     let auth = Auth::TokenFile { path: token.clone() };
-    let (gateway, _, seen) = build_with(json!({"keys": []}), false, "", Some(auth)).await;
+    let (gateway, _, seen) = build_with(json!({"keys": []}), false, "", |s| s.auth = auth).await;
     let session = initialize(&gateway).await;
     assert_eq!(called_with(&gateway, &seen, &session, 1).await, "Bearer t1");
     std::fs::write(&token, "t2").unwrap();
