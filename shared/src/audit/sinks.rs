@@ -155,12 +155,42 @@ pub(super) fn line(record: &AuditRecord, out: &mut Vec<u8>) {
 
 /// Appends records to a JSONL file (created if missing, never truncated).
 ///
-/// The write is a plain `write(2)` of a few hundred bytes to the page cache, done on
-/// the calling task: handing it to tokio's blocking pool (`tokio::fs`) cost two
-/// thread hops, about 100 µs a call, for no durability gained.
+/// The write is a plain `write(2)` to the page cache, done on the calling task:
+/// handing it to tokio's blocking pool (`tokio::fs`) cost two thread hops, about 100
+/// µs a call, for no durability gained. Calls that end together share one: each
+/// queues its lines, lets the other tasks its thread has ready run once (so that the
+/// calls ending with it queue theirs), then writes whatever is queued unless another
+/// did. A call returns once its lines are in the file, as when each made its own
+/// write: a `kill -9` after a call answered never loses its record.
 pub struct FileAuditSink {
     path: PathBuf,
+    /// Held while writing: who holds it writes a batch, the others wait for it.
     file: std::sync::Mutex<std::fs::File>,
+    queue: std::sync::Mutex<Queue>,
+}
+
+/// Lines queued for the next write, and which writes are done.
+#[derive(Default)]
+struct Queue {
+    lines: Vec<u8>,
+    /// Writes queued so far, and written (or failed) so far: `done <= queued`, and
+    /// the write numbered `n` is done once `done >= n`.
+    queued: u64,
+    done: u64,
+    /// The last batches that failed: the first and last write each held, and why.
+    failed: std::collections::VecDeque<(u64, u64, String)>,
+}
+
+/// Failed batches remembered for the writes still to read their outcome.
+const FAILED_KEPT: usize = 64;
+
+impl Queue {
+    fn outcome(&self, ticket: u64) -> Result<(), String> {
+        match self.failed.iter().find(|(first, last, _)| (*first..=*last).contains(&ticket)) {
+            Some((_, _, why)) => Err(why.clone()),
+            None => Ok(()),
+        }
+    }
 }
 
 impl std::fmt::Debug for FileAuditSink {
@@ -179,11 +209,45 @@ impl FileAuditSink {
             .create(true)
             .open(&path)
             .map_err(|e| AuditError::Sink(format!("cannot open audit file {}: {e}", path.display())))?;
-        Ok(FileAuditSink { path, file: std::sync::Mutex::new(file) })
+        Ok(FileAuditSink { path, file: std::sync::Mutex::new(file), queue: std::sync::Mutex::default() })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    fn queue(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Writes everything queued, unless a write already took write `ticket`'s lines;
+    /// its outcome either way.
+    fn flush(&self, ticket: u64) -> Result<(), String> {
+        let mut file = self.file.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (lines, first, last) = {
+            let mut queue = self.queue();
+            if queue.done >= ticket {
+                return queue.outcome(ticket);
+            }
+            (std::mem::take(&mut queue.lines), queue.done + 1, queue.queued)
+        };
+        // One write, O_APPEND: the lines of concurrent calls never interleave.
+        let written = file.write_all(&lines);
+        let mut queue = self.queue();
+        queue.done = last;
+        if let Err(e) = written {
+            if queue.failed.len() == FAILED_KEPT {
+                queue.failed.pop_front();
+            }
+            queue.failed.push_back((first, last, e.to_string()));
+        }
+        if queue.lines.is_empty() {
+            // The buffer's room serves the next batch.
+            let mut lines = lines;
+            lines.clear();
+            queue.lines = lines;
+        }
+        queue.outcome(ticket)
     }
 }
 
@@ -193,12 +257,32 @@ impl AuditSink for FileAuditSink {
         if records.is_empty() {
             return Ok(());
         }
-        let buffer = jsonl(records);
-        let failed = |e: String| AuditError::Sink(format!("cannot write audit file {}: {e}", self.path.display()));
-        let mut file = self.file.lock().map_err(|_| failed("lock poisoned".into()))?;
-        // One write per call, O_APPEND: the lines of concurrent calls never interleave.
-        file.write_all(&buffer).map_err(|e| failed(e.to_string()))
+        let ticket = {
+            let mut queue = self.queue();
+            for record in records {
+                line(record, &mut queue.lines);
+            }
+            queue.queued += 1;
+            queue.queued
+        };
+        yield_once().await;
+        self.flush(ticket)
+            .map_err(|e| AuditError::Sink(format!("cannot write audit file {}: {e}", self.path.display())))
     }
+}
+
+/// Pending once, its task woken at once: the runtime polls the tasks already ready
+/// before this one again.
+async fn yield_once() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if std::mem::replace(&mut yielded, true) {
+            return std::task::Poll::Ready(());
+        }
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    })
+    .await;
 }
 
 /// Writes records as JSON lines to the process's stdout (a container's log stream).
@@ -442,6 +526,27 @@ mod tests {
                 assert_eq!(pair[1], pair[0] + 1, "batch split: {pair:?}");
             }
         }
+    }
+
+    /// Writes that share a failed batch each get the failure; the next batch is
+    /// tried again.
+    #[tokio::test]
+    async fn every_write_of_a_failed_batch_is_told() {
+        let sink = Arc::new(FileAuditSink::open("/dev/full").unwrap());
+        let writes: Vec<_> = (0..8_u64)
+            .map(|n| {
+                let sink = Arc::clone(&sink);
+                tokio::spawn(async move { sink.write(&[record(n)]).await })
+            })
+            .collect();
+        for write in writes {
+            let error = write.await.unwrap().unwrap_err();
+            assert!(error.to_string().contains("/dev/full"), "{error}");
+        }
+        assert!(sink.write(&[record(9)]).await.is_err(), "a later write fails on its own");
+        let queue = sink.queue();
+        assert_eq!((queue.queued, queue.done), (9, 9));
+        assert!(queue.failed.len() < 9, "concurrent writes shared batches: {:?}", queue.failed.len());
     }
 
     #[test]
