@@ -730,3 +730,114 @@ async fn each_response_counts_on_the_backends_provider_quota() {
     assert_eq!(gw.gateway.budgets.used(&[quota]).await.unwrap()[0], 2, "the refused response counted nothing");
     client.close(None).await.unwrap();
 }
+
+/// Reads events until one of type `kind` (or a close): it.
+async fn event_of(client: &mut Client, kind: &str) -> Value {
+    loop {
+        let event = next_event(client).await;
+        if event["type"] == kind || event.get("close").is_some() {
+            return event;
+        }
+    }
+}
+
+/// A `response.create` sent while a response runs reserves nothing of its own: the
+/// backend refuses it (one active response at a time), and the running response keeps
+/// the allowance held for it: counted in the window and on the provider quota while
+/// it runs, settled on its own usage at its `response.done` (SPEC §14).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_asked_for_while_one_runs_leaves_the_running_one_counted() {
+    use flexway::budget::{CounterKey, Unit, period::unix_now};
+    let second = unix_now() % 60;
+    if second > 40 {
+        tokio::time::sleep(Duration::from_secs(60 - second)).await;
+    }
+    let fake = FakeModel::start().await.unwrap();
+    let (adapters, _) = memory_adapters();
+    let yaml = realtime_config(&fake.url(), "{}\n    limits: {requests_per_minute: 2}", "").replace(
+        "      capabilities: [chat, realtime]\n",
+        "      capabilities: [chat, realtime]\n      quota: {requests_per_minute: 10}\n",
+    );
+    assert!(yaml.contains("quota:"), "{yaml}");
+    let gw = serve_in_process(&yaml, adapters).await;
+    let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    next_event(&mut client).await;
+    let now = unix_now();
+    let keys = [
+        CounterKey::window("acme", None, Unit::Requests, now),
+        CounterKey::window("~backend", Some("rt"), Unit::Requests, now),
+    ];
+    // A response that runs until the test says `fake.finish`.
+    let held = json!({"type": "response.create", "response": {"metadata": {"fake_hold": "1"}}});
+    client.send(Message::text(held.to_string())).await.unwrap();
+    assert_eq!(event_of(&mut client, "response.created").await["response"]["id"], "resp_fake_1");
+    assert_eq!(gw.gateway.budgets.used(&keys).await.unwrap(), [1, 1], "the running response's allowance");
+    for _ in 0..3 {
+        client.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
+        let refused = event_of(&mut client, "error").await;
+        assert_eq!(refused["error"]["code"], "conversation_already_has_active_response", "{refused}");
+        assert_eq!(
+            gw.gateway.budgets.used(&keys).await.unwrap(),
+            [1, 1],
+            "the backend's refusal gives back nothing the running response holds"
+        );
+    }
+    client.send(Message::text(json!({"type": "fake.finish"}).to_string())).await.unwrap();
+    let done = event_of(&mut client, "response.done").await;
+    assert_eq!(done["response"]["id"], "resp_fake_1", "{done}");
+    let updated = next_event(&mut client).await;
+    assert_eq!(updated["rate_limits"][0]["remaining"], 1, "{updated}");
+    assert_eq!(gw.gateway.budgets.used(&keys).await.unwrap(), [1, 1], "settled on its ticket: one request");
+    assert_eq!(gw.ledger("acme", None).await[0], 25, "its 20 + 5 tokens");
+    assert_eq!(gw.live_reservations().await, 0, "nothing held once it is done");
+    // The limit still holds: one more response, then none.
+    assert_eq!(one_response(&mut client).await["type"], "response.done");
+    client.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
+    let refused = event_of(&mut client, "error").await;
+    assert_eq!(refused["error"]["code"], "rate_limit_exceeded", "{refused}");
+    assert_eq!(gw.gateway.budgets.used(&keys).await.unwrap(), [2, 2]);
+    client.close(None).await.unwrap();
+}
+
+/// An allowance reserved in one minute and not yet used when the next response is
+/// asked for in the next minute is given back whole, its provider quota included: the
+/// response counts in the minute it runs, once (SPEC §14).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allowance_reserved_again_in_a_new_minute_gives_back_its_quota() {
+    use flexway::budget::{CounterKey, Unit, period::unix_now};
+    let fake = FakeModel::start().await.unwrap();
+    let (adapters, _) = memory_adapters();
+    let yaml = realtime_config(&fake.url(), "{}\n    limits: {requests_per_minute: 100}", "").replace(
+        "      capabilities: [chat, realtime]\n",
+        "      capabilities: [chat, realtime]\n      quota: {requests_per_minute: 10}\n",
+    );
+    let gw = serve_in_process(&yaml, adapters).await;
+    // Ask for the first response at second 55 of a minute, again in the next.
+    tokio::time::sleep(Duration::from_secs((55 + 60 - unix_now() % 60) % 60)).await;
+    let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    next_event(&mut client).await;
+    let first = unix_now();
+    let keys = |at: u64| {
+        [
+            CounterKey::window("acme", None, Unit::Requests, at),
+            CounterKey::window("~backend", Some("rt"), Unit::Requests, at),
+        ]
+    };
+    // A `response.create` the backend never answers: its allowance stays held.
+    let silent = json!({"type": "response.create", "response": {"metadata": {"fake_silent": "1"}}});
+    client.send(Message::text(silent.to_string())).await.unwrap();
+    for _ in 0..100 {
+        if gw.gateway.budgets.used(&keys(first)).await.unwrap() == [1, 1] {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(gw.gateway.budgets.used(&keys(first)).await.unwrap(), [1, 1], "held in the first minute");
+    tokio::time::sleep(Duration::from_secs(60 - unix_now() % 60 + 1)).await;
+    assert_eq!(one_response(&mut client).await["type"], "response.done");
+    let now = unix_now();
+    assert_ne!(now / 60, first / 60);
+    assert_eq!(gw.gateway.budgets.used(&keys(first)).await.unwrap(), [0, 0], "the first minute's, given back");
+    assert_eq!(gw.gateway.budgets.used(&keys(now)).await.unwrap(), [1, 1], "one request, on one quota hold");
+    client.close(None).await.unwrap();
+}

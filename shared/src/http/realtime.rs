@@ -11,27 +11,34 @@
 //! Budget: a response runs only on an allowance reserved for it
 //! (`admission::reserve_turn`), and a session holds nothing while no response runs
 //! (SPEC §15). The opening's reservation is the check that one fits, given back once
-//! the session is open. A client's `response.create` reserves its response's
-//! allowance before it goes upstream; a response the backend starts on its own
-//! (server voice activity detection) reserves at its `response.created`, before any
-//! of it is relayed. Refused past a window (or a provider quota, or its run ended),
-//! the `response.create` is answered with an `error` event and not sent, and the
-//! backend's own response is cancelled (`response.cancel`), its events not relayed,
-//! the client sent the same `error` event: the session stays open. A hard cap reached
-//! closes it with 4429 `budget_exceeded`. Its `response.done` settles the allowance on
-//! the usage reported, before the event is relayed. A cancelled response's
-//! `response.done` may still report what the backend used before the cancel reached
-//! it: its tokens and cost are charged, never refused, and no request is counted (it
-//! was refused before its first byte): only the backend, never the gateway, passes a
-//! window, and by that much. The allowance reserved is the allowance sent: every
-//! client `session.update` and `response.create` goes upstream with its output limit
-//! lowered to the output allowance last reserved (`realtime::with_allowance`), so a
-//! response cannot write past it. What a response reads is known only from its
+//! the session is open. A client's `response.create` reserves its response's allowance
+//! before it goes upstream; a response the backend starts on its own (server voice
+//! activity detection) reserves at its `response.created`, before any of it is
+//! relayed. Refused past a window (or a provider quota, or its run ended), the
+//! `response.create` is answered with an `error` event and not sent, and the backend's
+//! own response is cancelled (`response.cancel`), its events not relayed, the client
+//! sent the same `error` event: the session stays open. One response runs at a time on
+//! the session's allowance: a `response.create` sent while one runs reserves nothing
+//! (the backend refuses it; the allowance held stays the running response's), and a
+//! response that starts while another runs is cancelled the same way. A hard cap
+//! reached closes it with 4429 `budget_exceeded`. Its `response.done` settles the
+//! allowance on the usage reported, before the event is relayed. A cancelled
+//! response's `response.done` may still report what the backend used before the cancel
+//! reached it: its tokens and cost are charged, never refused, and no request is
+//! counted (it was refused before its first byte): only the backend, never the
+//! gateway, passes a window, and by that much. The allowance reserved is the allowance
+//! sent: every client `session.update` and `response.create` goes upstream with its
+//! output limit lowered to the output allowance last reserved
+//! (`realtime::with_allowance`), so a response the client asks for cannot write past
+//! its own. One the backend starts on its own is bound only by the session's limit
+//! (the allowance last reserved when the client sent its last `session.update`), and
+//! its own allowance, reserved at its `response.created`, may be lower: what it writes
+//! past it is charged in full. What a response reads is known only from its
 //! `response.done` (the conversation so far, the backend's own instructions, audio):
 //! each allowance counts the last response's total as its floor, and a response that
-//! reads more than that passes a cap by the difference, charged in full. The
-//! allowance held when the session ends is refunded; a response still running then is
-//! not charged (its usage never came).
+//! reads more than that passes a cap by the difference, charged in full. The allowance
+//! held when the session ends is refunded; a response still running then is not
+//! charged (its usage never came).
 //!
 //! Every session ends in exactly one audit record (`operation: realtime`, its totals,
 //! its duration in `latency_ms`, `close_reason`) whatever ends it: either side closing
@@ -355,9 +362,12 @@ impl Session {
         // A client's `response.create` admitted (its allowance held), its
         // `response.created` still to come.
         let mut asked = false;
-        // The response the backend started on its own and the gateway refused: being
-        // cancelled, its events are not relayed.
-        let mut cancelling: Option<String> = None;
+        // The response running on the allowance held: its id, from its
+        // `response.created` to its `response.done`.
+        let mut running: Option<String> = None;
+        // The responses the gateway refused as they started: being cancelled, their
+        // events are not relayed.
+        let mut cancelling: Vec<String> = Vec::new();
         loop {
             tokio::select! {
                 () = &mut stopping => return CloseReason::Shutdown,
@@ -371,8 +381,12 @@ impl Session {
                         Some(Ok(message)) => message,
                     };
                     // A response asked for while a window is full: refused with an
-                    // `error` event, the session kept open (SPEC §14).
+                    // `error` event, the session kept open (SPEC §14). One asked for
+                    // while another runs reserves nothing: the backend refuses it (one
+                    // active response at a time), and one it starts all the same is
+                    // cancelled as it starts (below).
                     if let Message::Text(text) = &message
+                        && running.is_none()
                         && rt::is_response_create(text.as_str())
                     {
                         match admit(ending).await {
@@ -430,11 +444,9 @@ impl Session {
                         tungstenite::Message::Text(text) => {
                             // A refused response's events are not relayed; what its
                             // `response.done` reports it used is charged all the same.
-                            if let Some(id) = &cancelling
-                                && rt::of_response(text.as_str(), id)
-                            {
+                            if let Some(at) = cancelling.iter().position(|id| rt::of_response(text.as_str(), id)) {
                                 if let rt::Event::Done { usage, .. } = rt::read_event(text.as_str()) {
-                                    cancelling = None;
+                                    cancelling.swap_remove(at);
                                     if let Some(usage) = usage
                                         && let Err(e) = ending.turn(usage, false).await
                                     {
@@ -462,53 +474,75 @@ impl Session {
                     };
                     let mut charged = false;
                     match event {
-                        // A response the backend started on its own (server voice
-                        // activity detection) runs only on an allowance reserved now,
-                        // before any of it is relayed; refused, it is cancelled and the
-                        // client told why, the session kept open (SPEC §14).
                         // A response the client asked for holds its allowance already.
                         // One the backend started on its own (server voice activity
                         // detection) runs only on an allowance reserved now, before any
                         // of it is relayed; refused, it is cancelled and the client told
-                        // why, the session kept open (SPEC §14).
+                        // why, the session kept open (SPEC §14). One that starts while
+                        // another runs is cancelled the same way: a session holds one
+                        // response's allowance at a time.
                         rt::Event::Created { id } => {
-                            let asked_for = std::mem::take(&mut asked);
-                            if !asked_for {
+                            let refusal = if running.is_some() {
+                                let why = "a response is already running in this session; the gateway runs one at a time";
+                                Some(rt::refusal_event(crate::call::ErrorCode::InvalidRequest, why))
+                            } else if std::mem::take(&mut asked) {
+                                None
+                            } else {
                                 match admit(ending).await {
-                                    Ok(()) => {}
-                                    Err(Refused::Event(refusal)) => {
-                                        let cancel = tungstenite::Message::Text(rt::cancel_event(&id).into());
-                                        if self.upstream.send(cancel).await.is_err() {
-                                            return CloseReason::UpstreamError;
-                                        }
-                                        cancelling = Some(id);
-                                        if client.send(Message::Text(refusal.into())).await.is_err() {
-                                            return CloseReason::ClientClosed;
-                                        }
-                                        continue;
-                                    }
+                                    Ok(()) => None,
+                                    Err(Refused::Event(refusal)) => Some(refusal),
                                     Err(Refused::End(reason)) => return reason,
+                                }
+                            };
+                            match refusal {
+                                None => running = Some(id),
+                                Some(refusal) => {
+                                    let cancel = tungstenite::Message::Text(rt::cancel_event(&id).into());
+                                    if self.upstream.send(cancel).await.is_err() {
+                                        return CloseReason::UpstreamError;
+                                    }
+                                    cancelling.push(id);
+                                    if client.send(Message::Text(refusal.into())).await.is_err() {
+                                        return CloseReason::ClientClosed;
+                                    }
+                                    continue;
                                 }
                             }
                         }
                         // A response is charged before its `response.done` is relayed: a
                         // client that leaves as it ends is billed for it all the same,
-                        // and one that reads it finds it in the ledger. Nothing is
-                        // reserved for the next one until it is asked for or started.
-                        rt::Event::Done { usage: Some(usage), .. } => {
-                            if let Err(e) = ending.turn(usage, true).await {
-                                tracing::error!("realtime session: a response could not be charged: {e}");
-                                return CloseReason::Internal;
+                        // and one that reads it finds it in the ledger. The running
+                        // response settles the allowance held for it; any other (none
+                        // held for it) is charged what it reports, counting no request.
+                        // Nothing is reserved for the next one until it is asked for or
+                        // started.
+                        rt::Event::Done { id, usage } => {
+                            let admitted = running.is_some() && (id.is_none() || id == running);
+                            if admitted {
+                                running = None;
                             }
-                            charged = true;
+                            match usage {
+                                Some(usage) => {
+                                    if let Err(e) = ending.turn(usage, admitted).await {
+                                        tracing::error!("realtime session: a response could not be charged: {e}");
+                                        return CloseReason::Internal;
+                                    }
+                                    charged = true;
+                                }
+                                // A response that reports no usage used nothing billable:
+                                // its allowance goes back.
+                                None if admitted => ending.release_turn().await,
+                                None => {}
+                            }
                         }
-                        // A response that reports no usage used nothing billable: its
-                        // allowance goes back.
-                        rt::Event::Done { usage: None, .. } => ending.release_turn().await,
                         // The backend refused what the client sent before the response
                         // it asked for started (that `response.create` likely): its
                         // allowance goes back, reserved again if the response starts.
-                        rt::Event::Error if std::mem::take(&mut asked) => ending.release_turn().await,
+                        // While a response runs, the allowance held is that response's,
+                        // kept.
+                        rt::Event::Error if running.is_none() && std::mem::take(&mut asked) => {
+                            ending.release_turn().await
+                        }
                         _ => {}
                     }
                     // A client that stops reading holds this send; the stop signal

@@ -11,6 +11,11 @@
 //! `"inf"` lifts it, and `ignore_limit` makes it write `words` whatever it was told.
 //! An `input_audio_buffer.commit` starts a response on its own, as a server with
 //! voice activity detection does (bounded by the session's limit only).
+//! A `response.create` whose `response.metadata` has `fake_hold` leaves its response
+//! running after its deltas, its `response.done` sent when `{"type":"fake.finish"}`
+//! comes; while it runs, a `response.create` is refused with an `error` event
+//! (`conversation_already_has_active_response`), as a real server refuses a second
+//! active response. One whose metadata has `fake_silent` is never answered.
 //! `{"type":"fake.close","code":C,"reason":R}` makes it close the
 //! session with that code and reason. Every other text message (a `session.update`
 //! included), and every binary one, is echoed back unchanged, so a test sees what the
@@ -58,6 +63,8 @@ async fn session(mut socket: WebSocket, scenario: Scenario, model: String) {
     let mut responses = 0usize;
     // The output limit the last `session.update` set, if any.
     let mut session_limit: Option<u64> = None;
+    // A `fake_hold` response still running: its id and output tokens.
+    let mut running: Option<(String, u64)> = None;
     while let Some(Ok(message)) = socket.recv().await {
         let reply = match message {
             Message::Text(body) => {
@@ -77,6 +84,19 @@ async fn session(mut socket: WebSocket, scenario: Scenario, model: String) {
                             // Dropped without a close frame: the connection is cut.
                             return;
                         }
+                        let metadata = &event["response"]["metadata"];
+                        if kind == "response.create" && metadata.get("fake_silent").is_some() {
+                            continue;
+                        }
+                        if running.is_some() {
+                            let error = json!({"type": "error", "error": {"type": "invalid_request_error",
+                                "code": "conversation_already_has_active_response",
+                                "message": "Conversation already has an active response in progress"}});
+                            if socket.send(text(&error)).await.is_err() {
+                                return;
+                            }
+                            continue;
+                        }
                         responses += 1;
                         let asked =
                             (kind == "response.create").then(|| event["response"]["max_output_tokens"].as_u64());
@@ -86,7 +106,21 @@ async fn session(mut socket: WebSocket, scenario: Scenario, model: String) {
                             Some(limit) if !scenario.ignore_limit => words.min(limit),
                             _ => words,
                         };
-                        if send_response(&mut socket, &scenario, responses, output).await.is_err() {
+                        let id = format!("resp_fake_{responses}");
+                        if start_response(&mut socket, &scenario, &id, output).await.is_err() {
+                            return;
+                        }
+                        if kind == "response.create" && metadata.get("fake_hold").is_some() {
+                            running = Some((id, output));
+                        } else if end_response(&mut socket, &scenario, &id, output).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    Some("fake.finish") => {
+                        if let Some((id, output)) = running.take()
+                            && end_response(&mut socket, &scenario, &id, output).await.is_err()
+                        {
                             return;
                         }
                         continue;
@@ -116,8 +150,8 @@ async fn session(mut socket: WebSocket, scenario: Scenario, model: String) {
     }
 }
 
-async fn send_response(socket: &mut WebSocket, scenario: &Scenario, n: usize, output: u64) -> Result<(), axum::Error> {
-    let id = format!("resp_fake_{n}");
+/// A response's `response.created` and its deltas.
+async fn start_response(socket: &mut WebSocket, scenario: &Scenario, id: &str, output: u64) -> Result<(), axum::Error> {
     if let Some(mb) = scenario.huge_mb {
         let huge = format!(r#"{{"type":"response.output_text.delta","delta":"{}"}}"#, "a".repeat(mb << 20));
         socket.send(Message::Text(huge.into())).await?;
@@ -127,6 +161,11 @@ async fn send_response(socket: &mut WebSocket, scenario: &Scenario, n: usize, ou
         let delta = json!({"type": "response.output_text.delta", "response_id": id, "delta": format!("w{} ", i + 1)});
         socket.send(text(&delta)).await?;
     }
+    Ok(())
+}
+
+/// A response's `response.done`, with its usage.
+async fn end_response(socket: &mut WebSocket, scenario: &Scenario, id: &str, output: u64) -> Result<(), axum::Error> {
     let input = scenario.input_tokens.unwrap_or(INPUT_TOKENS);
     let done = json!({"type": "response.done", "response": {"id": id, "status": "completed",
         "usage": {"total_tokens": input + output, "input_tokens": input, "output_tokens": output}}});

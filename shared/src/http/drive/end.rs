@@ -425,10 +425,11 @@ impl Ending {
     }
 
     /// A realtime response ended having used `usage`, charged (SPEC §2.3): an
-    /// `admitted` one on the allowance held for it; one refused at its start (the
-    /// backend started it on its own while none could be reserved, and it was
-    /// cancelled) on what it reports, never refused, counting no request (it was
-    /// refused before its first byte). Nothing is reserved ahead for the next one.
+    /// `admitted` one (the session's running response) on the allowance held for it;
+    /// any other (one refused at its start and cancelled: the backend started it on
+    /// its own while none could be reserved, or while another ran) on what it reports,
+    /// never refused, counting no request (it was refused before its first byte).
+    /// Nothing is reserved ahead for the next one.
     pub async fn turn(&mut self, usage: Usage, admitted: bool) -> Result<(), GatewayError> {
         let Charge::Turns(turns) = &mut self.charge else {
             return Err(GatewayError::Internal("a response outside a session".into()));
@@ -522,6 +523,8 @@ impl Ending {
             && let Some(held) = turns.ticket.take()
         {
             held.refund().await;
+            // Its provider quota too: the next allowance holds its own.
+            end_quotas(&self.gateway, std::mem::take(&mut turns.quotas), None).await;
         }
         ended?;
         self.next_turn().await
