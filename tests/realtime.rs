@@ -841,3 +841,47 @@ async fn an_allowance_reserved_again_in_a_new_minute_gives_back_its_quota() {
     assert_eq!(gw.gateway.budgets.used(&keys(now)).await.unwrap(), [1, 1], "one request, on one quota hold");
     client.close(None).await.unwrap();
 }
+
+/// A response that starts while another runs (here one out of band, which the backend
+/// runs alongside) holds no allowance of its own: it is cancelled as it starts, none of
+/// its events relayed, the client told; what it reports using is charged as tokens,
+/// not as a request, and the running response keeps its own allowance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_that_starts_while_another_runs_is_cancelled() {
+    use flexway::budget::{CounterKey, Unit, period::unix_now};
+    let second = unix_now() % 60;
+    if second > 40 {
+        tokio::time::sleep(Duration::from_secs(60 - second)).await;
+    }
+    let fake = FakeModel::start().await.unwrap();
+    let (adapters, _) = memory_adapters();
+    let yaml = realtime_config(&fake.url(), "{}\n    limits: {requests_per_minute: 5}", "");
+    let gw = serve_in_process(&yaml, adapters).await;
+    let (mut client, _) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
+    next_event(&mut client).await;
+    let window = [CounterKey::window("acme", None, Unit::Requests, unix_now())];
+    let held = json!({"type": "response.create", "response": {"metadata": {"fake_hold": "1"}}});
+    client.send(Message::text(held.to_string())).await.unwrap();
+    assert_eq!(event_of(&mut client, "response.created").await["response"]["id"], "resp_fake_1");
+    for _ in 0..5 {
+        assert_eq!(next_event(&mut client).await["type"], "response.output_text.delta");
+    }
+    let out_of_band = json!({"type": "response.create", "response": {"conversation": "none"}});
+    client.send(Message::text(out_of_band.to_string())).await.unwrap();
+    let refused = next_event(&mut client).await;
+    assert_eq!(refused["type"], "error", "{refused}");
+    assert_eq!(refused["error"]["code"], "invalid_request", "{refused}");
+    // The fake ran the second response whole and then echoes the cancel: nothing of
+    // it came between.
+    let cancel = next_event(&mut client).await;
+    assert_eq!(cancel, json!({"type": "response.cancel", "response_id": "resp_fake_2"}));
+    assert_eq!(gw.gateway.budgets.used(&window).await.unwrap(), [1], "the running response's, nothing more");
+    assert_eq!(gw.ledger("acme", None).await[0], 50 + 25, "the running one's allowance, the cancelled one's tokens");
+    client.send(Message::text(json!({"type": "fake.finish"}).to_string())).await.unwrap();
+    let done = event_of(&mut client, "response.done").await;
+    assert_eq!(done["response"]["id"], "resp_fake_1", "{done}");
+    assert_eq!(gw.gateway.budgets.used(&window).await.unwrap(), [1], "settled on its own ticket");
+    assert_eq!(gw.ledger("acme", None).await[0], 50);
+    assert_eq!(gw.live_reservations().await, 0);
+    client.close(None).await.unwrap();
+}

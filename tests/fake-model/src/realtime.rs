@@ -15,7 +15,8 @@
 //! running after its deltas, its `response.done` sent when `{"type":"fake.finish"}`
 //! comes; while it runs, a `response.create` is refused with an `error` event
 //! (`conversation_already_has_active_response`), as a real server refuses a second
-//! active response. One whose metadata has `fake_silent` is never answered.
+//! active response (not one out of band, `response.conversation: "none"`: that one
+//! runs all the same). One whose metadata has `fake_silent` is never answered.
 //! `{"type":"fake.close","code":C,"reason":R}` makes it close the
 //! session with that code and reason. Every other text message (a `session.update`
 //! included), and every binary one, is echoed back unchanged, so a test sees what the
@@ -88,7 +89,8 @@ async fn session(mut socket: WebSocket, scenario: Scenario, model: String) {
                         if kind == "response.create" && metadata.get("fake_silent").is_some() {
                             continue;
                         }
-                        if running.is_some() {
+                        let out_of_band = event["response"]["conversation"] == "none";
+                        if running.is_some() && !out_of_band {
                             let error = json!({"type": "error", "error": {"type": "invalid_request_error",
                                 "code": "conversation_already_has_active_response",
                                 "message": "Conversation already has an active response in progress"}});
