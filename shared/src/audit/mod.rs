@@ -21,6 +21,20 @@ pub mod sinks;
 mod timestamp;
 
 pub use sinks::{FileAuditSink, StdoutAuditSink};
+
+/// A record the audit sink did not take goes to the log in full (it holds metadata
+/// only, never a prompt or a completion), under a message an alarm can match, so
+/// that it can be replayed into the audit.
+pub fn not_written(record: &AuditRecord, why: &str) {
+    let line = serde_json::to_string(record).unwrap_or_default();
+    tracing::error!(request_id = %record.request_id, audit_record = %line, "{AUDIT_NOT_WRITTEN}: {why}");
+}
+
+/// The start of the log message of a record the audit sink did not take (a sink that
+/// writes over the network: CloudWatch with PutLogEvents, the fleet shape; a file
+/// that refused a write). The serverless template's gateway prints its records
+/// instead, which cannot fail.
+pub const AUDIT_NOT_WRITTEN: &str = "audit record not written";
 pub use timestamp::{Timestamp, TimestampError};
 
 pub const SCHEMA_VERSION: u32 = 1;

@@ -177,19 +177,32 @@ struct Queue {
     /// the write numbered `n` is done once `done >= n`.
     queued: u64,
     done: u64,
-    /// The last batches that failed: the first and last write each held, and why.
-    failed: std::collections::VecDeque<(u64, u64, String)>,
+    /// The batches that failed, until each of their writes has read so.
+    failed: Vec<Failed>,
 }
 
-/// Failed batches remembered for the writes still to read their outcome.
-const FAILED_KEPT: usize = 64;
+/// A batch whose write failed: the first and last writes it held, why, and how many
+/// of them have yet to read their outcome.
+struct Failed {
+    first: u64,
+    last: u64,
+    why: String,
+    unread: u64,
+}
 
 impl Queue {
-    fn outcome(&self, ticket: u64) -> Result<(), String> {
-        match self.failed.iter().find(|(first, last, _)| (*first..=*last).contains(&ticket)) {
-            Some((_, _, why)) => Err(why.clone()),
-            None => Ok(()),
+    /// Write `ticket`'s outcome, read once (each write reads its own exactly once).
+    fn outcome(&mut self, ticket: u64) -> Result<(), String> {
+        let Some(at) = self.failed.iter().position(|f| (f.first..=f.last).contains(&ticket)) else {
+            return Ok(());
+        };
+        let failed = &mut self.failed[at];
+        failed.unread -= 1;
+        let why = failed.why.clone();
+        if failed.unread == 0 {
+            self.failed.swap_remove(at);
         }
+        Err(why)
     }
 }
 
@@ -236,10 +249,7 @@ impl FileAuditSink {
         let mut queue = self.queue();
         queue.done = last;
         if let Err(e) = written {
-            if queue.failed.len() == FAILED_KEPT {
-                queue.failed.pop_front();
-            }
-            queue.failed.push_back((first, last, e.to_string()));
+            queue.failed.push(Failed { first, last, why: e.to_string(), unread: last - first + 1 });
         }
         if queue.lines.is_empty() {
             // The buffer's room serves the next batch.
@@ -265,9 +275,39 @@ impl AuditSink for FileAuditSink {
             queue.queued += 1;
             queue.queued
         };
+        let mut queued = Queued { sink: self, ticket, records, read: false };
         yield_once().await;
-        self.flush(ticket)
-            .map_err(|e| AuditError::Sink(format!("cannot write audit file {}: {e}", self.path.display())))
+        queued.flush().map_err(|e| AuditError::Sink(format!("cannot write audit file {}: {e}", self.path.display())))
+    }
+}
+
+/// A write queued: flushed once, by its call, or when its call is dropped while it
+/// waits its turn (a client that left): the lines are written then, and a failure
+/// logged with the records, since no caller is left to do so.
+struct Queued<'a> {
+    sink: &'a FileAuditSink,
+    ticket: u64,
+    records: &'a [AuditRecord],
+    read: bool,
+}
+
+impl Queued<'_> {
+    fn flush(&mut self) -> Result<(), String> {
+        self.read = true;
+        self.sink.flush(self.ticket)
+    }
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        if !self.read
+            && let Err(why) = self.flush()
+        {
+            let why = format!("cannot write audit file {}: {why}", self.sink.path.display());
+            for record in self.records {
+                super::not_written(record, &why);
+            }
+        }
     }
 }
 
@@ -546,7 +586,24 @@ mod tests {
         assert!(sink.write(&[record(9)]).await.is_err(), "a later write fails on its own");
         let queue = sink.queue();
         assert_eq!((queue.queued, queue.done), (9, 9));
-        assert!(queue.failed.len() < 9, "concurrent writes shared batches: {:?}", queue.failed.len());
+        assert!(queue.failed.is_empty(), "each write read its failure, and the failures went with them");
+    }
+
+    /// A write dropped while it waits its turn (its call's client left) still
+    /// reaches the file.
+    #[tokio::test]
+    async fn a_write_dropped_while_queued_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let sink = FileAuditSink::open(&path).unwrap();
+        let records = [record(1)];
+        let mut write = sink.write(&records);
+        // Polled once: queued, then pending at its turn; then dropped.
+        assert!(futures_util::poll!(&mut write).is_pending());
+        drop(write);
+        assert_eq!(read_back(&path), vec![record(1)]);
+        let queue = sink.queue();
+        assert_eq!((queue.queued, queue.done), (1, 1));
     }
 
     #[test]

@@ -469,18 +469,7 @@ async fn write(gateway: &Gateway, record: AuditRecord, ended: Option<Ended>) {
     }
 }
 
-/// A record the audit sink did not take goes to the log in full (it holds metadata
-/// only, never a prompt or a completion), under a message an alarm can match, so
-/// that it can be replayed into the audit.
-fn lost(record: &AuditRecord, why: &str) {
-    let line = serde_json::to_string(record).unwrap_or_default();
-    tracing::error!(request_id = %record.request_id, audit_record = %line, "{AUDIT_NOT_WRITTEN}: {why}");
-}
-
-/// The start of the log message of a record the audit sink did not take (a sink that
-/// writes over the network: CloudWatch with PutLogEvents, the fleet shape). The
-/// serverless template's gateway prints its records instead, which cannot fail.
-pub const AUDIT_NOT_WRITTEN: &str = "audit record not written";
+use crate::audit::not_written as lost;
 
 impl Drop for Draft {
     fn drop(&mut self) {
