@@ -370,14 +370,16 @@ pub async fn reserve_eur(
     let first = !request_id.contains('/');
     let lines = budgets
         .iter()
-        .map(|b| crate::budget::Line {
-            key: b.key.clone(),
-            amount: match b.unit {
+        .map(|b| {
+            let amount = match b.unit {
                 crate::budget::Unit::MicroEur => amount.0,
                 crate::budget::Unit::Requests if first => 1,
                 _ => 0,
-            },
-            limit: b.limit,
+            };
+            // A line that adds nothing is counted, never refused: a counter already
+            // past its cap (a realtime response may pass one) refuses what costs,
+            // not an unmetered call or a tool of no price.
+            crate::budget::Line { key: b.key.clone(), amount, limit: b.limit.filter(|_| amount > 0) }
         })
         .collect();
     let request = ReserveRequest { request_id: request_id.to_owned(), lines, expires_at: now + life_secs };

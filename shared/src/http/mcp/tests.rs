@@ -601,6 +601,35 @@ async fn a_free_tool_counts_in_requests_per_minute() {
     past_requests_per_minute(0).await;
 }
 
+/// A tool of no price is not refused by a budget its tenant already passed (a
+/// realtime response may pass a cap): it adds nothing to it. It still counts in the
+/// tenant's window.
+#[tokio::test]
+async fn a_free_tool_is_not_refused_by_a_cap_already_passed() {
+    use crate::budget::{Line, ReserveOutcome, ReserveRequest, Unit, period::unix_now};
+    let tenant = "    budgets: {eur_per_month: 0.001}\n    limits: {requests_per_minute: 100}\n";
+    let free = |s: &mut McpServer| s.price.per_call = MicroEur(0);
+    let (gateway, _, seen) = build_with(json!({"keys": []}), false, tenant, free).await;
+    let now = unix_now();
+    let acme = crate::config::TenantId::new("acme");
+    let month = crate::budget::plan::budgets_for(&gateway.config, &acme, None, now);
+    let eur = month.iter().find(|b| b.unit == Unit::MicroEur).unwrap();
+    // 5,000 µ€ counted against a cap of 1,000: past it.
+    let lines = vec![Line { key: eur.key.clone(), amount: 5_000, limit: None }];
+    let past = ReserveRequest { request_id: "past".into(), lines, expires_at: now + 600 };
+    assert!(matches!(gateway.budgets.reserve(&past).await.unwrap(), ReserveOutcome::Reserved));
+    let session = initialize(&gateway).await;
+    let ok = in_session(&gateway, &session, 1, "tools/call", json!({"name": "search__search"})).await;
+    assert_eq!(ok["result"]["content"][0]["text"], "found", "{ok}");
+    assert_eq!(seen.lock().unwrap().calls, ["search"]);
+    // Counted in the window of its minute (the minute may have turned since `now`).
+    let mut minutes = vec![now / 60 * 60, unix_now() / 60 * 60];
+    minutes.dedup();
+    let windows: Vec<_> =
+        minutes.into_iter().map(|at| crate::budget::CounterKey::window("acme", None, Unit::Requests, at)).collect();
+    assert_eq!(gateway.budgets.used(&windows).await.unwrap().iter().sum::<u64>(), 1, "the call counts in its window");
+}
+
 async fn past_requests_per_minute(per_call: u64) {
     use crate::budget::period::unix_now;
     // Two tool calls a minute: the third of the same minute is refused, never sent.
