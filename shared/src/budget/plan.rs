@@ -653,7 +653,8 @@ mod tests {
         .unwrap()
         .config;
         let peer = |tenant: &str| Caller { tenant: TenantId::new(tenant), relay_peer: true, ..caller(None, key) };
-        let (acme, globex) = (seen(windows_for(&two, &peer("acme"), now)), seen(windows_for(&two, &peer("globex"), now)));
+        let (acme, globex) =
+            (seen(windows_for(&two, &peer("acme"), now)), seen(windows_for(&two, &peer("globex"), now)));
         assert_eq!(acme, globex, "one window for the key, whichever tenant it calls for");
         assert_eq!(acme.len(), 1);
         assert_eq!(windows_for(&config, &caller(Some("idle"), Rates::default()), now).len(), 1);
