@@ -569,11 +569,12 @@ fn md_total(out: &mut String, label: &str, t: &Totals) {
 /// one that settled on tokens or a cost, or a model call answered from the response
 /// cache (counted even when its share of the entry's cost is nothing). A refusal (a
 /// budget, a rate, a run that ended), and a call refunded whole (no backend answered,
-/// a tool's JSON-RPC error, a metered operation that cost nothing), is recorded with
+/// a tool's JSON-RPC error, a metered operation not served), is recorded with
 /// its run but is not one of its calls. What a record cannot say exactly: a realtime
 /// session is one record however many responses it had, where the run's `GET` counts
-/// each response; and a gRPC, REST or MCP call that cost nothing is not counted here,
-/// its record telling no settlement of nothing from a refund.
+/// each response; and a gRPC, REST or MCP call served at no cost (unmetered, or of no
+/// price) is counted by the run's `GET` but not here, its record telling no
+/// settlement of nothing from a refund.
 pub fn is_a_runs_call(record: &AuditRecord) -> bool {
     use super::{CacheOutcome, Operation};
     let metered = matches!(record.operation, Operation::Grpc | Operation::Http | Operation::Mcp);

@@ -161,7 +161,9 @@ pub(super) fn line(record: &AuditRecord, out: &mut Vec<u8>) {
 /// queues its lines, lets the other tasks its thread has ready run once (so that the
 /// calls ending with it queue theirs), then writes whatever is queued unless another
 /// did. A call returns once its lines are in the file, as when each made its own
-/// write: a `kill -9` after a call answered never loses its record.
+/// write: a `kill -9` after a call answered never loses its record. Under a chained
+/// audit (`audit.chain_key`) the chain's lock holds each write to its turn, so
+/// nothing is shared there.
 pub struct FileAuditSink {
     path: PathBuf,
     /// Held while writing: who holds it writes a batch, the others wait for it.
