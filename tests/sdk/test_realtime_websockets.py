@@ -93,6 +93,9 @@ def test_the_hard_cap_closes_the_session_with_4429(gateway):
         ws.recv(timeout=10)
         for _ in range(4):
             response(ws)
+        # An idle session holds no allowance: the cap is met when the next response
+        # is asked for, and that ends the session.
+        ws.send(json.dumps({"type": "response.create"}))
         with pytest.raises(ConnectionClosed) as closed:
             ws.recv(timeout=10)
     assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (4429, "budget_exceeded")
