@@ -695,6 +695,47 @@ async fn a_session_in_an_ended_run_runs_no_more_responses() {
     assert_eq!(refused["error"]["code"], "run_ended");
 }
 
+/// A session is one call of its run however many responses it has (its one record
+/// `charged`), while each response counts as a request in the caller's windows
+/// (SPEC §14, §15): the run's `GET` and the audit count the same calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_is_one_call_of_its_run_and_each_response_a_request() {
+    use flexway::budget::{CounterKey, Unit, period::unix_now};
+    let fake = FakeModel::start().await.unwrap();
+    let (adapters, audit) = memory_adapters();
+    let second = unix_now() % 60;
+    if second > 50 {
+        tokio::time::sleep(Duration::from_secs(60 - second)).await;
+    }
+    let yaml = realtime_config(&fake.url(), "{}\n    limits: {requests_per_minute: 100}", "").replace(
+        &format!("      - sha256: {}\n", sha(KEY)),
+        &format!("      - {{sha256: {}, agent: bot}}\n    agents: {{bot: {{}}}}\n", sha(KEY)),
+    );
+    let gw = serve_in_process(&yaml, adapters).await;
+    let runs = format!("{}/v1/flexway/runs", gw.url);
+    let created = client().post(&runs).bearer_auth(KEY).json(&json!({"budget": {"tokens": 1000}})).send().await;
+    let run: Value = created.unwrap().json().await.unwrap();
+    let id = run["id"].as_str().unwrap();
+    let mut request = ws_url(&gw.url, "m").into_client_request().unwrap();
+    request.headers_mut().insert("authorization", format!("Bearer {KEY}").parse().unwrap());
+    request.headers_mut().insert("flexway-run", id.parse().unwrap());
+    let (mut session, _) = tokio_tungstenite::connect_async(request).await.unwrap();
+    next_event(&mut session).await;
+    let opened_at = unix_now();
+    assert_eq!(one_response(&mut session).await["type"], "response.done");
+    assert_eq!(one_response(&mut session).await["type"], "response.done");
+    let window = CounterKey::window("acme", None, Unit::Requests, opened_at);
+    assert_eq!(gw.gateway.budgets.used(&[window]).await.unwrap(), [2], "each response is a request");
+    let state: Value =
+        client().get(format!("{runs}/{id}")).bearer_auth(KEY).send().await.unwrap().json().await.unwrap();
+    assert_eq!(state["calls"], 1, "the session is one call of the run: {state}");
+    session.close(None).await.unwrap();
+    let records = audit_records_until(&audit, 1).await;
+    let record = &records[0];
+    assert_eq!((record.operation, record.run.as_deref(), record.charged), (Operation::Realtime, Some(id), Some(true)));
+    assert_eq!(state["spent"]["tokens"], record.prompt_tokens + record.completion_tokens, "{state}");
+}
+
 /// A session's responses count on its backend's provider quota each in the minute it
 /// is reserved (SPEC §14): at the quota, the session stays open and a response.create
 /// is answered with an `error` event, never sent.

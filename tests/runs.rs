@@ -4,20 +4,26 @@
 //! the audit read from the memory sink.
 #![cfg(test)]
 
+use std::time::Duration;
+
+use fake_mcp::FakeMcp;
 use flexway::audit::{AuditRecord, Timestamp};
 use flexway::call::Operation;
 use flexway_testkit::*;
 use futures_util::future::join_all;
+use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 /// Tenants `acme` (agent `bot` bound to AGENT_KEY, agent `helper`, the unbound KEY)
-/// and `globex` (OTHER_KEY); one backend at `url` (chat and embeddings), calls
-/// allowed 20 completion tokens.
+/// and `globex` (OTHER_KEY); one backend at `url` (chat, embeddings and realtime),
+/// calls allowed 20 completion tokens.
 fn runs_config(url: &str) -> String {
     config(&format!(
         "  default_backend: main\n  budget: {{default_max_tokens: 20, min_completion_tokens: 5}}\n  backends:\n    \
          main:\n      url: {url}\n      price: {{input_per_mtok_eur: 1.0, output_per_mtok_eur: 2.0}}\n      \
-         capabilities: [chat, embeddings]\n"
+         capabilities: [chat, embeddings, realtime]\n"
     ))
 }
 
@@ -69,6 +75,12 @@ async fn start(delay_ms: u64) -> Runs {
 /// A gateway on `store` whose backend answers after `delay_ms`, so that calls sent
 /// together all reserve before the first settles.
 async fn start_on(store: Store, delay_ms: u64) -> Runs {
+    start_with(store, delay_ms, None).await
+}
+
+/// As [`start_on`], with `tools`, when given, as MCP server `tools`: its tools at
+/// 0.001 € a call, `echo` at nothing.
+async fn start_with(store: Store, delay_ms: u64, tools: Option<&FakeMcp>) -> Runs {
     let model = FakeModel::start().await.unwrap();
     let url = model.scenario_url(&Scenario { delay_ms: Some(delay_ms), ..Default::default() });
     let (adapters, audit, ledger) = match store {
@@ -82,7 +94,12 @@ async fn start_on(store: Store, delay_ms: u64) -> Runs {
             (adapters, audit, Some(dir))
         }
     };
-    let gw = serve_in_process(&runs_config(&url), adapters).await;
+    let mut yaml = runs_config(&url);
+    if let Some(server) = tools {
+        let price = "{per_call_eur: 0.001, tools: {echo: 0}}";
+        yaml.push_str(&format!("mcp:\n  servers:\n    tools: {{url: \"{}\", price: {price}}}\n", server.url()));
+    }
+    let gw = serve_in_process(&yaml, adapters).await;
     Runs { gw, audit, _model: model, _ledger: ledger }
 }
 
@@ -146,6 +163,90 @@ impl Runs {
         };
         request.send().await.unwrap()
     }
+
+    /// A realtime session of `bot` in run `id`, opened (its `session.created` read).
+    async fn session_in(&self, id: &str) -> Session {
+        let url = format!("{}/v1/realtime?model=m", self.gw.url.replacen("http://", "ws://", 1));
+        let mut request = url.into_client_request().unwrap();
+        request.headers_mut().insert("authorization", format!("Bearer {AGENT_KEY}").parse().unwrap());
+        request.headers_mut().insert("flexway-run", id.parse().unwrap());
+        let (mut session, _) = tokio_tungstenite::connect_async(request).await.unwrap();
+        assert_eq!(next_event(&mut session).await["type"], "session.created");
+        session
+    }
+
+    /// An MCP session of `bot` (`initialize`, `notifications/initialized`): its id.
+    async fn mcp_session(&self) -> String {
+        let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": MCP_VERSION, "capabilities": {}, "clientInfo": {"name": "runs", "version": "1"}}});
+        let response = self.mcp_post(None, None, &init).await;
+        let session = response.headers()["mcp-session-id"].to_str().unwrap().to_owned();
+        assert!(json_rpc(response).await.get("result").is_some());
+        let initialized = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+        assert!(self.mcp_post(Some(&session), None, &initialized).await.status().is_success());
+        session
+    }
+
+    /// `tools/call` of `tool` in `session`, by `bot` in run `id`: its JSON-RPC answer.
+    async fn tool_in(&self, session: &str, id: &str, tool: &str, arguments: Value) -> Value {
+        let call = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": tool, "arguments": arguments}});
+        json_rpc(self.mcp_post(Some(session), Some(id), &call).await).await
+    }
+
+    async fn mcp_post(&self, session: Option<&str>, run: Option<&str>, body: &Value) -> reqwest::Response {
+        let mut request = client()
+            .post(format!("{}/mcp", self.gw.url))
+            .bearer_auth(AGENT_KEY)
+            .header("accept", "application/json, text/event-stream")
+            .header("mcp-protocol-version", MCP_VERSION)
+            .json(body);
+        if let Some(session) = session {
+            request = request.header("mcp-session-id", session);
+        }
+        if let Some(run) = run {
+            request = request.header("flexway-run", run);
+        }
+        request.send().await.unwrap()
+    }
+}
+
+const MCP_VERSION: &str = "2025-11-25";
+
+/// The JSON-RPC answer in an MCP response: its JSON body, or the SSE event that
+/// carries a message with an `id`.
+async fn json_rpc(response: reqwest::Response) -> Value {
+    let status = response.status();
+    let text = response.text().await.unwrap();
+    assert_eq!(status, 200, "{text}");
+    if let Ok(value) = serde_json::from_str::<Value>(&text) {
+        return value;
+    }
+    text.lines()
+        .filter_map(|line| line.strip_prefix("data:"))
+        .filter_map(|data| serde_json::from_str::<Value>(data.trim()).ok())
+        .find(|message| message.get("id").is_some())
+        .unwrap_or_else(|| panic!("no JSON-RPC answer in {text}"))
+}
+
+type Session = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// A realtime session's next text event, as JSON.
+async fn next_event(session: &mut Session) -> Value {
+    loop {
+        let message = tokio::time::timeout(Duration::from_secs(10), session.next()).await.unwrap().unwrap().unwrap();
+        match message {
+            Message::Text(text) => return serde_json::from_str(text.as_str()).unwrap(),
+            Message::Close(frame) => panic!("closed: {frame:?}"),
+            _ => continue,
+        }
+    }
+}
+
+/// Sends `response.create` and reads up to its `response.done`.
+async fn one_response(session: &mut Session) {
+    session.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
+    while next_event(session).await["type"] != "response.done" {}
 }
 
 /// `flexway report --by run --format json` over `records` (written to an audit file):
@@ -260,12 +361,27 @@ async fn concurrent_calls_never_pass_a_run_budget_and_get_reads_what_the_audit_s
 }
 
 /// A run's `GET` and `flexway report --by run` agree on its calls (those charged to
-/// it: a refusal is recorded with the run but is not one of its calls), its tokens and
-/// its euros, to the micro-euro.
+/// it, whatever they cost: a refusal and a refunded tool call are recorded with the
+/// run but are not its calls, a tool of no price is one, a realtime session of two
+/// responses is one), its tokens and its euros, to the micro-euro.
 async fn a_runs_get_matches_the_audits_total_for_it(store: Store) {
-    let runs = start_on(store, 0).await;
-    let run = runs.start_run(json!({"budget": {"tokens": 100, "eur": 1}})).await;
+    let tools = FakeMcp::start().await.unwrap();
+    let runs = start_with(store, 0, Some(&tools)).await;
+    let run = runs.start_run(json!({"budget": {"tokens": 160, "eur": 1}})).await;
     let id = run["id"].as_str().unwrap();
+
+    // One session, two responses: one call of the run, two requests.
+    let mut session = runs.session_in(id).await;
+    one_response(&mut session).await;
+    one_response(&mut session).await;
+    session.close(None).await.unwrap();
+    // A tool of no price, served: a call at 0 €; a tool with no result: refunded.
+    let mcp = runs.mcp_session().await;
+    let echoed = runs.tool_in(&mcp, id, "tools__echo", json!({"text": "hi"})).await;
+    assert_eq!(echoed["result"]["content"][0]["text"], "hi", "{echoed}");
+    let exploded = runs.tool_in(&mcp, id, "tools__explode", json!({})).await;
+    assert!(exploded.get("error").is_some(), "{exploded}");
+
     let mut served = 0;
     loop {
         let response = runs.chat_in(id).await;
@@ -274,18 +390,30 @@ async fn a_runs_get_matches_the_audits_total_for_it(store: Store) {
             break;
         }
         served += 1;
-        assert!(served < 10, "the run's 100 tokens never refused");
+        assert!(served < 10, "the run's 160 tokens never refused");
     }
+    assert!(served >= 1, "a chat call fits after the session");
     refused(runs.chat_in(id).await, 429, "budget_exceeded").await;
     // A call of no run is in the audit too, in no run's row.
     assert_eq!(runs.gw.chat(AGENT_KEY, hello("m")).await.status(), 200);
-    let records = audit_records_until(&runs.audit, served + 3).await;
-    assert_eq!(of_run(&records, id).len(), served + 2, "the refusals are recorded with the run");
+    let records = audit_records_until(&runs.audit, served + 6).await;
+    let mine = of_run(&records, id);
+    assert_eq!(mine.len(), served + 5, "the session, the tool calls and the refusals are recorded with the run");
+    let charged = |operation: Operation| -> Vec<(Option<bool>, u64)> {
+        mine.iter().filter(|r| r.operation == operation).map(|r| (r.charged, r.cost_micro_eur)).collect()
+    };
+    assert_eq!(charged(Operation::Mcp), [(Some(true), 0), (Some(false), 0)], "echo served free, explode refunded");
+    let session = charged(Operation::Realtime);
+    assert!(matches!(session[..], [(Some(true), cost)] if cost > 0), "one record, charged: {session:?}");
+    let chats: Vec<Option<bool>> = mine.iter().filter(|r| r.operation == Operation::Chat).map(|r| r.charged).collect();
+    let mut expected = vec![Some(true); served];
+    expected.extend([Some(false); 2]);
+    assert_eq!(chats, expected, "the served chat calls charged, the refusals not");
 
     let state = get_matches_the_report(&runs, &records, id).await;
-    assert_eq!(state["calls"], served, "{state}");
+    assert_eq!(state["calls"], served + 2, "the chat calls, the session and the free tool call: {state}");
     let spent = state["spent"]["tokens"].as_u64().unwrap();
-    assert!(spent > 0 && spent <= 100, "{state}");
+    assert!(spent > 0 && spent <= 160, "{state}");
     assert!(micro(&state["spent"]["eur"]) > 0, "{state}");
 }
 

@@ -202,6 +202,15 @@ impl Meter {
         self.stop.lock().unwrap_or_else(PoisonError::into_inner).take()
     }
 
+    /// Whether a call that ended so keeps its request counted (`close` settles on it,
+    /// the record's `charged` says it): served per call, answered per byte or unmetered.
+    pub fn counts(&self, answered: bool, served: bool) -> bool {
+        match self.operation.as_ref().map(|op| op.metering) {
+            Some(GrpcMetering::PerCall) => answered && served,
+            Some(GrpcMetering::PerByte) | None => answered,
+        }
+    }
+
     /// Settles every reservation on the call's cost and returns it: per call when
     /// `served`, per byte on what passed once the upstream `answered`; a refund
     /// otherwise. Once: later calls cost nothing.
@@ -227,12 +236,7 @@ impl Meter {
         };
         // The cost is within what was reserved (each step was reserved before its
         // bytes passed): spread it over the reservations in order.
-        // What counts the call's request: served per call, answered per byte.
-        let counted = match operation.metering {
-            GrpcMetering::PerCall => answered && served,
-            GrpcMetering::PerByte => answered,
-        };
-        let left = spread(&mut held, cost, counted).await;
+        let left = spread(&mut held, cost, self.counts(answered, served)).await;
         if left > 0 {
             tracing::error!(request_id = %self.request_id, left, "{COST_BEYOND_RESERVATIONS}");
         }

@@ -73,6 +73,9 @@ fn schema_lists_every_spec_field() {
         "cache_write_tokens",
         // SPEC §15: the run the call named, refused calls included.
         "run",
+        // SPEC §15: whether the call was charged (served and settled, its request kept
+        // counted): what the report counts as a run's calls.
+        "charged",
         // SPEC §14: the backends passed over without a call, and why.
         "skipped",
         // SPEC §16: what the response cache did, a hit's similarity, age and saving

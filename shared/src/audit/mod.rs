@@ -78,6 +78,17 @@ pub struct AuditRecord {
     pub cost_eur: f64,
     /// The exact cost in integer micro-euros, as settled in the ledger.
     pub cost_micro_eur: u64,
+    /// Whether the call was charged: served and settled rather than refunded, at any
+    /// cost (nothing included), its request kept counted where the ledger counts
+    /// requests (one of its run's `calls`, a request in its windows). `false` for a
+    /// refusal and for a call refunded whole (no backend answered, a tool's JSON-RPC
+    /// error, an operation not served). A realtime session is one call of its run
+    /// (each response a request in its windows): charged when a response of it
+    /// counted its request. `flexway report --by run` counts these as a run's calls.
+    /// Written on every record; absent in records written before it existed (the
+    /// report then judges from tokens and cost).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub charged: Option<bool>,
     /// The call's status: the HTTP status returned to the client, or for `operation:
     /// grpc` the call's gRPC status code (`grpc-status`: 0 OK, 14 UNAVAILABLE, ...).
     /// Read it typed with `AuditRecord::call_status`.
@@ -462,6 +473,7 @@ mod tests {
             usage_source: UsageSource::Estimated,
             cost_eur: 0.000_296,
             cost_micro_eur: 296,
+            charged: None,
             status: 429,
             error_code: Some(ErrorCode::BudgetExceeded),
             degraded: true,
@@ -498,6 +510,20 @@ mod tests {
             r#"{"schema_version":1,"ts":"2026-11-29T15:44:30.007Z","request_id":"req-1","tenant":"acme","agent":"bot","operation":"embeddings","capability":"vision","model_requested":"chat-default","model_served":"gpt-4.1","backend":"peer","metered_by":"upstream","prompt_tokens":12,"completion_tokens":34,"usage_source":"estimated","cost_eur":0.000296,"cost_micro_eur":296,"status":429,"error_code":"budget_exceeded","degraded":true,"budget_state":"exceeded","latency_ms":120,"ttfb_ms":null,"key_hash":"abab","user_hash":null}"#
         );
         assert_eq!(serde_json::from_str::<AuditRecord>(&line).unwrap(), record());
+    }
+
+    /// `charged` follows the cost, present on every record written now, and reads
+    /// back; an older line without it reads as `None`.
+    #[test]
+    fn charged_is_written_after_the_cost_and_read_back() {
+        let mut charged = record();
+        charged.charged = Some(false);
+        let line = serde_json::to_string(&charged).unwrap();
+        assert!(line.contains(r#""cost_micro_eur":296,"charged":false,"status":429"#), "{line}");
+        assert_eq!(serde_json::from_str::<AuditRecord>(&line).unwrap(), charged);
+        let older = serde_json::to_string(&record()).unwrap();
+        assert!(!older.contains("charged"));
+        assert_eq!(serde_json::from_str::<AuditRecord>(&older).unwrap().charged, None);
     }
 
     #[test]

@@ -565,18 +565,23 @@ fn md_total(out: &mut String, label: &str, t: &Totals) {
 }
 
 /// Whether a record's call is one of its run's `calls`, as the run's
-/// `GET /v1/flexway/runs/{id}` counts them (SPEC §15): a call the ledger charged, i.e.
-/// one that settled on tokens or a cost, or a model call answered from the response
-/// cache (counted even when its share of the entry's cost is nothing). A refusal (a
-/// budget, a rate, a run that ended), and a call refunded whole (no backend answered,
-/// a tool's JSON-RPC error, a metered operation not served), is recorded with
-/// its run but is not one of its calls. What a record cannot say exactly: a realtime
-/// session is one record however many responses it had, where the run's `GET` counts
-/// each response; and a gRPC, REST or MCP call served at no cost (unmetered, or of no
-/// price) is counted by the run's `GET` but not here, its record telling no
-/// settlement of nothing from a refund.
+/// `GET /v1/flexway/runs/{id}` counts them (SPEC §15): the record's `charged`, a call
+/// served and settled (at any cost, nothing included: a tool priced at nothing, an
+/// unmetered operation, a response cache hit), its request kept counted in the
+/// ledger. A refusal (a budget, a rate, a run that ended), and a call refunded whole
+/// (no backend answered, a tool's JSON-RPC error, a metered operation not served), is
+/// recorded with its run but is not one of its calls. A realtime session is one call,
+/// charged when one of its responses was.
+///
+/// A record written before `charged` existed is judged from what it holds: tokens or
+/// a cost, or a model call's cache hit. There a gRPC, REST or MCP call served at no
+/// cost cannot be told from a refund (it is not counted), and a realtime session
+/// counts once where the ledger of then counted each response.
 pub fn is_a_runs_call(record: &AuditRecord) -> bool {
     use super::{CacheOutcome, Operation};
+    if let Some(charged) = record.charged {
+        return charged;
+    }
     let metered = matches!(record.operation, Operation::Grpc | Operation::Http | Operation::Mcp);
     record.cost_micro_eur > 0
         || record.prompt_tokens > 0
@@ -783,6 +788,7 @@ mod tests {
             usage_source: UsageSource::Reported,
             cost_eur: cost as f64 / 1e6,
             cost_micro_eur: cost,
+            charged: None,
             status: 200,
             error_code: None,
             degraded: false,
@@ -867,6 +873,32 @@ mod tests {
         assert_eq!((bill.calls, bill.cost), (4, run_a.cost), "the bill counts every record, the run its calls");
         assert!(!is_a_runs_call(&records[2]), "a refusal is no call of its run");
         assert!(is_a_runs_call(&records[3]), "a cache hit is, at no cost");
+    }
+
+    /// A record's `charged` decides, whatever its tokens and cost: a tool of no price
+    /// served counts, a session of tokens whose responses counted no request does not.
+    /// Without it (an older record), the tokens and cost do.
+    #[test]
+    fn a_records_charged_says_whether_it_is_a_call_of_its_run() {
+        let mut free = record("2025-03-01T10:00:00Z", "acme", Some("bot"), "tools", Metering::Local, 0);
+        (free.operation, free.prompt_tokens, free.completion_tokens) = (Operation::Mcp, 0, 0);
+        assert!(!is_a_runs_call(&free), "an older record of nothing reads as a refund");
+        free.charged = Some(true);
+        assert!(is_a_runs_call(&free), "served at no cost, charged");
+        let mut refunded = free.clone();
+        refunded.charged = Some(false);
+        assert!(!is_a_runs_call(&refunded));
+        let mut session = record("2025-03-01T11:00:00Z", "acme", Some("bot"), "rt", Metering::Local, 75);
+        session.operation = Operation::Realtime;
+        assert!(is_a_runs_call(&session), "an older record of tokens reads as a call");
+        session.charged = Some(false);
+        assert!(!is_a_runs_call(&session), "no response of it counted its request");
+        let mut records = vec![free, refunded, session];
+        for record in &mut records {
+            record.run = Some("run_a".into());
+        }
+        let run_a = by_run(&records, &Filter::default()).local[0].totals;
+        assert_eq!((run_a.calls, run_a.cost), (1, MicroEur(75)), "one call; every record's cost");
     }
 
     #[test]

@@ -26,6 +26,7 @@ pub fn record(tenant: &str, backend: Option<&str>, metered_by: Metering, cost: u
         usage_source: UsageSource::Reported,
         cost_eur: cost as f64 / 1e6,
         cost_micro_eur: cost,
+        charged: None,
         status: 200,
         error_code: None,
         degraded: false,

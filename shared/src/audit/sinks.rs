@@ -66,6 +66,10 @@ pub(super) fn line(record: &AuditRecord, out: &mut Vec<u8>) {
     let _ = serde_json::to_writer(&mut *out, &record.cost_eur);
     json::next!(out, "cost_micro_eur");
     json::number(out, record.cost_micro_eur);
+    if let Some(charged) = record.charged {
+        json::next!(out, "charged");
+        json::boolean(out, charged);
+    }
     json::next!(out, "status");
     json::number(out, record.status.into());
     json::next!(out, "error_code");
@@ -399,6 +403,7 @@ mod tests {
             usage_source: UsageSource::Reported,
             cost_eur: 0.000_150,
             cost_micro_eur: 150,
+            charged: None,
             status: 200,
             error_code: None,
             degraded: false,
@@ -468,6 +473,7 @@ mod tests {
             r.criticality = Some(Criticality::ALL[i % Criticality::ALL.len()]);
             r.period = Some(format!("2026-11-{:02}", 20 + i));
             r.run = (i % 2 == 1).then(|| format!("run \"{i}\""));
+            r.charged = [None, Some(true), Some(false)][i % 3];
             if i % 3 == 1 {
                 let cause = [crate::audit::SkipCause::CircuitOpen, crate::audit::SkipCause::Quota][i % 2];
                 r.skipped = vec![crate::audit::Skipped { backend: format!("b-{i}"), cause }];

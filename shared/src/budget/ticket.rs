@@ -86,6 +86,20 @@ impl Ticket {
         plan::cost(usage, price)
     }
 
+    /// As [`Ticket::settle`], counting no call of a run (nor of its ancestors): a
+    /// realtime response after the one that counted its session, which is one call of
+    /// its run (SPEC §15). It still counts as a request in every window.
+    pub async fn settle_past_runs_calls(self, usage: Usage, price: Price) -> MicroEur {
+        let mut actual = plan::actual(&self.budgets, usage, price);
+        for ((_, amount), budget) in actual.iter_mut().zip(self.budgets.iter()) {
+            if budget.kind == plan::Kind::Run && budget.unit == super::Unit::Requests {
+                *amount = 0;
+            }
+        }
+        Settling { ticket: self, actual }.write().await;
+        plan::cost(usage, price)
+    }
+
     /// Replaces the reservation by `cost` in micro-euros and no tokens: a gRPC call,
     /// priced per call or per byte (SPEC §10). A request it counted (its first step's,
     /// in a window or a run's calls) stays counted.

@@ -89,6 +89,7 @@ impl Draft {
             usage_source: UsageSource::Reported,
             cost_eur: 0.0,
             cost_micro_eur: 0,
+            charged: Some(false),
             status: 0,
             error_code: None,
             degraded: false,
@@ -266,6 +267,12 @@ impl Draft {
     /// The run the call named (`Flexway-Run`).
     pub fn run(&mut self, run: &str) {
         self.record.run = Some(run.to_owned());
+    }
+
+    /// The call was charged: its settlement kept its request counted (the record's
+    /// `charged`), set by the call's end.
+    pub fn charged(&mut self) {
+        self.record.charged = Some(true);
     }
 
     /// Where the caller stands in its windows, when one applies.

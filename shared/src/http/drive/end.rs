@@ -98,6 +98,9 @@ pub(in crate::http) struct Turns {
     usage: Usage,
     cost: MicroEur,
     responses: u64,
+    /// A response of the session counted its request: the session is one call of its
+    /// run, counted with it (each response still counts in the windows).
+    counted: bool,
     /// Reservations made after the first (each one's id: `req_….N`).
     reservations: u64,
     /// The last response's total: the next one's prompt floor.
@@ -207,6 +210,7 @@ impl Charge {
             usage: Usage::default(),
             cost: MicroEur(0),
             responses: 0,
+            counted: false,
             reservations: 0,
             floor: 0,
         }))
@@ -247,6 +251,7 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
             overshoot(gateway, &backend, tokens.allowance, usage);
             let cost = tokens.ticket.settle(usage, gateway.price(&backend)).await;
             draft.usage(usage, source, cost);
+            draft.charged();
             end_quotas(gateway, tokens.quotas, Some((&backend, usage))).await;
             // Kept only whole: the call answered 200 with nothing cut, its usage
             // reported or its stream ended properly (`kept` says so for a stream).
@@ -270,6 +275,7 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
             tokens.ticket.settle_eur(charged).await;
             end_quotas(gateway, tokens.quotas, None).await;
             draft.usage(Usage::default(), UsageSource::Reported, charged);
+            draft.charged();
             gateway.metrics.cache_saved(draft.caller_tenant(), saved);
             charged
         }
@@ -281,6 +287,9 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
         (Charge::Metered(meter), Spent::Metered { answered, served, kept }) => {
             let cost = meter.close(answered, served).await;
             draft.usage(Usage::default(), UsageSource::Reported, cost);
+            if meter.counts(answered, served) || cost.0 > 0 {
+                draft.charged();
+            }
             // Kept only whole: a 2xx answer that ended as it should (SPEC §16).
             if let Some(capture) = kept
                 && (200..300).contains(&status)
@@ -299,6 +308,7 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
             // of the entry's cost (at most what it holds), refunded when that is none.
             let charged = meter.close_at(charged).await;
             draft.usage(Usage::default(), UsageSource::Reported, charged);
+            draft.charged();
             gateway.metrics.cache_saved(draft.caller_tenant(), saved);
             charged
         }
@@ -307,7 +317,7 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
             MicroEur(0)
         }
         (Charge::Turns(turns), _) => {
-            let Turns { ticket, usage, cost, quotas, .. } = *turns;
+            let Turns { ticket, usage, cost, quotas, counted, .. } = *turns;
             // The allowance held for a response that never came back.
             if let Some(ticket) = ticket {
                 ticket.refund().await;
@@ -316,6 +326,9 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
             // whose usage never came.
             end_quotas(gateway, quotas, None).await;
             draft.usage(usage, UsageSource::Reported, cost);
+            if counted {
+                draft.charged();
+            }
             cost
         }
     };
@@ -435,6 +448,9 @@ impl Ending {
             return Err(GatewayError::Internal("a response outside a session".into()));
         };
         let held = if admitted { turns.ticket.take() } else { None };
+        // Its request counts in the windows; in its run, the session's first only.
+        let counted_before = turns.counted;
+        turns.counted |= held.is_some();
         let ticket = match held {
             Some(ticket) => ticket,
             None => {
@@ -445,7 +461,11 @@ impl Ending {
                 crate::admission::reserve_used(&self.gateway, who, usage, turns.price).await?
             }
         };
-        let cost = ticket.settle(usage, turns.price).await;
+        let cost = if counted_before {
+            ticket.settle_past_runs_calls(usage, turns.price).await
+        } else {
+            ticket.settle(usage, turns.price).await
+        };
         if admitted {
             // The response's provider quota, settled on it in the minute it was reserved.
             let held = std::mem::take(&mut turns.quotas);
