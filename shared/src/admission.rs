@@ -113,20 +113,22 @@ pub async fn admit(gateway: &Gateway, who: Reserving<'_>, demand: &Demand) -> Re
         Decision { budgets: &budgets, used: &unread, soft: assumed_soft, guard: threshold.filter(|_| !assumed_soft) };
     let refused = match decide(gateway, caller, request_id, demand, &first, now).await? {
         Decided::Admitted(admission) => {
-            *pace = paced(gateway, &budgets).await;
+            if budgets.iter().any(Budget::is_window) {
+                *pace = paced(gateway, &budgets).await;
+            }
             return Ok(admission);
         }
         Decided::Refused(line) => line,
     };
     // A window refused: no clamp makes room in it, the call waits for the next minute.
-    if matches!(budgets[refused].kind, Kind::Window(_)) {
+    if budgets[refused].is_window() {
         *pace = paced(gateway, &budgets).await;
         return Err(refusal(gateway, caller, &budgets[refused], now));
     }
     // A limit or the soft threshold refused: read the counters and decide again.
     let keys: Vec<_> = budgets.iter().map(|b| b.key.clone()).collect();
     let used = gateway.budgets.used(&keys).await?;
-    *pace = Pace::of(&budgets, &used);
+    *pace = Pace::of(budgets.iter(), &used);
     for (budget, used) in budgets.iter().zip(&used) {
         if !budget.is_period() {
             continue;
@@ -158,16 +160,18 @@ pub async fn admit(gateway: &Gateway, who: Reserving<'_>, demand: &Demand) -> Re
 }
 
 /// The caller's standing in its windows, read after its reservation (one read of the
-/// window counters, only when a window applies). Best effort: a read that fails costs
-/// the answer its pacing headers, never the call (its reservation is made).
+/// window counters, only when a window applies; where a call is admitted, that is
+/// tested before, so that a call under no limit builds no future for it). Best effort:
+/// a read that fails costs the answer its pacing headers, never the call (its
+/// reservation is made).
 async fn paced(gateway: &Gateway, budgets: &[Budget]) -> Option<Pace> {
-    let windows: Vec<&Budget> = budgets.iter().filter(|b| matches!(b.kind, Kind::Window(_))).collect();
-    if windows.is_empty() {
+    let windows = || budgets.iter().filter(|b| b.is_window());
+    let keys: Vec<_> = windows().map(|b| b.key.clone()).collect();
+    if keys.is_empty() {
         return None;
     }
-    let keys: Vec<_> = windows.iter().map(|b| b.key.clone()).collect();
     match gateway.budgets.used(&keys).await {
-        Ok(used) => Pace::of(&windows.into_iter().cloned().collect::<Vec<_>>(), &used),
+        Ok(used) => Pace::of(windows(), &used),
         Err(e) => {
             tracing::warn!("the windows could not be read for the pacing headers: {e}");
             None
@@ -280,11 +284,13 @@ pub async fn reserve_turn(
         let outcome = reserve_guarded(&gateway.budgets, &request).await;
         match outcome? {
             ReserveOutcome::Reserved => {
-                *pace = paced(gateway, &budgets).await;
+                if budgets.iter().any(Budget::is_window) {
+                    *pace = paced(gateway, &budgets).await;
+                }
                 let ticket = Ticket::new(gateway.budgets.clone(), request.reservation(), budgets, now);
                 return Ok((ticket, planned.per_choice));
             }
-            ReserveOutcome::Refused { line } if read || matches!(budgets[line].kind, Kind::Window(_)) => {
+            ReserveOutcome::Refused { line } if read || budgets[line].is_window() => {
                 *pace = paced(gateway, &budgets).await;
                 return Err(refusal(gateway, caller, &budgets[line], now));
             }
@@ -386,7 +392,7 @@ pub async fn reserve_eur(
     let outcome = reserve_guarded(&gateway.budgets, &request).await;
     let outcome = outcome?;
     // What a client paces on is its call's first step (a later one is the same call).
-    if first {
+    if first && budgets.iter().any(Budget::is_window) {
         *pace = paced(gateway, &budgets).await;
     }
     match outcome {

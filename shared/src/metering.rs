@@ -24,7 +24,6 @@ use std::time::Duration;
 use crate::admission::{Reserving, STREAM_RESERVATION_SECS, reserve_eur};
 use crate::budget::Run;
 use crate::budget::Ticket;
-use crate::budget::period::unix_now;
 use crate::budget::plan::{self, Pace};
 use crate::call::RequestId;
 use crate::config::{AiOperation, GrpcMetering};
@@ -124,7 +123,7 @@ impl Meter {
     /// counts it.
     pub async fn reserve_first(&self, first_bytes: u64) -> Result<(), GatewayError> {
         let Some(operation) = &self.operation else {
-            if self.run.is_none() && plan::windows_for(&self.gateway.config, &self.caller, unix_now()).is_empty() {
+            if self.run.is_none() && !plan::limited(&self.gateway.config, &self.caller) {
                 return Ok(());
             }
             let mut held = self.held.lock().await;

@@ -11,7 +11,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use crate::call::Usage;
-use crate::config::{AgentId, Budgets, Config, Price, Rates, TenantId};
+use crate::config::{Agent, AgentId, Budgets, Config, Price, Rates, Tenant, TenantId};
 use crate::identity::Caller;
 use crate::money::MicroEur;
 
@@ -113,22 +113,31 @@ impl Budget {
     pub fn is_period(&self) -> bool {
         self.kind == Kind::Period
     }
+
+    /// Whether it is a per-minute window.
+    pub fn is_window(&self) -> bool {
+        matches!(self.kind, Kind::Window(_))
+    }
 }
 
 /// Everything a caller's call counts on: its budgets ([`budgets_for`]), its per-minute
 /// windows ([`windows_for`]) and, in a run, the run's and its ancestors' counters. A
-/// caller with no limits and no run gets its day's budgets as they are shared: limits
-/// off costs nothing.
+/// caller with no limits and no run gets its day's budgets as they are shared, its
+/// tenant and agent looked up once: limits off costs nothing.
 pub fn counters_for(config: &Config, caller: &Caller, run: Option<&Run>, now: u64) -> Arc<[Budget]> {
-    let agent = caller.agent.as_ref().map(|a| a.as_str());
-    let budgets = budgets_for(config, &caller.tenant, agent, now);
-    let windows = windows_for(config, caller, now);
-    if windows.is_empty() && run.is_none() {
+    let settings = Settings::of(config, caller);
+    let budgets = settings.as_ref().map_or_else(|| Arc::from([]), |s| s.budgets(now));
+    let limited = settings.filter(|s| s.limited(caller));
+    if limited.is_none() && run.is_none() {
         return budgets;
     }
-    let mut all = Vec::with_capacity(budgets.len() + windows.len() + 7);
+    // Six windows at most (three holders, two rates), and a run's three counters (its
+    // ancestors' grow it).
+    let mut all = Vec::with_capacity(budgets.len() + 9);
     all.extend(budgets.iter().cloned());
-    all.extend(windows);
+    if let Some(settings) = limited {
+        settings.push_windows(&mut all, caller, now);
+    }
     if let Some(run) = run {
         push_run(&mut all, caller.tenant.as_str(), run);
     }
@@ -139,27 +148,56 @@ pub fn counters_for(config: &Config, caller: &Caller, run: Option<&Run>, now: u6
 /// limits, in the minute that holds `now`. Empty, without an allocation, when none
 /// applies.
 pub fn windows_for(config: &Config, caller: &Caller, now: u64) -> Vec<Budget> {
-    let Some(tenant) = config.tenants.get(&caller.tenant) else {
-        return Vec::new();
-    };
-    let agent = caller.agent.as_ref().and_then(|a| tenant.agents.get_key_value(a));
-    let agent_limits = agent.map(|(_, a)| a.limits).unwrap_or_default();
-    if tenant.limits.is_none() && agent_limits.is_none() && caller.key_limits.is_none() {
-        return Vec::new();
-    }
     let mut out = Vec::new();
-    let name = tenant.name.as_str();
-    push_windows(&mut out, name, None, &format!("tenant {name}"), tenant.limits, now);
-    if let Some((agent, _)) = agent {
-        push_windows(&mut out, name, Some(agent.as_str()), &format!("agent {name}/{agent}"), agent_limits, now);
-    }
-    if !caller.key_limits.is_none() {
-        // Under the key alone, not the tenant: a relay peer's key asserts many
-        // tenants, and its limit holds across them all.
-        let label = key_label(&caller.key_sha256);
-        push_windows(&mut out, "~key", Some(&label), &format!("key {label}"), caller.key_limits, now);
+    if let Some(settings) = Settings::of(config, caller).filter(|s| s.limited(caller)) {
+        settings.push_windows(&mut out, caller, now);
     }
     out
+}
+
+/// Whether any per-minute limit applies to `caller` (its tenant's, its agent's or its
+/// key's): whether [`windows_for`] has any, without building them.
+pub fn limited(config: &Config, caller: &Caller) -> bool {
+    Settings::of(config, caller).is_some_and(|s| s.limited(caller))
+}
+
+/// A caller's settings, looked up once: its tenant's, and its agent's if declared.
+struct Settings<'c> {
+    tenant: (&'c TenantId, &'c Tenant),
+    agent: Option<(&'c AgentId, &'c Agent)>,
+}
+
+impl<'c> Settings<'c> {
+    fn of(config: &'c Config, caller: &Caller) -> Option<Settings<'c>> {
+        let tenant = config.tenants.get_key_value(&caller.tenant)?;
+        let agent = caller.agent.as_ref().and_then(|a| tenant.1.agents.get_key_value(a));
+        Some(Settings { tenant, agent })
+    }
+
+    fn limited(&self, caller: &Caller) -> bool {
+        !self.tenant.1.limits.is_none()
+            || self.agent.is_some_and(|(_, a)| !a.limits.is_none())
+            || !caller.key_limits.is_none()
+    }
+
+    fn budgets(&self, now: u64) -> Arc<[Budget]> {
+        budgets_of(self.tenant, self.agent, now)
+    }
+
+    fn push_windows(&self, out: &mut Vec<Budget>, caller: &Caller, now: u64) {
+        let (id, tenant) = self.tenant;
+        let name = id.as_str();
+        push_windows(out, name, None, &format!("tenant {name}"), tenant.limits, now);
+        if let Some((agent, settings)) = self.agent {
+            push_windows(out, name, Some(agent.as_str()), &format!("agent {name}/{agent}"), settings.limits, now);
+        }
+        if !caller.key_limits.is_none() {
+            // Under the key alone, not the tenant: a relay peer's key asserts many
+            // tenants, and its limit holds across them all.
+            let label = key_label(&caller.key_sha256);
+            push_windows(out, "~key", Some(&label), &format!("key {label}"), caller.key_limits, now);
+        }
+    }
 }
 
 /// A backend's provider quota (SPEC §14) as windows, counted under the tenant
@@ -230,13 +268,15 @@ fn push_run(out: &mut Vec<Budget>, tenant: &str, run: &Run) {
 /// The same for every call of one caller on one UTC day, so each thread builds them
 /// once a day a caller and shares them after ([`Plans`]).
 pub fn budgets_for(config: &Config, tenant: &TenantId, agent: Option<&str>, now: u64) -> Arc<[Budget]> {
-    let Some(t) = config.tenants.get(tenant) else {
+    let Some(tenant) = config.tenants.get_key_value(tenant) else {
         return Arc::from([]);
     };
-    let agent = agent
-        .and_then(|name| t.agents.get_key_value(name))
-        .filter(|(_, a)| a.budgets != Budgets::default())
-        .map(|(name, a)| (name, &a.budgets));
+    budgets_of(tenant, agent.and_then(|name| tenant.1.agents.get_key_value(name)), now)
+}
+
+fn budgets_of(tenant: (&TenantId, &Tenant), agent: Option<(&AgentId, &Agent)>, now: u64) -> Arc<[Budget]> {
+    let (tenant, t) = tenant;
+    let agent = agent.filter(|(_, a)| a.budgets != Budgets::default()).map(|(name, a)| (name, &a.budgets));
     let scope = Scope { tenant, budgets: &t.budgets, agent };
     Plans::of(&scope, now / 86_400, || {
         let periods = Periods::at(now);
@@ -393,9 +433,9 @@ pub struct Gauge {
 impl Pace {
     /// From the windows' counters `used` (in `budgets`' order): for each rate, the
     /// holder with the fewest remaining. `None` when no window applies.
-    pub fn of(budgets: &[Budget], used: &[u64]) -> Option<Pace> {
+    pub fn of<'b>(budgets: impl IntoIterator<Item = &'b Budget>, used: &[u64]) -> Option<Pace> {
         let mut pace = Pace::default();
-        for (budget, used) in budgets.iter().zip(used) {
+        for (budget, used) in budgets.into_iter().zip(used) {
             let (Kind::Window(rate), Some(limit)) = (budget.kind, budget.limit) else { continue };
             let gauge = Gauge { limit, remaining: limit.saturating_sub(*used), resets_at: budget.resets_at };
             let slot = match rate {
