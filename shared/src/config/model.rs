@@ -276,6 +276,9 @@ pub struct Ai {
     /// The response cache (`ai.cache`, SPEC §16); `None`: nothing is cached.
     pub cache: Option<Cache>,
     pub backends: BTreeMap<BackendId, Backend>,
+    /// Whether any backend has a provider quota (`quota`, SPEC §14), known at load: an
+    /// attempt under a config with none looks no backend up for one.
+    pub any_quota: bool,
     /// What each `kind: grpc` backend's descriptor set declares, read at load (empty
     /// for a backend whose set is missing under [`Secrets::Check`](super::Secrets)).
     pub grpc: BTreeMap<BackendId, Arc<GrpcServices>>,

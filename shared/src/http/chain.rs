@@ -360,7 +360,9 @@ struct Turn<'a, A: Attempt> {
 async fn take_turn<A: Attempt>(turn: Turn<'_, A>) -> Result<Answered<(Candidate, A::Answer)>, Failure> {
     let Turn { gateway, route, door, candidate, target, timeout, draft, charge, attempts } = turn;
     let (model, prepared) = door.prepare(&target).map_err(|e| Failure::Request(Box::new(e)))?;
-    reserve_quota(gateway, charge, &candidate.backend, draft.request_id()).await?;
+    if gateway.config.ai.any_quota {
+        reserve_quota(gateway, charge, &candidate.backend, draft.request_id()).await?;
+    }
     let Some((picker, _)) = gateway.router.picker(&candidate.backend) else {
         let one = One { candidate: candidate.clone(), target, model, prepared, timeout };
         let Answered { value, outcome } = try_one(gateway, draft, route, door, one, attempts).await?;

@@ -130,6 +130,7 @@ impl Checker<'_> {
             limits,
             affinity,
             cache,
+            any_quota: backends.values().any(|b| !b.quota.is_none()),
             backends,
             grpc: std::mem::take(&mut self.grpc),
         })
