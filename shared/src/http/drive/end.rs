@@ -10,7 +10,10 @@
 //! both, through the last-resort guards of the ticket and the draft (`budget::ticket`,
 //! `record::Draft`'s `Drop`).
 
+use std::pin::Pin;
 use std::sync::Arc;
+
+use futures_util::future::OptionFuture;
 
 use crate::admission::{Reserving, reserve_turn};
 use crate::audit::CloseReason;
@@ -350,12 +353,13 @@ pub(in crate::http) async fn end(gateway: &Gateway, charge: Charge, ended: Ended
 /// once a backend's is settled, at most once a second a backend (`chain::gauge_due`).
 /// Boxed, and only for a call that holds one: a call on backends without a quota keeps
 /// these futures out of its own (the driver's future is copied whole as the router
-/// boxes it; benches/instructions).
-async fn end_quotas(gateway: &Gateway, quotas: Vec<Quota>, served: Option<(&BackendId, Usage)>) {
-    if quotas.is_empty() {
-        return;
-    }
-    Box::pin(settle_quotas(gateway, quotas, served)).await
+/// boxes it; benches/instructions), and awaits an empty `OptionFuture`, ready at once.
+fn end_quotas<'a>(
+    gateway: &'a Gateway,
+    quotas: Vec<Quota>,
+    served: Option<(&'a BackendId, Usage)>,
+) -> OptionFuture<Pin<Box<impl Future<Output = ()> + 'a>>> {
+    OptionFuture::from((!quotas.is_empty()).then(|| Box::pin(settle_quotas(gateway, quotas, served))))
 }
 
 async fn settle_quotas(gateway: &Gateway, quotas: Vec<Quota>, served: Option<(&BackendId, Usage)>) {
