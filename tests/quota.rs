@@ -49,15 +49,6 @@ fn pool(a_url: &str, a_quota: &str, b_url: &str, b_quota: &str) -> String {
     )
 }
 
-/// Waits, if needed, until the current UTC minute has at least 40 s left: the calls of
-/// a test then count in one window.
-async fn early_in_a_minute() {
-    let second = unix_now() % 60;
-    if second > 20 {
-        tokio::time::sleep(Duration::from_secs(60 - second)).await;
-    }
-}
-
 /// Asserts that `Retry-After` is the whole seconds from the refusal to its UTC
 /// minute's end (SPEC §14): `60 - now % 60` for a `now` between the clock read
 /// `before` and `after` the call, within a second.

@@ -5,8 +5,6 @@
 //! gateway's router with the memory ledger, the fake model server as the backend.
 #![cfg(test)]
 
-use std::time::Duration;
-
 use flexway::budget::{CounterKey, Unit};
 use flexway_testkit::*;
 use serde_json::{Value, json};
@@ -42,21 +40,8 @@ ai:
     )
 }
 
-/// Waits, if needed, until the current UTC minute has at least 40 s left: the calls
-/// of a test then count in one window.
-async fn early_in_a_minute() {
-    let second = flexway::budget::period::unix_now() % 60;
-    if second > 20 {
-        tokio::time::sleep(Duration::from_secs(60 - second)).await;
-    }
-}
-
 fn hello() -> Value {
     json!({"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]})
-}
-
-fn header<'r>(response: &'r reqwest::Response, name: &str) -> &'r str {
-    response.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or_else(|| panic!("no {name} header"))
 }
 
 fn paced(response: &reqwest::Response) -> bool {

@@ -3,8 +3,6 @@
 //! UTC minutes, so each burst starts early in one ([`early_in_a_minute`]).
 #![cfg(test)]
 
-use std::time::Duration;
-
 use flexway_testkit::*;
 use futures_util::future::join_all;
 use serde_json::{Value, json};
@@ -39,21 +37,8 @@ ai:
     )
 }
 
-/// Waits, if needed, until the current UTC minute has at least 40 s left: a burst
-/// then counts in one window.
-async fn early_in_a_minute() {
-    let second = flexway::budget::period::unix_now() % 60;
-    if second > 20 {
-        tokio::time::sleep(Duration::from_secs(60 - second)).await;
-    }
-}
-
 fn hello() -> Value {
     json!({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": "hello there"}]})
-}
-
-fn header<'r>(response: &'r reqwest::Response, name: &str) -> &'r str {
-    response.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or_else(|| panic!("no {name} header"))
 }
 
 async fn requests_burst(gw: &InProcess) {

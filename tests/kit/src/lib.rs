@@ -288,6 +288,20 @@ pub fn client() -> reqwest::Client {
     reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap()
 }
 
+/// Waits, if needed, until the current UTC minute has at least 40 s left: the calls of
+/// a test then count in one per-minute window.
+pub async fn early_in_a_minute() {
+    let second = flexway::budget::period::unix_now() % 60;
+    if second > 20 {
+        tokio::time::sleep(Duration::from_secs(60 - second)).await;
+    }
+}
+
+/// A header the answer must carry, as text.
+pub fn header<'r>(response: &'r reqwest::Response, name: &str) -> &'r str {
+    response.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or_else(|| panic!("no {name} header"))
+}
+
 pub fn hello(model: &str) -> serde_json::Value {
     serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hello there"}]})
 }
