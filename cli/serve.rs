@@ -159,7 +159,7 @@ async fn adapters(config: &Config) -> anyhow::Result<(Adapters, Option<Arc<aws::
     let mut leases = None;
     let budgets: Arc<dyn BudgetStore> = match &config.store {
         StoreConfig::Memory => Arc::new(MemoryBudgetStore::new()),
-        StoreConfig::Embedded { path } => Arc::new(EmbeddedBudgetStore::open(path)?),
+        StoreConfig::Embedded { path, sync } => Arc::new(EmbeddedBudgetStore::open_with(path, *sync)?),
         StoreConfig::DynamoDb { table } => {
             let (ledger, leased) = aws::dynamodb_ledger(table).await?;
             leases = Some(leased);

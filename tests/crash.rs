@@ -7,9 +7,14 @@ use flexway_testkit::*;
 use serde_json::{Value, json};
 
 fn config(ledger: &std::path::Path, url: &str, tokens_per_day: u64) -> String {
+    config_synced(ledger, url, tokens_per_day, "interval")
+}
+
+/// `sync`: the embedded ledger's `store.sync`.
+fn config_synced(ledger: &std::path::Path, url: &str, tokens_per_day: u64, sync: &str) -> String {
     format!(
         r#"version: 1
-store: {{kind: embedded, path: "{ledger}"}}
+store: {{kind: embedded, path: "{ledger}", sync: {sync}}}
 audit: {{sink: stdout}}
 tenants:
   acme:
@@ -64,22 +69,25 @@ async fn a_reservation_held_by_a_killed_process_is_refunded_after_restart() {
     second.log_line(&["sweeper refunded expired reservations"]).await;
 }
 
+/// Whatever `store.sync` says: a kill loses nothing acknowledged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_embedded_ledger_keeps_its_counters_across_restarts() {
     let model = FakeModel::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let ledger = dir.path().join("ledger");
-    let mut used = 0;
-    for _ in 0..2 {
-        let gw = Flexway::start(&config(&ledger, &model.url(), 100_000));
-        let response = gw.chat(KEY, call()).await;
-        assert_eq!(response.status(), 200);
-        let body: Value = response.json().await.unwrap();
-        used += body["usage"]["total_tokens"].as_u64().unwrap();
-        drop(gw); // SIGKILL: what was acknowledged must be on disk.
+    for sync in ["interval", "reservation"] {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = dir.path().join("ledger");
+        let mut used = 0;
+        for _ in 0..2 {
+            let gw = Flexway::start(&config_synced(&ledger, &model.url(), 100_000, sync));
+            let response = gw.chat(KEY, call()).await;
+            assert_eq!(response.status(), 200);
+            let body: Value = response.json().await.unwrap();
+            used += body["usage"]["total_tokens"].as_u64().unwrap();
+            drop(gw); // SIGKILL: what was acknowledged must be on disk.
+        }
+        let store = EmbeddedBudgetStore::open(&ledger).unwrap();
+        let key = CounterKey::new("acme", None, Unit::Tokens, Period::Day, unix_now());
+        assert_eq!(store.used(&[key]).await.unwrap(), [used], "sync: {sync}");
+        assert_eq!(store.live_reservations().await.unwrap(), 0, "sync: {sync}");
     }
-    let store = EmbeddedBudgetStore::open(&ledger).unwrap();
-    let key = CounterKey::new("acme", None, Unit::Tokens, Period::Day, unix_now());
-    assert_eq!(store.used(&[key]).await.unwrap(), [used]);
-    assert_eq!(store.live_reservations().await.unwrap(), 0);
 }

@@ -11,6 +11,7 @@ use flexway::budget::{
     BudgetStore, CounterKey, EmbeddedBudgetStore, IntentOutcome, Line, Reservation, ReserveOutcome, ReserveRequest,
     SettleOutcome, Swept, conformance,
 };
+use flexway::config::LedgerSync;
 
 const NOW: u64 = 1_795_967_070;
 
@@ -40,14 +41,16 @@ fn fresh_dir() -> (tempfile::TempDir, PathBuf) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_store_passes_the_conformance_suite() {
-    let dirs = std::sync::Mutex::new(Vec::new());
-    let failures = conformance::run_all(|| {
-        let (dir, path) = fresh_dir();
-        dirs.lock().unwrap().push(dir);
-        async move { EmbeddedBudgetStore::open(&path).unwrap() }
-    })
-    .await;
-    assert!(failures.is_empty(), "{failures:#?}");
+    for sync in [LedgerSync::Interval, LedgerSync::Reservation] {
+        let dirs = std::sync::Mutex::new(Vec::new());
+        let failures = conformance::run_all(|| {
+            let (dir, path) = fresh_dir();
+            dirs.lock().unwrap().push(dir);
+            async move { EmbeddedBudgetStore::open_with(&path, sync).unwrap() }
+        })
+        .await;
+        assert!(failures.is_empty(), "sync {sync:?}: {failures:#?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -142,7 +145,7 @@ async fn reservations_written_before_intents_existed_still_sweep() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn many_concurrent_ops_share_fsyncs() {
     let (_dir, path) = fresh_dir();
-    let store: Arc<EmbeddedBudgetStore> = Arc::new(EmbeddedBudgetStore::open(&path).unwrap());
+    let store = Arc::new(EmbeddedBudgetStore::open_with(&path, LedgerSync::Reservation).unwrap());
     let tasks: Vec<_> = (0..200)
         .map(|i| {
             let store = store.clone();
@@ -230,18 +233,27 @@ fn journal(file: &std::path::Path) -> PathBuf {
 }
 
 /// The database is committed without an fsync; the journal holds what was acknowledged
-/// (a reservation once synced, a settlement once written). A kill before the next
-/// checkpoint loses nothing: the journal is replayed at open, and replaying it again
-/// changes nothing.
+/// (with `sync: reservation`, a reservation once synced; a settlement, and with
+/// `sync: interval` any operation, once written). A kill before the next checkpoint
+/// loses nothing: the journal is replayed at open, and replaying it again changes
+/// nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_was_acknowledged_before_a_checkpoint_survives_a_kill() {
+    for sync in [LedgerSync::Reservation, LedgerSync::Interval] {
+        acknowledged_survives_a_kill(sync).await;
+    }
+}
+
+async fn acknowledged_survives_a_kill(sync: LedgerSync) {
     let (dir, path) = fresh_dir();
-    let store = EmbeddedBudgetStore::open(&path).unwrap();
+    let store = EmbeddedBudgetStore::open_with(&path, sync).unwrap();
     store.reserve(&request("call", &[("a", 100, Some(1000))], NOW + 60)).await.unwrap();
     let settled = store.settle(&held("call", &[("a", 100)]), &[(key("a"), 40)]).await.unwrap();
     assert_eq!(settled, SettleOutcome::Settled);
     assert_eq!(store.used(&[key("a")]).await.unwrap(), [40], "visible at once");
-    assert_eq!(store.syncs(), 1, "one fsync for the call: its reservation's");
+    if sync == LedgerSync::Reservation {
+        assert_eq!(store.syncs(), 1, "one fsync for the call: its reservation's");
+    }
 
     // Without the journal, the file alone holds neither: no database fsync was paid.
     let unjournaled = leave_as_killed(&store, &dir.path().join("file-only"), false);
@@ -353,15 +365,16 @@ async fn the_journal_ends_at_a_line_cut_short_or_an_earlier_epoch() {
     assert_eq!(store.used(&[key("a")]).await.unwrap(), [55], "a journal older than the file is not replayed");
 }
 
-/// A call alone on the ledger is written by its caller, on its own thread: its
-/// reservation (fsync included) and its settlement are answered within the first poll,
-/// where the writer thread would answer later, from another thread. A reservation made
-/// while another call holds one goes through the writer thread and shares its fsync.
+/// With `sync: reservation`, a call alone on the ledger is written by its caller, on
+/// its own thread: its reservation (fsync included) and its settlement are answered
+/// within the first poll, where the writer thread would answer later, from another
+/// thread. A reservation made while another call holds one goes through the writer
+/// thread and shares its fsync.
 #[tokio::test(flavor = "current_thread")]
 async fn a_call_alone_is_written_on_its_own_thread() {
     use futures_util::FutureExt;
     let (_dir, path) = fresh_dir();
-    let store = EmbeddedBudgetStore::open(&path).unwrap();
+    let store = EmbeddedBudgetStore::open_with(&path, LedgerSync::Reservation).unwrap();
     for round in 0..3 {
         let id = format!("alone-{round}");
         let reserved = store.reserve(&request(&id, &[("a", 10, Some(1000))], NOW + 60)).now_or_never();
@@ -379,4 +392,31 @@ async fn a_call_alone_is_written_on_its_own_thread() {
     assert_eq!(store.used(&[key("a")]).await.unwrap(), [12 + 20]);
     assert_eq!(store.live_reservations().await.unwrap(), 2);
     assert_eq!(store.syncs(), 5);
+}
+
+/// With `sync: interval` (the default), every call is written by its caller whatever
+/// else is in flight, answered within the first poll without an fsync; the writer
+/// thread syncs the journal on its own, at most every `SYNC_EVERY`.
+#[tokio::test(flavor = "current_thread")]
+async fn with_sync_interval_calls_are_written_on_their_own_thread_and_synced_after() {
+    use futures_util::FutureExt;
+    let (_dir, path) = fresh_dir();
+    let store = EmbeddedBudgetStore::open(&path).unwrap();
+    let started = std::time::Instant::now();
+    for round in 0..3 {
+        let id = format!("held-{round}");
+        let reserved = store.reserve(&request(&id, &[("a", 10, Some(1000))], NOW + 60)).now_or_never();
+        assert_eq!(reserved.map(Result::unwrap), Some(ReserveOutcome::Reserved), "round {round}");
+    }
+    assert_eq!(store.live_reservations().await.unwrap(), 3, "each written while others were live");
+    let settled = store.settle(&held("held-0", &[("a", 10)]), &[(key("a"), 4)]).now_or_never();
+    assert_eq!(settled.map(Result::unwrap), Some(SettleOutcome::Settled));
+    while store.syncs() == 0 {
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "the journal was never synced");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let every = flexway::budget::embedded::SYNC_EVERY;
+    let most = 1 + started.elapsed().as_nanos() / every.as_nanos();
+    assert!(u128::from(store.syncs()) <= most, "{} fsyncs in {:?}", store.syncs(), started.elapsed());
+    assert_eq!(store.used(&[key("a")]).await.unwrap(), [4 + 20]);
 }

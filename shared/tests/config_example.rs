@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use flexway::config::{
-    Auth, BackendKind, BreakerTrigger, Capability, ConfigError, Loaded, Metering, PoolMember, SecretRef, StoreConfig,
-    load_file,
+    Auth, BackendKind, BreakerTrigger, Capability, ConfigError, LedgerSync, Loaded, Metering, PoolMember, SecretRef,
+    StoreConfig, load_file,
 };
 use flexway::money::MicroEur;
 
@@ -30,7 +30,7 @@ fn load_example() -> Loaded {
 fn spec_example_loads_with_its_environment() {
     let loaded = load_example();
     let config = &loaded.config;
-    assert_eq!(config.store, StoreConfig::Embedded { path: "./flexway-ledger".into() });
+    assert_eq!(config.store, StoreConfig::Embedded { path: "./flexway-ledger".into(), sync: LedgerSync::Interval });
     assert_eq!(config.audit.hash_salt, Some(SecretRef::Env("FLEXWAY_AUDIT_SALT".into())));
     assert_eq!(config.ai.default_backend.as_str(), "chat-pool");
     assert_eq!(config.ai.sensitive_backend.as_ref().unwrap().as_str(), "internal-chat");

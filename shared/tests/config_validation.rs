@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use flexway::config::{
     AgentId, AuditSinkConfig, Auth, BackendKind, BreakerTrigger, Capability, Criticality, Diagnostic, FailureMode,
-    Loaded, Metering, Pick, Saturation, SecretRef, Secrets, StoreConfig, UsageApiKind, load_str, load_str_with,
-    parse_duration,
+    LedgerSync, Loaded, Metering, Pick, Saturation, SecretRef, Secrets, StoreConfig, UsageApiKind, load_str,
+    load_str_with, parse_duration,
 };
 use flexway::money::MicroEur;
 use serde_norway::Value;
@@ -151,7 +151,7 @@ fn grpc_backend() -> &'static str {
 fn accepts_minimal_config_with_defaults() {
     let loaded = doc().loads();
     let config = &loaded.config;
-    assert_eq!(config.store, StoreConfig::Embedded { path: "./flexway-ledger".into() });
+    assert_eq!(config.store, StoreConfig::Embedded { path: "./flexway-ledger".into(), sync: LedgerSync::Interval });
     assert_eq!(config.audit.sink, AuditSinkConfig::Stdout);
     assert_eq!(config.audit.hash_salt, None);
     assert_eq!(config.ai.sensitive_header, "flexway-sensitive");
@@ -281,7 +281,10 @@ fn accepts_each_store_kind() {
     let store = |yaml: &str| doc().set("store", yaml).loads().config.store;
     assert_eq!(store("{kind: memory}"), StoreConfig::Memory);
     assert_eq!(store("{kind: dynamodb, table: ledger}"), StoreConfig::DynamoDb { table: "ledger".into() });
-    assert_eq!(store("{kind: embedded, path: /var/lib/fw}"), StoreConfig::Embedded { path: "/var/lib/fw".into() });
+    assert_eq!(
+        store("{kind: embedded, path: /var/lib/fw}"),
+        StoreConfig::Embedded { path: "/var/lib/fw".into(), sync: LedgerSync::Interval }
+    );
 }
 
 #[test]
@@ -302,6 +305,24 @@ fn refuses_dynamodb_store_without_table() {
 #[test]
 fn refuses_store_key_of_another_kind() {
     doc().set("store", "{kind: memory, table: ledger}").refused("store.table", "does not apply to store kind memory");
+}
+
+#[test]
+fn an_embedded_store_syncs_at_an_interval_unless_told_per_reservation() {
+    let store = |yaml: &str| doc().set("store", yaml).loads().config.store;
+    let embedded = |sync| StoreConfig::Embedded { path: "./l".into(), sync };
+    assert_eq!(store("{kind: embedded, path: ./l}"), embedded(LedgerSync::Interval));
+    assert_eq!(store("{kind: embedded, path: ./l, sync: interval}"), embedded(LedgerSync::Interval));
+    assert_eq!(store("{kind: embedded, path: ./l, sync: reservation}"), embedded(LedgerSync::Reservation));
+}
+
+#[test]
+fn refuses_store_sync_of_another_kind_or_unknown() {
+    doc().set("store", "{kind: memory, sync: interval}").refused("store.sync", "does not apply to store kind memory");
+    doc()
+        .set("store", "{kind: dynamodb, table: ledger, sync: reservation}")
+        .refused("store.sync", "does not apply to store kind dynamodb");
+    doc().set("store", "{kind: embedded, path: ./l, sync: always}").refused("store.sync", "unknown variant `always`");
 }
 
 #[test]

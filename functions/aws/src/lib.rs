@@ -171,7 +171,7 @@ pub async fn build_adapters(config: &Config, sdk: &aws_config::SdkConfig) -> Res
             LeasedBudgetStore::start(Arc::new(store), LEASES)
         }
         StoreConfig::Memory => Arc::new(MemoryBudgetStore::new()),
-        StoreConfig::Embedded { path } => Arc::new(EmbeddedBudgetStore::open(path)?),
+        StoreConfig::Embedded { path, sync } => Arc::new(EmbeddedBudgetStore::open_with(path, *sync)?),
     };
     let audit: Arc<dyn AuditSink> = match &config.audit.sink {
         AuditSinkConfig::CloudWatch { log_group, log_stream } if is_own_log_group(log_group) => {

@@ -160,9 +160,24 @@ pub struct SecretsConfig {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreConfig {
-    Embedded { path: PathBuf },
+    Embedded { path: PathBuf, sync: LedgerSync },
     Memory,
     DynamoDb { table: String },
+}
+
+/// When the embedded ledger's journal is fsynced (`store.sync`; the ledger's module
+/// docs, `budget/embedded/mod.rs`, say what each keeps through a crash).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum LedgerSync {
+    /// Every operation is acknowledged once its journal line is written; the writer
+    /// thread fsyncs the journal at most every `SYNC_EVERY` while it holds lines not
+    /// yet synced, off every call's path.
+    #[default]
+    Interval,
+    /// A reservation, intent, sweep or run is acknowledged only once its journal line
+    /// is synced (an fsync shared by the operations of a batch); a settlement at its
+    /// write.
+    Reservation,
 }
 
 #[derive(Debug, Clone)]

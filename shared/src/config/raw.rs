@@ -207,6 +207,15 @@ pub struct RawStore {
     pub path: Option<String>,
     /// DynamoDB table name (kind `dynamodb`).
     pub table: Option<String>,
+    /// When the embedded ledger's journal is fsynced (kind `embedded`). `interval`:
+    /// every operation is acknowledged once its journal line is written, and the
+    /// journal is fsynced every 5 ms at most, off the calls' path; `reservation`: a
+    /// reservation is acknowledged only once its line is fsynced (one fsync shared by
+    /// concurrent calls), a settlement at its write. Neither loses anything
+    /// acknowledged when the process is killed; a power loss or a kernel crash can take
+    /// the operations of about the last 5 ms (`interval`), or the settlements since the
+    /// last fsync (`reservation`): docs/guarantees.md. Default `interval`.
+    pub sync: Option<RawStoreSync>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
@@ -215,6 +224,13 @@ pub enum RawStoreKind {
     Embedded,
     Memory,
     Dynamodb,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase", rename = "StoreSync")]
+pub enum RawStoreSync {
+    Interval,
+    Reservation,
 }
 
 /// The audit trail: one JSON line per inference call, metadata only.

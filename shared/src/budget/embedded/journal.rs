@@ -58,6 +58,8 @@ pub(super) struct Journal {
     /// An fsync failed since the last checkpoint: the lines before it may be lost, and
     /// only a checkpoint makes the ledger durable.
     pub(super) failed: bool,
+    /// A line was written since the last fsync or checkpoint (the epoch's marker aside).
+    pub(super) unsynced: bool,
 }
 
 /// The journal file's size, allocated at open: twice the size that calls a checkpoint.
@@ -144,6 +146,7 @@ impl Journal {
             len: 0,
             lines: left.len(),
             failed: false,
+            unsynced: false,
         };
         Ok((journal, left))
     }
@@ -166,17 +169,27 @@ impl Journal {
             encode(self.epoch, effects, &mut line)?;
             self.write_at(&line)?;
             self.lines += 1;
+            self.unsynced = true;
         }
         Ok(())
     }
 
     /// `fdatasync` of the lines written so far, if there are any: a batch that wrote
     /// nothing still waits for the lines before it.
-    pub(super) fn sync(&self) -> Result<(), StoreError> {
+    pub(super) fn sync(&mut self) -> Result<(), StoreError> {
         if self.lines == 0 {
             return Ok(());
         }
-        self.file.sync_data().map_err(|e| backend(format!("ledger journal {} fsync: {e}", self.path.display())))
+        sync_data(&self.file, &self.path)?;
+        self.unsynced = false;
+        Ok(())
+    }
+
+    /// A second handle on the journal's file, whose `fdatasync` syncs the lines written
+    /// through this one: the writer thread's, which syncs without holding the writer's
+    /// lock (`sync: interval`).
+    pub(super) fn sync_handle(&self) -> Result<File, StoreError> {
+        self.file.try_clone().map_err(|e| backend(format!("ledger journal {}: {e}", self.path.display())))
     }
 
     /// After a checkpoint: a new epoch, whose marker line (no writes) starts the file,
@@ -186,10 +199,16 @@ impl Journal {
         self.len = 0;
         self.lines = 0;
         self.failed = false;
+        self.unsynced = false;
         let mut marker = Vec::new();
         encode(self.epoch, &Effects::default(), &mut marker)?;
         self.write_at(&marker)
     }
+}
+
+/// `fdatasync` of the journal's file, through any handle on it.
+pub(super) fn sync_data(file: &File, path: &Path) -> Result<(), StoreError> {
+    file.sync_data().map_err(|e| backend(format!("ledger journal {} fsync: {e}", path.display())))
 }
 
 /// A journal line, `\n` included: the bytes `serde_json` makes of a [`Line`] (a test

@@ -107,15 +107,21 @@ use self::checkpoint::{checkpoint, journal_epoch};
 pub use self::journal::JOURNAL_BYTES;
 use self::journal::Journal;
 use self::state::{Batch, Ledger};
-use self::writer::{Job, Reply, Writer, write_batch, write_loop};
+use self::writer::{Job, Queued, Reply, Writer, write_batch, write_loop};
 use super::ledger;
 use super::{
     BudgetStore, CounterKey, IntentOutcome, Reservation, ReserveOutcome, ReserveRequest, Run, RunEnd, SettleOutcome,
     StoreError, Swept,
 };
+pub use crate::config::LedgerSync;
 
 /// The most operations one batch carries; more wait for the next one.
 pub const MAX_BATCH: usize = 256;
+
+/// With `sync: interval`, the journal is fsynced at most this often while it holds
+/// lines not yet synced (by the writer thread, off every call's path): a power loss or
+/// a kernel crash can take the operations acknowledged in about this long before it.
+pub const SYNC_EVERY: Duration = Duration::from_millis(5);
 
 /// A checkpoint at least this often while the journal holds anything.
 pub const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
@@ -133,15 +139,17 @@ pub struct EmbeddedBudgetStore {
     writer: Arc<Mutex<Writer>>,
     file: PathBuf,
     /// `None` only while dropping: closing the channel stops the writer.
-    ops: Option<mpsc::Sender<Job>>,
+    ops: Option<mpsc::Sender<Queued>>,
     thread: Option<JoinHandle<()>>,
     syncs: Arc<AtomicU64>,
+    sync: LedgerSync,
 }
 
 impl fmt::Debug for EmbeddedBudgetStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("EmbeddedBudgetStore")
             .field("file", &self.file)
+            .field("sync", &self.sync)
             .field("syncs", &self.syncs())
             .finish_non_exhaustive()
     }
@@ -149,8 +157,18 @@ impl fmt::Debug for EmbeddedBudgetStore {
 
 impl EmbeddedBudgetStore {
     /// Creates or opens the ledger at `path`, replays its journal, and starts its
-    /// writer thread.
+    /// writer thread, with the default `sync: interval`.
     pub fn open(path: &Path) -> Result<Self, StoreError> {
+        Self::open_with(path, LedgerSync::default())
+    }
+
+    /// [`open`](Self::open), its journal synced as `sync` says (see the module docs).
+    pub fn open_with(path: &Path, sync: LedgerSync) -> Result<Self, StoreError> {
+        Self::start(path, sync, SYNC_EVERY)
+    }
+
+    /// `every`: how often the writer thread syncs the journal (`sync: interval`).
+    fn start(path: &Path, sync: LedgerSync, every: Duration) -> Result<Self, StoreError> {
         let file = database_file(path)?;
         let db = Database::create(&file).map_err(|e| backend(format!("open {}: {e}", file.display())))?;
         let mut ledger = Ledger::load(&db)?;
@@ -165,18 +183,22 @@ impl EmbeddedBudgetStore {
             tracing::info!(batches, file = %file.display(), "ledger: journal replayed");
         }
 
+        let handle = match sync {
+            LedgerSync::Interval => Some(journal.sync_handle()?),
+            LedgerSync::Reservation => None,
+        };
         let ledger = Arc::new(RwLock::new(ledger));
-        let writer = Arc::new(Mutex::new(Writer { journal, db }));
+        let writer = Arc::new(Mutex::new(Writer { journal, db, sync }));
         let syncs = Arc::new(AtomicU64::new(0));
         let (ops, queue) = mpsc::channel();
         let thread = thread::Builder::new()
             .name("flexway-ledger".into())
             .spawn({
                 let (ledger, writer, syncs) = (ledger.clone(), writer.clone(), syncs.clone());
-                move || write_loop(&writer, &ledger, &queue, &syncs)
+                move || write_loop(&writer, &ledger, &queue, &syncs, handle, every)
             })
             .map_err(|e| backend(format!("start the ledger writer: {e}")))?;
-        Ok(Self { ledger, writer, file, ops: Some(ops), thread: Some(thread), syncs })
+        Ok(Self { ledger, writer, file, ops: Some(ops), thread: Some(thread), syncs, sync })
     }
 
     /// The database file in use.
@@ -185,34 +207,43 @@ impl EmbeddedBudgetStore {
     }
 
     /// Journal fsyncs that succeeded since `open` (a batch made durable by a checkpoint
-    /// after a failed fsync counts none): one per batch that held a reservation, an intent or
-    /// a sweep, so fewer than the operations acknowledged when concurrent calls shared
-    /// a batch, and none for settlements alone.
+    /// after a failed fsync counts none). With `sync: reservation`, one per batch that
+    /// held a reservation, an intent or a sweep, so fewer than the operations
+    /// acknowledged when concurrent calls shared a batch, and none for settlements
+    /// alone; with `sync: interval`, at most one every [`SYNC_EVERY`], whatever the
+    /// operations. A sync at close counts too, when its checkpoint failed.
     pub fn syncs(&self) -> u64 {
         self.syncs.load(Ordering::Relaxed)
     }
 
     /// Writes one operation here, or queues it for the writer thread (see the module
     /// docs), and waits for its answer: a settlement's once its journal line is
-    /// written, any other's once it is durable.
+    /// written, any other's once it is durable (`sync: reservation`) or written too
+    /// (`sync: interval`).
     async fn submit<T>(&self, job: impl FnOnce(Reply<T>) -> Job) -> Result<T, StoreError> {
         let (reply, answer) = oneshot::channel();
         let job = job(reply);
         let job = if self.written_here(&job) { self.write_here(job) } else { Some(job) };
         if let Some(job) = job {
             let ops = self.ops.as_ref().ok_or_else(|| backend("ledger writer stopped"))?;
-            ops.send(job).map_err(|_| backend("ledger writer stopped"))?;
+            ops.send(Queued::Op(job)).map_err(|_| backend("ledger writer stopped"))?;
         }
         answer.await.map_err(|_| backend("ledger writer stopped before answering"))?
     }
 
-    /// A settlement, or a reservation while the ledger holds no other. Never waits for
-    /// a lock: a checkpoint holds the ledger's through a durable commit.
+    /// A settlement; with `sync: interval`, any operation but a sweep (which reads every
+    /// reservation: the writer thread's work); with `sync: reservation`, a reservation
+    /// while the ledger holds no other. Never waits for a lock: a checkpoint holds the
+    /// ledger's through a durable commit.
     fn written_here(&self, job: &Job) -> bool {
-        match job {
-            Job::Settle { .. } => true,
-            Job::Reserve { .. } => self.ledger.try_read().is_ok_and(|ledger| ledger.live == 0),
-            Job::Intent { .. } | Job::Sweep { .. } | Job::CreateRun { .. } | Job::EndRun { .. } => false,
+        match (self.sync, job) {
+            (_, Job::Settle { .. }) => true,
+            (_, Job::Sweep { .. }) => false,
+            (LedgerSync::Interval, _) => true,
+            (LedgerSync::Reservation, Job::Reserve { .. }) => {
+                self.ledger.try_read().is_ok_and(|ledger| ledger.live == 0)
+            }
+            (LedgerSync::Reservation, Job::Intent { .. } | Job::CreateRun { .. } | Job::EndRun { .. }) => false,
         }
     }
 
@@ -228,11 +259,16 @@ impl EmbeddedBudgetStore {
             Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
             Err(TryLockError::WouldBlock) => return Some(job),
         };
-        write_batch(&self.ledger, vec![job], &mut writer.journal).sync_and_answer(
-            &mut writer,
-            &self.ledger,
-            &self.syncs,
-        );
+        let unsynced = writer.journal.unsynced;
+        write_batch(&self.ledger, vec![job], &mut writer).sync_and_answer(&mut writer, &self.ledger, &self.syncs);
+        // The first line since the journal's last fsync: the writer thread is told one
+        // is due (at most one wake-up an fsync).
+        let wake = self.sync == LedgerSync::Interval && !unsynced && writer.journal.unsynced;
+        drop(writer);
+        if wake && let Some(ops) = &self.ops {
+            // A writer thread gone is found by the next operation.
+            let _ = ops.send(Queued::Unsynced);
+        }
         None
     }
 
@@ -391,19 +427,11 @@ mod tests {
         let ledger = RwLock::new(Ledger::load(&db).unwrap());
         let (journal, left) = Journal::open(&journal_file(&file), journal_epoch(&db).unwrap()).unwrap();
         assert!(left.is_empty());
-        let mut writer = Writer { journal, db };
+        let mut writer = Writer { journal, db, sync: LedgerSync::Reservation };
         let syncs = AtomicU64::new(0);
-        write_batch(&ledger, vec![reserve("r1", 80, 100).0], &mut writer.journal).sync_and_answer(
-            &mut writer,
-            &ledger,
-            &syncs,
-        );
+        write_batch(&ledger, vec![reserve("r1", 80, 100).0], &mut writer).sync_and_answer(&mut writer, &ledger, &syncs);
         let stale = std::fs::read(journal_file(&file)).unwrap();
-        write_batch(&ledger, vec![settle("r1", 10).0], &mut writer.journal).sync_and_answer(
-            &mut writer,
-            &ledger,
-            &syncs,
-        );
+        write_batch(&ledger, vec![settle("r1", 10).0], &mut writer).sync_and_answer(&mut writer, &ledger, &syncs);
         checkpoint(&writer.db, &mut ledger.write().unwrap(), &mut writer.journal).unwrap();
         drop(writer);
         std::fs::write(journal_file(&file), &stale).unwrap();
@@ -446,14 +474,10 @@ mod tests {
             let db = Database::create(&file).unwrap();
             let ledger = RwLock::new(Ledger::load(&db).unwrap());
             let (journal, _) = Journal::open(&journal_file(&file), journal_epoch(&db).unwrap()).unwrap();
-            let mut writer = Writer { journal, db };
+            let mut writer = Writer { journal, db, sync: LedgerSync::Reservation };
             let (reply, answer) = oneshot::channel();
             let job = Job::CreateRun { run: Box::new(parent.clone()), reply };
-            write_batch(&ledger, vec![job], &mut writer.journal).sync_and_answer(
-                &mut writer,
-                &ledger,
-                &AtomicU64::new(0),
-            );
+            write_batch(&ledger, vec![job], &mut writer).sync_and_answer(&mut writer, &ledger, &AtomicU64::new(0));
             assert!(answer.await.unwrap().unwrap());
             // Dropped without a checkpoint: the run is in the journal alone.
         }
@@ -499,12 +523,13 @@ mod tests {
         assert!(ledger.runs.is_empty(), "both runs forgotten");
     }
 
-    /// The caller writes its own reservation only while no other is live; settlements
-    /// always. The live count follows puts, sweeps and removals, and the file.
+    /// With `sync: reservation`, the caller writes its own reservation only while no
+    /// other is live; settlements always. The live count follows puts, sweeps and
+    /// removals, and the file.
     #[tokio::test]
     async fn a_reservation_is_written_by_its_caller_only_while_no_other_is_live() {
         let dir = tempfile::tempdir().unwrap();
-        let store = EmbeddedBudgetStore::open(dir.path()).unwrap();
+        let store = EmbeddedBudgetStore::open_with(dir.path(), LedgerSync::Reservation).unwrap();
         let (alone, _) = reserve("alone", 10, 100);
         assert!(store.written_here(&alone));
         store.reserve(&request("held", 10, 100)).await.unwrap();
@@ -535,8 +560,51 @@ mod tests {
         // Reopened, a reservation the file holds is live.
         store.reserve(&request("kept", 10, 100)).await.unwrap();
         drop(store);
-        let reopened = EmbeddedBudgetStore::open(dir.path()).unwrap();
+        let reopened = EmbeddedBudgetStore::open_with(dir.path(), LedgerSync::Reservation).unwrap();
         assert_eq!(reopened.ledger.read().unwrap().live, 1);
         assert!(!reopened.written_here(&reserve("next", 1, 100).0));
+        drop(reopened);
+
+        // With `sync: interval`, every operation but a sweep, whatever is live.
+        let interval = EmbeddedBudgetStore::open(dir.path()).unwrap();
+        assert_eq!(interval.ledger.read().unwrap().live, 1);
+        assert!(interval.written_here(&reserve("next", 1, 100).0));
+        let (reply, _answer) = oneshot::channel();
+        assert!(interval.written_here(&Job::Intent { request_id: "kept".into(), actual: vec![], renew: None, reply }));
+        let (reply, _answer) = oneshot::channel();
+        assert!(!interval.written_here(&Job::Sweep { now: 0, reply }));
+    }
+
+    /// With `sync: interval`, a reservation is answered once its line is written, before
+    /// any fsync (the writer thread's comes at its own time, here a long one): what a
+    /// process killed right after the answer leaves on disk (the file, and the journal
+    /// in the page cache) holds it. The fsync follows, off the caller's path.
+    #[tokio::test]
+    async fn with_sync_interval_a_reservation_is_answered_at_its_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let every = Duration::from_millis(400);
+        let store = EmbeddedBudgetStore::start(&dir.path().join("live"), LedgerSync::Interval, every).unwrap();
+        let opened = std::time::Instant::now();
+        assert_eq!(store.reserve(&request("r1", 30, 100)).await.unwrap(), ReserveOutcome::Reserved);
+        assert_eq!(store.syncs(), 0, "answered before any fsync");
+        let killed = dir.path().join("killed");
+        std::fs::create_dir(&killed).unwrap();
+        std::fs::copy(store.file(), killed.join(FILE_NAME)).unwrap();
+        std::fs::copy(journal_file(store.file()), journal_file(&killed.join(FILE_NAME))).unwrap();
+        assert!(opened.elapsed() < every, "the test ran too slowly to say anything");
+
+        let copy = EmbeddedBudgetStore::open(&killed).unwrap();
+        assert_eq!(copy.used(&[key("a")]).await.unwrap(), [30], "replayed from the journal");
+        assert_eq!(copy.live_reservations().await.unwrap(), 1);
+        drop(copy);
+
+        let started = std::time::Instant::now();
+        while store.syncs() == 0 {
+            assert!(started.elapsed() < every * 10, "the writer thread never synced the journal");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(opened.elapsed() >= every, "at most one fsync every {every:?}");
+        assert_eq!(store.syncs(), 1, "one fsync for the lines written");
+        assert!(!store.writer.lock().unwrap().journal.unsynced);
     }
 }

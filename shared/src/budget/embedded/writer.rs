@@ -1,29 +1,45 @@
 //! Group commit: the writer thread (`flexway-ledger`) takes the queued operations a
 //! batch at a time, applies them in arrival order over the ledger, journals the batch
 //! in one line, and answers its settlements and refunds at the write, the rest after
-//! the fsync (or, once an fsync failed, a checkpoint). A batch whose line is not
-//! written leaves the ledger as it was and fails every operation in it.
+//! the fsync (or, once an fsync failed, a checkpoint) with `sync: reservation`, at the
+//! write too with `sync: interval`, where the thread syncs the journal on its own clock
+//! (`SYNC_EVERY`), off the writer's lock. A batch whose line is not written leaves the
+//! ledger as it was and fails every operation in it.
 
+use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError, RwLock, mpsc};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use redb::Database;
 use tokio::sync::oneshot;
 
 use super::checkpoint::{checkpoint_held, checkpoint_logged};
 use super::journal::Journal;
+use super::journal::sync_data;
 use super::state::{Batch, Ledger};
 use super::{CHECKPOINT_BYTES, CHECKPOINT_EVERY, MAX_BATCH, backend};
 use crate::budget::ledger::{self, LedgerState};
 use crate::budget::{
     CounterKey, IntentOutcome, ReserveOutcome, ReserveRequest, Run, RunEnd, SettleOutcome, StoreError, Swept,
 };
+use crate::config::LedgerSync;
 
 /// What a batch is written with.
 pub(super) struct Writer {
     pub(super) journal: Journal,
     pub(super) db: Database,
+    /// Whether a batch's operations other than settlements wait for its fsync
+    /// (`Reservation`) or are answered at its write (`Interval`).
+    pub(super) sync: LedgerSync,
+}
+
+/// What the writer thread's queue carries.
+pub(super) enum Queued {
+    Op(Job),
+    /// `sync: interval`: a caller wrote the first line since the journal's last fsync;
+    /// the next one is due.
+    Unsynced,
 }
 
 pub(super) type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
@@ -103,9 +119,10 @@ enum Answer {
 }
 
 impl Answer {
-    /// Any but a settlement's or refund's, which is sent once its line is written.
-    fn waits_for_sync(&self) -> bool {
-        !matches!(self, Answer::Settle(..))
+    /// With `sync: reservation`, any but a settlement's or refund's, which is sent once
+    /// its line is written; with `sync: interval`, none.
+    fn waits_for_sync(&self, sync: LedgerSync) -> bool {
+        sync == LedgerSync::Reservation && !matches!(self, Answer::Settle(..))
     }
 
     fn is_ok(&self) -> bool {
@@ -142,52 +159,112 @@ fn deliver<T>(reply: Reply<T>, result: Result<T, StoreError>, committed: Result<
     let _ = reply.send(result);
 }
 
+/// The writer thread: batches of queued operations, checkpoints, and with
+/// `sync: interval` (`file`: its own handle on the journal) the journal's fsync, at
+/// most every `every` while it holds lines not yet synced.
 pub(super) fn write_loop(
     writer: &Mutex<Writer>,
     ledger: &RwLock<Ledger>,
-    queue: &mpsc::Receiver<Job>,
+    queue: &mpsc::Receiver<Queued>,
     syncs: &AtomicU64,
+    file: Option<File>,
+    every: Duration,
 ) {
     let lock = || writer.lock().unwrap_or_else(PoisonError::into_inner);
     let mut checkpointed = Instant::now();
+    let mut synced = Instant::now();
+    // Lines may wait for an fsync: this thread wrote one, or a caller said so.
+    let mut due = false;
     loop {
-        // Callers write into the journal too, without waking this thread: it looks
-        // every period whether the journal holds anything to checkpoint.
-        let wait = CHECKPOINT_EVERY.saturating_sub(checkpointed.elapsed());
+        // Callers write into the journal too, without waking this thread but for the
+        // first line since an fsync: it looks every period whether the journal holds
+        // anything to checkpoint.
+        let mut wait = CHECKPOINT_EVERY.saturating_sub(checkpointed.elapsed());
+        if due {
+            wait = wait.min(every.saturating_sub(synced.elapsed()));
+        }
         let first = match queue.recv_timeout(wait) {
-            Ok(job) => Some(job),
+            Ok(Queued::Op(job)) => Some(job),
+            Ok(Queued::Unsynced) => {
+                due = true;
+                None
+            }
             Err(mpsc::RecvTimeoutError::Timeout) => None,
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         };
-        let mut writer = lock();
+        let mut held = lock();
         if let Some(first) = first {
             let mut jobs = Vec::with_capacity(16);
             jobs.push(first);
             while jobs.len() < MAX_BATCH {
                 match queue.try_recv() {
-                    Ok(job) => jobs.push(job),
+                    Ok(Queued::Op(job)) => jobs.push(job),
+                    Ok(Queued::Unsynced) => due = true,
                     Err(_) => break,
                 }
             }
-            write_batch(ledger, jobs, &mut writer.journal).sync_and_answer(&mut writer, ledger, syncs);
+            write_batch(ledger, jobs, &mut held).sync_and_answer(&mut held, ledger, syncs);
+            due |= held.journal.unsynced;
         }
-        if writer.journal.len >= CHECKPOINT_BYTES || checkpointed.elapsed() >= CHECKPOINT_EVERY {
+        if held.journal.len >= CHECKPOINT_BYTES || checkpointed.elapsed() >= CHECKPOINT_EVERY {
             checkpointed = Instant::now();
-            checkpoint_logged(ledger, &mut writer);
+            checkpoint_logged(ledger, &mut held);
+        }
+        drop(held);
+        if let Some(file) = &file
+            && due
+            && synced.elapsed() >= every
+        {
+            synced = Instant::now();
+            due = false;
+            sync_unlocked(writer, ledger, file, syncs);
         }
     }
-    // Closing: the file holds everything, and the journal is left empty.
-    checkpoint_logged(ledger, &mut lock());
+    // Closing: the file holds everything, and the journal is left empty; if that
+    // checkpoint failed, the journal is synced instead.
+    let mut held = lock();
+    checkpoint_logged(ledger, &mut held);
+    if held.journal.unsynced && !held.journal.failed {
+        match held.journal.sync() {
+            Ok(()) => _ = syncs.fetch_add(1, Ordering::Relaxed),
+            Err(e) => tracing::error!(error = %e, "ledger journal fsync at close failed"),
+        }
+    }
+}
+
+/// `sync: interval`: the fsync of the lines written so far, on the writer thread's own
+/// handle, without the writer's lock (callers keep writing meanwhile: their lines wait
+/// for the next one). A failed fsync is not tried again (see the module docs): the
+/// ledger is checkpointed at once instead, and the journal is synced no more until a
+/// checkpoint succeeds. Nobody waits for it: a failure is logged.
+fn sync_unlocked(writer: &Mutex<Writer>, ledger: &RwLock<Ledger>, file: &File, syncs: &AtomicU64) {
+    let path = {
+        let mut held = writer.lock().unwrap_or_else(PoisonError::into_inner);
+        if !held.journal.unsynced || held.journal.failed {
+            return;
+        }
+        held.journal.unsynced = false;
+        held.journal.path.clone()
+    };
+    match sync_data(file, &path) {
+        Ok(()) => _ = syncs.fetch_add(1, Ordering::Relaxed),
+        Err(e) => {
+            tracing::error!(error = %e, "ledger journal fsync failed; the ledger is checkpointed instead");
+            let mut held = writer.lock().unwrap_or_else(PoisonError::into_inner);
+            held.journal.failed = true;
+            checkpoint_logged(ledger, &mut held);
+        }
+    }
 }
 
 /// Writes a batch: applies its operations over the ledger, writes its journal line (one
-/// `pwrite(2)`), puts it in the ledger, and answers its settlements and refunds, which
-/// wait for no fsync. The fsync and the other answers follow
-/// ([`Written::sync_and_answer`]).
-pub(super) fn write_batch(ledger: &RwLock<Ledger>, jobs: Vec<Job>, journal: &mut Journal) -> Written {
+/// `pwrite(2)`), puts it in the ledger, and answers the operations that wait for no
+/// fsync (settlements and refunds; with `sync: interval`, all). The fsync and the other
+/// answers follow ([`Written::sync_and_answer`]).
+pub(super) fn write_batch(ledger: &RwLock<Ledger>, jobs: Vec<Job>, writer: &mut Writer) -> Written {
     let mut jobs = jobs.into_iter();
     let mut answers = Vec::with_capacity(jobs.len());
-    let written = apply_and_write(ledger, journal, &mut jobs, &mut answers).map_err(|e| e.to_string());
+    let written = apply_and_write(ledger, &mut writer.journal, &mut jobs, &mut answers).map_err(|e| e.to_string());
     if let Err(why) = &written {
         tracing::error!(error = %why, operations = answers.len() + jobs.len(), "ledger batch not written");
     }
@@ -196,7 +273,7 @@ pub(super) fn write_batch(ledger: &RwLock<Ledger>, jobs: Vec<Job>, journal: &mut
     for job in jobs {
         job.fail(failed.unwrap_or("ledger batch aborted"));
     }
-    let (waiting, settled): (Vec<_>, Vec<_>) = answers.into_iter().partition(Answer::waits_for_sync);
+    let (waiting, settled): (Vec<_>, Vec<_>) = answers.into_iter().partition(|a| a.waits_for_sync(writer.sync));
     for answer in settled {
         answer.send(failed.map_or(Ok(()), Err));
     }
@@ -206,7 +283,8 @@ pub(super) fn write_batch(ledger: &RwLock<Ledger>, jobs: Vec<Job>, journal: &mut
 /// A batch written and in the ledger, whose fsync and answers are still to come.
 #[must_use = "its callers wait for their answers"]
 pub(super) struct Written {
-    /// Those of its reservations, intents and sweeps: the batch needs an fsync if any.
+    /// Those of its reservations, intents and sweeps with `sync: reservation`: the batch
+    /// needs an fsync if any.
     answers: Vec<Answer>,
     failed: Option<String>,
 }
@@ -291,8 +369,9 @@ mod tests {
         let (r3, mut a5) = reserve("r3", 30, 100);
         let syncs = AtomicU64::new(0);
         let (journal, _) = Journal::open(&dir.path().join("batch.journal"), None).unwrap();
-        let mut writer = Writer { journal, db: Database::create(dir.path().join("batch.redb")).unwrap() };
-        let first = write_batch(&ledger, vec![r1, r2, s1, bad, r3], &mut writer.journal);
+        let db = Database::create(dir.path().join("batch.redb")).unwrap();
+        let mut writer = Writer { journal, db, sync: LedgerSync::Reservation };
+        let first = write_batch(&ledger, vec![r1, r2, s1, bad, r3], &mut writer);
 
         assert_eq!(a3.try_recv().unwrap().unwrap(), SettleOutcome::Settled, "before the fsync");
         assert!(matches!(a4.try_recv().unwrap(), Err(StoreError::Corrupt { .. })));
@@ -300,7 +379,7 @@ mod tests {
         first.sync_and_answer(&mut writer, &ledger, &syncs);
         assert_eq!(syncs.load(Ordering::Relaxed), 1);
         let (s3, mut a6) = settle("r3", 5);
-        write_batch(&ledger, vec![s3], &mut writer.journal).sync_and_answer(&mut writer, &ledger, &syncs);
+        write_batch(&ledger, vec![s3], &mut writer).sync_and_answer(&mut writer, &ledger, &syncs);
         assert_eq!(a6.try_recv().unwrap().unwrap(), SettleOutcome::Settled);
         assert_eq!(syncs.load(Ordering::Relaxed), 1, "a settlement alone syncs nothing");
         drop(writer);
@@ -335,12 +414,13 @@ mod tests {
         let db = Database::create(dir.path().join("ledger.redb")).unwrap();
         let ledger = RwLock::new(Ledger::load(&db).unwrap());
         let file = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null").unwrap();
-        let journal = Journal { file, path: "/dev/null".into(), epoch: 0, len: 0, lines: 0, failed: false };
-        let mut writer = Writer { journal, db };
+        let journal =
+            Journal { file, path: "/dev/null".into(), epoch: 0, len: 0, lines: 0, failed: false, unsynced: false };
+        let mut writer = Writer { journal, db, sync: LedgerSync::Reservation };
         let syncs = AtomicU64::new(0);
 
         let (r1, mut a1) = reserve("r1", 80, 100);
-        write_batch(&ledger, vec![r1], &mut writer.journal).sync_and_answer(&mut writer, &ledger, &syncs);
+        write_batch(&ledger, vec![r1], &mut writer).sync_and_answer(&mut writer, &ledger, &syncs);
         assert_eq!(a1.try_recv().unwrap().unwrap(), ReserveOutcome::Reserved);
         assert_eq!(syncs.load(Ordering::Relaxed), 0, "no fsync succeeded");
         assert!(!writer.journal.failed && writer.journal.is_empty(), "a checkpoint started a new journal");
@@ -350,7 +430,7 @@ mod tests {
 
         let (s1, mut a2) = settle("r1", 10);
         let (r2, mut a3) = reserve("r2", 30, 100);
-        let written = write_batch(&ledger, vec![s1, r2], &mut writer.journal);
+        let written = write_batch(&ledger, vec![s1, r2], &mut writer);
         assert_eq!(a2.try_recv().unwrap().unwrap(), SettleOutcome::Settled, "at the write");
         assert!(a3.try_recv().is_err());
         written.sync_and_answer(&mut writer, &ledger, &syncs);
@@ -358,5 +438,35 @@ mod tests {
         let file = Ledger::load(&writer.db).unwrap();
         assert_eq!(file.counters[&key("a")], 40);
         assert_eq!(file.in_file.iter().collect::<Vec<_>>(), [&"r2".to_owned()]);
+    }
+
+    /// With `sync: interval`, a reservation is answered at its write, and the writer
+    /// thread's fsync, which fails here (/dev/null), is made good by a checkpoint that
+    /// nobody waits for.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn with_sync_interval_a_failed_fsync_is_made_good_by_a_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::create(dir.path().join("ledger.redb")).unwrap();
+        let ledger = RwLock::new(Ledger::load(&db).unwrap());
+        let file = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null").unwrap();
+        let handle = file.try_clone().unwrap();
+        let journal =
+            Journal { file, path: "/dev/null".into(), epoch: 0, len: 0, lines: 0, failed: false, unsynced: false };
+        let writer = Mutex::new(Writer { journal, db, sync: LedgerSync::Interval });
+        let syncs = AtomicU64::new(0);
+
+        let (r1, mut a1) = reserve("r1", 80, 100);
+        let written = write_batch(&ledger, vec![r1], &mut writer.lock().unwrap());
+        assert_eq!(a1.try_recv().unwrap().unwrap(), ReserveOutcome::Reserved, "at the write");
+        written.sync_and_answer(&mut writer.lock().unwrap(), &ledger, &syncs);
+        assert!(writer.lock().unwrap().journal.unsynced);
+        assert!(Ledger::load(&writer.lock().unwrap().db).unwrap().counters.is_empty(), "in the journal alone");
+
+        sync_unlocked(&writer, &ledger, &handle, &syncs);
+        assert_eq!(syncs.load(Ordering::Relaxed), 0, "no fsync succeeded");
+        let writer = writer.into_inner().unwrap();
+        assert!(!writer.journal.failed && writer.journal.is_empty(), "a checkpoint started a new journal");
+        assert_eq!(Ledger::load(&writer.db).unwrap().counters[&key("a")], 80);
     }
 }

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use super::super::raw::{RawAudit, RawSinkKind, RawStore, RawStoreKind, RawTelemetry};
+use super::super::raw::{RawAudit, RawSinkKind, RawStore, RawStoreKind, RawStoreSync, RawTelemetry};
 use super::super::values::base_url;
 use super::super::*;
 use super::Checker;
@@ -15,24 +15,33 @@ const LAMBDA_MAX_REQUEST_BYTES: u64 = 6 * 1024 * 1024;
 
 impl Checker<'_> {
     pub(super) fn store(&mut self, raw: Option<RawStore>) -> Option<StoreConfig> {
-        let Some(RawStore { kind, path, table }) = raw else {
-            return Some(StoreConfig::Embedded { path: PathBuf::from(DEFAULT_LEDGER_PATH) });
+        let Some(RawStore { kind, path, table, sync }) = raw else {
+            return Some(StoreConfig::Embedded {
+                path: PathBuf::from(DEFAULT_LEDGER_PATH),
+                sync: LedgerSync::default(),
+            });
         };
         let kind = self.required("store.kind", kind, "(embedded | memory | dynamodb)")?;
-        let (has_path, has_table) = (path.is_some(), table.is_some());
+        let (has_path, has_table, has_sync) = (path.is_some(), table.is_some(), sync.is_some());
         match kind {
             RawStoreKind::Embedded => {
                 self.refuse("store", "table", has_table, "store kind embedded", "kind dynamodb");
                 let path = self.non_empty("store.path", path, "(the ledger directory of kind embedded)")?;
-                Some(StoreConfig::Embedded { path: path.into() })
+                let sync = match sync {
+                    None | Some(RawStoreSync::Interval) => LedgerSync::Interval,
+                    Some(RawStoreSync::Reservation) => LedgerSync::Reservation,
+                };
+                Some(StoreConfig::Embedded { path: path.into(), sync })
             }
             RawStoreKind::Memory => {
                 self.refuse("store", "path", has_path, "store kind memory", "kind embedded");
                 self.refuse("store", "table", has_table, "store kind memory", "kind dynamodb");
+                self.refuse("store", "sync", has_sync, "store kind memory", "kind embedded");
                 Some(StoreConfig::Memory)
             }
             RawStoreKind::Dynamodb => {
                 self.refuse("store", "path", has_path, "store kind dynamodb", "kind embedded");
+                self.refuse("store", "sync", has_sync, "store kind dynamodb", "kind embedded");
                 let table = self.non_empty("store.table", table, "(the DynamoDB table of kind dynamodb)")?;
                 Some(StoreConfig::DynamoDb { table })
             }
