@@ -1,78 +1,114 @@
-//! `EmbeddedBudgetStore`: the durable local ledger (`store: {kind: embedded, path: ...}`),
-//! the same rules as every other store (`ledger.rs`), kept in memory, made durable by a
-//! journal, and checkpointed into one redb file.
+//! `EmbeddedBudgetStore`: the durable local ledger (`store: {kind: embedded, path: ...,
+//! sync: interval | reservation}`), the same rules as every other store (`ledger.rs`),
+//! kept in memory, made durable by a journal, and checkpointed into one redb file.
 //!
 //! Writes are committed in groups by one writer thread (`flexway-ledger`): it waits
-//! for an operation (a second at most, to look for a checkpoint due), drains whatever
-//! else is already queued (up to [`MAX_BATCH`]), applies them in arrival order — each
-//! operation's rules see the state the previous ones left — appends what the batch
-//! wrote to the journal (`<file>.journal`: one JSON line a batch, one `write(2)`,
-//! values rather than operations), and only then puts the batch in the ledger that
-//! reads see. It answers the batch's settlements and refunds at once, and the rest
-//! after the journal's fsync: a settlement queued with reservations does not wait for
-//! their fsync (it may still wait for the fsync of the batch before it, which holds the
-//! writer's lock: writing it on its caller's thread meanwhile, one `write(2)` a
-//! settlement, cost 7% of the throughput at 64 connections).
+//! for an operation (a second at most, to look for a checkpoint due; [`SYNC_EVERY`] at
+//! most when the journal holds lines to sync), drains whatever else is already queued
+//! (up to [`MAX_BATCH`]), applies them in arrival order — each operation's rules see
+//! the state the previous ones left — appends what the batch wrote to the journal
+//! (`<file>.journal`: one JSON line a batch, one `write(2)`, values rather than
+//! operations), and only then puts the batch in the ledger that reads see.
 //!
-//! Two operations skip the queue and are written by their caller, on its own thread,
-//! as a batch of one, when no batch or checkpoint is being written (the writer's lock
-//! and the ledger's are free): a settlement or refund, which waits for no fsync, and a
-//! reservation when the ledger holds no other live reservation (a call alone), fsync
-//! included. Handing these to the writer thread and back took two wake-ups each, four
-//! a call. Such an operation may pass operations already queued: arrival
-//! order holds within a batch. The fsync of a reservation written so blocks the whole
-//! serving thread (`flexway serve` runs one single-threaded runtime per core), every
-//! connection on it included, for as long as the disk takes; it happens only when no
-//! other budgeted call is in flight in the process, so no other call's reservation
-//! waits behind it, but unbudgeted requests and open streams on that thread do. Under
-//! concurrency a reservation goes through the queue, where it shares its fsync with
-//! the others'.
+//! When an operation is acknowledged, and when the journal is synced (`store.sync`,
+//! [`LedgerSync`]):
+//! - `interval` (the default): every operation (reservation, settlement, refund,
+//!   intent, sweep, run created or ended) once its journal line is written, in the
+//!   page cache. The writer thread `fdatasync`s the journal at most every
+//!   [`SYNC_EVERY`] while it holds lines not yet synced, and never under the writer's
+//!   lock: it notes, under the lock, that the lines written so far are being synced,
+//!   then syncs its own handle on the file (`try_clone`) while callers keep writing;
+//!   lines written during the fsync wait for the next one. A caller whose line is the
+//!   first since an fsync tells the thread (one message an fsync at most); the thread's
+//!   own batches it knows of. No call waits for an fsync, and none waits behind one;
+//! - `reservation`: a settlement or refund once its line is written, whatever else its
+//!   batch holds; a reservation, an intent, a sweep or a run once its line is synced
+//!   (`fdatasync`: one short write, where a durable redb commit rewrites about ten
+//!   pages), one fsync for the batch. A settlement queued with reservations does not
+//!   wait for their fsync (it may still wait for the fsync of the batch before it,
+//!   which holds the writer's lock: writing it on its caller's thread meanwhile, one
+//!   `write(2)` a settlement, cost 7% of the throughput at 64 connections). Lines that
+//!   no reservation's fsync followed reach the disk with the next fsync or checkpoint.
 //!
-//! A call pays one fsync, and a small one: a reservation, an intent or a sweep is
-//! answered once its journal line is on disk (`fdatasync`: one short write, where a
-//! durable redb commit rewrites about ten pages); a settlement or refund once its line
-//! is in the page cache, whatever else its batch holds, which a killed process does not
-//! lose, and the next synced line or checkpoint carries it to the disk. A checkpoint
-//! writes what changed since the last one into the redb file (one durable commit) and
-//! empties the journal: every [`CHECKPOINT_EVERY`] while the journal holds anything,
-//! past [`CHECKPOINT_BYTES`] of journal (looked at after each of the writer thread's
-//! batches and every second), and at close. `open` loads the file and replays
-//! what a dead process left in the journal: a line sets values, so replaying it twice
-//! changes nothing.
+//! Operations skip the queue and are written by their caller, on its own thread, as a
+//! batch of one, when no batch or checkpoint is being written (the writer's lock and
+//! the ledger's are free): with `interval`, every operation but a sweep (which reads
+//! every reservation: the writer thread's work), whatever is in flight; with
+//! `reservation`, a settlement or refund, and a reservation when the ledger holds no
+//! other live reservation (a call alone), fsync included. Handing these to the writer
+//! thread and back took two wake-ups each, four a call. Such an operation may pass
+//! operations already queued: arrival order holds within a batch. With `reservation`,
+//! the fsync of a reservation written so blocks the whole serving thread (`flexway
+//! serve` runs one single-threaded runtime per core), every connection on it included,
+//! for as long as the disk takes; it happens only when no other budgeted call is in
+//! flight in the process, so no other call's reservation waits behind it, but
+//! unbudgeted requests and open streams on that thread do. Under concurrency a
+//! reservation goes through the queue, where it shares its fsync with the others'.
+//!
+//! What a crash can lose (docs/guarantees.md says it to users). The journal is synced
+//! whole up to a point and read back from its start to its first line that does not
+//! read, so after any crash the ledger reopens as it was at one moment: no operation
+//! survives an earlier one's loss.
+//! - A killed process (`kill -9`, an abort): nothing acknowledged, in either mode. What
+//!   it wrote to the journal is in the page cache, which outlives it, and the next
+//!   `open` replays it.
+//! - A power loss or a kernel crash, with `interval`: the operations acknowledged since
+//!   the last fsync that completed, those of about the last [`SYNC_EVERY`] (plus the
+//!   time of an fsync under way). A reservation lost so is a call admitted in those
+//!   milliseconds, which the machine's end cut or which the provider served: its cost
+//!   is never counted, so a tenant's spend may pass its limits by at most the
+//!   allowances of those calls. A settlement lost so leaves its reservation (if synced)
+//!   held until the sweeper refunds it at expiry: that call goes uncharged, its
+//!   allowance never spent twice. A sweep lost is swept again; a run created or ended
+//!   in those milliseconds may be unknown, or not ended, after the restart.
+//! - A power loss or a kernel crash, with `reservation`: only the settlements and
+//!   refunds journaled since the last fsync. Their reservations were synced and stay
+//!   held until the sweeper refunds them at expiry: no limit is passed, and those calls
+//!   go uncharged in the ledger (the audit still has them).
+//!
+//! A checkpoint writes what changed since the last one into the redb file (one durable
+//! commit) and empties the journal: every [`CHECKPOINT_EVERY`] while the journal holds
+//! anything, past [`CHECKPOINT_BYTES`] of journal (looked at after each of the writer
+//! thread's batches and every second), and at close (`Drop`: the writer thread's last
+//! batch, then the checkpoint; if it fails, the journal is synced instead). `open`
+//! loads the file and replays what a dead process left in the journal: a line sets
+//! values, so replaying it twice changes nothing.
 //!
 //! Invariants:
-//! - nothing acknowledged is lost when the process dies: a reservation, intent or sweep
-//!   is acknowledged only after the fsync of the journal line that holds it (or, once
-//!   an fsync failed, the checkpoint that holds it); a
-//!   settlement once the journal holds it (a power loss, unlike a killed process, may
-//!   take the settlements journaled since the last fsync with the page cache: their
-//!   reservations stay held, and the sweeper refunds them at their expiry). If the
-//!   journal write fails, every operation of the batch gets the error and the ledger is
-//!   left as it was; lines reach the journal in the order of the lock, fsync or not;
+//! - nothing acknowledged is lost when the process dies: an operation is acknowledged
+//!   only once its journal line is written (with `reservation`, a reservation, intent,
+//!   sweep or run only after the fsync of that line or, once an fsync failed, the
+//!   checkpoint that holds it). If the journal write fails, every operation of the
+//!   batch gets the error and the ledger is left as it was; lines reach the journal in
+//!   the order of the lock, fsync or not;
 //! - an operation applies whole or not at all: its writes are kept apart until its rules
 //!   returned `Ok`; an operation whose rules fail leaves nothing behind and the rest of
 //!   the batch proceeds;
 //! - reads (`used`, `live_reservations`) see no operation before its journal line is
 //!   written: a batch reaches the ledger they read once its line is in the journal
-//!   (what a replay would find), never while its rules run. A reservation may be read
-//!   there during its fsync, before its caller is answered. They take a read lock and
-//!   touch no file;
+//!   (what a replay would find), never while its rules run. With `reservation`, a
+//!   reservation may be read there during its fsync, before its caller is answered.
+//!   They take a read lock and touch no file;
 //! - a record of the file that does not decode fails only the operations that read it
 //!   (its reservation's, or any that reads them all), as it would in the file.
 //!
 //! A failed fsync is not tried again: Linux reports a writeback error once and may drop
 //! the pages, so the journal's lines since the last checkpoint may never reach the disk,
-//! and a later fsync that succeeds vouches for nothing before it. The batch, already in
-//! the ledger, is made durable by a checkpoint instead (the whole ledger committed to
-//! the file, a new journal), and so is every batch after it until a checkpoint
-//! succeeds; its callers get the checkpoint's outcome (its settlements were answered at
-//! the write). Such a checkpoint may run on a serving thread, for a call alone. A
-//! reservation whose caller got the error may still be in the ledger: a retry finds it,
-//! and is acknowledged only once a checkpoint succeeds; else it is held until the
-//! sweeper refunds it, never a charge that did not happen. redb refuses every write
-//! after a commit that failed, until the file is opened again: once a checkpoint fails,
-//! reservations, intents and sweeps fail until the process restarts (settlements are
-//! still journaled, and replayed at the next open).
+//! and a later fsync that succeeds vouches for nothing before it. The ledger is made
+//! durable by a checkpoint instead (the whole ledger committed to the file, a new
+//! journal). With `interval`, the writer thread runs it at once; nobody waits for it
+//! and both failures are logged; until a checkpoint succeeds the journal is not synced
+//! (the next comes within [`CHECKPOINT_EVERY`]). With `reservation`, the batch's
+//! callers get the checkpoint's outcome (its settlements were answered at the write),
+//! and so does every batch after it until a checkpoint succeeds; such a checkpoint may
+//! run on a serving thread, for a call alone. A reservation whose caller got the error
+//! may still be in the ledger: a retry finds it, and is acknowledged only once a
+//! checkpoint succeeds; else it is held until the sweeper refunds it, never a charge
+//! that did not happen. redb refuses every write after a commit that failed, until the
+//! file is opened again: once a checkpoint fails, with `reservation`, reservations,
+//! intents and sweeps fail until the process restarts (settlements are still journaled,
+//! and replayed at the next open); with `interval`, operations are still journaled and
+//! acknowledged, and replayed at the next open, but no longer synced.
 //!
 //! A call whose future is dropped after its operation was queued may still apply;
 //! retrying is safe because reservations are idempotent on the request id.
