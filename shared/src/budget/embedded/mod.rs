@@ -52,9 +52,10 @@
 //! - A killed process (`kill -9`, an abort): nothing acknowledged, in either mode. What
 //!   it wrote to the journal is in the page cache, which outlives it, and the next
 //!   `open` replays it.
-//! - A power loss or a kernel crash, with `interval`: the operations acknowledged since
-//!   the last fsync that completed, those of about the last [`SYNC_EVERY`] (plus the
-//!   time of an fsync under way). A reservation lost so is a call admitted in those
+//! - A power loss or a kernel crash, with `interval`: the operations acknowledged after
+//!   the start of the last fsync that completed, those of about the last
+//!   [`SYNC_EVERY`], more when the disk's fsyncs themselves take longer (the next one
+//!   starts once the one under way ends). A reservation lost so is a call admitted in those
 //!   milliseconds, which the machine's end cut or which the provider served: its cost
 //!   is never counted, so a tenant's spend may pass its limits by at most the
 //!   allowances of those calls. A settlement lost so leaves its reservation (if synced)

@@ -204,7 +204,9 @@ pub(super) fn write_loop(
                 }
             }
             write_batch(ledger, jobs, &mut held).sync_and_answer(&mut held, ledger, syncs);
-            due |= held.journal.unsynced;
+            // With `sync: reservation` lines left unsynced (settlements) wait for the
+            // next reservation's fsync or checkpoint.
+            due |= file.is_some() && held.journal.unsynced;
         }
         if held.journal.len >= CHECKPOINT_BYTES || checkpointed.elapsed() >= CHECKPOINT_EVERY {
             checkpointed = Instant::now();
