@@ -560,12 +560,12 @@ mod tests {
         assert_eq!(session(&headers), None, "expired");
     }
 
-    #[test]
-    fn the_mcp_section_shows_each_server_s_calls_and_spend() {
-        let overview = Overview {
+    /// An overview of `tenants` tenants on one page, with nothing in any section.
+    fn empty_overview(tenants: usize) -> Overview {
+        Overview {
             at: 1_765_000_000,
             scopes: Vec::new(),
-            tenants: 0,
+            tenants,
             page: 1,
             pages: 1,
             backends: Vec::new(),
@@ -573,7 +573,12 @@ mod tests {
             rate_limited: Vec::new(),
             calls_per_minute: vec![0; 60],
             alerts: Vec::new(),
-        };
+        }
+    }
+
+    #[test]
+    fn the_mcp_section_shows_each_server_s_calls_and_spend() {
+        let overview = empty_overview(0);
         assert!(!render_page(&overview, "", &[]).contains("id=\"mcp\""), "no section without a call");
         let search = McpTotals { server: "<search>".into(), calls: 4, errors: 1, spent: MicroEur(3_500) };
         let page = render_page(&overview, "", &[search]);
@@ -593,18 +598,7 @@ mod tests {
             saved_micro_eur,
             entries,
         };
-        let mut overview = Overview {
-            at: 1_765_000_000,
-            scopes: Vec::new(),
-            tenants: 2,
-            page: 1,
-            pages: 1,
-            backends: Vec::new(),
-            cache: Vec::new(),
-            rate_limited: Vec::new(),
-            calls_per_minute: vec![0; 60],
-            alerts: Vec::new(),
-        };
+        let mut overview = empty_overview(2);
         assert!(!render_page(&overview, "", &[]).contains("id=\"cache\""), "no section without a figure");
 
         overview.cache = vec![row("acme", 3, 1_234_500, Some(42)), row("<globex>", 0, 0, None)];
@@ -621,18 +615,7 @@ mod tests {
 
     #[test]
     fn the_rate_limit_section_shows_each_holder_s_refusals() {
-        let mut overview = Overview {
-            at: 1_765_000_000,
-            scopes: Vec::new(),
-            tenants: 1,
-            page: 1,
-            pages: 1,
-            backends: Vec::new(),
-            cache: Vec::new(),
-            rate_limited: Vec::new(),
-            calls_per_minute: vec![0; 60],
-            alerts: Vec::new(),
-        };
+        let mut overview = empty_overview(1);
         assert!(!render_page(&overview, "", &[]).contains("id=\"rate-limited\""), "no section without a refusal");
         overview.rate_limited = vec![crate::console::RateLimitedRow {
             tenant: "<acme>".into(),
