@@ -57,7 +57,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
 use axum::Router;
-use tokio::net::TcpListener;
+use tokio::net::TcpSocket;
 
 pub use load::Capacity;
 pub use scenario::{Scenario, ScenarioError};
@@ -104,7 +104,14 @@ impl FakeModel {
     /// Serve on `addr` as a model server of `capacity`: calls beyond its slots
     /// wait in its queue, and `GET /metrics` shows it (see [`load`]).
     pub async fn start_with(addr: SocketAddr, capacity: Option<Capacity>) -> std::io::Result<FakeModel> {
-        let listener = TcpListener::bind(addr).await?;
+        // A long accept queue: a gateway opening thousands of upstream connections at
+        // once (the streams bench) would overflow tokio's default of 1,024 and wait
+        // for SYN retries (1, 3, 7, 15, 31 s), which is this server's limit, not the
+        // gateway's. The kernel caps it at `net.core.somaxconn`.
+        let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        let listener = socket.listen(16_384)?;
         let addr = listener.local_addr()?;
         // Small SSE frames must leave at once, not wait for Nagle.
         let listener = listener.tap_io(|tcp| {
