@@ -97,19 +97,18 @@
 //! the pages, so the journal's lines since the last checkpoint may never reach the disk,
 //! and a later fsync that succeeds vouches for nothing before it. The ledger is made
 //! durable by a checkpoint instead (the whole ledger committed to the file, a new
-//! journal). With `interval`, the writer thread runs it at once; nobody waits for it
-//! and both failures are logged; until a checkpoint succeeds the journal is not synced
-//! (the next comes within [`CHECKPOINT_EVERY`]). With `reservation`, the batch's
-//! callers get the checkpoint's outcome (its settlements were answered at the write),
-//! and so does every batch after it until a checkpoint succeeds; such a checkpoint may
-//! run on a serving thread, for a call alone. A reservation whose caller got the error
-//! may still be in the ledger: a retry finds it, and is acknowledged only once a
-//! checkpoint succeeds; else it is held until the sweeper refunds it, never a charge
-//! that did not happen. redb refuses every write after a commit that failed, until the
-//! file is opened again: once a checkpoint fails, with `reservation`, reservations,
-//! intents and sweeps fail until the process restarts (settlements are still journaled,
-//! and replayed at the next open); with `interval`, operations are still journaled and
-//! acknowledged, and replayed at the next open, but no longer synced.
+//! journal). With `interval`, the writer thread runs it at once, nobody waits for it,
+//! and both failures are logged. Until a checkpoint succeeds, in either mode, every
+//! batch's callers but its settlements' get a checkpoint's outcome (its settlements
+//! were answered at the write); such a checkpoint may run on a serving thread, for a
+//! call alone. So `interval` falls back to `reservation`'s rule while the journal
+//! cannot be synced, and what a power loss may take stays bounded. A reservation
+//! whose caller got the error may still be in the ledger: a retry finds it, and is
+//! acknowledged only once a checkpoint succeeds; else it is held until the sweeper
+//! refunds it, never a charge that did not happen. redb refuses every write after a
+//! commit that failed, until the file is opened again: once a checkpoint fails,
+//! reservations, intents and sweeps fail until the process restarts (settlements are
+//! still journaled, and replayed at the next open).
 //!
 //! A call whose future is dropped after its operation was queued may still apply;
 //! retrying is safe because reservations are idempotent on the request id.

@@ -120,9 +120,13 @@ enum Answer {
 
 impl Answer {
     /// With `sync: reservation`, any but a settlement's or refund's, which is sent once
-    /// its line is written; with `sync: interval`, none.
-    fn waits_for_sync(&self, sync: LedgerSync) -> bool {
-        sync == LedgerSync::Reservation && !matches!(self, Answer::Settle(..))
+    /// its line is written; with `sync: interval`, none while the journal's fsyncs
+    /// succeed. Once one failed and no checkpoint has succeeded since (`failed`), the
+    /// journal is synced no more, so those wait for a checkpoint in either mode: the
+    /// lines a power loss may take stay bounded, and a ledger that cannot be made
+    /// durable refuses reservations rather than acknowledge them.
+    fn waits_for_sync(&self, sync: LedgerSync, failed: bool) -> bool {
+        (sync == LedgerSync::Reservation || failed) && !matches!(self, Answer::Settle(..))
     }
 
     fn is_ok(&self) -> bool {
@@ -275,7 +279,9 @@ pub(super) fn write_batch(ledger: &RwLock<Ledger>, jobs: Vec<Job>, writer: &mut 
     for job in jobs {
         job.fail(failed.unwrap_or("ledger batch aborted"));
     }
-    let (waiting, settled): (Vec<_>, Vec<_>) = answers.into_iter().partition(|a| a.waits_for_sync(writer.sync));
+    let failed_sync = writer.journal.failed;
+    let (waiting, settled): (Vec<_>, Vec<_>) =
+        answers.into_iter().partition(|a| a.waits_for_sync(writer.sync, failed_sync));
     for answer in settled {
         answer.send(failed.map_or(Ok(()), Err));
     }
@@ -470,5 +476,32 @@ mod tests {
         let writer = writer.into_inner().unwrap();
         assert!(!writer.journal.failed && writer.journal.is_empty(), "a checkpoint started a new journal");
         assert_eq!(Ledger::load(&writer.db).unwrap().counters[&key("a")], 80);
+    }
+
+    /// With `sync: interval`, once an fsync failed and no checkpoint has succeeded
+    /// since, the journal is synced no more: a reservation then waits for a checkpoint,
+    /// as with `sync: reservation`, so that nothing acknowledged is left to the page
+    /// cache alone for longer than the interval.
+    #[tokio::test]
+    async fn with_sync_interval_a_failed_journal_makes_reservations_wait_for_a_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::create(dir.path().join("ledger.redb")).unwrap();
+        let ledger = RwLock::new(Ledger::load(&db).unwrap());
+        let (mut journal, _) = Journal::open(&dir.path().join("ledger.journal"), None).unwrap();
+        journal.failed = true;
+        let mut writer = Writer { journal, db, sync: LedgerSync::Interval };
+        let syncs = AtomicU64::new(0);
+
+        let (r1, mut a1) = reserve("r1", 80, 100);
+        let written = write_batch(&ledger, vec![r1], &mut writer);
+        assert!(a1.try_recv().is_err(), "not answered at the write");
+        written.sync_and_answer(&mut writer, &ledger, &syncs);
+        assert_eq!(a1.try_recv().unwrap().unwrap(), ReserveOutcome::Reserved);
+        assert!(!writer.journal.failed, "the checkpoint succeeded");
+        assert_eq!(Ledger::load(&writer.db).unwrap().counters[&key("a")], 80, "in the file before its answer");
+
+        let (r2, mut a2) = reserve("r2", 10, 100);
+        let _ = write_batch(&ledger, vec![r2], &mut writer);
+        assert_eq!(a2.try_recv().unwrap().unwrap(), ReserveOutcome::Reserved, "at the write again");
     }
 }

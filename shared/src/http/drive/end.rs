@@ -480,6 +480,12 @@ impl Ending {
         turns.cost = turns.cost.saturating_add(cost);
         turns.responses += 1;
         turns.floor = usage.total();
+        // The record holds the session's totals so far, so that a session whose task is
+        // dropped before its end (a shutdown) is recorded as the ledger charged it.
+        self.draft.usage(turns.usage, UsageSource::Reported, turns.cost);
+        if turns.counted {
+            self.draft.charged();
+        }
         self.gateway.metrics.realtime_response(turns.caller.tenant.as_str(), turns.backend.as_str());
         Ok(())
     }
