@@ -428,8 +428,8 @@ async fn with_sync_interval_calls_are_written_on_their_own_thread_and_synced_aft
         assert!(attempts < 3, "no attempt had its three calls answered at once");
     }
     assert_eq!(store.live_reservations().await.unwrap(), 3 * attempts, "each written while others were live");
-    let settled = store.settle(&held("held-1-0", &[("a", 10)]), &[(key("a"), 4)]).now_or_never();
-    assert_eq!(settled.map(Result::unwrap), Some(SettleOutcome::Settled));
+    let settled = store.settle(&held("held-1-0", &[("a", 10)]), &[(key("a"), 4)]).await;
+    assert_eq!(settled.unwrap(), SettleOutcome::Settled);
     while store.syncs() == 0 {
         assert!(started.elapsed() < std::time::Duration::from_secs(5), "the journal was never synced");
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
