@@ -76,7 +76,7 @@ impl Agent {
             "clientInfo": {"name": "flexway-tests", "version": "1"}}});
         let response = self.post(&body).send().await.unwrap();
         let session = response.headers().get("mcp-session-id").map(|v| v.to_str().unwrap().to_owned());
-        let init = answer(response).await;
+        let init = json_rpc_answer(response).await;
         assert_eq!(init["result"]["protocolVersion"], VERSION, "{init}");
         self.session = Some(session.unwrap_or_else(|| panic!("no Mcp-Session-Id for {init}")));
         let note = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
@@ -92,7 +92,7 @@ impl Agent {
             let id = self.ids.fetch_add(1, Ordering::Relaxed);
             let params = cursor.as_ref().map(|c| json!({"cursor": c})).unwrap_or_else(|| json!({}));
             let body = json!({"jsonrpc": "2.0", "id": id, "method": "tools/list", "params": params});
-            let list = answer(self.post(&body).send().await.unwrap()).await;
+            let list = json_rpc_answer(self.post(&body).send().await.unwrap()).await;
             let tools = list["result"]["tools"].as_array().unwrap_or_else(|| panic!("no tools in {list}"));
             names.extend(tools.iter().map(|t| t["name"].as_str().unwrap().to_owned()));
             cursor = list["result"].get("nextCursor").filter(|c| !c.is_null()).cloned();
@@ -106,7 +106,7 @@ impl Agent {
 
     /// `tools/call`: its JSON-RPC answer.
     async fn call(&self, name: &str, arguments: Value) -> Value {
-        answer(self.call_response(name, arguments).await).await
+        json_rpc_answer(self.call_response(name, arguments).await).await
     }
 
     async fn call_response(&self, name: &str, arguments: Value) -> reqwest::Response {
@@ -115,22 +115,6 @@ impl Agent {
             "params": {"name": name, "arguments": arguments}});
         self.post(&body).send().await.unwrap()
     }
-}
-
-/// The JSON-RPC answer in a response: its body (`application/json`) or the SSE event
-/// that carries a message with an `id`.
-async fn answer(response: reqwest::Response) -> Value {
-    let status = response.status();
-    let text = response.text().await.unwrap();
-    assert_eq!(status, 200, "{text}");
-    if let Ok(value) = serde_json::from_str::<Value>(&text) {
-        return value;
-    }
-    text.lines()
-        .filter_map(|line| line.strip_prefix("data:"))
-        .filter_map(|data| serde_json::from_str::<Value>(data.trim()).ok())
-        .find(|message| message.get("id").is_some())
-        .unwrap_or_else(|| panic!("no JSON-RPC answer in {text}"))
 }
 
 fn text_of(answer: &Value) -> &str {

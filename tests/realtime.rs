@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::{self, Message};
 
-type Client = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+use flexway_testkit::realtime::{Session as Client, next_event, one_response};
 
 /// `acme` with `budgets`, one backend `rt` at `url` serving chat and realtime
 /// (1 € / 2 € per million tokens), allowances of 50 tokens (at least 10).
@@ -55,30 +55,6 @@ async fn connect(
         }
     }
     tokio_tungstenite::connect_async(request).await
-}
-
-/// The next text event, as JSON (binary messages are returned as `{"binary": len}`).
-async fn next_event(client: &mut Client) -> Value {
-    loop {
-        let message = tokio::time::timeout(Duration::from_secs(10), client.next()).await.unwrap().unwrap().unwrap();
-        match message {
-            Message::Text(text) => return serde_json::from_str(text.as_str()).unwrap(),
-            Message::Close(frame) => return json!({"close": frame.map(|f| (u16::from(f.code), f.reason.to_string()))}),
-            Message::Binary(data) => return json!({"binary": data.len()}),
-            _ => continue,
-        }
-    }
-}
-
-/// Sends `response.create` and reads up to its `response.done`.
-async fn one_response(client: &mut Client) -> Value {
-    client.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
-    loop {
-        let event = next_event(client).await;
-        if event["type"] == "response.done" || event.get("close").is_some() {
-            return event;
-        }
-    }
 }
 
 /// Reads until the session's close frame: its code and reason.
@@ -570,10 +546,7 @@ async fn a_session_paces_its_responses_and_stays_open_past_a_limit() {
     let (adapters, _) = memory_adapters();
     // Each response reserves its allowance (one request) as it is asked for or
     // started: two responses fit a minute's two requests.
-    let second = flexway::budget::period::unix_now() % 60;
-    if second > 40 {
-        tokio::time::sleep(Duration::from_secs(60 - second)).await;
-    }
+    with_seconds_left_in_the_minute(20).await;
     let yaml = realtime_config(&fake.url(), "{}\n    limits: {requests_per_minute: 2}", "");
     let gw = serve_in_process(&yaml, adapters).await;
     let (mut client, response) = connect(&gw.url, "m", Auth::Bearer(KEY)).await.unwrap();
@@ -742,10 +715,7 @@ async fn a_session_is_one_call_of_its_run_and_each_response_a_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_response_counts_on_the_backends_provider_quota() {
     use flexway::budget::{CounterKey, Unit, period::unix_now};
-    let second = unix_now() % 60;
-    if second > 40 {
-        tokio::time::sleep(Duration::from_secs(60 - second)).await;
-    }
+    with_seconds_left_in_the_minute(20).await;
     let fake = FakeModel::start().await.unwrap();
     let (adapters, _) = memory_adapters();
     let yaml = realtime_config(&fake.url(), "{}", "").replace(
@@ -789,10 +759,7 @@ async fn event_of(client: &mut Client, kind: &str) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_asked_for_while_one_runs_leaves_the_running_one_counted() {
     use flexway::budget::{CounterKey, Unit, period::unix_now};
-    let second = unix_now() % 60;
-    if second > 40 {
-        tokio::time::sleep(Duration::from_secs(60 - second)).await;
-    }
+    with_seconds_left_in_the_minute(20).await;
     let fake = FakeModel::start().await.unwrap();
     let (adapters, _) = memory_adapters();
     let yaml = realtime_config(&fake.url(), "{}\n    limits: {requests_per_minute: 2}", "").replace(
@@ -890,10 +857,7 @@ async fn an_allowance_reserved_again_in_a_new_minute_gives_back_its_quota() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_that_starts_while_another_runs_is_cancelled() {
     use flexway::budget::{CounterKey, Unit, period::unix_now};
-    let second = unix_now() % 60;
-    if second > 40 {
-        tokio::time::sleep(Duration::from_secs(60 - second)).await;
-    }
+    with_seconds_left_in_the_minute(20).await;
     let fake = FakeModel::start().await.unwrap();
     let (adapters, _) = memory_adapters();
     let yaml = realtime_config(&fake.url(), "{}\n    limits: {requests_per_minute: 5}", "");

@@ -4,16 +4,13 @@
 //! the audit read from the memory sink.
 #![cfg(test)]
 
-use std::time::Duration;
-
 use fake_mcp::FakeMcp;
 use flexway::audit::{AuditRecord, Timestamp};
 use flexway::call::Operation;
+use flexway_testkit::realtime::{Session, next_event, one_response};
 use flexway_testkit::*;
 use futures_util::future::join_all;
-use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
-use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 /// Tenants `acme` (agent `bot` bound to AGENT_KEY, agent `helper`, the unbound KEY)
@@ -181,7 +178,7 @@ impl Runs {
             "protocolVersion": MCP_VERSION, "capabilities": {}, "clientInfo": {"name": "runs", "version": "1"}}});
         let response = self.mcp_post(None, None, &init).await;
         let session = response.headers()["mcp-session-id"].to_str().unwrap().to_owned();
-        assert!(json_rpc(response).await.get("result").is_some());
+        assert!(json_rpc_answer(response).await.get("result").is_some());
         let initialized = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
         assert!(self.mcp_post(Some(&session), None, &initialized).await.status().is_success());
         session
@@ -191,7 +188,7 @@ impl Runs {
     async fn tool_in(&self, session: &str, id: &str, tool: &str, arguments: Value) -> Value {
         let call = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
             "params": {"name": tool, "arguments": arguments}});
-        json_rpc(self.mcp_post(Some(session), Some(id), &call).await).await
+        json_rpc_answer(self.mcp_post(Some(session), Some(id), &call).await).await
     }
 
     async fn mcp_post(&self, session: Option<&str>, run: Option<&str>, body: &Value) -> reqwest::Response {
@@ -212,42 +209,6 @@ impl Runs {
 }
 
 const MCP_VERSION: &str = "2025-11-25";
-
-/// The JSON-RPC answer in an MCP response: its JSON body, or the SSE event that
-/// carries a message with an `id`.
-async fn json_rpc(response: reqwest::Response) -> Value {
-    let status = response.status();
-    let text = response.text().await.unwrap();
-    assert_eq!(status, 200, "{text}");
-    if let Ok(value) = serde_json::from_str::<Value>(&text) {
-        return value;
-    }
-    text.lines()
-        .filter_map(|line| line.strip_prefix("data:"))
-        .filter_map(|data| serde_json::from_str::<Value>(data.trim()).ok())
-        .find(|message| message.get("id").is_some())
-        .unwrap_or_else(|| panic!("no JSON-RPC answer in {text}"))
-}
-
-type Session = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
-
-/// A realtime session's next text event, as JSON.
-async fn next_event(session: &mut Session) -> Value {
-    loop {
-        let message = tokio::time::timeout(Duration::from_secs(10), session.next()).await.unwrap().unwrap().unwrap();
-        match message {
-            Message::Text(text) => return serde_json::from_str(text.as_str()).unwrap(),
-            Message::Close(frame) => panic!("closed: {frame:?}"),
-            _ => continue,
-        }
-    }
-}
-
-/// Sends `response.create` and reads up to its `response.done`.
-async fn one_response(session: &mut Session) {
-    session.send(Message::text(json!({"type": "response.create"}).to_string())).await.unwrap();
-    while next_event(session).await["type"] != "response.done" {}
-}
 
 /// `flexway report --by run --format json` over `records` (written to an audit file):
 /// run `id`'s row of locally billed calls.
@@ -372,8 +333,8 @@ async fn a_runs_get_matches_the_audits_total_for_it(store: Store) {
 
     // One session, two responses: one call of the run, two requests.
     let mut session = runs.session_in(id).await;
-    one_response(&mut session).await;
-    one_response(&mut session).await;
+    assert_eq!(one_response(&mut session).await["type"], "response.done");
+    assert_eq!(one_response(&mut session).await["type"], "response.done");
     session.close(None).await.unwrap();
     // A tool of no price, served: a call at 0 €; a tool with no result: refunded.
     let mcp = runs.mcp_session().await;

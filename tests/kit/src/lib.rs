@@ -18,6 +18,7 @@ pub mod golden;
 pub mod iam;
 pub mod logs;
 pub mod postgres;
+pub mod realtime;
 pub mod template;
 
 use std::io::{BufRead, BufReader};
@@ -291,10 +292,31 @@ pub fn client() -> reqwest::Client {
 /// Waits, if needed, until the current UTC minute has at least 40 s left: the calls of
 /// a test then count in one per-minute window.
 pub async fn early_in_a_minute() {
+    with_seconds_left_in_the_minute(40).await;
+}
+
+/// Waits, if needed, until the current UTC minute has at least `seconds` left.
+pub async fn with_seconds_left_in_the_minute(seconds: u64) {
     let second = flexway::budget::period::unix_now() % 60;
-    if second > 20 {
+    if second > 60 - seconds {
         tokio::time::sleep(Duration::from_secs(60 - second)).await;
     }
+}
+
+/// The JSON-RPC answer in an MCP response, which must be a 200: its JSON body, or the
+/// SSE event that carries a message with an `id`.
+pub async fn json_rpc_answer(response: reqwest::Response) -> serde_json::Value {
+    let status = response.status();
+    let text = response.text().await.unwrap();
+    assert_eq!(status, 200, "{text}");
+    if let Ok(value) = serde_json::from_str::<serde_json::Value>(&text) {
+        return value;
+    }
+    text.lines()
+        .filter_map(|line| line.strip_prefix("data:"))
+        .filter_map(|data| serde_json::from_str::<serde_json::Value>(data.trim()).ok())
+        .find(|message| message.get("id").is_some())
+        .unwrap_or_else(|| panic!("no JSON-RPC answer in {text}"))
 }
 
 /// A header the answer must carry, as text.
