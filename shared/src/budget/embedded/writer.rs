@@ -412,6 +412,18 @@ mod tests {
         assert!(replayed.reservations.is_empty());
     }
 
+    /// A new ledger file in `dir`, loaded, and a writer whose journal is /dev/null,
+    /// which takes writes and refuses `fdatasync`.
+    #[cfg(target_os = "linux")]
+    fn failing_fsync(dir: &std::path::Path, sync: LedgerSync) -> (RwLock<Ledger>, Writer) {
+        let db = Database::create(dir.join("ledger.redb")).unwrap();
+        let ledger = RwLock::new(Ledger::load(&db).unwrap());
+        let file = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null").unwrap();
+        let journal =
+            Journal { file, path: "/dev/null".into(), epoch: 0, len: 0, lines: 0, failed: false, unsynced: false };
+        (ledger, Writer { journal, db, sync })
+    }
+
     /// A journal whose fsync fails (/dev/null takes writes and refuses `fdatasync`): a
     /// batch's settlement is answered at the write, its reservation once a checkpoint put
     /// the whole ledger in the file, and so on for the next batch, whose fsync fails too.
@@ -419,12 +431,7 @@ mod tests {
     #[tokio::test]
     async fn a_failed_fsync_is_made_good_by_a_checkpoint() {
         let dir = tempfile::tempdir().unwrap();
-        let db = Database::create(dir.path().join("ledger.redb")).unwrap();
-        let ledger = RwLock::new(Ledger::load(&db).unwrap());
-        let file = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null").unwrap();
-        let journal =
-            Journal { file, path: "/dev/null".into(), epoch: 0, len: 0, lines: 0, failed: false, unsynced: false };
-        let mut writer = Writer { journal, db, sync: LedgerSync::Reservation };
+        let (ledger, mut writer) = failing_fsync(dir.path(), LedgerSync::Reservation);
         let syncs = AtomicU64::new(0);
 
         let (r1, mut a1) = reserve("r1", 80, 100);
@@ -455,13 +462,9 @@ mod tests {
     #[tokio::test]
     async fn with_sync_interval_a_failed_fsync_is_made_good_by_a_checkpoint() {
         let dir = tempfile::tempdir().unwrap();
-        let db = Database::create(dir.path().join("ledger.redb")).unwrap();
-        let ledger = RwLock::new(Ledger::load(&db).unwrap());
-        let file = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null").unwrap();
-        let handle = file.try_clone().unwrap();
-        let journal =
-            Journal { file, path: "/dev/null".into(), epoch: 0, len: 0, lines: 0, failed: false, unsynced: false };
-        let writer = Mutex::new(Writer { journal, db, sync: LedgerSync::Interval });
+        let (ledger, writer) = failing_fsync(dir.path(), LedgerSync::Interval);
+        let handle = writer.journal.file.try_clone().unwrap();
+        let writer = Mutex::new(writer);
         let syncs = AtomicU64::new(0);
 
         let (r1, mut a1) = reserve("r1", 80, 100);
