@@ -73,7 +73,9 @@ async fn handshake(target: &Target, connector: &TlsConnector, tls_target: &TlsTa
 impl Conn {
     /// Whether an idle connection can carry a request: nothing to read on it (an
     /// end-of-file, a reset, or bytes it should not have sent all rule it out). Costs
-    /// no system call unless the socket was last seen readable.
+    /// no system call unless the runtime saw the socket readable since its answer was
+    /// read (an end-of-file that came while it waited in the pool), as hyper's own
+    /// pool tells a closed connection.
     pub(super) fn still_open(&mut self) -> bool {
         let read = match self {
             Conn::Tcp(stream) => stream.try_read(&mut [0u8; 1]),
@@ -119,9 +121,13 @@ impl Conn {
             if buf.capacity() - buf.len() < READ / 4 {
                 buf.reserve(READ);
             }
-            match stream.try_read_buf(buf) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                read => return Poll::Ready(read),
+            // tokio's own read, not `try_read_buf`: a read that leaves room in `buf`
+            // drained the socket, and tokio then forgets its readiness (epoll tells of
+            // the next bytes), so the pool's check of this connection before its next
+            // call costs no system call.
+            match tokio_util::io::poll_read_buf(Pin::new(&mut *stream), cx, buf) {
+                Poll::Pending => continue,
+                read => return read,
             }
         }
     }
