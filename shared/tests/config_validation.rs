@@ -1791,3 +1791,47 @@ fn reads_a_usage_api_for_reconcile_and_keeps_its_key_from_the_gateway() {
         .set("ai.backends.pool", "{kind: pool, members: [{backend: main}], usage_api: {kind: openai, secret: env:K}}")
         .refused("ai.backends.pool.usage_api", "");
 }
+
+#[test]
+fn refuses_a_timeout_or_breaker_on_a_pool_whose_calls_go_to_its_members() {
+    let errors = doc()
+        .set(
+            "ai.backends.pool",
+            "{kind: pool, members: [{backend: main}], timeout: 1ms, circuit_breaker: {failures: 1, trip: 1h}}",
+        )
+        .errors();
+    assert_eq!(errors.len(), 2, "{errors:#?}");
+    for key in ["timeout", "circuit_breaker"] {
+        assert_error(&errors, &format!("ai.backends.pool.{key}"), "does not apply to a pool backend");
+    }
+    // A member keeps its own.
+    doc()
+        .set("ai.backends.main.timeout", "5s")
+        .set("ai.backends.pool", "{kind: pool, members: [{backend: main}]}")
+        .loads();
+}
+
+#[test]
+fn refuses_a_price_where_nothing_reads_it() {
+    doc()
+        .set(
+            "ai.backends.pool",
+            "{kind: pool, members: [{backend: main}], price: {input_per_mtok_eur: 1, output_per_mtok_eur: 1}}",
+        )
+        .refused("ai.backends.pool.price", "a pool has no price");
+    doc()
+        .set(
+            "ai.backends.ocr",
+            "{kind: grpc, url: 'http://10.0.0.9:50051', descriptor_set: x.binpb, \
+             price: {input_per_mtok_eur: 1, output_per_mtok_eur: 1}}",
+        )
+        .refused("ai.backends.ocr.price", "a grpc backend has no price");
+}
+
+#[test]
+fn refuses_cache_off_where_no_cache_is_declared() {
+    let refused = doc().set("tenants.acme.cache", "off").errors();
+    assert_error(&refused, "tenants.acme.cache", "there is no `ai.cache` section");
+    let refused = doc().set("tenants.acme.agents", "{bot: {cache: off}}").errors();
+    assert_error(&refused, "tenants.acme.agents.bot.cache", "there is no `ai.cache` section");
+}

@@ -312,7 +312,8 @@ pub struct RawTenant {
     /// restriction.
     pub residency: Option<Vec<String>>,
     /// `off`: this tenant's calls (its agents' too) neither read nor write the
-    /// response cache (`ai.cache`). Absent: the cache's policies apply.
+    /// response cache (`ai.cache`, which must be declared). Absent: the cache's
+    /// policies apply.
     pub cache: Option<RawCacheSwitch>,
     /// The MCP servers and tools this tenant's callers may use (within `mcp`).
     /// Absent: all of them.
@@ -399,7 +400,7 @@ pub struct RawAgent {
     /// tenant's `residency` (both apply).
     pub residency: Option<Vec<String>>,
     /// `off`: this agent's calls neither read nor write the response cache (a
-    /// tenant's `off` holds for its agents too).
+    /// tenant's `off` holds for its agents too; `ai.cache` must be declared).
     pub cache: Option<RawCacheSwitch>,
     /// The MCP servers and tools this agent's calls may use, within its tenant's
     /// (both apply).
@@ -702,7 +703,8 @@ pub struct RawBackend {
     pub auth: Option<RawAuth>,
     /// Client certificate (mTLS) and extra CA; for an https:// (or grpcs://) url only.
     pub tls: Option<RawTls>,
-    /// Price in euros per million tokens. Default 0.
+    /// Price in euros per million tokens. Default 0. Not on a `pool`, `grpc` or `http`
+    /// backend, priced by its members, its descriptor set or its contract.
     pub price: Option<RawPrice>,
     /// Model names served as requested.
     pub models: Option<Vec<String>>,
@@ -718,9 +720,11 @@ pub struct RawBackend {
     pub external: Option<bool>,
     /// Backends tried in order when this one fails before the first byte.
     pub fallback: Option<Vec<String>>,
-    /// Time allowed to one call, e.g. `60s` (the default).
+    /// Time allowed to one call, e.g. `60s` (the default). Not on a `pool`: its
+    /// members' apply.
     pub timeout: Option<RawDuration>,
-    /// When to stop sending to this backend for a while.
+    /// When to stop sending to this backend for a while. Not on a `pool`: its members
+    /// have their own.
     pub circuit_breaker: Option<RawBreaker>,
     /// Members of a `pool`; of an `inference_pool`, the backends used as a plain pool
     /// when its picker cannot answer and `failure_mode` is `fail_open`.

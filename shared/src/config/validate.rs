@@ -73,10 +73,12 @@ pub(super) fn validate(
     check.loads(&backends);
     // A cache whose entries lost a value is not judged against what names its policies.
     let cache_in_doubt = unparsed.covers("ai.cache");
+    // `cache: off` where no cache is declared would do nothing: refused.
+    let cache_declared = cache_in_doubt || ai.cache.is_some();
     let ai = check.ai(ai, &catalog, backends, cache_in_doubt);
     // A section whose entries lost a value is not judged against what names its servers.
     let mcp_declared = McpDeclared::of(mcp.as_ref(), ai.as_ref(), unparsed.covers("mcp"));
-    let tenants = check.tenants(tenants.unwrap_or_default(), &catalog, &mcp_declared);
+    let tenants = check.tenants(tenants.unwrap_or_default(), &catalog, &mcp_declared, cache_declared);
     let hash_salt = audit.as_ref().is_some_and(|audit| audit.hash_salt.is_some());
     let mcp_written = mcp.is_some();
     let mcp = mcp.and_then(|raw| check.mcp(raw, ai.as_ref(), hash_salt));

@@ -63,6 +63,16 @@ const JURISDICTION_KINDS: &[RawBackendKind] = &[
     RawBackendKind::InferencePool,
 ];
 const POOL_KINDS: &[RawBackendKind] = &[RawBackendKind::Pool, RawBackendKind::InferencePool];
+/// The kinds a call is sent to under their own name, so with their own timeout and
+/// breaker: all but a pool, whose calls go to its members under theirs.
+const TRIED_KINDS: &[RawBackendKind] = &[
+    RawBackendKind::Openai,
+    RawBackendKind::Anthropic,
+    RawBackendKind::Relay,
+    RawBackendKind::Grpc,
+    RawBackendKind::Http,
+    RawBackendKind::InferencePool,
+];
 
 fn kind_list(kinds: &[RawBackendKind]) -> String {
     kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")
@@ -267,24 +277,28 @@ impl Checker<'_> {
         Some(UsageApi { kind, secret: secret?, url })
     }
 
-    /// The price of an endpoint; pools and gRPC backends are priced elsewhere.
+    /// The price of an endpoint; pools, gRPC and REST backends are priced elsewhere, and
+    /// a `price` on them, which nothing would read, is refused.
     fn backend_price(&mut self, path: &str, name: &str, kind: RawBackendKind, price: Option<RawPrice>) -> Price {
         let price_path = format!("{path}.price");
         match (kind, price) {
             (RawBackendKind::Pool, Some(_)) => {
-                self.warn(price_path, "not used: a call through a pool is priced at the member that served it");
+                self.error(price_path, "a pool has no price: a call through it is priced at the member that served it");
                 Price::default()
             }
             (RawBackendKind::Grpc, Some(_)) => {
-                self.warn(
+                self.error(
                     price_path,
-                    "not used: gRPC methods are priced by their (flexway.v1.operation) option \
-                     in the descriptor_set",
+                    "a grpc backend has no price: its methods are priced by their (flexway.v1.operation) \
+                     option in the descriptor_set",
                 );
                 Price::default()
             }
             (RawBackendKind::Http, Some(_)) => {
-                self.warn(price_path, "not used: REST operations are priced by their x-flexway-ai in the contract");
+                self.error(
+                    price_path,
+                    "an http backend has no price: its operations are priced by their x-flexway-ai in the contract",
+                );
                 Price::default()
             }
             (_, Some(price)) => self.price(&price_path, price),
@@ -304,7 +318,7 @@ impl Checker<'_> {
 
     /// Keys that belong to other kinds of backend are refused, naming the kind.
     fn refuse_foreign_keys(&mut self, path: &str, kind: RawBackendKind, raw: &RawBackend) {
-        let keys: [(&str, bool, &[RawBackendKind]); 24] = [
+        let keys: [(&str, bool, &[RawBackendKind]); 26] = [
             ("url", raw.url.is_some(), ENDPOINT_KINDS),
             ("auth", raw.auth.is_some(), AUTH_KINDS),
             ("tls", raw.tls.is_some(), TLS_KINDS),
@@ -329,6 +343,8 @@ impl Checker<'_> {
             ("usage_api", raw.usage_api.is_some(), &[RawBackendKind::Openai, RawBackendKind::Anthropic]),
             ("jurisdiction", raw.jurisdiction.is_some(), JURISDICTION_KINDS),
             ("quota", raw.quota.is_some(), CHAT_KINDS),
+            ("timeout", raw.timeout.is_some(), TRIED_KINDS),
+            ("circuit_breaker", raw.circuit_breaker.is_some(), TRIED_KINDS),
         ];
         let here = kind.a_backend();
         for (key, present, kinds) in keys {

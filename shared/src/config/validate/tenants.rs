@@ -17,6 +17,7 @@ impl Checker<'_> {
         raw: BTreeMap<String, RawTenant>,
         catalog: &Catalog,
         mcp: &McpDeclared,
+        cache_declared: bool,
     ) -> BTreeMap<TenantId, Tenant> {
         let relay_peer_declared =
             raw.values().flat_map(|t| t.keys.iter().flatten()).any(|k| k.relay_peer == Some(true));
@@ -32,7 +33,7 @@ impl Checker<'_> {
                 .into_iter()
                 .map(|(agent, raw)| {
                     let agent_path = format!("{path}.agents.{agent}");
-                    (AgentId::new(&agent), self.agent(&agent_path, raw, catalog, mcp))
+                    (AgentId::new(&agent), self.agent(&agent_path, raw, catalog, mcp, cache_declared))
                 })
                 .collect();
 
@@ -57,7 +58,7 @@ impl Checker<'_> {
             let id = TenantId::new(&name);
             let max_criticality = criticality(max_criticality);
             let residency = residency.and_then(|list| self.residency(&format!("{path}.residency"), list));
-            let cache_off = cache == Some(RawCacheSwitch::Off);
+            let cache_off = self.cache_switch(&format!("{path}.cache"), cache, cache_declared);
             let narrowing = self.mcp_narrowing(&format!("{path}.mcp"), narrowing, mcp);
             self.agents_within_servers(&path, &narrowing, &agents);
             // An agent is held to its tenant's limits too: its own are narrowed here,
@@ -143,7 +144,24 @@ impl Checker<'_> {
         Some(ConsoleConfig { keys })
     }
 
-    fn agent(&mut self, path: &str, raw: RawAgent, catalog: &Catalog, mcp: &McpDeclared) -> Agent {
+    /// Whether `cache: off` is set; refused where no `ai.cache` is declared, which it
+    /// could not change.
+    fn cache_switch(&mut self, path: &str, raw: Option<RawCacheSwitch>, cache_declared: bool) -> bool {
+        let off = raw == Some(RawCacheSwitch::Off);
+        if off && !cache_declared {
+            self.error(path, "there is no `ai.cache` section, so nothing is cached: declare ai.cache, or remove this");
+        }
+        off
+    }
+
+    fn agent(
+        &mut self,
+        path: &str,
+        raw: RawAgent,
+        catalog: &Catalog,
+        mcp: &McpDeclared,
+        cache_declared: bool,
+    ) -> Agent {
         let backend = raw.backend.and_then(|b| {
             self.route_target(&format!("{path}.backend"), &b, catalog, "an agent's backend").map(|(id, _)| id)
         });
@@ -155,7 +173,7 @@ impl Checker<'_> {
             limits: self.rates(&format!("{path}.limits"), raw.limits),
             max_criticality,
             residency,
-            cache_off: raw.cache == Some(RawCacheSwitch::Off),
+            cache_off: self.cache_switch(&format!("{path}.cache"), raw.cache, cache_declared),
             mcp: self.mcp_narrowing(&format!("{path}.mcp"), raw.mcp, mcp),
         }
     }
