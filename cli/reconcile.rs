@@ -122,12 +122,8 @@ pub fn run(mut args: ReconcileArgs) -> ExitCode {
     for backend in result.backends.iter().filter(|b| b.growing) {
         eprintln!("warning: {}: the drift grew from one day to the next over the last days", backend.backend);
     }
-    if let Some(url) = &args.push {
-        if let Err(error) = runtime.block_on(fetch::push(url, reconcile::to_prometheus(&result))) {
-            return failure(&format!("--push {error}"));
-        }
-        eprintln!("pushed the drift of {} backend(s) to {url}", result.backends.len());
-    }
+    // Listed before the push, whose failure ends the command: every unreadable line is
+    // named whatever happens to the push.
     let unreadable: Vec<String> = unreadable
         .iter()
         .map(|line| format!("audit: {line}"))
@@ -135,6 +131,12 @@ pub fn run(mut args: ReconcileArgs) -> ExitCode {
         .collect();
     for line in &unreadable {
         eprintln!("unreadable: {line}");
+    }
+    if let Some(url) = &args.push {
+        if let Err(error) = runtime.block_on(fetch::push(url, reconcile::to_prometheus(&result))) {
+            return failure(&format!("--push {error}"));
+        }
+        eprintln!("pushed the drift of {} backend(s) to {url}", result.backends.len());
     }
     if unreadable.is_empty() {
         ExitCode::SUCCESS
