@@ -271,13 +271,15 @@ async fn the_typescript_sdk_lists_and_calls_tools_and_its_session_continues_on_a
     assert!(session.bytes().all(|b| (0x21..=0x7e).contains(&b)), "visible ASCII: {session}");
 
     // The session, sealed by the first process, continued on the second: no initialize.
+    // `--session=ID` in one argument: an id may begin with `-`, which node's parseArgs
+    // would take for an option after a separate `--session`.
+    let session_arg = format!("--session={session}");
     let continued = ts(&[
         "--url",
         &mcp_url(&second),
         "--key",
         KEY,
-        "--session",
-        session,
+        &session_arg,
         "--protocol-version",
         version,
         "--call",
