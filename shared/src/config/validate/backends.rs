@@ -53,18 +53,10 @@ const ENDPOINT_KINDS: &[RawBackendKind] = &[
     RawBackendKind::Grpc,
     RawBackendKind::Http,
 ];
-/// The kinds that process data somewhere: every one but `pool`.
-const JURISDICTION_KINDS: &[RawBackendKind] = &[
-    RawBackendKind::Openai,
-    RawBackendKind::Anthropic,
-    RawBackendKind::Relay,
-    RawBackendKind::Grpc,
-    RawBackendKind::Http,
-    RawBackendKind::InferencePool,
-];
 const POOL_KINDS: &[RawBackendKind] = &[RawBackendKind::Pool, RawBackendKind::InferencePool];
-/// The kinds a call is sent to under their own name, so with their own timeout and
-/// breaker: all but a pool, whose calls go to its members under theirs.
+/// Every kind but `pool`: the kinds a call is sent to under their own name, so that
+/// process data somewhere (a jurisdiction) and have their own timeout and breaker; a
+/// pool's calls go to its members, under theirs.
 const TRIED_KINDS: &[RawBackendKind] = &[
     RawBackendKind::Openai,
     RawBackendKind::Anthropic,
@@ -341,7 +333,7 @@ impl Checker<'_> {
             ("saturation", raw.saturation.is_some(), &[RawBackendKind::Pool]),
             ("load", raw.load.is_some(), HTTP_KINDS),
             ("usage_api", raw.usage_api.is_some(), &[RawBackendKind::Openai, RawBackendKind::Anthropic]),
-            ("jurisdiction", raw.jurisdiction.is_some(), JURISDICTION_KINDS),
+            ("jurisdiction", raw.jurisdiction.is_some(), TRIED_KINDS),
             ("quota", raw.quota.is_some(), CHAT_KINDS),
             ("timeout", raw.timeout.is_some(), TRIED_KINDS),
             ("circuit_breaker", raw.circuit_breaker.is_some(), TRIED_KINDS),
