@@ -54,20 +54,8 @@ fn prompt(stream: bool) -> Value {
         "messages": [{"role": "user", "content": format!("tell me {CANARY_PROMPT} please")}]})
 }
 
-fn records(gw: &Flexway) -> Vec<AuditRecord> {
-    let text = std::fs::read_to_string(gw.dir.path().join("audit.jsonl")).unwrap_or_default();
-    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
-}
-
 async fn wait_for_records(gw: &Flexway, n: usize) -> Vec<AuditRecord> {
-    for _ in 0..200 {
-        let got = records(gw);
-        if got.len() >= n {
-            return got;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    panic!("only {} audit records", records(gw).len());
+    gw.file_records_until("audit.jsonl", n, 200).await
 }
 
 fn request_id(r: &reqwest::Response) -> String {

@@ -22,21 +22,6 @@ fn demo_config(model: &FakeModel) -> String {
     yaml.replace(DEMO_UPSTREAM, &model.url()).replace(DEMO_SALT, &format!("\"file:{root}/config/demo-salt\""))
 }
 
-/// The audit file the demo writes (`./flexway-audit.jsonl`), once it holds `n` records.
-async fn audit_until(gateway: &Flexway, n: usize) -> Vec<AuditRecord> {
-    let path = gateway.dir.path().join("flexway-audit.jsonl");
-    for _ in 0..1000 {
-        let text = std::fs::read_to_string(&path).unwrap_or_default();
-        // A line being written does not parse yet.
-        let records: Vec<AuditRecord> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
-        if records.len() >= n {
-            return records;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    panic!("fewer than {n} records in {}:\n{}", path.display(), gateway.logs());
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_readme_calls_answer_from_the_demo_and_land_in_its_audit() {
     let model = FakeModel::start().await.unwrap();
@@ -106,7 +91,7 @@ async fn the_readme_calls_answer_from_the_demo_and_land_in_its_audit() {
 
     // One record per call, the models list aside (a streamed call's is written as its
     // relay ends, so the file's order is not the calls').
-    let records = audit_until(&gateway, 5).await;
+    let records: Vec<AuditRecord> = gateway.file_records_until("flexway-audit.jsonl", 5, 1000).await;
     let mut operations: Vec<&str> = records.iter().map(|r| r.operation.as_str()).collect();
     operations.sort_unstable();
     assert_eq!(operations, ["chat", "chat", "embeddings", "messages", "responses"], "{records:?}");

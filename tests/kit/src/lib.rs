@@ -164,6 +164,26 @@ impl Flexway {
         panic!("fewer than {n} audit records: {:?}\n{}", self.stdout(), self.logs());
     }
 
+    /// The records of a `file` audit sink at `path` (relative to the gateway's directory)
+    /// once it holds at least `n` whole lines, each of which must read as `T`, waiting
+    /// `tries` times 10 ms at most.
+    pub async fn file_records_until<T: serde::de::DeserializeOwned>(&self, path: &str, n: usize, tries: u32) -> Vec<T> {
+        let file = self.dir.path().join(path);
+        let whole = || {
+            let text = std::fs::read_to_string(&file).unwrap_or_default();
+            // A line still being written has no newline yet.
+            text[..text.rfind('\n').map_or(0, |end| end + 1)].to_owned()
+        };
+        for _ in 0..tries {
+            let text = whole();
+            if text.lines().count() >= n {
+                return text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("fewer than {n} audit records in {}:\n{}\n{}", file.display(), whole(), self.logs());
+    }
+
     /// The sha256 of the configuration `/healthz` says is served.
     pub async fn served_sha(&self) -> String {
         let health: serde_json::Value =
