@@ -246,6 +246,16 @@ fn unreadable_lines_on_either_side_are_listed_and_the_run_exits_3() {
     );
     assert!(run.stderr.contains("2 unreadable line(s)"), "{}", run.stderr);
     assert_eq!(run.json()["rows"].as_array().unwrap().len(), 2, "the readable rest is reconciled");
+
+    // A push that fails ends the run, and the unreadable lines are still named first.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let nowhere = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let args = ["reconcile", "--audit", &audit, "--provider-usage", &usage, "--format", "json", "--push", &nowhere];
+    let run = flexway(&args);
+    assert_ne!(run.code, 0, "{}", run.stderr);
+    assert!(run.stderr.contains("--push"), "{}", run.stderr);
+    assert!(run.stderr.contains("audit.jsonl: line 4") && run.stderr.contains("usage.csv: line 3"), "{}", run.stderr);
 }
 
 #[test]
